@@ -1,0 +1,759 @@
+//! Configuration: route ids, presets, component kinds, route options and their validation
+//! ([`RouteSpec`]), budgets, and the [`Settings`] a pipeline is offloaded with.
+//!
+//! Parsing is strict: an unknown name or a contradictory combination is a typed error with
+//! a hint, never a silent default.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{CoreError, Result};
+
+/// The routes DDO implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RouteId {
+    /// `none`: resident; weights moved to the device once and kept.
+    Resident,
+    /// `diffusers_group_offload`: leaf- or block-level groups, with or without a copy stream.
+    DiffusersGroupOffload,
+    /// `linear_convolution`: eager CPU offload of each leaf, optional pinned weights.
+    LinearConvolution,
+    /// `native_vmm`: weights in a pool on CUDA virtual memory, with a budget.
+    NativeVmm,
+}
+
+impl RouteId {
+    /// Every route, once.
+    pub const ALL: [RouteId; 4] = [
+        RouteId::Resident,
+        RouteId::DiffusersGroupOffload,
+        RouteId::LinearConvolution,
+        RouteId::NativeVmm,
+    ];
+
+    /// The route's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RouteId::Resident => "none",
+            RouteId::DiffusersGroupOffload => "diffusers_group_offload",
+            RouteId::LinearConvolution => "linear_convolution",
+            RouteId::NativeVmm => "native_vmm",
+        }
+    }
+}
+
+impl fmt::Display for RouteId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RouteId {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        RouteId::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| CoreError::UnknownRoute {
+                name: s.to_string(),
+                valid: RouteId::ALL.map(RouteId::as_str).join(", "),
+            })
+    }
+}
+
+/// A named bundle of route choices per component.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Preset {
+    /// Resolves to `one_shot_fast`.
+    #[default]
+    Auto,
+    /// One generation, as fast as possible within memory.
+    OneShotFast,
+    /// Least host RAM.
+    LowRamSafe,
+    /// The native VMM route for the transformer (needs the native allocator bootstrap).
+    VmmFast,
+    /// A long-lived process that keeps weights warm.
+    WarmProcess,
+    /// WSL: pinned memory is scarce.
+    WslCompat,
+    /// The historical staged-host baseline.
+    NvmeBaseline,
+    /// DDO leaves components unmanaged.
+    Off,
+}
+
+impl Preset {
+    /// Every preset, once.
+    pub const ALL: [Preset; 8] = [
+        Preset::Auto,
+        Preset::OneShotFast,
+        Preset::LowRamSafe,
+        Preset::VmmFast,
+        Preset::WarmProcess,
+        Preset::WslCompat,
+        Preset::NvmeBaseline,
+        Preset::Off,
+    ];
+
+    /// The preset's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Preset::Auto => "auto",
+            Preset::OneShotFast => "one_shot_fast",
+            Preset::LowRamSafe => "low_ram_safe",
+            Preset::VmmFast => "vmm_fast",
+            Preset::WarmProcess => "warm_process",
+            Preset::WslCompat => "wsl_compat",
+            Preset::NvmeBaseline => "nvme_baseline",
+            Preset::Off => "off",
+        }
+    }
+
+    /// `auto` resolves to `one_shot_fast`; every other preset is itself.
+    pub const fn resolved(self) -> Preset {
+        match self {
+            Preset::Auto => Preset::OneShotFast,
+            p => p,
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        Preset::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| CoreError::UnknownPreset {
+                name: s.to_string(),
+                valid: Preset::ALL.map(Preset::as_str).join(", "),
+            })
+    }
+}
+
+/// Which policy row a component follows, decided by its name only (never by class).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ComponentKind {
+    /// The component named `vae`.
+    Vae,
+    /// The component named `transformer` (or `unet`): the denoiser.
+    Transformer,
+    /// A component named `text_encoder`, `text_encoder_2`, ...
+    TextEncoder,
+    /// Any other name.
+    Other(String),
+}
+
+impl ComponentKind {
+    /// The kind for a component name.
+    pub fn from_name(name: &str) -> Self {
+        match name {
+            "vae" => ComponentKind::Vae,
+            "transformer" | "unet" => ComponentKind::Transformer,
+            n if n == "text_encoder"
+                || n.strip_prefix("text_encoder_").is_some_and(|rest| {
+                    !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit())
+                }) =>
+            {
+                ComponentKind::TextEncoder
+            }
+            other => ComponentKind::Other(other.to_string()),
+        }
+    }
+}
+
+/// Diffusers' `offload_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OffloadType {
+    /// Each leaf module is a group.
+    LeafLevel,
+    /// Groups of consecutive blocks of the root's block lists.
+    BlockLevel,
+}
+
+impl OffloadType {
+    /// Diffusers' spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            OffloadType::LeafLevel => "leaf_level",
+            OffloadType::BlockLevel => "block_level",
+        }
+    }
+}
+
+impl FromStr for OffloadType {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "leaf_level" => Ok(OffloadType::LeafLevel),
+            "block_level" => Ok(OffloadType::BlockLevel),
+            _ => Err(CoreError::InvalidOption {
+                option: "offload_type".into(),
+                value: s.into(),
+                hint: "use leaf_level or block_level".into(),
+            }),
+        }
+    }
+}
+
+/// A VRAM budget for a route's resident weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Budget {
+    /// At most this many bytes.
+    Bytes(u64),
+    /// What the device has free when the route attaches, minus this margin.
+    FreeMinus(u64),
+}
+
+impl Budget {
+    /// The budget in bytes on a device with `free` bytes free.
+    pub fn bytes_given_free(self, free: u64) -> u64 {
+        match self {
+            Budget::Bytes(b) => b,
+            Budget::FreeMinus(margin) => free.saturating_sub(margin),
+        }
+    }
+}
+
+impl fmt::Display for Budget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Budget::Bytes(b) => write!(f, "{b}"),
+            Budget::FreeMinus(m) => write!(f, "free-{m}"),
+        }
+    }
+}
+
+impl FromStr for Budget {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        if let Some(margin) = s.strip_prefix("free-") {
+            return Ok(Budget::FreeMinus(parse_size("budget", margin)?));
+        }
+        if s == "free" {
+            return Ok(Budget::FreeMinus(0));
+        }
+        let bytes = parse_size("budget", s)?;
+        if bytes == 0 {
+            return Err(CoreError::InvalidOption {
+                option: "budget".into(),
+                value: s.into(),
+                hint: "a budget must be positive; for no resident weights use linear_convolution"
+                    .into(),
+            });
+        }
+        Ok(Budget::Bytes(bytes))
+    }
+}
+
+/// Parses a byte size: a whole number with an optional unit (`B`, `KiB`, `MiB`, `GiB`,
+/// `TiB`, or decimal `KB`, `MB`, `GB`, `TB`).
+pub fn parse_size(option: &str, text: &str) -> Result<u64> {
+    let invalid = || CoreError::InvalidOption {
+        option: option.to_string(),
+        value: text.to_string(),
+        hint:
+            "give a non-negative whole number of bytes with an optional unit, e.g. 512MiB or 8GiB"
+                .into(),
+    };
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(invalid());
+    }
+    let n: u64 = digits.parse().map_err(|_| invalid())?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        _ => return Err(invalid()),
+    };
+    n.checked_mul(mult).ok_or_else(invalid)
+}
+
+fn parse_bool(option: &str, text: &str) -> Result<bool> {
+    match text {
+        "true" | "True" | "1" | "yes" | "on" => Ok(true),
+        "false" | "False" | "0" | "no" | "off" => Ok(false),
+        _ => Err(CoreError::InvalidOption {
+            option: option.to_string(),
+            value: text.to_string(),
+            hint: "use true or false".into(),
+        }),
+    }
+}
+
+/// Route options as a caller gives them: `None` means "not given" (the route's default
+/// applies). Which options a route accepts is checked by its preflight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct RouteOptions {
+    /// Diffusers' `offload_type`.
+    pub offload_type: Option<OffloadType>,
+    /// Diffusers' `num_blocks_per_group` (block level only).
+    pub num_blocks_per_group: Option<usize>,
+    /// Prefetch the next group on a copy stream.
+    pub use_stream: Option<bool>,
+    /// Free device copies in stream order instead of synchronising (needs `use_stream`).
+    pub record_stream: Option<bool>,
+    /// Pin host weights on the fly instead of keeping pinned copies.
+    pub low_cpu_mem_usage: Option<bool>,
+    /// Keep host weights in pinned memory.
+    pub pinned: Option<bool>,
+    /// VRAM budget for resident weights.
+    pub budget: Option<Budget>,
+}
+
+impl RouteOptions {
+    /// Names of the options that were given.
+    pub fn given(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.offload_type.is_some() {
+            v.push("offload_type");
+        }
+        if self.num_blocks_per_group.is_some() {
+            v.push("num_blocks_per_group");
+        }
+        if self.use_stream.is_some() {
+            v.push("use_stream");
+        }
+        if self.record_stream.is_some() {
+            v.push("record_stream");
+        }
+        if self.low_cpu_mem_usage.is_some() {
+            v.push("low_cpu_mem_usage");
+        }
+        if self.pinned.is_some() {
+            v.push("pinned");
+        }
+        if self.budget.is_some() {
+            v.push("budget");
+        }
+        v
+    }
+
+    /// Sets one option from its text form (`use_stream=true`).
+    pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        match key {
+            "offload_type" => self.offload_type = Some(value.parse()?),
+            "num_blocks_per_group" => {
+                let n: usize = value.parse().map_err(|_| CoreError::InvalidOption {
+                    option: key.into(),
+                    value: value.into(),
+                    hint: "give a positive whole number".into(),
+                })?;
+                self.num_blocks_per_group = Some(n);
+            }
+            "use_stream" => self.use_stream = Some(parse_bool(key, value)?),
+            "record_stream" => self.record_stream = Some(parse_bool(key, value)?),
+            "low_cpu_mem_usage" => self.low_cpu_mem_usage = Some(parse_bool(key, value)?),
+            "pinned" => self.pinned = Some(parse_bool(key, value)?),
+            "budget" => self.budget = Some(value.parse()?),
+            _ => {
+                return Err(CoreError::InvalidOption {
+                    option: key.into(),
+                    value: value.into(),
+                    hint: "known options: offload_type, num_blocks_per_group, use_stream, record_stream, \
+                           low_cpu_mem_usage, pinned, budget"
+                        .into(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a component is routed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouteTarget {
+    /// DDO attaches nothing and moves nothing (preset `off`).
+    Unmanaged,
+    /// One of DDO's routes.
+    Route(RouteId),
+}
+
+impl fmt::Display for RouteTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RouteTarget::Unmanaged => f.write_str("unmanaged"),
+            RouteTarget::Route(r) => f.write_str(r.as_str()),
+        }
+    }
+}
+
+/// Diffusers-style group offload settings with Diffusers' defaults applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupOffloadConfig {
+    /// Leaf or block level.
+    pub offload_type: OffloadType,
+    /// Blocks per group (block level).
+    pub num_blocks_per_group: usize,
+    /// Prefetch on a copy stream.
+    pub use_stream: bool,
+    /// Stream-ordered frees instead of a synchronisation.
+    pub record_stream: bool,
+    /// Pin on the fly instead of keeping pinned copies.
+    pub low_cpu_mem_usage: bool,
+    /// Keep pinned copies of the weights (default: with a stream, unless
+    /// `low_cpu_mem_usage`).
+    pub pinned: bool,
+}
+
+/// A validated route choice: a target plus options that do not contradict each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RouteSpec {
+    target: RouteTarget,
+    options: RouteOptions,
+}
+
+impl RouteSpec {
+    /// Validates `options` for `target`: contradictory combinations are typed errors.
+    /// Options the target's route does not accept are refused later, by its preflight.
+    pub fn new(target: RouteTarget, options: RouteOptions) -> Result<Self> {
+        let clash = |message: &str, hint: &str| CoreError::ContradictoryOptions {
+            message: message.to_string(),
+            hint: hint.to_string(),
+        };
+        let o = &options;
+        if target == RouteTarget::Unmanaged && !o.given().is_empty() {
+            return Err(clash(
+                "an unmanaged component takes no route options",
+                "pick a route, or drop the options",
+            ));
+        }
+        if o.record_stream == Some(true) && o.use_stream != Some(true) {
+            return Err(clash(
+                "record_stream=true without use_stream=true",
+                "record_stream only applies to copies on a stream: set use_stream=true or drop record_stream",
+            ));
+        }
+        if let Some(n) = o.num_blocks_per_group {
+            if n == 0 {
+                return Err(CoreError::InvalidOption {
+                    option: "num_blocks_per_group".into(),
+                    value: "0".into(),
+                    hint: "give at least 1".into(),
+                });
+            }
+            if o.offload_type != Some(OffloadType::BlockLevel) {
+                return Err(clash(
+                    "num_blocks_per_group with leaf_level offload",
+                    "num_blocks_per_group applies to offload_type=block_level only",
+                ));
+            }
+            if o.use_stream == Some(true) && n != 1 {
+                return Err(clash(
+                    "use_stream=true with num_blocks_per_group > 1",
+                    "streamed block-level offload prefetches one block at a time: set num_blocks_per_group=1 \
+                     (Diffusers would silently change it; DDO does not replace explicit options)",
+                ));
+            }
+        } else if o.offload_type == Some(OffloadType::BlockLevel) {
+            return Err(clash(
+                "offload_type=block_level without num_blocks_per_group",
+                "give num_blocks_per_group (e.g. 1), or use offload_type=leaf_level",
+            ));
+        }
+        if o.pinned == Some(true) && o.low_cpu_mem_usage == Some(true) {
+            return Err(clash(
+                "pinned=true with low_cpu_mem_usage=true",
+                "low_cpu_mem_usage pins on the fly instead of keeping pinned copies: choose one",
+            ));
+        }
+        if o.budget == Some(Budget::Bytes(0)) {
+            return Err(CoreError::InvalidOption {
+                option: "budget".into(),
+                value: "0".into(),
+                hint: "a budget must be positive".into(),
+            });
+        }
+        Ok(Self { target, options })
+    }
+
+    /// A spec for `route` with no options.
+    pub fn route(route: RouteId) -> Self {
+        Self {
+            target: RouteTarget::Route(route),
+            options: RouteOptions::default(),
+        }
+    }
+
+    /// Resident (`none`).
+    pub fn resident() -> Self {
+        Self::route(RouteId::Resident)
+    }
+
+    /// Unmanaged.
+    pub fn unmanaged() -> Self {
+        Self {
+            target: RouteTarget::Unmanaged,
+            options: RouteOptions::default(),
+        }
+    }
+
+    /// Diffusers-style leaf-level group offload.
+    pub fn leaf_group(use_stream: bool, low_cpu_mem_usage: bool) -> Self {
+        Self {
+            target: RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            options: RouteOptions {
+                offload_type: Some(OffloadType::LeafLevel),
+                use_stream: Some(use_stream),
+                low_cpu_mem_usage: Some(low_cpu_mem_usage),
+                ..RouteOptions::default()
+            },
+        }
+    }
+
+    /// The target.
+    pub fn target(&self) -> RouteTarget {
+        self.target
+    }
+
+    /// The route, unless unmanaged.
+    pub fn route_id(&self) -> Option<RouteId> {
+        match self.target {
+            RouteTarget::Route(r) => Some(r),
+            RouteTarget::Unmanaged => None,
+        }
+    }
+
+    /// The options as given.
+    pub fn options(&self) -> &RouteOptions {
+        &self.options
+    }
+
+    /// Group offload settings with Diffusers' defaults (leaf level, no stream).
+    pub fn group_offload_config(&self) -> GroupOffloadConfig {
+        let o = &self.options;
+        let use_stream = o.use_stream.unwrap_or(false);
+        let low_cpu_mem_usage = o.low_cpu_mem_usage.unwrap_or(false);
+        GroupOffloadConfig {
+            offload_type: o.offload_type.unwrap_or(OffloadType::LeafLevel),
+            num_blocks_per_group: o.num_blocks_per_group.unwrap_or(1),
+            use_stream,
+            record_stream: o.record_stream.unwrap_or(false),
+            low_cpu_mem_usage,
+            pinned: o.pinned.unwrap_or(use_stream && !low_cpu_mem_usage),
+        }
+    }
+
+    /// The spec in words (`diffusers_group_offload leaf_level use_stream=false`).
+    pub fn describe(&self) -> String {
+        let mut s = self.target.to_string();
+        let o = &self.options;
+        if let Some(t) = o.offload_type {
+            s.push_str(&format!(" offload_type={}", t.as_str()));
+        }
+        if let Some(n) = o.num_blocks_per_group {
+            s.push_str(&format!(" num_blocks_per_group={n}"));
+        }
+        for (name, v) in [
+            ("use_stream", o.use_stream),
+            ("record_stream", o.record_stream),
+            ("low_cpu_mem_usage", o.low_cpu_mem_usage),
+            ("pinned", o.pinned),
+        ] {
+            if let Some(v) = v {
+                s.push_str(&format!(" {name}={v}"));
+            }
+        }
+        if let Some(b) = o.budget {
+            s.push_str(&format!(" budget={b}"));
+        }
+        s
+    }
+}
+
+impl FromStr for RouteSpec {
+    type Err = CoreError;
+    /// Parses `route` or `route:key=value,key=value` (e.g.
+    /// `diffusers_group_offload:offload_type=leaf_level,use_stream=false`).
+    fn from_str(s: &str) -> Result<Self> {
+        let (name, rest) = match s.split_once(':') {
+            Some((n, r)) => (n.trim(), Some(r)),
+            None => (s.trim(), None),
+        };
+        let route: RouteId = name.parse()?;
+        let mut options = RouteOptions::default();
+        for pair in rest
+            .into_iter()
+            .flat_map(|r| r.split(','))
+            .filter(|p| !p.trim().is_empty())
+        {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| CoreError::InvalidOption {
+                    option: pair.trim().into(),
+                    value: String::new(),
+                    hint: "write options as key=value, separated by commas".into(),
+                })?;
+            let key = k.trim();
+            if options.given().contains(&key) {
+                return Err(CoreError::ContradictoryOptions {
+                    message: format!("`{key}` given twice"),
+                    hint: "give each option once".into(),
+                });
+            }
+            options.set(key, v.trim())?;
+        }
+        RouteSpec::new(RouteTarget::Route(route), options)
+    }
+}
+
+/// How a pipeline is offloaded: a preset, per-component policies, and whether the
+/// environment may override defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settings {
+    /// The preset whose defaults apply where nothing more specific is given.
+    pub preset: Preset,
+    /// Routes for named components (`"vae" -> linear_convolution`); each affects only the
+    /// component it names.
+    pub component_policies: BTreeMap<String, RouteSpec>,
+    /// Whether `DDO_PRESET` and `DDO_<COMPONENT>_ROUTE` are read. With `false` the
+    /// environment is never read.
+    pub use_environment: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_valid_ones() {
+        for r in RouteId::ALL {
+            assert_eq!(r.as_str().parse::<RouteId>().unwrap(), r);
+        }
+        for p in Preset::ALL {
+            assert_eq!(p.as_str().parse::<Preset>().unwrap(), p);
+        }
+        let e = "fastest".parse::<Preset>().unwrap_err();
+        assert!(e.to_string().contains("one_shot_fast"), "{e}");
+        let e = "group".parse::<RouteId>().unwrap_err();
+        assert!(e.to_string().contains("diffusers_group_offload"), "{e}");
+    }
+
+    #[test]
+    fn component_kind_comes_from_the_name_only() {
+        assert_eq!(ComponentKind::from_name("vae"), ComponentKind::Vae);
+        assert_eq!(
+            ComponentKind::from_name("transformer"),
+            ComponentKind::Transformer
+        );
+        assert_eq!(
+            ComponentKind::from_name("text_encoder_2"),
+            ComponentKind::TextEncoder
+        );
+        assert_eq!(
+            ComponentKind::from_name("text_encoder_x"),
+            ComponentKind::Other("text_encoder_x".into())
+        );
+        assert_eq!(
+            ComponentKind::from_name("VAE"),
+            ComponentKind::Other("VAE".into())
+        );
+    }
+
+    #[test]
+    fn sizes_and_budgets_parse_strictly() {
+        assert_eq!(parse_size("b", "512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("b", "2GB").unwrap(), 2_000_000_000);
+        assert_eq!(parse_size("b", "17").unwrap(), 17);
+        for bad in [
+            "-1GiB",
+            "",
+            "GiB",
+            "1.5GiB",
+            "3 parsecs",
+            "99999999999999999999TiB",
+        ] {
+            assert!(parse_size("b", bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            "free-1GiB".parse::<Budget>().unwrap(),
+            Budget::FreeMinus(1 << 30)
+        );
+        assert!("0".parse::<Budget>().is_err());
+        assert_eq!(Budget::FreeMinus(10).bytes_given_free(4), 0);
+    }
+
+    #[test]
+    fn contradictory_options_are_typed_errors() {
+        let bad = [
+            "diffusers_group_offload:record_stream=true",
+            "diffusers_group_offload:use_stream=false,record_stream=true",
+            "diffusers_group_offload:offload_type=leaf_level,num_blocks_per_group=2",
+            "diffusers_group_offload:num_blocks_per_group=2",
+            "diffusers_group_offload:offload_type=block_level",
+            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=2,use_stream=true",
+            "diffusers_group_offload:pinned=true,low_cpu_mem_usage=true",
+            "diffusers_group_offload:use_stream=true,use_stream=false",
+        ];
+        for text in bad {
+            let e = text.parse::<RouteSpec>().unwrap_err();
+            assert!(
+                matches!(e, CoreError::ContradictoryOptions { .. }),
+                "{text}: {e}"
+            );
+        }
+        let invalid = [
+            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=0",
+            "diffusers_group_offload:use_stream=maybe",
+            "diffusers_group_offload:speed=11",
+            "native_vmm:budget=-3GiB",
+            "native_vmm:budget",
+        ];
+        for text in invalid {
+            let e = text.parse::<RouteSpec>().unwrap_err();
+            assert!(matches!(e, CoreError::InvalidOption { .. }), "{text}: {e}");
+        }
+        assert!(
+            RouteSpec::new(
+                RouteTarget::Unmanaged,
+                RouteOptions {
+                    pinned: Some(true),
+                    ..RouteOptions::default()
+                }
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn valid_specs_parse_and_apply_diffusers_defaults() {
+        let s: RouteSpec = "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,record_stream=true"
+            .parse()
+            .unwrap();
+        let c = s.group_offload_config();
+        assert_eq!(c.offload_type, OffloadType::BlockLevel);
+        assert!(c.use_stream && c.record_stream && c.pinned && !c.low_cpu_mem_usage);
+        let leaf: RouteSpec = "diffusers_group_offload".parse().unwrap();
+        let c = leaf.group_offload_config();
+        assert_eq!(c.offload_type, OffloadType::LeafLevel);
+        assert!(!c.use_stream && !c.pinned);
+        let low = RouteSpec::leaf_group(true, true).group_offload_config();
+        assert!(low.use_stream && !low.pinned);
+        assert_eq!(
+            "native_vmm:budget=8GiB"
+                .parse::<RouteSpec>()
+                .unwrap()
+                .options()
+                .budget,
+            Some(Budget::Bytes(8 << 30))
+        );
+    }
+}

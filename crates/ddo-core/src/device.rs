@@ -1,0 +1,347 @@
+//! The memory and transfer plane: the [`Device`] trait, and the backend-neutral handles it
+//! hands out ([`DeviceBuffer`], [`Stream`], [`Event`]).
+//!
+//! Routes talk to this trait only, so the same route runs on the host backend in CI and on
+//! CUDA unchanged. Backends put their own state behind the handles and get it back with
+//! `downcast_ref`; a handle from another backend is a typed error, never undefined
+//! behaviour.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{CoreError, Result};
+use crate::host::{HostBuffer, HostSlice};
+
+/// Which backend a device belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DeviceKind {
+    /// The host backend: "device" memory is host memory with a capacity.
+    Host,
+    /// An NVIDIA GPU.
+    Cuda,
+}
+
+/// A device's identity, written `host:N` or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct DeviceId {
+    /// Backend.
+    pub kind: DeviceKind,
+    /// Ordinal within the backend.
+    pub ordinal: u32,
+}
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            DeviceKind::Host => write!(f, "host:{}", self.ordinal),
+            DeviceKind::Cuda => write!(f, "cuda:{}", self.ordinal),
+        }
+    }
+}
+
+/// Which allocator serves a device's allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum AllocatorKind {
+    /// A caching allocator (PyTorch-style bins and reuse); the default.
+    Caching,
+    /// DDO's native allocator on CUDA virtual memory, installed as a bootstrap step.
+    NativeVmm,
+}
+
+impl AllocatorKind {
+    /// Short name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AllocatorKind::Caching => "caching",
+            AllocatorKind::NativeVmm => "native_vmm",
+        }
+    }
+}
+
+/// A backend's device allocation. Memory goes back to the allocator when the last
+/// [`DeviceBuffer`] handle (and every queued operation that uses it) is dropped.
+pub trait DeviceAllocation: Any + Send + Sync + fmt::Debug {
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    /// Whether the allocation is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device it lives on.
+    fn device(&self) -> DeviceId;
+    /// The backend's concrete type.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A shared handle to device memory.
+#[derive(Clone, Debug)]
+pub struct DeviceBuffer {
+    inner: Arc<dyn DeviceAllocation>,
+}
+
+impl DeviceBuffer {
+    /// Wraps a backend allocation.
+    pub fn new(inner: Arc<dyn DeviceAllocation>) -> Self {
+        Self { inner }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.is_empty()
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> DeviceId {
+        self.inner.device()
+    }
+
+    /// The backend's concrete allocation, if it is a `T`.
+    pub fn downcast_ref<T: 'static>(&self) -> Option<&T> {
+        self.inner.as_any().downcast_ref::<T>()
+    }
+
+    /// Whether two handles share one allocation.
+    pub fn same_buffer(&self, other: &DeviceBuffer) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// A view of the whole buffer.
+    pub fn slice_all(&self) -> DeviceSlice {
+        DeviceSlice {
+            buffer: self.clone(),
+            offset: 0,
+            len: self.len(),
+        }
+    }
+
+    /// A view of `offset..offset + len`.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceSlice> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(CoreError::OutOfRange {
+                what: "device slice",
+                offset,
+                len,
+                buffer_len: self.len(),
+            });
+        }
+        Ok(DeviceSlice {
+            buffer: self.clone(),
+            offset,
+            len,
+        })
+    }
+}
+
+/// A byte range of a [`DeviceBuffer`].
+#[derive(Clone, Debug)]
+pub struct DeviceSlice {
+    buffer: DeviceBuffer,
+    offset: usize,
+    len: usize,
+}
+
+impl DeviceSlice {
+    /// The buffer.
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.buffer
+    }
+
+    /// Offset into the buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A backend's stream state.
+pub trait StreamHandle: Any + Send + Sync + fmt::Debug {
+    /// The device the stream belongs to.
+    fn device(&self) -> DeviceId;
+    /// The backend's concrete type.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// An ordered queue of device work. Work on one stream runs in order; work on two streams
+/// is ordered only through events.
+#[derive(Clone, Debug)]
+pub struct Stream {
+    inner: Arc<dyn StreamHandle>,
+}
+
+impl Stream {
+    /// Wraps a backend stream.
+    pub fn new(inner: Arc<dyn StreamHandle>) -> Self {
+        Self { inner }
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceId {
+        self.inner.device()
+    }
+
+    /// The backend's concrete stream, if it is a `T`.
+    pub fn downcast_ref<T: 'static>(&self) -> Option<&T> {
+        self.inner.as_any().downcast_ref::<T>()
+    }
+
+    /// Whether two handles are one stream.
+    pub fn same_stream(&self, other: &Stream) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// A backend's event state.
+pub trait EventHandle: Any + Send + Sync + fmt::Debug {
+    /// The device the event belongs to.
+    fn device(&self) -> DeviceId;
+    /// The backend's concrete type.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A point in a stream's work, recorded once; other streams and the host can wait for it.
+#[derive(Clone, Debug)]
+pub struct Event {
+    inner: Arc<dyn EventHandle>,
+}
+
+impl Event {
+    /// Wraps a backend event.
+    pub fn new(inner: Arc<dyn EventHandle>) -> Self {
+        Self { inner }
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceId {
+        self.inner.device()
+    }
+
+    /// The backend's concrete event, if it is a `T`.
+    pub fn downcast_ref<T: 'static>(&self) -> Option<&T> {
+        self.inner.as_any().downcast_ref::<T>()
+    }
+}
+
+/// Memory figures of a device, each labelled by its source.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes in live allocations (exact allocator accounting).
+    pub allocated: u64,
+    /// Peak of `allocated` since the last [`Device::reset_peak`].
+    pub peak_allocated: u64,
+    /// Bytes the allocator holds, live or cached (exact).
+    pub reserved: u64,
+    /// Device capacity.
+    pub capacity: u64,
+    /// Free bytes according to the driver (sampled), where there is a driver.
+    pub driver_free: Option<u64>,
+    /// Total bytes according to the driver, where there is a driver.
+    pub driver_total: Option<u64>,
+    /// Pinned host bytes handed out by this device.
+    pub pinned_host: u64,
+    /// Limit on pinned host bytes.
+    pub pinned_limit: u64,
+}
+
+/// The memory and transfer plane of one execution device.
+///
+/// Copies are asynchronous with respect to the host when their host side is pinned;
+/// from pageable or mapped memory they return only when done (as CUDA does). Work on a
+/// stream runs in order; [`Device::wait_event`] orders work across streams.
+pub trait Device: Send + Sync + fmt::Debug {
+    /// The device's identity.
+    fn id(&self) -> DeviceId;
+
+    /// Which allocator serves allocations.
+    fn allocator(&self) -> AllocatorKind;
+
+    /// Allocates `bytes` of device memory (contents unspecified). Fails with
+    /// [`CoreError::OutOfMemory`] when the device cannot satisfy it.
+    fn alloc(&self, bytes: usize) -> Result<DeviceBuffer>;
+
+    /// Frees `buffer` once `stream` reaches this point (stream-ordered free): work already
+    /// queued on `stream` may still read it. Other handles to the buffer keep it alive.
+    fn release_after(&self, buffer: DeviceBuffer, stream: &Stream) -> Result<()>;
+
+    /// Allocates `bytes` of pinned host memory, counted against the pinned limit.
+    fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer>;
+
+    /// The stream compute runs on.
+    fn compute_stream(&self) -> Stream;
+
+    /// A new stream (for copies that overlap compute).
+    fn create_stream(&self) -> Result<Stream>;
+
+    /// Whether [`Device::create_stream`] gives streams that run concurrently.
+    fn supports_streams(&self) -> bool {
+        true
+    }
+
+    /// Copies `src` into `dst` on `stream`.
+    fn copy_h2d(&self, src: &HostSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()>;
+
+    /// Copies `src` into `dst` (owned host memory) on `stream`.
+    fn copy_d2h(&self, src: &DeviceSlice, dst: &HostSlice, stream: &Stream) -> Result<()>;
+
+    /// Copies between two device ranges on `stream`.
+    fn copy_d2d(&self, src: &DeviceSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()>;
+
+    /// Records an event at the current end of `stream`.
+    fn record_event(&self, stream: &Stream) -> Result<Event>;
+
+    /// Makes later work on `stream` wait until `event` has completed.
+    fn wait_event(&self, stream: &Stream, event: &Event) -> Result<()>;
+
+    /// Whether `event` has completed (never blocks).
+    fn event_complete(&self, event: &Event) -> Result<bool>;
+
+    /// Blocks the host until `event` has completed.
+    fn synchronize_event(&self, event: &Event) -> Result<()>;
+
+    /// Blocks the host until all work queued on `stream` so far has completed.
+    fn synchronize_stream(&self, stream: &Stream) -> Result<()>;
+
+    /// Blocks the host until all work on every stream of the device has completed.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Memory figures now.
+    fn memory_info(&self) -> MemoryInfo;
+
+    /// Starts a new peak measurement at the current allocation level.
+    fn reset_peak(&self);
+
+    /// Returns idle cached blocks to the driver; the bytes returned. Never touches the
+    /// native VMM pool.
+    fn empty_cache(&self) -> Result<u64>;
+}
+
+/// Copies `bytes` (pageable, so the copy is complete when this returns) to a new device
+/// buffer on `stream`.
+pub fn upload(device: &dyn Device, bytes: &[u8], stream: &Stream) -> Result<DeviceBuffer> {
+    let dst = device.alloc(bytes.len())?;
+    let src = HostBuffer::pageable_from(bytes);
+    device.copy_h2d(&src.slice_all(), &dst.slice_all(), stream)?;
+    Ok(dst)
+}
+
+/// Copies a device range back to a new vector, waiting for `stream` to finish it.
+pub fn download(device: &dyn Device, src: &DeviceSlice, stream: &Stream) -> Result<Vec<u8>> {
+    let dst = HostBuffer::pageable_zeroed(src.len());
+    device.copy_d2h(src, &dst.slice_all(), stream)?;
+    device.synchronize_stream(stream)?;
+    Ok(dst.with_bytes(<[u8]>::to_vec))
+}

@@ -1,0 +1,372 @@
+//! The crate's one error enum, [`CoreError`], and the reasons a route or an operation can
+//! refuse ([`Refusal`], [`DetachRefusal`]). Every variant says what to do about it.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// Result alias for the core crate.
+pub type Result<T, E = CoreError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in DDO's core, its host backend, and the routes built on it.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CoreError {
+    /// The device could not satisfy an allocation.
+    #[error(
+        "out of device memory on {device}: requested {requested} B with {allocated} B of {capacity} B allocated; \
+         choose an offloading route or a smaller budget, or free memory first"
+    )]
+    OutOfMemory {
+        /// Device that refused.
+        device: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes allocated at the time.
+        allocated: u64,
+        /// Device capacity.
+        capacity: u64,
+    },
+    /// Pinned host memory would exceed the device's pinned limit.
+    #[error(
+        "pinned host memory limit reached: requested {requested} B with {pinned} B of {limit} B pinned; \
+         raise `pinned_limit`, use `low_cpu_mem_usage=true`, or choose a route without pinned weights"
+    )]
+    PinnedLimit {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes pinned at the time.
+        pinned: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A copy or view reaches outside a buffer.
+    #[error(
+        "{what}: range {offset}..{offset}+{len} lies outside a buffer of {buffer_len} B; this is a bug in the caller"
+    )]
+    OutOfRange {
+        /// What was being done.
+        what: &'static str,
+        /// Start of the range.
+        offset: usize,
+        /// Length of the range.
+        len: usize,
+        /// Length of the buffer.
+        buffer_len: usize,
+    },
+    /// Two sizes that must agree do not.
+    #[error("{what}: expected {expected} B, got {actual} B")]
+    SizeMismatch {
+        /// What was being done.
+        what: String,
+        /// Expected size.
+        expected: usize,
+        /// Actual size.
+        actual: usize,
+    },
+    /// A buffer, stream or event from another device (or another backend) was passed.
+    #[error(
+        "{what} belongs to {found}, not to {expected}; pass handles created by the same device"
+    )]
+    WrongDevice {
+        /// What was passed.
+        what: &'static str,
+        /// Device the call was made on.
+        expected: String,
+        /// Device the handle belongs to.
+        found: String,
+    },
+    /// The backend failed in a way the caller cannot fix by changing arguments.
+    #[error("device backend failure on {device}: {message}")]
+    Backend {
+        /// Device.
+        device: String,
+        /// What failed.
+        message: String,
+    },
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}; check that the file exists and is readable")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A checkpoint file is malformed.
+    #[error("checkpoint {path} is not a valid safetensors file: {message}")]
+    Checkpoint {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A checkpoint does not hold a tensor that was asked for.
+    #[error(
+        "checkpoint {path} has no tensor named `{name}`; check the model config against the file"
+    )]
+    MissingTensor {
+        /// File.
+        path: PathBuf,
+        /// Tensor name.
+        name: String,
+    },
+    /// Tensor shapes or dtypes do not fit an operation.
+    #[error("{what}: {message}")]
+    Shape {
+        /// Operation.
+        what: String,
+        /// What does not fit.
+        message: String,
+    },
+    /// A preset name is not one DDO knows.
+    #[error("unknown preset `{name}`; valid presets: {valid}")]
+    UnknownPreset {
+        /// The name given.
+        name: String,
+        /// The valid names.
+        valid: String,
+    },
+    /// A route name is not one DDO knows.
+    #[error("unknown route `{name}`; valid routes: {valid}")]
+    UnknownRoute {
+        /// The name given.
+        name: String,
+        /// The valid names.
+        valid: String,
+    },
+    /// An option has a value DDO cannot use.
+    #[error("invalid value `{value}` for `{option}`: {hint}")]
+    InvalidOption {
+        /// The option.
+        option: String,
+        /// The value given.
+        value: String,
+        /// What would be valid.
+        hint: String,
+    },
+    /// Options that cannot hold together.
+    #[error("contradictory options: {message}; {hint}")]
+    ContradictoryOptions {
+        /// Which options clash.
+        message: String,
+        /// What to do.
+        hint: String,
+    },
+    /// An environment variable read under `use_environment=true` is invalid.
+    #[error(
+        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or pass use_environment=false"
+    )]
+    InvalidEnvironment {
+        /// Variable.
+        var: String,
+        /// Its value.
+        value: String,
+        /// The underlying problem.
+        message: String,
+    },
+    /// A route's preflight refused the component, before anything was touched.
+    #[error("route `{route}` refused component `{component}`: {refusal}")]
+    Refused {
+        /// Route that refused.
+        route: &'static str,
+        /// Component.
+        component: String,
+        /// Why, and what to do instead.
+        refusal: Refusal,
+    },
+    /// The component already has a route attached.
+    #[error(
+        "component `{component}` already has route `{route}` attached; remove it (or drop its handle and the \
+         component references for diffusers_group_offload) before attaching another"
+    )]
+    AlreadyAttached {
+        /// Component.
+        component: String,
+        /// Route attached now.
+        route: &'static str,
+    },
+    /// A leaf ran while one of its weights was not on the execution device.
+    #[error(
+        "leaf `{leaf}` ran while `{param}` was not on the execution device; the attached route failed to onload \
+         it (a bug in the route), or the component has no route and its weights live on the host"
+    )]
+    NotResident {
+        /// Leaf path.
+        leaf: String,
+        /// Param name.
+        param: String,
+    },
+    /// Code inside a managed boundary panicked.
+    #[error(
+        "panic inside `{context}`: {message}; the route was cleaned up and host weights are intact"
+    )]
+    Panicked {
+        /// Where.
+        context: String,
+        /// The panic message.
+        message: String,
+    },
+    /// `detach_auxiliary_cpu_sources` refused; nothing was changed.
+    #[error("detach_auxiliary_cpu_sources refused for `{component}`: {refusal}")]
+    DetachRefused {
+        /// Component.
+        component: String,
+        /// Why.
+        refusal: DetachRefusal,
+    },
+    /// `remove_dynamic_offload` was asked to remove hooks DDO does not own.
+    #[error(
+        "route `{route}` on `{component}` is owned by its handle and the component, not by remove_dynamic_offload; \
+         drop the handle and every reference to the component (or use cleanup_on_error) to release it"
+    )]
+    NotOwned {
+        /// Route.
+        route: &'static str,
+        /// Component.
+        component: String,
+    },
+    /// The handle's route was already detached (by cleanup or removal).
+    #[error(
+        "route on `{component}` was already detached; attach a route again with enable_offload"
+    )]
+    Detached {
+        /// Component.
+        component: String,
+    },
+    /// A named component does not exist in a pipeline.
+    #[error("pipeline has no component named `{name}`; components: {known}")]
+    UnknownComponent {
+        /// Name asked for.
+        name: String,
+        /// Names present.
+        known: String,
+    },
+    /// A fault injected on purpose by a test wrapper.
+    #[error("injected fault: {0}")]
+    Injected(String),
+}
+
+/// Why a route's preflight refused. Each says what to do instead.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// `linear_convolution` cannot run under the installed native VMM allocator.
+    #[error(
+        "the native VMM allocator is installed on this device; run linear_convolution in a separate process \
+         with the caching allocator, or use diffusers_group_offload leaf_level"
+    )]
+    NativeAllocatorInstalled,
+    /// The route needs the native VMM allocator, which is not installed.
+    #[error(
+        "the native VMM allocator is not installed on this device; install it as the first step of a fresh \
+         process (before any allocation), or choose diffusers_group_offload"
+    )]
+    NativeAllocatorRequired,
+    /// The component holds quantized storage the route cannot move.
+    #[error(
+        "`{param}` has quantized storage, which this route does not support; use diffusers_group_offload or none"
+    )]
+    Quantized {
+        /// First quantized param.
+        param: String,
+    },
+    /// An explicit option the route cannot honour.
+    #[error("option `{option}` cannot be honoured by this route: {hint}")]
+    UnsupportedOption {
+        /// The option.
+        option: &'static str,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// The component is in training mode.
+    #[error("the component is in training mode; call eval() first (DDO routes are for inference)")]
+    TrainingMode,
+    /// A native VMM VAE needs an explicit source/capacity opt-in.
+    #[error(
+        "native_vmm for a VAE is an explicit opt-in: give a capacity budget, or use the VAE default \
+         (diffusers_group_offload leaf_level, no stream)"
+    )]
+    VaeNeedsExplicitCapacity,
+    /// The weights do not fit on the device.
+    #[error(
+        "the weights need {needed} B but the device can give {available} B; choose an offloading route \
+         (diffusers_group_offload or native_vmm with a budget)"
+    )]
+    DoesNotFit {
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+    /// A budget is smaller than the largest leaf the route must hold at once.
+    #[error(
+        "budget of {budget} B is below the largest leaf `{leaf}` ({leaf_bytes} B); raise the budget"
+    )]
+    BudgetBelowLargestLeaf {
+        /// Budget.
+        budget: u64,
+        /// Largest leaf.
+        leaf: String,
+        /// Its bytes.
+        leaf_bytes: u64,
+    },
+    /// The device has no streams to overlap copies with.
+    #[error("this device cannot run a copy stream; pass use_stream=false")]
+    NoStreams,
+}
+
+/// Why `detach_auxiliary_cpu_sources` refused. Each leaves everything as it was.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum DetachRefusal {
+    /// The component is in training mode.
+    #[error("the component is in training mode; call eval() before detaching")]
+    TrainingMode,
+    /// The component is not marked exclusively owned.
+    #[error(
+        "the component is not exclusively owned; escaped tensor references could keep the mapping alive. \
+         Mark it exclusively owned only if no other code holds its tensors"
+    )]
+    NotExclusive,
+    /// The component has already run a forward under the route.
+    #[error(
+        "execution has already started ({forwards} forward(s)); detach before the first forward"
+    )]
+    ExecutionStarted {
+        /// Forwards run so far.
+        forwards: u64,
+    },
+    /// A checkpoint mapping is referenced by something DDO did not register.
+    #[error(
+        "checkpoint mapping {path} has {unknown} reference(s) DDO did not register (an open Checkpoint or an \
+         escaped tensor); drop them first"
+    )]
+    UnknownOwnership {
+        /// Mapped file.
+        path: String,
+        /// References not accounted for.
+        unknown: usize,
+    },
+    /// Two distinct tensors overlap in one source (a partial or unregistered alias).
+    #[error(
+        "`{first}` and `{second}` overlap in {path} without being one registered alias; \
+         register them as an alias (one param, two names) or leave the sources attached"
+    )]
+    OverlappingSources {
+        /// One tensor.
+        first: String,
+        /// The other.
+        second: String,
+        /// Mapped file.
+        path: String,
+    },
+    /// A tensor's layout cannot be copied faithfully.
+    #[error("`{param}` has an unsupported layout ({why}); leave its source attached")]
+    UnsupportedLayout {
+        /// Param.
+        param: String,
+        /// Why.
+        why: String,
+    },
+}

@@ -1,0 +1,618 @@
+//! Host memory of three kinds: pageable (owned, aligned bytes), pinned (owned bytes
+//! registered with a device and counted against its pinned limit), and checkpoint-mapped
+//! (a byte range of an `Arc`'d memory map of a safetensors file).
+//!
+//! All host bytes DDO owns are 64-byte aligned, so any element type can be viewed in place,
+//! and live behind a lock so asynchronous copy engines and compute can share them without
+//! `unsafe`. A mapped range is read-only.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytemuck::{Pod, Zeroable};
+use parking_lot::RwLock;
+
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct CacheLine([u8; 64]);
+
+/// Owned, zero-initialised, 64-byte aligned bytes.
+pub struct AlignedBytes {
+    lines: Box<[CacheLine]>,
+    len: usize,
+}
+
+impl AlignedBytes {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        let lines = vec![CacheLine([0; 64]); len.div_ceil(64)].into_boxed_slice();
+        Self { lines, len }
+    }
+
+    /// A copy of `bytes`.
+    pub fn copy_from(bytes: &[u8]) -> Self {
+        let mut out = Self::zeroed(bytes.len());
+        out.as_mut_slice().copy_from_slice(bytes);
+        out
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &bytemuck::cast_slice::<CacheLine, u8>(&self.lines)[..self.len]
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut::<CacheLine, u8>(&mut self.lines)[..self.len]
+    }
+
+    /// Number of bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl fmt::Debug for AlignedBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AlignedBytes({} B)", self.len)
+    }
+}
+
+/// Which kind of host memory a buffer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostMemoryKind {
+    /// Ordinary heap memory: copies from it are synchronous and slow on a GPU.
+    Pageable,
+    /// Page-locked (pinned) memory registered with a device.
+    Pinned,
+    /// A read-only range of a checkpoint file's memory map.
+    CheckpointMapped,
+}
+
+/// Accounting of pinned host memory against a limit, shared by a device and every
+/// registration it hands out.
+#[derive(Debug)]
+pub struct PinnedLedger {
+    limit: u64,
+    pinned: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl PinnedLedger {
+    /// A ledger with the given limit in bytes.
+    pub fn new(limit: u64) -> Arc<Self> {
+        Arc::new(Self {
+            limit,
+            pinned: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+        })
+    }
+
+    /// Bytes pinned now.
+    pub fn pinned(&self) -> u64 {
+        self.pinned.load(Ordering::Acquire)
+    }
+
+    /// Most bytes pinned at once.
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Reserves `bytes` against the limit; the registration gives them back on drop.
+    /// `backend` is the backend's own registration token (dropped first, e.g. to
+    /// unregister page-locked memory).
+    pub fn reserve(
+        self: &Arc<Self>,
+        bytes: u64,
+        backend: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Result<PinnedRegistration> {
+        let mut current = self.pinned.load(Ordering::Acquire);
+        loop {
+            let next = current.saturating_add(bytes);
+            if next > self.limit {
+                return Err(CoreError::PinnedLimit {
+                    requested: bytes,
+                    pinned: current,
+                    limit: self.limit,
+                });
+            }
+            match self.pinned.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::AcqRel);
+                    return Ok(PinnedRegistration {
+                        backend,
+                        bytes,
+                        ledger: Arc::clone(self),
+                    });
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+/// Proof that some host bytes are pinned; unpins (and gives the bytes back to the ledger)
+/// on drop.
+pub struct PinnedRegistration {
+    // Dropped first: the backend unregisters before the ledger forgets the bytes.
+    backend: Option<Box<dyn Any + Send + Sync>>,
+    bytes: u64,
+    ledger: Arc<PinnedLedger>,
+}
+
+impl PinnedRegistration {
+    /// Bytes this registration pins.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The backend's token, for the backend that made it.
+    pub fn backend_token(&self) -> Option<&(dyn Any + Send + Sync)> {
+        self.backend.as_deref()
+    }
+}
+
+impl Drop for PinnedRegistration {
+    fn drop(&mut self) {
+        drop(self.backend.take());
+        self.ledger.pinned.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+impl fmt::Debug for PinnedRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PinnedRegistration({} B)", self.bytes)
+    }
+}
+
+/// A read-only memory map of a checkpoint file, shared by every tensor that points into it.
+pub struct CheckpointMap {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+}
+
+impl CheckpointMap {
+    /// Maps `path` read-only.
+    pub fn open(path: &Path) -> Result<Arc<Self>> {
+        let io = |source| CoreError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        // SAFETY: the map is read-only and DDO never hands out mutable access. Another
+        // process truncating or rewriting the file while it is mapped is outside what DDO
+        // can guard against (SECURITY.md: checkpoint files are read, not trusted to stay
+        // put); memmap2 documents the same caveat.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        Ok(Arc::new(Self {
+            path: path.to_path_buf(),
+            mmap,
+        }))
+    }
+
+    /// The mapped file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Size of the mapping in bytes.
+    pub fn len(&self) -> usize {
+        self.mmap.len()
+    }
+
+    /// Whether the mapping is empty.
+    pub fn is_empty(&self) -> bool {
+        self.mmap.is_empty()
+    }
+
+    /// The mapped bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.mmap
+    }
+}
+
+impl fmt::Debug for CheckpointMap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CheckpointMap({}, {} B)",
+            self.path.display(),
+            self.len()
+        )
+    }
+}
+
+enum HostStorage {
+    Owned {
+        // Dropped before `bytes`: unpin before the memory goes away.
+        pin: Option<PinnedRegistration>,
+        // Address of the first byte; the boxed lines never move while `bytes` lives.
+        addr: usize,
+        bytes: RwLock<AlignedBytes>,
+    },
+    Mapped {
+        map: Arc<CheckpointMap>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+/// A shared host buffer: pageable, pinned or checkpoint-mapped. Cloning shares it.
+#[derive(Clone)]
+pub struct HostBuffer {
+    inner: Arc<HostStorage>,
+}
+
+impl HostBuffer {
+    /// Pageable, zeroed bytes.
+    pub fn pageable_zeroed(len: usize) -> Self {
+        Self::owned(AlignedBytes::zeroed(len), None)
+    }
+
+    /// Pageable copy of `bytes`.
+    pub fn pageable_from(bytes: &[u8]) -> Self {
+        Self::owned(AlignedBytes::copy_from(bytes), None)
+    }
+
+    /// Owned bytes, pinned when a registration is given. Backends use this to build pinned
+    /// buffers; the registration must cover exactly these bytes.
+    pub fn owned(bytes: AlignedBytes, pin: Option<PinnedRegistration>) -> Self {
+        let addr = bytes.as_slice().as_ptr() as usize;
+        Self {
+            inner: Arc::new(HostStorage::Owned {
+                pin,
+                addr,
+                bytes: RwLock::new(bytes),
+            }),
+        }
+    }
+
+    /// A read-only range of a checkpoint mapping.
+    pub fn mapped(map: Arc<CheckpointMap>, offset: usize, len: usize) -> Result<Self> {
+        if offset.checked_add(len).is_none_or(|end| end > map.len()) {
+            return Err(CoreError::OutOfRange {
+                what: "checkpoint range",
+                offset,
+                len,
+                buffer_len: map.len(),
+            });
+        }
+        Ok(Self {
+            inner: Arc::new(HostStorage::Mapped { map, offset, len }),
+        })
+    }
+
+    /// Which kind of memory this is.
+    pub fn kind(&self) -> HostMemoryKind {
+        match &*self.inner {
+            HostStorage::Owned { pin: Some(_), .. } => HostMemoryKind::Pinned,
+            HostStorage::Owned { pin: None, .. } => HostMemoryKind::Pageable,
+            HostStorage::Mapped { .. } => HostMemoryKind::CheckpointMapped,
+        }
+    }
+
+    /// Whether copies from this buffer can run asynchronously at full link speed.
+    pub fn is_pinned(&self) -> bool {
+        self.kind() == HostMemoryKind::Pinned
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &*self.inner {
+            HostStorage::Owned { bytes, .. } => bytes.read().len(),
+            HostStorage::Mapped { len, .. } => *len,
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` over the bytes (a shared lock for owned memory).
+    pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
+        match &*self.inner {
+            HostStorage::Owned { bytes, .. } => f(bytes.read().as_slice()),
+            HostStorage::Mapped { map, offset, len } => f(&map.bytes()[*offset..*offset + *len]),
+        }
+    }
+
+    /// Runs `f` over the bytes mutably (an exclusive lock). Mapped memory is read-only.
+    pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        match &*self.inner {
+            HostStorage::Owned { bytes, .. } => Ok(f(bytes.write().as_mut_slice())),
+            HostStorage::Mapped { map, .. } => Err(CoreError::Backend {
+                device: "host".into(),
+                message: format!(
+                    "attempt to write into the read-only checkpoint mapping of {}",
+                    map.path().display()
+                ),
+            }),
+        }
+    }
+
+    /// Address of the first byte, for backends that hand it to a copy engine. Stable for
+    /// the buffer's lifetime.
+    pub fn as_ptr(&self) -> *const u8 {
+        match &*self.inner {
+            HostStorage::Owned { addr, .. } => *addr as *const u8,
+            HostStorage::Mapped { map, offset, .. } => map.bytes()[*offset..].as_ptr(),
+        }
+    }
+
+    /// The checkpoint mapping and range, for a mapped buffer.
+    pub fn mapping(&self) -> Option<(&Arc<CheckpointMap>, usize, usize)> {
+        match &*self.inner {
+            HostStorage::Mapped { map, offset, len } => Some((map, *offset, *len)),
+            HostStorage::Owned { .. } => None,
+        }
+    }
+
+    /// The pinned registration, for a pinned buffer.
+    pub fn pinned_registration(&self) -> Option<&PinnedRegistration> {
+        match &*self.inner {
+            HostStorage::Owned { pin, .. } => pin.as_ref(),
+            HostStorage::Mapped { .. } => None,
+        }
+    }
+
+    /// Whether two handles share one buffer.
+    pub fn same_buffer(&self, other: &HostBuffer) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// How many handles share this buffer (the buffer's own reference count).
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// A view of the whole buffer.
+    pub fn slice_all(&self) -> HostSlice {
+        HostSlice {
+            len: self.len(),
+            buffer: self.clone(),
+            offset: 0,
+        }
+    }
+
+    /// A view of `offset..offset + len`.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<HostSlice> {
+        let buffer_len = self.len();
+        if offset.checked_add(len).is_none_or(|end| end > buffer_len) {
+            return Err(CoreError::OutOfRange {
+                what: "host slice",
+                offset,
+                len,
+                buffer_len,
+            });
+        }
+        Ok(HostSlice {
+            buffer: self.clone(),
+            offset,
+            len,
+        })
+    }
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostBuffer({:?}, {} B)", self.kind(), self.len())
+    }
+}
+
+/// A byte range of a [`HostBuffer`].
+#[derive(Clone, Debug)]
+pub struct HostSlice {
+    buffer: HostBuffer,
+    offset: usize,
+    len: usize,
+}
+
+impl HostSlice {
+    /// The buffer.
+    pub fn buffer(&self) -> &HostBuffer {
+        &self.buffer
+    }
+
+    /// Offset into the buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Kind of the underlying memory.
+    pub fn kind(&self) -> HostMemoryKind {
+        self.buffer.kind()
+    }
+
+    /// Runs `f` over the slice's bytes.
+    pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
+        self.buffer
+            .with_bytes(|b| f(&b[self.offset..self.offset + self.len]))
+    }
+
+    /// Runs `f` over the slice's bytes mutably (owned memory only).
+    pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let (offset, len) = (self.offset, self.len);
+        self.buffer
+            .with_bytes_mut(|b| f(&mut b[offset..offset + len]))
+    }
+
+    /// A copy of the bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.with_bytes(<[u8]>::to_vec)
+    }
+
+    /// The absolute byte range in the checkpoint file, for a mapped slice.
+    pub fn mapped_range(&self) -> Option<(&Arc<CheckpointMap>, std::ops::Range<usize>)> {
+        self.buffer.mapping().map(|(map, offset, _)| {
+            let start = offset + self.offset;
+            (map, start..start + self.len)
+        })
+    }
+}
+
+/// One tensor's entry in a checkpoint header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointTensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Absolute byte offset in the file.
+    pub offset: usize,
+    /// Byte length.
+    pub len: usize,
+}
+
+/// An opened, memory-mapped safetensors checkpoint. Tensors handed out by
+/// [`Checkpoint::host_slice`] point into the mapping (they are checkpoint-backed); the
+/// mapping is unmapped when the last of them, and this value, are dropped.
+#[derive(Debug)]
+pub struct Checkpoint {
+    map: Arc<CheckpointMap>,
+    tensors: BTreeMap<String, CheckpointTensor>,
+}
+
+impl Checkpoint {
+    /// Opens and validates `path` (header, offsets, dtypes, byte counts).
+    pub fn open(path: &Path) -> Result<Self> {
+        let map = CheckpointMap::open(path)?;
+        let bad = |message: String| CoreError::Checkpoint {
+            path: path.to_path_buf(),
+            message,
+        };
+        let (header_len, metadata) =
+            safetensors::SafeTensors::read_metadata(map.bytes()).map_err(|e| bad(e.to_string()))?;
+        let data_start = 8 + header_len;
+        let mut tensors = BTreeMap::new();
+        for (name, info) in metadata.tensors() {
+            let dtype = DType::from_safetensors(info.dtype).ok_or_else(|| {
+                bad(format!(
+                    "tensor `{name}` has dtype {:?}, which DDO does not support (f32, f16, bf16, u8/i8 quantized)",
+                    info.dtype
+                ))
+            })?;
+            let (start, end) = info.data_offsets;
+            let len = end - start;
+            let elements: usize = info.shape.iter().product();
+            if elements * dtype.size_in_bytes() != len {
+                return Err(bad(format!(
+                    "tensor `{name}`: shape {:?} of {dtype} needs {} B but the header gives {len} B",
+                    info.shape,
+                    elements * dtype.size_in_bytes()
+                )));
+            }
+            tensors.insert(
+                name.clone(),
+                CheckpointTensor {
+                    dtype,
+                    shape: info.shape.clone(),
+                    offset: data_start + start,
+                    len,
+                },
+            );
+        }
+        Ok(Self { map, tensors })
+    }
+
+    /// The mapped file.
+    pub fn path(&self) -> &Path {
+        self.map.path()
+    }
+
+    /// The mapping.
+    pub fn map(&self) -> &Arc<CheckpointMap> {
+        &self.map
+    }
+
+    /// Tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// A tensor's header entry.
+    pub fn tensor(&self, name: &str) -> Result<&CheckpointTensor> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| CoreError::MissingTensor {
+                path: self.path().to_path_buf(),
+                name: name.to_string(),
+            })
+    }
+
+    /// A new checkpoint-backed host buffer over one tensor's bytes.
+    pub fn host_buffer(&self, name: &str) -> Result<HostBuffer> {
+        let t = self.tensor(name)?;
+        HostBuffer::mapped(Arc::clone(&self.map), t.offset, t.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_bytes_are_aligned_and_sized() {
+        let b = AlignedBytes::copy_from(&[1, 2, 3, 4, 5]);
+        assert_eq!(b.as_slice(), &[1, 2, 3, 4, 5]);
+        assert_eq!(b.as_slice().as_ptr() as usize % 64, 0);
+        assert!(AlignedBytes::zeroed(0).is_empty());
+    }
+
+    #[test]
+    fn pinned_ledger_refuses_past_its_limit_and_returns_bytes_on_drop() {
+        let ledger = PinnedLedger::new(100);
+        let a = ledger.reserve(60, None).unwrap();
+        assert!(matches!(
+            ledger.reserve(50, None),
+            Err(CoreError::PinnedLimit { pinned: 60, .. })
+        ));
+        drop(a);
+        assert_eq!(ledger.pinned(), 0);
+        assert_eq!(ledger.peak(), 60);
+        let b = ledger.reserve(100, None).unwrap();
+        assert_eq!(b.bytes(), 100);
+    }
+
+    #[test]
+    fn slices_check_their_range() {
+        let b = HostBuffer::pageable_from(&[0, 1, 2, 3]);
+        assert_eq!(b.slice(1, 2).unwrap().to_vec(), vec![1, 2]);
+        assert!(b.slice(3, 2).is_err());
+        assert!(b.slice(usize::MAX, 2).is_err());
+        assert_eq!(b.kind(), HostMemoryKind::Pageable);
+    }
+}

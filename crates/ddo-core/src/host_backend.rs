@@ -1,0 +1,783 @@
+//! The host backend: a [`Device`] whose "device memory" is host memory with a capacity, so
+//! out-of-memory is real; exact current/peak accounting; and an asynchronous copy engine
+//! with one worker thread per stream, so copy/compute overlap and missing waits behave as
+//! they would on a GPU.
+//!
+//! Compute on this backend runs on the calling thread after the compute stream has drained
+//! (see [`HostDevice::host_compute_fence`]); copies on other streams keep running
+//! meanwhile. An optional simulated link bandwidth makes copies take time, so that a
+//! missing `wait_event` reads stale bytes in tests instead of winning a race by luck.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{Sender, unbounded};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::device::{
+    AllocatorKind, Device, DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice,
+    Event, EventHandle, MemoryInfo, Stream, StreamHandle,
+};
+use crate::error::{CoreError, Result};
+use crate::host::{AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger};
+
+/// Settings of a [`HostDevice`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostDeviceConfig {
+    /// Ordinal (`host:N`).
+    pub ordinal: u32,
+    /// Device memory capacity in bytes.
+    pub capacity: u64,
+    /// Pinned host memory limit in bytes.
+    pub pinned_limit: u64,
+    /// The allocator this device reports. Chosen at construction, before anything is
+    /// allocated: the host counterpart of installing the native allocator in a fresh process.
+    pub allocator: AllocatorKind,
+    /// Simulated link bandwidth for copies (bytes per second); `None` copies at memory speed.
+    pub link_bytes_per_sec: Option<f64>,
+}
+
+impl Default for HostDeviceConfig {
+    fn default() -> Self {
+        Self {
+            ordinal: 0,
+            capacity: 1 << 30,
+            pinned_limit: 1 << 30,
+            allocator: AllocatorKind::Caching,
+            link_bytes_per_sec: None,
+        }
+    }
+}
+
+struct Ledger {
+    id: DeviceId,
+    // Unique per `HostDevice` instance: two devices may share an ordinal in tests.
+    instance: u64,
+    capacity: u64,
+    allocated: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Ledger {
+    fn reserve(&self, bytes: u64) -> Result<()> {
+        let mut current = self.allocated.load(Ordering::Acquire);
+        loop {
+            let next = current.saturating_add(bytes);
+            if next > self.capacity {
+                return Err(CoreError::OutOfMemory {
+                    device: self.id.to_string(),
+                    requested: bytes,
+                    allocated: current,
+                    capacity: self.capacity,
+                });
+            }
+            match self.allocated.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::AcqRel);
+                    return Ok(());
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    fn release(&self, bytes: u64) {
+        self.allocated.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}
+
+/// One allocation of the host backend.
+pub struct HostAllocation {
+    bytes: RwLock<AlignedBytes>,
+    len: usize,
+    ledger: Arc<Ledger>,
+}
+
+impl HostAllocation {
+    /// Runs `f` over the allocation's bytes. Compute reads device memory through this,
+    /// after [`HostDevice::host_compute_fence`].
+    pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
+        f(self.bytes.read().as_slice())
+    }
+}
+
+impl Drop for HostAllocation {
+    fn drop(&mut self) {
+        self.ledger.release(self.len as u64);
+    }
+}
+
+impl fmt::Debug for HostAllocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostAllocation({} B on {})", self.len, self.ledger.id)
+    }
+}
+
+impl DeviceAllocation for HostAllocation {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device(&self) -> DeviceId {
+        self.ledger.id
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[derive(Default)]
+struct EventState {
+    done: bool,
+    error: Option<String>,
+}
+
+/// An event of the host backend.
+pub struct HostEvent {
+    device: DeviceId,
+    instance: u64,
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+impl HostEvent {
+    fn complete(&self, error: Option<String>) {
+        let mut st = self.state.lock();
+        st.done = true;
+        st.error = error;
+        self.cv.notify_all();
+    }
+
+    fn wait(&self) -> Option<String> {
+        let mut st = self.state.lock();
+        while !st.done {
+            self.cv.wait(&mut st);
+        }
+        st.error.clone()
+    }
+}
+
+impl fmt::Debug for HostEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostEvent(done={})", self.state.lock().done)
+    }
+}
+
+impl EventHandle for HostEvent {
+    fn device(&self) -> DeviceId {
+        self.device
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+type Job = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
+
+struct Progress {
+    submitted: u64,
+    completed: u64,
+    error: Option<String>,
+}
+
+struct StreamShared {
+    progress: Mutex<Progress>,
+    cv: Condvar,
+}
+
+/// A stream of the host backend: a worker thread that runs queued work in order.
+pub struct HostStream {
+    device: DeviceId,
+    instance: u64,
+    ordinal: u64,
+    sender: Sender<Job>,
+    shared: Arc<StreamShared>,
+}
+
+impl HostStream {
+    fn spawn(device: DeviceId, instance: u64, ordinal: u64) -> Result<Self> {
+        let (sender, receiver) = unbounded::<Job>();
+        let shared = Arc::new(StreamShared {
+            progress: Mutex::new(Progress {
+                submitted: 0,
+                completed: 0,
+                error: None,
+            }),
+            cv: Condvar::new(),
+        });
+        let worker = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name(format!("ddo-{device}-stream-{ordinal}"))
+            .spawn(move || {
+                for job in receiver {
+                    let outcome = job();
+                    let mut p = worker.progress.lock();
+                    p.completed += 1;
+                    if let Err(e) = outcome {
+                        p.error.get_or_insert(e);
+                    }
+                    worker.cv.notify_all();
+                }
+            })
+            .map_err(|e| CoreError::Backend {
+                device: device.to_string(),
+                message: format!("cannot start a stream worker thread: {e}"),
+            })?;
+        Ok(Self {
+            device,
+            instance,
+            ordinal,
+            sender,
+            shared,
+        })
+    }
+
+    /// Queues `job`; returns its ticket.
+    fn submit(&self, job: Job) -> Result<u64> {
+        let ticket = {
+            let mut p = self.shared.progress.lock();
+            p.submitted += 1;
+            p.submitted
+        };
+        self.sender.send(job).map_err(|_| CoreError::Backend {
+            device: self.device.to_string(),
+            message: format!("stream {} worker has stopped", self.ordinal),
+        })?;
+        Ok(ticket)
+    }
+
+    /// Blocks until the job with `ticket` (and everything before it) has run; reports the
+    /// stream's sticky error, if any.
+    fn wait_for(&self, ticket: u64) -> Result<()> {
+        let mut p = self.shared.progress.lock();
+        while p.completed < ticket {
+            self.shared.cv.wait(&mut p);
+        }
+        match &p.error {
+            Some(e) => Err(CoreError::Backend {
+                device: self.device.to_string(),
+                message: format!("stream {}: {e}", self.ordinal),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let ticket = self.shared.progress.lock().submitted;
+        self.wait_for(ticket)
+    }
+}
+
+impl fmt::Debug for HostStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostStream({} #{})", self.device, self.ordinal)
+    }
+}
+
+impl StreamHandle for HostStream {
+    fn device(&self) -> DeviceId {
+        self.device
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The host backend's device.
+pub struct HostDevice {
+    config: HostDeviceConfig,
+    ledger: Arc<Ledger>,
+    pinned: Arc<PinnedLedger>,
+    compute: Stream,
+    streams: Mutex<Vec<std::sync::Weak<HostStream>>>,
+    next_stream: AtomicU64,
+}
+
+impl HostDevice {
+    /// A device with `config`.
+    pub fn new(config: HostDeviceConfig) -> Result<Arc<Self>> {
+        let id = DeviceId {
+            kind: DeviceKind::Host,
+            ordinal: config.ordinal,
+        };
+        if config.capacity == 0 {
+            return Err(CoreError::InvalidOption {
+                option: "capacity".into(),
+                value: "0".into(),
+                hint: "a host device needs a positive capacity in bytes".into(),
+            });
+        }
+        if config
+            .link_bytes_per_sec
+            .is_some_and(|b| b.is_nan() || b <= 0.0)
+        {
+            return Err(CoreError::InvalidOption {
+                option: "link_bytes_per_sec".into(),
+                value: format!("{:?}", config.link_bytes_per_sec),
+                hint: "give a positive bandwidth, or None for memory speed".into(),
+            });
+        }
+        static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+        let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed);
+        let compute = Arc::new(HostStream::spawn(id, instance, 0)?);
+        let streams = Mutex::new(vec![Arc::downgrade(&compute)]);
+        Ok(Arc::new(Self {
+            ledger: Arc::new(Ledger {
+                id,
+                instance,
+                capacity: config.capacity,
+                allocated: AtomicU64::new(0),
+                peak: AtomicU64::new(0),
+            }),
+            pinned: PinnedLedger::new(config.pinned_limit),
+            compute: Stream::new(compute),
+            streams,
+            next_stream: AtomicU64::new(1),
+            config,
+        }))
+    }
+
+    /// A device with `capacity` bytes and default settings otherwise.
+    pub fn with_capacity(capacity: u64) -> Result<Arc<Self>> {
+        Self::new(HostDeviceConfig {
+            capacity,
+            ..HostDeviceConfig::default()
+        })
+    }
+
+    /// The device's settings.
+    pub fn config(&self) -> &HostDeviceConfig {
+        &self.config
+    }
+
+    /// Makes host-side compute safe to run "on" `stream`: blocks until all work queued on
+    /// it so far (copies, event waits) has run. Host compute is launched synchronously, so
+    /// this is the host counterpart of enqueuing a kernel behind that work.
+    pub fn host_compute_fence(&self, stream: &Stream) -> Result<()> {
+        self.host_stream(stream)?.synchronize()
+    }
+
+    /// The host allocation behind a device buffer of this device.
+    pub fn allocation<'a>(&self, buffer: &'a DeviceBuffer) -> Result<&'a HostAllocation> {
+        buffer
+            .downcast_ref::<HostAllocation>()
+            .filter(|a| Arc::ptr_eq(&a.ledger, &self.ledger))
+            .ok_or_else(|| CoreError::WrongDevice {
+                what: "device buffer",
+                expected: self.id().to_string(),
+                found: buffer.device().to_string(),
+            })
+    }
+
+    fn host_stream<'a>(&self, stream: &'a Stream) -> Result<&'a HostStream> {
+        stream
+            .downcast_ref::<HostStream>()
+            .filter(|s| s.instance == self.ledger.instance)
+            .ok_or_else(|| CoreError::WrongDevice {
+                what: "stream",
+                expected: self.id().to_string(),
+                found: stream.device().to_string(),
+            })
+    }
+
+    fn host_event<'a>(&self, event: &'a Event) -> Result<&'a HostEvent> {
+        event
+            .downcast_ref::<HostEvent>()
+            .filter(|e| e.instance == self.ledger.instance)
+            .ok_or_else(|| CoreError::WrongDevice {
+                what: "event",
+                expected: self.id().to_string(),
+                found: event.device().to_string(),
+            })
+    }
+
+    fn link_delay(&self, bytes: usize) -> Option<Duration> {
+        self.config
+            .link_bytes_per_sec
+            .map(|bw| Duration::from_secs_f64(bytes as f64 / bw))
+    }
+
+    /// Queues a copy job; blocks until it ran when the host side is not pinned.
+    fn submit_copy(&self, stream: &HostStream, host_pinned: bool, job: Job) -> Result<()> {
+        let ticket = stream.submit(job)?;
+        if host_pinned {
+            Ok(())
+        } else {
+            stream.wait_for(ticket)
+        }
+    }
+}
+
+impl fmt::Debug for HostDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "HostDevice({}, {} of {} B allocated)",
+            self.id(),
+            self.ledger.allocated.load(Ordering::Relaxed),
+            self.config.capacity
+        )
+    }
+}
+
+fn check_len(what: &str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(CoreError::SizeMismatch {
+            what: what.to_string(),
+            expected,
+            actual,
+        })
+    }
+}
+
+impl Device for HostDevice {
+    fn id(&self) -> DeviceId {
+        self.ledger.id
+    }
+
+    fn allocator(&self) -> AllocatorKind {
+        self.config.allocator
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        self.ledger.reserve(bytes as u64)?;
+        Ok(DeviceBuffer::new(Arc::new(HostAllocation {
+            bytes: RwLock::new(AlignedBytes::zeroed(bytes)),
+            len: bytes,
+            ledger: Arc::clone(&self.ledger),
+        })))
+    }
+
+    fn release_after(&self, buffer: DeviceBuffer, stream: &Stream) -> Result<()> {
+        self.allocation(&buffer)?;
+        let s = self.host_stream(stream)?;
+        s.submit(Box::new(move || {
+            drop(buffer);
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer> {
+        let registration = self.pinned.reserve(bytes as u64, None)?;
+        Ok(HostBuffer::owned(
+            AlignedBytes::zeroed(bytes),
+            Some(registration),
+        ))
+    }
+
+    fn compute_stream(&self) -> Stream {
+        self.compute.clone()
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        let ordinal = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let stream = Arc::new(HostStream::spawn(self.id(), self.ledger.instance, ordinal)?);
+        let mut streams = self.streams.lock();
+        streams.retain(|w| w.strong_count() > 0);
+        streams.push(Arc::downgrade(&stream));
+        Ok(Stream::new(stream))
+    }
+
+    fn copy_h2d(&self, src: &HostSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()> {
+        check_len("host->device copy", dst.len(), src.len())?;
+        self.allocation(dst.buffer())?;
+        let s = self.host_stream(stream)?;
+        let pinned = src.kind() == HostMemoryKind::Pinned;
+        let (src, dst) = (src.clone(), dst.clone());
+        let delay = self.link_delay(src.len());
+        self.submit_copy(
+            s,
+            pinned,
+            Box::new(move || {
+                if let Some(d) = delay {
+                    std::thread::sleep(d);
+                }
+                let alloc = dst
+                    .buffer()
+                    .downcast_ref::<HostAllocation>()
+                    .ok_or("destination is not a host allocation")?;
+                let mut bytes = alloc.bytes.write();
+                let range = dst.offset()..dst.offset() + dst.len();
+                src.with_bytes(|s| bytes.as_mut_slice()[range].copy_from_slice(s));
+                Ok(())
+            }),
+        )
+    }
+
+    fn copy_d2h(&self, src: &DeviceSlice, dst: &HostSlice, stream: &Stream) -> Result<()> {
+        check_len("device->host copy", src.len(), dst.len())?;
+        self.allocation(src.buffer())?;
+        if dst.kind() == HostMemoryKind::CheckpointMapped {
+            return Err(CoreError::Backend {
+                device: self.id().to_string(),
+                message: "device->host copy into a read-only checkpoint mapping".into(),
+            });
+        }
+        let s = self.host_stream(stream)?;
+        let pinned = dst.kind() == HostMemoryKind::Pinned;
+        let (src, dst) = (src.clone(), dst.clone());
+        let delay = self.link_delay(src.len());
+        self.submit_copy(
+            s,
+            pinned,
+            Box::new(move || {
+                if let Some(d) = delay {
+                    std::thread::sleep(d);
+                }
+                let alloc = src
+                    .buffer()
+                    .downcast_ref::<HostAllocation>()
+                    .ok_or("source is not a host allocation")?;
+                let bytes = alloc.bytes.read();
+                let range = src.offset()..src.offset() + src.len();
+                dst.with_bytes_mut(|d| d.copy_from_slice(&bytes.as_slice()[range]))
+                    .map_err(|e| e.to_string())
+            }),
+        )
+    }
+
+    fn copy_d2d(&self, src: &DeviceSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()> {
+        check_len("device->device copy", dst.len(), src.len())?;
+        self.allocation(src.buffer())?;
+        self.allocation(dst.buffer())?;
+        let s = self.host_stream(stream)?;
+        let (src, dst) = (src.clone(), dst.clone());
+        s.submit(Box::new(move || {
+            let read = |slice: &DeviceSlice| -> std::result::Result<Vec<u8>, String> {
+                let a = slice
+                    .buffer()
+                    .downcast_ref::<HostAllocation>()
+                    .ok_or("not a host allocation")?;
+                Ok(a.with_bytes(|b| b[slice.offset()..slice.offset() + slice.len()].to_vec()))
+            };
+            let bytes = read(&src)?;
+            let alloc = dst
+                .buffer()
+                .downcast_ref::<HostAllocation>()
+                .ok_or("not a host allocation")?;
+            alloc.bytes.write().as_mut_slice()[dst.offset()..dst.offset() + dst.len()]
+                .copy_from_slice(&bytes);
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    fn record_event(&self, stream: &Stream) -> Result<Event> {
+        let s = self.host_stream(stream)?;
+        let event = Arc::new(HostEvent {
+            device: self.id(),
+            instance: self.ledger.instance,
+            state: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+        });
+        let marker = Arc::clone(&event);
+        let shared = Arc::clone(&s.shared);
+        s.submit(Box::new(move || {
+            let error = shared.progress.lock().error.clone();
+            marker.complete(error);
+            Ok(())
+        }))?;
+        Ok(Event::new(event))
+    }
+
+    fn wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
+        let s = self.host_stream(stream)?;
+        self.host_event(event)?;
+        let event = event.clone();
+        s.submit(Box::new(move || {
+            let e = event
+                .downcast_ref::<HostEvent>()
+                .ok_or("not a host event")?;
+            match e.wait() {
+                Some(err) => Err(format!("waited on a failed stream: {err}")),
+                None => Ok(()),
+            }
+        }))?;
+        Ok(())
+    }
+
+    fn event_complete(&self, event: &Event) -> Result<bool> {
+        Ok(self.host_event(event)?.state.lock().done)
+    }
+
+    fn synchronize_event(&self, event: &Event) -> Result<()> {
+        match self.host_event(event)?.wait() {
+            Some(e) => Err(CoreError::Backend {
+                device: self.id().to_string(),
+                message: e,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn synchronize_stream(&self, stream: &Stream) -> Result<()> {
+        self.host_stream(stream)?.synchronize()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let live: Vec<Arc<HostStream>> = self
+            .streams
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        for s in live {
+            s.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        let allocated = self.ledger.allocated.load(Ordering::Acquire);
+        MemoryInfo {
+            allocated,
+            peak_allocated: self.ledger.peak.load(Ordering::Acquire),
+            reserved: allocated,
+            capacity: self.config.capacity,
+            driver_free: None,
+            driver_total: None,
+            pinned_host: self.pinned.pinned(),
+            pinned_limit: self.pinned.limit(),
+        }
+    }
+
+    fn reset_peak(&self) {
+        let now = self.ledger.allocated.load(Ordering::Acquire);
+        self.ledger.peak.store(now, Ordering::Release);
+    }
+
+    fn empty_cache(&self) -> Result<u64> {
+        // The host backend's allocator frees eagerly: there is no idle cache to return.
+        Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::download;
+
+    fn device(capacity: u64) -> Arc<HostDevice> {
+        HostDevice::with_capacity(capacity).unwrap()
+    }
+
+    #[test]
+    fn allocation_is_bounded_by_capacity_and_accounted_exactly() {
+        let d = device(1000);
+        let a = d.alloc(600).unwrap();
+        assert!(matches!(
+            d.alloc(500),
+            Err(CoreError::OutOfMemory {
+                requested: 500,
+                allocated: 600,
+                ..
+            })
+        ));
+        let b = d.alloc(400).unwrap();
+        assert_eq!(d.memory_info().allocated, 1000);
+        drop(a);
+        drop(b);
+        let m = d.memory_info();
+        assert_eq!((m.allocated, m.peak_allocated), (0, 1000));
+        d.reset_peak();
+        assert_eq!(d.memory_info().peak_allocated, 0);
+    }
+
+    #[test]
+    fn copies_round_trip_through_device_memory() {
+        let d = device(1 << 20);
+        let s = d.compute_stream();
+        let pinned = d.alloc_pinned(8).unwrap();
+        pinned
+            .with_bytes_mut(|b| b.copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]))
+            .unwrap();
+        let buf = d.alloc(8).unwrap();
+        d.copy_h2d(&pinned.slice_all(), &buf.slice_all(), &s)
+            .unwrap();
+        let back = download(&*d, &buf.slice(2, 4).unwrap(), &s).unwrap();
+        assert_eq!(back, vec![3, 4, 5, 6]);
+        assert_eq!(d.memory_info().pinned_host, 8);
+        drop(pinned);
+        assert_eq!(d.memory_info().pinned_host, 0);
+    }
+
+    #[test]
+    fn pinned_copy_on_a_slow_link_is_asynchronous_until_an_event_orders_it() {
+        let d = HostDevice::new(HostDeviceConfig {
+            link_bytes_per_sec: Some(1_000.0), // 64 B take 64 ms
+            ..HostDeviceConfig::default()
+        })
+        .unwrap();
+        let copy = d.create_stream().unwrap();
+        let compute = d.compute_stream();
+        let src = d.alloc_pinned(64).unwrap();
+        src.with_bytes_mut(|b| b.fill(7)).unwrap();
+        let dst = d.alloc(64).unwrap();
+        d.copy_h2d(&src.slice_all(), &dst.slice_all(), &copy)
+            .unwrap();
+        let done = d.record_event(&copy).unwrap();
+        // Without a wait the compute stream does not see the copy yet.
+        d.host_compute_fence(&compute).unwrap();
+        let early = d.allocation(&dst).unwrap().with_bytes(|b| b[0]);
+        assert_eq!(early, 0, "copy finished before 64 ms elapsed");
+        assert!(!d.event_complete(&done).unwrap());
+        // With the wait, compute sees the bytes.
+        d.wait_event(&compute, &done).unwrap();
+        d.host_compute_fence(&compute).unwrap();
+        assert!(d.event_complete(&done).unwrap());
+        assert_eq!(d.allocation(&dst).unwrap().with_bytes(|b| b[63]), 7);
+    }
+
+    #[test]
+    fn release_after_frees_when_the_stream_gets_there() {
+        let d = device(100);
+        let s = d.create_stream().unwrap();
+        let b = d.alloc(100).unwrap();
+        d.release_after(b, &s).unwrap();
+        d.synchronize_stream(&s).unwrap();
+        assert_eq!(d.memory_info().allocated, 0);
+    }
+
+    #[test]
+    fn handles_from_another_device_are_refused() {
+        let a = device(100);
+        let b = device(100);
+        let buf = b.alloc(4).unwrap();
+        let src = HostBuffer::pageable_from(&[0; 4]);
+        let err = a
+            .copy_h2d(&src.slice_all(), &buf.slice_all(), &a.compute_stream())
+            .unwrap_err();
+        assert!(matches!(err, CoreError::WrongDevice { .. }), "{err}");
+        let err = a
+            .copy_h2d(
+                &src.slice_all(),
+                &a.alloc(4).unwrap().slice_all(),
+                &b.compute_stream(),
+            )
+            .unwrap_err();
+        assert!(matches!(err, CoreError::WrongDevice { .. }), "{err}");
+    }
+
+    #[test]
+    fn size_mismatch_and_mapped_destination_are_typed_errors() {
+        let d = device(100);
+        let s = d.compute_stream();
+        let buf = d.alloc(4).unwrap();
+        let src = HostBuffer::pageable_from(&[0; 3]);
+        assert!(matches!(
+            d.copy_h2d(&src.slice_all(), &buf.slice_all(), &s),
+            Err(CoreError::SizeMismatch { .. })
+        ));
+        assert!(HostDevice::with_capacity(0).is_err());
+    }
+}

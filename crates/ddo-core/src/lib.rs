@@ -1,0 +1,53 @@
+//! DDO's core contract, and the host backend that implements it without a GPU.
+//!
+//! `ddo-core` sits just above `ddo-metrics` and below everything else: the route crates
+//! (`ddo-routes/*`), the CUDA backend (`ddo-cuda`), the VMM pool (`ddo-vmm`) and the models
+//! (`ddo-nn`) all build on the types defined here and never on each other's internals.
+//! It holds:
+//!
+//! - the memory and transfer plane, [`Device`], with backend-neutral handles
+//!   ([`DeviceBuffer`], [`Stream`], [`Event`]) and host memory of three kinds
+//!   ([`HostBuffer`]: pageable, pinned, checkpoint-mapped);
+//! - [`Tensor`], [`DType`], [`Param`] (stable id, host source, device residency, aliases)
+//!   and [`Component`] (a tree of modules whose leaves own the params);
+//! - the route contract ([`Route`], [`AttachedRoute`]) and the forward driver
+//!   ([`ForwardContext`]) that programs run their leaves through;
+//! - configuration ([`Preset`], [`RouteSpec`], [`Settings`]) and the pure
+//!   [`resolve`](resolve::resolve)r that encodes the seed's VAE table;
+//! - `detach_auxiliary_cpu_sources` ([`detach`]);
+//! - the host backend ([`HostDevice`]): host memory with a capacity, exact accounting and
+//!   an asynchronous copy engine, so CI exercises the same routes a GPU runs.
+//!
+//! Architecture invariant: this crate never depends on cudarc or any GPU library.
+
+pub mod component;
+pub mod config;
+pub mod detach;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod host;
+pub mod host_backend;
+pub mod param;
+pub mod reference;
+pub mod resolve;
+pub mod route;
+pub mod tensor;
+
+pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};
+pub use config::{
+    Budget, ComponentKind, GroupOffloadConfig, OffloadType, Preset, RouteId, RouteOptions,
+    RouteSpec, RouteTarget, Settings,
+};
+pub use device::{
+    AllocatorKind, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event, MemoryInfo,
+    Stream,
+};
+pub use dtype::DType;
+pub use error::{CoreError, DetachRefusal, Refusal, Result};
+pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
+pub use host_backend::{HostDevice, HostDeviceConfig};
+pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
+pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
+pub use route::{AttachedRoute, ComponentProgram, ForwardContext, LeafWeights, Route};
+pub use tensor::{Tensor, TensorStorage};

@@ -1,0 +1,498 @@
+//! The resolver: settings + component name + explicit route + environment → the route a
+//! component runs under, or a typed refusal. Pure: it reads the environment only through
+//! the [`Environment`] it is given, and only when `use_environment` is true.
+//!
+//! # Default routes per preset
+//!
+//! The VAE column is the seed's table, normative. The transformer and text-encoder columns
+//! are DDO's choices; a component with any other name follows the transformer column.
+//!
+//! | preset | vae | transformer | text encoders |
+//! | --- | --- | --- | --- |
+//! | auto → one_shot_fast | group leaf, no stream | group leaf, stream | group leaf, stream |
+//! | low_ram_safe | group leaf, no stream | group leaf, stream, low_cpu_mem_usage | group leaf, no stream |
+//! | vmm_fast | group leaf, no stream | native_vmm (budget: free − 1 GiB) | group leaf, stream |
+//! | warm_process | none (resident) | none (resident) | none (resident) |
+//! | wsl_compat | none (resident) | group leaf, no stream, not pinned | group leaf, no stream |
+//! | nvme_baseline | none (resident) | group leaf, no stream | group leaf, no stream |
+//! | off | unmanaged | unmanaged | unmanaged |
+//!
+//! "group leaf" is `diffusers_group_offload` with `offload_type=leaf_level`; every VAE
+//! group row uses `low_cpu_mem_usage=false`. Why these: a one-shot run streams the
+//! transformer at Diffusers' best measured setting (leaf level with a stream, 1.19× the
+//! link floor, 0.58 GiB peak on the reference H200); low_ram_safe avoids the second,
+//! pinned host copy; vmm_fast puts the denoiser in the native pool (the allocator is a
+//! separate bootstrap step, never installed by resolving a preset); warm_process keeps
+//! everything resident for a long-lived process; wsl_compat avoids pinned memory, which
+//! WSL rations; nvme_baseline is the synchronous baseline.
+//!
+//! # Precedence
+//!
+//! An explicit route wins; then a `component_policies` entry for the component's name;
+//! then (with `use_environment`) `DDO_<COMPONENT>_ROUTE`; then the preset's default, where
+//! the preset is `DDO_PRESET` (with `use_environment`) or the settings' preset. The VAE
+//! defaults apply to the component named `vae` only; the class of a component is never
+//! consulted.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::config::{
+    Budget, ComponentKind, OffloadType, Preset, RouteId, RouteOptions, RouteSpec, RouteTarget,
+    Settings,
+};
+use crate::error::{CoreError, Result};
+
+/// Where environment variables come from.
+pub trait Environment {
+    /// The variable's value, if set.
+    fn var(&self, name: &str) -> Option<String>;
+}
+
+/// The process environment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessEnvironment;
+
+impl Environment for ProcessEnvironment {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+/// A fixed set of variables (for tests and embedding applications).
+#[derive(Debug, Clone, Default)]
+pub struct MapEnvironment(pub BTreeMap<String, String>);
+
+impl MapEnvironment {
+    /// An environment with the given pairs.
+    pub fn from_pairs<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        Self(
+            pairs
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+}
+
+impl Environment for MapEnvironment {
+    fn var(&self, name: &str) -> Option<String> {
+        self.0.get(name).cloned()
+    }
+}
+
+/// What decided a component's route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// The route passed explicitly to `enable_offload`.
+    ExplicitRoute,
+    /// The settings' `component_policies` entry for the component.
+    ComponentPolicy,
+    /// `DDO_<COMPONENT>_ROUTE` (named).
+    EnvironmentRoute(String),
+    /// The preset's default for the component's kind.
+    PresetDefault,
+    /// The low-level `enable_dynamic_offload` config, applied as given.
+    LowLevelConfig,
+}
+
+impl fmt::Display for DecidedBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecidedBy::ExplicitRoute => f.write_str("explicit route"),
+            DecidedBy::ComponentPolicy => f.write_str("component policy"),
+            DecidedBy::EnvironmentRoute(var) => write!(f, "environment ({var})"),
+            DecidedBy::PresetDefault => f.write_str("preset default"),
+            DecidedBy::LowLevelConfig => f.write_str("low-level config"),
+        }
+    }
+}
+
+/// The resolver's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolution {
+    /// The route and its options.
+    pub spec: RouteSpec,
+    /// The preset in force, resolved (`auto` → `one_shot_fast`).
+    pub preset: Preset,
+    /// Where the preset came from (`DDO_PRESET` or the settings).
+    pub preset_from_environment: bool,
+    /// What decided the route.
+    pub decided_by: DecidedBy,
+    /// Whether the route needs the native VMM allocator installed (resolving never
+    /// installs it).
+    pub needs_native_allocator: bool,
+}
+
+/// The environment variable that can override a component's route.
+pub fn route_env_var(component: &str) -> String {
+    let upper: String = component
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("DDO_{upper}_ROUTE")
+}
+
+/// The preset default for a component kind. This function is the table in the module
+/// documentation.
+pub fn preset_default(preset: Preset, kind: &ComponentKind) -> RouteSpec {
+    let leaf = |use_stream: bool, low_cpu_mem_usage: bool| {
+        RouteSpec::leaf_group(use_stream, low_cpu_mem_usage)
+    };
+    match (preset.resolved(), kind) {
+        (Preset::Off, _) => RouteSpec::unmanaged(),
+        // The seed's VAE table.
+        (
+            Preset::Auto | Preset::OneShotFast | Preset::LowRamSafe | Preset::VmmFast,
+            ComponentKind::Vae,
+        ) => leaf(false, false),
+        (Preset::WarmProcess | Preset::WslCompat | Preset::NvmeBaseline, ComponentKind::Vae) => {
+            RouteSpec::resident()
+        }
+        // DDO's transformer and text-encoder rows.
+        (Preset::WarmProcess, _) => RouteSpec::resident(),
+        (Preset::Auto | Preset::OneShotFast, _) => leaf(true, false),
+        (Preset::LowRamSafe, ComponentKind::TextEncoder) => leaf(false, false),
+        (Preset::LowRamSafe, _) => leaf(true, true),
+        (Preset::VmmFast, ComponentKind::TextEncoder) => leaf(true, false),
+        (Preset::VmmFast, _) => RouteSpec::new(
+            RouteTarget::Route(RouteId::NativeVmm),
+            RouteOptions {
+                budget: Some(Budget::FreeMinus(1 << 30)),
+                ..RouteOptions::default()
+            },
+        )
+        .unwrap_or_else(|_| RouteSpec::route(RouteId::NativeVmm)),
+        (Preset::WslCompat, ComponentKind::TextEncoder) => leaf(false, false),
+        (Preset::WslCompat, _) => RouteSpec::new(
+            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteOptions {
+                offload_type: Some(OffloadType::LeafLevel),
+                use_stream: Some(false),
+                pinned: Some(false),
+                ..RouteOptions::default()
+            },
+        )
+        .unwrap_or_else(|_| leaf(false, false)),
+        (Preset::NvmeBaseline, _) => leaf(false, false),
+    }
+}
+
+/// Resolves the route of the component named `component`.
+///
+/// `explicit` is the route the caller passed for this component, if any. The environment
+/// is read only when `settings.use_environment` is true.
+pub fn resolve(
+    settings: &Settings,
+    component: &str,
+    explicit: Option<&RouteSpec>,
+    env: &dyn Environment,
+) -> Result<Resolution> {
+    let (preset, preset_from_environment) = if settings.use_environment {
+        match env.var("DDO_PRESET") {
+            Some(v) => (
+                v.trim()
+                    .parse::<Preset>()
+                    .map_err(|e| CoreError::InvalidEnvironment {
+                        var: "DDO_PRESET".into(),
+                        value: v.clone(),
+                        message: e.to_string(),
+                    })?,
+                true,
+            ),
+            None => (settings.preset, false),
+        }
+    } else {
+        (settings.preset, false)
+    };
+    let preset = preset.resolved();
+
+    let env_route = if settings.use_environment {
+        let var = route_env_var(component);
+        match env.var(&var) {
+            Some(v) => Some((
+                v.trim()
+                    .parse::<RouteSpec>()
+                    .map_err(|e| CoreError::InvalidEnvironment {
+                        var: var.clone(),
+                        value: v.clone(),
+                        message: e.to_string(),
+                    })?,
+                var,
+            )),
+            None => None,
+        }
+    } else {
+        None
+    };
+
+    let (spec, decided_by) = if let Some(spec) = explicit {
+        (*spec, DecidedBy::ExplicitRoute)
+    } else if let Some(spec) = settings.component_policies.get(component) {
+        (*spec, DecidedBy::ComponentPolicy)
+    } else if let Some((spec, var)) = env_route {
+        (spec, DecidedBy::EnvironmentRoute(var))
+    } else {
+        (
+            preset_default(preset, &ComponentKind::from_name(component)),
+            DecidedBy::PresetDefault,
+        )
+    };
+    Ok(Resolution {
+        needs_native_allocator: spec.route_id() == Some(RouteId::NativeVmm),
+        spec,
+        preset,
+        preset_from_environment,
+        decided_by,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// An environment that counts every read.
+    struct CountingEnv<'a> {
+        inner: MapEnvironment,
+        reads: &'a Cell<usize>,
+    }
+
+    impl Environment for CountingEnv<'_> {
+        fn var(&self, name: &str) -> Option<String> {
+            self.reads.set(self.reads.get() + 1);
+            self.inner.var(name)
+        }
+    }
+
+    fn settings(preset: Preset) -> Settings {
+        Settings {
+            preset,
+            ..Settings::default()
+        }
+    }
+
+    fn vae_leaf_no_stream() -> RouteSpec {
+        RouteSpec::leaf_group(false, false)
+    }
+
+    // One test per row of the seed's VAE table.
+
+    #[test]
+    fn vae_auto_resolves_to_one_shot_fast_and_leaf_no_stream() {
+        let r = resolve(
+            &settings(Preset::Auto),
+            "vae",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.preset, Preset::OneShotFast);
+        assert_eq!(r.spec, vae_leaf_no_stream());
+        let c = r.spec.group_offload_config();
+        assert_eq!(c.offload_type, OffloadType::LeafLevel);
+        assert!(!c.use_stream && !c.low_cpu_mem_usage);
+        assert_eq!(r.decided_by, DecidedBy::PresetDefault);
+    }
+
+    #[test]
+    fn vae_one_shot_fast_and_low_ram_safe_are_leaf_no_stream() {
+        for p in [Preset::OneShotFast, Preset::LowRamSafe] {
+            let r = resolve(&settings(p), "vae", None, &MapEnvironment::default()).unwrap();
+            assert_eq!(r.spec, vae_leaf_no_stream(), "{p}");
+            assert_eq!(r.spec.options().low_cpu_mem_usage, Some(false));
+        }
+    }
+
+    #[test]
+    fn vae_vmm_fast_is_leaf_no_stream_and_installs_nothing() {
+        let r = resolve(
+            &settings(Preset::VmmFast),
+            "vae",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.spec, vae_leaf_no_stream());
+        assert!(!r.needs_native_allocator);
+    }
+
+    #[test]
+    fn vae_warm_process_wsl_compat_nvme_baseline_are_resident() {
+        for p in [Preset::WarmProcess, Preset::WslCompat, Preset::NvmeBaseline] {
+            let r = resolve(&settings(p), "vae", None, &MapEnvironment::default()).unwrap();
+            assert_eq!(r.spec, RouteSpec::resident(), "{p}");
+        }
+    }
+
+    #[test]
+    fn vae_off_is_unmanaged() {
+        let r = resolve(
+            &settings(Preset::Off),
+            "vae",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.spec.target(), RouteTarget::Unmanaged);
+    }
+
+    #[test]
+    fn every_preset_resolves_every_kind_to_a_valid_spec() {
+        for p in Preset::ALL {
+            for name in [
+                "vae",
+                "transformer",
+                "text_encoder",
+                "text_encoder_2",
+                "controlnet",
+            ] {
+                let r = resolve(&settings(p), name, None, &MapEnvironment::default()).unwrap();
+                // Re-validating the default gives the same spec: defaults are never contradictory.
+                assert_eq!(
+                    RouteSpec::new(r.spec.target(), *r.spec.options()).unwrap(),
+                    r.spec,
+                    "{p} {name}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn vmm_fast_transformer_needs_the_native_allocator_but_resolving_installs_nothing() {
+        let r = resolve(
+            &settings(Preset::VmmFast),
+            "transformer",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.spec.route_id(), Some(RouteId::NativeVmm));
+        assert!(r.needs_native_allocator);
+    }
+
+    #[test]
+    fn explicit_route_always_wins() {
+        let explicit: RouteSpec = "linear_convolution".parse().unwrap();
+        let mut s = settings(Preset::WarmProcess);
+        s.component_policies
+            .insert("vae".into(), RouteSpec::resident());
+        s.use_environment = true;
+        let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "none"), ("DDO_PRESET", "off")]);
+        for p in Preset::ALL {
+            s.preset = p;
+            let r = resolve(&s, "vae", Some(&explicit), &env).unwrap();
+            assert_eq!(r.spec, explicit, "{p}");
+            assert_eq!(r.decided_by, DecidedBy::ExplicitRoute);
+        }
+    }
+
+    #[test]
+    fn a_vae_policy_does_not_change_the_transformer() {
+        let mut s = settings(Preset::Auto);
+        let before = resolve(&s, "transformer", None, &MapEnvironment::default()).unwrap();
+        s.component_policies
+            .insert("vae".into(), "linear_convolution".parse().unwrap());
+        let vae = resolve(&s, "vae", None, &MapEnvironment::default()).unwrap();
+        assert_eq!(vae.spec.route_id(), Some(RouteId::LinearConvolution));
+        assert_eq!(vae.decided_by, DecidedBy::ComponentPolicy);
+        let after = resolve(&s, "transformer", None, &MapEnvironment::default()).unwrap();
+        assert_eq!(before, after);
+    }
+
+    #[test]
+    fn vae_defaults_follow_the_name_not_the_class() {
+        // A VAE registered under another name gets that name's row, not the VAE row.
+        let r = resolve(
+            &settings(Preset::WarmProcess),
+            "decoder",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.spec, RouteSpec::resident());
+        let r = resolve(
+            &settings(Preset::OneShotFast),
+            "decoder",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.spec, RouteSpec::leaf_group(true, false));
+    }
+
+    #[test]
+    fn use_environment_false_never_reads_the_environment() {
+        let reads = Cell::new(0);
+        let env = CountingEnv {
+            inner: MapEnvironment::from_pairs([("DDO_PRESET", "off"), ("DDO_VAE_ROUTE", "none")]),
+            reads: &reads,
+        };
+        let r = resolve(&settings(Preset::Auto), "vae", None, &env).unwrap();
+        assert_eq!(reads.get(), 0);
+        assert_eq!(r.spec, vae_leaf_no_stream());
+        assert!(!r.preset_from_environment);
+    }
+
+    #[test]
+    fn use_environment_true_lets_the_environment_override_defaults_only() {
+        let mut s = settings(Preset::Auto);
+        s.use_environment = true;
+        let env = MapEnvironment::from_pairs([("DDO_PRESET", "warm_process")]);
+        let r = resolve(&s, "vae", None, &env).unwrap();
+        assert_eq!(
+            (r.preset, r.spec),
+            (Preset::WarmProcess, RouteSpec::resident())
+        );
+        assert!(r.preset_from_environment);
+
+        let env = MapEnvironment::from_pairs([("DDO_TEXT_ENCODER_2_ROUTE", "linear_convolution")]);
+        let r = resolve(&s, "text_encoder_2", None, &env).unwrap();
+        assert_eq!(r.spec.route_id(), Some(RouteId::LinearConvolution));
+        assert_eq!(
+            r.decided_by,
+            DecidedBy::EnvironmentRoute("DDO_TEXT_ENCODER_2_ROUTE".into())
+        );
+
+        // A component policy is explicit config: the environment does not replace it.
+        s.component_policies
+            .insert("vae".into(), RouteSpec::resident());
+        let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "linear_convolution")]);
+        let r = resolve(&s, "vae", None, &env).unwrap();
+        assert_eq!(r.spec, RouteSpec::resident());
+    }
+
+    #[test]
+    fn bad_environment_values_are_typed_errors() {
+        let mut s = settings(Preset::Auto);
+        s.use_environment = true;
+        for (var, value) in [
+            ("DDO_PRESET", "ludicrous"),
+            ("DDO_VAE_ROUTE", "teleport"),
+            (
+                "DDO_VAE_ROUTE",
+                "diffusers_group_offload:record_stream=true",
+            ),
+        ] {
+            let env = MapEnvironment::from_pairs([(var, value)]);
+            let e = resolve(&s, "vae", None, &env).unwrap_err();
+            assert!(
+                matches!(e, CoreError::InvalidEnvironment { .. }),
+                "{var}={value}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn env_var_names_are_derived_from_component_names() {
+        assert_eq!(route_env_var("vae"), "DDO_VAE_ROUTE");
+        assert_eq!(route_env_var("text_encoder_2"), "DDO_TEXT_ENCODER_2_ROUTE");
+        assert_eq!(route_env_var("my-unet"), "DDO_MY_UNET_ROUTE");
+    }
+}

@@ -1,0 +1,189 @@
+//! The route contract: [`Route`] (preflight, then attach) and [`AttachedRoute`] (the hooks
+//! an attached route runs around each forward, each leaf, at phase end and on detach), and
+//! the forward driver ([`ForwardContext`]) that model programs run their leaves through.
+
+use std::fmt;
+use std::sync::Arc;
+
+use ddo_metrics::RouteMetrics;
+
+use crate::component::{Component, Leaf, LeafId};
+use crate::config::{RouteId, RouteSpec};
+use crate::device::{Device, DeviceId};
+use crate::error::{CoreError, Result};
+use crate::tensor::Tensor;
+
+/// A component's forward computation, written against [`ForwardContext`]: every leaf runs
+/// through [`ForwardContext::run_leaf`], so whatever route is attached sees it.
+pub trait ComponentProgram: Send + Sync {
+    /// Runs the component on `input`.
+    fn forward(&self, ctx: &mut ForwardContext<'_>, input: Tensor) -> Result<Tensor>;
+}
+
+/// The hooks of a route attached to one component.
+///
+/// Implementations keep their own state behind interior mutability; the component calls
+/// the hooks from one forward at a time.
+pub trait AttachedRoute: Send + Sync + fmt::Debug {
+    /// Which route this is.
+    fn route(&self) -> RouteId;
+
+    /// The route's name (`none`, `diffusers_group_offload`, ...).
+    fn route_name(&self) -> &'static str {
+        self.route().as_str()
+    }
+
+    /// The route's options in words, for profiles.
+    fn describe(&self) -> String;
+
+    /// The device the route executes on.
+    fn device_id(&self) -> DeviceId;
+
+    /// The route's live counters.
+    fn metrics(&self) -> &Arc<RouteMetrics>;
+
+    /// Whether DDO's `remove_dynamic_offload` owns these hooks. Diffusers-style group
+    /// offload hooks are owned by the handle and the component instead: they end when
+    /// both are dropped.
+    fn removable(&self) -> bool {
+        true
+    }
+
+    /// Called before the component's program starts.
+    fn before_forward(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called before `leaf` runs: its params must be on the device (and ordered before the
+    /// compute stream's next work) when this returns.
+    fn before_leaf(&self, leaf: &Leaf) -> Result<()>;
+
+    /// Called after `leaf` ran.
+    fn after_leaf(&self, leaf: &Leaf) -> Result<()>;
+
+    /// Called after the component's program finished.
+    fn after_forward(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Phase boundary: synchronise, and drop transient buffers (prefetched groups, staging),
+    /// keeping what the route keeps resident by design.
+    fn end_phase(&self) -> Result<()>;
+
+    /// Releases everything the route holds on the device and in pinned memory, and leaves
+    /// every param host-only. Idempotent; also run when the route is dropped.
+    fn detach(&self) -> Result<()>;
+}
+
+/// A route implementation: checks, then attaches.
+pub trait Route: Send + Sync {
+    /// Which route this is.
+    fn id(&self) -> RouteId;
+
+    /// Checks that the route can run `component` on `device` with `spec`, touching
+    /// nothing; a refusal says what to change.
+    fn preflight(&self, component: &Component, device: &dyn Device, spec: &RouteSpec)
+    -> Result<()>;
+
+    /// Attaches to `component`. On error nothing is left allocated or changed.
+    fn attach(
+        &self,
+        component: &Arc<Component>,
+        device: Arc<dyn Device>,
+        spec: &RouteSpec,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Arc<dyn AttachedRoute>>;
+}
+
+/// The device tensors of one leaf's params, valid while the leaf runs.
+pub struct LeafWeights<'a> {
+    leaf: &'a Leaf,
+    tensors: Vec<Tensor>,
+}
+
+impl LeafWeights<'_> {
+    /// The device tensor of the param with local name `name`.
+    pub fn get(&self, name: &str) -> Result<&Tensor> {
+        self.leaf
+            .params()
+            .iter()
+            .position(|(n, _)| n == name)
+            .map(|i| &self.tensors[i])
+            .ok_or_else(|| CoreError::Shape {
+                what: format!("leaf `{}`", self.leaf.path()),
+                message: format!("has no param named `{name}`"),
+            })
+    }
+
+    /// The device tensors in the leaf's param order.
+    pub fn tensors(&self) -> &[Tensor] {
+        &self.tensors
+    }
+
+    /// The leaf.
+    pub fn leaf(&self) -> &Leaf {
+        self.leaf
+    }
+}
+
+/// What a program sees while it runs: the device, and the way to run leaves.
+pub struct ForwardContext<'a> {
+    component: &'a Component,
+    device: &'a dyn Device,
+    hooks: Option<&'a dyn AttachedRoute>,
+}
+
+impl<'a> ForwardContext<'a> {
+    pub(crate) fn new(
+        component: &'a Component,
+        device: &'a dyn Device,
+        hooks: Option<&'a dyn AttachedRoute>,
+    ) -> Self {
+        Self {
+            component,
+            device,
+            hooks,
+        }
+    }
+
+    /// The execution device.
+    pub fn device(&self) -> &'a dyn Device {
+        self.device
+    }
+
+    /// The component being run.
+    pub fn component(&self) -> &'a Component {
+        self.component
+    }
+
+    /// Runs leaf `id`: the route's `before_leaf`, then `f` with the leaf's device weights,
+    /// then `after_leaf`. When `f` fails, `after_leaf` is skipped and the error returned
+    /// (the managed error boundary cleans up).
+    pub fn run_leaf<T>(
+        &mut self,
+        id: LeafId,
+        f: impl FnOnce(&LeafWeights<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let leaf = self.component.leaf(id)?;
+        if let Some(h) = self.hooks {
+            h.metrics().record_leaf_call();
+            h.before_leaf(leaf)?;
+        }
+        let out = {
+            let mut tensors = Vec::with_capacity(leaf.params().len());
+            for (name, p) in leaf.params() {
+                let t = p.device_tensor().ok_or_else(|| CoreError::NotResident {
+                    leaf: leaf.path().to_string(),
+                    param: name.clone(),
+                })?;
+                tensors.push(t);
+            }
+            let weights = LeafWeights { leaf, tensors };
+            f(&weights)?
+        };
+        if let Some(h) = self.hooks {
+            h.after_leaf(leaf)?;
+        }
+        Ok(out)
+    }
+}

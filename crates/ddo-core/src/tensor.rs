@@ -1,0 +1,181 @@
+//! [`Tensor`]: a shape, an element type, and bytes on the host or on a device.
+
+use crate::device::{Device, DeviceSlice, Stream, download};
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::host::{HostBuffer, HostSlice};
+
+/// Where a tensor's bytes are.
+#[derive(Clone, Debug)]
+pub enum TensorStorage {
+    /// Host memory.
+    Host(HostSlice),
+    /// Device memory.
+    Device(DeviceSlice),
+}
+
+/// A dense, contiguous, row-major tensor.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    dtype: DType,
+    storage: TensorStorage,
+}
+
+/// Number of elements of `shape`, or `None` on overflow.
+pub fn numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// Bytes of a dense tensor of `shape` and `dtype`, or a typed error on overflow.
+pub fn byte_len(shape: &[usize], dtype: DType) -> Result<usize> {
+    numel(shape)
+        .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
+        .ok_or_else(|| CoreError::Shape {
+            what: "tensor size".into(),
+            message: format!("shape {shape:?} of {dtype} overflows the address space"),
+        })
+}
+
+impl Tensor {
+    /// A tensor over existing storage; the storage must hold exactly the tensor's bytes.
+    pub fn new(shape: Vec<usize>, dtype: DType, storage: TensorStorage) -> Result<Self> {
+        let expected = byte_len(&shape, dtype)?;
+        let actual = match &storage {
+            TensorStorage::Host(h) => h.len(),
+            TensorStorage::Device(d) => d.len(),
+        };
+        if expected != actual {
+            return Err(CoreError::SizeMismatch {
+                what: format!("tensor of shape {shape:?} and dtype {dtype}"),
+                expected,
+                actual,
+            });
+        }
+        Ok(Self {
+            shape,
+            dtype,
+            storage,
+        })
+    }
+
+    /// A host tensor holding `values` encoded as `dtype`.
+    pub fn from_f32(shape: Vec<usize>, dtype: DType, values: &[f32]) -> Result<Self> {
+        let expected = numel(&shape).unwrap_or(usize::MAX);
+        if values.len() != expected {
+            return Err(CoreError::SizeMismatch {
+                what: format!("values for shape {shape:?}"),
+                expected,
+                actual: values.len(),
+            });
+        }
+        let bytes = dtype.encode_f32(values)?;
+        Self::new(
+            shape,
+            dtype,
+            TensorStorage::Host(HostBuffer::pageable_from(&bytes).slice_all()),
+        )
+    }
+
+    /// Shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Storage.
+    pub fn storage(&self) -> &TensorStorage {
+        &self.storage
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        numel(&self.shape).unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of storage.
+    pub fn nbytes(&self) -> usize {
+        match &self.storage {
+            TensorStorage::Host(h) => h.len(),
+            TensorStorage::Device(d) => d.len(),
+        }
+    }
+
+    /// Whether the bytes are on a device.
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.storage, TensorStorage::Device(_))
+    }
+
+    /// The same tensor on `device` (a copy on `stream`; a device tensor is returned as is).
+    pub fn to_device(&self, device: &dyn Device, stream: &Stream) -> Result<Tensor> {
+        match &self.storage {
+            TensorStorage::Device(_) => Ok(self.clone()),
+            TensorStorage::Host(h) => {
+                let dst = device.alloc(h.len())?;
+                device.copy_h2d(h, &dst.slice_all(), stream)?;
+                Self::new(
+                    self.shape.clone(),
+                    self.dtype,
+                    TensorStorage::Device(dst.slice_all()),
+                )
+            }
+        }
+    }
+
+    /// The tensor's bytes on the host, waiting for `stream` when they are on a device.
+    pub fn to_host_bytes(&self, device: &dyn Device, stream: &Stream) -> Result<Vec<u8>> {
+        match &self.storage {
+            TensorStorage::Host(h) => Ok(h.to_vec()),
+            TensorStorage::Device(d) => download(device, d, stream),
+        }
+    }
+
+    /// The tensor's values as f32, waiting for `stream` when they are on a device.
+    pub fn to_f32_vec(&self, device: &dyn Device, stream: &Stream) -> Result<Vec<f32>> {
+        self.dtype.decode_f32(&self.to_host_bytes(device, stream)?)
+    }
+
+    /// The tensor's values as f32, for a host tensor.
+    pub fn host_f32(&self) -> Result<Vec<f32>> {
+        match &self.storage {
+            TensorStorage::Host(h) => h.with_bytes(|b| self.dtype.decode_f32(b)),
+            TensorStorage::Device(_) => Err(CoreError::Shape {
+                what: "host_f32".into(),
+                message: "the tensor is on a device; use to_f32_vec with its device".into(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host_backend::HostDevice;
+
+    #[test]
+    fn storage_must_match_shape_and_dtype() {
+        let h = HostBuffer::pageable_zeroed(12).slice_all();
+        assert!(Tensor::new(vec![3], DType::F32, TensorStorage::Host(h.clone())).is_ok());
+        assert!(matches!(
+            Tensor::new(vec![4], DType::F32, TensorStorage::Host(h)),
+            Err(CoreError::SizeMismatch { .. })
+        ));
+        assert!(byte_len(&[usize::MAX, 2], DType::F32).is_err());
+    }
+
+    #[test]
+    fn device_round_trip_preserves_values() {
+        let d = HostDevice::with_capacity(1 << 20).unwrap();
+        let s = d.compute_stream();
+        let t = Tensor::from_f32(vec![2, 2], DType::BF16, &[1.0, -2.0, 0.5, 4.0]).unwrap();
+        let on = t.to_device(&*d, &s).unwrap();
+        assert!(on.is_on_device());
+        assert_eq!(on.to_f32_vec(&*d, &s).unwrap(), vec![1.0, -2.0, 0.5, 4.0]);
+        drop(on);
+        assert_eq!(d.memory_info().allocated, 0);
+    }
+}

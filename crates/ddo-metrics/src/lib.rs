@@ -1,0 +1,478 @@
+//! Counters, per-phase peaks and profile snapshots for DDO.
+//!
+//! This is the bottom crate of the workspace: it depends on no other DDO crate. Routes
+//! (in `ddo-routes`) record into a shared [`RouteMetrics`] while they run; the offload
+//! handle turns those live counters plus the device's memory figures into a plain-data
+//! [`MetricsSnapshot`], which prints as a human-readable profile
+//! ([`MetricsSnapshot::format_profile`]) or as JSON ([`MetricsSnapshot::to_json`]).
+//! Every memory figure says where it came from: exact allocator accounting, or a sampled
+//! driver figure.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+/// Live counters of one attached route. Cheap to update from the per-leaf path (relaxed
+/// atomics); shared between the route and its handle behind an `Arc`.
+#[derive(Debug, Default)]
+pub struct RouteMetrics {
+    h2d_bytes: AtomicU64,
+    h2d_copies: AtomicU64,
+    d2h_bytes: AtomicU64,
+    d2h_copies: AtomicU64,
+    copy_wait_ns: AtomicU64,
+    forwards: AtomicU64,
+    leaf_calls: AtomicU64,
+    resident_weight_bytes: AtomicU64,
+    pinned_host_bytes: AtomicU64,
+    peak_pinned_host_bytes: AtomicU64,
+    leaves_streamed: AtomicU64,
+    leaves_resident: AtomicU64,
+    schedule_relearned: AtomicU64,
+    phases: Mutex<Vec<PhasePeak>>,
+    detach_reports: Mutex<Vec<DetachSummary>>,
+}
+
+impl RouteMetrics {
+    /// New, all-zero counters.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records one host→device copy of `bytes`.
+    pub fn record_h2d(&self, bytes: u64) {
+        self.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.h2d_copies.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records one device→host copy of `bytes`.
+    pub fn record_d2h(&self, bytes: u64) {
+        self.d2h_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.d2h_copies.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds time the host spent blocked waiting for copies to finish.
+    pub fn record_copy_wait(&self, waited: Duration) {
+        let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        self.copy_wait_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Records one whole forward of the component.
+    pub fn record_forward(&self) {
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records one leaf execution.
+    pub fn record_leaf_call(&self) {
+        self.leaf_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Number of forwards recorded so far.
+    pub fn forwards(&self) -> u64 {
+        self.forwards.load(Ordering::Relaxed)
+    }
+
+    /// Records that the learned leaf order changed and was learned again.
+    pub fn record_schedule_relearned(&self) {
+        self.schedule_relearned.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sets the bytes of weights kept resident on the device by the route.
+    pub fn set_resident_weight_bytes(&self, bytes: u64) {
+        self.resident_weight_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Sets the pinned host bytes the route currently holds (and tracks their peak).
+    pub fn set_pinned_host_bytes(&self, bytes: u64) {
+        self.pinned_host_bytes.store(bytes, Ordering::Relaxed);
+        self.peak_pinned_host_bytes
+            .fetch_max(bytes, Ordering::Relaxed);
+    }
+
+    /// Sets how many leaves the route streams and how many it keeps resident.
+    pub fn set_leaf_plan(&self, streamed: u64, resident: u64) {
+        self.leaves_streamed.store(streamed, Ordering::Relaxed);
+        self.leaves_resident.store(resident, Ordering::Relaxed);
+    }
+
+    /// Appends a finished phase's peaks.
+    pub fn push_phase(&self, phase: PhasePeak) {
+        self.phases.lock().push(phase);
+    }
+
+    /// Appends a detach report.
+    pub fn push_detach(&self, report: DetachSummary) {
+        self.detach_reports.lock().push(report);
+    }
+
+    /// Copies the counters into a [`RouteCounters`] value.
+    pub fn counters(&self) -> RouteCounters {
+        RouteCounters {
+            h2d_bytes: self.h2d_bytes.load(Ordering::Relaxed),
+            h2d_copies: self.h2d_copies.load(Ordering::Relaxed),
+            d2h_bytes: self.d2h_bytes.load(Ordering::Relaxed),
+            d2h_copies: self.d2h_copies.load(Ordering::Relaxed),
+            copy_wait_ns: self.copy_wait_ns.load(Ordering::Relaxed),
+            forwards: self.forwards.load(Ordering::Relaxed),
+            leaf_calls: self.leaf_calls.load(Ordering::Relaxed),
+            resident_weight_bytes: self.resident_weight_bytes.load(Ordering::Relaxed),
+            pinned_host_bytes: self.pinned_host_bytes.load(Ordering::Relaxed),
+            peak_pinned_host_bytes: self.peak_pinned_host_bytes.load(Ordering::Relaxed),
+            leaves_streamed: self.leaves_streamed.load(Ordering::Relaxed),
+            leaves_resident: self.leaves_resident.load(Ordering::Relaxed),
+            schedule_relearned: self.schedule_relearned.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The phases recorded so far.
+    pub fn phases(&self) -> Vec<PhasePeak> {
+        self.phases.lock().clone()
+    }
+
+    /// The detach reports recorded so far.
+    pub fn detach_reports(&self) -> Vec<DetachSummary> {
+        self.detach_reports.lock().clone()
+    }
+}
+
+/// A copy of a route's counters at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteCounters {
+    /// Bytes copied host→device.
+    pub h2d_bytes: u64,
+    /// Number of host→device copies.
+    pub h2d_copies: u64,
+    /// Bytes copied device→host.
+    pub d2h_bytes: u64,
+    /// Number of device→host copies.
+    pub d2h_copies: u64,
+    /// Nanoseconds the host spent blocked waiting for copies.
+    pub copy_wait_ns: u64,
+    /// Whole forwards run.
+    pub forwards: u64,
+    /// Leaf executions run.
+    pub leaf_calls: u64,
+    /// Weight bytes the route keeps resident on the device.
+    pub resident_weight_bytes: u64,
+    /// Pinned host bytes the route holds now.
+    pub pinned_host_bytes: u64,
+    /// Most pinned host bytes the route held at once.
+    pub peak_pinned_host_bytes: u64,
+    /// Leaves whose weights move per forward.
+    pub leaves_streamed: u64,
+    /// Leaves whose weights stay on the device.
+    pub leaves_resident: u64,
+    /// Times the learned leaf order changed and was learned again.
+    pub schedule_relearned: u64,
+}
+
+/// Peak device memory of one finished phase.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhasePeak {
+    /// Phase name (`prompt_encoding`, `denoise`, `decode`, or a caller's name).
+    pub phase: String,
+    /// Peak of the allocator's exact accounting during the phase (bytes).
+    pub allocator_peak_bytes: u64,
+    /// Allocator bytes still allocated when the phase ended, after cleanup.
+    pub allocator_end_bytes: u64,
+    /// Peak of the driver's used-memory figure, sampled at phase end (bytes), when the
+    /// backend has a driver to ask.
+    pub driver_used_sampled_bytes: Option<u64>,
+}
+
+/// Why a group was not copied by `detach_auxiliary_cpu_sources`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedGroup {
+    /// The group (module path).
+    pub group: String,
+    /// Bytes the group would have copied.
+    pub bytes: u64,
+    /// Why it was skipped.
+    pub reason: String,
+}
+
+/// What `detach_auxiliary_cpu_sources` did, with resident memory and the checkpoint
+/// mapping measured separately.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DetachSummary {
+    /// Whether the operation was enabled (a disabled call changes nothing).
+    pub enabled: bool,
+    /// The explicit copy bound the caller gave (bytes).
+    pub max_copy_bytes: u64,
+    /// Bytes copied from checkpoint mappings into owned memory.
+    pub bytes_copied: u64,
+    /// Groups copied.
+    pub groups_copied: u64,
+    /// Tensors whose host source changed (registered aliases count once).
+    pub tensors_copied: u64,
+    /// Groups left as they were, and why.
+    pub groups_skipped: Vec<SkippedGroup>,
+    /// Checkpoint mappings whose last reference was dropped by this operation.
+    pub mappings_released: u64,
+    /// Total size of the released mappings (bytes).
+    pub mapping_bytes_released: u64,
+    /// `RssAnon` before, from `/proc/self/status` (bytes), where available.
+    pub rss_anon_before: Option<u64>,
+    /// `RssAnon` after (bytes), where available.
+    pub rss_anon_after: Option<u64>,
+    /// `RssFile` before (bytes), where available.
+    pub rss_file_before: Option<u64>,
+    /// `RssFile` after (bytes), where available.
+    pub rss_file_after: Option<u64>,
+    /// True only when a measured drop backs the claim that releasing the mapping returned
+    /// memory; conservative, false whenever it was not measured.
+    pub commit_recovery_proven: bool,
+}
+
+impl DetachSummary {
+    /// Human-readable report.
+    pub fn format_profile(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "detach_auxiliary_cpu_sources");
+        if !self.enabled {
+            let _ = writeln!(s, "  disabled: nothing copied, nothing released");
+            return s;
+        }
+        let _ = writeln!(
+            s,
+            "  copied {} in {} group(s), {} tensor(s) (bound {})",
+            format_bytes(self.bytes_copied),
+            self.groups_copied,
+            self.tensors_copied,
+            format_bytes(self.max_copy_bytes)
+        );
+        for g in &self.groups_skipped {
+            let _ = writeln!(
+                s,
+                "  skipped {} ({}): {}",
+                g.group,
+                format_bytes(g.bytes),
+                g.reason
+            );
+        }
+        let _ = writeln!(
+            s,
+            "  checkpoint mappings released: {} ({})",
+            self.mappings_released,
+            format_bytes(self.mapping_bytes_released)
+        );
+        let _ = writeln!(
+            s,
+            "  RssAnon {} -> {}, RssFile {} -> {}",
+            opt_bytes(self.rss_anon_before),
+            opt_bytes(self.rss_anon_after),
+            opt_bytes(self.rss_file_before),
+            opt_bytes(self.rss_file_after)
+        );
+        let _ = writeln!(
+            s,
+            "  commit_recovery_proven: {}",
+            self.commit_recovery_proven
+        );
+        s
+    }
+}
+
+/// Device memory figures, each labelled by its source.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemoryFigures {
+    /// Bytes allocated now (exact allocator accounting).
+    pub allocated_bytes: u64,
+    /// Peak bytes allocated since the last reset (exact allocator accounting).
+    pub peak_allocated_bytes: u64,
+    /// Bytes the allocator holds from the driver, in use or cached (exact).
+    pub reserved_bytes: u64,
+    /// The device's capacity (bytes).
+    pub capacity_bytes: u64,
+    /// Free bytes as the driver reports them (sampled), when there is a driver.
+    pub driver_free_bytes: Option<u64>,
+    /// Pinned host bytes the device has handed out (exact).
+    pub pinned_host_bytes: u64,
+}
+
+/// Everything a route reports, at one moment: `metrics_snapshot()`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetricsSnapshot {
+    /// Component name.
+    pub component: String,
+    /// Route that runs it (`none`, `diffusers_group_offload`, ...).
+    pub route: String,
+    /// Route options in words.
+    pub route_options: String,
+    /// Resolved preset, when the route came through a preset.
+    pub preset: Option<String>,
+    /// What decided the route (explicit, component policy, environment, preset default).
+    pub decided_by: String,
+    /// Device the component executes on.
+    pub device: String,
+    /// Allocator installed on that device (`caching` or `native_vmm`).
+    pub allocator: String,
+    /// The route's counters.
+    pub counters: RouteCounters,
+    /// Device memory now.
+    pub memory: DeviceMemoryFigures,
+    /// Finished phases, in order.
+    pub phases: Vec<PhasePeak>,
+    /// Detach reports, in order.
+    pub detach_reports: Vec<DetachSummary>,
+}
+
+impl MetricsSnapshot {
+    /// JSON form of the snapshot.
+    pub fn to_json(&self) -> Result<String, serde_json::Error> {
+        serde_json::to_string_pretty(self)
+    }
+
+    /// Human-readable profile.
+    pub fn format_profile(&self) -> String {
+        let c = &self.counters;
+        let m = &self.memory;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "[{}] route {} ({}) on {} [{} allocator]",
+            self.component, self.route, self.route_options, self.device, self.allocator
+        );
+        let _ = writeln!(
+            s,
+            "  decided by {}{}",
+            self.decided_by,
+            self.preset
+                .as_ref()
+                .map(|p| format!(", preset {p}"))
+                .unwrap_or_default()
+        );
+        let _ = writeln!(
+            s,
+            "  forwards {}, leaf calls {}, leaves streamed {} / resident {}",
+            c.forwards, c.leaf_calls, c.leaves_streamed, c.leaves_resident
+        );
+        let _ = writeln!(
+            s,
+            "  host->device {} in {} copies, device->host {} in {} copies, waited {:.3} ms on copies",
+            format_bytes(c.h2d_bytes),
+            c.h2d_copies,
+            format_bytes(c.d2h_bytes),
+            c.d2h_copies,
+            c.copy_wait_ns as f64 / 1e6
+        );
+        let _ = writeln!(
+            s,
+            "  resident weights {}, pinned host {} (peak {})",
+            format_bytes(c.resident_weight_bytes),
+            format_bytes(c.pinned_host_bytes),
+            format_bytes(c.peak_pinned_host_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "  device memory (allocator, exact): now {}, peak {}, reserved {} of {}{}",
+            format_bytes(m.allocated_bytes),
+            format_bytes(m.peak_allocated_bytes),
+            format_bytes(m.reserved_bytes),
+            format_bytes(m.capacity_bytes),
+            m.driver_free_bytes
+                .map(|f| format!("; driver free (sampled) {}", format_bytes(f)))
+                .unwrap_or_default()
+        );
+        for p in &self.phases {
+            let _ = writeln!(
+                s,
+                "  phase {}: peak {} (allocator, exact), {} left after cleanup{}",
+                p.phase,
+                format_bytes(p.allocator_peak_bytes),
+                format_bytes(p.allocator_end_bytes),
+                p.driver_used_sampled_bytes
+                    .map(|d| format!(", driver used {} (sampled)", format_bytes(d)))
+                    .unwrap_or_default()
+            );
+        }
+        if c.schedule_relearned > 0 {
+            let _ = writeln!(s, "  schedule re-learned {} time(s)", c.schedule_relearned);
+        }
+        for d in &self.detach_reports {
+            for line in d.format_profile().lines() {
+                let _ = writeln!(s, "  {line}");
+            }
+        }
+        s
+    }
+}
+
+/// Formats a byte count with a binary unit (`1.50 MiB`).
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+fn opt_bytes(v: Option<u64>) -> String {
+    v.map(format_bytes).unwrap_or_else(|| "n/a".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_accumulate_and_pinned_peak_is_kept() {
+        let m = RouteMetrics::new();
+        m.record_h2d(10);
+        m.record_h2d(5);
+        m.record_d2h(3);
+        m.set_pinned_host_bytes(100);
+        m.set_pinned_host_bytes(40);
+        let c = m.counters();
+        assert_eq!((c.h2d_bytes, c.h2d_copies), (15, 2));
+        assert_eq!((c.d2h_bytes, c.d2h_copies), (3, 1));
+        assert_eq!((c.pinned_host_bytes, c.peak_pinned_host_bytes), (40, 100));
+    }
+
+    #[test]
+    fn bytes_format_with_binary_units() {
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(1536), "1.50 KiB");
+        assert_eq!(format_bytes(3 * 1024 * 1024 * 1024), "3.00 GiB");
+    }
+
+    #[test]
+    fn snapshot_round_trips_through_json_and_profile_names_phases() {
+        let m = RouteMetrics::new();
+        m.push_phase(PhasePeak {
+            phase: "decode".into(),
+            allocator_peak_bytes: 2048,
+            allocator_end_bytes: 0,
+            driver_used_sampled_bytes: None,
+        });
+        let snap = MetricsSnapshot {
+            component: "vae".into(),
+            route: "none".into(),
+            route_options: "resident".into(),
+            preset: Some("one_shot_fast".into()),
+            decided_by: "explicit route".into(),
+            device: "host:0".into(),
+            allocator: "caching".into(),
+            counters: m.counters(),
+            memory: DeviceMemoryFigures::default(),
+            phases: m.phases(),
+            detach_reports: vec![],
+        };
+        let json = snap.to_json().expect("serialises");
+        let back: MetricsSnapshot = serde_json::from_str(&json).expect("parses");
+        assert_eq!(back, snap);
+        let text = snap.format_profile();
+        assert!(text.contains("phase decode: peak 2.00 KiB"), "{text}");
+        assert!(text.contains("preset one_shot_fast"), "{text}");
+    }
+}
