@@ -30,6 +30,7 @@ pub mod host;
 pub mod host_backend;
 pub mod param;
 pub mod reference;
+pub mod residency;
 pub mod resolve;
 pub mod route;
 pub mod tensor;

@@ -1,0 +1,299 @@
+//! Building blocks every route uses to move params: a [`ResidencyTable`] that makes params
+//! resident on a device (allocate, copy, install) with reference counts, so a tied weight
+//! shared by two groups is copied once and freed after its last user; and
+//! [`PinnedCopies`], pinned host copies of params counted against the device's pinned
+//! limit. Both undo everything they did when an operation fails halfway.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ddo_metrics::RouteMetrics;
+
+use crate::device::{Device, DeviceBuffer, Stream};
+use crate::error::Result;
+use crate::host::{HostBuffer, HostSlice};
+use crate::param::{Param, ParamId};
+
+struct Entry {
+    param: Arc<Param>,
+    buffer: DeviceBuffer,
+    refs: usize,
+}
+
+/// How freed device copies are given back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreeMode {
+    /// Drop now: the caller has made sure no queued work still reads the memory.
+    Immediate,
+    /// Stream-ordered: freed once the compute stream reaches this point (`record_stream`).
+    AfterComputeStream,
+}
+
+/// Params made resident on one device, with reference counts.
+#[derive(Default)]
+pub struct ResidencyTable {
+    entries: HashMap<ParamId, Entry>,
+    resident_bytes: u64,
+}
+
+impl ResidencyTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes of device copies held.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    /// Number of params held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether `id` is held.
+    pub fn contains(&self, id: ParamId) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// Makes `params` resident: a param already held gains a reference; any other is
+    /// allocated, copied from `source(param)` on `stream`, and installed as the param's
+    /// device copy. On error every param this call added is released again and the error
+    /// returned.
+    pub fn acquire(
+        &mut self,
+        device: &dyn Device,
+        params: &[Arc<Param>],
+        source: &dyn Fn(&Param) -> Result<HostSlice>,
+        stream: &Stream,
+        metrics: &RouteMetrics,
+    ) -> Result<()> {
+        let mut added: Vec<Arc<Param>> = Vec::new();
+        let mut bumped: Vec<ParamId> = Vec::new();
+        for p in params {
+            if let Some(e) = self.entries.get_mut(&p.id()) {
+                e.refs += 1;
+                bumped.push(p.id());
+                continue;
+            }
+            let placed = (|| -> Result<DeviceBuffer> {
+                let src = source(p)?;
+                let buffer = device.alloc(src.len())?;
+                device.copy_h2d(&src, &buffer.slice_all(), stream)?;
+                metrics.record_h2d(src.len() as u64);
+                p.set_device(Some(buffer.slice_all()))?;
+                Ok(buffer)
+            })();
+            match placed {
+                Ok(buffer) => {
+                    self.resident_bytes += buffer.len() as u64;
+                    self.entries.insert(
+                        p.id(),
+                        Entry {
+                            param: Arc::clone(p),
+                            buffer,
+                            refs: 1,
+                        },
+                    );
+                    added.push(Arc::clone(p));
+                }
+                Err(e) => {
+                    for id in bumped {
+                        if let Some(entry) = self.entries.get_mut(&id) {
+                            entry.refs -= 1;
+                        }
+                    }
+                    self.release(device, &added, FreeMode::Immediate, stream);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops one reference to each of `params`; a param whose last reference goes is
+    /// uninstalled and its device copy freed as `mode` says. Params not held are ignored.
+    pub fn release(
+        &mut self,
+        device: &dyn Device,
+        params: &[Arc<Param>],
+        mode: FreeMode,
+        stream: &Stream,
+    ) {
+        for p in params {
+            let last = match self.entries.get_mut(&p.id()) {
+                Some(e) => {
+                    e.refs -= 1;
+                    e.refs == 0
+                }
+                None => false,
+            };
+            if last && let Some(e) = self.entries.remove(&p.id()) {
+                self.free(device, e, mode, stream);
+            }
+        }
+    }
+
+    /// Releases everything, whatever the reference counts.
+    pub fn release_all(&mut self, device: &dyn Device, mode: FreeMode, stream: &Stream) {
+        let entries: Vec<Entry> = self.entries.drain().map(|(_, e)| e).collect();
+        for e in entries {
+            self.free(device, e, mode, stream);
+        }
+        self.resident_bytes = 0;
+    }
+
+    fn free(&mut self, device: &dyn Device, e: Entry, mode: FreeMode, stream: &Stream) {
+        self.resident_bytes = self.resident_bytes.saturating_sub(e.buffer.len() as u64);
+        // Uninstalling cannot fail: clearing a device copy has no length to check.
+        let _ = e.param.set_device(None);
+        match mode {
+            FreeMode::Immediate => drop(e.buffer),
+            FreeMode::AfterComputeStream => {
+                // A backend that cannot queue the free leaves the buffer to be dropped now;
+                // the caller synchronised or recorded work that owns another handle.
+                let _ = device.release_after(e.buffer, stream);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for ResidencyTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ResidencyTable({} params, {} B)",
+            self.entries.len(),
+            self.resident_bytes
+        )
+    }
+}
+
+/// Pinned host copies of params (one per param, tied weights once).
+#[derive(Default, Debug)]
+pub struct PinnedCopies {
+    copies: HashMap<ParamId, HostBuffer>,
+    bytes: u64,
+}
+
+impl PinnedCopies {
+    /// Pins a copy of each of `params`. On error (e.g. the pinned limit) nothing stays
+    /// pinned.
+    pub fn pin(device: &dyn Device, params: &[Arc<Param>]) -> Result<Self> {
+        let mut out = Self::default();
+        for p in params {
+            if out.copies.contains_key(&p.id()) {
+                continue;
+            }
+            let host = pin_copy(device, &p.host())?;
+            out.bytes += host.len() as u64;
+            out.copies.insert(p.id(), host);
+        }
+        Ok(out)
+    }
+
+    /// The pinned copy of `param`, when there is one.
+    pub fn get(&self, param: &Param) -> Option<HostSlice> {
+        self.copies.get(&param.id()).map(HostBuffer::slice_all)
+    }
+
+    /// Pinned bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// A pinned copy of `src` (a CPU copy into newly pinned memory).
+pub fn pin_copy(device: &dyn Device, src: &HostSlice) -> Result<HostBuffer> {
+    let pinned = device.alloc_pinned(src.len())?;
+    src.with_bytes(|bytes| pinned.with_bytes_mut(|dst| dst.copy_from_slice(bytes)))?;
+    Ok(pinned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::host_backend::HostDevice;
+    use crate::param::ParamKind;
+
+    fn param(n: usize) -> Arc<Param> {
+        Param::from_f32(
+            "p",
+            ParamKind::Parameter,
+            DType::F32,
+            vec![n],
+            &vec![1.5; n],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn shared_params_are_copied_once_and_freed_after_the_last_release() {
+        let d = HostDevice::with_capacity(1 << 20).unwrap();
+        let s = d.compute_stream();
+        let m = RouteMetrics::new();
+        let (a, b) = (param(4), param(8));
+        let mut t = ResidencyTable::new();
+        let host = |p: &Param| Ok(p.host());
+        t.acquire(&*d, &[a.clone(), b.clone()], &host, &s, &m)
+            .unwrap();
+        t.acquire(&*d, std::slice::from_ref(&a), &host, &s, &m)
+            .unwrap();
+        assert_eq!(m.counters().h2d_copies, 2);
+        assert_eq!(t.resident_bytes(), 48);
+        t.release(&*d, &[a.clone(), b.clone()], FreeMode::Immediate, &s);
+        assert!(a.device().is_some() && b.device().is_none());
+        assert_eq!(d.memory_info().allocated, 16);
+        t.release(
+            &*d,
+            std::slice::from_ref(&a),
+            FreeMode::AfterComputeStream,
+            &s,
+        );
+        d.synchronize().unwrap();
+        assert!(a.device().is_none());
+        assert_eq!(d.memory_info().allocated, 0);
+    }
+
+    #[test]
+    fn a_failed_acquire_leaves_nothing_behind() {
+        let d = HostDevice::with_capacity(40).unwrap();
+        let s = d.compute_stream();
+        let m = RouteMetrics::new();
+        let (a, b, c) = (param(4), param(4), param(8));
+        let mut t = ResidencyTable::new();
+        let host = |p: &Param| Ok(p.host());
+        t.acquire(&*d, std::slice::from_ref(&a), &host, &s, &m)
+            .unwrap();
+        let err = t.acquire(&*d, &[a.clone(), b.clone(), c.clone()], &host, &s, &m);
+        assert!(err.is_err());
+        assert_eq!(d.memory_info().allocated, 16);
+        assert!(b.device().is_none() && c.device().is_none());
+        // `a` keeps exactly its first reference.
+        t.release(&*d, std::slice::from_ref(&a), FreeMode::Immediate, &s);
+        assert!(t.is_empty());
+        assert_eq!(d.memory_info().allocated, 0);
+    }
+
+    #[test]
+    fn pinned_copies_respect_the_limit_and_unpin_on_drop() {
+        let d = HostDevice::new(crate::host_backend::HostDeviceConfig {
+            pinned_limit: 20,
+            ..Default::default()
+        })
+        .unwrap();
+        let ok = PinnedCopies::pin(&*d, &[param(4)]).unwrap();
+        assert_eq!(ok.bytes(), 16);
+        assert!(PinnedCopies::pin(&*d, &[param(1), param(4)]).is_err());
+        assert_eq!(d.memory_info().pinned_host, 16);
+        drop(ok);
+        assert_eq!(d.memory_info().pinned_host, 0);
+    }
+}
