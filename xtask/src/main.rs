@@ -1,1 +1,82 @@
-fn main() {}
+//! DDO's task runner: `cargo xtask <task>`, for everything beyond `cargo build` and
+//! `cargo test`. No dependencies beyond std, so it builds in seconds.
+//!
+//! Tasks:
+//! - `ci`: what `.ci/run` does — format check, clippy with warnings denied, the tests,
+//!   and `tidy`.
+//! - `tidy`: the workspace's architecture invariants and code habits (see [`tidy`]).
+
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn run(cmd: &mut Command) -> Result<(), String> {
+    eprintln!("$ {cmd:?}");
+    let status = cmd
+        .current_dir(workspace_root())
+        .status()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed with {status}"))
+    }
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string()))
+}
+
+fn tidy_task() -> Result<(), String> {
+    let problems = tidy::check_all(&workspace_root());
+    if problems.is_empty() {
+        eprintln!("tidy: ok");
+        Ok(())
+    } else {
+        for p in &problems {
+            eprintln!("tidy: {p}");
+        }
+        Err(format!("tidy found {} problem(s)", problems.len()))
+    }
+}
+
+fn ci() -> Result<(), String> {
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(cargo().args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run(cargo().args(["test", "--workspace", "--locked"]))?;
+    tidy_task()
+}
+
+fn main() -> ExitCode {
+    let task = std::env::args().nth(1).unwrap_or_default();
+    let result = match task.as_str() {
+        "ci" => ci(),
+        "tidy" => tidy_task(),
+        _ => Err(format!(
+            "unknown task `{task}`; tasks: ci, tidy (test-gpu, gpu-bundle and bench arrive with the CUDA backend)"
+        )),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

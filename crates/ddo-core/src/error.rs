@@ -311,6 +311,14 @@ pub enum Refusal {
         /// Its bytes.
         leaf_bytes: u64,
     },
+    /// Some of the component's weights are already on a device, outside any route.
+    #[error(
+        "`{param}` is already on a device outside any route; call Component::to_host() before attaching a route"
+    )]
+    WeightsAlreadyOnDevice {
+        /// First resident param.
+        param: String,
+    },
     /// The device has no streams to overlap copies with.
     #[error("this device cannot run a copy stream; pass use_stream=false")]
     NoStreams,

@@ -1,1 +1,262 @@
-//! placeholder
+//! DDO's route registry and its public entry points.
+//!
+//! This crate sits above `ddo-core` and the four route crates (`ddo-route-resident`,
+//! `ddo-route-leaf-group`, `ddo-route-linear-convolution`, `ddo-route-native-vmm`), and
+//! below applications and the `ddo` command. It holds:
+//!
+//! - the closed, static route table ([`ROUTES`]): one descriptor per [`RouteId`];
+//! - [`enable_offload`] (named component, preset defaults, the seed's VAE table),
+//!   [`enable_pipeline_offload`] (every component of a [`Pipeline`] by policy), and the
+//!   low-level [`enable_dynamic_offload`] (exactly the config given, no defaults);
+//! - [`OffloadHandle`]: `metrics_snapshot()`, the managed error boundary
+//!   `cleanup_on_error`, `detach_auxiliary_cpu_sources`, phase boundaries, and
+//!   [`remove_dynamic_offload`].
+//!
+//! Ownership follows the seed. DDO-managed routes (`none`, `linear_convolution`,
+//! `native_vmm`) are removed by `remove_dynamic_offload` or by dropping their handle.
+//! Diffusers-style group offload hooks are owned by the handle and the component: they end
+//! when both are dropped, and `remove_dynamic_offload` refuses them. `cleanup_on_error`
+//! and a pipeline's `release` are DDO's managed boundaries and release every route.
+
+mod handle;
+mod pipeline;
+
+use std::sync::Arc;
+
+use ddo_core::resolve::{Environment, ProcessEnvironment, resolve};
+use ddo_core::{
+    Component, CoreError, DecidedBy, Device, Refusal, Result, Route, RouteId, RouteSpec,
+    RouteTarget, Settings,
+};
+use ddo_metrics::RouteMetrics;
+
+pub use handle::OffloadHandle;
+pub use pipeline::{Pipeline, PipelineOffload};
+
+/// One entry of the route table.
+#[derive(Clone, Copy)]
+pub struct RouteDescriptor {
+    /// The route's id.
+    pub id: RouteId,
+    /// One line on what it does.
+    pub summary: &'static str,
+    /// The implementation.
+    pub route: &'static dyn Route,
+}
+
+impl std::fmt::Debug for RouteDescriptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RouteDescriptor({})", self.id)
+    }
+}
+
+/// Every route DDO implements, once.
+pub static ROUTES: &[RouteDescriptor] = &[
+    RouteDescriptor {
+        id: RouteId::Resident,
+        summary: "resident: weights copied to the device once and kept",
+        route: &ddo_route_resident::ResidentRoute,
+    },
+    RouteDescriptor {
+        id: RouteId::DiffusersGroupOffload,
+        summary: "Diffusers-style leaf/block group offload, with or without a copy stream",
+        route: &ddo_route_leaf_group::GroupOffloadRoute,
+    },
+    RouteDescriptor {
+        id: RouteId::LinearConvolution,
+        summary: "eager CPU offload of each leaf, optional pinned weights, zero residency",
+        route: &ddo_route_linear_convolution::LinearConvolutionRoute,
+    },
+    RouteDescriptor {
+        id: RouteId::NativeVmm,
+        summary: "weights in the native VMM pool with a budget; the rest streamed",
+        route: &ddo_route_native_vmm::NativeVmmRoute,
+    },
+];
+
+/// The implementation of `id`.
+pub fn route(id: RouteId) -> &'static dyn Route {
+    ROUTES
+        .iter()
+        .find(|d| d.id == id)
+        .map(|d| d.route)
+        .unwrap_or(&ddo_route_resident::ResidentRoute)
+}
+
+/// Options of [`enable_offload`].
+#[derive(Debug, Clone, Default)]
+pub struct OffloadOptions {
+    /// The component's name for routing (`vae`, `transformer`, ...); defaults to the
+    /// component's own name. The VAE defaults apply to the name `vae` only.
+    pub component_name: Option<String>,
+    /// An explicit route: always wins, never replaced.
+    pub route: Option<RouteSpec>,
+    /// Preset, component policies and whether the environment may override defaults.
+    pub settings: Settings,
+}
+
+/// Attaches the route the resolver picks for `component` (explicit route, component
+/// policy, environment, or the preset's default for its name) and returns its handle.
+/// Reads the process environment only when `settings.use_environment` is true.
+pub fn enable_offload(
+    component: &Arc<Component>,
+    device: Arc<dyn Device>,
+    options: &OffloadOptions,
+) -> Result<OffloadHandle> {
+    enable_offload_with_env(component, device, options, &ProcessEnvironment)
+}
+
+/// [`enable_offload`] with the environment given explicitly.
+pub fn enable_offload_with_env(
+    component: &Arc<Component>,
+    device: Arc<dyn Device>,
+    options: &OffloadOptions,
+    env: &dyn Environment,
+) -> Result<OffloadHandle> {
+    let name = options
+        .component_name
+        .as_deref()
+        .unwrap_or_else(|| component.name());
+    let resolution = resolve(&options.settings, name, options.route.as_ref(), env)?;
+    attach(
+        component,
+        device,
+        resolution.spec,
+        resolution.decided_by.clone(),
+        Some(resolution.preset),
+    )
+}
+
+/// Attaches exactly `spec` to `component`: no preset, no component defaults (the VAE
+/// table does not apply here), no environment.
+pub fn enable_dynamic_offload(
+    component: &Arc<Component>,
+    device: Arc<dyn Device>,
+    spec: RouteSpec,
+) -> Result<OffloadHandle> {
+    attach(component, device, spec, DecidedBy::LowLevelConfig, None)
+}
+
+/// Removes what `handle` attached, and nothing else: releases its device and pinned
+/// memory and leaves the component's weights host-only. Refused for Diffusers-style group
+/// offload, whose hooks end when the handle and every reference to the component are
+/// dropped. Removing an unmanaged or already removed handle does nothing.
+pub fn remove_dynamic_offload(handle: &mut OffloadHandle) -> Result<()> {
+    handle.remove()
+}
+
+/// Applies `settings` to every component of `pipeline`. All or nothing: when one
+/// component is refused, the ones already attached are released before the error returns.
+pub fn enable_pipeline_offload(
+    pipeline: &Pipeline,
+    device: Arc<dyn Device>,
+    settings: &Settings,
+) -> Result<PipelineOffload> {
+    enable_pipeline_offload_with_env(pipeline, device, settings, &ProcessEnvironment)
+}
+
+/// [`enable_pipeline_offload`] with the environment given explicitly.
+pub fn enable_pipeline_offload_with_env(
+    pipeline: &Pipeline,
+    device: Arc<dyn Device>,
+    settings: &Settings,
+    env: &dyn Environment,
+) -> Result<PipelineOffload> {
+    let mut handles = Vec::new();
+    for component in pipeline.components() {
+        let options = OffloadOptions {
+            component_name: None,
+            route: None,
+            settings: settings.clone(),
+        };
+        match enable_offload_with_env(component, Arc::clone(&device), &options, env) {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                for mut h in handles {
+                    h.release();
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(PipelineOffload::new(device, handles))
+}
+
+fn attach(
+    component: &Arc<Component>,
+    device: Arc<dyn Device>,
+    spec: RouteSpec,
+    decided_by: DecidedBy,
+    preset: Option<ddo_core::Preset>,
+) -> Result<OffloadHandle> {
+    let metrics = Arc::new(RouteMetrics::new());
+    let id = match spec.target() {
+        RouteTarget::Unmanaged => {
+            return Ok(OffloadHandle::new(
+                Arc::clone(component),
+                device,
+                None,
+                spec,
+                decided_by,
+                preset,
+                metrics,
+            ));
+        }
+        RouteTarget::Route(id) => id,
+    };
+    if let Some(existing) = component.attached() {
+        return Err(CoreError::AlreadyAttached {
+            component: component.name().to_string(),
+            route: existing.route_name(),
+        });
+    }
+    if let Some(p) = component.params().iter().find(|p| p.device().is_some()) {
+        return Err(CoreError::Refused {
+            route: id.as_str(),
+            component: component.name().to_string(),
+            refusal: Refusal::WeightsAlreadyOnDevice {
+                param: p.name().to_string(),
+            },
+        });
+    }
+    let implementation = route(id);
+    implementation.preflight(component, &*device, &spec)?;
+    let hooks =
+        implementation.attach(component, Arc::clone(&device), &spec, Arc::clone(&metrics))?;
+    if let Err(e) = component.install_hooks(Arc::clone(&hooks)) {
+        let _ = hooks.detach();
+        return Err(e);
+    }
+    Ok(OffloadHandle::new(
+        Arc::clone(component),
+        device,
+        Some(hooks),
+        spec,
+        decided_by,
+        preset,
+        metrics,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn every_route_id_appears_once_in_the_table() {
+        let ids: Vec<RouteId> = ROUTES.iter().map(|d| d.id).collect();
+        let unique: HashSet<RouteId> = ids.iter().copied().collect();
+        assert_eq!(ids.len(), unique.len());
+        assert_eq!(unique, RouteId::ALL.into_iter().collect::<HashSet<_>>());
+        for d in ROUTES {
+            assert_eq!(
+                d.route.id(),
+                d.id,
+                "descriptor {} points at another route",
+                d.id
+            );
+            assert_eq!(route(d.id).id(), d.id);
+        }
+    }
+}

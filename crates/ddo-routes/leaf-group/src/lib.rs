@@ -1,1 +1,958 @@
-//! placeholder
+//! The `diffusers_group_offload` route: Diffusers-style group offloading of one component,
+//! at leaf or block level, with or without a copy stream that prefetches the next group.
+//!
+//! This is a route crate: it sits above `ddo-core` (and `ddo-metrics`) and talks only to the
+//! [`Device`] trait, so it runs unchanged on the host backend in CI and on CUDA. The route
+//! registry in `ddo-routes` lists [`GroupOffloadRoute`] under
+//! [`RouteId::DiffusersGroupOffload`], runs its preflight, calls [`Route::attach`] and
+//! installs the returned hooks in the component; nothing in this crate installs hooks.
+//!
+//! What it does, following Diffusers' documented behaviour:
+//!
+//! - **Groups** ([`GroupPlan`]). `leaf_level`: every leaf that owns params is a group.
+//!   `block_level`: consecutive runs of `num_blocks_per_group` blocks of each root-level
+//!   block list form a group, and every other leaf falls into one "unmatched" group that
+//!   is onloaded for the whole forward (Diffusers onloads the top-level leftovers at the
+//!   root's forward, without a stream).
+//! - **Without a stream** a group is copied on the compute stream when its first leaf
+//!   starts and freed after use (leaf level: after the leaf; block level: when a leaf of
+//!   another group starts, or at the end of the forward). At most one group is on the
+//!   device at a time (block level: plus the unmatched group).
+//! - **With a stream** the first forward learns the order in which groups start (the
+//!   schedule) while onloading each group on the copy stream and ordering compute behind
+//!   it with an event. Later forwards prefetch the next scheduled group on the copy stream
+//!   while the current one computes; compute waits on the group's event, never on the
+//!   host. At most two groups are on the device at a time (block level: plus the unmatched
+//!   group). A group that starts out of schedule falls back to a synchronous onload, the
+//!   wrong prefetch is dropped and the schedule is learned again
+//!   ([`RouteMetrics::record_schedule_relearned`]).
+//! - **Freeing.** `record_stream=false` synchronises the compute stream and frees at once
+//!   (as Diffusers does with `current_stream().synchronize()`); `record_stream=true` frees
+//!   in stream order behind the compute stream, without a host synchronisation.
+//! - **Host sources.** `pinned=true` keeps pinned copies of every weight, made at attach
+//!   and counted against the device's pinned limit. `low_cpu_mem_usage=true` with a stream
+//!   pins each weight on the fly for its copy. Otherwise weights are copied from their own
+//!   host bytes (pageable copies block the host, as on CUDA).
+//!
+//! The route keeps nothing resident by design: between phases
+//! ([`AttachedRoute::end_phase`]) nothing of the component stays on the device, and
+//! [`AttachedRoute::detach`] leaves every param host-only. Its hooks are not removable by
+//! `remove_dynamic_offload` ([`AttachedRoute::removable`] is `false`): as in Diffusers,
+//! they live as long as the handle and the component hold them.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddo_core::residency::{FreeMode, PinnedCopies, ResidencyTable, pin_copy};
+use ddo_core::{
+    AttachedRoute, Component, CoreError, Device, DeviceId, Event, GroupOffloadConfig, HostSlice,
+    Leaf, LeafId, OffloadType, Param, ParamId, Placement, Refusal, Result, Route, RouteId,
+    RouteSpec, Stream,
+};
+use ddo_metrics::RouteMetrics;
+use parking_lot::{Mutex, MutexGuard};
+
+/// The route's name, as errors and profiles spell it.
+pub const ROUTE_NAME: &str = "diffusers_group_offload";
+
+const BUDGET_HINT: &str = "diffusers_group_offload keeps no budgeted residency; use native_vmm with a budget, or none";
+
+/// Label of the block-level group that holds every leaf outside the root's block lists.
+pub const UNMATCHED_LABEL: &str = "unmatched";
+
+/// The `diffusers_group_offload` route (Diffusers-style leaf- or block-level group
+/// offloading). Stateless: everything an attachment needs lives in the
+/// [`AttachedGroupOffload`] it returns.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GroupOffloadRoute;
+
+impl GroupOffloadRoute {
+    /// [`Route::attach`], returning the concrete hooks (for callers that want to inspect
+    /// the group plan or the learned schedule). Does not install them in the component.
+    pub fn attach_group_offload(
+        &self,
+        component: &Arc<Component>,
+        device: Arc<dyn Device>,
+        spec: &RouteSpec,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Arc<AttachedGroupOffload>> {
+        self.preflight(component, &*device, spec)?;
+        if let Some(existing) = component.attached() {
+            return Err(CoreError::AlreadyAttached {
+                component: component.name().to_string(),
+                route: existing.route_name(),
+            });
+        }
+        let config = spec.group_offload_config();
+        let plan = GroupPlan::new(component, &config);
+        let params = component.params();
+        let source = if config.pinned {
+            HostSource::Pinned
+        } else if config.use_stream && config.low_cpu_mem_usage {
+            HostSource::PinOnTheFly
+        } else {
+            HostSource::Own
+        };
+        // Fallible steps first; on error everything made so far is dropped on return.
+        let pinned = if config.pinned {
+            Some(PinnedCopies::pin(&*device, &params)?)
+        } else {
+            None
+        };
+        let copy_stream = if config.use_stream {
+            Some(device.create_stream()?)
+        } else {
+            None
+        };
+        // Diffusers offloads every group when it applies the hooks: start host-only.
+        // Clearing a device copy cannot fail (there is no length to check).
+        for p in &params {
+            let _ = p.set_device(None);
+        }
+        let pinned_bytes = pinned.as_ref().map_or(0, PinnedCopies::bytes);
+        metrics.set_leaf_plan(plan.streamed_leaves(), 0);
+        metrics.set_resident_weight_bytes(0);
+        metrics.set_pinned_host_bytes(pinned_bytes);
+        Ok(Arc::new(AttachedGroupOffload {
+            component: component.name().to_string(),
+            spec: *spec,
+            config,
+            compute: device.compute_stream(),
+            device,
+            metrics,
+            plan,
+            params,
+            source,
+            state: Mutex::new(State {
+                detached: false,
+                table: ResidencyTable::new(),
+                pinned,
+                copy_stream,
+                current: None,
+                prefetched: None,
+                unmatched_onloaded: false,
+                schedule: None,
+                observed: Vec::new(),
+                cursor: 0,
+                prefetching: false,
+                relearn_recorded: false,
+            }),
+        }))
+    }
+}
+
+impl Route for GroupOffloadRoute {
+    fn id(&self) -> RouteId {
+        RouteId::DiffusersGroupOffload
+    }
+
+    fn preflight(
+        &self,
+        component: &Component,
+        device: &dyn Device,
+        spec: &RouteSpec,
+    ) -> Result<()> {
+        if spec.route_id() != Some(RouteId::DiffusersGroupOffload) {
+            return Err(CoreError::InvalidOption {
+                option: "route".into(),
+                value: spec.target().to_string(),
+                hint: format!("the {ROUTE_NAME} route attaches {ROUTE_NAME} specs only"),
+            });
+        }
+        let refuse = |refusal| CoreError::Refused {
+            route: ROUTE_NAME,
+            component: component.name().to_string(),
+            refusal,
+        };
+        if spec.options().budget.is_some() {
+            return Err(refuse(Refusal::UnsupportedOption {
+                option: "budget",
+                hint: BUDGET_HINT,
+            }));
+        }
+        if spec.group_offload_config().use_stream && !device.supports_streams() {
+            return Err(refuse(Refusal::NoStreams));
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &self,
+        component: &Arc<Component>,
+        device: Arc<dyn Device>,
+        spec: &RouteSpec,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Arc<dyn AttachedRoute>> {
+        let hooks: Arc<dyn AttachedRoute> =
+            self.attach_group_offload(component, device, spec, metrics)?;
+        Ok(hooks)
+    }
+}
+
+/// One offload group: params that move to the device together.
+#[derive(Debug, Clone)]
+pub struct Group {
+    label: String,
+    leaves: Vec<LeafId>,
+    params: Vec<Arc<Param>>,
+    bytes: u64,
+}
+
+impl Group {
+    /// A readable name: the leaf path (leaf level), `list[first..=last]` (block level), or
+    /// [`UNMATCHED_LABEL`].
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The leaves (with params) in the group, in component order.
+    pub fn leaves(&self) -> &[LeafId] {
+        &self.leaves
+    }
+
+    /// The group's params, each once (a tied weight inside one group counts once).
+    pub fn params(&self) -> &[Arc<Param>] {
+        &self.params
+    }
+
+    /// Bytes of the group's params.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// How a component's leaves fall into offload groups for one [`GroupOffloadConfig`].
+///
+/// Leaves without params belong to no group: they need nothing on the device.
+#[derive(Debug, Clone)]
+pub struct GroupPlan {
+    groups: Vec<Group>,
+    leaf_group: Vec<Option<usize>>,
+    leaf_paths: Vec<String>,
+    unmatched: Option<usize>,
+}
+
+impl GroupPlan {
+    /// Groups `component`'s leaves as `config` says (`offload_type`, `num_blocks_per_group`).
+    pub fn new(component: &Component, config: &GroupOffloadConfig) -> Self {
+        let leaves = component.leaves();
+        let mut plan = Self {
+            groups: Vec::new(),
+            leaf_group: vec![None; leaves.len()],
+            leaf_paths: leaves.iter().map(|l| l.path().to_string()).collect(),
+            unmatched: None,
+        };
+        let per_group = config.num_blocks_per_group.max(1);
+        let mut block_groups: HashMap<(String, usize), usize> = HashMap::new();
+        let mut block_last: HashMap<usize, (String, usize, usize)> = HashMap::new();
+        let mut seen: Vec<HashSet<ParamId>> = Vec::new();
+        for leaf in leaves {
+            if leaf.params().is_empty() {
+                continue;
+            }
+            let g = match config.offload_type {
+                OffloadType::LeafLevel => plan.push_group(leaf.path().to_string(), &mut seen),
+                OffloadType::BlockLevel => match leaf.placement() {
+                    Placement::Block { list, index } => {
+                        let chunk = index / per_group;
+                        let key = (list.clone(), chunk);
+                        let g = match block_groups.get(&key) {
+                            Some(&g) => g,
+                            None => {
+                                let g = plan.push_group(String::new(), &mut seen);
+                                block_groups.insert(key, g);
+                                g
+                            }
+                        };
+                        let first = chunk * per_group;
+                        let entry = block_last
+                            .entry(g)
+                            .or_insert_with(|| (list.clone(), first, *index));
+                        entry.2 = entry.2.max(*index);
+                        g
+                    }
+                    Placement::Unmatched => match plan.unmatched {
+                        Some(g) => g,
+                        None => {
+                            let g = plan.push_group(UNMATCHED_LABEL.to_string(), &mut seen);
+                            plan.unmatched = Some(g);
+                            g
+                        }
+                    },
+                },
+            };
+            plan.leaf_group[leaf.id().0] = Some(g);
+            let group = &mut plan.groups[g];
+            group.leaves.push(leaf.id());
+            for (_, p) in leaf.params() {
+                if seen[g].insert(p.id()) {
+                    group.bytes += p.nbytes() as u64;
+                    group.params.push(Arc::clone(p));
+                }
+            }
+        }
+        for (g, (list, first, last)) in block_last {
+            plan.groups[g].label = format!("{list}[{first}..={last}]");
+        }
+        plan
+    }
+
+    fn push_group(&mut self, label: String, seen: &mut Vec<HashSet<ParamId>>) -> usize {
+        self.groups.push(Group {
+            label,
+            leaves: Vec::new(),
+            params: Vec::new(),
+            bytes: 0,
+        });
+        seen.push(HashSet::new());
+        self.groups.len() - 1
+    }
+
+    /// The groups, in the order their first leaf appears in the component.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Number of groups.
+    pub fn len(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Whether there are no groups (a component without params).
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// The group of `leaf`, if it has params.
+    pub fn group_of(&self, leaf: LeafId) -> Option<usize> {
+        self.leaf_group.get(leaf.0).copied().flatten()
+    }
+
+    /// The block-level group of leaves outside the block lists, if there is one.
+    pub fn unmatched(&self) -> Option<usize> {
+        self.unmatched
+    }
+
+    /// Bytes of the largest group other than the unmatched one.
+    pub fn largest_group_bytes(&self) -> u64 {
+        self.streamed_group_bytes().max().unwrap_or(0)
+    }
+
+    /// Sum of the `k` largest groups other than the unmatched one.
+    pub fn largest_groups_bytes(&self, k: usize) -> u64 {
+        let mut sizes: Vec<u64> = self.streamed_group_bytes().collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.into_iter().take(k).sum()
+    }
+
+    /// Bytes of the unmatched group (0 when there is none).
+    pub fn unmatched_bytes(&self) -> u64 {
+        self.unmatched.map_or(0, |g| self.groups[g].bytes)
+    }
+
+    /// Leaves whose weights move to the device per forward (every leaf with params).
+    pub fn streamed_leaves(&self) -> u64 {
+        self.leaf_group.iter().filter(|g| g.is_some()).count() as u64
+    }
+
+    fn streamed_group_bytes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.groups
+            .iter()
+            .enumerate()
+            .filter(|(g, _)| Some(*g) != self.unmatched)
+            .map(|(_, group)| group.bytes)
+    }
+}
+
+/// Where the bytes of an onload come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostSource {
+    /// The pinned copies made at attach.
+    Pinned,
+    /// A pinned staging copy made per onload, kept alive by the queued copy.
+    PinOnTheFly,
+    /// The param's own host bytes (pageable or mapped: the copy blocks the host).
+    Own,
+}
+
+/// A group queued on the copy stream, with the event that marks its copies done.
+#[derive(Debug)]
+struct Prefetch {
+    group: usize,
+    event: Event,
+}
+
+#[derive(Debug)]
+struct State {
+    detached: bool,
+    /// Device copies of the onloaded groups' params, reference-counted per group hold.
+    table: ResidencyTable,
+    pinned: Option<PinnedCopies>,
+    copy_stream: Option<Stream>,
+    /// The group compute is using now (not the unmatched one).
+    current: Option<usize>,
+    /// The group queued on the copy stream for the next start.
+    prefetched: Option<Prefetch>,
+    /// Whether the block-level unmatched group is onloaded.
+    unmatched_onloaded: bool,
+    /// The learned order of group starts (stream mode).
+    schedule: Option<Vec<usize>>,
+    /// Group starts of the running forward.
+    observed: Vec<usize>,
+    /// Position in `schedule` of the next expected start.
+    cursor: usize,
+    /// Whether this forward follows the schedule (false while learning or after a
+    /// divergence).
+    prefetching: bool,
+    /// Whether this forward already counted a re-learn.
+    relearn_recorded: bool,
+}
+
+impl State {
+    fn holds_anything(&self) -> bool {
+        self.current.is_some()
+            || self.prefetched.is_some()
+            || self.unmatched_onloaded
+            || !self.table.is_empty()
+    }
+}
+
+/// The hooks of `diffusers_group_offload` attached to one component.
+///
+/// All state sits behind one mutex; every hook leaves it consistent when it fails, so a
+/// later [`AttachedRoute::detach`] (or drop) still frees everything.
+pub struct AttachedGroupOffload {
+    component: String,
+    spec: RouteSpec,
+    config: GroupOffloadConfig,
+    device: Arc<dyn Device>,
+    compute: Stream,
+    metrics: Arc<RouteMetrics>,
+    plan: GroupPlan,
+    /// Every param of the component once, to leave them host-only on detach.
+    params: Vec<Arc<Param>>,
+    source: HostSource,
+    state: Mutex<State>,
+}
+
+impl AttachedGroupOffload {
+    /// The group plan.
+    pub fn plan(&self) -> &GroupPlan {
+        &self.plan
+    }
+
+    /// The effective settings (Diffusers' defaults applied).
+    pub fn config(&self) -> GroupOffloadConfig {
+        self.config
+    }
+
+    /// The learned order of group starts (stream mode, after the first forward), as
+    /// indices into [`GroupPlan::groups`].
+    pub fn schedule(&self) -> Option<Vec<usize>> {
+        self.state.lock().schedule.clone()
+    }
+
+    /// Whether [`AttachedRoute::detach`] has run.
+    pub fn is_detached(&self) -> bool {
+        self.state.lock().detached
+    }
+
+    /// Pinned host bytes held in pinned copies (0 without `pinned`, and after detach).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.state.lock().pinned.as_ref().map_or(0, PinnedCopies::bytes)
+    }
+
+    fn live(&self) -> Result<MutexGuard<'_, State>> {
+        let st = self.state.lock();
+        if st.detached {
+            return Err(CoreError::Detached {
+                component: self.component.clone(),
+            });
+        }
+        Ok(st)
+    }
+
+    fn group_for(&self, leaf: &Leaf) -> Result<Option<usize>> {
+        let id = leaf.id().0;
+        match (self.plan.leaf_group.get(id), self.plan.leaf_paths.get(id)) {
+            (Some(g), Some(path)) if path == leaf.path() => Ok(*g),
+            _ => Err(CoreError::Shape {
+                what: format!("{ROUTE_NAME} hooks of `{}`", self.component),
+                message: format!("leaf `{}` is not a leaf of this component", leaf.path()),
+            }),
+        }
+    }
+
+    /// Makes group `g` resident with copies queued on `stream` (one more hold of each of
+    /// its params). On error nothing is added.
+    fn acquire(&self, st: &mut State, g: usize, stream: &Stream) -> Result<()> {
+        let device = &*self.device;
+        let pinned = st.pinned.as_ref();
+        let kind = self.source;
+        let source = |p: &Param| -> Result<HostSlice> {
+            match kind {
+                HostSource::Pinned => Ok(pinned.and_then(|c| c.get(p)).unwrap_or_else(|| p.host())),
+                HostSource::PinOnTheFly => Ok(pin_copy(device, &p.host())?.slice_all()),
+                HostSource::Own => Ok(p.host()),
+            }
+        };
+        let started = Instant::now();
+        let placed = st.table.acquire(
+            device,
+            &self.plan.groups[g].params,
+            &source,
+            stream,
+            &self.metrics,
+        );
+        if kind == HostSource::Own {
+            // Copies from pageable or mapped memory return only when done.
+            self.metrics.record_copy_wait(started.elapsed());
+        }
+        placed
+    }
+
+    /// Drops one hold of each of group `g`'s params.
+    fn release(&self, st: &mut State, g: usize, mode: FreeMode) {
+        st.table
+            .release(&*self.device, &self.plan.groups[g].params, mode, &self.compute);
+    }
+
+    /// Frees a group compute has used: stream-ordered with `record_stream`, otherwise after
+    /// synchronising the compute stream.
+    fn release_after_use(&self, st: &mut State, g: usize) -> Result<()> {
+        if self.config.record_stream {
+            self.release(st, g, FreeMode::AfterComputeStream);
+            return Ok(());
+        }
+        match self.device.synchronize_stream(&self.compute) {
+            Ok(()) => {
+                self.release(st, g, FreeMode::Immediate);
+                Ok(())
+            }
+            Err(e) => {
+                // Compute may still be reading: free in stream order instead.
+                self.release(st, g, FreeMode::AfterComputeStream);
+                Err(e)
+            }
+        }
+    }
+
+    fn offload_current(&self, st: &mut State) -> Result<()> {
+        match st.current.take() {
+            Some(g) => self.release_after_use(st, g),
+            None => Ok(()),
+        }
+    }
+
+    /// Drops a prefetched group that compute never used, once its copies are done.
+    fn drop_prefetch(&self, st: &mut State) -> Result<()> {
+        let Some(p) = st.prefetched.take() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let waited = self.device.synchronize_event(&p.event);
+        self.metrics.record_copy_wait(started.elapsed());
+        self.release(st, p.group, FreeMode::Immediate);
+        waited
+    }
+
+    /// Frees a group whose copies on `copy` may still be running after a failure.
+    fn undo_copy(&self, st: &mut State, g: usize, copy: &Stream) {
+        let _ = self.device.synchronize_stream(copy);
+        self.release(st, g, FreeMode::Immediate);
+    }
+
+    /// Queues group `g` on the copy stream and records its event.
+    fn queue_on_copy_stream(&self, st: &mut State, g: usize, copy: &Stream) -> Result<Event> {
+        self.acquire(st, g, copy)?;
+        match self.device.record_event(copy) {
+            Ok(event) => Ok(event),
+            Err(e) => {
+                self.undo_copy(st, g, copy);
+                Err(e)
+            }
+        }
+    }
+
+    /// Onloads `g` for immediate use: on the compute stream without a copy stream; on the
+    /// copy stream with compute ordered behind it by an event otherwise.
+    fn onload_now(&self, st: &mut State, g: usize) -> Result<()> {
+        let Some(copy) = st.copy_stream.clone() else {
+            return self.acquire(st, g, &self.compute);
+        };
+        let event = self.queue_on_copy_stream(st, g, &copy)?;
+        if let Err(e) = self.device.wait_event(&self.compute, &event) {
+            self.undo_copy(st, g, &copy);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Prefetches `g` on the copy stream.
+    fn prefetch(&self, st: &mut State, g: usize) -> Result<()> {
+        let Some(copy) = st.copy_stream.clone() else {
+            return Ok(());
+        };
+        let event = self.queue_on_copy_stream(st, g, &copy)?;
+        st.prefetched = Some(Prefetch { group: g, event });
+        Ok(())
+    }
+
+    /// The observed order left the schedule: stop prefetching for this forward, drop the
+    /// wrong prefetch, and learn the order again at the end of the forward.
+    fn diverge(&self, st: &mut State) -> Result<()> {
+        st.prefetching = false;
+        if !st.relearn_recorded {
+            st.relearn_recorded = true;
+            self.metrics.record_schedule_relearned();
+        }
+        self.drop_prefetch(st)
+    }
+
+    /// Synchronises the device and drops every onloaded or prefetched group.
+    fn drop_transient(&self, st: &mut State) -> Result<()> {
+        let synced = self.device.synchronize();
+        st.table
+            .release_all(&*self.device, FreeMode::Immediate, &self.compute);
+        st.current = None;
+        st.prefetched = None;
+        st.unmatched_onloaded = false;
+        st.observed.clear();
+        st.cursor = 0;
+        st.prefetching = false;
+        synced
+    }
+
+    /// Starts group `g` (not the unmatched one) in stream mode.
+    fn start_streamed(&self, st: &mut State, g: usize) -> Result<()> {
+        if st.prefetching {
+            let expected = st.schedule.as_ref().and_then(|s| s.get(st.cursor)).copied();
+            match st.prefetched.take() {
+                Some(p) if p.group == g && expected == Some(g) => {
+                    if let Err(e) = self.device.wait_event(&self.compute, &p.event) {
+                        st.prefetched = Some(p);
+                        let _ = self.drop_prefetch(st);
+                        return Err(e);
+                    }
+                    st.current = Some(g);
+                    st.cursor += 1;
+                    let next = st.schedule.as_ref().and_then(|s| s.get(st.cursor)).copied();
+                    if let Some(next) = next {
+                        self.prefetch(st, next)?;
+                    }
+                    return Ok(());
+                }
+                other => {
+                    st.prefetched = other;
+                    self.diverge(st)?;
+                }
+            }
+        }
+        self.onload_now(st, g)?;
+        st.current = Some(g);
+        Ok(())
+    }
+}
+
+impl AttachedRoute for AttachedGroupOffload {
+    fn route(&self) -> RouteId {
+        RouteId::DiffusersGroupOffload
+    }
+
+    fn describe(&self) -> String {
+        self.spec.describe()
+    }
+
+    fn device_id(&self) -> DeviceId {
+        self.device.id()
+    }
+
+    fn metrics(&self) -> &Arc<RouteMetrics> {
+        &self.metrics
+    }
+
+    fn removable(&self) -> bool {
+        false
+    }
+
+    fn before_forward(&self) -> Result<()> {
+        let mut st = self.live()?;
+        if st.holds_anything() {
+            // A previous forward failed half-way: start clean.
+            self.drop_transient(&mut st)?;
+        }
+        st.observed.clear();
+        st.cursor = 0;
+        st.relearn_recorded = false;
+        st.prefetching = st.copy_stream.is_some() && st.schedule.is_some();
+        if let Some(u) = self.plan.unmatched {
+            self.acquire(&mut st, u, &self.compute)?;
+            st.unmatched_onloaded = true;
+        }
+        if st.prefetching {
+            let first = st.schedule.as_ref().and_then(|s| s.first()).copied();
+            if let Some(first) = first {
+                self.prefetch(&mut st, first)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn before_leaf(&self, leaf: &Leaf) -> Result<()> {
+        let mut st = self.live()?;
+        let Some(g) = self.group_for(leaf)? else {
+            return Ok(());
+        };
+        if Some(g) == self.plan.unmatched {
+            // A leaf of another group starts: the block group in use is done.
+            self.offload_current(&mut st)?;
+            if !st.unmatched_onloaded {
+                self.acquire(&mut st, g, &self.compute)?;
+                st.unmatched_onloaded = true;
+            }
+            return Ok(());
+        }
+        if st.current == Some(g) {
+            return Ok(());
+        }
+        self.offload_current(&mut st)?;
+        st.observed.push(g);
+        if st.copy_stream.is_some() {
+            self.start_streamed(&mut st, g)
+        } else {
+            self.acquire(&mut st, g, &self.compute)?;
+            st.current = Some(g);
+            Ok(())
+        }
+    }
+
+    fn after_leaf(&self, leaf: &Leaf) -> Result<()> {
+        let mut st = self.live()?;
+        let g = self.group_for(leaf)?;
+        if self.config.offload_type == OffloadType::LeafLevel && g.is_some() && st.current == g {
+            self.offload_current(&mut st)?;
+        }
+        Ok(())
+    }
+
+    fn after_forward(&self) -> Result<()> {
+        let mut st = self.live()?;
+        let current = self.offload_current(&mut st);
+        // A prefetch still queued means the schedule predicted a group that did not run.
+        let prefetch = self.drop_prefetch(&mut st);
+        let unmatched = match self.plan.unmatched {
+            Some(u) if st.unmatched_onloaded => {
+                st.unmatched_onloaded = false;
+                self.release_after_use(&mut st, u)
+            }
+            _ => Ok(()),
+        };
+        if st.copy_stream.is_some() {
+            let observed = std::mem::take(&mut st.observed);
+            let same = st.schedule.as_ref() == Some(&observed);
+            if !same {
+                if st.schedule.is_some() && !st.relearn_recorded {
+                    st.relearn_recorded = true;
+                    self.metrics.record_schedule_relearned();
+                }
+                st.schedule = Some(observed);
+            }
+        }
+        st.prefetching = false;
+        st.cursor = 0;
+        current.and(prefetch).and(unmatched)
+    }
+
+    fn end_phase(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.detached {
+            return Ok(());
+        }
+        self.drop_transient(&mut st)
+    }
+
+    fn detach(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.detached {
+            return Ok(());
+        }
+        st.detached = true;
+        let synced = self.drop_transient(&mut st);
+        for p in &self.params {
+            // Clearing a device copy cannot fail.
+            let _ = p.set_device(None);
+        }
+        // Reverse order of attach: pinned copies, then the copy stream. Every queued copy
+        // has finished (or holds its own handle to the host bytes).
+        st.pinned = None;
+        st.copy_stream = None;
+        st.schedule = None;
+        self.metrics.set_pinned_host_bytes(0);
+        synced
+    }
+}
+
+impl Drop for AttachedGroupOffload {
+    fn drop(&mut self) {
+        // Errors are not reportable from drop; detach still frees everything it holds.
+        let _ = self.detach();
+    }
+}
+
+impl fmt::Debug for AttachedGroupOffload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.state.lock();
+        f.debug_struct("AttachedGroupOffload")
+            .field("component", &self.component)
+            .field("spec", &self.spec.describe())
+            .field("device", &self.device.id())
+            .field("groups", &self.plan.len())
+            .field("detached", &st.detached)
+            .field("current", &st.current)
+            .field("prefetched", &st.prefetched.as_ref().map(|p| p.group))
+            .field("schedule", &st.schedule)
+            .field("resident", &st.table)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddo_core::reference::{LeafSpec, ReferenceSpec, build};
+    use ddo_core::{DType, OffloadType, RouteOptions, RouteTarget};
+
+    fn config(offload_type: OffloadType, n: Option<usize>) -> GroupOffloadConfig {
+        RouteSpec::new(
+            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteOptions {
+                offload_type: Some(offload_type),
+                num_blocks_per_group: n,
+                ..RouteOptions::default()
+            },
+        )
+        .unwrap()
+        .group_offload_config()
+    }
+
+    #[test]
+    fn leaf_level_makes_one_group_per_leaf_with_params() {
+        let spec = ReferenceSpec::small("vae", 3, 4, DType::F32);
+        let c = build(&spec).unwrap();
+        let plan = GroupPlan::new(&c, &config(OffloadType::LeafLevel, None));
+        assert_eq!(plan.len(), c.leaves().len());
+        assert_eq!(plan.unmatched(), None);
+        for (i, leaf) in c.leaves().iter().enumerate() {
+            assert_eq!(plan.group_of(leaf.id()), Some(i));
+            assert_eq!(plan.groups()[i].label(), leaf.path());
+            assert_eq!(plan.groups()[i].bytes(), leaf.param_bytes());
+        }
+        assert_eq!(plan.streamed_leaves(), c.leaves().len() as u64);
+    }
+
+    #[test]
+    fn block_level_chunks_blocks_and_collects_the_rest_in_one_unmatched_group() {
+        let spec = ReferenceSpec::small("transformer", 5, 4, DType::F16);
+        let c = build(&spec).unwrap();
+        let plan = GroupPlan::new(&c, &config(OffloadType::BlockLevel, Some(2)));
+        // Blocks 0-1, 2-3, 4, plus the unmatched stem and head.
+        assert_eq!(plan.len(), 4);
+        let labels: Vec<&str> = plan.groups().iter().map(Group::label).collect();
+        assert_eq!(
+            labels,
+            vec![UNMATCHED_LABEL, "blocks[0..=1]", "blocks[2..=3]", "blocks[4..=4]"]
+        );
+        let u = plan.unmatched().unwrap();
+        let stem = c.leaf_by_path("stem_0").unwrap().id();
+        let head = c.leaf_by_path("head_1").unwrap().id();
+        assert_eq!(plan.group_of(stem), Some(u));
+        assert_eq!(plan.group_of(head), Some(u));
+        assert_eq!(plan.groups()[1].leaves().len(), 4);
+        assert_eq!(plan.param_total(), c.param_bytes());
+    }
+
+    #[test]
+    fn tied_weights_count_once_per_group() {
+        let mut spec = ReferenceSpec::small("transformer", 1, 4, DType::F32);
+        spec.tie_head_to_stem = true;
+        let c = build(&spec).unwrap();
+        let block = GroupPlan::new(&c, &config(OffloadType::BlockLevel, Some(1)));
+        let u = block.unmatched().unwrap();
+        let tied = c.leaf_by_path("tied_proj").unwrap();
+        assert_eq!(block.group_of(tied.id()), Some(u));
+        assert_eq!(block.param_total(), c.param_bytes());
+        let leaf = GroupPlan::new(&c, &config(OffloadType::LeafLevel, None));
+        // The tied weight is in two leaf groups: one hold each, one copy at a time.
+        assert_eq!(leaf.param_total(), c.param_bytes() + 4 * 4 * 4);
+    }
+
+    #[test]
+    fn a_block_list_shorter_than_a_group_is_one_group() {
+        let spec = ReferenceSpec {
+            stem: vec![LeafSpec::linear(3)],
+            blocks: vec![vec![LeafSpec::norm()]],
+            head: vec![],
+            ..ReferenceSpec::small("x", 0, 3, DType::F32)
+        };
+        let c = build(&spec).unwrap();
+        let plan = GroupPlan::new(&c, &config(OffloadType::BlockLevel, Some(3)));
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan.groups()[1].label(), "blocks[0..=0]");
+        assert_eq!(plan.largest_group_bytes(), 2 * 3 * 4);
+        assert_eq!(plan.largest_groups_bytes(5), 2 * 3 * 4);
+        assert_eq!(plan.unmatched_bytes(), (3 * 3 + 3) * 4);
+    }
+
+    struct NoProgram;
+
+    impl ddo_core::ComponentProgram for NoProgram {
+        fn forward(
+            &self,
+            _ctx: &mut ddo_core::ForwardContext<'_>,
+            input: ddo_core::Tensor,
+        ) -> Result<ddo_core::Tensor> {
+            Ok(input)
+        }
+    }
+
+    #[test]
+    fn leaves_without_params_belong_to_no_group() {
+        use ddo_core::{LeafKind, Module, ParamKind};
+        let w = Param::from_f32("w", ParamKind::Parameter, DType::F32, vec![2], &[1.0, 2.0])
+            .unwrap();
+        let root = Module::container(
+            "",
+            vec![
+                Module::leaf("act", LeafKind::Other, vec![]),
+                Module::block_list(
+                    "blocks",
+                    vec![Module::container(
+                        "0",
+                        vec![
+                            Module::leaf("lin", LeafKind::Linear, vec![("weight".into(), w)]),
+                            Module::leaf("act", LeafKind::Other, vec![]),
+                        ],
+                    )],
+                ),
+            ],
+        );
+        let c = Component::new("x", "X", root, Arc::new(NoProgram)).unwrap();
+        for (offload_type, n) in [(OffloadType::LeafLevel, None), (OffloadType::BlockLevel, Some(1))] {
+            let plan = GroupPlan::new(&c, &config(offload_type, n));
+            assert_eq!(plan.len(), 1, "{offload_type:?}");
+            assert_eq!(plan.unmatched(), None);
+            assert_eq!(plan.group_of(LeafId(0)), None);
+            assert_eq!(plan.group_of(LeafId(1)), Some(0));
+            assert_eq!(plan.group_of(LeafId(2)), None);
+            assert_eq!(plan.streamed_leaves(), 1);
+        }
+    }
+
+    impl GroupPlan {
+        fn param_total(&self) -> u64 {
+            self.groups.iter().map(|g| g.bytes).sum()
+        }
+    }
+}

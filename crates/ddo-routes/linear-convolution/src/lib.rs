@@ -1,1 +1,391 @@
-//! placeholder
+//! The `linear_convolution` route: the seed's isolated eager configuration. Every leaf's
+//! weights live on the host (in pinned copies by default) and are copied to the execution
+//! device just before the leaf runs and freed just after it, so nothing of the component
+//! stays on the device between leaves (zero residency). There is no budget, no copy stream
+//! and no persistent pinned cache beyond the pinned weights themselves, which are held for
+//! the attachment's life and freed on detach. Bytes are copied as they are: the leaf's own
+//! dense forward and dtype are preserved.
+//!
+//! This crate is one of the route crates above `ddo-core`: it talks to the
+//! [`Device`] trait only (so it runs on the host backend in CI and on CUDA unchanged),
+//! moves params through [`ResidencyTable`] and [`PinnedCopies`], and is registered in the
+//! static route table of `ddo-routes`, which calls [`Route::preflight`], then
+//! [`Route::attach`], then installs the returned hooks on the component.
+//!
+//! Preflight refuses, touching nothing: a device with the native VMM allocator installed,
+//! quantized params, and explicit options the route cannot honour (`budget`, and the
+//! group-offload options `offload_type`, `num_blocks_per_group`, `use_stream`,
+//! `record_stream`, `low_cpu_mem_usage`). `pinned=false` is accepted.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use ddo_core::residency::{FreeMode, PinnedCopies, ResidencyTable};
+use ddo_core::{
+    AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, HostSlice, Leaf, LeafId,
+    Param, Refusal, Result, Route, RouteId, RouteSpec,
+};
+use ddo_metrics::RouteMetrics;
+use parking_lot::Mutex;
+
+/// The hint given when a `budget` is passed to `linear_convolution`.
+pub const BUDGET_HINT: &str =
+    "linear_convolution keeps zero residency and has no budget; use native_vmm with a budget";
+
+/// The hint given when a group-offload option is passed to `linear_convolution`.
+pub const GROUP_OFFLOAD_HINT: &str =
+    "use diffusers_group_offload for grouped or streamed offload";
+
+/// Whether weights are pinned when the spec does not say (this route enables them).
+pub const PINNED_BY_DEFAULT: bool = true;
+
+/// The `linear_convolution` route (registered as [`RouteId::LinearConvolution`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LinearConvolutionRoute;
+
+/// The route's settings, resolved from a [`RouteSpec`] that passed preflight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearConvolutionConfig {
+    /// Keep pinned host copies of the weights for the attachment's life (default true).
+    pub pinned: bool,
+}
+
+impl LinearConvolutionConfig {
+    /// The settings `spec` asks for, with the route's defaults where it is silent.
+    pub fn from_spec(spec: &RouteSpec) -> Self {
+        Self {
+            pinned: spec.options().pinned.unwrap_or(PINNED_BY_DEFAULT),
+        }
+    }
+}
+
+fn refused(component: &Component, refusal: Refusal) -> CoreError {
+    CoreError::Refused {
+        route: RouteId::LinearConvolution.as_str(),
+        component: component.name().to_string(),
+        refusal,
+    }
+}
+
+/// Each leaf's params once (a param held twice by one leaf counts once), by leaf id.
+fn leaf_params(component: &Component) -> Vec<Vec<Arc<Param>>> {
+    component
+        .leaves()
+        .iter()
+        .map(|leaf| {
+            let mut seen = HashSet::new();
+            leaf.params()
+                .iter()
+                .filter(|(_, p)| seen.insert(p.id()))
+                .map(|(_, p)| Arc::clone(p))
+                .collect()
+        })
+        .collect()
+}
+
+impl LinearConvolutionRoute {
+    /// [`Route::attach`], returning the concrete attachment (whose hooks are not installed).
+    pub fn attach_hooks(
+        &self,
+        component: &Arc<Component>,
+        device: Arc<dyn Device>,
+        spec: &RouteSpec,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Arc<LinearConvolutionAttachment>> {
+        self.preflight(component, &*device, spec)?;
+        let config = LinearConvolutionConfig::from_spec(spec);
+        let params = component.params();
+        // The only allocation of attach; on error `pin` has already unpinned what it took.
+        let pinned = if config.pinned {
+            Some(PinnedCopies::pin(&*device, &params)?)
+        } else {
+            None
+        };
+        let leaves = leaf_params(component);
+        let streamed = leaves.iter().filter(|p| !p.is_empty()).count() as u64;
+        metrics.set_leaf_plan(streamed, 0);
+        metrics.set_resident_weight_bytes(0);
+        metrics.set_pinned_host_bytes(pinned.as_ref().map_or(0, PinnedCopies::bytes));
+        Ok(Arc::new(LinearConvolutionAttachment {
+            component: component.name().to_string(),
+            device,
+            metrics,
+            config,
+            leaves,
+            params,
+            state: Mutex::new(State {
+                table: ResidencyTable::new(),
+                pinned,
+                onloaded: Vec::new(),
+                detached: false,
+            }),
+        }))
+    }
+}
+
+impl Route for LinearConvolutionRoute {
+    fn id(&self) -> RouteId {
+        RouteId::LinearConvolution
+    }
+
+    fn preflight(
+        &self,
+        component: &Component,
+        device: &dyn Device,
+        spec: &RouteSpec,
+    ) -> Result<()> {
+        if let Some(other) = spec.route_id().filter(|r| *r != RouteId::LinearConvolution) {
+            return Err(CoreError::InvalidOption {
+                option: "route".into(),
+                value: other.as_str().into(),
+                hint: "this spec names another route; pass it to that route".into(),
+            });
+        }
+        if device.allocator() == AllocatorKind::NativeVmm {
+            return Err(refused(component, Refusal::NativeAllocatorInstalled));
+        }
+        let o = spec.options();
+        if o.budget.is_some() {
+            return Err(refused(
+                component,
+                Refusal::UnsupportedOption {
+                    option: "budget",
+                    hint: BUDGET_HINT,
+                },
+            ));
+        }
+        // Options that only travel together (num_blocks_per_group needs offload_type,
+        // record_stream needs use_stream) are checked first, so the refusal names the
+        // one the caller added last.
+        for (given, option) in [
+            (o.num_blocks_per_group.is_some(), "num_blocks_per_group"),
+            (o.record_stream.is_some(), "record_stream"),
+            (o.offload_type.is_some(), "offload_type"),
+            (o.use_stream.is_some(), "use_stream"),
+            (o.low_cpu_mem_usage.is_some(), "low_cpu_mem_usage"),
+        ] {
+            if given {
+                return Err(refused(
+                    component,
+                    Refusal::UnsupportedOption {
+                        option,
+                        hint: GROUP_OFFLOAD_HINT,
+                    },
+                ));
+            }
+        }
+        if let Some((name, _)) = component
+            .named_params()
+            .into_iter()
+            .find(|(_, p)| p.dtype().is_quantized())
+        {
+            return Err(refused(component, Refusal::Quantized { param: name }));
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &self,
+        component: &Arc<Component>,
+        device: Arc<dyn Device>,
+        spec: &RouteSpec,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Arc<dyn AttachedRoute>> {
+        let hooks: Arc<dyn AttachedRoute> = self.attach_hooks(component, device, spec, metrics)?;
+        Ok(hooks)
+    }
+}
+
+struct State {
+    table: ResidencyTable,
+    pinned: Option<PinnedCopies>,
+    /// Leaves whose params are on the device now: at most the one running, plus any left
+    /// behind by a leaf whose computation failed (its `after_leaf` never ran).
+    onloaded: Vec<LeafId>,
+    detached: bool,
+}
+
+/// `linear_convolution` attached to one component: the hooks that onload each leaf before
+/// it runs and free it after.
+pub struct LinearConvolutionAttachment {
+    component: String,
+    device: Arc<dyn Device>,
+    metrics: Arc<RouteMetrics>,
+    config: LinearConvolutionConfig,
+    /// Each leaf's params once, by leaf id.
+    leaves: Vec<Vec<Arc<Param>>>,
+    /// Every param of the component once.
+    params: Vec<Arc<Param>>,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for LinearConvolutionAttachment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.state.lock();
+        f.debug_struct("LinearConvolutionAttachment")
+            .field("component", &self.component)
+            .field("device", &self.device.id())
+            .field("pinned", &self.config.pinned)
+            .field("on_device", &st.table)
+            .field("detached", &st.detached)
+            .finish()
+    }
+}
+
+impl LinearConvolutionAttachment {
+    /// The settings in force.
+    pub fn config(&self) -> LinearConvolutionConfig {
+        self.config
+    }
+
+    /// Pinned host bytes held (0 without pinned weights, or after detach).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.state.lock().pinned.as_ref().map_or(0, PinnedCopies::bytes)
+    }
+
+    /// Device bytes of weights held now (0 between leaves).
+    pub fn device_weight_bytes(&self) -> u64 {
+        self.state.lock().table.resident_bytes()
+    }
+
+    fn params_of(&self, leaf: &Leaf) -> Result<&[Arc<Param>]> {
+        self.leaves
+            .get(leaf.id().0)
+            .map(Vec::as_slice)
+            .ok_or_else(|| CoreError::Shape {
+                what: format!("linear_convolution on `{}`", self.component),
+                message: format!("leaf `{}` is not a leaf of this component", leaf.path()),
+            })
+    }
+
+    /// Frees every onloaded leaf after the compute stream has finished with it. On a
+    /// failed synchronisation the copies are freed in stream order instead, and the error
+    /// is returned.
+    fn offload_all(&self, st: &mut State) -> Result<()> {
+        if st.onloaded.is_empty() {
+            return Ok(());
+        }
+        let stream = self.device.compute_stream();
+        let synced = self.device.synchronize_stream(&stream);
+        let mode = if synced.is_ok() {
+            FreeMode::Immediate
+        } else {
+            FreeMode::AfterComputeStream
+        };
+        for id in std::mem::take(&mut st.onloaded) {
+            if let Some(params) = self.leaves.get(id.0) {
+                st.table.release(&*self.device, params, mode, &stream);
+            }
+        }
+        synced
+    }
+}
+
+impl AttachedRoute for LinearConvolutionAttachment {
+    fn route(&self) -> RouteId {
+        RouteId::LinearConvolution
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "linear_convolution pinned={} zero residency, {} leaves streamed per forward",
+            self.config.pinned,
+            self.leaves.iter().filter(|p| !p.is_empty()).count()
+        )
+    }
+
+    fn device_id(&self) -> DeviceId {
+        self.device.id()
+    }
+
+    fn metrics(&self) -> &Arc<RouteMetrics> {
+        &self.metrics
+    }
+
+    fn before_forward(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.detached {
+            return Err(CoreError::Detached {
+                component: self.component.clone(),
+            });
+        }
+        // Leaves left behind by a forward that failed halfway.
+        self.offload_all(&mut st)
+    }
+
+    fn before_leaf(&self, leaf: &Leaf) -> Result<()> {
+        let params = self.params_of(leaf)?;
+        let mut st = self.state.lock();
+        if st.detached {
+            return Err(CoreError::Detached {
+                component: self.component.clone(),
+            });
+        }
+        // Leaves run one at a time, so anything still here was left by a failed leaf.
+        self.offload_all(&mut st)?;
+        if params.is_empty() {
+            return Ok(());
+        }
+        let stream = self.device.compute_stream();
+        let State { table, pinned, .. } = &mut *st;
+        let source = |p: &Param| -> Result<HostSlice> {
+            Ok(pinned
+                .as_ref()
+                .and_then(|c| c.get(p))
+                .unwrap_or_else(|| p.host()))
+        };
+        // Copies queue on the compute stream, so the leaf's compute is ordered after them.
+        table.acquire(&*self.device, params, &source, &stream, &self.metrics)?;
+        st.onloaded.push(leaf.id());
+        Ok(())
+    }
+
+    fn after_leaf(&self, leaf: &Leaf) -> Result<()> {
+        let mut st = self.state.lock();
+        if !st.onloaded.contains(&leaf.id()) {
+            return Ok(());
+        }
+        // Zero residency: the leaf's weights leave the device before the next leaf starts.
+        self.offload_all(&mut st)
+    }
+
+    fn end_phase(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let released = self.offload_all(&mut st);
+        let synced = self.device.synchronize();
+        released.and(synced)
+    }
+
+    fn detach(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.detached {
+            return Ok(());
+        }
+        let synced = self.device.synchronize();
+        let mode = if synced.is_ok() {
+            FreeMode::Immediate
+        } else {
+            FreeMode::AfterComputeStream
+        };
+        st.table
+            .release_all(&*self.device, mode, &self.device.compute_stream());
+        st.onloaded.clear();
+        st.pinned = None;
+        for p in &self.params {
+            // Clearing a device copy cannot fail.
+            let _ = p.set_device(None);
+        }
+        st.detached = true;
+        self.metrics.set_pinned_host_bytes(0);
+        self.metrics.set_resident_weight_bytes(0);
+        synced
+    }
+}
+
+impl Drop for LinearConvolutionAttachment {
+    fn drop(&mut self) {
+        // Errors have nowhere to go from Drop; `detach` has freed everything regardless.
+        let _ = self.detach();
+    }
+}

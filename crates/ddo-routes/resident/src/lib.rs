@@ -1,1 +1,227 @@
-//! placeholder
+//! The `none` route: the component runs resident. Its weights are copied to the device
+//! once at attach and stay there until detach; the per-leaf hooks do nothing.
+//!
+//! A route crate: it sits above `ddo-core` (it talks only to the `Device` trait, never to a
+//! GPU library) and is registered in the static route table of `ddo-routes`.
+
+use std::fmt;
+use std::sync::Arc;
+
+use ddo_core::residency::{FreeMode, ResidencyTable};
+use ddo_core::{
+    AttachedRoute, Component, CoreError, Device, DeviceId, Leaf, Refusal, Result, Route, RouteId,
+    RouteSpec,
+};
+use ddo_metrics::RouteMetrics;
+use parking_lot::Mutex;
+
+/// The resident route (`none`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ResidentRoute;
+
+impl Route for ResidentRoute {
+    fn id(&self) -> RouteId {
+        RouteId::Resident
+    }
+
+    fn preflight(
+        &self,
+        component: &Component,
+        device: &dyn Device,
+        spec: &RouteSpec,
+    ) -> Result<()> {
+        let refuse = |refusal| CoreError::Refused {
+            route: RouteId::Resident.as_str(),
+            component: component.name().to_string(),
+            refusal,
+        };
+        if let Some(option) = spec.options().given().first() {
+            return Err(refuse(Refusal::UnsupportedOption {
+                option,
+                hint: "route none keeps every weight resident and takes no options; \
+                       use diffusers_group_offload or native_vmm to tune offloading",
+            }));
+        }
+        let info = device.memory_info();
+        let available = info
+            .driver_free
+            .unwrap_or_else(|| info.capacity.saturating_sub(info.allocated));
+        let needed = component.param_bytes();
+        if needed > available {
+            return Err(refuse(Refusal::DoesNotFit { needed, available }));
+        }
+        Ok(())
+    }
+
+    fn attach(
+        &self,
+        component: &Arc<Component>,
+        device: Arc<dyn Device>,
+        spec: &RouteSpec,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Arc<dyn AttachedRoute>> {
+        let stream = device.compute_stream();
+        let mut table = ResidencyTable::new();
+        let params = component.params();
+        table.acquire(&*device, &params, &|p| Ok(p.host()), &stream, &metrics)?;
+        if let Err(e) = device.synchronize_stream(&stream) {
+            table.release_all(&*device, FreeMode::Immediate, &stream);
+            return Err(e);
+        }
+        let leaves_with_params = component
+            .leaves()
+            .iter()
+            .filter(|l| !l.params().is_empty())
+            .count() as u64;
+        metrics.set_leaf_plan(0, leaves_with_params);
+        metrics.set_resident_weight_bytes(table.resident_bytes());
+        Ok(Arc::new(AttachedResident {
+            describe: spec.describe(),
+            device,
+            metrics,
+            table: Mutex::new(table),
+        }))
+    }
+}
+
+/// Hooks of a component attached resident.
+pub struct AttachedResident {
+    describe: String,
+    device: Arc<dyn Device>,
+    metrics: Arc<RouteMetrics>,
+    table: Mutex<ResidencyTable>,
+}
+
+impl fmt::Debug for AttachedResident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AttachedResident({:?})", self.table.lock())
+    }
+}
+
+impl AttachedRoute for AttachedResident {
+    fn route(&self) -> RouteId {
+        RouteId::Resident
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+
+    fn device_id(&self) -> DeviceId {
+        self.device.id()
+    }
+
+    fn metrics(&self) -> &Arc<RouteMetrics> {
+        &self.metrics
+    }
+
+    fn before_leaf(&self, _leaf: &Leaf) -> Result<()> {
+        Ok(())
+    }
+
+    fn after_leaf(&self, _leaf: &Leaf) -> Result<()> {
+        Ok(())
+    }
+
+    fn end_phase(&self) -> Result<()> {
+        // Resident weights stay by design; there are no transient buffers.
+        self.device.synchronize()
+    }
+
+    fn detach(&self) -> Result<()> {
+        let sync = self.device.synchronize();
+        let stream = self.device.compute_stream();
+        self.table
+            .lock()
+            .release_all(&*self.device, FreeMode::Immediate, &stream);
+        self.metrics.set_resident_weight_bytes(0);
+        self.metrics.set_leaf_plan(0, 0);
+        sync
+    }
+}
+
+impl Drop for AttachedResident {
+    fn drop(&mut self) {
+        let _ = self.detach();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddo_core::reference::{self, ReferenceSpec};
+    use ddo_core::{DType, HostDevice};
+
+    #[test]
+    fn resident_weights_are_copied_once_and_released_on_detach() {
+        let spec = ReferenceSpec::small("transformer", 3, 8, DType::F16);
+        let c = reference::build(&spec).unwrap();
+        let d = HostDevice::with_capacity(1 << 20).unwrap();
+        let dev: Arc<dyn Device> = d.clone();
+        let m = Arc::new(RouteMetrics::new());
+        ResidentRoute
+            .preflight(&c, &*dev, &RouteSpec::resident())
+            .unwrap();
+        let hooks = ResidentRoute
+            .attach(&c, dev.clone(), &RouteSpec::resident(), m.clone())
+            .unwrap();
+        c.install_hooks(hooks.clone()).unwrap();
+        assert_eq!(d.memory_info().allocated, c.param_bytes());
+        let copies = m.counters().h2d_copies;
+        for _ in 0..3 {
+            c.forward(&*dev, reference::input(&spec, 2, 3).unwrap())
+                .unwrap();
+        }
+        assert_eq!(m.counters().h2d_copies, copies, "weights moved again");
+        assert!(c.remove_hooks(&hooks));
+        hooks.detach().unwrap();
+        assert_eq!(d.memory_info().allocated, 0);
+        assert!(c.params().iter().all(|p| p.device().is_none()));
+    }
+
+    #[test]
+    fn preflight_refuses_options_and_weights_that_do_not_fit() {
+        let spec = ReferenceSpec::small("vae", 2, 16, DType::F32);
+        let c = reference::build(&spec).unwrap();
+        let small = HostDevice::with_capacity(64).unwrap();
+        let err = ResidentRoute
+            .preflight(&c, &*small, &RouteSpec::resident())
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CoreError::Refused {
+                    refusal: Refusal::DoesNotFit { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let big = HostDevice::with_capacity(1 << 20).unwrap();
+        let with_budget = RouteSpec::new(
+            ddo_core::RouteTarget::Route(RouteId::Resident),
+            ddo_core::RouteOptions {
+                budget: Some(ddo_core::Budget::Bytes(10)),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let err = ResidentRoute
+            .preflight(&c, &*big, &with_budget)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CoreError::Refused {
+                    refusal: Refusal::UnsupportedOption {
+                        option: "budget",
+                        ..
+                    },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(big.memory_info().allocated, 0);
+    }
+}

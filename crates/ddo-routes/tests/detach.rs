@@ -1,0 +1,321 @@
+//! `detach_auxiliary_cpu_sources` through the handle: what it copies, what it preserves,
+//! and each refusal (which changes nothing).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ddo_core::reference::{self, ReferenceSpec};
+use ddo_core::{
+    Checkpoint, Component, CoreError, DType, DetachRefusal, LeafKind, Module, Param, ParamKind,
+    RouteSpec,
+};
+use ddo_routes::{OffloadHandle, enable_dynamic_offload};
+
+struct Fixture {
+    _dir: TempDir,
+    spec: ReferenceSpec,
+    component: Arc<Component>,
+    path: std::path::PathBuf,
+}
+
+/// A checkpoint-backed reference component (tied weights included), with the `Checkpoint`
+/// itself already dropped so only the params hold the mapping.
+fn fixture(tie: bool) -> Fixture {
+    let dir = TempDir::new("detach");
+    let mut spec = ReferenceSpec::small("transformer", 3, 8, DType::BF16);
+    spec.tie_head_to_stem = tie;
+    let path = dir.0.join("diffusion_pytorch_model.safetensors");
+    reference::write_checkpoint(&reference::build(&spec).unwrap(), &path).unwrap();
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let component = reference::build_from_checkpoint(&spec, &ckpt).unwrap();
+    drop(ckpt);
+    component.set_exclusively_owned(true);
+    Fixture {
+        _dir: dir,
+        spec,
+        component,
+        path,
+    }
+}
+
+fn attach(f: &Fixture) -> (OffloadHandle, Arc<ddo_core::HostDevice>) {
+    let d = native_device(1 << 24);
+    let h = enable_dynamic_offload(
+        &f.component,
+        dyn_device(&d),
+        "native_vmm:budget=1MiB".parse().unwrap(),
+    )
+    .unwrap();
+    (h, d)
+}
+
+fn host_state(c: &Component) -> Vec<(u64, bool)> {
+    c.params()
+        .iter()
+        .map(|p| (p.host_checksum(), p.is_checkpoint_backed()))
+        .collect()
+}
+
+#[test]
+fn copies_every_group_within_the_bound_and_releases_the_mapping() {
+    let f = fixture(true);
+    let (h, d) = attach(&f);
+    let before_ids: Vec<_> = f.component.params().iter().map(|p| p.id()).collect();
+    let before_sums = checksums(&f.component);
+    let before_sources: Vec<_> = f
+        .component
+        .params()
+        .iter()
+        .map(|p| p.source().cloned())
+        .collect();
+    let aliases_before = f.component.aliases();
+    let map = Arc::downgrade(
+        f.component.params()[0]
+            .host()
+            .mapped_range()
+            .map(|(m, _)| m.clone())
+            .as_ref()
+            .unwrap(),
+    );
+
+    let report = h
+        .detach_auxiliary_cpu_sources(true, 16 * 1024 * 1024)
+        .unwrap();
+    assert!(report.enabled);
+    assert_eq!(report.bytes_copied, f.component.param_bytes());
+    assert!(report.groups_skipped.is_empty());
+    // Tied weights are one tensor, copied once.
+    assert_eq!(report.tensors_copied as usize, f.component.params().len());
+    assert_eq!(report.mappings_released, 1);
+    assert!(map.upgrade().is_none(), "the mapping is still alive");
+    assert!(report.rss_anon_before.is_some() && report.rss_file_after.is_some());
+
+    // Values, dtype, identity, aliases and source descriptors are preserved.
+    let params = f.component.params();
+    assert_eq!(
+        params.iter().map(|p| p.id()).collect::<Vec<_>>(),
+        before_ids
+    );
+    assert_eq!(checksums(&f.component), before_sums);
+    assert_eq!(
+        params
+            .iter()
+            .map(|p| p.source().cloned())
+            .collect::<Vec<_>>(),
+        before_sources
+    );
+    assert!(
+        params
+            .iter()
+            .all(|p| !p.is_checkpoint_backed() && p.dtype() == DType::BF16)
+    );
+    assert_eq!(f.component.aliases(), aliases_before);
+    let text = report.format_profile();
+    assert!(text.contains("commit_recovery_proven"), "{text}");
+    assert_eq!(h.metrics_snapshot().detach_reports, vec![report]);
+
+    // And the component still computes the same thing.
+    let out = h.forward(reference::input(&f.spec, 2, 4).unwrap()).unwrap();
+    assert_eq!(
+        bytes_of(&*d, &out),
+        baseline(&reference::build(&f.spec).unwrap(), &f.spec, 2, 4)
+    );
+}
+
+#[test]
+fn groups_beyond_the_bound_are_skipped_with_a_reason_and_the_mapping_kept() {
+    let f = fixture(false);
+    let (h, _d) = attach(&f);
+    let largest = f
+        .component
+        .leaves()
+        .iter()
+        .map(|l| l.param_bytes())
+        .max()
+        .unwrap();
+    let report = h.detach_auxiliary_cpu_sources(true, largest).unwrap();
+    assert!(report.bytes_copied <= largest);
+    assert!(!report.groups_skipped.is_empty());
+    assert!(
+        report
+            .groups_skipped
+            .iter()
+            .all(|g| g.reason.contains("bound"))
+    );
+    assert_eq!(report.mappings_released, 0);
+    assert!(
+        !report.commit_recovery_proven,
+        "nothing released, nothing proven"
+    );
+    assert!(
+        f.component
+            .params()
+            .iter()
+            .any(|p| p.is_checkpoint_backed())
+    );
+}
+
+#[test]
+fn disabled_changes_nothing() {
+    let f = fixture(false);
+    let (h, _d) = attach(&f);
+    let before = host_state(&f.component);
+    let report = h.detach_auxiliary_cpu_sources(false, u64::MAX).unwrap();
+    assert!(!report.enabled);
+    assert_eq!(report.bytes_copied, 0);
+    assert_eq!(host_state(&f.component), before);
+}
+
+fn assert_refused(h: &OffloadHandle, c: &Component, want: impl Fn(&DetachRefusal) -> bool) {
+    let before = host_state(c);
+    let err = h.detach_auxiliary_cpu_sources(true, u64::MAX).unwrap_err();
+    match &err {
+        CoreError::DetachRefused { refusal, .. } => assert!(want(refusal), "{err}"),
+        other => panic!("expected a refusal, got {other}"),
+    }
+    assert_eq!(host_state(c), before, "a refusal changed the sources");
+}
+
+#[test]
+fn refuses_training_mode() {
+    let f = fixture(false);
+    let (h, _d) = attach(&f);
+    f.component.train();
+    assert_refused(&h, &f.component, |r| *r == DetachRefusal::TrainingMode);
+}
+
+#[test]
+fn refuses_without_exclusive_ownership() {
+    let f = fixture(false);
+    let (h, _d) = attach(&f);
+    f.component.set_exclusively_owned(false);
+    assert_refused(&h, &f.component, |r| *r == DetachRefusal::NotExclusive);
+}
+
+#[test]
+fn refuses_after_execution_started() {
+    let f = fixture(false);
+    let (h, _d) = attach(&f);
+    h.forward(reference::input(&f.spec, 1, 1).unwrap()).unwrap();
+    assert_refused(&h, &f.component, |r| {
+        matches!(r, DetachRefusal::ExecutionStarted { forwards: 1 })
+    });
+}
+
+#[test]
+fn refuses_unknown_retained_ownership_of_the_mapping() {
+    // An open Checkpoint holds the mapping without DDO having registered it.
+    let f = fixture(false);
+    let ckpt = Checkpoint::open(&f.path).unwrap();
+    let c = reference::build_from_checkpoint(&f.spec, &ckpt).unwrap();
+    c.set_exclusively_owned(true);
+    let d = device(1 << 20);
+    let h =
+        enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::leaf_group(false, false)).unwrap();
+    assert_refused(&h, &c, |r| {
+        matches!(r, DetachRefusal::UnknownOwnership { .. })
+    });
+    drop(ckpt);
+    h.detach_auxiliary_cpu_sources(true, u64::MAX).unwrap();
+}
+
+#[test]
+fn refuses_an_escaped_tensor_reference() {
+    let f = fixture(false);
+    let (h, _d) = attach(&f);
+    let escaped = f.component.params()[0].host();
+    assert_refused(&h, &f.component, |r| {
+        matches!(r, DetachRefusal::UnknownOwnership { .. })
+    });
+    drop(escaped);
+    let report = h.detach_auxiliary_cpu_sources(true, u64::MAX).unwrap();
+    assert_eq!(report.mappings_released, 1);
+}
+
+fn two_leaf_component(a: Arc<Param>, b: Arc<Param>) -> Arc<Component> {
+    let c = Component::new(
+        "transformer",
+        "Handmade",
+        Module::container(
+            "",
+            vec![
+                Module::leaf("a", LeafKind::Linear, vec![("weight".into(), a)]),
+                Module::leaf("b", LeafKind::Linear, vec![("weight".into(), b)]),
+            ],
+        ),
+        Arc::new(NoProgram),
+    )
+    .unwrap();
+    c.set_exclusively_owned(true);
+    c
+}
+
+struct NoProgram;
+impl ddo_core::ComponentProgram for NoProgram {
+    fn forward(
+        &self,
+        _: &mut ddo_core::ForwardContext<'_>,
+        input: ddo_core::Tensor,
+    ) -> ddo_core::Result<ddo_core::Tensor> {
+        Ok(input)
+    }
+}
+
+#[test]
+fn refuses_overlapping_sources_that_are_not_one_registered_alias() {
+    let f = fixture(false);
+    let ckpt = Checkpoint::open(&f.path).unwrap();
+    let name = ckpt.names().next().unwrap().to_string();
+    // Two params over the same bytes: an alias DDO was not told about.
+    let a = Param::from_checkpoint(&ckpt, &name, "a.weight", ParamKind::Parameter).unwrap();
+    let b = Param::from_checkpoint(&ckpt, &name, "b.weight", ParamKind::Parameter).unwrap();
+    drop(ckpt);
+    let c = two_leaf_component(a, b);
+    let d = device(1 << 20);
+    let h =
+        enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::leaf_group(false, false)).unwrap();
+    assert_refused(&h, &c, |r| {
+        matches!(r, DetachRefusal::OverlappingSources { .. })
+    });
+}
+
+#[test]
+fn refuses_unsupported_layouts() {
+    let dir = TempDir::new("detach-q");
+    let path = dir.0.join("q.safetensors");
+    write_u8_checkpoint(&path, &[7u8; 16]);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let q = Param::from_checkpoint(&ckpt, "q", "a.weight", ParamKind::Parameter).unwrap();
+    assert_eq!(q.dtype(), DType::Quantized);
+    let other = Param::from_f32(
+        "b.weight",
+        ParamKind::Parameter,
+        DType::F32,
+        vec![2],
+        &[1.0, 2.0],
+    )
+    .unwrap();
+    drop(ckpt);
+    let c = two_leaf_component(q, other);
+    let d = device(1 << 20);
+    let h =
+        enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::leaf_group(false, false)).unwrap();
+    assert_refused(&h, &c, |r| {
+        matches!(r, DetachRefusal::UnsupportedLayout { .. })
+    });
+}
+
+fn write_u8_checkpoint(path: &std::path::Path, data: &[u8]) {
+    // A minimal safetensors file written by hand: 8-byte header length, JSON, data.
+    let header = format!(
+        "{{\"q\":{{\"dtype\":\"U8\",\"shape\":[{}],\"data_offsets\":[0,{}]}}}}",
+        data.len(),
+        data.len()
+    );
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}

@@ -1,0 +1,214 @@
+//! Properties over random component trees, budgets and route options: a forward under any
+//! route is bit-identical to resident execution, device and pinned memory return to their
+//! starting level after removal, and the peak stays within what the route promises.
+
+mod common;
+
+use common::*;
+use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
+use ddo_core::{
+    Budget, Component, DType, LeafKind, OffloadType, RouteId, RouteOptions, RouteSpec, RouteTarget,
+};
+use ddo_routes::enable_dynamic_offload;
+use proptest::prelude::*;
+
+fn leaf_spec() -> impl Strategy<Value = LeafSpec> {
+    prop_oneof![
+        (1usize..12).prop_map(|out| LeafSpec {
+            kind: LeafKind::Linear,
+            out_features: Some(out),
+        }),
+        (1usize..12).prop_map(|out| LeafSpec {
+            kind: LeafKind::Conv2d,
+            out_features: Some(out),
+        }),
+        Just(LeafSpec {
+            kind: LeafKind::Norm,
+            out_features: None,
+        }),
+        Just(LeafSpec {
+            kind: LeafKind::Embedding,
+            out_features: None,
+        }),
+    ]
+}
+
+fn reference_spec() -> impl Strategy<Value = ReferenceSpec> {
+    (
+        1usize..10,
+        prop::collection::vec(leaf_spec(), 0..3),
+        prop::collection::vec(prop::collection::vec(leaf_spec(), 1..3), 0..4),
+        prop::collection::vec(leaf_spec(), 0..3),
+        prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)],
+        any::<u64>(),
+    )
+        .prop_map(|(width, stem, blocks, head, dtype, seed)| ReferenceSpec {
+            name: "transformer".into(),
+            class_name: "Random".into(),
+            dtype,
+            in_features: width,
+            stem,
+            blocks,
+            head,
+            tie_head_to_stem: false,
+            seed,
+        })
+        .prop_filter("at least one leaf", |s| {
+            !(s.stem.is_empty() && s.blocks.is_empty() && s.head.is_empty())
+        })
+}
+
+/// Route specs to try, each with whether it needs the native allocator.
+fn route_spec() -> impl Strategy<Value = RouteSpec> {
+    prop_oneof![
+        Just(RouteSpec::resident()),
+        (any::<bool>(), any::<bool>(), any::<bool>()).prop_map(|(stream, record, low)| {
+            RouteSpec::new(
+                RouteTarget::Route(RouteId::DiffusersGroupOffload),
+                RouteOptions {
+                    offload_type: Some(OffloadType::LeafLevel),
+                    use_stream: Some(stream),
+                    record_stream: Some(stream && record),
+                    low_cpu_mem_usage: Some(low),
+                    ..RouteOptions::default()
+                },
+            )
+            .unwrap()
+        }),
+        (any::<bool>(), 1usize..3).prop_map(|(stream, n)| {
+            RouteSpec::new(
+                RouteTarget::Route(RouteId::DiffusersGroupOffload),
+                RouteOptions {
+                    offload_type: Some(OffloadType::BlockLevel),
+                    num_blocks_per_group: Some(if stream { 1 } else { n }),
+                    use_stream: Some(stream),
+                    ..RouteOptions::default()
+                },
+            )
+            .unwrap()
+        }),
+        any::<bool>().prop_map(|pinned| {
+            RouteSpec::new(
+                RouteTarget::Route(RouteId::LinearConvolution),
+                RouteOptions {
+                    pinned: Some(pinned),
+                    ..RouteOptions::default()
+                },
+            )
+            .unwrap()
+        }),
+        (0u64..4096).prop_map(|extra| {
+            RouteSpec::new(
+                RouteTarget::Route(RouteId::NativeVmm),
+                RouteOptions {
+                    // Resolved against the component below: largest leaf + `extra`.
+                    budget: Some(Budget::Bytes(extra + 1)),
+                    ..RouteOptions::default()
+                },
+            )
+            .unwrap()
+        }),
+    ]
+}
+
+/// Widest activation pair of the reference program: input + output of one leaf, f32.
+fn activation_bound(spec: &ReferenceSpec, batch: usize) -> u64 {
+    let mut features = spec.in_features;
+    let mut worst = 0;
+    let leaves = spec
+        .stem
+        .iter()
+        .chain(spec.blocks.iter().flatten())
+        .chain(spec.head.iter());
+    for leaf in leaves {
+        let out = leaf.out_features.unwrap_or(features);
+        worst = worst.max(features + out);
+        features = out;
+    }
+    (worst * batch * 4) as u64
+}
+
+/// Bytes of the largest group `spec` forms on `component` (its promise per group).
+fn largest_group(component: &Component, route: &RouteSpec) -> (u64, u64) {
+    let leaves = component.leaves();
+    let largest_leaf = leaves.iter().map(|l| l.param_bytes()).max().unwrap_or(0);
+    let c = route.group_offload_config();
+    if c.offload_type == OffloadType::LeafLevel {
+        return (largest_leaf, 0);
+    }
+    let mut blocks: std::collections::BTreeMap<usize, u64> = Default::default();
+    let mut unmatched = 0;
+    for l in leaves {
+        match l.placement() {
+            ddo_core::Placement::Block { index, .. } => {
+                *blocks.entry(index / c.num_blocks_per_group).or_default() += l.param_bytes()
+            }
+            ddo_core::Placement::Unmatched => unmatched += l.param_bytes(),
+        }
+    }
+    (blocks.values().copied().max().unwrap_or(0), unmatched)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_route_matches_resident_and_returns_memory(
+        spec in reference_spec(),
+        route in route_spec(),
+        batch in 1usize..4,
+    ) {
+        let expected = baseline(&reference::build(&spec).unwrap(), &spec, batch, 5);
+        let c = reference::build(&spec).unwrap();
+        let largest_leaf = c.leaves().iter().map(|l| l.param_bytes()).max().unwrap_or(0);
+        let route = match (route.route_id(), route.options().budget) {
+            (Some(RouteId::NativeVmm), Some(Budget::Bytes(extra))) => RouteSpec::new(
+                route.target(),
+                RouteOptions { budget: Some(Budget::Bytes(largest_leaf + extra)), ..*route.options() },
+            ).unwrap(),
+            _ => route,
+        };
+        let native = route.route_id() == Some(RouteId::NativeVmm);
+        let d = if native { native_device(1 << 26) } else { device(1 << 26) };
+        let h = enable_dynamic_offload(&c, dyn_device(&d), route).unwrap();
+        let attached = d.memory_info().allocated;
+        let acts = activation_bound(&spec, batch);
+        for _ in 0..3 {
+            d.reset_peak();
+            let out = h.forward(reference::input(&spec, batch, 5).unwrap()).unwrap();
+            prop_assert_eq!(bytes_of(&*d, &out), expected.clone(), "{}", route.describe());
+            let peak = d.memory_info().peak_allocated;
+            let weights_bound = match route.route_id() {
+                Some(RouteId::Resident) => c.param_bytes(),
+                Some(RouteId::LinearConvolution) => largest_leaf,
+                Some(RouteId::NativeVmm) => match route.options().budget {
+                    Some(Budget::Bytes(b)) => b,
+                    _ => unreachable!(),
+                },
+                Some(RouteId::DiffusersGroupOffload) => {
+                    let (group, unmatched) = largest_group(&c, &route);
+                    let cfg = route.group_offload_config();
+                    // Stream: the group in use and the prefetched one; record_stream frees
+                    // in stream order, so a third may still be queued for release.
+                    let groups = match (cfg.use_stream, cfg.record_stream) {
+                        (false, _) => 1,
+                        (true, false) => 2,
+                        (true, true) => 3,
+                    };
+                    groups * group + unmatched
+                }
+                None => unreachable!(),
+            };
+            prop_assert!(
+                peak <= weights_bound + acts,
+                "{}: peak {} > weights {} + activations {} (attached {})",
+                route.describe(), peak, weights_bound, acts, attached
+            );
+        }
+        drop(h);
+        drop(c);
+        d.synchronize().unwrap();
+        let m = d.memory_info();
+        prop_assert_eq!((m.allocated, m.pinned_host), (0, 0));
+    }
+}

@@ -1,0 +1,10 @@
+//! The `native_vmm` route with a 1 MiB budget, on a device whose native allocator was
+//! installed at bootstrap: as many leaves as fit stay resident, the rest stream.
+//!
+//! `cargo run -p ddo-examples --example native_vmm`
+
+fn main() -> ddo_core::Result<()> {
+    let snapshot = ddo_examples::run_route("native_vmm:budget=1MiB".parse()?)?;
+    println!("{}", snapshot.format_profile());
+    Ok(())
+}

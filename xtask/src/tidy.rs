@@ -1,0 +1,267 @@
+//! Architecture invariants and code habits, checked over the workspace's files. Each check
+//! returns the problems it found; `#[test]`s below run them, so `cargo test` enforces them,
+//! and `cargo xtask tidy` prints them.
+//!
+//! Invariants (also listed in ARCHITECTURE.md):
+//! - ddo-metrics depends on no other DDO crate.
+//! - Only ddo-cuda and ddo-vmm may depend on cudarc; ddo-core never does.
+//! - Route crates depend on ddo-core and ddo-metrics, never on each other, on the registry,
+//!   or on a backend.
+//! - `unsafe` appears only in ddo-core's host memory module and in ddo-cuda / ddo-vmm, and
+//!   every `unsafe` block is preceded by a `// SAFETY:` comment.
+//! - Every Rust source file opens with a `//!` comment saying what it is for.
+//! - No `#[ignore]`, `#[should_panic]`, `todo!()` or `unimplemented!()`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Every check; an empty list means the workspace is tidy.
+pub fn check_all(root: &Path) -> Vec<String> {
+    let mut problems = Vec::new();
+    problems.extend(check_dependencies(root));
+    problems.extend(check_sources(root));
+    problems.extend(check_architecture_doc(root));
+    problems
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        let name = e.file_name();
+        if name == "target" || name.to_string_lossy().starts_with('.') {
+            continue;
+        }
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// Crates of the workspace: (package name, directory).
+fn crates(root: &Path) -> Vec<(String, PathBuf)> {
+    let mut manifests = Vec::new();
+    find_manifests(root, &mut manifests);
+    manifests
+        .into_iter()
+        .filter_map(|m| {
+            let text = fs::read_to_string(&m).ok()?;
+            let name = text
+                .lines()
+                .skip_while(|l| l.trim() != "[package]")
+                .find_map(|l| l.trim().strip_prefix("name = "))?
+                .trim_matches('"')
+                .to_string();
+            Some((name, m.parent()?.to_path_buf()))
+        })
+        .collect()
+}
+
+fn find_manifests(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        let name = e.file_name();
+        if name == "target" || name.to_string_lossy().starts_with('.') {
+            continue;
+        }
+        if p.is_dir() {
+            find_manifests(&p, out);
+        } else if name == "Cargo.toml" {
+            out.push(p);
+        }
+    }
+}
+
+/// Names in the `[dependencies]` table of a manifest (not dev- or build-dependencies).
+fn dependencies(manifest: &Path) -> Vec<String> {
+    let Ok(text) = fs::read_to_string(manifest) else {
+        return Vec::new();
+    };
+    let mut in_deps = false;
+    let mut deps = Vec::new();
+    for line in text.lines() {
+        let l = line.trim();
+        if l.starts_with('[') {
+            in_deps = l == "[dependencies]";
+            continue;
+        }
+        if in_deps && let Some((name, _)) = l.split_once(['=', '.']) {
+            let name = name.trim();
+            if !name.is_empty() && !name.starts_with('#') {
+                deps.push(name.to_string());
+            }
+        }
+    }
+    deps
+}
+
+/// Layering rules between crates.
+pub fn check_dependencies(root: &Path) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (name, dir) in crates(root) {
+        let deps = dependencies(&dir.join("Cargo.toml"));
+        let ddo: Vec<&String> = deps.iter().filter(|d| d.starts_with("ddo-")).collect();
+        let gpu_crate = name == "ddo-cuda" || name == "ddo-vmm";
+        if !gpu_crate && deps.iter().any(|d| d == "cudarc") {
+            problems.push(format!(
+                "{name} depends on cudarc; only ddo-cuda and ddo-vmm may"
+            ));
+        }
+        if name == "ddo-metrics" && !ddo.is_empty() {
+            problems.push(format!(
+                "ddo-metrics depends on {ddo:?}; it must depend on no DDO crate"
+            ));
+        }
+        if name == "ddo-core" && ddo.iter().any(|d| *d != "ddo-metrics") {
+            problems.push(format!(
+                "ddo-core depends on {ddo:?}; it may depend on ddo-metrics only"
+            ));
+        }
+        if name.starts_with("ddo-route-") {
+            for d in &ddo {
+                if *d != "ddo-core" && *d != "ddo-metrics" {
+                    problems.push(format!(
+                        "route crate {name} depends on {d}; routes talk to ddo-core only"
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
+fn may_hold_unsafe(path: &Path) -> bool {
+    let p = path.to_string_lossy();
+    p.contains("crates/ddo-cuda/")
+        || p.contains("crates/ddo-vmm/")
+        || p.ends_with("ddo-core/src/host.rs")
+}
+
+/// Source habits: `//!` openers, `unsafe` confined and explained, no disabled tests or stubs.
+pub fn check_sources(root: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(root, &mut files);
+    let mut problems = Vec::new();
+    let me = Path::new(file!()).file_name().map(|f| f.to_os_string());
+    for f in files {
+        let Ok(text) = fs::read_to_string(&f) else {
+            continue;
+        };
+        let rel = f.strip_prefix(root).unwrap_or(&f).display().to_string();
+        if !text.trim_start().starts_with("//!") {
+            problems.push(format!(
+                "{rel}: does not open with a `//!` comment saying what it is for"
+            ));
+        }
+        if f.file_name().map(|n| n.to_os_string()) == me {
+            continue; // this file names the patterns it looks for
+        }
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("unsafe {") || code.contains("unsafe{") {
+                if !may_hold_unsafe(&f) {
+                    problems.push(format!(
+                        "{rel}:{}: `unsafe` outside the lowest layer",
+                        i + 1
+                    ));
+                }
+                // The comment block right above the line (or the line itself) explains it.
+                let explained = line.contains("SAFETY:")
+                    || lines[..i]
+                        .iter()
+                        .rev()
+                        .take_while(|l| l.trim_start().starts_with("//"))
+                        .any(|l| l.contains("SAFETY:"));
+                if !explained {
+                    problems.push(format!(
+                        "{rel}:{}: `unsafe` block without a `// SAFETY:` comment",
+                        i + 1
+                    ));
+                }
+            }
+            for banned in ["#[ignore", "#[should_panic", "todo!(", "unimplemented!("] {
+                if code.contains(banned) {
+                    problems.push(format!("{rel}:{}: `{banned}` is not allowed", i + 1));
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// ARCHITECTURE.md names every crate of the workspace.
+pub fn check_architecture_doc(root: &Path) -> Vec<String> {
+    let Ok(doc) = fs::read_to_string(root.join("ARCHITECTURE.md")) else {
+        return vec!["ARCHITECTURE.md is missing".to_string()];
+    };
+    crates(root)
+        .into_iter()
+        .filter(|(name, _)| !doc.contains(name.as_str()))
+        .map(|(name, _)| format!("ARCHITECTURE.md does not mention crate {name}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> PathBuf {
+        crate::workspace_root()
+    }
+
+    #[test]
+    fn layering_holds() {
+        let problems = check_dependencies(&root());
+        assert!(problems.is_empty(), "{problems:#?}");
+        // The check itself sees the crates it is about.
+        let names: Vec<String> = crates(&root()).into_iter().map(|(n, _)| n).collect();
+        assert!(names.contains(&"ddo-core".to_string()), "{names:?}");
+    }
+
+    #[test]
+    fn ddo_core_never_depends_on_cudarc() {
+        let deps = dependencies(&root().join("crates/ddo-core/Cargo.toml"));
+        assert!(deps.contains(&"ddo-metrics".to_string()), "{deps:?}");
+        assert!(!deps.contains(&"cudarc".to_string()));
+    }
+
+    #[test]
+    fn sources_follow_the_habits() {
+        let problems = check_sources(&root());
+        assert!(problems.is_empty(), "{problems:#?}");
+    }
+
+    #[test]
+    fn architecture_doc_names_every_crate() {
+        let problems = check_architecture_doc(&root());
+        assert!(problems.is_empty(), "{problems:#?}");
+    }
+
+    #[test]
+    fn the_checks_catch_what_they_look_for() {
+        let dir = std::env::temp_dir().join(format!("ddo-tidy-{}", std::process::id()));
+        let src = dir.join("crates/ddo-route-x/src");
+        fs::create_dir_all(&src).unwrap();
+        fs::write(
+            dir.join("crates/ddo-route-x/Cargo.toml"),
+            "[package]\nname = \"ddo-route-x\"\n\n[dependencies]\nddo-routes.workspace = true\ncudarc = \"0.19\"\n",
+        )
+        .unwrap();
+        let bad = ["fn f() {", "    let x = unsafe { 1 };", "}"].join("\n");
+        fs::write(src.join("lib.rs"), bad).unwrap();
+        let deps = check_dependencies(&dir);
+        assert_eq!(deps.len(), 2, "{deps:#?}");
+        let sources = check_sources(&dir);
+        assert_eq!(sources.len(), 3, "{sources:#?}");
+        assert_eq!(check_architecture_doc(&dir).len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
