@@ -7,6 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
+use ddo_core::Device;
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::{
     AllocatorKind, CoreError, DType, DecidedBy, MapEnvironment, OffloadType, Preset, Refusal,
@@ -348,8 +349,9 @@ fn vmm_fast_never_installs_the_native_allocator() {
         "{err}"
     );
     assert_eq!(ddo_core::Device::allocator(&*d), AllocatorKind::Caching);
-    // With the allocator installed at bootstrap (a native device), the same call attaches.
-    let n = native_device(1 << 24);
+    // With the allocator installed at bootstrap (a native device), the same call attaches;
+    // the default budget is what is free minus a 1 GiB margin, so give it room.
+    let n = native_device(2 << 30);
     let h =
         enable_offload_with_env(&t, dyn_device(&n), &options(Preset::VmmFast), &no_env()).unwrap();
     assert_eq!(h.spec().route_id(), Some(RouteId::NativeVmm));

@@ -6,6 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
+use ddo_core::Device;
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::{Component, CoreError, DType, MapEnvironment, Preset, Refusal, RouteId, Settings};
 use ddo_routes::{Pipeline, enable_pipeline_offload_with_env};

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use ddo_core::Device;
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
     Budget, Component, DType, LeafKind, OffloadType, RouteId, RouteOptions, RouteSpec, RouteTarget,

@@ -34,8 +34,7 @@ pub const BUDGET_HINT: &str =
     "linear_convolution keeps zero residency and has no budget; use native_vmm with a budget";
 
 /// The hint given when a group-offload option is passed to `linear_convolution`.
-pub const GROUP_OFFLOAD_HINT: &str =
-    "use diffusers_group_offload for grouped or streamed offload";
+pub const GROUP_OFFLOAD_HINT: &str = "use diffusers_group_offload for grouped or streamed offload";
 
 /// Whether weights are pinned when the spec does not say (this route enables them).
 pub const PINNED_BY_DEFAULT: bool = true;
@@ -241,7 +240,11 @@ impl LinearConvolutionAttachment {
 
     /// Pinned host bytes held (0 without pinned weights, or after detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state.lock().pinned.as_ref().map_or(0, PinnedCopies::bytes)
+        self.state
+            .lock()
+            .pinned
+            .as_ref()
+            .map_or(0, PinnedCopies::bytes)
     }
 
     /// Device bytes of weights held now (0 between leaves).

@@ -81,7 +81,10 @@ fn assert_host_only(c: &Component) {
 }
 
 fn arb_leaf() -> impl Strategy<Value = LeafSpec> {
-    prop_oneof![(1usize..12).prop_map(LeafSpec::linear), Just(LeafSpec::norm())]
+    prop_oneof![
+        (1usize..12).prop_map(LeafSpec::linear),
+        Just(LeafSpec::norm())
+    ]
 }
 
 prop_compose! {
@@ -179,16 +182,27 @@ fn attach_through_the_route_trait_pins_by_default_and_is_removable() {
     let rs = RouteSpec::route(RouteId::LinearConvolution);
     route.preflight(&c, &*d, &rs).unwrap();
     let hooks = route
-        .attach(&c, Arc::clone(&d) as Arc<dyn Device>, &rs, Arc::clone(&metrics))
+        .attach(
+            &c,
+            Arc::clone(&d) as Arc<dyn Device>,
+            &rs,
+            Arc::clone(&metrics),
+        )
         .unwrap();
     assert_eq!(hooks.route(), RouteId::LinearConvolution);
     assert_eq!(hooks.route_name(), "linear_convolution");
     assert!(hooks.removable());
     assert_eq!(hooks.device_id(), d.id());
-    assert!(hooks.describe().contains("pinned=true"), "{}", hooks.describe());
+    assert!(
+        hooks.describe().contains("pinned=true"),
+        "{}",
+        hooks.describe()
+    );
     assert_eq!(metrics.counters().pinned_host_bytes, c.param_bytes());
     c.install_hooks(Arc::clone(&hooks)).unwrap();
-    let y = c.forward(&*d, reference::input(&spec, 2, 1).unwrap()).unwrap();
+    let y = c
+        .forward(&*d, reference::input(&spec, 2, 1).unwrap())
+        .unwrap();
     drop(y);
     hooks.end_phase().unwrap();
     assert_eq!(d.memory_info().allocated, 0);
@@ -205,7 +219,9 @@ fn dropping_the_attachment_detaches() {
     let c = reference::build(&spec).unwrap();
     let d = device(1 << 20);
     let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LinearConvolution)).unwrap();
-    let y = c.forward(&*d, reference::input(&spec, 1, 1).unwrap()).unwrap();
+    let y = c
+        .forward(&*d, reference::input(&spec, 1, 1).unwrap())
+        .unwrap();
     drop(y);
     assert!(d.memory_info().pinned_host > 0);
     let installed = c.attached().unwrap();
@@ -280,8 +296,14 @@ impl ComponentProgram for Identity {
 
 #[test]
 fn refuses_quantized_params() {
-    let dense = Param::from_f32("proj.weight", ParamKind::Parameter, DType::F16, vec![2], &[1.0, 2.0])
-        .unwrap();
+    let dense = Param::from_f32(
+        "proj.weight",
+        ParamKind::Parameter,
+        DType::F16,
+        vec![2],
+        &[1.0, 2.0],
+    )
+    .unwrap();
     let q = Param::new(
         "quant.weight",
         ParamKind::Parameter,
@@ -340,7 +362,10 @@ fn refuses_group_offload_options() {
             "linear_convolution:use_stream=true,record_stream=true",
             "record_stream",
         ),
-        ("linear_convolution:low_cpu_mem_usage=true", "low_cpu_mem_usage"),
+        (
+            "linear_convolution:low_cpu_mem_usage=true",
+            "low_cpu_mem_usage",
+        ),
     ] {
         let r = refused(&c, &d, &spec_text(text));
         assert_eq!(
@@ -408,7 +433,10 @@ fn the_pinned_limit_fails_attach_and_pins_nothing() {
     assert_eq!(d.memory_info().pinned_host, 0);
     // Without pinned weights the same device runs it.
     let hooks = attach(&c, &d, &spec_text("linear_convolution:pinned=false")).unwrap();
-    drop(c.forward(&*d, reference::input(&spec, 1, 1).unwrap()).unwrap());
+    drop(
+        c.forward(&*d, reference::input(&spec, 1, 1).unwrap())
+            .unwrap(),
+    );
     hooks.detach().unwrap();
     assert_eq!(d.memory_info().allocated, 0);
 }

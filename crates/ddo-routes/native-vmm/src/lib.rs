@@ -336,14 +336,20 @@ impl NativeVmmAttachment {
 
     /// Pinned host bytes held (0 without pinned weights, or after detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state.lock().pinned.as_ref().map_or(0, PinnedCopies::bytes)
+        self.state
+            .lock()
+            .pinned
+            .as_ref()
+            .map_or(0, PinnedCopies::bytes)
     }
 
     fn leaf_plan(&self, leaf: &Leaf) -> Result<&LeafPlan> {
-        self.leaves.get(leaf.id().0).ok_or_else(|| CoreError::Shape {
-            what: format!("native_vmm on `{}`", self.component),
-            message: format!("leaf `{}` is not a leaf of this component", leaf.path()),
-        })
+        self.leaves
+            .get(leaf.id().0)
+            .ok_or_else(|| CoreError::Shape {
+                what: format!("native_vmm on `{}`", self.component),
+                message: format!("leaf `{}` is not a leaf of this component", leaf.path()),
+            })
     }
 
     fn detached_error(&self) -> CoreError {

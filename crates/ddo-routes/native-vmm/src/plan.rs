@@ -18,7 +18,11 @@
 //!    the slot each time, until none improves.
 //!
 //! The result never exceeds the budget, and no single move or swap lowers its streamed
-//! bytes. Ties go to the earlier leaf, so plans are deterministic.
+//! bytes. It is also within one leaf of the optimum: with the optimum's slot leaf as the
+//! candidate `k`, first-fit-decreasing either packs every smaller leaf or leaves less room
+//! than the smallest leaf it skipped, which is no larger than the slot. Ties go to the
+//! earlier leaf, so plans are deterministic. Planning costs O(n²) in the number of leaves
+//! (a few milliseconds for a thousand).
 
 /// Most local-search steps; each step strictly increases the resident bytes, and in
 /// practice the search ends after a handful.
@@ -247,7 +251,10 @@ mod tests {
         let p = plan_residency(&leaves(&[10, 6, 4]), 16);
         assert!(p.fits());
         assert_eq!(p.resident, vec!["l0".to_string()]);
-        assert_eq!((p.resident_bytes, p.slot_bytes, p.streamed_bytes), (10, 6, 10));
+        assert_eq!(
+            (p.resident_bytes, p.slot_bytes, p.streamed_bytes),
+            (10, 6, 10)
+        );
     }
 
     #[test]

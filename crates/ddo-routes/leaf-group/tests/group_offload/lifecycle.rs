@@ -1,0 +1,129 @@
+//! Phase ends, detach, drop, and what the hooks report about themselves.
+
+use std::sync::Arc;
+
+use ddo_core::reference::{ReferenceSpec, build};
+use ddo_core::{AttachedRoute, CoreError, DType, Device, Route, RouteId};
+use ddo_metrics::RouteMetrics;
+use ddo_route_leaf_group::GroupOffloadRoute;
+
+use crate::common::*;
+
+#[test]
+fn end_phase_leaves_nothing_on_the_device_and_keeps_pinned_copies() {
+    let spec = ReferenceSpec::small("transformer", 3, 8, DType::F16);
+    for case in all_cases() {
+        let c = build(&spec).unwrap();
+        let device = slow_device(1 << 20, 4e6);
+        let xs = inputs(&spec, 2, 2);
+        let expected = baseline(&c, &xs);
+        let (hooks, metrics) = attach(&c, &device, &case.spec());
+        let pinned = hooks.pinned_bytes();
+        assert_eq!(run(&c, &*device, &xs[0]), expected[0]);
+        // Hold a prefetched group and a current one, as a forward in flight would.
+        hooks.before_forward().unwrap();
+        hooks.before_leaf(&c.leaves()[0]).unwrap();
+        assert!(device.memory_info().allocated > 0);
+        hooks.end_phase().unwrap();
+        assert_eq!(device.memory_info().allocated, 0, "{case:?}");
+        assert_eq!(device.memory_info().pinned_host, pinned, "{case:?}");
+        assert!(c.params().iter().all(|p| p.device().is_none()));
+        // The next phase runs as before, on the schedule learned earlier.
+        assert_eq!(run(&c, &*device, &xs[1]), expected[1], "{case:?}");
+        assert_eq!(metrics.counters().schedule_relearned, 0, "{case:?}");
+        detach_and_check_released(&c, &device, hooks, 0);
+    }
+}
+
+#[test]
+fn after_detach_the_hooks_refuse_to_run_and_drop_releases_without_detach() {
+    let spec = ReferenceSpec::small("transformer", 2, 8, DType::F32);
+    let c = build(&spec).unwrap();
+    let device = slow_device(1 << 20, 4e6);
+    let case = all_cases()
+        .into_iter()
+        .find(|k| k.use_stream && k.host == HostChoice::Pinned)
+        .unwrap();
+    let xs = inputs(&spec, 1, 1);
+    let expected = baseline(&c, &xs);
+    let (hooks, _metrics) = attach(&c, &device, &case.spec());
+    assert_eq!(run(&c, &*device, &xs[0]), expected[0]);
+    hooks.detach().unwrap();
+    assert!(hooks.is_detached());
+    let err = c.forward(&*device, xs[0].clone()).unwrap_err();
+    assert!(matches!(err, CoreError::Detached { .. }), "{err}");
+    hooks.end_phase().unwrap();
+    let installed: Arc<dyn AttachedRoute> = hooks;
+    assert!(c.remove_hooks(&installed));
+    drop(installed);
+
+    // Dropping the last reference releases what a never-detached route holds.
+    let (hooks, _metrics) = attach(&c, &device, &case.spec());
+    assert_eq!(run(&c, &*device, &xs[0]), expected[0]);
+    hooks.before_forward().unwrap();
+    assert!(device.memory_info().allocated > 0);
+    assert!(device.memory_info().pinned_host > 0);
+    let installed: Arc<dyn AttachedRoute> = hooks;
+    assert!(c.remove_hooks(&installed));
+    drop(installed);
+    assert_eq!(device.memory_info().allocated, 0);
+    assert_eq!(device.memory_info().pinned_host, 0);
+    assert!(c.params().iter().all(|p| p.device().is_none()));
+}
+
+#[test]
+fn the_hooks_describe_themselves_and_are_owned_by_handle_and_component() {
+    let spec = ReferenceSpec::small("vae", 2, 4, DType::F32);
+    let c = build(&spec).unwrap();
+    let device = slow_device(1 << 20, 4e6);
+    let route_spec: ddo_core::RouteSpec =
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=false"
+            .parse()
+            .unwrap();
+    assert_eq!(GroupOffloadRoute.id(), RouteId::DiffusersGroupOffload);
+    let dev: Arc<dyn Device> = device.clone();
+    let metrics = Arc::new(RouteMetrics::new());
+    let hooks = GroupOffloadRoute
+        .attach(&c, dev.clone(), &route_spec, metrics.clone())
+        .unwrap();
+    assert_eq!(hooks.route(), RouteId::DiffusersGroupOffload);
+    assert_eq!(hooks.route_name(), "diffusers_group_offload");
+    assert_eq!(hooks.describe(), route_spec.describe());
+    assert_eq!(hooks.device_id(), device.id());
+    assert!(!hooks.removable());
+    assert!(Arc::ptr_eq(hooks.metrics(), &metrics));
+    assert!(format!("{hooks:?}").contains("AttachedGroupOffload"));
+    let counters = metrics.counters();
+    assert_eq!(counters.leaves_streamed, c.leaves().len() as u64);
+    assert_eq!(counters.pinned_host_bytes, 0);
+    // Attaching does not install; a second route on an installed component is refused
+    // before it touches anything.
+    assert!(c.attached().is_none());
+    c.install_hooks(hooks.clone()).unwrap();
+    let err = GroupOffloadRoute
+        .attach(&c, dev, &route_spec, Arc::new(RouteMetrics::new()))
+        .unwrap_err();
+    assert!(matches!(err, CoreError::AlreadyAttached { .. }), "{err}");
+    hooks.detach().unwrap();
+    assert!(c.remove_hooks(&hooks));
+}
+
+#[test]
+fn weights_made_resident_before_attach_are_offloaded_by_it() {
+    let spec = ReferenceSpec::small("transformer", 2, 8, DType::F32);
+    let c = build(&spec).unwrap();
+    let device = slow_device(1 << 20, 4e6);
+    c.to_device(&*device, &device.compute_stream()).unwrap();
+    assert_eq!(device.memory_info().allocated, c.param_bytes());
+    let (hooks, _metrics) = attach(&c, &device, &RouteSpecExt::leaf_no_stream());
+    assert_eq!(device.memory_info().allocated, 0);
+    detach_and_check_released(&c, &device, hooks, 0);
+}
+
+struct RouteSpecExt;
+
+impl RouteSpecExt {
+    fn leaf_no_stream() -> ddo_core::RouteSpec {
+        ddo_core::RouteSpec::leaf_group(false, false)
+    }
+}

@@ -1,0 +1,101 @@
+//! Peak device memory stays within each mode's promise: one group without a stream, the
+//! current and the prefetched group with one (plus, with `record_stream`, one group whose
+//! stream-ordered free has not been reached yet), block level plus the unmatched group,
+//! and the activations of the widest leaf.
+
+use ddo_core::reference::{LeafSpec, ReferenceSpec, build};
+use ddo_core::{DType, Device, OffloadType};
+use ddo_route_leaf_group::GroupPlan;
+
+use crate::common::*;
+
+/// Groups the mode may hold at once, besides the unmatched group.
+fn groups_held(case: &Case) -> usize {
+    match (case.use_stream, case.record_stream) {
+        (false, _) => 1,
+        (true, false) => 2,
+        // A freed group stays counted until the compute stream reaches its free.
+        (true, true) => 3,
+    }
+}
+
+fn promise(case: &Case, plan: &GroupPlan, activations: u64) -> u64 {
+    plan.unmatched_bytes() + plan.largest_groups_bytes(groups_held(case)) + activations
+}
+
+fn uneven_spec() -> ReferenceSpec {
+    ReferenceSpec {
+        name: "transformer".into(),
+        class_name: "Uneven".into(),
+        dtype: DType::F32,
+        in_features: 12,
+        stem: vec![LeafSpec::linear(16)],
+        blocks: (0..6)
+            .map(|b| {
+                vec![
+                    LeafSpec::linear(8 + 2 * b),
+                    LeafSpec::norm(),
+                    LeafSpec::linear(16),
+                ]
+            })
+            .collect(),
+        head: vec![LeafSpec::norm(), LeafSpec::linear(4)],
+        tie_head_to_stem: false,
+        seed: 11,
+    }
+}
+
+#[test]
+fn peak_device_memory_stays_within_each_modes_promise() {
+    let spec = uneven_spec();
+    let batch = 3;
+    let activations = activation_allowance(&spec, batch);
+    for case in all_cases() {
+        let c = build(&spec).unwrap();
+        let device = slow_device(1 << 20, 4e6);
+        let xs = inputs(&spec, batch, 3);
+        let expected = baseline(&c, &xs);
+        let (hooks, _metrics) = attach(&c, &device, &case.spec());
+        let bound = promise(&case, hooks.plan(), activations);
+        for (i, (x, want)) in xs.iter().zip(&expected).enumerate() {
+            let before = device.memory_info().allocated;
+            device.reset_peak();
+            assert_eq!(&run(&c, &*device, x), want, "{case:?}");
+            let peak = device.memory_info().peak_allocated - before;
+            assert!(
+                peak <= bound,
+                "{case:?}, forward {i}: peak {peak} B above the promise {bound} B"
+            );
+            assert!(peak >= hooks.plan().largest_group_bytes(), "{case:?}");
+        }
+        if case.offload_type == OffloadType::LeafLevel && !case.use_stream {
+            // The point of leaf-level offload: far below the resident weights.
+            assert!(bound < c.param_bytes() / 4, "{bound} vs {}", c.param_bytes());
+        }
+        detach_and_check_released(&c, &device, hooks, 0);
+    }
+}
+
+#[test]
+fn a_device_just_large_enough_for_the_promise_runs_every_mode() {
+    let spec = uneven_spec();
+    let batch = 2;
+    let activations = activation_allowance(&spec, batch);
+    for case in all_cases() {
+        // record_stream's extra group is a timing allowance; size for the strict promise.
+        if case.record_stream {
+            continue;
+        }
+        let c = build(&spec).unwrap();
+        let xs = inputs(&spec, batch, 3);
+        let expected = baseline(&c, &xs);
+        let plan = GroupPlan::new(&c, &case.spec().group_offload_config());
+        let capacity = promise(&case, &plan, activations);
+        let device = slow_device(capacity, 4e6);
+        let (hooks, _metrics) = attach(&c, &device, &case.spec());
+        for (x, want) in xs.iter().zip(&expected) {
+            assert_eq!(&run(&c, &*device, x), want, "{case:?} in {capacity} B");
+        }
+        detach_and_check_released(&c, &device, hooks, 0);
+    }
+}
