@@ -1,0 +1,876 @@
+#!/usr/bin/env python3
+"""Generate small reference fixtures for the Rust model implementations.
+
+Every fixture is built from a tiny config in code (no hub downloads), with
+float32 weights on CPU, in eval mode, under torch.no_grad().  For each fixture
+directory `fixtures/<name>/` this writes:
+
+  config.json                             the model's own save_pretrained config
+  diffusion_pytorch_model.safetensors     weights (Diffusers models), or
+  model.safetensors                       weights (Transformers models),
+                                          both exactly as save_pretrained(safe_serialization=True) writes them
+  inputs.safetensors                      model inputs (f32, contiguous; int64 ids also kept)
+  outputs.safetensors                     reference outputs (f32, contiguous)
+  intermediates.safetensors               outputs of named submodules captured with forward hooks
+
+and finally `fixtures/MANIFEST.md`.
+
+Usage (see tools/README.md):
+
+  .venv-fixtures/bin/python tools/gen_fixtures.py            # regenerate everything
+  .venv-fixtures/bin/python tools/gen_fixtures.py --verify   # reload from disk, re-run, compare bit for bit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import diffusers
+import transformers
+import safetensors
+from diffusers import AutoencoderKL, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = REPO_ROOT / "fixtures"
+
+EXPECTED_VERSIONS = {
+    "torch": "2.15.0",
+    "diffusers": "0.42.1",
+    "transformers": "5.24.0",
+    "safetensors": "0.8.0",
+}
+
+# Extra perturbation applied after the library's own initialisation to every
+# parameter that is constant (e.g. LayerNorm/GroupNorm weight=1, bias=0, zero
+# linear biases), so that a Rust implementation that forgets an affine term or
+# swaps weight/bias cannot accidentally match.
+PERTURB_STD = 0.1
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def f32c(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).contiguous().clone()
+
+
+def perturb_constant_params(model: torch.nn.Module, seed: int) -> list[str]:
+    """Add N(0, PERTURB_STD) noise to every parameter whose elements are all equal."""
+    g = torch.Generator().manual_seed(seed)
+    touched = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            if flat.numel() > 0 and bool((flat == flat[0]).all()):
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * PERTURB_STD)
+                touched.append(name)
+    return touched
+
+
+def module_depth(path: str) -> int:
+    """Depth of a module path where a ModuleList index does not add depth.
+
+    'decoder' -> 1, 'decoder.up_blocks.0' -> 2, 'decoder.up_blocks.0.resnets.1' -> 3.
+    """
+    return sum(1 for part in path.split(".") if not part.isdigit())
+
+
+class Capture:
+    """Forward hooks on every submodule up to `max_depth`, recording outputs by module path.
+
+    Naming:
+      * tensor output              -> '<path>'
+      * tuple/list output          -> '<path>.0', '<path>.1', ... (None entries skipped)
+      * dict / ModelOutput output  -> '<path>.<key>'
+      * a module that runs more than once in one capture gets '@<k>' (k = call
+        index from 0, in call order) appended to the module path of every call,
+        e.g. 'time_text_embed.time_proj@0' (timestep), '...@1' (guidance).
+    All tensors are stored as contiguous float32 (integer outputs are cast).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_depth: int, prefix: str = "", only: set[str] | None = None):
+        self.records: list[tuple[str, object]] = []
+        self.handles = []
+        self.prefix = prefix
+        # remove_duplicate=False so a module shared under two names (T5's
+        # shared / encoder.embed_tokens) is hooked under both.
+        for path, mod in model.named_modules(remove_duplicate=False):
+            if path == "":
+                continue
+            if isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                continue  # containers without forward: their elements are hooked individually
+            if only is not None:
+                if path not in only:
+                    continue
+            elif module_depth(path) > max_depth:
+                continue
+            self.handles.append(mod.register_forward_hook(self._make_hook(path)))
+
+    def _make_hook(self, path):
+        def hook(_mod, _inp, out):
+            # flatten + clone *now*: callers may modify outputs in place afterwards
+            # (e.g. AutoencoderKL.tiled_decode blends decoded tiles in place).
+            flat: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+            self._flatten("", out, flat)
+            self.records.append((path, flat))
+
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    @staticmethod
+    def _flatten(name, out, into: "OrderedDict[str, torch.Tensor]"):
+        if out is None:
+            return
+        if isinstance(out, torch.Tensor):
+            into[name] = f32c(out)
+        elif isinstance(out, (tuple, list)):
+            for i, o in enumerate(out):
+                Capture._flatten(f"{name}.{i}", o, into)
+        elif isinstance(out, dict) or hasattr(out, "items"):
+            for k, o in out.items():
+                Capture._flatten(f"{name}.{k}", o, into)
+        else:
+            # non-tensor outputs (ints, caches, ...) are not recorded
+            return
+
+    def tensors(self) -> "OrderedDict[str, torch.Tensor]":
+        counts: dict[str, int] = {}
+        for path, _ in self.records:
+            counts[path] = counts.get(path, 0) + 1
+        seen: dict[str, int] = {}
+        result: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+        for path, out in self.records:
+            k = seen.get(path, 0)
+            seen[path] = k + 1
+            name = self.prefix + (path if counts[path] == 1 else f"{path}@{k}")
+            for suffix, t in out.items():
+                result[name + suffix] = t
+        return result
+
+
+def save_tensors(path: Path, tensors: "OrderedDict[str, torch.Tensor]"):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+
+
+def reset_dir(d: Path):
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+
+
+def randn(gen: torch.Generator, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------
+# model builders (shared by generate and verify)
+# --------------------------------------------------------------------------
+
+VAE_COMMON = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    block_out_channels=(32, 64),
+    layers_per_block=1,
+    act_fn="silu",
+    norm_num_groups=8,
+    sample_size=32,
+)
+
+VAE_SD_CONFIG = dict(VAE_COMMON, latent_channels=4, use_quant_conv=True, use_post_quant_conv=True)
+VAE_FLUX_CONFIG = dict(
+    VAE_COMMON,
+    latent_channels=16,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+)
+
+# Tiling attributes set on the vae_flux instance for `sample_tiled`.
+# (tile_sample_min_size must be tile_latent_min_size * 2**(len(block_out_channels)-1) = *2 here.)
+VAE_FLUX_TILING = OrderedDict(
+    tile_sample_min_size=16,
+    tile_latent_min_size=8,
+    tile_overlap_factor=0.25,
+)
+
+FLUX_CONFIG = dict(
+    patch_size=1,
+    in_channels=16,
+    out_channels=None,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=16,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+
+T5_CONFIG = dict(
+    vocab_size=100,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    dropout_rate=0.0,
+    layer_norm_epsilon=1e-6,
+    feed_forward_proj="gated-gelu",
+    is_encoder_decoder=False,
+    use_cache=False,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+
+CLIP_CONFIG = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+    attention_dropout=0.0,
+    dropout=0.0,
+    bos_token_id=98,
+    eos_token_id=99,
+    pad_token_id=99,
+)
+
+SEEDS = {"vae_sd": 1001, "vae_flux": 1002, "flux_transformer": 1003, "t5_encoder": 1004, "clip_text": 1005}
+
+
+def build_model(name: str):
+    """Build the model for fixture `name` with deterministic weights."""
+    seed = SEEDS[name]
+    torch.manual_seed(seed)
+    if name == "vae_sd":
+        model = AutoencoderKL(**VAE_SD_CONFIG)
+    elif name == "vae_flux":
+        model = AutoencoderKL(**VAE_FLUX_CONFIG)
+    elif name == "flux_transformer":
+        model = FluxTransformer2DModel(**FLUX_CONFIG)
+    elif name == "t5_encoder":
+        model = T5EncoderModel(T5Config(**T5_CONFIG))
+    elif name == "clip_text":
+        model = CLIPTextModel(CLIPTextConfig(**CLIP_CONFIG))
+    else:
+        raise KeyError(name)
+    model = model.to(torch.float32).eval()
+    perturbed = perturb_constant_params(model, seed + 7)
+    return model, perturbed
+
+
+def load_saved_model(name: str, d: Path, realign: bool = True):
+    if name in ("vae_sd", "vae_flux"):
+        model = AutoencoderKL.from_pretrained(str(d), torch_dtype=torch.float32)
+    elif name == "flux_transformer":
+        model = FluxTransformer2DModel.from_pretrained(str(d), torch_dtype=torch.float32)
+    elif name == "t5_encoder":
+        model = T5EncoderModel.from_pretrained(str(d), dtype=torch.float32)
+    elif name == "clip_text":
+        model = CLIPTextModel.from_pretrained(str(d), dtype=torch.float32)
+    else:
+        raise KeyError(name)
+    if realign:
+        # Diffusers' from_pretrained can leave parameters as views into the safetensors
+        # buffer that are not 64-byte aligned; CPU GEMM kernels then take a different
+        # path and round differently (~1 ulp; seen on flux_transformer's time embedders).
+        # Copy into freshly allocated (aligned) storage, like a model built in code.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+            for b in model.buffers():
+                b.data = b.data.clone()
+    return model.eval()
+
+
+# --------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------
+
+
+def make_inputs(name: str) -> "OrderedDict[str, torch.Tensor]":
+    g = torch.Generator().manual_seed(SEEDS[name] + 100)
+    ins: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    if name == "vae_sd":
+        ins["latents"] = randn(g, 1, 4, 8, 8)
+    elif name == "vae_flux":
+        ins["latents"] = randn(g, 1, 16, 8, 8)
+        ins["latents_tiled"] = randn(g, 1, 16, 12, 12)
+    elif name == "flux_transformer":
+        # 4-channel 8x8 latent, packed 2x2 like FluxPipeline._pack_latents -> [1, 16 tokens, 16 ch]
+        latents_unpacked = randn(g, 1, 4, 8, 8)
+        hidden_states = FluxPipeline._pack_latents(latents_unpacked, 1, 4, 8, 8)
+        ins["latents_unpacked"] = latents_unpacked
+        ins["hidden_states"] = hidden_states
+        ins["encoder_hidden_states"] = randn(g, 1, 8, 32)
+        ins["pooled_projections"] = randn(g, 1, 16)
+        ins["timestep"] = torch.tensor([0.5], dtype=torch.float32)  # = t / 1000 with t = 500
+        ins["guidance"] = torch.tensor([3.5], dtype=torch.float32)  # = guidance_scale, NOT divided
+        ins["img_ids"] = FluxPipeline._prepare_latent_image_ids(1, 4, 4, torch.device("cpu"), torch.float32)
+        ins["txt_ids"] = torch.zeros(8, 3, dtype=torch.float32)
+    elif name == "t5_encoder":
+        # a few ids, then </s> (eos=1) and padding (pad=0), like a padded T5 tokenizer output
+        ids = torch.tensor([[37, 5, 82, 14, 99, 3, 61, 1, 0, 0, 0, 0]], dtype=torch.int64)
+        ins["input_ids"] = ids
+        ins["input_ids_f32"] = ids.to(torch.float32)
+    elif name == "clip_text":
+        # bos(98) tokens... eos(99) then padding with eos (99), like the CLIP tokenizer
+        # used by SD / Flux pipelines (pad token == <|endoftext|>).
+        ids = torch.tensor([[98, 12, 45, 7, 83, 99, 99, 99, 99, 99]], dtype=torch.int64)
+        ins["input_ids"] = ids
+        ins["input_ids_f32"] = ids.to(torch.float32)
+    return ins
+
+
+# --------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------
+
+CAPTURE_DEPTH = {"vae_sd": 3, "vae_flux": 3, "flux_transformer": 2, "t5_encoder": 3, "clip_text": 3}
+
+
+def tiling_plan(latent_hw: tuple[int, int]) -> dict:
+    """Mirror of AutoencoderKL.tiled_decode's tile arithmetic (diffusers 0.42.1)."""
+    t = VAE_FLUX_TILING
+    overlap_size = int(t["tile_latent_min_size"] * (1 - t["tile_overlap_factor"]))
+    blend_extent = int(t["tile_sample_min_size"] * t["tile_overlap_factor"])
+    row_limit = t["tile_sample_min_size"] - blend_extent
+    H, W = latent_hw
+    rows = list(range(0, H, overlap_size))
+    cols = list(range(0, W, overlap_size))
+    tiles = []
+    for ri, i in enumerate(rows):
+        for ci, j in enumerate(cols):
+            h = min(i + t["tile_latent_min_size"], H) - i
+            w = min(j + t["tile_latent_min_size"], W) - j
+            tiles.append(
+                dict(
+                    call_index=len(tiles),
+                    row=ri,
+                    col=ci,
+                    latent_y0=i,
+                    latent_x0=j,
+                    latent_h=h,
+                    latent_w=w,
+                )
+            )
+    return dict(
+        overlap_size_latent=overlap_size,
+        blend_extent_pixels=blend_extent,
+        row_limit_pixels=row_limit,
+        tile_rows=len(rows),
+        tile_cols=len(cols),
+        tiles=tiles,
+    )
+
+
+def reference_stitch(tiles: list[torch.Tensor], plan: dict) -> torch.Tensor:
+    """Independent re-implementation of tiled_decode's blend/crop/concat, used as a self-check.
+
+    Semantics (as in diffusers): tiles are visited row-major; each tile is first blended
+    vertically with the *already blended, uncropped* tile above, then horizontally with the
+    *already blended, uncropped* tile to its left (blending is in place), then cropped to
+    row_limit x row_limit.
+    """
+    R, C = plan["tile_rows"], plan["tile_cols"]
+    be = plan["blend_extent_pixels"]
+    lim = plan["row_limit_pixels"]
+    grid = [[tiles[r * C + c].clone() for c in range(C)] for r in range(R)]
+    out_rows = []
+    for r in range(R):
+        row_out = []
+        for c in range(C):
+            b = grid[r][c]
+            if r > 0:
+                a = grid[r - 1][c]
+                e = min(a.shape[2], b.shape[2], be)
+                for y in range(e):
+                    b[:, :, y, :] = a[:, :, -e + y, :] * (1 - y / e) + b[:, :, y, :] * (y / e)
+            if c > 0:
+                a = grid[r][c - 1]
+                e = min(a.shape[3], b.shape[3], be)
+                for x in range(e):
+                    b[:, :, :, x] = a[:, :, :, -e + x] * (1 - x / e) + b[:, :, :, x] * (x / e)
+            row_out.append(b[:, :, :lim, :lim])
+        out_rows.append(torch.cat(row_out, dim=3))
+    return torch.cat(out_rows, dim=2)
+
+
+def run_fixture(name: str, model, ins, capture: bool):
+    """Run the fixture's reference call(s). Returns (outputs, intermediates, extra)."""
+    outs: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    inter: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    extra: dict = {}
+    depth = CAPTURE_DEPTH[name]
+    with torch.no_grad():
+        if name in ("vae_sd", "vae_flux"):
+            model.disable_tiling()
+            cap = Capture(model, depth) if capture else None
+            outs["sample"] = f32c(model.decode(ins["latents"]).sample)
+            if cap:
+                cap.remove()
+                inter.update(cap.tensors())
+            if name == "vae_flux":
+                for k, v in VAE_FLUX_TILING.items():
+                    setattr(model, k, v)
+                model.enable_tiling()
+                lat = ins["latents_tiled"]
+                # the untiled decode of the same latents is useful to see what tiling changes
+                model.use_tiling = False
+                outs["sample_tiled_reference_untiled"] = f32c(model.decode(lat).sample)
+                model.use_tiling = True
+                cap = Capture(model, depth, prefix="tiled.", only={"decoder"}) if capture else None
+                called = []
+                orig = model.tiled_decode
+
+                def spy(*a, **kw):
+                    called.append(True)
+                    return orig(*a, **kw)
+
+                model.tiled_decode = spy
+                outs["sample_tiled"] = f32c(model.decode(lat).sample)
+                del model.tiled_decode
+                assert called, "tiled_decode was not called: tiling path not exercised"
+                plan = tiling_plan(tuple(lat.shape[-2:]))
+                extra["tiling_plan"] = plan
+                if cap:
+                    cap.remove()
+                    tiled = cap.tensors()
+                    assert len(tiled) == len(plan["tiles"]), (len(tiled), len(plan["tiles"]))
+                    inter.update(tiled)
+                    tiles = [tiled[f"tiled.decoder@{t['call_index']}"] for t in plan["tiles"]]
+                    stitched = reference_stitch(tiles, plan)
+                    assert torch.equal(stitched, outs["sample_tiled"]), "reference stitching mismatch"
+                    extra["stitch_selfcheck"] = "bit-exact"
+                model.disable_tiling()
+        elif name == "flux_transformer":
+            cap = Capture(model, depth) if capture else None
+            # Exactly the FluxPipeline.__call__ denoising-loop call (return_dict=False)[0]
+            out = model(
+                hidden_states=ins["hidden_states"],
+                timestep=ins["timestep"],
+                guidance=ins["guidance"],
+                pooled_projections=ins["pooled_projections"],
+                encoder_hidden_states=ins["encoder_hidden_states"],
+                txt_ids=ins["txt_ids"],
+                img_ids=ins["img_ids"],
+                joint_attention_kwargs=None,
+                return_dict=False,
+            )[0]
+            outs["sample"] = f32c(out)
+            if cap:
+                cap.remove()
+                inter.update(cap.tensors())
+        elif name == "t5_encoder":
+            cap = Capture(model, depth) if capture else None
+            o = model(input_ids=ins["input_ids"])
+            outs["last_hidden_state"] = f32c(o.last_hidden_state)
+            if cap:
+                cap.remove()
+                inter.update(cap.tensors())
+        elif name == "clip_text":
+            cap = Capture(model, depth) if capture else None
+            o = model(input_ids=ins["input_ids"])
+            outs["last_hidden_state"] = f32c(o.last_hidden_state)
+            outs["pooler_output"] = f32c(o.pooler_output)
+            if cap:
+                cap.remove()
+                inter.update(cap.tensors())
+            ids = ins["input_ids"]
+            eos_pos = int((ids == model.config.eos_token_id).int().argmax(dim=-1)[0])
+            argmax_pos = int(ids.to(torch.int).argmax(dim=-1)[0])
+            assert torch.equal(outs["pooler_output"][0], outs["last_hidden_state"][0, eos_pos])
+            extra["pool_index"] = eos_pos
+            extra["argmax_rule_index"] = argmax_pos
+    return outs, inter, extra
+
+
+# --------------------------------------------------------------------------
+# generate / verify
+# --------------------------------------------------------------------------
+
+FIXTURE_NAMES = ["vae_sd", "vae_flux", "flux_transformer", "t5_encoder", "clip_text"]
+
+
+def weights_file(name: str) -> str:
+    return "diffusion_pytorch_model.safetensors" if name in ("vae_sd", "vae_flux", "flux_transformer") else "model.safetensors"
+
+
+def check_versions(strict: bool):
+    got = {
+        "torch": torch.__version__.split("+")[0],
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+    }
+    bad = {k: (got[k], v) for k, v in EXPECTED_VERSIONS.items() if got[k] != v}
+    if bad:
+        msg = "version mismatch (got, expected): " + ", ".join(f"{k}={g} vs {e}" for k, (g, e) in bad.items())
+        if strict:
+            sys.exit(msg + "  (pass --allow-version-mismatch to proceed anyway)")
+        print("WARNING:", msg, file=sys.stderr)
+
+
+def generate(names):
+    FIXTURES.mkdir(exist_ok=True)
+    results = {}
+    for name in names:
+        d = FIXTURES / name
+        reset_dir(d)
+        model, perturbed = build_model(name)
+        model.save_pretrained(str(d), safe_serialization=True)
+        ins = make_inputs(name)
+        outs, inter, extra = run_fixture(name, model, ins, capture=True)
+        # hooks must not change anything: re-run without them
+        outs2, _, _ = run_fixture(name, model, ins, capture=False)
+        for k in outs:
+            assert torch.equal(outs[k], outs2[k]), f"{name}: {k} differs with/without hooks"
+        save_tensors(d / "inputs.safetensors", OrderedDict((k, v.contiguous()) for k, v in ins.items()))
+        save_tensors(d / "outputs.safetensors", outs)
+        save_tensors(d / "intermediates.safetensors", inter)
+        if name == "vae_flux":
+            tiling = OrderedDict(
+                attributes_set=OrderedDict(VAE_FLUX_TILING),
+                how="vae.tile_sample_min_size=16; vae.tile_latent_min_size=8; vae.tile_overlap_factor=0.25; "
+                "vae.enable_tiling(); vae.decode(latents_tiled).sample",
+                latents_input="latents_tiled",
+                latents_shape=list(ins["latents_tiled"].shape),
+                output="sample_tiled",
+                output_shape=list(outs["sample_tiled"].shape),
+                trigger="AutoencoderKL._decode calls tiled_decode when use_tiling and "
+                "(z.shape[-1] > tile_latent_min_size or z.shape[-2] > tile_latent_min_size)",
+                **extra["tiling_plan"],
+                per_tile_decoder_outputs="intermediates.safetensors: tiled.decoder@<call_index>",
+            )
+            (d / "tiling.json").write_text(json.dumps(tiling, indent=2) + "\n")
+        results[name] = dict(perturbed=perturbed, extra=extra)
+        print(f"[gen] {name}: " + ", ".join(f"{k}{list(v.shape)}" for k, v in outs.items()))
+    write_manifest(results)
+
+
+def verify(names) -> bool:
+    ok = True
+    for name in names:
+        d = FIXTURES / name
+        model = load_saved_model(name, d)
+        ins = OrderedDict(load_file(str(d / "inputs.safetensors")))
+        ref = load_file(str(d / "outputs.safetensors"))
+        # inputs come back from disk; keep the same key order as generation
+        ins = OrderedDict((k, ins[k]) for k in make_inputs(name).keys())
+        outs, inter, _ = run_fixture(name, model, ins, capture=True)
+        ref_inter = load_file(str(d / "intermediates.safetensors"))
+        for k, v in ref.items():
+            same = torch.equal(outs[k], v)
+            ok &= same
+            maxdiff = (outs[k] - v).abs().max().item()
+            print(f"[verify] {name}.{k}: {'bit-exact' if same else 'MISMATCH'} (max |diff| {maxdiff:.3g})")
+        inter_same = set(inter) == set(ref_inter) and all(torch.equal(inter[k], ref_inter[k]) for k in ref_inter)
+        ok &= inter_same
+        print(f"[verify] {name} intermediates ({len(ref_inter)} tensors): {'bit-exact' if inter_same else 'MISMATCH'}")
+        # also check that a fresh in-code build reproduces the saved weights exactly
+        fresh, _ = build_model(name)
+        saved = load_file(str(d / weights_file(name)))
+        sd = fresh.state_dict()
+        w_same = all(k in sd and torch.equal(sd[k], v) for k, v in saved.items())
+        ok &= w_same
+        print(f"[verify] {name} weights ({len(saved)} tensors) vs fresh build: {'bit-exact' if w_same else 'MISMATCH'}")
+    return ok
+
+
+# --------------------------------------------------------------------------
+# manifest
+# --------------------------------------------------------------------------
+
+
+def st_listing(path: Path) -> list[tuple[str, list[int], str]]:
+    rows = []
+    with safe_open(str(path), framework="pt") as f:
+        for k in f.keys():
+            sl = f.get_slice(k)
+            rows.append((k, list(sl.get_shape()), sl.get_dtype()))
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| tensor | shape | dtype |", "|---|---|---|"]
+    for k, s, dt in rows:
+        lines.append(f"| `{k}` | `{s}` | {dt} |")
+    return "\n".join(lines)
+
+
+def human(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1024 * 1024 else f"{n / 1024 / 1024:.2f} MiB"
+
+
+FIXTURE_DOCS = {
+    "vae_sd": """\
+`diffusers.AutoencoderKL`, SD-family layout (`latent_channels=4`, `quant_conv` and `post_quant_conv` present).
+Constructor kwargs: `{cfg}`; all other arguments are AutoencoderKL defaults (see config.json), in particular
+`scaling_factor=0.18215`, `shift_factor=None`, `mid_block_add_attention=True`, `force_upcast=True` (irrelevant in f32).
+
+**Call:** `vae.decode(latents).sample` with tiling and slicing disabled (the defaults). `latents` is the raw
+decoder input: no `1/scaling_factor` or shift is applied (a pipeline would do `latents / scaling_factor` first).
+Decode path: `post_quant_conv` (1x1 conv) -> `decoder` (conv_in -> mid_block[resnet, attention, resnet] ->
+up_blocks.0 (64ch, 2 resnets + 2x nearest upsample + conv) -> up_blocks.1 (32ch, 2 resnets, no upsampler) ->
+conv_norm_out (GroupNorm 8, eps 1e-6) -> SiLU -> conv_out). Output is 2x the latent size (one upsampler for two blocks).
+""",
+    "vae_flux": """\
+`diffusers.AutoencoderKL`, Flux/SD3-family layout (`latent_channels=16`, no `quant_conv`, no `post_quant_conv`).
+Constructor kwargs: `{cfg}`; all other arguments are AutoencoderKL defaults (see config.json).
+`scaling_factor`/`shift_factor` are only stored in the config; `decode` does not use them.
+
+**Calls:**
+* `sample` = `vae.decode(latents).sample`, tiling disabled. Raw decoder input: FluxPipeline would first compute
+  `latents = latents / scaling_factor + shift_factor`; that is NOT applied here.
+* `sample_tiled` = `vae.decode(latents_tiled).sample` after
+  `vae.tile_sample_min_size = 16; vae.tile_latent_min_size = 8; vae.tile_overlap_factor = 0.25; vae.enable_tiling()`
+  (`enable_tiling()` in 0.42.1 only sets `use_tiling = True`; it takes no arguments for AutoencoderKL).
+  Without these assignments the defaults would be `tile_sample_min_size = config.sample_size = 32`,
+  `tile_latent_min_size = int(32 / 2**(len(block_out_channels)-1)) = 16`, `tile_overlap_factor = 0.25`,
+  and a 12x12 latent would not be tiled at all.
+* `sample_tiled_reference_untiled` = `vae.decode(latents_tiled).sample` with tiling disabled (same weights/latents),
+  to show what tiling changes (tiling is not exact; differences are expected near seams).
+
+**Tiled decode algorithm (diffusers 0.42.1 `AutoencoderKL.tiled_decode`)**, with the values above:
+`overlap_size = int(tile_latent_min_size * (1 - overlap)) = {ov}` (latent stride),
+`blend_extent = int(tile_sample_min_size * overlap) = {be}` (pixels),
+`row_limit = tile_sample_min_size - blend_extent = {rl}` (pixels).
+Tiles start at latent offsets `range(0, H, {ov})` x `range(0, W, {ov})` = {starts} x {starts}, each
+`z[:, :, i:i+8, j:j+8]` (clipped at the border, so the last row/column of tiles is {last}x{last} latents / {lastpx}x{lastpx} px).
+Each tile is decoded independently (`decoder(tile)`; `post_quant_conv` only if `config.use_post_quant_conv`).
+Then, visiting tiles row-major, each tile is blended **in place** first with the tile above
+(`blend_v`: for y < e, `b[y] = a[-e+y] * (1 - y/e) + b[y] * (y/e)`, `e = min(a.h, b.h, blend_extent)`), then with
+the tile to the left (`blend_h`, same along x). The neighbours `a` are the already-blended, *uncropped* tiles.
+Each tile is then cropped to `[:row_limit, :row_limit]` and the crops are concatenated
+(row-wise along W, then along H). Output {outshape}.
+The per-tile decoder outputs are in `intermediates.safetensors` as `tiled.decoder@<k>`, k = row * tile_cols + col.
+The generator re-implements the stitching independently and asserts it reproduces `sample_tiled` bit for bit
+({stitch}). Parameters are also in `vae_flux/tiling.json`.
+""",
+    "flux_transformer": """\
+`diffusers.FluxTransformer2DModel`. Constructor kwargs: `{cfg}`
+(`inner_dim = 2 * 16 = 32`, `out_channels = in_channels = 16`, RoPE theta 10000, `sum(axes_dims_rope) = 16 = attention_head_dim`).
+
+**Inputs:** `latents_unpacked` [1,4,8,8] (randn) is packed exactly like `FluxPipeline._pack_latents(latents, 1, 4, 8, 8)`
+into `hidden_states` [1,16,16] (a 4x4 grid of 2x2 patches; token = (row, col) row-major; channel = c*4 + dy*2 + dx).
+`img_ids` = `FluxPipeline._prepare_latent_image_ids(1, 4, 4, ...)`: [16,3] rows `(0, row, col)`.
+`txt_ids` = zeros [8,3] (as in `FluxPipeline.encode_prompt`).
+
+**Call** (identical to the FluxPipeline denoising loop, 2-D ids, no batch dim on ids):
+```python
+model(hidden_states=hidden_states, timestep=timestep, guidance=guidance,
+      pooled_projections=pooled_projections, encoder_hidden_states=encoder_hidden_states,
+      txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=None, return_dict=False)[0]
+```
+**Timestep / guidance scaling:** FluxPipeline passes `timestep = t / 1000` (t is the scheduler timestep, `sigma * 1000`)
+and `guidance = guidance_scale` **unscaled** (`torch.full([1], guidance_scale)`). Inside `forward` (diffusers 0.42.1)
+**both** are multiplied by 1000: `timestep = timestep * 1000`, `guidance = guidance * 1000`. So here the sinusoidal
+`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` projection sees t = 500.0 and guidance = 3500.0.
+Both use the same `time_text_embed.time_proj` module (hence `time_text_embed.time_proj@0` = timestep,
+`@1` = guidance in the intermediates); `temb = timestep_embedder(proj(t)) + guidance_embedder(proj(g)) + text_embedder(pooled)`.
+
+**Block outputs:** both `FluxTransformerBlock` (double) and `FluxSingleTransformerBlock` return the tuple
+`(encoder_hidden_states, hidden_states)` -- text first. So `transformer_blocks.0.0` is the text stream [1,8,32] and
+`transformer_blocks.0.1` the image stream [1,16,32]; likewise `single_transformer_blocks.0.0/.1` (the single block
+concatenates `[text, image]` along the sequence internally and splits again). RoPE ids are `cat([txt_ids, img_ids])`
+(text first); `pos_embed.0`/`pos_embed.1` are cos/sin [24,16] (repeat-interleaved, `use_real=True`).
+""",
+    "t5_encoder": """\
+`transformers.T5EncoderModel(T5Config(**kwargs))` with kwargs `{cfg}`
+(`gated-gelu` => `dense_act_fn = "gelu_new"` (tanh approximation) and `is_gated_act = True`; see config.json).
+
+**Call:** `model(input_ids=input_ids).last_hidden_state`, no `attention_mask` (FluxPipeline's `_get_t5_prompt_embeds`
+also passes only input ids). `input_ids` contains ids, then `</s>` (1), then padding (0); padding is attended to
+because no mask is given. Notes for the port: T5 attention has **no** `1/sqrt(d_kv)` scaling; the relative position
+bias is computed only in `encoder.block.0` (`has_relative_attention_bias=True`), and that bias tensor [1,4,12,12] is
+reused by every later block (it is `encoder.block.<n>.1` in the intermediates, the second element of each block's output
+tuple); RMS-style T5LayerNorm (no mean subtraction, no bias); no embedding scaling; `encoder.dropout` runs twice
+(after the embedding and after `final_layer_norm`; identity in eval) hence `encoder.dropout@0/@1`.
+
+**Weight names:** `shared` and `encoder.embed_tokens` are two `nn.Embedding` modules sharing one Parameter
+(`_tied_weights_keys`); save_pretrained in transformers 5.24.0 writes only `shared.weight`. Checkpoints written by
+other versions may also contain `encoder.embed_tokens.weight` (from_pretrained accepts both; checked). A Rust loader
+should take `shared.weight` and fall back to `encoder.embed_tokens.weight`. Only block 0 has
+`...SelfAttention.relative_attention_bias.weight` [num_buckets, num_heads].
+""",
+    "clip_text": """\
+`transformers.CLIPTextModel(CLIPTextConfig(**kwargs))` with kwargs `{cfg}`.
+
+**Call:** `out = model(input_ids=input_ids)` (no attention_mask, as the SD / Flux pipelines call it);
+outputs `out.last_hidden_state` (after `final_layer_norm`) and `out.pooler_output`.
+A causal mask is always applied. `input_ids` = bos(98), 4 tokens, eos(99), then padding with eos (99), like the
+CLIP tokenizer used by SD/Flux (pad token = `<|endoftext|>`).
+
+**Pooling rule (transformers 5.24.0, `CLIPTextModel.forward`):**
+* if `config.eos_token_id == 2` (legacy configs written before transformers PR #24773): pooled token index =
+  `input_ids.to(int).argmax(-1)` (position of the highest token id, first one on ties);
+* otherwise (this fixture: `eos_token_id = 99`): index = `(input_ids == eos_token_id).int().argmax(-1)`, i.e. the
+  **first** occurrence of the eos id.
+Here both rules give index {pool} (argmax rule: {argmax}); `pooler_output == last_hidden_state[:, {pool}]` exactly.
+Real checkpoints matter here: a text encoder config whose `eos_token_id` is 2 must use the argmax rule.
+
+**Weight / module names:** in transformers 5.24.0 `CLIPTextModel` has `embeddings`, `encoder`, `final_layer_norm`
+as direct children (there is no `text_model` wrapper module any more), and save_pretrained writes keys **without**
+a `text_model.` prefix (`embeddings.token_embedding.weight`, `encoder.layers.0.self_attn.q_proj.weight`, ...).
+Checkpoints written by transformers 4.x (e.g. the `text_encoder` of SD / Flux repos) use `text_model.`-prefixed keys;
+from_pretrained in 5.24.0 loads those too (checked by re-prefixing this fixture's file). A Rust loader should
+accept both. Intermediates are named after the 5.24.0 module paths (`encoder.layers.0`, not
+`text_model.encoder.layers.0`). The attention module returns `(attn_output, attn_weights=None)`, hence
+`encoder.layers.<n>.self_attn.0`.
+""",
+}
+
+
+def write_manifest(results: dict):
+    try:
+        cpu = platform.processor() or platform.machine()
+    except Exception:
+        cpu = "?"
+    parts = []
+    parts.append("# Reference fixtures\n")
+    parts.append(
+        "Generated by `tools/gen_fixtures.py` (see `tools/README.md`). Do not edit by hand; regenerate instead.\n"
+    )
+    parts.append("## Environment\n")
+    parts.append(
+        "\n".join(
+            [
+                f"* torch `{torch.__version__}` (CPU execution, float32, `torch.get_num_threads()` = {torch.get_num_threads()})",
+                f"* diffusers `{diffusers.__version__}`",
+                f"* transformers `{transformers.__version__}`",
+                f"* safetensors `{safetensors.__version__}`",
+                f"* numpy `{np.__version__}`",
+                f"* Python `{platform.python_version()}` on `{platform.system()} {platform.machine()}`",
+            ]
+        )
+        + "\n"
+    )
+    parts.append(
+        """## Conventions
+
+* Every model is constructed from a config in code (no downloads) after `torch.manual_seed(<seed>)`, cast to float32,
+  put in `eval()` mode and run under `torch.no_grad()` on CPU.
+* After the library's own weight initialisation, every parameter whose elements are all equal (norm weights = 1,
+  zero biases, ...) gets `N(0, 0.1)` noise added (seeded), so that dropped affine terms or swapped weight/bias are
+  detectable. The saved weight file is the source of truth; the Rust side should load it, not re-create weights.
+* `config.json` and the weight file are written by the model's own `save_pretrained(dir, safe_serialization=True)`:
+  `diffusion_pytorch_model.safetensors` for Diffusers models, `model.safetensors` for Transformers models.
+* `inputs.safetensors` / `outputs.safetensors`: all float32 and contiguous, except token ids, which are stored both as
+  int64 (`input_ids`) and float32 (`input_ids_f32`).
+* `intermediates.safetensors`: outputs of submodules captured with forward hooks (float32), named by module path
+  (`named_modules()` names; a ModuleList index does not count as a level). Submodules up to depth 3 (VAEs, T5, CLIP)
+  or 2 (Flux) are captured. Tuple outputs get `.0`, `.1`, ... (None entries skipped); dict/ModelOutput outputs get
+  `.<key>`; a module that runs several times in one call gets `@<k>` (call order, from 0) on every call.
+  Modules that did not run (e.g. the VAE encoder during decode, dropout in some paths) are absent.
+* Outputs are bit-exact reproducible on the generating machine (`--verify` reloads the saved weights with
+  `from_pretrained`, copies them into freshly allocated storage, re-runs, and compares with `torch.equal`).
+  Bit-exactness is fragile even within PyTorch: running `flux_transformer` straight from `from_pretrained`
+  (parameters left as unaligned views of the safetensors buffer) differs by up to 3e-7 because CPU GEMM kernels
+  take another path. On other CPUs / in Rust, compare with a tolerance (e.g. max abs diff around 1e-5..1e-4).
+"""
+    )
+    for name in FIXTURE_NAMES:
+        d = FIXTURES / name
+        if not d.exists():
+            continue
+        extra = results.get(name, {}).get("extra", {})
+        cfg = {
+            "vae_sd": VAE_SD_CONFIG,
+            "vae_flux": VAE_FLUX_CONFIG,
+            "flux_transformer": FLUX_CONFIG,
+            "t5_encoder": T5_CONFIG,
+            "clip_text": CLIP_CONFIG,
+        }[name]
+        fmt = dict(cfg=json.dumps(cfg))
+        if name == "vae_flux" and "tiling_plan" in extra:
+            p = extra["tiling_plan"]
+            starts = [t["latent_x0"] for t in p["tiles"] if t["row"] == 0]
+            last = p["tiles"][-1]["latent_w"]
+            outshape = list(load_file(str(d / "outputs.safetensors"))["sample_tiled"].shape)
+            fmt.update(
+                ov=p["overlap_size_latent"],
+                be=p["blend_extent_pixels"],
+                rl=p["row_limit_pixels"],
+                starts=starts,
+                last=last,
+                lastpx=last * 2,
+                outshape=outshape,
+                stitch=extra.get("stitch_selfcheck", "?"),
+            )
+        if name == "clip_text":
+            fmt.update(pool=extra.get("pool_index", "?"), argmax=extra.get("argmax_rule_index", "?"))
+        parts.append(f"## `{name}`\n")
+        parts.append(f"Seed: `torch.manual_seed({SEEDS[name]})` before construction; inputs from "
+                     f"`torch.Generator().manual_seed({SEEDS[name] + 100})`.\n")
+        parts.append(FIXTURE_DOCS[name].format(**fmt))
+        cfg_json = json.loads((d / "config.json").read_text())
+        parts.append("**config.json** (as written by save_pretrained):\n\n```json\n" + json.dumps(cfg_json, indent=2) + "\n```\n")
+        parts.append("**Inputs** (`inputs.safetensors`):\n\n" + table(st_listing(d / "inputs.safetensors")) + "\n")
+        parts.append("**Outputs** (`outputs.safetensors`):\n\n" + table(st_listing(d / "outputs.safetensors")) + "\n")
+        perturbed = results.get(name, {}).get("perturbed", [])
+        files = sorted(p for p in d.iterdir() if p.is_file())
+        parts.append(
+            "**Files:** "
+            + ", ".join(f"`{p.name}` ({human(p.stat().st_size)})" for p in files)
+            + f". Parameters perturbed because constant after init: {len(perturbed)}.\n"
+        )
+        inter = st_listing(d / "intermediates.safetensors")
+        parts.append(
+            f"<details><summary>Intermediates ({len(inter)} tensors)</summary>\n\n" + table(inter) + "\n\n</details>\n"
+        )
+        w = st_listing(d / weights_file(name))
+        parts.append(
+            f"<details><summary>Weights `{weights_file(name)}` ({len(w)} tensors)</summary>\n\n" + table(w) + "\n\n</details>\n"
+        )
+    (FIXTURES / "MANIFEST.md").write_text("\n".join(parts))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verify", action="store_true", help="reload fixtures from disk and check bit-exact reproduction")
+    ap.add_argument("--only", nargs="*", choices=FIXTURE_NAMES, help="with --verify: restrict to these fixtures")
+    ap.add_argument("--allow-version-mismatch", action="store_true")
+    args = ap.parse_args()
+    names = args.only or FIXTURE_NAMES
+    torch.use_deterministic_algorithms(True)
+    check_versions(strict=not args.allow_version_mismatch)
+    if args.verify:
+        ok = verify(names)
+        print("VERIFY", "OK" if ok else "FAILED")
+        sys.exit(0 if ok else 1)
+    if args.only:
+        ap.error("--only is for --verify; generation always rewrites all fixtures and MANIFEST.md")
+    generate(names)
+
+
+if __name__ == "__main__":
+    main()
