@@ -499,6 +499,8 @@ impl Device for HostDevice {
             s,
             pinned,
             Box::new(move || {
+                // Read at the start, land at the end of the link time (see copy_d2h).
+                let snapshot = src.to_vec();
                 if let Some(d) = delay {
                     std::thread::sleep(d);
                 }
@@ -506,9 +508,8 @@ impl Device for HostDevice {
                     .buffer()
                     .downcast_ref::<HostAllocation>()
                     .ok_or("destination is not a host allocation")?;
-                let mut bytes = alloc.bytes.write();
                 let range = dst.offset()..dst.offset() + dst.len();
-                src.with_bytes(|s| bytes.as_mut_slice()[range].copy_from_slice(s));
+                alloc.bytes.write().as_mut_slice()[range].copy_from_slice(&snapshot);
                 Ok(())
             }),
         )
@@ -531,16 +532,19 @@ impl Device for HostDevice {
             s,
             pinned,
             Box::new(move || {
-                if let Some(d) = delay {
-                    std::thread::sleep(d);
-                }
+                // The source is read when the copy starts and the destination written when
+                // the link time has passed, so a read that is not ordered after a pending
+                // write sees the old bytes, as it would on a GPU.
                 let alloc = src
                     .buffer()
                     .downcast_ref::<HostAllocation>()
                     .ok_or("source is not a host allocation")?;
-                let bytes = alloc.bytes.read();
                 let range = src.offset()..src.offset() + src.len();
-                dst.with_bytes_mut(|d| d.copy_from_slice(&bytes.as_slice()[range]))
+                let snapshot = alloc.with_bytes(|b| b[range].to_vec());
+                if let Some(d) = delay {
+                    std::thread::sleep(d);
+                }
+                dst.with_bytes_mut(|d| d.copy_from_slice(&snapshot))
                     .map_err(|e| e.to_string())
             }),
         )

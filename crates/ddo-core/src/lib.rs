@@ -28,6 +28,7 @@ pub mod dtype;
 pub mod error;
 pub mod host;
 pub mod host_backend;
+pub mod ops;
 pub mod param;
 pub mod reference;
 pub mod residency;

@@ -466,6 +466,99 @@ mod tests {
         assert_eq!(d.memory_info().allocated, 0);
     }
 
+    /// A route that copies each leaf's weights on a copy stream and (when `wait` is false)
+    /// forgets to order compute after the copy.
+    #[derive(Debug)]
+    struct CopyStreamRoute {
+        device: Arc<HostDevice>,
+        copy: crate::device::Stream,
+        wait: bool,
+        metrics: Arc<ddo_metrics::RouteMetrics>,
+        table: parking_lot::Mutex<crate::residency::ResidencyTable>,
+    }
+
+    impl crate::route::AttachedRoute for CopyStreamRoute {
+        fn route(&self) -> crate::config::RouteId {
+            crate::config::RouteId::DiffusersGroupOffload
+        }
+        fn describe(&self) -> String {
+            "test".into()
+        }
+        fn device_id(&self) -> crate::device::DeviceId {
+            self.device.id()
+        }
+        fn metrics(&self) -> &Arc<ddo_metrics::RouteMetrics> {
+            &self.metrics
+        }
+        fn before_leaf(&self, leaf: &crate::component::Leaf) -> Result<()> {
+            let params: Vec<_> = leaf.params().iter().map(|(_, p)| p.clone()).collect();
+            // Pinned sources, so the copies are asynchronous.
+            let pinned =
+                |p: &Param| Ok(crate::residency::pin_copy(&*self.device, &p.host())?.slice_all());
+            self.table.lock().acquire(
+                &*self.device,
+                &params,
+                &pinned,
+                &self.copy,
+                &self.metrics,
+            )?;
+            if self.wait {
+                let done = self.device.record_event(&self.copy)?;
+                self.device
+                    .wait_event(&self.device.compute_stream(), &done)?;
+            }
+            Ok(())
+        }
+        fn after_leaf(&self, leaf: &crate::component::Leaf) -> Result<()> {
+            let params: Vec<_> = leaf.params().iter().map(|(_, p)| p.clone()).collect();
+            self.device.synchronize()?;
+            self.table.lock().release(
+                &*self.device,
+                &params,
+                crate::residency::FreeMode::Immediate,
+                &self.device.compute_stream(),
+            );
+            Ok(())
+        }
+        fn end_phase(&self) -> Result<()> {
+            Ok(())
+        }
+        fn detach(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn reference_leaves_catch_a_missing_event_wait() {
+        let spec = ReferenceSpec::small("transformer", 2, 8, DType::F32);
+        let expected = {
+            let c = build(&spec).unwrap();
+            let d = HostDevice::with_capacity(1 << 20).unwrap();
+            c.to_device(&*d, &d.compute_stream()).unwrap();
+            let out = c.forward(&*d, input(&spec, 1, 1).unwrap()).unwrap();
+            out.to_host_bytes(&*d, &d.compute_stream()).unwrap()
+        };
+        for wait in [true, false] {
+            let d = HostDevice::new(crate::host_backend::HostDeviceConfig {
+                link_bytes_per_sec: Some(100_000.0),
+                ..Default::default()
+            })
+            .unwrap();
+            let c = build(&spec).unwrap();
+            let route = Arc::new(CopyStreamRoute {
+                copy: d.create_stream().unwrap(),
+                device: d.clone(),
+                wait,
+                metrics: Default::default(),
+                table: Default::default(),
+            });
+            c.install_hooks(route).unwrap();
+            let out = c.forward(&*d, input(&spec, 1, 1).unwrap()).unwrap();
+            let got = out.to_host_bytes(&*d, &d.compute_stream()).unwrap();
+            assert_eq!(got == expected, wait, "wait={wait}");
+        }
+    }
+
     #[test]
     fn tied_weights_are_one_param_under_two_names() {
         let mut spec = ReferenceSpec::small("transformer", 1, 4, DType::F32);

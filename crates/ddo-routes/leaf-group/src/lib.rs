@@ -57,7 +57,8 @@ use parking_lot::{Mutex, MutexGuard};
 /// The route's name, as errors and profiles spell it.
 pub const ROUTE_NAME: &str = "diffusers_group_offload";
 
-const BUDGET_HINT: &str = "diffusers_group_offload keeps no budgeted residency; use native_vmm with a budget, or none";
+const BUDGET_HINT: &str =
+    "diffusers_group_offload keeps no budgeted residency; use native_vmm with a budget, or none";
 
 /// Label of the block-level group that holds every leaf outside the root's block lists.
 pub const UNMATCHED_LABEL: &str = "unmatched";
@@ -461,7 +462,11 @@ impl AttachedGroupOffload {
 
     /// Pinned host bytes held in pinned copies (0 without `pinned`, and after detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state.lock().pinned.as_ref().map_or(0, PinnedCopies::bytes)
+        self.state
+            .lock()
+            .pinned
+            .as_ref()
+            .map_or(0, PinnedCopies::bytes)
     }
 
     fn live(&self) -> Result<MutexGuard<'_, State>> {
@@ -515,8 +520,12 @@ impl AttachedGroupOffload {
 
     /// Drops one hold of each of group `g`'s params.
     fn release(&self, st: &mut State, g: usize, mode: FreeMode) {
-        st.table
-            .release(&*self.device, &self.plan.groups[g].params, mode, &self.compute);
+        st.table.release(
+            &*self.device,
+            &self.plan.groups[g].params,
+            mode,
+            &self.compute,
+        );
     }
 
     /// Frees a group compute has used: stream-ordered with `record_stream`, otherwise after
@@ -803,18 +812,22 @@ impl Drop for AttachedGroupOffload {
 
 impl fmt::Debug for AttachedGroupOffload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let st = self.state.lock();
-        f.debug_struct("AttachedGroupOffload")
-            .field("component", &self.component)
+        let mut d = f.debug_struct("AttachedGroupOffload");
+        d.field("component", &self.component)
             .field("spec", &self.spec.describe())
             .field("device", &self.device.id())
-            .field("groups", &self.plan.len())
-            .field("detached", &st.detached)
-            .field("current", &st.current)
-            .field("prefetched", &st.prefetched.as_ref().map(|p| p.group))
-            .field("schedule", &st.schedule)
-            .field("resident", &st.table)
-            .finish()
+            .field("groups", &self.plan.len());
+        // Never block (or deadlock) on the state to print it.
+        match self.state.try_lock() {
+            Some(st) => d
+                .field("detached", &st.detached)
+                .field("current", &st.current)
+                .field("prefetched", &st.prefetched.as_ref().map(|p| p.group))
+                .field("schedule", &st.schedule)
+                .field("resident", &st.table),
+            None => d.field("state", &"<in use>"),
+        };
+        d.finish()
     }
 }
 
@@ -862,7 +875,12 @@ mod tests {
         let labels: Vec<&str> = plan.groups().iter().map(Group::label).collect();
         assert_eq!(
             labels,
-            vec![UNMATCHED_LABEL, "blocks[0..=1]", "blocks[2..=3]", "blocks[4..=4]"]
+            vec![
+                UNMATCHED_LABEL,
+                "blocks[0..=1]",
+                "blocks[2..=3]",
+                "blocks[4..=4]"
+            ]
         );
         let u = plan.unmatched().unwrap();
         let stem = c.leaf_by_path("stem_0").unwrap().id();
@@ -920,8 +938,8 @@ mod tests {
     #[test]
     fn leaves_without_params_belong_to_no_group() {
         use ddo_core::{LeafKind, Module, ParamKind};
-        let w = Param::from_f32("w", ParamKind::Parameter, DType::F32, vec![2], &[1.0, 2.0])
-            .unwrap();
+        let w =
+            Param::from_f32("w", ParamKind::Parameter, DType::F32, vec![2], &[1.0, 2.0]).unwrap();
         let root = Module::container(
             "",
             vec![
@@ -939,7 +957,10 @@ mod tests {
             ],
         );
         let c = Component::new("x", "X", root, Arc::new(NoProgram)).unwrap();
-        for (offload_type, n) in [(OffloadType::LeafLevel, None), (OffloadType::BlockLevel, Some(1))] {
+        for (offload_type, n) in [
+            (OffloadType::LeafLevel, None),
+            (OffloadType::BlockLevel, Some(1)),
+        ] {
             let plan = GroupPlan::new(&c, &config(offload_type, n));
             assert_eq!(plan.len(), 1, "{offload_type:?}");
             assert_eq!(plan.unmatched(), None);

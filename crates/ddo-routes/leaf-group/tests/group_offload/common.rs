@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::{
-    Component, Device, HostDevice, HostDeviceConfig, OffloadType, RouteId, RouteOptions,
-    RouteSpec, RouteTarget, Tensor,
+    Component, Device, HostDevice, HostDeviceConfig, OffloadType, RouteId, RouteOptions, RouteSpec,
+    RouteTarget, Tensor,
 };
 use ddo_metrics::RouteMetrics;
 use ddo_route_leaf_group::{AttachedGroupOffload, GroupOffloadRoute};
@@ -209,11 +209,36 @@ pub fn inputs(spec: &ReferenceSpec, batch: usize, n: usize) -> Vec<Tensor> {
 }
 
 /// A program that runs chosen leaves in an order set per call, and returns the sum of each
-/// leaf's `weight` as read back from the device (so a weight that is missing, stale or
-/// not yet copied shows as a wrong sum). It can fail inside a chosen leaf.
+/// leaf's `weight`. It reads device memory the way a kernel does: behind the compute
+/// stream's queued work (its event waits included), with no transfer of its own, so a
+/// weight whose copy compute was not ordered behind reads as zeros. It can fail inside a
+/// chosen leaf.
 pub struct OrderedProgram {
+    pub device: Arc<HostDevice>,
     pub order: parking_lot::Mutex<Vec<usize>>,
     pub fail_at: parking_lot::Mutex<Option<usize>>,
+    /// Device bytes allocated while each leaf of the last forward ran (behind the compute
+    /// stream, so stream-ordered frees queued before the leaf have happened).
+    pub allocated_in_leaf: parking_lot::Mutex<Vec<u64>>,
+}
+
+impl OrderedProgram {
+    fn read_weight(&self, w: &ddo_core::LeafWeights<'_>) -> ddo_core::Result<Vec<f32>> {
+        let t = w.get("weight")?;
+        let ddo_core::TensorStorage::Device(slice) = t.storage() else {
+            return Err(ddo_core::CoreError::Injected(
+                "weight is not on the device".into(),
+            ));
+        };
+        self.device
+            .host_compute_fence(&self.device.compute_stream())?;
+        let range = slice.offset()..slice.offset() + slice.len();
+        let bytes = self
+            .device
+            .allocation(slice.buffer())?
+            .with_bytes(|b| b[range].to_vec());
+        t.dtype().decode_f32(&bytes)
+    }
 }
 
 impl ddo_core::ComponentProgram for OrderedProgram {
@@ -222,18 +247,19 @@ impl ddo_core::ComponentProgram for OrderedProgram {
         ctx: &mut ddo_core::ForwardContext<'_>,
         _input: Tensor,
     ) -> ddo_core::Result<Tensor> {
-        let device = ctx.device();
-        let s = device.compute_stream();
         let order = self.order.lock().clone();
         let fail_at = *self.fail_at.lock();
         let mut sums = Vec::with_capacity(order.len());
+        self.allocated_in_leaf.lock().clear();
         for (k, &leaf) in order.iter().enumerate() {
             let sum = ctx.run_leaf(ddo_core::LeafId(leaf), |w| {
                 if fail_at == Some(k) {
                     return Err(ddo_core::CoreError::Injected(format!("leaf call {k}")));
                 }
-                let v = w.get("weight")?.to_f32_vec(device, &s)?;
-                Ok(v.iter().sum::<f32>())
+                let sum = self.read_weight(w)?.iter().sum::<f32>();
+                let allocated = self.device.memory_info().allocated;
+                self.allocated_in_leaf.lock().push(allocated);
+                Ok(sum)
             })?;
             sums.push(sum);
         }
@@ -243,14 +269,24 @@ impl ddo_core::ComponentProgram for OrderedProgram {
 
 /// A component for [`OrderedProgram`]: leaf 0 `embed` at the root (block level: the
 /// unmatched group), then `blocks` blocks of one linear leaf each. Leaf `i` has a weight
-/// of `16 * (i + 1)` f32 values. Returns the component and its program.
-pub fn ordered_component(blocks: usize) -> (Arc<Component>, Arc<OrderedProgram>) {
+/// of `16 * (i + 1)` f32 values. The program runs on `device`. Returns the component and
+/// its program.
+pub fn ordered_component(
+    blocks: usize,
+    device: &Arc<HostDevice>,
+) -> (Arc<Component>, Arc<OrderedProgram>) {
     use ddo_core::{DType, LeafKind, Module, Param, ParamKind};
     let weight = |i: usize| {
         let n = 16 * (i + 1);
         let values: Vec<f32> = (0..n).map(|k| (i + 1) as f32 + k as f32 / 64.0).collect();
-        let w = Param::from_f32(format!("w{i}"), ParamKind::Parameter, DType::F32, vec![n], &values)
-            .unwrap();
+        let w = Param::from_f32(
+            format!("w{i}"),
+            ParamKind::Parameter,
+            DType::F32,
+            vec![n],
+            &values,
+        )
+        .unwrap();
         vec![("weight".to_string(), w)]
     };
     let root = Module::container(
@@ -271,8 +307,10 @@ pub fn ordered_component(blocks: usize) -> (Arc<Component>, Arc<OrderedProgram>)
         ],
     );
     let program = Arc::new(OrderedProgram {
+        device: Arc::clone(device),
         order: parking_lot::Mutex::new((0..=blocks).collect()),
         fail_at: parking_lot::Mutex::new(None),
+        allocated_in_leaf: parking_lot::Mutex::new(Vec::new()),
     });
     let c = Component::new("transformer", "Ordered", root, program.clone()).unwrap();
     (c, program)
@@ -284,7 +322,12 @@ pub fn expected_sums(c: &Component, order: &[usize]) -> Vec<f32> {
         .iter()
         .map(|&i| {
             let (_, w) = &c.leaves()[i].params()[0];
-            w.host_tensor().unwrap().host_f32().unwrap().iter().sum::<f32>()
+            w.host_tensor()
+                .unwrap()
+                .host_f32()
+                .unwrap()
+                .iter()
+                .sum::<f32>()
         })
         .collect()
 }

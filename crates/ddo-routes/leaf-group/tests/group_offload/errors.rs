@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use ddo_core::reference::{ReferenceSpec, build};
 use ddo_core::{
-    Budget, CoreError, DType, Device, HostDevice, HostDeviceConfig, OffloadType,
-    Refusal, Route, RouteId, RouteOptions, RouteSpec, RouteTarget,
+    Budget, CoreError, DType, Device, HostDevice, HostDeviceConfig, OffloadType, Refusal, Route,
+    RouteId, RouteOptions, RouteSpec, RouteTarget,
 };
 use ddo_metrics::RouteMetrics;
 use ddo_route_leaf_group::GroupOffloadRoute;
@@ -31,8 +31,7 @@ fn out_of_memory_mid_forward_is_typed_and_detach_releases_everything() {
     for case in all_cases() {
         // With record_stream a freed group counts until the compute stream reaches its
         // free, so whether two or three groups are held at a moment depends on timing.
-        if !case.use_stream || case.record_stream || case.offload_type != OffloadType::LeafLevel
-        {
+        if !case.use_stream || case.record_stream || case.offload_type != OffloadType::LeafLevel {
             continue;
         }
         let device = slow_device(1600, 4e6);
@@ -42,7 +41,10 @@ fn out_of_memory_mid_forward_is_typed_and_detach_releases_everything() {
         // The second prefetches, and runs out of memory.
         for _ in 0..2 {
             let err = c.forward(&*device, xs[0].clone()).unwrap_err();
-            assert!(matches!(err, CoreError::OutOfMemory { .. }), "{case:?}: {err}");
+            assert!(
+                matches!(err, CoreError::OutOfMemory { .. }),
+                "{case:?}: {err}"
+            );
         }
         detach_and_check_released(&c, &device, hooks, 0);
         assert_eq!(checksums(&c), before, "{case:?}");
@@ -69,8 +71,8 @@ fn out_of_memory_mid_forward_is_typed_and_detach_releases_everything() {
 #[test]
 fn a_leaf_that_fails_mid_forward_leaves_a_consistent_route() {
     for case in all_cases() {
-        let (c, program) = ordered_component(4);
         let device = slow_device(1 << 20, 2e6);
+        let (c, program) = ordered_component(4, &device);
         let (hooks, _metrics) = attach(&c, &device, &case.spec());
         let order = [0usize, 1, 2, 3, 4];
         *program.order.lock() = order.to_vec();
@@ -295,7 +297,12 @@ fn use_stream_on_a_device_without_streams_is_refused_and_no_stream_runs() {
     let xs = inputs(&spec, 1, 2);
     let expected = resident_outputs(&c, &*device, &xs);
     let hooks = GroupOffloadRoute
-        .attach(&c, device.clone(), &RouteSpec::leaf_group(false, false), metrics)
+        .attach(
+            &c,
+            device.clone(),
+            &RouteSpec::leaf_group(false, false),
+            metrics,
+        )
         .unwrap();
     c.install_hooks(hooks.clone()).unwrap();
     for (x, want) in xs.iter().zip(&expected) {

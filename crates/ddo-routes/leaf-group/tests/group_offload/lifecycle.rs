@@ -115,15 +115,13 @@ fn weights_made_resident_before_attach_are_offloaded_by_it() {
     let device = slow_device(1 << 20, 4e6);
     c.to_device(&*device, &device.compute_stream()).unwrap();
     assert_eq!(device.memory_info().allocated, c.param_bytes());
-    let (hooks, _metrics) = attach(&c, &device, &RouteSpecExt::leaf_no_stream());
+    let (hooks, _metrics) = attach(&c, &device, &ddo_core::RouteSpec::leaf_group(false, false));
     assert_eq!(device.memory_info().allocated, 0);
+    // A device copy installed behind the route's back is dropped on detach too: every
+    // param ends host-only.
+    let p = &c.params()[0];
+    let stray = device.alloc(p.nbytes()).unwrap();
+    p.set_device(Some(stray.slice_all())).unwrap();
+    drop(stray);
     detach_and_check_released(&c, &device, hooks, 0);
-}
-
-struct RouteSpecExt;
-
-impl RouteSpecExt {
-    fn leaf_no_stream() -> ddo_core::RouteSpec {
-        ddo_core::RouteSpec::leaf_group(false, false)
-    }
 }

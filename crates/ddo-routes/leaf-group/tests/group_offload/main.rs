@@ -6,6 +6,7 @@ mod common;
 mod errors;
 mod lifecycle;
 mod matrix;
+mod ordering;
 mod peak;
 mod random;
 mod schedule;

@@ -70,7 +70,11 @@ fn peak_device_memory_stays_within_each_modes_promise() {
         }
         if case.offload_type == OffloadType::LeafLevel && !case.use_stream {
             // The point of leaf-level offload: far below the resident weights.
-            assert!(bound < c.param_bytes() / 4, "{bound} vs {}", c.param_bytes());
+            assert!(
+                bound < c.param_bytes() / 4,
+                "{bound} vs {}",
+                c.param_bytes()
+            );
         }
         detach_and_check_released(&c, &device, hooks, 0);
     }
@@ -97,5 +101,48 @@ fn a_device_just_large_enough_for_the_promise_runs_every_mode() {
             assert_eq!(&run(&c, &*device, x), want, "{case:?} in {capacity} B");
         }
         detach_and_check_released(&c, &device, hooks, 0);
+    }
+}
+
+/// While each leaf runs, exactly the promised groups are on the device: its own group;
+/// with a stream, also the next scheduled group (prefetched); at block level, also the
+/// unmatched group. A block group leaves as soon as a leaf of another group starts.
+#[test]
+fn while_a_leaf_runs_exactly_the_promised_groups_are_on_the_device() {
+    let orders: [&[usize]; 2] = [&[0, 1, 2, 3, 4], &[1, 2, 0, 3, 4, 0]];
+    for case in all_cases() {
+        for order in orders {
+            let device = slow_device(1 << 20, 2e6);
+            let (c, program) = ordered_component(4, &device);
+            *program.order.lock() = order.to_vec();
+            let (hooks, _metrics) = attach(&c, &device, &case.spec());
+            let plan = hooks.plan();
+            let bytes = |g: Option<usize>| g.map_or(0, |g| plan.groups()[g].bytes());
+            let group = |leaf: usize| plan.group_of(ddo_core::LeafId(leaf));
+            // Block groups of one block each: a leaf's group starts with it.
+            let starts: Vec<Option<usize>> = order
+                .iter()
+                .map(|&l| group(l).filter(|g| Some(*g) != plan.unmatched()))
+                .collect();
+            for forward in 0..3 {
+                run_sums(&c, &*device).unwrap();
+                let seen = program.allocated_in_leaf.lock().clone();
+                let prefetching = case.use_stream && forward > 0;
+                let expected: Vec<u64> = (0..order.len())
+                    .map(|k| {
+                        let next = if prefetching {
+                            // The next group to start, if any.
+                            starts[k + 1..].iter().flatten().next().copied()
+                        } else {
+                            None
+                        };
+                        let own = group(order[k]).filter(|g| Some(*g) != plan.unmatched());
+                        plan.unmatched_bytes() + bytes(own) + bytes(next)
+                    })
+                    .collect();
+                assert_eq!(seen, expected, "{case:?} {order:?} forward {forward}");
+            }
+            detach_and_check_released(&c, &device, hooks, 0);
+        }
     }
 }

@@ -46,8 +46,8 @@ fn a_changed_leaf_order_is_relearned_counted_and_still_correct() {
         if !case.use_stream {
             continue;
         }
-        let (c, program) = ordered_component(4);
         let device = slow_device(1 << 20, 2e6);
+        let (c, program) = ordered_component(4, &device);
         let (hooks, metrics) = attach(&c, &device, &case.spec());
         let mut schedule: Option<Vec<usize>> = None;
         let mut relearned = 0;
@@ -79,8 +79,8 @@ fn without_a_stream_there_is_no_schedule_and_any_order_works() {
         if case.use_stream {
             continue;
         }
-        let (c, program) = ordered_component(3);
         let device = slow_device(1 << 20, 2e6);
+        let (c, program) = ordered_component(3, &device);
         let (hooks, metrics) = attach(&c, &device, &case.spec());
         for order in [&[0usize, 1, 2, 3][..], &[3, 2, 1, 0], &[1, 1, 0, 2]] {
             *program.order.lock() = order.to_vec();

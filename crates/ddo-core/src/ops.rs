@@ -1,0 +1,193 @@
+//! The compute plane: the [`Ops`] trait, beside [`Device`](crate::Device).
+//!
+//! Every op takes dense, contiguous, row-major tensors on the op's device and returns a new
+//! tensor on that device (an allocation counted by the device, so activations show in its
+//! peak). Ops compute in f32 and store the result in the dtype of their first input unless
+//! they say otherwise; f16/bf16 results are rounded once, at the end of the op (as PyTorch
+//! does per op). Shapes are checked: a mismatch is [`CoreError::Shape`](crate::CoreError),
+//! never a panic.
+//!
+//! Layout conventions: images are NCHW; attention tensors are `[batch, heads, seq, head_dim]`;
+//! linear weights are `[out, in]` (PyTorch's); convolution weights are `[out, in, kh, kw]`.
+//! Broadcasting in binary ops follows NumPy (shapes aligned on the right, size-1 dims
+//! stretch).
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Element-wise functions of one tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation (`gelu_new`, Diffusers' `gelu-approximate`).
+    GeluTanh,
+    /// GELU, exact (erf).
+    GeluErf,
+    /// CLIP's `quick_gelu`: `x * sigmoid(1.702 x)`.
+    QuickGelu,
+    /// Logistic sigmoid.
+    Sigmoid,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// `max(x, 0)`.
+    Relu,
+    /// `exp(x)`.
+    Exp,
+    /// `-x`.
+    Neg,
+    /// `x * x`.
+    Square,
+    /// `sqrt(x)`.
+    Sqrt,
+    /// `1 / x`.
+    Recip,
+}
+
+/// Element-wise functions of two tensors (with broadcasting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    /// `a + b`.
+    Add,
+    /// `a - b`.
+    Sub,
+    /// `a * b`.
+    Mul,
+    /// `a / b`.
+    Div,
+    /// `max(a, b)`.
+    Max,
+    /// `min(a, b)`.
+    Min,
+}
+
+/// Stride and padding of a 2-D convolution (same along both axes unless given per axis).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Conv2dParams {
+    /// Stride (height, width).
+    pub stride: (usize, usize),
+    /// Zero padding (height, width), on both sides.
+    pub padding: (usize, usize),
+}
+
+impl Conv2dParams {
+    /// Square stride and padding.
+    pub const fn new(stride: usize, padding: usize) -> Self {
+        Self {
+            stride: (stride, stride),
+            padding: (padding, padding),
+        }
+    }
+}
+
+/// Reductions along one dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Mean.
+    Mean,
+    /// Maximum.
+    Max,
+}
+
+/// The compute plane of a device. Implemented by the host backend (`HostDevice`) and, later,
+/// by the CUDA backend, so models run unchanged on either.
+pub trait Ops: Send + Sync {
+    /// A device tensor holding `values` (encoded as `dtype`), shape `shape`.
+    fn tensor_from_f32(&self, shape: &[usize], dtype: DType, values: &[f32]) -> Result<Tensor>;
+
+    /// The values of a tensor as f32 (waits for pending work on the compute stream).
+    fn to_f32_vec(&self, x: &Tensor) -> Result<Vec<f32>>;
+
+    /// `x [..., in] · wᵀ (+ bias)` with `w [out, in]`, `bias [out]` → `[..., out]`.
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+
+    /// Batched matrix product `a [..., m, k] · b [..., k, n]` → `[..., m, n]`; batch dims
+    /// broadcast.
+    fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+
+    /// 2-D convolution of `x [n, c, h, w]` with `w [o, c, kh, kw]` (+ `bias [o]`).
+    fn conv2d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        params: Conv2dParams,
+    ) -> Result<Tensor>;
+
+    /// Group normalisation of `x [n, c, ...]` in `groups` groups, with optional per-channel
+    /// affine `weight [c]`, `bias [c]`.
+    fn group_norm(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor>;
+
+    /// Layer normalisation over the last dimension, optional affine `[d]`.
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor>;
+
+    /// RMS normalisation over the last dimension (`x / sqrt(mean(x²) + eps) * weight`).
+    fn rms_norm(&self, x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<Tensor>;
+
+    /// An element-wise function.
+    fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor>;
+
+    /// An element-wise function of two tensors, broadcasting.
+    fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor>;
+
+    /// `x * mul + add` with scalars.
+    fn affine(&self, x: &Tensor, mul: f32, add: f32) -> Result<Tensor>;
+
+    /// Softmax over the last dimension.
+    fn softmax(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Reduction over dimension `dim`, kept as size 1.
+    fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor>;
+
+    /// Nearest-neighbour 2× upsampling of `x [n, c, h, w]` → `[n, c, 2h, 2w]`.
+    fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Scaled dot-product attention: `softmax(q kᵀ · scale + mask) v` with
+    /// `q [b, h, lq, d]`, `k, v [b, h, lk, d]` and an optional additive `mask`
+    /// broadcastable to `[b, h, lq, lk]`. Implementations must not need the full score
+    /// matrix of long sequences at once.
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor>;
+
+    /// Rotary embedding on interleaved pairs, as Diffusers' `apply_rotary_emb` with
+    /// `use_real=True, use_real_unbind_dim=-1`: for `x [b, h, l, d]` and `cos, sin [l, d]`,
+    /// `out = x * cos + rot(x) * sin` where `rot` maps each pair `(x0, x1)` to `(-x1, x0)`.
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor>;
+
+    /// Concatenation along `dim`.
+    fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor>;
+
+    /// The slice `start..start + len` along `dim`, as a new tensor.
+    fn narrow(&self, x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor>;
+
+    /// Permutation of dimensions, materialised (`dims[i]` is the source dim of output dim `i`).
+    fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor>;
+
+    /// Conversion to `dtype`.
+    fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor>;
+
+    /// Rows `ids` of `table [rows, d]` → `[ids.len(), d]`.
+    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
+}
