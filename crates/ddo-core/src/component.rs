@@ -372,6 +372,18 @@ impl Component {
 
     /// Runs the component's program on `device`, through the attached route's hooks.
     pub fn forward(&self, device: &dyn Device, input: Tensor) -> Result<Tensor> {
+        self.run(device, |ctx| self.program.forward(ctx, input))
+    }
+
+    /// Runs `body` as one forward of this component on `device`: the attached route's
+    /// `before_forward`, then `body` (which runs leaves through
+    /// [`ForwardContext::run_leaf`]), then `after_forward`. Models with several inputs
+    /// (the Flux transformer) call this with their own typed forward.
+    pub fn run<T>(
+        &self,
+        device: &dyn Device,
+        body: impl FnOnce(&mut ForwardContext<'_>) -> Result<T>,
+    ) -> Result<T> {
         let _one_forward_at_a_time = self.forward_lock.lock();
         let hooks = self.attached();
         if let Some(h) = &hooks {
@@ -386,7 +398,7 @@ impl Component {
             h.before_forward()?;
         }
         let mut ctx = ForwardContext::new(self, device, hooks.as_deref());
-        let out = self.program.forward(&mut ctx, input)?;
+        let out = body(&mut ctx)?;
         if let Some(h) = &hooks {
             h.after_forward()?;
         }

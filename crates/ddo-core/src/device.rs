@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
 use crate::host::{HostBuffer, HostSlice};
+use crate::ops::Ops;
 
 /// Which backend a device belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -327,6 +328,19 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Returns idle cached blocks to the driver; the bytes returned. Never touches the
     /// native VMM pool.
     fn empty_cache(&self) -> Result<u64>;
+
+    /// The device's compute plane, when it has one (a transfer-only wrapper may not).
+    fn ops(&self) -> Option<&dyn Ops> {
+        None
+    }
+}
+
+/// The compute plane of `device`, or a typed error naming the device.
+pub fn ops_of(device: &dyn Device) -> Result<&dyn Ops> {
+    device.ops().ok_or_else(|| CoreError::Backend {
+        device: device.id().to_string(),
+        message: "this device has no compute plane (Ops); run models on a backend device".into(),
+    })
 }
 
 /// Copies `bytes` (pageable, so the copy is complete when this returns) to a new device

@@ -28,6 +28,7 @@ pub mod dtype;
 pub mod error;
 pub mod host;
 pub mod host_backend;
+pub mod host_ops;
 pub mod ops;
 pub mod param;
 pub mod reference;
@@ -43,9 +44,10 @@ pub use config::{
 };
 pub use device::{
     AllocatorKind, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event, MemoryInfo,
-    Stream,
+    Stream, ops_of,
 };
 pub use dtype::DType;
+pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
 pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use host_backend::{HostDevice, HostDeviceConfig};

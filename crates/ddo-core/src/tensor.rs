@@ -77,6 +77,21 @@ impl Tensor {
         )
     }
 
+    /// The same bytes viewed with another shape of the same element count (no copy).
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        if numel(shape) != Some(self.numel()) {
+            return Err(CoreError::Shape {
+                what: "reshape".into(),
+                message: format!("cannot view {:?} as {shape:?}", self.shape),
+            });
+        }
+        Ok(Self {
+            shape: shape.to_vec(),
+            dtype: self.dtype,
+            storage: self.storage.clone(),
+        })
+    }
+
     /// Shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape

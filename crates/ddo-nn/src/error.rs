@@ -1,0 +1,103 @@
+//! [`LoadError`]: the crate's one error enum, for everything that can go wrong turning files
+//! (weights, configs) into models. Errors while running a model are `CoreError`s.
+
+use std::path::PathBuf;
+
+use ddo_core::CoreError;
+use thiserror::Error;
+
+/// Result alias for loading.
+pub type LoadResult<T> = std::result::Result<T, LoadError>;
+
+/// A model could not be built from its files or config.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}; check the path and permissions")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A weight the model needs is not in the checkpoint.
+    #[error("tensor `{name}` is missing from {file}; the checkpoint does not match the model config")]
+    MissingTensor {
+        /// Tensor name.
+        name: String,
+        /// Checkpoint file (or folder, when sharded).
+        file: PathBuf,
+    },
+    /// A weight has another shape than the config implies.
+    #[error(
+        "tensor `{name}` in {file} has shape {found:?}, the config implies {expected:?}; \
+         the checkpoint and config.json do not belong together"
+    )]
+    ShapeMismatch {
+        /// Tensor name.
+        name: String,
+        /// Checkpoint file.
+        file: PathBuf,
+        /// Shape the model expects.
+        expected: Vec<usize>,
+        /// Shape in the file.
+        found: Vec<usize>,
+    },
+    /// A weight has a dtype DDO cannot load.
+    #[error("tensor `{name}` in {file} has dtype {dtype}, which DDO does not load (f32, f16, bf16)")]
+    UnsupportedDtype {
+        /// Tensor name.
+        name: String,
+        /// Checkpoint file.
+        file: PathBuf,
+        /// The dtype found.
+        dtype: String,
+    },
+    /// A checkpoint file is truncated or corrupt.
+    #[error("{file} is not a valid safetensors file: {message}; re-download or re-export it")]
+    CorruptFile {
+        /// File.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A sharded checkpoint's index is invalid.
+    #[error("sharded index {file} is invalid: {message}")]
+    BadIndex {
+        /// Index file.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A folder holds no weights.
+    #[error("no safetensors weights in {dir}; expected {expected}")]
+    NoWeights {
+        /// Folder.
+        dir: PathBuf,
+        /// The file names looked for.
+        expected: String,
+    },
+    /// A config file is invalid.
+    #[error("config {file} is invalid: {message}")]
+    Config {
+        /// Config file.
+        file: PathBuf,
+        /// What is wrong, and what would be valid.
+        message: String,
+    },
+    /// A config value is out of range or contradicts another.
+    #[error("config field `{field}` = {value} is invalid: {hint}")]
+    InvalidConfig {
+        /// Field.
+        field: String,
+        /// Its value.
+        value: String,
+        /// What would be valid.
+        hint: String,
+    },
+    /// The core refused something while building (allocation, a bad module tree).
+    #[error(transparent)]
+    Core(#[from] CoreError),
+}

@@ -1,0 +1,255 @@
+//! Layers whose weights are leaves of a component: each holds its [`LeafId`] and runs
+//! through [`ForwardContext::run_leaf`], so whatever route is attached moves its weights.
+//! Parameter names follow Diffusers/PyTorch (`weight`, `bias`).
+
+use ddo_core::{
+    Conv2dParams, ForwardContext, LeafId, LeafKind, Ops, Result, Tensor, UnaryOp, ops_of,
+};
+
+use crate::builder::ModelBuilder;
+use crate::error::LoadResult;
+
+/// The compute plane of the context's device.
+pub fn ops<'a>(ctx: &ForwardContext<'a>) -> Result<&'a dyn Ops> {
+    ops_of(ctx.device())
+}
+
+/// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Linear {
+    leaf: LeafId,
+    bias: bool,
+    /// Input features.
+    pub in_features: usize,
+    /// Output features.
+    pub out_features: usize,
+}
+
+impl Linear {
+    /// Builds leaf `name` under the builder's current position.
+    pub fn build(
+        b: &mut ModelBuilder<'_>,
+        name: &str,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+    ) -> LoadResult<Self> {
+        let w = [out_features, in_features];
+        let bshape = [out_features];
+        let params: Vec<(&str, &[usize])> = if bias {
+            vec![("weight", &w), ("bias", &bshape)]
+        } else {
+            vec![("weight", &w)]
+        };
+        let leaf = b.leaf(name, LeafKind::Linear, &params)?;
+        Ok(Self {
+            leaf,
+            bias,
+            in_features,
+            out_features,
+        })
+    }
+
+    /// `x [..., in]` → `[..., out]`.
+    pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let bias = self.bias;
+        ctx.run_leaf(self.leaf, |w| {
+            let b = if bias { Some(w.get("bias")?) } else { None };
+            ops.linear(x, w.get("weight")?, b)
+        })
+    }
+
+    /// The leaf.
+    pub fn leaf(&self) -> LeafId {
+        self.leaf
+    }
+}
+
+/// `nn.Conv2d` (groups = 1): weight `[out, in, k, k]`, optional bias `[out]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Conv2d {
+    leaf: LeafId,
+    bias: bool,
+    params: Conv2dParams,
+}
+
+impl Conv2d {
+    /// Builds leaf `name` with a square `kernel`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build(
+        b: &mut ModelBuilder<'_>,
+        name: &str,
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> LoadResult<Self> {
+        let w = [out_channels, in_channels, kernel, kernel];
+        let bshape = [out_channels];
+        let params: Vec<(&str, &[usize])> = if bias {
+            vec![("weight", &w), ("bias", &bshape)]
+        } else {
+            vec![("weight", &w)]
+        };
+        let leaf = b.leaf(name, LeafKind::Conv2d, &params)?;
+        Ok(Self {
+            leaf,
+            bias,
+            params: Conv2dParams::new(stride, padding),
+        })
+    }
+
+    /// `x [n, in, h, w]` → `[n, out, h', w']`.
+    pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let (bias, params) = (self.bias, self.params);
+        ctx.run_leaf(self.leaf, |w| {
+            let b = if bias { Some(w.get("bias")?) } else { None };
+            ops.conv2d(x, w.get("weight")?, b, params)
+        })
+    }
+}
+
+/// `nn.GroupNorm` with affine weight and bias `[channels]`.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupNorm {
+    leaf: LeafId,
+    groups: usize,
+    eps: f32,
+}
+
+impl GroupNorm {
+    /// Builds leaf `name`.
+    pub fn build(
+        b: &mut ModelBuilder<'_>,
+        name: &str,
+        groups: usize,
+        channels: usize,
+        eps: f32,
+    ) -> LoadResult<Self> {
+        let s = [channels];
+        let leaf = b.leaf(name, LeafKind::Norm, &[("weight", &s), ("bias", &s)])?;
+        Ok(Self { leaf, groups, eps })
+    }
+
+    /// Normalises `x [n, c, ...]`.
+    pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let (groups, eps) = (self.groups, self.eps);
+        ctx.run_leaf(self.leaf, |w| {
+            ops.group_norm(x, groups, Some(w.get("weight")?), Some(w.get("bias")?), eps)
+        })
+    }
+}
+
+/// `nn.LayerNorm` over the last dim; without affine params it owns no leaf.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNorm {
+    leaf: Option<LeafId>,
+    bias: bool,
+    eps: f32,
+}
+
+impl LayerNorm {
+    /// Builds leaf `name` with weight (and bias when `bias`) `[dim]`.
+    pub fn build(
+        b: &mut ModelBuilder<'_>,
+        name: &str,
+        dim: usize,
+        eps: f32,
+        bias: bool,
+    ) -> LoadResult<Self> {
+        let s = [dim];
+        let params: Vec<(&str, &[usize])> = if bias {
+            vec![("weight", &s), ("bias", &s)]
+        } else {
+            vec![("weight", &s)]
+        };
+        let leaf = Some(b.leaf(name, LeafKind::Norm, &params)?);
+        Ok(Self { leaf, bias, eps })
+    }
+
+    /// A layer norm without affine params (`elementwise_affine=False`).
+    pub fn plain(eps: f32) -> Self {
+        Self {
+            leaf: None,
+            bias: false,
+            eps,
+        }
+    }
+
+    /// Normalises over the last dim.
+    pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let (bias, eps) = (self.bias, self.eps);
+        match self.leaf {
+            None => ops.layer_norm(x, None, None, eps),
+            Some(leaf) => ctx.run_leaf(leaf, |w| {
+                let b = if bias { Some(w.get("bias")?) } else { None };
+                ops.layer_norm(x, Some(w.get("weight")?), b, eps)
+            }),
+        }
+    }
+}
+
+/// RMS norm over the last dim with weight `[dim]`.
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNorm {
+    leaf: LeafId,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Builds leaf `name`.
+    pub fn build(b: &mut ModelBuilder<'_>, name: &str, dim: usize, eps: f32) -> LoadResult<Self> {
+        let s = [dim];
+        let leaf = b.leaf(name, LeafKind::Norm, &[("weight", &s)])?;
+        Ok(Self { leaf, eps })
+    }
+
+    /// Normalises over the last dim.
+    pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let eps = self.eps;
+        ctx.run_leaf(self.leaf, |w| ops.rms_norm(x, Some(w.get("weight")?), eps))
+    }
+}
+
+/// `nn.Embedding`: table `[rows, dim]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Embedding {
+    leaf: LeafId,
+}
+
+impl Embedding {
+    /// Builds leaf `name`.
+    pub fn build(b: &mut ModelBuilder<'_>, name: &str, rows: usize, dim: usize) -> LoadResult<Self> {
+        let s = [rows, dim];
+        let leaf = b.leaf(name, LeafKind::Embedding, &[("weight", &s)])?;
+        Ok(Self { leaf })
+    }
+
+    /// Wraps an existing leaf (a tied table).
+    pub fn from_leaf(leaf: LeafId) -> Self {
+        Self { leaf }
+    }
+
+    /// Rows `ids` → `[ids.len(), dim]`.
+    pub fn forward(&self, ctx: &mut ForwardContext<'_>, ids: &[u32]) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        ctx.run_leaf(self.leaf, |w| ops.embedding(w.get("weight")?, ids))
+    }
+
+    /// The leaf.
+    pub fn leaf(&self) -> LeafId {
+        self.leaf
+    }
+}
+
+/// Element-wise activation.
+pub fn act(ctx: &ForwardContext<'_>, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
+    ops(ctx)?.unary(x, op)
+}

@@ -1,0 +1,22 @@
+//! DDO's layers and models, written against the `Ops` compute plane, with their weights as
+//! leaves of a `Component` so that every route of `ddo-routes` moves them unchanged.
+//!
+//! This crate sits above `ddo-core` (it never talks to a backend directly) and beside the
+//! route crates. It holds Diffusers-format loading ([`weights`]: memory-mapped safetensors,
+//! single or sharded, with typed errors naming the tensor and the file; seeded random
+//! weights at any config), the [`builder`] that turns a model's structure into a component
+//! tree, the shared [`layers`], and the models: `AutoencoderKL`'s decoder, the Flux
+//! transformer, and the T5 and CLIP text encoders.
+
+pub mod builder;
+pub mod clip;
+pub mod error;
+pub mod flux;
+pub mod layers;
+pub mod t5;
+pub mod vae;
+pub mod weights;
+
+pub use builder::ModelBuilder;
+pub use error::{LoadError, LoadResult};
+pub use weights::{CheckpointWeights, RandomWeights, WeightSource, read_f32_tensor};
