@@ -504,48 +504,136 @@ pub struct CheckpointTensor {
 pub struct Checkpoint {
     map: Arc<CheckpointMap>,
     tensors: BTreeMap<String, CheckpointTensor>,
+    unsupported: BTreeMap<String, String>,
 }
 
+/// Largest safetensors header DDO reads (100 MiB, as the format's reference reader allows).
+pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
+
 impl Checkpoint {
-    /// Opens and validates `path` (header, offsets, dtypes, byte counts).
+    /// Opens and validates `path`: the header length against the file, the header JSON,
+    /// each tensor's dtype, shape, byte count and offsets (inside the data, not
+    /// overlapping). Errors name the file and, where one is at fault, the tensor. Nothing
+    /// is allocated in proportion to what the header claims. A tensor of a dtype DDO does
+    /// not load (f64, integers, ...) is listed but refused when asked for.
     pub fn open(path: &Path) -> Result<Self> {
         let map = CheckpointMap::open(path)?;
         let bad = |message: String| CoreError::Checkpoint {
             path: path.to_path_buf(),
             message,
         };
-        let (header_len, metadata) =
-            safetensors::SafeTensors::read_metadata(map.bytes()).map_err(|e| bad(e.to_string()))?;
-        let data_start = 8 + header_len;
-        let mut tensors = BTreeMap::new();
-        for (name, info) in metadata.tensors() {
-            let dtype = DType::from_safetensors(info.dtype).ok_or_else(|| {
+        let bytes = map.bytes();
+        let header_len = bytes
+            .get(..8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .ok_or_else(|| {
                 bad(format!(
-                    "tensor `{name}` has dtype {:?}, which DDO does not support (f32, f16, bf16, u8/i8 quantized)",
-                    info.dtype
+                    "file is {} B, shorter than the 8-byte header length",
+                    bytes.len()
                 ))
             })?;
-            let (start, end) = info.data_offsets;
-            let len = end - start;
-            let elements: usize = info.shape.iter().product();
-            if elements * dtype.size_in_bytes() != len {
+        let available = (bytes.len() - 8) as u64;
+        if header_len > available.min(MAX_HEADER_BYTES) {
+            return Err(bad(format!(
+                "header length {header_len} B exceeds the file ({available} B after the length) or the \
+                 {MAX_HEADER_BYTES} B limit; the file is truncated or not safetensors"
+            )));
+        }
+        let header_end = 8 + header_len as usize;
+        let header = std::str::from_utf8(&bytes[8..header_end])
+            .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+        let json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(header)
+            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+        let data_len = bytes.len() - header_end;
+        let mut tensors = BTreeMap::new();
+        let mut unsupported = BTreeMap::new();
+        let mut ranges: Vec<(usize, usize, &str)> = Vec::new();
+        let sizes = |v: Option<&serde_json::Value>| -> Option<Vec<usize>> {
+            v?.as_array()?
+                .iter()
+                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                .collect()
+        };
+        for (name, entry) in &json {
+            if name == "__metadata__" {
+                continue;
+            }
+            let dtype_name = entry
+                .get("dtype")
+                .and_then(|d| d.as_str())
+                .ok_or_else(|| bad(format!("tensor `{name}` has no string `dtype`")))?;
+            let shape = sizes(entry.get("shape"))
+                .ok_or_else(|| bad(format!("tensor `{name}`: `shape` is not a list of sizes")))?;
+            let offsets = sizes(entry.get("data_offsets"))
+                .filter(|v| v.len() == 2)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tensor `{name}`: `data_offsets` is not [start, end]"
+                    ))
+                })?;
+            let (start, end) = (offsets[0], offsets[1]);
+            if start > end || end > data_len {
                 return Err(bad(format!(
-                    "tensor `{name}`: shape {:?} of {dtype} needs {} B but the header gives {len} B",
-                    info.shape,
-                    elements * dtype.size_in_bytes()
+                    "tensor `{name}`: data offsets {start}..{end} fall outside the {data_len} B of data; \
+                     the file is truncated or corrupt"
                 )));
             }
-            tensors.insert(
-                name.clone(),
-                CheckpointTensor {
-                    dtype,
-                    shape: info.shape.clone(),
-                    offset: data_start + start,
-                    len,
-                },
-            );
+            let element_size = match dtype_name {
+                "F32" | "I32" | "U32" => 4,
+                "F16" | "BF16" | "I16" | "U16" => 2,
+                "U8" | "I8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+                "F64" | "I64" | "U64" => 8,
+                other => {
+                    return Err(bad(format!("tensor `{name}` has unknown dtype `{other}`")));
+                }
+            };
+            let needed = shape
+                .iter()
+                .try_fold(element_size, |acc: usize, &d| acc.checked_mul(d))
+                .ok_or_else(|| bad(format!("tensor `{name}`: shape {shape:?} overflows")))?;
+            if needed != end - start {
+                return Err(bad(format!(
+                    "tensor `{name}`: shape {shape:?} of {dtype_name} needs {needed} B but its offsets span {} B",
+                    end - start
+                )));
+            }
+            ranges.push((start, end, name));
+            let dtype = match dtype_name {
+                "F32" => Some(DType::F32),
+                "F16" => Some(DType::F16),
+                "BF16" => Some(DType::BF16),
+                "U8" | "I8" => Some(DType::Quantized),
+                _ => None,
+            };
+            match dtype {
+                Some(dtype) => {
+                    tensors.insert(
+                        name.clone(),
+                        CheckpointTensor {
+                            dtype,
+                            shape,
+                            offset: header_end + start,
+                            len: end - start,
+                        },
+                    );
+                }
+                None => {
+                    unsupported.insert(name.clone(), dtype_name.to_string());
+                }
+            }
         }
-        Ok(Self { map, tensors })
+        ranges.sort_unstable();
+        for pair in ranges.windows(2) {
+            let ((_, a_end, a), (b_start, _, b)) = (pair[0], pair[1]);
+            if b_start < a_end {
+                return Err(bad(format!("tensors `{a}` and `{b}` overlap in the data")));
+            }
+        }
+        Ok(Self {
+            map,
+            tensors,
+            unsupported,
+        })
     }
 
     /// The mapped file.
@@ -563,14 +651,30 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
-    /// A tensor's header entry.
+    /// A tensor's header entry. A tensor of a dtype DDO does not load is a typed error
+    /// naming it and its dtype.
     pub fn tensor(&self, name: &str) -> Result<&CheckpointTensor> {
+        if let Some(dtype) = self.unsupported.get(name) {
+            return Err(CoreError::Checkpoint {
+                path: self.path().to_path_buf(),
+                message: format!(
+                    "tensor `{name}` has dtype {dtype}, which DDO does not load (f32, f16, bf16, u8/i8 quantized)"
+                ),
+            });
+        }
         self.tensors
             .get(name)
             .ok_or_else(|| CoreError::MissingTensor {
                 path: self.path().to_path_buf(),
                 name: name.to_string(),
             })
+    }
+
+    /// Tensors present but of a dtype DDO does not load, with that dtype.
+    pub fn unsupported(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.unsupported
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.as_str()))
     }
 
     /// A new checkpoint-backed host buffer over one tensor's bytes.

@@ -23,6 +23,7 @@ use crate::device::{
 };
 use crate::error::{CoreError, Result};
 use crate::host::{AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger};
+use crate::ops::Ops;
 
 /// Settings of a [`HostDevice`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -106,6 +107,12 @@ impl HostAllocation {
     /// after [`HostDevice::host_compute_fence`].
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
         f(self.bytes.read().as_slice())
+    }
+
+    /// Runs `f` over the allocation's bytes mutably. Host compute writes a fresh output
+    /// through this, before any queued work can refer to it.
+    pub(crate) fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        f(self.bytes.write().as_mut_slice())
     }
 }
 
@@ -663,6 +670,10 @@ impl Device for HostDevice {
     fn empty_cache(&self) -> Result<u64> {
         // The host backend's allocator frees eagerly: there is no idle cache to return.
         Ok(0)
+    }
+
+    fn ops(&self) -> Option<&dyn Ops> {
+        Some(self)
     }
 }
 

@@ -47,10 +47,10 @@ pub use device::{
     Stream, ops_of,
 };
 pub use dtype::DType;
-pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
 pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use host_backend::{HostDevice, HostDeviceConfig};
+pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
 pub use route::{AttachedRoute, ComponentProgram, ForwardContext, LeafWeights, Route};

@@ -89,12 +89,7 @@ impl<'w> ModelBuilder<'w> {
 
     /// The dotted path of `name` under the current position.
     pub fn path(&self, name: &str) -> String {
-        let mut parts: Vec<&str> = self
-            .stack
-            .iter()
-            .skip(1)
-            .map(|f| f.name.as_str())
-            .collect();
+        let mut parts: Vec<&str> = self.stack.iter().skip(1).map(|f| f.name.as_str()).collect();
         parts.push(name);
         parts.join(".")
     }

@@ -23,7 +23,9 @@ pub enum LoadError {
         source: std::io::Error,
     },
     /// A weight the model needs is not in the checkpoint.
-    #[error("tensor `{name}` is missing from {file}; the checkpoint does not match the model config")]
+    #[error(
+        "tensor `{name}` is missing from {file}; the checkpoint does not match the model config"
+    )]
     MissingTensor {
         /// Tensor name.
         name: String,
@@ -46,7 +48,9 @@ pub enum LoadError {
         found: Vec<usize>,
     },
     /// A weight has a dtype DDO cannot load.
-    #[error("tensor `{name}` in {file} has dtype {dtype}, which DDO does not load (f32, f16, bf16)")]
+    #[error(
+        "tensor `{name}` in {file} has dtype {dtype}, which DDO does not load (f32, f16, bf16)"
+    )]
     UnsupportedDtype {
         /// Tensor name.
         name: String,

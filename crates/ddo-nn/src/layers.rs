@@ -226,7 +226,12 @@ pub struct Embedding {
 
 impl Embedding {
     /// Builds leaf `name`.
-    pub fn build(b: &mut ModelBuilder<'_>, name: &str, rows: usize, dim: usize) -> LoadResult<Self> {
+    pub fn build(
+        b: &mut ModelBuilder<'_>,
+        name: &str,
+        rows: usize,
+        dim: usize,
+    ) -> LoadResult<Self> {
         let s = [rows, dim];
         let leaf = b.leaf(name, LeafKind::Embedding, &[("weight", &s)])?;
         Ok(Self { leaf })

@@ -124,7 +124,11 @@ impl CheckpointWeights {
     /// (an owned copy); `None` keeps the file's dtype and the params checkpoint-backed.
     pub fn open_file(path: &Path, target: Option<DType>) -> LoadResult<Self> {
         let ckpt = open_checkpoint(path)?;
-        let location = ckpt.names().map(|n| (n.to_string(), 0)).collect();
+        let location = ckpt
+            .names()
+            .chain(ckpt.unsupported().map(|(n, _)| n))
+            .map(|n| (n.to_string(), 0))
+            .collect();
         Ok(Self {
             files: vec![ckpt],
             location,
@@ -172,15 +176,21 @@ impl CheckpointWeights {
                 None => {
                     let path = dir.join(shard);
                     if !path.is_file() {
-                        return Err(bad(format!("shard `{shard}` (for `{tensor}`) does not exist")));
+                        return Err(bad(format!(
+                            "shard `{shard}` (for `{tensor}`) does not exist"
+                        )));
                     }
                     files.push(open_checkpoint(&path)?);
                     shard_ids.insert(shard.to_string(), files.len() - 1);
                     files.len() - 1
                 }
             };
-            if files[id].tensor(tensor).is_err() {
-                return Err(bad(format!("`{tensor}` is mapped to `{shard}`, which does not hold it")));
+            let holds = files[id].tensor(tensor).is_ok()
+                || files[id].unsupported().any(|(n, _)| n == tensor);
+            if !holds {
+                return Err(bad(format!(
+                    "`{tensor}` is mapped to `{shard}`, which does not hold it"
+                )));
             }
             location.insert(tensor.clone(), id);
         }
@@ -208,7 +218,12 @@ impl CheckpointWeights {
         }
         Err(LoadError::NoWeights {
             dir: dir.to_path_buf(),
-            expected: WEIGHT_FILES.iter().chain(INDEX_FILES.iter()).copied().collect::<Vec<_>>().join(", "),
+            expected: WEIGHT_FILES
+                .iter()
+                .chain(INDEX_FILES.iter())
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", "),
         })
     }
 
@@ -234,6 +249,13 @@ impl WeightSource for CheckpointWeights {
         };
         let ckpt = &self.files[id];
         let file = ckpt.path().to_path_buf();
+        if let Some((_, dtype)) = ckpt.unsupported().find(|(n, _)| *n == name) {
+            return Err(LoadError::UnsupportedDtype {
+                name: name.to_string(),
+                file,
+                dtype: dtype.to_string(),
+            });
+        }
         let info = ckpt.tensor(name)?.clone();
         if info.shape != shape {
             return Err(LoadError::ShapeMismatch {

@@ -1,0 +1,292 @@
+//! Loading Diffusers-format safetensors through `CheckpointWeights`: checkpoint-backed
+//! params, dtype conversion on load, sharded indexes, and a typed error naming the tensor
+//! and the file for every bad-file case.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ddo_core::{DType, ParamKind};
+use ddo_nn::{CheckpointWeights, LoadError, WeightSource, read_f32_tensor};
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "ddo-nn-load-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes a safetensors file by hand: header JSON (given) + data bytes.
+fn write_raw(path: &Path, header: &str, data: &[u8]) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// A valid two-tensor f32 file: `a.weight` [2, 2] and `a.bias` [2].
+fn good_file(path: &Path) {
+    let header = r#"{"a.weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"a.bias":{"dtype":"F32","shape":[2],"data_offsets":[16,24]},"__metadata__":{"format":"pt"}}"#;
+    write_raw(path, header, &f32_bytes(&[1.0, 2.0, 3.0, 4.0, 0.5, -0.5]));
+}
+
+fn expect_err(result: Result<impl std::fmt::Debug, LoadError>) -> LoadError {
+    match result {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn same_dtype_params_stay_checkpoint_backed_and_conversion_makes_an_owned_copy() {
+    let dir = TempDir::new();
+    let file = dir.0.join("diffusion_pytorch_model.safetensors");
+    good_file(&file);
+    let mut w = CheckpointWeights::open_dir(&dir.0, None).unwrap();
+    let p = w.param("a.weight", &[2, 2], ParamKind::Parameter).unwrap();
+    assert!(p.is_checkpoint_backed());
+    assert_eq!(p.dtype(), DType::F32);
+    assert_eq!(p.source().unwrap().tensor, "a.weight");
+
+    let mut w = CheckpointWeights::open_file(&file, Some(DType::BF16)).unwrap();
+    let p = w.param("a.weight", &[2, 2], ParamKind::Parameter).unwrap();
+    assert!(!p.is_checkpoint_backed());
+    assert_eq!(p.dtype(), DType::BF16);
+    assert_eq!(p.nbytes(), 8);
+    let values = p.host().with_bytes(|b| DType::BF16.decode_f32(b)).unwrap();
+    assert_eq!(values, vec![1.0, 2.0, 3.0, 4.0]);
+}
+
+#[test]
+fn a_missing_tensor_names_the_tensor_and_the_file() {
+    let dir = TempDir::new();
+    let file = dir.0.join("model.safetensors");
+    good_file(&file);
+    let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+    let e = expect_err(w.param("b.weight", &[2], ParamKind::Parameter));
+    assert!(
+        matches!(&e, LoadError::MissingTensor { name, file: f } if name == "b.weight" && f == &file),
+        "{e}"
+    );
+    assert!(e.to_string().contains("b.weight") && e.to_string().contains("model.safetensors"));
+}
+
+#[test]
+fn a_shape_mismatch_names_the_tensor_file_and_both_shapes() {
+    let dir = TempDir::new();
+    let file = dir.0.join("model.safetensors");
+    good_file(&file);
+    let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+    let e = expect_err(w.param("a.weight", &[4, 1], ParamKind::Parameter));
+    match &e {
+        LoadError::ShapeMismatch {
+            name,
+            file: f,
+            expected,
+            found,
+        } => {
+            assert_eq!(
+                (name.as_str(), f, expected.as_slice(), found.as_slice()),
+                ("a.weight", &file, &[4, 1][..], &[2, 2][..])
+            );
+        }
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn an_unsupported_dtype_names_the_tensor_and_is_refused_only_when_asked_for() {
+    let dir = TempDir::new();
+    let file = dir.0.join("model.safetensors");
+    let header = r#"{"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]},"x":{"dtype":"F32","shape":[1],"data_offsets":[16,20]}}"#;
+    let mut data = vec![0u8; 16];
+    data.extend_from_slice(&2.5f32.to_le_bytes());
+    write_raw(&file, header, &data);
+    let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+    assert!(w.param("x", &[1], ParamKind::Buffer).is_ok());
+    let e = expect_err(w.param("ids", &[2], ParamKind::Buffer));
+    assert!(
+        e.to_string().contains("ids") && e.to_string().contains("I64"),
+        "{e}"
+    );
+    assert_eq!(read_f32_tensor(&file, "x").unwrap(), (vec![1], vec![2.5]));
+    assert!(read_f32_tensor(&file, "ids").is_err());
+}
+
+#[test]
+fn quantized_storage_is_refused_by_model_loading() {
+    let dir = TempDir::new();
+    let file = dir.0.join("model.safetensors");
+    write_raw(
+        &file,
+        r#"{"q":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+        &[1, 2, 3, 4],
+    );
+    let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+    let e = expect_err(w.param("q", &[4], ParamKind::Parameter));
+    assert!(
+        matches!(&e, LoadError::UnsupportedDtype { name, .. } if name == "q"),
+        "{e}"
+    );
+}
+
+#[test]
+fn truncated_and_corrupt_files_are_typed_errors_naming_file_and_tensor() {
+    let dir = TempDir::new();
+    let file = dir.0.join("model.safetensors");
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("shorter than the length", vec![1, 2, 3], "shorter"),
+        (
+            "absurd header length",
+            {
+                let mut b = u64::MAX.to_le_bytes().to_vec();
+                b.extend_from_slice(b"{}");
+                b
+            },
+            "header length",
+        ),
+        (
+            "header not JSON",
+            {
+                let mut b = 5u64.to_le_bytes().to_vec();
+                b.extend_from_slice(b"{nope");
+                b
+            },
+            "JSON",
+        ),
+        (
+            "header not UTF-8",
+            {
+                let mut b = 2u64.to_le_bytes().to_vec();
+                b.extend_from_slice(&[0xff, 0xfe]);
+                b
+            },
+            "UTF-8",
+        ),
+    ];
+    for (label, bytes, needle) in cases {
+        std::fs::write(&file, bytes).unwrap();
+        let e = expect_err(CheckpointWeights::open_file(&file, None));
+        assert!(matches!(e, LoadError::CorruptFile { .. }), "{label}: {e}");
+        assert!(e.to_string().contains(needle), "{label}: {e}");
+        assert!(e.to_string().contains("model.safetensors"), "{label}: {e}");
+    }
+    // Truncated data: the header promises more bytes than the file holds.
+    let header = r#"{"a.weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#;
+    write_raw(&file, header, &[0u8; 10]);
+    let e = expect_err(CheckpointWeights::open_file(&file, None));
+    assert!(
+        e.to_string().contains("a.weight") && e.to_string().contains("truncated"),
+        "{e}"
+    );
+    // Byte count that does not match the shape.
+    let header = r#"{"a.weight":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
+    write_raw(&file, header, &[0u8; 8]);
+    let e = expect_err(CheckpointWeights::open_file(&file, None));
+    assert!(
+        e.to_string().contains("a.weight") && e.to_string().contains("needs 12 B"),
+        "{e}"
+    );
+    // Overlapping tensors.
+    let header = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#;
+    write_raw(&file, header, &[0u8; 12]);
+    let e = expect_err(CheckpointWeights::open_file(&file, None));
+    assert!(e.to_string().contains("overlap"), "{e}");
+    // A missing file.
+    let e = expect_err(CheckpointWeights::open_file(
+        &dir.0.join("absent.safetensors"),
+        None,
+    ));
+    assert!(matches!(e, LoadError::Io { .. }), "{e}");
+}
+
+#[test]
+fn sharded_checkpoints_load_through_their_index() {
+    let dir = TempDir::new();
+    write_raw(
+        &dir.0.join("shard-1.safetensors"),
+        r#"{"a.weight":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+        &f32_bytes(&[1.0, 2.0]),
+    );
+    write_raw(
+        &dir.0.join("shard-2.safetensors"),
+        r#"{"b.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+        &f32_bytes(&[3.0]),
+    );
+    std::fs::write(
+        dir.0.join("diffusion_pytorch_model.safetensors.index.json"),
+        r#"{"metadata":{},"weight_map":{"a.weight":"shard-1.safetensors","b.weight":"shard-2.safetensors"}}"#,
+    )
+    .unwrap();
+    let mut w = CheckpointWeights::open_dir(&dir.0, None).unwrap();
+    assert_eq!(w.names(), vec!["a.weight", "b.weight"]);
+    let b = w.param("b.weight", &[1], ParamKind::Parameter).unwrap();
+    assert!(b.source().unwrap().file.ends_with("shard-2.safetensors"));
+}
+
+#[test]
+fn bad_sharded_indexes_are_refused() {
+    let dir = TempDir::new();
+    write_raw(
+        &dir.0.join("shard-1.safetensors"),
+        r#"{"a.weight":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+        &f32_bytes(&[1.0, 2.0]),
+    );
+    let index = dir.0.join("model.safetensors.index.json");
+    let cases = [
+        (
+            r#"{"weight_map":{"a.weight":"../shard-1.safetensors"}}"#,
+            "not a file name inside",
+        ),
+        (
+            r#"{"weight_map":{"a.weight":"/etc/passwd"}}"#,
+            "not a file name inside",
+        ),
+        (
+            r#"{"weight_map":{"a.weight":"missing.safetensors"}}"#,
+            "does not exist",
+        ),
+        (
+            r#"{"weight_map":{"z.weight":"shard-1.safetensors"}}"#,
+            "does not hold it",
+        ),
+        (r#"{"weight_map":{"a.weight":7}}"#, "not a string"),
+        (r#"{"metadata":{}}"#, "weight_map"),
+        ("not json", "not JSON"),
+    ];
+    for (text, needle) in cases {
+        std::fs::write(&index, text).unwrap();
+        let e = expect_err(CheckpointWeights::open_dir(&dir.0, None));
+        assert!(matches!(e, LoadError::BadIndex { .. }), "{text}: {e}");
+        assert!(e.to_string().contains(needle), "{text}: {e}");
+    }
+}
+
+#[test]
+fn a_folder_without_weights_says_what_it_looked_for() {
+    let dir = TempDir::new();
+    let e = expect_err(CheckpointWeights::open_dir(&dir.0, None));
+    assert!(matches!(e, LoadError::NoWeights { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("diffusion_pytorch_model.safetensors"),
+        "{e}"
+    );
+}
