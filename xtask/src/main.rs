@@ -5,7 +5,11 @@
 //! - `ci`: what `.ci/run` does — format check, clippy with warnings denied, the tests,
 //!   and `tidy`.
 //! - `tidy`: the workspace's architecture invariants and code habits (see [`tidy`]).
+//! - `test-gpu`: the CUDA backend's tests, on this machine's GPU (see [`gpu`]).
+//! - `gpu-bundle`: those tests built in release into `gpu-bundle/` with `run-all.sh`, for a
+//!   GPU machine without a toolchain (see [`gpu`]).
 
+mod gpu;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -68,8 +72,10 @@ fn main() -> ExitCode {
     let result = match task.as_str() {
         "ci" => ci(),
         "tidy" => tidy_task(),
+        "test-gpu" => gpu::test_gpu(),
+        "gpu-bundle" => gpu::bundle(),
         _ => Err(format!(
-            "unknown task `{task}`; tasks: ci, tidy (test-gpu, gpu-bundle and bench arrive with the CUDA backend)"
+            "unknown task `{task}`; tasks: ci, tidy, test-gpu, gpu-bundle (bench arrives later)"
         )),
     };
     match result {

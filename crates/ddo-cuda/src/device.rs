@@ -1,0 +1,918 @@
+//! [`CudaDevice`]: ddo-core's [`Device`] on one NVIDIA GPU — allocations from the caching
+//! allocator, pinned host memory, streams, events, asynchronous copies, exact accounting.
+//!
+//! Semantics follow the host backend ([`ddo_core::HostDevice`]):
+//! - copies run in order on the stream they are queued on; from and to pinned host memory
+//!   they are asynchronous, from and to pageable or checkpoint-mapped memory they return
+//!   only once done;
+//! - the memory a queued copy reads or writes lives until the copy has completed: each
+//!   stream keeps handles to both sides in a pending list, tagged with an event recorded
+//!   after the copy, and drops them once that event has completed (checked on every call
+//!   and at every synchronisation);
+//! - frees are stream-ordered: [`Device::release_after`] records an event on its stream
+//!   (as does the last drop for streams named by [`CudaAllocation::note_use`], where work
+//!   that holds no handle was queued); the block goes back to the caching allocator with
+//!   those events, which hands it out again at once for the same stream
+//!   ([`CudaDevice::alloc_on`]) and to anyone else ([`Device::alloc`]) once the events
+//!   have completed. A buffer dropped with no such events is idle at once.
+//!
+//! This module is safe code: every driver call goes through [`crate::driver`] or cudarc's
+//! safe API.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use ddo_core::device::{DeviceAllocation, EventHandle, StreamHandle};
+use ddo_core::host::{AlignedBytes, PinnedLedger};
+use ddo_core::{
+    AllocatorKind, CoreError, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event,
+    HostBuffer, HostMemoryKind, HostSlice, MemoryInfo, Stream,
+};
+use parking_lot::Mutex;
+
+use crate::allocator::{
+    AllocatorStats, Block, CachingAllocator, FreeEvent, RawAllocError, RawMemory, SegmentSnapshot,
+    StreamKey,
+};
+use crate::driver;
+use crate::error::{CudaError, DriverResultExt, Result};
+
+/// The compute stream's key in the allocator.
+const COMPUTE: StreamKey = StreamKey(0);
+
+/// Most idle events kept for reuse.
+const EVENT_POOL_MAX: usize = 1024;
+
+/// Settings of a [`CudaDevice`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaDeviceConfig {
+    /// Device ordinal (`cuda:N`), as the driver numbers devices visible to this process.
+    pub ordinal: usize,
+    /// Limit on pinned host bytes handed out by [`Device::alloc_pinned`]; `None`: half of
+    /// the host's physical memory (16 GiB where that cannot be read).
+    pub pinned_limit: Option<u64>,
+}
+
+impl CudaDeviceConfig {
+    /// Defaults for device `ordinal`.
+    pub fn new(ordinal: usize) -> Self {
+        Self {
+            ordinal,
+            pinned_limit: None,
+        }
+    }
+}
+
+/// Whether the CUDA driver library can be loaded (no driver call is made).
+pub fn library_present() -> bool {
+    driver::library_present()
+}
+
+/// How many CUDA devices the driver reports; [`CudaError::NoLibrary`] without a driver.
+pub fn device_count() -> Result<usize> {
+    if !driver::library_present() {
+        return Err(no_driver_library());
+    }
+    driver::device_count()
+}
+
+fn no_driver_library() -> CudaError {
+    CudaError::NoLibrary {
+        which: "libcuda",
+        hint: "cudarc loads libcuda.so (also .so.1 and versioned names) at run time through the dynamic \
+               loader, which searches LD_LIBRARY_PATH, the ld.so cache and the system library directories; \
+               install the NVIDIA driver or add the directory holding libcuda.so to LD_LIBRARY_PATH \
+               (e.g. /usr/local/nvidia/lib64), or run on the host backend"
+            .into(),
+    }
+}
+
+fn default_pinned_limit() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024 / 2)
+        })
+        .unwrap_or(16 << 30)
+}
+
+/// Raw device memory from the driver: `cuMemAlloc` / `cuMemFree` in one context.
+struct DriverMemory {
+    ctx: Arc<CudaContext>,
+}
+
+impl RawMemory for DriverMemory {
+    fn alloc(&self, bytes: u64) -> std::result::Result<u64, RawAllocError> {
+        let bytes = usize::try_from(bytes).map_err(|_| RawAllocError::OutOfMemory)?;
+        driver::mem_alloc(&self.ctx, bytes).map_err(|e| {
+            if crate::error::is_oom(&e) {
+                RawAllocError::OutOfMemory
+            } else {
+                RawAllocError::Failed(CudaError::driver("cuMemAlloc", e))
+            }
+        })
+    }
+
+    fn free(&self, ptr: u64) -> Result<()> {
+        driver::mem_free(&self.ctx, ptr)
+    }
+
+    fn free_bytes(&self) -> Option<u64> {
+        driver::mem_get_info(&self.ctx).ok().map(|(free, _)| free)
+    }
+}
+
+/// Idle CUDA events kept for reuse, so a free or a copy costs an event record, not an
+/// event creation.
+struct EventPool {
+    ctx: Arc<CudaContext>,
+    idle: Mutex<Vec<CudaEvent>>,
+}
+
+impl EventPool {
+    /// An event recorded at the current end of `stream`.
+    fn record(self: &Arc<Self>, stream: &CudaStream) -> Result<PooledEvent> {
+        let event = match self.idle.lock().pop() {
+            Some(e) => e,
+            None => self.ctx.new_event(None).call("cuEventCreate")?,
+        };
+        event.record(stream).call("cuEventRecord")?;
+        Ok(PooledEvent {
+            event: Some(event),
+            pool: Arc::clone(self),
+        })
+    }
+}
+
+/// An event from the [`EventPool`], returned to it on drop.
+struct PooledEvent {
+    event: Option<CudaEvent>,
+    pool: Arc<EventPool>,
+}
+
+impl PooledEvent {
+    fn event(&self) -> &CudaEvent {
+        self.event.as_ref().expect("present until drop")
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            let mut idle = self.pool.idle.lock();
+            if idle.len() < EVENT_POOL_MAX {
+                idle.push(e);
+            }
+        }
+    }
+}
+
+impl FreeEvent for PooledEvent {
+    fn is_complete(&self) -> Result<bool> {
+        self.event().try_is_complete().call("cuEventQuery")
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.event().synchronize().call("cuEventSynchronize")
+    }
+}
+
+/// State shared by the device and everything it hands out (allocations, streams, pinned
+/// registrations), so each can be dropped in any order.
+struct Shared {
+    id: DeviceId,
+    instance: u64,
+    ctx: Arc<CudaContext>,
+    allocator: CachingAllocator<DriverMemory, PooledEvent>,
+    events: Arc<EventPool>,
+    total: u64,
+    deferred: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    /// Records an error from a place that cannot return one (a `Drop`); the next
+    /// synchronisation reports it.
+    fn defer(&self, what: &str, err: &CudaError) {
+        self.deferred.lock().push(format!("{what}: {err}"));
+    }
+
+    fn take_deferred(&self) -> ddo_core::Result<()> {
+        let errors = std::mem::take(&mut *self.deferred.lock());
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(CoreError::Backend {
+                device: self.id.to_string(),
+                message: format!("earlier failure(s) during release: {}", errors.join("; ")),
+            })
+        }
+    }
+
+    fn core(&self, e: CudaError) -> CoreError {
+        match e {
+            CudaError::OutOfMemory {
+                device,
+                requested,
+                allocated,
+                reserved,
+                free,
+                total: 0,
+            } => CudaError::OutOfMemory {
+                device,
+                requested,
+                allocated,
+                reserved,
+                free,
+                total: self.total,
+            }
+            .into_core(&self.id.to_string()),
+            other => other.into_core(&self.id.to_string()),
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Nothing is allocated any more (every allocation holds this); return the cache.
+        // Errors have nowhere to go at teardown: the context is released next.
+        let _ = self.ctx.synchronize();
+        let _ = self.allocator.wait_and_empty_cache();
+    }
+}
+
+/// One allocation of a [`CudaDevice`]: a block of the caching allocator.
+///
+/// When the last handle drops, the block goes back to the allocator with the events of
+/// every [`Device::release_after`] and of every stream named by
+/// [`CudaAllocation::note_use`]; with none, it is idle at once (queued copies hold a handle
+/// until they complete, as the `Device` contract asks of queued work).
+pub struct CudaAllocation {
+    block: Option<Block>,
+    ptr: u64,
+    len: usize,
+    shared: Arc<Shared>,
+    uses: Mutex<Vec<(StreamKey, PooledEvent)>>,
+    unheld: Mutex<Vec<(StreamKey, Arc<CudaStream>)>>,
+}
+
+impl CudaAllocation {
+    /// Device address of the first byte (for kernels and library calls; valid while this
+    /// allocation lives).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Records that work which holds no handle to this allocation (a kernel launched with
+    /// [`CudaAllocation::device_ptr`]) was queued on `stream`: the free at the last drop is
+    /// then ordered after the work queued on `stream` by that time.
+    pub fn note_use(&self, stream: &CudaStreamHandle) {
+        let mut unheld = self.unheld.lock();
+        if !unheld.iter().any(|(k, _)| *k == stream.key) {
+            unheld.push((stream.key, Arc::clone(&stream.stream)));
+        }
+    }
+}
+
+impl Drop for CudaAllocation {
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        let mut marks = std::mem::take(&mut *self.uses.lock());
+        for (key, stream) in std::mem::take(&mut *self.unheld.lock()) {
+            match self.shared.events.record(&stream) {
+                Ok(e) => marks.push((key, e)),
+                Err(err) => {
+                    self.shared.defer("recording a free on a stream", &err);
+                    if let Err(err) = stream.synchronize().call("cuStreamSynchronize") {
+                        // Idleness cannot be proven: keep the block out of circulation.
+                        self.shared.defer("synchronising to free a block", &err);
+                        return;
+                    }
+                }
+            }
+        }
+        self.shared.allocator.free(block, marks);
+    }
+}
+
+impl fmt::Debug for CudaAllocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CudaAllocation({} B at {:#x} on {})",
+            self.len, self.ptr, self.shared.id
+        )
+    }
+}
+
+impl DeviceAllocation for CudaAllocation {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device(&self) -> DeviceId {
+        self.shared.id
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// What a queued copy keeps alive until it has completed.
+#[allow(dead_code)] // held only for their drop
+enum Held {
+    Host(HostSlice),
+    Device(DeviceSlice),
+}
+
+struct PendingCopy {
+    done: PooledEvent,
+    _held: [Held; 2],
+}
+
+/// A stream of a [`CudaDevice`].
+pub struct CudaStreamHandle {
+    shared: Arc<Shared>,
+    key: StreamKey,
+    stream: Arc<CudaStream>,
+    pending: Mutex<VecDeque<PendingCopy>>,
+}
+
+impl CudaStreamHandle {
+    /// The cudarc stream (for kernels and library calls).
+    pub fn cuda_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The allocator's key for this stream.
+    pub fn key(&self) -> StreamKey {
+        self.key
+    }
+
+    /// Copies queued on this stream whose memory is still held.
+    pub fn pending_copies(&self) -> usize {
+        self.pending.lock().len()
+    }
+
+    /// Drops what completed copies held (in order: a stream completes in order).
+    fn poll(&self) -> Result<()> {
+        let mut pending = self.pending.lock();
+        while let Some(front) = pending.front() {
+            if front.done.is_complete()? {
+                pending.pop_front();
+            } else {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the stream was synchronised: every queued copy has completed.
+    fn retire_all(&self) {
+        let done: Vec<PendingCopy> = self.pending.lock().drain(..).collect();
+        drop(done);
+    }
+
+    /// Keeps `held` alive until the copy just queued on this stream has completed. When the
+    /// completion event cannot be recorded, waits for the stream instead.
+    fn track(&self, held: [Held; 2]) -> Result<()> {
+        match self.shared.events.record(&self.stream) {
+            Ok(done) => {
+                self.pending
+                    .lock()
+                    .push_back(PendingCopy { done, _held: held });
+                Ok(())
+            }
+            Err(e) => {
+                self.stream.synchronize().call("cuStreamSynchronize")?;
+                drop(held);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for CudaStreamHandle {
+    fn drop(&mut self) {
+        // Memory held for queued copies must outlive them.
+        if !self.pending.get_mut().is_empty() {
+            if let Err(e) = self.stream.synchronize().call("cuStreamSynchronize") {
+                self.shared.defer("synchronising a dropped stream", &e);
+            }
+            self.pending.get_mut().clear();
+        }
+    }
+}
+
+impl fmt::Debug for CudaStreamHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaStream({} #{})", self.shared.id, self.key.0)
+    }
+}
+
+impl StreamHandle for CudaStreamHandle {
+    fn device(&self) -> DeviceId {
+        self.shared.id
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// An event of a [`CudaDevice`].
+pub struct CudaEventHandle {
+    id: DeviceId,
+    instance: u64,
+    event: CudaEvent,
+}
+
+impl CudaEventHandle {
+    /// The cudarc event.
+    pub fn cuda_event(&self) -> &CudaEvent {
+        &self.event
+    }
+}
+
+impl fmt::Debug for CudaEventHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudaEvent({})", self.id)
+    }
+}
+
+impl EventHandle for CudaEventHandle {
+    fn device(&self) -> DeviceId {
+        self.id
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The page-locking of one pinned host buffer; unregisters on drop (errors are recorded on
+/// the device, never raised).
+struct HostRegistration {
+    addr: usize,
+    ctx: Arc<CudaContext>,
+    shared: Weak<Shared>,
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if let Err(e) = driver::host_unregister(&self.ctx, self.addr)
+            && let Some(shared) = self.shared.upgrade()
+        {
+            shared.defer("unregistering pinned host memory", &e);
+        }
+    }
+}
+
+/// One NVIDIA GPU as a DDO [`Device`].
+pub struct CudaDevice {
+    shared: Arc<Shared>,
+    compute: Stream,
+    streams: Mutex<Vec<Weak<CudaStreamHandle>>>,
+    next_stream: AtomicU64,
+    pinned: Arc<PinnedLedger>,
+    config: CudaDeviceConfig,
+}
+
+impl CudaDevice {
+    /// Device `ordinal` with default settings. Checks that the driver library loads and
+    /// that the device exists before any other driver call.
+    pub fn new(ordinal: usize) -> Result<Arc<Self>> {
+        Self::with_config(CudaDeviceConfig::new(ordinal))
+    }
+
+    /// A device with `config`.
+    pub fn with_config(config: CudaDeviceConfig) -> Result<Arc<Self>> {
+        let count = device_count()?;
+        let ordinal = config.ordinal;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let id = DeviceId {
+            kind: DeviceKind::Cuda,
+            ordinal: u32::try_from(ordinal).map_err(|_| CudaError::NoDevice { ordinal, count })?,
+        };
+        let ctx = driver::primary_context(ordinal)?;
+        let compute = ctx.new_stream().call("cuStreamCreate")?;
+        let (_, total) = driver::mem_get_info(&ctx)?;
+        static NEXT_INSTANCE: AtomicU64 = AtomicU64::new(1);
+        let shared = Arc::new(Shared {
+            id,
+            instance: NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed),
+            allocator: CachingAllocator::new(
+                DriverMemory {
+                    ctx: Arc::clone(&ctx),
+                },
+                id.to_string(),
+            ),
+            events: Arc::new(EventPool {
+                ctx: Arc::clone(&ctx),
+                idle: Mutex::new(Vec::new()),
+            }),
+            ctx,
+            total,
+            deferred: Mutex::new(Vec::new()),
+        });
+        let compute = Arc::new(CudaStreamHandle {
+            shared: Arc::clone(&shared),
+            key: COMPUTE,
+            stream: compute,
+            pending: Mutex::new(VecDeque::new()),
+        });
+        Ok(Arc::new(Self {
+            streams: Mutex::new(vec![Arc::downgrade(&compute)]),
+            compute: Stream::new(compute),
+            next_stream: AtomicU64::new(1),
+            pinned: PinnedLedger::new(config.pinned_limit.unwrap_or_else(default_pinned_limit)),
+            shared,
+            config,
+        }))
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CudaDeviceConfig {
+        &self.config
+    }
+
+    /// The cudarc context (for kernels and library calls).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// Allocates `bytes` for work on `stream`: blocks freed on `stream` are reused at once
+    /// (stream order makes that safe); use the buffer on another stream only after an event
+    /// orders it behind `stream`. [`Device::alloc`] is the variant for any stream.
+    pub fn alloc_on(&self, bytes: usize, stream: &Stream) -> ddo_core::Result<DeviceBuffer> {
+        let key = self.stream_handle(stream)?.key;
+        self.allocate(bytes, Some(key))
+    }
+
+    /// The allocation behind a buffer of this device.
+    pub fn allocation<'a>(&self, buffer: &'a DeviceBuffer) -> ddo_core::Result<&'a CudaAllocation> {
+        buffer
+            .downcast_ref::<CudaAllocation>()
+            .filter(|a| a.shared.instance == self.shared.instance)
+            .ok_or_else(|| CoreError::WrongDevice {
+                what: "device buffer",
+                expected: self.id().to_string(),
+                found: buffer.device().to_string(),
+            })
+    }
+
+    /// The stream behind a handle of this device.
+    pub fn stream_handle<'a>(&self, stream: &'a Stream) -> ddo_core::Result<&'a CudaStreamHandle> {
+        stream
+            .downcast_ref::<CudaStreamHandle>()
+            .filter(|s| s.shared.instance == self.shared.instance)
+            .ok_or_else(|| CoreError::WrongDevice {
+                what: "stream",
+                expected: self.id().to_string(),
+                found: stream.device().to_string(),
+            })
+    }
+
+    fn event_handle<'a>(&self, event: &'a Event) -> ddo_core::Result<&'a CudaEventHandle> {
+        event
+            .downcast_ref::<CudaEventHandle>()
+            .filter(|e| e.instance == self.shared.instance)
+            .ok_or_else(|| CoreError::WrongDevice {
+                what: "event",
+                expected: self.id().to_string(),
+                found: event.device().to_string(),
+            })
+    }
+
+    /// The caching allocator's exact figures.
+    pub fn allocator_stats(&self) -> AllocatorStats {
+        self.shared.allocator.stats()
+    }
+
+    /// The caching allocator's segments and blocks.
+    pub fn allocator_snapshot(&self) -> Vec<SegmentSnapshot> {
+        self.shared.allocator.snapshot()
+    }
+
+    /// Copies queued on any stream whose memory is still held.
+    pub fn pending_copies(&self) -> usize {
+        self.live_streams().iter().map(|s| s.pending_copies()).sum()
+    }
+
+    fn core(&self, e: CudaError) -> CoreError {
+        self.shared.core(e)
+    }
+
+    fn allocate(&self, bytes: usize, stream: Option<StreamKey>) -> ddo_core::Result<DeviceBuffer> {
+        self.poll()?;
+        let block = self
+            .shared
+            .allocator
+            .allocate(bytes as u64, stream)
+            .map_err(|e| self.core(e))?;
+        Ok(DeviceBuffer::new(Arc::new(CudaAllocation {
+            ptr: block.ptr(),
+            block: Some(block),
+            len: bytes,
+            shared: Arc::clone(&self.shared),
+            uses: Mutex::new(Vec::new()),
+            unheld: Mutex::new(Vec::new()),
+        })))
+    }
+
+    fn live_streams(&self) -> Vec<Arc<CudaStreamHandle>> {
+        let mut streams = self.streams.lock();
+        streams.retain(|w| w.strong_count() > 0);
+        streams.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Releases what completed copies held, on every stream.
+    fn poll(&self) -> ddo_core::Result<()> {
+        for s in self.live_streams() {
+            s.poll().map_err(|e| self.core(e))?;
+        }
+        Ok(())
+    }
+
+    fn check_len(what: &str, expected: usize, actual: usize) -> ddo_core::Result<()> {
+        if expected == actual {
+            Ok(())
+        } else {
+            Err(CoreError::SizeMismatch {
+                what: what.to_string(),
+                expected,
+                actual,
+            })
+        }
+    }
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.shared.allocator.stats();
+        write!(
+            f,
+            "CudaDevice({}, {} B allocated, {} B reserved)",
+            self.shared.id, s.allocated, s.reserved
+        )
+    }
+}
+
+impl Device for CudaDevice {
+    fn id(&self) -> DeviceId {
+        self.shared.id
+    }
+
+    fn allocator(&self) -> AllocatorKind {
+        AllocatorKind::Caching
+    }
+
+    fn alloc(&self, bytes: usize) -> ddo_core::Result<DeviceBuffer> {
+        self.allocate(bytes, None)
+    }
+
+    fn release_after(&self, buffer: DeviceBuffer, stream: &Stream) -> ddo_core::Result<()> {
+        let alloc = self.allocation(&buffer)?;
+        let s = self.stream_handle(stream)?;
+        let mark = self
+            .shared
+            .events
+            .record(&s.stream)
+            .map_err(|e| self.core(e))?;
+        alloc.uses.lock().push((s.key, mark));
+        drop(buffer);
+        Ok(())
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> ddo_core::Result<HostBuffer> {
+        let (pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
+        if pinned.saturating_add(bytes as u64) > limit {
+            return Err(CoreError::PinnedLimit {
+                requested: bytes as u64,
+                pinned,
+                limit,
+            });
+        }
+        let memory = AlignedBytes::zeroed(bytes);
+        if bytes == 0 {
+            let registration = self.pinned.reserve(0, None)?;
+            return Ok(HostBuffer::owned(memory, Some(registration)));
+        }
+        driver::host_register(&self.shared.ctx, memory.as_slice()).map_err(|e| self.core(e))?;
+        let token = HostRegistration {
+            addr: memory.as_slice().as_ptr() as usize,
+            ctx: Arc::clone(&self.shared.ctx),
+            shared: Arc::downgrade(&self.shared),
+        };
+        // On a refusal (another thread took the room meanwhile) the token drops here and
+        // unregisters, before `memory` is freed.
+        let registration = self.pinned.reserve(bytes as u64, Some(Box::new(token)))?;
+        Ok(HostBuffer::owned(memory, Some(registration)))
+    }
+
+    fn compute_stream(&self) -> Stream {
+        self.compute.clone()
+    }
+
+    fn create_stream(&self) -> ddo_core::Result<Stream> {
+        let stream = self
+            .shared
+            .ctx
+            .new_stream()
+            .call("cuStreamCreate")
+            .map_err(|e| self.core(e))?;
+        let handle = Arc::new(CudaStreamHandle {
+            shared: Arc::clone(&self.shared),
+            key: StreamKey(self.next_stream.fetch_add(1, Ordering::Relaxed)),
+            stream,
+            pending: Mutex::new(VecDeque::new()),
+        });
+        self.streams.lock().push(Arc::downgrade(&handle));
+        Ok(Stream::new(handle))
+    }
+
+    fn copy_h2d(
+        &self,
+        src: &HostSlice,
+        dst: &DeviceSlice,
+        stream: &Stream,
+    ) -> ddo_core::Result<()> {
+        Self::check_len("host->device copy", dst.len(), src.len())?;
+        let alloc = self.allocation(dst.buffer())?;
+        let s = self.stream_handle(stream)?;
+        self.poll()?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let to = alloc.ptr + dst.offset() as u64;
+        if src.kind() == HostMemoryKind::Pinned {
+            src.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
+                .map_err(|e| self.core(e))?;
+            s.track([Held::Host(src.clone()), Held::Device(dst.clone())])
+                .map_err(|e| self.core(e))
+        } else {
+            // Pageable or mapped: the copy completes before the bytes' borrow ends.
+            src.with_bytes(|bytes| {
+                driver::memcpy_htod_async(to, bytes, &s.stream)?;
+                s.stream.synchronize().call("cuStreamSynchronize")
+            })
+            .map_err(|e| self.core(e))?;
+            s.retire_all();
+            Ok(())
+        }
+    }
+
+    fn copy_d2h(
+        &self,
+        src: &DeviceSlice,
+        dst: &HostSlice,
+        stream: &Stream,
+    ) -> ddo_core::Result<()> {
+        Self::check_len("device->host copy", src.len(), dst.len())?;
+        let alloc = self.allocation(src.buffer())?;
+        if dst.kind() == HostMemoryKind::CheckpointMapped {
+            return Err(CoreError::Backend {
+                device: self.id().to_string(),
+                message: "device->host copy into a read-only checkpoint mapping".into(),
+            });
+        }
+        let s = self.stream_handle(stream)?;
+        self.poll()?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let from = alloc.ptr + src.offset() as u64;
+        if dst.kind() == HostMemoryKind::Pinned {
+            dst.with_bytes_mut(|bytes| driver::memcpy_dtoh_async(bytes, from, &s.stream))?
+                .map_err(|e| self.core(e))?;
+            s.track([Held::Device(src.clone()), Held::Host(dst.clone())])
+                .map_err(|e| self.core(e))
+        } else {
+            dst.with_bytes_mut(|bytes| {
+                driver::memcpy_dtoh_async(bytes, from, &s.stream)?;
+                s.stream.synchronize().call("cuStreamSynchronize")
+            })?
+            .map_err(|e| self.core(e))?;
+            s.retire_all();
+            Ok(())
+        }
+    }
+
+    fn copy_d2d(
+        &self,
+        src: &DeviceSlice,
+        dst: &DeviceSlice,
+        stream: &Stream,
+    ) -> ddo_core::Result<()> {
+        Self::check_len("device->device copy", dst.len(), src.len())?;
+        let from = self.allocation(src.buffer())?.ptr + src.offset() as u64;
+        let to = self.allocation(dst.buffer())?.ptr + dst.offset() as u64;
+        let s = self.stream_handle(stream)?;
+        self.poll()?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        driver::memcpy_dtod_async(to, from, src.len(), &s.stream).map_err(|e| self.core(e))?;
+        s.track([Held::Device(src.clone()), Held::Device(dst.clone())])
+            .map_err(|e| self.core(e))
+    }
+
+    fn record_event(&self, stream: &Stream) -> ddo_core::Result<Event> {
+        let s = self.stream_handle(stream)?;
+        let event = s
+            .stream
+            .record_event(None)
+            .call("cuEventRecord")
+            .map_err(|e| self.core(e))?;
+        Ok(Event::new(Arc::new(CudaEventHandle {
+            id: self.id(),
+            instance: self.shared.instance,
+            event,
+        })))
+    }
+
+    fn wait_event(&self, stream: &Stream, event: &Event) -> ddo_core::Result<()> {
+        let s = self.stream_handle(stream)?;
+        let e = self.event_handle(event)?;
+        s.stream
+            .wait(&e.event)
+            .call("cuStreamWaitEvent")
+            .map_err(|e| self.core(e))
+    }
+
+    fn event_complete(&self, event: &Event) -> ddo_core::Result<bool> {
+        let e = self.event_handle(event)?;
+        let done = e
+            .event
+            .try_is_complete()
+            .call("cuEventQuery")
+            .map_err(|e| self.core(e))?;
+        self.poll()?;
+        Ok(done)
+    }
+
+    fn synchronize_event(&self, event: &Event) -> ddo_core::Result<()> {
+        let e = self.event_handle(event)?;
+        e.event
+            .synchronize()
+            .call("cuEventSynchronize")
+            .map_err(|e| self.core(e))?;
+        self.poll()
+    }
+
+    fn synchronize_stream(&self, stream: &Stream) -> ddo_core::Result<()> {
+        let s = self.stream_handle(stream)?;
+        s.stream
+            .synchronize()
+            .call("cuStreamSynchronize")
+            .map_err(|e| self.core(e))?;
+        s.retire_all();
+        self.poll()?;
+        self.shared.take_deferred()
+    }
+
+    fn synchronize(&self) -> ddo_core::Result<()> {
+        self.shared
+            .ctx
+            .synchronize()
+            .call("cuCtxSynchronize")
+            .map_err(|e| self.core(e))?;
+        for s in self.live_streams() {
+            s.retire_all();
+        }
+        self.shared.take_deferred()
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        let s = self.shared.allocator.stats();
+        let driver = driver::mem_get_info(&self.shared.ctx).ok();
+        MemoryInfo {
+            allocated: s.allocated,
+            peak_allocated: s.peak_allocated,
+            reserved: s.reserved,
+            capacity: self.shared.total,
+            driver_free: driver.map(|(free, _)| free),
+            driver_total: driver.map(|(_, total)| total),
+            pinned_host: self.pinned.pinned(),
+            pinned_limit: self.pinned.limit(),
+        }
+    }
+
+    fn reset_peak(&self) {
+        self.shared.allocator.reset_peak();
+    }
+
+    fn empty_cache(&self) -> ddo_core::Result<u64> {
+        self.synchronize()?;
+        self.shared
+            .allocator
+            .wait_and_empty_cache()
+            .map_err(|e| self.core(e))
+    }
+}

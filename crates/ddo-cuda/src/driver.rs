@@ -1,0 +1,161 @@
+//! The one module of ddo-cuda that holds `unsafe`: one thin checked function per CUDA
+//! driver call that cudarc's safe API does not cover (raw device allocations, copies from
+//! and to DDO's own host bytes, page-locking DDO's own host memory) plus the library probe.
+//!
+//! These functions validate nothing beyond what their signatures guarantee; they are
+//! crate-private and each states the contract its callers keep (the layer above —
+//! [`allocator`](crate::allocator) and [`device`](crate::device) — owns every pointer and
+//! keeps host and device memory alive until the copies that use it have completed).
+//! Contexts, streams and events are cudarc's safe types.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+
+use crate::error::{CudaError, DriverResultExt, Result};
+
+/// Whether the driver library (`libcuda.so`) can be loaded. Must be `true` before any other
+/// function of this module runs: cudarc panics on a missing library.
+pub(crate) fn library_present() -> bool {
+    // SAFETY: `is_culib_present` only tries `dlopen` on libcuda's candidate names and drops
+    // what it opened; it makes no driver call and touches no state of ours.
+    unsafe { sys::is_culib_present() }
+}
+
+/// `cuInit`, then `cuDeviceGetCount`. `CUDA_ERROR_NO_DEVICE` from either is a count of 0.
+pub(crate) fn device_count() -> Result<usize> {
+    let no_device = |e: &DriverError| e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE;
+    match result::init() {
+        Ok(()) => {}
+        Err(e) if no_device(&e) => return Ok(0),
+        Err(e) => return Err(CudaError::driver("cuInit", e)),
+    }
+    match result::device::get_count() {
+        Ok(n) => Ok(usize::try_from(n).unwrap_or(0)),
+        Err(e) if no_device(&e) => Ok(0),
+        Err(e) => Err(CudaError::driver("cuDeviceGetCount", e)),
+    }
+}
+
+/// The primary context of device `ordinal` (retained; released when the last `Arc` drops).
+pub(crate) fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    CudaContext::new(ordinal).call("cuDevicePrimaryCtxRetain")
+}
+
+/// `cuMemAlloc`: `bytes` of device memory in `ctx`. The raw error is kept so the caller can
+/// tell out-of-memory from other failures.
+pub(crate) fn mem_alloc(ctx: &CudaContext, bytes: usize) -> std::result::Result<u64, DriverError> {
+    ctx.bind_to_thread()?;
+    // SAFETY: cuMemAlloc writes one pointer into cudarc's out-parameter; the memory it
+    // returns is uninitialised, and DDO never reads device memory it has not written.
+    unsafe { result::malloc_sync(bytes) }
+}
+
+/// `cuMemFree`.
+///
+/// Contract: `ptr` came from [`mem_alloc`] in `ctx`, is freed once, and no queued work uses
+/// it any more (the caching allocator frees only segments with no live block and no pending
+/// free event).
+pub(crate) fn mem_free(ctx: &CudaContext, ptr: u64) -> Result<()> {
+    ctx.bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: by this function's contract `ptr` is a live allocation of this context that
+    // nothing uses any more, freed exactly once.
+    unsafe { result::memory_free(ptr) }.call("cuMemFree")
+}
+
+/// `cuMemGetInfo`: (free, total) bytes of the device of `ctx`, according to the driver.
+pub(crate) fn mem_get_info(ctx: &CudaContext) -> Result<(u64, u64)> {
+    let (free, total) = ctx.mem_get_info().call("cuMemGetInfo")?;
+    Ok((free as u64, total as u64))
+}
+
+/// `cuMemcpyHtoDAsync`: queues a copy of `src` to device address `dst` on `stream`.
+///
+/// Contract: `dst..dst + src.len()` lies in a live device allocation; the memory behind
+/// `src` stays allocated (and is not written) until the copy has completed on `stream`
+/// (the device keeps a handle to it in the stream's pending list, or synchronises the
+/// stream before `src`'s borrow ends).
+pub(crate) fn memcpy_htod_async(dst: u64, src: &[u8], stream: &CudaStream) -> Result<()> {
+    stream.context().bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: `src` is a valid host range for `src.len()` bytes now, and by this function's
+    // contract it stays valid until the copy completes and `dst` is a live device range of
+    // that length; the stream belongs to the bound context.
+    unsafe {
+        sys::cuMemcpyHtoDAsync_v2(
+            dst,
+            src.as_ptr().cast::<c_void>(),
+            src.len(),
+            stream.cu_stream(),
+        )
+    }
+    .result()
+    .call("cuMemcpyHtoDAsync")
+}
+
+/// `cuMemcpyDtoHAsync`: queues a copy from device address `src` into `dst` on `stream`.
+///
+/// Contract: `src..src + dst.len()` lies in a live device allocation; the memory behind
+/// `dst` stays allocated (and is neither read nor written by the host) until the copy has
+/// completed on `stream`.
+pub(crate) fn memcpy_dtoh_async(dst: &mut [u8], src: u64, stream: &CudaStream) -> Result<()> {
+    stream.context().bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: `dst` is a valid, exclusively borrowed host range for `dst.len()` bytes now;
+    // by this function's contract it stays allocated and untouched until the copy completes,
+    // and `src` is a live device range of that length.
+    unsafe {
+        sys::cuMemcpyDtoHAsync_v2(
+            dst.as_mut_ptr().cast::<c_void>(),
+            src,
+            dst.len(),
+            stream.cu_stream(),
+        )
+    }
+    .result()
+    .call("cuMemcpyDtoHAsync")
+}
+
+/// `cuMemcpyDtoDAsync`: queues a copy of `len` bytes from `src` to `dst` on `stream`.
+///
+/// Contract: both ranges lie in live device allocations that stay allocated until the copy
+/// has completed.
+pub(crate) fn memcpy_dtod_async(dst: u64, src: u64, len: usize, stream: &CudaStream) -> Result<()> {
+    stream.context().bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: by this function's contract both device ranges are live for `len` bytes
+    // until the copy completes; the stream belongs to the bound context.
+    unsafe { result::memcpy_dtod_async(dst, src, len, stream.cu_stream()) }
+        .call("cuMemcpyDtoDAsync")
+}
+
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`: page-locks `bytes` for every
+/// context, so copies from and to them run asynchronously at full link speed.
+///
+/// Contract: `bytes` is owned, heap memory that stays allocated until [`host_unregister`]
+/// has been called on its first byte.
+pub(crate) fn host_register(ctx: &CudaContext, bytes: &[u8]) -> Result<()> {
+    ctx.bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: `bytes` is a valid host range; registration page-locks it without reading or
+    // writing it, and by this function's contract it outlives the registration.
+    unsafe {
+        sys::cuMemHostRegister_v2(
+            bytes.as_ptr().cast_mut().cast::<c_void>(),
+            bytes.len(),
+            sys::CU_MEMHOSTREGISTER_PORTABLE,
+        )
+    }
+    .result()
+    .call("cuMemHostRegister")
+}
+
+/// `cuMemHostUnregister` of the range registered at `addr`.
+///
+/// Contract: `addr` is the first byte of a range registered by [`host_register`] and not
+/// yet unregistered, and no queued copy uses it any more.
+pub(crate) fn host_unregister(ctx: &CudaContext, addr: usize) -> Result<()> {
+    ctx.bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: by this function's contract `addr` starts a registered range nothing uses;
+    // unregistering only unpins the pages, the memory itself stays with its owner.
+    unsafe { sys::cuMemHostUnregister(addr as *mut c_void) }
+        .result()
+        .call("cuMemHostUnregister")
+}

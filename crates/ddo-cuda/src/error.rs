@@ -1,0 +1,143 @@
+//! The crate's one error enum, [`CudaError`], and its conversion into ddo-core's
+//! [`CoreError`] at the [`Device`](ddo_core::Device) boundary. Every variant says what to do.
+
+use cudarc::driver::DriverError;
+use cudarc::driver::sys::CUresult;
+use ddo_core::CoreError;
+use thiserror::Error;
+
+/// Result alias for the CUDA backend.
+pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the CUDA backend.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// A CUDA shared library could not be loaded.
+    #[error("the CUDA library `{which}` could not be loaded: {hint}")]
+    NoLibrary {
+        /// Which library (`libcuda`, `libcublas`, ...).
+        which: &'static str,
+        /// How it is looked for, and what to change.
+        hint: String,
+    },
+    /// The device ordinal asked for does not exist (or the driver sees no device at all).
+    #[error(
+        "no CUDA device {ordinal}: the driver reports {count} device(s){}; pick an ordinal below {count}, \
+         check CUDA_VISIBLE_DEVICES, or run on the host backend",
+        if *count == 0 { " (none visible to this process)" } else { "" }
+    )]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// A driver call failed.
+    #[error(
+        "CUDA driver call {call} failed with {code} ({message}); a sticky error means the context is lost: \
+         restart the process"
+    )]
+    Driver {
+        /// The driver call (`cuMemAlloc`, `cuMemcpyHtoDAsync`, ...).
+        call: &'static str,
+        /// The error's name (`CUDA_ERROR_...`).
+        code: String,
+        /// The driver's description of it.
+        message: String,
+    },
+    /// The device could not satisfy an allocation, even after returning every idle cached
+    /// segment to the driver and retrying.
+    #[error(
+        "out of device memory on {device}: requested {requested} B with {allocated} B allocated and {reserved} B \
+         reserved by DDO's caching allocator, {free} B free according to the driver; choose an offloading route \
+         or a smaller budget, or free memory first"
+    )]
+    OutOfMemory {
+        /// Device (`cuda:N`).
+        device: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes in live allocations at the time (exact).
+        allocated: u64,
+        /// Bytes the caching allocator held at the time (exact).
+        reserved: u64,
+        /// Free bytes according to the driver after the retry (sampled; 0 when unknown).
+        free: u64,
+        /// Device capacity.
+        total: u64,
+    },
+    /// An error of ddo-core (a wrong handle, a range, the pinned limit).
+    #[error(transparent)]
+    Core(#[from] CoreError),
+}
+
+impl CudaError {
+    /// A driver error from `call`.
+    pub(crate) fn driver(call: &'static str, err: DriverError) -> Self {
+        let code = err
+            .error_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("CUresult {}", err.0 as u32));
+        let message = err
+            .error_string()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".to_string());
+        CudaError::Driver {
+            call,
+            code,
+            message,
+        }
+    }
+
+    /// Whether this is the driver's out-of-memory error.
+    pub fn is_driver_out_of_memory(&self) -> bool {
+        matches!(self, CudaError::Driver { code, .. } if code == "CUDA_ERROR_OUT_OF_MEMORY")
+    }
+
+    /// The `CoreError` this becomes at the `Device` boundary of `device`.
+    pub fn into_core(self, device: &str) -> CoreError {
+        match self {
+            CudaError::OutOfMemory {
+                device,
+                requested,
+                allocated,
+                total,
+                ..
+            } => CoreError::OutOfMemory {
+                device,
+                requested,
+                allocated,
+                capacity: total,
+            },
+            CudaError::Core(e) => e,
+            other => CoreError::Backend {
+                device: device.to_string(),
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+/// Whether a raw driver result is the out-of-memory code.
+pub(crate) fn is_oom(err: &DriverError) -> bool {
+    err.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+}
+
+impl From<CudaError> for CoreError {
+    fn from(e: CudaError) -> Self {
+        e.into_core("cuda")
+    }
+}
+
+/// Extension to tag a cudarc result with the driver call it came from.
+pub(crate) trait DriverResultExt<T> {
+    /// Maps a [`DriverError`] to [`CudaError::Driver`] naming `call`.
+    fn call(self, call: &'static str) -> Result<T>;
+}
+
+impl<T> DriverResultExt<T> for std::result::Result<T, DriverError> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|e| CudaError::driver(call, e))
+    }
+}

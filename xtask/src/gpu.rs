@@ -1,0 +1,200 @@
+//! GPU tasks: `test-gpu` runs the CUDA backend's tests on this machine (which needs a GPU
+//! and a Rust toolchain); `gpu-bundle` builds them here, in release, into `gpu-bundle/`
+//! with a `run-all.sh`, for a GPU machine that has no toolchain.
+//!
+//! Both set `DDO_REQUIRE_GPU=1` for the tests, so a machine without a usable device fails
+//! loudly instead of printing "skipped: no CUDA device" and passing.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use crate::{cargo, run, workspace_root};
+
+/// The package whose tests need a GPU.
+const GPU_PACKAGE: &str = "ddo-cuda";
+
+/// The bundle's folder, relative to the workspace root (ignored by git).
+pub const BUNDLE_DIR: &str = "gpu-bundle";
+
+/// `cargo test -p ddo-cuda --release -- --test-threads=1`, with a GPU required.
+pub fn test_gpu() -> Result<(), String> {
+    run(cargo()
+        .args(["test", "-p", GPU_PACKAGE, "--release", "--"])
+        .args(["--test-threads=1", "--nocapture"])
+        .env("DDO_REQUIRE_GPU", "1"))
+}
+
+/// Builds the GPU test binaries in release and writes `gpu-bundle/` with `run-all.sh`.
+pub fn bundle() -> Result<(), String> {
+    let root = workspace_root();
+    let mut cmd = cargo();
+    cmd.args(["test", "--release", "-p", GPU_PACKAGE, "--no-run"])
+        .args(["--message-format=json-render-diagnostics"])
+        .current_dir(&root)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    eprintln!("$ {cmd:?}");
+    let output = cmd
+        .output()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("{cmd:?} failed with {}", output.status));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let executables = test_executables(&stdout);
+    if executables.is_empty() {
+        return Err("cargo built no test executables for ddo-cuda".into());
+    }
+    let dir = root.join(BUNDLE_DIR);
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
+    }
+    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut names = Vec::new();
+    for exe in &executables {
+        let name = bundle_name(exe);
+        let to = dir.join(&name);
+        fs::copy(exe, &to)
+            .map_err(|e| format!("cannot copy {} to {}: {e}", exe.display(), to.display()))?;
+        eprintln!("gpu-bundle: {name} <- {}", exe.display());
+        names.push(name);
+    }
+    let script = dir.join("run-all.sh");
+    fs::write(&script, run_all_script(&names))
+        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
+    make_executable(&script)?;
+    eprintln!(
+        "gpu-bundle: {} binaries and run-all.sh in {}; on the GPU machine: ./{BUNDLE_DIR}/run-all.sh [LOG_DIR]",
+        names.len(),
+        dir.display()
+    );
+    Ok(())
+}
+
+#[cfg(unix)]
+fn make_executable(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("cannot make {} executable: {e}", path.display()))
+}
+
+#[cfg(not(unix))]
+fn make_executable(_path: &Path) -> Result<(), String> {
+    Ok(())
+}
+
+/// Test executables in cargo's JSON messages: `compiler-artifact` lines of a test profile
+/// with a non-null `"executable"`.
+pub fn test_executables(json_lines: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = json_lines
+        .lines()
+        .filter(|l| l.contains(r#""reason":"compiler-artifact""#) && l.contains(r#""test":true"#))
+        .filter_map(|l| string_field(l, "executable"))
+        .map(PathBuf::from)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The string value of `"key":"..."` in one JSON line (JSON escapes of `\\` and `\"` undone).
+fn string_field(line: &str, key: &str) -> Option<String> {
+    let start = line.find(&format!(r#""{key}":""#))? + key.len() + 4;
+    let mut value = String::new();
+    let mut chars = line[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(value),
+            '\\' => value.push(chars.next()?),
+            c => value.push(c),
+        }
+    }
+    None
+}
+
+/// `target/release/deps/gpu-0123abcd` -> `gpu`.
+fn bundle_name(exe: &Path) -> String {
+    let stem = exe
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match stem.rsplit_once('-') {
+        Some((name, hash)) if hash.chars().all(|c| c.is_ascii_hexdigit()) => name.to_string(),
+        _ => stem,
+    }
+}
+
+/// The bundle's runner: each binary one test at a time, output shown and kept in a log
+/// (`$1`, else `$OUT`, else `logs/` beside the script); non-zero if any binary failed.
+pub fn run_all_script(names: &[String]) -> String {
+    let list = names.join(" ");
+    format!(
+        r#"#!/usr/bin/env bash
+# Runs DDO's GPU test binaries (built by `cargo xtask gpu-bundle`), one test at a time.
+# Usage: ./run-all.sh [LOG_DIR]   (default: $OUT when set, else ./logs beside this script)
+# Needs libcuda (the NVIDIA driver) where the dynamic loader finds it; see README.md, "GPU".
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+log_dir="${{1:-${{OUT:-$here/logs}}}}"
+mkdir -p "$log_dir"
+export DDO_REQUIRE_GPU=1
+export RUST_BACKTRACE=1
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$log_dir/nvidia-smi.log"
+fi
+failed=()
+for bin in {list}; do
+  echo "=== $bin"
+  "$here/$bin" --test-threads=1 --nocapture 2>&1 | tee "$log_dir/$bin.log"
+  rc=${{PIPESTATUS[0]}}
+  if [ "$rc" -ne 0 ]; then
+    echo "=== $bin FAILED (exit $rc)"
+    failed+=("$bin")
+  fi
+done
+if [ "${{#failed[@]}}" -ne 0 ]; then
+  echo "=== failed: ${{failed[*]}}"
+  exit 1
+fi
+echo "=== all passed: {list}"
+"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_test_executables_in_cargo_json() {
+        let lines = [
+            r#"{"reason":"compiler-artifact","package_id":"x","target":{"name":"cudarc","kind":["lib"]},"profile":{"opt_level":"3","test":false},"executable":null,"fresh":true}"#,
+            r#"{"reason":"compiler-artifact","target":{"name":"gpu","kind":["test"]},"profile":{"opt_level":"3","test":true},"filenames":["/w/target/release/deps/gpu-0a1b"],"executable":"/w/target/release/deps/gpu-0a1b","fresh":false}"#,
+            r#"{"reason":"compiler-artifact","target":{"name":"ddo_cuda","kind":["lib"]},"profile":{"test":true},"executable":"/w/tar\"get/release/deps/ddo_cuda-99ff","fresh":true}"#,
+            r#"{"reason":"build-finished","success":true}"#,
+        ]
+        .join("\n");
+        let exes = test_executables(&lines);
+        assert_eq!(
+            exes,
+            vec![
+                PathBuf::from("/w/tar\"get/release/deps/ddo_cuda-99ff"),
+                PathBuf::from("/w/target/release/deps/gpu-0a1b"),
+            ]
+        );
+        assert_eq!(bundle_name(&exes[1]), "gpu");
+        assert_eq!(bundle_name(Path::new("plain")), "plain");
+    }
+
+    #[test]
+    fn the_runner_runs_each_binary_serially_and_fails_when_one_fails() {
+        let script = run_all_script(&["ddo_cuda".into(), "gpu".into()]);
+        assert!(script.starts_with("#!/usr/bin/env bash"));
+        assert!(script.contains("for bin in ddo_cuda gpu; do"));
+        assert!(script.contains("--test-threads=1"));
+        assert!(script.contains("PIPESTATUS[0]"));
+        assert!(script.contains("exit 1"));
+        assert!(script.contains("DDO_REQUIRE_GPU=1"));
+    }
+}
