@@ -19,6 +19,7 @@ Usage (see tools/README.md):
 
   .venv-fixtures/bin/python tools/gen_fixtures.py            # regenerate everything
   .venv-fixtures/bin/python tools/gen_fixtures.py --verify   # reload from disk, re-run, compare bit for bit
+  .venv-fixtures/bin/python tools/gen_fixtures.py --only flux_pipeline   # rewrite one fixture only
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import sys
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -40,9 +43,9 @@ from safetensors.torch import load_file, save_file
 import diffusers
 import transformers
 import safetensors
-from diffusers import AutoencoderKL, FluxTransformer2DModel
-from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "fixtures"
@@ -264,7 +267,47 @@ CLIP_CONFIG = dict(
     pad_token_id=99,
 )
 
-SEEDS = {"vae_sd": 1001, "vae_flux": 1002, "flux_transformer": 1003, "t5_encoder": 1004, "clip_text": 1005}
+SEEDS = {
+    "vae_sd": 1001,
+    "vae_flux": 1002,
+    "flux_transformer": 1003,
+    "t5_encoder": 1004,
+    "clip_text": 1005,
+    "flux_pipeline": 1006,
+}
+
+# flux_pipeline: a whole FluxPipeline from the tiny configs above, made consistent with each other.
+# The transformer is FLUX_CONFIG with the pooled width of CLIP_CONFIG (32); its joint_attention_dim (32) is
+# T5_CONFIG's d_model. Its in_channels (16) = 4 x the VAE's latent_channels (4). The VAE is the Flux layout
+# (no quant convs, scaling/shift factors of FLUX.1) at half of VAE_COMMON's widths, to keep the fixture small.
+PIPE_FLUX_CONFIG = dict(FLUX_CONFIG, pooled_projection_dim=CLIP_CONFIG["hidden_size"])
+PIPE_VAE_CONFIG = dict(
+    VAE_COMMON,
+    block_out_channels=(8, 16),
+    norm_num_groups=4,
+    latent_channels=PIPE_FLUX_CONFIG["in_channels"] // 4,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+)
+# FLUX.1-dev's scheduler/scheduler_config.json.
+PIPE_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+PIPE_CALL = dict(height=32, width=24, num_inference_steps=4, guidance_scale=3.5)
+PIPE_TEXT_TOKENS = 8
+# The text-prompt run: FluxPipeline.encode_prompt with real (tiny) tokenizers.
+PIPE_PROMPT = "A photo of a lighthouse at dawn, the cat sat on the hot line!"
+PIPE_MAX_SEQUENCE_LENGTH = 24
+# (image_seq_len, steps) pairs whose FluxPipeline schedules go to schedules.json.
+PIPE_SCHEDULES = [(48, 4), (256, 28), (1024, 28), (4096, 50), (4096, 1), (6144, 20), (16, 2)]
 
 
 def build_model(name: str):
@@ -515,10 +558,311 @@ def run_fixture(name: str, model, ins, capture: bool):
 
 
 # --------------------------------------------------------------------------
+# flux_pipeline: a whole FluxPipeline run (4 steps, given embeddings and noise)
+# --------------------------------------------------------------------------
+
+# Component order fixes the seed offsets: component k is built after torch.manual_seed(seed + k).
+PIPE_COMPONENTS = ["text_encoder", "text_encoder_2", "transformer", "vae"]
+
+
+def pipeline_tokenizers(tmp: Path):
+    """Tiny tokenizers consistent with CLIP_CONFIG / T5_CONFIG (100 ids each), built the way the real ones are.
+
+    CLIP: a byte-level BPE from vocab.json + merges.txt (letters, letters + `</w>`, a few merges and punctuation,
+    fillers up to id 97, then `<|startoftext|>` = 98 and `<|endoftext|>` = 99 = CLIP_CONFIG's bos/eos), loaded by
+    `CLIPTokenizer` with `model_max_length` = CLIP's 16 positions. Returns the vocab/merges texts too, so the fixture
+    keeps them beside the tokenizer.json that save_pretrained writes (FLUX.1-dev ships vocab.json + merges.txt).
+    T5: a Unigram model (`<pad>` 0, `</s>` 1, `<unk>` 2, word and letter pieces, `<extra_k>` fillers to 100) with T5's
+    Metaspace pre-tokenizer and `$A </s>` template, wrapped in `T5TokenizerFast`.
+    """
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {}
+    for c in letters:
+        vocab[c] = len(vocab)
+    for c in letters:
+        vocab[c + "</w>"] = len(vocab)
+    merges = ["t h", "th e</w>", "a t</w>", "c at</w>", "o n</w>", "i n", "l i", "h o", "s e</w>", "g h", "o f</w>"]
+    for m in merges:
+        a, b = m.split()
+        vocab[a + b] = len(vocab)
+    for p in ",.!":
+        vocab[p + "</w>"] = len(vocab)
+    while len(vocab) < 98:
+        vocab[f"x{len(vocab)}</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = 98
+    vocab["<|endoftext|>"] = 99
+    vocab_text = json.dumps(vocab)
+    merges_text = "#version: 0.2\n" + "\n".join(merges) + "\n"
+    (tmp / "vocab.json").write_text(vocab_text)
+    (tmp / "merges.txt").write_text(merges_text)
+    clip_tok = CLIPTokenizer(
+        str(tmp / "vocab.json"), str(tmp / "merges.txt"), model_max_length=CLIP_CONFIG["max_position_embeddings"]
+    )
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    for w in ["\u2581the", "\u2581a", "\u2581cat", "\u2581photo", "\u2581of", "\u2581on", "\u2581light", "house",
+              "\u2581at", "\u2581dawn", "\u2581sat", "\u2581hot", "\u2581line", "\u2581", ",", ".", "!"]:
+        pieces.append((w, -2.0 - 0.1 * len(pieces)))
+    for c in letters:
+        pieces.append((c, -8.0))
+        pieces.append(("\u2581" + c, -7.5))
+    while len(pieces) < T5_CONFIG["vocab_size"]:
+        pieces.append((f"<extra_{len(pieces)}>", -20.0))
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    t5_tok = T5TokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0, model_max_length=512
+    )
+    return clip_tok, t5_tok, vocab_text, merges_text
+
+
+def build_pipeline():
+    """FluxPipeline from PIPE_* configs with deterministic, perturbed weights and the tiny tokenizers.
+
+    Returns (pipe, perturbed, (vocab_text, merges_text))."""
+    seed = SEEDS["flux_pipeline"]
+    models = {}
+    perturbed = {}
+    for k, comp in enumerate(PIPE_COMPONENTS):
+        torch.manual_seed(seed + k)
+        if comp == "text_encoder":
+            m = CLIPTextModel(CLIPTextConfig(**CLIP_CONFIG))
+        elif comp == "text_encoder_2":
+            m = T5EncoderModel(T5Config(**T5_CONFIG))
+        elif comp == "transformer":
+            m = FluxTransformer2DModel(**PIPE_FLUX_CONFIG)
+        else:
+            m = AutoencoderKL(**PIPE_VAE_CONFIG)
+        m = m.to(torch.float32).eval()
+        perturbed[comp] = perturb_constant_params(m, seed + k + 7)
+        models[comp] = m
+    with tempfile.TemporaryDirectory() as tmp:
+        clip_tok, t5_tok, vocab_text, merges_text = pipeline_tokenizers(Path(tmp))
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**PIPE_SCHEDULER_CONFIG),
+        vae=models["vae"],
+        text_encoder=models["text_encoder"],
+        tokenizer=clip_tok,
+        text_encoder_2=models["text_encoder_2"],
+        tokenizer_2=t5_tok,
+        transformer=models["transformer"],
+    )
+    return pipe, perturbed, (vocab_text, merges_text)
+
+
+def pipeline_inputs(pipe) -> "OrderedDict[str, torch.Tensor]":
+    g = torch.Generator().manual_seed(SEEDS["flux_pipeline"] + 100)
+    h, w = PIPE_CALL["height"], PIPE_CALL["width"]
+    c = pipe.transformer.config.in_channels // 4
+    lh = 2 * (h // (pipe.vae_scale_factor * 2))
+    lw = 2 * (w // (pipe.vae_scale_factor * 2))
+    ins: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    ins["prompt_embeds"] = randn(g, 1, PIPE_TEXT_TOKENS, pipe.transformer.config.joint_attention_dim)
+    ins["pooled_prompt_embeds"] = randn(g, 1, pipe.transformer.config.pooled_projection_dim)
+    # FluxPipeline.prepare_latents draws [b, c, lh, lw] and packs it; here the draw is ours.
+    ins["noise"] = randn(g, 1, c, lh, lw)
+    ins["latents"] = FluxPipeline._pack_latents(ins["noise"], 1, c, lh, lw).contiguous()
+    return ins
+
+
+def run_pipeline(pipe, ins):
+    """Returns (outputs, intermediates, extra)."""
+    outs: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    inter: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    steps = []
+
+    def on_step(_pipe, i, t, kw):
+        steps.append((i, float(t), kw["latents"].clone()))
+        return {}
+
+    common = dict(
+        prompt_embeds=ins["prompt_embeds"],
+        pooled_prompt_embeds=ins["pooled_prompt_embeds"],
+        latents=ins["latents"],
+        return_dict=False,
+        **PIPE_CALL,
+    )
+    with torch.no_grad():
+        latents = pipe(
+            output_type="latent",
+            callback_on_step_end=on_step,
+            callback_on_step_end_tensor_inputs=["latents"],
+            **common,
+        )[0]
+        outs["latents"] = f32c(latents)
+        outs["timesteps"] = f32c(pipe.scheduler.timesteps)
+        outs["sigmas"] = f32c(pipe.scheduler.sigmas)
+        for i, _t, lat in steps:
+            inter[f"latents_after_step_{i}"] = f32c(lat)
+        # The decode FluxPipeline runs after the loop, spelled out: unpack, unscale, decode.
+        h, w = PIPE_CALL["height"], PIPE_CALL["width"]
+        unpacked = FluxPipeline._unpack_latents(latents, h, w, pipe.vae_scale_factor)
+        unscaled = (unpacked / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        inter["latents_unpacked"] = f32c(unpacked)
+        inter["latents_unscaled"] = f32c(unscaled)
+        image = pipe.vae.decode(unscaled, return_dict=False)[0]
+        outs["image"] = f32c(image)
+        image_pt = pipe(output_type="pt", **common)[0]
+        outs["image_pt"] = f32c(image_pt)
+        assert torch.equal(
+            pipe.image_processor.postprocess(image, output_type="pt"), image_pt
+        ), "spelled-out decode differs from FluxPipeline's own"
+        # From text: the tokenizers' ids as _get_clip_prompt_embeds / _get_t5_prompt_embeds make them, the
+        # embeddings encode_prompt returns, and the latents of the same run started from the prompt.
+        clip_ids = pipe.tokenizer(
+            PIPE_PROMPT, padding="max_length", max_length=pipe.tokenizer_max_length, truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        t5_ids = pipe.tokenizer_2(
+            PIPE_PROMPT, padding="max_length", max_length=PIPE_MAX_SEQUENCE_LENGTH, truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        pe, pooled, _ = pipe.encode_prompt(
+            prompt=PIPE_PROMPT, prompt_2=None, device=torch.device("cpu"), max_sequence_length=PIPE_MAX_SEQUENCE_LENGTH
+        )
+        outs["text_clip_input_ids"] = clip_ids.to(torch.int64).contiguous()
+        outs["text_clip_input_ids_f32"] = f32c(clip_ids)
+        outs["text_t5_input_ids"] = t5_ids.to(torch.int64).contiguous()
+        outs["text_t5_input_ids_f32"] = f32c(t5_ids)
+        outs["text_prompt_embeds"] = f32c(pe)
+        outs["text_pooled_prompt_embeds"] = f32c(pooled)
+        text_latents = pipe(
+            prompt=PIPE_PROMPT,
+            latents=ins["latents"],
+            max_sequence_length=PIPE_MAX_SEQUENCE_LENGTH,
+            output_type="latent",
+            return_dict=False,
+            **PIPE_CALL,
+        )[0]
+        outs["text_latents"] = f32c(text_latents)
+    mu = calculate_shift(
+        latents.shape[1],
+        PIPE_SCHEDULER_CONFIG["base_image_seq_len"],
+        PIPE_SCHEDULER_CONFIG["max_image_seq_len"],
+        PIPE_SCHEDULER_CONFIG["base_shift"],
+        PIPE_SCHEDULER_CONFIG["max_shift"],
+    )
+    extra = dict(mu=mu, image_seq_len=int(latents.shape[1]), step_timesteps=[t for _, t, _ in steps])
+    return outs, inter, extra
+
+
+def pipeline_schedules() -> dict:
+    """FluxPipeline's schedule (sigmas = linspace(1, 1/n, n), mu from the image sequence length) for
+    several resolutions, plus one fixed-shift schedule (use_dynamic_shifting=False, no sigmas given)."""
+    cases = []
+    for seq_len, n in PIPE_SCHEDULES:
+        sched = FlowMatchEulerDiscreteScheduler(**PIPE_SCHEDULER_CONFIG)
+        mu = calculate_shift(
+            seq_len,
+            sched.config.get("base_image_seq_len", 256),
+            sched.config.get("max_image_seq_len", 4096),
+            sched.config.get("base_shift", 0.5),
+            sched.config.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / n, n)
+        timesteps, _ = retrieve_timesteps(sched, n, "cpu", sigmas=sigmas, mu=mu)
+        cases.append(
+            dict(
+                image_seq_len=seq_len,
+                num_inference_steps=n,
+                mu=mu,
+                timesteps=[float(x) for x in timesteps],
+                sigmas=[float(x) for x in sched.sigmas],
+            )
+        )
+    fixed = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    fixed.set_timesteps(28)
+    return dict(
+        scheduler_config=PIPE_SCHEDULER_CONFIG,
+        how="mu = calculate_shift(image_seq_len, 256, 4096, 0.5, 1.15); "
+        "retrieve_timesteps(scheduler, n, sigmas=np.linspace(1.0, 1 / n, n), mu=mu)",
+        flux=cases,
+        fixed_shift=dict(
+            scheduler_config=dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
+            how="scheduler.set_timesteps(28)",
+            num_inference_steps=28,
+            timesteps=[float(x) for x in fixed.timesteps],
+            sigmas=[float(x) for x in fixed.sigmas],
+        ),
+    )
+
+
+def generate_pipeline(d: Path) -> dict:
+    pipe, perturbed, (vocab_text, merges_text) = build_pipeline()
+    pipe.save_pretrained(str(d), safe_serialization=True)
+    # FLUX.1-dev's tokenizer/ holds vocab.json + merges.txt; transformers 5 writes tokenizer.json. Keep both.
+    (d / "tokenizer" / "vocab.json").write_text(vocab_text)
+    (d / "tokenizer" / "merges.txt").write_text(merges_text)
+    (d / "prompt.json").write_text(
+        json.dumps(
+            dict(
+                prompt=PIPE_PROMPT,
+                max_sequence_length=PIPE_MAX_SEQUENCE_LENGTH,
+                clip_max_length=pipe.tokenizer_max_length,
+            ),
+            indent=2,
+        )
+        + "\n"
+    )
+    ins = pipeline_inputs(pipe)
+    outs, inter, extra = run_pipeline(pipe, ins)
+    outs2, _, _ = run_pipeline(pipe, ins)
+    for k in outs:
+        assert torch.equal(outs[k], outs2[k]), f"flux_pipeline: {k} differs between two runs"
+    save_tensors(d / "inputs.safetensors", OrderedDict((k, v.contiguous()) for k, v in ins.items()))
+    save_tensors(d / "outputs.safetensors", outs)
+    save_tensors(d / "intermediates.safetensors", inter)
+    (d / "schedules.json").write_text(json.dumps(pipeline_schedules(), indent=2) + "\n")
+    print(f"[gen] flux_pipeline: " + ", ".join(f"{k}{list(v.shape)}" for k, v in outs.items()))
+    return dict(perturbed=[f"{c}: {n}" for c, ps in perturbed.items() for n in ps], extra=extra)
+
+
+def verify_pipeline(d: Path) -> bool:
+    ok = True
+    pipe = FluxPipeline.from_pretrained(str(d), torch_dtype=torch.float32)
+    with torch.no_grad():
+        for comp in PIPE_COMPONENTS:
+            m = getattr(pipe, comp)
+            for p in m.parameters():
+                p.data = p.data.clone()
+            m.eval()
+    ins = OrderedDict(load_file(str(d / "inputs.safetensors")))
+    outs, inter, _ = run_pipeline(pipe, ins)
+    ref = load_file(str(d / "outputs.safetensors"))
+    for k, v in ref.items():
+        same = torch.equal(outs[k], v)
+        ok &= same
+        print(f"[verify] flux_pipeline.{k}: {'bit-exact' if same else 'MISMATCH'} (max |diff| {(outs[k] - v).abs().max().item():.3g})")
+    ref_inter = load_file(str(d / "intermediates.safetensors"))
+    inter_same = set(inter) == set(ref_inter) and all(torch.equal(inter[k], ref_inter[k]) for k in ref_inter)
+    ok &= inter_same
+    print(f"[verify] flux_pipeline intermediates ({len(ref_inter)} tensors): {'bit-exact' if inter_same else 'MISMATCH'}")
+    fresh, _, _ = build_pipeline()
+    for comp in PIPE_COMPONENTS:
+        wf = "model.safetensors" if comp.startswith("text_encoder") else "diffusion_pytorch_model.safetensors"
+        saved = load_file(str(d / comp / wf))
+        sd = getattr(fresh, comp).state_dict()
+        same = all(k in sd and torch.equal(sd[k], v) for k, v in saved.items())
+        ok &= same
+        print(f"[verify] flux_pipeline {comp} weights ({len(saved)} tensors) vs fresh build: {'bit-exact' if same else 'MISMATCH'}")
+    schedules_same = json.loads((d / "schedules.json").read_text()) == json.loads(json.dumps(pipeline_schedules()))
+    ok &= schedules_same
+    print(f"[verify] flux_pipeline schedules.json: {'identical' if schedules_same else 'MISMATCH'}")
+    return ok
+
+
+# --------------------------------------------------------------------------
 # generate / verify
 # --------------------------------------------------------------------------
 
-FIXTURE_NAMES = ["vae_sd", "vae_flux", "flux_transformer", "t5_encoder", "clip_text"]
+FIXTURE_NAMES = ["vae_sd", "vae_flux", "flux_transformer", "t5_encoder", "clip_text", "flux_pipeline"]
 
 
 def weights_file(name: str) -> str:
@@ -546,6 +890,9 @@ def generate(names):
     for name in names:
         d = FIXTURES / name
         reset_dir(d)
+        if name == "flux_pipeline":
+            results[name] = generate_pipeline(d)
+            continue
         model, perturbed = build_model(name)
         model.save_pretrained(str(d), safe_serialization=True)
         ins = make_inputs(name)
@@ -581,6 +928,9 @@ def verify(names) -> bool:
     ok = True
     for name in names:
         d = FIXTURES / name
+        if name == "flux_pipeline":
+            ok &= verify_pipeline(d)
+            continue
         model = load_saved_model(name, d)
         ins = OrderedDict(load_file(str(d / "inputs.safetensors")))
         ref = load_file(str(d / "outputs.safetensors"))
@@ -750,6 +1100,98 @@ accept both. Intermediates are named after the 5.24.0 module paths (`encoder.lay
 }
 
 
+def previous_sections() -> dict:
+    """The per-fixture sections of the current MANIFEST.md, by fixture name (text up to the next section)."""
+    path = FIXTURES / "MANIFEST.md"
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    sections = {}
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^## `([a-z0-9_]+)`$", text, flags=re.M)]
+    for i, (start, name) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
+        sections[name] = text[start:end].rstrip("\n") + "\n"
+    return sections
+
+
+def pipeline_manifest_section(d: Path, result: dict) -> str:
+    extra = result.get("extra", {})
+    seed = SEEDS["flux_pipeline"]
+    lines = [f"## `flux_pipeline`\n"]
+    lines.append(
+        f"Seeds: component k of {PIPE_COMPONENTS} is built after `torch.manual_seed({seed} + k)` and its constant "
+        f"parameters perturbed with seed `{seed} + k + 7`; inputs from `torch.Generator().manual_seed({seed + 100})`.\n"
+    )
+    lines.append(
+        f"""A whole `diffusers.FluxPipeline`, saved with `pipe.save_pretrained(dir, safe_serialization=True)` (a Diffusers
+pipeline folder: `model_index.json`, `scheduler/`, `text_encoder/`, `text_encoder_2/`, `tokenizer/`, `tokenizer_2/`,
+`transformer/`, `vae/`). The components reuse the tiny configs of the other fixtures, made consistent with each other:
+
+* `text_encoder`: `CLIPTextModel(CLIPTextConfig(**CLIP_CONFIG))` (as `clip_text`; hidden size 32);
+* `text_encoder_2`: `T5EncoderModel(T5Config(**T5_CONFIG))` (as `t5_encoder`; d_model 32);
+* `transformer`: `FluxTransformer2DModel(**{json.dumps(PIPE_FLUX_CONFIG)})` (`flux_transformer`'s config with
+  `pooled_projection_dim` = CLIP's hidden size; `joint_attention_dim` = T5's d_model; `in_channels` = 4 x the VAE's
+  latent channels);
+* `vae`: `AutoencoderKL(**{json.dumps(PIPE_VAE_CONFIG)})` (Flux layout at half `vae_sd`'s widths), so
+  `vae_scale_factor` = 2;
+* `scheduler`: `FlowMatchEulerDiscreteScheduler(**{json.dumps(PIPE_SCHEDULER_CONFIG)})` (FLUX.1-dev's
+  scheduler config);
+* `tokenizer`: `CLIPTokenizer(vocab.json, merges.txt, model_max_length=16)` over a 100-id byte-level BPE made in code
+  (letters, letters + `</w>`, a few merges, punctuation, fillers, `<|startoftext|>` 98, `<|endoftext|>` 99 =
+  CLIP_CONFIG's bos/eos). `tokenizer/` holds the `tokenizer.json` transformers 5 writes *and* the `vocab.json` +
+  `merges.txt` it was built from (the layout FLUX.1-dev ships);
+* `tokenizer_2`: `T5TokenizerFast` over a 100-piece Unigram model made in code (`<pad>` 0, `</s>` 1, `<unk>` 2,
+  Metaspace pre-tokenizer, `$A </s>` template), saved as `tokenizer.json`.
+
+**Call:** `pipe(prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds, latents=latents,
+height={PIPE_CALL['height']}, width={PIPE_CALL['width']}, num_inference_steps={PIPE_CALL['num_inference_steps']},
+guidance_scale={PIPE_CALL['guidance_scale']}, output_type="latent")` gives `latents` (packed, after the loop); the same
+call with `output_type="pt"` gives `image_pt` (post-processed: `(image / 2 + 0.5).clamp(0, 1)`). `image` is the decode
+FluxPipeline runs after the loop, spelled out: `_unpack_latents(latents, {PIPE_CALL['height']}, {PIPE_CALL['width']}, 2)`,
+then `latents / scaling_factor + shift_factor`, then `vae.decode(...)[0]` (NCHW, about [-1, 1]); the generator checks
+that post-processing it gives `image_pt` bit for bit.
+
+What the pipeline does in between (diffusers 0.42.1 `pipeline_flux.py`): `sigmas = np.linspace(1.0, 1 / n, n)`;
+`mu = calculate_shift(image_seq_len, 256, 4096, 0.5, 1.15)` with `image_seq_len = latents.shape[1]`
+(= {extra.get('image_seq_len', '?')} here, so mu = {extra.get('mu', '?')!r}); `scheduler.set_timesteps(sigmas=sigmas, mu=mu)`:
+sigmas cast to float32 and shifted with `exp(mu) / (exp(mu) + (1 / sigma - 1))` (NumPy float32 arithmetic: Python
+scalars are weak under NumPy 2), `timesteps = sigmas * 1000`, a final sigma 0 appended. Each step calls the
+transformer with `timestep = t / 1000`, `guidance = [3.5]` (float32; `guidance_embeds=True`), `txt_ids` zeros,
+`img_ids` = `_prepare_latent_image_ids(1, lh / 2, lw / 2)`, and takes the Euler step
+`latents = latents + (sigma_next - sigma) * noise_pred` (float32). Timesteps of the steps: {extra.get('step_timesteps', '?')}.
+
+**From text** (`prompt.json`: prompt {PIPE_PROMPT!r}, `max_sequence_length` {PIPE_MAX_SEQUENCE_LENGTH}):
+`text_clip_input_ids` = `pipe.tokenizer(prompt, padding="max_length", max_length=16, truncation=True)` and
+`text_t5_input_ids` = `pipe.tokenizer_2(prompt, padding="max_length", max_length={PIPE_MAX_SEQUENCE_LENGTH}, truncation=True)`
+(the calls `_get_clip_prompt_embeds` / `_get_t5_prompt_embeds` make; both truncate here), `text_prompt_embeds` and
+`text_pooled_prompt_embeds` from `pipe.encode_prompt(prompt, max_sequence_length={PIPE_MAX_SEQUENCE_LENGTH})` (T5
+`last_hidden_state`, CLIP `pooler_output`), and `text_latents` from the same call as `latents` but with `prompt=`
+instead of the embeddings. Ids are stored as int64 and as float32 (`..._f32`).
+
+`noise` is the unpacked initial noise `[1, 4, 16, 12]`; `latents` (input) is it packed by `_pack_latents`.
+`schedules.json` holds FluxPipeline's timesteps and sigmas for several `(image_seq_len, steps)` pairs
+({PIPE_SCHEDULES}), computed through `calculate_shift` and `retrieve_timesteps` exactly as above, and one fixed-shift
+schedule (`shift=3.0`, `use_dynamic_shifting=False`, `set_timesteps(28)`: NumPy float64 arithmetic there).
+"""
+    )
+    lines.append("**Inputs** (`inputs.safetensors`):\n\n" + table(st_listing(d / "inputs.safetensors")) + "\n")
+    lines.append("**Outputs** (`outputs.safetensors`):\n\n" + table(st_listing(d / "outputs.safetensors")) + "\n")
+    lines.append(
+        "**Intermediates** (`intermediates.safetensors`; latents after each step come from `callback_on_step_end`):\n\n"
+        + table(st_listing(d / "intermediates.safetensors"))
+        + "\n"
+    )
+    files = sorted(p for p in d.rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    lines.append(
+        "**Files:** "
+        + ", ".join(f"`{p.relative_to(d)}` ({human(p.stat().st_size)})" for p in files)
+        + f"; {human(total)} in all. Parameters perturbed because constant after init: "
+        + f"{len(result.get('perturbed', []))}.\n"
+    )
+    return "\n".join(lines)
+
+
 def write_manifest(results: dict):
     try:
         cpu = platform.processor() or platform.machine()
@@ -798,9 +1240,17 @@ def write_manifest(results: dict):
   take another path. On other CPUs / in Rust, compare with a tolerance (e.g. max abs diff around 1e-5..1e-4).
 """
     )
+    previous = previous_sections()
     for name in FIXTURE_NAMES:
         d = FIXTURES / name
         if not d.exists():
+            continue
+        if name not in results and name in previous:
+            # Not regenerated this time (`--only`): keep its section as it was.
+            parts.append(previous[name])
+            continue
+        if name == "flux_pipeline":
+            parts.append(pipeline_manifest_section(d, results.get(name, {})))
             continue
         extra = results.get(name, {}).get("extra", {})
         cfg = {
@@ -857,7 +1307,12 @@ def write_manifest(results: dict):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--verify", action="store_true", help="reload fixtures from disk and check bit-exact reproduction")
-    ap.add_argument("--only", nargs="*", choices=FIXTURE_NAMES, help="with --verify: restrict to these fixtures")
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        choices=FIXTURE_NAMES,
+        help="restrict generation (other fixtures and their MANIFEST.md sections are kept) or --verify to these",
+    )
     ap.add_argument("--allow-version-mismatch", action="store_true")
     args = ap.parse_args()
     names = args.only or FIXTURE_NAMES
@@ -867,8 +1322,7 @@ def main():
         ok = verify(names)
         print("VERIFY", "OK" if ok else "FAILED")
         sys.exit(0 if ok else 1)
-    if args.only:
-        ap.error("--only is for --verify; generation always rewrites all fixtures and MANIFEST.md")
+    # With --only, only the named fixtures are rewritten; MANIFEST.md keeps the other sections as they were.
     generate(names)
 
 

@@ -11,16 +11,23 @@ use std::process::Stdio;
 
 use crate::{cargo, run, workspace_root};
 
-/// The package whose tests need a GPU.
-const GPU_PACKAGE: &str = "ddo-cuda";
+/// The packages whose tests need a GPU.
+const GPU_PACKAGES: [&str; 2] = ["ddo-cuda", "ddo-vmm"];
+
+/// `-p NAME` for each GPU package.
+fn package_args() -> Vec<&'static str> {
+    GPU_PACKAGES.iter().flat_map(|p| ["-p", *p]).collect()
+}
 
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const BUNDLE_DIR: &str = "gpu-bundle";
 
-/// `cargo test -p ddo-cuda --release -- --test-threads=1`, with a GPU required.
+/// `cargo test -p ddo-cuda -p ddo-vmm --release -- --test-threads=1`, with a GPU required.
 pub fn test_gpu() -> Result<(), String> {
     run(cargo()
-        .args(["test", "-p", GPU_PACKAGE, "--release", "--"])
+        .arg("test")
+        .args(package_args())
+        .args(["--release", "--"])
         .args(["--test-threads=1", "--nocapture"])
         .env("DDO_REQUIRE_GPU", "1"))
 }
@@ -29,7 +36,8 @@ pub fn test_gpu() -> Result<(), String> {
 pub fn bundle() -> Result<(), String> {
     let root = workspace_root();
     let mut cmd = cargo();
-    cmd.args(["test", "--release", "-p", GPU_PACKAGE, "--no-run"])
+    cmd.args(["test", "--release", "--no-run"])
+        .args(package_args())
         .args(["--message-format=json-render-diagnostics"])
         .current_dir(&root)
         .stdout(Stdio::piped())
@@ -44,7 +52,7 @@ pub fn bundle() -> Result<(), String> {
     let stdout = String::from_utf8_lossy(&output.stdout);
     let executables = test_executables(&stdout);
     if executables.is_empty() {
-        return Err("cargo built no test executables for ddo-cuda".into());
+        return Err("cargo built no test executables for the GPU packages".into());
     }
     let dir = root.join(BUNDLE_DIR);
     if dir.exists() {
@@ -53,7 +61,14 @@ pub fn bundle() -> Result<(), String> {
     fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let mut names = Vec::new();
     for exe in &executables {
-        let name = bundle_name(exe);
+        let mut name = bundle_name(exe);
+        // Two packages may each have a `tests/gpu.rs`: keep both.
+        let base = name.clone();
+        let mut n = 2;
+        while names.contains(&name) {
+            name = format!("{base}-{n}");
+            n += 1;
+        }
         let to = dir.join(&name);
         fs::copy(exe, &to)
             .map_err(|e| format!("cannot copy {} to {}: {e}", exe.display(), to.display()))?;

@@ -669,6 +669,10 @@ impl Device for CudaDevice {
         self.shared.id
     }
 
+    fn ops(&self) -> Option<&dyn ddo_core::Ops> {
+        Some(self)
+    }
+
     fn allocator(&self) -> AllocatorKind {
         AllocatorKind::Caching
     }

@@ -25,6 +25,7 @@ pub mod allocator;
 pub mod device;
 mod driver;
 pub mod error;
+mod ops;
 
 pub use allocator::{AllocatorStats, CachingAllocator, StreamKey};
 pub use device::{

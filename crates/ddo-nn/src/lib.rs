@@ -7,13 +7,22 @@
 //! weights at any config), the [`builder`] that turns a model's structure into a component
 //! tree, the shared [`layers`], and the models: `AutoencoderKL`'s decoder, the Flux
 //! transformer, and the T5 and CLIP text encoders.
+//!
+//! On top of the models sits Diffusers' `FluxPipeline` ([`pipeline`]): the flow-matching
+//! Euler [`scheduler`] with Flux's resolution-dependent shift, a documented stand-in
+//! [`tokenizer`], and the phase driver `FluxPipeline::run_phases`, which runs prompt
+//! encoding, denoise and decode on the routes of a `ddo_routes::PipelineOffload` with the
+//! seed's cleanup between phases (the one place this crate uses `ddo-routes`).
 
 pub mod builder;
 pub mod clip;
 pub mod error;
 pub mod flux;
 pub mod layers;
+pub mod pipeline;
+pub mod scheduler;
 pub mod t5;
+pub mod tokenizer;
 pub mod vae;
 pub mod weights;
 

@@ -1,0 +1,472 @@
+//! `ddo bench`: one component of the pipeline under several routes or presets, in one
+//! process, with the same workload: per candidate, a fresh attachment (and, on the host
+//! backend, a fresh device), warm-up forwards, then timed forwards. Prints a table — time
+//! median/min/max, peak device memory (exact), bytes streamed per forward, and the ratio to
+//! the link floor (streamed bytes / the host→device bandwidth measured first, in the same
+//! process) — and writes JSON with `--json` / `--out-json`. No plot yet.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor, ops_of};
+use ddo_metrics::format_bytes;
+use ddo_nn::flux::{FluxInputs, latent_image_ids};
+use ddo_nn::pipeline::{FluxPipeline, gaussian_noise};
+use ddo_routes::{Pipeline, enable_pipeline_offload_with_env};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
+use crate::error::{CliError, CliResult};
+use crate::progress::ProgressBar;
+use crate::run::{build_pipeline, parse_dtype, positive, source_from_args};
+use crate::setup::{DeviceChoice, check_budget, open_device, vram_budget};
+
+/// `ddo bench`'s options.
+pub const OPTIONS: &[OptSpec] = &[
+    opt(
+        "component",
+        "NAME",
+        "transformer (default), vae, text_encoder or text_encoder_2",
+    ),
+    opt(
+        "config",
+        "tiny|flux-dev",
+        "random weights at a named config",
+    ),
+    opt("weights", "DIR", "a Diffusers pipeline folder"),
+    many("route", "ROUTE[:k=v,...]", "a candidate route (repeatable)"),
+    many("preset", "NAME", "a candidate preset (repeatable)"),
+    opt("repeats", "N", "timed forwards per candidate (default 5)"),
+    opt("warmup", "N", "untimed forwards first (default 1)"),
+    opt(
+        "vram-budget",
+        "SIZE",
+        "device memory DDO may use (cpu: each candidate's device capacity)",
+    ),
+    opt("device", "cpu|cuda:N", "execution device (default cpu)"),
+    opt(
+        "height",
+        "PX",
+        "image height of the workload (default 128 for tiny, 1024 otherwise)",
+    ),
+    opt(
+        "width",
+        "PX",
+        "image width of the workload (default 128 for tiny, 1024 otherwise)",
+    ),
+    opt("dtype", "f32|bf16|f16", "weight dtype (as for run)"),
+    opt("out-json", "FILE.json", "also write the JSON there"),
+    flag("json", "print JSON instead of the table"),
+];
+
+/// The candidates when none are given: every route, group offload in its three shapes.
+const DEFAULT_ROUTES: [&str; 5] = [
+    "none",
+    "diffusers_group_offload:offload_type=leaf_level,use_stream=false",
+    "diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+    "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true",
+    "linear_convolution",
+];
+
+/// One candidate's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateResult {
+    /// `--route` or `--preset` text.
+    pub label: String,
+    /// The route and options that ran.
+    pub route: String,
+    /// Timed forwards, seconds.
+    pub seconds: Vec<f64>,
+    /// Median of `seconds`.
+    pub median_seconds: f64,
+    /// Minimum.
+    pub min_seconds: f64,
+    /// Maximum.
+    pub max_seconds: f64,
+    /// Device peak during the timed forwards (allocator, exact).
+    pub peak_bytes: u64,
+    /// Host→device bytes per timed forward.
+    pub streamed_bytes_per_forward: u64,
+    /// `streamed / link bandwidth`, seconds.
+    pub floor_seconds: f64,
+    /// `median / floor` (none when nothing streams).
+    pub ratio_to_floor: Option<f64>,
+    /// Why the candidate did not run.
+    pub error: Option<String>,
+}
+
+enum Candidate {
+    Route(String, RouteSpec),
+    Preset(Preset),
+}
+
+impl Candidate {
+    fn label(&self) -> String {
+        match self {
+            Candidate::Route(text, _) => text.clone(),
+            Candidate::Preset(p) => format!("preset {p}"),
+        }
+    }
+
+    fn settings(&self, component: &str) -> Settings {
+        match self {
+            Candidate::Route(_, spec) => {
+                let mut s = Settings::default();
+                s.component_policies.insert(component.to_string(), *spec);
+                s
+            }
+            Candidate::Preset(p) => Settings {
+                preset: *p,
+                ..Settings::default()
+            },
+        }
+    }
+
+    fn native(&self, component: &str) -> bool {
+        let spec = match self {
+            Candidate::Route(_, s) => *s,
+            Candidate::Preset(p) => ddo_core::resolve::preset_default(
+                *p,
+                &ddo_core::ComponentKind::from_name(component),
+            ),
+        };
+        spec.route_id() == Some(ddo_core::RouteId::NativeVmm)
+    }
+}
+
+/// The component's forward with a fixed workload.
+struct Workload<'a> {
+    pipe: &'a FluxPipeline,
+    component: String,
+    height: usize,
+    width: usize,
+}
+
+impl Workload<'_> {
+    fn component(&self) -> CliResult<Arc<ddo_core::Component>> {
+        self.pipe
+            .components()
+            .into_iter()
+            .find(|c| c.name() == self.component)
+            .ok_or_else(|| {
+                CliError::usage(
+                    format!("this pipeline has no component `{}`", self.component),
+                    format!("components: {}", self.pipe.component_names().join(", ")),
+                )
+            })
+    }
+
+    fn forward(&self, device: &dyn Device) -> ddo_core::Result<()> {
+        let p = self.pipe;
+        let ops = ops_of(device)?;
+        let out: Tensor = match self.component.as_str() {
+            "transformer" => {
+                let c = p.transformer.config();
+                let (h, w) = p.latent_grid(self.height, self.width)?;
+                let img_ids = latent_image_ids(h / 2, w / 2);
+                let tokens = img_ids.len();
+                let text = p.max_sequence_length;
+                let noise = |n: usize, seed: u64| gaussian_noise(seed, n);
+                let inputs = FluxInputs {
+                    hidden_states: Tensor::from_f32(
+                        vec![1, tokens, c.in_channels],
+                        DType::F32,
+                        &noise(tokens * c.in_channels, 1),
+                    )?,
+                    encoder_hidden_states: Tensor::from_f32(
+                        vec![1, text, c.joint_attention_dim],
+                        DType::F32,
+                        &noise(text * c.joint_attention_dim, 2),
+                    )?,
+                    pooled_projections: Tensor::from_f32(
+                        vec![1, c.pooled_projection_dim],
+                        DType::F32,
+                        &noise(c.pooled_projection_dim, 3),
+                    )?,
+                    timestep: vec![0.5],
+                    guidance: c.guidance_embeds.then(|| vec![3.5]),
+                    img_ids,
+                    txt_ids: vec![[0.0; 3]; text],
+                };
+                p.transformer.forward(device, &inputs)?
+            }
+            "vae" => {
+                let (h, w) = p.latent_grid(self.height, self.width)?;
+                let c = p.vae.config().latent_channels;
+                let lat =
+                    ops.tensor_from_f32(&[1, c, h, w], DType::F32, &gaussian_noise(4, c * h * w))?;
+                p.vae.decode(Some(device), &lat, None)?
+            }
+            "text_encoder" | "text_encoder_2" => {
+                let (clip_ids, t5_ids) = p.stand_in_tokens("a photo of a cat")?;
+                match (self.component.as_str(), &p.clip, &p.t5) {
+                    ("text_encoder", Some(c), _) => c.forward(device, &clip_ids)?.pooler_output,
+                    (_, _, Some(t)) => t.forward(device, &t5_ids)?,
+                    _ => {
+                        return Err(ddo_core::CoreError::InvalidOption {
+                            option: "component".into(),
+                            value: self.component.clone(),
+                            hint: "this pipeline has no text encoders".into(),
+                        });
+                    }
+                }
+            }
+            other => {
+                return Err(ddo_core::CoreError::InvalidOption {
+                    option: "component".into(),
+                    value: other.into(),
+                    hint: "use transformer, vae, text_encoder or text_encoder_2".into(),
+                });
+            }
+        };
+        drop(out);
+        device.synchronize()
+    }
+}
+
+/// Host→device bandwidth of `device`, bytes per second: the best of a few pinned copies of
+/// `bytes`.
+fn link_bandwidth(device: &dyn Device, bytes: usize) -> ddo_core::Result<f64> {
+    let src = device.alloc_pinned(bytes)?;
+    let dst = device.alloc(bytes)?;
+    let stream = device.compute_stream();
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let t0 = Instant::now();
+        device.copy_h2d(&src.slice_all(), &dst.slice_all(), &stream)?;
+        device.synchronize_stream(&stream)?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(bytes as f64 / best.max(1e-9))
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+fn candidates(args: &Parsed) -> CliResult<Vec<Candidate>> {
+    let mut out = Vec::new();
+    for r in args.all("route") {
+        let spec: RouteSpec = r.parse().map_err(|e: ddo_core::CoreError| {
+            CliError::usage(
+                format!("--route {r}: {e}"),
+                "write ROUTE or ROUTE:key=value,...",
+            )
+        })?;
+        out.push(Candidate::Route(r.clone(), spec));
+    }
+    for p in args.all("preset") {
+        let preset: Preset = p.parse().map_err(|e: ddo_core::CoreError| {
+            CliError::usage(e.to_string(), "pick one of the presets listed")
+        })?;
+        out.push(Candidate::Preset(preset));
+    }
+    if out.is_empty() {
+        for r in DEFAULT_ROUTES {
+            out.push(Candidate::Route(r.to_string(), r.parse()?));
+        }
+    }
+    Ok(out)
+}
+
+/// Runs `ddo bench` with `argv` (after `bench`).
+pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
+    let args = parse("bench", OPTIONS, argv)?;
+    if let Some(p) = args.positionals.first() {
+        return Err(CliError::usage(
+            format!("unexpected argument `{p}` for `ddo bench`"),
+            "options start with --; see `ddo help bench`",
+        ));
+    }
+    let source = source_from_args(&args)?;
+    let tiny = matches!(&source, crate::run::Source::Config(n) if n == "tiny");
+    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    let side = if tiny { 128 } else { 1024 };
+    let height = positive(&args, "height")?.unwrap_or(side);
+    let width = positive(&args, "width")?.unwrap_or(side);
+    let repeats = positive(&args, "repeats")?.unwrap_or(5);
+    let warmup = args
+        .parse::<usize>("warmup", "a whole number")?
+        .unwrap_or(1);
+    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
+    let budget = vram_budget(&args)?;
+    let list = candidates(&args)?;
+    let out_json = args.get("out-json").map(PathBuf::from);
+
+    let mut bar = ProgressBar::new();
+    let (pipe, model_label) = build_pipeline(&source, dtype, None, &mut bar)?;
+    let workload = Workload {
+        pipe: &pipe,
+        component: args.get("component").unwrap_or("transformer").to_string(),
+        height,
+        width,
+    };
+    let component = workload.component()?;
+    pipe.latent_grid(height, width)?;
+
+    // A CUDA device is opened once and shared; the host backend gets a fresh one per
+    // candidate (its allocator kind is fixed at creation).
+    let shared = match device_choice {
+        DeviceChoice::Cuda(_) => Some(open_device(device_choice, budget, false)?),
+        DeviceChoice::Cpu => None,
+    };
+    let device_for = |native: bool| -> CliResult<Arc<dyn Device>> {
+        match &shared {
+            Some(d) => Ok(Arc::clone(d)),
+            None => open_device(DeviceChoice::Cpu, budget, native),
+        }
+    };
+    let probe = device_for(false)?;
+    let capacity = probe.memory_info().capacity;
+    if let Some(b) = budget.or((capacity > 0).then_some(capacity)) {
+        check_budget(b, std::slice::from_ref(&component))?;
+    }
+    let link_bytes = (component.param_bytes() as usize).clamp(1 << 20, 256 << 20);
+    let bandwidth = link_bandwidth(&*probe, link_bytes)?;
+    drop(probe);
+
+    // Candidates are explicit: the environment is never read (use_environment is false).
+    let env = ddo_core::MapEnvironment::default();
+    let name = component.name().to_string();
+    let mut results = Vec::new();
+    for (k, cand) in list.iter().enumerate() {
+        bar.update("bench", k, list.len());
+        let label = cand.label();
+        let outcome = (|| -> CliResult<CandidateResult> {
+            let device = device_for(cand.native(&name))?;
+            let pipeline = Pipeline::new(vec![Arc::clone(&component)])?;
+            let mut offload = enable_pipeline_offload_with_env(
+                &pipeline,
+                Arc::clone(&device),
+                &cand.settings(&name),
+                &env,
+            )?;
+            let route = offload.handle(&name)?.spec().describe();
+            let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
+                for _ in 0..warmup {
+                    workload.forward(&*device)?;
+                }
+                let before = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
+                device.reset_peak();
+                let mut seconds = Vec::with_capacity(repeats);
+                for _ in 0..repeats {
+                    let t0 = Instant::now();
+                    workload.forward(&*device)?;
+                    seconds.push(t0.elapsed().as_secs_f64());
+                }
+                let peak = device.memory_info().peak_allocated;
+                let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
+                Ok((seconds, peak, (after - before) / repeats as u64))
+            })();
+            let _ = offload.release(&name);
+            let (seconds, peak, streamed) = run?;
+            let med = median(&seconds);
+            let floor = streamed as f64 / bandwidth;
+            Ok(CandidateResult {
+                label: label.clone(),
+                route,
+                median_seconds: med,
+                min_seconds: seconds.iter().copied().fold(f64::MAX, f64::min),
+                max_seconds: seconds.iter().copied().fold(0.0, f64::max),
+                seconds,
+                peak_bytes: peak,
+                streamed_bytes_per_forward: streamed,
+                floor_seconds: floor,
+                ratio_to_floor: (streamed > 0).then(|| med / floor.max(1e-12)),
+                error: None,
+            })
+        })();
+        results.push(outcome.unwrap_or_else(|e| CandidateResult {
+            label,
+            route: String::new(),
+            seconds: Vec::new(),
+            median_seconds: 0.0,
+            min_seconds: 0.0,
+            max_seconds: 0.0,
+            peak_bytes: 0,
+            streamed_bytes_per_forward: 0,
+            floor_seconds: 0.0,
+            ratio_to_floor: None,
+            error: Some(e.message),
+        }));
+    }
+    bar.finish();
+
+    let device_label = match device_choice {
+        DeviceChoice::Cpu => "host (a fresh host device per candidate)".to_string(),
+        DeviceChoice::Cuda(n) => format!("cuda:{n}"),
+    };
+    let value = json!({
+        "command": "bench",
+        "model": model_label,
+        "component": name,
+        "device": device_label,
+        "height": height,
+        "width": width,
+        "repeats": repeats,
+        "warmup": warmup,
+        "link_bytes_per_sec": bandwidth,
+        "candidates": results,
+    });
+    let json_text = serde_json::to_string_pretty(&value).unwrap_or_default() + "\n";
+    if let Some(p) = &out_json {
+        std::fs::write(p, &json_text).map_err(|e| {
+            CliError::runtime(
+                format!("cannot write {}: {e}", p.display()),
+                "check the directory",
+            )
+        })?;
+    }
+    let text = if args.flag("json") {
+        json_text
+    } else {
+        let mut s = format!(
+            "ddo bench: {name} of {model_label} on {device_label}, {width}x{height} px, {repeats} timed forwards ({warmup} warm-up)\n\
+             link floor: host->device {:.2} GB/s measured in this process\n\n",
+            bandwidth / 1e9
+        );
+        let lw = results
+            .iter()
+            .map(|r| r.label.len())
+            .max()
+            .unwrap_or(9)
+            .max(9);
+        s += &format!(
+            "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8}\n",
+            "candidate", "median", "min", "max", "peak", "streamed/fwd", "floor", "x floor"
+        );
+        let ms = |v: f64| format!("{:.2} ms", v * 1e3);
+        for r in &results {
+            if let Some(e) = &r.error {
+                s += &format!("{:<lw$} refused: {e}\n", r.label);
+                continue;
+            }
+            s += &format!(
+                "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8}\n",
+                r.label,
+                ms(r.median_seconds),
+                ms(r.min_seconds),
+                ms(r.max_seconds),
+                format_bytes(r.peak_bytes),
+                format_bytes(r.streamed_bytes_per_forward),
+                ms(r.floor_seconds),
+                r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}"))
+            );
+        }
+        if let Some(p) = &out_json {
+            s += &format!("\nwrote {}\n", p.display());
+        }
+        s
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))
+}

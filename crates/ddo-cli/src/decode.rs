@@ -1,0 +1,223 @@
+//! `ddo decode`: decodes saved latents (tensor `latents`, NCHW, as `AutoencoderKL.decode`
+//! takes them: already divided by the scaling factor and shifted) with a VAE folder, under
+//! the same preset/route options as `ddo run`, into a PNG or a safetensors file (`sample`,
+//! f32 NCHW in about [-1, 1]).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use ddo_metrics::format_bytes;
+use ddo_nn::pipeline::{TiledDecode, plan_decode};
+use ddo_nn::vae::AutoencoderKL;
+use ddo_routes::{OffloadOptions, enable_offload_with_env};
+use serde_json::json;
+
+use crate::args::{OptSpec, flag, many, opt, parse};
+use crate::error::{CliError, CliResult};
+use crate::io::{HostTensor, OutputKind, output_kind, read_tensor, write_png, write_safetensors};
+use crate::run::parse_dtype;
+use crate::setup::{
+    DeviceChoice, Routing, check_budget, needs_native_allocator, open_device, vram_budget,
+};
+
+/// `ddo decode`'s options.
+pub const OPTIONS: &[OptSpec] = &[
+    opt(
+        "weights",
+        "VAE_DIR",
+        "the VAE folder (config.json + safetensors), or a pipeline folder with vae/",
+    ),
+    opt(
+        "latents",
+        "FILE.safetensors",
+        "tensor `latents` [1, C, h, w], unscaled as AutoencoderKL.decode takes it",
+    ),
+    opt(
+        "out",
+        "OUT.png|OUT.safetensors",
+        "the image, or the decoded tensor `sample` (f32 NCHW)",
+    ),
+    opt(
+        "preset",
+        "NAME",
+        "preset (the VAE column of the seed's table)",
+    ),
+    many(
+        "route",
+        "vae=ROUTE[:k=v,...]",
+        "an explicit route for the VAE",
+    ),
+    opt("vram-budget", "SIZE", "device memory DDO may use"),
+    opt("device", "cpu|cuda:N", "execution device (default cpu)"),
+    opt("tiled-decode", "on|off|auto", "tiled decode (default auto)"),
+    opt(
+        "dtype",
+        "f32|bf16|f16",
+        "convert the weights on load (default: as stored)",
+    ),
+    flag("json", "print the profile as JSON"),
+    flag("no-env", "do not read DDO_PRESET / DDO_VAE_ROUTE"),
+];
+
+/// The VAE folder: `dir` itself, or `dir/vae` for a pipeline folder.
+fn vae_dir(dir: &Path) -> PathBuf {
+    if !dir.join("config.json").is_file() && dir.join("vae").join("config.json").is_file() {
+        dir.join("vae")
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+/// Runs `ddo decode` with `argv` (after `decode`).
+pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
+    let started = Instant::now();
+    let args = parse("decode", OPTIONS, argv)?;
+    if let Some(p) = args.positionals.first() {
+        return Err(CliError::usage(
+            format!("unexpected argument `{p}` for `ddo decode`"),
+            "options start with --; see `ddo help decode`",
+        ));
+    }
+    let need = |name: &str, example: &str| {
+        args.get(name).map(PathBuf::from).ok_or_else(|| {
+            CliError::usage(
+                format!("ddo decode needs --{name}"),
+                format!("add --{name} {example}"),
+            )
+        })
+    };
+    let weights = need("weights", "VAE_DIR")?;
+    let latents_path = need("latents", "FILE.safetensors")?;
+    let out_path = need("out", "OUT.png")?;
+    let out_kind = output_kind(&out_path)?;
+    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    let tiled: TiledDecode = match args.get("tiled-decode") {
+        Some(t) => t.parse().map_err(|_| {
+            CliError::usage(
+                format!("invalid --tiled-decode `{t}`"),
+                "use on, off or auto",
+            )
+        })?,
+        None => TiledDecode::Auto,
+    };
+    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
+    let budget = vram_budget(&args)?;
+    let routing = Routing::from_args(&args, &["vae".to_string()])?;
+    let explanation = routing.explain("vae")?;
+
+    let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
+    let dir = vae_dir(&weights);
+    let vae = AutoencoderKL::load(&dir, dtype)
+        .map_err(|e| CliError::from(e).context(&format!("--weights {}", weights.display())))?;
+    let c = vae.config().latent_channels;
+    if !matches!(latents.shape.as_slice(), [1, cc, h, w] if *cc == c && *h > 0 && *w > 0) {
+        return Err(CliError::usage(
+            format!(
+                "--latents {}: shape {:?}",
+                latents_path.display(),
+                latents.shape
+            ),
+            format!("this VAE decodes latents [1, {c}, h, w] (NCHW, batch 1)"),
+        ));
+    }
+
+    let device = open_device(
+        device_choice,
+        budget,
+        needs_native_allocator(std::slice::from_ref(&explanation)),
+    )?;
+    let capacity = device.memory_info().capacity;
+    let effective_budget = budget.or((capacity > 0).then_some(capacity));
+    if let Some(b) = effective_budget {
+        check_budget(b, std::slice::from_ref(vae.component()))?;
+    }
+    let options = OffloadOptions {
+        component_name: Some("vae".into()),
+        route: routing.routes.get("vae").copied(),
+        settings: routing.settings(),
+    };
+    let mut handle = enable_offload_with_env(
+        vae.component(),
+        device.clone(),
+        &options,
+        &routing.environment(),
+    )
+    .map_err(|e| CliError::from(e).context("attaching the VAE's route"))?;
+    let weights_on_device = match handle.target() {
+        ddo_core::RouteTarget::Unmanaged
+        | ddo_core::RouteTarget::Route(ddo_core::RouteId::Resident) => {
+            if handle.target() == ddo_core::RouteTarget::Unmanaged {
+                vae.component()
+                    .to_device(&*device, &device.compute_stream())?;
+            }
+            0
+        }
+        _ => vae
+            .component()
+            .largest_leaf()
+            .map_or(0, |l| l.param_bytes()),
+    };
+    let available = effective_budget.map(|b| {
+        b.saturating_sub(device.memory_info().allocated)
+            .saturating_sub(weights_on_device)
+    });
+    let plan = plan_decode(vae.config(), &latents.shape, vae.dtype(), tiled, available);
+    let t0 = Instant::now();
+    let input = latents.to_tensor()?;
+    let dev = device.clone();
+    let decoded = handle.cleanup_on_error(|_| {
+        let image = vae.decode(Some(&*dev), &input, plan.tiling)?;
+        let values = image.to_f32_vec(&*dev, &dev.compute_stream())?;
+        Ok(HostTensor {
+            shape: image.shape().to_vec(),
+            values,
+        })
+    })?;
+    let seconds = t0.elapsed().as_secs_f64();
+    if handle.target() == ddo_core::RouteTarget::Unmanaged {
+        vae.component().to_host()?;
+    }
+    let peak = handle.end_phase("decode")?;
+    match out_kind {
+        OutputKind::Png => write_png(&out_path, &decoded)?,
+        OutputKind::Safetensors => write_safetensors(&out_path, &[("sample", &decoded)])?,
+    }
+    let snapshot = handle.metrics_snapshot();
+    let text = if args.flag("json") {
+        let v = json!({
+            "command": "decode",
+            "weights": dir.display().to_string(),
+            "device": device.id().to_string(),
+            "vram_budget_bytes": effective_budget,
+            "latents_shape": latents.shape,
+            "image_shape": decoded.shape,
+            "component": explanation,
+            "decode": plan,
+            "seconds": seconds,
+            "peak_bytes": peak.allocator_peak_bytes,
+            "end_bytes": peak.allocator_end_bytes,
+            "metrics": snapshot,
+            "output": out_path.display().to_string(),
+            "total_seconds": started.elapsed().as_secs_f64(),
+        });
+        serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+    } else {
+        format!(
+            "ddo decode: {} on {}, budget {}\n  vae: {} (decided by {})\n  decode {:?} -> {:?}: {:.1} ms, peak {} (exact); {}\nwrote {}\n",
+            dir.display(),
+            device.id(),
+            effective_budget.map_or("none".into(), format_bytes),
+            snapshot.route_options,
+            explanation.source.route,
+            latents.shape,
+            decoded.shape,
+            seconds * 1e3,
+            format_bytes(peak.allocator_peak_bytes),
+            plan.reason,
+            out_path.display()
+        )
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
+}

@@ -1,0 +1,477 @@
+//! `ddo inspect PATH`: reads safetensors headers only (never the weights): for a file, a
+//! component folder or a Diffusers pipeline folder (sharded indexes included), each
+//! component's tensors, parameter count and bytes by dtype, its largest leaf, and what each
+//! preset would keep resident and stream per forward under a `--vram-budget`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use ddo_core::resolve::preset_default;
+use ddo_core::{Budget, ComponentKind, Preset, RouteId, RouteTarget};
+use ddo_metrics::format_bytes;
+use serde::Serialize;
+
+use crate::args::{OptSpec, flag, opt, parse};
+use crate::error::{CliError, CliResult};
+use crate::setup::{DEFAULT_HOST_CAPACITY, vram_budget};
+
+/// `ddo inspect`'s options.
+pub const OPTIONS: &[OptSpec] = &[
+    opt(
+        "vram-budget",
+        "SIZE",
+        "the budget the preset table assumes (default 8GiB)",
+    ),
+    flag("json", "print as JSON"),
+];
+
+/// Largest header `inspect` reads (safetensors headers are JSON of a few MB at most).
+const MAX_HEADER: u64 = 100 << 20;
+
+/// Per-dtype totals.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DtypeTotals {
+    /// Tensors.
+    pub tensors: u64,
+    /// Elements.
+    pub params: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One component, from its headers.
+#[derive(Debug, Clone, Serialize)]
+pub struct ComponentSummary {
+    /// Name (the folder's, or the file's).
+    pub component: String,
+    /// `_class_name` or `architectures[0]` of config.json, when there is one.
+    pub class: Option<String>,
+    /// Weight files read.
+    pub files: Vec<String>,
+    /// Tensors.
+    pub tensors: u64,
+    /// Elements.
+    pub params: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Totals by dtype (`F32`, `BF16`, ...).
+    pub by_dtype: BTreeMap<String, DtypeTotals>,
+    /// Leaves (tensors grouped by module: the name without its last segment).
+    pub leaves: u64,
+    /// The largest leaf: module name and bytes.
+    pub largest_leaf: Option<(String, u64)>,
+}
+
+/// What one preset does with one component under the budget.
+#[derive(Debug, Clone, Serialize)]
+pub struct PresetPlan {
+    /// Component.
+    pub component: String,
+    /// Route (`unmanaged` for preset off).
+    pub route: String,
+    /// Weight bytes kept on the device between forwards.
+    pub resident_bytes: u64,
+    /// Weight bytes copied to the device per forward.
+    pub streamed_bytes_per_forward: u64,
+    /// Weight bytes on the device at once during a forward (estimate).
+    pub peak_weight_bytes: u64,
+    /// A remark (does not fit, allocator needed, ...).
+    pub note: String,
+}
+
+struct TensorInfo {
+    name: String,
+    dtype: String,
+    params: u64,
+    bytes: u64,
+}
+
+fn read_header(path: &Path) -> CliResult<Vec<TensorInfo>> {
+    let bad = |message: String| {
+        CliError::runtime(
+            format!("{}: {message}", path.display()),
+            "check that it is a safetensors file (re-download or re-export it)",
+        )
+    };
+    let mut f = File::open(path).map_err(|e| {
+        CliError::runtime(
+            format!("cannot read {}: {e}", path.display()),
+            "check the path and permissions",
+        )
+    })?;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| bad("shorter than a safetensors header".into()))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || n + 8 > len {
+        return Err(bad(format!(
+            "header length {n} does not fit the file ({len} B)"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| bad(format!("cannot read the header: {e}")))?;
+    let json: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let mut out = Vec::new();
+    for (name, v) in json {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = v["dtype"].as_str().unwrap_or("?").to_string();
+        let params = v["shape"]
+            .as_array()
+            .map(|s| s.iter().filter_map(|d| d.as_u64()).product())
+            .unwrap_or(0);
+        let bytes = match v["data_offsets"].as_array().map(Vec::as_slice) {
+            Some([a, b]) => b
+                .as_u64()
+                .unwrap_or(0)
+                .saturating_sub(a.as_u64().unwrap_or(0)),
+            _ => return Err(bad(format!("tensor `{name}` has no data_offsets"))),
+        };
+        out.push(TensorInfo {
+            name,
+            dtype,
+            params,
+            bytes,
+        });
+    }
+    Ok(out)
+}
+
+/// The weight files of a component folder: an index's shards, or the `.safetensors` files.
+fn weight_files(dir: &Path) -> CliResult<Vec<PathBuf>> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| {
+            CliError::runtime(
+                format!("cannot read {}: {e}", dir.display()),
+                "check the path and permissions",
+            )
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    entries.sort();
+    if let Some(index) = entries
+        .iter()
+        .find(|p| p.to_string_lossy().ends_with(".safetensors.index.json"))
+    {
+        return index_shards(index);
+    }
+    let all: Vec<PathBuf> = entries
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    // Diffusers / Transformers weight names (single or shards) when present; other
+    // safetensors files beside them (inputs, outputs, ...) are not weights.
+    let named: Vec<PathBuf> = all
+        .iter()
+        .filter(|p| {
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.starts_with("diffusion_pytorch_model") || n.starts_with("model")
+            })
+        })
+        .cloned()
+        .collect();
+    Ok(if named.is_empty() { all } else { named })
+}
+
+fn index_shards(index: &Path) -> CliResult<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index)
+        .map_err(|e| CliError::runtime(format!("cannot read {}: {e}", index.display()), ""))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        CliError::runtime(
+            format!("{} is not JSON: {e}", index.display()),
+            "re-download or re-export the sharded index",
+        )
+    })?;
+    let Some(map) = json["weight_map"].as_object() else {
+        return Err(CliError::runtime(
+            format!("{} has no weight_map", index.display()),
+            "re-download or re-export the sharded index",
+        ));
+    };
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut shards: Vec<PathBuf> = map
+        .values()
+        .filter_map(|v| v.as_str())
+        .map(|f| dir.join(f))
+        .collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
+}
+
+fn class_of(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    json["_class_name"]
+        .as_str()
+        .or_else(|| json["architectures"][0].as_str())
+        .map(str::to_string)
+}
+
+fn summarize(
+    component: String,
+    class: Option<String>,
+    files: &[PathBuf],
+) -> CliResult<ComponentSummary> {
+    let mut s = ComponentSummary {
+        component,
+        class,
+        files: files.iter().map(|f| f.display().to_string()).collect(),
+        tensors: 0,
+        params: 0,
+        bytes: 0,
+        by_dtype: BTreeMap::new(),
+        leaves: 0,
+        largest_leaf: None,
+    };
+    let mut leaves: BTreeMap<String, u64> = BTreeMap::new();
+    for f in files {
+        for t in read_header(f)? {
+            s.tensors += 1;
+            s.params += t.params;
+            s.bytes += t.bytes;
+            let d = s.by_dtype.entry(t.dtype.clone()).or_default();
+            d.tensors += 1;
+            d.params += t.params;
+            d.bytes += t.bytes;
+            let module = t.name.rsplit_once('.').map_or(t.name.as_str(), |(m, _)| m);
+            *leaves.entry(module.to_string()).or_default() += t.bytes;
+        }
+    }
+    s.leaves = leaves.len() as u64;
+    s.largest_leaf = leaves.into_iter().max_by_key(|(_, b)| *b);
+    Ok(s)
+}
+
+/// The components under `path`.
+pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
+    let name_of = |p: &Path| {
+        p.file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| p.display().to_string())
+    };
+    if path.is_file() {
+        let text = path.to_string_lossy();
+        let files = if text.ends_with(".index.json") {
+            index_shards(path)?
+        } else {
+            vec![path.to_path_buf()]
+        };
+        let parent = path.parent().unwrap_or(Path::new("."));
+        let stem = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let generic = stem.starts_with("diffusion_pytorch_model") || stem.starts_with("model.");
+        let name = if generic && parent.file_name().is_some() {
+            name_of(parent)
+        } else {
+            stem.trim_end_matches(".safetensors").to_string()
+        };
+        return Ok(vec![summarize(name, class_of(parent), &files)?]);
+    }
+    if !path.is_dir() {
+        return Err(CliError::runtime(
+            format!("{}: no such file or folder", path.display()),
+            "give a .safetensors file, a model folder or a Diffusers pipeline folder",
+        ));
+    }
+    // A model folder (config.json beside the weights) is one component; a pipeline folder
+    // (model_index.json, or sub-folders with weights) is one component per sub-folder.
+    let pipeline = path.join("model_index.json").is_file();
+    if !pipeline && path.join("config.json").is_file() {
+        let own = weight_files(path)?;
+        if !own.is_empty() {
+            return Ok(vec![summarize(name_of(path), class_of(path), &own)?]);
+        }
+    }
+    let mut subdirs: Vec<PathBuf> = std::fs::read_dir(path)
+        .map_err(|e| CliError::runtime(format!("cannot read {}: {e}", path.display()), ""))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect();
+    subdirs.sort();
+    let mut out = Vec::new();
+    for d in subdirs {
+        let files = weight_files(&d)?;
+        if !files.is_empty() {
+            out.push(summarize(name_of(&d), class_of(&d), &files)?);
+        }
+    }
+    if out.is_empty() && !pipeline {
+        let own = weight_files(path)?;
+        if !own.is_empty() {
+            return Ok(vec![summarize(name_of(path), class_of(path), &own)?]);
+        }
+    }
+    if out.is_empty() {
+        return Err(CliError::runtime(
+            format!("{}: no safetensors weights found", path.display()),
+            "give a .safetensors file, a model folder (config.json + weights) or a pipeline folder",
+        ));
+    }
+    Ok(out)
+}
+
+/// What `preset` does with `c` under `budget` (estimate from the headers).
+pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> PresetPlan {
+    let spec = preset_default(preset, &ComponentKind::from_name(&c.component));
+    let leaf = c.largest_leaf.as_ref().map_or(0, |(_, b)| *b);
+    let (resident, streamed, peak, note) = match spec.target() {
+        RouteTarget::Unmanaged => (
+            c.bytes,
+            0,
+            c.bytes,
+            "unmanaged: the caller places the weights".to_string(),
+        ),
+        RouteTarget::Route(RouteId::Resident) => {
+            let note = if c.bytes > budget {
+                format!(
+                    "does not fit the {} budget: preflight refuses",
+                    format_bytes(budget)
+                )
+            } else {
+                String::new()
+            };
+            (c.bytes, 0, c.bytes, note)
+        }
+        RouteTarget::Route(RouteId::DiffusersGroupOffload) => {
+            let cfg = spec.group_offload_config();
+            let at_once = if cfg.use_stream { 2 * leaf } else { leaf };
+            let note = if cfg.use_stream {
+                "one leaf on the device, the next prefetched"
+            } else {
+                "one leaf on the device at a time"
+            };
+            (0, c.bytes, at_once, note.to_string())
+        }
+        RouteTarget::Route(RouteId::LinearConvolution) => {
+            (0, c.bytes, leaf, "zero residency".to_string())
+        }
+        RouteTarget::Route(RouteId::NativeVmm) => {
+            let b = spec
+                .options()
+                .budget
+                .unwrap_or(ddo_route_native_vmm::DEFAULT_BUDGET);
+            let room = match b {
+                Budget::Bytes(n) => n.min(budget),
+                Budget::FreeMinus(m) => budget.saturating_sub(m),
+            };
+            let resident = c.bytes.min(room);
+            let streamed = c.bytes - resident;
+            (
+                resident,
+                streamed,
+                resident + if streamed > 0 { 2 * leaf } else { 0 },
+                "needs the native allocator installed at start-up".to_string(),
+            )
+        }
+    };
+    PresetPlan {
+        component: c.component.clone(),
+        route: spec.describe(),
+        resident_bytes: resident,
+        streamed_bytes_per_forward: streamed,
+        peak_weight_bytes: peak,
+        note,
+    }
+}
+
+/// Runs `ddo inspect` with `argv` (after `inspect`).
+pub fn inspect(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
+    let args = parse("inspect", OPTIONS, argv)?;
+    let path = match args.positionals.as_slice() {
+        [p] => PathBuf::from(p),
+        [] => {
+            return Err(CliError::usage(
+                "ddo inspect needs a PATH",
+                "write ddo inspect PATH (a .safetensors file, a model folder or a pipeline folder)",
+            ));
+        }
+        more => {
+            return Err(CliError::usage(
+                format!("ddo inspect takes one PATH, got {}", more.len()),
+                "inspect one path at a time",
+            ));
+        }
+    };
+    let budget = vram_budget(&args)?.unwrap_or(DEFAULT_HOST_CAPACITY);
+    let comps = components(&path)?;
+    let presets: Vec<(Preset, Vec<PresetPlan>)> = Preset::ALL
+        .iter()
+        .map(|&p| (p, comps.iter().map(|c| preset_plan(p, c, budget)).collect()))
+        .collect();
+    let text = if args.flag("json") {
+        let v = serde_json::json!({
+            "path": path.display().to_string(),
+            "components": comps,
+            "vram_budget_bytes": budget,
+            "presets": presets.iter().map(|(p, plans)| serde_json::json!({
+                "preset": p.as_str(),
+                "resolved_preset": p.resolved().as_str(),
+                "components": plans,
+            })).collect::<Vec<_>>(),
+        });
+        serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+    } else {
+        let mut s = format!("{} (headers only)\n\n", path.display());
+        s += &format!(
+            "{:<16} {:<26} {:>8} {:>14} {:>12}  {}\n",
+            "component", "class", "tensors", "params", "bytes", "by dtype; largest leaf"
+        );
+        for c in &comps {
+            let dtypes: Vec<String> = c
+                .by_dtype
+                .iter()
+                .map(|(d, t)| format!("{d} {}", format_bytes(t.bytes)))
+                .collect();
+            let leaf = c.largest_leaf.as_ref().map_or(String::new(), |(n, b)| {
+                format!("; {n} {}", format_bytes(*b))
+            });
+            s += &format!(
+                "{:<16} {:<26} {:>8} {:>14} {:>12}  {}{leaf}\n",
+                c.component,
+                c.class.as_deref().unwrap_or("-"),
+                c.tensors,
+                c.params,
+                format_bytes(c.bytes),
+                dtypes.join(", ")
+            );
+        }
+        s += &format!(
+            "\nper preset, with a {} budget (estimates from the headers):\n",
+            format_bytes(budget)
+        );
+        s += &format!(
+            "{:<14} {:<16} {:>11} {:>13}  {}\n",
+            "preset", "component", "resident", "streamed/fwd", "route (note)"
+        );
+        for (p, plans) in &presets {
+            for (i, plan) in plans.iter().enumerate() {
+                let note = if plan.note.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", plan.note)
+                };
+                s += &format!(
+                    "{:<14} {:<16} {:>11} {:>13}  {}{note}\n",
+                    if i == 0 { p.as_str() } else { "" },
+                    plan.component,
+                    format_bytes(plan.resident_bytes),
+                    format_bytes(plan.streamed_bytes_per_forward),
+                    plan.route,
+                );
+            }
+        }
+        s
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))
+}

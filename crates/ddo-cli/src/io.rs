@@ -1,0 +1,201 @@
+//! Files the command reads and writes: images as PNG (Diffusers' post-processing:
+//! `(x / 2 + 0.5)` clamped to [0, 1], × 255, rounded), tensors as safetensors (f32), and
+//! latents in the layouts `ddo run` and `ddo decode` exchange.
+
+use std::path::Path;
+
+use ddo_core::{DType, Tensor};
+use safetensors::tensor::TensorView;
+
+use crate::error::{CliError, CliResult};
+
+/// An f32 tensor on the host: shape and values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub values: Vec<f32>,
+}
+
+impl HostTensor {
+    /// From a host [`Tensor`] (any float dtype).
+    pub fn from_tensor(t: &Tensor) -> CliResult<Self> {
+        Ok(Self {
+            shape: t.shape().to_vec(),
+            values: t.host_f32()?,
+        })
+    }
+
+    /// As a host [`Tensor`] of f32.
+    pub fn to_tensor(&self) -> CliResult<Tensor> {
+        Ok(Tensor::from_f32(
+            self.shape.clone(),
+            DType::F32,
+            &self.values,
+        )?)
+    }
+}
+
+/// Reads tensor `name` (or the first of `names` present) of a safetensors file as f32.
+pub fn read_tensor(path: &Path, names: &[&str], option: &str) -> CliResult<HostTensor> {
+    if !path.is_file() {
+        return Err(CliError::runtime(
+            format!("{option} {}: no such file", path.display()),
+            "give the path of a .safetensors file",
+        ));
+    }
+    let mut last = None;
+    for name in names {
+        match ddo_nn::read_f32_tensor(path, name) {
+            Ok((shape, values)) => return Ok(HostTensor { shape, values }),
+            Err(ddo_nn::LoadError::MissingTensor { .. }) => continue,
+            Err(e) => {
+                last = Some(CliError::from(e).context(option));
+                break;
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        CliError::runtime(
+            format!(
+                "{option} {}: no tensor named {}",
+                path.display(),
+                names.join(" or ")
+            ),
+            format!("save the tensor under the name `{}`", names[0]),
+        )
+    }))
+}
+
+/// Writes f32 tensors to a safetensors file.
+pub fn write_safetensors(path: &Path, tensors: &[(&str, &HostTensor)]) -> CliResult<()> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, t)| t.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let mut views = Vec::new();
+    for ((name, t), b) in tensors.iter().zip(&bytes) {
+        let view = TensorView::new(safetensors::Dtype::F32, t.shape.clone(), b)
+            .map_err(|e| CliError::runtime(format!("cannot encode tensor `{name}`: {e}"), ""))?;
+        views.push((name.to_string(), view));
+    }
+    let data = safetensors::tensor::serialize(views, None)
+        .map_err(|e| CliError::runtime(format!("cannot encode safetensors: {e}"), ""))?;
+    write_file(path, &data)
+}
+
+fn write_file(path: &Path, data: &[u8]) -> CliResult<()> {
+    std::fs::write(path, data).map_err(|e| {
+        CliError::runtime(
+            format!("cannot write {}: {e}", path.display()),
+            "check that the directory exists and is writable",
+        )
+    })
+}
+
+/// The 8-bit RGB pixels of image `[1, 3, H, W]` (values about [-1, 1]) as Diffusers'
+/// `VaeImageProcessor.postprocess` + `numpy_to_pil` make them.
+pub fn image_to_rgb8(image: &HostTensor) -> CliResult<(u32, u32, Vec<u8>)> {
+    let &[1, c, h, w] = image.shape.as_slice() else {
+        return Err(CliError::runtime(
+            format!("the decoded image has shape {:?}", image.shape),
+            "expected [1, 3, H, W]",
+        ));
+    };
+    if c != 3 && c != 1 {
+        return Err(CliError::runtime(
+            format!("the decoded image has {c} channels"),
+            "PNG output needs 1 or 3 channels; write .safetensors instead",
+        ));
+    }
+    let mut rgb = Vec::with_capacity(h * w * 3);
+    for y in 0..h {
+        for x in 0..w {
+            for ch in 0..3 {
+                let plane = if c == 1 { 0 } else { ch };
+                let v = image.values[(plane * h + y) * w + x];
+                let v = (v / 2.0 + 0.5).clamp(0.0, 1.0);
+                rgb.push((v * 255.0).round() as u8);
+            }
+        }
+    }
+    Ok((w as u32, h as u32, rgb))
+}
+
+/// Writes image `[1, 3, H, W]` as an 8-bit RGB PNG.
+pub fn write_png(path: &Path, image: &HostTensor) -> CliResult<()> {
+    let (w, h, rgb) = image_to_rgb8(image)?;
+    let mut out = Vec::new();
+    {
+        let mut encoder = png::Encoder::new(&mut out, w, h);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder
+            .write_header()
+            .map_err(|e| CliError::runtime(format!("PNG encoding failed: {e}"), ""))?;
+        writer
+            .write_image_data(&rgb)
+            .map_err(|e| CliError::runtime(format!("PNG encoding failed: {e}"), ""))?;
+    }
+    write_file(path, &out)
+}
+
+/// How an output path is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputKind {
+    /// `.png`.
+    Png,
+    /// `.safetensors`.
+    Safetensors,
+}
+
+/// The output kind of `path`, from its extension.
+pub fn output_kind(path: &Path) -> CliResult<OutputKind> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some(e) if e.eq_ignore_ascii_case("png") => Ok(OutputKind::Png),
+        Some("safetensors") => Ok(OutputKind::Safetensors),
+        _ => Err(CliError::usage(
+            format!("--out {}: unknown output type", path.display()),
+            "end the name in .png (an image) or .safetensors (the decoded tensor `sample`, f32 NCHW)",
+        )),
+    }
+}
+
+/// FluxPipeline's `_unpack_latents` on the host: `[1, (h/2)(w/2), 4c]` → `[1, c, h, w]`.
+pub fn unpack_host(packed: &HostTensor, h: usize, w: usize) -> CliResult<HostTensor> {
+    let &[1, tokens, c4] = packed.shape.as_slice() else {
+        return Err(CliError::runtime(
+            format!("packed latents have shape {:?}", packed.shape),
+            "expected [1, tokens, 4 x channels]",
+        ));
+    };
+    if tokens != (h / 2) * (w / 2) || c4 % 4 != 0 {
+        return Err(CliError::runtime(
+            format!(
+                "packed latents {:?} do not fit a {h}x{w} grid",
+                packed.shape
+            ),
+            "",
+        ));
+    }
+    let c = c4 / 4;
+    let mut out = vec![0.0f32; c * h * w];
+    for r in 0..h / 2 {
+        for col in 0..w / 2 {
+            let token = r * (w / 2) + col;
+            for ch in 0..c {
+                for dy in 0..2 {
+                    for dx in 0..2 {
+                        let v = packed.values[token * c4 + ch * 4 + dy * 2 + dx];
+                        out[(ch * h + 2 * r + dy) * w + 2 * col + dx] = v;
+                    }
+                }
+            }
+        }
+    }
+    Ok(HostTensor {
+        shape: vec![1, c, h, w],
+        values: out,
+    })
+}

@@ -1,0 +1,635 @@
+//! `ddo run`: the Flux pipeline in phases (prompt encoding, denoise, decode) under a
+//! preset and per-component routes, with the seed's cleanup between phases, writing the
+//! image and printing each phase's route, time and peak from the handles' metrics.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use ddo_core::DType;
+use ddo_metrics::format_bytes;
+use ddo_nn::pipeline::{
+    FluxPipeline, FluxPipelineConfig, InitLatents, PipelineRequest, PipelineRun, PromptEmbeds,
+    PromptInput, TiledDecode,
+};
+use ddo_routes::enable_pipeline_offload_with_env;
+use serde_json::{Value, json};
+
+use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
+use crate::error::{CliError, CliResult};
+use crate::io::{
+    HostTensor, OutputKind, output_kind, read_tensor, unpack_host, write_png, write_safetensors,
+};
+use crate::progress::ProgressBar;
+use crate::setup::{
+    DeviceChoice, Explanation, Routing, check_budget, needs_native_allocator, open_device,
+    vram_budget,
+};
+use crate::tokenize::PipelineTokenizers;
+
+/// The prompt used when `--prompt` is not given.
+pub const DEFAULT_PROMPT: &str = "a lighthouse on a rocky coast at dawn";
+
+/// `ddo run`'s options.
+pub const OPTIONS: &[OptSpec] = &[
+    opt(
+        "config",
+        "tiny|flux-dev",
+        "random weights at a named config",
+    ),
+    opt(
+        "weights",
+        "DIR",
+        "a Diffusers pipeline folder (transformer/, vae/, text_encoder/, text_encoder_2/)",
+    ),
+    opt(
+        "preset",
+        "NAME",
+        "auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off",
+    ),
+    many(
+        "route",
+        "COMPONENT=ROUTE[:k=v,...]",
+        "an explicit route for one component (repeatable; wins over the preset)",
+    ),
+    opt(
+        "vram-budget",
+        "SIZE",
+        "device memory DDO may use, e.g. 12GiB (cpu: the host device's capacity, default 8GiB)",
+    ),
+    opt("device", "cpu|cuda:N", "execution device (default cpu)"),
+    opt(
+        "steps",
+        "N",
+        "denoising steps (default 4 for tiny, 28 otherwise)",
+    ),
+    opt(
+        "height",
+        "PX",
+        "image height (default 128 for tiny, 1024 otherwise)",
+    ),
+    opt(
+        "width",
+        "PX",
+        "image width (default 128 for tiny, 1024 otherwise)",
+    ),
+    opt("seed", "N", "seed of the initial noise (default 0)"),
+    opt("guidance", "SCALE", "guidance scale (default 3.5)"),
+    opt(
+        "prompt",
+        "TEXT",
+        "the prompt (stand-in tokenizer; see `ddo help run`)",
+    ),
+    opt(
+        "max-sequence-length",
+        "N",
+        "T5 tokens for a text prompt (default 32 for tiny, 512 otherwise)",
+    ),
+    opt(
+        "tiled-decode",
+        "on|off|auto",
+        "tiled VAE decode (default auto: tiled when the estimate does not fit)",
+    ),
+    opt(
+        "init-latents",
+        "FILE.safetensors",
+        "initial noise (`latents` or `noise`: [1,C,h,w] or packed [1,T,4C])",
+    ),
+    opt(
+        "prompt-embeds",
+        "FILE.safetensors",
+        "prompt embeddings (`prompt_embeds`, `pooled_prompt_embeds`)",
+    ),
+    opt(
+        "dtype",
+        "f32|bf16|f16",
+        "weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights)",
+    ),
+    opt(
+        "out",
+        "OUT.png|OUT.safetensors",
+        "where the image goes (default ddo-out.png)",
+    ),
+    opt(
+        "save-latents",
+        "FILE.safetensors",
+        "also write the decoder's input latents (`latents`, NCHW), for `ddo decode`",
+    ),
+    flag("json", "print the profile as JSON"),
+    flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
+];
+
+/// Where the models come from.
+#[derive(Debug, Clone)]
+pub(crate) enum Source {
+    Config(String),
+    Weights(PathBuf),
+}
+
+/// Parses a dtype name.
+pub fn parse_dtype(text: &str) -> CliResult<DType> {
+    match text {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" => Ok(DType::F16),
+        _ => Err(CliError::usage(
+            format!("unknown dtype `{text}`"),
+            "use f32, bf16 or f16",
+        )),
+    }
+}
+
+pub(crate) fn positive(args: &Parsed, name: &str) -> CliResult<Option<usize>> {
+    match args.parse::<usize>(name, "a positive whole number")? {
+        Some(0) => Err(CliError::usage(
+            format!("--{name} 0 is not allowed"),
+            "give a positive whole number",
+        )),
+        v => Ok(v),
+    }
+}
+
+/// Refuses random weights that would not fit in the host's available memory (building them
+/// would get the process killed instead of failing cleanly).
+fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()> {
+    let params = config.text_encoder.param_count()
+        + config.text_encoder_2.param_count()
+        + config.transformer.param_count();
+    let needed = params * dtype.size_in_bytes() as u64;
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        t.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    });
+    match available {
+        Some(free) if needed > free => Err(CliError::runtime(
+            format!(
+                "the random {dtype} weights of this config need about {} of host memory; {} is available",
+                format_bytes(needed),
+                format_bytes(free)
+            ),
+            "run it on a machine with more memory, or use --config tiny",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Loads or builds the pipeline.
+pub(crate) fn build_pipeline(
+    source: &Source,
+    dtype: Option<DType>,
+    max_seq: Option<usize>,
+    bar: &mut ProgressBar,
+) -> CliResult<(FluxPipeline, String)> {
+    match source {
+        Source::Config(name) => {
+            let Some(mut config) = FluxPipelineConfig::named(name) else {
+                return Err(CliError::usage(
+                    format!("unknown config `{name}`"),
+                    format!("use one of: {}", FluxPipelineConfig::NAMES.join(", ")),
+                ));
+            };
+            if let Some(n) = max_seq {
+                config.max_sequence_length = n;
+            }
+            let dtype = dtype.unwrap_or(if name == "tiny" {
+                DType::F32
+            } else {
+                DType::BF16
+            });
+            check_host_memory(&config, dtype)?;
+            bar.status(&format!("building {name} with random {dtype} weights..."));
+            let pipe = FluxPipeline::random(&config, 0, dtype)?;
+            bar.finish();
+            Ok((pipe, format!("{name} (random weights, {dtype})")))
+        }
+        Source::Weights(dir) => {
+            bar.status(&format!("opening {}...", dir.display()));
+            let mut pipe = FluxPipeline::load(dir, dtype)
+                .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;
+            bar.finish();
+            if let Some(n) = max_seq {
+                pipe.max_sequence_length = n;
+            }
+            Ok((
+                pipe,
+                format!(
+                    "{} ({})",
+                    dir.display(),
+                    dtype.map_or("dtype as stored".to_string(), |d| d.to_string())
+                ),
+            ))
+        }
+    }
+}
+
+/// `--config NAME` or `--weights DIR` (exactly one).
+pub(crate) fn source_from_args(args: &Parsed) -> CliResult<Source> {
+    let source = match (args.get("config"), args.get("weights")) {
+        (Some(c), None) => Source::Config(c.to_string()),
+        (None, Some(w)) => Source::Weights(PathBuf::from(w)),
+        (Some(_), Some(_)) => {
+            return Err(CliError::usage(
+                "--config and --weights both given",
+                "give one: --config tiny (random weights) or --weights DIR (a Diffusers pipeline folder)",
+            ));
+        }
+        (None, None) => {
+            return Err(CliError::usage(
+                "no model given",
+                "add --config tiny (random weights, runs anywhere) or --weights DIR (a Diffusers pipeline folder)",
+            ));
+        }
+    };
+    if let Source::Config(name) = &source
+        && FluxPipelineConfig::named(name).is_none()
+    {
+        return Err(CliError::usage(
+            format!("unknown config `{name}`"),
+            format!("use one of: {}", FluxPipelineConfig::NAMES.join(", ")),
+        ));
+    }
+    Ok(source)
+}
+
+/// Runs `ddo run` with `argv` (after `run`), writing the profile to `out`.
+pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
+    let started = Instant::now();
+    let args = parse("run", OPTIONS, argv)?;
+    if let Some(p) = args.positionals.first() {
+        return Err(CliError::usage(
+            format!("unexpected argument `{p}` for `ddo run`"),
+            "options start with --; see `ddo help run`",
+        ));
+    }
+    let source = source_from_args(&args)?;
+    let tiny = matches!(&source, Source::Config(n) if n == "tiny");
+    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    let steps = positive(&args, "steps")?.unwrap_or(if tiny { 4 } else { 28 });
+    let default_side = if tiny { 128 } else { 1024 };
+    let height = positive(&args, "height")?.unwrap_or(default_side);
+    let width = positive(&args, "width")?.unwrap_or(default_side);
+    let seed = args.parse::<u64>("seed", "a whole number")?.unwrap_or(0);
+    let guidance = args
+        .parse::<f32>("guidance", "a number, e.g. 3.5")?
+        .unwrap_or(3.5);
+    if !guidance.is_finite() {
+        return Err(CliError::usage("--guidance must be finite", "e.g. 3.5"));
+    }
+    let max_seq = positive(&args, "max-sequence-length")?;
+    let tiled_decode: TiledDecode = match args.get("tiled-decode") {
+        Some(t) => t.parse().map_err(|_| {
+            CliError::usage(
+                format!("invalid --tiled-decode `{t}`"),
+                "use on, off or auto",
+            )
+        })?,
+        None => TiledDecode::Auto,
+    };
+    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
+    let budget = vram_budget(&args)?;
+    let out_path = PathBuf::from(args.get("out").unwrap_or("ddo-out.png"));
+    let out_kind = output_kind(&out_path)?;
+    let save_latents = args.get("save-latents").map(PathBuf::from);
+    if let Some(p) = &save_latents
+        && output_kind(p)? != OutputKind::Safetensors
+    {
+        return Err(CliError::usage(
+            format!("--save-latents {}: not a .safetensors name", p.display()),
+            "end the name in .safetensors",
+        ));
+    }
+
+    // Inputs given as files are read before anything heavy.
+    let prompt_embeds = match args.get("prompt-embeds") {
+        Some(p) => {
+            let path = PathBuf::from(p);
+            let seq = read_tensor(&path, &["prompt_embeds"], "--prompt-embeds")?;
+            let pooled = read_tensor(&path, &["pooled_prompt_embeds"], "--prompt-embeds")?;
+            Some(PromptEmbeds {
+                prompt_embeds: seq.to_tensor()?,
+                pooled_prompt_embeds: pooled.to_tensor()?,
+            })
+        }
+        None => None,
+    };
+    let init = match args.get("init-latents") {
+        Some(p) => InitLatents::Given(
+            read_tensor(&PathBuf::from(p), &["latents", "noise"], "--init-latents")?.to_tensor()?,
+        ),
+        None => InitLatents::Seed(seed),
+    };
+
+    let mut bar = ProgressBar::new();
+    let (pipe, model_label) = build_pipeline(&source, dtype, max_seq, &mut bar)?;
+    let names = pipe.component_names();
+    let routing = Routing::from_args(&args, &names)?;
+    let explanations = names
+        .iter()
+        .map(|n| routing.explain(n))
+        .collect::<CliResult<Vec<Explanation>>>()?;
+    let device = open_device(device_choice, budget, needs_native_allocator(&explanations))?;
+    let capacity = device.memory_info().capacity;
+    let effective_budget = budget.or((capacity > 0).then_some(capacity));
+    if let Some(b) = effective_budget {
+        check_budget(b, &pipe.components())?;
+    }
+    pipe.latent_grid(height, width)?;
+
+    let (prompt, prompt_label) = match (prompt_embeds, args.get("prompt")) {
+        (Some(_), Some(_)) => {
+            return Err(CliError::usage(
+                "--prompt and --prompt-embeds both given",
+                "give one: text, or embeddings from a file",
+            ));
+        }
+        (Some(e), None) => (
+            PromptInput::Embeddings(e),
+            "embeddings from --prompt-embeds".to_string(),
+        ),
+        (None, text) => {
+            let (Some(clip), Some(_)) = (&pipe.clip, &pipe.t5) else {
+                return Err(CliError::usage(
+                    "this pipeline folder has no text_encoder/ and text_encoder_2/",
+                    "pass --prompt-embeds FILE.safetensors (tensors prompt_embeds and pooled_prompt_embeds)",
+                ));
+            };
+            let text = text.unwrap_or(DEFAULT_PROMPT).to_string();
+            let files = match &source {
+                Source::Weights(dir) => PipelineTokenizers::load(dir)?,
+                Source::Config(_) => None,
+            };
+            match files {
+                Some(t) => {
+                    let (clip_ids, t5_ids) = t.encode(
+                        &text,
+                        clip.config().max_position_embeddings,
+                        pipe.max_sequence_length,
+                    )?;
+                    let label = format!(
+                        "{text:?} (tokenizer files: {}, {}; {} + {} tokens)",
+                        t.clip.source.display(),
+                        t.t5.source.display(),
+                        clip_ids.len(),
+                        t5_ids.len()
+                    );
+                    (
+                        PromptInput::Tokens {
+                            clip: clip_ids,
+                            t5: t5_ids,
+                        },
+                        label,
+                    )
+                }
+                None => {
+                    let label = format!(
+                        "{text:?} (stand-in tokenizer: {})",
+                        match &source {
+                            Source::Config(_) => "random weights have no tokenizer files",
+                            Source::Weights(_) => "the folder has no tokenizer/ and tokenizer_2/",
+                        }
+                    );
+                    (PromptInput::Text(text), label)
+                }
+            }
+        }
+    };
+
+    let settings = routing.settings();
+    let pipeline = pipe.offload_pipeline()?;
+    let mut offload = enable_pipeline_offload_with_env(
+        &pipeline,
+        device.clone(),
+        &settings,
+        &routing.environment(),
+    )
+    .map_err(|e| CliError::from(e).context("attaching routes"))?;
+    let request = PipelineRequest {
+        prompt,
+        steps,
+        guidance,
+        height,
+        width,
+        init,
+        tiled_decode,
+        vram_budget: effective_budget,
+    };
+    let result = pipe.run_phases(&mut offload, &request, &mut |phase, done, total| {
+        bar.update(phase, done, total)
+    });
+    bar.finish();
+    let run = result?;
+
+    let image = HostTensor::from_tensor(&run.image)?;
+    match out_kind {
+        OutputKind::Png => write_png(&out_path, &image)?,
+        OutputKind::Safetensors => {
+            let latents = HostTensor::from_tensor(&run.latents)?;
+            write_safetensors(&out_path, &[("sample", &image), ("latents", &latents)])?
+        }
+    }
+    if let Some(p) = &save_latents {
+        let (h, w) = pipe.latent_grid(height, width)?;
+        let unpacked = unpack_host(&HostTensor::from_tensor(&run.latents)?, h, w)?;
+        let cfg = pipe.vae.config();
+        let (sf, shift) = (
+            cfg.scaling_factor as f32,
+            cfg.shift_factor.unwrap_or(0.0) as f32,
+        );
+        let unscaled = HostTensor {
+            shape: unpacked.shape.clone(),
+            values: unpacked.values.iter().map(|v| v / sf + shift).collect(),
+        };
+        write_safetensors(p, &[("latents", &unscaled)])?;
+    }
+
+    let snapshots: Vec<Value> = names
+        .iter()
+        .map(|n| {
+            offload
+                .handle(n)
+                .map(|h| serde_json::to_value(h.metrics_snapshot()).unwrap_or(Value::Null))
+                .unwrap_or(Value::Null)
+        })
+        .collect();
+    let total = started.elapsed().as_secs_f64();
+    let report = Report {
+        model: &model_label,
+        device: device.id().to_string(),
+        budget: effective_budget,
+        height,
+        width,
+        steps,
+        guidance,
+        seed,
+        prompt: &prompt_label,
+        explanations: &explanations,
+        run: &run,
+        snapshots: &snapshots,
+        out: &out_path,
+        save_latents: save_latents.as_ref(),
+        total,
+    };
+    let text = if args.flag("json") {
+        serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n"
+    } else {
+        report.human()
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
+}
+
+struct Report<'a> {
+    model: &'a str,
+    device: String,
+    budget: Option<u64>,
+    height: usize,
+    width: usize,
+    steps: usize,
+    guidance: f32,
+    seed: u64,
+    prompt: &'a str,
+    explanations: &'a [Explanation],
+    run: &'a PipelineRun,
+    snapshots: &'a [Value],
+    out: &'a PathBuf,
+    save_latents: Option<&'a PathBuf>,
+    total: f64,
+}
+
+fn ms(seconds: f64) -> String {
+    if seconds < 1.0 {
+        format!("{:.1} ms", seconds * 1e3)
+    } else {
+        format!("{seconds:.2} s")
+    }
+}
+
+impl Report<'_> {
+    fn json(&self) -> Value {
+        let first = self.explanations.first();
+        json!({
+            "command": "run",
+            "model": self.model,
+            "device": self.device,
+            "vram_budget_bytes": self.budget,
+            "height": self.height,
+            "width": self.width,
+            "steps": self.steps,
+            "guidance": self.guidance,
+            "seed": self.seed,
+            "prompt": self.prompt,
+            "preset": first.map(|e| e.preset.clone()),
+            "resolved_preset": first.map(|e| e.resolved_preset.clone()),
+            "phases": self.run.phases.iter().map(|p| json!({
+                "phase": p.phase,
+                "components": p.components,
+                "seconds": p.seconds,
+                "peak_bytes": p.peak.allocator_peak_bytes,
+                "end_bytes": p.peak.allocator_end_bytes,
+                "driver_used_sampled_bytes": p.peak.driver_used_sampled_bytes,
+                "note": p.note,
+            })).collect::<Vec<_>>(),
+            "components": self.explanations.iter().zip(self.snapshots).map(|(e, s)| json!({
+                "component": e.component,
+                "route": e.route,
+                "options": e.options,
+                "source": e.source,
+                "metrics": s,
+            })).collect::<Vec<_>>(),
+            "decode": self.run.decode,
+            "timesteps": self.run.timesteps,
+            "output": self.out.display().to_string(),
+            "latents_output": self.save_latents.map(|p| p.display().to_string()),
+            "total_seconds": self.total,
+        })
+    }
+
+    fn human(&self) -> String {
+        let mut s = String::new();
+        let first = self.explanations.first();
+        let preset = first.map_or(String::new(), |e| {
+            if e.preset == e.resolved_preset {
+                e.preset.clone()
+            } else {
+                format!("{} -> {}", e.preset, e.resolved_preset)
+            }
+        });
+        s += &format!(
+            "ddo run: {} on {}, budget {}, preset {preset}\n",
+            self.model,
+            self.device,
+            self.budget.map_or("none".into(), format_bytes)
+        );
+        s += &format!(
+            "  {}x{} px, {} steps, guidance {}, seed {}, prompt {}\n\n",
+            self.width, self.height, self.steps, self.guidance, self.seed, self.prompt
+        );
+        s += &format!(
+            "{:<16} {:>10} {:>14} {:>14}  {}\n",
+            "phase", "time", "peak (exact)", "after cleanup", "component: route"
+        );
+        for p in &self.run.phases {
+            let comps = if p.components.is_empty() {
+                vec!["-".to_string()]
+            } else {
+                p.components.clone()
+            };
+            for (i, c) in comps.iter().enumerate() {
+                if i == 0 {
+                    s += &format!(
+                        "{:<16} {:>10} {:>14} {:>14}  {c}\n",
+                        p.phase,
+                        ms(p.seconds),
+                        format_bytes(p.peak.allocator_peak_bytes),
+                        format_bytes(p.peak.allocator_end_bytes)
+                    );
+                } else {
+                    s += &format!("{:<16} {:>10} {:>14} {:>14}  {c}\n", "", "", "", "");
+                }
+            }
+            if let Some(n) = &p.note {
+                s += &format!("{:<16} {n}\n", "");
+            }
+        }
+        s += &format!(
+            "\n{:<16} {:<24} {:>8}  {:>26} {:>12}  {}\n",
+            "component", "route", "forwards", "host->device", "pinned peak", "decided by"
+        );
+        for (e, snap) in self.explanations.iter().zip(self.snapshots) {
+            let c = &snap["counters"];
+            let num = |k: &str| c[k].as_u64().unwrap_or(0);
+            let decided = match e.source.route.split_once(" (") {
+                Some(("preset table", rest)) => {
+                    format!("preset {}", rest.split(',').next().unwrap_or(rest))
+                }
+                _ => e.source.route.clone(),
+            };
+            s += &format!(
+                "{:<16} {:<24} {:>8}  {:>26} {:>12}  {}\n",
+                e.component,
+                e.route,
+                num("forwards"),
+                format!(
+                    "{} in {} copies",
+                    format_bytes(num("h2d_bytes")),
+                    num("h2d_copies")
+                ),
+                format_bytes(num("peak_pinned_host_bytes")),
+                decided
+            );
+        }
+        let kind = match self.out.extension().and_then(|e| e.to_str()) {
+            Some("safetensors") => "safetensors: sample, latents".to_string(),
+            _ => format!("{}x{} PNG", self.width, self.height),
+        };
+        s += &format!("\nwrote {} ({kind})", self.out.display());
+        if let Some(p) = self.save_latents {
+            s += &format!(", latents to {}", p.display());
+        }
+        s += &format!("; total {}\n", ms(self.total));
+        s
+    }
+}

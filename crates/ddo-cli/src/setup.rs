@@ -1,0 +1,431 @@
+//! What every command sets up the same way: the routing choices (`--preset`, `--route`,
+//! the `DDO_*` environment) and where each resolved value came from, the execution device
+//! (`--device cpu|cuda:N`) and its budget (`--vram-budget`), and the budget check against
+//! the largest leaf.
+//!
+//! Precedence, as the resolver applies it: an explicit `--route COMPONENT=ROUTE` wins; then
+//! `DDO_<COMPONENT>_ROUTE`; then the preset's table, where the preset is `--preset`, else
+//! `DDO_PRESET`, else `auto`. A `--preset` on the command line hides `DDO_PRESET` (a flag
+//! given now wins over the environment); `--no-env` hides every `DDO_*` variable.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use ddo_core::resolve::{Environment, resolve};
+use ddo_core::{
+    AllocatorKind, Budget, Component, ComponentKind, Device, HostDevice, HostDeviceConfig,
+    OffloadType, Preset, RouteId, RouteSpec, RouteTarget, Settings, config::parse_size,
+};
+use ddo_metrics::format_bytes;
+use serde::Serialize;
+
+use crate::args::Parsed;
+use crate::error::{CliError, CliResult};
+
+/// The host "device" capacity when `--device cpu` has no `--vram-budget`.
+pub const DEFAULT_HOST_CAPACITY: u64 = 8 << 30;
+
+/// The routing choices of one command line.
+#[derive(Debug, Clone)]
+pub struct Routing {
+    /// `--preset`, if given.
+    pub preset_flag: Option<Preset>,
+    /// `--route COMPONENT=ROUTE`, by component.
+    pub routes: BTreeMap<String, RouteSpec>,
+    /// Whether `DDO_*` variables are read (not with `--no-env`).
+    pub use_environment: bool,
+}
+
+/// The process environment as the command sees it: `DDO_PRESET` hidden when `--preset`
+/// was given.
+#[derive(Debug, Clone, Copy)]
+pub struct CliEnvironment {
+    hide_preset: bool,
+}
+
+impl Environment for CliEnvironment {
+    fn var(&self, name: &str) -> Option<String> {
+        if self.hide_preset && name == "DDO_PRESET" {
+            return None;
+        }
+        std::env::var(name).ok()
+    }
+}
+
+/// Where one resolved value came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sources {
+    /// The preset: `--preset`, `environment (DDO_PRESET)` or `default`.
+    pub preset: String,
+    /// The route: `--route`, `environment (DDO_X_ROUTE)` or `preset table (...)`.
+    pub route: String,
+    /// Each option: where its value came from (`route default` when nobody gave it).
+    pub options: BTreeMap<String, String>,
+}
+
+/// One component's resolution, explained (`ddo resolve`'s JSON shape).
+#[derive(Debug, Clone, Serialize)]
+pub struct Explanation {
+    /// Component name.
+    pub component: String,
+    /// The preset in force, as given (`auto`, ...).
+    pub preset: String,
+    /// The preset it resolves to (`auto` → `one_shot_fast`).
+    pub resolved_preset: String,
+    /// The route (`none`, `diffusers_group_offload`, ..., or `unmanaged`).
+    pub route: String,
+    /// Every option of the route with its effective value.
+    pub options: BTreeMap<String, serde_json::Value>,
+    /// Where each value came from.
+    pub source: Sources,
+    /// The resolved spec.
+    #[serde(skip)]
+    pub spec: RouteSpec,
+}
+
+impl Routing {
+    /// Reads `--preset`, `--route` (checked against `components`) and `--no-env`.
+    pub fn from_args(args: &Parsed, components: &[String]) -> CliResult<Self> {
+        let preset_flag =
+            match args.get("preset") {
+                Some(p) => Some(p.parse::<Preset>().map_err(|e| {
+                    CliError::usage(e.to_string(), "pick one of the presets listed")
+                })?),
+                None => None,
+            };
+        let mut routes = BTreeMap::new();
+        for r in args.all("route") {
+            let Some((component, route)) = r.split_once('=') else {
+                return Err(CliError::usage(
+                    format!("--route `{r}` has no component"),
+                    "write --route COMPONENT=ROUTE[:key=value,...], e.g. --route vae=linear_convolution",
+                ));
+            };
+            let component = component.trim();
+            if !components.iter().any(|c| c == component) {
+                return Err(CliError::usage(
+                    format!("unknown component `{component}` in --route {r}"),
+                    format!("components: {}", components.join(", ")),
+                ));
+            }
+            let spec: RouteSpec = route.parse().map_err(|e: ddo_core::CoreError| {
+                CliError::usage(
+                    format!("--route {r}: {e}"),
+                    "write ROUTE or ROUTE:key=value,... with a route listed above",
+                )
+            })?;
+            if routes.insert(component.to_string(), spec).is_some() {
+                return Err(CliError::usage(
+                    format!("two --route options for `{component}`"),
+                    "give one route per component",
+                ));
+            }
+        }
+        Ok(Self {
+            preset_flag,
+            routes,
+            use_environment: !args.flag("no-env"),
+        })
+    }
+
+    /// The environment the resolver reads.
+    pub fn environment(&self) -> CliEnvironment {
+        CliEnvironment {
+            hide_preset: self.preset_flag.is_some(),
+        }
+    }
+
+    /// Settings for `enable_pipeline_offload`: the preset, and the `--route`s as component
+    /// policies (the pipeline entry point takes no per-component explicit routes; a policy
+    /// outranks the environment and the preset exactly as an explicit route does).
+    pub fn settings(&self) -> Settings {
+        Settings {
+            preset: self.preset_flag.unwrap_or_default(),
+            component_policies: self.routes.clone(),
+            use_environment: self.use_environment,
+        }
+    }
+
+    /// Resolves `component` and says where each value came from.
+    pub fn explain(&self, component: &str) -> CliResult<Explanation> {
+        let env = self.environment();
+        let settings = Settings {
+            preset: self.preset_flag.unwrap_or_default(),
+            component_policies: BTreeMap::new(),
+            use_environment: self.use_environment,
+        };
+        let explicit = self.routes.get(component);
+        let r = resolve(&settings, component, explicit, &env)?;
+        let preset_source = if self.preset_flag.is_some() {
+            "--preset".to_string()
+        } else if r.preset_from_environment {
+            "environment (DDO_PRESET)".to_string()
+        } else {
+            "default (auto)".to_string()
+        };
+        let given_preset = if r.preset_from_environment {
+            env.var("DDO_PRESET")
+                .map_or_else(|| r.preset.to_string(), |v| v.trim().to_string())
+        } else {
+            settings.preset.to_string()
+        };
+        let kind = ComponentKind::from_name(component);
+        let route_source = match &r.decided_by {
+            ddo_core::DecidedBy::ExplicitRoute => "--route".to_string(),
+            ddo_core::DecidedBy::EnvironmentRoute(var) => format!("environment ({var})"),
+            ddo_core::DecidedBy::ComponentPolicy => "component policy".to_string(),
+            ddo_core::DecidedBy::LowLevelConfig => "low-level config".to_string(),
+            ddo_core::DecidedBy::PresetDefault => {
+                let column = match kind {
+                    ComponentKind::Vae => "vae column (the seed's VAE table)",
+                    ComponentKind::TextEncoder => "text-encoder column (DDO's default)",
+                    ComponentKind::Transformer => "transformer column (DDO's default)",
+                    ComponentKind::Other(_) => "transformer column (DDO's default for other names)",
+                };
+                format!("preset table ({}, {column})", r.preset)
+            }
+        };
+        let given_by = match &r.decided_by {
+            ddo_core::DecidedBy::PresetDefault => "preset table".to_string(),
+            _ => route_source.clone(),
+        };
+        let (options, option_sources) = effective_options(&r.spec, &given_by);
+        Ok(Explanation {
+            component: component.to_string(),
+            preset: given_preset,
+            resolved_preset: r.preset.to_string(),
+            route: r.spec.target().to_string(),
+            options,
+            source: Sources {
+                preset: preset_source,
+                route: route_source,
+                options: option_sources,
+            },
+            spec: r.spec,
+        })
+    }
+}
+
+/// The route's options with their effective values: those given (by `given_by`) and the
+/// route's defaults for the rest.
+fn effective_options(
+    spec: &RouteSpec,
+    given_by: &str,
+) -> (
+    BTreeMap<String, serde_json::Value>,
+    BTreeMap<String, String>,
+) {
+    use serde_json::Value;
+    let o = spec.options();
+    let mut values = BTreeMap::new();
+    let mut sources = BTreeMap::new();
+    let mut put = |name: &str, value: Value, given: bool| {
+        values.insert(name.to_string(), value);
+        sources.insert(
+            name.to_string(),
+            if given {
+                given_by.to_string()
+            } else {
+                "route default".to_string()
+            },
+        );
+    };
+    match spec.route_id() {
+        Some(RouteId::DiffusersGroupOffload) => {
+            let c = spec.group_offload_config();
+            put(
+                "offload_type",
+                Value::from(c.offload_type.as_str()),
+                o.offload_type.is_some(),
+            );
+            if c.offload_type == OffloadType::BlockLevel {
+                put(
+                    "num_blocks_per_group",
+                    Value::from(c.num_blocks_per_group),
+                    o.num_blocks_per_group.is_some(),
+                );
+            }
+            put(
+                "use_stream",
+                Value::from(c.use_stream),
+                o.use_stream.is_some(),
+            );
+            put(
+                "record_stream",
+                Value::from(c.record_stream),
+                o.record_stream.is_some(),
+            );
+            put(
+                "low_cpu_mem_usage",
+                Value::from(c.low_cpu_mem_usage),
+                o.low_cpu_mem_usage.is_some(),
+            );
+            put("pinned", Value::from(c.pinned), o.pinned.is_some());
+        }
+        Some(RouteId::LinearConvolution) => {
+            put(
+                "pinned",
+                Value::from(
+                    o.pinned
+                        .unwrap_or(ddo_route_linear_convolution::PINNED_BY_DEFAULT),
+                ),
+                o.pinned.is_some(),
+            );
+        }
+        Some(RouteId::NativeVmm) => {
+            let budget = o.budget.unwrap_or(ddo_route_native_vmm::DEFAULT_BUDGET);
+            put(
+                "budget",
+                Value::from(describe_budget(budget)),
+                o.budget.is_some(),
+            );
+            put(
+                "pinned",
+                Value::from(o.pinned.unwrap_or(ddo_route_native_vmm::PINNED_BY_DEFAULT)),
+                o.pinned.is_some(),
+            );
+        }
+        Some(RouteId::Resident) | None => {}
+    }
+    (values, sources)
+}
+
+fn describe_budget(b: Budget) -> String {
+    match b {
+        Budget::Bytes(n) => format_bytes(n),
+        Budget::FreeMinus(m) => format!("free - {}", format_bytes(m)),
+    }
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The host backend.
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+}
+
+impl DeviceChoice {
+    /// Parses `cpu`, `cuda` or `cuda:N`.
+    pub fn parse(text: &str) -> CliResult<Self> {
+        let bad = || {
+            CliError::usage(
+                format!("unknown device `{text}`"),
+                "use --device cpu (the host backend) or --device cuda:N (N = 0, 1, ...)",
+            )
+        };
+        match text {
+            "cpu" | "host" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            t => t
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(bad),
+        }
+    }
+}
+
+/// `--vram-budget`, parsed.
+pub fn vram_budget(args: &Parsed) -> CliResult<Option<u64>> {
+    match args.get("vram-budget") {
+        None => Ok(None),
+        Some(text) => match parse_size("vram-budget", text) {
+            Ok(0) => Err(CliError::usage(
+                "--vram-budget 0 leaves nothing to run on",
+                "give a positive size, e.g. 12GiB",
+            )),
+            Ok(n) => Ok(Some(n)),
+            Err(e) => Err(CliError::usage(
+                e.to_string(),
+                "e.g. --vram-budget 12GiB or --vram-budget 512MiB",
+            )),
+        },
+    }
+}
+
+/// Half the host's physical memory (16 GiB where it cannot be read): the host backend's
+/// pinned limit.
+fn pinned_limit() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(16 << 30, |kb| kb * 1024 / 2)
+}
+
+/// Opens the execution device. On the host backend the budget is the device's capacity
+/// (default [`DEFAULT_HOST_CAPACITY`]) and the native allocator is chosen when a route
+/// needs it (the host counterpart of installing it first thing in a fresh process).
+pub fn open_device(
+    choice: DeviceChoice,
+    budget: Option<u64>,
+    native_allocator: bool,
+) -> CliResult<Arc<dyn Device>> {
+    match choice {
+        DeviceChoice::Cpu => {
+            let device = HostDevice::new(HostDeviceConfig {
+                capacity: budget.unwrap_or(DEFAULT_HOST_CAPACITY),
+                pinned_limit: pinned_limit(),
+                allocator: if native_allocator {
+                    AllocatorKind::NativeVmm
+                } else {
+                    AllocatorKind::Caching
+                },
+                ..HostDeviceConfig::default()
+            })?;
+            Ok(device)
+        }
+        DeviceChoice::Cuda(n) => {
+            let device = ddo_cuda::CudaDevice::new(n)
+                .map_err(|e| CliError::from(e).context(&format!("--device cuda:{n}")))?;
+            if ddo_core::ops_of(&*device).is_err() {
+                return Err(CliError::runtime(
+                    format!(
+                        "--device cuda:{n}: this build's CUDA backend has no GPU compute ops yet"
+                    ),
+                    "run with --device cpu",
+                ));
+            }
+            Ok(device)
+        }
+    }
+}
+
+/// Refuses a budget below the largest leaf of `components` (no route can run a leaf whose
+/// weights do not fit), naming the leaf and the size to give.
+pub fn check_budget(budget: u64, components: &[Arc<Component>]) -> CliResult<()> {
+    let largest = components
+        .iter()
+        .filter_map(|c| c.largest_leaf().map(|l| (c.name(), l)))
+        .max_by_key(|(_, l)| l.param_bytes());
+    if let Some((component, leaf)) = largest
+        && leaf.param_bytes() > budget
+    {
+        return Err(CliError::usage(
+            format!(
+                "--vram-budget {} is smaller than the largest leaf, `{component}.{}` ({}): no route can run it",
+                format_bytes(budget),
+                leaf.path(),
+                format_bytes(leaf.param_bytes())
+            ),
+            format!(
+                "give --vram-budget {} or more (activations need room too)",
+                format_bytes(leaf.param_bytes())
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether any of `explanations` routes to `native_vmm`.
+pub fn needs_native_allocator(explanations: &[Explanation]) -> bool {
+    explanations
+        .iter()
+        .any(|e| e.spec.target() == RouteTarget::Route(RouteId::NativeVmm))
+}

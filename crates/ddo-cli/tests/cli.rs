@@ -1,0 +1,660 @@
+//! The `ddo` binary end to end (`std::process::Command`): `run --config tiny` (PNG, human
+//! profile, JSON shape), `run` reproducing Diffusers' FluxPipeline from given embeddings and
+//! noise, `decode` (the `vae_flux` fixture, and latents saved by `run`), `resolve --json`
+//! (shape and the source of each value, environment included), `inspect` on a pipeline
+//! folder, and every bad-input case: a non-zero exit and one line on stderr with a hint,
+//! never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(rel: &str) -> String {
+    repo().join("fixtures").join(rel).display().to_string()
+}
+
+/// A fresh scratch folder for one test.
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ddo-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn ddo_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
+    cmd.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("DDO_") {
+            cmd.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ddo")
+}
+
+fn ddo(args: &[&str]) -> Output {
+    ddo_with_env(args, &[])
+}
+
+fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {stdout}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn json(out: &Output) -> Value {
+    serde_json::from_str(&ok(out)).expect("stdout is JSON")
+}
+
+fn tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    ddo_nn::read_f32_tensor(path, name).expect("tensor")
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn run_tiny_writes_a_png_and_prints_the_phase_profile() {
+    let d = scratch("tiny");
+    let png = d.join("tiny.png");
+    let out = ddo(&["run", "--config", "tiny", "--out", png.to_str().unwrap()]);
+    let text = ok(&out);
+    let bytes = std::fs::read(&png).expect("PNG written");
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    for needle in [
+        "prompt_encoding",
+        "denoise",
+        "decode",
+        "transformer: diffusers_group_offload",
+        "vae: diffusers_group_offload",
+        "peak (exact)",
+        "wrote",
+    ] {
+        assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
+    }
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn run_json_has_phases_components_and_the_decode_choice() {
+    let d = scratch("json");
+    let png = d.join("t.png");
+    let v = json(&ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--route",
+        "vae=linear_convolution",
+        "--json",
+        "--out",
+        png.to_str().unwrap(),
+    ]));
+    assert!(png.is_file());
+    assert_eq!(v["command"], "run");
+    assert_eq!(v["steps"], 2);
+    assert_eq!(v["timesteps"].as_array().unwrap().len(), 2);
+    let phases = v["phases"].as_array().unwrap();
+    let names: Vec<&str> = phases
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["prompt_encoding", "denoise", "decode"]);
+    for p in phases {
+        for key in ["seconds", "peak_bytes", "end_bytes", "components"] {
+            assert!(!p[key].is_null(), "{key} in {p}");
+        }
+        assert_eq!(p["end_bytes"], 0, "cleanup leaves nothing: {p}");
+        assert!(p["peak_bytes"].as_u64().unwrap() > 0, "{p}");
+    }
+    let comps = v["components"].as_array().unwrap();
+    let names: Vec<&str> = comps
+        .iter()
+        .map(|c| c["component"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["text_encoder", "text_encoder_2", "transformer", "vae"]
+    );
+    for c in comps {
+        for key in ["route", "options", "source", "metrics"] {
+            assert!(!c[key].is_null(), "{key} in {c}");
+        }
+        assert!(
+            c["metrics"]["counters"]["forwards"].as_u64().unwrap() >= 1,
+            "{c}"
+        );
+    }
+    assert_eq!(comps[3]["route"], "linear_convolution");
+    assert_eq!(comps[3]["source"]["route"], "--route");
+    assert_eq!(comps[2]["metrics"]["counters"]["forwards"], 2);
+    assert_eq!(v["decode"]["mode"], "auto");
+    assert_eq!(v["decode"]["tiled"], false);
+    assert!(v["decode"]["reason"].as_str().unwrap().contains("auto"));
+}
+
+#[test]
+fn run_reproduces_diffusers_from_given_embeddings_and_noise_and_decode_agrees() {
+    let d = scratch("repro");
+    let out_file = d.join("run.safetensors");
+    let latents_file = d.join("latents.safetensors");
+    let inputs = fixture("flux_pipeline/inputs.safetensors");
+    ok(&ddo(&[
+        "run",
+        "--weights",
+        &fixture("flux_pipeline"),
+        "--prompt-embeds",
+        &inputs,
+        "--init-latents",
+        &inputs,
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "4",
+        "--tiled-decode",
+        "off",
+        "--out",
+        out_file.to_str().unwrap(),
+        "--save-latents",
+        latents_file.to_str().unwrap(),
+    ]));
+    let outputs = repo().join("fixtures/flux_pipeline/outputs.safetensors");
+    let (shape, sample) = tensor(&out_file, "sample");
+    let (ref_shape, reference) = tensor(&outputs, "image");
+    assert_eq!(shape, ref_shape);
+    let err = max_abs(&sample, &reference);
+    assert!(err <= 1e-4, "image max |diff| {err:e}");
+    let (_, latents) = tensor(&out_file, "latents");
+    let (_, ref_latents) = tensor(&outputs, "latents");
+    assert!(max_abs(&latents, &ref_latents) <= 1e-4);
+
+    // The saved decoder input, decoded by `ddo decode`, gives the same image.
+    let (lshape, _) = tensor(&latents_file, "latents");
+    assert_eq!(lshape, [1, 4, 16, 12]);
+    let decoded = d.join("decoded.safetensors");
+    ok(&ddo(&[
+        "decode",
+        "--weights",
+        &fixture("flux_pipeline"),
+        "--latents",
+        latents_file.to_str().unwrap(),
+        "--out",
+        decoded.to_str().unwrap(),
+    ]));
+    let (_, again) = tensor(&decoded, "sample");
+    assert!(max_abs(&again, &sample) <= 1e-6);
+}
+
+#[test]
+fn decode_matches_the_vae_flux_fixture() {
+    let d = scratch("decode");
+    let out_file = d.join("sample.safetensors");
+    let v = json(&ddo(&[
+        "decode",
+        "--weights",
+        &fixture("vae_flux"),
+        "--latents",
+        &fixture("vae_flux/inputs.safetensors"),
+        "--out",
+        out_file.to_str().unwrap(),
+        "--json",
+    ]));
+    assert_eq!(v["command"], "decode");
+    assert_eq!(v["component"]["route"], "diffusers_group_offload");
+    assert_eq!(v["image_shape"], serde_json::json!([1, 3, 16, 16]));
+    assert!(v["peak_bytes"].as_u64().unwrap() > 0);
+    let (shape, sample) = tensor(&out_file, "sample");
+    let (ref_shape, reference) = tensor(
+        &repo().join("fixtures/vae_flux/outputs.safetensors"),
+        "sample",
+    );
+    assert_eq!(shape, ref_shape);
+    let err = max_abs(&sample, &reference);
+    assert!(err <= 1e-4, "max |diff| {err:e}");
+
+    let png = d.join("sample.png");
+    let text = ok(&ddo(&[
+        "decode",
+        "--weights",
+        &fixture("vae_flux"),
+        "--latents",
+        &fixture("vae_flux/inputs.safetensors"),
+        "--out",
+        png.to_str().unwrap(),
+        "--route",
+        "vae=none",
+    ]));
+    assert!(text.contains("vae: none"), "{text}");
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+}
+
+const RESOLVE_KEYS: [&str; 6] = [
+    "component",
+    "options",
+    "preset",
+    "resolved_preset",
+    "route",
+    "source",
+];
+
+#[test]
+fn resolve_json_shape_and_sources() {
+    let v = json(&ddo(&["resolve", "--json"]));
+    let all = v.as_array().unwrap();
+    assert_eq!(all.len(), 4);
+    for e in all {
+        let mut keys: Vec<&str> = e.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, RESOLVE_KEYS, "{e}");
+        assert_eq!(e["preset"], "auto");
+        assert_eq!(e["resolved_preset"], "one_shot_fast");
+        assert!(
+            e["source"]["route"]
+                .as_str()
+                .unwrap()
+                .starts_with("preset table")
+        );
+        assert_eq!(e["source"]["preset"], "default (auto)");
+        for k in e["options"].as_object().unwrap().keys() {
+            assert!(e["source"]["options"][k].is_string(), "{k} in {e}");
+        }
+    }
+    // The seed's VAE row: leaf level, no stream, low_cpu_mem_usage=false.
+    let vae = &all[3];
+    assert_eq!(vae["component"], "vae");
+    assert_eq!(vae["route"], "diffusers_group_offload");
+    assert_eq!(vae["options"]["offload_type"], "leaf_level");
+    assert_eq!(vae["options"]["use_stream"], false);
+    assert_eq!(vae["options"]["low_cpu_mem_usage"], false);
+
+    let v = json(&ddo(&[
+        "resolve",
+        "--json",
+        "--preset",
+        "low_ram_safe",
+        "--route",
+        "vae=linear_convolution:pinned=false",
+        "--component",
+        "vae",
+    ]));
+    let vae = &v[0];
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    assert_eq!(vae["route"], "linear_convolution");
+    assert_eq!(vae["options"]["pinned"], false);
+    assert_eq!(vae["source"]["route"], "--route");
+    assert_eq!(vae["source"]["options"]["pinned"], "--route");
+    assert_eq!(vae["source"]["preset"], "--preset");
+
+    // The environment: DDO_PRESET applies without --preset, --preset hides it, --no-env
+    // ignores it; DDO_<COMPONENT>_ROUTE is named as the source.
+    let env = [("DDO_PRESET", "warm_process"), ("DDO_VAE_ROUTE", "none")];
+    let v = json(&ddo_with_env(&["resolve", "--json"], &env));
+    assert_eq!(v[2]["preset"], "warm_process");
+    assert_eq!(v[2]["source"]["preset"], "environment (DDO_PRESET)");
+    assert_eq!(v[2]["route"], "none");
+    assert_eq!(v[3]["source"]["route"], "environment (DDO_VAE_ROUTE)");
+    let v = json(&ddo_with_env(
+        &["resolve", "--json", "--preset", "nvme_baseline"],
+        &env,
+    ));
+    assert_eq!(v[2]["preset"], "nvme_baseline");
+    let v = json(&ddo_with_env(&["resolve", "--json", "--no-env"], &env));
+    assert_eq!(v[2]["preset"], "auto");
+    assert_eq!(v[3]["route"], "diffusers_group_offload");
+
+    let text = ok(&ddo(&["resolve", "--preset", "off"]));
+    assert!(text.contains("vae: unmanaged"), "{text}");
+}
+
+#[test]
+fn inspect_reads_a_pipeline_folder_from_headers() {
+    let v = json(&ddo(&[
+        "inspect",
+        &fixture("flux_pipeline"),
+        "--vram-budget",
+        "300KiB",
+        "--json",
+    ]));
+    let comps = v["components"].as_array().unwrap();
+    let names: Vec<&str> = comps
+        .iter()
+        .map(|c| c["component"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["text_encoder", "text_encoder_2", "transformer", "vae"]
+    );
+    let transformer = &comps[2];
+    assert_eq!(transformer["class"], "FluxTransformer2DModel");
+    assert_eq!(transformer["tensors"], 66);
+    assert_eq!(transformer["params"], 78544);
+    assert_eq!(transformer["bytes"], 78544 * 4);
+    assert_eq!(transformer["by_dtype"]["F32"]["params"], 78544);
+    assert!(transformer["largest_leaf"][1].as_u64().unwrap() > 0);
+    let presets = v["presets"].as_array().unwrap();
+    assert_eq!(presets.len(), 8);
+    let warm = presets
+        .iter()
+        .find(|p| p["preset"] == "warm_process")
+        .unwrap();
+    let t = &warm["components"][2];
+    assert_eq!(t["resident_bytes"], 78544 * 4);
+    assert!(t["note"].as_str().unwrap().contains("does not fit"), "{t}");
+
+    let text = ok(&ddo(&[
+        "inspect",
+        &fixture("vae_flux/diffusion_pytorch_model.safetensors"),
+    ]));
+    assert!(text.contains("AutoencoderKL"), "{text}");
+    assert!(text.contains("F32"), "{text}");
+}
+
+/// Every bad input: a non-zero exit and exactly one line on stderr that names the problem
+/// and carries a hint; never a panic or a backtrace.
+#[test]
+fn bad_inputs_exit_non_zero_with_one_line_and_a_hint() {
+    let d = scratch("bad");
+    let junk = d.join("junk.safetensors");
+    std::fs::write(&junk, b"not a safetensors file").unwrap();
+    let junk = junk.to_str().unwrap().to_string();
+    let vae_flux = fixture("vae_flux");
+    let vae_sd = fixture("vae_sd");
+    let flux_latents = fixture("vae_flux/inputs.safetensors");
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["run", "--config", "tiny", "--preset", "fastest"],
+            2,
+            "unknown preset",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--route", "vae=turbo"],
+            2,
+            "unknown route",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--route", "unet=none"],
+            2,
+            "unknown component",
+        ),
+        (
+            vec!["resolve", "--component", "unet"],
+            2,
+            "unknown component",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--device", "gpu"],
+            2,
+            "unknown device",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--device", "cuda:x"],
+            2,
+            "unknown device",
+        ),
+        (vec!["run", "--config", "nope"], 2, "unknown config"),
+        (
+            vec!["run", "--weights", "/nonexistent/ddo"],
+            1,
+            "/nonexistent/ddo",
+        ),
+        (vec!["run", "--weights", &vae_flux], 1, "transformer"),
+        (
+            vec![
+                "decode",
+                "--weights",
+                "/nonexistent",
+                "--latents",
+                &flux_latents,
+                "--out",
+                "/tmp/x.png",
+            ],
+            1,
+            "/nonexistent",
+        ),
+        (
+            vec![
+                "decode",
+                "--weights",
+                &vae_flux,
+                "--latents",
+                &junk,
+                "--out",
+                "/tmp/x.png",
+            ],
+            1,
+            "junk.safetensors",
+        ),
+        (vec!["inspect", &junk], 1, "junk.safetensors"),
+        (
+            vec!["run", "--config", "tiny", "--vram-budget", "1KiB"],
+            2,
+            "largest leaf",
+        ),
+        (
+            vec![
+                "decode",
+                "--weights",
+                &vae_flux,
+                "--latents",
+                &flux_latents,
+                "--out",
+                "/tmp/x.png",
+                "--vram-budget",
+                "1KiB",
+            ],
+            2,
+            "largest leaf",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--vram-budget", "lots"],
+            2,
+            "vram-budget",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "tiny",
+                "--route",
+                "vae=diffusers_group_offload:record_stream=true",
+            ],
+            2,
+            "record_stream",
+        ),
+        (vec!["run", "--config", "tiny", "--steps", "0"], 2, "steps"),
+        (vec!["run", "--config", "tiny", "--out", "x.jpg"], 2, ".png"),
+        (
+            vec!["run", "--config", "tiny", "--bogus"],
+            2,
+            "unknown option",
+        ),
+        (vec!["run"], 2, "--config tiny"),
+        (vec!["frobnicate"], 2, "unknown command"),
+        (vec![], 2, "no command"),
+        (vec!["inspect"], 2, "PATH"),
+        (
+            vec![
+                "decode",
+                "--weights",
+                &vae_sd,
+                "--latents",
+                &flux_latents,
+                "--out",
+                "/tmp/x.png",
+            ],
+            2,
+            "latent",
+        ),
+    ];
+    for (args, code, needle) in &cases {
+        let out = ddo(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(*code), "ddo {args:?}: {stderr}");
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(
+            lines.len(),
+            1,
+            "ddo {args:?}: stderr is not one line:\n{stderr}"
+        );
+        let line = lines[0];
+        assert!(line.starts_with("ddo: error: "), "ddo {args:?}: {line}");
+        assert!(
+            line.contains(needle),
+            "ddo {args:?}: `{needle}` not in {line}"
+        );
+        let hinted = line.contains("hint") || line.contains("; ") || line.contains(" or ");
+        assert!(hinted, "ddo {args:?}: no hint in {line}");
+        assert!(
+            !line.contains("panicked") && !line.contains("RUST_BACKTRACE"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn help_lists_commands_and_options() {
+    let text = ok(&ddo(&["help"]));
+    for c in ["run", "decode", "resolve", "inspect"] {
+        assert!(text.contains(c), "{text}");
+    }
+    let text = ok(&ddo(&["help", "run"]));
+    for o in [
+        "--config",
+        "--route",
+        "--tiled-decode",
+        "--init-latents",
+        "stand-in tokenizer",
+    ] {
+        assert!(text.contains(o), "{o} missing:\n{text}");
+    }
+}
+
+#[test]
+fn run_from_a_text_prompt_uses_the_folders_tokenizers_and_matches_diffusers() {
+    let d = scratch("text");
+    let out_file = d.join("text.safetensors");
+    let prompt: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("fixtures/flux_pipeline/prompt.json")).unwrap(),
+    )
+    .unwrap();
+    let text = ok(&ddo(&[
+        "run",
+        "--weights",
+        &fixture("flux_pipeline"),
+        "--prompt",
+        prompt["prompt"].as_str().unwrap(),
+        "--max-sequence-length",
+        &prompt["max_sequence_length"].to_string(),
+        "--init-latents",
+        &fixture("flux_pipeline/inputs.safetensors"),
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "4",
+        "--out",
+        out_file.to_str().unwrap(),
+    ]));
+    assert!(text.contains("tokenizer files"), "{text}");
+    let (_, latents) = tensor(&out_file, "latents");
+    let (_, reference) = tensor(
+        &repo().join("fixtures/flux_pipeline/outputs.safetensors"),
+        "text_latents",
+    );
+    let err = max_abs(&latents, &reference);
+    assert!(err <= 1e-4, "latents from text: max |diff| {err:e}");
+}
+
+#[test]
+fn bench_compares_routes_in_one_process() {
+    let d = scratch("bench");
+    let out_json = d.join("bench.json");
+    let v = json(&ddo(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        "--out-json",
+        out_json.to_str().unwrap(),
+    ]));
+    assert_eq!(v["command"], "bench");
+    assert_eq!(v["component"], "transformer");
+    assert!(v["link_bytes_per_sec"].as_f64().unwrap() > 0.0);
+    let cands = v["candidates"].as_array().unwrap();
+    assert_eq!(cands.len(), 5);
+    for c in cands {
+        assert!(c["error"].is_null(), "{c}");
+        assert_eq!(c["seconds"].as_array().unwrap().len(), 2);
+        assert!(c["median_seconds"].as_f64().unwrap() > 0.0);
+        assert!(c["peak_bytes"].as_u64().unwrap() > 0);
+    }
+    assert_eq!(
+        cands[0]["streamed_bytes_per_forward"], 0,
+        "none streams nothing"
+    );
+    assert!(cands[1]["streamed_bytes_per_forward"].as_u64().unwrap() > 0);
+    assert!(cands[1]["ratio_to_floor"].as_f64().unwrap() > 0.0);
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(&out_json).unwrap()).unwrap();
+    assert_eq!(saved["candidates"].as_array().unwrap().len(), 5);
+
+    // A candidate that is refused is reported, the others still run.
+    let text = ok(&ddo(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--component",
+        "vae",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "1",
+        "--route",
+        "native_vmm:budget=1KiB",
+        "--preset",
+        "auto",
+    ]));
+    assert!(text.contains("refused"), "{text}");
+    assert!(text.contains("preset auto"), "{text}");
+    let out = ddo(&["bench", "--config", "tiny", "--component", "unet"]);
+    assert_eq!(out.status.code(), Some(2));
+}

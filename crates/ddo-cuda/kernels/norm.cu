@@ -1,0 +1,172 @@
+// Row-wise kernels of DDO's CUDA backend: layer and RMS normalisation, group normalisation
+// (chunked statistics, then an element-wise apply), softmax over the last dim, reductions
+// over one dim. Compiled by NVRTC with ops/kernels.rs's PRELUDE in front. Accumulation is
+// f32 with block (tree) reductions and two-pass variances, so large rows stay accurate;
+// sequential loops accumulate in f64.
+
+// One block per row (grid-stride over rows) of `rows` rows of `d` elements:
+//   layer norm (rms == 0): y = (x - mean) / sqrt(var + eps) * w + b  (biased variance),
+//   RMS norm   (rms == 1): y = x / sqrt(mean(x^2) + eps) * w.
+// w and b may be null (0): scale 1, shift 0.
+extern "C" __global__ void ddo_row_norm(const void* x, int xdt, const void* w, int wdt,
+                                        const void* b, int bdt, void* y, int ydt, i64 rows,
+                                        i64 d, float eps, int rms) {
+    __shared__ float scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = r * d;
+        float mean = 0.0f;
+        if (!rms) {
+            float s = 0.0f;
+            for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += load_as_float(x, base + j, xdt);
+            mean = block_sum(s, scratch) / (float)d;
+        }
+        float s2 = 0.0f;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            float c = load_as_float(x, base + j, xdt) - mean;
+            s2 += c * c;
+        }
+        float inv = rsqrtf(block_sum(s2, scratch) / (float)d + eps);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            float v = (load_as_float(x, base + j, xdt) - mean) * inv;
+            if (w) v *= load_as_float(w, j, wdt);
+            if (b) v += load_as_float(b, j, bdt);
+            store_from_float(y, base + j, ydt, v);
+        }
+    }
+}
+
+// Group-norm statistics, pass 1: block (chunk c, group g) writes the count, mean and sum of
+// squared deviations (M2) of elements [c * chunk, min((c + 1) * chunk, len)) of group g
+// (groups are contiguous runs of `len` elements) to part[(g * chunks + c) * 3 + 0..3].
+extern "C" __global__ void ddo_group_stats(const void* x, int xdt, float* part, i64 groups,
+                                           i64 len, i64 chunk, i64 chunks) {
+    __shared__ float scratch[32];
+    for (i64 g = blockIdx.y; g < groups; g += gridDim.y) {
+        for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+            i64 start = g * len + c * chunk;
+            i64 n = len - c * chunk;
+            if (n > chunk) n = chunk;
+            float s = 0.0f;
+            for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += load_as_float(x, start + j, xdt);
+            float mean = block_sum(s, scratch) / (float)n;
+            float s2 = 0.0f;
+            for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+                float v = load_as_float(x, start + j, xdt) - mean;
+                s2 += v * v;
+            }
+            float m2 = block_sum(s2, scratch);
+            if (threadIdx.x == 0) {
+                float* p = part + (g * chunks + c) * 3;
+                p[0] = (float)n;
+                p[1] = mean;
+                p[2] = m2;
+            }
+        }
+    }
+}
+
+// Group-norm statistics, pass 2: one thread per group merges its chunks (Chan et al.,
+// in f64) into stats[g * 2 + 0..2] = (mean, 1 / sqrt(var + eps)).
+extern "C" __global__ void ddo_group_merge(const float* part, float* stats, i64 groups,
+                                           i64 chunks, float eps) {
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+        double n = 0.0, mean = 0.0, m2 = 0.0;
+        for (i64 c = 0; c < chunks; ++c) {
+            const float* p = part + (g * chunks + c) * 3;
+            double nb = p[0], mb = p[1], m2b = p[2];
+            double tot = n + nb;
+            double delta = mb - mean;
+            mean += delta * nb / tot;
+            m2 += m2b + delta * delta * n * nb / tot;
+            n = tot;
+        }
+        stats[g * 2] = (float)mean;
+        stats[g * 2 + 1] = (float)(1.0 / sqrt(m2 / n + (double)eps));
+    }
+}
+
+// Group-norm apply: element i of x [n, c, spatial...] is in group i / len and channel
+// (i / spatial) % channels; y = (x - mean) * inv * w[ch] + b[ch] (w, b may be null).
+extern "C" __global__ void ddo_group_apply(const void* x, int xdt, const float* stats,
+                                           const void* w, int wdt, const void* b, int bdt,
+                                           void* y, int ydt, i64 total, i64 len, i64 spatial,
+                                           i64 channels) {
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        i64 g = i / len;
+        i64 ch = (i / spatial) % channels;
+        float v = (load_as_float(x, i, xdt) - stats[g * 2]) * stats[g * 2 + 1];
+        if (w) v *= load_as_float(w, ch, wdt);
+        if (b) v += load_as_float(b, ch, bdt);
+        store_from_float(y, i, ydt, v);
+    }
+}
+
+// Softmax over rows of d elements, one block per row: y = exp(x - max) * (1 / sum).
+extern "C" __global__ void ddo_softmax(const void* x, int xdt, void* y, int ydt, i64 rows,
+                                       i64 d) {
+    __shared__ float scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = r * d;
+        float m = -__int_as_float(0x7f800000);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) m = fmaxf(m, load_as_float(x, base + j, xdt));
+        m = block_max(m, scratch);
+        float s = 0.0f;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) s += expf(load_as_float(x, base + j, xdt) - m);
+        float inv = 1.0f / block_sum(s, scratch);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            store_from_float(y, base + j, ydt, expf(load_as_float(x, base + j, xdt) - m) * inv);
+        }
+    }
+}
+
+#define R_SUM 0
+#define R_MEAN 1
+#define R_MAX 2
+
+// Reduction of contiguous rows (inner == 1): one block per output, out[r] = op(x[r, :]).
+extern "C" __global__ void ddo_reduce_rows(const void* x, int xdt, void* y, int ydt, i64 rows,
+                                           i64 len, int op) {
+    __shared__ float scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = r * len;
+        float v;
+        if (op == R_MAX) {
+            float m = -__int_as_float(0x7f800000);
+            for (i64 j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, load_as_float(x, base + j, xdt));
+            v = block_max(m, scratch);
+        } else {
+            // -0.0 starts the sum, as Rust's float `Sum` does on the host (an empty sum is -0).
+            float s = -0.0f;
+            for (i64 j = threadIdx.x; j < len; j += blockDim.x) s += load_as_float(x, base + j, xdt);
+            v = block_sum(s, scratch);
+            if (op == R_MEAN) v = v / (float)len;
+        }
+        if (threadIdx.x == 0) store_from_float(y, r, ydt, v);
+    }
+}
+
+// Reduction over the middle dim of x [outer, len, inner] (inner > 1): one thread per output
+// (o, i), reading down the column (coalesced across i); sums accumulate in f64.
+extern "C" __global__ void ddo_reduce_cols(const void* x, int xdt, void* y, int ydt,
+                                           i64 outer, i64 len, i64 inner, int op) {
+    i64 n = outer * inner;
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        i64 o = k / inner, i = k - o * inner;
+        i64 base = o * len * inner + i;
+        float v;
+        if (op == R_MAX) {
+            float m = -__int_as_float(0x7f800000);
+            for (i64 j = 0; j < len; ++j) m = fmaxf(m, load_as_float(x, base + j * inner, xdt));
+            v = m;
+        } else {
+            double s = -0.0;  // as on the host: an empty sum is -0
+            for (i64 j = 0; j < len; ++j) s += (double)load_as_float(x, base + j * inner, xdt);
+            if (op == R_MEAN) s = s / (double)len;
+            v = (float)s;
+        }
+        store_from_float(y, k, ydt, v);
+    }
+}

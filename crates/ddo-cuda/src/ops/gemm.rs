@@ -1,0 +1,737 @@
+//! Linear layers and matrix products of the CUDA backend, on cuBLAS — and the GEMM helper
+//! the convolution and the chunked attention path use.
+//!
+//! # cuBLAS state
+//!
+//! One cuBLAS handle per device, created on the first GEMM, bound to the device's compute
+//! stream, kept in a process-wide table keyed (weakly) by that stream like the kernel
+//! cache of [`kernels`](super::kernels): an entry whose device is gone is destroyed at the
+//! next GEMM of any device. Each handle gets a 32 MiB workspace allocated from the device's
+//! caching allocator on the compute stream (so it shows in the device's accounting);
+//! [`CudaDevice::release_blas_workspaces`] gives it back (phase cleanup may call it; the
+//! next GEMM allocates a new one). Calls on a handle are serialised by the table's lock
+//! (queuing a GEMM takes microseconds; the work itself runs on the stream).
+//!
+//! # Numerics
+//!
+//! Row-major operands are passed to column-major cuBLAS as their transposes (no copies):
+//! `C = A·B` row-major is `Cᵀ = Bᵀ·Aᵀ` column-major. f16/bf16 products run on tensor cores
+//! with f32 accumulation (`CUBLAS_COMPUTE_32F`); f32 products use
+//! `CUBLAS_COMPUTE_32F_PEDANTIC` (plain f32 math: no TF32, no reduced-precision emulation),
+//! so they match the host reference to f32 rounding. A bias seeds the output (`ddo_fill_bias`
+//! of `kernels/conv.cu`) and cuBLAS adds the product with `beta = 1`: the result is rounded
+//! once into the output dtype. Operands of different dtypes are cast to f32 first (exact),
+//! multiplied in f32, and the result cast to the first input's dtype.
+//!
+//! Matmul broadcasting: with a shared right-hand matrix, `a`'s batch folds into the rows of
+//! one GEMM; otherwise batch dims are coalesced and the innermost becomes one strided-batched
+//! GEMM (stride 0 where an operand broadcasts), looped over the outer ones.
+
+use std::sync::{Arc, OnceLock, Weak};
+
+use cudarc::cublas::result::CublasError;
+use cudarc::cublas::sys as cublas;
+use cudarc::driver::{CudaContext, CudaStream, LaunchConfig};
+use ddo_core::{CoreError, DType, Device, DeviceBuffer, Ops, Result, Tensor};
+use parking_lot::Mutex;
+
+use super::kernels::{self, Arg};
+use super::{Out, input, optional_vector, shape_err};
+use crate::device::CudaDevice;
+
+/// Bytes of each handle's cuBLAS workspace (NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Name of the kernel source of the GEMM helpers and the convolution (bias fill, im2col).
+pub(crate) const SOURCE_NAME: &str = "conv.cu";
+/// The kernel source (`kernels/conv.cu`).
+pub(crate) const SOURCE: &str = include_str!("../../kernels/conv.cu");
+
+/// A raw cuBLAS handle.
+struct Handle(cublas::cublasHandle_t);
+
+// SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not run
+// concurrently; every use goes through the `BLAS` table's mutex.
+unsafe impl Send for Handle {}
+
+/// The cuBLAS state of one device.
+struct BlasEntry {
+    /// The device's compute stream (its identity; dead once the device is dropped).
+    compute: Weak<CudaStream>,
+    /// The context the handle lives in (kept until the handle is destroyed).
+    ctx: Arc<CudaContext>,
+    handle: Handle,
+    /// The workspace set on the handle, if any.
+    workspace: Option<DeviceBuffer>,
+}
+
+impl BlasEntry {
+    /// Destroys the handle (errors have nowhere to go: the device is gone).
+    fn destroy(self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the handle was created by `cublasCreate` in `ctx`, is destroyed once
+            // (the entry is consumed), and nothing else refers to it any more.
+            let _ = unsafe { cudarc::cublas::result::destroy_handle(self.handle.0) };
+        }
+        drop(self.workspace);
+    }
+}
+
+static BLAS: Mutex<Vec<BlasEntry>> = Mutex::new(Vec::new());
+
+fn backend(dev: &CudaDevice, message: String) -> CoreError {
+    CoreError::Backend {
+        device: dev.id().to_string(),
+        message,
+    }
+}
+
+fn blas_err(dev: &CudaDevice, call: &str, e: CublasError) -> CoreError {
+    backend(dev, format!("cuBLAS call {call} failed with {:?}", e.0))
+}
+
+fn cublas_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries `dlopen` on libcublas's candidate names and drops
+    // what it opened; it calls nothing in the library.
+    *PRESENT.get_or_init(|| unsafe { cublas::is_culib_present() })
+}
+
+/// Runs `f` with `dev`'s cuBLAS handle (created if needed, with a workspace set), the
+/// device's context bound to this thread and the table locked.
+fn with_blas<R>(
+    dev: &CudaDevice,
+    f: impl FnOnce(cublas::cublasHandle_t) -> Result<R>,
+) -> Result<R> {
+    if !cublas_present() {
+        return Err(backend(
+            dev,
+            "the CUDA library `libcublas` could not be loaded: cudarc loads libcublas.so (also \
+             libcublas.so.13 and other versioned names) through the dynamic loader, which searches \
+             LD_LIBRARY_PATH, the ld.so cache and the system library directories; install the CUDA \
+             toolkit's cuBLAS and add its directory to LD_LIBRARY_PATH (e.g. \
+             /usr/local/cuda/targets/x86_64-linux/lib), or run on the host backend"
+                .into(),
+        ));
+    }
+    let stream = kernels::compute_stream(dev)?;
+    let ctx = dev.context();
+    let driver = |call: &'static str, e| {
+        crate::error::CudaError::driver(call, e).into_core(&dev.id().to_string())
+    };
+    let mut table = BLAS.lock();
+    let (live, dead): (Vec<BlasEntry>, Vec<BlasEntry>) = std::mem::take(&mut *table)
+        .into_iter()
+        .partition(|e| e.compute.strong_count() > 0);
+    *table = live;
+    for e in dead {
+        e.destroy();
+    }
+    let at = match table
+        .iter()
+        .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+    {
+        Some(i) => i,
+        None => {
+            ctx.bind_to_thread()
+                .map_err(|e| driver("cuCtxSetCurrent", e))?;
+            let handle = cudarc::cublas::result::create_handle()
+                .map_err(|e| blas_err(dev, "cublasCreate", e))?;
+            let entry = BlasEntry {
+                compute: Arc::downgrade(&stream),
+                ctx: Arc::clone(ctx),
+                handle: Handle(handle),
+                workspace: None,
+            };
+            // SAFETY: `handle` was just created in the bound context; the stream belongs to
+            // that context and outlives every use of the handle on it (the entry is
+            // destroyed only once the stream is gone, and then never used again).
+            let set = unsafe {
+                cudarc::cublas::result::set_stream(
+                    handle,
+                    stream.cu_stream() as cublas::cudaStream_t,
+                )
+            };
+            if let Err(e) = set {
+                entry.destroy();
+                return Err(blas_err(dev, "cublasSetStream", e));
+            }
+            table.push(entry);
+            table.len() - 1
+        }
+    };
+    let entry = &mut table[at];
+    ctx.bind_to_thread()
+        .map_err(|e| driver("cuCtxSetCurrent", e))?;
+    if entry.workspace.is_none() {
+        // Without room for a workspace cuBLAS still runs (with algorithms that need none).
+        if let Ok(buffer) = dev.alloc_on(WORKSPACE_BYTES, &dev.compute_stream()) {
+            let ptr = dev.allocation(&buffer)?.device_ptr();
+            // SAFETY: `ptr` addresses `WORKSPACE_BYTES` of device memory of this context,
+            // aligned to the allocator's block alignment (>= 256 B); the entry keeps the
+            // buffer alive while it is set, and releasing it orders its free after the
+            // work queued on the compute stream (`release_after`).
+            unsafe {
+                cublas::cublasSetWorkspace_v2(
+                    entry.handle.0,
+                    ptr as *mut std::ffi::c_void,
+                    WORKSPACE_BYTES,
+                )
+            }
+            .result()
+            .map_err(|e| blas_err(dev, "cublasSetWorkspace", e))?;
+            entry.workspace = Some(buffer);
+        }
+    }
+    f(entry.handle.0)
+}
+
+impl CudaDevice {
+    /// Gives back this device's cuBLAS workspace (32 MiB, allocated on the first GEMM):
+    /// returns the bytes released (0 when there was none). The free is ordered after the
+    /// GEMMs already queued; the next GEMM allocates a new workspace. For phase cleanup.
+    pub fn release_blas_workspaces(&self) -> Result<u64> {
+        let stream = kernels::compute_stream(self)?;
+        let mut table = BLAS.lock();
+        let Some(entry) = table
+            .iter_mut()
+            .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+        else {
+            return Ok(0);
+        };
+        let Some(buffer) = entry.workspace.take() else {
+            return Ok(0);
+        };
+        self.context().bind_to_thread().map_err(|e| {
+            crate::error::CudaError::driver("cuCtxSetCurrent", e).into_core(&self.id().to_string())
+        })?;
+        // SAFETY: unsets the workspace of a live handle of this context (size 0: cuBLAS then
+        // uses algorithms that need none); the table's lock serialises it with GEMMs.
+        unsafe { cublas::cublasSetWorkspace_v2(entry.handle.0, std::ptr::null_mut(), 0) }
+            .result()
+            .map_err(|e| blas_err(self, "cublasSetWorkspace", e))?;
+        let bytes = buffer.len() as u64;
+        self.release_after(buffer, &self.compute_stream())?;
+        Ok(bytes)
+    }
+}
+
+/// The cuBLAS data type of a float dtype.
+fn data_type(dtype: DType) -> cublas::cudaDataType {
+    match dtype {
+        DType::F16 => cublas::cudaDataType::CUDA_R_16F,
+        DType::BF16 => cublas::cudaDataType::CUDA_R_16BF,
+        _ => cublas::cudaDataType::CUDA_R_32F,
+    }
+}
+
+/// One (strided-batched) GEMM in cuBLAS's column-major terms:
+/// `C[i] = alpha · op(A[i]) · op(B[i]) + beta · C[i]` for `i < batch`, `op(A)` `m × k`,
+/// `op(B)` `k × n`, `C` `m × n` with leading dimension `ldc`; addresses are device
+/// addresses, leading dimensions and strides in elements.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Gemm {
+    /// `op(A) = Aᵀ`.
+    pub trans_a: bool,
+    /// `op(B) = Bᵀ`.
+    pub trans_b: bool,
+    /// Rows of `op(A)` and `C`.
+    pub m: usize,
+    /// Columns of `op(B)` and `C`.
+    pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
+    pub k: usize,
+    /// `A`.
+    pub a: u64,
+    /// Leading dimension of `A`.
+    pub lda: usize,
+    /// Elements between consecutive `A[i]` (0: shared).
+    pub stride_a: usize,
+    /// `B`.
+    pub b: u64,
+    /// Leading dimension of `B`.
+    pub ldb: usize,
+    /// Elements between consecutive `B[i]` (0: shared).
+    pub stride_b: usize,
+    /// `C`.
+    pub c: u64,
+    /// Leading dimension of `C`.
+    pub ldc: usize,
+    /// Elements between consecutive `C[i]`.
+    pub stride_c: usize,
+    /// Number of products.
+    pub batch: usize,
+    /// Dtype of `A` and `B`.
+    pub ab: DType,
+    /// Dtype of `C`.
+    pub c_dtype: DType,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of `C`'s previous contents (0: overwritten).
+    pub beta: f32,
+}
+
+fn int(dev: &CudaDevice, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        backend(
+            dev,
+            format!("GEMM {what} = {v} exceeds cuBLAS's 32-bit limit"),
+        )
+    })
+}
+
+/// Queues `g` on `dev`'s compute stream.
+///
+/// Contract (kept by the callers): every address is a live allocation of `dev` holding the
+/// elements the GEMM touches with these dimensions, leading dimensions and strides, each
+/// marked with `note_use(compute)` before it can be dropped.
+pub(crate) fn gemm(dev: &CudaDevice, g: &Gemm) -> Result<()> {
+    if g.m == 0 || g.n == 0 || g.batch == 0 {
+        return Ok(());
+    }
+    let (m, n, k) = (
+        int(dev, "m", g.m)?,
+        int(dev, "n", g.n)?,
+        int(dev, "k", g.k)?,
+    );
+    let (lda, ldb, ldc) = (
+        int(dev, "lda", g.lda.max(1))?,
+        int(dev, "ldb", g.ldb.max(1))?,
+        int(dev, "ldc", g.ldc.max(1))?,
+    );
+    let batch = int(dev, "batch", g.batch)?;
+    let stride = |s: usize| i64::try_from(s).unwrap_or(i64::MAX);
+    let op = |t: bool| {
+        if t {
+            cublas::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublas::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let compute = if g.ab == DType::F32 {
+        cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
+    } else {
+        cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F
+    };
+    let (alpha, beta) = (g.alpha, g.beta);
+    let (ab, ct) = (data_type(g.ab), data_type(g.c_dtype));
+    with_blas(dev, |handle| {
+        let status = if g.batch == 1 {
+            // SAFETY: by this function's contract the three matrices are live device ranges
+            // of this context of the sizes the dimensions and leading dimensions describe;
+            // alpha and beta are host f32 values (the handle's default host pointer mode,
+            // f32 scalars for CUBLAS_COMPUTE_32F*) read before the call returns.
+            unsafe {
+                cublas::cublasGemmEx(
+                    handle,
+                    op(g.trans_a),
+                    op(g.trans_b),
+                    m,
+                    n,
+                    k,
+                    (&alpha as *const f32).cast(),
+                    g.a as *const std::ffi::c_void,
+                    ab,
+                    lda,
+                    g.b as *const std::ffi::c_void,
+                    ab,
+                    ldb,
+                    (&beta as *const f32).cast(),
+                    g.c as *mut std::ffi::c_void,
+                    ct,
+                    ldc,
+                    compute,
+                    cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+        } else {
+            // SAFETY: as above, for `batch` matrices of each operand at the given strides.
+            unsafe {
+                cublas::cublasGemmStridedBatchedEx(
+                    handle,
+                    op(g.trans_a),
+                    op(g.trans_b),
+                    m,
+                    n,
+                    k,
+                    (&alpha as *const f32).cast(),
+                    g.a as *const std::ffi::c_void,
+                    ab,
+                    lda,
+                    stride(g.stride_a),
+                    g.b as *const std::ffi::c_void,
+                    ab,
+                    ldb,
+                    stride(g.stride_b),
+                    (&beta as *const f32).cast(),
+                    g.c as *mut std::ffi::c_void,
+                    ct,
+                    ldc,
+                    stride(g.stride_c),
+                    batch,
+                    compute,
+                    cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+        };
+        status
+            .result()
+            .map_err(|e| blas_err(dev, "cublasGemmEx", e))
+    })
+}
+
+/// Seeds the output `[rows, cols]` at `out` (dtype code `out_code`) with a bias:
+/// `out[r][c] = bias[c]` (`per_row == false`, linear) or `bias[r % channels]` (`per_row`,
+/// convolution: rows are images × channels).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fill_bias(
+    dev: &CudaDevice,
+    out: u64,
+    out_code: i32,
+    bias: &super::In<'_>,
+    rows: usize,
+    cols: usize,
+    channels: usize,
+    per_row: bool,
+) -> Result<()> {
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_fill_bias")?;
+    // About 1024 blocks in all (a few per SM), each thread writing many elements.
+    let gx = cols.div_ceil(256).clamp(1, 1024);
+    let gy = (1024 / gx).clamp(1, rows.min(65_535));
+    let grid = (gx as u32, gy as u32, 1);
+    kernels::launch(
+        dev,
+        &f,
+        launch_cfg(grid, 256, 0),
+        &[
+            Arg::Ptr(out),
+            Arg::I32(out_code),
+            Arg::Ptr(bias.ptr),
+            Arg::I32(bias.code),
+            Arg::I64(rows as i64),
+            Arg::I64(cols as i64),
+            Arg::I64(channels.max(1) as i64),
+            Arg::I32(i32::from(per_row)),
+        ],
+    )
+}
+
+/// Zeroes `bytes` at `ptr` on the compute stream.
+pub(crate) fn zero(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let stream = kernels::compute_stream(dev)?;
+    stream.context().bind_to_thread().map_err(|e| {
+        crate::error::CudaError::driver("cuCtxSetCurrent", e).into_core(&dev.id().to_string())
+    })?;
+    // SAFETY: `ptr..ptr + bytes` is a live allocation of this context (the caller's output,
+    // marked with `note_use(compute)` before it can be dropped); the memset is queued on the
+    // compute stream, which belongs to the bound context.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }.map_err(
+        |e| crate::error::CudaError::driver("cuMemsetD8Async", e).into_core(&dev.id().to_string()),
+    )
+}
+
+/// A 1-D launch with the grid given in blocks (for kernels that grid-stride).
+pub(crate) fn launch_cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+fn product(dims: &[usize]) -> usize {
+    dims.iter().product()
+}
+
+/// NumPy broadcast of two batch shapes.
+pub(crate) fn broadcast_shape(op: &str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let r = a.len().max(b.len());
+    let dim = |s: &[usize], i: usize| {
+        if i + s.len() >= r {
+            s[i + s.len() - r]
+        } else {
+            1
+        }
+    };
+    (0..r)
+        .map(|i| {
+            let (da, db) = (dim(a, i), dim(b, i));
+            if da == db || db == 1 {
+                Ok(da)
+            } else if da == 1 {
+                Ok(db)
+            } else {
+                Err(shape_err(
+                    op,
+                    format!("shapes {a:?} and {b:?} do not broadcast (dim {i}: {da} vs {db})"),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// Element strides of a contiguous tensor of `shape` read as broadcast to `out`
+/// (right-aligned; size-1 dims get stride 0).
+pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let off = out.len() - shape.len();
+    let mut strides = vec![0; out.len()];
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        strides[off + i] = if shape[i] == 1 { 0 } else { acc };
+        acc *= shape[i];
+    }
+    strides
+}
+
+/// Casts `t` to f32 (a new tensor; exact for every float dtype).
+fn to_f32(dev: &CudaDevice, t: &Tensor) -> Result<Tensor> {
+    Ops::cast(dev, t, DType::F32)
+}
+
+/// `Ops::linear` on `dev`: `x [..., in] · wᵀ (+ bias)` with `w [out, in]`.
+pub(crate) fn linear(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "linear";
+    let (xs, ws) = (x.shape(), w.shape());
+    if xs.is_empty() || ws.len() != 2 || xs[xs.len() - 1] != ws[1] {
+        return Err(shape_err(
+            OP,
+            format!("x {xs:?} and w {ws:?}: expected x [..., in] and w [out, in]"),
+        ));
+    }
+    let (out_f, in_f) = (ws[0], ws[1]);
+    let xi = input(dev, OP, x)?;
+    let wi = input(dev, OP, w)?;
+    let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
+    if xi.dtype != wi.dtype {
+        let y = linear(dev, &to_f32(dev, x)?, &to_f32(dev, w)?, bias)?;
+        return if x.dtype() == DType::F32 {
+            Ok(y)
+        } else {
+            Ops::cast(dev, &y, x.dtype())
+        };
+    }
+    let m = product(&xs[..xs.len() - 1]);
+    let mut shape = xs.to_vec();
+    shape[xs.len() - 1] = out_f;
+    let out = Out::new(dev, OP, shape, x.dtype())?;
+    let total = m * out_f;
+    let beta = match &bi {
+        Some(b) => {
+            fill_bias(dev, out.ptr, out.code, b, m, out_f, out_f, false)?;
+            1.0
+        }
+        None => 0.0,
+    };
+    if in_f == 0 {
+        if bi.is_none() {
+            zero(dev, out.ptr, total * out.dtype.size_in_bytes())?;
+        }
+    } else {
+        // Cᵀ [out, m] = W [out, in] · Xᵀ [in, m] in column-major terms, in chunks of rows
+        // that fit cuBLAS's 32-bit sizes.
+        let esize = x.dtype().size_in_bytes();
+        let rows_max = (i32::MAX as usize / out_f.max(in_f)).max(1);
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = rows_max.min(m - r0);
+            gemm(
+                dev,
+                &Gemm {
+                    trans_a: true,
+                    trans_b: false,
+                    m: out_f,
+                    n: rows,
+                    k: in_f,
+                    a: wi.ptr,
+                    lda: in_f,
+                    stride_a: 0,
+                    b: xi.ptr + (r0 * in_f * esize) as u64,
+                    ldb: in_f,
+                    stride_b: 0,
+                    c: out.ptr + (r0 * out_f * esize) as u64,
+                    ldc: out_f,
+                    stride_c: 0,
+                    batch: 1,
+                    ab: x.dtype(),
+                    c_dtype: x.dtype(),
+                    alpha: 1.0,
+                    beta,
+                },
+            )?;
+            r0 += rows;
+        }
+    }
+    let mut inputs = vec![&xi, &wi];
+    if let Some(b) = &bi {
+        inputs.push(b);
+    }
+    out.finish(dev, &inputs)
+}
+
+/// Merges adjacent batch dims that are contiguous in all three operands and drops size-1
+/// dims (the walk order is unchanged). Returns (sizes, [a, b, c] strides).
+fn coalesce(shape: &[usize], strides: [&[usize]; 3]) -> (Vec<usize>, [Vec<usize>; 3]) {
+    let mut sizes: Vec<usize> = Vec::new();
+    let mut out: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    for (i, &n) in shape.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let merge =
+            !sizes.is_empty() && (0..3).all(|o| out[o].last().copied() == Some(strides[o][i] * n));
+        if merge {
+            if let Some(last) = sizes.last_mut() {
+                *last *= n;
+            }
+            for o in 0..3 {
+                if let Some(last) = out[o].last_mut() {
+                    *last = strides[o][i];
+                }
+            }
+        } else {
+            sizes.push(n);
+            for o in 0..3 {
+                out[o].push(strides[o][i]);
+            }
+        }
+    }
+    if sizes.is_empty() {
+        sizes.push(1);
+        for s in &mut out {
+            s.push(0);
+        }
+    }
+    (sizes, out)
+}
+
+/// `Ops::matmul` on `dev`: `a [..., m, k] · b [..., k, n]`, batch dims broadcasting.
+pub(crate) fn matmul(dev: &CudaDevice, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    let (as_, bs) = (a.shape(), b.shape());
+    if as_.len() < 2 || bs.len() < 2 || as_[as_.len() - 1] != bs[bs.len() - 2] {
+        return Err(shape_err(
+            OP,
+            format!("a {as_:?} and b {bs:?}: expected a [..., m, k] and b [..., k, n]"),
+        ));
+    }
+    let (ab, bb) = (&as_[..as_.len() - 2], &bs[..bs.len() - 2]);
+    let batch = broadcast_shape(OP, ab, bb)?;
+    let (m, k, n) = (as_[as_.len() - 2], as_[as_.len() - 1], bs[bs.len() - 1]);
+    let ai = input(dev, OP, a)?;
+    let bi = input(dev, OP, b)?;
+    if ai.dtype != bi.dtype {
+        let y = matmul(dev, &to_f32(dev, a)?, &to_f32(dev, b)?)?;
+        return if a.dtype() == DType::F32 {
+            Ok(y)
+        } else {
+            Ops::cast(dev, &y, a.dtype())
+        };
+    }
+    let mut shape = batch.clone();
+    shape.extend([m, n]);
+    let out = Out::new(dev, OP, shape, a.dtype())?;
+    let nb = product(&batch);
+    let esize = a.dtype().size_in_bytes() as u64;
+    if nb * m * n == 0 {
+        return out.finish(dev, &[&ai, &bi]);
+    }
+    if k == 0 {
+        zero(dev, out.ptr, nb * m * n * esize as usize)?;
+        return out.finish(dev, &[&ai, &bi]);
+    }
+    // Column-major: Cᵀ [n, m] = Bᵀ [n, k] · Aᵀ [k, m], both read untransposed.
+    let base = Gemm {
+        trans_a: false,
+        trans_b: false,
+        m: n,
+        n: m,
+        k,
+        a: bi.ptr,
+        lda: n,
+        stride_a: 0,
+        b: ai.ptr,
+        ldb: k,
+        stride_b: 0,
+        c: out.ptr,
+        ldc: n,
+        stride_c: 0,
+        batch: 1,
+        ab: a.dtype(),
+        c_dtype: a.dtype(),
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    if product(bb) == 1 {
+        // One shared right-hand matrix: a's batch folds into the rows (chunked for cuBLAS's
+        // 32-bit sizes).
+        let rows = nb * m;
+        let rows_max = (i32::MAX as usize / k.max(n)).max(1);
+        let mut r0 = 0;
+        while r0 < rows {
+            let r = rows_max.min(rows - r0);
+            gemm(
+                dev,
+                &Gemm {
+                    n: r,
+                    b: ai.ptr + (r0 * k) as u64 * esize,
+                    c: out.ptr + (r0 * n) as u64 * esize,
+                    ..base
+                },
+            )?;
+            r0 += r;
+        }
+        return out.finish(dev, &[&ai, &bi]);
+    }
+    let sa: Vec<usize> = broadcast_strides(ab, &batch)
+        .iter()
+        .map(|s| s * m * k)
+        .collect();
+    let sb: Vec<usize> = broadcast_strides(bb, &batch)
+        .iter()
+        .map(|s| s * k * n)
+        .collect();
+    let sc: Vec<usize> = broadcast_strides(&batch, &batch)
+        .iter()
+        .map(|s| s * m * n)
+        .collect();
+    let (sizes, [sa, sb, sc]) = coalesce(&batch, [&sa, &sb, &sc]);
+    let r = sizes.len();
+    let inner = sizes[r - 1];
+    let outer: usize = product(&sizes[..r - 1]);
+    for o in 0..outer {
+        // Offsets of this outer index (row-major over sizes[..r - 1]).
+        let (mut rem, mut oa, mut ob, mut oc) = (o, 0usize, 0usize, 0usize);
+        for d in (0..r - 1).rev() {
+            let i = rem % sizes[d];
+            rem /= sizes[d];
+            oa += i * sa[d];
+            ob += i * sb[d];
+            oc += i * sc[d];
+        }
+        gemm(
+            dev,
+            &Gemm {
+                a: bi.ptr + ob as u64 * esize,
+                stride_a: sb[r - 1],
+                b: ai.ptr + oa as u64 * esize,
+                stride_b: sa[r - 1],
+                c: out.ptr + oc as u64 * esize,
+                stride_c: sc[r - 1],
+                batch: inner,
+                ..base
+            },
+        )?;
+    }
+    out.finish(dev, &[&ai, &bi])
+}

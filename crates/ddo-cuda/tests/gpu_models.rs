@@ -1,0 +1,318 @@
+//! Whole-model checks on the GPU against Diffusers, and the resident benchmark against
+//! PyTorch eager. They need the peer data written by `tools/gpu_peer.py` on the GPU machine:
+//! with `DDO_PEER_DIR` unset (or no GPU) each prints why it is skipped and passes.
+//!
+//! - Conformance: the Flux VAE decoder at 512² and a FLUX.1-dev-width transformer with
+//!   2 double + 2 single blocks at 1024 image tokens, bf16, the same weights and inputs as
+//!   Diffusers: relative L2 ≤ 2e-2.
+//! - Routes: every route gives output bit-identical to resident on the GPU, and device
+//!   memory returns to its starting level when the route is removed.
+//! - Benchmark (`DDO_BENCH=1`): resident Flux VAE decode 1024² bf16 and a Flux-shaped
+//!   transformer (5 double + 10 single, 4608 + 512 tokens, bf16), median of 10 after 3
+//!   warm-ups; written to `$DDO_BENCH_OUT/ddo_bench.json` and printed beside PyTorch's
+//!   figures from `peer.json`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddo_core::{DType, Device, RouteSpec, Tensor};
+use ddo_cuda::{CudaDevice, CudaError};
+use ddo_nn::flux::{FluxInputs, FluxTransformer, FluxTransformerConfig};
+use ddo_nn::vae::{AutoencoderKL, AutoencoderKLConfig};
+use ddo_nn::{RandomWeights, read_f32_tensor};
+use ddo_routes::enable_dynamic_offload;
+
+fn gpu() -> Option<Arc<CudaDevice>> {
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
+            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
+            }
+            println!("skipped: no CUDA device");
+            None
+        }
+        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
+    }
+}
+
+fn peer_dir() -> Option<PathBuf> {
+    match std::env::var_os("DDO_PEER_DIR") {
+        Some(d) => Some(PathBuf::from(d)),
+        None => {
+            println!("skipped: DDO_PEER_DIR is not set (run tools/gpu_peer.py first)");
+            None
+        }
+    }
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn host_tensor(path: &std::path::Path, name: &str) -> (Tensor, Vec<f32>) {
+    let (shape, values) = read_f32_tensor(path, name).unwrap();
+    (
+        Tensor::from_f32(shape, DType::F32, &values).unwrap(),
+        values,
+    )
+}
+
+fn ids(values: &[f32]) -> Vec<[f32; 3]> {
+    values.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
+}
+
+fn flux_inputs(path: &std::path::Path) -> FluxInputs {
+    let t = |n: &str| host_tensor(path, n);
+    FluxInputs {
+        hidden_states: t("hidden_states").0,
+        encoder_hidden_states: t("encoder_hidden_states").0,
+        pooled_projections: t("pooled_projections").0,
+        timestep: t("timestep").1,
+        guidance: Some(t("guidance").1),
+        img_ids: ids(&t("img_ids").1),
+        txt_ids: ids(&t("txt_ids").1),
+    }
+}
+
+fn routes() -> Vec<(&'static str, RouteSpec)> {
+    vec![
+        ("leaf, no stream", RouteSpec::leaf_group(false, false)),
+        ("leaf, stream", RouteSpec::leaf_group(true, false)),
+        (
+            "block, stream",
+            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
+                .parse()
+                .unwrap(),
+        ),
+        ("linear_convolution", "linear_convolution".parse().unwrap()),
+    ]
+}
+
+fn bytes(d: &CudaDevice, t: &Tensor) -> Vec<u8> {
+    t.to_host_bytes(d, &d.compute_stream()).unwrap()
+}
+
+#[test]
+fn vae_decoder_matches_diffusers_and_every_route_matches_resident() {
+    let (Some(d), Some(dir)) = (gpu(), peer_dir()) else {
+        return;
+    };
+    let io = dir.join("vae_io.safetensors");
+    let (latents, _) = host_tensor(&io, "latents");
+    let (_, expected) = host_tensor(&io, "sample");
+    let start = d.memory_info().allocated;
+    let vae = AutoencoderKL::load(&dir.join("vae"), None).unwrap();
+    let h = enable_dynamic_offload(vae.component(), d.clone(), RouteSpec::resident()).unwrap();
+    let out = vae.decode(Some(&*d), &latents, None).unwrap();
+    let resident = bytes(&d, &out);
+    let got = out.to_f32_vec(&*d, &d.compute_stream()).unwrap();
+    let err = rel_l2(&got, &expected);
+    println!("vae decode 512² bf16 vs Diffusers: rel L2 {err:.3e}");
+    assert!(err <= 2e-2, "rel L2 {err}");
+    drop((out, h));
+    d.synchronize().unwrap();
+    assert_eq!(d.memory_info().allocated, start, "resident route leaked");
+    for (label, route) in routes() {
+        let vae = AutoencoderKL::load(&dir.join("vae"), None).unwrap();
+        let mut h = enable_dynamic_offload(vae.component(), d.clone(), route).unwrap();
+        let out = vae.decode(Some(&*d), &latents, None).unwrap();
+        assert!(
+            bytes(&d, &out) == resident,
+            "{label}: differs from resident"
+        );
+        drop(out);
+        match ddo_routes::remove_dynamic_offload(&mut h) {
+            Err(ddo_core::CoreError::NotOwned { .. }) => drop((h, vae)),
+            other => other.unwrap(),
+        }
+        d.synchronize().unwrap();
+        assert_eq!(
+            d.memory_info().allocated,
+            start,
+            "{label}: memory not returned"
+        );
+        println!("vae decode under {label}: equal to resident, memory returned");
+    }
+}
+
+#[test]
+fn flux_transformer_matches_diffusers_and_every_route_matches_resident() {
+    let (Some(d), Some(dir)) = (gpu(), peer_dir()) else {
+        return;
+    };
+    let io = dir.join("transformer_io.safetensors");
+    let inputs = flux_inputs(&io);
+    let (_, expected) = host_tensor(&io, "sample");
+    let start = d.memory_info().allocated;
+    let model = FluxTransformer::load(&dir.join("transformer"), None).unwrap();
+    let h = enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+    let out = model.forward(&*d, &inputs).unwrap();
+    let resident = bytes(&d, &out);
+    let got = out.to_f32_vec(&*d, &d.compute_stream()).unwrap();
+    let err = rel_l2(&got, &expected);
+    println!("flux 2+2 blocks, 1024 tokens, bf16 vs Diffusers: rel L2 {err:.3e}");
+    assert!(err <= 2e-2, "rel L2 {err}");
+    drop((out, h, model));
+    d.synchronize().unwrap();
+    assert_eq!(d.memory_info().allocated, start);
+    for (label, route) in routes() {
+        let model = FluxTransformer::load(&dir.join("transformer"), None).unwrap();
+        let mut h = enable_dynamic_offload(model.component(), d.clone(), route).unwrap();
+        for _ in 0..2 {
+            let out = model.forward(&*d, &inputs).unwrap();
+            assert!(
+                bytes(&d, &out) == resident,
+                "{label}: differs from resident"
+            );
+        }
+        match ddo_routes::remove_dynamic_offload(&mut h) {
+            Err(ddo_core::CoreError::NotOwned { .. }) => drop((h, model)),
+            other => other.unwrap(),
+        }
+        d.synchronize().unwrap();
+        assert_eq!(
+            d.memory_info().allocated,
+            start,
+            "{label}: memory not returned"
+        );
+        println!("flux under {label}: equal to resident (2 forwards), memory returned");
+    }
+}
+
+fn median_ms(mut f: impl FnMut(), d: &CudaDevice) -> (f64, f64, f64) {
+    for _ in 0..3 {
+        f();
+    }
+    d.synchronize().unwrap();
+    let mut times = Vec::new();
+    for _ in 0..10 {
+        let t = Instant::now();
+        f();
+        d.synchronize().unwrap();
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    (times[times.len() / 2], times[0], times[times.len() - 1])
+}
+
+#[test]
+fn resident_benchmark_against_pytorch() {
+    let Some(d) = gpu() else {
+        return;
+    };
+    if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
+        println!("skipped: set DDO_BENCH=1 to run the resident benchmark");
+        return;
+    }
+    let mut rows = Vec::new();
+    {
+        let mut w = RandomWeights::new(1, DType::BF16);
+        let vae = AutoencoderKL::build(&mut w, AutoencoderKLConfig::flux()).unwrap();
+        let _h = enable_dynamic_offload(vae.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let latents = Tensor::from_f32(
+            vec![1, 16, 128, 128],
+            DType::F32,
+            &(0..16 * 128 * 128)
+                .map(|i| ((i % 97) as f32 / 48.0) - 1.0)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        d.reset_peak();
+        let (med, min, max) = median_ms(
+            || {
+                vae.decode(Some(&*d), &latents, None).unwrap();
+            },
+            &d,
+        );
+        rows.push((
+            "vae_decode_1024_bf16",
+            med,
+            min,
+            max,
+            d.memory_info().peak_allocated,
+        ));
+    }
+    {
+        let mut cfg = FluxTransformerConfig::flux_dev();
+        cfg.num_layers = 5;
+        cfg.num_single_layers = 10;
+        let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
+        let _h =
+            enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let side = 72;
+        let n = side * side;
+        let rnd = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
+                .collect()
+        };
+        let inputs = FluxInputs {
+            hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
+            encoder_hidden_states: Tensor::from_f32(
+                vec![1, 512, 4096],
+                DType::F32,
+                &rnd(512 * 4096, 2),
+            )
+            .unwrap(),
+            pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
+            timestep: vec![0.5],
+            guidance: Some(vec![3.5]),
+            img_ids: (0..n)
+                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+                .collect(),
+            txt_ids: vec![[0.0; 3]; 512],
+        };
+        d.reset_peak();
+        let (med, min, max) = median_ms(
+            || {
+                model.forward(&*d, &inputs).unwrap();
+            },
+            &d,
+        );
+        rows.push((
+            "flux_5x10_4608_bf16",
+            med,
+            min,
+            max,
+            d.memory_info().peak_allocated,
+        ));
+    }
+    let peer: Option<serde_json::Value> = peer_dir()
+        .and_then(|p| std::fs::read_to_string(p.join("peer.json")).ok())
+        .and_then(|s| serde_json::from_str(&s).ok());
+    let mut json = serde_json::Map::new();
+    println!(
+        "workload                 ddo median ms (min-max)   pytorch median ms   ratio   ddo peak GiB"
+    );
+    for (name, med, min, max, peak) in &rows {
+        let torch = peer
+            .as_ref()
+            .and_then(|p| p.get(name))
+            .and_then(|r| r.get("median_ms"))
+            .and_then(|v| v.as_f64());
+        println!(
+            "{name:<24} {med:>8.1} ({min:.1}-{max:.1})   {:>12}   {:>6}   {:.2}",
+            torch
+                .map(|t| format!("{t:.1}"))
+                .unwrap_or_else(|| "-".into()),
+            torch
+                .map(|t| format!("{:.2}", med / t))
+                .unwrap_or_else(|| "-".into()),
+            *peak as f64 / (1u64 << 30) as f64
+        );
+        json.insert(
+            name.to_string(),
+            serde_json::json!({"median_ms": med, "min_ms": min, "max_ms": max, "peak_allocated_bytes": peak, "pytorch_median_ms": torch}),
+        );
+    }
+    if let Some(out) = std::env::var_os("DDO_BENCH_OUT") {
+        let path = PathBuf::from(out).join("ddo_bench.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+        println!("wrote {}", path.display());
+    }
+}

@@ -1,0 +1,824 @@
+//! GPU tests of the CUDA backend's compute plane (element-wise, normalisation, layout ops):
+//! every op against the host backend's [`Ops`] (the reference) on the same seeded random
+//! inputs, in f32, f16 and bf16, with broadcasting, odd and large sizes, offsets into
+//! buffers, and the typed errors. Without a driver or a device each test prints
+//! "skipped: no CUDA device" and passes (unless `DDO_REQUIRE_GPU=1`), like `tests/gpu.rs`.
+
+use std::sync::Arc;
+
+use ddo_core::reference::SplitMix64;
+use ddo_core::{
+    BinaryOp, CoreError, DType, Device, HostBuffer, HostDevice, Ops, ReduceOp, Tensor,
+    TensorStorage, UnaryOp,
+};
+use ddo_cuda::{CudaDevice, CudaError};
+
+/// Device 0, or `None` (after saying so) when there is no driver library or no device.
+/// With `DDO_REQUIRE_GPU=1` a missing device fails the test instead.
+fn gpu() -> Option<Arc<CudaDevice>> {
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
+            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
+            }
+            println!("skipped: no CUDA device");
+            None
+        }
+        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
+    }
+}
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Relative L2 tolerance of a result stored as `dtype`.
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let (g, w) = (f64::from(g), f64::from(w));
+        if g.is_nan() && w.is_nan() || g == w {
+            continue;
+        }
+        num += (g - w).powi(2);
+        den += w * w;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// The GPU under test beside the host reference.
+struct Pair {
+    gpu: Arc<CudaDevice>,
+    host: Arc<HostDevice>,
+    rng: SplitMix64,
+}
+
+impl Pair {
+    fn new(seed: u64) -> Option<Self> {
+        Some(Self {
+            gpu: gpu()?,
+            host: HostDevice::with_capacity(8 << 30).unwrap(),
+            rng: SplitMix64::new(seed),
+        })
+    }
+
+    fn random(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.rng.next_signed()).collect()
+    }
+
+    /// The same values on both devices.
+    fn put(&self, shape: &[usize], dtype: DType, values: &[f32]) -> (Tensor, Tensor) {
+        (
+            self.gpu.tensor_from_f32(shape, dtype, values).unwrap(),
+            self.host.tensor_from_f32(shape, dtype, values).unwrap(),
+        )
+    }
+
+    /// Fresh random values (in [-1, 1)) on both devices.
+    fn rand(&mut self, shape: &[usize], dtype: DType) -> (Tensor, Tensor) {
+        let v = self.random(shape.iter().product());
+        self.put(shape, dtype, &v)
+    }
+
+    /// Checks a GPU result against the host's: shape, dtype and values.
+    #[track_caller]
+    fn check(&self, what: &str, got: &Tensor, want: &Tensor) {
+        assert!(got.is_on_device());
+        assert_eq!(got.shape(), want.shape(), "{what}: shape");
+        assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+        let g = self.gpu.to_f32_vec(got).unwrap();
+        let w = self.host.to_f32_vec(want).unwrap();
+        let e = rel_l2(&g, &w);
+        let t = tol(want.dtype());
+        assert!(e <= t, "{what}: relative L2 error {e:e} > {t:e}");
+    }
+
+    /// Checks that a GPU result equals the host's exactly (layout ops, casts).
+    #[track_caller]
+    fn check_exact(&self, what: &str, got: &Tensor, want: &Tensor) {
+        assert_eq!(got.shape(), want.shape(), "{what}: shape");
+        assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+        let g = self.gpu.to_f32_vec(got).unwrap();
+        let w = self.host.to_f32_vec(want).unwrap();
+        assert_eq!(g.len(), w.len(), "{what}: length");
+        if let Some(i) = g
+            .iter()
+            .zip(&w)
+            .position(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()))
+        {
+            panic!("{what}: element {i} is {:?}, the host has {:?}", g[i], w[i]);
+        }
+    }
+
+    /// Nothing allocated on the GPU any more.
+    fn assert_clean(&self) {
+        self.gpu.synchronize().unwrap();
+        assert_eq!(
+            self.gpu.memory_info().allocated,
+            0,
+            "{:?}",
+            self.gpu.allocator_stats()
+        );
+    }
+}
+
+const UNARY: [UnaryOp; 12] = [
+    UnaryOp::Silu,
+    UnaryOp::GeluTanh,
+    UnaryOp::GeluErf,
+    UnaryOp::QuickGelu,
+    UnaryOp::Sigmoid,
+    UnaryOp::Tanh,
+    UnaryOp::Relu,
+    UnaryOp::Exp,
+    UnaryOp::Neg,
+    UnaryOp::Square,
+    UnaryOp::Sqrt,
+    UnaryOp::Recip,
+];
+
+const BINARY: [BinaryOp; 6] = [
+    BinaryOp::Add,
+    BinaryOp::Sub,
+    BinaryOp::Mul,
+    BinaryOp::Div,
+    BinaryOp::Max,
+    BinaryOp::Min,
+];
+
+#[test]
+fn unary_ops_match_the_host() {
+    let Some(mut p) = Pair::new(1) else { return };
+    for dtype in DTYPES {
+        for n in [1usize, 31, 1000, 4099] {
+            // Wide range (tails of GELU, sigmoid); positive for sqrt and recip.
+            let wide: Vec<f32> = p.random(n).iter().map(|v| v * 12.0).collect();
+            let positive: Vec<f32> = wide.iter().map(|v| v.abs() + 0.05).collect();
+            for op in UNARY {
+                let values = match op {
+                    UnaryOp::Sqrt | UnaryOp::Recip => &positive,
+                    UnaryOp::Exp => &p.random(n).iter().map(|v| v * 6.0).collect(),
+                    _ => &wide,
+                };
+                let (g, h) = p.put(&[n], dtype, values);
+                let what = format!("{op:?} {dtype} n={n}");
+                p.check(
+                    &what,
+                    &p.gpu.unary(&g, op).unwrap(),
+                    &p.host.unary(&h, op).unwrap(),
+                );
+            }
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn gelu_erf_tails_are_precise_elementwise() {
+    let Some(p) = Pair::new(2) else { return };
+    let xs: Vec<f32> = (-120..=40).map(|i| i as f32 * 0.125).collect();
+    let (g, h) = p.put(&[xs.len()], DType::F32, &xs);
+    let got = p
+        .gpu
+        .to_f32_vec(&p.gpu.unary(&g, UnaryOp::GeluErf).unwrap())
+        .unwrap();
+    let want = p
+        .host
+        .to_f32_vec(&p.host.unary(&h, UnaryOp::GeluErf).unwrap())
+        .unwrap();
+    for ((x, a), b) in xs.iter().zip(&got).zip(&want) {
+        let err = (a - b).abs() / b.abs().max(1e-30);
+        assert!(err < 1e-5 || a == b, "gelu_erf({x}): {a} vs {b}");
+    }
+}
+
+#[test]
+fn binary_ops_broadcast_like_the_host() {
+    let Some(mut p) = Pair::new(3) else { return };
+    let cases: [(&[usize], &[usize]); 9] = [
+        (&[257], &[257]),
+        (&[3, 1, 5], &[4, 5]),
+        (&[2, 3, 4, 5], &[5]),
+        (&[1], &[7, 1]),
+        (&[6, 1], &[1, 9]),
+        (&[2, 3, 4, 5], &[2, 1, 4, 1]),
+        (&[1, 1, 1], &[1]),
+        // Seven dims that do not coalesce below six: more than one launch.
+        (&[2, 1, 3, 1, 5, 1, 2], &[1, 4, 1, 6, 1, 3, 1]),
+        (&[0, 3], &[1, 3]),
+    ];
+    for (sa, sb) in cases {
+        for (da, db) in [
+            (DType::F32, DType::F32),
+            (DType::BF16, DType::BF16),
+            (DType::F16, DType::F32),
+            (DType::F32, DType::BF16),
+        ] {
+            let (ga, ha) = p.rand(sa, da);
+            let bv: Vec<f32> = p
+                .random(sb.iter().product())
+                .iter()
+                .map(|v| {
+                    if v.abs() < 0.1 {
+                        v.signum() * 0.5 + v
+                    } else {
+                        *v
+                    }
+                })
+                .collect();
+            let (gb, hb) = p.put(sb, db, &bv);
+            for op in BINARY {
+                let what = format!("{op:?} {sa:?}:{da} with {sb:?}:{db}");
+                p.check(
+                    &what,
+                    &p.gpu.binary(&ga, &gb, op).unwrap(),
+                    &p.host.binary(&ha, &hb, op).unwrap(),
+                );
+                // And the other way round.
+                p.check(
+                    &format!("{what} (swapped)"),
+                    &p.gpu.binary(&gb, &ga, op).unwrap(),
+                    &p.host.binary(&hb, &ha, op).unwrap(),
+                );
+            }
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn large_one_dimensional_tensors() {
+    let Some(mut p) = Pair::new(4) else { return };
+    let n = 3 * (1 << 20) + 17;
+    for dtype in [DType::F32, DType::BF16] {
+        let (ga, ha) = p.rand(&[n], dtype);
+        let (gb, hb) = p.rand(&[n], dtype);
+        p.check(
+            "add 3M",
+            &p.gpu.binary(&ga, &gb, BinaryOp::Add).unwrap(),
+            &p.host.binary(&ha, &hb, BinaryOp::Add).unwrap(),
+        );
+        p.check(
+            "silu 3M",
+            &p.gpu.unary(&ga, UnaryOp::Silu).unwrap(),
+            &p.host.unary(&ha, UnaryOp::Silu).unwrap(),
+        );
+        p.check(
+            "affine 3M",
+            &p.gpu.affine(&ga, 0.5, -2.0).unwrap(),
+            &p.host.affine(&ha, 0.5, -2.0).unwrap(),
+        );
+        p.check(
+            "softmax over one 3M row",
+            &p.gpu.softmax(&ga).unwrap(),
+            &p.host.softmax(&ha).unwrap(),
+        );
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+            // A sum of 3M values in [-1, 1): compare with an absolute bound as well, since
+            // the sum itself is small against the values' magnitude.
+            let got = p
+                .gpu
+                .to_f32_vec(&p.gpu.reduce(&ga, 0, op).unwrap())
+                .unwrap();
+            let want = p
+                .host
+                .to_f32_vec(&p.host.reduce(&ha, 0, op).unwrap())
+                .unwrap();
+            let bound = match dtype {
+                DType::F32 => 0.05f32,
+                _ => want[0].abs() * 1e-2 + 0.05,
+            };
+            assert!(
+                (got[0] - want[0]).abs() <= bound.max(want[0].abs() * 1e-5),
+                "{op:?} over 3M {dtype}: {} vs {}",
+                got[0],
+                want[0]
+            );
+        }
+        p.check(
+            "layer_norm of one 3M row",
+            &p.gpu.layer_norm(&ga, None, None, 1e-5).unwrap(),
+            &p.host.layer_norm(&ha, None, None, 1e-5).unwrap(),
+        );
+        let shape = [n];
+        let (g2, h2) = (
+            ga.reshape(&[1, 1, n]).unwrap(),
+            ha.reshape(&[1, 1, n]).unwrap(),
+        );
+        p.check(
+            "group_norm of one 3M group",
+            &p.gpu.group_norm(&g2, 1, None, None, 1e-6).unwrap(),
+            &p.host.group_norm(&h2, 1, None, None, 1e-6).unwrap(),
+        );
+        let other = if dtype == DType::F32 {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        p.check_exact(
+            "cast 3M",
+            &p.gpu.cast(&ga, other).unwrap(),
+            &p.host.cast(&ha, other).unwrap(),
+        );
+        p.check_exact(
+            "narrow 3M",
+            &p.gpu.narrow(&ga, 0, 5, n - 9).unwrap(),
+            &p.host.narrow(&ha, 0, 5, n - 9).unwrap(),
+        );
+        let _ = shape;
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn affine_cast_and_softmax_match_the_host() {
+    let Some(mut p) = Pair::new(5) else { return };
+    for dtype in DTYPES {
+        let (g, h) = p.rand(&[3, 7, 33], dtype);
+        p.check(
+            "affine",
+            &p.gpu.affine(&g, -1.5, 0.25).unwrap(),
+            &p.host.affine(&h, -1.5, 0.25).unwrap(),
+        );
+        for to in DTYPES {
+            p.check_exact(
+                &format!("cast {dtype} -> {to}"),
+                &p.gpu.cast(&g, to).unwrap(),
+                &p.host.cast(&h, to).unwrap(),
+            );
+        }
+        for d in [1usize, 7, 100, 1000, 5003] {
+            let v: Vec<f32> = p.random(5 * d).iter().map(|x| x * 20.0).collect();
+            let (g, h) = p.put(&[5, d], dtype, &v);
+            p.check(
+                &format!("softmax {dtype} d={d}"),
+                &p.gpu.softmax(&g).unwrap(),
+                &p.host.softmax(&h).unwrap(),
+            );
+        }
+    }
+    // Casting rounds to nearest even, like the host, including overflow and NaN.
+    let special = [
+        1.0f32 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        70000.0,
+        -70000.0,
+        f32::NAN,
+        f32::INFINITY,
+        1e-8,
+        -0.0,
+        3.0e38,
+    ];
+    let (g, h) = p.put(&[special.len()], DType::F32, &special);
+    for to in [DType::F16, DType::BF16] {
+        p.check_exact(
+            &format!("cast special values to {to}"),
+            &p.gpu.cast(&g, to).unwrap(),
+            &p.host.cast(&h, to).unwrap(),
+        );
+    }
+    drop((g, h));
+    p.assert_clean();
+}
+
+#[test]
+fn reductions_match_the_host() {
+    let Some(mut p) = Pair::new(6) else { return };
+    for dtype in DTYPES {
+        for shape in [&[3usize, 5, 7][..], &[1, 4097], &[64, 3], &[2, 1, 9, 1]] {
+            let (g, h) = p.rand(shape, dtype);
+            for dim in 0..shape.len() {
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
+                    p.check(
+                        &format!("{op:?} over dim {dim} of {shape:?} {dtype}"),
+                        &p.gpu.reduce(&g, dim, op).unwrap(),
+                        &p.host.reduce(&h, dim, op).unwrap(),
+                    );
+                }
+            }
+        }
+    }
+    // An empty dim (in the middle, and last): sum -0 (Rust's empty float sum, as the host),
+    // mean NaN, max refused.
+    for (shape, dim) in [([2usize, 0, 3], 1usize), ([2, 3, 0], 2)] {
+        let (g, h) = p.put(&shape, DType::F32, &[]);
+        for op in [ReduceOp::Sum, ReduceOp::Mean] {
+            p.check_exact(
+                &format!("empty {op:?} over dim {dim} of {shape:?}"),
+                &p.gpu.reduce(&g, dim, op).unwrap(),
+                &p.host.reduce(&h, dim, op).unwrap(),
+            );
+        }
+        assert!(matches!(
+            p.gpu.reduce(&g, dim, ReduceOp::Max),
+            Err(CoreError::Shape { .. })
+        ));
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn normalisations_match_the_host() {
+    let Some(mut p) = Pair::new(7) else { return };
+    for dtype in DTYPES {
+        for d in [1usize, 5, 64, 768, 3001] {
+            let v: Vec<f32> = p.random(9 * d).iter().map(|x| x * 3.0 + 1.5).collect();
+            let (g, h) = p.put(&[3, 3, d], dtype, &v);
+            let (gw, hw) = p.rand(&[d], DType::F32);
+            let (gb, hb) = p.rand(&[d], dtype);
+            for (w, b) in [(false, false), (true, false), (true, true), (false, true)] {
+                let what = format!("layer_norm {dtype} d={d} w={w} b={b}");
+                p.check(
+                    &what,
+                    &p.gpu
+                        .layer_norm(&g, w.then_some(&gw), b.then_some(&gb), 1e-5)
+                        .unwrap(),
+                    &p.host
+                        .layer_norm(&h, w.then_some(&hw), b.then_some(&hb), 1e-5)
+                        .unwrap(),
+                );
+            }
+            for w in [false, true] {
+                p.check(
+                    &format!("rms_norm {dtype} d={d} w={w}"),
+                    &p.gpu.rms_norm(&g, w.then_some(&gw), 1e-6).unwrap(),
+                    &p.host.rms_norm(&h, w.then_some(&hw), 1e-6).unwrap(),
+                );
+            }
+        }
+        // Group norm: small groups, groups longer than one statistics chunk (8192), an
+        // odd spatial size, and no spatial dims at all.
+        for (shape, groups) in [
+            (&[2usize, 64, 33, 33][..], 32usize),
+            (&[1, 4, 100, 100], 2),
+            (&[3, 6, 7], 3),
+            (&[4, 8], 4),
+            (&[1, 32, 9, 17, 3], 8),
+        ] {
+            let c = shape[1];
+            let v: Vec<f32> = p
+                .random(shape.iter().product())
+                .iter()
+                .map(|x| x * 2.0 - 0.7)
+                .collect();
+            let (g, h) = p.put(shape, dtype, &v);
+            let (gw, hw) = p.rand(&[c], dtype);
+            let (gb, hb) = p.rand(&[c], DType::F32);
+            for affine in [false, true] {
+                p.check(
+                    &format!("group_norm {dtype} {shape:?} groups={groups} affine={affine}"),
+                    &p.gpu
+                        .group_norm(
+                            &g,
+                            groups,
+                            affine.then_some(&gw),
+                            affine.then_some(&gb),
+                            1e-6,
+                        )
+                        .unwrap(),
+                    &p.host
+                        .group_norm(
+                            &h,
+                            groups,
+                            affine.then_some(&hw),
+                            affine.then_some(&hb),
+                            1e-6,
+                        )
+                        .unwrap(),
+                );
+            }
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn rope_matches_the_host() {
+    let Some(mut p) = Pair::new(8) else { return };
+    for dtype in DTYPES {
+        for (b, h, l, d) in [(1, 1, 1, 2), (2, 3, 17, 64), (1, 24, 333, 128)] {
+            let (gx, hx) = p.rand(&[b, h, l, d], dtype);
+            let (gc, hc) = p.rand(&[l, d], DType::F32);
+            let (gs, hs) = p.rand(&[l, d], dtype);
+            p.check(
+                &format!("rope {dtype} {:?}", [b, h, l, d]),
+                &p.gpu.rope(&gx, &gc, &gs).unwrap(),
+                &p.host.rope(&hx, &hc, &hs).unwrap(),
+            );
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn layout_ops_match_the_host_exactly() {
+    let Some(mut p) = Pair::new(9) else { return };
+    for dtype in DTYPES {
+        let (ga, ha) = p.rand(&[2, 3, 5], dtype);
+        let (gb, hb) = p.rand(&[2, 4, 5], dtype);
+        let (gc, hc) = p.rand(&[2, 1, 5], DType::F32);
+        p.check_exact(
+            "concat dim 1 (mixed dtypes)",
+            &p.gpu.concat(&[&ga, &gb, &gc], 1).unwrap(),
+            &p.host.concat(&[&ha, &hb, &hc], 1).unwrap(),
+        );
+        p.check_exact(
+            "concat dim 0",
+            &p.gpu.concat(&[&ga, &ga], 0).unwrap(),
+            &p.host.concat(&[&ha, &ha], 0).unwrap(),
+        );
+        p.check_exact(
+            "concat dim 2",
+            &p.gpu.concat(&[&ga, &ga, &ga], 2).unwrap(),
+            &p.host.concat(&[&ha, &ha, &ha], 2).unwrap(),
+        );
+        let (ge, he) = p.rand(&[2, 0, 5], dtype);
+        p.check_exact(
+            "concat with an empty input",
+            &p.gpu.concat(&[&ga, &ge], 1).unwrap(),
+            &p.host.concat(&[&ha, &he], 1).unwrap(),
+        );
+        for (dim, start, len) in [(0, 1, 1), (1, 1, 2), (2, 0, 5), (2, 3, 2), (1, 3, 0)] {
+            p.check_exact(
+                &format!("narrow {dim} {start} {len}"),
+                &p.gpu.narrow(&ga, dim, start, len).unwrap(),
+                &p.host.narrow(&ha, dim, start, len).unwrap(),
+            );
+        }
+        let (g4, h4) = p.rand(&[2, 3, 4, 5], dtype);
+        for dims in [
+            [0, 1, 2, 3],
+            [0, 2, 1, 3],
+            [3, 2, 1, 0],
+            [1, 3, 0, 2],
+            [0, 1, 3, 2],
+        ] {
+            p.check_exact(
+                &format!("permute {dims:?}"),
+                &p.gpu.permute(&g4, &dims).unwrap(),
+                &p.host.permute(&h4, &dims).unwrap(),
+            );
+        }
+        // Eight dims reversed: no coalescing, two launches of six dims.
+        let shape8 = [2, 3, 2, 2, 3, 2, 2, 3];
+        let (g8, h8) = p.rand(&shape8, dtype);
+        let rev = [7, 6, 5, 4, 3, 2, 1, 0];
+        p.check_exact(
+            "permute of 8 dims",
+            &p.gpu.permute(&g8, &rev).unwrap(),
+            &p.host.permute(&h8, &rev).unwrap(),
+        );
+        for shape in [[1usize, 1, 1, 1], [2, 3, 5, 7], [1, 4, 64, 33]] {
+            let (g, h) = p.rand(&shape, dtype);
+            p.check_exact(
+                &format!("upsample {shape:?}"),
+                &p.gpu.upsample_nearest2x(&g).unwrap(),
+                &p.host.upsample_nearest2x(&h).unwrap(),
+            );
+        }
+        let (gt, ht) = p.rand(&[50, 33], dtype);
+        for ids in [&[0u32, 49, 7, 7, 3][..], &[], &[12]] {
+            p.check_exact(
+                &format!("embedding {ids:?}"),
+                &p.gpu.embedding(&gt, ids).unwrap(),
+                &p.host.embedding(&ht, ids).unwrap(),
+            );
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn uploads_and_downloads_round_trip() {
+    let Some(mut p) = Pair::new(10) else { return };
+    for dtype in DTYPES {
+        let v = p.random(1001);
+        let t = p.gpu.tensor_from_f32(&[7, 11, 13], dtype, &v).unwrap();
+        assert_eq!(t.shape(), &[7, 11, 13]);
+        let back = p.gpu.to_f32_vec(&t).unwrap();
+        let encoded = dtype.decode_f32(&dtype.encode_f32(&v).unwrap()).unwrap();
+        assert_eq!(back, encoded, "{dtype}");
+        let empty = p.gpu.tensor_from_f32(&[0, 4], dtype, &[]).unwrap();
+        assert!(p.gpu.to_f32_vec(&empty).unwrap().is_empty());
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn inputs_at_an_offset_in_their_buffer_are_read_from_there() {
+    let Some(mut p) = Pair::new(11) else { return };
+    let v = p.random(100);
+    let bytes = DType::F32.encode_f32(&v).unwrap();
+    let buffer = p.gpu.alloc(64 + bytes.len()).unwrap();
+    let stream = p.gpu.compute_stream();
+    p.gpu
+        .copy_h2d(
+            &HostBuffer::pageable_from(&bytes).slice_all(),
+            &buffer.slice(64, bytes.len()).unwrap(),
+            &stream,
+        )
+        .unwrap();
+    let x = Tensor::new(
+        vec![10, 10],
+        DType::F32,
+        TensorStorage::Device(buffer.slice(64, bytes.len()).unwrap()),
+    )
+    .unwrap();
+    let (_, h) = p.put(&[10, 10], DType::F32, &v);
+    p.check(
+        "softmax at an offset",
+        &p.gpu.softmax(&x).unwrap(),
+        &p.host.softmax(&h).unwrap(),
+    );
+    p.check_exact(
+        "permute at an offset",
+        &p.gpu.permute(&x, &[1, 0]).unwrap(),
+        &p.host.permute(&h, &[1, 0]).unwrap(),
+    );
+    drop((x, buffer));
+    p.assert_clean();
+}
+
+#[test]
+fn ops_read_what_a_pinned_copy_queued_before_them_wrote() {
+    let Some(mut p) = Pair::new(12) else { return };
+    let n = 1 << 20;
+    let v = p.random(n);
+    let bytes = DType::F32.encode_f32(&v).unwrap();
+    let pinned = p.gpu.alloc_pinned(bytes.len()).unwrap();
+    pinned
+        .with_bytes_mut(|b| b.copy_from_slice(&bytes))
+        .unwrap();
+    let buffer = p.gpu.alloc(bytes.len()).unwrap();
+    let stream = p.gpu.compute_stream();
+    p.gpu
+        .copy_h2d(&pinned.slice_all(), &buffer.slice_all(), &stream)
+        .unwrap();
+    let x = Tensor::new(
+        vec![n],
+        DType::F32,
+        TensorStorage::Device(buffer.slice_all()),
+    )
+    .unwrap();
+    let (_, h) = p.put(&[n], DType::F32, &v);
+    p.check(
+        "exp after a queued copy",
+        &p.gpu.unary(&x, UnaryOp::Exp).unwrap(),
+        &p.host.unary(&h, UnaryOp::Exp).unwrap(),
+    );
+    drop((x, buffer, pinned));
+    p.assert_clean();
+}
+
+#[test]
+fn bad_shapes_wrong_devices_and_ids_are_typed_errors() {
+    let Some(mut p) = Pair::new(13) else { return };
+    let shape_err = |r: ddo_core::Result<Tensor>| match r {
+        Err(CoreError::Shape { .. }) => {}
+        other => panic!("expected a shape error, got {other:?}"),
+    };
+    let (g, h) = p.rand(&[2, 3], DType::F32);
+    let (g3, _) = p.rand(&[3, 2], DType::F32);
+    shape_err(p.gpu.binary(&g, &g3, BinaryOp::Add));
+    shape_err(p.gpu.reduce(&g, 2, ReduceOp::Sum));
+    shape_err(p.gpu.narrow(&g, 1, 2, 2));
+    shape_err(p.gpu.narrow(&g, 2, 0, 1));
+    shape_err(p.gpu.permute(&g, &[0, 0]));
+    shape_err(p.gpu.permute(&g, &[0]));
+    shape_err(p.gpu.concat(&[&g, &g3], 0));
+    shape_err(p.gpu.concat(&[], 0));
+    shape_err(p.gpu.upsample_nearest2x(&g));
+    shape_err(p.gpu.group_norm(&g, 2, None, None, 1e-5));
+    shape_err(p.gpu.group_norm(&g, 0, None, None, 1e-5));
+    shape_err(p.gpu.layer_norm(&g, Some(&g), None, 1e-5));
+    shape_err(p.gpu.rms_norm(&g, Some(&g3), 1e-5));
+    shape_err(p.gpu.rope(&g, &g3, &g3));
+    shape_err(p.gpu.embedding(&g, &[2]));
+    shape_err(p.gpu.embedding(&g3, &[0, 1, 2, 3]));
+    shape_err(p.gpu.tensor_from_f32(&[2, 2], DType::F32, &[1.0]));
+    shape_err(p.gpu.tensor_from_f32(&[1], DType::Quantized, &[1.0]));
+    let scalar = p.gpu.tensor_from_f32(&[], DType::F32, &[1.0]).unwrap();
+    shape_err(p.gpu.softmax(&scalar));
+    shape_err(p.gpu.layer_norm(&scalar, None, None, 1e-5));
+    // Tensors of the host, of host memory, or of another CudaDevice instance.
+    let wrong = |r: ddo_core::Result<Tensor>| match r {
+        Err(CoreError::WrongDevice { .. }) => {}
+        other => panic!("expected a wrong-device error, got {other:?}"),
+    };
+    wrong(p.gpu.unary(&h, UnaryOp::Relu));
+    wrong(p.gpu.binary(&g, &h, BinaryOp::Add));
+    let host_tensor = Tensor::from_f32(vec![2], DType::F32, &[1.0, 2.0]).unwrap();
+    wrong(p.gpu.softmax(&host_tensor));
+    assert!(matches!(
+        p.gpu.to_f32_vec(&host_tensor),
+        Err(CoreError::WrongDevice { .. })
+    ));
+    let other = CudaDevice::new(0).unwrap();
+    let foreign = other
+        .tensor_from_f32(&[2], DType::F32, &[1.0, 2.0])
+        .unwrap();
+    wrong(p.gpu.affine(&foreign, 1.0, 0.0));
+    // Nothing leaked by the refusals.
+    drop((g, g3, scalar));
+    p.assert_clean();
+}
+
+#[test]
+fn the_device_exposes_its_ops_and_outputs_are_freed() {
+    let Some(mut p) = Pair::new(14) else { return };
+    assert!(p.gpu.ops().is_some());
+    let (g, _) = p.rand(&[64, 64], DType::BF16);
+    let ops = ddo_core::ops_of(&*p.gpu).unwrap();
+    let before = p.gpu.memory_info().allocated;
+    let y = ops.softmax(&g).unwrap();
+    assert!(p.gpu.memory_info().allocated >= before + 64 * 64 * 2);
+    // Drop the input while the kernel may still run: the free waits for it.
+    drop(g);
+    let z = ops.unary(&y, UnaryOp::Exp).unwrap();
+    drop(y);
+    assert_eq!(ops.to_f32_vec(&z).unwrap().len(), 64 * 64);
+    drop(z);
+    p.assert_clean();
+}
+
+/// Prints the effective bandwidth of a few large ops (informative; asserts only that they
+/// run and that nothing leaks).
+#[test]
+fn large_ops_report_their_bandwidth() {
+    let Some(p) = Pair::new(15) else { return };
+    let g = &p.gpu;
+    let time = |what: &str, bytes: usize, f: &dyn Fn() -> Tensor| {
+        drop(f()); // compile and warm up
+        g.synchronize().unwrap();
+        let reps = 5;
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            drop(f());
+        }
+        g.synchronize().unwrap();
+        let s = start.elapsed().as_secs_f64() / f64::from(reps);
+        println!(
+            "{what}: {:.3} ms, {:.0} GB/s",
+            s * 1e3,
+            bytes as f64 / s / 1e9
+        );
+    };
+    let n = 64 << 20;
+    let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect();
+    let a = g.tensor_from_f32(&[n], DType::F32, &values).unwrap();
+    let b = g.tensor_from_f32(&[n], DType::F32, &values).unwrap();
+    time("add f32 64M", 3 * 4 * n, &|| {
+        g.binary(&a, &b, BinaryOp::Add).unwrap()
+    });
+    let row = g
+        .tensor_from_f32(&[1, 8192], DType::F32, &values[..8192])
+        .unwrap();
+    time("add f32 64M + broadcast row", 2 * 4 * n, &|| {
+        g.binary(&a.reshape(&[n / 8192, 8192]).unwrap(), &row, BinaryOp::Add)
+            .unwrap()
+    });
+    time("gelu_erf f32 64M", 2 * 4 * n, &|| {
+        g.unary(&a, UnaryOp::GeluErf).unwrap()
+    });
+    let x = g
+        .cast(&a, DType::BF16)
+        .unwrap()
+        .reshape(&[1, 256, 512, 512])
+        .unwrap();
+    time(
+        "group_norm bf16 [1,256,512,512] 32 groups",
+        2 * 2 * n,
+        &|| g.group_norm(&x, 32, None, None, 1e-6).unwrap(),
+    );
+    let rows = x.reshape(&[16384, 4096]).unwrap();
+    time("layer_norm bf16 [16384, 4096]", 2 * 2 * n, &|| {
+        g.layer_norm(&rows, None, None, 1e-6).unwrap()
+    });
+    time("softmax bf16 [16384, 4096]", 2 * 2 * n, &|| {
+        g.softmax(&rows).unwrap()
+    });
+    let heads = x.reshape(&[4, 4096, 32, 128]).unwrap();
+    time(
+        "permute bf16 [4,4096,32,128] -> [0,2,1,3]",
+        2 * 2 * n,
+        &|| g.permute(&heads, &[0, 2, 1, 3]).unwrap(),
+    );
+    let small = g.narrow(&x, 1, 0, 64).unwrap();
+    time("upsample bf16 [1,64,512,512]", 5 * 2 * (n / 4), &|| {
+        g.upsample_nearest2x(&small).unwrap()
+    });
+    drop((a, b, row, x, rows, heads, small));
+    p.assert_clean();
+}

@@ -1,0 +1,1260 @@
+//! Diffusers' `FluxPipeline` on DDO: prompt encoding (CLIP pooled + T5 sequence), the
+//! denoising loop (latent packing, [`FlowMatchEulerScheduler`] with the resolution-dependent
+//! shift, guidance embedding), and the VAE decode — each phase running its component
+//! through whatever route is attached to it.
+//!
+//! [`FluxPipeline::run_phases`] is the driver a user of DDO wants: given a
+//! [`PipelineOffload`] (the pipeline's components with their routes), it runs the three
+//! phases and, between them, does the seed's phase-boundary cleanup: the finished
+//! component is released (hooks removed, device and pinned memory freed, weights host-only),
+//! the phase's device state is dropped (what the next phase needs is kept on the host),
+//! idle cached memory is returned (`empty_cache`), and the phase's device peak is recorded
+//! with `phase_boundary`. Each phase reports its route, wall time and peak.
+//!
+//! Values follow diffusers 0.42.1 `pipeline_flux.py`: latents `[1, C, 2·(H/(2f)), 2·(W/(2f))]`
+//! packed into 2×2 patches; `image_seq_len` = packed tokens; `mu = calculate_shift(...)`;
+//! per step `timestep = t / 1000` (in the latents' dtype), `guidance = [scale]` (f32) when
+//! the transformer has a guidance embedder, `txt_ids` zeros, `img_ids` `(0, row, col)`;
+//! after the loop `latents / scaling_factor + shift_factor` and `vae.decode`.
+//!
+//! Initial noise from a seed is DDO's own (SplitMix64 + Box–Muller, documented at
+//! [`gaussian_noise`]), not PyTorch's generator: to reproduce a Diffusers run exactly,
+//! pass its noise ([`InitLatents::Given`]) and embeddings ([`PromptInput::Embeddings`]).
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddo_core::{Component, CoreError, DType, Device, Result, RouteId, RouteTarget, Tensor, ops_of};
+use ddo_metrics::PhasePeak;
+use ddo_routes::{Pipeline, PipelineOffload};
+use half::{bf16, f16};
+use serde::Serialize;
+
+use crate::clip::{self, ClipTextConfig, ClipTextModel};
+use crate::error::{LoadError, LoadResult};
+use crate::flux::{
+    self, FluxInputs, FluxTransformer, FluxTransformerConfig, latent_image_ids, pack_latents,
+    unpack_latents,
+};
+use crate::scheduler::{FlowMatchEulerConfig, FlowMatchEulerScheduler};
+use crate::t5::{self, T5Config, T5Encoder};
+use crate::tokenizer;
+use crate::vae::{
+    self, AutoencoderKL, AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes,
+    estimate_tiled_decode_peak_bytes,
+};
+use crate::weights::RandomWeights;
+
+/// Phase names, in order (the names `phase_boundary` records).
+pub const PHASES: [&str; 3] = ["prompt_encoding", "denoise", "decode"];
+
+/// Component names of a Flux pipeline, as Diffusers names its folders.
+pub const TEXT_ENCODER: &str = clip::COMPONENT_NAME;
+/// The T5 encoder's component name.
+pub const TEXT_ENCODER_2: &str = t5::COMPONENT_NAME;
+/// The transformer's component name.
+pub const TRANSFORMER: &str = "transformer";
+/// The VAE's component name.
+pub const VAE: &str = vae::COMPONENT_NAME;
+
+/// The configs of a whole pipeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FluxPipelineConfig {
+    /// CLIP text encoder (`text_encoder`).
+    pub text_encoder: ClipTextConfig,
+    /// T5 encoder (`text_encoder_2`).
+    pub text_encoder_2: T5Config,
+    /// The transformer.
+    pub transformer: FluxTransformerConfig,
+    /// The VAE.
+    pub vae: AutoencoderKLConfig,
+    /// The scheduler.
+    pub scheduler: FlowMatchEulerConfig,
+    /// T5 sequence length for text prompts (FluxPipeline's `max_sequence_length`).
+    pub max_sequence_length: usize,
+}
+
+impl FluxPipelineConfig {
+    /// The tiny pipeline of the `flux_pipeline` fixture: CLIP and T5 of width 32 with two
+    /// layers, a Flux transformer with one double and one single block (2 heads × 16), a
+    /// Flux-layout VAE with widths (8, 16) and 4 latent channels (`vae_scale_factor` 2),
+    /// FLUX.1-dev's scheduler; T5 sequences of 32 tokens.
+    pub fn tiny() -> Self {
+        Self {
+            text_encoder: ClipTextConfig {
+                vocab_size: 100,
+                hidden_size: 32,
+                intermediate_size: 64,
+                num_hidden_layers: 2,
+                num_attention_heads: 4,
+                max_position_embeddings: 16,
+                hidden_act: "quick_gelu".into(),
+                layer_norm_eps: 1e-5,
+                eos_token_id: 99,
+                bos_token_id: 98,
+                projection_dim: Some(512),
+            },
+            text_encoder_2: T5Config {
+                vocab_size: 100,
+                d_model: 32,
+                d_kv: 8,
+                d_ff: 64,
+                num_layers: 2,
+                num_heads: 4,
+                relative_attention_num_buckets: 32,
+                relative_attention_max_distance: 128,
+                layer_norm_epsilon: 1e-6,
+                feed_forward_proj: "gated-gelu".into(),
+            },
+            transformer: FluxTransformerConfig {
+                patch_size: 1,
+                in_channels: 16,
+                out_channels: None,
+                num_layers: 1,
+                num_single_layers: 1,
+                attention_head_dim: 16,
+                num_attention_heads: 2,
+                joint_attention_dim: 32,
+                pooled_projection_dim: 32,
+                guidance_embeds: true,
+                axes_dims_rope: vec![4, 6, 6],
+            },
+            vae: AutoencoderKLConfig {
+                latent_channels: 4,
+                block_out_channels: vec![8, 16],
+                layers_per_block: 1,
+                norm_num_groups: 4,
+                up_block_types: vec![vae::UP_DECODER_BLOCK.into(); 2],
+                sample_size: 32,
+                ..AutoencoderKLConfig::flux()
+            },
+            scheduler: FlowMatchEulerConfig::flux(),
+            max_sequence_length: 32,
+        }
+    }
+
+    /// FLUX.1-dev at its real sizes: CLIP-L, T5-XXL, the 19 + 38 block transformer with
+    /// guidance embedding, the Flux VAE, its scheduler; T5 sequences of 512 tokens.
+    pub fn flux_dev() -> Self {
+        Self {
+            text_encoder: ClipTextConfig::clip_l(),
+            text_encoder_2: T5Config::t5_xxl(),
+            transformer: FluxTransformerConfig::flux_dev(),
+            vae: AutoencoderKLConfig::flux(),
+            scheduler: FlowMatchEulerConfig::flux(),
+            max_sequence_length: 512,
+        }
+    }
+
+    /// The config of a named pipeline: `tiny` or `flux-dev`.
+    pub fn named(name: &str) -> Option<Self> {
+        match name {
+            "tiny" => Some(Self::tiny()),
+            "flux-dev" | "flux_dev" => Some(Self::flux_dev()),
+            _ => None,
+        }
+    }
+
+    /// The names [`FluxPipelineConfig::named`] knows.
+    pub const NAMES: [&'static str; 2] = ["tiny", "flux-dev"];
+}
+
+/// Checks that the components fit together.
+fn check_consistency(
+    clip: Option<&ClipTextConfig>,
+    t5: Option<&T5Config>,
+    transformer: &FluxTransformerConfig,
+    vae: &AutoencoderKLConfig,
+) -> LoadResult<()> {
+    let invalid = |field: &str, value: usize, hint: String| {
+        Err(LoadError::InvalidConfig {
+            field: field.into(),
+            value: value.to_string(),
+            hint,
+        })
+    };
+    if transformer.in_channels != 4 * vae.latent_channels {
+        return invalid(
+            "transformer.in_channels",
+            transformer.in_channels,
+            format!(
+                "FluxPipeline packs 2x2 latent patches: it must be 4 x vae.latent_channels = {}",
+                4 * vae.latent_channels
+            ),
+        );
+    }
+    if transformer.out_channels() != transformer.in_channels {
+        return invalid(
+            "transformer.out_channels",
+            transformer.out_channels(),
+            format!(
+                "the Euler step adds the prediction to the latents: it must equal in_channels = {}",
+                transformer.in_channels
+            ),
+        );
+    }
+    if let Some(t5) = t5
+        && t5.d_model != transformer.joint_attention_dim
+    {
+        return invalid(
+            "transformer.joint_attention_dim",
+            transformer.joint_attention_dim,
+            format!("must equal text_encoder_2's d_model = {}", t5.d_model),
+        );
+    }
+    if let Some(clip) = clip
+        && clip.hidden_size != transformer.pooled_projection_dim
+    {
+        return invalid(
+            "transformer.pooled_projection_dim",
+            transformer.pooled_projection_dim,
+            format!(
+                "must equal text_encoder's hidden_size = {}",
+                clip.hidden_size
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// Prompt embeddings as the transformer takes them.
+#[derive(Debug, Clone)]
+pub struct PromptEmbeds {
+    /// T5 sequence `[1, L, joint_attention_dim]`.
+    pub prompt_embeds: Tensor,
+    /// CLIP pooled `[1, pooled_projection_dim]`.
+    pub pooled_prompt_embeds: Tensor,
+}
+
+/// What prompt encoding starts from.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// Text, tokenized with the stand-in tokenizer ([`crate::tokenizer`]).
+    Text(String),
+    /// Token ids for CLIP and T5 (from a real tokenizer).
+    Tokens {
+        /// CLIP ids (FluxPipeline pads them to 77).
+        clip: Vec<u32>,
+        /// T5 ids (FluxPipeline pads them to `max_sequence_length`).
+        t5: Vec<u32>,
+    },
+    /// Embeddings given: prompt encoding is skipped.
+    Embeddings(PromptEmbeds),
+}
+
+/// Where the denoising loop starts.
+#[derive(Debug, Clone)]
+pub enum InitLatents {
+    /// Noise from [`gaussian_noise`] with this seed.
+    Seed(u64),
+    /// Given noise: unpacked `[1, C, h, w]` or packed `[1, tokens, 4·C]`.
+    Given(Tensor),
+}
+
+/// Whether the VAE decode runs tiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TiledDecode {
+    /// Tiled, with Diffusers' default tiles (untiled when the latents fit in one tile).
+    On,
+    /// Untiled.
+    Off,
+    /// Untiled when the estimated activation peak fits in what the budget leaves free;
+    /// otherwise tiled, with the largest tiles whose estimate fits. An out-of-memory in an
+    /// untiled decode is retried tiled once.
+    Auto,
+}
+
+impl std::str::FromStr for TiledDecode {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            "auto" => Ok(Self::Auto),
+            _ => Err(CoreError::InvalidOption {
+                option: "tiled-decode".into(),
+                value: s.into(),
+                hint: "use on, off or auto".into(),
+            }),
+        }
+    }
+}
+
+/// What the decode does, and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecodePlan {
+    /// The mode asked for.
+    pub mode: TiledDecode,
+    /// Whether the decode runs tiled.
+    pub tiled: bool,
+    /// The tiles, when tiled.
+    pub tiling: Option<TilingConfig>,
+    /// Estimated activation peak of an untiled decode, bytes.
+    pub estimate_untiled_bytes: u64,
+    /// Estimated activation peak with `tiling`, bytes.
+    pub estimate_tiled_bytes: Option<u64>,
+    /// What the budget leaves free for activations, bytes (auto mode).
+    pub available_bytes: Option<u64>,
+    /// Whether an untiled decode ran out of memory and was retried tiled.
+    pub retried_after_oom: bool,
+    /// One line on the choice.
+    pub reason: String,
+}
+
+/// Plans the decode of latents `[b, c, h, w]` stored as `dtype` under `mode`; `available`
+/// is what the budget leaves free for the decode's activations (auto mode).
+pub fn plan_decode(
+    config: &AutoencoderKLConfig,
+    latent_shape: &[usize],
+    dtype: DType,
+    mode: TiledDecode,
+    available: Option<u64>,
+) -> DecodePlan {
+    let untiled = estimate_decode_peak_bytes(config, latent_shape, dtype);
+    let default_tiling = TilingConfig::from_config(config);
+    let (h, w) = match latent_shape {
+        [_, _, h, w] => (*h, *w),
+        _ => (0, 0),
+    };
+    let mut plan = DecodePlan {
+        mode,
+        tiled: false,
+        tiling: None,
+        estimate_untiled_bytes: untiled,
+        estimate_tiled_bytes: None,
+        available_bytes: available,
+        retried_after_oom: false,
+        reason: String::new(),
+    };
+    let human = ddo_metrics::format_bytes;
+    match mode {
+        TiledDecode::Off => plan.reason = "untiled (--tiled-decode off)".into(),
+        TiledDecode::On => {
+            if default_tiling.needs_tiling(h, w) {
+                plan.tiled = true;
+                plan.tiling = Some(default_tiling);
+                plan.estimate_tiled_bytes = Some(estimate_tiled_decode_peak_bytes(
+                    config,
+                    latent_shape,
+                    dtype,
+                    &default_tiling,
+                ));
+                plan.reason = format!(
+                    "tiled (--tiled-decode on): {}-latent tiles",
+                    default_tiling.tile_latent_min_size
+                );
+            } else {
+                plan.reason = format!(
+                    "untiled: --tiled-decode on, but the {h}x{w} latents fit in one {}-latent tile",
+                    default_tiling.tile_latent_min_size
+                );
+            }
+        }
+        TiledDecode::Auto => match available {
+            None => plan.reason = "untiled (auto: no budget to compare with)".into(),
+            Some(free) if untiled <= free => {
+                plan.reason = format!(
+                    "untiled (auto): estimated activation peak {} fits in {} left by the budget",
+                    human(untiled),
+                    human(free)
+                );
+            }
+            Some(free) => {
+                let candidates = tiling_candidates(&default_tiling, h, w);
+                let estimates: Vec<(TilingConfig, u64)> = candidates
+                    .iter()
+                    .map(|t| {
+                        (
+                            *t,
+                            estimate_tiled_decode_peak_bytes(config, latent_shape, dtype, t),
+                        )
+                    })
+                    .collect();
+                let chosen = estimates
+                    .iter()
+                    .find(|(_, e)| *e <= free)
+                    .or_else(|| estimates.iter().min_by_key(|(_, e)| *e))
+                    .copied();
+                match chosen {
+                    Some((t, e)) => {
+                        plan.tiled = true;
+                        plan.tiling = Some(t);
+                        plan.estimate_tiled_bytes = Some(e);
+                        plan.reason = format!(
+                            "tiled (auto): untiled estimate {} exceeds {} left by the budget; {}-latent tiles, estimate {}{}",
+                            human(untiled),
+                            human(free),
+                            t.tile_latent_min_size,
+                            human(e),
+                            if e > free {
+                                " (still above: smallest tiles tried)"
+                            } else {
+                                ""
+                            }
+                        );
+                    }
+                    None => {
+                        plan.reason = format!(
+                            "untiled (auto): estimate {} exceeds {} left by the budget, and the latents are too small to tile",
+                            human(untiled),
+                            human(free)
+                        );
+                    }
+                }
+            }
+        },
+    }
+    plan
+}
+
+/// Diffusers' default tiles, then halved tiles, down to 4 latents, keeping only tilings that
+/// actually split `h × w`.
+fn tiling_candidates(default: &TilingConfig, h: usize, w: usize) -> Vec<TilingConfig> {
+    let mut out = Vec::new();
+    let mut t = *default;
+    loop {
+        if t.validate().is_ok() && t.needs_tiling(h, w) {
+            out.push(t);
+        }
+        if t.tile_latent_min_size < 8 || t.tile_sample_min_size < 2 {
+            break;
+        }
+        t.tile_latent_min_size /= 2;
+        t.tile_sample_min_size /= 2;
+    }
+    out
+}
+
+/// The fallback tiling of an out-of-memory retry: the first candidate, or a tile half the
+/// latents' larger side when Diffusers' default would not split them.
+fn fallback_tiling(default: &TilingConfig, h: usize, w: usize) -> Option<TilingConfig> {
+    if let Some(t) = tiling_candidates(default, h, w).into_iter().next() {
+        return Some(t);
+    }
+    let side = (h.max(w) / 2).max(2);
+    let ratio = default.tile_sample_min_size / default.tile_latent_min_size.max(1);
+    let t = TilingConfig {
+        tile_latent_min_size: side,
+        tile_sample_min_size: side * ratio.max(1),
+        tile_overlap_factor: default.tile_overlap_factor,
+    };
+    (t.validate().is_ok() && t.needs_tiling(h, w)).then_some(t)
+}
+
+/// What [`FluxPipeline::run_phases`] runs.
+#[derive(Debug, Clone)]
+pub struct PipelineRequest {
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Denoising steps.
+    pub steps: usize,
+    /// Guidance scale (Flux-dev's guidance embedding; ignored without one).
+    pub guidance: f32,
+    /// Image height in pixels.
+    pub height: usize,
+    /// Image width in pixels.
+    pub width: usize,
+    /// Initial noise.
+    pub init: InitLatents,
+    /// Tiled decode mode.
+    pub tiled_decode: TiledDecode,
+    /// The device memory DDO may use, bytes (auto decode compares against it; `None`: the
+    /// device's capacity).
+    pub vram_budget: Option<u64>,
+}
+
+/// One finished phase.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PhaseReport {
+    /// `prompt_encoding`, `denoise` or `decode`.
+    pub phase: String,
+    /// The components that ran, with their routes (`transformer: diffusers_group_offload
+    /// offload_type=leaf_level use_stream=true`).
+    pub components: Vec<String>,
+    /// Wall time of the phase, cleanup included, seconds.
+    pub seconds: f64,
+    /// The device's peak during the phase and what was left after the cleanup.
+    pub peak: PhasePeak,
+    /// A note (skipped, tiled, ...).
+    pub note: Option<String>,
+}
+
+/// What [`FluxPipeline::run_phases`] returns.
+#[derive(Debug, Clone)]
+pub struct PipelineRun {
+    /// The three phases, in order.
+    pub phases: Vec<PhaseReport>,
+    /// Packed latents after the loop, on the host, f32 `[1, tokens, 4·C]`.
+    pub latents: Tensor,
+    /// The decoded image on the host, f32 NCHW, about [-1, 1].
+    pub image: Tensor,
+    /// The schedule's timesteps.
+    pub timesteps: Vec<f32>,
+    /// The decode plan (tiled or not, and why).
+    pub decode: DecodePlan,
+}
+
+/// Progress of a phase: `(phase, done, total)`.
+pub type Progress<'a> = &'a mut dyn FnMut(&str, usize, usize);
+
+/// `n` standard normal values from `seed`: SplitMix64 gives 64-bit words; each pair of words
+/// gives two uniforms `u = (word >> 11 + 0.5) / 2^53` in (0, 1), and Box–Muller turns each
+/// pair `(u1, u2)` into `r·cos θ, r·sin θ` with `r = √(−2 ln u1)`, `θ = 2π u2` (f64, rounded to
+/// f32).
+pub fn gaussian_noise(seed: u64, n: usize) -> Vec<f32> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut uniform = || ((next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        let (u1, u2) = (uniform(), uniform());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let theta = 2.0 * std::f64::consts::PI * u2;
+        out.push((r * theta.cos()) as f32);
+        out.push((r * theta.sin()) as f32);
+    }
+    out.truncate(n);
+    out
+}
+
+fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+fn invalid(option: &str, value: impl Into<String>, hint: impl Into<String>) -> CoreError {
+    CoreError::InvalidOption {
+        option: option.into(),
+        value: value.into(),
+        hint: hint.into(),
+    }
+}
+
+fn to_host(device: &dyn Device, t: &Tensor) -> Result<Tensor> {
+    let values = if t.is_on_device() {
+        t.to_f32_vec(device, &device.compute_stream())?
+    } else {
+        t.host_f32()?
+    };
+    Tensor::from_f32(t.shape().to_vec(), DType::F32, &values)
+}
+
+/// Diffusers' `FluxPipeline`: the four models and the scheduler config.
+pub struct FluxPipeline {
+    /// CLIP (`text_encoder`); optional when prompts come as embeddings.
+    pub clip: Option<ClipTextModel>,
+    /// T5 (`text_encoder_2`); optional when prompts come as embeddings.
+    pub t5: Option<T5Encoder>,
+    /// The transformer.
+    pub transformer: FluxTransformer,
+    /// The VAE.
+    pub vae: AutoencoderKL,
+    /// The scheduler's config.
+    pub scheduler: FlowMatchEulerConfig,
+    /// T5 sequence length for text prompts.
+    pub max_sequence_length: usize,
+}
+
+impl std::fmt::Debug for FluxPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FluxPipeline")
+            .field("components", &self.component_names())
+            .finish()
+    }
+}
+
+impl FluxPipeline {
+    /// A pipeline of these models; checks that they fit together.
+    pub fn new(
+        clip: Option<ClipTextModel>,
+        t5: Option<T5Encoder>,
+        transformer: FluxTransformer,
+        vae: AutoencoderKL,
+        scheduler: FlowMatchEulerConfig,
+        max_sequence_length: usize,
+    ) -> LoadResult<Self> {
+        scheduler.validate()?;
+        check_consistency(
+            clip.as_ref().map(ClipTextModel::config),
+            t5.as_ref().map(T5Encoder::config),
+            transformer.config(),
+            vae.config(),
+        )?;
+        Ok(Self {
+            clip,
+            t5,
+            transformer,
+            vae,
+            scheduler,
+            max_sequence_length,
+        })
+    }
+
+    /// A pipeline at `config` with seeded random weights stored as `dtype` (component `k`
+    /// of text_encoder, text_encoder_2, transformer, vae uses seed `seed + k`).
+    pub fn random(config: &FluxPipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
+        check_consistency(
+            Some(&config.text_encoder),
+            Some(&config.text_encoder_2),
+            &config.transformer,
+            &config.vae,
+        )?;
+        let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype);
+        let clip = ClipTextModel::build(&mut w(0), &config.text_encoder)?;
+        let t5 = T5Encoder::build(&mut w(1), &config.text_encoder_2)?;
+        let transformer = FluxTransformer::build(&mut w(2), config.transformer.clone())?;
+        let vae = AutoencoderKL::build(&mut w(3), config.vae.clone())?;
+        Self::new(
+            Some(clip),
+            Some(t5),
+            transformer,
+            vae,
+            config.scheduler.clone(),
+            config.max_sequence_length,
+        )
+    }
+
+    /// Loads a Diffusers pipeline folder: `transformer/` and `vae/` (required),
+    /// `text_encoder/` and `text_encoder_2/` (when present), `scheduler/scheduler_config.json`
+    /// (FLUX.1-dev's scheduler when absent). `dtype` converts weights on load; `None` keeps
+    /// the files' dtype, memory-mapped.
+    pub fn load(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
+        if !dir.is_dir() {
+            return Err(LoadError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "not a directory (expected a Diffusers pipeline folder with transformer/ and vae/)",
+                ),
+            });
+        }
+        let transformer = FluxTransformer::load(&dir.join(TRANSFORMER), dtype)?;
+        let vae = AutoencoderKL::load(&dir.join(VAE), dtype)?;
+        let clip_dir = dir.join(TEXT_ENCODER);
+        let clip = if clip_dir.is_dir() {
+            Some(ClipTextModel::from_dir(&clip_dir, dtype)?)
+        } else {
+            None
+        };
+        let t5_dir = dir.join(TEXT_ENCODER_2);
+        let t5 = if t5_dir.is_dir() {
+            Some(T5Encoder::from_dir(&t5_dir, dtype)?)
+        } else {
+            None
+        };
+        let sched_file = dir.join("scheduler").join("scheduler_config.json");
+        let scheduler = if sched_file.is_file() {
+            FlowMatchEulerConfig::from_file(&sched_file)?
+        } else {
+            FlowMatchEulerConfig::flux()
+        };
+        Self::new(clip, t5, transformer, vae, scheduler, 512)
+    }
+
+    /// The components, in phase order (text encoders present, transformer, VAE).
+    pub fn components(&self) -> Vec<Arc<Component>> {
+        let mut v = Vec::new();
+        if let Some(c) = &self.clip {
+            v.push(Arc::clone(c.component()));
+        }
+        if let Some(t) = &self.t5 {
+            v.push(Arc::clone(t.component()));
+        }
+        v.push(Arc::clone(self.transformer.component()));
+        v.push(Arc::clone(self.vae.component()));
+        v
+    }
+
+    /// The component names, in phase order.
+    pub fn component_names(&self) -> Vec<String> {
+        self.components()
+            .iter()
+            .map(|c| c.name().to_string())
+            .collect()
+    }
+
+    /// The components as a `ddo_routes::Pipeline`, to pass to `enable_pipeline_offload`.
+    pub fn offload_pipeline(&self) -> Result<Pipeline> {
+        Pipeline::new(self.components())
+    }
+
+    /// Pixels per latent (`2^(len(block_out_channels) − 1)`).
+    pub fn vae_scale_factor(&self) -> usize {
+        self.vae.config().upsample_factor()
+    }
+
+    /// The latent grid `(h, w)` for an image of `height × width` pixels; an image too small
+    /// for one 2×2 patch is an error.
+    pub fn latent_grid(&self, height: usize, width: usize) -> Result<(usize, usize)> {
+        let f = self.vae_scale_factor();
+        let (h, w) = flux::latent_size(height, width, f);
+        if h == 0 || w == 0 {
+            return Err(invalid(
+                "height/width",
+                format!("{height}x{width}"),
+                format!(
+                    "the image must be at least {0}x{0} pixels (2x2 latent patches of a {f}x VAE)",
+                    2 * f
+                ),
+            ));
+        }
+        Ok((h, w))
+    }
+
+    /// The transformer's dtype (that of `x_embedder`'s weight).
+    pub fn transformer_dtype(&self) -> DType {
+        self.transformer
+            .component()
+            .leaf_by_path("x_embedder")
+            .and_then(|l| l.params().first())
+            .map_or(DType::F32, |(_, p)| p.dtype())
+    }
+
+    /// Token ids for a text prompt with the stand-in tokenizer: CLIP padded to its
+    /// `max_position_embeddings` (77 for CLIP-L), T5 to `max_sequence_length`.
+    pub fn stand_in_tokens(&self, prompt: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let (clip, t5) = self.text_encoders()?;
+        let clip_len = clip.config().max_position_embeddings;
+        Ok((
+            tokenizer::clip_ids(clip.config(), prompt, clip_len),
+            tokenizer::t5_ids(t5.config(), prompt, self.max_sequence_length),
+        ))
+    }
+
+    fn text_encoders(&self) -> Result<(&ClipTextModel, &T5Encoder)> {
+        match (&self.clip, &self.t5) {
+            (Some(c), Some(t)) => Ok((c, t)),
+            _ => Err(invalid(
+                "prompt",
+                "text",
+                "this pipeline has no text_encoder/text_encoder_2: pass prompt embeddings instead",
+            )),
+        }
+    }
+
+    /// Prompt encoding: CLIP's `pooler_output` and T5's `last_hidden_state`, on `device`,
+    /// each through its component's route.
+    pub fn encode_prompt(
+        &self,
+        device: &dyn Device,
+        clip_ids: &[u32],
+        t5_ids: &[u32],
+    ) -> Result<PromptEmbeds> {
+        let (clip, t5) = self.text_encoders()?;
+        let pooled = clip.forward(device, clip_ids)?.pooler_output;
+        let seq = t5.forward(device, t5_ids)?;
+        Ok(PromptEmbeds {
+            prompt_embeds: seq,
+            pooled_prompt_embeds: pooled,
+        })
+    }
+
+    /// Checks embeddings against the transformer's widths.
+    pub fn check_embeds(&self, e: &PromptEmbeds) -> Result<()> {
+        let c = self.transformer.config();
+        let ok_seq =
+            matches!(e.prompt_embeds.shape(), [1, l, d] if *l > 0 && *d == c.joint_attention_dim);
+        let ok_pool = e.pooled_prompt_embeds.shape() == [1, c.pooled_projection_dim];
+        if ok_seq && ok_pool {
+            return Ok(());
+        }
+        Err(invalid(
+            "prompt embeddings",
+            format!(
+                "prompt_embeds {:?}, pooled_prompt_embeds {:?}",
+                e.prompt_embeds.shape(),
+                e.pooled_prompt_embeds.shape()
+            ),
+            format!(
+                "expected prompt_embeds [1, L, {}] and pooled_prompt_embeds [1, {}] (batch 1)",
+                c.joint_attention_dim, c.pooled_projection_dim
+            ),
+        ))
+    }
+
+    /// The packed initial latents on `device`, in the transformer's dtype.
+    pub fn initial_latents(
+        &self,
+        device: &dyn Device,
+        init: &InitLatents,
+        height: usize,
+        width: usize,
+    ) -> Result<Tensor> {
+        let ops = ops_of(device)?;
+        let stream = device.compute_stream();
+        let (h, w) = self.latent_grid(height, width)?;
+        let c = self.transformer.config().in_channels / 4;
+        let tokens = (h / 2) * (w / 2);
+        let packed = match init {
+            InitLatents::Seed(seed) => {
+                let noise = gaussian_noise(*seed, c * h * w);
+                let t = ops.tensor_from_f32(&[1, c, h, w], DType::F32, &noise)?;
+                pack_latents(ops, &t)?
+            }
+            InitLatents::Given(t) => match t.shape() {
+                [1, cc, hh, ww] if (*cc, *hh, *ww) == (c, h, w) => {
+                    pack_latents(ops, &t.to_device(device, &stream)?)?
+                }
+                [1, tt, cc] if (*tt, *cc) == (tokens, 4 * c) => t.to_device(device, &stream)?,
+                s => {
+                    return Err(invalid(
+                        "initial latents",
+                        format!("{s:?}"),
+                        format!(
+                            "for a {height}x{width} image give noise [1, {c}, {h}, {w}] (unpacked) or [1, {tokens}, {}] (packed)",
+                            4 * c
+                        ),
+                    ));
+                }
+            },
+        };
+        let dtype = self.transformer_dtype();
+        if packed.dtype() == dtype {
+            Ok(packed)
+        } else {
+            ops.cast(&packed, dtype)
+        }
+    }
+
+    /// The denoising loop on `device`: `steps` Euler steps of the flow-matching scheduler
+    /// (FluxPipeline's sigmas and shift for this resolution) from packed `latents`, each
+    /// calling the transformer through its route. Returns the packed latents on `device`
+    /// and the schedule's timesteps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn denoise(
+        &self,
+        device: &dyn Device,
+        embeds: &PromptEmbeds,
+        latents: Tensor,
+        steps: usize,
+        guidance: f32,
+        height: usize,
+        width: usize,
+        progress: Progress<'_>,
+    ) -> Result<(Tensor, Vec<f32>)> {
+        self.check_embeds(embeds)?;
+        if steps == 0 {
+            return Err(invalid("steps", "0", "give at least one denoising step"));
+        }
+        let ops = ops_of(device)?;
+        let stream = device.compute_stream();
+        let (h, w) = self.latent_grid(height, width)?;
+        let img_ids = latent_image_ids(h / 2, w / 2);
+        if latents.shape() != [1, img_ids.len(), self.transformer.config().in_channels] {
+            return Err(invalid(
+                "latents",
+                format!("{:?}", latents.shape()),
+                format!(
+                    "packed latents for a {height}x{width} image are [1, {}, {}]",
+                    img_ids.len(),
+                    self.transformer.config().in_channels
+                ),
+            ));
+        }
+        let mut scheduler =
+            FlowMatchEulerScheduler::new(self.scheduler.clone()).map_err(|e| match e {
+                LoadError::Core(c) => c,
+                other => invalid("scheduler config", "", other.to_string()),
+            })?;
+        scheduler.set_flux_schedule(steps, img_ids.len())?;
+        let text_len = embeds.prompt_embeds.shape()[1];
+        let txt_ids = vec![[0.0f32; 3]; text_len];
+        let prompt_embeds = embeds.prompt_embeds.to_device(device, &stream)?;
+        let pooled = embeds.pooled_prompt_embeds.to_device(device, &stream)?;
+        let guidance = self
+            .transformer
+            .config()
+            .guidance_embeds
+            .then(|| vec![guidance]);
+        let mut latents = latents;
+        let timesteps = scheduler.timesteps().to_vec();
+        for (i, &t) in timesteps.iter().enumerate() {
+            let ld = latents.dtype();
+            // `t.expand(b).to(latents.dtype) / 1000`, in the latents' dtype.
+            let timestep = round_to(ld, round_to(ld, t) / 1000.0);
+            let inputs = FluxInputs {
+                hidden_states: latents.clone(),
+                encoder_hidden_states: prompt_embeds.clone(),
+                pooled_projections: pooled.clone(),
+                timestep: vec![timestep],
+                guidance: guidance.clone(),
+                img_ids: img_ids.clone(),
+                txt_ids: txt_ids.clone(),
+            };
+            let noise_pred = self.transformer.forward(device, &inputs)?;
+            drop(inputs);
+            latents = scheduler.step(ops, &noise_pred, &latents, i)?;
+            progress("denoise", i + 1, steps);
+        }
+        Ok((latents, timesteps))
+    }
+
+    /// FluxPipeline's decode on `device`: unpack, `latents / scaling_factor + shift_factor`,
+    /// `vae.decode` (tiled with `tiling` when the latents exceed a tile), through the VAE's
+    /// route. Returns the image `[1, 3, H, W]` on `device`.
+    pub fn decode(
+        &self,
+        device: &dyn Device,
+        packed: &Tensor,
+        height: usize,
+        width: usize,
+        tiling: Option<TilingConfig>,
+    ) -> Result<Tensor> {
+        let ops = ops_of(device)?;
+        let lat = packed.to_device(device, &device.compute_stream())?;
+        let unpacked = unpack_latents(ops, &lat, height, width, self.vae_scale_factor())?;
+        drop(lat);
+        let unscaled = self.vae.config().unscale_latents(ops, &unpacked)?;
+        drop(unpacked);
+        self.vae.decode(Some(device), &unscaled, tiling)
+    }
+
+    /// [`FluxPipeline::decode`] as `plan` says; in auto mode, an untiled decode that runs out
+    /// of device memory is retried once, tiled (Diffusers' default tiles when they split the
+    /// latents, else tiles half the latents' larger side), and `plan` records it.
+    pub fn decode_planned(
+        &self,
+        device: &dyn Device,
+        packed: &Tensor,
+        height: usize,
+        width: usize,
+        plan: &mut DecodePlan,
+    ) -> Result<Tensor> {
+        match self.decode(device, packed, height, width, plan.tiling) {
+            Err(CoreError::OutOfMemory { .. }) if !plan.tiled && plan.mode == TiledDecode::Auto => {
+                let (h, w) = self.latent_grid(height, width)?;
+                let default = TilingConfig::from_config(self.vae.config());
+                let Some(t) = fallback_tiling(&default, h, w) else {
+                    return Err(invalid(
+                        "tiled-decode",
+                        "auto",
+                        "the untiled decode ran out of device memory and the latents are too small \
+                         to tile; raise the budget",
+                    ));
+                };
+                device.synchronize()?;
+                let latent_shape = [1, self.vae.config().latent_channels, h, w];
+                plan.tiled = true;
+                plan.tiling = Some(t);
+                plan.retried_after_oom = true;
+                plan.estimate_tiled_bytes = Some(estimate_tiled_decode_peak_bytes(
+                    self.vae.config(),
+                    &latent_shape,
+                    self.vae.dtype(),
+                    &t,
+                ));
+                plan.reason = format!(
+                    "tiled (auto): the untiled decode ran out of device memory; retried once with \
+                     {}-latent tiles",
+                    t.tile_latent_min_size
+                );
+                self.decode(device, packed, height, width, Some(t))
+            }
+            other => other,
+        }
+    }
+
+    /// Runs the pipeline in phases on the routes of `offload` (made from
+    /// [`FluxPipeline::offload_pipeline`]), with the seed's cleanup between phases. On an
+    /// error (or a panic) every component is released before the error returns.
+    pub fn run_phases(
+        &self,
+        offload: &mut PipelineOffload,
+        request: &PipelineRequest,
+        progress: Progress<'_>,
+    ) -> Result<PipelineRun> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            self.run_phases_inner(offload, request, progress)
+        }));
+        let result = match outcome {
+            Ok(r) => r,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-string panic payload".into());
+                Err(CoreError::Panicked {
+                    context: "FluxPipeline::run_phases".into(),
+                    message,
+                })
+            }
+        };
+        if result.is_err() {
+            let names: Vec<String> = offload.names().map(str::to_string).collect();
+            for name in names {
+                if let Ok(h) = offload.handle(&name)
+                    && h.target() == RouteTarget::Unmanaged
+                {
+                    let _ = h.component().to_host();
+                }
+                let _ = offload.release(&name);
+            }
+        }
+        result
+    }
+
+    fn run_phases_inner(
+        &self,
+        offload: &mut PipelineOffload,
+        request: &PipelineRequest,
+        progress: Progress<'_>,
+    ) -> Result<PipelineRun> {
+        let device: Arc<dyn Device> = Arc::clone(offload.handle(TRANSFORMER)?.device());
+        let dev = &*device;
+        self.latent_grid(request.height, request.width)?;
+        let mut phases = Vec::new();
+
+        // Phase 1: prompt encoding.
+        let t0 = Instant::now();
+        let text = [TEXT_ENCODER, TEXT_ENCODER_2];
+        let (embeds, note) = match &request.prompt {
+            PromptInput::Embeddings(e) => {
+                self.check_embeds(e)?;
+                (
+                    e.clone(),
+                    Some("skipped: prompt embeddings given".to_string()),
+                )
+            }
+            prompt => {
+                let (clip_ids, t5_ids) = match prompt {
+                    PromptInput::Tokens { clip, t5 } => (clip.clone(), t5.clone()),
+                    PromptInput::Text(p) => self.stand_in_tokens(p)?,
+                    PromptInput::Embeddings(_) => (Vec::new(), Vec::new()),
+                };
+                onload_unmanaged(offload, dev, &text)?;
+                let e = self.encode_prompt(dev, &clip_ids, &t5_ids)?;
+                progress("prompt_encoding", 1, 1);
+                // Keep what denoise needs on the host; drop the device copies.
+                let host = PromptEmbeds {
+                    prompt_embeds: to_host(dev, &e.prompt_embeds)?,
+                    pooled_prompt_embeds: to_host(dev, &e.pooled_prompt_embeds)?,
+                };
+                (host, None)
+            }
+        };
+        let ran = if note.is_none() { &text[..] } else { &[][..] };
+        phases.push(end_phase(offload, dev, PHASES[0], ran, &text, t0, note)?);
+
+        // Phase 2: denoise.
+        let t0 = Instant::now();
+        onload_unmanaged(offload, dev, &[TRANSFORMER])?;
+        let latents = self.initial_latents(dev, &request.init, request.height, request.width)?;
+        let (latents, timesteps) = self.denoise(
+            dev,
+            &embeds,
+            latents,
+            request.steps,
+            request.guidance,
+            request.height,
+            request.width,
+            progress,
+        )?;
+        // The seed: detach the transformer and drop the phase's state before the VAE.
+        let latents_host = to_host(dev, &latents)?;
+        drop(latents);
+        drop(embeds);
+        phases.push(end_phase(
+            offload,
+            dev,
+            PHASES[1],
+            &[TRANSFORMER],
+            &[TRANSFORMER],
+            t0,
+            None,
+        )?);
+
+        // Phase 3: decode.
+        let t0 = Instant::now();
+        onload_unmanaged(offload, dev, &[VAE])?;
+        let (h, w) = self.latent_grid(request.height, request.width)?;
+        let latent_shape = [1, self.vae.config().latent_channels, h, w];
+        let available = self.decode_headroom(offload, dev, request.vram_budget)?;
+        let mut plan = plan_decode(
+            self.vae.config(),
+            &latent_shape,
+            self.vae.dtype(),
+            request.tiled_decode,
+            available,
+        );
+        let image =
+            self.decode_planned(dev, &latents_host, request.height, request.width, &mut plan)?;
+        progress("decode", 1, 1);
+        let image_host = to_host(dev, &image)?;
+        drop(image);
+        let note = Some(plan.reason.clone());
+        phases.push(end_phase(
+            offload,
+            dev,
+            PHASES[2],
+            &[VAE],
+            &[VAE],
+            t0,
+            note,
+        )?);
+
+        Ok(PipelineRun {
+            phases,
+            latents: latents_host,
+            image: image_host,
+            timesteps,
+            decode: plan,
+        })
+    }
+
+    /// What the budget leaves free for the decode's activations: the budget (or the
+    /// device's capacity) minus what is allocated now minus the VAE weights its route will
+    /// hold on the device (all of them for `none`/unmanaged, the largest leaf otherwise).
+    fn decode_headroom(
+        &self,
+        offload: &PipelineOffload,
+        device: &dyn Device,
+        budget: Option<u64>,
+    ) -> Result<Option<u64>> {
+        let info = device.memory_info();
+        let limit = match (budget, info.capacity) {
+            (Some(b), 0) => b,
+            (Some(b), c) => b.min(c),
+            (None, 0) => return Ok(None),
+            (None, c) => c,
+        };
+        let component = self.vae.component();
+        let weights = match offload.handle(VAE)?.target() {
+            RouteTarget::Unmanaged | RouteTarget::Route(RouteId::Resident) => {
+                if component.params().iter().all(|p| p.device().is_some()) {
+                    0 // already counted in `allocated`
+                } else {
+                    component.param_bytes()
+                }
+            }
+            RouteTarget::Route(_) => component.largest_leaf().map_or(0, |l| l.param_bytes()),
+        };
+        Ok(Some(
+            limit.saturating_sub(info.allocated).saturating_sub(weights),
+        ))
+    }
+}
+
+/// Moves the weights of unmanaged components (preset `off`) to the device for their phase,
+/// as `pipe.to(device)` would: DDO attached nothing to them.
+fn onload_unmanaged(offload: &PipelineOffload, device: &dyn Device, names: &[&str]) -> Result<()> {
+    for name in names {
+        let Ok(h) = offload.handle(name) else {
+            continue;
+        };
+        if h.target() == RouteTarget::Unmanaged
+            && h.component().params().iter().any(|p| p.device().is_none())
+        {
+            h.component().to_device(device, &device.compute_stream())?;
+        }
+    }
+    Ok(())
+}
+
+/// The seed's phase boundary: release the components whose last phase this was (hooks
+/// removed, device and pinned memory freed; unmanaged weights moved back to the host),
+/// return idle cached memory, then record the phase's peak with `phase_boundary`.
+fn end_phase(
+    offload: &mut PipelineOffload,
+    device: &dyn Device,
+    phase: &str,
+    ran: &[&str],
+    release: &[&str],
+    t0: Instant,
+    note: Option<String>,
+) -> Result<PhaseReport> {
+    let mut components = Vec::new();
+    for name in ran {
+        if let Ok(h) = offload.handle(name) {
+            components.push(format!("{name}: {}", h.spec().describe()));
+        }
+    }
+    for name in release {
+        let Ok(h) = offload.handle(name) else {
+            continue;
+        };
+        if h.target() == RouteTarget::Unmanaged {
+            h.component().to_host()?;
+        }
+        offload.release(name)?;
+    }
+    device.synchronize()?;
+    device.empty_cache()?;
+    let peak = offload.phase_boundary(phase)?;
+    Ok(PhaseReport {
+        phase: phase.to_string(),
+        components,
+        seconds: t0.elapsed().as_secs_f64(),
+        peak,
+        note,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaussian_noise_is_deterministic_and_standard() {
+        let a = gaussian_noise(7, 10_001);
+        assert_eq!(a, gaussian_noise(7, 10_001));
+        assert_ne!(a, gaussian_noise(8, 10_001));
+        let mean: f64 = a.iter().map(|&x| x as f64).sum::<f64>() / a.len() as f64;
+        let var: f64 = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / a.len() as f64;
+        assert!(mean.abs() < 0.05, "{mean}");
+        assert!((var - 1.0).abs() < 0.05, "{var}");
+    }
+
+    #[test]
+    fn configs_are_consistent() {
+        for name in FluxPipelineConfig::NAMES {
+            let c = FluxPipelineConfig::named(name).unwrap();
+            check_consistency(
+                Some(&c.text_encoder),
+                Some(&c.text_encoder_2),
+                &c.transformer,
+                &c.vae,
+            )
+            .unwrap();
+        }
+        let mut c = FluxPipelineConfig::tiny();
+        c.transformer.in_channels = 64;
+        c.transformer.out_channels = None;
+        assert!(
+            check_consistency(None, None, &c.transformer, &c.vae).is_err(),
+            "in_channels must be 4 x latent channels"
+        );
+    }
+
+    #[test]
+    fn decode_plans() {
+        let c = AutoencoderKLConfig::flux();
+        let shape = [1, 16, 128, 128];
+        let off = plan_decode(&c, &shape, DType::BF16, TiledDecode::Off, Some(1));
+        assert!(!off.tiled);
+        let on = plan_decode(&c, &shape, DType::BF16, TiledDecode::On, None);
+        assert!(!on.tiled, "1024 px latents fit Diffusers' 128-latent tile");
+        let big = plan_decode(&c, &shape, DType::BF16, TiledDecode::Auto, Some(u64::MAX));
+        assert!(!big.tiled);
+        let small = plan_decode(&c, &shape, DType::BF16, TiledDecode::Auto, Some(600 << 20));
+        assert!(small.tiled, "{}", small.reason);
+        assert!(
+            small.estimate_tiled_bytes.unwrap() <= 600 << 20,
+            "{}",
+            small.reason
+        );
+        assert!(small.estimate_tiled_bytes.unwrap() < small.estimate_untiled_bytes);
+    }
+}

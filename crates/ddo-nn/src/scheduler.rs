@@ -1,0 +1,498 @@
+//! Diffusers' `FlowMatchEulerDiscreteScheduler` as FluxPipeline drives it: the
+//! resolution-dependent shift ([`calculate_shift`], `use_dynamic_shifting` with `mu`), the
+//! schedule ([`FlowMatchEulerScheduler::set_sigmas`], [`FlowMatchEulerScheduler::set_timesteps`])
+//! and the Euler step ([`FlowMatchEulerScheduler::step`]).
+//!
+//! Matches diffusers 0.42.1 (`schedulers/scheduling_flow_match_euler_discrete.py`,
+//! `pipelines/flux/pipeline_flux.py`) value for value, including where the arithmetic is done:
+//!
+//! - FluxPipeline passes `sigmas = np.linspace(1.0, 1/n, n)` ([`flux_sigmas`], float64) and
+//!   `mu = calculate_shift(image_seq_len, 256, 4096, 0.5, 1.15)` (Python float64).
+//!   `set_timesteps` casts the sigmas to float32 and shifts them there: under NumPy 2 a Python
+//!   float next to a float32 array is "weak", so `exp(mu) / (exp(mu) + (1/σ − 1)^1)` runs in
+//!   float32 with `exp(mu)` rounded to float32. The fixed shift (`shift·σ / (1 + (shift−1)·σ)`)
+//!   is float32 too on that path.
+//! - Without given sigmas (`set_timesteps(n)`), the sigmas come from a float64
+//!   `np.linspace(σ_max·1000, σ_min·1000, n) / 1000` and the shift runs in float64; the result
+//!   is rounded to float32 once.
+//! - `timesteps = sigmas · 1000` in float32; a final sigma of 0 is appended.
+//! - The step is `prev = sample + (σ_next − σ) · model_output` in float32, cast back to the
+//!   model output's dtype.
+//!
+//! Karras/exponential/beta sigmas, stochastic sampling and inverted sigmas are not
+//! implemented: a config that asks for them is refused with a typed error, never ignored.
+
+use std::path::Path;
+
+use ddo_core::{BinaryOp, CoreError, DType, Ops, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{LoadError, LoadResult};
+
+/// How the dynamic (resolution-dependent) shift is applied (`time_shift_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimeShiftType {
+    /// `e^μ / (e^μ + (1/t − 1)^σ)` (Flux).
+    #[default]
+    Exponential,
+    /// `μ / (μ + (1/t − 1)^σ)`.
+    Linear,
+}
+
+fn default_train_timesteps() -> usize {
+    1000
+}
+fn default_one() -> f64 {
+    1.0
+}
+fn default_base_shift() -> Option<f64> {
+    Some(0.5)
+}
+fn default_max_shift() -> Option<f64> {
+    Some(1.15)
+}
+fn default_base_seq() -> usize {
+    256
+}
+fn default_max_seq() -> usize {
+    4096
+}
+
+/// The fields of `scheduler/scheduler_config.json` (Diffusers' constructor defaults where a
+/// field is missing; unknown fields are ignored).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FlowMatchEulerConfig {
+    /// Training timesteps (1000).
+    #[serde(default = "default_train_timesteps")]
+    pub num_train_timesteps: usize,
+    /// Fixed shift, used when `use_dynamic_shifting` is false.
+    #[serde(default = "default_one")]
+    pub shift: f64,
+    /// Resolution-dependent shift from `mu` (Flux: true).
+    #[serde(default)]
+    pub use_dynamic_shifting: bool,
+    /// Shift at `base_image_seq_len` tokens.
+    #[serde(default = "default_base_shift")]
+    pub base_shift: Option<f64>,
+    /// Shift at `max_image_seq_len` tokens.
+    #[serde(default = "default_max_shift")]
+    pub max_shift: Option<f64>,
+    /// Sequence length of `base_shift`.
+    #[serde(default = "default_base_seq")]
+    pub base_image_seq_len: usize,
+    /// Sequence length of `max_shift`.
+    #[serde(default = "default_max_seq")]
+    pub max_image_seq_len: usize,
+    /// Shift formula.
+    #[serde(default)]
+    pub time_shift_type: TimeShiftType,
+    /// Stretch the schedule so it ends at this sigma.
+    #[serde(default)]
+    pub shift_terminal: Option<f64>,
+    /// Not supported (refused when true).
+    #[serde(default)]
+    pub invert_sigmas: bool,
+    /// Not supported (refused when true).
+    #[serde(default)]
+    pub use_karras_sigmas: bool,
+    /// Not supported (refused when true).
+    #[serde(default)]
+    pub use_exponential_sigmas: bool,
+    /// Not supported (refused when true).
+    #[serde(default)]
+    pub use_beta_sigmas: bool,
+    /// Not supported (refused when true).
+    #[serde(default)]
+    pub stochastic_sampling: bool,
+}
+
+impl Default for FlowMatchEulerConfig {
+    /// Diffusers' constructor defaults (fixed shift 1, no dynamic shifting).
+    fn default() -> Self {
+        Self {
+            num_train_timesteps: 1000,
+            shift: 1.0,
+            use_dynamic_shifting: false,
+            base_shift: Some(0.5),
+            max_shift: Some(1.15),
+            base_image_seq_len: 256,
+            max_image_seq_len: 4096,
+            time_shift_type: TimeShiftType::Exponential,
+            shift_terminal: None,
+            invert_sigmas: false,
+            use_karras_sigmas: false,
+            use_exponential_sigmas: false,
+            use_beta_sigmas: false,
+            stochastic_sampling: false,
+        }
+    }
+}
+
+impl FlowMatchEulerConfig {
+    /// FLUX.1-dev's `scheduler_config.json`: shift 3, dynamic shifting between 0.5 at 256
+    /// tokens and 1.15 at 4096 tokens.
+    pub fn flux() -> Self {
+        Self {
+            shift: 3.0,
+            use_dynamic_shifting: true,
+            ..Self::default()
+        }
+    }
+
+    /// Reads and validates a Diffusers `scheduler_config.json`.
+    pub fn from_file(path: &Path) -> LoadResult<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let config: Self = serde_json::from_str(&text).map_err(|e| LoadError::Config {
+            file: path.to_path_buf(),
+            message: format!(
+                "{e}; expected a FlowMatchEulerDiscreteScheduler scheduler_config.json"
+            ),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Refuses what this port does not implement and values that cannot work.
+    pub fn validate(&self) -> LoadResult<()> {
+        let invalid = |field: &str, value: String, hint: &str| {
+            Err(LoadError::InvalidConfig {
+                field: field.into(),
+                value,
+                hint: hint.into(),
+            })
+        };
+        for (field, on) in [
+            ("invert_sigmas", self.invert_sigmas),
+            ("use_karras_sigmas", self.use_karras_sigmas),
+            ("use_exponential_sigmas", self.use_exponential_sigmas),
+            ("use_beta_sigmas", self.use_beta_sigmas),
+            ("stochastic_sampling", self.stochastic_sampling),
+        ] {
+            if on {
+                return invalid(
+                    field,
+                    "true".into(),
+                    "DDO's FlowMatchEulerScheduler implements FluxPipeline's deterministic Euler schedule only; set it to false",
+                );
+            }
+        }
+        if self.num_train_timesteps == 0 {
+            return invalid("num_train_timesteps", "0".into(), "must be positive");
+        }
+        if !self.shift.is_finite() || self.shift <= 0.0 {
+            return invalid("shift", self.shift.to_string(), "must be a positive number");
+        }
+        if self.max_image_seq_len == self.base_image_seq_len {
+            return invalid(
+                "max_image_seq_len",
+                self.max_image_seq_len.to_string(),
+                "must differ from base_image_seq_len (the shift is interpolated between them)",
+            );
+        }
+        if let Some(t) = self.shift_terminal
+            && !(t.is_finite() && t < 1.0)
+        {
+            return invalid("shift_terminal", t.to_string(), "must be below 1 (or null)");
+        }
+        Ok(())
+    }
+
+    /// FluxPipeline's `mu` for `image_seq_len` packed tokens, from this config's
+    /// `base_image_seq_len`, `max_image_seq_len`, `base_shift` and `max_shift` (Diffusers'
+    /// defaults where the shifts are null).
+    pub fn mu(&self, image_seq_len: usize) -> f64 {
+        calculate_shift(
+            image_seq_len,
+            self.base_image_seq_len,
+            self.max_image_seq_len,
+            self.base_shift.unwrap_or(0.5),
+            self.max_shift.unwrap_or(1.15),
+        )
+    }
+}
+
+/// FluxPipeline's `calculate_shift`: the shift `mu` grows linearly with the number of image
+/// tokens, from `base_shift` at `base_seq_len` to `max_shift` at `max_seq_len` (float64, as
+/// Python computes it).
+pub fn calculate_shift(
+    image_seq_len: usize,
+    base_seq_len: usize,
+    max_seq_len: usize,
+    base_shift: f64,
+    max_shift: f64,
+) -> f64 {
+    let m = (max_shift - base_shift) / (max_seq_len as f64 - base_seq_len as f64);
+    let b = base_shift - m * base_seq_len as f64;
+    image_seq_len as f64 * m + b
+}
+
+/// NumPy's `np.linspace(start, stop, num)` (float64, endpoint included): `i·step + start`
+/// with `step = (stop − start)/(num − 1)`, the last value set to `stop` exactly.
+pub fn linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
+    if num == 0 {
+        return Vec::new();
+    }
+    if num == 1 {
+        return vec![start];
+    }
+    let step = (stop - start) / (num - 1) as f64;
+    let mut v: Vec<f64> = (0..num).map(|i| i as f64 * step + start).collect();
+    v[num - 1] = stop;
+    v
+}
+
+/// The sigmas FluxPipeline passes to the scheduler: `np.linspace(1.0, 1/n, n)`.
+pub fn flux_sigmas(num_inference_steps: usize) -> Vec<f64> {
+    linspace(1.0, 1.0 / num_inference_steps as f64, num_inference_steps)
+}
+
+/// The flow-matching Euler scheduler with a schedule set.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowMatchEulerScheduler {
+    config: FlowMatchEulerConfig,
+    /// `sigmas.len() == timesteps.len() + 1` once a schedule is set.
+    sigmas: Vec<f32>,
+    timesteps: Vec<f32>,
+}
+
+fn schedule_error(message: impl Into<String>) -> CoreError {
+    CoreError::InvalidOption {
+        option: "scheduler".into(),
+        value: String::new(),
+        hint: message.into(),
+    }
+}
+
+impl FlowMatchEulerScheduler {
+    /// A scheduler with `config` (validated) and no schedule yet.
+    pub fn new(config: FlowMatchEulerConfig) -> LoadResult<Self> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            sigmas: Vec::new(),
+            timesteps: Vec::new(),
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &FlowMatchEulerConfig {
+        &self.config
+    }
+
+    /// The schedule's sigmas, the final 0 included (`steps + 1` values).
+    pub fn sigmas(&self) -> &[f32] {
+        &self.sigmas
+    }
+
+    /// The schedule's timesteps (`sigma · num_train_timesteps`, one per step).
+    pub fn timesteps(&self) -> &[f32] {
+        &self.timesteps
+    }
+
+    /// Number of steps in the schedule.
+    pub fn num_steps(&self) -> usize {
+        self.timesteps.len()
+    }
+
+    /// The schedule FluxPipeline sets for `steps` steps and `image_seq_len` packed image
+    /// tokens: [`flux_sigmas`] and `mu` from [`FlowMatchEulerConfig::mu`].
+    pub fn set_flux_schedule(&mut self, steps: usize, image_seq_len: usize) -> Result<()> {
+        let mu = self.config.mu(image_seq_len);
+        self.set_sigmas(&flux_sigmas(steps), Some(mu))
+    }
+
+    /// `set_timesteps(sigmas=sigmas, mu=mu)`: the given sigmas, cast to float32, shifted in
+    /// float32 arithmetic. `mu` is required exactly when `use_dynamic_shifting` is on.
+    pub fn set_sigmas(&mut self, sigmas: &[f64], mu: Option<f64>) -> Result<()> {
+        if sigmas.is_empty() {
+            return Err(schedule_error("give at least one step"));
+        }
+        let s: Vec<f32> = sigmas.iter().map(|&x| x as f32).collect();
+        let shifted: Vec<f32> = if self.config.use_dynamic_shifting {
+            let mu = self.require_mu(mu)?;
+            match self.config.time_shift_type {
+                TimeShiftType::Exponential => {
+                    let e = mu.exp() as f32;
+                    s.iter().map(|&t| e / (e + (1.0f32 / t - 1.0))).collect()
+                }
+                TimeShiftType::Linear => {
+                    let m = mu as f32;
+                    s.iter().map(|&t| m / (m + (1.0f32 / t - 1.0))).collect()
+                }
+            }
+        } else {
+            let shift = self.config.shift as f32;
+            let shift_minus_one = (self.config.shift - 1.0) as f32;
+            s.iter()
+                .map(|&t| shift * t / (1.0 + shift_minus_one * t))
+                .collect()
+        };
+        let shifted = match self.config.shift_terminal {
+            Some(terminal) => stretch_to_terminal_f32(&shifted, terminal),
+            None => shifted,
+        };
+        self.finish(shifted);
+        Ok(())
+    }
+
+    /// `set_timesteps(num_inference_steps, mu=mu)` without given sigmas (the path of
+    /// pipelines other than FluxPipeline): float64 `linspace(σ_max·N, σ_min·N, n) / N`,
+    /// shifted in float64, rounded to float32 once.
+    pub fn set_timesteps(&mut self, steps: usize, mu: Option<f64>) -> Result<()> {
+        if steps == 0 {
+            return Err(schedule_error("give at least one step"));
+        }
+        let n_train = self.config.num_train_timesteps;
+        let (sigma_max, sigma_min) = self.train_sigma_range();
+        let sigmas: Vec<f64> = linspace(
+            sigma_max * n_train as f64,
+            sigma_min * n_train as f64,
+            steps,
+        )
+        .into_iter()
+        .map(|t| t / n_train as f64)
+        .collect();
+        let shifted: Vec<f64> = if self.config.use_dynamic_shifting {
+            let mu = self.require_mu(mu)?;
+            match self.config.time_shift_type {
+                TimeShiftType::Exponential => sigmas
+                    .iter()
+                    .map(|&t| mu.exp() / (mu.exp() + (1.0 / t - 1.0)))
+                    .collect(),
+                TimeShiftType::Linear => sigmas
+                    .iter()
+                    .map(|&t| mu / (mu + (1.0 / t - 1.0)))
+                    .collect(),
+            }
+        } else {
+            let shift = self.config.shift;
+            sigmas
+                .iter()
+                .map(|&t| shift * t / (1.0 + (shift - 1.0) * t))
+                .collect()
+        };
+        let shifted = match self.config.shift_terminal {
+            Some(terminal) => {
+                let one_minus: Vec<f64> = shifted.iter().map(|&t| 1.0 - t).collect();
+                let scale = one_minus[one_minus.len() - 1] / (1.0 - terminal);
+                one_minus.iter().map(|&z| 1.0 - z / scale).collect()
+            }
+            None => shifted,
+        };
+        self.finish(shifted.into_iter().map(|x| x as f32).collect());
+        Ok(())
+    }
+
+    /// `sigma_max`, `sigma_min` of the training schedule as the constructor leaves them
+    /// (float32 values): `linspace(1, N, N)[::-1] / N`, fixed-shifted unless dynamic.
+    fn train_sigma_range(&self) -> (f64, f64) {
+        let n = self.config.num_train_timesteps as f32;
+        let ends = [1.0f32, 1.0 / n];
+        let [max, min] = if self.config.use_dynamic_shifting {
+            ends
+        } else {
+            let shift = self.config.shift as f32;
+            let sm1 = (self.config.shift - 1.0) as f32;
+            ends.map(|s| shift * s / (1.0 + sm1 * s))
+        };
+        (max as f64, min as f64)
+    }
+
+    fn require_mu(&self, mu: Option<f64>) -> Result<f64> {
+        match mu {
+            Some(m) if m.is_finite() => Ok(m),
+            Some(m) => Err(schedule_error(format!("mu = {m} is not finite"))),
+            None => Err(schedule_error(
+                "use_dynamic_shifting is on: pass mu (FluxPipeline: calculate_shift(image_seq_len, ...))",
+            )),
+        }
+    }
+
+    fn finish(&mut self, sigmas: Vec<f32>) {
+        let n = self.config.num_train_timesteps as f32;
+        self.timesteps = sigmas.iter().map(|&s| s * n).collect();
+        self.sigmas = sigmas;
+        self.sigmas.push(0.0);
+    }
+
+    /// The Euler step of step `index`: `sample + (σ[index+1] − σ[index]) · model_output`,
+    /// computed in float32 on `ops`' device and returned in `model_output`'s dtype.
+    pub fn step(
+        &self,
+        ops: &dyn Ops,
+        model_output: &Tensor,
+        sample: &Tensor,
+        index: usize,
+    ) -> Result<Tensor> {
+        if index + 1 >= self.sigmas.len() {
+            return Err(schedule_error(format!(
+                "step {index} is past the schedule's {} steps",
+                self.num_steps()
+            )));
+        }
+        let dt = self.sigmas[index + 1] - self.sigmas[index];
+        let to_f32 = |t: &Tensor| -> Result<Tensor> {
+            if t.dtype() == DType::F32 {
+                Ok(t.clone())
+            } else {
+                ops.cast(t, DType::F32)
+            }
+        };
+        let sample32 = to_f32(sample)?;
+        let out32 = to_f32(model_output)?;
+        let delta = ops.affine(&out32, dt, 0.0)?;
+        let prev = ops.binary(&sample32, &delta, BinaryOp::Add)?;
+        if model_output.dtype() == DType::F32 {
+            Ok(prev)
+        } else {
+            ops.cast(&prev, model_output.dtype())
+        }
+    }
+}
+
+/// `stretch_shift_to_terminal` in float32.
+fn stretch_to_terminal_f32(t: &[f32], terminal: f64) -> Vec<f32> {
+    let one_minus: Vec<f32> = t.iter().map(|&x| 1.0 - x).collect();
+    let scale = one_minus[one_minus.len() - 1] / (1.0 - terminal) as f32;
+    one_minus.iter().map(|&z| 1.0 - z / scale).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linspace_matches_numpy_shape_and_ends() {
+        assert_eq!(linspace(1.0, 0.25, 4), vec![1.0, 0.75, 0.5, 0.25]);
+        assert_eq!(linspace(1.0, 1.0, 1), vec![1.0]);
+        assert!(linspace(0.0, 1.0, 0).is_empty());
+        assert_eq!(*flux_sigmas(3).last().unwrap(), 1.0 / 3.0);
+    }
+
+    #[test]
+    fn mu_interpolates_between_base_and_max() {
+        let c = FlowMatchEulerConfig::flux();
+        assert!((c.mu(256) - 0.5).abs() < 1e-12);
+        assert!((c.mu(4096) - 1.15).abs() < 1e-12);
+    }
+
+    #[test]
+    fn dynamic_shifting_needs_mu_and_unsupported_options_are_refused() {
+        let mut s = FlowMatchEulerScheduler::new(FlowMatchEulerConfig::flux()).unwrap();
+        assert!(s.set_sigmas(&flux_sigmas(4), None).is_err());
+        s.set_flux_schedule(4, 48).unwrap();
+        assert_eq!(s.timesteps().len(), 4);
+        assert_eq!(s.sigmas().len(), 5);
+        assert_eq!(s.sigmas()[0], 1.0);
+        assert_eq!(*s.sigmas().last().unwrap(), 0.0);
+        let bad = FlowMatchEulerConfig {
+            use_karras_sigmas: true,
+            ..FlowMatchEulerConfig::flux()
+        };
+        assert!(FlowMatchEulerScheduler::new(bad).is_err());
+    }
+}

@@ -1,0 +1,416 @@
+//! The Flux pipeline against Diffusers' `FluxPipeline` (`fixtures/flux_pipeline`, see
+//! `fixtures/MANIFEST.md`): the scheduler's sigmas and timesteps for several resolutions,
+//! the latents after a 4-step loop and the decoded image from the same weights, embeddings
+//! and noise, run through `run_phases` on resident and offloaded routes; the phase
+//! boundaries (three phases, nothing left on the device after each cleanup); prompts from
+//! text; and the automatic tiled-decode choice.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ddo_core::{DType, Device, HostDevice, Preset, RouteSpec, Settings, Tensor};
+use ddo_nn::pipeline::{
+    FluxPipeline, FluxPipelineConfig, InitLatents, PipelineRequest, PipelineRun, PromptEmbeds,
+    PromptInput, TiledDecode,
+};
+use ddo_nn::read_f32_tensor;
+use ddo_nn::scheduler::{FlowMatchEulerConfig, FlowMatchEulerScheduler, calculate_shift};
+use ddo_routes::enable_pipeline_offload_with_env;
+use serde_json::Value;
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/flux_pipeline")
+}
+
+fn fixture(file: &str, name: &str) -> (Vec<usize>, Vec<f32>) {
+    read_f32_tensor(&dir().join(file), name).expect("fixture tensor")
+}
+
+fn host(file: &str, name: &str) -> Tensor {
+    let (shape, values) = fixture(file, name);
+    Tensor::from_f32(shape, DType::F32, &values).expect("host tensor")
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn f32s(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect()
+}
+
+#[test]
+fn scheduler_matches_diffusers_for_several_resolutions() {
+    let text = std::fs::read_to_string(dir().join("schedules.json")).unwrap();
+    let json: Value = serde_json::from_str(&text).unwrap();
+    let config =
+        FlowMatchEulerConfig::from_file(&dir().join("scheduler/scheduler_config.json")).unwrap();
+    assert_eq!(config, FlowMatchEulerConfig::flux());
+    let cases = json["flux"].as_array().unwrap();
+    assert!(cases.len() >= 5);
+    for case in cases {
+        let seq = case["image_seq_len"].as_u64().unwrap() as usize;
+        let n = case["num_inference_steps"].as_u64().unwrap() as usize;
+        let mu = config.mu(seq);
+        assert_eq!(mu, case["mu"].as_f64().unwrap(), "mu for {seq} tokens");
+        assert_eq!(mu, calculate_shift(seq, 256, 4096, 0.5, 1.15));
+        let mut s = FlowMatchEulerScheduler::new(config.clone()).unwrap();
+        s.set_flux_schedule(n, seq).unwrap();
+        let (t_ref, s_ref) = (f32s(&case["timesteps"]), f32s(&case["sigmas"]));
+        let (dt, ds) = (max_abs(s.timesteps(), &t_ref), max_abs(s.sigmas(), &s_ref));
+        eprintln!("schedule {seq} tokens x {n} steps: max |dt| {dt:e}, max |dsigma| {ds:e}");
+        assert_eq!(
+            s.timesteps(),
+            &t_ref[..],
+            "timesteps, {seq} tokens, {n} steps"
+        );
+        assert_eq!(s.sigmas(), &s_ref[..], "sigmas, {seq} tokens, {n} steps");
+    }
+    let fixed = &json["fixed_shift"];
+    let mut s = FlowMatchEulerScheduler::new(FlowMatchEulerConfig {
+        shift: 3.0,
+        ..FlowMatchEulerConfig::default()
+    })
+    .unwrap();
+    s.set_timesteps(28, None).unwrap();
+    let (t_ref, s_ref) = (f32s(&fixed["timesteps"]), f32s(&fixed["sigmas"]));
+    eprintln!(
+        "fixed shift: max |dt| {:e}, max |dsigma| {:e}",
+        max_abs(s.timesteps(), &t_ref),
+        max_abs(s.sigmas(), &s_ref)
+    );
+    assert_eq!(s.timesteps(), &t_ref[..]);
+    assert_eq!(s.sigmas(), &s_ref[..]);
+}
+
+fn device() -> Arc<HostDevice> {
+    HostDevice::with_capacity(1 << 30).expect("host device")
+}
+
+fn settings(preset: Preset, route: Option<&str>) -> Settings {
+    let mut s = Settings {
+        preset,
+        ..Settings::default()
+    };
+    if let Some(r) = route {
+        let spec: RouteSpec = r.parse().unwrap();
+        for name in ["text_encoder", "text_encoder_2", "transformer", "vae"] {
+            s.component_policies.insert(name.into(), spec);
+        }
+    }
+    s
+}
+
+fn fixture_request(tiled: TiledDecode) -> PipelineRequest {
+    PipelineRequest {
+        prompt: PromptInput::Embeddings(PromptEmbeds {
+            prompt_embeds: host("inputs.safetensors", "prompt_embeds"),
+            pooled_prompt_embeds: host("inputs.safetensors", "pooled_prompt_embeds"),
+        }),
+        steps: 4,
+        guidance: 3.5,
+        height: 32,
+        width: 24,
+        init: InitLatents::Given(host("inputs.safetensors", "noise")),
+        tiled_decode: tiled,
+        vram_budget: None,
+    }
+}
+
+fn run(
+    pipe: &FluxPipeline,
+    device: Arc<dyn Device>,
+    settings: &Settings,
+    request: &PipelineRequest,
+) -> PipelineRun {
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    let mut offload = enable_pipeline_offload_with_env(&pipeline, device, settings, &env).unwrap();
+    let mut steps = 0;
+    let run = pipe
+        .run_phases(&mut offload, request, &mut |phase, _, _| {
+            if phase == "denoise" {
+                steps += 1;
+            }
+        })
+        .unwrap();
+    assert_eq!(steps, request.steps);
+    run
+}
+
+#[test]
+fn latents_and_image_match_diffusers_flux_pipeline() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    assert_eq!(pipe.vae_scale_factor(), 2);
+    let request = fixture_request(TiledDecode::Off);
+    let run = run(
+        &pipe,
+        device(),
+        &settings(Preset::Auto, Some("none")),
+        &request,
+    );
+
+    let (t_shape, t_ref) = fixture("outputs.safetensors", "timesteps");
+    assert_eq!(t_shape, [4]);
+    assert_eq!(run.timesteps, t_ref);
+
+    let (shape, reference) = fixture("outputs.safetensors", "latents");
+    assert_eq!(run.latents.shape(), &shape[..]);
+    let latents = run.latents.host_f32().unwrap();
+    let err_latents = max_abs(&latents, &reference);
+
+    let (shape, reference) = fixture("outputs.safetensors", "image");
+    assert_eq!(run.image.shape(), &shape[..]);
+    let image = run.image.host_f32().unwrap();
+    let err_image = max_abs(&image, &reference);
+    eprintln!(
+        "flux_pipeline (4 steps, 32x24): max |diff| latents {err_latents:.3e}, image {err_image:.3e}"
+    );
+    assert!(err_latents <= 1e-4, "latents max |diff| {err_latents:e}");
+    assert!(err_image <= 1e-4, "image max |diff| {err_image:e}");
+    assert!(!run.decode.tiled);
+
+    // Three phases; every cleanup leaves the device empty.
+    let names: Vec<&str> = run.phases.iter().map(|p| p.phase.as_str()).collect();
+    assert_eq!(names, ["prompt_encoding", "denoise", "decode"]);
+    assert!(
+        run.phases[0]
+            .note
+            .as_deref()
+            .unwrap()
+            .contains("embeddings given")
+    );
+    // Route `none` puts every component's weights on the device when it attaches; each
+    // cleanup releases the finished component, and after the decode nothing is left.
+    let ends: Vec<u64> = run
+        .phases
+        .iter()
+        .map(|p| p.peak.allocator_end_bytes)
+        .collect();
+    let vae_bytes = pipe.vae.component().param_bytes();
+    assert_eq!(ends, [ends[0], vae_bytes, 0], "{:?}", run.phases);
+    assert!(ends[0] > vae_bytes);
+    assert!(run.phases[1].peak.allocator_peak_bytes > 0);
+    assert!(run.phases[2].peak.allocator_peak_bytes > 0);
+    assert_eq!(run.phases[1].components, ["transformer: none"]);
+}
+
+#[test]
+fn offloaded_routes_give_the_resident_result_bit_for_bit() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let request = fixture_request(TiledDecode::Off);
+    let resident = run(
+        &pipe,
+        device(),
+        &settings(Preset::Auto, Some("none")),
+        &request,
+    );
+    for (label, s) in [
+        ("auto preset", settings(Preset::Auto, None)),
+        ("low_ram_safe", settings(Preset::LowRamSafe, None)),
+        (
+            "linear_convolution",
+            settings(Preset::Auto, Some("linear_convolution")),
+        ),
+        ("off (unmanaged)", settings(Preset::Off, None)),
+    ] {
+        let other = run(&pipe, device(), &s, &request);
+        assert_eq!(
+            other.latents.host_f32().unwrap(),
+            resident.latents.host_f32().unwrap(),
+            "{label}"
+        );
+        assert_eq!(
+            other.image.host_f32().unwrap(),
+            resident.image.host_f32().unwrap(),
+            "{label}"
+        );
+        for p in &other.phases {
+            assert_eq!(p.peak.allocator_end_bytes, 0, "{label}: {p:?}");
+        }
+        // Streaming routes keep less on the device than resident weights.
+        if label != "off (unmanaged)" {
+            assert!(
+                other.phases[1].peak.allocator_peak_bytes
+                    < resident.phases[1].peak.allocator_peak_bytes,
+                "{label}"
+            );
+        }
+    }
+}
+
+#[test]
+fn text_prompts_run_through_the_text_encoders() {
+    let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 3, DType::F32).unwrap();
+    let mut request = fixture_request(TiledDecode::Auto);
+    request.prompt = PromptInput::Text("a photo of a cat".into());
+    request.init = InitLatents::Seed(42);
+    request.steps = 2;
+    let a = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(a.phases[0].note.is_none());
+    assert_eq!(a.phases[0].components.len(), 2);
+    assert!(a.phases[0].peak.allocator_peak_bytes > 0);
+    let b = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert_eq!(a.image.host_f32().unwrap(), b.image.host_f32().unwrap());
+    request.prompt = PromptInput::Text("a photo of a dog".into());
+    let c = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert_ne!(a.image.host_f32().unwrap(), c.image.host_f32().unwrap());
+    assert!(a.image.host_f32().unwrap().iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn auto_decode_tiles_when_the_budget_leaves_too_little() {
+    let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 5, DType::F32).unwrap();
+    let mut request = fixture_request(TiledDecode::Auto);
+    request.height = 64;
+    request.width = 64;
+    request.init = InitLatents::Seed(1);
+    request.steps = 1;
+    let roomy = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(!roomy.decode.tiled, "{}", roomy.decode.reason);
+    let untiled = roomy.decode.estimate_untiled_bytes;
+    request.vram_budget = Some(untiled * 3 / 4);
+    let tight = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(tight.decode.tiled, "{}", tight.decode.reason);
+    assert!(tight.phases[2].note.as_deref().unwrap().contains("tiled"));
+    assert!(
+        tight.phases[2].peak.allocator_peak_bytes < roomy.phases[2].peak.allocator_peak_bytes,
+        "tiled {} vs untiled {}",
+        tight.phases[2].peak.allocator_peak_bytes,
+        roomy.phases[2].peak.allocator_peak_bytes
+    );
+}
+
+#[test]
+fn bad_requests_are_typed_errors_and_release_everything() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let d = device();
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    let mut offload =
+        enable_pipeline_offload_with_env(&pipeline, d.clone(), &settings(Preset::Auto, None), &env)
+            .unwrap();
+    let mut request = fixture_request(TiledDecode::Off);
+    request.height = 64; // the given noise is for 32x24
+    let e = pipe
+        .run_phases(&mut offload, &request, &mut |_, _, _| {})
+        .unwrap_err();
+    assert!(e.to_string().contains("[1, 4, 32, 12]"), "{e}");
+    assert_eq!(d.memory_info().allocated, 0);
+    for name in ["text_encoder", "transformer", "vae"] {
+        assert!(offload.handle(name).unwrap().is_detached(), "{name}");
+    }
+}
+
+#[test]
+fn an_untiled_decode_out_of_memory_is_retried_tiled_once() {
+    use ddo_nn::pipeline::{DecodePlan, plan_decode};
+    use ddo_nn::vae::{TilingConfig, estimate_decode_peak_bytes, estimate_tiled_decode_peak_bytes};
+    use ddo_routes::{OffloadOptions, enable_offload};
+
+    let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 9, DType::F32).unwrap();
+    let (height, width) = (128, 128);
+    let (h, w) = pipe.latent_grid(height, width).unwrap();
+    let shape = [1, 4, h, w];
+    let config = pipe.vae.config();
+    let untiled = estimate_decode_peak_bytes(config, &shape, DType::F32);
+    // The retry's tiles: Diffusers' 16-latent default splits a 64x64 grid.
+    let tiles = TilingConfig::from_config(config);
+    let tiled = estimate_tiled_decode_peak_bytes(config, &shape, DType::F32, &tiles);
+    assert!(tiled < untiled / 2, "{tiled} vs {untiled}");
+    // Room for the resident weights and a tiled decode, not for an untiled one.
+    let weights = pipe.vae.component().param_bytes();
+    let d = HostDevice::with_capacity(weights + (tiled + untiled) / 2).unwrap();
+    let mut handle = enable_offload(
+        pipe.vae.component(),
+        d.clone(),
+        &OffloadOptions {
+            route: Some("none".parse().unwrap()),
+            ..OffloadOptions::default()
+        },
+    )
+    .unwrap();
+    let packed = Tensor::from_f32(
+        vec![1, (h / 2) * (w / 2), 16],
+        DType::F32,
+        &ddo_nn::pipeline::gaussian_noise(3, (h / 2) * (w / 2) * 16),
+    )
+    .unwrap();
+
+    // Off: the out-of-memory error comes back as it is.
+    let mut off: DecodePlan = plan_decode(config, &shape, DType::F32, TiledDecode::Off, None);
+    let e = pipe
+        .decode_planned(&*d, &packed, height, width, &mut off)
+        .unwrap_err();
+    assert!(matches!(e, ddo_core::CoreError::OutOfMemory { .. }), "{e}");
+
+    // Auto without a budget to compare with plans untiled; the failure is retried tiled.
+    let mut auto = plan_decode(config, &shape, DType::F32, TiledDecode::Auto, None);
+    assert!(!auto.tiled);
+    let image = pipe
+        .decode_planned(&*d, &packed, height, width, &mut auto)
+        .unwrap();
+    assert_eq!(image.shape(), [1, 3, height, width]);
+    assert!(auto.tiled && auto.retried_after_oom, "{auto:?}");
+    assert!(auto.reason.contains("retried"), "{}", auto.reason);
+    drop(image);
+    let peak = handle.end_phase("decode").unwrap();
+    assert!(peak.allocator_peak_bytes <= d.memory_info().capacity);
+    ddo_routes::remove_dynamic_offload(&mut handle).unwrap();
+    assert_eq!(d.memory_info().allocated, 0);
+}
+
+fn ids(name: &str) -> Vec<u32> {
+    fixture("outputs.safetensors", name)
+        .1
+        .iter()
+        .map(|&v| v as u32)
+        .collect()
+}
+
+#[test]
+fn prompt_encoding_and_a_run_from_tokens_match_diffusers() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let (clip_ids, t5_ids) = (ids("text_clip_input_ids_f32"), ids("text_t5_input_ids_f32"));
+    assert_eq!((clip_ids.len(), t5_ids.len()), (16, 24));
+    let d = device();
+    let s = d.compute_stream();
+    for c in pipe.components() {
+        c.to_device(&*d, &s).unwrap();
+    }
+    let e = pipe.encode_prompt(&*d, &clip_ids, &t5_ids).unwrap();
+    let ops = ddo_core::ops_of(&*d).unwrap();
+    for (got, name) in [
+        (&e.prompt_embeds, "text_prompt_embeds"),
+        (&e.pooled_prompt_embeds, "text_pooled_prompt_embeds"),
+    ] {
+        let (shape, reference) = fixture("outputs.safetensors", name);
+        assert_eq!(got.shape(), &shape[..], "{name}");
+        let err = max_abs(&ops.to_f32_vec(got).unwrap(), &reference);
+        eprintln!("{name}: max |diff| {err:.3e}");
+        assert!(err <= 1e-4, "{name}: {err:e}");
+    }
+    for c in pipe.components() {
+        c.to_host().unwrap();
+    }
+
+    let mut request = fixture_request(TiledDecode::Off);
+    request.prompt = PromptInput::Tokens {
+        clip: clip_ids,
+        t5: t5_ids,
+    };
+    let run = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    let (_, reference) = fixture("outputs.safetensors", "text_latents");
+    let err = max_abs(&run.latents.host_f32().unwrap(), &reference);
+    eprintln!("text_latents: max |diff| {err:.3e}");
+    assert!(err <= 1e-4, "text latents: {err:e}");
+    assert!(run.phases[0].note.is_none());
+}
