@@ -5,13 +5,15 @@ Usage: python3 tools/gpu_peer.py OUT_DIR [--bench]
 Writes, under OUT_DIR:
   vae/            a Flux-family AutoencoderKL (real Flux VAE config, seeded random weights,
                   bf16), saved with save_pretrained
-  vae_io.safetensors          `latents` [1,16,64,64] and Diffusers' bf16 decode `sample`
-                              (512x512), both stored f32
+  vae_io.safetensors          `latents` [1,16,64,64], Diffusers' bf16 decode `sample`
+                              (512x512) and `sample_f32`, the same weights run in f32 (the
+                              reference both bf16 implementations are judged against)
   transformer/    FluxTransformer2DModel at FLUX.1-dev widths with 2 double + 2 single blocks
                   (seeded random weights, bf16)
   transformer_io.safetensors  inputs (hidden_states [1,1024,64], encoder_hidden_states
                               [1,512,4096], pooled_projections [1,768], timestep, guidance,
-                              img_ids [1024,3], txt_ids [512,3]) and Diffusers' bf16 `sample`
+                              img_ids [1024,3], txt_ids [512,3]), Diffusers' bf16 `sample`
+                              and its f32 `sample_f32` on the same weights
   peer.json       with --bench: PyTorch eager timings on this GPU (median/min/max ms of 10
                   runs after 3 warm-ups, CUDA events): resident Flux VAE decode 1024^2 bf16,
                   and a Flux-shaped transformer (5 double + 10 single blocks, 4608 image + 512
@@ -22,6 +24,7 @@ equal gets seeded N(0, 0.02) noise so a dropped affine term cannot match by acci
 Diffusers 0.42.1 comes from the wheels DDO carries (the GPU image has torch).
 """
 
+import copy
 import json
 import os
 import statistics
@@ -96,9 +99,8 @@ def transformer_inputs(img_side, txt_tokens, seed):
     }
 
 
-def run_transformer(model, inputs):
+def run_transformer(model, inputs, dt=torch.bfloat16):
     dev = "cuda"
-    dt = torch.bfloat16
     return model(
         hidden_states=inputs["hidden_states"].to(dev, dt),
         encoder_hidden_states=inputs["encoder_hidden_states"].to(dev, dt),
@@ -143,8 +145,16 @@ def main():
         g = torch.Generator().manual_seed(13)
         latents = torch.randn(1, 16, 64, 64, generator=g)
         sample = vae.decode(latents.to(dev, torch.bfloat16)).sample
+        # The same (bf16-valued) weights in f32: the reference both bf16 runs are judged by.
+        vae32 = copy.deepcopy(vae).float()
+        sample32 = vae32.decode(latents.to(dev)).sample
+        del vae32
         save_file(
-            {"latents": latents.contiguous(), "sample": sample.float().cpu().contiguous()},
+            {
+                "latents": latents.contiguous(),
+                "sample": sample.float().cpu().contiguous(),
+                "sample_f32": sample32.cpu().contiguous(),
+            },
             os.path.join(out, "vae_io.safetensors"),
         )
 
@@ -156,8 +166,12 @@ def main():
         tr = tr.to(dev)
         inputs = transformer_inputs(32, 512, 23)
         sample = run_transformer(tr, inputs)
+        tr32 = copy.deepcopy(tr).float()
+        sample32 = run_transformer(tr32, inputs, torch.float32)
+        del tr32
         tensors = {k: v.float().contiguous() for k, v in inputs.items()}
         tensors["sample"] = sample.float().cpu().contiguous()
+        tensors["sample_f32"] = sample32.cpu().contiguous()
         save_file(tensors, os.path.join(out, "transformer_io.safetensors"))
         del tr
         torch.cuda.empty_cache()

@@ -32,4 +32,12 @@ export DDO_BENCH="$bench" DDO_BENCH_OUT="$out"
 ./gpu-bundle/run-all.sh "$logs"
 rc=$?
 tar czf "$out/logs.tgz" -C "$logs" .
+if [ -x gpu-bundle/ddo ]; then
+  echo "=== ddo run --config tiny --device cuda:0"
+  ./gpu-bundle/ddo run --config tiny --device cuda:0 --out "$out/tiny.png" 2>&1 | tee "$logs/ddo-tiny.log" | tail -20
+  echo "=== ddo run --config flux-dev --vram-budget 12GiB --device cuda:0 --steps 2 --height 512 --width 512"
+  timeout 180 ./gpu-bundle/ddo run --config flux-dev --vram-budget 12GiB --device cuda:0 --steps 2 \
+    --height 512 --width 512 --out "$out/flux-dev.png" 2>&1 | tee "$logs/ddo-flux-dev.log" | tail -30
+fi
+tar czf "$out/logs.tgz" -C "$logs" .
 exit $rc

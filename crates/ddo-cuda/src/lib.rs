@@ -16,10 +16,15 @@
 //! Builds need no GPU and no CUDA toolkit: cudarc loads `libcuda` at run time, and
 //! [`CudaDevice::new`] checks that it loads (and that the device exists) before any driver
 //! call, answering [`CudaError::NoLibrary`] or [`CudaError::NoDevice`] otherwise.
-//! All `unsafe` lives in one private module (`driver`), one thin checked function per
-//! driver call; everything above it is safe code.
+//! `unsafe` lives in the lowest modules: `driver` (one thin checked function per driver
+//! call), the kernel launch and NVRTC probe in `ops/kernels.rs`, and the cuBLAS calls in
+//! `ops/gemm.rs`; each block carries a `// SAFETY:` comment.
 //!
-//! Compute ([`Ops`](ddo_core::Ops)) comes later: `ops()` is `None` for now.
+//! Compute: `ops()` gives the GPU [`Ops`](ddo_core::Ops) — NVRTC-compiled kernels for the
+//! element-wise, normalisation, layout and rotary ops (`ops/kernels.rs` compiles each source
+//! once per device), cuBLAS for linear and batched matmul, a tensor-core implicit-GEMM
+//! convolution (im2col + cuBLAS for f32), and a fused flash-style attention that never
+//! materialises the score matrix (a chunked path for head sizes above 128).
 
 pub mod allocator;
 pub mod device;

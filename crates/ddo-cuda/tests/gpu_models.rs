@@ -4,7 +4,9 @@
 //!
 //! - Conformance: the Flux VAE decoder at 512² and a FLUX.1-dev-width transformer with
 //!   2 double + 2 single blocks at 1024 image tokens, bf16, the same weights and inputs as
-//!   Diffusers: relative L2 ≤ 2e-2.
+//!   Diffusers: relative L2 ≤ 2e-2 from Diffusers' bf16 output — or, where two bf16
+//!   implementations drift further apart than that, DDO's output no further from the f32
+//!   run of the same weights than Diffusers' bf16 output is (both errors printed).
 //! - Routes: every route gives output bit-identical to resident on the GPU, and device
 //!   memory returns to its starting level when the route is removed.
 //! - Benchmark (`DDO_BENCH=1`): resident Flux VAE decode 1024² bf16 and a Flux-shaped
@@ -93,6 +95,50 @@ fn routes() -> Vec<(&'static str, RouteSpec)> {
     ]
 }
 
+/// Checks `got` against Diffusers' bf16 output and the f32 reference, printing all three
+/// distances.
+fn judge(label: &str, got: &[f32], io: &std::path::Path) {
+    let (_, diffusers) = host_tensor(io, "sample");
+    let (_, reference) = host_tensor(io, "sample_f32");
+    let ours_vs_bf16 = rel_l2(got, &diffusers);
+    let ours_vs_f32 = rel_l2(got, &reference);
+    let theirs_vs_f32 = rel_l2(&diffusers, &reference);
+    println!(
+        "{label}: DDO vs Diffusers bf16 {ours_vs_bf16:.3e}; vs f32 reference: DDO {ours_vs_f32:.3e}, Diffusers bf16 {theirs_vs_f32:.3e}"
+    );
+    assert!(
+        ours_vs_bf16 <= 2e-2 || ours_vs_f32 <= theirs_vs_f32 * 1.05,
+        "{label}: DDO {ours_vs_f32:.3e} from f32, Diffusers bf16 {theirs_vs_f32:.3e}, DDO vs Diffusers {ours_vs_bf16:.3e}"
+    );
+}
+
+/// Device bytes held now, after handing the cuBLAS workspace back.
+fn held(d: &CudaDevice) -> u64 {
+    d.synchronize().unwrap();
+    d.release_blas_workspaces().unwrap();
+    d.synchronize().unwrap();
+    let held = d.memory_info().allocated;
+    if held > 0 {
+        // Diagnostics for a failing memory check: what is still allocated.
+        println!("held {held} B: {:?}", d.allocator_stats());
+        for seg in d.allocator_snapshot() {
+            let live: Vec<_> = seg
+                .blocks
+                .iter()
+                .filter(|b| b.allocated)
+                .map(|b| b.size)
+                .collect();
+            if !live.is_empty() {
+                println!(
+                    "  segment {} B ({:?}): live blocks {live:?}",
+                    seg.size, seg.pool
+                );
+            }
+        }
+    }
+    held
+}
+
 fn bytes(d: &CudaDevice, t: &Tensor) -> Vec<u8> {
     t.to_host_bytes(d, &d.compute_stream()).unwrap()
 }
@@ -104,19 +150,15 @@ fn vae_decoder_matches_diffusers_and_every_route_matches_resident() {
     };
     let io = dir.join("vae_io.safetensors");
     let (latents, _) = host_tensor(&io, "latents");
-    let (_, expected) = host_tensor(&io, "sample");
-    let start = d.memory_info().allocated;
+    let start = held(&d);
     let vae = AutoencoderKL::load(&dir.join("vae"), None).unwrap();
     let h = enable_dynamic_offload(vae.component(), d.clone(), RouteSpec::resident()).unwrap();
     let out = vae.decode(Some(&*d), &latents, None).unwrap();
     let resident = bytes(&d, &out);
     let got = out.to_f32_vec(&*d, &d.compute_stream()).unwrap();
-    let err = rel_l2(&got, &expected);
-    println!("vae decode 512² bf16 vs Diffusers: rel L2 {err:.3e}");
-    assert!(err <= 2e-2, "rel L2 {err}");
+    judge("vae decode 512² bf16", &got, &io);
     drop((out, h));
-    d.synchronize().unwrap();
-    assert_eq!(d.memory_info().allocated, start, "resident route leaked");
+    assert_eq!(held(&d), start, "resident route leaked");
     for (label, route) in routes() {
         let vae = AutoencoderKL::load(&dir.join("vae"), None).unwrap();
         let mut h = enable_dynamic_offload(vae.component(), d.clone(), route).unwrap();
@@ -130,12 +172,7 @@ fn vae_decoder_matches_diffusers_and_every_route_matches_resident() {
             Err(ddo_core::CoreError::NotOwned { .. }) => drop((h, vae)),
             other => other.unwrap(),
         }
-        d.synchronize().unwrap();
-        assert_eq!(
-            d.memory_info().allocated,
-            start,
-            "{label}: memory not returned"
-        );
+        assert_eq!(held(&d), start, "{label}: memory not returned");
         println!("vae decode under {label}: equal to resident, memory returned");
     }
 }
@@ -147,19 +184,15 @@ fn flux_transformer_matches_diffusers_and_every_route_matches_resident() {
     };
     let io = dir.join("transformer_io.safetensors");
     let inputs = flux_inputs(&io);
-    let (_, expected) = host_tensor(&io, "sample");
-    let start = d.memory_info().allocated;
+    let start = held(&d);
     let model = FluxTransformer::load(&dir.join("transformer"), None).unwrap();
     let h = enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
     let out = model.forward(&*d, &inputs).unwrap();
     let resident = bytes(&d, &out);
     let got = out.to_f32_vec(&*d, &d.compute_stream()).unwrap();
-    let err = rel_l2(&got, &expected);
-    println!("flux 2+2 blocks, 1024 tokens, bf16 vs Diffusers: rel L2 {err:.3e}");
-    assert!(err <= 2e-2, "rel L2 {err}");
+    judge("flux 2+2 blocks, 1024 tokens, bf16", &got, &io);
     drop((out, h, model));
-    d.synchronize().unwrap();
-    assert_eq!(d.memory_info().allocated, start);
+    assert_eq!(held(&d), start, "resident route leaked");
     for (label, route) in routes() {
         let model = FluxTransformer::load(&dir.join("transformer"), None).unwrap();
         let mut h = enable_dynamic_offload(model.component(), d.clone(), route).unwrap();
@@ -174,12 +207,7 @@ fn flux_transformer_matches_diffusers_and_every_route_matches_resident() {
             Err(ddo_core::CoreError::NotOwned { .. }) => drop((h, model)),
             other => other.unwrap(),
         }
-        d.synchronize().unwrap();
-        assert_eq!(
-            d.memory_info().allocated,
-            start,
-            "{label}: memory not returned"
-        );
+        assert_eq!(held(&d), start, "{label}: memory not returned");
         println!("flux under {label}: equal to resident (2 forwards), memory returned");
     }
 }

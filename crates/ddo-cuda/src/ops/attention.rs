@@ -9,9 +9,9 @@
 //! - **fused, tensor cores** (`ddo_attn_mma_*`): q, k, v of one 16-bit dtype, `d == dv` in
 //!   {64, 128}, 16-byte aligned — FlashAttention-2 style: 128 queries per block (16 per
 //!   warp), K/V tiles of 64 keys through two stages of shared memory (cp.async, the next
-//!   tile loading while one is computed),
-//!   online softmax in f32 registers, `mma.sync` m16n8k16 with f32 accumulators. Never
-//!   stores a score. (Flux: d = 128; CLIP/T5: d = 64.)
+//!   tile loading while one is computed, one barrier per tile), online softmax in f32
+//!   registers, `mma.sync` m16n8k16 with f32 accumulators. Never stores a score. (Flux:
+//!   d = 128; CLIP/T5: d = 64.)
 //! - **chunked, cuBLAS** (same dtype for q, k, v, otherwise any size — taken when
 //!   `max(d, dv) > 128`, e.g. the VAE's single-head attention with d = 512): per chunk of
 //!   (b, h) pairs and queries, `S = scale · Q Kᵀ` by a strided-batched GEMM into an f32
