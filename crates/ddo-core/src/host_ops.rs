@@ -20,6 +20,7 @@ use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::host_backend::{HostAllocation, HostDevice};
 use crate::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
+use crate::shape::{broadcast_shape, broadcast_strides, coalesce, contiguous_strides};
 use crate::tensor::{Tensor, TensorStorage, byte_len, numel};
 
 /// Queries per attention block.
@@ -198,96 +199,6 @@ fn gemm(
 // ---------------------------------------------------------------------------------------
 // Broadcasting and strided walks
 // ---------------------------------------------------------------------------------------
-
-/// NumPy broadcast of two shapes.
-fn broadcast_shape(op: &str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
-    let r = a.len().max(b.len());
-    let dim = |s: &[usize], i: usize| {
-        if i + s.len() >= r {
-            s[i + s.len() - r]
-        } else {
-            1
-        }
-    };
-    (0..r)
-        .map(|i| {
-            let (da, db) = (dim(a, i), dim(b, i));
-            if da == db || db == 1 {
-                Ok(da)
-            } else if da == 1 {
-                Ok(db)
-            } else {
-                Err(shape_err(
-                    op,
-                    format!("shapes {a:?} and {b:?} do not broadcast (dim {i}: {da} vs {db})"),
-                ))
-            }
-        })
-        .collect()
-}
-
-/// Element strides of a contiguous tensor of `shape` read as broadcast to `out`
-/// (right-aligned; size-1 dims get stride 0). `shape` must broadcast to `out`.
-fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
-    let off = out.len() - shape.len();
-    let mut strides = vec![0; out.len()];
-    let mut acc = 1;
-    for i in (0..shape.len()).rev() {
-        strides[off + i] = if shape[i] == 1 { 0 } else { acc };
-        acc *= shape[i];
-    }
-    strides
-}
-
-/// Contiguous row-major strides of `shape`.
-fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
-    let mut acc = 1;
-    for i in (0..shape.len()).rev() {
-        strides[i] = acc;
-        acc *= shape[i];
-    }
-    strides
-}
-
-/// Merges adjacent dims that are contiguous in every operand and drops size-1 dims; the
-/// walk order (row-major over `shape`) is unchanged. Always returns at least one dim.
-fn coalesce<const K: usize>(
-    shape: &[usize],
-    strides: [&[usize]; K],
-) -> (Vec<usize>, [Vec<usize>; K]) {
-    let mut out_shape: Vec<usize> = Vec::with_capacity(shape.len());
-    let mut out_strides: [Vec<usize>; K] = std::array::from_fn(|_| Vec::new());
-    for (i, &n) in shape.iter().enumerate() {
-        if n == 1 {
-            continue;
-        }
-        let merge = !out_shape.is_empty()
-            && (0..K).all(|o| *out_strides[o].last().unwrap_or(&0) == strides[o][i] * n);
-        if merge {
-            if let Some(last) = out_shape.last_mut() {
-                *last *= n;
-            }
-            for o in 0..K {
-                if let Some(last) = out_strides[o].last_mut() {
-                    *last = strides[o][i];
-                }
-            }
-        } else {
-            out_shape.push(n);
-            for o in 0..K {
-                out_strides[o].push(strides[o][i]);
-            }
-        }
-    }
-    if out_shape.is_empty() {
-        out_shape.push(1);
-        for s in &mut out_strides {
-            s.push(0);
-        }
-    }
-    (out_shape, out_strides)
-}
 
 /// Calls `f` with the operands' offsets for every index of `shape`, row-major.
 fn walk<const K: usize>(shape: &[usize], strides: [&[usize]; K], mut f: impl FnMut([usize; K])) {

@@ -35,6 +35,7 @@ pub mod reference;
 pub mod residency;
 pub mod resolve;
 pub mod route;
+pub mod shape;
 pub mod tensor;
 
 pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};

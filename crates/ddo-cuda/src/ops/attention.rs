@@ -33,9 +33,10 @@
 
 use ddo_core::{DType, Device, Result, Tensor};
 
-use super::gemm::{Gemm, broadcast_shape, broadcast_strides, gemm, launch_cfg};
+use super::gemm::{Gemm, gemm, launch_cfg};
 use super::kernels::{self, Arg, Dims6};
 use super::{Out, input, shape_err};
+use super::{broadcast_shape, broadcast_strides};
 use crate::device::CudaDevice;
 
 /// Name of this file's kernel source.

@@ -4,7 +4,10 @@
 use ddo_core::{BinaryOp, DType, Result, Tensor, UnaryOp};
 
 use super::kernels::{self, Arg, Dims6, grid_1d, launch};
-use super::{In, Out, coalesce, contiguous_strides, fits_u32, for_each_block, input, shape_err};
+use super::{
+    In, Out, broadcast_shape, broadcast_strides, coalesce, contiguous_strides, fits_u32,
+    for_each_block, input, shape_err,
+};
 use crate::device::CudaDevice;
 use crate::driver;
 use crate::error::CudaError;
@@ -115,45 +118,6 @@ fn copy_bytes(dev: &CudaDevice, dst: u64, src: &In<'_>) -> Result<()> {
     // `src.len` bytes); the caller's `Out::finish` marks both used on the compute stream.
     driver::memcpy_dtod_async(dst, src.ptr, src.len, &stream)
         .map_err(|e: CudaError| e.into_core(&ddo_core::Device::id(dev).to_string()))
-}
-
-/// NumPy broadcast of two shapes (the host backend's rule and message).
-fn broadcast_shape(op: &str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
-    let r = a.len().max(b.len());
-    let dim = |s: &[usize], i: usize| {
-        if i + s.len() >= r {
-            s[i + s.len() - r]
-        } else {
-            1
-        }
-    };
-    (0..r)
-        .map(|i| {
-            let (da, db) = (dim(a, i), dim(b, i));
-            if da == db || db == 1 {
-                Ok(da)
-            } else if da == 1 {
-                Ok(db)
-            } else {
-                Err(shape_err(
-                    op,
-                    format!("shapes {a:?} and {b:?} do not broadcast (dim {i}: {da} vs {db})"),
-                ))
-            }
-        })
-        .collect()
-}
-
-/// Element strides of a contiguous `shape` read as broadcast to `out` (size-1 dims: 0).
-fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
-    let off = out.len() - shape.len();
-    let mut strides = vec![0; out.len()];
-    let mut acc = 1;
-    for i in (0..shape.len()).rev() {
-        strides[off + i] = if shape[i] == 1 { 0 } else { acc };
-        acc *= shape[i];
-    }
-    strides
 }
 
 /// [`ddo_core::Ops::binary`]: the output has `a`'s dtype and the broadcast shape.

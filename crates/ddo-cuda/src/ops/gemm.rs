@@ -36,7 +36,7 @@ use ddo_core::{CoreError, DType, Device, DeviceBuffer, Ops, Result, Tensor};
 use parking_lot::Mutex;
 
 use super::kernels::{self, Arg};
-use super::{Out, input, optional_vector, shape_err};
+use super::{Out, broadcast_shape, broadcast_strides, coalesce, input, optional_vector, shape_err};
 use crate::device::CudaDevice;
 
 /// Bytes of each handle's cuBLAS workspace (NVIDIA's recommendation for Hopper).
@@ -449,46 +449,6 @@ fn product(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
-/// NumPy broadcast of two batch shapes.
-pub(crate) fn broadcast_shape(op: &str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
-    let r = a.len().max(b.len());
-    let dim = |s: &[usize], i: usize| {
-        if i + s.len() >= r {
-            s[i + s.len() - r]
-        } else {
-            1
-        }
-    };
-    (0..r)
-        .map(|i| {
-            let (da, db) = (dim(a, i), dim(b, i));
-            if da == db || db == 1 {
-                Ok(da)
-            } else if da == 1 {
-                Ok(db)
-            } else {
-                Err(shape_err(
-                    op,
-                    format!("shapes {a:?} and {b:?} do not broadcast (dim {i}: {da} vs {db})"),
-                ))
-            }
-        })
-        .collect()
-}
-
-/// Element strides of a contiguous tensor of `shape` read as broadcast to `out`
-/// (right-aligned; size-1 dims get stride 0).
-pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
-    let off = out.len() - shape.len();
-    let mut strides = vec![0; out.len()];
-    let mut acc = 1;
-    for i in (0..shape.len()).rev() {
-        strides[off + i] = if shape[i] == 1 { 0 } else { acc };
-        acc *= shape[i];
-    }
-    strides
-}
-
 /// Casts `t` to f32 (a new tensor; exact for every float dtype).
 fn to_f32(dev: &CudaDevice, t: &Tensor) -> Result<Tensor> {
     Ops::cast(dev, t, DType::F32)
@@ -577,42 +537,6 @@ pub(crate) fn linear(
         inputs.push(b);
     }
     out.finish(dev, &inputs)
-}
-
-/// Merges adjacent batch dims that are contiguous in all three operands and drops size-1
-/// dims (the walk order is unchanged). Returns (sizes, [a, b, c] strides).
-fn coalesce(shape: &[usize], strides: [&[usize]; 3]) -> (Vec<usize>, [Vec<usize>; 3]) {
-    let mut sizes: Vec<usize> = Vec::new();
-    let mut out: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-    for (i, &n) in shape.iter().enumerate() {
-        if n == 1 {
-            continue;
-        }
-        let merge =
-            !sizes.is_empty() && (0..3).all(|o| out[o].last().copied() == Some(strides[o][i] * n));
-        if merge {
-            if let Some(last) = sizes.last_mut() {
-                *last *= n;
-            }
-            for o in 0..3 {
-                if let Some(last) = out[o].last_mut() {
-                    *last = strides[o][i];
-                }
-            }
-        } else {
-            sizes.push(n);
-            for o in 0..3 {
-                out[o].push(strides[o][i]);
-            }
-        }
-    }
-    if sizes.is_empty() {
-        sizes.push(1);
-        for s in &mut out {
-            s.push(0);
-        }
-    }
-    (sizes, out)
 }
 
 /// `Ops::matmul` on `dev`: `a [..., m, k] · b [..., k, n]`, batch dims broadcasting.

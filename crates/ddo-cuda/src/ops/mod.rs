@@ -14,6 +14,9 @@
 //! softmax, reduce), `layout` (upload/download, concat, narrow, permute, upsample,
 //! embedding), and the GEMM/convolution/attention files (`gemm`, `conv`, `attention`).
 
+pub(crate) use ddo_core::shape::{
+    broadcast_shape, broadcast_strides, coalesce, contiguous_strides,
+};
 use ddo_core::tensor::{byte_len, numel};
 use ddo_core::{
     BinaryOp, CoreError, DType, Device, DeviceBuffer, Ops, ReduceOp, Result, Tensor, TensorStorage,
@@ -179,55 +182,6 @@ impl Out {
 
 /// Most dims a strided kernel takes per launch ([`for_each_block`] splits the rest).
 pub(crate) const MAX_DIMS: usize = 6;
-
-/// Contiguous row-major element strides of `shape`.
-pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
-    let mut acc = 1usize;
-    for (s, &d) in strides.iter_mut().zip(shape).rev() {
-        *s = acc;
-        acc = acc.saturating_mul(d);
-    }
-    strides
-}
-
-/// Merges adjacent dims that are contiguous in every operand and drops size-1 dims,
-/// keeping the row-major walk order; at least one dim remains.
-pub(crate) fn coalesce<const K: usize>(
-    shape: &[usize],
-    strides: [&[usize]; K],
-) -> (Vec<usize>, [Vec<usize>; K]) {
-    let mut cs: Vec<usize> = Vec::with_capacity(shape.len());
-    let mut cst: [Vec<usize>; K] = std::array::from_fn(|_| Vec::new());
-    for (i, &n) in shape.iter().enumerate() {
-        if n == 1 {
-            continue;
-        }
-        let merge = !cs.is_empty() && (0..K).all(|o| cst[o].last() == Some(&(strides[o][i] * n)));
-        if merge {
-            if let Some(last) = cs.last_mut() {
-                *last *= n;
-            }
-            for o in 0..K {
-                if let Some(last) = cst[o].last_mut() {
-                    *last = strides[o][i];
-                }
-            }
-        } else {
-            cs.push(n);
-            for o in 0..K {
-                cst[o].push(strides[o][i]);
-            }
-        }
-    }
-    if cs.is_empty() {
-        cs.push(1);
-        for s in &mut cst {
-            s.push(0);
-        }
-    }
-    (cs, cst)
-}
 
 /// Splits a walk over `shape` (row-major, operands with `strides`) into blocks of its last
 /// [`MAX_DIMS`] dims: calls `f(offsets, first, inner_shape, inner_strides)` per block, with
