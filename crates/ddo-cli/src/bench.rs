@@ -3,7 +3,8 @@
 //! backend, a fresh device), warm-up forwards, then timed forwards. Prints a table — time
 //! median/min/max, peak device memory (exact), bytes streamed per forward, and the ratio to
 //! the link floor (streamed bytes / the host→device bandwidth measured first, in the same
-//! process) — and writes JSON with `--json` / `--out-json`. No plot yet.
+//! process) — and writes JSON with `--json` / `--out-json`; `--plot PREFIX` draws time
+//! against peak memory to `PREFIX.svg` and `PREFIX.png` ([`crate::plot`]).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -59,6 +60,11 @@ pub const OPTIONS: &[OptSpec] = &[
     ),
     opt("dtype", "f32|bf16|f16", "weight dtype (as for run)"),
     opt("out-json", "FILE.json", "also write the JSON there"),
+    opt(
+        "plot",
+        "PREFIX",
+        "also draw time vs peak memory to PREFIX.svg and PREFIX.png",
+    ),
     flag("json", "print JSON instead of the table"),
 ];
 
@@ -301,6 +307,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let budget = vram_budget(&args)?;
     let list = candidates(&args)?;
     let out_json = args.get("out-json").map(PathBuf::from);
+    let plot_prefix = args.get("plot").map(PathBuf::from);
 
     let mut bar = ProgressBar::new();
     let (pipe, model_label) = build_pipeline(&source, dtype, None, &mut bar)?;
@@ -426,6 +433,14 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             )
         })?;
     }
+    let plotted = match &plot_prefix {
+        Some(prefix) => Some(crate::plot::write_plot(
+            prefix,
+            &format!("ddo bench: {name} on {device_label}"),
+            &results,
+        )?),
+        None => None,
+    };
     let text = if args.flag("json") {
         json_text
     } else {
@@ -464,6 +479,9 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         }
         if let Some(p) = &out_json {
             s += &format!("\nwrote {}\n", p.display());
+        }
+        if let Some((svg, png)) = &plotted {
+            s += &format!("wrote {} and {}\n", svg.display(), png.display());
         }
         s
     };

@@ -16,7 +16,8 @@
 //! - [`decode`](mod@decode): saved latents through a VAE folder;
 //! - [`resolve`](mod@resolve): what a preset gives each component, and why;
 //! - [`inspect`](mod@inspect): safetensors headers, and what each preset keeps resident;
-//! - [`bench`](mod@bench): one component under several routes or presets, against the link floor.
+//! - [`bench`](mod@bench): one component under several routes or presets, against the link floor
+//!   (and, with `--plot`, a time vs peak memory chart from [`plot`](mod@plot)).
 //!
 //! Every failure comes back as a [`CliError`] — one line, with a hint, and an exit status
 //! (2 for bad usage, 1 for a failure while running) — never as a panic.
@@ -27,6 +28,7 @@ pub mod decode;
 pub mod error;
 pub mod inspect;
 pub mod io;
+pub mod plot;
 pub mod progress;
 pub mod resolve;
 pub mod run;

@@ -1,0 +1,144 @@
+//! `ddo bench --plot PREFIX`: time against peak memory, one numbered point per candidate
+//! (route or preset), drawn with `plotters` to `PREFIX.svg` and `PREFIX.png`. x is the peak
+//! device memory in MiB, y the median time in ms; a legend under the chart names each
+//! numbered point, and the caption names the component and the device. Text is laid out
+//! with `ab_glyph` from the DejaVu Sans font embedded in the binary (`assets/`, with its
+//! licence), so drawing needs no system font library.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::bench::CandidateResult;
+use crate::error::{CliError, CliResult};
+
+/// DejaVu Sans (Bitstream Vera licence: `assets/DejaVuSans-LICENSE.txt`).
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+/// The family name the font is registered under.
+const FAMILY: &str = "sans-serif";
+
+const WIDTH: u32 = 1024;
+const CHART_HEIGHT: u32 = 640;
+const LEGEND_LINE: u32 = 22;
+
+/// Registers the embedded font with plotters once; false when it could not be parsed.
+fn font_ready() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok())
+}
+
+/// `prefix` with `.ext` appended (`out/p` → `out/p.svg`).
+fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
+    let mut s = OsString::from(prefix.as_os_str());
+    s.push(".");
+    s.push(ext);
+    PathBuf::from(s)
+}
+
+/// Draws the chart on `root`: the candidates that ran as numbered points, a legend line for
+/// every candidate (refused ones say so and have no point).
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    caption: &str,
+    results: &[CandidateResult],
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    root.fill(&WHITE)?;
+    let (chart_area, legend_area) = root.split_vertically(CHART_HEIGHT);
+    let ran: Vec<(usize, f64, f64)> = results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.error.is_none())
+        .map(|(i, r)| {
+            (
+                i,
+                r.peak_bytes as f64 / (1024.0 * 1024.0),
+                r.median_seconds * 1e3,
+            )
+        })
+        .collect();
+    let top = |v: f64| if v > 0.0 { v * 1.15 } else { 1.0 };
+    let x_max = top(ran.iter().map(|p| p.1).fold(0.0, f64::max));
+    let y_max = top(ran.iter().map(|p| p.2).fold(0.0, f64::max));
+
+    let mut chart = ChartBuilder::on(&chart_area)
+        .caption(caption, (FAMILY, 20))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("peak device memory (MiB)")
+        .y_desc("median time (ms)")
+        .axis_desc_style((FAMILY, 16))
+        .label_style((FAMILY, 13))
+        .draw()?;
+    for &(i, x, y) in &ran {
+        let color = Palette99::pick(i).to_rgba();
+        chart.draw_series(std::iter::once(
+            EmptyElement::at((x, y))
+                + Circle::new((0, 0), 5, color.filled())
+                + Text::new(format!("{}", i + 1), (7, -16), (FAMILY, 14)),
+        ))?;
+    }
+
+    let text = (FAMILY, 14).into_font();
+    for (i, r) in results.iter().enumerate() {
+        let y = 6 + (i as u32 * LEGEND_LINE) as i32;
+        let line = match &r.error {
+            None => format!("{}  {}", i + 1, r.label),
+            Some(_) => format!("{}  {} (refused, not plotted)", i + 1, r.label),
+        };
+        if r.error.is_none() {
+            legend_area.draw(&Circle::new(
+                (24, y + 4),
+                5,
+                Palette99::pick(i).to_rgba().filled(),
+            ))?;
+        }
+        legend_area.draw(&Text::new(line, (40, y), text.clone()))?;
+    }
+    root.present()
+}
+
+/// Writes `PREFIX.svg` and `PREFIX.png`; returns their paths.
+pub fn write_plot(
+    prefix: &Path,
+    caption: &str,
+    results: &[CandidateResult],
+) -> CliResult<(PathBuf, PathBuf)> {
+    if !font_ready() {
+        return Err(CliError::runtime(
+            "cannot load the embedded plot font",
+            "this is a bug in the ddo build; run without --plot",
+        ));
+    }
+    let size = (
+        WIDTH,
+        CHART_HEIGHT + 12 + LEGEND_LINE * results.len() as u32,
+    );
+    let svg = with_ext(prefix, "svg");
+    let png = with_ext(prefix, "png");
+    let failed = |p: &Path, e: &dyn std::fmt::Display| {
+        CliError::runtime(
+            format!("cannot draw {}: {e}", p.display()),
+            "check that the directory of --plot exists and is writable",
+        )
+    };
+    draw(
+        SVGBackend::new(&svg, size).into_drawing_area(),
+        caption,
+        results,
+    )
+    .map_err(|e| failed(&svg, &e))?;
+    draw(
+        BitMapBackend::new(&png, size).into_drawing_area(),
+        caption,
+        results,
+    )
+    .map_err(|e| failed(&png, &e))?;
+    Ok((svg, png))
+}
