@@ -699,45 +699,21 @@ impl Ops for HostDevice {
         params: Conv2dParams,
     ) -> Result<Tensor> {
         const OP: &str = "conv2d";
-        let (xs, ws) = (x.shape(), w.shape());
         let Conv2dParams {
             stride: (sh, sw),
             padding: (ph, pw),
         } = params;
-        if xs.len() != 4 || ws.len() != 4 || xs[1] != ws[1] {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "x {xs:?} and w {ws:?}: expected x [n, c, h, w] and w [o, c, kh, kw] \
-                     (groups = 1)"
-                ),
-            ));
-        }
-        if sh == 0 || sw == 0 {
-            return Err(shape_err(
-                OP,
-                format!("stride {:?} must be positive", params.stride),
-            ));
-        }
-        let (n, c, h, wd) = (xs[0], xs[1], xs[2], xs[3]);
-        let (o, kh, kw) = (ws[0], ws[2], ws[3]);
-        let padded = |len: usize, pad: usize| pad.checked_mul(2).and_then(|p| p.checked_add(len));
-        let (Some(hp), Some(wp)) = (padded(h, ph), padded(wd, pw)) else {
-            return Err(shape_err(
-                OP,
-                format!("padding {:?} overflows", params.padding),
-            ));
-        };
-        if kh == 0 || kw == 0 || kh > hp || kw > wp {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "kernel {kh}x{kw} does not fit input {h}x{wd} with padding {:?}",
-                    params.padding
-                ),
-            ));
-        }
-        let (oh, ow) = ((hp - kh) / sh + 1, (wp - kw) / sw + 1);
+        let crate::shape::Conv2dGeometry {
+            n,
+            c,
+            h,
+            w: wd,
+            o,
+            kh,
+            kw,
+            oh,
+            ow,
+        } = crate::shape::conv2d_geometry(OP, x.shape(), w.shape(), params)?;
         let xi = self.input(OP, x)?;
         let wi = self.input(OP, w)?;
         let bi = self.optional_vector(OP, "bias", bias, o)?;
@@ -1045,40 +1021,21 @@ impl Ops for HostDevice {
         scale: f32,
     ) -> Result<Tensor> {
         const OP: &str = "attention";
-        let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
-        let ok = qs.len() == 4
-            && ks.len() == 4
-            && vs.len() == 4
-            && qs[..2] == ks[..2]
-            && ks[..3] == vs[..3]
-            && qs[3] == ks[3];
-        if !ok {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "q {qs:?}, k {ks:?}, v {vs:?}: expected q [b, h, lq, d], k [b, h, lk, d], \
-                     v [b, h, lk, dv]"
-                ),
-            ));
-        }
-        let (b, h, lq, d) = (qs[0], qs[1], qs[2], qs[3]);
-        let (lk, dv) = (ks[2], vs[3]);
-        let target = [b, h, lq, lk];
-        let mask_strides = match mask {
-            None => None,
-            Some(m) => {
-                let ms = m.shape();
-                let fits =
-                    ms.len() <= 4 && broadcast_shape(OP, ms, &target).is_ok_and(|s| s == target);
-                if !fits {
-                    return Err(shape_err(
-                        OP,
-                        format!("mask {ms:?} does not broadcast to [b, h, lq, lk] = {target:?}"),
-                    ));
-                }
-                Some(broadcast_strides(ms, &target))
-            }
-        };
+        let crate::shape::AttentionGeometry {
+            b,
+            h,
+            lq,
+            lk,
+            d,
+            dv,
+            mask_strides,
+        } = crate::shape::attention_geometry(
+            OP,
+            q.shape(),
+            k.shape(),
+            v.shape(),
+            mask.map(Tensor::shape),
+        )?;
         let qi = self.input(OP, q)?;
         let ki = self.input(OP, k)?;
         let vi = self.input(OP, v)?;
@@ -1202,34 +1159,13 @@ impl Ops for HostDevice {
 
     fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
         const OP: &str = "concat";
-        let Some(first) = xs.first() else {
-            return Err(shape_err(OP, "no tensors to concatenate"));
-        };
-        let fs = first.shape();
         let shapes: Vec<&[usize]> = xs.iter().map(|t| t.shape()).collect();
-        let ok = dim < fs.len()
-            && shapes
-                .iter()
-                .all(|s| s.len() == fs.len() && (0..fs.len()).all(|i| i == dim || s[i] == fs[i]));
-        if !ok {
-            return Err(shape_err(
-                OP,
-                format!("shapes {shapes:?} cannot be concatenated along dim {dim}"),
-            ));
-        }
-        let Some(total) = shapes
-            .iter()
-            .try_fold(0usize, |acc, s| acc.checked_add(s[dim]))
-        else {
-            return Err(shape_err(
-                OP,
-                format!("shapes {shapes:?} overflow along dim {dim}"),
-            ));
-        };
+        let shape = crate::shape::concat_shape(OP, &shapes, dim)?;
+        let total = shape[dim];
+        let first = xs[0];
+        let fs = first.shape();
         let dtype = first.dtype();
         let es = dtype.size_in_bytes();
-        let mut shape = fs.to_vec();
-        shape[dim] = total;
         let inner = product(&fs[dim + 1..]);
         let inputs = xs
             .iter()

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use ddo_metrics::RouteMetrics;
 
+use crate::component::LeafId;
 use crate::device::{Device, DeviceBuffer, Stream};
 use crate::error::Result;
 use crate::host::{HostBuffer, HostSlice};
@@ -206,6 +207,120 @@ impl PinnedCopies {
     /// Pinned bytes held.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+}
+
+/// The state of a route that copies a leaf's weights to the device just before the leaf
+/// runs and frees them just after (`linear_convolution`, and `native_vmm`'s streamed
+/// leaves): the params on the device, the optional pinned copies they are copied from, and
+/// the leaves onloaded now — at most the one running, plus any left behind by a leaf whose
+/// computation failed (its `after_leaf` never ran).
+#[derive(Debug)]
+pub struct EagerLeafStreamer {
+    table: ResidencyTable,
+    pinned: Option<PinnedCopies>,
+    onloaded: Vec<(LeafId, Vec<Arc<Param>>)>,
+    detached: bool,
+}
+
+impl EagerLeafStreamer {
+    /// A streamer over `table` (which may already hold resident params) copying from
+    /// `pinned` copies where there are some, else from the params' own host bytes.
+    pub fn new(table: ResidencyTable, pinned: Option<PinnedCopies>) -> Self {
+        Self {
+            table,
+            pinned,
+            onloaded: Vec::new(),
+            detached: false,
+        }
+    }
+
+    /// The params on the device.
+    pub fn table(&self) -> &ResidencyTable {
+        &self.table
+    }
+
+    /// Pinned bytes held (0 without pinned copies, or after detach).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned.as_ref().map_or(0, PinnedCopies::bytes)
+    }
+
+    /// Whether [`EagerLeafStreamer::detach`] ran.
+    pub fn is_detached(&self) -> bool {
+        self.detached
+    }
+
+    /// Whether `leaf` is onloaded now.
+    pub fn is_onloaded(&self, leaf: LeafId) -> bool {
+        self.onloaded.iter().any(|(id, _)| *id == leaf)
+    }
+
+    /// Copies `params` of `leaf` on the compute stream (so the leaf's compute is ordered
+    /// after them) and installs them.
+    pub fn onload(
+        &mut self,
+        device: &dyn Device,
+        leaf: LeafId,
+        params: &[Arc<Param>],
+        metrics: &RouteMetrics,
+    ) -> Result<()> {
+        let stream = device.compute_stream();
+        let pinned = &self.pinned;
+        let source = |p: &Param| -> Result<HostSlice> {
+            Ok(pinned
+                .as_ref()
+                .and_then(|c| c.get(p))
+                .unwrap_or_else(|| p.host()))
+        };
+        self.table
+            .acquire(device, params, &source, &stream, metrics)?;
+        self.onloaded.push((leaf, params.to_vec()));
+        Ok(())
+    }
+
+    /// Frees every onloaded leaf once the compute stream has finished with it (in stream
+    /// order when the synchronisation fails, whose error is returned). Params the table
+    /// holds for other reasons (resident leaves) keep their references.
+    pub fn offload_all(&mut self, device: &dyn Device) -> Result<()> {
+        if self.onloaded.is_empty() {
+            return Ok(());
+        }
+        let stream = device.compute_stream();
+        let synced = device.synchronize_stream(&stream);
+        let mode = if synced.is_ok() {
+            FreeMode::Immediate
+        } else {
+            FreeMode::AfterComputeStream
+        };
+        for (_, params) in std::mem::take(&mut self.onloaded) {
+            self.table.release(device, &params, mode, &stream);
+        }
+        synced
+    }
+
+    /// Releases everything (device copies, pinned copies) and leaves each of `params`
+    /// host-only. Idempotent; the device's synchronisation error, if any, is returned after
+    /// everything was released (in stream order).
+    pub fn detach(&mut self, device: &dyn Device, params: &[Arc<Param>]) -> Result<()> {
+        if self.detached {
+            return Ok(());
+        }
+        let synced = device.synchronize();
+        let mode = if synced.is_ok() {
+            FreeMode::Immediate
+        } else {
+            FreeMode::AfterComputeStream
+        };
+        self.table
+            .release_all(device, mode, &device.compute_stream());
+        self.onloaded.clear();
+        self.pinned = None;
+        for p in params {
+            // Clearing a device copy cannot fail.
+            let _ = p.set_device(None);
+        }
+        self.detached = true;
+        synced
     }
 }
 

@@ -4,6 +4,7 @@
 //! shape rules and error messages agree across devices.
 
 use crate::error::{CoreError, Result};
+use crate::ops::Conv2dParams;
 
 /// NumPy broadcast of two shapes; a typed error naming `op` when they do not broadcast.
 pub fn broadcast_shape(op: &str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
@@ -98,6 +99,193 @@ pub fn coalesce<const K: usize>(
     (out_shape, out_strides)
 }
 
+fn shape_err(op: &str, message: String) -> CoreError {
+    CoreError::Shape {
+        what: op.to_string(),
+        message,
+    }
+}
+
+/// The output shape of concatenating tensors of `shapes` along `dim` (every other dim
+/// equal), or a typed error naming `op`.
+pub fn concat_shape(op: &str, shapes: &[&[usize]], dim: usize) -> Result<Vec<usize>> {
+    let Some(fs) = shapes.first() else {
+        return Err(shape_err(op, "no tensors to concatenate".into()));
+    };
+    let ok = dim < fs.len()
+        && shapes
+            .iter()
+            .all(|s| s.len() == fs.len() && (0..fs.len()).all(|i| i == dim || s[i] == fs[i]));
+    if !ok {
+        return Err(shape_err(
+            op,
+            format!("shapes {shapes:?} cannot be concatenated along dim {dim}"),
+        ));
+    }
+    let Some(total) = shapes
+        .iter()
+        .try_fold(0usize, |acc, s| acc.checked_add(s[dim]))
+    else {
+        return Err(shape_err(
+            op,
+            format!("shapes {shapes:?} overflow along dim {dim}"),
+        ));
+    };
+    let mut shape = fs.to_vec();
+    shape[dim] = total;
+    Ok(shape)
+}
+
+/// The sizes of a 2-D convolution (groups = 1), checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2dGeometry {
+    /// Batch.
+    pub n: usize,
+    /// Input channels.
+    pub c: usize,
+    /// Input height.
+    pub h: usize,
+    /// Input width.
+    pub w: usize,
+    /// Output channels.
+    pub o: usize,
+    /// Kernel height.
+    pub kh: usize,
+    /// Kernel width.
+    pub kw: usize,
+    /// Output height.
+    pub oh: usize,
+    /// Output width.
+    pub ow: usize,
+}
+
+/// Checks `x [n, c, h, w]` against `w [o, c, kh, kw]` and `params`; the convolution's sizes,
+/// or a typed error naming `op`.
+pub fn conv2d_geometry(
+    op: &str,
+    xs: &[usize],
+    ws: &[usize],
+    params: Conv2dParams,
+) -> Result<Conv2dGeometry> {
+    let Conv2dParams {
+        stride: (sh, sw),
+        padding: (ph, pw),
+    } = params;
+    if xs.len() != 4 || ws.len() != 4 || xs[1] != ws[1] {
+        return Err(shape_err(
+            op,
+            format!(
+                "x {xs:?} and w {ws:?}: expected x [n, c, h, w] and w [o, c, kh, kw] (groups = 1)"
+            ),
+        ));
+    }
+    if sh == 0 || sw == 0 {
+        return Err(shape_err(
+            op,
+            format!("stride {:?} must be positive", params.stride),
+        ));
+    }
+    let (n, c, h, w) = (xs[0], xs[1], xs[2], xs[3]);
+    let (o, kh, kw) = (ws[0], ws[2], ws[3]);
+    let padded = |len: usize, pad: usize| pad.checked_mul(2).and_then(|p| p.checked_add(len));
+    let (Some(hp), Some(wp)) = (padded(h, ph), padded(w, pw)) else {
+        return Err(shape_err(
+            op,
+            format!("padding {:?} overflows", params.padding),
+        ));
+    };
+    if kh == 0 || kw == 0 || kh > hp || kw > wp {
+        return Err(shape_err(
+            op,
+            format!(
+                "kernel {kh}x{kw} does not fit input {h}x{w} with padding {:?}",
+                params.padding
+            ),
+        ));
+    }
+    Ok(Conv2dGeometry {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh,
+        kw,
+        oh: (hp - kh) / sh + 1,
+        ow: (wp - kw) / sw + 1,
+    })
+}
+
+/// The sizes of an attention call, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionGeometry {
+    /// Batch.
+    pub b: usize,
+    /// Heads.
+    pub h: usize,
+    /// Query length.
+    pub lq: usize,
+    /// Key length.
+    pub lk: usize,
+    /// Query/key head size.
+    pub d: usize,
+    /// Value head size.
+    pub dv: usize,
+    /// Element strides of the mask read as broadcast to `[b, h, lq, lk]`, when there is one.
+    pub mask_strides: Option<Vec<usize>>,
+}
+
+/// Checks `q [b, h, lq, d]`, `k [b, h, lk, d]`, `v [b, h, lk, dv]` and a mask broadcastable
+/// to `[b, h, lq, lk]`; the sizes, or a typed error naming `op`.
+pub fn attention_geometry(
+    op: &str,
+    qs: &[usize],
+    ks: &[usize],
+    vs: &[usize],
+    mask: Option<&[usize]>,
+) -> Result<AttentionGeometry> {
+    let ok = qs.len() == 4
+        && ks.len() == 4
+        && vs.len() == 4
+        && qs[..2] == ks[..2]
+        && ks[..3] == vs[..3]
+        && qs[3] == ks[3];
+    if !ok {
+        return Err(shape_err(
+            op,
+            format!(
+                "q {qs:?}, k {ks:?}, v {vs:?}: expected q [b, h, lq, d], k [b, h, lk, d], \
+                 v [b, h, lk, dv]"
+            ),
+        ));
+    }
+    let (b, h, lq, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let (lk, dv) = (ks[2], vs[3]);
+    let target = [b, h, lq, lk];
+    let mask_strides = match mask {
+        None => None,
+        Some(ms) => {
+            let fits = ms.len() <= 4 && broadcast_shape(op, ms, &target).is_ok_and(|s| s == target);
+            if !fits {
+                return Err(shape_err(
+                    op,
+                    format!("mask {ms:?} does not broadcast to [b, h, lq, lk] = {target:?}"),
+                ));
+            }
+            Some(broadcast_strides(ms, &target))
+        }
+    };
+    Ok(AttentionGeometry {
+        b,
+        h,
+        lq,
+        lk,
+        d,
+        dv,
+        mask_strides,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +301,55 @@ mod tests {
         assert!(e.to_string().starts_with("mul:"), "{e}");
         assert_eq!(broadcast_strides(&[3, 1], &[2, 3, 4]), vec![0, 1, 0]);
         assert_eq!(contiguous_strides(&[2, 3, 4]), vec![12, 4, 1]);
+    }
+
+    #[test]
+    fn concat_conv_and_attention_sizes_are_checked() {
+        assert_eq!(
+            concat_shape("c", &[&[2, 3], &[2, 5]], 1).unwrap(),
+            vec![2, 8]
+        );
+        assert!(concat_shape("c", &[&[2, 3], &[3, 5]], 1).is_err());
+        assert!(concat_shape("c", &[], 0).is_err());
+        let g = conv2d_geometry(
+            "conv",
+            &[1, 4, 9, 9],
+            &[8, 4, 3, 3],
+            Conv2dParams::new(2, 1),
+        )
+        .unwrap();
+        assert_eq!((g.o, g.oh, g.ow), (8, 5, 5));
+        assert!(
+            conv2d_geometry(
+                "conv",
+                &[1, 4, 2, 2],
+                &[8, 4, 5, 5],
+                Conv2dParams::new(1, 0)
+            )
+            .is_err()
+        );
+        assert!(
+            conv2d_geometry(
+                "conv",
+                &[1, 4, 9, 9],
+                &[8, 4, 3, 3],
+                Conv2dParams::new(0, 0)
+            )
+            .is_err()
+        );
+        let a = attention_geometry(
+            "attn",
+            &[1, 2, 3, 4],
+            &[1, 2, 5, 4],
+            &[1, 2, 5, 6],
+            Some(&[3, 5]),
+        )
+        .unwrap();
+        assert_eq!((a.lq, a.lk, a.dv), (3, 5, 6));
+        assert_eq!(a.mask_strides, Some(vec![0, 0, 5, 1]));
+        assert!(
+            attention_geometry("attn", &[1, 2, 3, 4], &[1, 2, 5, 7], &[1, 2, 5, 6], None).is_err()
+        );
     }
 
     #[test]

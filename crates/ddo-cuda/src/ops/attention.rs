@@ -35,8 +35,7 @@ use ddo_core::{DType, Device, Result, Tensor};
 
 use super::gemm::{Gemm, gemm, launch_cfg};
 use super::kernels::{self, Arg, Dims6};
-use super::{Out, input, shape_err};
-use super::{broadcast_shape, broadcast_strides};
+use super::{Out, input};
 use crate::device::CudaDevice;
 
 /// Name of this file's kernel source.
@@ -111,39 +110,24 @@ pub(crate) fn attention(
     scale: f32,
 ) -> Result<Tensor> {
     const OP: &str = "attention";
-    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
-    let ok = qs.len() == 4
-        && ks.len() == 4
-        && vs.len() == 4
-        && qs[..2] == ks[..2]
-        && ks[..3] == vs[..3]
-        && qs[3] == ks[3];
-    if !ok {
-        return Err(shape_err(
-            OP,
-            format!(
-                "q {qs:?}, k {ks:?}, v {vs:?}: expected q [b, h, lq, d], k [b, h, lk, d], \
-                 v [b, h, lk, dv]"
-            ),
-        ));
-    }
-    let (b, h, lq, d) = (qs[0], qs[1], qs[2], qs[3]);
-    let (lk, dv) = (ks[2], vs[3]);
-    let target = [b, h, lq, lk];
-    let mstr = match mask {
-        None => Dims6::default(),
-        Some(m) => {
-            let ms = m.shape();
-            let fits = ms.len() <= 4 && broadcast_shape(OP, ms, &target).is_ok_and(|s| s == target);
-            if !fits {
-                return Err(shape_err(
-                    OP,
-                    format!("mask {ms:?} does not broadcast to [b, h, lq, lk] = {target:?}"),
-                ));
-            }
-            Dims6::from_slice(&broadcast_strides(ms, &target))
-        }
-    };
+    let ddo_core::shape::AttentionGeometry {
+        b,
+        h,
+        lq,
+        lk,
+        d,
+        dv,
+        mask_strides,
+    } = ddo_core::shape::attention_geometry(
+        OP,
+        q.shape(),
+        k.shape(),
+        v.shape(),
+        mask.map(Tensor::shape),
+    )?;
+    let mstr = mask_strides
+        .map(|s| Dims6::from_slice(&s))
+        .unwrap_or_default();
     let qi = input(dev, OP, q)?;
     let ki = input(dev, OP, k)?;
     let vi = input(dev, OP, v)?;

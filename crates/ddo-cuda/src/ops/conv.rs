@@ -30,7 +30,7 @@ use ddo_core::{Conv2dParams, DType, Device, Ops, Result, Tensor};
 
 use super::gemm::{Gemm, SOURCE, SOURCE_NAME, fill_bias, gemm, launch_cfg, zero};
 use super::kernels::{self, Arg, Dims6};
-use super::{Out, input, optional_vector, shape_err};
+use super::{Out, input, optional_vector};
 use crate::device::CudaDevice;
 use cudarc::driver::LaunchConfig;
 
@@ -49,44 +49,21 @@ pub(crate) fn conv2d(
     params: Conv2dParams,
 ) -> Result<Tensor> {
     const OP: &str = "conv2d";
-    let (xs, ws) = (x.shape(), w.shape());
     let Conv2dParams {
         stride: (sh, sw),
         padding: (ph, pw),
     } = params;
-    if xs.len() != 4 || ws.len() != 4 || xs[1] != ws[1] {
-        return Err(shape_err(
-            OP,
-            format!(
-                "x {xs:?} and w {ws:?}: expected x [n, c, h, w] and w [o, c, kh, kw] (groups = 1)"
-            ),
-        ));
-    }
-    if sh == 0 || sw == 0 {
-        return Err(shape_err(
-            OP,
-            format!("stride {:?} must be positive", params.stride),
-        ));
-    }
-    let (n, c, h, wd) = (xs[0], xs[1], xs[2], xs[3]);
-    let (o, kh, kw) = (ws[0], ws[2], ws[3]);
-    let padded = |len: usize, pad: usize| pad.checked_mul(2).and_then(|p| p.checked_add(len));
-    let (Some(hp), Some(wp)) = (padded(h, ph), padded(wd, pw)) else {
-        return Err(shape_err(
-            OP,
-            format!("padding {:?} overflows", params.padding),
-        ));
-    };
-    if kh == 0 || kw == 0 || kh > hp || kw > wp {
-        return Err(shape_err(
-            OP,
-            format!(
-                "kernel {kh}x{kw} does not fit input {h}x{wd} with padding {:?}",
-                params.padding
-            ),
-        ));
-    }
-    let (oh, ow) = ((hp - kh) / sh + 1, (wp - kw) / sw + 1);
+    let ddo_core::shape::Conv2dGeometry {
+        n,
+        c,
+        h,
+        w: wd,
+        o,
+        kh,
+        kw,
+        oh,
+        ow,
+    } = ddo_core::shape::conv2d_geometry(OP, x.shape(), w.shape(), params)?;
     let xi = input(dev, OP, x)?;
     let wi = input(dev, OP, w)?;
     let bi = optional_vector(dev, OP, "bias", bias, o)?;

@@ -116,33 +116,12 @@ fn copy_nd(
 /// [`ddo_core::Ops::concat`]: inputs of another dtype are converted into the first's.
 pub(crate) fn concat(dev: &CudaDevice, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
     const OP: &str = "concat";
-    let Some(first) = xs.first() else {
-        return Err(shape_err(OP, "no tensors to concatenate"));
-    };
-    let fs = first.shape();
     let shapes: Vec<&[usize]> = xs.iter().map(|t| t.shape()).collect();
-    let ok = dim < fs.len()
-        && shapes
-            .iter()
-            .all(|s| s.len() == fs.len() && (0..fs.len()).all(|i| i == dim || s[i] == fs[i]));
-    if !ok {
-        return Err(shape_err(
-            OP,
-            format!("shapes {shapes:?} cannot be concatenated along dim {dim}"),
-        ));
-    }
-    let Some(total) = shapes
-        .iter()
-        .try_fold(0usize, |acc, s| acc.checked_add(s[dim]))
-    else {
-        return Err(shape_err(
-            OP,
-            format!("shapes {shapes:?} overflow along dim {dim}"),
-        ));
-    };
+    let shape = ddo_core::shape::concat_shape(OP, &shapes, dim)?;
+    let total = shape[dim];
+    let first = xs[0];
+    let fs = first.shape();
     let dtype = first.dtype();
-    let mut shape = fs.to_vec();
-    shape[dim] = total;
     let (outer, inner) = (product(&fs[..dim]), product(&fs[dim + 1..]));
     let inputs = xs
         .iter()

@@ -21,10 +21,10 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use ddo_core::residency::{FreeMode, PinnedCopies, ResidencyTable};
+use ddo_core::residency::{EagerLeafStreamer, PinnedCopies, ResidencyTable};
 use ddo_core::{
-    AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, HostSlice, Leaf, LeafId,
-    Param, Refusal, Result, Route, RouteId, RouteSpec,
+    AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, Leaf, Param, Refusal,
+    Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -113,12 +113,7 @@ impl LinearConvolutionRoute {
             config,
             leaves,
             params,
-            state: Mutex::new(State {
-                table: ResidencyTable::new(),
-                pinned,
-                onloaded: Vec::new(),
-                detached: false,
-            }),
+            state: Mutex::new(EagerLeafStreamer::new(ResidencyTable::new(), pinned)),
         }))
     }
 }
@@ -196,15 +191,6 @@ impl Route for LinearConvolutionRoute {
     }
 }
 
-struct State {
-    table: ResidencyTable,
-    pinned: Option<PinnedCopies>,
-    /// Leaves whose params are on the device now: at most the one running, plus any left
-    /// behind by a leaf whose computation failed (its `after_leaf` never ran).
-    onloaded: Vec<LeafId>,
-    detached: bool,
-}
-
 /// `linear_convolution` attached to one component: the hooks that onload each leaf before
 /// it runs and free it after.
 pub struct LinearConvolutionAttachment {
@@ -216,7 +202,7 @@ pub struct LinearConvolutionAttachment {
     leaves: Vec<Vec<Arc<Param>>>,
     /// Every param of the component once.
     params: Vec<Arc<Param>>,
-    state: Mutex<State>,
+    state: Mutex<EagerLeafStreamer>,
 }
 
 impl fmt::Debug for LinearConvolutionAttachment {
@@ -226,8 +212,8 @@ impl fmt::Debug for LinearConvolutionAttachment {
             .field("component", &self.component)
             .field("device", &self.device.id())
             .field("pinned", &self.config.pinned)
-            .field("on_device", &st.table)
-            .field("detached", &st.detached)
+            .field("on_device", st.table())
+            .field("detached", &st.is_detached())
             .finish()
     }
 }
@@ -240,16 +226,12 @@ impl LinearConvolutionAttachment {
 
     /// Pinned host bytes held (0 without pinned weights, or after detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state
-            .lock()
-            .pinned
-            .as_ref()
-            .map_or(0, PinnedCopies::bytes)
+        self.state.lock().pinned_bytes()
     }
 
     /// Device bytes of weights held now (0 between leaves).
     pub fn device_weight_bytes(&self) -> u64 {
-        self.state.lock().table.resident_bytes()
+        self.state.lock().table().resident_bytes()
     }
 
     fn params_of(&self, leaf: &Leaf) -> Result<&[Arc<Param>]> {
@@ -260,28 +242,6 @@ impl LinearConvolutionAttachment {
                 what: format!("linear_convolution on `{}`", self.component),
                 message: format!("leaf `{}` is not a leaf of this component", leaf.path()),
             })
-    }
-
-    /// Frees every onloaded leaf after the compute stream has finished with it. On a
-    /// failed synchronisation the copies are freed in stream order instead, and the error
-    /// is returned.
-    fn offload_all(&self, st: &mut State) -> Result<()> {
-        if st.onloaded.is_empty() {
-            return Ok(());
-        }
-        let stream = self.device.compute_stream();
-        let synced = self.device.synchronize_stream(&stream);
-        let mode = if synced.is_ok() {
-            FreeMode::Immediate
-        } else {
-            FreeMode::AfterComputeStream
-        };
-        for id in std::mem::take(&mut st.onloaded) {
-            if let Some(params) = self.leaves.get(id.0) {
-                st.table.release(&*self.device, params, mode, &stream);
-            }
-        }
-        synced
     }
 }
 
@@ -308,78 +268,49 @@ impl AttachedRoute for LinearConvolutionAttachment {
 
     fn before_forward(&self) -> Result<()> {
         let mut st = self.state.lock();
-        if st.detached {
+        if st.is_detached() {
             return Err(CoreError::Detached {
                 component: self.component.clone(),
             });
         }
         // Leaves left behind by a forward that failed halfway.
-        self.offload_all(&mut st)
+        st.offload_all(&*self.device)
     }
 
     fn before_leaf(&self, leaf: &Leaf) -> Result<()> {
         let params = self.params_of(leaf)?;
         let mut st = self.state.lock();
-        if st.detached {
+        if st.is_detached() {
             return Err(CoreError::Detached {
                 component: self.component.clone(),
             });
         }
         // Leaves run one at a time, so anything still here was left by a failed leaf.
-        self.offload_all(&mut st)?;
+        st.offload_all(&*self.device)?;
         if params.is_empty() {
             return Ok(());
         }
-        let stream = self.device.compute_stream();
-        let State { table, pinned, .. } = &mut *st;
-        let source = |p: &Param| -> Result<HostSlice> {
-            Ok(pinned
-                .as_ref()
-                .and_then(|c| c.get(p))
-                .unwrap_or_else(|| p.host()))
-        };
-        // Copies queue on the compute stream, so the leaf's compute is ordered after them.
-        table.acquire(&*self.device, params, &source, &stream, &self.metrics)?;
-        st.onloaded.push(leaf.id());
-        Ok(())
+        st.onload(&*self.device, leaf.id(), params, &self.metrics)
     }
 
     fn after_leaf(&self, leaf: &Leaf) -> Result<()> {
         let mut st = self.state.lock();
-        if !st.onloaded.contains(&leaf.id()) {
+        if !st.is_onloaded(leaf.id()) {
             return Ok(());
         }
         // Zero residency: the leaf's weights leave the device before the next leaf starts.
-        self.offload_all(&mut st)
+        st.offload_all(&*self.device)
     }
 
     fn end_phase(&self) -> Result<()> {
         let mut st = self.state.lock();
-        let released = self.offload_all(&mut st);
+        let released = st.offload_all(&*self.device);
         let synced = self.device.synchronize();
         released.and(synced)
     }
 
     fn detach(&self) -> Result<()> {
-        let mut st = self.state.lock();
-        if st.detached {
-            return Ok(());
-        }
-        let synced = self.device.synchronize();
-        let mode = if synced.is_ok() {
-            FreeMode::Immediate
-        } else {
-            FreeMode::AfterComputeStream
-        };
-        st.table
-            .release_all(&*self.device, mode, &self.device.compute_stream());
-        st.onloaded.clear();
-        st.pinned = None;
-        for p in &self.params {
-            // Clearing a device copy cannot fail.
-            let _ = p.set_device(None);
-        }
-        st.detached = true;
+        let synced = self.state.lock().detach(&*self.device, &self.params);
         self.metrics.set_pinned_host_bytes(0);
         self.metrics.set_resident_weight_bytes(0);
         synced

@@ -23,10 +23,10 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use ddo_core::residency::{FreeMode, PinnedCopies, ResidencyTable};
+use ddo_core::residency::{EagerLeafStreamer, FreeMode, PinnedCopies, ResidencyTable};
 use ddo_core::{
     AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, HostSlice, Leaf,
-    LeafId, Param, Refusal, Result, Route, RouteId, RouteSpec,
+    Param, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -200,12 +200,7 @@ impl NativeVmmRoute {
             plan,
             leaves,
             params: component.params(),
-            state: Mutex::new(State {
-                table,
-                pinned,
-                onloaded: Vec::new(),
-                detached: false,
-            }),
+            state: Mutex::new(EagerLeafStreamer::new(table, pinned)),
         }))
     }
 }
@@ -279,15 +274,6 @@ impl Route for NativeVmmRoute {
     }
 }
 
-struct State {
-    table: ResidencyTable,
-    pinned: Option<PinnedCopies>,
-    /// Streamed leaves on the device now: at most the one running, plus any left behind
-    /// by a leaf whose computation failed (its `after_leaf` never ran).
-    onloaded: Vec<LeafId>,
-    detached: bool,
-}
-
 /// `native_vmm` attached to one component: resident leaves stay on the device, streamed
 /// leaves are onloaded before they run and freed after.
 pub struct NativeVmmAttachment {
@@ -300,7 +286,7 @@ pub struct NativeVmmAttachment {
     leaves: Vec<LeafPlan>,
     /// Every param of the component once.
     params: Vec<Arc<Param>>,
-    state: Mutex<State>,
+    state: Mutex<EagerLeafStreamer>,
 }
 
 impl fmt::Debug for NativeVmmAttachment {
@@ -312,8 +298,8 @@ impl fmt::Debug for NativeVmmAttachment {
             .field("config", &self.config)
             .field("resident_leaves", &self.plan.resident.len())
             .field("streamed_leaves", &self.plan.streamed.len())
-            .field("on_device", &st.table)
-            .field("detached", &st.detached)
+            .field("on_device", st.table())
+            .field("detached", &st.is_detached())
             .finish()
     }
 }
@@ -331,16 +317,12 @@ impl NativeVmmAttachment {
 
     /// Device bytes of weights held now (the resident set between leaves).
     pub fn device_weight_bytes(&self) -> u64 {
-        self.state.lock().table.resident_bytes()
+        self.state.lock().table().resident_bytes()
     }
 
     /// Pinned host bytes held (0 without pinned weights, or after detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state
-            .lock()
-            .pinned
-            .as_ref()
-            .map_or(0, PinnedCopies::bytes)
+        self.state.lock().pinned_bytes()
     }
 
     fn leaf_plan(&self, leaf: &Leaf) -> Result<&LeafPlan> {
@@ -356,28 +338,6 @@ impl NativeVmmAttachment {
         CoreError::Detached {
             component: self.component.clone(),
         }
-    }
-
-    /// Frees every onloaded streamed leaf after the compute stream has finished with it
-    /// (in stream order when the synchronisation fails, whose error is returned).
-    /// Resident leaves keep their references.
-    fn offload_streamed(&self, st: &mut State) -> Result<()> {
-        if st.onloaded.is_empty() {
-            return Ok(());
-        }
-        let stream = self.device.compute_stream();
-        let synced = self.device.synchronize_stream(&stream);
-        let mode = if synced.is_ok() {
-            FreeMode::Immediate
-        } else {
-            FreeMode::AfterComputeStream
-        };
-        for id in std::mem::take(&mut st.onloaded) {
-            if let Some(l) = self.leaves.get(id.0) {
-                st.table.release(&*self.device, &l.params, mode, &stream);
-            }
-        }
-        synced
     }
 }
 
@@ -410,73 +370,44 @@ impl AttachedRoute for NativeVmmAttachment {
 
     fn before_forward(&self) -> Result<()> {
         let mut st = self.state.lock();
-        if st.detached {
+        if st.is_detached() {
             return Err(self.detached_error());
         }
         // Streamed leaves left behind by a forward that failed halfway.
-        self.offload_streamed(&mut st)
+        st.offload_all(&*self.device)
     }
 
     fn before_leaf(&self, leaf: &Leaf) -> Result<()> {
         let lp = self.leaf_plan(leaf)?;
         let mut st = self.state.lock();
-        if st.detached {
+        if st.is_detached() {
             return Err(self.detached_error());
         }
         // Leaves run one at a time: a streamed leaf still here was left by a failed one.
-        self.offload_streamed(&mut st)?;
+        st.offload_all(&*self.device)?;
         if lp.resident || lp.params.is_empty() {
             return Ok(());
         }
-        let stream = self.device.compute_stream();
-        let State { table, pinned, .. } = &mut *st;
-        let source = |p: &Param| -> Result<HostSlice> {
-            Ok(pinned
-                .as_ref()
-                .and_then(|c| c.get(p))
-                .unwrap_or_else(|| p.host()))
-        };
-        // Copies queue on the compute stream, so the leaf's compute is ordered after them.
-        table.acquire(&*self.device, &lp.params, &source, &stream, &self.metrics)?;
-        st.onloaded.push(leaf.id());
-        Ok(())
+        st.onload(&*self.device, leaf.id(), &lp.params, &self.metrics)
     }
 
     fn after_leaf(&self, leaf: &Leaf) -> Result<()> {
         let mut st = self.state.lock();
-        if !st.onloaded.contains(&leaf.id()) {
+        if !st.is_onloaded(leaf.id()) {
             return Ok(());
         }
-        self.offload_streamed(&mut st)
+        st.offload_all(&*self.device)
     }
 
     fn end_phase(&self) -> Result<()> {
         let mut st = self.state.lock();
-        let released = self.offload_streamed(&mut st);
+        let released = st.offload_all(&*self.device);
         let synced = self.device.synchronize();
         released.and(synced)
     }
 
     fn detach(&self) -> Result<()> {
-        let mut st = self.state.lock();
-        if st.detached {
-            return Ok(());
-        }
-        let synced = self.device.synchronize();
-        let mode = if synced.is_ok() {
-            FreeMode::Immediate
-        } else {
-            FreeMode::AfterComputeStream
-        };
-        st.table
-            .release_all(&*self.device, mode, &self.device.compute_stream());
-        st.onloaded.clear();
-        st.pinned = None;
-        for p in &self.params {
-            // Clearing a device copy cannot fail.
-            let _ = p.set_device(None);
-        }
-        st.detached = true;
+        let synced = self.state.lock().detach(&*self.device, &self.params);
         self.metrics.set_pinned_host_bytes(0);
         self.metrics.set_resident_weight_bytes(0);
         synced
