@@ -26,6 +26,7 @@ pub mod detach;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod fault;
 pub mod host;
 pub mod host_backend;
 pub mod host_ops;
@@ -49,6 +50,7 @@ pub use device::{
 };
 pub use dtype::DType;
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
+pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use host_backend::{HostDevice, HostDeviceConfig};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};

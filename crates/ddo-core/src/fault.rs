@@ -1,0 +1,554 @@
+//! Systematic fault injection: [`FaultInjectingDevice`], a [`Device`] (and [`Ops`]) wrapper
+//! that counts every allocation, copy and event wait going through it and makes the N-th one
+//! of a kind fail — with a typed error, or with a panic.
+//!
+//! Tests sweep N over every fault point of a whole forward (first a clean run counts them,
+//! see [`FaultCounts`]) and check DDO's managed error boundary after each failure.
+//!
+//! What is counted, per [`FaultKind`]:
+//! - [`FaultKind::Alloc`]: [`Device::alloc`], [`Device::alloc_pinned`], and **op-internal
+//!   allocations**: every [`Ops`] call that returns a tensor allocates exactly one device
+//!   output on the host backend (its only device allocation), so each such op call counts as
+//!   one allocation. The inner op runs first (ops have no side effect but their output) and
+//!   its output is then dropped, so the error names the exact bytes the op asked for.
+//!   [`Ops::to_f32_vec`] allocates nothing on the device and is not counted. A backend whose
+//!   ops make workspace allocations of their own (cuBLAS) has those counted only as part of
+//!   the op.
+//! - [`FaultKind::Copy`]: [`Device::copy_h2d`], [`Device::copy_d2h`], [`Device::copy_d2d`].
+//!   Copies ops make internally are not counted.
+//! - [`FaultKind::EventWait`]: [`Device::wait_event`] and [`Device::synchronize_event`].
+//!
+//! An injected allocation failure is [`CoreError::OutOfMemory`] (what a real device says, so
+//! routes' out-of-memory handling runs); an injected copy or wait failure is
+//! [`CoreError::Injected`]. A failed call does nothing: the inner device is not called (or,
+//! for an op, its output is released before the error returns).
+//!
+//! Every handle the wrapper hands out is the inner device's own, so the wrapper and the
+//! inner device can be mixed freely; the wrapper reports the inner device's id.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::device::{
+    AllocatorKind, Device, DeviceBuffer, DeviceId, DeviceSlice, Event, MemoryInfo, Stream,
+};
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::host::{HostBuffer, HostSlice};
+use crate::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
+use crate::tensor::Tensor;
+
+/// A kind of fault point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaultKind {
+    /// Device allocations, pinned host allocations and op outputs.
+    Alloc,
+    /// Host↔device and device↔device copies.
+    Copy,
+    /// `wait_event` and `synchronize_event`.
+    EventWait,
+}
+
+impl FaultKind {
+    /// Every kind, once.
+    pub const ALL: [FaultKind; 3] = [FaultKind::Alloc, FaultKind::Copy, FaultKind::EventWait];
+
+    /// Short name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FaultKind::Alloc => "alloc",
+            FaultKind::Copy => "copy",
+            FaultKind::EventWait => "event_wait",
+        }
+    }
+
+    const fn index(self) -> usize {
+        match self {
+            FaultKind::Alloc => 0,
+            FaultKind::Copy => 1,
+            FaultKind::EventWait => 2,
+        }
+    }
+}
+
+impl fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What an armed fault does when its point is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaultAction {
+    /// Returns a typed error (see the module docs for which).
+    Error,
+    /// Panics with a message starting `injected panic`.
+    Panic,
+}
+
+/// How many fault points of each kind have been passed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// Allocations (device, pinned, op outputs).
+    pub allocs: u64,
+    /// Copies.
+    pub copies: u64,
+    /// Event waits.
+    pub event_waits: u64,
+}
+
+impl FaultCounts {
+    /// The count of `kind`.
+    pub fn get(&self, kind: FaultKind) -> u64 {
+        match kind {
+            FaultKind::Alloc => self.allocs,
+            FaultKind::Copy => self.copies,
+            FaultKind::EventWait => self.event_waits,
+        }
+    }
+
+    /// All kinds together.
+    pub fn total(&self) -> u64 {
+        self.allocs + self.copies + self.event_waits
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Armed {
+    kind: FaultKind,
+    at: u64,
+    action: FaultAction,
+}
+
+/// A [`Device`] that forwards to an inner device, counting fault points and failing the
+/// one it is armed for. See the module docs for what counts.
+pub struct FaultInjectingDevice {
+    inner: Arc<dyn Device>,
+    counts: [AtomicU64; 3],
+    armed: Mutex<Option<Armed>>,
+    fired: AtomicU64,
+}
+
+impl fmt::Debug for FaultInjectingDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "FaultInjectingDevice({:?}, {:?}, armed {:?})",
+            self.inner,
+            self.counts(),
+            *self.armed.lock()
+        )
+    }
+}
+
+impl FaultInjectingDevice {
+    /// Wraps `inner`, unarmed: it only counts.
+    pub fn new(inner: Arc<dyn Device>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            counts: Default::default(),
+            armed: Mutex::new(None),
+            fired: AtomicU64::new(0),
+        })
+    }
+
+    /// Wraps `inner` and arms it: the `at`-th point of `kind` (1-based, counted from now)
+    /// fails with `action`.
+    pub fn failing(
+        inner: Arc<dyn Device>,
+        kind: FaultKind,
+        at: u64,
+        action: FaultAction,
+    ) -> Arc<Self> {
+        let d = Self::new(inner);
+        d.arm(kind, at, action);
+        d
+    }
+
+    /// The wrapped device.
+    pub fn inner(&self) -> &Arc<dyn Device> {
+        &self.inner
+    }
+
+    /// Arms the `at`-th point of `kind` counted from now (1-based; 0 never fires). One
+    /// fault at a time: arming again replaces the previous one. A fault fires once.
+    pub fn arm(&self, kind: FaultKind, at: u64, action: FaultAction) {
+        let at = if at == 0 {
+            0
+        } else {
+            self.counts[kind.index()].load(Ordering::Acquire) + at
+        };
+        *self.armed.lock() = Some(Armed { kind, at, action });
+    }
+
+    /// Disarms without firing.
+    pub fn disarm(&self) {
+        *self.armed.lock() = None;
+    }
+
+    /// Fault points passed so far, by kind.
+    pub fn counts(&self) -> FaultCounts {
+        FaultCounts {
+            allocs: self.counts[0].load(Ordering::Acquire),
+            copies: self.counts[1].load(Ordering::Acquire),
+            event_waits: self.counts[2].load(Ordering::Acquire),
+        }
+    }
+
+    /// How many faults have fired.
+    pub fn fired(&self) -> u64 {
+        self.fired.load(Ordering::Acquire)
+    }
+
+    /// Passes one point of `kind`; `Err` (or a panic) when it is the armed one.
+    fn point(&self, kind: FaultKind, what: impl FnOnce() -> String) -> Result<()> {
+        let n = self.counts[kind.index()].fetch_add(1, Ordering::AcqRel) + 1;
+        let hit = {
+            let mut armed = self.armed.lock();
+            match *armed {
+                Some(a) if a.kind == kind && a.at == n => armed.take(),
+                _ => None,
+            }
+        };
+        let Some(a) = hit else { return Ok(()) };
+        self.fired.fetch_add(1, Ordering::AcqRel);
+        let message = format!("{kind} #{n} on {}: {}", self.inner.id(), what());
+        match a.action {
+            FaultAction::Panic => panic!("injected panic at {message}"),
+            FaultAction::Error => Err(CoreError::Injected(message)),
+        }
+    }
+
+    /// An allocation point of `bytes`: out of memory when armed.
+    fn alloc_point(&self, bytes: u64, what: &str) -> Result<()> {
+        self.point(FaultKind::Alloc, || format!("{what} of {bytes} B"))
+            .map_err(|e| match e {
+                CoreError::Injected(_) => {
+                    let info = self.inner.memory_info();
+                    CoreError::OutOfMemory {
+                        device: format!("{} (injected)", self.inner.id()),
+                        requested: bytes,
+                        allocated: info.allocated,
+                        capacity: info.capacity,
+                    }
+                }
+                other => other,
+            })
+    }
+
+    fn inner_ops(&self) -> Result<&dyn Ops> {
+        crate::device::ops_of(&*self.inner)
+    }
+
+    /// Runs an op that allocates one output, then passes its allocation point.
+    fn op(&self, name: &str, f: impl FnOnce(&dyn Ops) -> Result<Tensor>) -> Result<Tensor> {
+        let out = f(self.inner_ops()?)?;
+        self.alloc_point(out.nbytes() as u64, name)?;
+        Ok(out)
+    }
+}
+
+impl Device for FaultInjectingDevice {
+    fn id(&self) -> DeviceId {
+        self.inner.id()
+    }
+
+    fn allocator(&self) -> AllocatorKind {
+        self.inner.allocator()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        self.alloc_point(bytes as u64, "alloc")?;
+        self.inner.alloc(bytes)
+    }
+
+    fn release_after(&self, buffer: DeviceBuffer, stream: &Stream) -> Result<()> {
+        self.inner.release_after(buffer, stream)
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer> {
+        self.alloc_point(bytes as u64, "alloc_pinned")?;
+        self.inner.alloc_pinned(bytes)
+    }
+
+    fn compute_stream(&self) -> Stream {
+        self.inner.compute_stream()
+    }
+
+    fn create_stream(&self) -> Result<Stream> {
+        self.inner.create_stream()
+    }
+
+    fn supports_streams(&self) -> bool {
+        self.inner.supports_streams()
+    }
+
+    fn copy_h2d(&self, src: &HostSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()> {
+        self.point(FaultKind::Copy, || format!("copy_h2d of {} B", src.len()))?;
+        self.inner.copy_h2d(src, dst, stream)
+    }
+
+    fn copy_d2h(&self, src: &DeviceSlice, dst: &HostSlice, stream: &Stream) -> Result<()> {
+        self.point(FaultKind::Copy, || format!("copy_d2h of {} B", src.len()))?;
+        self.inner.copy_d2h(src, dst, stream)
+    }
+
+    fn copy_d2d(&self, src: &DeviceSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()> {
+        self.point(FaultKind::Copy, || format!("copy_d2d of {} B", src.len()))?;
+        self.inner.copy_d2d(src, dst, stream)
+    }
+
+    fn record_event(&self, stream: &Stream) -> Result<Event> {
+        self.inner.record_event(stream)
+    }
+
+    fn wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
+        self.point(FaultKind::EventWait, || "wait_event".into())?;
+        self.inner.wait_event(stream, event)
+    }
+
+    fn event_complete(&self, event: &Event) -> Result<bool> {
+        self.inner.event_complete(event)
+    }
+
+    fn synchronize_event(&self, event: &Event) -> Result<()> {
+        self.point(FaultKind::EventWait, || "synchronize_event".into())?;
+        self.inner.synchronize_event(event)
+    }
+
+    fn synchronize_stream(&self, stream: &Stream) -> Result<()> {
+        self.inner.synchronize_stream(stream)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        self.inner.memory_info()
+    }
+
+    fn reset_peak(&self) {
+        self.inner.reset_peak()
+    }
+
+    fn empty_cache(&self) -> Result<u64> {
+        self.inner.empty_cache()
+    }
+
+    fn ops(&self) -> Option<&dyn Ops> {
+        self.inner.ops().map(|_| self as &dyn Ops)
+    }
+}
+
+impl Ops for FaultInjectingDevice {
+    fn tensor_from_f32(&self, shape: &[usize], dtype: DType, values: &[f32]) -> Result<Tensor> {
+        self.op("tensor_from_f32", |o| {
+            o.tensor_from_f32(shape, dtype, values)
+        })
+    }
+
+    fn to_f32_vec(&self, x: &Tensor) -> Result<Vec<f32>> {
+        self.inner_ops()?.to_f32_vec(x)
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.op("linear", |o| o.linear(x, w, bias))
+    }
+
+    fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.op("matmul", |o| o.matmul(a, b))
+    }
+
+    fn conv2d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        params: Conv2dParams,
+    ) -> Result<Tensor> {
+        self.op("conv2d", |o| o.conv2d(x, w, bias, params))
+    }
+
+    fn group_norm(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.op("group_norm", |o| o.group_norm(x, groups, weight, bias, eps))
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.op("layer_norm", |o| o.layer_norm(x, weight, bias, eps))
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<Tensor> {
+        self.op("rms_norm", |o| o.rms_norm(x, weight, eps))
+    }
+
+    fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
+        self.op("unary", |o| o.unary(x, op))
+    }
+
+    fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        self.op("binary", |o| o.binary(a, b, op))
+    }
+
+    fn affine(&self, x: &Tensor, mul: f32, add: f32) -> Result<Tensor> {
+        self.op("affine", |o| o.affine(x, mul, add))
+    }
+
+    fn softmax(&self, x: &Tensor) -> Result<Tensor> {
+        self.op("softmax", |o| o.softmax(x))
+    }
+
+    fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        self.op("reduce", |o| o.reduce(x, dim, op))
+    }
+
+    fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {
+        self.op("upsample_nearest2x", |o| o.upsample_nearest2x(x))
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.op("attention", |o| o.attention(q, k, v, mask, scale))
+    }
+
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        self.op("rope", |o| o.rope(x, cos, sin))
+    }
+
+    fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
+        self.op("concat", |o| o.concat(xs, dim))
+    }
+
+    fn narrow(&self, x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        self.op("narrow", |o| o.narrow(x, dim, start, len))
+    }
+
+    fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+        self.op("permute", |o| o.permute(x, dims))
+    }
+
+    fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.op("cast", |o| o.cast(x, dtype))
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        self.op("embedding", |o| o.embedding(table, ids))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host_backend::HostDevice;
+
+    fn wrapped() -> (Arc<HostDevice>, Arc<FaultInjectingDevice>) {
+        let d = HostDevice::with_capacity(1 << 20).unwrap();
+        let f = FaultInjectingDevice::new(d.clone());
+        (d, f)
+    }
+
+    #[test]
+    fn counts_every_kind_and_fails_exactly_the_armed_point_once() {
+        let (d, f) = wrapped();
+        let s = f.compute_stream();
+        f.arm(FaultKind::Alloc, 2, FaultAction::Error);
+        let a = f.alloc(16).unwrap();
+        let err = f.alloc(32).unwrap_err();
+        assert!(
+            matches!(err, CoreError::OutOfMemory { requested: 32, .. }),
+            "{err}"
+        );
+        assert_eq!(
+            d.memory_info().allocated,
+            16,
+            "a failed alloc allocates nothing"
+        );
+        let b = f.alloc(8).unwrap();
+        assert_eq!(f.fired(), 1);
+        let src = HostBuffer::pageable_from(&[1; 8]);
+        f.copy_h2d(&src.slice_all(), &b.slice_all(), &s).unwrap();
+        f.copy_d2d(&b.slice_all(), &a.slice(0, 8).unwrap(), &s)
+            .unwrap();
+        let e = f.record_event(&s).unwrap();
+        f.wait_event(&s, &e).unwrap();
+        f.synchronize_event(&e).unwrap();
+        assert_eq!(
+            f.counts(),
+            FaultCounts {
+                allocs: 3,
+                copies: 2,
+                event_waits: 2
+            }
+        );
+        f.arm(FaultKind::Copy, 1, FaultAction::Error);
+        let err = f
+            .copy_h2d(&src.slice_all(), &b.slice_all(), &s)
+            .unwrap_err();
+        assert!(
+            matches!(&err, CoreError::Injected(m) if m.contains("copy #3")),
+            "{err}"
+        );
+        f.arm(FaultKind::EventWait, 1, FaultAction::Error);
+        assert!(matches!(f.wait_event(&s, &e), Err(CoreError::Injected(_))));
+        assert_eq!(f.fired(), 3);
+        assert_eq!(f.id(), d.id());
+    }
+
+    #[test]
+    fn op_outputs_count_as_allocations_and_a_failed_op_leaves_nothing() {
+        let (d, f) = wrapped();
+        let ops = f.ops().unwrap();
+        let x = ops.tensor_from_f32(&[4], DType::F32, &[1.0; 4]).unwrap();
+        let before = d.memory_info().allocated;
+        f.arm(FaultKind::Alloc, 1, FaultAction::Error);
+        let err = ops.unary(&x, UnaryOp::Relu).unwrap_err();
+        assert!(
+            matches!(err, CoreError::OutOfMemory { requested: 16, .. }),
+            "{err}"
+        );
+        assert_eq!(d.memory_info().allocated, before);
+        assert_eq!(f.counts().allocs, 2);
+        assert_eq!(ops.to_f32_vec(&x).unwrap(), vec![1.0; 4]);
+        assert_eq!(
+            f.counts().allocs,
+            2,
+            "to_f32_vec allocates no device memory"
+        );
+    }
+
+    #[test]
+    fn a_panic_action_panics_and_zero_never_fires() {
+        let (_d, f) = wrapped();
+        f.arm(FaultKind::Alloc, 0, FaultAction::Panic);
+        f.alloc(1).unwrap();
+        f.arm(FaultKind::Alloc, 1, FaultAction::Panic);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f.alloc(1)));
+        let payload = caught.unwrap_err();
+        let msg = payload.downcast_ref::<String>().unwrap();
+        assert!(msg.starts_with("injected panic at alloc #2"), "{msg}");
+        f.disarm();
+        f.alloc(1).unwrap();
+    }
+}
