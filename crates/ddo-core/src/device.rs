@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::error::{CoreError, Result};
 use crate::host::{HostBuffer, HostSlice};
 use crate::ops::Ops;
+use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
 
 /// Which backend a device belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -332,6 +333,23 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// The device's compute plane, when it has one (a transfer-only wrapper may not).
     fn ops(&self) -> Option<&dyn Ops> {
         None
+    }
+
+    /// The native VMM pool's exact figures (peaks since the last [`Device::reset_peak`]),
+    /// when the native allocator serves this device; `None` otherwise.
+    fn native_pool_figures(&self) -> Option<NativePoolFigures> {
+        None
+    }
+
+    /// Unmaps and returns to the driver every physical chunk of the native VMM pool that
+    /// holds no live allocation, and reports the bytes, checked against the driver's free
+    /// figure. Only at a quiescent boundary: with work queued on any stream it is refused
+    /// with [`CoreError::NotQuiescent`] and releases nothing. Without the native allocator,
+    /// [`CoreError::NativeAllocatorNotInstalled`]. Never called by routes on their own.
+    fn release_native_idle_cache(&self) -> Result<IdleCacheRelease> {
+        Err(CoreError::NativeAllocatorNotInstalled {
+            device: self.id().to_string(),
+        })
     }
 }
 

@@ -242,6 +242,27 @@ pub enum CoreError {
         /// Names present.
         known: String,
     },
+    /// The native VMM allocator is not this device's allocator.
+    #[error(
+        "{device} does not run the native VMM allocator, so it has no native idle cache to release; \
+         install it as the first step of the process (`CudaDevice::install_native_vmm`, \
+         `ddo run --allocator native_vmm`, or the vmm_fast preset), or call empty_cache() for the caching allocator"
+    )]
+    NativeAllocatorNotInstalled {
+        /// The device.
+        device: String,
+    },
+    /// Work is still queued on the device, so nothing may be unmapped now.
+    #[error(
+        "{device} is not quiescent ({pending}); the native idle cache is released only at a \
+         quiescent boundary: synchronize the device (a phase boundary does) and call again. Nothing was released"
+    )]
+    NotQuiescent {
+        /// The device.
+        device: String,
+        /// What is still pending.
+        pending: String,
+    },
     /// A fault injected on purpose by a test wrapper.
     #[error("injected fault: {0}")]
     Injected(String),

@@ -24,6 +24,7 @@ use crate::device::{
 use crate::error::{CoreError, Result};
 use crate::host::{AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger};
 use crate::ops::Ops;
+use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
 
 /// Settings of a [`HostDevice`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -670,6 +671,60 @@ impl Device for HostDevice {
     fn empty_cache(&self) -> Result<u64> {
         // The host backend's allocator frees eagerly: there is no idle cache to return.
         Ok(0)
+    }
+
+    fn native_pool_figures(&self) -> Option<NativePoolFigures> {
+        if self.config.allocator != AllocatorKind::NativeVmm {
+            return None;
+        }
+        // The host backend maps exactly what is live and frees eagerly.
+        let live = self.ledger.allocated.load(Ordering::Acquire);
+        let peak = self.ledger.peak.load(Ordering::Acquire);
+        Some(NativePoolFigures {
+            reserved_va_bytes: self.config.capacity,
+            va_in_use_bytes: live,
+            peak_va_in_use_bytes: peak,
+            mapped_bytes: live,
+            peak_mapped_bytes: peak,
+            live_bytes: live,
+            peak_live_bytes: peak,
+            ..NativePoolFigures::default()
+        })
+    }
+
+    fn release_native_idle_cache(&self) -> Result<IdleCacheRelease> {
+        if self.config.allocator != AllocatorKind::NativeVmm {
+            return Err(CoreError::NativeAllocatorNotInstalled {
+                device: self.id().to_string(),
+            });
+        }
+        let busy: Vec<String> = self
+            .streams
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .filter_map(|s| {
+                let p = s.shared.progress.lock();
+                (p.completed < p.submitted).then(|| {
+                    format!(
+                        "stream {} has {} job(s) queued",
+                        s.ordinal,
+                        p.submitted - p.completed
+                    )
+                })
+            })
+            .collect();
+        if !busy.is_empty() {
+            return Err(CoreError::NotQuiescent {
+                device: self.id().to_string(),
+                pending: busy.join(", "),
+            });
+        }
+        Ok(IdleCacheRelease {
+            basis: "every stream idle; the host backend frees eagerly and holds no idle cache"
+                .into(),
+            ..IdleCacheRelease::default()
+        })
     }
 
     fn ops(&self) -> Option<&dyn Ops> {

@@ -32,7 +32,11 @@ use ddo_core::{
     AllocatorKind, CoreError, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event,
     HostBuffer, HostMemoryKind, HostSlice, MemoryInfo, Stream,
 };
-use parking_lot::Mutex;
+use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
+use ddo_vmm::{
+    CudaPhysicalMemory, PoolAllocation, PoolStats, QuiescenceGate, VmmPool, VmmPoolConfig,
+};
+use parking_lot::{Mutex, RwLock};
 
 use crate::allocator::{
     AllocatorStats, Block, CachingAllocator, FreeEvent, RawAllocError, RawMemory, SegmentSnapshot,
@@ -40,6 +44,7 @@ use crate::allocator::{
 };
 use crate::driver;
 use crate::error::{CudaError, DriverResultExt, Result};
+use crate::native::{NativeAllocator, Source};
 
 /// The compute stream's key in the allocator.
 const COMPUTE: StreamKey = StreamKey(0);
@@ -55,6 +60,9 @@ pub struct CudaDeviceConfig {
     /// Limit on pinned host bytes handed out by [`Device::alloc_pinned`]; `None`: half of
     /// the host's physical memory (16 GiB where that cannot be read).
     pub pinned_limit: Option<u64>,
+    /// Install the native VMM allocator at creation, before anything is allocated
+    /// ([`CudaDevice::install_native_vmm`] does it later, as long as nothing has been).
+    pub native_vmm: bool,
 }
 
 impl CudaDeviceConfig {
@@ -63,6 +71,7 @@ impl CudaDeviceConfig {
         Self {
             ordinal,
             pinned_limit: None,
+            native_vmm: false,
         }
     }
 }
@@ -190,6 +199,11 @@ struct Shared {
     instance: u64,
     ctx: Arc<CudaContext>,
     allocator: CachingAllocator<DriverMemory, PooledEvent>,
+    /// The native VMM allocator, once installed; read-locked around every caching
+    /// allocation so an install cannot slip in between the check and the allocation.
+    native: RwLock<Option<Arc<NativeAllocator<CudaPhysicalMemory, PooledEvent>>>>,
+    /// Allocations the caching allocator has served (the install refusal's count).
+    caching_allocations: AtomicU64,
     events: Arc<EventPool>,
     total: u64,
     deferred: Mutex<Vec<String>>,
@@ -243,7 +257,19 @@ impl Drop for Shared {
         // Errors have nowhere to go at teardown: the context is released next.
         let _ = self.ctx.synchronize();
         let _ = self.allocator.wait_and_empty_cache();
+        // The native pool (if any) tears down when its last handle drops, here.
     }
+}
+
+/// What backs a [`CudaAllocation`].
+enum Backing {
+    /// A block of the caching allocator.
+    Caching(Block),
+    /// A range of the native VMM pool.
+    Native(
+        Arc<NativeAllocator<CudaPhysicalMemory, PooledEvent>>,
+        PoolAllocation,
+    ),
 }
 
 /// One allocation of a [`CudaDevice`]: a block of the caching allocator.
@@ -253,7 +279,7 @@ impl Drop for Shared {
 /// [`CudaAllocation::note_use`]; with none, it is idle at once (queued copies hold a handle
 /// until they complete, as the `Device` contract asks of queued work).
 pub struct CudaAllocation {
-    block: Option<Block>,
+    block: Option<Backing>,
     ptr: u64,
     len: usize,
     shared: Arc<Shared>,
@@ -298,7 +324,10 @@ impl Drop for CudaAllocation {
                 }
             }
         }
-        self.shared.allocator.free(block, marks);
+        match block {
+            Backing::Caching(block) => self.shared.allocator.free(block, marks),
+            Backing::Native(native, range) => native.free(range, self.len as u64, marks),
+        }
     }
 }
 
@@ -513,6 +542,8 @@ impl CudaDevice {
                 },
                 id.to_string(),
             ),
+            native: RwLock::new(None),
+            caching_allocations: AtomicU64::new(0),
             events: Arc::new(EventPool {
                 ctx: Arc::clone(&ctx),
                 idle: Mutex::new(Vec::new()),
@@ -527,14 +558,90 @@ impl CudaDevice {
             stream: compute,
             pending: Mutex::new(VecDeque::new()),
         });
-        Ok(Arc::new(Self {
+        let device = Arc::new(Self {
             streams: Mutex::new(vec![Arc::downgrade(&compute)]),
             compute: Stream::new(compute),
             next_stream: AtomicU64::new(1),
             pinned: PinnedLedger::new(config.pinned_limit.unwrap_or_else(default_pinned_limit)),
             shared,
             config,
-        }))
+        });
+        if config.native_vmm {
+            device.install_native_vmm()?;
+        }
+        Ok(device)
+    }
+
+    /// Installs DDO's native VMM allocator ([`ddo_vmm::VmmPool`] over the device's whole
+    /// memory as virtual address space) as this device's allocator: every later
+    /// [`Device::alloc`] and compute output comes from the pool, and
+    /// [`Device::release_native_idle_cache`] returns its idle chunks. A bootstrap step:
+    /// refused with [`CudaError::NativeInstallTooLate`] once the caching allocator has
+    /// served any allocation on this device (the counterpart of the fresh-process rule), and
+    /// with [`CudaError::NativeAlreadyInstalled`] the second time. The device must support
+    /// virtual memory management ([`ddo_vmm::VmmError::Unsupported`] otherwise).
+    pub fn install_native_vmm(&self) -> Result<()> {
+        let mut native = self.shared.native.write();
+        if native.is_some() {
+            return Err(CudaError::NativeAlreadyInstalled {
+                device: self.id().to_string(),
+            });
+        }
+        let allocations = self.shared.caching_allocations.load(Ordering::Acquire);
+        if allocations > 0 {
+            return Err(CudaError::NativeInstallTooLate {
+                device: self.id().to_string(),
+                allocations,
+            });
+        }
+        let phys = CudaPhysicalMemory::from_context(Arc::clone(&self.shared.ctx))?;
+        let pool = VmmPool::new(phys, VmmPoolConfig::new(self.id().to_string()))?;
+        *native = Some(Arc::new(NativeAllocator::new(pool)));
+        Ok(())
+    }
+
+    /// The native pool's exact figures, when it is installed.
+    pub fn native_pool_stats(&self) -> Option<PoolStats> {
+        self.shared.native.read().as_ref().map(|n| n.pool().stats())
+    }
+
+    /// Whether every stream of this device has finished its queued work (`cuStreamQuery`
+    /// on each); the busy ones are described otherwise.
+    fn quiescence(&self) -> ddo_core::Result<QuiescenceGate> {
+        let mut busy = Vec::new();
+        for s in self.live_streams() {
+            if !driver::stream_idle(&s.stream).map_err(|e| self.core(e))? {
+                busy.push(format!("stream #{} has queued work", s.key.0));
+            }
+        }
+        Ok(if busy.is_empty() {
+            QuiescenceGate::quiescent("every stream idle (cuStreamQuery)")
+        } else {
+            QuiescenceGate::busy(busy.join(", "))
+        })
+    }
+
+    /// The out-of-memory error of the native pool, with the device's figures.
+    fn native_oom(
+        &self,
+        bytes: usize,
+        native: &NativeAllocator<CudaPhysicalMemory, PooledEvent>,
+        e: ddo_vmm::VmmError,
+    ) -> CoreError {
+        if !e.is_out_of_memory() {
+            return self.core(CudaError::Vmm(e));
+        }
+        let f = native.figures();
+        self.core(CudaError::OutOfMemory {
+            device: self.id().to_string(),
+            requested: bytes as u64,
+            allocated: f.live_bytes,
+            reserved: f.mapped_bytes,
+            free: driver::mem_get_info(&self.shared.ctx)
+                .map(|(free, _)| free)
+                .unwrap_or(0),
+            total: self.shared.total,
+        })
     }
 
     /// The settings.
@@ -611,14 +718,35 @@ impl CudaDevice {
 
     fn allocate(&self, bytes: usize, stream: Option<StreamKey>) -> ddo_core::Result<DeviceBuffer> {
         self.poll()?;
-        let block = self
-            .shared
-            .allocator
-            .allocate(bytes as u64, stream)
-            .map_err(|e| self.core(e))?;
+        let native = self.shared.native.read();
+        let (ptr, backing) = match native.as_ref() {
+            Some(native) => {
+                let native = Arc::clone(native);
+                let ctx = Arc::clone(&self.shared.ctx);
+                let (range, _source): (PoolAllocation, Source) = native
+                    .allocate(bytes as u64, stream, move || {
+                        ctx.synchronize()
+                            .map_err(|e| format!("cuCtxSynchronize failed: {e:?}"))
+                    })
+                    .map_err(|e| self.native_oom(bytes, &native, e))?;
+                (range.va(), Backing::Native(native, range))
+            }
+            None => {
+                self.shared
+                    .caching_allocations
+                    .fetch_add(1, Ordering::AcqRel);
+                let block = self
+                    .shared
+                    .allocator
+                    .allocate(bytes as u64, stream)
+                    .map_err(|e| self.core(e))?;
+                (block.ptr(), Backing::Caching(block))
+            }
+        };
+        drop(native);
         Ok(DeviceBuffer::new(Arc::new(CudaAllocation {
-            ptr: block.ptr(),
-            block: Some(block),
+            ptr,
+            block: Some(backing),
             len: bytes,
             shared: Arc::clone(&self.shared),
             uses: Mutex::new(Vec::new()),
@@ -674,7 +802,11 @@ impl Device for CudaDevice {
     }
 
     fn allocator(&self) -> AllocatorKind {
-        AllocatorKind::Caching
+        if self.shared.native.read().is_some() {
+            AllocatorKind::NativeVmm
+        } else {
+            AllocatorKind::Caching
+        }
     }
 
     fn alloc(&self, bytes: usize) -> ddo_core::Result<DeviceBuffer> {
@@ -896,10 +1028,18 @@ impl Device for CudaDevice {
     fn memory_info(&self) -> MemoryInfo {
         let s = self.shared.allocator.stats();
         let driver = driver::mem_get_info(&self.shared.ctx).ok();
+        // Under the native allocator the caching one serves nothing: report the pool.
+        let (allocated, peak_allocated, reserved) = match self.shared.native.read().as_ref() {
+            Some(n) => {
+                let f = n.figures();
+                (f.live_bytes, f.peak_live_bytes, f.mapped_bytes)
+            }
+            None => (s.allocated, s.peak_allocated, s.reserved),
+        };
         MemoryInfo {
-            allocated: s.allocated,
-            peak_allocated: s.peak_allocated,
-            reserved: s.reserved,
+            allocated,
+            peak_allocated,
+            reserved,
             capacity: self.shared.total,
             driver_free: driver.map(|(free, _)| free),
             driver_total: driver.map(|(_, total)| total),
@@ -910,6 +1050,35 @@ impl Device for CudaDevice {
 
     fn reset_peak(&self) {
         self.shared.allocator.reset_peak();
+        if let Some(n) = self.shared.native.read().as_ref() {
+            n.reset_peaks();
+        }
+    }
+
+    fn native_pool_figures(&self) -> Option<NativePoolFigures> {
+        self.shared.native.read().as_ref().map(|n| n.figures())
+    }
+
+    fn release_native_idle_cache(&self) -> ddo_core::Result<IdleCacheRelease> {
+        let Some(native) = self.shared.native.read().clone() else {
+            return Err(CoreError::NativeAllocatorNotInstalled {
+                device: self.id().to_string(),
+            });
+        };
+        let gate = self.quiescence()?;
+        if !gate.is_quiescent() {
+            return Err(CoreError::NotQuiescent {
+                device: self.id().to_string(),
+                pending: gate.basis().to_string(),
+            });
+        }
+        // Idle streams: every copy and free event has completed.
+        for s in self.live_streams() {
+            s.retire_all();
+        }
+        native
+            .release_idle(&gate)
+            .map_err(|e| self.core(CudaError::Vmm(e)))
     }
 
     fn empty_cache(&self) -> ddo_core::Result<u64> {

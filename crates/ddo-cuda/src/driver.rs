@@ -159,3 +159,17 @@ pub(crate) fn host_unregister(ctx: &CudaContext, addr: usize) -> Result<()> {
         .result()
         .call("cuMemHostUnregister")
 }
+
+/// `cuStreamQuery`: whether every operation queued on `stream` has completed (`false` for
+/// `CUDA_ERROR_NOT_READY`). Never blocks.
+pub(crate) fn stream_idle(stream: &CudaStream) -> Result<bool> {
+    stream.context().bind_to_thread().call("cuCtxSetCurrent")?;
+    // SAFETY: `stream.cu_stream()` is a live stream of the bound context (cudarc keeps it
+    // alive as long as `stream` is borrowed); cuStreamQuery only reads its state.
+    let status = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
+    match status {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(CudaError::driver("cuStreamQuery", DriverError(other))),
+    }
+}

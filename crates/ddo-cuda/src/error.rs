@@ -70,6 +70,30 @@ pub enum CudaError {
     /// An error of ddo-core (a wrong handle, a range, the pinned limit).
     #[error(transparent)]
     Core(#[from] CoreError),
+    /// An error of the native VMM pool.
+    #[error(transparent)]
+    Vmm(#[from] ddo_vmm::VmmError),
+    /// Installing the native allocator came too late: the caching allocator has served this
+    /// device already.
+    #[error(
+        "cannot install the native VMM allocator on {device}: the caching allocator has already served {allocations} \
+         allocation(s) on it; install it first, right after creating the device (CudaDeviceConfig::native_vmm, \
+         `ddo run --allocator native_vmm`), before any weight, activation or workspace is allocated"
+    )]
+    NativeInstallTooLate {
+        /// Device (`cuda:N`).
+        device: String,
+        /// Caching allocations made so far.
+        allocations: u64,
+    },
+    /// The native allocator is installed already.
+    #[error(
+        "the native VMM allocator is already installed on {device}; install it once per device"
+    )]
+    NativeAlreadyInstalled {
+        /// Device (`cuda:N`).
+        device: String,
+    },
 }
 
 impl CudaError {
@@ -111,6 +135,7 @@ impl CudaError {
                 capacity: total,
             },
             CudaError::Core(e) => e,
+            CudaError::Vmm(e) => e.into_core(device),
             other => CoreError::Backend {
                 device: device.to_string(),
                 message: other.to_string(),

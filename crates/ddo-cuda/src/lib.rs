@@ -11,6 +11,9 @@
 //! - the [`allocator`]: a PyTorch-style caching allocator (size classes, best fit,
 //!   splitting and merging, stream-ordered reuse, an out-of-memory retry, exact
 //!   accounting) over a small raw-memory trait, with a fake so all of it is tested on CPU;
+//! - the [`native`] allocator wiring: ddo-vmm's pool as the device allocator once
+//!   [`CudaDevice::install_native_vmm`] has run (refused after any caching allocation), with
+//!   stream-ordered frees, same-stream reuse and `release_native_idle_cache`;
 //! - [`CudaError`], converted into [`ddo_core::CoreError`] at the `Device` boundary.
 //!
 //! Builds need no GPU and no CUDA toolkit: cudarc loads `libcuda` at run time, and
@@ -30,6 +33,7 @@ pub mod allocator;
 pub mod device;
 mod driver;
 pub mod error;
+pub mod native;
 mod ops;
 
 pub use allocator::{AllocatorStats, CachingAllocator, StreamKey};

@@ -181,6 +181,89 @@ pub struct PhasePeak {
     /// Peak of the driver's used-memory figure, sampled at phase end (bytes), when the
     /// backend has a driver to ask.
     pub driver_used_sampled_bytes: Option<u64>,
+    /// The native VMM pool's figures for the phase (peaks since the previous boundary),
+    /// when the device's allocator is the native one.
+    #[serde(default)]
+    pub native_pool: Option<NativePoolFigures>,
+}
+
+/// The native VMM allocator's exact figures at one moment (all bytes).
+///
+/// `reserved` is virtual address space (costs no memory); `mapped` is the physical memory
+/// the pool holds from the driver (its "reserved" in PyTorch's sense); `live` is what live
+/// allocations asked for. Peaks run since the last phase boundary.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NativePoolFigures {
+    /// Virtual address space reserved (fixed at install).
+    pub reserved_va_bytes: u64,
+    /// Address range held by live allocations and by frees still waiting for their streams.
+    pub va_in_use_bytes: u64,
+    /// Peak of `va_in_use_bytes`.
+    pub peak_va_in_use_bytes: u64,
+    /// Physical memory mapped into the range.
+    pub mapped_bytes: u64,
+    /// Peak of `mapped_bytes`.
+    pub peak_mapped_bytes: u64,
+    /// Bytes asked for by live allocations.
+    pub live_bytes: u64,
+    /// Peak of `live_bytes`.
+    pub peak_live_bytes: u64,
+    /// Chunks mapped since install.
+    pub chunks_mapped: u64,
+    /// Chunks released to the driver since install.
+    pub chunks_released: u64,
+    /// Bytes released to the driver since install.
+    pub bytes_released: u64,
+    /// Of `bytes_released`, bytes whose release the driver's free-memory figure confirmed.
+    pub bytes_proven_returned: u64,
+}
+
+impl NativePoolFigures {
+    /// Mapped-bytes peak over live-bytes peak (1.0 for an empty pool): how much physical
+    /// memory the pool held per byte in use at its worst.
+    pub fn mapped_over_live_peak(&self) -> f64 {
+        if self.peak_live_bytes == 0 {
+            1.0
+        } else {
+            self.peak_mapped_bytes as f64 / self.peak_live_bytes as f64
+        }
+    }
+
+    /// One line for profiles.
+    pub fn format_line(&self) -> String {
+        format!(
+            "native pool: live {} (peak {}), mapped {} (peak {}, {:.3}x live peak), va in use {} of {}; \
+             chunks mapped {}, released {} ({}, {} proven by the driver)",
+            format_bytes(self.live_bytes),
+            format_bytes(self.peak_live_bytes),
+            format_bytes(self.mapped_bytes),
+            format_bytes(self.peak_mapped_bytes),
+            self.mapped_over_live_peak(),
+            format_bytes(self.va_in_use_bytes),
+            format_bytes(self.reserved_va_bytes),
+            self.chunks_mapped,
+            self.chunks_released,
+            format_bytes(self.bytes_released),
+            format_bytes(self.bytes_proven_returned),
+        )
+    }
+}
+
+/// What one release of the native pool's idle cache returned.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdleCacheRelease {
+    /// Physical chunks unmapped and released.
+    pub chunks: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Driver free bytes sampled just before, where there is a driver.
+    pub driver_free_before: Option<u64>,
+    /// Driver free bytes sampled just after, where there is a driver.
+    pub driver_free_after: Option<u64>,
+    /// Whether the driver's free figure rose by at least `bytes` (false without a driver).
+    pub proven: bool,
+    /// Why the device was known to be quiescent.
+    pub basis: String,
 }
 
 /// Why a group was not copied by `detach_auxiliary_cpu_sources`.
@@ -291,6 +374,9 @@ pub struct DeviceMemoryFigures {
     pub driver_free_bytes: Option<u64>,
     /// Pinned host bytes the device has handed out (exact).
     pub pinned_host_bytes: u64,
+    /// The native VMM pool's figures, when it is the device's allocator.
+    #[serde(default)]
+    pub native_pool: Option<NativePoolFigures>,
 }
 
 /// Everything a route reports, at one moment: `metrics_snapshot()`.
@@ -377,6 +463,9 @@ impl MetricsSnapshot {
                 .map(|f| format!("; driver free (sampled) {}", format_bytes(f)))
                 .unwrap_or_default()
         );
+        if let Some(pool) = &m.native_pool {
+            let _ = writeln!(s, "  {}", pool.format_line());
+        }
         for p in &self.phases {
             let _ = writeln!(
                 s,
@@ -388,6 +477,11 @@ impl MetricsSnapshot {
                     .map(|d| format!(", driver used {} (sampled)", format_bytes(d)))
                     .unwrap_or_default()
             );
+        }
+        for p in &self.phases {
+            if let Some(pool) = &p.native_pool {
+                let _ = writeln!(s, "    phase {}: {}", p.phase, pool.format_line());
+            }
         }
         if c.schedule_relearned > 0 {
             let _ = writeln!(s, "  schedule re-learned {} time(s)", c.schedule_relearned);
@@ -454,6 +548,11 @@ mod tests {
             allocator_peak_bytes: 2048,
             allocator_end_bytes: 0,
             driver_used_sampled_bytes: None,
+            native_pool: Some(NativePoolFigures {
+                peak_live_bytes: 1000,
+                peak_mapped_bytes: 1050,
+                ..NativePoolFigures::default()
+            }),
         });
         let snap = MetricsSnapshot {
             component: "vae".into(),
@@ -473,6 +572,7 @@ mod tests {
         assert_eq!(back, snap);
         let text = snap.format_profile();
         assert!(text.contains("phase decode: peak 2.00 KiB"), "{text}");
+        assert!(text.contains("1.050x live peak"), "{text}");
         assert!(text.contains("preset one_shot_fast"), "{text}");
     }
 }

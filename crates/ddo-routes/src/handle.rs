@@ -132,6 +132,7 @@ impl OffloadHandle {
                 capacity_bytes: info.capacity,
                 driver_free_bytes: info.driver_free,
                 pinned_host_bytes: info.pinned_host,
+                native_pool: self.device.native_pool_figures(),
             },
             phases: self.metrics.phases(),
             detach_reports: self.metrics.detach_reports(),
@@ -251,6 +252,7 @@ impl OffloadHandle {
 pub(crate) fn record_phase(device: &dyn Device, phase: &str) -> Result<PhasePeak> {
     device.synchronize()?;
     let info = device.memory_info();
+    let native_pool = device.native_pool_figures();
     let driver_used = match (info.driver_total, info.driver_free) {
         (Some(total), Some(free)) => Some(total.saturating_sub(free)),
         _ => None,
@@ -261,6 +263,7 @@ pub(crate) fn record_phase(device: &dyn Device, phase: &str) -> Result<PhasePeak
         allocator_peak_bytes: info.peak_allocated,
         allocator_end_bytes: info.allocated,
         driver_used_sampled_bytes: driver_used,
+        native_pool,
     })
 }
 

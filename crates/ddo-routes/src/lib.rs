@@ -145,6 +145,18 @@ pub fn remove_dynamic_offload(handle: &mut OffloadHandle) -> Result<()> {
     handle.remove()
 }
 
+/// Returns the native VMM pool's idle physical chunks on `device` to the driver: every
+/// chunk that holds no live allocation is unmapped and released, and the report says how
+/// many bytes came back and whether the driver's free-memory figure confirms it
+/// (`proven`). Call it after a phase's cleanup (e.g. after [`PipelineOffload::phase_boundary`]
+/// and releasing the finished component): it is refused with
+/// [`CoreError::NotQuiescent`] while work is queued on any stream of the device, and with
+/// [`CoreError::NativeAllocatorNotInstalled`] on a device whose allocator is the caching one
+/// (whose idle cache `empty_cache()` returns). Routing never calls it by itself.
+pub fn release_native_vmm_idle_cache(device: &dyn Device) -> Result<ddo_metrics::IdleCacheRelease> {
+    device.release_native_idle_cache()
+}
+
 /// Applies `settings` to every component of `pipeline`. All or nothing: when one
 /// component is refused, the ones already attached are released before the error returns.
 pub fn enable_pipeline_offload(

@@ -1,0 +1,330 @@
+//! The native VMM allocator on a real GPU: install (and its refusal after a caching
+//! allocation), a Flux-shaped transformer under `native_vmm` equal to resident, the idle
+//! cache released at a phase boundary with the driver's free figure rising by the reported
+//! amount, the refusal while work is in flight, and (with `DDO_BENCH=1`) the benchmark of
+//! mapped-over-live peaks against the caching allocator on the same workload. Without a
+//! GPU each test prints "skipped: no CUDA device" and passes.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddo_core::device::{download, upload};
+use ddo_core::{CoreError, DType, Device, RouteSpec, Tensor};
+use ddo_cuda::{CudaDevice, CudaDeviceConfig, CudaError};
+use ddo_metrics::NativePoolFigures;
+use ddo_nn::RandomWeights;
+use ddo_nn::flux::{FluxInputs, FluxTransformer, FluxTransformerConfig};
+use ddo_nn::vae::{AutoencoderKL, AutoencoderKLConfig};
+use ddo_routes::{enable_dynamic_offload, release_native_vmm_idle_cache, remove_dynamic_offload};
+
+fn open(native: bool) -> Option<Arc<CudaDevice>> {
+    let config = CudaDeviceConfig {
+        native_vmm: native,
+        ..CudaDeviceConfig::new(0)
+    };
+    match CudaDevice::with_config(config) {
+        Ok(d) => Some(d),
+        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
+            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
+            }
+            println!("skipped: no CUDA device");
+            None
+        }
+        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
+    }
+}
+
+fn rnd(len: usize, seed: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
+        .collect()
+}
+
+fn flux_inputs(side: usize, txt: usize, joint: usize) -> FluxInputs {
+    let n = side * side;
+    FluxInputs {
+        hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
+        encoder_hidden_states: Tensor::from_f32(
+            vec![1, txt, joint],
+            DType::F32,
+            &rnd(txt * joint, 2),
+        )
+        .unwrap(),
+        pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
+        timestep: vec![0.5],
+        guidance: Some(vec![3.5]),
+        img_ids: (0..n)
+            .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+            .collect(),
+        txt_ids: vec![[0.0; 3]; txt],
+    }
+}
+
+fn output_bytes(d: &CudaDevice, t: &Tensor) -> Vec<u8> {
+    let ddo_core::TensorStorage::Device(slice) = t.storage() else {
+        panic!("output on the host")
+    };
+    download(d, slice, &d.compute_stream()).unwrap()
+}
+
+#[test]
+fn install_serves_allocations_from_the_pool() {
+    let Some(d) = open(true) else { return };
+    assert_eq!(d.allocator(), ddo_core::AllocatorKind::NativeVmm);
+    let bytes: Vec<u8> = (0..(3 << 20)).map(|i| (i % 251) as u8).collect();
+    let buf = upload(&*d, &bytes, &d.compute_stream()).unwrap();
+    let back = download(&*d, &buf.slice_all(), &d.compute_stream()).unwrap();
+    assert_eq!(back, bytes);
+    let f = d.native_pool_figures().expect("pool figures");
+    assert_eq!(f.live_bytes, 3 << 20);
+    assert!(
+        f.mapped_bytes >= 3 << 20 && f.mapped_bytes < (3 << 20) + (4 << 20),
+        "{f:?}"
+    );
+    assert_eq!(d.memory_info().allocated, 3 << 20);
+    // The caching allocator served nothing.
+    assert_eq!(d.allocator_stats().allocated, 0);
+    let again = d.install_native_vmm().unwrap_err();
+    assert!(
+        matches!(again, CudaError::NativeAlreadyInstalled { .. }),
+        "{again}"
+    );
+}
+
+#[test]
+fn install_is_refused_after_a_caching_allocation() {
+    let Some(d) = open(false) else { return };
+    let buf = d.alloc(1).unwrap();
+    let err = d.install_native_vmm().unwrap_err();
+    println!("refusal: {err}");
+    assert!(
+        matches!(err, CudaError::NativeInstallTooLate { allocations: 1, .. }),
+        "{err}"
+    );
+    // Still the caching allocator, still working.
+    assert_eq!(d.allocator(), ddo_core::AllocatorKind::Caching);
+    drop(buf);
+    let _more = d.alloc(1 << 20).unwrap();
+    let err = release_native_vmm_idle_cache(&*d).unwrap_err();
+    assert!(
+        matches!(err, CoreError::NativeAllocatorNotInstalled { .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn release_is_refused_with_work_in_flight_and_releases_nothing() {
+    let Some(d) = open(true) else { return };
+    let len = 1usize << 30;
+    let a = d.alloc(len).unwrap();
+    let b = d.alloc(len).unwrap();
+    // An idle 512 MiB that a release could return.
+    drop(d.alloc(512 << 20).unwrap());
+    d.synchronize().unwrap();
+    let compute = d.compute_stream();
+    for _ in 0..40 {
+        d.copy_d2d(&a.slice_all(), &b.slice_all(), &compute)
+            .unwrap();
+    }
+    let before = d.native_pool_figures().unwrap();
+    let err = release_native_vmm_idle_cache(&*d).unwrap_err();
+    println!("refusal while 40 x 1 GiB copies are queued: {err}");
+    assert!(matches!(err, CoreError::NotQuiescent { .. }), "{err}");
+    let after = d.native_pool_figures().unwrap();
+    assert_eq!(after.mapped_bytes, before.mapped_bytes);
+    assert_eq!(after.chunks_released, before.chunks_released);
+    d.synchronize().unwrap();
+    let report = release_native_vmm_idle_cache(&*d).unwrap();
+    println!("after synchronize: {report:?}");
+    assert_eq!(report.bytes, 512 << 20);
+    assert!(report.proven, "{report:?}");
+}
+
+fn small_flux() -> FluxTransformer {
+    let mut cfg = FluxTransformerConfig::flux_dev();
+    cfg.num_layers = 2;
+    cfg.num_single_layers = 2;
+    FluxTransformer::random(cfg, 7, DType::BF16).unwrap()
+}
+
+#[test]
+fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundary() {
+    let Some(cached) = open(false) else { return };
+    let Some(d) = open(true) else { return };
+    let inputs = flux_inputs(32, 128, 4096);
+    let model = small_flux();
+    let weights: u64 = model.component().param_bytes();
+    let expected = {
+        let _h = enable_dynamic_offload(model.component(), cached.clone(), RouteSpec::resident())
+            .unwrap();
+        let out = model.forward(&*cached, &inputs).unwrap();
+        output_bytes(&cached, &out)
+    };
+    for budget in [weights + (64 << 20), weights / 2, 0] {
+        let spec: RouteSpec = format!("native_vmm:budget={budget}").parse().unwrap();
+        let mut h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
+        let out = model.forward(&*d, &inputs).unwrap();
+        let got = output_bytes(&d, &out);
+        drop(out);
+        let snap = h.metrics_snapshot();
+        println!(
+            "budget {budget} B of {weights} B weights: streamed {} / resident {} leaves, h2d {} B",
+            snap.counters.leaves_streamed, snap.counters.leaves_resident, snap.counters.h2d_bytes
+        );
+        assert!(
+            got == expected,
+            "native_vmm (budget {budget}) differs from resident"
+        );
+        // Phase boundary: remove the route, synchronise, then release the idle cache.
+        remove_dynamic_offload(&mut h).unwrap();
+        d.synchronize().unwrap();
+        d.release_blas_workspaces().unwrap();
+        d.synchronize().unwrap();
+        let before: NativePoolFigures = d.native_pool_figures().unwrap();
+        assert_eq!(before.live_bytes, 0, "{before:?}");
+        let report = release_native_vmm_idle_cache(&*d).unwrap();
+        let rise = report.driver_free_after.unwrap() - report.driver_free_before.unwrap();
+        println!(
+            "release: {} chunks, {} B; driver free rose {} B; proven {}",
+            report.chunks, report.bytes, rise, report.proven
+        );
+        assert_eq!(report.bytes, before.mapped_bytes);
+        assert!(report.proven && rise >= report.bytes, "{report:?}");
+        assert_eq!(d.native_pool_figures().unwrap().mapped_bytes, 0);
+    }
+}
+
+fn median_ms(mut f: impl FnMut(), d: &CudaDevice) -> f64 {
+    for _ in 0..2 {
+        f();
+    }
+    d.synchronize().unwrap();
+    let mut times = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        f();
+        d.synchronize().unwrap();
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// One workload's figures on one allocator.
+struct Row {
+    workload: &'static str,
+    allocator: &'static str,
+    median_ms: f64,
+    peak_live: u64,
+    peak_reserved: u64,
+}
+
+/// Peak live and peak reserved (mapped, for the pool) since the last reset.
+fn peaks(d: &CudaDevice) -> (u64, u64) {
+    match d.native_pool_figures() {
+        Some(f) => (f.peak_live_bytes, f.peak_mapped_bytes),
+        None => {
+            let s = d.allocator_stats();
+            (s.peak_allocated, s.peak_reserved)
+        }
+    }
+}
+
+fn run_workloads(d: &Arc<CudaDevice>, allocator: &'static str, rows: &mut Vec<Row>) {
+    {
+        let mut w = RandomWeights::new(1, DType::BF16);
+        let vae = AutoencoderKL::build(&mut w, AutoencoderKLConfig::flux()).unwrap();
+        let _h = enable_dynamic_offload(vae.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let latents =
+            Tensor::from_f32(vec![1, 16, 128, 128], DType::F32, &rnd(16 * 128 * 128, 5)).unwrap();
+        d.synchronize().unwrap();
+        d.reset_peak();
+        let ms = median_ms(
+            || {
+                vae.decode(Some(&**d), &latents, None).unwrap();
+            },
+            d,
+        );
+        let (peak_live, peak_reserved) = peaks(d);
+        rows.push(Row {
+            workload: "vae_decode_1024_bf16",
+            allocator,
+            median_ms: ms,
+            peak_live,
+            peak_reserved,
+        });
+    }
+    {
+        let mut cfg = FluxTransformerConfig::flux_dev();
+        cfg.num_layers = 5;
+        cfg.num_single_layers = 10;
+        let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
+        let _h =
+            enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let inputs = flux_inputs(72, 512, 4096);
+        d.synchronize().unwrap();
+        d.reset_peak();
+        let ms = median_ms(
+            || {
+                model.forward(&**d, &inputs).unwrap();
+            },
+            d,
+        );
+        let (peak_live, peak_reserved) = peaks(d);
+        rows.push(Row {
+            workload: "flux_5x10_4608_bf16_step",
+            allocator,
+            median_ms: ms,
+            peak_live,
+            peak_reserved,
+        });
+    }
+}
+
+#[test]
+fn benchmark_reserved_over_live_against_the_caching_allocator() {
+    if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
+        println!("skipped: set DDO_BENCH=1 to run the allocator benchmark");
+        return;
+    }
+    let mut rows = Vec::new();
+    {
+        let Some(d) = open(false) else { return };
+        run_workloads(&d, "caching", &mut rows);
+    }
+    {
+        let Some(d) = open(true) else { return };
+        run_workloads(&d, "native_vmm", &mut rows);
+        let f = d.native_pool_figures().unwrap();
+        println!("{}", f.format_line());
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "| workload | allocator | median ms | peak live GiB | peak reserved GiB | reserved / live |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let mut json = Vec::new();
+    for r in &rows {
+        let ratio = r.peak_reserved as f64 / r.peak_live.max(1) as f64;
+        println!(
+            "| {} | {} | {:.1} | {:.3} | {:.3} | {:.3} |",
+            r.workload,
+            r.allocator,
+            r.median_ms,
+            gib(r.peak_live),
+            gib(r.peak_reserved),
+            ratio
+        );
+        json.push(serde_json::json!({
+            "workload": r.workload, "allocator": r.allocator, "median_ms": r.median_ms,
+            "peak_live_bytes": r.peak_live, "peak_reserved_bytes": r.peak_reserved, "ratio": ratio,
+        }));
+        assert!(r.peak_live > 0);
+    }
+    if let Some(out) = std::env::var_os("DDO_BENCH_OUT") {
+        let path = std::path::PathBuf::from(out).join("native_vmm_bench.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+        println!("wrote {}", path.display());
+    }
+}
