@@ -115,6 +115,10 @@ pub const OPTIONS: &[OptSpec] = &[
         "FILE.safetensors",
         "also write the decoder's input latents (`latents`, NCHW), for `ddo decode`",
     ),
+    flag(
+        "release-native-idle",
+        "after each phase, return the native VMM pool's idle memory to the driver (native allocator only)",
+    ),
     flag("json", "print the profile as JSON"),
     flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
 ];
@@ -415,6 +419,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         init,
         tiled_decode,
         vram_budget: effective_budget,
+        release_native_idle_cache: args.flag("release-native-idle"),
     };
     let result = pipe.run_phases(&mut offload, &request, &mut |phase, done, total| {
         bar.update(phase, done, total)
@@ -530,6 +535,8 @@ impl Report<'_> {
                 "peak_bytes": p.peak.allocator_peak_bytes,
                 "end_bytes": p.peak.allocator_end_bytes,
                 "driver_used_sampled_bytes": p.peak.driver_used_sampled_bytes,
+                "native_pool": p.peak.native_pool,
+                "idle_release": p.idle_release,
                 "note": p.note,
             })).collect::<Vec<_>>(),
             "components": self.explanations.iter().zip(self.snapshots).map(|(e, s)| json!({
@@ -592,6 +599,22 @@ impl Report<'_> {
             }
             if let Some(n) = &p.note {
                 s += &format!("{:<16} {n}\n", "");
+            }
+            if let Some(pool) = &p.peak.native_pool {
+                s += &format!("{:<16} {}\n", "", pool.format_line());
+            }
+            if let Some(r) = &p.idle_release {
+                s += &format!(
+                    "{:<16} native idle cache released: {} in {} chunks ({})\n",
+                    "",
+                    format_bytes(r.bytes),
+                    r.chunks,
+                    if r.proven {
+                        "proven: the driver's free memory rose by as much"
+                    } else {
+                        "not proven by the driver"
+                    }
+                );
             }
         }
         s += &format!(

@@ -360,8 +360,9 @@ fn pinned_limit() -> u64 {
 }
 
 /// Opens the execution device. On the host backend the budget is the device's capacity
-/// (default [`DEFAULT_HOST_CAPACITY`]) and the native allocator is chosen when a route
-/// needs it (the host counterpart of installing it first thing in a fresh process).
+/// (default [`DEFAULT_HOST_CAPACITY`]). The native allocator is installed when a route
+/// needs it: on CUDA as the device's first step, on the host backend by choosing it at
+/// construction (the counterpart of installing it first thing in a fresh process).
 pub fn open_device(
     choice: DeviceChoice,
     budget: Option<u64>,
@@ -382,7 +383,13 @@ pub fn open_device(
             Ok(device)
         }
         DeviceChoice::Cuda(n) => {
-            let device = ddo_cuda::CudaDevice::new(n)
+            // The native allocator is installed first thing, before anything is allocated
+            // (the fresh-process rule).
+            let config = ddo_cuda::CudaDeviceConfig {
+                native_vmm: native_allocator,
+                ..ddo_cuda::CudaDeviceConfig::new(n)
+            };
+            let device = ddo_cuda::CudaDevice::with_config(config)
                 .map_err(|e| CliError::from(e).context(&format!("--device cuda:{n}")))?;
             if ddo_core::ops_of(&*device).is_err() {
                 return Err(CliError::runtime(

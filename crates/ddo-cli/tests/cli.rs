@@ -658,3 +658,50 @@ fn bench_compares_routes_in_one_process() {
     let out = ddo(&["bench", "--config", "tiny", "--component", "unet"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn run_releases_the_native_idle_cache_only_under_the_native_allocator() {
+    let d = scratch("native-idle");
+    let png = d.join("t.png");
+    let base = [
+        "run",
+        "--config",
+        "tiny",
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--release-native-idle",
+        "--json",
+        "--out",
+        png.to_str().unwrap(),
+    ];
+    // Caching allocator (no route needs the native one): refused before anything runs.
+    let out = ddo(&base);
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("native VMM allocator"), "{err}");
+    assert!(!png.exists(), "nothing was written");
+    // With the transformer on native_vmm the device runs the native allocator: every phase
+    // reports the pool and the release.
+    let mut args = base.to_vec();
+    args.extend(["--route", "transformer=native_vmm:budget=64MiB"]);
+    let v = json(&ddo(&args));
+    for p in v["phases"].as_array().unwrap() {
+        assert!(p["native_pool"].is_object(), "{p}");
+        assert_eq!(
+            p["idle_release"]["bytes"], 0,
+            "host backend frees eagerly: {p}"
+        );
+        assert!(
+            p["idle_release"]["basis"]
+                .as_str()
+                .unwrap()
+                .contains("every stream idle"),
+            "{p}"
+        );
+    }
+    assert_eq!(v["components"][2]["metrics"]["allocator"], "native_vmm");
+}

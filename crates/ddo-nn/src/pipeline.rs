@@ -26,8 +26,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ddo_core::{Component, CoreError, DType, Device, Result, RouteId, RouteTarget, Tensor, ops_of};
-use ddo_metrics::PhasePeak;
+use ddo_core::{
+    AllocatorKind, Component, CoreError, DType, Device, Result, RouteId, RouteTarget, Tensor,
+    ops_of,
+};
+use ddo_metrics::{IdleCacheRelease, PhasePeak};
 use ddo_routes::{Pipeline, PipelineOffload};
 use half::{bf16, f16};
 use serde::Serialize;
@@ -464,6 +467,10 @@ pub struct PipelineRequest {
     /// The device memory DDO may use, bytes (auto decode compares against it; `None`: the
     /// device's capacity).
     pub vram_budget: Option<u64>,
+    /// After each phase's cleanup, return the native VMM pool's idle chunks to the driver
+    /// (`release_native_vmm_idle_cache`, the seed's low-memory combination). Needs the
+    /// native allocator on the device: refused before anything runs otherwise.
+    pub release_native_idle_cache: bool,
 }
 
 /// One finished phase.
@@ -480,6 +487,9 @@ pub struct PhaseReport {
     pub peak: PhasePeak,
     /// A note (skipped, tiled, ...).
     pub note: Option<String>,
+    /// What the native pool's idle-cache release returned after the phase's cleanup, when
+    /// the request asked for it.
+    pub idle_release: Option<IdleCacheRelease>,
 }
 
 /// What [`FluxPipeline::run_phases`] returns.
@@ -1015,6 +1025,12 @@ impl FluxPipeline {
         let device: Arc<dyn Device> = Arc::clone(offload.handle(TRANSFORMER)?.device());
         let dev = &*device;
         self.latent_grid(request.height, request.width)?;
+        if request.release_native_idle_cache && dev.allocator() != AllocatorKind::NativeVmm {
+            return Err(CoreError::NativeAllocatorNotInstalled {
+                device: dev.id().to_string(),
+            });
+        }
+        let release_idle = request.release_native_idle_cache;
         let mut phases = Vec::new();
 
         // Phase 1: prompt encoding.
@@ -1046,7 +1062,16 @@ impl FluxPipeline {
             }
         };
         let ran = if note.is_none() { &text[..] } else { &[][..] };
-        phases.push(end_phase(offload, dev, PHASES[0], ran, &text, t0, note)?);
+        phases.push(end_phase(
+            offload,
+            dev,
+            PHASES[0],
+            ran,
+            &text,
+            t0,
+            note,
+            release_idle,
+        )?);
 
         // Phase 2: denoise.
         let t0 = Instant::now();
@@ -1074,6 +1099,7 @@ impl FluxPipeline {
             &[TRANSFORMER],
             t0,
             None,
+            release_idle,
         )?);
 
         // Phase 3: decode.
@@ -1103,6 +1129,7 @@ impl FluxPipeline {
             &[VAE],
             t0,
             note,
+            release_idle,
         )?);
 
         Ok(PipelineRun {
@@ -1166,6 +1193,7 @@ fn onload_unmanaged(offload: &PipelineOffload, device: &dyn Device, names: &[&st
 /// The seed's phase boundary: release the components whose last phase this was (hooks
 /// removed, device and pinned memory freed; unmanaged weights moved back to the host),
 /// return idle cached memory, then record the phase's peak with `phase_boundary`.
+#[allow(clippy::too_many_arguments)] // one call per phase; a struct would only rename them
 fn end_phase(
     offload: &mut PipelineOffload,
     device: &dyn Device,
@@ -1174,6 +1202,7 @@ fn end_phase(
     release: &[&str],
     t0: Instant,
     note: Option<String>,
+    release_idle: bool,
 ) -> Result<PhaseReport> {
     let mut components = Vec::new();
     for name in ran {
@@ -1192,6 +1221,11 @@ fn end_phase(
     }
     device.synchronize()?;
     device.empty_cache()?;
+    let idle_release = if release_idle {
+        Some(ddo_routes::release_native_vmm_idle_cache(device)?)
+    } else {
+        None
+    };
     let peak = offload.phase_boundary(phase)?;
     Ok(PhaseReport {
         phase: phase.to_string(),
@@ -1199,6 +1233,7 @@ fn end_phase(
         seconds: t0.elapsed().as_secs_f64(),
         peak,
         note,
+        idle_release,
     })
 }
 

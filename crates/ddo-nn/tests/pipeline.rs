@@ -122,6 +122,7 @@ fn fixture_request(tiled: TiledDecode) -> PipelineRequest {
         init: InitLatents::Given(host("inputs.safetensors", "noise")),
         tiled_decode: tiled,
         vram_budget: None,
+        release_native_idle_cache: false,
     }
 }
 
