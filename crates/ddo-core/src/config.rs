@@ -317,6 +317,15 @@ pub struct RouteOptions {
     pub pinned: Option<bool>,
     /// VRAM budget for resident weights.
     pub budget: Option<Budget>,
+    /// Most pinned host bytes the streaming engine may hold (bytes); see
+    /// [`crate::streaming::DEFAULT_PINNED_LIMIT`].
+    pub pinned_limit: Option<u64>,
+    /// Target size of one streaming transfer unit (bytes); see
+    /// [`crate::streaming::DEFAULT_UNIT_BYTES`].
+    pub unit_bytes: Option<u64>,
+    /// Device ring slots of the streaming engine; see
+    /// [`crate::streaming::DEFAULT_RING_SLOTS`].
+    pub ring_slots: Option<usize>,
 }
 
 impl RouteOptions {
@@ -344,6 +353,15 @@ impl RouteOptions {
         if self.budget.is_some() {
             v.push("budget");
         }
+        if self.pinned_limit.is_some() {
+            v.push("pinned_limit");
+        }
+        if self.unit_bytes.is_some() {
+            v.push("unit_bytes");
+        }
+        if self.ring_slots.is_some() {
+            v.push("ring_slots");
+        }
         v
     }
 
@@ -364,12 +382,22 @@ impl RouteOptions {
             "low_cpu_mem_usage" => self.low_cpu_mem_usage = Some(parse_bool(key, value)?),
             "pinned" => self.pinned = Some(parse_bool(key, value)?),
             "budget" => self.budget = Some(value.parse()?),
+            "pinned_limit" => self.pinned_limit = Some(parse_size(key, value)?),
+            "unit_bytes" => self.unit_bytes = Some(parse_size(key, value)?),
+            "ring_slots" => {
+                let n: usize = value.parse().map_err(|_| CoreError::InvalidOption {
+                    option: key.into(),
+                    value: value.into(),
+                    hint: "give a whole number of slots, at least 2".into(),
+                })?;
+                self.ring_slots = Some(n);
+            }
             _ => {
                 return Err(CoreError::InvalidOption {
                     option: key.into(),
                     value: value.into(),
                     hint: "known options: offload_type, num_blocks_per_group, use_stream, record_stream, \
-                           low_cpu_mem_usage, pinned, budget"
+                           low_cpu_mem_usage, pinned, budget, pinned_limit, unit_bytes, ring_slots"
                         .into(),
                 });
             }
@@ -475,6 +503,20 @@ impl RouteSpec {
                 "low_cpu_mem_usage pins on the fly instead of keeping pinned copies: choose one",
             ));
         }
+        if o.ring_slots.is_some_and(|k| k < 2) {
+            return Err(CoreError::InvalidOption {
+                option: "ring_slots".into(),
+                value: format!("{}", o.ring_slots.unwrap_or(0)),
+                hint: "the streaming ring needs at least 2 slots (one in use, one filling)".into(),
+            });
+        }
+        if o.unit_bytes == Some(0) {
+            return Err(CoreError::InvalidOption {
+                option: "unit_bytes".into(),
+                value: "0".into(),
+                hint: "give a transfer unit size such as 16MiB".into(),
+            });
+        }
         if o.budget == Some(Budget::Bytes(0)) {
             return Err(CoreError::InvalidOption {
                 option: "budget".into(),
@@ -574,6 +616,17 @@ impl RouteSpec {
         }
         if let Some(b) = o.budget {
             s.push_str(&format!(" budget={b}"));
+        }
+        for (name, v) in [
+            ("pinned_limit", o.pinned_limit),
+            ("unit_bytes", o.unit_bytes),
+        ] {
+            if let Some(v) = v {
+                s.push_str(&format!(" {name}={v}"));
+            }
+        }
+        if let Some(k) = o.ring_slots {
+            s.push_str(&format!(" ring_slots={k}"));
         }
         s
     }

@@ -15,6 +15,8 @@
 //! - configuration ([`Preset`], [`RouteSpec`], [`Settings`]) and the pure
 //!   [`resolve`](resolve::resolve)r that encodes the seed's VAE table;
 //! - `detach_auxiliary_cpu_sources` ([`detach`]);
+//! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
+//!   device prefetch ring) that streaming routes run on;
 //! - the host backend ([`HostDevice`]): host memory with a capacity, exact accounting and
 //!   an asynchronous copy engine, so CI exercises the same routes a GPU runs.
 //!
@@ -37,6 +39,7 @@ pub mod residency;
 pub mod resolve;
 pub mod route;
 pub mod shape;
+pub mod streaming;
 pub mod tensor;
 
 pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};

@@ -32,6 +32,11 @@ pub struct RouteMetrics {
     leaves_streamed: AtomicU64,
     leaves_resident: AtomicU64,
     schedule_relearned: AtomicU64,
+    streamed_bytes_per_forward: AtomicU64,
+    transfer_units: AtomicU64,
+    ring_slots: AtomicU64,
+    ring_slot_bytes: AtomicU64,
+    staging_buffers: AtomicU64,
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
 }
@@ -98,6 +103,27 @@ impl RouteMetrics {
         self.leaves_resident.store(resident, Ordering::Relaxed);
     }
 
+    /// Sets the streaming engine's plan: bytes copied per forward, transfer units per
+    /// forward, device ring slots and the bytes of each, and pinned staging buffers (0: the
+    /// weights live in one pinned home and copies run straight from it).
+    pub fn set_streaming_plan(
+        &self,
+        streamed_bytes_per_forward: u64,
+        transfer_units: u64,
+        ring_slots: u64,
+        ring_slot_bytes: u64,
+        staging_buffers: u64,
+    ) {
+        self.streamed_bytes_per_forward
+            .store(streamed_bytes_per_forward, Ordering::Relaxed);
+        self.transfer_units.store(transfer_units, Ordering::Relaxed);
+        self.ring_slots.store(ring_slots, Ordering::Relaxed);
+        self.ring_slot_bytes
+            .store(ring_slot_bytes, Ordering::Relaxed);
+        self.staging_buffers
+            .store(staging_buffers, Ordering::Relaxed);
+    }
+
     /// Appends a finished phase's peaks.
     pub fn push_phase(&self, phase: PhasePeak) {
         self.phases.lock().push(phase);
@@ -124,6 +150,11 @@ impl RouteMetrics {
             leaves_streamed: self.leaves_streamed.load(Ordering::Relaxed),
             leaves_resident: self.leaves_resident.load(Ordering::Relaxed),
             schedule_relearned: self.schedule_relearned.load(Ordering::Relaxed),
+            streamed_bytes_per_forward: self.streamed_bytes_per_forward.load(Ordering::Relaxed),
+            transfer_units: self.transfer_units.load(Ordering::Relaxed),
+            ring_slots: self.ring_slots.load(Ordering::Relaxed),
+            ring_slot_bytes: self.ring_slot_bytes.load(Ordering::Relaxed),
+            staging_buffers: self.staging_buffers.load(Ordering::Relaxed),
         }
     }
 
@@ -167,6 +198,21 @@ pub struct RouteCounters {
     pub leaves_resident: u64,
     /// Times the learned leaf order changed and was learned again.
     pub schedule_relearned: u64,
+    /// Bytes the streaming engine copies to the device per forward (0 without the engine).
+    #[serde(default)]
+    pub streamed_bytes_per_forward: u64,
+    /// Transfer units per forward (one copy each).
+    #[serde(default)]
+    pub transfer_units: u64,
+    /// Device ring slots of the streaming engine.
+    #[serde(default)]
+    pub ring_slots: u64,
+    /// Bytes of one ring slot (the largest transfer unit).
+    #[serde(default)]
+    pub ring_slot_bytes: u64,
+    /// Pinned staging buffers (0: copies run from one pinned home of the weights).
+    #[serde(default)]
+    pub staging_buffers: u64,
 }
 
 /// Peak device memory of one finished phase.
@@ -482,6 +528,21 @@ impl MetricsSnapshot {
             if let Some(pool) = &p.native_pool {
                 let _ = writeln!(s, "    phase {}: {}", p.phase, pool.format_line());
             }
+        }
+        if c.transfer_units > 0 {
+            let _ = writeln!(
+                s,
+                "  streaming: {} per forward in {} units, ring {} x {}, {}",
+                format_bytes(c.streamed_bytes_per_forward),
+                c.transfer_units,
+                c.ring_slots,
+                format_bytes(c.ring_slot_bytes),
+                if c.staging_buffers == 0 {
+                    "copies from one pinned home".to_string()
+                } else {
+                    format!("{} pinned staging buffers", c.staging_buffers)
+                }
+            );
         }
         if c.schedule_relearned > 0 {
             let _ = writeln!(s, "  schedule re-learned {} time(s)", c.schedule_relearned);

@@ -19,20 +19,31 @@
 //!   another group starts, or at the end of the forward). At most one group is on the
 //!   device at a time (block level: plus the unmatched group).
 //! - **With a stream** the first forward learns the order in which groups start (the
-//!   schedule) while onloading each group on the copy stream and ordering compute behind
-//!   it with an event. Later forwards prefetch the next scheduled group on the copy stream
-//!   while the current one computes; compute waits on the group's event, never on the
-//!   host. At most two groups are on the device at a time (block level: plus the unmatched
-//!   group). A group that starts out of schedule falls back to a synchronous onload, the
-//!   wrong prefetch is dropped and the schedule is learned again
+//!   [`Schedule`]) while onloading each group on the copy stream and ordering compute
+//!   behind it with an event. From then on the groups run on ddo-core's
+//!   [`StreamingEngine`]: their params, packed in schedule order into transfer units
+//!   (`unit_bytes`, default 16 MiB) in pinned staging bounded by `pinned_limit`, stream
+//!   through a ring of `ring_slots` device slots (default 2) allocated once per forward,
+//!   compute waiting on each unit's copy event and each slot's refill waiting on compute's
+//!   use event — no allocation, host synchronisation or per-param work per leaf. With a
+//!   `budget` (stream mode only, a DDO extension), the engine keeps the groups that cost
+//!   most to stream resident within `resident + ring ≤ budget`. A group that starts out of
+//!   schedule hands the engine's device memory back and falls back to a direct onload for
+//!   the rest of the forward; the schedule (and the engine) are learned again
 //!   ([`RouteMetrics::record_schedule_relearned`]).
-//! - **Freeing.** `record_stream=false` synchronises the compute stream and frees at once
-//!   (as Diffusers does with `current_stream().synchronize()`); `record_stream=true` frees
-//!   in stream order behind the compute stream, without a host synchronisation.
-//! - **Host sources.** `pinned=true` keeps pinned copies of every weight, made at attach
-//!   and counted against the device's pinned limit. `low_cpu_mem_usage=true` with a stream
-//!   pins each weight on the fly for its copy. Otherwise weights are copied from their own
-//!   host bytes (pageable copies block the host, as on CUDA).
+//! - **Freeing.** Outside the engine, `record_stream=false` synchronises the compute stream
+//!   and frees at once (as Diffusers does with `current_stream().synchronize()`);
+//!   `record_stream=true` frees in stream order behind the compute stream, without a host
+//!   synchronisation. The engine's ring goes back in stream order at the end of a forward.
+//! - **Host sources.** Without a stream, `pinned=true` keeps pinned copies of every weight,
+//!   made at attach and counted against the device's pinned limit; otherwise weights are
+//!   copied from their own host bytes (pageable copies block the host, as on CUDA). With a
+//!   stream there is one host copy: the engine's pinned home replaces the params' host
+//!   bytes when the streamed bytes fit under `pinned_limit` (default
+//!   [`DEFAULT_PINNED_LIMIT`](ddo_core::streaming::DEFAULT_PINNED_LIMIT)), else (and with
+//!   `pinned=false` or `low_cpu_mem_usage=true`) two bounded pinned staging buffers are
+//!   filled from the params' own bytes. The learning forward copies from the params' own
+//!   bytes (`low_cpu_mem_usage=true`: pinned on the fly).
 //!
 //! The route keeps nothing resident by design: between phases
 //! ([`AttachedRoute::end_phase`]) nothing of the component stays on the device, and
@@ -46,10 +57,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_core::residency::{FreeMode, PinnedCopies, ResidencyTable, pin_copy};
+use ddo_core::streaming::{
+    Schedule, ScheduleOutcome, StagingKind, StreamingConfig, StreamingEngine, StreamingFigures,
+};
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, Event, GroupOffloadConfig, HostSlice,
-    Leaf, LeafId, OffloadType, Param, ParamId, Placement, Refusal, Result, Route, RouteId,
-    RouteSpec, Stream,
+    AttachedRoute, Component, CoreError, Device, DeviceId, GroupOffloadConfig, HostSlice, Leaf,
+    LeafId, OffloadType, Param, ParamId, Placement, Refusal, Result, Route, RouteId, RouteSpec,
+    Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::{Mutex, MutexGuard};
@@ -57,8 +71,10 @@ use parking_lot::{Mutex, MutexGuard};
 /// The route's name, as errors and profiles spell it.
 pub const ROUTE_NAME: &str = "diffusers_group_offload";
 
-const BUDGET_HINT: &str =
-    "diffusers_group_offload keeps no budgeted residency; use native_vmm with a budget, or none";
+const BUDGET_HINT: &str = "diffusers_group_offload keeps budgeted residency only with a stream: \
+     set use_stream=true, or use native_vmm with a budget, or none";
+
+const STREAM_ONLY_HINT: &str = "pinned_limit, unit_bytes and ring_slots tune the streaming engine: set use_stream=true, or drop them";
 
 /// Label of the block-level group that holds every leaf outside the root's block lists.
 pub const UNMATCHED_LABEL: &str = "unmatched";
@@ -89,7 +105,9 @@ impl GroupOffloadRoute {
         let config = spec.group_offload_config();
         let plan = GroupPlan::new(component, &config);
         let params = component.params();
-        let source = if config.pinned {
+        // With a stream the engine owns pinning (one host copy, bounded staging); pinned
+        // copies of the whole model at attach are the no-stream mode's.
+        let source = if config.pinned && !config.use_stream {
             HostSource::Pinned
         } else if config.use_stream && config.low_cpu_mem_usage {
             HostSource::PinOnTheFly
@@ -97,7 +115,7 @@ impl GroupOffloadRoute {
             HostSource::Own
         };
         // Fallible steps first; on error everything made so far is dropped on return.
-        let pinned = if config.pinned {
+        let pinned = if source == HostSource::Pinned {
             Some(PinnedCopies::pin(&*device, &params)?)
         } else {
             None
@@ -120,6 +138,7 @@ impl GroupOffloadRoute {
             component: component.name().to_string(),
             spec: *spec,
             config,
+            streaming: StreamingConfig::from_options(spec.options()),
             compute: device.compute_stream(),
             device,
             metrics,
@@ -132,13 +151,10 @@ impl GroupOffloadRoute {
                 pinned,
                 copy_stream,
                 current: None,
-                prefetched: None,
+                position: None,
                 unmatched_onloaded: false,
-                schedule: None,
-                observed: Vec::new(),
-                cursor: 0,
-                prefetching: false,
-                relearn_recorded: false,
+                schedule: Schedule::new(),
+                engine: None,
             }),
         }))
     }
@@ -167,11 +183,25 @@ impl Route for GroupOffloadRoute {
             component: component.name().to_string(),
             refusal,
         };
-        if spec.options().budget.is_some() {
+        let o = spec.options();
+        let streamed = spec.group_offload_config().use_stream;
+        if o.budget.is_some() && !streamed {
             return Err(refuse(Refusal::UnsupportedOption {
                 option: "budget",
                 hint: BUDGET_HINT,
             }));
+        }
+        for (given, option) in [
+            (o.pinned_limit.is_some(), "pinned_limit"),
+            (o.unit_bytes.is_some(), "unit_bytes"),
+            (o.ring_slots.is_some(), "ring_slots"),
+        ] {
+            if given && !streamed {
+                return Err(refuse(Refusal::UnsupportedOption {
+                    option,
+                    hint: STREAM_ONLY_HINT,
+                }));
+            }
         }
         if spec.group_offload_config().use_stream && !device.supports_streams() {
             return Err(refuse(Refusal::NoStreams));
@@ -367,56 +397,48 @@ impl GroupPlan {
     }
 }
 
-/// Where the bytes of an onload come from.
+/// Where the bytes of an onload come from (without a stream, and on the stream mode's
+/// learning forward).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HostSource {
-    /// The pinned copies made at attach.
+    /// The pinned copies made at attach (no stream, `pinned=true`).
     Pinned,
     /// A pinned staging copy made per onload, kept alive by the queued copy.
     PinOnTheFly,
-    /// The param's own host bytes (pageable or mapped: the copy blocks the host).
+    /// The param's own host bytes (pageable or mapped: the copy blocks the host; pinned
+    /// once the streaming engine made its pinned home the params' host bytes).
     Own,
-}
-
-/// A group queued on the copy stream, with the event that marks its copies done.
-#[derive(Debug)]
-struct Prefetch {
-    group: usize,
-    event: Event,
 }
 
 #[derive(Debug)]
 struct State {
     detached: bool,
-    /// Device copies of the onloaded groups' params, reference-counted per group hold.
+    /// Device copies of groups onloaded outside the engine (no stream, the learning
+    /// forward, a forward that left the schedule, the unmatched group).
     table: ResidencyTable,
     pinned: Option<PinnedCopies>,
     copy_stream: Option<Stream>,
     /// The group compute is using now (not the unmatched one).
     current: Option<usize>,
-    /// The group queued on the copy stream for the next start.
-    prefetched: Option<Prefetch>,
+    /// The engine position of `current`, when the engine runs it.
+    position: Option<usize>,
     /// Whether the block-level unmatched group is onloaded.
     unmatched_onloaded: bool,
     /// The learned order of group starts (stream mode).
-    schedule: Option<Vec<usize>>,
-    /// Group starts of the running forward.
-    observed: Vec<usize>,
-    /// Position in `schedule` of the next expected start.
-    cursor: usize,
-    /// Whether this forward follows the schedule (false while learning or after a
-    /// divergence).
-    prefetching: bool,
-    /// Whether this forward already counted a re-learn.
-    relearn_recorded: bool,
+    schedule: Schedule,
+    /// The streaming engine, built from the schedule after the learning forward.
+    engine: Option<StreamingEngine>,
 }
 
 impl State {
     fn holds_anything(&self) -> bool {
         self.current.is_some()
-            || self.prefetched.is_some()
             || self.unmatched_onloaded
             || !self.table.is_empty()
+            || self
+                .engine
+                .as_ref()
+                .is_some_and(StreamingEngine::in_forward)
     }
 }
 
@@ -428,6 +450,7 @@ pub struct AttachedGroupOffload {
     component: String,
     spec: RouteSpec,
     config: GroupOffloadConfig,
+    streaming: StreamingConfig,
     device: Arc<dyn Device>,
     compute: Stream,
     metrics: Arc<RouteMetrics>,
@@ -449,10 +472,24 @@ impl AttachedGroupOffload {
         self.config
     }
 
+    /// The streaming engine's settings (stream mode).
+    pub fn streaming_config(&self) -> StreamingConfig {
+        self.streaming
+    }
+
     /// The learned order of group starts (stream mode, after the first forward), as
     /// indices into [`GroupPlan::groups`].
     pub fn schedule(&self) -> Option<Vec<usize>> {
-        self.state.lock().schedule.clone()
+        self.state.lock().schedule.order().map(<[usize]>::to_vec)
+    }
+
+    /// The streaming engine's figures (stream mode, once the schedule is learned).
+    pub fn streaming_figures(&self) -> Option<StreamingFigures> {
+        self.state
+            .lock()
+            .engine
+            .as_ref()
+            .map(|e| e.figures().clone())
     }
 
     /// Whether [`AttachedRoute::detach`] has run.
@@ -460,13 +497,12 @@ impl AttachedGroupOffload {
         self.state.lock().detached
     }
 
-    /// Pinned host bytes held in pinned copies (0 without `pinned`, and after detach).
+    /// Pinned host bytes held in pinned copies or by the streaming engine (0 after
+    /// detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state
-            .lock()
-            .pinned
-            .as_ref()
-            .map_or(0, PinnedCopies::bytes)
+        let st = self.state.lock();
+        st.pinned.as_ref().map_or(0, PinnedCopies::bytes)
+            + st.engine.as_ref().map_or(0, |e| e.figures().pinned_bytes)
     }
 
     fn live(&self) -> Result<MutexGuard<'_, State>> {
@@ -548,121 +584,137 @@ impl AttachedGroupOffload {
         }
     }
 
+    /// The group in use is done: the engine moves on (use event, next unit queued), or
+    /// the group is freed.
     fn offload_current(&self, st: &mut State) -> Result<()> {
-        match st.current.take() {
-            Some(g) => self.release_after_use(st, g),
-            None => Ok(()),
-        }
-    }
-
-    /// Drops a prefetched group that compute never used, once its copies are done.
-    fn drop_prefetch(&self, st: &mut State) -> Result<()> {
-        let Some(p) = st.prefetched.take() else {
+        let Some(g) = st.current.take() else {
             return Ok(());
         };
-        let started = Instant::now();
-        let waited = self.device.synchronize_event(&p.event);
-        self.metrics.record_copy_wait(started.elapsed());
-        self.release(st, p.group, FreeMode::Immediate);
-        waited
-    }
-
-    /// Frees a group whose copies on `copy` may still be running after a failure.
-    fn undo_copy(&self, st: &mut State, g: usize, copy: &Stream) {
-        let _ = self.device.synchronize_stream(copy);
-        self.release(st, g, FreeMode::Immediate);
-    }
-
-    /// Queues group `g` on the copy stream and records its event.
-    fn queue_on_copy_stream(&self, st: &mut State, g: usize, copy: &Stream) -> Result<Event> {
-        self.acquire(st, g, copy)?;
-        match self.device.record_event(copy) {
-            Ok(event) => Ok(event),
-            Err(e) => {
-                self.undo_copy(st, g, copy);
-                Err(e)
-            }
+        match st.position.take() {
+            Some(pos) => match st.engine.as_mut() {
+                Some(engine) => engine.leave(pos),
+                None => Ok(()),
+            },
+            None => self.release_after_use(st, g),
         }
     }
 
-    /// Onloads `g` for immediate use: on the compute stream without a copy stream; on the
-    /// copy stream with compute ordered behind it by an event otherwise.
+    /// Synchronises the device and drops every onloaded group and the engine's ring.
+    fn drop_transient(&self, st: &mut State) -> Result<()> {
+        let engine = st.engine.as_mut().map_or(Ok(()), StreamingEngine::abort);
+        let synced = self.device.synchronize();
+        st.table
+            .release_all(&*self.device, FreeMode::Immediate, &self.compute);
+        st.current = None;
+        st.position = None;
+        st.unmatched_onloaded = false;
+        st.schedule.abandon_forward();
+        engine.and(synced)
+    }
+
+    /// Onloads `g` for immediate use outside the engine: on the compute stream without a
+    /// copy stream; on the copy stream with compute ordered behind it by an event otherwise.
     fn onload_now(&self, st: &mut State, g: usize) -> Result<()> {
         let Some(copy) = st.copy_stream.clone() else {
             return self.acquire(st, g, &self.compute);
         };
-        let event = self.queue_on_copy_stream(st, g, &copy)?;
-        if let Err(e) = self.device.wait_event(&self.compute, &event) {
-            self.undo_copy(st, g, &copy);
+        self.acquire(st, g, &copy)?;
+        let ordered = self
+            .device
+            .record_event(&copy)
+            .and_then(|event| self.device.wait_event(&self.compute, &event));
+        if let Err(e) = ordered {
+            let _ = self.device.synchronize_stream(&copy);
+            self.release(st, g, FreeMode::Immediate);
             return Err(e);
         }
         Ok(())
     }
 
-    /// Prefetches `g` on the copy stream.
-    fn prefetch(&self, st: &mut State, g: usize) -> Result<()> {
-        let Some(copy) = st.copy_stream.clone() else {
-            return Ok(());
-        };
-        let event = self.queue_on_copy_stream(st, g, &copy)?;
-        st.prefetched = Some(Prefetch { group: g, event });
-        Ok(())
-    }
-
-    /// The observed order left the schedule: stop prefetching for this forward, drop the
-    /// wrong prefetch, and learn the order again at the end of the forward.
-    fn diverge(&self, st: &mut State) -> Result<()> {
-        st.prefetching = false;
-        if !st.relearn_recorded {
-            st.relearn_recorded = true;
-            self.metrics.record_schedule_relearned();
-        }
-        self.drop_prefetch(st)
-    }
-
-    /// Synchronises the device and drops every onloaded or prefetched group.
-    fn drop_transient(&self, st: &mut State) -> Result<()> {
-        let synced = self.device.synchronize();
-        st.table
-            .release_all(&*self.device, FreeMode::Immediate, &self.compute);
-        st.current = None;
-        st.prefetched = None;
-        st.unmatched_onloaded = false;
-        st.observed.clear();
-        st.cursor = 0;
-        st.prefetching = false;
-        synced
-    }
-
-    /// Starts group `g` (not the unmatched one) in stream mode.
+    /// Starts group `g` (not the unmatched one) in stream mode: on the engine while the
+    /// forward follows the schedule; otherwise (learning, or after leaving the schedule,
+    /// which hands the engine's device memory back first) by a direct onload.
     fn start_streamed(&self, st: &mut State, g: usize) -> Result<()> {
-        if st.prefetching {
-            let expected = st.schedule.as_ref().and_then(|s| s.get(st.cursor)).copied();
-            match st.prefetched.take() {
-                Some(p) if p.group == g && expected == Some(g) => {
-                    if let Err(e) = self.device.wait_event(&self.compute, &p.event) {
-                        st.prefetched = Some(p);
-                        let _ = self.drop_prefetch(st);
-                        return Err(e);
-                    }
-                    st.current = Some(g);
-                    st.cursor += 1;
-                    let next = st.schedule.as_ref().and_then(|s| s.get(st.cursor)).copied();
-                    if let Some(next) = next {
-                        self.prefetch(st, next)?;
-                    }
-                    return Ok(());
+        let on_engine = st.engine.as_ref().is_some_and(StreamingEngine::in_forward);
+        match st.schedule.start(g) {
+            Some(pos) if on_engine => {
+                if let Some(engine) = st.engine.as_mut() {
+                    engine.enter(pos)?;
                 }
-                other => {
-                    st.prefetched = other;
-                    self.diverge(st)?;
+                st.position = Some(pos);
+            }
+            _ => {
+                if on_engine && let Some(engine) = st.engine.as_mut() {
+                    // Left the schedule: the engine's params go back to host-only before
+                    // the direct path installs its own copies.
+                    engine.release_device()?;
                 }
+                self.onload_now(st, g)?;
             }
         }
-        self.onload_now(st, g)?;
         st.current = Some(g);
         Ok(())
     }
+
+    /// Builds the streaming engine for the learned schedule (replacing an older one).
+    fn build_engine(&self, st: &mut State) -> Result<()> {
+        if let Some(mut old) = st.engine.take() {
+            old.teardown()?;
+        }
+        let (Some(order), Some(copy)) = (st.schedule.order(), st.copy_stream.clone()) else {
+            return Ok(());
+        };
+        let segments: Vec<Vec<Arc<Param>>> =
+            self.plan.groups.iter().map(|g| g.params.clone()).collect();
+        let mut config = self.streaming;
+        config.budget = self
+            .spec
+            .options()
+            .budget
+            .map(|b| b.bytes_given_free(free_bytes(&*self.device)));
+        let engine = StreamingEngine::new(
+            Arc::clone(&self.device),
+            copy,
+            &segments,
+            order,
+            &config,
+            Arc::clone(&self.metrics),
+        )?;
+        let f = engine.figures().clone();
+        let resident: HashSet<ParamId> = engine.resident_params().iter().map(|p| p.id()).collect();
+        let resident_leaves = self
+            .plan
+            .groups
+            .iter()
+            .filter(|g| !g.params.is_empty() && g.params.iter().all(|p| resident.contains(&p.id())))
+            .map(|g| g.leaves.len() as u64)
+            .sum::<u64>();
+        self.metrics.set_leaf_plan(
+            self.plan.streamed_leaves().saturating_sub(resident_leaves),
+            resident_leaves,
+        );
+        self.metrics.set_resident_weight_bytes(f.resident_bytes);
+        self.metrics.set_streaming_plan(
+            f.streamed_bytes,
+            f.units as u64,
+            f.ring_slots as u64,
+            f.slot_bytes,
+            match f.staging {
+                StagingKind::PinnedHome => 0,
+                StagingKind::Ring { buffers, .. } => buffers as u64,
+            },
+        );
+        self.metrics.set_pinned_host_bytes(f.pinned_bytes);
+        st.engine = Some(engine);
+        Ok(())
+    }
+}
+
+/// Free device bytes: the driver's figure where there is one, else capacity minus allocated.
+fn free_bytes(device: &dyn Device) -> u64 {
+    let info = device.memory_info();
+    info.driver_free
+        .unwrap_or_else(|| info.capacity.saturating_sub(info.allocated))
 }
 
 impl AttachedRoute for AttachedGroupOffload {
@@ -692,19 +744,16 @@ impl AttachedRoute for AttachedGroupOffload {
             // A previous forward failed half-way: start clean.
             self.drop_transient(&mut st)?;
         }
-        st.observed.clear();
-        st.cursor = 0;
-        st.relearn_recorded = false;
-        st.prefetching = st.copy_stream.is_some() && st.schedule.is_some();
+        st.schedule.begin_forward();
         if let Some(u) = self.plan.unmatched {
             self.acquire(&mut st, u, &self.compute)?;
             st.unmatched_onloaded = true;
         }
-        if st.prefetching {
-            let first = st.schedule.as_ref().and_then(|s| s.first()).copied();
-            if let Some(first) = first {
-                self.prefetch(&mut st, first)?;
-            }
+        if st.copy_stream.is_some() && st.schedule.order().is_some() && st.engine.is_none() {
+            self.build_engine(&mut st)?;
+        }
+        if let Some(engine) = st.engine.as_mut() {
+            engine.begin_forward()?;
         }
         Ok(())
     }
@@ -727,7 +776,6 @@ impl AttachedRoute for AttachedGroupOffload {
             return Ok(());
         }
         self.offload_current(&mut st)?;
-        st.observed.push(g);
         if st.copy_stream.is_some() {
             self.start_streamed(&mut st, g)
         } else {
@@ -749,8 +797,6 @@ impl AttachedRoute for AttachedGroupOffload {
     fn after_forward(&self) -> Result<()> {
         let mut st = self.live()?;
         let current = self.offload_current(&mut st);
-        // A prefetch still queued means the schedule predicted a group that did not run.
-        let prefetch = self.drop_prefetch(&mut st);
         let unmatched = match self.plan.unmatched {
             Some(u) if st.unmatched_onloaded => {
                 st.unmatched_onloaded = false;
@@ -758,20 +804,23 @@ impl AttachedRoute for AttachedGroupOffload {
             }
             _ => Ok(()),
         };
+        let mut streamed = Ok(());
         if st.copy_stream.is_some() {
-            let observed = std::mem::take(&mut st.observed);
-            let same = st.schedule.as_ref() == Some(&observed);
-            if !same {
-                if st.schedule.is_some() && !st.relearn_recorded {
-                    st.relearn_recorded = true;
+            // A forward that stopped early leaves queued units: the engine waits for them.
+            let ended = st
+                .engine
+                .as_mut()
+                .map_or(Ok(()), StreamingEngine::end_forward);
+            streamed = match st.schedule.end_forward() {
+                ScheduleOutcome::Followed => ended,
+                ScheduleOutcome::Learned => ended.and_then(|()| self.build_engine(&mut st)),
+                ScheduleOutcome::Relearned => {
                     self.metrics.record_schedule_relearned();
+                    ended.and_then(|()| self.build_engine(&mut st))
                 }
-                st.schedule = Some(observed);
-            }
+            };
         }
-        st.prefetching = false;
-        st.cursor = 0;
-        current.and(prefetch).and(unmatched)
+        current.and(unmatched).and(streamed)
     }
 
     fn end_phase(&self) -> Result<()> {
@@ -779,7 +828,12 @@ impl AttachedRoute for AttachedGroupOffload {
         if st.detached {
             return Ok(());
         }
-        self.drop_transient(&mut st)
+        let transient = self.drop_transient(&mut st);
+        let engine = st
+            .engine
+            .as_mut()
+            .map_or(Ok(()), StreamingEngine::release_device);
+        transient.and(engine)
     }
 
     fn detach(&self) -> Result<()> {
@@ -789,6 +843,9 @@ impl AttachedRoute for AttachedGroupOffload {
         }
         st.detached = true;
         let synced = self.drop_transient(&mut st);
+        // The engine gives the params their host bytes back (in pageable memory when it
+        // had made its pinned home their one copy).
+        let engine = st.engine.take().map_or(Ok(()), |mut e| e.teardown());
         for p in &self.params {
             // Clearing a device copy cannot fail.
             let _ = p.set_device(None);
@@ -797,9 +854,9 @@ impl AttachedRoute for AttachedGroupOffload {
         // has finished (or holds its own handle to the host bytes).
         st.pinned = None;
         st.copy_stream = None;
-        st.schedule = None;
+        st.schedule.reset();
         self.metrics.set_pinned_host_bytes(0);
-        synced
+        synced.and(engine)
     }
 }
 
@@ -822,8 +879,8 @@ impl fmt::Debug for AttachedGroupOffload {
             Some(st) => d
                 .field("detached", &st.detached)
                 .field("current", &st.current)
-                .field("prefetched", &st.prefetched.as_ref().map(|p| p.group))
-                .field("schedule", &st.schedule)
+                .field("schedule", &st.schedule.order())
+                .field("engine", &st.engine.as_ref().map(StreamingEngine::figures))
                 .field("resident", &st.table),
             None => d.field("state", &"<in use>"),
         };

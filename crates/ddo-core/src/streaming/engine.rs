@@ -1,0 +1,639 @@
+//! [`StreamingEngine`]: runs a fixed schedule of segments with budgeted residency,
+//! coalesced pinned staging and a prefetch ring of device slots (DESIGN.md, "The execution
+//! model").
+//!
+//! Per forward: [`StreamingEngine::begin_forward`] allocates the ring (one device buffer of
+//! `slots × slot` bytes: the only allocation of the forward), points every streamed param
+//! into its slot and queues the first `slots` units on the copy stream.
+//! [`StreamingEngine::enter`] makes compute wait for the unit's copy event when a unit's
+//! first position starts; [`StreamingEngine::leave`] records a use event on compute when
+//! its last position ends and queues unit `u + slots` into the freed slot, the copy stream
+//! waiting on that use event first. Neither allocates, blocks the host (with pinned-home
+//! staging) or touches a param outside the rare [`Fixup`](super::layout::Fixup)s.
+//! [`StreamingEngine::end_forward`] hands the ring back in stream order and leaves the
+//! streamed params host-only again.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ddo_metrics::RouteMetrics;
+
+use crate::device::{Device, DeviceBuffer, Event, Stream};
+use crate::error::{CoreError, Result};
+use crate::host::HostBuffer;
+use crate::param::{Param, ParamId};
+use crate::residency::{FreeMode, ResidencyTable};
+use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, align_up};
+use crate::streaming::plan::{SlotModel, plan_residency_with};
+use crate::streaming::{StagingMode, StreamingConfig};
+
+/// How the engine holds the host side of the streamed bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum StagingKind {
+    /// One pinned buffer with every unit in schedule order; it replaced the params' host
+    /// bytes, so it is the one host copy. Copies run straight from it.
+    PinnedHome,
+    /// `buffers` pinned buffers of `buffer_bytes` each, filled by host copies from the
+    /// params' own bytes (checkpoint mapping or owned memory) ahead of the copy stream.
+    Ring {
+        /// Number of staging buffers.
+        buffers: usize,
+        /// Bytes of each.
+        buffer_bytes: u64,
+    },
+}
+
+/// The engine's plan, as metrics and tests see it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StreamingFigures {
+    /// Segments kept resident (all their params resident).
+    pub resident_segments: usize,
+    /// Segments with at least one streamed param.
+    pub streamed_segments: usize,
+    /// Weight bytes kept resident on the device.
+    pub resident_bytes: u64,
+    /// Bytes copied to the device per forward (units, alignment padding included).
+    pub streamed_bytes: u64,
+    /// Param bytes streamed per forward (without padding).
+    pub streamed_payload_bytes: u64,
+    /// Transfer units per forward.
+    pub units: usize,
+    /// Ring slots allocated per forward.
+    pub ring_slots: usize,
+    /// Bytes of one slot (the largest unit).
+    pub slot_bytes: u64,
+    /// Budget the residency plan was made for (`None`: nothing resident by choice).
+    pub budget_bytes: Option<u64>,
+    /// Host staging.
+    pub staging: StagingKind,
+    /// Pinned host bytes the engine holds.
+    pub pinned_bytes: u64,
+    /// Host bytes of the params' previous sources that the pinned home released (bytes
+    /// this engine held the last handle to); 0 for ring staging.
+    pub host_bytes_released: u64,
+}
+
+impl StreamingFigures {
+    /// Device bytes of the ring.
+    pub fn ring_bytes(&self) -> u64 {
+        self.slot_bytes * self.ring_slots as u64
+    }
+
+    /// Most weight bytes on the device during a forward: resident plus the ring.
+    pub fn device_weight_bytes(&self) -> u64 {
+        self.resident_bytes + self.ring_bytes()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    /// The unit whose copy was queued into this slot, and the event after its copy.
+    ready: Option<(usize, Event)>,
+    /// Event after compute's last use of the slot's previous unit.
+    last_use: Option<Event>,
+}
+
+#[derive(Debug)]
+struct Ring {
+    buffer: DeviceBuffer,
+    slots: Vec<Slot>,
+    /// Units whose first position compute has entered.
+    entered: usize,
+}
+
+#[derive(Debug)]
+enum Host {
+    Home {
+        buffer: HostBuffer,
+        unit_offsets: Vec<u64>,
+        /// `(param, offset in the home)` of every param whose host bytes the home replaced.
+        replaced: Vec<(Arc<Param>, u64)>,
+    },
+    Staged {
+        buffers: Vec<HostBuffer>,
+        last_copy: Vec<Option<Event>>,
+        next: usize,
+    },
+}
+
+/// The streaming engine of one component (see the [module docs](self)).
+#[derive(Debug)]
+pub struct StreamingEngine {
+    device: Arc<dyn Device>,
+    compute: Stream,
+    copy: Stream,
+    metrics: Arc<RouteMetrics>,
+    layout: StagingLayout,
+    slots: usize,
+    resident_params: Vec<Arc<Param>>,
+    resident: ResidencyTable,
+    host: Option<Host>,
+    ring: Option<Ring>,
+    figures: StreamingFigures,
+}
+
+/// Bytes of one segment for the planner: its params, each aligned.
+fn segment_bytes(params: &[Arc<Param>]) -> u64 {
+    params.iter().map(|p| align_up(p.nbytes() as u64)).sum()
+}
+
+impl StreamingEngine {
+    /// Builds the engine for `segments` (each a list of params that must be on the device
+    /// together) started in the order `schedule` gives (indices into `segments`), copying
+    /// on `copy`. With a budget, the residency planner picks the segments to keep resident
+    /// so that `resident + slots × slot ≤ budget`; everything else streams. Host staging is
+    /// prepared now (for a pinned home: the params' host bytes are replaced by it); device
+    /// memory is taken at the first [`StreamingEngine::begin_forward`].
+    ///
+    /// Errors: a budget too small for the ring ([`CoreError::Refused`]-style typed
+    /// [`CoreError::InvalidOption`] with a hint), or a pinned limit below one staging
+    /// buffer ([`CoreError::PinnedLimit`]). On error nothing is changed.
+    pub fn new(
+        device: Arc<dyn Device>,
+        copy: Stream,
+        segments: &[Vec<Arc<Param>>],
+        schedule: &[usize],
+        config: &StreamingConfig,
+        metrics: Arc<RouteMetrics>,
+    ) -> Result<Self> {
+        let slots_wanted = config.ring_slots.max(2);
+        // Residency: plan over the scheduled segments (each once).
+        let mut order: Vec<usize> = Vec::new();
+        let mut seen = HashSet::new();
+        for &s in schedule {
+            if s < segments.len() && seen.insert(s) {
+                order.push(s);
+            }
+        }
+        let mut resident_ids: HashSet<ParamId> = HashSet::new();
+        let mut resident_params = Vec::new();
+        let mut resident_segments = 0;
+        if let Some(budget) = config.budget {
+            let weighted: Vec<(String, u64)> = order
+                .iter()
+                .map(|&s| (s.to_string(), segment_bytes(&segments[s])))
+                .collect();
+            let model = SlotModel {
+                slots: slots_wanted as u64,
+                unit_floor: align_up(config.unit_bytes),
+            };
+            let plan = plan_residency_with(&weighted, budget, model);
+            if !plan.fits() {
+                return Err(CoreError::InvalidOption {
+                    option: "budget".into(),
+                    value: budget.to_string(),
+                    hint: format!(
+                        "the streaming ring needs {} B ({} slots of the largest segment) on top of \
+                         what stays resident; raise the budget, lower ring_slots, or drop the budget",
+                        plan.slot_bytes, slots_wanted
+                    ),
+                });
+            }
+            for path in &plan.resident {
+                let s: usize = path.parse().unwrap_or(usize::MAX);
+                if let Some(params) = segments.get(s) {
+                    resident_segments += 1;
+                    for p in params {
+                        if resident_ids.insert(p.id()) {
+                            resident_params.push(Arc::clone(p));
+                        }
+                    }
+                }
+            }
+        }
+        let layout = StagingLayout::new(segments, schedule, &resident_ids, config.unit_bytes);
+        let units = layout.units().len();
+        let slots = slots_wanted.min(units);
+        let slot_bytes = layout.slot_bytes();
+        if let Some(budget) = config.budget {
+            let resident: u64 = resident_params.iter().map(|p| p.nbytes() as u64).sum();
+            let need = resident + slot_bytes * slots as u64;
+            if need > budget {
+                return Err(CoreError::InvalidOption {
+                    option: "budget".into(),
+                    value: budget.to_string(),
+                    hint: format!(
+                        "resident weights and the ring need {need} B; raise the budget or lower unit_bytes"
+                    ),
+                });
+            }
+        }
+        let info = device.memory_info();
+        let pinned_room = config
+            .pinned_limit
+            .min(info.pinned_limit.saturating_sub(info.pinned_host));
+        let home_bytes: u64 = layout.units().iter().map(|u| u.bytes).sum();
+        let use_home = match config.staging {
+            StagingMode::PinnedHome => true,
+            StagingMode::Ring => false,
+            StagingMode::Auto => home_bytes <= pinned_room,
+        };
+        let (host, staging, pinned_bytes, released) = if units == 0 {
+            (
+                None,
+                StagingKind::Ring {
+                    buffers: 0,
+                    buffer_bytes: 0,
+                },
+                0,
+                0,
+            )
+        } else if use_home {
+            if home_bytes > pinned_room {
+                return Err(CoreError::PinnedLimit {
+                    requested: home_bytes,
+                    pinned: info.pinned_host,
+                    limit: pinned_room.saturating_add(info.pinned_host),
+                });
+            }
+            let (host, released) = Self::build_home(&*device, &layout, home_bytes)?;
+            (Some(host), StagingKind::PinnedHome, home_bytes, released)
+        } else {
+            const BUFFERS: usize = 2;
+            let per = (pinned_room / BUFFERS as u64) / PARAM_ALIGN * PARAM_ALIGN;
+            let buffer_bytes = per.min(slot_bytes);
+            if buffer_bytes == 0 {
+                return Err(CoreError::PinnedLimit {
+                    requested: BUFFERS as u64 * PARAM_ALIGN,
+                    pinned: info.pinned_host,
+                    limit: pinned_room.saturating_add(info.pinned_host),
+                });
+            }
+            let mut buffers = Vec::with_capacity(BUFFERS);
+            for _ in 0..BUFFERS {
+                buffers.push(device.alloc_pinned(buffer_bytes as usize)?);
+            }
+            (
+                Some(Host::Staged {
+                    buffers,
+                    last_copy: vec![None; BUFFERS],
+                    next: 0,
+                }),
+                StagingKind::Ring {
+                    buffers: BUFFERS,
+                    buffer_bytes,
+                },
+                buffer_bytes * BUFFERS as u64,
+                0,
+            )
+        };
+        let streamed_segments = order
+            .iter()
+            .filter(|&&s| segments[s].iter().any(|p| !resident_ids.contains(&p.id())))
+            .count();
+        let figures = StreamingFigures {
+            resident_segments,
+            streamed_segments,
+            resident_bytes: resident_params.iter().map(|p| p.nbytes() as u64).sum(),
+            streamed_bytes: layout.streamed_bytes(),
+            streamed_payload_bytes: layout.payload_bytes(),
+            units,
+            ring_slots: slots,
+            slot_bytes,
+            budget_bytes: config.budget,
+            staging,
+            pinned_bytes,
+            host_bytes_released: released,
+        };
+        Ok(Self {
+            compute: device.compute_stream(),
+            device,
+            copy,
+            metrics,
+            layout,
+            slots,
+            resident_params,
+            resident: ResidencyTable::new(),
+            host,
+            ring: None,
+            figures,
+        })
+    }
+
+    /// Lays every unit out in one pinned buffer and makes it the params' host bytes.
+    fn build_home(
+        device: &dyn Device,
+        layout: &StagingLayout,
+        home_bytes: u64,
+    ) -> Result<(Host, u64)> {
+        let buffer = device.alloc_pinned(home_bytes as usize)?;
+        let mut unit_offsets = Vec::with_capacity(layout.units().len());
+        let mut at = 0u64;
+        let mut first_place: Vec<(Arc<Param>, u64)> = Vec::new();
+        let mut placed: HashSet<ParamId> = HashSet::new();
+        buffer.with_bytes_mut(|home| {
+            for unit in layout.units() {
+                unit_offsets.push(at);
+                for e in &unit.entries {
+                    let start = (at + e.offset) as usize;
+                    e.param
+                        .host()
+                        .with_bytes(|b| home[start..start + b.len()].copy_from_slice(b));
+                    if placed.insert(e.param.id()) {
+                        first_place.push((Arc::clone(&e.param), at + e.offset));
+                    }
+                }
+                at += unit.bytes;
+            }
+        })?;
+        // Replace the host bytes only once everything is copied: on error above nothing
+        // changed.
+        let mut released = 0u64;
+        let mut replaced = Vec::with_capacity(first_place.len());
+        for (p, offset) in first_place {
+            let slice = buffer.slice(offset as usize, p.nbytes())?;
+            let old = p.replace_host(slice)?;
+            // The old bytes go when the last handle goes; this was it if the buffer has
+            // one handle (ours) left.
+            if old.buffer().handle_count() == 1 {
+                released += old.len() as u64;
+            }
+            drop(old);
+            replaced.push((p, offset));
+        }
+        Ok((
+            Host::Home {
+                buffer,
+                unit_offsets,
+                replaced,
+            },
+            released,
+        ))
+    }
+
+    /// The plan's figures.
+    pub fn figures(&self) -> &StreamingFigures {
+        &self.figures
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &StagingLayout {
+        &self.layout
+    }
+
+    /// Params kept resident under the budget.
+    pub fn resident_params(&self) -> &[Arc<Param>] {
+        &self.resident_params
+    }
+
+    /// Whether a forward is running on the ring.
+    pub fn in_forward(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// Starts a forward: makes the resident params resident (first forward of a phase),
+    /// takes the ring, points the streamed params into it and queues the first units.
+    pub fn begin_forward(&mut self) -> Result<()> {
+        if self.ring.is_some() {
+            self.abort()?;
+        }
+        if self.resident.is_empty() && !self.resident_params.is_empty() {
+            let params = self.resident_params.clone();
+            self.resident.acquire(
+                &*self.device,
+                &params,
+                &|p: &Param| Ok(p.host()),
+                &self.compute,
+                &self.metrics,
+            )?;
+        }
+        if self.slots == 0 {
+            return Ok(());
+        }
+        let slot_bytes = self.figures.slot_bytes;
+        let buffer = self
+            .device
+            .alloc((slot_bytes * self.slots as u64) as usize)?;
+        for (p, unit, offset) in self.layout.single_location() {
+            let at = (*unit % self.slots) as u64 * slot_bytes + offset;
+            p.set_device(Some(buffer.slice(at as usize, p.nbytes())?))?;
+        }
+        self.ring = Some(Ring {
+            buffer,
+            slots: (0..self.slots).map(|_| Slot::default()).collect(),
+            entered: 0,
+        });
+        for u in 0..self.slots {
+            if let Err(e) = self.issue(u) {
+                let _ = self.abort();
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues unit `u`'s copy into its slot, behind the slot's last use.
+    fn issue(&mut self, u: usize) -> Result<()> {
+        let slots = self.slots;
+        let slot_bytes = self.figures.slot_bytes;
+        let Some(ring) = self.ring.as_mut() else {
+            return Ok(());
+        };
+        let unit = &self.layout.units()[u];
+        let s = u % slots;
+        if let Some(ev) = ring.slots[s].last_use.take() {
+            self.device.wait_event(&self.copy, &ev)?;
+        }
+        let dst_base = s as u64 * slot_bytes;
+        match self.host.as_mut() {
+            Some(Host::Home {
+                buffer,
+                unit_offsets,
+                ..
+            }) => {
+                let src = buffer.slice(unit_offsets[u] as usize, unit.bytes as usize)?;
+                let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
+                self.device.copy_h2d(&src, &dst, &self.copy)?;
+                self.metrics.record_h2d(unit.bytes);
+            }
+            Some(Host::Staged {
+                buffers,
+                last_copy,
+                next,
+            }) => {
+                let chunk = buffers[0].len() as u64;
+                let mut at = 0u64;
+                while at < unit.bytes {
+                    let n = chunk.min(unit.bytes - at);
+                    let b = *next;
+                    *next = (*next + 1) % buffers.len();
+                    if let Some(ev) = last_copy[b].take() {
+                        // The copy that last read this staging buffer must be done before
+                        // the host writes it again.
+                        let started = Instant::now();
+                        self.device.synchronize_event(&ev)?;
+                        self.metrics.record_copy_wait(started.elapsed());
+                    }
+                    let staging = &buffers[b];
+                    staging.with_bytes_mut(|dst| {
+                        for e in &unit.entries {
+                            let (lo, hi) = (e.offset.max(at), (e.offset + e.len).min(at + n));
+                            if lo >= hi {
+                                continue;
+                            }
+                            e.param.host().with_bytes(|src| {
+                                let s0 = (lo - e.offset) as usize;
+                                let d0 = (lo - at) as usize;
+                                let len = (hi - lo) as usize;
+                                dst[d0..d0 + len].copy_from_slice(&src[s0..s0 + len]);
+                            });
+                        }
+                    })?;
+                    let src = staging.slice(0, n as usize)?;
+                    let dst = ring.buffer.slice((dst_base + at) as usize, n as usize)?;
+                    self.device.copy_h2d(&src, &dst, &self.copy)?;
+                    self.metrics.record_h2d(n);
+                    last_copy[b] = Some(self.device.record_event(&self.copy)?);
+                    at += n;
+                }
+            }
+            None => {}
+        }
+        let ev = self.device.record_event(&self.copy)?;
+        ring.slots[s].ready = Some((u, ev));
+        Ok(())
+    }
+
+    /// Schedule position `pos` starts: when it opens a unit, compute waits for that unit's
+    /// copy; params with several locations are pointed at this position's copy.
+    pub fn enter(&mut self, pos: usize) -> Result<()> {
+        let slots = self.slots;
+        let slot_bytes = self.figures.slot_bytes;
+        let Some(ring) = self.ring.as_mut() else {
+            return Ok(());
+        };
+        if let Some(u) = self.layout.unit_of(pos)
+            && self.layout.units()[u].first == pos
+        {
+            let slot = &mut ring.slots[u % slots];
+            match slot.ready.take() {
+                Some((unit, ev)) if unit == u => {
+                    self.device.wait_event(&self.compute, &ev)?;
+                    ring.entered += 1;
+                }
+                other => {
+                    slot.ready = other;
+                    return Err(CoreError::Backend {
+                        device: self.device.id().to_string(),
+                        message: format!(
+                            "streaming engine: unit {u} entered out of order (position {pos}); \
+                             the route must follow the schedule or abort"
+                        ),
+                    });
+                }
+            }
+        }
+        for f in self.layout.fixups(pos) {
+            let at = (f.unit % slots) as u64 * slot_bytes + f.offset;
+            f.param
+                .set_device(Some(ring.buffer.slice(at as usize, f.param.nbytes())?))?;
+        }
+        Ok(())
+    }
+
+    /// Schedule position `pos` ended: when it closes a unit, compute records the slot's
+    /// use event and the unit `slots` ahead is queued into the slot.
+    pub fn leave(&mut self, pos: usize) -> Result<()> {
+        let slots = self.slots;
+        let Some(ring) = self.ring.as_mut() else {
+            return Ok(());
+        };
+        let Some(u) = self.layout.unit_of(pos) else {
+            return Ok(());
+        };
+        if self.layout.units()[u].last != pos {
+            return Ok(());
+        }
+        ring.slots[u % slots].last_use = Some(self.device.record_event(&self.compute)?);
+        let next = u + slots;
+        if next < self.layout.units().len() {
+            self.issue(next)?;
+        }
+        Ok(())
+    }
+
+    /// Ends a forward that entered every unit: the ring goes back in stream order behind
+    /// compute and the streamed params are host-only again. A forward that did not enter
+    /// every unit is aborted instead (copies still queued are waited for).
+    pub fn end_forward(&mut self) -> Result<()> {
+        let Some(ring) = self.ring.as_ref() else {
+            return Ok(());
+        };
+        if ring.entered < self.layout.units().len() {
+            return self.abort();
+        }
+        let ring = self.ring.take().expect("checked above");
+        self.clear_streamed_pointers();
+        self.device.release_after(ring.buffer, &self.compute)
+    }
+
+    fn clear_streamed_pointers(&self) {
+        for (p, _, _) in self.layout.single_location() {
+            // Clearing a device copy cannot fail.
+            let _ = p.set_device(None);
+        }
+        for pos in 0..self.layout.units().last().map_or(0, |u| u.last + 1) {
+            for f in self.layout.fixups(pos) {
+                let _ = f.param.set_device(None);
+            }
+        }
+    }
+
+    /// Stops the running forward: waits for the copy and compute streams, drops the ring
+    /// and leaves the streamed params host-only. Resident params stay.
+    pub fn abort(&mut self) -> Result<()> {
+        let Some(ring) = self.ring.take() else {
+            return Ok(());
+        };
+        let copy = self.device.synchronize_stream(&self.copy);
+        let compute = self.device.synchronize_stream(&self.compute);
+        self.clear_streamed_pointers();
+        drop(ring);
+        copy.and(compute)
+    }
+
+    /// Phase boundary: [`StreamingEngine::abort`] and drop the resident params' device
+    /// copies too. Host staging stays for the next phase.
+    pub fn release_device(&mut self) -> Result<()> {
+        let aborted = self.abort();
+        let synced = self.device.synchronize_stream(&self.compute);
+        self.resident
+            .release_all(&*self.device, FreeMode::Immediate, &self.compute);
+        aborted.and(synced)
+    }
+
+    /// Releases everything: device memory, then host staging. A pinned home gives the
+    /// params their bytes back in owned pageable memory (one copy again, never two at once
+    /// per param). Idempotent.
+    pub fn teardown(&mut self) -> Result<()> {
+        let released = self.release_device();
+        let staged = self.device.synchronize_stream(&self.copy);
+        let restored = match self.host.take() {
+            Some(Host::Home {
+                buffer, replaced, ..
+            }) => {
+                let mut result = Ok(());
+                for (p, offset) in replaced {
+                    let bytes = buffer.with_bytes(|b| {
+                        HostBuffer::pageable_from(&b[offset as usize..offset as usize + p.nbytes()])
+                    });
+                    if let Err(e) = p.replace_host(bytes.slice_all()) {
+                        result = Err(e);
+                    }
+                }
+                result
+            }
+            Some(Host::Staged { .. }) | None => Ok(()),
+        };
+        self.figures.pinned_bytes = 0;
+        released.and(staged).and(restored)
+    }
+}
+
+impl Drop for StreamingEngine {
+    fn drop(&mut self) {
+        // Errors are not reportable from drop; teardown still releases what it holds.
+        let _ = self.teardown();
+    }
+}

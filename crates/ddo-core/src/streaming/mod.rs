@@ -1,0 +1,128 @@
+//! The streaming engine: DESIGN.md's execution model for routes that stream weights
+//! (`diffusers_group_offload` with a stream; `native_vmm` next).
+//!
+//! A route hands the engine its *segments* (params that must be on the device together: a
+//! leaf, or a Diffusers block group) and the order the first forward started them in (a
+//! [`Schedule`]). The engine then:
+//!
+//! 1. **plans residency** under an optional budget ([`plan::plan_residency_with`]): the
+//!    segments that cost most to stream per byte of budget stay resident, so that
+//!    `resident + ring ≤ budget` holds exactly;
+//! 2. **packs the streamed params** in schedule order into transfer units of about
+//!    [`StreamingConfig::unit_bytes`] ([`StagingLayout`]; each param 256-byte aligned), one
+//!    copy per unit;
+//! 3. **stages them in pinned memory**, bounded by [`StreamingConfig::pinned_limit`]:
+//!    - *pinned home* (when every unit fits under the limit): one pinned buffer holding the
+//!      units in schedule order **replaces** the params' host bytes
+//!      ([`Param::replace_host`](crate::Param::replace_host)), so the checkpoint mapping or
+//!      owned copy is dropped as soon as nobody else holds it. That keeps one host copy of
+//!      the weights and copies run at pinned speed straight from it; the cost is pinned
+//!      memory equal to the streamed bytes. Diffusers with streams instead keeps a second,
+//!      pinned copy of the whole model next to the first.
+//!    - *staging ring* (otherwise, or with `pinned=false` / `low_cpu_mem_usage=true`): two
+//!      pinned buffers (each at most a slot, at most half the limit) filled by host copies
+//!      from the params' own bytes just before their device copy, the host waiting only for
+//!      the copy that last read the buffer. No copy ever runs from pageable memory.
+//!
+//!    The third option, registering the checkpoint mapping itself as pinned, needs a
+//!    backend call the `Device` trait does not have yet (`cuMemHostRegister` with the
+//!    read-only flag on the mapping); `ddo-cuda` may add it, and the bench would compare it;
+//! 4. **streams through a ring** of [`StreamingConfig::ring_slots`] device slots, each the
+//!    size of the largest unit, allocated once per forward as one buffer: unit `u` lands
+//!    in slot `u mod k`; compute waits on the unit's copy event; the copy of unit `u + k`
+//!    waits on the use event compute records after unit `u`'s last leaf. No allocation, no
+//!    host synchronisation and no per-param work sit on the per-leaf path.
+//!
+//! Defaults, and why: units of [`DEFAULT_UNIT_BYTES`] (16 MiB: DESIGN.md measured 1 MiB
+//! copies 15% below the link; at 16 MiB a copy lasts ~0.3 ms at 53 GB/s, so the per-copy
+//! cost is under 3%; Flux's large linears are units of their own anyway); a ring of
+//! [`DEFAULT_RING_SLOTS`] (2: one slot in use while the next fills; a streamed Flux step is
+//! link-bound by ~3×, so one unit of lookahead keeps the copy stream busy and the peak at
+//! Diffusers' two-leaf level; the bench sweeps `ring_slots=3`); a pinned limit of
+//! [`DEFAULT_PINNED_LIMIT`] (16 GiB, enough for a Flux-dev transformer's streamed bytes
+//! to live in a pinned home), and [`WSL_COMPAT_PINNED_LIMIT`] (256 MiB) under `wsl_compat`.
+
+pub mod engine;
+pub mod layout;
+pub mod plan;
+pub mod schedule;
+
+pub use engine::{StagingKind, StreamingEngine, StreamingFigures};
+pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry};
+pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
+pub use schedule::{Schedule, ScheduleOutcome};
+
+use crate::config::RouteOptions;
+
+/// Default transfer unit target: 16 MiB.
+pub const DEFAULT_UNIT_BYTES: u64 = 16 << 20;
+
+/// Default number of ring slots.
+pub const DEFAULT_RING_SLOTS: usize = 2;
+
+/// Default limit on pinned host bytes the engine holds: 16 GiB (and never more than the
+/// device's own pinned limit leaves).
+pub const DEFAULT_PINNED_LIMIT: u64 = 16 << 30;
+
+/// The pinned limit the `wsl_compat` preset sets: 256 MiB (WSL rations pinned memory).
+pub const WSL_COMPAT_PINNED_LIMIT: u64 = 256 << 20;
+
+/// Which host staging the engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StagingMode {
+    /// A pinned home when the streamed bytes fit under the pinned limit, else a staging ring.
+    #[default]
+    Auto,
+    /// Always a pinned home (an error when it does not fit).
+    PinnedHome,
+    /// Always a staging ring.
+    Ring,
+}
+
+/// Settings of a [`StreamingEngine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamingConfig {
+    /// Transfer unit target in bytes.
+    pub unit_bytes: u64,
+    /// Device ring slots (at least 2).
+    pub ring_slots: usize,
+    /// Most pinned host bytes the engine may hold.
+    pub pinned_limit: u64,
+    /// Host staging choice.
+    pub staging: StagingMode,
+    /// VRAM budget in bytes for resident weights plus the ring (`None`: stream everything).
+    pub budget: Option<u64>,
+}
+
+impl Default for StreamingConfig {
+    fn default() -> Self {
+        Self {
+            unit_bytes: DEFAULT_UNIT_BYTES,
+            ring_slots: DEFAULT_RING_SLOTS,
+            pinned_limit: DEFAULT_PINNED_LIMIT,
+            staging: StagingMode::Auto,
+            budget: None,
+        }
+    }
+}
+
+impl StreamingConfig {
+    /// The settings route options give (`unit_bytes`, `ring_slots`, `pinned_limit`;
+    /// `pinned=false` or `low_cpu_mem_usage=true` choose the staging ring). The budget is
+    /// left to the route, which knows the device's free memory.
+    pub fn from_options(o: &RouteOptions) -> Self {
+        let d = Self::default();
+        let ring_only = o.pinned == Some(false) || o.low_cpu_mem_usage == Some(true);
+        Self {
+            unit_bytes: o.unit_bytes.unwrap_or(d.unit_bytes).max(1),
+            ring_slots: o.ring_slots.unwrap_or(d.ring_slots).max(2),
+            pinned_limit: o.pinned_limit.unwrap_or(d.pinned_limit),
+            staging: if ring_only {
+                StagingMode::Ring
+            } else {
+                StagingMode::Auto
+            },
+            budget: None,
+        }
+    }
+}
