@@ -102,12 +102,13 @@ fn pinned_copies_over_the_pinned_limit_fail_the_attach_and_leave_nothing() {
         ..HostDeviceConfig::default()
     })
     .unwrap();
+    // Without a stream, pinned=true pins a copy of every weight at attach.
     let case = Case {
         offload_type: OffloadType::LeafLevel,
         blocks_per_group: 1,
-        use_stream: true,
+        use_stream: false,
         record_stream: false,
-        host: HostChoice::Default,
+        host: HostChoice::Pinned,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = device.clone();
@@ -118,9 +119,11 @@ fn pinned_copies_over_the_pinned_limit_fail_the_attach_and_leave_nothing() {
     assert_eq!(device.memory_info().pinned_host, 0);
     assert_eq!(metrics.counters(), Default::default());
     assert!(c.attached().is_none());
-    // low_cpu_mem_usage pins one weight at a time, which fits.
+    // With a stream and low_cpu_mem_usage, weights are pinned one at a time (learning
+    // forward) or staged through bounded buffers (the engine), which fits.
     let low = Case {
         host: HostChoice::LowCpu,
+        use_stream: true,
         ..case
     };
     let xs = inputs(&spec, 2, 2);
@@ -137,13 +140,13 @@ fn spec_with(options: RouteOptions) -> RouteSpec {
 }
 
 #[test]
-fn a_budget_is_refused_before_anything_is_touched() {
+fn a_budget_without_a_stream_is_refused_before_anything_is_touched() {
     let spec = ReferenceSpec::small("transformer", 2, 4, DType::F32);
     let c = build(&spec).unwrap();
     let device = HostDevice::with_capacity(1 << 20).unwrap();
     let route_spec = spec_with(RouteOptions {
         budget: Some(Budget::Bytes(1 << 20)),
-        use_stream: Some(true),
+        use_stream: Some(false),
         ..RouteOptions::default()
     });
     let check = |err: CoreError| match err {

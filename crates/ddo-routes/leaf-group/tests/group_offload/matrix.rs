@@ -1,5 +1,6 @@
 //! Every configuration gives the resident output bit for bit over several forwards (so
-//! the prefetch path runs), copies each group once per forward, and releases everything.
+//! the streaming engine runs), copies each group once per forward (the engine: each
+//! transfer unit once), and releases everything.
 
 use ddo_core::reference::{ReferenceSpec, build};
 use ddo_core::{DType, Device};
@@ -14,7 +15,7 @@ fn check_case(spec: &ReferenceSpec, case: Case, link_bytes_per_sec: f64) {
     let start = device.memory_info().allocated;
     let (hooks, metrics) = attach(&c, &device, &case.spec());
     let config = hooks.config();
-    if config.pinned {
+    if config.pinned && !config.use_stream {
         assert_eq!(hooks.pinned_bytes(), c.param_bytes(), "{case:?}");
         assert_eq!(
             device.memory_info().pinned_host,
@@ -41,7 +42,29 @@ fn check_case(spec: &ReferenceSpec, case: Case, link_bytes_per_sec: f64) {
             .iter()
             .map(|g| g.params().len() as u64)
             .sum();
-        assert_eq!(counters.h2d_copies, 3 * per_forward, "{case:?}");
+        match hooks.streaming_figures() {
+            // The learning forward copies each param; then one copy per unit (and the
+            // unmatched group's params, which the engine does not stream).
+            Some(f) => {
+                let unmatched = hooks
+                    .plan()
+                    .unmatched()
+                    .map_or(0, |u| hooks.plan().groups()[u].params().len() as u64);
+                let staged_one_copy_per_unit = matches!(
+                    f.staging,
+                    ddo_core::streaming::StagingKind::PinnedHome
+                ) || matches!(f.staging, ddo_core::streaming::StagingKind::Ring { buffer_bytes, .. } if buffer_bytes >= f.slot_bytes);
+                assert!(staged_one_copy_per_unit, "{case:?} {f:?}");
+                assert_eq!(
+                    counters.h2d_copies,
+                    per_forward + 2 * (f.units as u64 + unmatched),
+                    "{case:?}"
+                );
+                assert_eq!(counters.transfer_units, f.units as u64);
+                assert_eq!(counters.streamed_bytes_per_forward, f.streamed_bytes);
+            }
+            None => assert_eq!(counters.h2d_copies, 3 * per_forward, "{case:?}"),
+        }
     }
     assert_eq!(counters.leaves_streamed, c.leaves().len() as u64);
     assert_eq!(
@@ -57,8 +80,16 @@ fn check_case(spec: &ReferenceSpec, case: Case, link_bytes_per_sec: f64) {
     }
     assert_eq!(hooks.schedule().is_some(), case.use_stream, "{case:?}");
     device.synchronize().unwrap();
-    // Staging copies of low_cpu_mem_usage are gone once their copies ran.
-    let pinned_now = if config.pinned { c.param_bytes() } else { 0 };
+    // Staging copies of low_cpu_mem_usage are gone once their copies ran; the engine
+    // holds its pinned home or its staging buffers.
+    let pinned_now = if config.use_stream {
+        hooks.streaming_figures().unwrap().pinned_bytes
+    } else if config.pinned {
+        c.param_bytes()
+    } else {
+        0
+    };
+    assert_eq!(hooks.pinned_bytes(), pinned_now, "{case:?}");
     assert_eq!(device.memory_info().pinned_host, pinned_now, "{case:?}");
     let checksums: Vec<u64> = c.params().iter().map(|p| p.host_checksum()).collect();
     detach_and_check_released(&c, &device, hooks, start);

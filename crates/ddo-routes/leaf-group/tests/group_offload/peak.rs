@@ -1,26 +1,44 @@
-//! Peak device memory stays within each mode's promise: one group without a stream, the
-//! current and the prefetched group with one (plus, with `record_stream`, one group whose
-//! stream-ordered free has not been reached yet), block level plus the unmatched group,
-//! and the activations of the widest leaf.
+//! Peak device memory stays within each mode's promise: one group without a stream (plus,
+//! with `record_stream`, one group whose stream-ordered free has not been reached yet);
+//! with a stream, the same on the learning forward and then the streaming engine's ring;
+//! block level plus the unmatched group, and the activations of the widest leaf.
+
+use std::collections::HashSet;
 
 use ddo_core::reference::{LeafSpec, ReferenceSpec, build};
+use ddo_core::streaming::{DEFAULT_RING_SLOTS, DEFAULT_UNIT_BYTES, StagingLayout};
 use ddo_core::{DType, Device, OffloadType};
 use ddo_route_leaf_group::GroupPlan;
 
 use crate::common::*;
 
-/// Groups the mode may hold at once, besides the unmatched group.
+/// Groups the direct path may hold at once, besides the unmatched group.
 fn groups_held(case: &Case) -> usize {
-    match (case.use_stream, case.record_stream) {
-        (false, _) => 1,
-        (true, false) => 2,
+    match case.record_stream {
+        false => 1,
         // A freed group stays counted until the compute stream reaches its free.
-        (true, true) => 3,
+        true => 2,
     }
 }
 
+/// Device bytes of the engine's ring for groups started in component order.
+fn ring_bytes(plan: &GroupPlan) -> u64 {
+    let segments: Vec<_> = plan.groups().iter().map(|g| g.params().to_vec()).collect();
+    let order: Vec<usize> = (0..plan.len())
+        .filter(|g| Some(*g) != plan.unmatched())
+        .collect();
+    let layout = StagingLayout::new(&segments, &order, &HashSet::new(), DEFAULT_UNIT_BYTES);
+    layout.slot_bytes() * layout.units().len().min(DEFAULT_RING_SLOTS) as u64
+}
+
 fn promise(case: &Case, plan: &GroupPlan, activations: u64) -> u64 {
-    plan.unmatched_bytes() + plan.largest_groups_bytes(groups_held(case)) + activations
+    let direct = plan.largest_groups_bytes(groups_held(case));
+    let weights = if case.use_stream {
+        direct.max(ring_bytes(plan))
+    } else {
+        direct
+    };
+    plan.unmatched_bytes() + weights + activations
 }
 
 fn uneven_spec() -> ReferenceSpec {
@@ -67,6 +85,14 @@ fn peak_device_memory_stays_within_each_modes_promise() {
                 "{case:?}, forward {i}: peak {peak} B above the promise {bound} B"
             );
             assert!(peak >= hooks.plan().largest_group_bytes(), "{case:?}");
+            if let Some(f) = hooks.streaming_figures().filter(|_| i > 0) {
+                // The ring is the whole streamed-weight footprint: exactly what was planned.
+                assert_eq!(f.ring_bytes(), ring_bytes(hooks.plan()), "{case:?}");
+                assert!(
+                    peak >= hooks.plan().unmatched_bytes() + f.ring_bytes(),
+                    "{case:?}"
+                );
+            }
         }
         if case.offload_type == OffloadType::LeafLevel && !case.use_stream {
             // The point of leaf-level offload: far below the resident weights.
@@ -104,9 +130,10 @@ fn a_device_just_large_enough_for_the_promise_runs_every_mode() {
     }
 }
 
-/// While each leaf runs, exactly the promised groups are on the device: its own group;
-/// with a stream, also the next scheduled group (prefetched); at block level, also the
-/// unmatched group. A block group leaves as soon as a leaf of another group starts.
+/// While each leaf runs, exactly the promised groups are on the device: its own group
+/// (with a stream, once the schedule is learned: the engine's ring instead); at block
+/// level, also the unmatched group. A block group leaves as soon as a leaf of another
+/// group starts.
 #[test]
 fn while_a_leaf_runs_exactly_the_promised_groups_are_on_the_device() {
     let orders: [&[usize]; 2] = [&[0, 1, 2, 3, 4], &[1, 2, 0, 3, 4, 0]];
@@ -119,25 +146,17 @@ fn while_a_leaf_runs_exactly_the_promised_groups_are_on_the_device() {
             let plan = hooks.plan();
             let bytes = |g: Option<usize>| g.map_or(0, |g| plan.groups()[g].bytes());
             let group = |leaf: usize| plan.group_of(ddo_core::LeafId(leaf));
-            // Block groups of one block each: a leaf's group starts with it.
-            let starts: Vec<Option<usize>> = order
-                .iter()
-                .map(|&l| group(l).filter(|g| Some(*g) != plan.unmatched()))
-                .collect();
             for forward in 0..3 {
                 run_sums(&c, &*device).unwrap();
                 let seen = program.allocated_in_leaf.lock().clone();
-                let prefetching = case.use_stream && forward > 0;
+                let engine = hooks.streaming_figures().filter(|_| forward > 0);
                 let expected: Vec<u64> = (0..order.len())
                     .map(|k| {
-                        let next = if prefetching {
-                            // The next group to start, if any.
-                            starts[k + 1..].iter().flatten().next().copied()
-                        } else {
-                            None
-                        };
                         let own = group(order[k]).filter(|g| Some(*g) != plan.unmatched());
-                        plan.unmatched_bytes() + bytes(own) + bytes(next)
+                        match &engine {
+                            Some(f) => plan.unmatched_bytes() + f.device_weight_bytes(),
+                            None => plan.unmatched_bytes() + bytes(own),
+                        }
                     })
                     .collect();
                 assert_eq!(seen, expected, "{case:?} {order:?} forward {forward}");

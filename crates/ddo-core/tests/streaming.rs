@@ -1,0 +1,399 @@
+//! The streaming engine on the host backend: every schedule position reads exactly its
+//! params' bytes (compute waits for each unit's copy, and no slot is refilled before the
+//! compute that reads it has run), budgets and pinned limits hold exactly, and the device
+//! peak is resident weights plus the ring.
+//!
+//! The "kernels" here are device-to-device copies queued on the compute stream behind a
+//! slow pinned copy, so compute runs well behind the host: a refill that did not wait for
+//! compute's use event would land before the kernel read the slot, and a kernel that did
+//! not wait for its unit's copy would read the slot before the copy landed. Either shows
+//! as wrong bytes.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use ddo_core::device::download;
+use ddo_core::streaming::{StagingKind, StagingMode, StreamingConfig, StreamingEngine};
+use ddo_core::{
+    CoreError, DType, Device, DeviceBuffer, HostDevice, HostDeviceConfig, Param, ParamKind,
+};
+use ddo_metrics::RouteMetrics;
+use proptest::prelude::*;
+
+/// A device whose copies take time (bytes / `link` seconds).
+fn device(capacity: u64, pinned_limit: u64, link: f64) -> Arc<HostDevice> {
+    HostDevice::new(HostDeviceConfig {
+        capacity,
+        pinned_limit,
+        link_bytes_per_sec: Some(link),
+        ..HostDeviceConfig::default()
+    })
+    .unwrap()
+}
+
+/// Segments of params with `sizes[s][i]` f32 elements, values unique per param.
+fn segments(sizes: &[Vec<usize>]) -> Vec<Vec<Arc<Param>>> {
+    let mut next = 1.0f32;
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(s, params)| {
+            params
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let values: Vec<f32> = (0..n).map(|k| next + k as f32 / 1024.0).collect();
+                    next += 1.0;
+                    Param::from_f32(
+                        format!("s{s}.p{i}"),
+                        ParamKind::Parameter,
+                        DType::F32,
+                        vec![n],
+                        &values,
+                    )
+                    .unwrap()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Runs one forward of `schedule` on the engine; each position's kernel copies its params'
+/// device bytes into `outputs[pos]` on the compute stream, behind a slow pinned copy.
+/// Returns, per position, the bytes its kernel read.
+fn forward(
+    d: &HostDevice,
+    engine: &mut StreamingEngine,
+    segs: &[Vec<Arc<Param>>],
+    schedule: &[usize],
+    outputs: &[DeviceBuffer],
+    lag: &(ddo_core::HostBuffer, DeviceBuffer),
+) -> ddo_core::Result<Vec<Vec<u8>>> {
+    let compute = d.compute_stream();
+    engine.begin_forward()?;
+    for (pos, &s) in schedule.iter().enumerate() {
+        engine.enter(pos)?;
+        // Keep compute busy so the host runs ahead of it.
+        d.copy_h2d(&lag.0.slice_all(), &lag.1.slice_all(), &compute)?;
+        let mut at = 0;
+        for p in &segs[s] {
+            let src = p.device().ok_or_else(|| CoreError::NotResident {
+                leaf: format!("position {pos}"),
+                param: p.name().to_string(),
+            })?;
+            d.copy_d2d(&src, &outputs[pos].slice(at, p.nbytes())?, &compute)?;
+            at += p.nbytes();
+        }
+        engine.leave(pos)?;
+    }
+    engine.end_forward()?;
+    d.synchronize()?;
+    outputs
+        .iter()
+        .map(|o| download(d, &o.slice_all(), &compute))
+        .collect()
+}
+
+fn expected(segs: &[Vec<Arc<Param>>], schedule: &[usize]) -> Vec<Vec<u8>> {
+    schedule
+        .iter()
+        .map(|&s| segs[s].iter().flat_map(|p| p.host().to_vec()).collect())
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    sizes: Vec<Vec<usize>>,
+    schedule: Vec<usize>,
+    unit_bytes: u64,
+    slots: usize,
+    staging: StagingMode,
+    pinned_limit: u64,
+    budget_fraction: Option<f64>,
+}
+
+fn run_case(case: &Case) -> Result<(), TestCaseError> {
+    let segs = segments(&case.sizes);
+    // Room beside the engine's limit for the lag buffer.
+    let d = device(1 << 26, case.pinned_limit + (1 << 16), 2e8);
+    let aligned = |p: &Arc<Param>| (p.nbytes() as u64).div_ceil(256) * 256;
+    let total: u64 = segs.iter().flatten().map(aligned).sum();
+    let largest: u64 = segs
+        .iter()
+        .map(|s| s.iter().map(aligned).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    // Always feasible: everything streamed fits in the ring part of the budget.
+    let ring_room = case.slots as u64
+        * largest.max(case.unit_bytes.div_ceil(256).min(total.div_ceil(256)) * 256);
+    let before_checksums: Vec<u64> = segs.iter().flatten().map(|p| p.host_checksum()).collect();
+    let config = StreamingConfig {
+        unit_bytes: case.unit_bytes,
+        ring_slots: case.slots,
+        pinned_limit: case.pinned_limit,
+        staging: case.staging,
+        budget: case
+            .budget_fraction
+            .map(|f| (total as f64 * f) as u64 + ring_room),
+    };
+    let metrics = Arc::new(RouteMetrics::new());
+    let copy = d.create_stream().unwrap();
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine =
+        match StreamingEngine::new(dev, copy, &segs, &case.schedule, &config, metrics.clone()) {
+            Ok(e) => e,
+            // A pinned home that does not fit is refused with nothing changed.
+            Err(CoreError::PinnedLimit { .. }) => {
+                prop_assert_eq!(d.memory_info().pinned_host, 0);
+                prop_assert!(
+                    segs.iter()
+                        .flatten()
+                        .all(|p| !p.host().buffer().is_pinned())
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+        };
+    let f = engine.figures().clone();
+    // Pinned bytes: exactly what the engine says, never above the limit.
+    prop_assert_eq!(d.memory_info().pinned_host, f.pinned_bytes);
+    prop_assert!(f.pinned_bytes <= case.pinned_limit);
+    if let Some(budget) = config.budget {
+        prop_assert!(f.device_weight_bytes() <= budget, "{f:?} over {budget}");
+    }
+    let resident: HashSet<_> = engine.resident_params().iter().map(|p| p.id()).collect();
+    if f.staging == StagingKind::PinnedHome {
+        // One host copy: the home replaced the streamed params' pageable bytes, which
+        // were released; the params now read from pinned memory.
+        let mut seen = HashSet::new();
+        let streamed: u64 = segs
+            .iter()
+            .flatten()
+            .filter(|p| !resident.contains(&p.id()) && seen.insert(p.id()))
+            .map(|p| p.nbytes() as u64)
+            .sum();
+        prop_assert_eq!(f.host_bytes_released, streamed);
+        for p in segs.iter().flatten() {
+            prop_assert_eq!(p.host().buffer().is_pinned(), !resident.contains(&p.id()));
+        }
+    }
+    let want = expected(&segs, &case.schedule);
+    let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
+    let lag_host = d.alloc_pinned(1 << 16).unwrap();
+    let lag = (lag_host, d.alloc(1 << 16).unwrap());
+    let pinned_with_lag = d.memory_info().pinned_host;
+    for i in 0..3 {
+        let before = d.memory_info().allocated;
+        d.reset_peak();
+        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, &lag)
+            .map_err(|e| TestCaseError::fail(format!("{e}")))?;
+        prop_assert_eq!(&got, &want, "forward {}", i);
+        let peak = d.memory_info().peak_allocated - before;
+        // The first forward makes the resident params resident; every forward takes the
+        // ring. Nothing else is allocated on the way.
+        let resident_now = if i == 0 { f.resident_bytes } else { 0 };
+        prop_assert_eq!(
+            peak,
+            resident_now + f.ring_bytes(),
+            "forward {}: {:?}",
+            i,
+            f
+        );
+        prop_assert_eq!(d.memory_info().allocated, before + resident_now);
+        prop_assert!(d.memory_info().pinned_host <= pinned_with_lag);
+        // Streamed params are host-only between forwards; resident ones stay.
+        for p in segs.iter().flatten() {
+            prop_assert_eq!(
+                p.device().is_some(),
+                resident.contains(&p.id()),
+                "{}",
+                p.name()
+            );
+        }
+    }
+    let c = metrics.counters();
+    prop_assert_eq!(c.h2d_bytes, f.resident_bytes + 3 * f.streamed_bytes);
+    if f.staging == StagingKind::PinnedHome {
+        prop_assert_eq!(c.h2d_copies, resident.len() as u64 + 3 * f.units as u64);
+    }
+    engine.teardown().unwrap();
+    drop(engine);
+    drop(outputs);
+    drop(lag);
+    prop_assert_eq!(d.memory_info().allocated, 0);
+    prop_assert_eq!(d.memory_info().pinned_host, 0);
+    let after: Vec<u64> = segs.iter().flatten().map(|p| p.host_checksum()).collect();
+    prop_assert_eq!(before_checksums, after, "host bytes changed");
+    prop_assert!(segs.iter().flatten().all(|p| p.device().is_none()));
+    Ok(())
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    let sizes = prop::collection::vec(prop::collection::vec(1usize..200, 1..4), 2..9);
+    (
+        sizes,
+        prop::collection::vec(0usize..100, 2..14),
+        prop::sample::select(vec![64u64, 256, 1000, 4096, 1 << 20]),
+        2usize..5,
+        prop::sample::select(vec![
+            StagingMode::Auto,
+            StagingMode::PinnedHome,
+            StagingMode::Ring,
+        ]),
+        prop::sample::select(vec![1024u64, 4096, 1 << 20]),
+        prop::option::of(0.2f64..1.2),
+    )
+        .prop_map(
+            |(sizes, picks, unit_bytes, slots, staging, pinned_limit, budget)| {
+                let n = sizes.len();
+                // Every segment once in a shuffled order, then some repeats.
+                let mut schedule: Vec<usize> = (0..n).collect();
+                for (i, p) in picks.iter().enumerate() {
+                    if i < n {
+                        schedule.swap(i, p % n);
+                    } else {
+                        schedule.push(p % n);
+                    }
+                }
+                Case {
+                    sizes,
+                    schedule,
+                    unit_bytes,
+                    slots,
+                    staging,
+                    pinned_limit,
+                    budget_fraction: budget,
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_position_reads_its_own_bytes_and_budgets_and_limits_hold(case in case_strategy()) {
+        run_case(&case)?;
+    }
+}
+
+#[test]
+fn a_tight_ring_on_a_crawling_link_still_reads_every_unit_in_order() {
+    // Many small units through 2 slots: every slot is refilled many times per forward.
+    let sizes: Vec<Vec<usize>> = (0..12).map(|i| vec![16 + i, 3]).collect();
+    for staging in [StagingMode::PinnedHome, StagingMode::Ring] {
+        run_case(&Case {
+            sizes: sizes.clone(),
+            schedule: (0..12).collect(),
+            unit_bytes: 64,
+            slots: 2,
+            staging,
+            pinned_limit: 1 << 20,
+            budget_fraction: None,
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
+    let segs = segments(&[vec![300], vec![200, 10], vec![256]]);
+    let d = device(1 << 24, 1 << 20, 2e8);
+    let limit = 1024; // two staging buffers of 512 B: units are split into several copies
+    let config = StreamingConfig {
+        unit_bytes: 64,
+        ring_slots: 2,
+        pinned_limit: limit,
+        staging: StagingMode::Auto,
+        budget: None,
+    };
+    let dev: Arc<dyn Device> = d.clone();
+    let engine = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &[0, 1, 2],
+        &config,
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    let f = engine.figures();
+    assert_eq!(
+        f.staging,
+        StagingKind::Ring {
+            buffers: 2,
+            buffer_bytes: 512
+        }
+    );
+    assert_eq!(d.memory_info().pinned_host, 1024);
+    assert!(
+        segs.iter()
+            .flatten()
+            .all(|p| !p.host().buffer().is_pinned())
+    );
+    // Forcing a pinned home over the limit is a typed error that changes nothing.
+    let err = StreamingEngine::new(
+        d.clone(),
+        d.create_stream().unwrap(),
+        &segs,
+        &[0, 1, 2],
+        &StreamingConfig {
+            staging: StagingMode::PinnedHome,
+            ..config
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap_err();
+    assert!(matches!(err, CoreError::PinnedLimit { .. }), "{err}");
+    assert_eq!(d.memory_info().pinned_host, 1024);
+}
+
+#[test]
+fn a_budget_keeps_the_costliest_segments_resident_and_the_ring_fits_beside_them() {
+    // Segments of 4000, 400, 400, 400 B (f32 x 1000 / 100): with 2 slots of up to 512 B
+    // units, a budget of 4000 + 1024 keeps the big one resident and streams the rest.
+    let segs = segments(&[vec![1000], vec![100], vec![100], vec![100]]);
+    let d = device(1 << 24, 1 << 20, 2e8);
+    let budget = 4096 + 2 * 512;
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &[0, 1, 2, 3],
+        &StreamingConfig {
+            unit_bytes: 512,
+            ring_slots: 2,
+            budget: Some(budget),
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    let f = engine.figures().clone();
+    assert_eq!(f.resident_segments, 1);
+    assert_eq!(f.resident_bytes, 4000);
+    assert_eq!((f.units, f.slot_bytes), (3, 512));
+    assert!(f.device_weight_bytes() <= budget);
+    assert_eq!(engine.resident_params()[0].name(), "s0.p0");
+    // A budget below the ring is refused with a hint.
+    let err = StreamingEngine::new(
+        d.clone(),
+        d.create_stream().unwrap(),
+        &segs,
+        &[0, 1, 2, 3],
+        &StreamingConfig {
+            unit_bytes: 512,
+            ring_slots: 2,
+            budget: Some(4000),
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, CoreError::InvalidOption { option, hint, .. } if option == "budget" && hint.contains("ring")),
+        "{err}"
+    );
+    engine.teardown().unwrap();
+}
