@@ -130,6 +130,8 @@ pub struct StreamingEngine {
     resident: ResidencyTable,
     host: Option<Host>,
     ring: Option<Ring>,
+    /// Whether a forward is running (between begin and end or abort).
+    active: bool,
     figures: StreamingFigures,
 }
 
@@ -307,6 +309,7 @@ impl StreamingEngine {
             resident: ResidencyTable::new(),
             host,
             ring: None,
+            active: false,
             figures,
         })
     }
@@ -377,15 +380,17 @@ impl StreamingEngine {
         &self.resident_params
     }
 
-    /// Whether a forward is running on the ring.
+    /// Whether a forward is running on the engine (between
+    /// [`StreamingEngine::begin_forward`] and [`StreamingEngine::end_forward`] or
+    /// [`StreamingEngine::abort`]).
     pub fn in_forward(&self) -> bool {
-        self.ring.is_some()
+        self.active
     }
 
     /// Starts a forward: makes the resident params resident (first forward of a phase),
     /// takes the ring, points the streamed params into it and queues the first units.
     pub fn begin_forward(&mut self) -> Result<()> {
-        if self.ring.is_some() {
+        if self.active {
             self.abort()?;
         }
         if self.resident.is_empty() && !self.resident_params.is_empty() {
@@ -399,6 +404,7 @@ impl StreamingEngine {
             )?;
         }
         if self.slots == 0 {
+            self.active = true;
             return Ok(());
         }
         let slot_bytes = self.figures.slot_bytes;
@@ -414,6 +420,7 @@ impl StreamingEngine {
             slots: (0..self.slots).map(|_| Slot::default()).collect(),
             entered: 0,
         });
+        self.active = true;
         for u in 0..self.slots {
             if let Err(e) = self.issue(u) {
                 let _ = self.abort();
@@ -558,12 +565,14 @@ impl StreamingEngine {
     /// every unit is aborted instead (copies still queued are waited for).
     pub fn end_forward(&mut self) -> Result<()> {
         let Some(ring) = self.ring.as_ref() else {
+            self.active = false;
             return Ok(());
         };
         if ring.entered < self.layout.units().len() {
             return self.abort();
         }
         let ring = self.ring.take().expect("checked above");
+        self.active = false;
         self.clear_streamed_pointers();
         self.device.release_after(ring.buffer, &self.compute)
     }
@@ -583,6 +592,7 @@ impl StreamingEngine {
     /// Stops the running forward: waits for the copy and compute streams, drops the ring
     /// and leaves the streamed params host-only. Resident params stay.
     pub fn abort(&mut self) -> Result<()> {
+        self.active = false;
         let Some(ring) = self.ring.take() else {
             return Ok(());
         };

@@ -10,3 +10,4 @@ mod ordering;
 mod peak;
 mod random;
 mod schedule;
+mod streaming;

@@ -18,7 +18,7 @@ fn dtype() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)]
 }
 
-fn reference_spec() -> impl Strategy<Value = ReferenceSpec> {
+pub fn reference_spec() -> impl Strategy<Value = ReferenceSpec> {
     (
         1usize..=16,
         dtype(),

@@ -1,0 +1,255 @@
+//! Stream mode on the streaming engine, tuned through the route options (`unit_bytes`,
+//! `ring_slots`, `pinned_limit`, `budget`): random components stay bit-identical to
+//! resident execution, the budget and the pinned limit hold exactly, the device peak is
+//! resident weights plus the ring (plus activations and the unmatched group), and the
+//! plan shows in the metrics.
+
+use ddo_core::reference::{ReferenceSpec, build};
+use ddo_core::streaming::StagingKind;
+use ddo_core::{
+    Budget, DType, Device, HostDevice, HostDeviceConfig, OffloadType, RouteId, RouteOptions,
+    RouteSpec, RouteTarget,
+};
+use proptest::prelude::*;
+
+use crate::common::*;
+
+#[derive(Debug, Clone, Copy)]
+struct Tuning {
+    block: bool,
+    unit_bytes: u64,
+    ring_slots: usize,
+    pinned_limit: Option<u64>,
+    low_cpu: bool,
+    budget_fraction: Option<f64>,
+}
+
+fn spec_for(t: &Tuning, budget: Option<u64>) -> RouteSpec {
+    RouteSpec::new(
+        RouteTarget::Route(RouteId::DiffusersGroupOffload),
+        RouteOptions {
+            offload_type: Some(if t.block {
+                OffloadType::BlockLevel
+            } else {
+                OffloadType::LeafLevel
+            }),
+            num_blocks_per_group: t.block.then_some(1),
+            use_stream: Some(true),
+            low_cpu_mem_usage: t.low_cpu.then_some(true),
+            unit_bytes: Some(t.unit_bytes),
+            ring_slots: Some(t.ring_slots),
+            pinned_limit: t.pinned_limit,
+            budget: budget.map(Budget::Bytes),
+            ..RouteOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn tuning() -> impl Strategy<Value = Tuning> {
+    (
+        any::<bool>(),
+        prop::sample::select(vec![64u64, 300, 1024, 1 << 20]),
+        2usize..=4,
+        prop::option::of(prop::sample::select(vec![512u64, 2048, 1 << 20])),
+        any::<bool>(),
+        prop::option::of(0.1f64..0.9),
+    )
+        .prop_map(
+            |(block, unit_bytes, ring_slots, pinned_limit, low_cpu, budget_fraction)| Tuning {
+                block,
+                unit_bytes,
+                ring_slots,
+                pinned_limit,
+                low_cpu,
+                budget_fraction,
+            },
+        )
+}
+
+fn check(spec: &ReferenceSpec, t: Tuning, batch: usize) -> Result<(), TestCaseError> {
+    let c = build(spec).unwrap();
+    let device = HostDevice::new(HostDeviceConfig {
+        capacity: 1 << 22,
+        link_bytes_per_sec: Some(8e6),
+        ..HostDeviceConfig::default()
+    })
+    .unwrap();
+    let xs = inputs(spec, batch, 3);
+    let expected = baseline(&c, &xs);
+    let activations = activation_allowance(spec, batch);
+    // A budget of a fraction of the weights plus room for a ring of the largest leaves.
+    let largest = c
+        .leaves()
+        .iter()
+        .map(|l| l.param_bytes())
+        .max()
+        .unwrap_or(0);
+    let budget = t.budget_fraction.map(|f| {
+        (c.param_bytes() as f64 * f) as u64
+            + t.ring_slots as u64
+                * (largest + 256 * 4).max(t.unit_bytes.min(c.param_bytes() + 1024) + 256)
+    });
+    let (hooks, metrics) = attach(&c, &device, &spec_for(&t, budget));
+    for (i, (x, want)) in xs.iter().zip(&expected).enumerate() {
+        let before = device.memory_info().allocated;
+        device.reset_peak();
+        prop_assert_eq!(&run(&c, &*device, x), want, "forward {}", i);
+        let Some(f) = hooks.streaming_figures() else {
+            // A component without params has nothing to stream.
+            prop_assert_eq!(c.param_bytes(), 0);
+            continue;
+        };
+        if i == 0 {
+            continue; // the learning forward; the engine exists from here on
+        }
+        let peak = device.memory_info().peak_allocated - before;
+        let unmatched = hooks.plan().unmatched_bytes();
+        prop_assert!(
+            peak <= unmatched + f.device_weight_bytes() + activations,
+            "forward {i}: peak {peak} above {unmatched} + {} + {activations}",
+            f.device_weight_bytes()
+        );
+        prop_assert!(peak >= f.ring_bytes());
+        if let Some(b) = budget {
+            prop_assert_eq!(f.budget_bytes, Some(b));
+            prop_assert!(f.device_weight_bytes() <= b, "{f:?}");
+        } else {
+            prop_assert_eq!(f.resident_bytes, 0);
+        }
+        // Resident weights stay between forwards; the ring does not.
+        prop_assert_eq!(device.memory_info().allocated, f.resident_bytes);
+        let limit = t.pinned_limit.unwrap_or(u64::MAX);
+        prop_assert!(device.memory_info().pinned_host <= limit);
+        prop_assert_eq!(device.memory_info().pinned_host, f.pinned_bytes);
+        if t.low_cpu {
+            prop_assert!(matches!(f.staging, StagingKind::Ring { .. }), "{f:?}");
+        }
+        let counters = metrics.counters();
+        prop_assert_eq!(counters.resident_weight_bytes, f.resident_bytes);
+        prop_assert_eq!(counters.streamed_bytes_per_forward, f.streamed_bytes);
+        prop_assert_eq!(counters.transfer_units, f.units as u64);
+        prop_assert_eq!(counters.ring_slots, f.ring_slots as u64);
+        prop_assert_eq!(
+            counters.leaves_streamed + counters.leaves_resident,
+            c.leaves().iter().filter(|l| !l.params().is_empty()).count() as u64
+        );
+    }
+    prop_assert_eq!(metrics.counters().schedule_relearned, 0);
+    detach_and_check_released(&c, &device, hooks, 0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn tuned_stream_mode_matches_resident_and_keeps_its_budget_and_pinned_limit(
+        spec in crate::random::reference_spec(),
+        t in tuning(),
+        batch in 1usize..=2,
+    ) {
+        check(&spec, t, batch)?;
+    }
+}
+
+#[test]
+fn a_budget_keeps_weights_resident_across_forwards_and_streams_fewer_bytes() {
+    let spec = ReferenceSpec::small("transformer", 6, 16, DType::F32);
+    let c = build(&spec).unwrap();
+    let device = slow_device(1 << 22, 8e6);
+    let xs = inputs(&spec, 1, 3);
+    let expected = baseline(&c, &xs);
+    let t = Tuning {
+        block: false,
+        unit_bytes: 1024,
+        ring_slots: 2,
+        pinned_limit: None,
+        low_cpu: false,
+        budget_fraction: None,
+    };
+    let (hooks, metrics) = attach(&c, &device, &spec_for(&t, None));
+    for (x, want) in xs.iter().zip(&expected) {
+        assert_eq!(&run(&c, &*device, x), want);
+    }
+    let all = hooks.streaming_figures().unwrap();
+    detach_and_check_released(&c, &device, hooks, 0);
+    assert_eq!(all.resident_bytes, 0);
+    assert_eq!(metrics.counters().leaves_resident, 0);
+    // Half the weights plus the ring: about half stays resident, the rest streams.
+    let budget = c.param_bytes() / 2 + all.ring_bytes();
+    let (hooks, metrics) = attach(&c, &device, &spec_for(&t, Some(budget)));
+    for (x, want) in xs.iter().zip(&expected) {
+        assert_eq!(&run(&c, &*device, x), want);
+    }
+    let half = hooks.streaming_figures().unwrap();
+    assert!(
+        half.resident_bytes > 0 && half.device_weight_bytes() <= budget,
+        "{half:?}"
+    );
+    assert!(half.streamed_bytes < all.streamed_bytes);
+    assert!(metrics.counters().leaves_resident > 0);
+    assert_eq!(device.memory_info().allocated, half.resident_bytes);
+    // The phase boundary drops the resident weights too; the next forward brings them back.
+    ddo_core::AttachedRoute::end_phase(&*hooks).unwrap();
+    assert_eq!(device.memory_info().allocated, 0);
+    assert_eq!(run(&c, &*device, &xs[0]), expected[0]);
+    detach_and_check_released(&c, &device, hooks, 0);
+}
+
+#[test]
+fn engine_options_without_a_stream_are_refused() {
+    use ddo_core::{CoreError, Refusal, Route};
+    use ddo_route_leaf_group::GroupOffloadRoute;
+    let spec = ReferenceSpec::small("transformer", 2, 4, DType::F32);
+    let c = build(&spec).unwrap();
+    let device = HostDevice::with_capacity(1 << 20).unwrap();
+    for o in [
+        RouteOptions {
+            unit_bytes: Some(1 << 20),
+            ..RouteOptions::default()
+        },
+        RouteOptions {
+            ring_slots: Some(3),
+            ..RouteOptions::default()
+        },
+        RouteOptions {
+            pinned_limit: Some(1 << 20),
+            ..RouteOptions::default()
+        },
+    ] {
+        let o = RouteOptions {
+            offload_type: Some(OffloadType::LeafLevel),
+            use_stream: Some(false),
+            ..o
+        };
+        let spec = RouteSpec::new(RouteTarget::Route(RouteId::DiffusersGroupOffload), o).unwrap();
+        let err = GroupOffloadRoute
+            .preflight(&c, &*device, &spec)
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                CoreError::Refused {
+                    refusal: Refusal::UnsupportedOption { hint, .. },
+                    ..
+                } if hint.contains("use_stream=true")
+            ),
+            "{err}"
+        );
+    }
+    // Ring slots below 2 are refused when the spec is made.
+    assert!(
+        "diffusers_group_offload:use_stream=true,ring_slots=1"
+            .parse::<RouteSpec>()
+            .is_err()
+    );
+    let parsed: RouteSpec =
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=8MiB,ring_slots=3,pinned_limit=256MiB"
+            .parse()
+            .unwrap();
+    assert_eq!(parsed.options().unit_bytes, Some(8 << 20));
+    assert_eq!(parsed.options().ring_slots, Some(3));
+    assert_eq!(parsed.options().pinned_limit, Some(256 << 20));
+    assert!(parsed.describe().contains("ring_slots=3"));
+}
