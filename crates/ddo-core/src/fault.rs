@@ -17,10 +17,13 @@
 //! - [`FaultKind::Copy`]: [`Device::copy_h2d`], [`Device::copy_d2h`], [`Device::copy_d2d`].
 //!   Copies ops make internally are not counted.
 //! - [`FaultKind::EventWait`]: [`Device::wait_event`] and [`Device::synchronize_event`].
+//! - [`FaultKind::Op`]: every [`Ops`] call but [`Ops::to_f32_vec`], before it runs. Models
+//!   call ops inside their leaves' forwards, so a panic armed here is a panic inside a
+//!   leaf's forward (or in the model code between leaves).
 //!
 //! An injected allocation failure is [`CoreError::OutOfMemory`] (what a real device says, so
 //! routes' out-of-memory handling runs); an injected copy or wait failure is
-//! [`CoreError::Injected`]. A failed call does nothing: the inner device is not called (or,
+//! [`CoreError::Injected`], as is an injected op failure. A failed call does nothing: the inner device is not called (or,
 //! for an op, its output is released before the error returns).
 //!
 //! Every handle the wrapper hands out is the inner device's own, so the wrapper and the
@@ -50,11 +53,18 @@ pub enum FaultKind {
     Copy,
     /// `wait_event` and `synchronize_event`.
     EventWait,
+    /// Calls into the compute plane ([`Ops`]).
+    Op,
 }
 
 impl FaultKind {
     /// Every kind, once.
-    pub const ALL: [FaultKind; 3] = [FaultKind::Alloc, FaultKind::Copy, FaultKind::EventWait];
+    pub const ALL: [FaultKind; 4] = [
+        FaultKind::Alloc,
+        FaultKind::Copy,
+        FaultKind::EventWait,
+        FaultKind::Op,
+    ];
 
     /// Short name.
     pub const fn as_str(self) -> &'static str {
@@ -62,6 +72,7 @@ impl FaultKind {
             FaultKind::Alloc => "alloc",
             FaultKind::Copy => "copy",
             FaultKind::EventWait => "event_wait",
+            FaultKind::Op => "op",
         }
     }
 
@@ -70,6 +81,7 @@ impl FaultKind {
             FaultKind::Alloc => 0,
             FaultKind::Copy => 1,
             FaultKind::EventWait => 2,
+            FaultKind::Op => 3,
         }
     }
 }
@@ -98,6 +110,8 @@ pub struct FaultCounts {
     pub copies: u64,
     /// Event waits.
     pub event_waits: u64,
+    /// Op calls.
+    pub ops: u64,
 }
 
 impl FaultCounts {
@@ -107,12 +121,23 @@ impl FaultCounts {
             FaultKind::Alloc => self.allocs,
             FaultKind::Copy => self.copies,
             FaultKind::EventWait => self.event_waits,
+            FaultKind::Op => self.ops,
         }
     }
 
     /// All kinds together.
     pub fn total(&self) -> u64 {
-        self.allocs + self.copies + self.event_waits
+        self.allocs + self.copies + self.event_waits + self.ops
+    }
+
+    /// The points passed between `earlier` and `self`.
+    pub fn since(&self, earlier: &FaultCounts) -> FaultCounts {
+        FaultCounts {
+            allocs: self.allocs - earlier.allocs,
+            copies: self.copies - earlier.copies,
+            event_waits: self.event_waits - earlier.event_waits,
+            ops: self.ops - earlier.ops,
+        }
     }
 }
 
@@ -127,7 +152,7 @@ struct Armed {
 /// one it is armed for. See the module docs for what counts.
 pub struct FaultInjectingDevice {
     inner: Arc<dyn Device>,
-    counts: [AtomicU64; 3],
+    counts: [AtomicU64; 4],
     armed: Mutex<Option<Armed>>,
     fired: AtomicU64,
 }
@@ -195,6 +220,7 @@ impl FaultInjectingDevice {
             allocs: self.counts[0].load(Ordering::Acquire),
             copies: self.counts[1].load(Ordering::Acquire),
             event_waits: self.counts[2].load(Ordering::Acquire),
+            ops: self.counts[3].load(Ordering::Acquire),
         }
     }
 
@@ -243,8 +269,10 @@ impl FaultInjectingDevice {
         crate::device::ops_of(&*self.inner)
     }
 
-    /// Runs an op that allocates one output, then passes its allocation point.
+    /// Passes an op point, runs an op that allocates one output, then passes its
+    /// allocation point.
     fn op(&self, name: &str, f: impl FnOnce(&dyn Ops) -> Result<Tensor>) -> Result<Tensor> {
+        self.point(FaultKind::Op, || name.to_string())?;
         let out = f(self.inner_ops()?)?;
         self.alloc_point(out.nbytes() as u64, name)?;
         Ok(out)
@@ -499,7 +527,8 @@ mod tests {
             FaultCounts {
                 allocs: 3,
                 copies: 2,
-                event_waits: 2
+                event_waits: 2,
+                ops: 0
             }
         );
         f.arm(FaultKind::Copy, 1, FaultAction::Error);
