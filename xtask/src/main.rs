@@ -8,7 +8,10 @@
 //! - `test-gpu`: the CUDA backend's tests, on this machine's GPU (see [`gpu`]).
 //! - `gpu-bundle`: those tests built in release into `gpu-bundle/` with `run-all.sh`, for a
 //!   GPU machine without a toolchain (see [`gpu`]).
+//! - `bench --peer diffusers`: the streaming benchmark against Diffusers on the same
+//!   weights, built into `gpu-bundle/bench/` with `run-bench.sh` (see [`bench`]).
 
+mod bench;
 mod gpu;
 mod tidy;
 
@@ -74,8 +77,9 @@ fn main() -> ExitCode {
         "tidy" => tidy_task(),
         "test-gpu" => gpu::test_gpu(),
         "gpu-bundle" => gpu::bundle(),
+        "bench" => bench::bench(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => Err(format!(
-            "unknown task `{task}`; tasks: ci, tidy, test-gpu, gpu-bundle (bench arrives later)"
+            "unknown task `{task}`; tasks: ci, tidy, test-gpu, gpu-bundle, bench"
         )),
     };
     match result {

@@ -1,0 +1,200 @@
+//! `cargo xtask bench --peer diffusers`: the streaming benchmark against Diffusers on the
+//! same weights, in one job on one GPU.
+//!
+//! The GPU machine has no Rust toolchain, so this task builds here what the job needs into
+//! `gpu-bundle/bench/` (ignored by git): DDO's side (`bench_peer`, the `ddo-cli` example
+//! `crates/ddo-cli/examples/bench_peer.rs`, in release), Diffusers' side
+//! (`tools/bench_peer.py`, with `tools/gpu_peer.py` for the model configs), the report
+//! (`tools/bench_report.py`) and `run-bench.sh`, which on the GPU machine:
+//!
+//! 1. installs the carried Diffusers wheels (`wheels/`) into a private folder;
+//! 2. runs `bench_peer.py`: builds the random weights once (Flux-shaped transformer 5 + 10
+//!    blocks bf16, Flux VAE bf16) as safetensors, times Diffusers on them (resident,
+//!    leaf+stream; VAE resident, leaf without and with a stream), measures pinned
+//!    host→device bandwidth, host RSS and pinned bytes;
+//! 3. runs `bench_peer` on the same files (resident, leaf+stream with no budget and with
+//!    4 GiB, the VAE routes), with the same measurements;
+//! 4. writes `$OUT/bench.json`, `$OUT/bench.md` (the table: ratios to the floor and to
+//!    Diffusers, targets met or missed) and `$OUT/bench.svg`, plus both logs.
+//!
+//! With `--run` the script is run here too (a machine with a GPU and a toolchain).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::{cargo, run, workspace_root};
+
+/// The bench bundle's folder, relative to the workspace root (ignored by git).
+pub const BENCH_DIR: &str = "gpu-bundle/bench";
+
+/// Python files the job needs, from `tools/`.
+const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
+
+/// Parses `--peer diffusers [--run] [--options OPTS]` and builds (and maybe runs) the bench.
+pub fn bench(args: &[String]) -> Result<(), String> {
+    let mut peer = None;
+    let mut run_here = false;
+    let mut options = String::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--peer" => peer = it.next().cloned(),
+            "--run" => run_here = true,
+            "--options" => {
+                options = it
+                    .next()
+                    .cloned()
+                    .ok_or("--options needs route options, e.g. unit_bytes=16MiB,ring_slots=3")?;
+            }
+            other => {
+                return Err(format!(
+                    "unknown bench argument `{other}`; usage: cargo xtask bench --peer diffusers [--run] [--options OPTS]"
+                ));
+            }
+        }
+    }
+    match peer.as_deref() {
+        Some("diffusers") => {}
+        Some(other) => return Err(format!("unknown peer `{other}`; the peer is `diffusers`")),
+        None => return Err("give the peer: cargo xtask bench --peer diffusers".into()),
+    }
+    let root = workspace_root();
+    run(cargo().args([
+        "build",
+        "--release",
+        "--locked",
+        "-p",
+        "ddo-cli",
+        "--example",
+        "bench_peer",
+    ]))?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let exe = target.join("release/examples/bench_peer");
+    if !exe.is_file() {
+        return Err(format!("cargo built no {}", exe.display()));
+    }
+    let dir = root.join(BENCH_DIR);
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
+    }
+    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    copy(&exe, &dir.join("bench_peer"))?;
+    for s in SCRIPTS {
+        copy(&root.join("tools").join(s), &dir.join(s))?;
+    }
+    let script = dir.join("run-bench.sh");
+    fs::write(&script, run_bench_script(&options))
+        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
+    make_executable(&script)?;
+    run(Command::new("bash").arg("-n").arg(&script))?;
+    eprintln!(
+        "bench: {} ready; on the GPU machine, from the repository root (carry gpu-bundle and wheels): \
+         ./{BENCH_DIR}/run-bench.sh [ROUTE_OPTIONS]",
+        dir.display()
+    );
+    if run_here {
+        run(&mut Command::new(&script))?;
+    }
+    Ok(())
+}
+
+fn copy(from: &Path, to: &Path) -> Result<(), String> {
+    fs::copy(from, to)
+        .map(|_| ())
+        .map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))
+}
+
+#[cfg(unix)]
+fn make_executable(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("cannot make {} executable: {e}", path.display()))
+}
+
+#[cfg(not(unix))]
+fn make_executable(_path: &Path) -> Result<(), String> {
+    Ok(())
+}
+
+/// The job's script. `default_options` are the route options for DDO's streamed routes
+/// when the script is run without an argument.
+pub fn run_bench_script(default_options: &str) -> String {
+    format!(
+        r#"#!/usr/bin/env bash
+# DDO vs Diffusers on the same weights, in one job on one GPU (built by
+# `cargo xtask bench --peer diffusers`). Run from the repository root, carrying
+# gpu-bundle and wheels (Diffusers 0.42.1 wheels; PyTorch is preinstalled).
+# Usage: ./gpu-bundle/bench/run-bench.sh [ROUTE_OPTIONS]   e.g. unit_bytes=16MiB,ring_slots=3
+# Writes $OUT/bench.json, bench.md, bench.svg, peer.log, ddo.log (default OUT: ./bench-out).
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${{OUT:-$PWD/bench-out}}"
+data="${{DDO_BENCH_DATA:-/tmp/ddo-bench}}"
+wheels="${{DDO_WHEELS:-$PWD/wheels}}"
+options="${{1:-{default_options}}}"
+mkdir -p "$out" "$data"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+fi
+python3 -m pip install -q --no-index --no-deps --target /tmp/ddo-bench-site "$wheels"/*.whl || exit 1
+export PYTHONPATH=/tmp/ddo-bench-site
+export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
+echo "=== Diffusers side"
+python3 "$here/bench_peer.py" "$data" 2>&1 | tee "$out/peer.log" | tail -20
+rc=${{PIPESTATUS[0]}}
+[ "$rc" -eq 0 ] || {{ echo "=== bench_peer.py failed (exit $rc)"; exit 1; }}
+echo "=== DDO side (route options: ${{options:-none}})"
+"$here/bench_peer" "$data" "$data/ddo_bench.json" "$options" 2>&1 | tee "$out/ddo.log" | tail -20
+rc=${{PIPESTATUS[0]}}
+[ "$rc" -eq 0 ] || {{ echo "=== bench_peer failed (exit $rc)"; exit 1; }}
+echo "=== report"
+python3 "$here/bench_report.py" "$data/peer_bench.json" "$data/ddo_bench.json" "$out"
+"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_script_runs_both_sides_on_one_data_folder_and_reports() {
+        let s = run_bench_script("ring_slots=3");
+        assert!(s.starts_with("#!/usr/bin/env bash"));
+        let peer = s.find("bench_peer.py\" \"$data\"").unwrap();
+        let ddo = s.find("\"$here/bench_peer\" \"$data\"").unwrap();
+        let report = s
+            .find("bench_report.py\" \"$data/peer_bench.json\"")
+            .unwrap();
+        assert!(peer < ddo && ddo < report, "{s}");
+        assert!(s.contains("options=\"${1:-ring_slots=3}\""));
+        assert_eq!(s.matches("PIPESTATUS[0]").count(), 2);
+        assert!(s.contains("--no-index"));
+    }
+
+    #[test]
+    fn the_script_is_valid_bash() {
+        let dir = std::env::temp_dir().join(format!("ddo-xtask-bench-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("run-bench.sh");
+        fs::write(&path, run_bench_script("")).unwrap();
+        let status = Command::new("bash").arg("-n").arg(&path).status();
+        fs::remove_dir_all(&dir).unwrap();
+        // bash is part of every machine this workspace builds on (.ci/run is bash).
+        assert!(status.unwrap().success());
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_building() {
+        assert!(bench(&[]).unwrap_err().contains("--peer diffusers"));
+        assert!(
+            bench(&["--peer".into(), "comfy".into()])
+                .unwrap_err()
+                .contains("unknown peer")
+        );
+        assert!(bench(&["--fast".into()]).unwrap_err().contains("unknown"));
+    }
+}
