@@ -24,7 +24,9 @@
 //! pinned host copy; vmm_fast puts the denoiser in the native pool (the allocator is a
 //! separate bootstrap step, never installed by resolving a preset); warm_process keeps
 //! everything resident for a long-lived process; wsl_compat avoids pinned memory, which
-//! WSL rations; nvme_baseline is the synchronous baseline.
+//! WSL rations (its rows stream nothing, and a streamed route resolved under it gets
+//! `pinned_limit=256MiB` unless it gives its own, [`preset_pinned_limit`]); nvme_baseline is
+//! the synchronous baseline.
 //!
 //! # Precedence
 //!
@@ -139,6 +141,38 @@ pub fn route_env_var(component: &str) -> String {
     format!("DDO_{upper}_ROUTE")
 }
 
+/// The streaming engine's pinned limit a preset implies: 256 MiB
+/// ([`WSL_COMPAT_PINNED_LIMIT`](crate::streaming::WSL_COMPAT_PINNED_LIMIT)) under
+/// `wsl_compat`, else the engine's default
+/// ([`DEFAULT_PINNED_LIMIT`](crate::streaming::DEFAULT_PINNED_LIMIT)). A route's explicit
+/// `pinned_limit` option wins over it.
+pub fn preset_pinned_limit(preset: Preset) -> u64 {
+    match preset.resolved() {
+        Preset::WslCompat => crate::streaming::WSL_COMPAT_PINNED_LIMIT,
+        _ => crate::streaming::DEFAULT_PINNED_LIMIT,
+    }
+}
+
+/// `spec` with the preset's pinned limit filled in where it streams and gives none (only
+/// `wsl_compat` sets one below the engine's default).
+fn with_preset_pinned_limit(spec: RouteSpec, preset: Preset) -> RouteSpec {
+    let o = spec.options();
+    if preset.resolved() != Preset::WslCompat
+        || o.pinned_limit.is_some()
+        || o.use_stream != Some(true)
+    {
+        return spec;
+    }
+    RouteSpec::new(
+        spec.target(),
+        RouteOptions {
+            pinned_limit: Some(preset_pinned_limit(preset)),
+            ..*o
+        },
+    )
+    .unwrap_or(spec)
+}
+
 /// The preset default for a component kind. This function is the table in the module
 /// documentation.
 pub fn preset_default(preset: Preset, kind: &ComponentKind) -> RouteSpec {
@@ -244,6 +278,7 @@ pub fn resolve(
             DecidedBy::PresetDefault,
         )
     };
+    let spec = with_preset_pinned_limit(spec, preset);
     Ok(Resolution {
         needs_native_allocator: spec.route_id() == Some(RouteId::NativeVmm),
         spec,
@@ -494,5 +529,26 @@ mod tests {
         assert_eq!(route_env_var("vae"), "DDO_VAE_ROUTE");
         assert_eq!(route_env_var("text_encoder_2"), "DDO_TEXT_ENCODER_2_ROUTE");
         assert_eq!(route_env_var("my-unet"), "DDO_MY_UNET_ROUTE");
+    }
+
+    #[test]
+    fn wsl_compat_caps_the_pinned_limit_of_a_streamed_route_it_resolves() {
+        let explicit = RouteSpec::leaf_group(true, false);
+        let mut settings = settings(Preset::WslCompat);
+        let env = MapEnvironment::default();
+        let r = resolve(&settings, "transformer", Some(&explicit), &env).unwrap();
+        assert_eq!(r.spec.options().pinned_limit, Some(256 << 20));
+        assert!(preset_pinned_limit(Preset::WslCompat) <= 256 << 20);
+        // A limit given explicitly wins; other presets and no-stream routes are unchanged.
+        let own: RouteSpec = "diffusers_group_offload:use_stream=true,pinned_limit=64MiB"
+            .parse()
+            .unwrap();
+        let r = resolve(&settings, "transformer", Some(&own), &env).unwrap();
+        assert_eq!(r.spec.options().pinned_limit, Some(64 << 20));
+        let r = resolve(&settings, "text_encoder", None, &env).unwrap();
+        assert_eq!(r.spec.options().pinned_limit, None);
+        settings.preset = Preset::OneShotFast;
+        let r = resolve(&settings, "transformer", Some(&explicit), &env).unwrap();
+        assert_eq!(r.spec.options().pinned_limit, None);
     }
 }
