@@ -44,7 +44,7 @@ use crate::allocator::{
 };
 use crate::driver;
 use crate::error::{CudaError, DriverResultExt, Result};
-use crate::native::{NativeAllocator, Source};
+use crate::native::NativeAllocator;
 
 /// The compute stream's key in the allocator.
 const COMPUTE: StreamKey = StreamKey(0);
@@ -285,6 +285,11 @@ pub struct CudaAllocation {
     shared: Arc<Shared>,
     uses: Mutex<Vec<(StreamKey, PooledEvent)>>,
     unheld: Mutex<Vec<(StreamKey, Arc<CudaStream>)>>,
+    /// Compute-stream events another stream must wait for before touching these bytes
+    /// (native allocator: the bytes' previous users; see [`crate::native`]).
+    fences: Vec<Arc<PooledEvent>>,
+    /// Streams already ordered behind `fences`.
+    fenced_streams: Mutex<Vec<StreamKey>>,
 }
 
 impl CudaAllocation {
@@ -719,17 +724,19 @@ impl CudaDevice {
     fn allocate(&self, bytes: usize, stream: Option<StreamKey>) -> ddo_core::Result<DeviceBuffer> {
         self.poll()?;
         let native = self.shared.native.read();
+        let mut fences = Vec::new();
         let (ptr, backing) = match native.as_ref() {
             Some(native) => {
                 let native = Arc::clone(native);
                 let ctx = Arc::clone(&self.shared.ctx);
-                let (range, _source): (PoolAllocation, Source) = native
+                let grant = native
                     .allocate(bytes as u64, stream, move || {
                         ctx.synchronize()
                             .map_err(|e| format!("cuCtxSynchronize failed: {e:?}"))
                     })
                     .map_err(|e| self.native_oom(bytes, &native, e))?;
-                (range.va(), Backing::Native(native, range))
+                fences = grant.fences;
+                (grant.range.va(), Backing::Native(native, grant.range))
             }
             None => {
                 self.shared
@@ -751,7 +758,31 @@ impl CudaDevice {
             shared: Arc::clone(&self.shared),
             uses: Mutex::new(Vec::new()),
             unheld: Mutex::new(Vec::new()),
+            fences,
+            fenced_streams: Mutex::new(Vec::new()),
         })))
+    }
+
+    /// Orders work about to be queued on `s` that touches `alloc` behind the compute-stream
+    /// work that last used its bytes before they were freed and handed out again (the
+    /// native allocator's fences): one `cuStreamWaitEvent` per fence, once per stream. The
+    /// compute stream is ordered by itself.
+    fn order_use(&self, alloc: &CudaAllocation, s: &CudaStreamHandle) -> ddo_core::Result<()> {
+        if alloc.fences.is_empty() || s.key == COMPUTE {
+            return Ok(());
+        }
+        let mut done = alloc.fenced_streams.lock();
+        if done.contains(&s.key) {
+            return Ok(());
+        }
+        for fence in &alloc.fences {
+            s.stream
+                .wait(fence.event())
+                .call("cuStreamWaitEvent")
+                .map_err(|e| self.core(e))?;
+        }
+        done.push(s.key);
+        Ok(())
     }
 
     fn live_streams(&self) -> Vec<Arc<CudaStreamHandle>> {
@@ -886,6 +917,7 @@ impl Device for CudaDevice {
         if src.is_empty() {
             return Ok(());
         }
+        self.order_use(alloc, s)?;
         let to = alloc.ptr + dst.offset() as u64;
         if src.kind() == HostMemoryKind::Pinned {
             src.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
@@ -923,6 +955,7 @@ impl Device for CudaDevice {
         if dst.is_empty() {
             return Ok(());
         }
+        self.order_use(alloc, s)?;
         let from = alloc.ptr + src.offset() as u64;
         if dst.kind() == HostMemoryKind::Pinned {
             dst.with_bytes_mut(|bytes| driver::memcpy_dtoh_async(bytes, from, &s.stream))?
@@ -947,13 +980,17 @@ impl Device for CudaDevice {
         stream: &Stream,
     ) -> ddo_core::Result<()> {
         Self::check_len("device->device copy", dst.len(), src.len())?;
-        let from = self.allocation(src.buffer())?.ptr + src.offset() as u64;
-        let to = self.allocation(dst.buffer())?.ptr + dst.offset() as u64;
+        let src_alloc = self.allocation(src.buffer())?;
+        let dst_alloc = self.allocation(dst.buffer())?;
+        let from = src_alloc.ptr + src.offset() as u64;
+        let to = dst_alloc.ptr + dst.offset() as u64;
         let s = self.stream_handle(stream)?;
         self.poll()?;
         if src.is_empty() {
             return Ok(());
         }
+        self.order_use(src_alloc, s)?;
+        self.order_use(dst_alloc, s)?;
         driver::memcpy_dtod_async(to, from, src.len(), &s.stream).map_err(|e| self.core(e))?;
         s.track([Held::Device(src.clone()), Held::Device(dst.clone())])
             .map_err(|e| self.core(e))

@@ -161,7 +161,7 @@ fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundar
         let out = model.forward(&*cached, &inputs).unwrap();
         output_bytes(&cached, &out)
     };
-    for budget in [weights + (64 << 20), weights / 2, 0] {
+    for budget in [weights + (64 << 20), weights / 2, weights / 8] {
         let spec: RouteSpec = format!("native_vmm:budget={budget}").parse().unwrap();
         let mut h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
         let out = model.forward(&*d, &inputs).unwrap();
@@ -193,6 +193,24 @@ fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundar
         assert!(report.proven && rise >= report.bytes, "{report:?}");
         assert_eq!(d.native_pool_figures().unwrap().mapped_bytes, 0);
     }
+    // A copy stream writing into bytes the compute stream freed moments ago: group offload
+    // with a stream under the native allocator (its fences order the copies) equals resident.
+    let spec: RouteSpec = "diffusers_group_offload:offload_type=leaf_level,use_stream=true"
+        .parse()
+        .unwrap();
+    let _h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
+    for round in 0..2 {
+        let out = model.forward(&*d, &inputs).unwrap();
+        assert!(
+            output_bytes(&d, &out) == expected,
+            "group offload with a stream under the native allocator differs (round {round})"
+        );
+    }
+    let f = d.native_pool_figures().unwrap();
+    println!(
+        "group offload, stream, native allocator: {}",
+        f.format_line()
+    );
 }
 
 fn median_ms(mut f: impl FnMut(), d: &CudaDevice) -> f64 {
