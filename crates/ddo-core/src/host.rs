@@ -507,6 +507,39 @@ pub struct Checkpoint {
     unsupported: BTreeMap<String, String>,
 }
 
+/// A JSON object read with its keys in file order, refusing a key that appears twice (a
+/// plain map would keep the last silently: a checkpoint header or a sharded index with a
+/// duplicate tensor name is ambiguous, so DDO refuses it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UniqueMap(pub Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for UniqueMap {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueMap;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object with unique keys")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueMap, A::Error> {
+                let mut seen = std::collections::BTreeSet::new();
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!("duplicate name `{key}`")));
+                    }
+                    entries.push((key, map.next_value()?));
+                }
+                Ok(UniqueMap(entries))
+            }
+        }
+        deserializer.deserialize_map(Visitor)
+    }
+}
+
 /// Largest safetensors header DDO reads (100 MiB, as the format's reference reader allows).
 pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
 
@@ -518,11 +551,31 @@ impl Checkpoint {
     /// not load (f64, integers, ...) is listed but refused when asked for.
     pub fn open(path: &Path) -> Result<Self> {
         let map = CheckpointMap::open(path)?;
+        let (tensors, unsupported) = Self::parse(map.bytes(), path)?;
+        Ok(Self {
+            map,
+            tensors,
+            unsupported,
+        })
+    }
+
+    /// Validates the bytes of a safetensors file as [`Checkpoint::open`] does, without a
+    /// file (`path` only names it in errors); returns the number of tensors listed. For
+    /// fuzzing and for checking bytes before they are written.
+    pub fn validate_bytes(bytes: &[u8], path: &Path) -> Result<usize> {
+        let (tensors, unsupported) = Self::parse(bytes, path)?;
+        Ok(tensors.len() + unsupported.len())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn parse(
+        bytes: &[u8],
+        path: &Path,
+    ) -> Result<(BTreeMap<String, CheckpointTensor>, BTreeMap<String, String>)> {
         let bad = |message: String| CoreError::Checkpoint {
             path: path.to_path_buf(),
             message,
         };
-        let bytes = map.bytes();
         let header_len = bytes
             .get(..8)
             .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
@@ -542,7 +595,7 @@ impl Checkpoint {
         let header_end = 8 + header_len as usize;
         let header = std::str::from_utf8(&bytes[8..header_end])
             .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-        let json: serde_json::Map<String, serde_json::Value> = serde_json::from_str(header)
+        let json: UniqueMap = serde_json::from_str(header)
             .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
         let data_len = bytes.len() - header_end;
         let mut tensors = BTreeMap::new();
@@ -554,7 +607,7 @@ impl Checkpoint {
                 .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
                 .collect()
         };
-        for (name, entry) in &json {
+        for (name, entry) in &json.0 {
             if name == "__metadata__" {
                 continue;
             }
@@ -629,11 +682,7 @@ impl Checkpoint {
                 return Err(bad(format!("tensors `{a}` and `{b}` overlap in the data")));
             }
         }
-        Ok(Self {
-            map,
-            tensors,
-            unsupported,
-        })
+        Ok((tensors, unsupported))
     }
 
     /// The mapped file.

@@ -54,7 +54,7 @@ pub use device::{
 pub use dtype::DType;
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
-pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
+pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice, UniqueMap};
 pub use host_backend::{HostDevice, HostDeviceConfig};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};

@@ -8,7 +8,7 @@ use std::path::{Component as PathComponent, Path, PathBuf};
 use std::sync::Arc;
 
 use ddo_core::reference::SplitMix64;
-use ddo_core::{Checkpoint, CoreError, DType, HostBuffer, Param, ParamKind};
+use ddo_core::{Checkpoint, CoreError, DType, HostBuffer, Param, ParamKind, UniqueMap};
 
 use crate::error::{LoadError, LoadResult};
 
@@ -148,17 +148,28 @@ impl CheckpointWeights {
             path: index.to_path_buf(),
             source,
         })?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        // Other fields (`metadata`) are ignored; a tensor named twice is refused.
+        #[derive(serde::Deserialize)]
+        struct IndexFile {
+            weight_map: Option<UniqueMap>,
+        }
+        let json: IndexFile = serde_json::from_str(&text).map_err(|e| {
+            if e.classify() == serde_json::error::Category::Data {
+                bad(format!(
+                    "`weight_map` is not an object of tensor name -> shard file with unique names: {e}"
+                ))
+            } else {
+                bad(format!("not JSON: {e}"))
+            }
+        })?;
         let map = json
-            .get("weight_map")
-            .and_then(|m| m.as_object())
+            .weight_map
             .ok_or_else(|| bad("no `weight_map` object".into()))?;
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut shard_ids: BTreeMap<String, usize> = BTreeMap::new();
         let mut files = Vec::new();
         let mut location = HashMap::new();
-        for (tensor, shard) in map {
+        for (tensor, shard) in &map.0 {
             let shard = shard
                 .as_str()
                 .ok_or_else(|| bad(format!("shard of `{tensor}` is not a string")))?;
