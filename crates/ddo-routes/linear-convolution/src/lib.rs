@@ -158,6 +158,9 @@ impl Route for LinearConvolutionRoute {
             (o.offload_type.is_some(), "offload_type"),
             (o.use_stream.is_some(), "use_stream"),
             (o.low_cpu_mem_usage.is_some(), "low_cpu_mem_usage"),
+            (o.pinned_limit.is_some(), "pinned_limit"),
+            (o.unit_bytes.is_some(), "unit_bytes"),
+            (o.ring_slots.is_some(), "ring_slots"),
         ] {
             if given {
                 return Err(refused(
