@@ -317,23 +317,25 @@ mod tests {
     fn a_ring_of_slots_counts_every_slot_and_the_unit_floor() {
         let model = SlotModel {
             slots: 2,
-            unit_floor: 3,
+            unit_floor: 15,
         };
-        // Keeping 10 and streaming 2 + 1 (one coalesced unit of 3) needs 10 + 2 × 3 = 16;
-        // keeping 10 + 2 and streaming 1 needs 12 + 2 × 1 = 14.
-        let p = plan_residency_with(&leaves(&[10, 2, 1]), 14, model);
+        let sizes = [100, 10, 10, 10, 10, 10, 10];
+        // Keeping 100 and streaming the six 10s (coalesced units of up to 15: slots of 15)
+        // needs 100 + 2 × 15 = 130. The largest leaf could never be streamed (2 × 100).
+        let p = plan_residency_with(&leaves(&sizes), 130, model);
         assert!(p.fits(), "{p:?}");
         assert_eq!(
             (p.resident_bytes, p.streamed_bytes, p.slot_bytes),
-            (12, 1, 2)
+            (100, 60, 30)
         );
-        let p = plan_residency_with(&leaves(&[10, 2, 1]), 16, model);
-        assert_eq!((p.resident_bytes, p.device_bytes()), (12, 14));
-        // The largest leaf does not fit twice, yet it fits resident: 10 + 2 × 1 = 12.
-        let p = plan_residency_with(&leaves(&[10, 1]), 12, model);
-        assert_eq!((p.resident_bytes, p.slot_bytes), (10, 2));
-        // Nothing fits in 11: every leaf is streamed and the plan says so.
-        let p = plan_residency_with(&leaves(&[10, 2, 1]), 11, model);
+        // Ten more bytes keep one more 10 resident.
+        let p = plan_residency_with(&leaves(&sizes), 140, model);
+        assert_eq!((p.resident_bytes, p.device_bytes()), (110, 140));
+        // The one-leaf model would have kept more: its slot is one 10.
+        let one = plan_residency(&leaves(&sizes), 130);
+        assert_eq!((one.resident_bytes, one.slot_bytes), (120, 10));
+        // Nothing fits in 129: every leaf is streamed and the plan says so.
+        let p = plan_residency_with(&leaves(&sizes), 129, model);
         assert!(p.resident.is_empty() && !p.fits());
     }
 
