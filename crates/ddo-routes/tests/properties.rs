@@ -189,14 +189,13 @@ proptest! {
                 Some(RouteId::DiffusersGroupOffload) => {
                     let (group, unmatched) = largest_group(&c, &route);
                     let cfg = route.group_offload_config();
-                    // Stream: the group in use and the prefetched one; record_stream frees
-                    // in stream order, so a third may still be queued for release.
-                    let groups = match (cfg.use_stream, cfg.record_stream) {
-                        (false, _) => 1,
-                        (true, false) => 2,
-                        (true, true) => 3,
-                    };
-                    groups * group + unmatched
+                    // Direct onloads: the group in use; record_stream frees in stream
+                    // order, so one more may still be queued for release. With a stream,
+                    // later forwards hold the engine's ring (and its resident weights).
+                    let groups = if cfg.record_stream { 2 } else { 1 };
+                    let k = h.metrics().counters();
+                    let engine = k.ring_slots * k.ring_slot_bytes + k.resident_weight_bytes;
+                    (groups * group).max(engine) + unmatched
                 }
                 None => unreachable!(),
             };
