@@ -6,13 +6,17 @@
 //!   and `tidy`.
 //! - `tidy`: the workspace's architecture invariants and code habits (see [`tidy`]).
 //! - `test-gpu`: the CUDA backend's tests, on this machine's GPU (see [`gpu`]).
+//! - `fuzz`: the cargo-fuzz targets in `fuzz/` for a while each (see [`fuzz`]).
+//! - `soak`: 1,000 attach/forward/phase/remove cycles over every route (see [`soak`]).
 //! - `gpu-bundle`: those tests built in release into `gpu-bundle/` with `run-all.sh`, for a
 //!   GPU machine without a toolchain (see [`gpu`]).
 //! - `bench --peer diffusers`: the streaming benchmark against Diffusers on the same
 //!   weights, built into `gpu-bundle/bench/` with `run-bench.sh` (see [`bench`]).
 
 mod bench;
+mod fuzz;
 mod gpu;
+mod soak;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -78,8 +82,10 @@ fn main() -> ExitCode {
         "test-gpu" => gpu::test_gpu(),
         "gpu-bundle" => gpu::bundle(),
         "bench" => bench::bench(&std::env::args().skip(2).collect::<Vec<_>>()),
+        "fuzz" => fuzz::fuzz(&std::env::args().skip(2).collect::<Vec<_>>()),
+        "soak" => soak::soak(&std::env::args().skip(2).collect::<Vec<_>>()),
         _ => Err(format!(
-            "unknown task `{task}`; tasks: ci, tidy, test-gpu, gpu-bundle, bench"
+            "unknown task `{task}`; tasks: ci, tidy, test-gpu, gpu-bundle, bench, fuzz, soak"
         )),
     };
     match result {

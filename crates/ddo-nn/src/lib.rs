@@ -21,6 +21,7 @@ pub mod flux;
 pub mod layers;
 pub mod pipeline;
 pub mod scheduler;
+pub mod soak;
 pub mod t5;
 pub mod tokenizer;
 pub mod vae;

@@ -1,0 +1,63 @@
+//! The soak on a GPU: cycles of attach → forward → phase boundary → remove over every route
+//! configuration (`ddo_nn::soak`) on `cuda:0` — caching-allocator routes on one device, the
+//! `native_vmm` route on a second device of the same GPU with the native allocator
+//! installed. Cycles come from `DDO_SOAK_CYCLES` (default 20; the figure is 1000).
+//! Prints the device, pinned and host figures after the first and the last cycle and checks
+//! that none grew by more than 1 MiB. Without a GPU it prints "skipped: no CUDA device" and
+//! passes (unless `DDO_REQUIRE_GPU=1`).
+
+use std::sync::Arc;
+
+use ddo_core::{DType, Device};
+use ddo_cuda::{CudaDevice, CudaError};
+use ddo_nn::soak::{run_soak, soak_routes};
+
+fn gpu() -> Option<Arc<CudaDevice>> {
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
+            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
+            }
+            println!("skipped: no CUDA device");
+            None
+        }
+        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
+    }
+}
+
+#[test]
+fn soak_cycles_over_every_route_do_not_grow_memory() {
+    let Some(caching) = gpu() else { return };
+    let cycles: usize = std::env::var("DDO_SOAK_CYCLES")
+        .ok()
+        .map(|v| v.parse().expect("DDO_SOAK_CYCLES must be a whole number"))
+        .unwrap_or(20);
+    let native = CudaDevice::new(0).expect("second device for the native allocator");
+    let native = match native.install_native_vmm() {
+        Ok(()) => Some(native as Arc<dyn Device>),
+        Err(e) => {
+            println!("native_vmm route skipped: cannot install the native allocator: {e}");
+            None
+        }
+    };
+    let caching: Arc<dyn Device> = caching;
+    let step = (cycles / 10).max(1);
+    let report = run_soak(
+        &caching,
+        native.as_ref(),
+        &soak_routes(),
+        cycles,
+        DType::F32,
+        |n| {
+            if n % step == 0 {
+                println!("soak: cycle {n}/{cycles}");
+            }
+        },
+    )
+    .expect("soak");
+    println!("{}", report.format());
+    assert_eq!(report.after_last.device_allocated, 0, "{}", report.format());
+    assert_eq!(report.after_last.pinned_host, 0, "{}", report.format());
+    assert!(report.within(1 << 20), "{}", report.format());
+}
