@@ -1,21 +1,30 @@
 //! The `native_vmm` route: the `vmm_fast` preset's transformer route. Under a VRAM budget
 //! it keeps resident the leaves whose weights would cost most to stream, and streams the
-//! rest one leaf at a time (onloaded before the leaf, freed after it, from pinned copies
-//! when `pinned=true`), so the bytes copied per forward are as few as the budget allows.
+//! rest through ddo-core's [`StreamingEngine`]: packed in schedule order into transfer
+//! units, staged in pinned memory (a pinned home that becomes the weights' one host copy
+//! with `pinned=true`, a bounded pinned staging ring otherwise), and copied on a copy
+//! stream into a ring of device slots ahead of compute.
 //!
 //! This crate is one of the route crates above `ddo-core`: it talks to the [`Device`]
-//! trait only, moves params through [`ResidencyTable`] and [`PinnedCopies`], and is
-//! registered in the static route table of `ddo-routes`, which calls
-//! [`Route::preflight`], then [`Route::attach`], then installs the returned hooks. The
-//! route requires the native VMM allocator ([`AllocatorKind::NativeVmm`]) on the device,
-//! installed as the first step of a fresh process; it never installs it. Allocations go
-//! through [`Device::alloc`], which that allocator serves; the VMM pool of `ddo-vmm`
-//! (reserve, map, unmap, release idle) will sit behind the same calls.
+//! trait only, moves params through [`ResidencyTable`] and the engine, and is registered
+//! in the static route table of `ddo-routes`, which calls [`Route::preflight`], then
+//! [`Route::attach`], then installs the returned hooks. The route requires the native VMM
+//! allocator ([`AllocatorKind::NativeVmm`]) on the device, installed as the first step of a
+//! fresh process; it never installs it. Its allocations (resident weights, the ring) go
+//! through [`Device::alloc`], which that allocator serves from the VMM pool.
 //!
-//! The residency planner is the pure function [`plan_residency`]; the budget is
-//! [`budget_bytes`]: an explicit `budget` option, or what the device has free minus
-//! [`DEFAULT_FREE_MARGIN`]. A component named `vae` needs an explicit budget: native VMM
-//! for a VAE is an explicit source/capacity opt-in, never decided by class.
+//! Forwards: the first one learns the order the streamed leaves run in (each onloaded on
+//! the compute stream just before it runs and freed after: the peak is the resident set
+//! plus one leaf); from the second on, the engine streams them. A forward that leaves the
+//! learned order hands the ring back and finishes leaf by leaf; the order is then learned
+//! again (counted in the metrics).
+//!
+//! The residency planner is [`plan_residency_with`] with the engine's [`SlotModel`]
+//! (`ring_slots` slots of the largest streamed leaf or transfer unit), so resident weights
+//! plus the ring never exceed the budget: an explicit `budget` option, or what the device
+//! has free minus [`DEFAULT_FREE_MARGIN`]. A component named `vae` needs an explicit
+//! budget: native VMM for a VAE is an explicit source/capacity opt-in, never decided by
+//! class.
 
 mod plan;
 
@@ -24,14 +33,19 @@ use std::fmt;
 use std::sync::Arc;
 
 use ddo_core::residency::{EagerLeafStreamer, FreeMode, PinnedCopies, ResidencyTable};
+use ddo_core::streaming::layout::align_up;
+use ddo_core::streaming::{
+    Schedule, ScheduleOutcome, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
+    StreamingFigures,
+};
 use ddo_core::{
     AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, HostSlice, Leaf,
-    Param, Refusal, Result, Route, RouteId, RouteSpec,
+    Param, ParamId, Refusal, Result, Route, RouteId, RouteSpec, Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
 
-pub use plan::{ResidencyPlan, plan_residency};
+pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
 
 /// Margin left free when no budget is given: the budget is what the device has free when
 /// the route attaches, minus this. It leaves room for activations, workspaces (cuBLAS,
@@ -42,8 +56,8 @@ pub const DEFAULT_FREE_MARGIN: u64 = 1 << 30;
 pub const DEFAULT_BUDGET: Budget = Budget::FreeMinus(DEFAULT_FREE_MARGIN);
 
 /// The hint given for an option `native_vmm` does not take.
-pub const OPTION_HINT: &str = "native_vmm takes only budget and pinned; use diffusers_group_offload for \
-     grouped or streamed offload options";
+pub const OPTION_HINT: &str = "native_vmm takes budget, pinned and the streaming engine's pinned_limit, \
+     unit_bytes and ring_slots; use diffusers_group_offload for grouped offload options";
 
 /// Whether streamed weights are pinned when the spec does not say.
 pub const PINNED_BY_DEFAULT: bool = false;
@@ -59,18 +73,39 @@ pub struct NativeVmmConfig {
     pub budget: Budget,
     /// Whether the budget was given explicitly.
     pub explicit_budget: bool,
-    /// Keep pinned host copies of the streamed leaves' weights (default false).
+    /// Stage streamed weights in a pinned home that replaces their host bytes (one host
+    /// copy, pinned speed); false (the default): a bounded pinned staging ring filled from
+    /// the weights' own bytes.
     pub pinned: bool,
+    /// The streaming engine's settings (`budget` is set at attach).
+    pub streaming: StreamingConfig,
 }
 
 impl NativeVmmConfig {
     /// The settings `spec` asks for, with the route's defaults where it is silent.
     pub fn from_spec(spec: &RouteSpec) -> Self {
         let o = spec.options();
+        let pinned = o.pinned.unwrap_or(PINNED_BY_DEFAULT);
+        let mut streaming = StreamingConfig::from_options(o);
+        streaming.staging = if pinned {
+            StagingMode::Auto
+        } else {
+            StagingMode::Ring
+        };
         Self {
             budget: o.budget.unwrap_or(DEFAULT_BUDGET),
             explicit_budget: o.budget.is_some(),
-            pinned: o.pinned.unwrap_or(PINNED_BY_DEFAULT),
+            pinned,
+            streaming,
+        }
+    }
+
+    /// How the planner counts the ring: the engine's slots, each the largest streamed leaf
+    /// or transfer unit.
+    pub fn slot_model(&self) -> SlotModel {
+        SlotModel {
+            slots: self.streaming.ring_slots.max(2) as u64,
+            unit_floor: align_up(self.streaming.unit_bytes),
         }
     }
 }
@@ -90,20 +125,75 @@ pub fn budget_bytes(device: &dyn Device, spec: &RouteSpec) -> u64 {
         .bytes_given_free(free_bytes(device))
 }
 
-/// The leaves the planner sees: those with params, as `(path, weight bytes)`.
-fn weighted_leaves(component: &Component) -> Vec<(String, u64)> {
+/// The leaves the planner sees: those with params, as `(path, weight bytes)`; with
+/// `aligned`, each param counted at the streaming engine's alignment.
+fn weighted_leaves(component: &Component, aligned: bool) -> Vec<(String, u64)> {
     component
         .leaves()
         .iter()
         .filter(|l| !l.params().is_empty())
-        .map(|l| (l.path().to_string(), l.param_bytes()))
+        .map(|l| {
+            let mut seen = HashSet::new();
+            let bytes = l
+                .params()
+                .iter()
+                .filter(|(_, p)| seen.insert(p.id()))
+                .map(|(_, p)| {
+                    let n = p.nbytes() as u64;
+                    if aligned { align_up(n) } else { n }
+                })
+                .sum();
+            (l.path().to_string(), bytes)
+        })
         .collect()
 }
 
-/// The plan [`NativeVmmRoute`] would make for `component` on `device` with `spec` now.
-/// Touches nothing.
+/// How the streamed leaves of a plan move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamMode {
+    /// Nothing streams.
+    Nothing,
+    /// Through the streaming engine's ring (resident + ring within the budget).
+    Engine,
+    /// One leaf at a time on the compute stream (the budget leaves no room for the ring,
+    /// or the device has no copy stream).
+    LeafByLeaf,
+}
+
+/// The plan [`NativeVmmRoute`] would make for `component` on `device` with `spec` now, and
+/// how its streamed leaves would move. Touches nothing.
+///
+/// In order: everything resident when the budget holds it; else resident leaves plus the
+/// streaming engine's ring within the budget ([`NativeVmmConfig::slot_model`]); else, when
+/// the ring does not fit beside any useful resident set, one streamed leaf at a time
+/// ([`SlotModel::ONE_LEAF`]).
+pub fn plan_with_mode(
+    component: &Component,
+    device: &dyn Device,
+    spec: &RouteSpec,
+) -> (ResidencyPlan, StreamMode) {
+    let budget = budget_bytes(device, spec);
+    let one_leaf = plan_residency(&weighted_leaves(component, false), budget);
+    if one_leaf.streamed.is_empty() {
+        return (one_leaf, StreamMode::Nothing);
+    }
+    if device.supports_streams() {
+        let ring = plan_residency_with(
+            &weighted_leaves(component, true),
+            budget,
+            NativeVmmConfig::from_spec(spec).slot_model(),
+        );
+        if ring.fits() {
+            return (ring, StreamMode::Engine);
+        }
+    }
+    (one_leaf, StreamMode::LeafByLeaf)
+}
+
+/// The plan [`NativeVmmRoute`] would make for `component` on `device` with `spec` now
+/// ([`plan_with_mode`] without the mode). Touches nothing.
 pub fn plan_for(component: &Component, device: &dyn Device, spec: &RouteSpec) -> ResidencyPlan {
-    plan_residency(&weighted_leaves(component), budget_bytes(device, spec))
+    plan_with_mode(component, device, spec).0
 }
 
 fn refused(component: &Component, refusal: Refusal) -> CoreError {
@@ -114,10 +204,12 @@ fn refused(component: &Component, refusal: Refusal) -> CoreError {
     }
 }
 
-/// A leaf's params once, and whether the plan keeps it resident.
+/// A leaf's params once, whether the plan keeps it resident, and its segment in the
+/// streaming engine when it streams.
 struct LeafPlan {
     params: Vec<Arc<Param>>,
     resident: bool,
+    segment: Option<usize>,
 }
 
 impl NativeVmmRoute {
@@ -131,9 +223,9 @@ impl NativeVmmRoute {
     ) -> Result<Arc<NativeVmmAttachment>> {
         self.preflight(component, &*device, spec)?;
         let config = NativeVmmConfig::from_spec(spec);
-        let plan = plan_for(component, &*device, spec);
+        let (plan, mode) = plan_with_mode(component, &*device, spec);
         let resident: HashSet<&str> = plan.resident.iter().map(String::as_str).collect();
-        let leaves: Vec<LeafPlan> = component
+        let mut leaves: Vec<LeafPlan> = component
             .leaves()
             .iter()
             .map(|leaf| {
@@ -146,27 +238,34 @@ impl NativeVmmRoute {
                         .map(|(_, p)| Arc::clone(p))
                         .collect(),
                     resident: resident.contains(leaf.path()),
+                    segment: None,
                 }
             })
             .collect();
 
-        // Pinned copies of what is streamed (a tied weight also held by a resident leaf
-        // never moves again, so it is not pinned).
-        let resident_ids: HashSet<_> = leaves
+        // The engine's segments: each streamed leaf's params, less those a resident leaf
+        // already holds (a tied weight never moves again).
+        let resident_ids: HashSet<ParamId> = leaves
             .iter()
             .filter(|l| l.resident)
             .flat_map(|l| l.params.iter().map(|p| p.id()))
             .collect();
-        let pinned = if config.pinned {
-            let mut seen = HashSet::new();
-            let streamed: Vec<Arc<Param>> = leaves
-                .iter()
-                .filter(|l| !l.resident)
-                .flat_map(|l| l.params.iter())
-                .filter(|p| !resident_ids.contains(&p.id()) && seen.insert(p.id()))
-                .cloned()
-                .collect();
-            Some(PinnedCopies::pin(&*device, &streamed)?)
+        let mut segments: Vec<Vec<Arc<Param>>> = Vec::new();
+        for l in leaves
+            .iter_mut()
+            .filter(|l| !l.resident && !l.params.is_empty())
+        {
+            l.segment = Some(segments.len());
+            segments.push(
+                l.params
+                    .iter()
+                    .filter(|p| !resident_ids.contains(&p.id()))
+                    .cloned()
+                    .collect(),
+            );
+        }
+        let copy = if mode == StreamMode::Engine {
+            Some(device.create_stream()?)
         } else {
             None
         };
@@ -189,6 +288,27 @@ impl NativeVmmRoute {
             return Err(e);
         }
 
+        // Leaf by leaf with `pinned=true`: pinned copies of the streamed weights (the
+        // engine stages its own).
+        let pinned = if mode == StreamMode::LeafByLeaf && config.pinned {
+            let mut seen = HashSet::new();
+            let streamed: Vec<Arc<Param>> = segments
+                .iter()
+                .flatten()
+                .filter(|p| seen.insert(p.id()))
+                .cloned()
+                .collect();
+            match PinnedCopies::pin(&*device, &streamed) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    table.release_all(&*device, FreeMode::Immediate, &stream);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+
         metrics.set_leaf_plan(plan.streamed.len() as u64, plan.resident.len() as u64);
         metrics.set_resident_weight_bytes(table.resident_bytes());
         metrics.set_pinned_host_bytes(pinned.as_ref().map_or(0, PinnedCopies::bytes));
@@ -199,8 +319,16 @@ impl NativeVmmRoute {
             config,
             plan,
             leaves,
+            segments,
             params: component.params(),
-            state: Mutex::new(EagerLeafStreamer::new(table, pinned)),
+            compute: stream,
+            copy,
+            state: Mutex::new(State {
+                eager: EagerLeafStreamer::new(table, pinned),
+                schedule: Schedule::new(),
+                engine: None,
+                position: None,
+            }),
         }))
     }
 }
@@ -226,12 +354,12 @@ impl Route for NativeVmmRoute {
         if device.allocator() != AllocatorKind::NativeVmm {
             return Err(refused(component, Refusal::NativeAllocatorRequired));
         }
-        if let Some(option) = spec
-            .options()
-            .given()
-            .into_iter()
-            .find(|o| !matches!(*o, "budget" | "pinned"))
-        {
+        if let Some(option) = spec.options().given().into_iter().find(|o| {
+            !matches!(
+                *o,
+                "budget" | "pinned" | "pinned_limit" | "unit_bytes" | "ring_slots"
+            )
+        }) {
             return Err(refused(
                 component,
                 Refusal::UnsupportedOption {
@@ -274,8 +402,21 @@ impl Route for NativeVmmRoute {
     }
 }
 
+/// What changes forward to forward.
+struct State {
+    /// The resident set, and streamed leaves onloaded one at a time outside the engine
+    /// (the learning forward, a forward that left the schedule, no copy stream).
+    eager: EagerLeafStreamer,
+    /// The order the streamed leaves (segments) start in.
+    schedule: Schedule,
+    /// The streaming engine, built after the learning forward.
+    engine: Option<StreamingEngine>,
+    /// The engine position of the leaf running now.
+    position: Option<usize>,
+}
+
 /// `native_vmm` attached to one component: resident leaves stay on the device, streamed
-/// leaves are onloaded before they run and freed after.
+/// leaves go through the streaming engine (see the crate docs).
 pub struct NativeVmmAttachment {
     component: String,
     device: Arc<dyn Device>,
@@ -284,9 +425,13 @@ pub struct NativeVmmAttachment {
     plan: ResidencyPlan,
     /// By leaf id.
     leaves: Vec<LeafPlan>,
+    /// The engine's segments (streamed leaves' params).
+    segments: Vec<Vec<Arc<Param>>>,
     /// Every param of the component once.
     params: Vec<Arc<Param>>,
-    state: Mutex<EagerLeafStreamer>,
+    compute: Stream,
+    copy: Option<Stream>,
+    state: Mutex<State>,
 }
 
 impl fmt::Debug for NativeVmmAttachment {
@@ -298,8 +443,9 @@ impl fmt::Debug for NativeVmmAttachment {
             .field("config", &self.config)
             .field("resident_leaves", &self.plan.resident.len())
             .field("streamed_leaves", &self.plan.streamed.len())
-            .field("on_device", st.table())
-            .field("detached", &st.is_detached())
+            .field("on_device", st.eager.table())
+            .field("engine", &st.engine.as_ref().map(StreamingEngine::figures))
+            .field("detached", &st.eager.is_detached())
             .finish()
     }
 }
@@ -315,14 +461,43 @@ impl NativeVmmAttachment {
         self.config
     }
 
-    /// Device bytes of weights held now (the resident set between leaves).
+    /// Device bytes of resident weights held now (between forwards: the resident set).
     pub fn device_weight_bytes(&self) -> u64 {
-        self.state.lock().table().resident_bytes()
+        let st = self.state.lock();
+        st.eager.table().resident_bytes()
+            + st.engine.as_ref().map_or(0, |e| e.figures().resident_bytes)
     }
 
-    /// Pinned host bytes held (0 without pinned weights, or after detach).
+    /// Pinned host bytes held: the streaming engine's staging (once the schedule is
+    /// learned), or the pinned copies of leaf-by-leaf streaming; 0 after detach.
     pub fn pinned_bytes(&self) -> u64 {
-        self.state.lock().pinned_bytes()
+        let st = self.state.lock();
+        st.eager.pinned_bytes() + st.engine.as_ref().map_or(0, |e| e.figures().pinned_bytes)
+    }
+
+    /// How the streamed leaves move.
+    pub fn stream_mode(&self) -> StreamMode {
+        if self.plan.streamed.is_empty() {
+            StreamMode::Nothing
+        } else if self.copy.is_some() {
+            StreamMode::Engine
+        } else {
+            StreamMode::LeafByLeaf
+        }
+    }
+
+    /// The streaming engine's figures, once the schedule is learned.
+    pub fn streaming(&self) -> Option<StreamingFigures> {
+        self.state
+            .lock()
+            .engine
+            .as_ref()
+            .map(|e| e.figures().clone())
+    }
+
+    /// The learned order of the streamed leaves (segment indices), once learned.
+    pub fn schedule(&self) -> Option<Vec<usize>> {
+        self.state.lock().schedule.order().map(<[usize]>::to_vec)
     }
 
     fn leaf_plan(&self, leaf: &Leaf) -> Result<&LeafPlan> {
@@ -334,9 +509,64 @@ impl NativeVmmAttachment {
             })
     }
 
-    fn detached_error(&self) -> CoreError {
-        CoreError::Detached {
-            component: self.component.clone(),
+    fn live(&self) -> Result<parking_lot::MutexGuard<'_, State>> {
+        let st = self.state.lock();
+        if st.eager.is_detached() {
+            return Err(CoreError::Detached {
+                component: self.component.clone(),
+            });
+        }
+        Ok(st)
+    }
+
+    /// Builds the engine for the learned schedule (replacing an older one). Resident
+    /// weights and the ring stay within the budget the attach plan was made for.
+    fn build_engine(&self, st: &mut State) -> Result<()> {
+        if let Some(mut old) = st.engine.take() {
+            old.teardown()?;
+        }
+        let (Some(order), Some(copy)) = (st.schedule.order(), self.copy.clone()) else {
+            return Ok(());
+        };
+        let mut config = self.config.streaming;
+        config.budget = Some(
+            self.plan
+                .budget_bytes
+                .saturating_sub(st.eager.table().resident_bytes()),
+        );
+        let engine = StreamingEngine::new(
+            Arc::clone(&self.device),
+            copy,
+            &self.segments,
+            order,
+            &config,
+            Arc::clone(&self.metrics),
+        )?;
+        let f = engine.figures();
+        self.metrics.set_streaming_plan(
+            f.streamed_bytes,
+            f.units as u64,
+            f.ring_slots as u64,
+            f.slot_bytes,
+            match f.staging {
+                StagingKind::PinnedHome => 0,
+                StagingKind::Ring { buffers, .. } => buffers as u64,
+            },
+        );
+        self.metrics.set_pinned_host_bytes(f.pinned_bytes);
+        self.metrics
+            .set_resident_weight_bytes(st.eager.table().resident_bytes() + f.resident_bytes);
+        st.engine = Some(engine);
+        Ok(())
+    }
+
+    /// Leaves the engine for the rest of this forward: its device memory goes back and the
+    /// remaining leaves run eagerly.
+    fn leave_engine(&self, st: &mut State) -> Result<()> {
+        st.position = None;
+        match st.engine.as_mut() {
+            Some(engine) if engine.in_forward() => engine.release_device(),
+            _ => Ok(()),
         }
     }
 }
@@ -348,7 +578,7 @@ impl AttachedRoute for NativeVmmAttachment {
 
     fn describe(&self) -> String {
         format!(
-            "native_vmm budget={} ({} B) pinned={}: {} leaves resident ({} B), {} streamed ({} B per forward, slot {} B)",
+            "native_vmm budget={} ({} B) pinned={}: {} leaves resident ({} B), {} streamed ({} B per forward, ring {} B)",
             self.config.budget,
             self.plan.budget_bytes,
             self.config.pinned,
@@ -369,48 +599,109 @@ impl AttachedRoute for NativeVmmAttachment {
     }
 
     fn before_forward(&self) -> Result<()> {
-        let mut st = self.state.lock();
-        if st.is_detached() {
-            return Err(self.detached_error());
+        let mut st = self.live()?;
+        // Left behind by a forward that failed halfway.
+        st.eager.offload_all(&*self.device)?;
+        if st.engine.as_ref().is_some_and(StreamingEngine::in_forward) {
+            self.leave_engine(&mut st)?;
         }
-        // Streamed leaves left behind by a forward that failed halfway.
-        st.offload_all(&*self.device)
+        st.position = None;
+        st.schedule.begin_forward();
+        if self.copy.is_some() && st.schedule.order().is_some() && st.engine.is_none() {
+            self.build_engine(&mut st)?;
+        }
+        if let Some(engine) = st.engine.as_mut() {
+            engine.begin_forward()?;
+        }
+        Ok(())
     }
 
     fn before_leaf(&self, leaf: &Leaf) -> Result<()> {
         let lp = self.leaf_plan(leaf)?;
-        let mut st = self.state.lock();
-        if st.is_detached() {
-            return Err(self.detached_error());
-        }
+        let mut st = self.live()?;
         // Leaves run one at a time: a streamed leaf still here was left by a failed one.
-        st.offload_all(&*self.device)?;
-        if lp.resident || lp.params.is_empty() {
+        st.eager.offload_all(&*self.device)?;
+        let Some(segment) = lp.segment else {
             return Ok(());
+        };
+        let on_engine = st.engine.as_ref().is_some_and(StreamingEngine::in_forward);
+        match st.schedule.start(segment) {
+            Some(pos) if on_engine => {
+                if let Some(engine) = st.engine.as_mut() {
+                    engine.enter(pos)?;
+                }
+                st.position = Some(pos);
+                Ok(())
+            }
+            _ => {
+                if on_engine {
+                    self.leave_engine(&mut st)?;
+                }
+                st.eager
+                    .onload(&*self.device, leaf.id(), &lp.params, &self.metrics)
+            }
         }
-        st.onload(&*self.device, leaf.id(), &lp.params, &self.metrics)
     }
 
     fn after_leaf(&self, leaf: &Leaf) -> Result<()> {
-        let mut st = self.state.lock();
-        if !st.is_onloaded(leaf.id()) {
+        let lp = self.leaf_plan(leaf)?;
+        let mut st = self.live()?;
+        if lp.segment.is_none() {
             return Ok(());
         }
-        st.offload_all(&*self.device)
+        if let Some(pos) = st.position.take() {
+            return match st.engine.as_mut() {
+                Some(engine) => engine.leave(pos),
+                None => Ok(()),
+            };
+        }
+        if st.eager.is_onloaded(leaf.id()) {
+            st.eager.offload_all(&*self.device)?;
+        }
+        Ok(())
+    }
+
+    fn after_forward(&self) -> Result<()> {
+        let mut st = self.live()?;
+        st.position = None;
+        let eager = st.eager.offload_all(&*self.device);
+        let ended = st
+            .engine
+            .as_mut()
+            .map_or(Ok(()), StreamingEngine::end_forward);
+        let streamed = match st.schedule.end_forward() {
+            ScheduleOutcome::Followed => ended,
+            ScheduleOutcome::Learned => ended.and_then(|()| self.build_engine(&mut st)),
+            ScheduleOutcome::Relearned => {
+                self.metrics.record_schedule_relearned();
+                ended.and_then(|()| self.build_engine(&mut st))
+            }
+        };
+        eager.and(streamed)
     }
 
     fn end_phase(&self) -> Result<()> {
         let mut st = self.state.lock();
-        let released = st.offload_all(&*self.device);
+        st.position = None;
+        let released = st.eager.offload_all(&*self.device);
+        let engine = st
+            .engine
+            .as_mut()
+            .map_or(Ok(()), StreamingEngine::release_device);
         let synced = self.device.synchronize();
-        released.and(synced)
+        released.and(engine).and(synced)
     }
 
     fn detach(&self) -> Result<()> {
-        let synced = self.state.lock().detach(&*self.device, &self.params);
+        let mut st = self.state.lock();
+        st.position = None;
+        let engine = st.engine.take().map_or(Ok(()), |mut e| e.teardown());
+        let synced = st.eager.detach(&*self.device, &self.params);
+        drop(st);
+        let _ = self.device.synchronize_stream(&self.compute);
         self.metrics.set_pinned_host_bytes(0);
         self.metrics.set_resident_weight_bytes(0);
-        synced
+        engine.and(synced)
     }
 }
 

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
+use ddo_core::streaming::StagingKind;
 use ddo_core::{
     AllocatorKind, AttachedRoute, Budget, Component, CoreError, DType, Device, HostDevice,
     HostDeviceConfig, Refusal, Route, RouteId, RouteSpec,
@@ -13,7 +14,7 @@ use ddo_core::{
 use ddo_metrics::RouteMetrics;
 use ddo_route_native_vmm::{
     DEFAULT_FREE_MARGIN, NativeVmmAttachment, NativeVmmRoute, OPTION_HINT, ResidencyPlan,
-    budget_bytes, plan_residency,
+    StreamMode, budget_bytes, plan_residency,
 };
 use proptest::prelude::*;
 
@@ -605,4 +606,159 @@ fn the_pinned_limit_fails_attach_and_leaves_nothing_behind() {
     );
     hooks.detach().unwrap();
     assert_eq!(d.memory_info().allocated, 0);
+}
+
+/// A spec whose `unit_bytes` is small enough for a ring of a few slots within `budget`.
+fn engine_spec(budget: u64, pinned: bool, unit_bytes: u64, ring_slots: usize) -> RouteSpec {
+    spec_text(&format!(
+        "native_vmm:budget={budget},pinned={pinned},unit_bytes={unit_bytes},ring_slots={ring_slots}"
+    ))
+}
+
+prop_compose! {
+    /// Components large enough that a ring of a few slots is smaller than the whole.
+    fn arb_wide_spec()(
+        width in 8usize..24,
+        blocks in prop::collection::vec(
+            prop::collection::vec(
+                prop_oneof![(8usize..24).prop_map(LeafSpec::linear), Just(LeafSpec::norm())],
+                1..3,
+            ),
+            3..7,
+        ),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
+        tie in any::<bool>(),
+        seed in any::<u64>(),
+    ) -> ReferenceSpec {
+        ReferenceSpec {
+            name: "transformer".into(),
+            class_name: "ReferenceModel".into(),
+            dtype,
+            in_features: width,
+            stem: vec![LeafSpec::linear(width)],
+            blocks,
+            head: vec![LeafSpec::norm(), LeafSpec::linear(width)],
+            tie_head_to_stem: tie,
+            seed,
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// With room for the ring, the streamed leaves go through the streaming engine from
+    /// the second forward on: outputs stay bit-identical to resident, resident weights plus
+    /// the ring stay within the budget, a pinned home (`pinned=true`) or a staging ring
+    /// within the pinned limit stages the weights, and detach leaves nothing behind with
+    /// the host weights unchanged.
+    #[test]
+    fn the_engine_streams_within_the_budget_and_matches_resident(
+        spec in arb_wide_spec(),
+        batch in 1usize..4,
+        pinned in any::<bool>(),
+        ring_slots in 2usize..4,
+        unit in 64u64..1024,
+        fraction in 0.0f64..0.5,
+    ) {
+        let forwards = 4;
+        let expected = resident_outputs(&spec, batch, forwards);
+        let c = reference::build(&spec).unwrap();
+        let before = checksums(&c);
+        let largest = c.largest_leaf().map_or(0, |l| l.param_bytes());
+        let total = c.param_bytes();
+        // Enough for the ring of the largest (aligned) leaf, plus a fraction of the rest.
+        let ring = ring_slots as u64 * (largest + 256 * 8).max(unit.next_multiple_of(256));
+        let budget = ring + (fraction * total.saturating_sub(ring) as f64) as u64;
+        let d = native_device(1 << 30);
+        let hooks = attach(&c, &d, &engine_spec(budget, pinned, unit, ring_slots)).unwrap();
+        prop_assume!(hooks.stream_mode() == StreamMode::Engine);
+        let plan = hooks.plan().clone();
+        prop_assert!(plan.fits());
+        let acts = 4 * max_activation(&spec, batch);
+        let s = d.compute_stream();
+        for (i, want) in expected.iter().enumerate() {
+            d.reset_peak();
+            let y = c
+                .forward(&*d, reference::input(&spec, batch, 100 + i as u64).unwrap())
+                .unwrap();
+            let peak = d.memory_info().peak_allocated;
+            prop_assert!(peak <= budget + acts, "forward {}: peak {} > budget {} + {}", i, peak, budget, acts);
+            prop_assert_eq!(&y.to_host_bytes(&*d, &s).unwrap(), want);
+        }
+        let f = hooks.streaming().expect("the engine runs after the learning forward");
+        prop_assert!(f.resident_bytes + f.ring_bytes() + hooks.device_weight_bytes() - f.resident_bytes <= budget, "{:?}", f);
+        let info = d.memory_info();
+        if pinned {
+            prop_assert!(matches!(f.staging, StagingKind::PinnedHome), "{:?}", f.staging);
+        } else {
+            prop_assert!(!matches!(f.staging, StagingKind::PinnedHome));
+        }
+        prop_assert_eq!(info.pinned_host, hooks.pinned_bytes());
+        let counters = hooks.metrics().counters();
+        prop_assert_eq!(counters.schedule_relearned, 0);
+        let installed: Arc<dyn AttachedRoute> = hooks.clone();
+        prop_assert!(c.remove_hooks(&installed));
+        drop(installed);
+        drop(hooks);
+        let m = d.memory_info();
+        prop_assert_eq!((m.allocated, m.pinned_host), (0, 0));
+        assert_host_only(&c);
+        prop_assert_eq!(checksums(&c), before);
+    }
+}
+
+#[test]
+fn the_engine_takes_over_after_the_learning_forward_and_streams_one_copy_per_unit() {
+    let spec = ReferenceSpec {
+        name: "transformer".into(),
+        class_name: "ReferenceModel".into(),
+        dtype: DType::F32,
+        in_features: 64,
+        stem: vec![LeafSpec::linear(64)],
+        blocks: vec![vec![LeafSpec::linear(64), LeafSpec::norm()]; 6],
+        head: vec![LeafSpec::norm(), LeafSpec::linear(64)],
+        tie_head_to_stem: false,
+        seed: 5,
+    };
+    let expected = resident_outputs(&spec, 2, 3);
+    let c = reference::build(&spec).unwrap();
+    let d = native_device(1 << 30);
+    // Room for the ring and little else: most leaves stream.
+    let unit = 4096;
+    let largest = c.largest_leaf().unwrap().param_bytes();
+    let hooks = attach(
+        &c,
+        &d,
+        &engine_spec(2 * (largest + 1024) + 1024, true, unit, 2),
+    )
+    .unwrap();
+    assert_eq!(hooks.stream_mode(), StreamMode::Engine);
+    assert!(
+        hooks.streaming().is_none(),
+        "no engine before the schedule is learned"
+    );
+    let s = d.compute_stream();
+    let mut copies = Vec::new();
+    for (i, want) in expected.iter().enumerate() {
+        let before = hooks.metrics().counters().h2d_copies;
+        let y = c
+            .forward(&*d, reference::input(&spec, 2, 100 + i as u64).unwrap())
+            .unwrap();
+        assert_eq!(&y.to_host_bytes(&*d, &s).unwrap(), want, "forward {i}");
+        copies.push(hooks.metrics().counters().h2d_copies - before);
+    }
+    let f = hooks.streaming().expect("engine");
+    assert!(matches!(f.staging, StagingKind::PinnedHome));
+    assert_eq!(hooks.schedule().unwrap().len(), f.streamed_segments);
+    // Learning forward: one copy per param; then one per transfer unit.
+    assert!(
+        copies[0] > f.units as u64,
+        "{copies:?} vs {} units",
+        f.units
+    );
+    assert_eq!(copies[1], f.units as u64 + 0);
+    assert_eq!(copies[2], f.units as u64);
+    assert_eq!(d.memory_info().pinned_host, f.pinned_bytes);
+    assert!(hooks.describe().contains("streamed"));
 }
