@@ -757,7 +757,7 @@ fn the_engine_takes_over_after_the_learning_forward_and_streams_one_copy_per_uni
         "{copies:?} vs {} units",
         f.units
     );
-    assert_eq!(copies[1], f.units as u64 + 0);
+    assert_eq!(copies[1], f.units as u64);
     assert_eq!(copies[2], f.units as u64);
     assert_eq!(d.memory_info().pinned_host, f.pinned_bytes);
     assert!(hooks.describe().contains("streamed"));
