@@ -560,7 +560,7 @@ mod tests {
                 }
                 let f = a.figures();
                 prop_assert_eq!(f.live_bytes, live.iter().map(|(_, b)| b).sum::<u64>());
-                prop_assert!(f.live_bytes <= f.mapped_bytes + 0);
+                prop_assert!(f.live_bytes <= f.mapped_bytes);
             }
         }
     }
