@@ -595,6 +595,42 @@ mod tests {
     }
 
     #[test]
+    fn the_streaming_plan_shows_in_counters_and_profile() {
+        let m = RouteMetrics::new();
+        m.set_streaming_plan(3 << 30, 40, 2, 90 << 20, 0);
+        let c = m.counters();
+        assert_eq!(
+            (c.streamed_bytes_per_forward, c.transfer_units, c.ring_slots),
+            (3 << 30, 40, 2)
+        );
+        let snap = MetricsSnapshot {
+            component: "transformer".into(),
+            route: "diffusers_group_offload".into(),
+            route_options: String::new(),
+            preset: None,
+            decided_by: "explicit route".into(),
+            device: "host:0".into(),
+            allocator: "caching".into(),
+            counters: c,
+            memory: DeviceMemoryFigures::default(),
+            phases: vec![],
+            detach_reports: vec![],
+        };
+        let text = snap.format_profile();
+        assert!(
+            text.contains("streaming: 3.00 GiB per forward in 40 units, ring 2 x 90.00 MiB, copies from one pinned home"),
+            "{text}"
+        );
+        // Snapshots written before these fields existed still parse.
+        let json = snap
+            .to_json()
+            .unwrap()
+            .replace("\"transfer_units\": 40,", "");
+        let back: MetricsSnapshot = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.counters.transfer_units, 0);
+    }
+
+    #[test]
     fn bytes_format_with_binary_units() {
         assert_eq!(format_bytes(512), "512 B");
         assert_eq!(format_bytes(1536), "1.50 KiB");
