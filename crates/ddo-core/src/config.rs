@@ -481,7 +481,7 @@ impl RouteSpec {
             if o.offload_type != Some(OffloadType::BlockLevel) {
                 return Err(clash(
                     "num_blocks_per_group with leaf_level offload",
-                    "num_blocks_per_group applies to offload_type=block_level only",
+                    "num_blocks_per_group applies to offload_type=block_level only: set offload_type=block_level, or drop num_blocks_per_group",
                 ));
             }
             if o.use_stream == Some(true) && n != 1 {
