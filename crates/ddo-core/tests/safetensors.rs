@@ -333,3 +333,21 @@ fn the_allocation_watcher_sees_large_requests() {
     assert_eq!(v.len(), 1 << 20);
     assert!(largest >= 1 << 20, "{largest}");
 }
+
+#[test]
+fn the_fuzz_seed_corpus_replays_on_stable() {
+    // `fuzz/corpus/safetensors_header/` is what `cargo xtask fuzz` starts from; CI (stable,
+    // no cargo-fuzz) replays it here with the fuzz target's own check.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/safetensors_header");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("seed corpus") {
+        let bytes = std::fs::read(entry.expect("entry").path()).expect("seed");
+        let (result, largest) = largest_allocation(|| check(&bytes));
+        if result.is_err() {
+            checkpoint_error(result);
+        }
+        assert!(largest < 64 * 1024);
+        seen += 1;
+    }
+    assert!(seen >= 5, "only {seen} seeds in {}", dir.display());
+}
