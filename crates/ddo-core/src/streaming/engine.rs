@@ -2,14 +2,24 @@
 //! coalesced pinned staging and a prefetch ring of device slots (DESIGN.md, "The execution
 //! model").
 //!
-//! Per forward: [`StreamingEngine::begin_forward`] allocates the ring (one device buffer of
-//! `slots × slot` bytes: the only allocation of the forward), points every streamed param
-//! into its slot and queues the first `slots` units on the copy stream.
-//! [`StreamingEngine::enter`] makes compute wait for the unit's copy event when a unit's
-//! first position starts; [`StreamingEngine::leave`] records a use event on compute when
-//! its last position ends and queues unit `u + slots` into the freed slot, the copy stream
-//! waiting on that use event first. Neither allocates, blocks the host (with pinned-home
-//! staging) or touches a param outside the rare [`Fixup`](super::layout::Fixup)s.
+//! The ring is one device buffer of `slots × slot` bytes (`slot`: the largest unit), used
+//! as a circular byte buffer: units are placed one after another in schedule order and
+//! wrap to the start when the next one does not fit before the end. Placement is fixed
+//! with the layout, so each unit knows, before any forward, the last earlier unit whose
+//! bytes it overwrites (its *blocker*): its copy waits for that unit's use event only
+//! (use events are recorded in order on the compute stream, so every earlier user of those
+//! bytes is done too). The copy stream thus runs as many bytes ahead as the ring holds —
+//! through compute-heavy stretches with no weights (attention), small units fill the ring
+//! instead of one unit per slot.
+//!
+//! Per forward: [`StreamingEngine::begin_forward`] allocates the ring (the only allocation
+//! of the forward), points every streamed param at its place and queues every unit that
+//! has no blocker. [`StreamingEngine::enter`] makes compute wait for the unit's copy event
+//! when a unit's first position starts; [`StreamingEngine::leave`] records a use event on
+//! compute when its last position ends and queues every unit whose blocker that was, the
+//! copy stream waiting on the event first. Neither allocates, blocks the host (with
+//! pinned-home staging) or touches a param outside the rare
+//! [`Fixup`](super::layout::Fixup)s.
 //! [`StreamingEngine::end_forward`] hands the ring back in stream order and leaves the
 //! streamed params host-only again.
 
@@ -86,18 +96,49 @@ impl StreamingFigures {
     }
 }
 
-#[derive(Debug, Default)]
-struct Slot {
-    /// The unit whose copy was queued into this slot, and the event after its copy.
-    ready: Option<(usize, Event)>,
-    /// Event after compute's last use of the slot's previous unit.
-    last_use: Option<Event>,
+/// Where each unit lands in the ring and which earlier unit it waits for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Placement {
+    /// Byte offset of each unit in the ring.
+    offsets: Vec<u64>,
+    /// The last earlier unit whose bytes each unit overwrites.
+    blockers: Vec<Option<usize>>,
+}
+
+impl Placement {
+    /// Places `sizes` one after another in a circular buffer of `ring_bytes`, wrapping to
+    /// the start when a unit does not fit before the end.
+    fn new(sizes: &[u64], ring_bytes: u64) -> Self {
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut at = 0u64;
+        for &size in sizes {
+            if at + size > ring_bytes {
+                at = 0;
+            }
+            offsets.push(at);
+            at += size;
+        }
+        let blockers = (0..sizes.len())
+            .map(|v| {
+                let (a, b) = (offsets[v], offsets[v] + sizes[v]);
+                (0..v)
+                    .rev()
+                    .find(|&w| offsets[w] < b && a < offsets[w] + sizes[w])
+            })
+            .collect();
+        Self { offsets, blockers }
+    }
 }
 
 #[derive(Debug)]
 struct Ring {
     buffer: DeviceBuffer,
-    slots: Vec<Slot>,
+    /// Per unit: the event after its copy, until compute enters it.
+    ready: Vec<Option<Event>>,
+    /// Per unit: the event after compute's last use, once recorded.
+    used: Vec<Option<Event>>,
+    /// The next unit to queue on the copy stream.
+    next_issue: usize,
     /// Units whose first position compute has entered.
     entered: usize,
 }
@@ -126,6 +167,7 @@ pub struct StreamingEngine {
     metrics: Arc<RouteMetrics>,
     layout: StagingLayout,
     slots: usize,
+    placement: Placement,
     resident_params: Vec<Arc<Param>>,
     resident: ResidencyTable,
     host: Option<Host>,
@@ -298,6 +340,8 @@ impl StreamingEngine {
             pinned_bytes,
             host_bytes_released: released,
         };
+        let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
+        let placement = Placement::new(&sizes, slot_bytes * slots as u64);
         Ok(Self {
             compute: device.compute_stream(),
             device,
@@ -305,6 +349,7 @@ impl StreamingEngine {
             metrics,
             layout,
             slots,
+            placement,
             resident_params,
             resident: ResidencyTable::new(),
             host,
@@ -412,37 +457,60 @@ impl StreamingEngine {
             .device
             .alloc((slot_bytes * self.slots as u64) as usize)?;
         for (p, unit, offset) in self.layout.single_location() {
-            let at = (*unit % self.slots) as u64 * slot_bytes + offset;
+            let at = self.placement.offsets[*unit] + offset;
             p.set_device(Some(buffer.slice(at as usize, p.nbytes())?))?;
         }
+        let units = self.layout.units().len();
         self.ring = Some(Ring {
             buffer,
-            slots: (0..self.slots).map(|_| Slot::default()).collect(),
+            ready: (0..units).map(|_| None).collect(),
+            used: (0..units).map(|_| None).collect(),
+            next_issue: 0,
             entered: 0,
         });
         self.active = true;
-        for u in 0..self.slots {
-            if let Err(e) = self.issue(u) {
-                let _ = self.abort();
-                return Err(e);
-            }
+        if let Err(e) = self.issue_ready() {
+            let _ = self.abort();
+            return Err(e);
         }
         Ok(())
     }
 
-    /// Queues unit `u`'s copy into its slot, behind the slot's last use.
+    /// Queues, in order, every unit whose blocker's use event has been recorded.
+    fn issue_ready(&mut self) -> Result<()> {
+        loop {
+            let Some(ring) = self.ring.as_ref() else {
+                return Ok(());
+            };
+            let u = ring.next_issue;
+            if u >= self.layout.units().len() {
+                return Ok(());
+            }
+            if let Some(b) = self.placement.blockers[u]
+                && ring.used[b].is_none()
+            {
+                return Ok(());
+            }
+            self.issue(u)?;
+            if let Some(ring) = self.ring.as_mut() {
+                ring.next_issue = u + 1;
+            }
+        }
+    }
+
+    /// Queues unit `u`'s copy into its place, behind the last use of the bytes it
+    /// overwrites.
     fn issue(&mut self, u: usize) -> Result<()> {
-        let slots = self.slots;
-        let slot_bytes = self.figures.slot_bytes;
         let Some(ring) = self.ring.as_mut() else {
             return Ok(());
         };
         let unit = &self.layout.units()[u];
-        let s = u % slots;
-        if let Some(ev) = ring.slots[s].last_use.take() {
-            self.device.wait_event(&self.copy, &ev)?;
+        if let Some(b) = self.placement.blockers[u]
+            && let Some(ev) = ring.used[b].as_ref()
+        {
+            self.device.wait_event(&self.copy, ev)?;
         }
-        let dst_base = s as u64 * slot_bytes;
+        let dst_base = self.placement.offsets[u];
         match self.host.as_mut() {
             Some(Host::Home {
                 buffer,
@@ -497,30 +565,25 @@ impl StreamingEngine {
             }
             None => {}
         }
-        let ev = self.device.record_event(&self.copy)?;
-        ring.slots[s].ready = Some((u, ev));
+        ring.ready[u] = Some(self.device.record_event(&self.copy)?);
         Ok(())
     }
 
     /// Schedule position `pos` starts: when it opens a unit, compute waits for that unit's
     /// copy; params with several locations are pointed at this position's copy.
     pub fn enter(&mut self, pos: usize) -> Result<()> {
-        let slots = self.slots;
-        let slot_bytes = self.figures.slot_bytes;
         let Some(ring) = self.ring.as_mut() else {
             return Ok(());
         };
         if let Some(u) = self.layout.unit_of(pos)
             && self.layout.units()[u].first == pos
         {
-            let slot = &mut ring.slots[u % slots];
-            match slot.ready.take() {
-                Some((unit, ev)) if unit == u => {
+            match ring.ready[u].take() {
+                Some(ev) => {
                     self.device.wait_event(&self.compute, &ev)?;
                     ring.entered += 1;
                 }
-                other => {
-                    slot.ready = other;
+                None => {
                     return Err(CoreError::Backend {
                         device: self.device.id().to_string(),
                         message: format!(
@@ -532,17 +595,16 @@ impl StreamingEngine {
             }
         }
         for f in self.layout.fixups(pos) {
-            let at = (f.unit % slots) as u64 * slot_bytes + f.offset;
+            let at = self.placement.offsets[f.unit] + f.offset;
             f.param
                 .set_device(Some(ring.buffer.slice(at as usize, f.param.nbytes())?))?;
         }
         Ok(())
     }
 
-    /// Schedule position `pos` ended: when it closes a unit, compute records the slot's
-    /// use event and the unit `slots` ahead is queued into the slot.
+    /// Schedule position `pos` ended: when it closes a unit, compute records the unit's
+    /// use event and every unit waiting for those bytes is queued.
     pub fn leave(&mut self, pos: usize) -> Result<()> {
-        let slots = self.slots;
         let Some(ring) = self.ring.as_mut() else {
             return Ok(());
         };
@@ -552,12 +614,8 @@ impl StreamingEngine {
         if self.layout.units()[u].last != pos {
             return Ok(());
         }
-        ring.slots[u % slots].last_use = Some(self.device.record_event(&self.compute)?);
-        let next = u + slots;
-        if next < self.layout.units().len() {
-            self.issue(next)?;
-        }
-        Ok(())
+        ring.used[u] = Some(self.device.record_event(&self.compute)?);
+        self.issue_ready()
     }
 
     /// Ends a forward that entered every unit: the ring goes back in stream order behind
@@ -645,5 +703,32 @@ impl Drop for StreamingEngine {
     fn drop(&mut self) {
         // Errors are not reportable from drop; teardown still releases what it holds.
         let _ = self.teardown();
+    }
+}
+
+#[cfg(test)]
+mod placement_tests {
+    use super::Placement;
+
+    #[test]
+    fn units_wrap_and_wait_for_the_last_unit_they_overwrite() {
+        let p = Placement::new(&[4, 4, 4, 6, 2], 10);
+        assert_eq!(p.offsets, [0, 4, 0, 4, 0]);
+        assert_eq!(p.blockers, [None, None, Some(0), Some(1), Some(2)]);
+    }
+
+    #[test]
+    fn a_ring_of_two_largest_units_holds_any_two_consecutive_units() {
+        let sizes = [3u64, 9, 1, 1, 1, 9, 2, 9, 9, 5];
+        let ring = 2 * 9;
+        let p = Placement::new(&sizes, ring);
+        for (u, (&o, &s)) in p.offsets.iter().zip(&sizes).enumerate() {
+            assert!(o + s <= ring, "unit {u} overruns the ring");
+            // The unit before never overlaps it: a unit only waits for older ones.
+            if u > 0 {
+                let (po, ps) = (p.offsets[u - 1], sizes[u - 1]);
+                assert!(po + ps <= o || o + s <= po, "units {} and {u} overlap", u - 1);
+            }
+        }
     }
 }

@@ -78,17 +78,18 @@ fn check(spec: &ReferenceSpec, t: Tuning, batch: usize) -> Result<(), TestCaseEr
     let xs = inputs(spec, batch, 3);
     let expected = baseline(&c, &xs);
     let activations = activation_allowance(spec, batch);
-    // A budget of a fraction of the weights plus room for a ring of the largest leaves.
-    let largest = c
-        .leaves()
+    // A budget of a fraction of the weights plus room for a ring of the largest groups
+    // (leaves, or whole blocks at block level), with room for each param's alignment.
+    let plan = ddo_route_leaf_group::GroupPlan::new(&c, &spec_for(&t, None).group_offload_config());
+    let largest = plan
+        .groups()
         .iter()
-        .map(|l| l.param_bytes())
+        .map(|g| g.bytes() + 256 * g.params().len() as u64)
         .max()
         .unwrap_or(0);
     let budget = t.budget_fraction.map(|f| {
         (c.param_bytes() as f64 * f) as u64
-            + t.ring_slots as u64
-                * (largest + 256 * 4).max(t.unit_bytes.min(c.param_bytes() + 1024) + 256)
+            + t.ring_slots as u64 * largest.max(t.unit_bytes.min(c.param_bytes() + 1024) + 256)
     });
     let (hooks, metrics) = attach(&c, &device, &spec_for(&t, budget));
     for (i, (x, want)) in xs.iter().zip(&expected).enumerate() {
