@@ -437,8 +437,8 @@ pub struct GroupOffloadConfig {
     pub record_stream: bool,
     /// Pin on the fly instead of keeping pinned copies.
     pub low_cpu_mem_usage: bool,
-    /// Keep pinned copies of the weights (default: with a stream, unless
-    /// `low_cpu_mem_usage`).
+    /// Page-lock the weights' one host copy (default: unless `low_cpu_mem_usage`): without
+    /// a stream a pinned home made at attach, with one the streaming engine's staging.
     pub pinned: bool,
 }
 
@@ -590,7 +590,7 @@ impl RouteSpec {
             use_stream,
             record_stream: o.record_stream.unwrap_or(false),
             low_cpu_mem_usage,
-            pinned: o.pinned.unwrap_or(use_stream && !low_cpu_mem_usage),
+            pinned: o.pinned.unwrap_or(!low_cpu_mem_usage),
         }
     }
 
@@ -797,7 +797,9 @@ mod tests {
         let leaf: RouteSpec = "diffusers_group_offload".parse().unwrap();
         let c = leaf.group_offload_config();
         assert_eq!(c.offload_type, OffloadType::LeafLevel);
-        assert!(!c.use_stream && !c.pinned);
+        // Without a stream the weights' one host copy is page-locked by default (a pinned
+        // home, not a second copy).
+        assert!(!c.use_stream && c.pinned);
         let low = RouteSpec::leaf_group(true, true).group_offload_config();
         assert!(low.use_stream && !low.pinned);
         assert_eq!(

@@ -212,8 +212,7 @@ fn refuses_unknown_retained_ownership_of_the_mapping() {
     let c = reference::build_from_checkpoint(&f.spec, &ckpt).unwrap();
     c.set_exclusively_owned(true);
     let d = device(1 << 20);
-    let h =
-        enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::leaf_group(false, false)).unwrap();
+    let h = enable_dynamic_offload(&c, dyn_device(&d), pageable_leaf()).unwrap();
     assert_refused(&h, &c, |r| {
         matches!(r, DetachRefusal::UnknownOwnership { .. })
     });
@@ -274,8 +273,7 @@ fn refuses_overlapping_sources_that_are_not_one_registered_alias() {
     drop(ckpt);
     let c = two_leaf_component(a, b);
     let d = device(1 << 20);
-    let h =
-        enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::leaf_group(false, false)).unwrap();
+    let h = enable_dynamic_offload(&c, dyn_device(&d), pageable_leaf()).unwrap();
     assert_refused(&h, &c, |r| {
         matches!(r, DetachRefusal::OverlappingSources { .. })
     });
@@ -300,11 +298,18 @@ fn refuses_unsupported_layouts() {
     drop(ckpt);
     let c = two_leaf_component(q, other);
     let d = device(1 << 20);
-    let h =
-        enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::leaf_group(false, false)).unwrap();
+    let h = enable_dynamic_offload(&c, dyn_device(&d), pageable_leaf()).unwrap();
     assert_refused(&h, &c, |r| {
         matches!(r, DetachRefusal::UnsupportedLayout { .. })
     });
+}
+
+/// Leaf offload without a stream, with the weights left where they are (no pinned home,
+/// which would itself replace the checkpoint-backed sources).
+fn pageable_leaf() -> RouteSpec {
+    "diffusers_group_offload:offload_type=leaf_level,use_stream=false,pinned=false"
+        .parse()
+        .unwrap()
 }
 
 fn write_u8_checkpoint(path: &std::path::Path, data: &[u8]) {

@@ -34,6 +34,7 @@ use crate::error::{CoreError, Result};
 use crate::host::HostBuffer;
 use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
+use crate::streaming::home::PinnedHome;
 use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, align_up};
 use crate::streaming::plan::{SlotModel, plan_residency_with};
 use crate::streaming::{StagingMode, StreamingConfig};
@@ -146,10 +147,8 @@ struct Ring {
 #[derive(Debug)]
 enum Host {
     Home {
-        buffer: HostBuffer,
+        home: PinnedHome,
         unit_offsets: Vec<u64>,
-        /// `(param, offset in the home)` of every param whose host bytes the home replaced.
-        replaced: Vec<(Arc<Param>, u64)>,
     },
     Staged {
         buffers: Vec<HostBuffer>,
@@ -365,49 +364,19 @@ impl StreamingEngine {
         layout: &StagingLayout,
         home_bytes: u64,
     ) -> Result<(Host, u64)> {
-        let buffer = device.alloc_pinned(home_bytes as usize)?;
         let mut unit_offsets = Vec::with_capacity(layout.units().len());
+        let mut placements = Vec::new();
         let mut at = 0u64;
-        let mut first_place: Vec<(Arc<Param>, u64)> = Vec::new();
-        let mut placed: HashSet<ParamId> = HashSet::new();
-        buffer.with_bytes_mut(|home| {
-            for unit in layout.units() {
-                unit_offsets.push(at);
-                for e in &unit.entries {
-                    let start = (at + e.offset) as usize;
-                    e.param
-                        .host()
-                        .with_bytes(|b| home[start..start + b.len()].copy_from_slice(b));
-                    if placed.insert(e.param.id()) {
-                        first_place.push((Arc::clone(&e.param), at + e.offset));
-                    }
-                }
-                at += unit.bytes;
+        for unit in layout.units() {
+            unit_offsets.push(at);
+            for e in &unit.entries {
+                placements.push((&e.param, at + e.offset));
             }
-        })?;
-        // Replace the host bytes only once everything is copied: on error above nothing
-        // changed.
-        let mut released = 0u64;
-        let mut replaced = Vec::with_capacity(first_place.len());
-        for (p, offset) in first_place {
-            let slice = buffer.slice(offset as usize, p.nbytes())?;
-            let old = p.replace_host(slice)?;
-            // The old bytes go when the last handle goes; this was it if the buffer has
-            // one handle (ours) left.
-            if old.buffer().handle_count() == 1 {
-                released += old.len() as u64;
-            }
-            drop(old);
-            replaced.push((p, offset));
+            at += unit.bytes;
         }
-        Ok((
-            Host::Home {
-                buffer,
-                unit_offsets,
-                replaced,
-            },
-            released,
-        ))
+        let home = PinnedHome::build(device, placements, home_bytes)?;
+        let released = home.host_bytes_released();
+        Ok((Host::Home { home, unit_offsets }, released))
     }
 
     /// The plan's figures.
@@ -512,12 +481,10 @@ impl StreamingEngine {
         }
         let dst_base = self.placement.offsets[u];
         match self.host.as_mut() {
-            Some(Host::Home {
-                buffer,
-                unit_offsets,
-                ..
-            }) => {
-                let src = buffer.slice(unit_offsets[u] as usize, unit.bytes as usize)?;
+            Some(Host::Home { home, unit_offsets }) => {
+                let src = home
+                    .buffer()
+                    .slice(unit_offsets[u] as usize, unit.bytes as usize)?;
                 let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
                 self.device.copy_h2d(&src, &dst, &self.copy)?;
                 self.metrics.record_h2d(unit.bytes);
@@ -678,20 +645,7 @@ impl StreamingEngine {
         let released = self.release_device();
         let staged = self.device.synchronize_stream(&self.copy);
         let restored = match self.host.take() {
-            Some(Host::Home {
-                buffer, replaced, ..
-            }) => {
-                let mut result = Ok(());
-                for (p, offset) in replaced {
-                    let bytes = buffer.with_bytes(|b| {
-                        HostBuffer::pageable_from(&b[offset as usize..offset as usize + p.nbytes()])
-                    });
-                    if let Err(e) = p.replace_host(bytes.slice_all()) {
-                        result = Err(e);
-                    }
-                }
-                result
-            }
+            Some(Host::Home { home, .. }) => home.restore(),
             Some(Host::Staged { .. }) | None => Ok(()),
         };
         self.figures.pinned_bytes = 0;
@@ -727,7 +681,11 @@ mod placement_tests {
             // The unit before never overlaps it: a unit only waits for older ones.
             if u > 0 {
                 let (po, ps) = (p.offsets[u - 1], sizes[u - 1]);
-                assert!(po + ps <= o || o + s <= po, "units {} and {u} overlap", u - 1);
+                assert!(
+                    po + ps <= o || o + s <= po,
+                    "units {} and {u} overlap",
+                    u - 1
+                );
             }
         }
     }

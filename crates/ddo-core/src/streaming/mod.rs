@@ -43,11 +43,13 @@
 //! to live in a pinned home), and [`WSL_COMPAT_PINNED_LIMIT`] (256 MiB) under `wsl_compat`.
 
 pub mod engine;
+pub mod home;
 pub mod layout;
 pub mod plan;
 pub mod schedule;
 
 pub use engine::{StagingKind, StreamingEngine, StreamingFigures};
+pub use home::PinnedHome;
 pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry};
 pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
 pub use schedule::{Schedule, ScheduleOutcome};

@@ -56,9 +56,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ddo_core::residency::{FreeMode, PinnedCopies, ResidencyTable, pin_copy};
+use ddo_core::residency::{FreeMode, ResidencyTable, pin_copy};
 use ddo_core::streaming::{
-    Schedule, ScheduleOutcome, StagingKind, StreamingConfig, StreamingEngine, StreamingFigures,
+    PinnedHome, Schedule, ScheduleOutcome, StagingKind, StreamingConfig, StreamingEngine,
+    StreamingFigures,
 };
 use ddo_core::{
     AttachedRoute, Component, CoreError, Device, DeviceId, GroupOffloadConfig, HostSlice, Leaf,
@@ -115,10 +116,30 @@ impl GroupOffloadRoute {
             HostSource::Own
         };
         // Fallible steps first; on error everything made so far is dropped on return.
+        // Without a stream, `pinned` makes one pinned buffer the weights' host bytes (one
+        // host copy, copies at pinned speed); when it does not fit under the pinned limit
+        // the weights stay where they are, unless `pinned=true` was asked for explicitly.
         let pinned = if source == HostSource::Pinned {
-            Some(PinnedCopies::pin(&*device, &params)?)
+            let limit = StreamingConfig::from_options(spec.options()).pinned_limit;
+            match PinnedHome::sequential(&*device, &params, limit)? {
+                Some(home) => Some(home),
+                None if spec.options().pinned == Some(true) && !params.is_empty() => {
+                    let info = device.memory_info();
+                    return Err(CoreError::PinnedLimit {
+                        requested: params.iter().map(|p| p.nbytes() as u64).sum(),
+                        pinned: info.pinned_host,
+                        limit: limit.min(info.pinned_limit),
+                    });
+                }
+                None => None,
+            }
         } else {
             None
+        };
+        let source = if source == HostSource::Pinned && pinned.is_none() {
+            HostSource::Own
+        } else {
+            source
         };
         let copy_stream = if config.use_stream {
             Some(device.create_stream()?)
@@ -130,7 +151,7 @@ impl GroupOffloadRoute {
         for p in &params {
             let _ = p.set_device(None);
         }
-        let pinned_bytes = pinned.as_ref().map_or(0, PinnedCopies::bytes);
+        let pinned_bytes = pinned.as_ref().map_or(0, PinnedHome::bytes);
         metrics.set_leaf_plan(plan.streamed_leaves(), 0);
         metrics.set_resident_weight_bytes(0);
         metrics.set_pinned_host_bytes(pinned_bytes);
@@ -192,7 +213,6 @@ impl Route for GroupOffloadRoute {
             }));
         }
         for (given, option) in [
-            (o.pinned_limit.is_some(), "pinned_limit"),
             (o.unit_bytes.is_some(), "unit_bytes"),
             (o.ring_slots.is_some(), "ring_slots"),
         ] {
@@ -401,7 +421,8 @@ impl GroupPlan {
 /// learning forward).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HostSource {
-    /// The pinned copies made at attach (no stream, `pinned=true`).
+    /// The pinned home made at attach (no stream, `pinned`): the params' own host bytes,
+    /// page-locked.
     Pinned,
     /// A pinned staging copy made per onload, kept alive by the queued copy.
     PinOnTheFly,
@@ -416,7 +437,7 @@ struct State {
     /// Device copies of groups onloaded outside the engine (no stream, the learning
     /// forward, a forward that left the schedule, the unmatched group).
     table: ResidencyTable,
-    pinned: Option<PinnedCopies>,
+    pinned: Option<PinnedHome>,
     copy_stream: Option<Stream>,
     /// The group compute is using now (not the unmatched one).
     current: Option<usize>,
@@ -501,7 +522,7 @@ impl AttachedGroupOffload {
     /// detach).
     pub fn pinned_bytes(&self) -> u64 {
         let st = self.state.lock();
-        st.pinned.as_ref().map_or(0, PinnedCopies::bytes)
+        st.pinned.as_ref().map_or(0, PinnedHome::bytes)
             + st.engine.as_ref().map_or(0, |e| e.figures().pinned_bytes)
     }
 
@@ -530,11 +551,10 @@ impl AttachedGroupOffload {
     /// its params). On error nothing is added.
     fn acquire(&self, st: &mut State, g: usize, stream: &Stream) -> Result<()> {
         let device = &*self.device;
-        let pinned = st.pinned.as_ref();
         let kind = self.source;
         let source = |p: &Param| -> Result<HostSlice> {
             match kind {
-                HostSource::Pinned => Ok(pinned.and_then(|c| c.get(p)).unwrap_or_else(|| p.host())),
+                HostSource::Pinned => Ok(p.host()),
                 HostSource::PinOnTheFly => Ok(pin_copy(device, &p.host())?.slice_all()),
                 HostSource::Own => Ok(p.host()),
             }
@@ -850,13 +870,14 @@ impl AttachedRoute for AttachedGroupOffload {
             // Clearing a device copy cannot fail.
             let _ = p.set_device(None);
         }
-        // Reverse order of attach: pinned copies, then the copy stream. Every queued copy
-        // has finished (or holds its own handle to the host bytes).
-        st.pinned = None;
+        // Reverse order of attach: the pinned home (its params get pageable copies back),
+        // then the copy stream. Every queued copy has finished (or holds its own handle to
+        // the host bytes).
+        let home = st.pinned.take().map_or(Ok(()), PinnedHome::restore);
         st.copy_stream = None;
         st.schedule.reset();
         self.metrics.set_pinned_host_bytes(0);
-        synced.and(engine)
+        synced.and(engine).and(home)
     }
 }
 

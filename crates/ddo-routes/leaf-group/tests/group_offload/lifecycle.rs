@@ -96,7 +96,7 @@ fn the_hooks_describe_themselves_and_are_owned_by_handle_and_component() {
     assert!(format!("{hooks:?}").contains("AttachedGroupOffload"));
     let counters = metrics.counters();
     assert_eq!(counters.leaves_streamed, c.leaves().len() as u64);
-    assert_eq!(counters.pinned_host_bytes, 0);
+    assert_eq!(counters.pinned_host_bytes, device.memory_info().pinned_host);
     // Attaching does not install; a second route on an installed component is refused
     // before it touches anything.
     assert!(c.attached().is_none());

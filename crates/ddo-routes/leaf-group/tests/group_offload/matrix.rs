@@ -16,13 +16,20 @@ fn check_case(spec: &ReferenceSpec, case: Case, link_bytes_per_sec: f64) {
     let (hooks, metrics) = attach(&c, &device, &case.spec());
     let config = hooks.config();
     if config.pinned && !config.use_stream {
-        assert_eq!(hooks.pinned_bytes(), c.param_bytes(), "{case:?}");
-        assert_eq!(
-            device.memory_info().pinned_host,
-            c.param_bytes(),
-            "{case:?}"
+        // One pinned home: every param once, each 256-byte aligned.
+        let padded: u64 = c
+            .params()
+            .iter()
+            .map(|p| (p.nbytes() as u64).next_multiple_of(256))
+            .sum();
+        assert_eq!(hooks.pinned_bytes(), padded, "{case:?}");
+        assert_eq!(device.memory_info().pinned_host, padded, "{case:?}");
+        assert_eq!(metrics.counters().pinned_host_bytes, padded);
+        assert!(
+            c.params()
+                .iter()
+                .all(|p| p.host().kind() == ddo_core::HostMemoryKind::Pinned)
         );
-        assert_eq!(metrics.counters().pinned_host_bytes, c.param_bytes());
     } else {
         assert_eq!(device.memory_info().pinned_host, 0, "{case:?}");
     }
@@ -85,7 +92,10 @@ fn check_case(spec: &ReferenceSpec, case: Case, link_bytes_per_sec: f64) {
     let pinned_now = if config.use_stream {
         hooks.streaming_figures().unwrap().pinned_bytes
     } else if config.pinned {
-        c.param_bytes()
+        c.params()
+            .iter()
+            .map(|p| (p.nbytes() as u64).next_multiple_of(256))
+            .sum()
     } else {
         0
     };

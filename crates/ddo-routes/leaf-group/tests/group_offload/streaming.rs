@@ -199,7 +199,7 @@ fn a_budget_keeps_weights_resident_across_forwards_and_streams_fewer_bytes() {
 }
 
 #[test]
-fn engine_options_without_a_stream_are_refused() {
+fn ring_options_without_a_stream_are_refused() {
     use ddo_core::{CoreError, Refusal, Route};
     use ddo_route_leaf_group::GroupOffloadRoute;
     let spec = ReferenceSpec::small("transformer", 2, 4, DType::F32);
@@ -212,10 +212,6 @@ fn engine_options_without_a_stream_are_refused() {
         },
         RouteOptions {
             ring_slots: Some(3),
-            ..RouteOptions::default()
-        },
-        RouteOptions {
-            pinned_limit: Some(1 << 20),
             ..RouteOptions::default()
         },
     ] {
