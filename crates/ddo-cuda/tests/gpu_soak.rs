@@ -2,8 +2,8 @@
 //! configuration (`ddo_nn::soak`) on `cuda:0` — caching-allocator routes on one device, the
 //! `native_vmm` route on a second device of the same GPU with the native allocator
 //! installed. Cycles come from `DDO_SOAK_CYCLES` (default 20; the figure is 1000).
-//! Prints the device, pinned and host figures after the first and the last cycle and checks
-//! that none grew by more than 1 MiB. Without a GPU it prints "skipped: no CUDA device" and
+//! Prints the device, pinned and host figures after the first and the last cycle (caches
+//! returned first) and checks that none grew by more than 1 MiB. Without a GPU it prints "skipped: no CUDA device" and
 //! passes (unless `DDO_REQUIRE_GPU=1`).
 
 use std::sync::Arc;
@@ -57,7 +57,14 @@ fn soak_cycles_over_every_route_do_not_grow_memory() {
     )
     .expect("soak");
     println!("{}", report.format());
-    assert_eq!(report.after_last.device_allocated, 0, "{}", report.format());
+    // cuBLAS workspaces (one per stream that ran a GEMM) stay allocated: routing never
+    // clears them (the seed); they must not grow.
+    assert_eq!(
+        report.after_last.device_allocated,
+        report.after_first.device_allocated,
+        "{}",
+        report.format()
+    );
     assert_eq!(report.after_last.pinned_host, 0, "{}", report.format());
     assert!(report.within(1 << 20), "{}", report.format());
 }

@@ -242,6 +242,12 @@ fn memory(devices: &[&Arc<dyn Device>]) -> Result<SoakMemory> {
     };
     for d in devices {
         d.synchronize()?;
+        // Caches are not leaks: return the caching allocator's idle segments and the
+        // native pool's idle chunks before reading what is held.
+        d.empty_cache()?;
+        if d.native_pool_figures().is_some() {
+            d.release_native_idle_cache()?;
+        }
         let info = d.memory_info();
         m.device_allocated += info.allocated;
         m.device_reserved += info.reserved;
