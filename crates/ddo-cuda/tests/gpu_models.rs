@@ -344,3 +344,86 @@ fn resident_benchmark_against_pytorch() {
         println!("wrote {}", path.display());
     }
 }
+
+/// Pinned host->device bandwidth, bytes per second (1 GiB, best of 5).
+fn pinned_bandwidth(d: &CudaDevice) -> f64 {
+    let len = 1usize << 30;
+    let host = d.alloc_pinned(len).unwrap();
+    let dev = d.alloc(len).unwrap();
+    let s = d.compute_stream();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        d.synchronize().unwrap();
+        let t = Instant::now();
+        d.copy_h2d(&host.slice_all(), &dev.slice_all(), &s).unwrap();
+        d.synchronize().unwrap();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    len as f64 / best
+}
+
+/// Where the streamed Flux step's time goes: resident compute of the double and of the
+/// single blocks (with the embedders) against the time their weights take to cross the
+/// link. A stretch whose compute exceeds its copy time leaves the link idle however deep
+/// the prefetch ring is.
+#[test]
+fn flux_block_compute_against_copy_time() {
+    let Some(d) = gpu() else {
+        return;
+    };
+    if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
+        println!("skipped: set DDO_BENCH=1 to run the block timing");
+        return;
+    }
+    let bw = pinned_bandwidth(&d);
+    println!("pinned h2d {:.1} GB/s", bw / 1e9);
+    for (doubles, singles) in [(5, 0), (0, 10), (5, 10)] {
+        let mut cfg = FluxTransformerConfig::flux_dev();
+        cfg.num_layers = doubles;
+        cfg.num_single_layers = singles;
+        let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
+        let bytes = model.component().param_bytes();
+        let _h =
+            enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let side = 72;
+        let n = side * side;
+        let rnd = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
+                .collect()
+        };
+        let inputs = FluxInputs {
+            hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
+            encoder_hidden_states: Tensor::from_f32(
+                vec![1, 512, 4096],
+                DType::F32,
+                &rnd(512 * 4096, 2),
+            )
+            .unwrap(),
+            pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
+            timestep: vec![0.5],
+            guidance: Some(vec![3.5]),
+            img_ids: (0..n)
+                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+                .collect(),
+            txt_ids: vec![[0.0; 3]; 512],
+        };
+        let (med, _, _) = median_ms(
+            || {
+                model.forward(&*d, &inputs).unwrap();
+            },
+            &d,
+        );
+        let copy_ms = bytes as f64 / bw * 1e3;
+        println!(
+            "flux {doubles} double + {singles} single: resident compute {med:.1} ms, weights {:.2} GiB cross the link in {copy_ms:.1} ms ({})",
+            bytes as f64 / (1u64 << 30) as f64,
+            if med > copy_ms {
+                "compute-bound"
+            } else {
+                "link-bound"
+            }
+        );
+        assert!(med > 0.0 && copy_ms > 0.0);
+    }
+}
