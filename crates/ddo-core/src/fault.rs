@@ -155,6 +155,8 @@ pub struct FaultInjectingDevice {
     counts: [AtomicU64; 4],
     armed: Mutex<Option<Armed>>,
     fired: AtomicU64,
+    /// Per op name: calls and nanoseconds, when timing is on.
+    op_times: Mutex<Option<std::collections::BTreeMap<String, (u64, u64)>>>,
 }
 
 impl fmt::Debug for FaultInjectingDevice {
@@ -177,7 +179,28 @@ impl FaultInjectingDevice {
             counts: Default::default(),
             armed: Mutex::new(None),
             fired: AtomicU64::new(0),
+            op_times: Mutex::new(None),
         })
+    }
+
+    /// Starts (or stops) timing every op: the device is synchronised before and after each
+    /// op call, so each time is the op's own device time plus one synchronisation (a
+    /// profiling aid; it serialises the host with the device). Starting clears the table.
+    pub fn time_ops(&self, on: bool) {
+        *self.op_times.lock() = on.then(Default::default);
+    }
+
+    /// The timing table: `(op, calls, total milliseconds)`, by op name.
+    pub fn op_times(&self) -> Vec<(String, u64, f64)> {
+        self.op_times
+            .lock()
+            .as_ref()
+            .map(|t| {
+                t.iter()
+                    .map(|(k, &(n, ns))| (k.clone(), n, ns as f64 / 1e6))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Wraps `inner` and arms it: the `at`-th point of `kind` (1-based, counted from now)
@@ -273,7 +296,23 @@ impl FaultInjectingDevice {
     /// allocation point.
     fn op(&self, name: &str, f: impl FnOnce(&dyn Ops) -> Result<Tensor>) -> Result<Tensor> {
         self.point(FaultKind::Op, || name.to_string())?;
+        let timing = self.op_times.lock().is_some();
+        let started = if timing {
+            self.inner.synchronize()?;
+            Some(std::time::Instant::now())
+        } else {
+            None
+        };
         let out = f(self.inner_ops()?)?;
+        if let Some(t0) = started {
+            self.inner.synchronize()?;
+            let ns = t0.elapsed().as_nanos() as u64;
+            if let Some(table) = self.op_times.lock().as_mut() {
+                let e = table.entry(name.to_string()).or_insert((0, 0));
+                e.0 += 1;
+                e.1 += ns;
+            }
+        }
         self.alloc_point(out.nbytes() as u64, name)?;
         Ok(out)
     }
@@ -495,6 +534,23 @@ mod tests {
         let d = HostDevice::with_capacity(1 << 20).unwrap();
         let f = FaultInjectingDevice::new(d.clone());
         (d, f)
+    }
+
+    #[test]
+    fn op_timing_counts_each_op_by_name_only_while_on() {
+        let (_d, f) = wrapped();
+        let x = f.tensor_from_f32(&[2, 2], DType::F32, &[1.0; 4]).unwrap();
+        assert!(f.op_times().is_empty(), "off by default");
+        f.time_ops(true);
+        let _ = f.tensor_from_f32(&[2, 2], DType::F32, &[2.0; 4]).unwrap();
+        let _ = f.tensor_from_f32(&[2, 2], DType::F32, &[3.0; 4]).unwrap();
+        let table = f.op_times();
+        assert_eq!(table.len(), 1, "{table:?}");
+        assert_eq!((table[0].0.as_str(), table[0].1), ("tensor_from_f32", 2));
+        assert!(table[0].2 >= 0.0);
+        f.time_ops(false);
+        assert!(f.op_times().is_empty());
+        drop(x);
     }
 
     #[test]

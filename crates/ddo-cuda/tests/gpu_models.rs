@@ -427,3 +427,58 @@ fn flux_block_compute_against_copy_time() {
         assert!(med > 0.0 && copy_ms > 0.0);
     }
 }
+
+/// Where a Flux block's compute goes: each op of one resident forward timed on its own
+/// (`FaultInjectingDevice::time_ops` synchronises around every op), for the double and the
+/// single blocks separately; printed as a table, largest first.
+#[test]
+fn flux_block_op_profile() {
+    let Some(d) = gpu() else {
+        return;
+    };
+    if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
+        println!("skipped: set DDO_BENCH=1 to run the op profile");
+        return;
+    }
+    for (doubles, singles) in [(1, 0), (0, 1)] {
+        let mut cfg = FluxTransformerConfig::flux_dev();
+        cfg.num_layers = doubles;
+        cfg.num_single_layers = singles;
+        let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
+        let wrapped = ddo_core::FaultInjectingDevice::new(d.clone());
+        let dev: Arc<dyn Device> = wrapped.clone();
+        let _h =
+            enable_dynamic_offload(model.component(), dev.clone(), RouteSpec::resident()).unwrap();
+        let side = 72;
+        let n = side * side;
+        let inputs = FluxInputs {
+            hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &vec![0.1; n * 64])
+                .unwrap(),
+            encoder_hidden_states: Tensor::from_f32(
+                vec![1, 512, 4096],
+                DType::F32,
+                &vec![0.1; 512 * 4096],
+            )
+            .unwrap(),
+            pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &[0.1; 768]).unwrap(),
+            timestep: vec![0.5],
+            guidance: Some(vec![3.5]),
+            img_ids: (0..n)
+                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+                .collect(),
+            txt_ids: vec![[0.0; 3]; 512],
+        };
+        model.forward(&*dev, &inputs).unwrap();
+        wrapped.time_ops(true);
+        model.forward(&*dev, &inputs).unwrap();
+        let mut table = wrapped.op_times();
+        wrapped.time_ops(false);
+        table.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let total: f64 = table.iter().map(|r| r.2).sum();
+        println!("flux {doubles} double + {singles} single, ops timed one by one: {total:.2} ms");
+        for (name, calls, ms) in &table {
+            println!("  {name:<28} {calls:>4} calls {ms:>8.3} ms");
+        }
+        assert!(total > 0.0);
+    }
+}
