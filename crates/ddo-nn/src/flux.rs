@@ -794,9 +794,42 @@ pub struct FluxProgram {
     single_blocks: Vec<SingleBlock>,
     norm_out: Linear,
     proj_out: Linear,
+    /// The rotary tables of the last ids seen (host values): the ids of a denoising loop do
+    /// not change from step to step, and the tables cost ~1 ms of host trigonometry.
+    rope_cache: Arc<std::sync::Mutex<Option<RopeCache>>>,
+}
+
+/// Host rotary tables for one set of position ids.
+#[derive(Debug)]
+struct RopeCache {
+    ids: Vec<[f32; 3]>,
+    cos: Arc<Vec<f32>>,
+    sin: Arc<Vec<f32>>,
 }
 
 impl FluxProgram {
+    /// The rotary tables of `ids` (cached for the last ids).
+    fn rope_tables_cached(&self, ids: &[[f32; 3]]) -> (Arc<Vec<f32>>, Arc<Vec<f32>>) {
+        // A poisoned lock only means another forward panicked mid-update: recompute.
+        let mut cache = self
+            .rope_cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = cache.as_ref()
+            && c.ids == ids
+        {
+            return (Arc::clone(&c.cos), Arc::clone(&c.sin));
+        }
+        let (cos, sin) = rope_tables(ids, &self.config.axes_dims_rope, ROPE_THETA);
+        let (cos, sin) = (Arc::new(cos), Arc::new(sin));
+        *cache = Some(RopeCache {
+            ids: ids.to_vec(),
+            cos: Arc::clone(&cos),
+            sin: Arc::clone(&sin),
+        });
+        (cos, sin)
+    }
+
     fn build(b: &mut ModelBuilder<'_>, c: &FluxTransformerConfig) -> LoadResult<Self> {
         let d = c.inner_dim();
         let (timestep_embedder, guidance_embedder, text_embedder) =
@@ -844,6 +877,7 @@ impl FluxProgram {
             single_blocks,
             norm_out,
             proj_out,
+            rope_cache: Arc::default(),
         })
     }
 
@@ -1014,7 +1048,7 @@ impl FluxProgram {
             .chain(inputs.img_ids.iter())
             .copied()
             .collect();
-        let (cos, sin) = rope_tables(&ids, &self.config.axes_dims_rope, ROPE_THETA);
+        let (cos, sin) = self.rope_tables_cached(&ids);
         let width = self.config.attention_head_dim;
         let rope = Rope {
             cos: ops.tensor_from_f32(&[ids.len(), width], DType::F32, &cos)?,

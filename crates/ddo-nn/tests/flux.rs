@@ -608,3 +608,28 @@ fn random_bf16_model_runs_close_to_f32() {
     let err = rel_l2(&outs[1], &outs[0]);
     assert!(err < 5e-2, "bf16 vs f32 relative L2 error {err:e}");
 }
+
+#[test]
+fn rotary_tables_follow_the_ids_of_each_forward() {
+    // The program caches the rotary tables of the last ids: a forward with other ids must
+    // not reuse them, and coming back to the first ids gives the first output again.
+    let model = load();
+    let d = device();
+    let s = d.compute_stream();
+    model.component().to_device(&*d, &s).expect("to_device");
+    let first = bytes(&*d, &model.forward(&*d, &inputs()).unwrap());
+    let mut shifted = inputs();
+    for id in &mut shifted.img_ids {
+        id[1] += 3.0;
+    }
+    let moved = bytes(&*d, &model.forward(&*d, &shifted).unwrap());
+    assert_ne!(
+        moved, first,
+        "other positions, same output: stale rotary tables"
+    );
+    let fresh = load();
+    fresh.component().to_device(&*d, &s).expect("to_device");
+    let want = bytes(&*d, &fresh.forward(&*d, &shifted).unwrap());
+    assert_eq!(moved, want);
+    assert_eq!(bytes(&*d, &model.forward(&*d, &inputs()).unwrap()), first);
+}
