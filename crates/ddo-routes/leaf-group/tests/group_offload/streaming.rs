@@ -81,16 +81,24 @@ fn check(spec: &ReferenceSpec, t: Tuning, batch: usize) -> Result<(), TestCaseEr
     // A budget of a fraction of the weights plus room for a ring of the largest groups
     // (leaves, or whole blocks at block level), with room for each param's alignment.
     let plan = ddo_route_leaf_group::GroupPlan::new(&c, &spec_for(&t, None).group_offload_config());
+    // The ring the engine's planner counts with everything streamed: slots of the largest
+    // group or coalesced unit, every param 256-byte aligned (SlotModel::room).
+    let aligned = |bytes: usize| (bytes as u64).next_multiple_of(256);
     let largest = plan
         .groups()
         .iter()
-        .map(|g| g.bytes() + 256 * g.params().len() as u64)
+        .map(|g| g.params().iter().map(|p| aligned(p.nbytes())).sum::<u64>())
         .max()
         .unwrap_or(0);
-    let budget = t.budget_fraction.map(|f| {
-        (c.param_bytes() as f64 * f) as u64
-            + t.ring_slots as u64 * largest.max(t.unit_bytes.min(c.param_bytes() + 1024) + 256)
-    });
+    let streamed: u64 = plan
+        .groups()
+        .iter()
+        .flat_map(|g| g.params().iter().map(|p| aligned(p.nbytes())))
+        .sum();
+    let slot = largest.max(t.unit_bytes.next_multiple_of(256).min(streamed));
+    let budget = t
+        .budget_fraction
+        .map(|f| ((c.param_bytes() as f64 * f) as u64 + t.ring_slots as u64 * slot).max(256));
     let (hooks, metrics) = attach(&c, &device, &spec_for(&t, budget));
     for (i, (x, want)) in xs.iter().zip(&expected).enumerate() {
         let before = device.memory_info().allocated;
