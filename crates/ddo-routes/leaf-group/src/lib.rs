@@ -57,6 +57,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_core::residency::{FreeMode, ResidencyTable, pin_copy};
+use ddo_core::streaming::layout::align_up;
+use ddo_core::streaming::plan::{SlotModel, plan_residency_with};
 use ddo_core::streaming::{
     PinnedHome, Schedule, ScheduleOutcome, StagingKind, StreamingConfig, StreamingEngine,
     StreamingFigures,
@@ -106,6 +108,39 @@ impl GroupOffloadRoute {
         let config = spec.group_offload_config();
         let plan = GroupPlan::new(component, &config);
         let params = component.params();
+        // A stream-mode budget must hold the streaming engine's ring beside whatever it
+        // keeps resident: refuse now rather than after the learning forward.
+        if let (true, Some(budget)) = (config.use_stream, spec.options().budget) {
+            let streaming = StreamingConfig::from_options(spec.options());
+            let budget = budget.bytes_given_free(free_bytes(&*device));
+            let weighted: Vec<(String, u64)> = plan
+                .groups
+                .iter()
+                .enumerate()
+                .filter(|(i, g)| !g.params.is_empty() && Some(*i) != plan.unmatched)
+                .map(|(_, g)| {
+                    let bytes = g.params.iter().map(|p| align_up(p.nbytes() as u64)).sum();
+                    (g.label.clone(), bytes)
+                })
+                .collect();
+            let model = SlotModel {
+                slots: streaming.ring_slots.max(2) as u64,
+                unit_floor: align_up(streaming.unit_bytes),
+            };
+            let ring_plan = plan_residency_with(&weighted, budget, model);
+            if !ring_plan.fits() {
+                return Err(CoreError::InvalidOption {
+                    option: "budget".into(),
+                    value: budget.to_string(),
+                    hint: format!(
+                        "the streaming ring needs {} B ({} slots of the largest group or transfer unit) \
+                         on top of what stays resident; raise the budget, lower ring_slots or unit_bytes, \
+                         or drop the budget",
+                        ring_plan.slot_bytes, model.slots
+                    ),
+                });
+            }
+        }
         // With a stream the engine owns pinning (one host copy, bounded staging); pinned
         // copies of the whole model at attach are the no-stream mode's.
         let source = if config.pinned && !config.use_stream {

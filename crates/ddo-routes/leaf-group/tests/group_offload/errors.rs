@@ -182,6 +182,55 @@ fn a_budget_without_a_stream_is_refused_before_anything_is_touched() {
     assert!(matches!(e, CoreError::InvalidOption { .. }), "{e}");
 }
 
+#[test]
+fn a_stream_budget_below_the_ring_is_refused_at_attach_and_one_above_it_runs() {
+    let spec = ReferenceSpec::small("transformer", 3, 16, DType::F32);
+    let c = build(&spec).unwrap();
+    let device = HostDevice::with_capacity(1 << 22).unwrap();
+    let largest = c.leaves().iter().map(|l| l.param_bytes()).max().unwrap();
+    let with_budget = |bytes: u64| {
+        spec_with(RouteOptions {
+            budget: Some(Budget::Bytes(bytes)),
+            use_stream: Some(true),
+            unit_bytes: Some(256),
+            ..RouteOptions::default()
+        })
+    };
+    let before = checksums(&c);
+    let xs = inputs(&spec, 2, 3);
+    let expected = baseline(&c, &xs);
+    let dev: Arc<dyn Device> = device.clone();
+    // Room for one leaf, not for a ring of two.
+    let err = GroupOffloadRoute
+        .attach(
+            &c,
+            dev.clone(),
+            &with_budget(largest + 512),
+            Arc::new(RouteMetrics::new()),
+        )
+        .unwrap_err();
+    match &err {
+        CoreError::InvalidOption { option, hint, .. } => {
+            assert_eq!(option, "budget");
+            assert!(hint.contains("streaming ring"), "{hint}");
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(device.memory_info().allocated, 0);
+    assert_eq!(device.memory_info().pinned_host, 0);
+    assert_eq!(checksums(&c), before);
+    // A ring's worth more attaches and streams every forward within the budget.
+    let budget = 2 * (largest + 1024) + 4096;
+    let hooks = GroupOffloadRoute
+        .attach(&c, dev, &with_budget(budget), Arc::new(RouteMetrics::new()))
+        .unwrap();
+    c.install_hooks(hooks).unwrap();
+    for (x, want) in xs.iter().zip(&expected) {
+        device.reset_peak();
+        assert_eq!(&run(&c, &*device, x), want);
+    }
+}
+
 /// A host device that reports no concurrent streams.
 #[derive(Debug)]
 struct NoStreams(Arc<HostDevice>);
