@@ -212,6 +212,32 @@ fn flux_transformer_matches_diffusers_and_every_route_matches_resident() {
     }
 }
 
+/// Synthetic Flux inputs: `side`² image tokens, 512 text tokens of width 4096.
+fn synthetic_flux_inputs(side: usize) -> FluxInputs {
+    let n = side * side;
+    let rnd = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
+            .collect()
+    };
+    FluxInputs {
+        hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
+        encoder_hidden_states: Tensor::from_f32(
+            vec![1, 512, 4096],
+            DType::F32,
+            &rnd(512 * 4096, 2),
+        )
+        .unwrap(),
+        pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
+        timestep: vec![0.5],
+        guidance: Some(vec![3.5]),
+        img_ids: (0..n)
+            .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+            .collect(),
+        txt_ids: vec![[0.0; 3]; 512],
+    }
+}
+
 fn median_ms(mut f: impl FnMut(), d: &CudaDevice) -> (f64, f64, f64) {
     for _ in 0..3 {
         f();
@@ -272,29 +298,7 @@ fn resident_benchmark_against_pytorch() {
         let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let side = 72;
-        let n = side * side;
-        let rnd = |len: usize, seed: usize| -> Vec<f32> {
-            (0..len)
-                .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
-                .collect()
-        };
-        let inputs = FluxInputs {
-            hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
-            encoder_hidden_states: Tensor::from_f32(
-                vec![1, 512, 4096],
-                DType::F32,
-                &rnd(512 * 4096, 2),
-            )
-            .unwrap(),
-            pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
-            timestep: vec![0.5],
-            guidance: Some(vec![3.5]),
-            img_ids: (0..n)
-                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
-                .collect(),
-            txt_ids: vec![[0.0; 3]; 512],
-        };
+        let inputs = synthetic_flux_inputs(72);
         d.reset_peak();
         let (med, min, max) = median_ms(
             || {
@@ -385,29 +389,7 @@ fn flux_block_compute_against_copy_time() {
         let bytes = model.component().param_bytes();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let side = 72;
-        let n = side * side;
-        let rnd = |len: usize, seed: usize| -> Vec<f32> {
-            (0..len)
-                .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
-                .collect()
-        };
-        let inputs = FluxInputs {
-            hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
-            encoder_hidden_states: Tensor::from_f32(
-                vec![1, 512, 4096],
-                DType::F32,
-                &rnd(512 * 4096, 2),
-            )
-            .unwrap(),
-            pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
-            timestep: vec![0.5],
-            guidance: Some(vec![3.5]),
-            img_ids: (0..n)
-                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
-                .collect(),
-            txt_ids: vec![[0.0; 3]; 512],
-        };
+        let inputs = synthetic_flux_inputs(72);
         let (med, _, _) = median_ms(
             || {
                 model.forward(&*d, &inputs).unwrap();
@@ -449,25 +431,7 @@ fn flux_block_op_profile() {
         let dev: Arc<dyn Device> = wrapped.clone();
         let _h =
             enable_dynamic_offload(model.component(), dev.clone(), RouteSpec::resident()).unwrap();
-        let side = 72;
-        let n = side * side;
-        let inputs = FluxInputs {
-            hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &vec![0.1; n * 64])
-                .unwrap(),
-            encoder_hidden_states: Tensor::from_f32(
-                vec![1, 512, 4096],
-                DType::F32,
-                &vec![0.1; 512 * 4096],
-            )
-            .unwrap(),
-            pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &[0.1; 768]).unwrap(),
-            timestep: vec![0.5],
-            guidance: Some(vec![3.5]),
-            img_ids: (0..n)
-                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
-                .collect(),
-            txt_ids: vec![[0.0; 3]; 512],
-        };
+        let inputs = synthetic_flux_inputs(72);
         model.forward(&*dev, &inputs).unwrap();
         wrapped.time_ops(true);
         model.forward(&*dev, &inputs).unwrap();
