@@ -37,6 +37,7 @@ pub struct RouteMetrics {
     ring_slots: AtomicU64,
     ring_slot_bytes: AtomicU64,
     staging_buffers: AtomicU64,
+    resident_leaves: Mutex<Vec<String>>,
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
 }
@@ -101,6 +102,16 @@ impl RouteMetrics {
     pub fn set_leaf_plan(&self, streamed: u64, resident: u64) {
         self.leaves_streamed.store(streamed, Ordering::Relaxed);
         self.leaves_resident.store(resident, Ordering::Relaxed);
+    }
+
+    /// Names the leaves (or groups) a budget keeps resident, in execution order.
+    pub fn set_resident_leaves(&self, names: Vec<String>) {
+        *self.resident_leaves.lock() = names;
+    }
+
+    /// The leaves (or groups) kept resident, as last set.
+    pub fn resident_leaves(&self) -> Vec<String> {
+        self.resident_leaves.lock().clone()
     }
 
     /// Sets the streaming engine's plan: bytes copied per forward, transfer units per
@@ -450,6 +461,9 @@ pub struct MetricsSnapshot {
     pub phases: Vec<PhasePeak>,
     /// Detach reports, in order.
     pub detach_reports: Vec<DetachSummary>,
+    /// The leaves (or groups) a budget keeps resident; the others stream.
+    #[serde(default)]
+    pub resident_leaves: Vec<String>,
 }
 
 impl MetricsSnapshot {
@@ -544,6 +558,20 @@ impl MetricsSnapshot {
                 }
             );
         }
+        if !self.resident_leaves.is_empty() {
+            const SHOWN: usize = 8;
+            let more = self.resident_leaves.len().saturating_sub(SHOWN);
+            let _ = writeln!(
+                s,
+                "  resident: {}{}",
+                self.resident_leaves[..self.resident_leaves.len().min(SHOWN)].join(", "),
+                if more > 0 {
+                    format!(" (+{more} more)")
+                } else {
+                    String::new()
+                }
+            );
+        }
         if c.schedule_relearned > 0 {
             let _ = writeln!(s, "  schedule re-learned {} time(s)", c.schedule_relearned);
         }
@@ -615,6 +643,7 @@ mod tests {
             memory: DeviceMemoryFigures::default(),
             phases: vec![],
             detach_reports: vec![],
+            resident_leaves: vec![],
         };
         let text = snap.format_profile();
         assert!(
@@ -663,6 +692,7 @@ mod tests {
             memory: DeviceMemoryFigures::default(),
             phases: m.phases(),
             detach_reports: vec![],
+            resident_leaves: (0..10).map(|i| format!("blocks.{i}.linear")).collect(),
         };
         let json = snap.to_json().expect("serialises");
         let back: MetricsSnapshot = serde_json::from_str(&json).expect("parses");
@@ -670,6 +700,10 @@ mod tests {
         let text = snap.format_profile();
         assert!(text.contains("phase decode: peak 2.00 KiB"), "{text}");
         assert!(text.contains("1.050x live peak"), "{text}");
+        assert!(
+            text.contains("resident: blocks.0.linear, ") && text.contains("(+2 more)"),
+            "{text}"
+        );
         assert!(text.contains("preset one_shot_fast"), "{text}");
     }
 }

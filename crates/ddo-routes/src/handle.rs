@@ -136,6 +136,7 @@ impl OffloadHandle {
             },
             phases: self.metrics.phases(),
             detach_reports: self.metrics.detach_reports(),
+            resident_leaves: self.metrics.resident_leaves(),
         }
     }
 

@@ -748,6 +748,16 @@ impl AttachedGroupOffload {
             self.plan.streamed_leaves().saturating_sub(resident_leaves),
             resident_leaves,
         );
+        self.metrics.set_resident_leaves(
+            self.plan
+                .groups
+                .iter()
+                .filter(|g| {
+                    !g.params.is_empty() && g.params.iter().all(|p| resident.contains(&p.id()))
+                })
+                .map(|g| g.label.clone())
+                .collect(),
+        );
         self.metrics.set_resident_weight_bytes(f.resident_bytes);
         self.metrics.set_streaming_plan(
             f.streamed_bytes,

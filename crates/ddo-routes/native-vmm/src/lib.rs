@@ -251,10 +251,13 @@ impl NativeVmmRoute {
             .flat_map(|l| l.params.iter().map(|p| p.id()))
             .collect();
         let mut segments: Vec<Vec<Arc<Param>>> = Vec::new();
-        for l in leaves
+        let mut segment_paths: Vec<String> = Vec::new();
+        for (l, leaf) in leaves
             .iter_mut()
-            .filter(|l| !l.resident && !l.params.is_empty())
+            .zip(component.leaves())
+            .filter(|(l, _)| !l.resident && !l.params.is_empty())
         {
+            segment_paths.push(leaf.path().to_string());
             l.segment = Some(segments.len());
             segments.push(
                 l.params
@@ -310,6 +313,7 @@ impl NativeVmmRoute {
         };
 
         metrics.set_leaf_plan(plan.streamed.len() as u64, plan.resident.len() as u64);
+        metrics.set_resident_leaves(plan.resident.clone());
         metrics.set_resident_weight_bytes(table.resident_bytes());
         metrics.set_pinned_host_bytes(pinned.as_ref().map_or(0, PinnedCopies::bytes));
         Ok(Arc::new(NativeVmmAttachment {
@@ -320,6 +324,7 @@ impl NativeVmmRoute {
             plan,
             leaves,
             segments,
+            segment_paths,
             params: component.params(),
             compute: stream,
             copy,
@@ -427,6 +432,8 @@ pub struct NativeVmmAttachment {
     leaves: Vec<LeafPlan>,
     /// The engine's segments (streamed leaves' params).
     segments: Vec<Vec<Arc<Param>>>,
+    /// The leaf path of each segment.
+    segment_paths: Vec<String>,
     /// Every param of the component once.
     params: Vec<Arc<Param>>,
     compute: Stream,
@@ -543,6 +550,23 @@ impl NativeVmmAttachment {
             Arc::clone(&self.metrics),
         )?;
         let f = engine.figures();
+        // Leaves the engine keeps resident besides the attach plan's (its budget was what
+        // the plan left over).
+        let engine_resident: HashSet<ParamId> =
+            engine.resident_params().iter().map(|p| p.id()).collect();
+        let mut resident_leaves = self.plan.resident.clone();
+        let mut extra = 0u64;
+        for (segment, path) in self.segments.iter().zip(&self.segment_paths) {
+            if !segment.is_empty() && segment.iter().all(|p| engine_resident.contains(&p.id())) {
+                resident_leaves.push(path.clone());
+                extra += 1;
+            }
+        }
+        self.metrics.set_leaf_plan(
+            (self.plan.streamed.len() as u64).saturating_sub(extra),
+            self.plan.resident.len() as u64 + extra,
+        );
+        self.metrics.set_resident_leaves(resident_leaves);
         self.metrics.set_streaming_plan(
             f.streamed_bytes,
             f.units as u64,

@@ -761,4 +761,15 @@ fn the_engine_takes_over_after_the_learning_forward_and_streams_one_copy_per_uni
     assert_eq!(copies[2], f.units as u64);
     assert_eq!(d.memory_info().pinned_host, f.pinned_bytes);
     assert!(hooks.describe().contains("streamed"));
+    // The plan in the metrics: which leaves stay, as many as the counters say.
+    let names = hooks.metrics().resident_leaves();
+    let counters = hooks.metrics().counters();
+    assert_eq!(names.len() as u64, counters.leaves_resident);
+    assert_eq!(
+        counters.leaves_resident + counters.leaves_streamed,
+        c.leaves().iter().filter(|l| !l.params().is_empty()).count() as u64
+    );
+    for leaf in &hooks.plan().resident {
+        assert!(names.contains(leaf), "{leaf} missing from {names:?}");
+    }
 }

@@ -198,6 +198,14 @@ fn a_budget_keeps_weights_resident_across_forwards_and_streams_fewer_bytes() {
     );
     assert!(half.streamed_bytes < all.streamed_bytes);
     assert!(metrics.counters().leaves_resident > 0);
+    // The plan in the metrics names the resident groups.
+    let names = metrics.resident_leaves();
+    assert_eq!(names.len(), half.resident_segments);
+    assert!(
+        names
+            .iter()
+            .all(|n| hooks.plan().groups().iter().any(|g| g.label() == n))
+    );
     assert_eq!(device.memory_info().allocated, half.resident_bytes);
     // The phase boundary drops the resident weights too; the next forward brings them back.
     ddo_core::AttachedRoute::end_phase(&*hooks).unwrap();
