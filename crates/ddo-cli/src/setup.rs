@@ -261,6 +261,18 @@ fn effective_options(
                 o.low_cpu_mem_usage.is_some(),
             );
             put("pinned", Value::from(c.pinned), o.pinned.is_some());
+            let streaming = ddo_core::streaming::StreamingConfig::from_options(o);
+            put(
+                "pinned_limit",
+                Value::from(format_bytes(streaming.pinned_limit)),
+                o.pinned_limit.is_some(),
+            );
+            if c.use_stream {
+                put_streaming(&mut put, o, &streaming);
+                if let Some(b) = o.budget {
+                    put("budget", Value::from(describe_budget(b)), true);
+                }
+            }
         }
         Some(RouteId::LinearConvolution) => {
             put(
@@ -284,10 +296,35 @@ fn effective_options(
                 Value::from(o.pinned.unwrap_or(ddo_route_native_vmm::PINNED_BY_DEFAULT)),
                 o.pinned.is_some(),
             );
+            let streaming = ddo_core::streaming::StreamingConfig::from_options(o);
+            put(
+                "pinned_limit",
+                Value::from(format_bytes(streaming.pinned_limit)),
+                o.pinned_limit.is_some(),
+            );
+            put_streaming(&mut put, o, &streaming);
         }
         Some(RouteId::Resident) | None => {}
     }
     (values, sources)
+}
+
+/// The streaming engine's transfer unit and ring, with where each came from.
+fn put_streaming(
+    put: &mut impl FnMut(&str, serde_json::Value, bool),
+    o: &ddo_core::RouteOptions,
+    streaming: &ddo_core::streaming::StreamingConfig,
+) {
+    put(
+        "unit_bytes",
+        serde_json::Value::from(format_bytes(streaming.unit_bytes)),
+        o.unit_bytes.is_some(),
+    );
+    put(
+        "ring_slots",
+        serde_json::Value::from(streaming.ring_slots),
+        o.ring_slots.is_some(),
+    );
 }
 
 fn describe_budget(b: Budget) -> String {

@@ -333,6 +333,33 @@ fn resolve_json_shape_and_sources() {
 
     let text = ok(&ddo(&["resolve", "--preset", "off"]));
     assert!(text.contains("vae: unmanaged"), "{text}");
+
+    // The streaming engine's settings are explained with their sources: given, preset
+    // (wsl_compat caps pinned memory), or the route's default.
+    let v = json(&ddo(&[
+        "resolve",
+        "--json",
+        "--route",
+        "transformer=diffusers_group_offload:use_stream=true,ring_slots=3",
+        "--component",
+        "transformer",
+    ]));
+    let t = &v[0];
+    assert_eq!(t["options"]["ring_slots"], 3);
+    assert_eq!(t["source"]["options"]["ring_slots"], "--route");
+    assert_eq!(t["options"]["unit_bytes"], "16.00 MiB");
+    assert_eq!(t["source"]["options"]["unit_bytes"], "route default");
+    let v = json(&ddo(&[
+        "resolve",
+        "--json",
+        "--preset",
+        "wsl_compat",
+        "--route",
+        "transformer=diffusers_group_offload:use_stream=true",
+        "--component",
+        "transformer",
+    ]));
+    assert_eq!(v[0]["options"]["pinned_limit"], "256.00 MiB", "{v}");
 }
 
 #[test]
