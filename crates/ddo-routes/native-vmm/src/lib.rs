@@ -1,9 +1,9 @@
 //! The `native_vmm` route: the `vmm_fast` preset's transformer route. Under a VRAM budget
 //! it keeps resident the leaves whose weights would cost most to stream, and streams the
 //! rest through ddo-core's [`StreamingEngine`]: packed in schedule order into transfer
-//! units, staged in pinned memory (a pinned home that becomes the weights' one host copy
-//! with `pinned=true`, a bounded pinned staging ring otherwise), and copied on a copy
-//! stream into a ring of device slots ahead of compute.
+//! units, staged in pinned memory (by default a pinned home that becomes the weights' one
+//! host copy; with `pinned=false` a bounded pinned staging ring), and copied on a copy
+//! stream into a ring of device bytes ahead of compute.
 //!
 //! This crate is one of the route crates above `ddo-core`: it talks to the [`Device`]
 //! trait only, moves params through [`ResidencyTable`] and the engine, and is registered
@@ -32,11 +32,11 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use ddo_core::residency::{EagerLeafStreamer, FreeMode, PinnedCopies, ResidencyTable};
+use ddo_core::residency::{EagerLeafStreamer, FreeMode, ResidencyTable};
 use ddo_core::streaming::layout::align_up;
 use ddo_core::streaming::{
-    Schedule, ScheduleOutcome, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
-    StreamingFigures,
+    PinnedHome, Schedule, ScheduleOutcome, StagingKind, StagingMode, StreamingConfig,
+    StreamingEngine, StreamingFigures,
 };
 use ddo_core::{
     AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, HostSlice, Leaf,
@@ -59,8 +59,9 @@ pub const DEFAULT_BUDGET: Budget = Budget::FreeMinus(DEFAULT_FREE_MARGIN);
 pub const OPTION_HINT: &str = "native_vmm takes budget, pinned and the streaming engine's pinned_limit, \
      unit_bytes and ring_slots; use diffusers_group_offload for grouped offload options";
 
-/// Whether streamed weights are pinned when the spec does not say.
-pub const PINNED_BY_DEFAULT: bool = false;
+/// Whether streamed weights are page-locked when the spec does not say: yes, in a pinned
+/// home that replaces their host bytes (one host copy), when it fits under `pinned_limit`.
+pub const PINNED_BY_DEFAULT: bool = true;
 
 /// The `native_vmm` route (registered as [`RouteId::NativeVmm`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -74,8 +75,8 @@ pub struct NativeVmmConfig {
     /// Whether the budget was given explicitly.
     pub explicit_budget: bool,
     /// Stage streamed weights in a pinned home that replaces their host bytes (one host
-    /// copy, pinned speed); false (the default): a bounded pinned staging ring filled from
-    /// the weights' own bytes.
+    /// copy, pinned speed; the default); false: a bounded pinned staging ring filled from
+    /// the weights' own bytes (engine), or pageable copies (leaf by leaf).
     pub pinned: bool,
     /// The streaming engine's settings (`budget` is set at attach).
     pub streaming: StreamingConfig,
@@ -291,18 +292,25 @@ impl NativeVmmRoute {
             return Err(e);
         }
 
-        // Leaf by leaf with `pinned=true`: pinned copies of the streamed weights (the
-        // engine stages its own).
-        let pinned = if mode == StreamMode::LeafByLeaf && config.pinned {
-            let mut seen = HashSet::new();
-            let streamed: Vec<Arc<Param>> = segments
-                .iter()
-                .flatten()
-                .filter(|p| seen.insert(p.id()))
-                .cloned()
-                .collect();
-            match PinnedCopies::pin(&*device, &streamed) {
-                Ok(p) => Some(p),
+        // Leaf by leaf with `pinned`: the streamed weights' one host copy is page-locked in
+        // a pinned home (the engine stages its own). When it does not fit under the pinned
+        // limit the weights stay where they are, unless `pinned=true` was asked for.
+        let home = if mode == StreamMode::LeafByLeaf && config.pinned {
+            let streamed: Vec<Arc<Param>> = segments.iter().flatten().cloned().collect();
+            let built = PinnedHome::sequential(&*device, &streamed, config.streaming.pinned_limit)
+                .and_then(|home| match home {
+                    None if spec.options().pinned == Some(true) && !streamed.is_empty() => {
+                        let info = device.memory_info();
+                        Err(CoreError::PinnedLimit {
+                            requested: streamed.iter().map(|p| p.nbytes() as u64).sum(),
+                            pinned: info.pinned_host,
+                            limit: config.streaming.pinned_limit.min(info.pinned_limit),
+                        })
+                    }
+                    other => Ok(other),
+                });
+            match built {
+                Ok(h) => h,
                 Err(e) => {
                     table.release_all(&*device, FreeMode::Immediate, &stream);
                     return Err(e);
@@ -315,7 +323,7 @@ impl NativeVmmRoute {
         metrics.set_leaf_plan(plan.streamed.len() as u64, plan.resident.len() as u64);
         metrics.set_resident_leaves(plan.resident.clone());
         metrics.set_resident_weight_bytes(table.resident_bytes());
-        metrics.set_pinned_host_bytes(pinned.as_ref().map_or(0, PinnedCopies::bytes));
+        metrics.set_pinned_host_bytes(home.as_ref().map_or(0, PinnedHome::bytes));
         Ok(Arc::new(NativeVmmAttachment {
             component: component.name().to_string(),
             device,
@@ -329,7 +337,8 @@ impl NativeVmmRoute {
             compute: stream,
             copy,
             state: Mutex::new(State {
-                eager: EagerLeafStreamer::new(table, pinned),
+                eager: EagerLeafStreamer::new(table, None),
+                home,
                 schedule: Schedule::new(),
                 engine: None,
                 position: None,
@@ -418,6 +427,8 @@ struct State {
     engine: Option<StreamingEngine>,
     /// The engine position of the leaf running now.
     position: Option<usize>,
+    /// Leaf by leaf with `pinned`: the streamed weights' page-locked host copy.
+    home: Option<PinnedHome>,
 }
 
 /// `native_vmm` attached to one component: resident leaves stay on the device, streamed
@@ -479,7 +490,9 @@ impl NativeVmmAttachment {
     /// learned), or the pinned copies of leaf-by-leaf streaming; 0 after detach.
     pub fn pinned_bytes(&self) -> u64 {
         let st = self.state.lock();
-        st.eager.pinned_bytes() + st.engine.as_ref().map_or(0, |e| e.figures().pinned_bytes)
+        st.eager.pinned_bytes()
+            + st.home.as_ref().map_or(0, PinnedHome::bytes)
+            + st.engine.as_ref().map_or(0, |e| e.figures().pinned_bytes)
     }
 
     /// How the streamed leaves move.
@@ -721,11 +734,13 @@ impl AttachedRoute for NativeVmmAttachment {
         st.position = None;
         let engine = st.engine.take().map_or(Ok(()), |mut e| e.teardown());
         let synced = st.eager.detach(&*self.device, &self.params);
+        // The home goes after every copy from it finished (detach synchronised).
+        let home = st.home.take().map_or(Ok(()), PinnedHome::restore);
         drop(st);
         let _ = self.device.synchronize_stream(&self.compute);
         self.metrics.set_pinned_host_bytes(0);
         self.metrics.set_resident_weight_bytes(0);
-        engine.and(synced)
+        engine.and(synced).and(home)
     }
 }
 
