@@ -259,6 +259,15 @@ pub struct MemoryInfo {
     pub pinned_limit: u64,
 }
 
+impl MemoryInfo {
+    /// What the device has free: the driver's figure where there is a driver, else capacity
+    /// minus the allocator's exact accounting.
+    pub fn free_bytes(&self) -> u64 {
+        self.driver_free
+            .unwrap_or_else(|| self.capacity.saturating_sub(self.allocated))
+    }
+}
+
 /// The memory and transfer plane of one execution device.
 ///
 /// Copies are asynchronous with respect to the host when their host side is pinned;

@@ -36,8 +36,8 @@ use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
 use crate::streaming::home::PinnedHome;
 use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, align_up};
-use crate::streaming::plan::{SlotModel, plan_residency_with};
-use crate::streaming::{StagingMode, StreamingConfig};
+use crate::streaming::plan::plan_residency_with;
+use crate::streaming::{StagingMode, StreamingConfig, ring_does_not_fit};
 
 /// How the engine holds the host side of the streamed bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -217,21 +217,10 @@ impl StreamingEngine {
                 .iter()
                 .map(|&s| (s.to_string(), segment_bytes(&segments[s])))
                 .collect();
-            let model = SlotModel {
-                slots: slots_wanted as u64,
-                unit_floor: align_up(config.unit_bytes),
-            };
+            let model = config.slot_model();
             let plan = plan_residency_with(&weighted, budget, model);
             if !plan.fits() {
-                return Err(CoreError::InvalidOption {
-                    option: "budget".into(),
-                    value: budget.to_string(),
-                    hint: format!(
-                        "the streaming ring needs {} B ({} slots of the largest segment) on top of \
-                         what stays resident; raise the budget, lower ring_slots, or drop the budget",
-                        plan.slot_bytes, slots_wanted
-                    ),
-                });
+                return Err(ring_does_not_fit(budget, plan.slot_bytes, model.slots));
             }
             for path in &plan.resident {
                 let s: usize = path.parse().unwrap_or(usize::MAX);

@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::host::HostBuffer;
 use crate::param::{Param, ParamId};
 use crate::streaming::layout::align_up;
@@ -69,12 +69,15 @@ impl PinnedHome {
         })
     }
 
-    /// `params` (each once) one after another, each aligned, within `limit` bytes:
-    /// `Ok(None)` when they do not fit.
+    /// `params` (each once) one after another, each aligned, within `limit` bytes (and what
+    /// the device's pinned ledger has left). When they do not fit: `Ok(None)` (the weights
+    /// stay where they are), or with `required` a [`CoreError::PinnedLimit`]. No params:
+    /// `Ok(None)`.
     pub fn sequential(
         device: &dyn Device,
         params: &[Arc<Param>],
         limit: u64,
+        required: bool,
     ) -> Result<Option<Self>> {
         let mut seen = HashSet::new();
         let mut at = 0u64;
@@ -85,8 +88,19 @@ impl PinnedHome {
         }
         let info = device.memory_info();
         let room = limit.min(info.pinned_limit.saturating_sub(info.pinned_host));
-        if at == 0 || at > room {
+        if at == 0 {
             return Ok(None);
+        }
+        if at > room {
+            return if required {
+                Err(CoreError::PinnedLimit {
+                    requested: at,
+                    pinned: info.pinned_host,
+                    limit: limit.min(info.pinned_limit),
+                })
+            } else {
+                Ok(None)
+            };
         }
         Self::build(device, placements, at).map(Some)
     }

@@ -109,6 +109,15 @@ impl Default for StreamingConfig {
 }
 
 impl StreamingConfig {
+    /// How the residency planner counts the ring these settings give: `ring_slots` (at
+    /// least 2) slots of the largest streamed segment or coalesced transfer unit.
+    pub fn slot_model(&self) -> SlotModel {
+        SlotModel {
+            slots: self.ring_slots.max(2) as u64,
+            unit_floor: layout::align_up(self.unit_bytes),
+        }
+    }
+
     /// The settings route options give (`unit_bytes`, `ring_slots`, `pinned_limit`;
     /// `pinned=false` or `low_cpu_mem_usage=true` choose the staging ring). The budget is
     /// left to the route, which knows the device's free memory.
@@ -126,5 +135,18 @@ impl StreamingConfig {
             },
             budget: None,
         }
+    }
+}
+
+/// The typed error for a budget that cannot hold the streaming ring (`ring_bytes` for
+/// `slots` slots) beside what stays resident.
+pub fn ring_does_not_fit(budget: u64, ring_bytes: u64, slots: u64) -> crate::CoreError {
+    crate::CoreError::InvalidOption {
+        option: "budget".into(),
+        value: budget.to_string(),
+        hint: format!(
+            "the streaming ring needs {ring_bytes} B ({slots} slots of the largest segment or transfer unit) \
+             on top of what stays resident; raise the budget, lower ring_slots or unit_bytes, or drop the budget"
+        ),
     }
 }

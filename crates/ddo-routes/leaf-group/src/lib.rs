@@ -58,10 +58,10 @@ use std::time::Instant;
 
 use ddo_core::residency::{FreeMode, ResidencyTable, pin_copy};
 use ddo_core::streaming::layout::align_up;
-use ddo_core::streaming::plan::{SlotModel, plan_residency_with};
+use ddo_core::streaming::plan::plan_residency_with;
 use ddo_core::streaming::{
     PinnedHome, Schedule, ScheduleOutcome, StagingKind, StreamingConfig, StreamingEngine,
-    StreamingFigures,
+    StreamingFigures, ring_does_not_fit,
 };
 use ddo_core::{
     AttachedRoute, Component, CoreError, Device, DeviceId, GroupOffloadConfig, HostSlice, Leaf,
@@ -112,7 +112,7 @@ impl GroupOffloadRoute {
         // keeps resident: refuse now rather than after the learning forward.
         if let (true, Some(budget)) = (config.use_stream, spec.options().budget) {
             let streaming = StreamingConfig::from_options(spec.options());
-            let budget = budget.bytes_given_free(free_bytes(&*device));
+            let budget = budget.bytes_given_free(device.memory_info().free_bytes());
             let weighted: Vec<(String, u64)> = plan
                 .groups
                 .iter()
@@ -123,22 +123,10 @@ impl GroupOffloadRoute {
                     (g.label.clone(), bytes)
                 })
                 .collect();
-            let model = SlotModel {
-                slots: streaming.ring_slots.max(2) as u64,
-                unit_floor: align_up(streaming.unit_bytes),
-            };
+            let model = streaming.slot_model();
             let ring_plan = plan_residency_with(&weighted, budget, model);
             if !ring_plan.fits() {
-                return Err(CoreError::InvalidOption {
-                    option: "budget".into(),
-                    value: budget.to_string(),
-                    hint: format!(
-                        "the streaming ring needs {} B ({} slots of the largest group or transfer unit) \
-                         on top of what stays resident; raise the budget, lower ring_slots or unit_bytes, \
-                         or drop the budget",
-                        ring_plan.slot_bytes, model.slots
-                    ),
-                });
+                return Err(ring_does_not_fit(budget, ring_plan.slot_bytes, model.slots));
             }
         }
         // With a stream the engine owns pinning (one host copy, bounded staging); pinned
@@ -156,18 +144,12 @@ impl GroupOffloadRoute {
         // the weights stay where they are, unless `pinned=true` was asked for explicitly.
         let pinned = if source == HostSource::Pinned {
             let limit = StreamingConfig::from_options(spec.options()).pinned_limit;
-            match PinnedHome::sequential(&*device, &params, limit)? {
-                Some(home) => Some(home),
-                None if spec.options().pinned == Some(true) && !params.is_empty() => {
-                    let info = device.memory_info();
-                    return Err(CoreError::PinnedLimit {
-                        requested: params.iter().map(|p| p.nbytes() as u64).sum(),
-                        pinned: info.pinned_host,
-                        limit: limit.min(info.pinned_limit),
-                    });
-                }
-                None => None,
-            }
+            PinnedHome::sequential(
+                &*device,
+                &params,
+                limit,
+                spec.options().pinned == Some(true),
+            )?
         } else {
             None
         };
@@ -726,7 +708,7 @@ impl AttachedGroupOffload {
             .spec
             .options()
             .budget
-            .map(|b| b.bytes_given_free(free_bytes(&*self.device)));
+            .map(|b| b.bytes_given_free(self.device.memory_info().free_bytes()));
         let engine = StreamingEngine::new(
             Arc::clone(&self.device),
             copy,
@@ -773,13 +755,6 @@ impl AttachedGroupOffload {
         st.engine = Some(engine);
         Ok(())
     }
-}
-
-/// Free device bytes: the driver's figure where there is one, else capacity minus allocated.
-fn free_bytes(device: &dyn Device) -> u64 {
-    let info = device.memory_info();
-    info.driver_free
-        .unwrap_or_else(|| info.capacity.saturating_sub(info.allocated))
 }
 
 impl AttachedRoute for AttachedGroupOffload {

@@ -104,19 +104,14 @@ impl NativeVmmConfig {
     /// How the planner counts the ring: the engine's slots, each the largest streamed leaf
     /// or transfer unit.
     pub fn slot_model(&self) -> SlotModel {
-        SlotModel {
-            slots: self.streaming.ring_slots.max(2) as u64,
-            unit_floor: align_up(self.streaming.unit_bytes),
-        }
+        self.streaming.slot_model()
     }
 }
 
 /// What the device has free now: the driver's figure where there is a driver, else
 /// capacity minus the allocator's exact accounting.
 pub fn free_bytes(device: &dyn Device) -> u64 {
-    let info = device.memory_info();
-    info.driver_free
-        .unwrap_or_else(|| info.capacity.saturating_sub(info.allocated))
+    device.memory_info().free_bytes()
 }
 
 /// The budget in bytes `spec` gives on `device` now.
@@ -297,18 +292,12 @@ impl NativeVmmRoute {
         // limit the weights stay where they are, unless `pinned=true` was asked for.
         let home = if mode == StreamMode::LeafByLeaf && config.pinned {
             let streamed: Vec<Arc<Param>> = segments.iter().flatten().cloned().collect();
-            let built = PinnedHome::sequential(&*device, &streamed, config.streaming.pinned_limit)
-                .and_then(|home| match home {
-                    None if spec.options().pinned == Some(true) && !streamed.is_empty() => {
-                        let info = device.memory_info();
-                        Err(CoreError::PinnedLimit {
-                            requested: streamed.iter().map(|p| p.nbytes() as u64).sum(),
-                            pinned: info.pinned_host,
-                            limit: config.streaming.pinned_limit.min(info.pinned_limit),
-                        })
-                    }
-                    other => Ok(other),
-                });
+            let built = PinnedHome::sequential(
+                &*device,
+                &streamed,
+                config.streaming.pinned_limit,
+                spec.options().pinned == Some(true),
+            );
             match built {
                 Ok(h) => h,
                 Err(e) => {
