@@ -14,30 +14,19 @@
 //!   warm-ups; written to `$DDO_BENCH_OUT/ddo_bench.json` and printed beside PyTorch's
 //!   figures from `peer.json`.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use common::{open_gpu, synthetic_flux_inputs};
 use ddo_core::{DType, Device, RouteSpec, Tensor};
-use ddo_cuda::{CudaDevice, CudaError};
+use ddo_cuda::CudaDevice;
 use ddo_nn::flux::{FluxInputs, FluxTransformer, FluxTransformerConfig};
 use ddo_nn::vae::{AutoencoderKL, AutoencoderKLConfig};
 use ddo_nn::{RandomWeights, read_f32_tensor};
 use ddo_routes::enable_dynamic_offload;
-
-fn gpu() -> Option<Arc<CudaDevice>> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
-            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
-            }
-            println!("skipped: no CUDA device");
-            None
-        }
-        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
-    }
-}
 
 fn peer_dir() -> Option<PathBuf> {
     match std::env::var_os("DDO_PEER_DIR") {
@@ -145,7 +134,7 @@ fn bytes(d: &CudaDevice, t: &Tensor) -> Vec<u8> {
 
 #[test]
 fn vae_decoder_matches_diffusers_and_every_route_matches_resident() {
-    let (Some(d), Some(dir)) = (gpu(), peer_dir()) else {
+    let (Some(d), Some(dir)) = (open_gpu(false), peer_dir()) else {
         return;
     };
     let io = dir.join("vae_io.safetensors");
@@ -179,7 +168,7 @@ fn vae_decoder_matches_diffusers_and_every_route_matches_resident() {
 
 #[test]
 fn flux_transformer_matches_diffusers_and_every_route_matches_resident() {
-    let (Some(d), Some(dir)) = (gpu(), peer_dir()) else {
+    let (Some(d), Some(dir)) = (open_gpu(false), peer_dir()) else {
         return;
     };
     let io = dir.join("transformer_io.safetensors");
@@ -212,32 +201,6 @@ fn flux_transformer_matches_diffusers_and_every_route_matches_resident() {
     }
 }
 
-/// Synthetic Flux inputs: `side`² image tokens, 512 text tokens of width 4096.
-fn synthetic_flux_inputs(side: usize) -> FluxInputs {
-    let n = side * side;
-    let rnd = |len: usize, seed: usize| -> Vec<f32> {
-        (0..len)
-            .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
-            .collect()
-    };
-    FluxInputs {
-        hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
-        encoder_hidden_states: Tensor::from_f32(
-            vec![1, 512, 4096],
-            DType::F32,
-            &rnd(512 * 4096, 2),
-        )
-        .unwrap(),
-        pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
-        timestep: vec![0.5],
-        guidance: Some(vec![3.5]),
-        img_ids: (0..n)
-            .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
-            .collect(),
-        txt_ids: vec![[0.0; 3]; 512],
-    }
-}
-
 fn median_ms(mut f: impl FnMut(), d: &CudaDevice) -> (f64, f64, f64) {
     for _ in 0..3 {
         f();
@@ -256,7 +219,7 @@ fn median_ms(mut f: impl FnMut(), d: &CudaDevice) -> (f64, f64, f64) {
 
 #[test]
 fn resident_benchmark_against_pytorch() {
-    let Some(d) = gpu() else {
+    let Some(d) = open_gpu(false) else {
         return;
     };
     if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
@@ -298,7 +261,7 @@ fn resident_benchmark_against_pytorch() {
         let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72);
+        let inputs = synthetic_flux_inputs(72, 512, 4096);
         d.reset_peak();
         let (med, min, max) = median_ms(
             || {
@@ -372,7 +335,7 @@ fn pinned_bandwidth(d: &CudaDevice) -> f64 {
 /// the prefetch ring is.
 #[test]
 fn flux_block_compute_against_copy_time() {
-    let Some(d) = gpu() else {
+    let Some(d) = open_gpu(false) else {
         return;
     };
     if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
@@ -389,7 +352,7 @@ fn flux_block_compute_against_copy_time() {
         let bytes = model.component().param_bytes();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72);
+        let inputs = synthetic_flux_inputs(72, 512, 4096);
         let (med, _, _) = median_ms(
             || {
                 model.forward(&*d, &inputs).unwrap();
@@ -415,7 +378,7 @@ fn flux_block_compute_against_copy_time() {
 /// single blocks separately; printed as a table, largest first.
 #[test]
 fn flux_block_op_profile() {
-    let Some(d) = gpu() else {
+    let Some(d) = open_gpu(false) else {
         return;
     };
     if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
@@ -431,7 +394,7 @@ fn flux_block_op_profile() {
         let dev: Arc<dyn Device> = wrapped.clone();
         let _h =
             enable_dynamic_offload(model.component(), dev.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72);
+        let inputs = synthetic_flux_inputs(72, 512, 4096);
         model.forward(&*dev, &inputs).unwrap();
         wrapped.time_ops(true);
         model.forward(&*dev, &inputs).unwrap();

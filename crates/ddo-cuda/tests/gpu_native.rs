@@ -5,61 +5,20 @@
 //! mapped-over-live peaks against the caching allocator on the same workload. Without a
 //! GPU each test prints "skipped: no CUDA device" and passes.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
+use common::{open_gpu, rnd, synthetic_flux_inputs};
 use ddo_core::device::{download, upload};
 use ddo_core::{CoreError, DType, Device, RouteSpec, Tensor};
-use ddo_cuda::{CudaDevice, CudaDeviceConfig, CudaError};
+use ddo_cuda::{CudaDevice, CudaError};
 use ddo_metrics::NativePoolFigures;
 use ddo_nn::RandomWeights;
-use ddo_nn::flux::{FluxInputs, FluxTransformer, FluxTransformerConfig};
+use ddo_nn::flux::{FluxTransformer, FluxTransformerConfig};
 use ddo_nn::vae::{AutoencoderKL, AutoencoderKLConfig};
 use ddo_routes::{enable_dynamic_offload, release_native_vmm_idle_cache, remove_dynamic_offload};
-
-fn open(native: bool) -> Option<Arc<CudaDevice>> {
-    let config = CudaDeviceConfig {
-        native_vmm: native,
-        ..CudaDeviceConfig::new(0)
-    };
-    match CudaDevice::with_config(config) {
-        Ok(d) => Some(d),
-        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
-            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
-            }
-            println!("skipped: no CUDA device");
-            None
-        }
-        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
-    }
-}
-
-fn rnd(len: usize, seed: usize) -> Vec<f32> {
-    (0..len)
-        .map(|i| (((i * 2654435761 + seed) % 1000) as f32 / 500.0) - 1.0)
-        .collect()
-}
-
-fn flux_inputs(side: usize, txt: usize, joint: usize) -> FluxInputs {
-    let n = side * side;
-    FluxInputs {
-        hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &rnd(n * 64, 1)).unwrap(),
-        encoder_hidden_states: Tensor::from_f32(
-            vec![1, txt, joint],
-            DType::F32,
-            &rnd(txt * joint, 2),
-        )
-        .unwrap(),
-        pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &rnd(768, 3)).unwrap(),
-        timestep: vec![0.5],
-        guidance: Some(vec![3.5]),
-        img_ids: (0..n)
-            .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
-            .collect(),
-        txt_ids: vec![[0.0; 3]; txt],
-    }
-}
 
 fn output_bytes(d: &CudaDevice, t: &Tensor) -> Vec<u8> {
     let ddo_core::TensorStorage::Device(slice) = t.storage() else {
@@ -70,7 +29,7 @@ fn output_bytes(d: &CudaDevice, t: &Tensor) -> Vec<u8> {
 
 #[test]
 fn install_serves_allocations_from_the_pool() {
-    let Some(d) = open(true) else { return };
+    let Some(d) = open_gpu(true) else { return };
     assert_eq!(d.allocator(), ddo_core::AllocatorKind::NativeVmm);
     let bytes: Vec<u8> = (0..(3 << 20)).map(|i| (i % 251) as u8).collect();
     let buf = upload(&*d, &bytes, &d.compute_stream()).unwrap();
@@ -94,7 +53,7 @@ fn install_serves_allocations_from_the_pool() {
 
 #[test]
 fn install_is_refused_after_a_caching_allocation() {
-    let Some(d) = open(false) else { return };
+    let Some(d) = open_gpu(false) else { return };
     let buf = d.alloc(1).unwrap();
     let err = d.install_native_vmm().unwrap_err();
     println!("refusal: {err}");
@@ -115,7 +74,7 @@ fn install_is_refused_after_a_caching_allocation() {
 
 #[test]
 fn release_is_refused_with_work_in_flight_and_releases_nothing() {
-    let Some(d) = open(true) else { return };
+    let Some(d) = open_gpu(true) else { return };
     let len = 1usize << 30;
     let a = d.alloc(len).unwrap();
     let b = d.alloc(len).unwrap();
@@ -150,9 +109,11 @@ fn small_flux() -> FluxTransformer {
 
 #[test]
 fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundary() {
-    let Some(cached) = open(false) else { return };
-    let Some(d) = open(true) else { return };
-    let inputs = flux_inputs(32, 128, 4096);
+    let Some(cached) = open_gpu(false) else {
+        return;
+    };
+    let Some(d) = open_gpu(true) else { return };
+    let inputs = synthetic_flux_inputs(32, 128, 4096);
     let model = small_flux();
     let weights: u64 = model.component().param_bytes();
     let expected = {
@@ -294,7 +255,7 @@ fn run_workloads(d: &Arc<CudaDevice>, allocator: &'static str, rows: &mut Vec<Ro
         let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let inputs = flux_inputs(72, 512, 4096);
+        let inputs = synthetic_flux_inputs(72, 512, 4096);
         d.synchronize().unwrap();
         d.reset_peak();
         let ms = median_ms(
@@ -322,11 +283,11 @@ fn benchmark_reserved_over_live_against_the_caching_allocator() {
     }
     let mut rows = Vec::new();
     {
-        let Some(d) = open(false) else { return };
+        let Some(d) = open_gpu(false) else { return };
         run_workloads(&d, "caching", &mut rows);
     }
     {
-        let Some(d) = open(true) else { return };
+        let Some(d) = open_gpu(true) else { return };
         run_workloads(&d, "native_vmm", &mut rows);
         let f = d.native_pool_figures().unwrap();
         println!("{}", f.format_line());

@@ -6,29 +6,20 @@
 //! returned first) and checks that none grew by more than 1 MiB. Without a GPU it prints "skipped: no CUDA device" and
 //! passes (unless `DDO_REQUIRE_GPU=1`).
 
+mod common;
+
 use std::sync::Arc;
 
+use common::open_gpu;
 use ddo_core::{DType, Device};
-use ddo_cuda::{CudaDevice, CudaError};
+use ddo_cuda::CudaDevice;
 use ddo_nn::soak::{run_soak, soak_routes};
-
-fn gpu() -> Option<Arc<CudaDevice>> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
-            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
-            }
-            println!("skipped: no CUDA device");
-            None
-        }
-        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
-    }
-}
 
 #[test]
 fn soak_cycles_over_every_route_do_not_grow_memory() {
-    let Some(caching) = gpu() else { return };
+    let Some(caching) = open_gpu(false) else {
+        return;
+    };
     let cycles: usize = std::env::var("DDO_SOAK_CYCLES")
         .ok()
         .map(|v| v.parse().expect("DDO_SOAK_CYCLES must be a whole number"))
