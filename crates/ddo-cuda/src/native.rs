@@ -276,6 +276,10 @@ impl<P: PhysicalMemory, E: FreeEvent> NativeAllocator<P, E> {
         range: &PoolAllocation,
         stream: Option<StreamKey>,
     ) -> Vec<Arc<E>> {
+        if st.entries.is_empty() {
+            // Nothing pending: the common case once the GPU has caught up.
+            return Vec::new();
+        }
         let start = range.va();
         let end = start + round_len(range.len()).unwrap_or(range.len());
         let from = start.saturating_sub(st.longest);
