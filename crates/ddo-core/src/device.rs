@@ -113,6 +113,12 @@ impl DeviceBuffer {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// Whether this handle is the allocation's only one (no clone, no view, no weak
+    /// reference): whoever owns it may then reuse its bytes for a new value.
+    pub fn is_exclusive(&mut self) -> bool {
+        Arc::get_mut(&mut self.inner).is_some()
+    }
+
     /// A view of the whole buffer.
     pub fn slice_all(&self) -> DeviceSlice {
         DeviceSlice {
@@ -152,6 +158,12 @@ impl DeviceSlice {
     /// The buffer.
     pub fn buffer(&self) -> &DeviceBuffer {
         &self.buffer
+    }
+
+    /// Whether this view is the only handle to its buffer and covers all of it: the bytes
+    /// are then its owner's alone (see [`DeviceBuffer::is_exclusive`]).
+    pub fn is_exclusive(&mut self) -> bool {
+        self.offset == 0 && self.len == self.buffer.len() && self.buffer.is_exclusive()
     }
 
     /// Offset into the buffer.

@@ -469,6 +469,14 @@ impl Ops for FaultInjectingDevice {
         self.op("unary", |o| o.unary(x, op))
     }
 
+    fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
+        self.op("unary_owned", move |o| o.unary_owned(x, op))
+    }
+
+    fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.op("linear_concat", |o| o.linear_concat(xs, w, bias))
+    }
+
     fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
         self.op("binary", |o| o.binary(a, b, op))
     }

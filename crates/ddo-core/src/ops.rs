@@ -104,6 +104,15 @@ pub trait Ops: Send + Sync {
     /// `x [..., in] · wᵀ (+ bias)` with `w [out, in]`, `bias [out]` → `[..., out]`.
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
 
+    /// `linear(concat(xs, last dim), w, bias)` without materialising the concatenation:
+    /// `xs[i] [..., in_i]` (same leading dims) against the column window of `w [out, Σ in_i]`
+    /// that lines up with part `i`. A backend may sum the parts' products in the output
+    /// dtype (one rounding per part), so values may differ from [`Ops::linear`] of the
+    /// concatenation by that rounding; the host backend computes it exactly as that.
+    fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        linear_concat_by_concat(self, xs, w, bias)
+    }
+
     /// Batched matrix product `a [..., m, k] · b [..., k, n]` → `[..., m, n]`; batch dims
     /// broadcast.
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
@@ -142,6 +151,14 @@ pub trait Ops: Send + Sync {
 
     /// An element-wise function.
     fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor>;
+
+    /// [`Ops::unary`] consuming `x`: a backend may write the result over `x`'s memory when
+    /// nothing else holds it, so the call needs no second buffer the size of `x` (an
+    /// activation after a wide projection is the largest tensor of a transformer block).
+    /// The values are those of [`Ops::unary`].
+    fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
+        self.unary(&x, op)
+    }
 
     /// An element-wise function of two tensors, broadcasting.
     fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor>;
@@ -190,4 +207,27 @@ pub trait Ops: Send + Sync {
 
     /// Rows `ids` of `table [rows, d]` → `[ids.len(), d]`.
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
+}
+
+/// [`Ops::linear_concat`] done the plain way: [`Ops::concat`] along the last dim, then
+/// [`Ops::linear`]. The trait's default, and the fallback of backends for operands their
+/// fused path does not take.
+pub fn linear_concat_by_concat<O: Ops + ?Sized>(
+    ops: &O,
+    xs: &[&Tensor],
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    match xs {
+        [] => Err(crate::CoreError::Shape {
+            what: "linear_concat".to_string(),
+            message: "no inputs; expected at least one x [..., in]".to_string(),
+        }),
+        [x] => ops.linear(x, w, bias),
+        _ => {
+            let dim = xs[0].shape().len().saturating_sub(1);
+            let joined = ops.concat(xs, dim)?;
+            ops.linear(&joined, w, bias)
+        }
+    }
 }

@@ -107,6 +107,15 @@ impl Tensor {
         &self.storage
     }
 
+    /// Whether this tensor alone holds its device memory (a whole buffer, no other handle):
+    /// an op consuming it may then write its result over those bytes.
+    pub fn has_exclusive_device_buffer(&mut self) -> bool {
+        match &mut self.storage {
+            TensorStorage::Device(slice) => slice.is_exclusive(),
+            TensorStorage::Host(_) => false,
+        }
+    }
+
     /// Number of elements.
     pub fn numel(&self) -> usize {
         numel(&self.shape).unwrap_or(usize::MAX)

@@ -143,3 +143,92 @@ extern "C" __global__ void ddo_rope(const void* x, int xdt, const void* c, int c
         store_from_float(y, i + 1, ydt, x1 * c1 + x0 * s1);
     }
 }
+
+// ---- Vectorised fast paths (16-byte accesses) ------------------------------------------
+// Taken by ops/elementwise.rs when every operand has one dtype and is 16-byte aligned, and
+// the innermost dim splits into whole vectors: W = 16 / element size lanes per vector
+// (8 for f16/bf16, 4 for f32). Same values as the scalar kernels (each lane is computed in
+// f32 and rounded once).
+
+// Lane k of a vector of dtype dt, as f32.
+__device__ __forceinline__ float lane_get(const uint4& v, int k, int dt) {
+    if (dt == DTYPE_F32) return ((const float*)&v)[k];
+    u16 h = ((const u16*)&v)[k];
+    return dt == DTYPE_F16 ? f16_to_float(h) : bf16_to_float(h);
+}
+__device__ __forceinline__ void lane_set(uint4& v, int k, int dt, float f) {
+    if (dt == DTYPE_F32) { ((float*)&v)[k] = f; return; }
+    ((u16*)&v)[k] = dt == DTYPE_F16 ? float_to_f16(f) : float_to_bf16(f);
+}
+
+// y[i] = f(x[i]) over nvec whole vectors; x == y is allowed (in place).
+extern "C" __global__ void ddo_unary_vec(const uint4* x, uint4* y, int dt, i64 nvec, int op,
+                                         float mul, float add) {
+    const int lanes = dt == DTYPE_F32 ? 4 : 8;
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
+        uint4 v = x[i];
+        for (int k = 0; k < lanes; ++k) lane_set(v, k, dt, unary_(op, lane_get(v, k, dt), mul, add));
+        y[i] = v;
+    }
+}
+
+// y = a op b with broadcasting, a vector of W output elements per thread. `shape` is the
+// coalesced output shape with its innermost dim counted in vectors; sa, sb are element
+// strides (the innermost ones unused); a_vec / b_vec say whether that operand moves along
+// the innermost dim (1: a whole vector is loaded) or is broadcast along it (0: one element
+// is loaded and repeated). Offsets are 32-bit (the caller checks they fit).
+extern "C" __global__ void ddo_binary_vec(const void* a, const void* b, uint4* y, int dt,
+                                          u32 nvec, int rank, Dims6 shape, Dims6 sa,
+                                          Dims6 sb, int a_vec, int b_vec, int op) {
+    const int lanes = dt == DTYPE_F32 ? 4 : 8;
+    u32 stride = gridDim.x * blockDim.x;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
+        u32 rest = i, oa = 0, ob = 0;
+#pragma unroll
+        for (int d = 5; d >= 0; --d) {
+            if (d >= rank) continue;
+            u32 s = (u32)shape.v[d];
+            u32 q = rest / s;
+            u32 idx = rest - q * s;
+            rest = q;
+            if (d == rank - 1) idx *= (u32)lanes;
+            oa += idx * (u32)sa.v[d];
+            ob += idx * (u32)sb.v[d];
+        }
+        uint4 va, vb, r;
+        float fa = 0.0f, fb = 0.0f;
+        if (a_vec) va = *(const uint4*)((const char*)a + (u64)oa * (16 / lanes));
+        else fa = load_as_float(a, (i64)oa, dt);
+        if (b_vec) vb = *(const uint4*)((const char*)b + (u64)ob * (16 / lanes));
+        else fb = load_as_float(b, (i64)ob, dt);
+        for (int k = 0; k < lanes; ++k) {
+            float x = a_vec ? lane_get(va, k, dt) : fa;
+            float z = b_vec ? lane_get(vb, k, dt) : fb;
+            lane_set(r, k, dt, binary_(op, x, z));
+        }
+        y[i] = r;
+    }
+}
+
+// Rotary embedding, four pairs (8 elements of a 16-bit dtype) per thread, for x of dtype dt
+// laid out [b, h, l, d] and f32 tables [l, d] (table = l * d elements, a multiple of 8).
+extern "C" __global__ void ddo_rope_vec(const uint4* x, const float4* c, const float4* s,
+                                        uint4* y, int dt, i64 nvec, i64 table_vec) {
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
+        i64 t = (i % table_vec) * 2;
+        uint4 v = x[i];
+        float4 c0 = c[t], c1 = c[t + 1], s0 = s[t], s1 = s[t + 1];
+        float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+        uint4 r;
+#pragma unroll
+        for (int k = 0; k < 8; k += 2) {
+            float x0 = lane_get(v, k, dt), x1 = lane_get(v, k + 1, dt);
+            lane_set(r, k, dt, x0 * cs[k] - x1 * sn[k]);
+            lane_set(r, k + 1, dt, x1 * cs[k + 1] + x0 * sn[k + 1]);
+        }
+        y[i] = r;
+    }
+}

@@ -75,3 +75,40 @@ extern "C" __global__ void ddo_embedding(const void* table, const u32* ids, void
         copy_elem(table, (i64)ids[r] * d + j, dt, y, i, dt);
     }
 }
+
+// copy_nd on raw units of T (u32, uint2 or uint4): same dtype on both sides, shape and
+// strides counted in units (ops/layout.rs folds the innermost contiguous dim into units of
+// up to 16 bytes when sizes, strides and addresses allow). 32-bit offsets.
+template <typename T>
+__device__ __forceinline__ void copy_units_body(const T* src, T* dst, u32 n, int rank,
+                                                const Dims6& shape, const Dims6& sstr,
+                                                const Dims6& dstr) {
+    u32 stride = gridDim.x * blockDim.x;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        u32 rest = i, so = 0, d_o = 0;
+#pragma unroll
+        for (int d = 5; d >= 0; --d) {
+            if (d >= rank) continue;
+            u32 s = (u32)shape.v[d];
+            u32 q = rest / s;
+            u32 idx = rest - q * s;
+            rest = q;
+            so += idx * (u32)sstr.v[d];
+            d_o += idx * (u32)dstr.v[d];
+        }
+        dst[d_o] = src[so];
+    }
+}
+
+extern "C" __global__ void ddo_copy_units4(const u32* src, u32* dst, u32 n, int rank,
+                                           Dims6 shape, Dims6 sstr, Dims6 dstr) {
+    copy_units_body<u32>(src, dst, n, rank, shape, sstr, dstr);
+}
+extern "C" __global__ void ddo_copy_units8(const uint2* src, uint2* dst, u32 n, int rank,
+                                           Dims6 shape, Dims6 sstr, Dims6 dstr) {
+    copy_units_body<uint2>(src, dst, n, rank, shape, sstr, dstr);
+}
+extern "C" __global__ void ddo_copy_units16(const uint4* src, uint4* dst, u32 n, int rank,
+                                            Dims6 shape, Dims6 sstr, Dims6 dstr) {
+    copy_units_body<uint4>(src, dst, n, rank, shape, sstr, dstr);
+}

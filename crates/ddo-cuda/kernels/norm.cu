@@ -35,6 +35,47 @@ extern "C" __global__ void ddo_row_norm(const void* x, int xdt, const void* w, i
     }
 }
 
+// The same norms with one warp per row, for rows of at most 32 * NORM_WARP_MAX elements
+// (e.g. Flux's per-head q/k RMS norms, d = 128): the row is read once into registers.
+#define NORM_WARP_MAX 16
+extern "C" __global__ void ddo_row_norm_warp(const void* x, int xdt, const void* w, int wdt,
+                                             const void* b, int bdt, void* y, int ydt,
+                                             i64 rows, i64 d, float eps, int rms) {
+    int lane = threadIdx.x & 31;
+    i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 r = warp; r < rows; r += warps) {
+        i64 base = r * d;
+        float v[NORM_WARP_MAX];
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_WARP_MAX; ++k) {
+            i64 j = lane + 32 * k;
+            v[k] = j < d ? load_as_float(x, base + j, xdt) : 0.0f;
+            s += v[k];
+        }
+        float mean = rms ? 0.0f : warp_sum(s) / (float)d;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_WARP_MAX; ++k) {
+            i64 j = lane + 32 * k;
+            float c = v[k] - mean;
+            if (j < d) s2 += c * c;
+        }
+        float inv = rsqrtf(warp_sum(s2) / (float)d + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_WARP_MAX; ++k) {
+            i64 j = lane + 32 * k;
+            if (j < d) {
+                float o = (v[k] - mean) * inv;
+                if (w) o *= load_as_float(w, j, wdt);
+                if (b) o += load_as_float(b, j, bdt);
+                store_from_float(y, base + j, ydt, o);
+            }
+        }
+    }
+}
+
 // Group-norm statistics, pass 1: block (chunk c, group g) writes the count, mean and sum of
 // squared deviations (M2) of elements [c * chunk, min((c + 1) * chunk, len)) of group g
 // (groups are contiguous runs of `len` elements) to part[(g * chunks + c) * 3 + 0..3].

@@ -440,8 +440,7 @@ impl SiluMlp {
     }
 
     fn forward(&self, ctx: &mut ForwardContext<'_>, ops: &dyn Ops, x: &Tensor) -> Result<Tensor> {
-        let h = self.linear_1.forward(ctx, x)?;
-        let h = ops.unary(&h, UnaryOp::Silu)?;
+        let h = ops.unary_owned(self.linear_1.forward(ctx, x)?, UnaryOp::Silu)?;
         self.linear_2.forward(ctx, &h)
     }
 }
@@ -467,8 +466,9 @@ impl FeedForward {
     }
 
     fn forward(&self, ctx: &mut ForwardContext<'_>, ops: &dyn Ops, x: &Tensor) -> Result<Tensor> {
-        let h = self.proj.forward(ctx, x)?;
-        let h = ops.unary(&h, UnaryOp::GeluTanh)?;
+        // The activation replaces the projection in place where the backend can: this is
+        // the widest tensor of a double block.
+        let h = ops.unary_owned(self.proj.forward(ctx, x)?, UnaryOp::GeluTanh)?;
         self.out.forward(ctx, &h)
     }
 }
@@ -582,6 +582,7 @@ impl FluxAttention {
                 q = ops.concat(&[&cq, &q], 1)?;
                 k = ops.concat(&[&ck, &k], 1)?;
                 v = ops.concat(&[&cv, &v], 1)?;
+                drop((cq, ck, cv));
                 context_len = Some(c.shape()[1]);
             }
             (None, None) => {
@@ -595,22 +596,24 @@ impl FluxAttention {
                 ));
             }
         }
-        // [b, l, h, d] -> [b, h, l, d] for rope and attention.
-        let q = ops.permute(&q, &[0, 2, 1, 3])?;
-        let k = ops.permute(&k, &[0, 2, 1, 3])?;
-        let v = ops.permute(&v, &[0, 2, 1, 3])?;
-        let q = ops.rope(&q, &rope.cos, &rope.sin)?;
-        let k = ops.rope(&k, &rope.cos, &rope.sin)?;
+        // [b, l, h, d] -> [b, h, l, d] for rope and attention. Each step replaces its input
+        // (assignment, not shadowing), so no stale copy of q, k or v stays alive.
+        q = ops.permute(&q, &[0, 2, 1, 3])?;
+        q = ops.rope(&q, &rope.cos, &rope.sin)?;
+        k = ops.permute(&k, &[0, 2, 1, 3])?;
+        k = ops.rope(&k, &rope.cos, &rope.sin)?;
+        v = ops.permute(&v, &[0, 2, 1, 3])?;
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
-        let o = ops.attention(&q, &k, &v, None, scale)?;
+        let mut o = ops.attention(&q, &k, &v, None, scale)?;
         drop((q, k, v));
-        let o = ops.permute(&o, &[0, 2, 1, 3])?;
+        o = ops.permute(&o, &[0, 2, 1, 3])?;
         let s = o.shape().to_vec();
         let o = o.reshape(&[s[0], s[1], s[2] * s[3]])?;
         match (context_len, &self.added, &self.to_out) {
             (Some(lt), Some(a), Some(to_out)) => {
                 let c = ops.narrow(&o, 1, 0, lt)?;
                 let x = ops.narrow(&o, 1, lt, s[1] - lt)?;
+                drop(o);
                 let x = to_out.forward(ctx, &x)?;
                 let c = a.to_add_out.forward(ctx, &c)?;
                 Ok((x, Some(c)))
@@ -640,6 +643,7 @@ fn modulate(
     let n = LayerNorm::plain(NORM_EPS).forward(ctx, x)?;
     let one_plus = ops.affine(scale, 1.0, 1.0)?;
     let y = ops.binary(&n, &one_plus, BinaryOp::Mul)?;
+    drop(n);
     ops.binary(&y, shift, BinaryOp::Add)
 }
 
@@ -711,18 +715,28 @@ impl DoubleBlock {
         let (attn_img, attn_txt) = self
             .attn
             .forward(ctx, ops, &norm_img, Some(&norm_txt), rope)?;
+        drop((norm_img, norm_txt));
         let attn_txt =
             attn_txt.ok_or_else(|| shape_err("flux double block", "no context output"))?;
 
-        let img = gated_add(ops, img, gate_msa, &attn_img)?;
-        let norm_img = modulate(ctx, ops, &img, scale_mlp, shift_mlp)?;
-        let ff = self.ff.forward(ctx, ops, &norm_img)?;
-        let img = gated_add(ops, &img, gate_mlp, &ff)?;
-
-        let txt = gated_add(ops, txt, c_gate_msa, &attn_txt)?;
-        let norm_txt = modulate(ctx, ops, &txt, c_scale_mlp, c_shift_mlp)?;
-        let ff = self.ff_context.forward(ctx, ops, &norm_txt)?;
-        let txt = gated_add(ops, &txt, c_gate_mlp, &ff)?;
+        // Each intermediate is dropped as soon as it is used: the block's activation peak is
+        // what a streamed transformer adds to its ring.
+        let img = {
+            let img = gated_add(ops, img, gate_msa, &attn_img)?;
+            drop(attn_img);
+            let norm = modulate(ctx, ops, &img, scale_mlp, shift_mlp)?;
+            let ff = self.ff.forward(ctx, ops, &norm)?;
+            drop(norm);
+            gated_add(ops, &img, gate_mlp, &ff)?
+        };
+        let txt = {
+            let txt = gated_add(ops, txt, c_gate_msa, &attn_txt)?;
+            drop(attn_txt);
+            let norm = modulate(ctx, ops, &txt, c_scale_mlp, c_shift_mlp)?;
+            let ff = self.ff_context.forward(ctx, ops, &norm)?;
+            drop(norm);
+            gated_add(ops, &txt, c_gate_mlp, &ff)?
+        };
         let txt = clip_f16(ops, txt)?;
         Ok((txt, img))
     }
@@ -753,31 +767,33 @@ impl SingleBlock {
         })
     }
 
-    /// Returns `(encoder_hidden_states, hidden_states)`, text first, as Diffusers does.
+    /// The block on the joined stream `x = [text, image]` (Diffusers concatenates and
+    /// splits around every single block; here the stream stays joined through all of them,
+    /// which gives the same values without two copies per block).
+    ///
+    /// Diffusers computes the MLP branch before the attention; the two branches are
+    /// independent, and running the attention first keeps the MLP's wide activation out of
+    /// the attention's peak. `proj_out` reads both branches in place
+    /// ([`Linear::forward_concat`]) instead of their concatenation.
     fn forward(
         &self,
         ctx: &mut ForwardContext<'_>,
         ops: &dyn Ops,
-        img: &Tensor,
-        txt: &Tensor,
+        x: &Tensor,
         temb_act: &Tensor,
         rope: &Rope,
-    ) -> Result<(Tensor, Tensor)> {
-        let lt = txt.shape()[1];
-        let li = img.shape()[1];
-        let x = ops.concat(&[txt, img], 1)?;
+    ) -> Result<Tensor> {
         let m = chunks(ops, &self.norm.forward(ctx, temb_act)?, 3)?;
         let (shift, scale, gate) = (&m[0], &m[1], &m[2]);
-        let norm_x = modulate(ctx, ops, &x, scale, shift)?;
-        let mlp = self.proj_mlp.forward(ctx, &norm_x)?;
-        let mlp = ops.unary(&mlp, UnaryOp::GeluTanh)?;
+        let norm_x = modulate(ctx, ops, x, scale, shift)?;
         let (attn, _) = self.attn.forward(ctx, ops, &norm_x, None, rope)?;
-        let h = ops.concat(&[&attn, &mlp], 2)?;
-        drop((attn, mlp, norm_x));
-        let h = self.proj_out.forward(ctx, &h)?;
-        let x = gated_add(ops, &x, gate, &h)?;
-        let x = clip_f16(ops, x)?;
-        Ok((ops.narrow(&x, 1, 0, lt)?, ops.narrow(&x, 1, lt, li)?))
+        let mlp = self.proj_mlp.forward(ctx, &norm_x)?;
+        drop(norm_x);
+        let mlp = ops.unary_owned(mlp, UnaryOp::GeluTanh)?;
+        let h = self.proj_out.forward_concat(ctx, &[&attn, &mlp])?;
+        drop((attn, mlp));
+        let x = gated_add(ops, x, gate, &h)?;
+        clip_f16(ops, x)
     }
 }
 
@@ -1060,10 +1076,15 @@ impl FluxProgram {
         for block in &self.double_blocks {
             (txt, img) = block.forward(ctx, ops, &img, &txt, &temb_act, &rope)?;
         }
+        // The single blocks run on the joined stream [text, image].
+        let lt = txt.shape()[1];
+        let mut x = ops.concat(&[&txt, &img], 1)?;
+        drop((txt, img));
         for block in &self.single_blocks {
-            (txt, img) = block.forward(ctx, ops, &img, &txt, &temb_act, &rope)?;
+            x = block.forward(ctx, ops, &x, &temb_act, &rope)?;
         }
-        drop(txt);
+        let img = ops.narrow(&x, 1, lt, x.shape()[1] - lt)?;
+        drop(x);
 
         // AdaLayerNormContinuous: chunk order is (scale, shift).
         let emb = self.norm_out.forward(ctx, &temb_act)?;

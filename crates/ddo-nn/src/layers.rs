@@ -60,6 +60,18 @@ impl Linear {
         })
     }
 
+    /// `concat(xs, last dim) [..., in]` → `[..., out]` without materialising the
+    /// concatenation ([`ddo_core::Ops::linear_concat`]): Flux's single blocks feed
+    /// `proj_out` the attention output and the MLP activation side by side.
+    pub fn forward_concat(&self, ctx: &mut ForwardContext<'_>, xs: &[&Tensor]) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let bias = self.bias;
+        ctx.run_leaf(self.leaf, |w| {
+            let b = if bias { Some(w.get("bias")?) } else { None };
+            ops.linear_concat(xs, w.get("weight")?, b)
+        })
+    }
+
     /// The leaf.
     pub fn leaf(&self) -> LeafId {
         self.leaf

@@ -6,7 +6,7 @@ use ddo_core::{BinaryOp, DType, Result, Tensor, UnaryOp};
 use super::kernels::{self, Arg, Dims6, grid_1d, launch};
 use super::{
     In, Out, broadcast_shape, broadcast_strides, coalesce, contiguous_strides, fits_u32,
-    for_each_block, input, shape_err,
+    for_each_block, input, mark_used, shape_err,
 };
 use crate::device::CudaDevice;
 use crate::driver;
@@ -65,7 +65,10 @@ fn map(
 ) -> Result<Tensor> {
     let xi = input(dev, op_name, x)?;
     let out = Out::new(dev, op_name, x.shape().to_vec(), dtype)?;
-    if out.numel > 0 {
+    if out.numel > 0 && xi.dtype == dtype && vectorizable(out.numel, dtype, &[xi.ptr, out.ptr])
+    {
+        map_vec(dev, xi.ptr, out.ptr, out.code, out.numel, dtype, code, mul, add)?;
+    } else if out.numel > 0 {
         let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_unary")?;
         launch(
             dev,
@@ -84,6 +87,77 @@ fn map(
         )?;
     }
     out.finish(dev, &[&xi])
+}
+
+/// Elements of `dtype` in one 16-byte vector of the `*_vec` kernels.
+fn lanes(dtype: DType) -> usize {
+    16 / dtype.size_in_bytes()
+}
+
+/// Whether `n` elements of `dtype` at each of `ptrs` can be walked in 16-byte vectors.
+fn vectorizable(n: usize, dtype: DType, ptrs: &[u64]) -> bool {
+    kernels::dtype_code(dtype).is_some()
+        && n.is_multiple_of(lanes(dtype))
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+/// `ddo_unary_vec`: `y = f(x)` over `n` elements of `dtype` (`x == y` is allowed).
+#[allow(clippy::too_many_arguments)]
+fn map_vec(
+    dev: &CudaDevice,
+    x: u64,
+    y: u64,
+    code: i32,
+    n: usize,
+    dtype: DType,
+    op: i32,
+    mul: f32,
+    add: f32,
+) -> Result<()> {
+    let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_unary_vec")?;
+    let nvec = (n / lanes(dtype)) as u64;
+    launch(
+        dev,
+        &f,
+        grid_1d(nvec, BLOCK),
+        &[
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+            Arg::I32(code),
+            Arg::I64(nvec as i64),
+            Arg::I32(op),
+            Arg::F32(mul),
+            Arg::F32(add),
+        ],
+    )
+}
+
+/// [`ddo_core::Ops::unary_owned`]: over `x`'s own bytes when `x` alone holds them and the
+/// vectorised kernel takes them (no second buffer), else [`unary`].
+pub(crate) fn unary_owned(dev: &CudaDevice, mut x: Tensor, op: UnaryOp) -> Result<Tensor> {
+    const OP: &str = "unary";
+    if !x.has_exclusive_device_buffer() {
+        return unary(dev, &x, op);
+    }
+    let xi = input(dev, OP, &x)?;
+    if xi.numel == 0 || !vectorizable(xi.numel, xi.dtype, &[xi.ptr]) {
+        drop(xi);
+        return unary(dev, &x, op);
+    }
+    map_vec(
+        dev,
+        xi.ptr,
+        xi.ptr,
+        xi.code,
+        xi.numel,
+        xi.dtype,
+        unary_code(op),
+        1.0,
+        0.0,
+    )?;
+    mark_used(dev, &[&xi])?;
+    drop(xi);
+    Ok(x)
 }
 
 /// [`ddo_core::Ops::unary`].
@@ -132,6 +206,9 @@ pub(crate) fn binary(dev: &CudaDevice, a: &Tensor, b: &Tensor, op: BinaryOp) -> 
         let sb = broadcast_strides(b.shape(), &shape);
         let so = contiguous_strides(&shape);
         let (cs, [sa, sb, _]) = coalesce(&shape, [&sa, &sb, &so]);
+        if binary_vec(dev, &ai, &bi, &out, &cs, &sa, &sb, binary_code(op))? {
+            return out.finish(dev, &[&ai, &bi]);
+        }
         let wide = dev.kernel(SOURCE_NAME, SOURCE, "ddo_binary")?;
         let narrow = dev.kernel(SOURCE_NAME, SOURCE, "ddo_binary32")?;
         let (ea, eb, eo) = (
@@ -170,6 +247,69 @@ pub(crate) fn binary(dev: &CudaDevice, a: &Tensor, b: &Tensor, op: BinaryOp) -> 
     out.finish(dev, &[&ai, &bi])
 }
 
+/// `ddo_binary_vec` over the coalesced walk `cs` when it fits (one dtype, at most 6 dims,
+/// whole vectors along the innermost dim, each operand moving along it with stride 1 or
+/// broadcast with stride 0, vector loads aligned, 32-bit offsets); `false` when it does not
+/// and nothing was queued.
+#[allow(clippy::too_many_arguments)]
+fn binary_vec(
+    dev: &CudaDevice,
+    a: &In<'_>,
+    b: &In<'_>,
+    out: &Out,
+    cs: &[usize],
+    sa: &[usize],
+    sb: &[usize],
+    op: i32,
+) -> Result<bool> {
+    let dtype = out.dtype;
+    let w = lanes(dtype);
+    let r = cs.len();
+    let inner_ok = |st: &[usize], ptr: u64| match st.last() {
+        Some(1) => ptr.is_multiple_of(16) && st[..r - 1].iter().all(|s| s.is_multiple_of(w)),
+        Some(0) => true,
+        _ => false,
+    };
+    let fits = a.dtype == dtype
+        && b.dtype == dtype
+        && (1..=MAX_VEC_DIMS).contains(&r)
+        && cs[r - 1].is_multiple_of(w)
+        && out.ptr.is_multiple_of(16)
+        && inner_ok(sa, a.ptr)
+        && inner_ok(sb, b.ptr)
+        && fits_u32(cs, &[sa, sb]);
+    if !fits {
+        return Ok(false);
+    }
+    let mut vshape = cs.to_vec();
+    vshape[r - 1] /= w;
+    let nvec: usize = vshape.iter().product();
+    let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_binary_vec")?;
+    launch(
+        dev,
+        &f,
+        grid_1d(nvec as u64, BLOCK),
+        &[
+            Arg::Ptr(a.ptr),
+            Arg::Ptr(b.ptr),
+            Arg::Ptr(out.ptr),
+            Arg::I32(out.code),
+            Arg::U32(nvec as u32),
+            Arg::I32(r as i32),
+            Arg::Dims(Dims6::from_slice(&vshape)),
+            Arg::Dims(Dims6::from_slice(sa)),
+            Arg::Dims(Dims6::from_slice(sb)),
+            Arg::I32(i32::from(sa[r - 1] == 1)),
+            Arg::I32(i32::from(sb[r - 1] == 1)),
+            Arg::I32(op),
+        ],
+    )?;
+    Ok(true)
+}
+
+/// Most coalesced dims of a vectorised binary launch.
+const MAX_VEC_DIMS: usize = 6;
+
 /// [`ddo_core::Ops::rope`].
 pub(crate) fn rope(dev: &CudaDevice, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     const OP: &str = "rope";
@@ -193,7 +333,34 @@ pub(crate) fn rope(dev: &CudaDevice, x: &Tensor, cos: &Tensor, sin: &Tensor) -> 
     let ci = input(dev, OP, cos)?;
     let si = input(dev, OP, sin)?;
     let out = Out::new(dev, OP, xs.to_vec(), x.dtype())?;
-    if out.numel > 0 {
+    let table = ci.numel;
+    let vec_ok = matches!(xi.dtype, DType::F16 | DType::BF16)
+        && out.dtype == xi.dtype
+        && ci.dtype == DType::F32
+        && si.dtype == DType::F32
+        && table.is_multiple_of(8)
+        && out.numel.is_multiple_of(8)
+        && [xi.ptr, ci.ptr, si.ptr, out.ptr]
+            .iter()
+            .all(|p| p.is_multiple_of(16));
+    if out.numel > 0 && vec_ok {
+        let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_rope_vec")?;
+        let nvec = (out.numel / 8) as u64;
+        launch(
+            dev,
+            &f,
+            grid_1d(nvec, BLOCK),
+            &[
+                Arg::Ptr(xi.ptr),
+                Arg::Ptr(ci.ptr),
+                Arg::Ptr(si.ptr),
+                Arg::Ptr(out.ptr),
+                Arg::I32(out.code),
+                Arg::I64(nvec as i64),
+                Arg::I64((table / 8) as i64),
+            ],
+        )?;
+    } else if out.numel > 0 {
         let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_rope")?;
         let pairs = (out.numel / 2) as u64;
         launch(

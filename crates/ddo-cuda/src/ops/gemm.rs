@@ -539,6 +539,110 @@ pub(crate) fn linear(
     out.finish(dev, &inputs)
 }
 
+/// `Ops::linear_concat` on `dev`: `linear(concat(xs, last dim), w, bias)` as one GEMM per
+/// part against its column window of `w` (leading dimension `in`), each adding into the
+/// output (seeded with the bias), so the concatenation never exists. The sum is rounded to
+/// the output dtype after each part. Parts of another dtype than `w`, or a single part,
+/// take [`ddo_core::ops::linear_concat_by_concat`] / [`linear`].
+pub(crate) fn linear_concat(
+    dev: &CudaDevice,
+    xs: &[&Tensor],
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "linear_concat";
+    let same_dtype = xs.iter().all(|t| t.dtype() == w.dtype());
+    if xs.len() < 2 || !same_dtype {
+        return ddo_core::ops::linear_concat_by_concat(dev, xs, w, bias);
+    }
+    let ws = w.shape();
+    let lead = xs[0].shape();
+    let fits = !lead.is_empty()
+        && ws.len() == 2
+        && xs.iter().all(|x| {
+            let s = x.shape();
+            s.len() == lead.len() && s[..s.len() - 1] == lead[..lead.len() - 1]
+        })
+        && xs.iter().map(|x| x.shape()[lead.len() - 1]).sum::<usize>() == ws[1];
+    if !fits {
+        let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
+        return Err(shape_err(
+            OP,
+            format!(
+                "x {shapes:?} and w {ws:?}: expected x [..., in] (parts sharing their leading \
+                 dims, widths summing to in) and w [out, in]"
+            ),
+        ));
+    }
+    let (out_f, in_f) = (ws[0], ws[1]);
+    let inputs = xs
+        .iter()
+        .map(|x| input(dev, OP, x))
+        .collect::<Result<Vec<_>>>()?;
+    let wi = input(dev, OP, w)?;
+    let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
+    let m = product(&lead[..lead.len() - 1]);
+    let mut shape = lead.to_vec();
+    shape[lead.len() - 1] = out_f;
+    let out = Out::new(dev, OP, shape, w.dtype())?;
+    let esize = w.dtype().size_in_bytes();
+    let mut seeded = match &bi {
+        Some(b) => {
+            fill_bias(dev, out.ptr, out.code, b, m, out_f, out_f, false)?;
+            true
+        }
+        None => false,
+    };
+    let mut col = 0;
+    for (xi, x) in inputs.iter().zip(xs) {
+        let width = x.shape()[lead.len() - 1];
+        if width == 0 {
+            continue;
+        }
+        let rows_max = (i32::MAX as usize / out_f.max(in_f)).max(1);
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = rows_max.min(m - r0);
+            gemm(
+                dev,
+                &Gemm {
+                    trans_a: true,
+                    trans_b: false,
+                    m: out_f,
+                    n: rows,
+                    k: width,
+                    a: wi.ptr + (col * esize) as u64,
+                    lda: in_f,
+                    stride_a: 0,
+                    b: xi.ptr + (r0 * width * esize) as u64,
+                    ldb: width,
+                    stride_b: 0,
+                    c: out.ptr + (r0 * out_f * esize) as u64,
+                    ldc: out_f,
+                    stride_c: 0,
+                    batch: 1,
+                    ab: w.dtype(),
+                    c_dtype: w.dtype(),
+                    alpha: 1.0,
+                    beta: if seeded { 1.0 } else { 0.0 },
+                },
+            )?;
+            r0 += rows;
+        }
+        seeded = true;
+        col += width;
+    }
+    if !seeded {
+        zero(dev, out.ptr, m * out_f * esize)?;
+    }
+    let mut used: Vec<&super::In<'_>> = inputs.iter().collect();
+    used.push(&wi);
+    if let Some(b) = &bi {
+        used.push(b);
+    }
+    out.finish(dev, &used)
+}
+
 /// `Ops::matmul` on `dev`: `a [..., m, k] · b [..., k, n]`, batch dims broadcasting.
 pub(crate) fn matmul(dev: &CudaDevice, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";

@@ -187,6 +187,8 @@ pub(crate) enum Arg {
     I64(i64),
     /// `int`.
     I32(i32),
+    /// `unsigned int`.
+    U32(u32),
     /// `float`.
     F32(f32),
     /// `struct Dims6` by value.
@@ -363,6 +365,7 @@ pub(crate) fn launch(
             Arg::Ptr(p) => builder.arg(p),
             Arg::I64(v) => builder.arg(v),
             Arg::I32(v) => builder.arg(v),
+            Arg::U32(v) => builder.arg(v),
             Arg::F32(v) => builder.arg(v),
             Arg::Dims(v) => builder.arg(v),
         };

@@ -8,7 +8,8 @@ use ddo_core::{DType, Device, HostBuffer, Result, Tensor, TensorStorage};
 
 use super::kernels::{Arg, Dims6, grid_1d, launch};
 use super::{
-    In, Out, coalesce, contiguous_strides, fits_u32, for_each_block, input, scratch, shape_err,
+    In, MAX_DIMS, Out, coalesce, contiguous_strides, fits_u32, for_each_block, input, scratch,
+    shape_err,
 };
 use crate::device::CudaDevice;
 
@@ -81,6 +82,10 @@ fn copy_nd(
         return Ok(());
     }
     let (cs, [ss, ds]) = coalesce(shape, [sstr, dstr]);
+    let src_ptr = src.ptr + (src_off * src.dtype.size_in_bytes()) as u64;
+    if src.dtype == dst_dtype && copy_units(dev, src_ptr, dst_ptr, dst_dtype, &cs, &ss, &ds)? {
+        return Ok(());
+    }
     let wide = dev.kernel(SOURCE_NAME, SOURCE, "ddo_copy_nd")?;
     let narrow = dev.kernel(SOURCE_NAME, SOURCE, "ddo_copy_nd32")?;
     let (es, ed) = (
@@ -111,6 +116,74 @@ fn copy_nd(
             ],
         )
     })
+}
+
+/// A same-dtype strided copy over the coalesced walk `cs` moved in raw units of 16, 8 or 4
+/// bytes (the widest that divides the innermost run, every other stride and both
+/// addresses): `false`, with nothing queued, when no unit wider than the element fits, the
+/// walk has more than 6 dims or its offsets do not fit 32 bits.
+fn copy_units(
+    dev: &CudaDevice,
+    src: u64,
+    dst: u64,
+    dtype: DType,
+    cs: &[usize],
+    ss: &[usize],
+    ds: &[usize],
+) -> Result<bool> {
+    let esize = dtype.size_in_bytes();
+    let r = cs.len();
+    if r == 0 || r > MAX_DIMS || ss[r - 1] != 1 || ds[r - 1] != 1 {
+        return Ok(false);
+    }
+    let unit = [16usize, 8, 4].into_iter().find(|&u| {
+        u > esize
+            && u.is_multiple_of(esize)
+            && (cs[r - 1] * esize).is_multiple_of(u)
+            && ss[..r - 1]
+                .iter()
+                .chain(&ds[..r - 1])
+                .all(|s| (s * esize).is_multiple_of(u))
+            && src.is_multiple_of(u as u64)
+            && dst.is_multiple_of(u as u64)
+    });
+    let Some(unit) = unit else {
+        return Ok(false);
+    };
+    let per = unit / esize;
+    let mut shape = cs.to_vec();
+    shape[r - 1] /= per;
+    let to_units = |st: &[usize]| -> Vec<usize> {
+        let mut v: Vec<usize> = st.iter().map(|s| s / per).collect();
+        v[r - 1] = 1;
+        v
+    };
+    let (su, du) = (to_units(ss), to_units(ds));
+    if !fits_u32(&shape, &[&su, &du]) {
+        return Ok(false);
+    }
+    let n: usize = shape.iter().product();
+    let name = match unit {
+        16 => "ddo_copy_units16",
+        8 => "ddo_copy_units8",
+        _ => "ddo_copy_units4",
+    };
+    let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
+    launch(
+        dev,
+        &f,
+        grid_1d(n as u64, BLOCK),
+        &[
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::U32(n as u32),
+            Arg::I32(r as i32),
+            Arg::Dims(Dims6::from_slice(&shape)),
+            Arg::Dims(Dims6::from_slice(&su)),
+            Arg::Dims(Dims6::from_slice(&du)),
+        ],
+    )?;
+    Ok(true)
 }
 
 /// [`ddo_core::Ops::concat`]: inputs of another dtype are converted into the first's.

@@ -180,6 +180,17 @@ impl Out {
     }
 }
 
+/// Marks `inputs` as used by the kernels queued on the compute stream so far (their frees
+/// wait for them): for ops that write into an operand instead of a new [`Out`].
+pub(crate) fn mark_used(dev: &CudaDevice, inputs: &[&In<'_>]) -> Result<()> {
+    let compute = dev.compute_stream();
+    let s = dev.stream_handle(&compute)?;
+    for i in inputs {
+        i.alloc.note_use(s);
+    }
+    Ok(())
+}
+
 /// Most dims a strided kernel takes per launch ([`for_each_block`] splits the rest).
 pub(crate) const MAX_DIMS: usize = 6;
 
@@ -303,6 +314,14 @@ impl Ops for CudaDevice {
 
     fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
         elementwise::unary(self, x, op)
+    }
+
+    fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
+        elementwise::unary_owned(self, x, op)
+    }
+
+    fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        gemm::linear_concat(self, xs, w, bias)
     }
 
     fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {

@@ -22,6 +22,9 @@ fn product(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
+/// Longest row the warp-per-row norm kernel takes (`32 * NORM_WARP_MAX` in the source).
+const WARP_ROW_MAX: usize = 512;
+
 /// One block per row of `d` elements (threads: a power of two from 32 to 1024, about four
 /// elements each).
 fn rows_config(rows: usize, d: usize) -> LaunchConfig {
@@ -60,11 +63,17 @@ fn row_norm(
         let rows = out.numel / d;
         let (wp, wc) = opt_ptr(wi.as_ref());
         let (bp, bc) = opt_ptr(bi.as_ref());
-        let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_row_norm")?;
+        // Short rows: a warp per row, the row held in registers.
+        let (name, cfg) = if d <= WARP_ROW_MAX {
+            ("ddo_row_norm_warp", grid_1d(rows as u64 * 32, 256))
+        } else {
+            ("ddo_row_norm", rows_config(rows, d))
+        };
+        let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
         launch(
             dev,
             &f,
-            rows_config(rows, d),
+            cfg,
             &[
                 Arg::Ptr(xi.ptr),
                 Arg::I32(xi.code),
