@@ -529,6 +529,85 @@ impl HostDevice {
         }
         Ok(Some(self.input(op, t)?))
     }
+
+    /// `linear(concat(xs, last dim), w, bias)`: the parts' rows are joined in host scratch,
+    /// never in device memory.
+    fn linear_parts(
+        &self,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        op: &str,
+    ) -> Result<Tensor> {
+        let ws = w.shape();
+        let lead = xs.first().map(|x| x.shape()).unwrap_or(&[]);
+        let fits = !lead.is_empty()
+            && ws.len() == 2
+            && xs.iter().all(|x| {
+                let s = x.shape();
+                s.len() == lead.len() && s[..s.len() - 1] == lead[..lead.len() - 1]
+            })
+            && xs.iter().map(|x| x.shape()[lead.len() - 1]).sum::<usize>() == ws[1];
+        if !fits {
+            let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
+            return Err(shape_err(
+                op,
+                format!(
+                    "x {shapes:?} and w {ws:?}: expected x [..., in] (parts sharing their leading \
+                     dims, widths summing to in) and w [out, in]"
+                ),
+            ));
+        }
+        let (out_f, in_f) = (ws[0], ws[1]);
+        let inputs = xs
+            .iter()
+            .map(|x| self.input(op, x))
+            .collect::<Result<Vec<_>>>()?;
+        let wi = self.input(op, w)?;
+        let bi = self.optional_vector(op, "bias", bias, out_f)?;
+        let m = product(&lead[..lead.len() - 1]);
+        let mut shape = lead.to_vec();
+        shape[lead.len() - 1] = out_f;
+        let output = self.new_output(op, shape, xs[0].dtype())?;
+        self.fence()?;
+        let xv = if let [one] = inputs.as_slice() {
+            one.f32()?
+        } else {
+            let mut joined = vec![0.0f32; m * in_f];
+            let mut col = 0;
+            for (xi, x) in inputs.iter().zip(xs) {
+                let width = x.shape()[lead.len() - 1];
+                let part = xi.f32()?;
+                for (row, src) in joined
+                    .chunks_exact_mut(in_f.max(1))
+                    .zip(part.chunks_exact(width.max(1)))
+                {
+                    row[col..col + width].copy_from_slice(src);
+                }
+                col += width;
+            }
+            joined
+        };
+        let (mut out, beta) = match read_opt(bi.as_ref())? {
+            Some(b) => (b.repeat(m), 1.0),
+            None => (vec![0.0; m * out_f], 0.0),
+        };
+        wi.with_f32(|wv| {
+            gemm(
+                m,
+                in_f,
+                out_f,
+                1.0,
+                Mat::new(&xv, in_f, 1),
+                // B[i][o] = w[o][i]: w read transposed through its strides.
+                Mat::new(wv, 1, in_f),
+                beta,
+                &mut out,
+                out_f,
+            );
+        })?;
+        output.write_f32(&out)
+    }
 }
 
 /// An op's output: its device allocation, written once the values are computed.
@@ -588,43 +667,17 @@ impl Ops for HostDevice {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        const OP: &str = "linear";
-        let (xs, ws) = (x.shape(), w.shape());
-        if xs.is_empty() || ws.len() != 2 || xs[xs.len() - 1] != ws[1] {
-            return Err(shape_err(
-                OP,
-                format!("x {xs:?} and w {ws:?}: expected x [..., in] and w [out, in]"),
-            ));
+        self.linear_parts(&[x], w, bias, "linear")
+    }
+
+    /// Exactly `linear(concat(xs), w, bias)` of this backend (the concatenation is exact
+    /// when the parts share a dtype), without a device buffer for the concatenation.
+    fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let same_dtype = xs.iter().all(|t| t.dtype() == xs[0].dtype());
+        if xs.len() < 2 || !same_dtype {
+            return crate::ops::linear_concat_by_concat(self, xs, w, bias);
         }
-        let (out_f, in_f) = (ws[0], ws[1]);
-        let xi = self.input(OP, x)?;
-        let wi = self.input(OP, w)?;
-        let bi = self.optional_vector(OP, "bias", bias, out_f)?;
-        let m = product(&xs[..xs.len() - 1]);
-        let mut shape = xs.to_vec();
-        shape[xs.len() - 1] = out_f;
-        let output = self.new_output(OP, shape, x.dtype())?;
-        self.fence()?;
-        let xv = xi.f32()?;
-        let (mut out, beta) = match read_opt(bi.as_ref())? {
-            Some(b) => (b.repeat(m), 1.0),
-            None => (vec![0.0; m * out_f], 0.0),
-        };
-        wi.with_f32(|wv| {
-            gemm(
-                m,
-                in_f,
-                out_f,
-                1.0,
-                Mat::new(&xv, in_f, 1),
-                // B[i][o] = w[o][i]: w read transposed through its strides.
-                Mat::new(wv, 1, in_f),
-                beta,
-                &mut out,
-                out_f,
-            );
-        })?;
-        output.write_f32(&out)
+        self.linear_parts(xs, w, bias, "linear_concat")
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -890,6 +943,21 @@ impl Ops for HostDevice {
         let output = self.new_output("unary", x.shape().to_vec(), x.dtype())?;
         self.fence()?;
         let mut v = xi.f32()?;
+        apply_unary(&mut v, op);
+        output.write_f32(&v)
+    }
+
+    /// Reads `x`, lets it go, then allocates the output: when nothing else holds `x` its
+    /// bytes are free again first, so the device's peak is that of an in-place op.
+    fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
+        let (shape, dtype) = (x.shape().to_vec(), x.dtype());
+        let mut v = {
+            let xi = self.input("unary", &x)?;
+            self.fence()?;
+            xi.f32()?
+        };
+        drop(x);
+        let output = self.new_output("unary", shape, dtype)?;
         apply_unary(&mut v, op);
         output.write_f32(&v)
     }
@@ -2354,5 +2422,201 @@ mod tests {
         let y = d.affine(&t, 2.0, 1.0).unwrap();
         let want: Vec<f32> = values.iter().map(|v| v * 2.0 + 1.0).collect();
         assert_eq!(get(&d, &y), want);
+    }
+
+    // ---- linear_concat, unary_owned, exclusive device buffers -------------------------
+
+    /// A tensor's encoded bytes (for bit-for-bit comparisons).
+    fn bytes(d: &HostDevice, t: &Tensor) -> Vec<u8> {
+        t.to_host_bytes(d, &d.compute_stream()).unwrap()
+    }
+
+    #[test]
+    fn linear_concat_equals_linear_of_the_concatenation_bit_for_bit() {
+        let d = dev();
+        let mut rng = SplitMix64::new(13);
+        let out = 11;
+        for dtype in [DType::F32, DType::BF16] {
+            for widths in [&[5usize, 8][..], &[3, 16, 7], &[0, 9], &[4, 0, 4]] {
+                let inp: usize = widths.iter().sum();
+                let parts: Vec<Tensor> = widths
+                    .iter()
+                    .map(|&wd| put(&d, &[2, 3, wd], dtype, &random(&mut rng, 6 * wd)))
+                    .collect();
+                let refs: Vec<&Tensor> = parts.iter().collect();
+                let w = put(&d, &[out, inp], dtype, &random(&mut rng, out * inp));
+                let b = put(&d, &[out], dtype, &random(&mut rng, out));
+                let joined = d.concat(&refs, 2).unwrap();
+                for bias in [None, Some(&b)] {
+                    let what = format!("{dtype} widths {widths:?} bias {}", bias.is_some());
+                    let got = d.linear_concat(&refs, &w, bias).unwrap();
+                    let want = d.linear(&joined, &w, bias).unwrap();
+                    assert_eq!(got.shape(), &[2, 3, out], "{what}");
+                    assert_eq!(got.dtype(), dtype, "{what}");
+                    assert_eq!(bytes(&d, &got), bytes(&d, &want), "{what}");
+                }
+            }
+            // One part is linear itself.
+            let x = put(&d, &[4, 6], dtype, &random(&mut rng, 24));
+            let w = put(&d, &[out, 6], dtype, &random(&mut rng, out * 6));
+            let b = put(&d, &[out], dtype, &random(&mut rng, out));
+            for bias in [None, Some(&b)] {
+                assert_eq!(
+                    bytes(&d, &d.linear_concat(&[&x], &w, bias).unwrap()),
+                    bytes(&d, &d.linear(&x, &w, bias).unwrap()),
+                    "{dtype} one part"
+                );
+            }
+        }
+        // Parts of different dtypes: the concatenation converts into the first's dtype.
+        let xa = put(&d, &[3, 4], DType::F32, &random(&mut rng, 12));
+        let xb = put(&d, &[3, 5], DType::BF16, &random(&mut rng, 15));
+        let w = put(&d, &[out, 9], DType::F32, &random(&mut rng, out * 9));
+        let got = d.linear_concat(&[&xa, &xb], &w, None).unwrap();
+        assert_eq!(got.dtype(), DType::F32);
+        let joined = d.concat(&[&xa, &xb], 1).unwrap();
+        assert_eq!(
+            bytes(&d, &got),
+            bytes(&d, &d.linear(&joined, &w, None).unwrap())
+        );
+    }
+
+    #[test]
+    fn linear_concat_refuses_bad_shapes() {
+        let d = dev();
+        let t = |shape: &[usize]| put(&d, shape, DType::F32, &vec![0.5; shape.iter().product()]);
+        let refused = |xs: &[&Tensor], w: &Tensor, b: Option<&Tensor>| {
+            matches!(d.linear_concat(xs, w, b), Err(CoreError::Shape { .. }))
+        };
+        let w = t(&[4, 7]);
+        // Leading dims that differ, or ranks that differ.
+        assert!(refused(&[&t(&[2, 3]), &t(&[3, 4])], &w, None));
+        assert!(refused(&[&t(&[2, 2, 3]), &t(&[2, 3, 4])], &w, None));
+        assert!(refused(&[&t(&[2, 3]), &t(&[1, 2, 4])], &w, None));
+        // Widths not summing to `in` (short and long).
+        assert!(refused(&[&t(&[2, 3]), &t(&[2, 3])], &w, None));
+        assert!(refused(&[&t(&[2, 3]), &t(&[2, 5])], &w, None));
+        assert!(refused(&[&t(&[2, 3]), &t(&[2, 2]), &t(&[2, 3])], &w, None));
+        // A weight that is not a matrix, a bias of the wrong length, scalar parts.
+        assert!(refused(&[&t(&[2, 3]), &t(&[2, 4])], &t(&[28]), None));
+        assert!(refused(&[&t(&[2, 3]), &t(&[2, 4])], &w, Some(&t(&[7]))));
+        assert!(refused(&[&t(&[]), &t(&[])], &w, None));
+        // No parts at all.
+        assert!(refused(&[], &w, None));
+        // A good call still works, and the refusals leaked nothing.
+        let before = d.memory_info().allocated;
+        let y = d
+            .linear_concat(&[&t(&[2, 3]), &t(&[2, 4])], &w, Some(&t(&[4])))
+            .unwrap();
+        assert_eq!(y.shape(), &[2, 4]);
+        drop(y);
+        assert_eq!(d.memory_info().allocated, before);
+    }
+
+    #[test]
+    fn unary_owned_matches_unary_without_a_second_buffer() {
+        let d = dev();
+        let mut rng = SplitMix64::new(14);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for op in [
+                UnaryOp::Silu,
+                UnaryOp::GeluTanh,
+                UnaryOp::Neg,
+                UnaryOp::Square,
+            ] {
+                let v = random(&mut rng, 3 * 1000);
+                let x = put(&d, &[3, 1000], dtype, &v);
+                let want = get(&d, &d.unary(&x, op).unwrap());
+                // Exclusively held: the op's peak is the live bytes before the call.
+                let live = d.memory_info().allocated;
+                d.reset_peak();
+                let y = d.unary_owned(x, op).unwrap();
+                let m = d.memory_info();
+                assert!(
+                    m.peak_allocated <= live,
+                    "{op:?} {dtype}: peak {} > live {live}",
+                    m.peak_allocated
+                );
+                assert_eq!(m.allocated, live, "{op:?} {dtype}");
+                assert_eq!((y.shape(), y.dtype()), (&[3, 1000][..], dtype));
+                assert_eq!(get(&d, &y), want, "{op:?} {dtype}");
+                drop(y);
+
+                // With a clone held: a second buffer, the same values, the clone unchanged.
+                let x = put(&d, &[3, 1000], dtype, &v);
+                let original = get(&d, &x);
+                let keep = x.clone();
+                let live = d.memory_info().allocated;
+                d.reset_peak();
+                let y = d.unary_owned(x, op).unwrap();
+                assert_eq!(
+                    d.memory_info().peak_allocated,
+                    live + y.nbytes() as u64,
+                    "{op:?} {dtype}: a shared x needs an output of its own"
+                );
+                assert_eq!(get(&d, &y), want, "{op:?} {dtype} (clone held)");
+                assert_eq!(
+                    get(&d, &keep),
+                    original,
+                    "{op:?} {dtype}: the clone changed"
+                );
+            }
+        }
+        // Errors are those of unary.
+        let host = Tensor::from_f32(vec![2], DType::F32, &[1.0, 2.0]).unwrap();
+        let err = d.unary_owned(host, UnaryOp::Relu).unwrap_err();
+        assert!(matches!(err, CoreError::WrongDevice { .. }), "{err}");
+        assert_eq!(d.memory_info().allocated, 0);
+    }
+
+    #[test]
+    fn exclusive_device_buffers_are_detected() {
+        let d = dev();
+        let mut x = put(&d, &[2, 4], DType::F32, &[1.0; 8]);
+        assert!(x.has_exclusive_device_buffer(), "a fresh upload");
+        let mut y = d.unary(&x, UnaryOp::Exp).unwrap();
+        assert!(y.has_exclusive_device_buffer(), "a fresh op output");
+
+        let mut c = y.clone();
+        assert!(!y.has_exclusive_device_buffer(), "the original of a clone");
+        assert!(!c.has_exclusive_device_buffer(), "a clone");
+        drop(c);
+        assert!(y.has_exclusive_device_buffer(), "after the clone is gone");
+
+        let mut v = x.reshape(&[8]).unwrap();
+        assert!(!x.has_exclusive_device_buffer(), "viewed by a reshape");
+        assert!(!v.has_exclusive_device_buffer(), "a reshape view");
+        drop(x);
+        assert!(v.has_exclusive_device_buffer(), "the view alone");
+
+        // A view of part of a buffer, even as its only handle.
+        let buffer = d.alloc(64).unwrap();
+        let mut part = Tensor::new(
+            vec![4],
+            DType::F32,
+            TensorStorage::Device(buffer.slice(16, 16).unwrap()),
+        )
+        .unwrap();
+        drop(buffer);
+        assert!(!part.has_exclusive_device_buffer(), "part of a buffer");
+        let buffer = d.alloc(16).unwrap();
+        let mut whole = Tensor::new(
+            vec![4],
+            DType::F32,
+            TensorStorage::Device(buffer.slice_all()),
+        )
+        .unwrap();
+        assert!(
+            !whole.has_exclusive_device_buffer(),
+            "the buffer is still held"
+        );
+        drop(buffer);
+        assert!(
+            whole.has_exclusive_device_buffer(),
+            "all of a buffer, alone"
+        );
+
+        let mut host = Tensor::from_f32(vec![2], DType::F32, &[1.0, 2.0]).unwrap();
+        assert!(!host.has_exclusive_device_buffer(), "a host tensor");
     }
 }

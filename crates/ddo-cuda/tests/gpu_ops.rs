@@ -1,7 +1,10 @@
 //! GPU tests of the CUDA backend's compute plane (element-wise, normalisation, layout ops):
 //! every op against the host backend's [`Ops`] (the reference) on the same seeded random
 //! inputs, in f32, f16 and bf16, with broadcasting, odd and large sizes, offsets into
-//! buffers, and the typed errors. Without a driver or a device each test prints
+//! buffers, and the typed errors; the vectorised fast paths (16-byte element-wise and rope
+//! kernels, unit copies, the warp-per-row norm) on shapes on both sides of their
+//! conditions; `unary_owned` in place and its fallbacks; `linear_concat` against `linear`
+//! of the concatenation. Without a driver or a device each test prints
 //! "skipped: no CUDA device" and passes (unless `DDO_REQUIRE_GPU=1`), like `tests/gpu.rs`.
 
 use std::sync::Arc;
@@ -820,5 +823,539 @@ fn large_ops_report_their_bandwidth() {
         g.upsample_nearest2x(&small).unwrap()
     });
     drop((a, b, row, x, rows, heads, small));
+    p.assert_clean();
+}
+
+// ---- Vectorised fast paths, in-place unary, linear over concatenated parts ---------------
+//
+// Each fast path (16-byte vector kernels, unit copies, the warp-per-row norm, the per-part
+// GEMMs of `linear_concat`) against the host reference, with shapes on both sides of its
+// conditions: whole vectors and not, aligned addresses and not, one dtype and mixed.
+
+impl Pair {
+    /// `values` on the GPU starting `offset` bytes into a larger buffer (so not 16-byte
+    /// aligned unless `offset` is, and never the whole buffer), and on the host as usual.
+    fn put_at(
+        &self,
+        offset: usize,
+        shape: &[usize],
+        dtype: DType,
+        values: &[f32],
+    ) -> (Tensor, Tensor) {
+        let bytes = dtype.encode_f32(values).unwrap();
+        let buffer = self.gpu.alloc(offset + bytes.len()).unwrap();
+        let slice = buffer.slice(offset, bytes.len()).unwrap();
+        self.gpu
+            .copy_h2d(
+                &HostBuffer::pageable_from(&bytes).slice_all(),
+                &slice,
+                &self.gpu.compute_stream(),
+            )
+            .unwrap();
+        (
+            Tensor::new(shape.to_vec(), dtype, TensorStorage::Device(slice)).unwrap(),
+            self.host.tensor_from_f32(shape, dtype, values).unwrap(),
+        )
+    }
+
+    /// Relative L2 distance between two GPU results.
+    fn gpu_rel_l2(&self, got: &Tensor, want: &Tensor) -> f64 {
+        assert_eq!(got.shape(), want.shape(), "shape");
+        rel_l2(
+            &self.gpu.to_f32_vec(got).unwrap(),
+            &self.gpu.to_f32_vec(want).unwrap(),
+        )
+    }
+}
+
+#[test]
+fn vectorised_binary_ops_match_the_host_exactly() {
+    let Some(mut p) = Pair::new(16) else { return };
+    let cases: [(&[usize], &[usize], DType, DType); 14] = [
+        // Flux's gate: [1, L, 3072] * [1, 1, 3072], b moving along the vectors only.
+        (&[1, 512, 3072], &[1, 1, 3072], DType::BF16, DType::BF16),
+        // Same shapes (a residual add).
+        (&[1, 256, 3072], &[1, 256, 3072], DType::BF16, DType::BF16),
+        // A scalar: stride 0 along the innermost dim, one element repeated per vector.
+        (&[1, 64, 3072], &[1], DType::BF16, DType::BF16),
+        // A per-row scale: broadcast along the innermost dim, moving across rows.
+        (&[64, 128], &[64, 1], DType::BF16, DType::BF16),
+        // A broadcast middle dim.
+        (&[3, 5, 8], &[1, 5, 8], DType::F16, DType::F16),
+        // f32: 4 lanes per vector.
+        (&[7, 12], &[12], DType::F32, DType::F32),
+        (&[7, 12], &[7, 12], DType::F32, DType::F32),
+        (&[7, 12], &[1], DType::F32, DType::F32),
+        // Innermost dims that are no whole number of vectors: the scalar kernels.
+        (&[4, 21], &[21], DType::BF16, DType::BF16),
+        (&[3, 7], &[3, 7], DType::BF16, DType::BF16),
+        (&[7, 10], &[10], DType::F32, DType::F32),
+        (&[5, 12], &[1], DType::BF16, DType::BF16),
+        (&[6, 4], &[6, 1], DType::BF16, DType::BF16),
+        // Mixed dtypes: the scalar kernels.
+        (&[4, 64], &[64], DType::F32, DType::BF16),
+    ];
+    for (sa, sb, dtype, bdtype) in cases {
+        let (ga, ha) = p.rand(sa, dtype);
+        // Divisors kept away from 0.
+        let bv: Vec<f32> = p
+            .random(sb.iter().product())
+            .iter()
+            .map(|v| v + v.signum() * 0.25)
+            .collect();
+        let (gb, hb) = p.put(sb, bdtype, &bv);
+        for op in BINARY {
+            // Every op is one IEEE operation rounded once: the same bits as the host.
+            let what = format!("{op:?} {sa:?}:{dtype} with {sb:?}:{bdtype}");
+            p.check_exact(
+                &what,
+                &p.gpu.binary(&ga, &gb, op).unwrap(),
+                &p.host.binary(&ha, &hb, op).unwrap(),
+            );
+            p.check_exact(
+                &format!("{what} (swapped)"),
+                &p.gpu.binary(&gb, &ga, op).unwrap(),
+                &p.host.binary(&hb, &ha, op).unwrap(),
+            );
+        }
+    }
+    // Operands (and whole vectors) at addresses that are not 16-byte aligned.
+    for dtype in DTYPES {
+        let esize = dtype.size_in_bytes();
+        let av = p.random(4 * 64);
+        let (ga, ha) = p.put_at(esize, &[4, 64], dtype, &av);
+        let (gb, hb) = p.rand(&[64], dtype);
+        let (gs, hs) = p.rand(&[1], dtype);
+        for op in [BinaryOp::Add, BinaryOp::Mul] {
+            p.check_exact(
+                &format!("{op:?} {dtype} misaligned a"),
+                &p.gpu.binary(&ga, &gb, op).unwrap(),
+                &p.host.binary(&ha, &hb, op).unwrap(),
+            );
+            p.check_exact(
+                &format!("{op:?} {dtype} misaligned b"),
+                &p.gpu.binary(&gb, &ga, op).unwrap(),
+                &p.host.binary(&hb, &ha, op).unwrap(),
+            );
+            p.check_exact(
+                &format!("{op:?} {dtype} misaligned a with a scalar"),
+                &p.gpu.binary(&ga, &gs, op).unwrap(),
+                &p.host.binary(&ha, &hs, op).unwrap(),
+            );
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn vectorised_unary_and_affine_match_the_host() {
+    let Some(mut p) = Pair::new(17) else { return };
+    for dtype in DTYPES {
+        // Whole vectors for every dtype (4096), for f32 only (12), for none (4099, 7).
+        for n in [4096usize, 12, 4099, 7] {
+            let wide: Vec<f32> = p.random(n).iter().map(|v| v * 8.0).collect();
+            let positive: Vec<f32> = wide.iter().map(|v| v.abs() + 0.05).collect();
+            let small: Vec<f32> = wide.iter().map(|v| v * 0.5).collect();
+            for op in UNARY {
+                let values = match op {
+                    UnaryOp::Sqrt | UnaryOp::Recip => &positive,
+                    UnaryOp::Exp => &small,
+                    _ => &wide,
+                };
+                let (g, h) = p.put(&[n], dtype, values);
+                p.check(
+                    &format!("{op:?} {dtype} n={n}"),
+                    &p.gpu.unary(&g, op).unwrap(),
+                    &p.host.unary(&h, op).unwrap(),
+                );
+            }
+            let (g, h) = p.put(&[n], dtype, &wide);
+            p.check(
+                &format!("affine {dtype} n={n}"),
+                &p.gpu.affine(&g, 0.75, -1.25).unwrap(),
+                &p.host.affine(&h, 0.75, -1.25).unwrap(),
+            );
+        }
+        // Whole vectors, but not 16-byte aligned: the scalar kernel.
+        let v = p.random(64);
+        let (g, h) = p.put_at(dtype.size_in_bytes(), &[8, 8], dtype, &v);
+        p.check(
+            &format!("silu {dtype} misaligned"),
+            &p.gpu.unary(&g, UnaryOp::Silu).unwrap(),
+            &p.host.unary(&h, UnaryOp::Silu).unwrap(),
+        );
+        p.check(
+            &format!("affine {dtype} misaligned"),
+            &p.gpu.affine(&g, 2.0, 0.5).unwrap(),
+            &p.host.affine(&h, 2.0, 0.5).unwrap(),
+        );
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn unary_owned_runs_in_place_when_it_can_and_falls_back_otherwise() {
+    let Some(mut p) = Pair::new(18) else { return };
+    let cases: [(&[usize], DType); 4] = [
+        (&[256, 3072], DType::BF16),
+        (&[300, 12], DType::F32),
+        (&[64, 128], DType::F16),
+        (&[1, 4096], DType::BF16),
+    ];
+    for (shape, dtype) in cases {
+        for op in [UnaryOp::GeluTanh, UnaryOp::Silu, UnaryOp::Neg] {
+            let what = format!("{op:?} {dtype} {shape:?}");
+            // Held by nobody else, whole vectors, aligned: in place.
+            let (mut g, h) = p.rand(shape, dtype);
+            assert!(g.has_exclusive_device_buffer(), "{what}: a fresh upload");
+            let bytes = g.nbytes() as u64;
+            p.gpu.reset_peak();
+            let before = p.gpu.memory_info().allocated;
+            let mut y = p.gpu.unary_owned(g, op).unwrap();
+            let m = p.gpu.memory_info();
+            assert_eq!(m.allocated, before, "{what}: allocated changed");
+            assert!(
+                m.peak_allocated < before + bytes,
+                "{what}: peak {} reached x's {bytes} bytes over {before}: a second buffer",
+                m.peak_allocated
+            );
+            assert!(y.has_exclusive_device_buffer(), "{what}: the result");
+            p.check(&what, &y, &p.host.unary(&h, op).unwrap());
+
+            // Again over its own output, right behind the kernel that wrote it.
+            let y2 = p.gpu.unary_owned(y, op).unwrap();
+            let h2 = p.host.unary(&p.host.unary(&h, op).unwrap(), op).unwrap();
+            p.check(&format!("{what} twice in place"), &y2, &h2);
+            drop(y2);
+
+            // A clone held: a new buffer, and the clone keeps the original values.
+            let (g, h) = p.rand(shape, dtype);
+            let keep = g.clone();
+            p.gpu.reset_peak();
+            let before = p.gpu.memory_info().allocated;
+            let y = p.gpu.unary_owned(g, op).unwrap();
+            assert!(
+                p.gpu.memory_info().peak_allocated >= before + bytes,
+                "{what}: a shared x was not given an output of its own"
+            );
+            p.check(
+                &format!("{what} (clone held)"),
+                &y,
+                &p.host.unary(&h, op).unwrap(),
+            );
+            p.check_exact(&format!("{what}: the clone"), &keep, &h);
+            drop((y, keep));
+        }
+    }
+    // Exclusive but no whole number of vectors, empty, or a part of a larger buffer: the
+    // out-of-place kernel, same values.
+    for (shape, dtype) in [
+        (&[1001usize][..], DType::BF16),
+        (&[3, 7], DType::F32),
+        (&[0, 8], DType::BF16),
+    ] {
+        let (g, h) = p.rand(shape, dtype);
+        p.check(
+            &format!("silu {dtype} {shape:?} (scalar fallback)"),
+            &p.gpu.unary_owned(g, UnaryOp::Silu).unwrap(),
+            &p.host.unary(&h, UnaryOp::Silu).unwrap(),
+        );
+    }
+    for offset in [2usize, 16] {
+        let v = p.random(64);
+        let (g, h) = p.put_at(offset, &[64], DType::BF16, &v);
+        p.check(
+            &format!("silu of a tensor {offset} bytes into its buffer"),
+            &p.gpu.unary_owned(g, UnaryOp::Silu).unwrap(),
+            &p.host.unary(&h, UnaryOp::Silu).unwrap(),
+        );
+    }
+    // A view sharing the buffer is left as it was.
+    let (g, h) = p.rand(&[16, 64], DType::BF16);
+    let view = g.reshape(&[1024]).unwrap();
+    p.check(
+        "silu with a reshape view held",
+        &p.gpu.unary_owned(g, UnaryOp::Silu).unwrap(),
+        &p.host.unary(&h, UnaryOp::Silu).unwrap(),
+    );
+    p.check_exact("the reshape view", &view, &h.reshape(&[1024]).unwrap());
+    drop(view);
+    p.assert_clean();
+}
+
+#[test]
+fn vectorised_rope_matches_the_host() {
+    let Some(mut p) = Pair::new(19) else { return };
+    for dtype in DTYPES {
+        // f32 tables of whole vectors: the vector kernel for f16/bf16 x; tables of 6 or 42
+        // elements, and f32 x, take the scalar one.
+        for (b, h, l, d) in [
+            (1, 24, 77, 128),
+            (1, 24, 1, 128),
+            (2, 3, 5, 16),
+            (1, 2, 3, 2),
+            (1, 1, 7, 6),
+        ] {
+            let (gx, hx) = p.rand(&[b, h, l, d], dtype);
+            let (gc, hc) = p.rand(&[l, d], DType::F32);
+            let (gs, hs) = p.rand(&[l, d], DType::F32);
+            p.check(
+                &format!("rope {dtype} {:?} f32 tables", [b, h, l, d]),
+                &p.gpu.rope(&gx, &gc, &gs).unwrap(),
+                &p.host.rope(&hx, &hc, &hs).unwrap(),
+            );
+        }
+        // x not 16-byte aligned.
+        let v = p.random(2 * 4 * 8);
+        let (gx, hx) = p.put_at(dtype.size_in_bytes(), &[1, 2, 4, 8], dtype, &v);
+        let (gc, hc) = p.rand(&[4, 8], DType::F32);
+        let (gs, hs) = p.rand(&[4, 8], DType::F32);
+        p.check(
+            &format!("rope {dtype} misaligned x"),
+            &p.gpu.rope(&gx, &gc, &gs).unwrap(),
+            &p.host.rope(&hx, &hc, &hs).unwrap(),
+        );
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn layout_unit_copies_match_the_host_exactly() {
+    let Some(mut p) = Pair::new(20) else { return };
+    for dtype in DTYPES {
+        // Attention heads: [1, L, 24, d] <-> [1, 24, L, d]; rows of 16-byte units (d = 128),
+        // 8- or 4-byte units (d = 4, 2), none (d = 5, 3, 1).
+        for d in [128usize, 4, 2, 5, 3, 1] {
+            let (g, h) = p.rand(&[1, 77, 24, d], dtype);
+            let pg = p.gpu.permute(&g, &[0, 2, 1, 3]).unwrap();
+            let ph = p.host.permute(&h, &[0, 2, 1, 3]).unwrap();
+            p.check_exact(&format!("permute {dtype} d={d}"), &pg, &ph);
+            p.check_exact(
+                &format!("permute back {dtype} d={d}"),
+                &p.gpu.permute(&pg, &[0, 2, 1, 3]).unwrap(),
+                &p.host.permute(&ph, &[0, 2, 1, 3]).unwrap(),
+            );
+        }
+        let (g, h) = p.rand(&[2, 3, 16, 64], dtype);
+        p.check_exact(
+            &format!("permute {dtype} [0, 3, 1, 2]"),
+            &p.gpu.permute(&g, &[0, 3, 1, 2]).unwrap(),
+            &p.host.permute(&h, &[0, 3, 1, 2]).unwrap(),
+        );
+
+        // Concat: along dim 1 (text and image tokens) and dim 2 (attention beside MLP), and
+        // widths whose rows or offsets are no whole number of units.
+        let concat_cases: [(&[&[usize]], usize); 8] = [
+            (&[&[1, 77, 3072], &[1, 51, 3072]], 1),
+            (&[&[2, 64, 128], &[2, 32, 128]], 1),
+            (&[&[1, 9, 8], &[1, 9, 8], &[1, 9, 8]], 1),
+            (&[&[2, 3, 5], &[2, 4, 5]], 1),
+            (&[&[1, 77, 3072], &[1, 77, 12288]], 2),
+            (&[&[1, 5, 4], &[1, 5, 6]], 2),
+            (&[&[1, 5, 3], &[1, 5, 7]], 2),
+            (&[&[3, 2, 1], &[3, 2, 8]], 2),
+        ];
+        for (shapes, dim) in concat_cases {
+            let parts: Vec<(Tensor, Tensor)> = shapes.iter().map(|s| p.rand(s, dtype)).collect();
+            let gs: Vec<&Tensor> = parts.iter().map(|(g, _)| g).collect();
+            let hs: Vec<&Tensor> = parts.iter().map(|(_, h)| h).collect();
+            p.check_exact(
+                &format!("concat {dtype} {shapes:?} along {dim}"),
+                &p.gpu.concat(&gs, dim).unwrap(),
+                &p.host.concat(&hs, dim).unwrap(),
+            );
+        }
+
+        // Narrow along dims 1 and 2, aligned and not.
+        let (g, h) = p.rand(&[1, 300, 3072], dtype);
+        for (dim, start, len) in [(1, 77, 100), (1, 0, 300), (2, 1024, 2048), (2, 0, 3072)] {
+            p.check_exact(
+                &format!("narrow {dtype} [1, 300, 3072] dim {dim} {start}+{len}"),
+                &p.gpu.narrow(&g, dim, start, len).unwrap(),
+                &p.host.narrow(&h, dim, start, len).unwrap(),
+            );
+        }
+        let (g, h) = p.rand(&[2, 50, 24], dtype);
+        for (dim, start, len) in [
+            (2, 3, 5),
+            (2, 1, 6),
+            (2, 2, 6),
+            (2, 4, 8),
+            (2, 8, 16),
+            (1, 1, 3),
+            (1, 7, 40),
+        ] {
+            p.check_exact(
+                &format!("narrow {dtype} [2, 50, 24] dim {dim} {start}+{len}"),
+                &p.gpu.narrow(&g, dim, start, len).unwrap(),
+                &p.host.narrow(&h, dim, start, len).unwrap(),
+            );
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn row_norms_match_the_host_on_the_warp_and_block_kernels() {
+    let Some(mut p) = Pair::new(21) else { return };
+    for dtype in [DType::BF16, DType::F32] {
+        // d <= 512: a warp per row (128: Flux's per-head q/k norms; 33: a partial warp; 512:
+        // the longest); d > 512: a block per row.
+        for shape in [
+            &[2usize, 64, 3072][..],
+            &[1, 24, 64, 128],
+            &[48, 33],
+            &[48, 512],
+            &[48, 513],
+            &[40, 600],
+        ] {
+            let d = shape[shape.len() - 1];
+            let v: Vec<f32> = p
+                .random(shape.iter().product())
+                .iter()
+                .map(|x| x * 3.0 + 1.5)
+                .collect();
+            let (g, h) = p.put(shape, dtype, &v);
+            let (gw, hw) = p.rand(&[d], dtype);
+            let (gb, hb) = p.rand(&[d], dtype);
+            for (w, b) in [(false, false), (true, true)] {
+                p.check(
+                    &format!("layer_norm {dtype} {shape:?} w={w} b={b}"),
+                    &p.gpu
+                        .layer_norm(&g, w.then_some(&gw), b.then_some(&gb), 1e-6)
+                        .unwrap(),
+                    &p.host
+                        .layer_norm(&h, w.then_some(&hw), b.then_some(&hb), 1e-6)
+                        .unwrap(),
+                );
+            }
+            for w in [false, true] {
+                p.check(
+                    &format!("rms_norm {dtype} {shape:?} w={w}"),
+                    &p.gpu.rms_norm(&g, w.then_some(&gw), 1e-6).unwrap(),
+                    &p.host.rms_norm(&h, w.then_some(&hw), 1e-6).unwrap(),
+                );
+            }
+        }
+    }
+    p.assert_clean();
+}
+
+#[test]
+fn linear_concat_matches_linear_of_the_concatenation() {
+    let Some(mut p) = Pair::new(22) else { return };
+    // Flux's single-stream output projection: attention [.., 3072] beside the MLP's
+    // [.., 12288]. `out` is kept small so the host reference stays quick.
+    let (rows, out, wa, wb) = (64usize, 512usize, 3072usize, 12288usize);
+    let inp = wa + wb;
+    // Values rounded to bf16, so the host's f32 reference sees exactly the GPU's inputs.
+    let bf16 = |v: Vec<f32>| {
+        DType::BF16
+            .decode_f32(&DType::BF16.encode_f32(&v).unwrap())
+            .unwrap()
+    };
+    let (xa, xb) = (bf16(p.random(rows * wa)), bf16(p.random(rows * wb)));
+    let (w, b) = (bf16(p.random(out * inp)), bf16(p.random(out)));
+    let g = |shape: &[usize], v: &[f32]| p.gpu.tensor_from_f32(shape, DType::BF16, v).unwrap();
+    let h = |shape: &[usize], v: &[f32]| p.host.tensor_from_f32(shape, DType::F32, v).unwrap();
+    let (ga, gb, gw, gbias) = (
+        g(&[1, rows, wa], &xa),
+        g(&[1, rows, wb], &xb),
+        g(&[out, inp], &w),
+        g(&[out], &b),
+    );
+    let (ha, hb, hw, hbias) = (
+        h(&[1, rows, wa], &xa),
+        h(&[1, rows, wb], &xb),
+        h(&[out, inp], &w),
+        h(&[out], &b),
+    );
+    let joined = p.gpu.concat(&[&ga, &gb], 2).unwrap();
+    for bias in [false, true] {
+        let got = p
+            .gpu
+            .linear_concat(&[&ga, &gb], &gw, bias.then_some(&gbias))
+            .unwrap();
+        assert_eq!(got.shape(), &[1, rows, out]);
+        assert_eq!(got.dtype(), DType::BF16);
+        let plain = p.gpu.linear(&joined, &gw, bias.then_some(&gbias)).unwrap();
+        let reference = p
+            .host
+            .linear_concat(&[&ha, &hb], &hw, bias.then_some(&hbias))
+            .unwrap();
+        let got_v = p.gpu.to_f32_vec(&got).unwrap();
+        let ref_v = p.host.to_f32_vec(&reference).unwrap();
+        let (e_plain, e_ref) = (p.gpu_rel_l2(&got, &plain), rel_l2(&got_v, &ref_v));
+        let e_plain_ref = rel_l2(&p.gpu.to_f32_vec(&plain).unwrap(), &ref_v);
+        println!(
+            "linear_concat bf16 [{rows}, {wa} + {wb}] -> {out}, bias {bias}: rel L2 {e_plain:.2e} \
+             vs linear of the concatenation, {e_ref:.2e} vs the host's f32 (linear itself: \
+             {e_plain_ref:.2e})"
+        );
+        assert!(e_plain < 1e-2, "bias {bias}: {e_plain:e} vs linear(concat)");
+        assert!(e_ref < 1e-2, "bias {bias}: {e_ref:e} vs the host's f32");
+    }
+    drop((ga, gb, gw, gbias, joined));
+
+    // Small shapes in every dtype: odd widths (column windows at odd offsets), an empty part
+    // (first and in the middle), three parts, one part.
+    for dtype in DTYPES {
+        for widths in [&[3usize, 5, 8][..], &[16, 16], &[0, 8], &[7, 0, 9], &[11]] {
+            let inp: usize = widths.iter().sum();
+            let parts: Vec<(Tensor, Tensor)> = widths
+                .iter()
+                .map(|&wd| p.rand(&[2, 5, wd], dtype))
+                .collect();
+            let gs: Vec<&Tensor> = parts.iter().map(|(g, _)| g).collect();
+            let hs: Vec<&Tensor> = parts.iter().map(|(_, h)| h).collect();
+            let (gw, hw) = p.rand(&[9, inp], dtype);
+            let (gb, hb) = p.rand(&[9], dtype);
+            for bias in [false, true] {
+                p.check(
+                    &format!("linear_concat {dtype} widths {widths:?} bias {bias}"),
+                    &p.gpu.linear_concat(&gs, &gw, bias.then_some(&gb)).unwrap(),
+                    &p.host.linear_concat(&hs, &hw, bias.then_some(&hb)).unwrap(),
+                );
+            }
+        }
+    }
+
+    // Parts of another dtype than the weight, or of mixed dtypes: concat, then linear.
+    let (ga, ha) = p.rand(&[6, 16], DType::BF16);
+    let (gb, hb) = p.rand(&[6, 24], DType::F32);
+    let (gc, hc) = p.rand(&[6, 24], DType::BF16);
+    let (gw, hw) = p.rand(&[10, 40], DType::BF16);
+    let (gw32, hw32) = p.rand(&[10, 40], DType::F32);
+    p.check(
+        "linear_concat bf16 + f32 parts, bf16 weight",
+        &p.gpu.linear_concat(&[&ga, &gb], &gw, None).unwrap(),
+        &p.host.linear_concat(&[&ha, &hb], &hw, None).unwrap(),
+    );
+    let (gb32, hb32) = p.rand(&[10], DType::F32);
+    p.check(
+        "linear_concat bf16 parts and weight, f32 bias",
+        &p.gpu.linear_concat(&[&ga, &gc], &gw, Some(&gb32)).unwrap(),
+        &p.host.linear_concat(&[&ha, &hc], &hw, Some(&hb32)).unwrap(),
+    );
+    p.check(
+        "linear_concat bf16 parts, f32 weight",
+        &p.gpu.linear_concat(&[&ga, &gc], &gw32, None).unwrap(),
+        &p.host.linear_concat(&[&ha, &hc], &hw32, None).unwrap(),
+    );
+
+    // Refusals, as the host's.
+    let refused = |r: ddo_core::Result<Tensor>| match r {
+        Err(CoreError::Shape { .. }) => {}
+        other => panic!("expected a shape error, got {other:?}"),
+    };
+    let (gd, _) = p.rand(&[5, 24], DType::BF16);
+    let (gbad, _) = p.rand(&[7], DType::BF16);
+    refused(p.gpu.linear_concat(&[], &gw, None));
+    refused(p.gpu.linear_concat(&[&ga, &gd], &gw, None));
+    refused(p.gpu.linear_concat(&[&ga, &gc, &gc], &gw, None));
+    refused(p.gpu.linear_concat(&[&ga, &ga], &gw, None));
+    refused(p.gpu.linear_concat(&[&ga, &gc], &gw, Some(&gbad)));
+    drop((ga, gb, gc, gd, gbad, gw, gw32, gb32));
+    p.gpu.release_blas_workspaces().unwrap();
     p.assert_clean();
 }

@@ -141,7 +141,6 @@ pub(crate) fn unary_owned(dev: &CudaDevice, mut x: Tensor, op: UnaryOp) -> Resul
     }
     let xi = input(dev, OP, &x)?;
     if xi.numel == 0 || !vectorizable(xi.numel, xi.dtype, &[xi.ptr]) {
-        drop(xi);
         return unary(dev, &x, op);
     }
     map_vec(
@@ -156,7 +155,6 @@ pub(crate) fn unary_owned(dev: &CudaDevice, mut x: Tensor, op: UnaryOp) -> Resul
         0.0,
     )?;
     mark_used(dev, &[&xi])?;
-    drop(xi);
     Ok(x)
 }
 
