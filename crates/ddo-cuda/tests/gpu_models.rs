@@ -409,3 +409,91 @@ fn flux_block_op_profile() {
         assert!(total > 0.0);
     }
 }
+
+/// Where the streamed step's time beyond the floor goes: the zero-budget leaf+stream Flux
+/// step (5 double + 10 single blocks) at full size and with 4 + 4 tokens (compute all but
+/// gone, so what is left is the pipeline itself: copies, event waits, launch gaps), for a
+/// few transfer-unit and ring settings, against the link floor and against the same bytes
+/// copied back to back in units of the same size (`DDO_BENCH=1`).
+#[test]
+fn flux_stream_pipeline_against_its_copies() {
+    let Some(d) = open_gpu(false) else {
+        return;
+    };
+    if std::env::var_os("DDO_BENCH").is_none_or(|v| v != "1") {
+        println!("skipped: set DDO_BENCH=1 to run the pipeline timing");
+        return;
+    }
+    let bw = pinned_bandwidth(&d);
+    let mut cfg = FluxTransformerConfig::flux_dev();
+    cfg.num_layers = 5;
+    cfg.num_single_layers = 10;
+    let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
+    let bytes = model.component().param_bytes();
+    let floor = bytes as f64 / bw * 1e3;
+    println!(
+        "pinned h2d {:.1} GB/s; {:.2} GiB of weights: floor {floor:.1} ms",
+        bw / 1e9,
+        bytes as f64 / (1u64 << 30) as f64
+    );
+    // The same bytes copied back to back, one stream, in units of 16 and 64 MiB.
+    let copy = d.create_stream().unwrap();
+    for unit in [16usize << 20, 64 << 20] {
+        let host = d.alloc_pinned(unit).unwrap();
+        let dev = d.alloc(unit).unwrap();
+        let n = (bytes as usize).div_ceil(unit);
+        let (med, _, _) = median_ms(
+            || {
+                for _ in 0..n {
+                    d.copy_h2d(&host.slice_all(), &dev.slice_all(), &copy)
+                        .unwrap();
+                }
+            },
+            &d,
+        );
+        println!(
+            "  back-to-back copies of {} MiB: {med:.1} ms ({:.3} x floor)",
+            unit >> 20,
+            med / floor
+        );
+    }
+    for (side, txt) in [(2usize, 4usize), (72, 512)] {
+        let inputs = synthetic_flux_inputs(side, txt, 4096);
+        for extra in ["", ",unit_bytes=64MiB", ",unit_bytes=64MiB,ring_slots=3"] {
+            let spec: RouteSpec =
+                format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true{extra}")
+                    .parse()
+                    .unwrap();
+            let h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
+            model.forward(&*d, &inputs).unwrap();
+            let before = h.metrics_snapshot().counters;
+            let stats_before = d.allocator_stats();
+            let (med, lo, hi) = median_ms(
+                || {
+                    model.forward(&*d, &inputs).unwrap();
+                },
+                &d,
+            );
+            let after = h.metrics_snapshot().counters;
+            let stats_after = d.allocator_stats();
+            println!(
+                "    driver allocs {} -> {}, frees {} -> {}, oom retries {} -> {}",
+                stats_before.driver_allocs,
+                stats_after.driver_allocs,
+                stats_before.driver_frees,
+                stats_after.driver_frees,
+                stats_before.oom_retries,
+                stats_after.oom_retries
+            );
+            let forwards = (after.forwards - before.forwards).max(1);
+            println!(
+                "  {} tokens{extra}: {med:.1} ms [{lo:.1}, {hi:.1}] = {:.3} x floor; host copy wait {:.2} ms/forward, {} units",
+                side * side + txt,
+                med / floor,
+                (after.copy_wait_ns - before.copy_wait_ns) as f64 / forwards as f64 / 1e6,
+                after.transfer_units
+            );
+            drop(h);
+        }
+    }
+}
