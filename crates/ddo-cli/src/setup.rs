@@ -309,7 +309,9 @@ fn effective_options(
     (values, sources)
 }
 
-/// The streaming engine's transfer unit and ring, with where each came from.
+/// The streaming engine's transfer unit, ring and pinned source (`home`: a pinned copy of
+/// the weights; `register`: the checkpoint mapping page-locked in place), with where each
+/// came from.
 fn put_streaming(
     put: &mut impl FnMut(&str, serde_json::Value, bool),
     o: &ddo_core::RouteOptions,
@@ -324,6 +326,11 @@ fn put_streaming(
         "ring_slots",
         serde_json::Value::from(streaming.ring_slots),
         o.ring_slots.is_some(),
+    );
+    put(
+        "pinned_source",
+        serde_json::Value::from(streaming.pinned_source.as_str()),
+        o.pinned_source.is_some(),
     );
 }
 

@@ -349,6 +349,18 @@ fn resolve_json_shape_and_sources() {
     assert_eq!(t["source"]["options"]["ring_slots"], "--route");
     assert_eq!(t["options"]["unit_bytes"], "16.00 MiB");
     assert_eq!(t["source"]["options"]["unit_bytes"], "route default");
+    assert_eq!(t["options"]["pinned_source"], "home");
+    assert_eq!(t["source"]["options"]["pinned_source"], "route default");
+    let v = json(&ddo(&[
+        "resolve",
+        "--json",
+        "--route",
+        "transformer=native_vmm:pinned_source=register",
+        "--component",
+        "transformer",
+    ]));
+    assert_eq!(v[0]["options"]["pinned_source"], "register", "{v}");
+    assert_eq!(v[0]["source"]["options"]["pinned_source"], "--route", "{v}");
     let v = json(&ddo(&[
         "resolve",
         "--json",

@@ -204,6 +204,59 @@ impl FromStr for OffloadType {
     }
 }
 
+/// Where the streaming engine copies streamed weights from (route option `pinned_source`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum PinnedSource {
+    /// `home` (the default): one pinned buffer laid out in transfer units replaces the
+    /// params' host bytes (a copy of the weights at attach); one copy per unit.
+    #[default]
+    Home,
+    /// `register`: checkpoint-mapped params stay where they are and their mapping is
+    /// page-locked in place (read-only, no copy); the engine copies from it into the ring,
+    /// one copy per run of params adjacent both in the file and in the unit. Params whose
+    /// bytes are not mapped (owned copies) go to a pinned home of their own. Where the
+    /// device cannot register memory, or the registered bytes do not fit under the pinned
+    /// limit, the engine stages as `home` does.
+    Register,
+}
+
+impl PinnedSource {
+    /// Every choice, once.
+    pub const ALL: [PinnedSource; 2] = [PinnedSource::Home, PinnedSource::Register];
+
+    /// The option's spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            PinnedSource::Home => "home",
+            PinnedSource::Register => "register",
+        }
+    }
+}
+
+impl fmt::Display for PinnedSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PinnedSource {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        PinnedSource::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| CoreError::InvalidOption {
+                option: "pinned_source".into(),
+                value: s.into(),
+                hint: "use home (a pinned copy of the streamed weights, the default) or register \
+                       (page-lock the checkpoint mapping in place)"
+                    .into(),
+            })
+    }
+}
+
 /// A VRAM budget for a route's resident weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Budget {
@@ -326,6 +379,9 @@ pub struct RouteOptions {
     /// Device ring slots of the streaming engine; see
     /// [`crate::streaming::DEFAULT_RING_SLOTS`].
     pub ring_slots: Option<usize>,
+    /// Where the streaming engine copies from: a pinned home (default) or the checkpoint
+    /// mapping registered in place ([`PinnedSource`]).
+    pub pinned_source: Option<PinnedSource>,
 }
 
 impl RouteOptions {
@@ -362,6 +418,9 @@ impl RouteOptions {
         if self.ring_slots.is_some() {
             v.push("ring_slots");
         }
+        if self.pinned_source.is_some() {
+            v.push("pinned_source");
+        }
         v
     }
 
@@ -392,12 +451,14 @@ impl RouteOptions {
                 })?;
                 self.ring_slots = Some(n);
             }
+            "pinned_source" => self.pinned_source = Some(value.parse()?),
             _ => {
                 return Err(CoreError::InvalidOption {
                     option: key.into(),
                     value: value.into(),
                     hint: "known options: offload_type, num_blocks_per_group, use_stream, record_stream, \
-                           low_cpu_mem_usage, pinned, budget, pinned_limit, unit_bytes, ring_slots"
+                           low_cpu_mem_usage, pinned, budget, pinned_limit, unit_bytes, ring_slots, \
+                           pinned_source"
                         .into(),
                 });
             }
@@ -501,6 +562,15 @@ impl RouteSpec {
             return Err(clash(
                 "pinned=true with low_cpu_mem_usage=true",
                 "low_cpu_mem_usage pins on the fly instead of keeping pinned copies: choose one",
+            ));
+        }
+        if o.pinned_source == Some(PinnedSource::Register)
+            && (o.pinned == Some(false) || o.low_cpu_mem_usage == Some(true))
+        {
+            return Err(clash(
+                "pinned_source=register without pinned staging (pinned=false or low_cpu_mem_usage=true)",
+                "registering the checkpoint mapping page-locks it: drop pinned=false / low_cpu_mem_usage=true, \
+                 or drop pinned_source",
             ));
         }
         if o.ring_slots.is_some_and(|k| k < 2) {
@@ -627,6 +697,9 @@ impl RouteSpec {
         }
         if let Some(k) = o.ring_slots {
             s.push_str(&format!(" ring_slots={k}"));
+        }
+        if let Some(p) = o.pinned_source {
+            s.push_str(&format!(" pinned_source={p}"));
         }
         s
     }
@@ -755,6 +828,8 @@ mod tests {
             "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=2,use_stream=true",
             "diffusers_group_offload:pinned=true,low_cpu_mem_usage=true",
             "diffusers_group_offload:use_stream=true,use_stream=false",
+            "diffusers_group_offload:use_stream=true,pinned=false,pinned_source=register",
+            "native_vmm:low_cpu_mem_usage=true,pinned_source=register",
         ];
         for text in bad {
             let e = text.parse::<RouteSpec>().unwrap_err();
@@ -769,6 +844,7 @@ mod tests {
             "diffusers_group_offload:speed=11",
             "native_vmm:budget=-3GiB",
             "native_vmm:budget",
+            "native_vmm:pinned_source=mapped",
         ];
         for text in invalid {
             let e = text.parse::<RouteSpec>().unwrap_err();
@@ -802,6 +878,12 @@ mod tests {
         assert!(!c.use_stream && c.pinned);
         let low = RouteSpec::leaf_group(true, true).group_offload_config();
         assert!(low.use_stream && !low.pinned);
+        let registered: RouteSpec = "native_vmm:pinned_source=register".parse().unwrap();
+        assert_eq!(
+            registered.options().pinned_source,
+            Some(PinnedSource::Register)
+        );
+        assert_eq!(registered.describe(), "native_vmm pinned_source=register");
         assert_eq!(
             "native_vmm:budget=8GiB"
                 .parse::<RouteSpec>()

@@ -303,6 +303,27 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Allocates `bytes` of pinned host memory, counted against the pinned limit.
     fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer>;
 
+    /// Page-locks the bytes of `buffer`, a checkpoint-mapped buffer, where they are (no
+    /// copy; read-only, as the mapping is) and returns a registered view of the same bytes
+    /// ([`HostBuffer::registered`], of kind [`Pinned`](crate::HostMemoryKind::Pinned)):
+    /// copies from it run asynchronously at pinned speed. The locked range is `buffer`'s
+    /// rounded out to [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks of the mapping
+    /// ([`register_span`](crate::host::register_span)); its bytes count against the pinned
+    /// limit exactly like [`Device::alloc_pinned`]'s ([`CoreError::PinnedLimit`] over it),
+    /// until the view's last handle drops and the backend unregisters it.
+    ///
+    /// [`CoreError::HostRegisterUnsupported`] (whose hint names the pinned home instead):
+    /// the default, for backends that cannot do this; every backend for memory that is not
+    /// a checkpoint mapping, and for a range overlapping a live registration (a page is
+    /// registered once); the driver's "not supported" or "not permitted" answers.
+    fn register_host(&self, buffer: &HostBuffer) -> Result<HostBuffer> {
+        let _ = buffer;
+        Err(CoreError::HostRegisterUnsupported {
+            device: self.id().to_string(),
+            reason: "this backend cannot page-lock existing host memory".into(),
+        })
+    }
+
     /// The stream compute runs on.
     fn compute_stream(&self) -> Stream;
 

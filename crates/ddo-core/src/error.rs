@@ -40,6 +40,18 @@ pub enum CoreError {
         /// The limit.
         limit: u64,
     },
+    /// The device cannot page-lock this host memory where it is.
+    #[error(
+        "{device} cannot register host memory in place: {reason}; stage the weights in a pinned home \
+         instead (pinned_source=home, the default) or use pinned=false"
+    )]
+    HostRegisterUnsupported {
+        /// Device asked.
+        device: String,
+        /// Why not (the backend has no such call, the memory is not a checkpoint mapping, or
+        /// the driver refused it as unsupported).
+        reason: String,
+    },
     /// A copy or view reaches outside a buffer.
     #[error(
         "{what}: range {offset}..{offset}+{len} lies outside a buffer of {buffer_len} B; this is a bug in the caller"

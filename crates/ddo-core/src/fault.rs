@@ -6,7 +6,8 @@
 //! see [`FaultCounts`]) and check DDO's managed error boundary after each failure.
 //!
 //! What is counted, per [`FaultKind`]:
-//! - [`FaultKind::Alloc`]: [`Device::alloc`], [`Device::alloc_pinned`], and **op-internal
+//! - [`FaultKind::Alloc`]: [`Device::alloc`], [`Device::alloc_pinned`],
+//!   [`Device::register_host`] (pinning in place counts as a pinned allocation), and **op-internal
 //!   allocations**: every [`Ops`] call that returns a tensor allocates exactly one device
 //!   output on the host backend (its only device allocation), so each such op call counts as
 //!   one allocation. The inner op runs first (ops have no side effect but their output) and
@@ -339,6 +340,11 @@ impl Device for FaultInjectingDevice {
     fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer> {
         self.alloc_point(bytes as u64, "alloc_pinned")?;
         self.inner.alloc_pinned(bytes)
+    }
+
+    fn register_host(&self, buffer: &HostBuffer) -> Result<HostBuffer> {
+        self.alloc_point(buffer.len() as u64, "register_host")?;
+        self.inner.register_host(buffer)
     }
 
     fn compute_stream(&self) -> Stream {

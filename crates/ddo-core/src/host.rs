@@ -5,6 +5,13 @@
 //! All host bytes DDO owns are 64-byte aligned, so any element type can be viewed in place,
 //! and live behind a lock so asynchronous copy engines and compute can share them without
 //! `unsafe`. A mapped range is read-only.
+//!
+//! A checkpoint mapping can also be page-locked where it is ([`Device::register_host`]):
+//! the backend hands back a *registered view* ([`HostBuffer::registered`]) of the same
+//! bytes, of kind [`HostMemoryKind::Pinned`], that unregisters when its last handle goes.
+//! Registrations cover whole [`REGISTER_ALIGN`] blocks of the mapping ([`register_span`]).
+//!
+//! [`Device::register_host`]: crate::Device::register_host
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -188,6 +195,55 @@ impl fmt::Debug for PinnedRegistration {
     }
 }
 
+/// Granularity of host registrations, in bytes from the start of a checkpoint mapping:
+/// 64 KiB. A registration page-locks whole pages, and two registrations must not share a
+/// page (CUDA refuses the second with `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), so
+/// ranges are rounded out to blocks of this size, which is a multiple of every host page
+/// size Linux uses (4, 16 and 64 KiB). A mapping starts on a page boundary, so a block
+/// boundary counted from its start is a page boundary too.
+pub const REGISTER_ALIGN: usize = 64 << 10;
+
+/// The range of a mapping of `map_len` bytes that registering `offset..offset + len` of it
+/// page-locks (and counts against the pinned limit): rounded out to [`REGISTER_ALIGN`]
+/// blocks from the mapping's start, the end clamped to the mapping's end (the last page of
+/// the file is then locked whole by the backend; the bytes past the end of the file are
+/// not counted). An empty range stays empty.
+pub fn register_span(map_len: usize, offset: usize, len: usize) -> std::ops::Range<usize> {
+    let end = offset.saturating_add(len).min(map_len);
+    let offset = offset.min(end);
+    if offset == end {
+        return offset..offset;
+    }
+    let start = offset / REGISTER_ALIGN * REGISTER_ALIGN;
+    let end = end
+        .div_ceil(REGISTER_ALIGN)
+        .saturating_mul(REGISTER_ALIGN)
+        .min(map_len);
+    start..end
+}
+
+/// What registering `buffer` on `device` page-locks: its mapping and the range of it
+/// ([`register_span`]). A buffer that is not checkpoint-mapped (owned memory, pinned or
+/// not, or a registered view) is [`CoreError::HostRegisterUnsupported`]: owned memory is
+/// pinned by allocating it pinned. Backends call this first in
+/// [`Device::register_host`](crate::Device::register_host).
+pub fn register_target(
+    device: &str,
+    buffer: &HostBuffer,
+) -> Result<(Arc<CheckpointMap>, std::ops::Range<usize>)> {
+    match buffer.mapping() {
+        Some((map, offset, len)) => Ok((Arc::clone(map), register_span(map.len(), offset, len))),
+        None => Err(CoreError::HostRegisterUnsupported {
+            device: device.to_string(),
+            reason: format!(
+                "only checkpoint mappings are registered in place, not {:?} memory (owned memory is \
+                 pinned by allocating it pinned)",
+                buffer.kind()
+            ),
+        }),
+    }
+}
+
 /// A read-only memory map of a checkpoint file, shared by every tensor that points into it.
 pub struct CheckpointMap {
     path: PathBuf,
@@ -258,6 +314,12 @@ enum HostStorage {
         offset: usize,
         len: usize,
     },
+    Registered {
+        // Dropped before `base`: unregister before the mapping can go.
+        pin: PinnedRegistration,
+        // A mapped buffer; the registered view reads its bytes in place.
+        base: HostBuffer,
+    },
 }
 
 /// A shared host buffer: pageable, pinned or checkpoint-mapped. Cloning shares it.
@@ -305,10 +367,32 @@ impl HostBuffer {
         })
     }
 
-    /// Which kind of memory this is.
+    /// A registered view of `base` (a checkpoint-mapped buffer page-locked in place by a
+    /// backend's [`Device::register_host`](crate::Device::register_host)): the same bytes,
+    /// read in place, of kind [`HostMemoryKind::Pinned`] so copies from it run
+    /// asynchronously at pinned speed. `pin` must cover `base`'s bytes; it is dropped
+    /// (unregistered) when the view's last handle goes, before `base`. Views of owned
+    /// memory are refused: owned memory is pinned by allocating it pinned.
+    pub fn registered(base: HostBuffer, pin: PinnedRegistration) -> Result<Self> {
+        if base.mapping().is_none() {
+            return Err(CoreError::Backend {
+                device: "host".into(),
+                message: format!(
+                    "a registered view needs a checkpoint-mapped buffer, got {base:?}"
+                ),
+            });
+        }
+        Ok(Self {
+            inner: Arc::new(HostStorage::Registered { pin, base }),
+        })
+    }
+
+    /// Which kind of memory this is (a registered view of a mapping is pinned).
     pub fn kind(&self) -> HostMemoryKind {
         match &*self.inner {
-            HostStorage::Owned { pin: Some(_), .. } => HostMemoryKind::Pinned,
+            HostStorage::Owned { pin: Some(_), .. } | HostStorage::Registered { .. } => {
+                HostMemoryKind::Pinned
+            }
             HostStorage::Owned { pin: None, .. } => HostMemoryKind::Pageable,
             HostStorage::Mapped { .. } => HostMemoryKind::CheckpointMapped,
         }
@@ -324,6 +408,7 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { bytes, .. } => bytes.read().len(),
             HostStorage::Mapped { len, .. } => *len,
+            HostStorage::Registered { base, .. } => base.len(),
         }
     }
 
@@ -337,13 +422,16 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { bytes, .. } => f(bytes.read().as_slice()),
             HostStorage::Mapped { map, offset, len } => f(&map.bytes()[*offset..*offset + *len]),
+            HostStorage::Registered { base, .. } => base.with_bytes(f),
         }
     }
 
-    /// Runs `f` over the bytes mutably (an exclusive lock). Mapped memory is read-only.
+    /// Runs `f` over the bytes mutably (an exclusive lock). Mapped memory (registered or
+    /// not) is read-only.
     pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
         match &*self.inner {
             HostStorage::Owned { bytes, .. } => Ok(f(bytes.write().as_mut_slice())),
+            HostStorage::Registered { base, .. } => base.with_bytes_mut(f),
             HostStorage::Mapped { map, .. } => Err(CoreError::Backend {
                 device: "host".into(),
                 message: format!(
@@ -360,21 +448,32 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { addr, .. } => *addr as *const u8,
             HostStorage::Mapped { map, offset, .. } => map.bytes()[*offset..].as_ptr(),
+            HostStorage::Registered { base, .. } => base.as_ptr(),
         }
     }
 
-    /// The checkpoint mapping and range, for a mapped buffer.
+    /// The checkpoint mapping and range, for a mapped buffer (not for a registered view of
+    /// one: see [`HostBuffer::registered_base`]).
     pub fn mapping(&self) -> Option<(&Arc<CheckpointMap>, usize, usize)> {
         match &*self.inner {
             HostStorage::Mapped { map, offset, len } => Some((map, *offset, *len)),
-            HostStorage::Owned { .. } => None,
+            HostStorage::Owned { .. } | HostStorage::Registered { .. } => None,
         }
     }
 
-    /// The pinned registration, for a pinned buffer.
+    /// The mapped buffer a registered view reads in place.
+    pub fn registered_base(&self) -> Option<&HostBuffer> {
+        match &*self.inner {
+            HostStorage::Registered { base, .. } => Some(base),
+            HostStorage::Owned { .. } | HostStorage::Mapped { .. } => None,
+        }
+    }
+
+    /// The pinned registration, for a pinned buffer or a registered view.
     pub fn pinned_registration(&self) -> Option<&PinnedRegistration> {
         match &*self.inner {
             HostStorage::Owned { pin, .. } => pin.as_ref(),
+            HostStorage::Registered { pin, .. } => Some(pin),
             HostStorage::Mapped { .. } => None,
         }
     }
@@ -498,7 +597,7 @@ pub struct CheckpointTensor {
 }
 
 /// An opened, memory-mapped safetensors checkpoint. Tensors handed out by
-/// [`Checkpoint::host_slice`] point into the mapping (they are checkpoint-backed); the
+/// [`Checkpoint::host_buffer`] point into the mapping (they are checkpoint-backed); the
 /// mapping is unmapped when the last of them, and this value, are dropped.
 #[derive(Debug)]
 pub struct Checkpoint {
@@ -758,6 +857,20 @@ mod tests {
         assert_eq!(ledger.peak(), 60);
         let b = ledger.reserve(100, None).unwrap();
         assert_eq!(b.bytes(), 100);
+    }
+
+    #[test]
+    fn register_spans_round_out_to_blocks_inside_the_mapping() {
+        const A: usize = REGISTER_ALIGN;
+        assert_eq!(register_span(10 * A, 5, 10), 0..A);
+        assert_eq!(register_span(10 * A, A - 1, 2), 0..2 * A);
+        assert_eq!(register_span(10 * A, 3 * A, A), 3 * A..4 * A);
+        // The end is clamped to the mapping.
+        assert_eq!(register_span(3 * A + 7, 2 * A + 1, A + 6), 2 * A..3 * A + 7);
+        assert_eq!(register_span(100, 0, 100), 0..100);
+        // Empty and out-of-range requests lock nothing.
+        assert!(register_span(100, 40, 0).is_empty());
+        assert!(register_span(100, 200, 10).is_empty());
     }
 
     #[test]

@@ -22,7 +22,9 @@ use crate::device::{
     Event, EventHandle, MemoryInfo, Stream, StreamHandle,
 };
 use crate::error::{CoreError, Result};
-use crate::host::{AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger};
+use crate::host::{
+    AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger, register_target,
+};
 use crate::ops::Ops;
 use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
 
@@ -298,11 +300,34 @@ impl StreamHandle for HostStream {
     }
 }
 
+/// The address ranges of a device's live host registrations
+/// ([`Device::register_host`]): a second registration overlapping one of them is refused
+/// ([`CoreError::HostRegisterUnsupported`]), as CUDA refuses it
+/// (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`).
+#[derive(Debug, Default)]
+struct Registrations(Mutex<Vec<std::ops::Range<usize>>>);
+
+/// The backend token of one host registration: forgets its range on drop.
+struct RegistrationToken {
+    registry: Arc<Registrations>,
+    range: std::ops::Range<usize>,
+}
+
+impl Drop for RegistrationToken {
+    fn drop(&mut self) {
+        let mut live = self.registry.0.lock();
+        if let Some(i) = live.iter().position(|r| *r == self.range) {
+            live.swap_remove(i);
+        }
+    }
+}
+
 /// The host backend's device.
 pub struct HostDevice {
     config: HostDeviceConfig,
     ledger: Arc<Ledger>,
     pinned: Arc<PinnedLedger>,
+    registrations: Arc<Registrations>,
     compute: Stream,
     streams: Mutex<Vec<std::sync::Weak<HostStream>>>,
     next_stream: AtomicU64,
@@ -345,6 +370,7 @@ impl HostDevice {
                 peak: AtomicU64::new(0),
             }),
             pinned: PinnedLedger::new(config.pinned_limit),
+            registrations: Arc::default(),
             compute: Stream::new(compute),
             streams,
             next_stream: AtomicU64::new(1),
@@ -481,6 +507,45 @@ impl Device for HostDevice {
             AlignedBytes::zeroed(bytes),
             Some(registration),
         ))
+    }
+
+    /// Page-locking is simulated: the registered range is counted against the pinned limit
+    /// and refused when it overlaps a live registration of this device; copies from the
+    /// view are pinned copies (asynchronous, at the simulated link speed).
+    fn register_host(&self, buffer: &HostBuffer) -> Result<HostBuffer> {
+        let (map, span) = register_target(&self.id().to_string(), buffer)?;
+        let base = map.bytes().as_ptr() as usize;
+        let range = base + span.start..base + span.end;
+        let token = {
+            let mut live = self.registrations.0.lock();
+            if !range.is_empty()
+                && let Some(other) = live
+                    .iter()
+                    .find(|r| r.start < range.end && range.start < r.end)
+            {
+                return Err(CoreError::HostRegisterUnsupported {
+                    device: self.id().to_string(),
+                    reason: format!(
+                        "bytes {}..{} of {} overlap a live registration ({} B in common), and a page \
+                         is registered once",
+                        span.start,
+                        span.end,
+                        map.path().display(),
+                        other.end.min(range.end) - other.start.max(range.start)
+                    ),
+                });
+            }
+            live.push(range.clone());
+            RegistrationToken {
+                registry: Arc::clone(&self.registrations),
+                range,
+            }
+        };
+        // Over the limit the token drops here and forgets the range.
+        let registration = self
+            .pinned
+            .reserve(span.len() as u64, Some(Box::new(token)))?;
+        HostBuffer::registered(buffer.clone(), registration)
     }
 
     fn compute_stream(&self) -> Stream {

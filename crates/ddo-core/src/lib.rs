@@ -44,8 +44,8 @@ pub mod tensor;
 
 pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};
 pub use config::{
-    Budget, ComponentKind, GroupOffloadConfig, OffloadType, Preset, RouteId, RouteOptions,
-    RouteSpec, RouteTarget, Settings,
+    Budget, ComponentKind, GroupOffloadConfig, OffloadType, PinnedSource, Preset, RouteId,
+    RouteOptions, RouteSpec, RouteTarget, Settings,
 };
 pub use device::{
     AllocatorKind, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event, MemoryInfo,

@@ -13,7 +13,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use ddo_core::device::download;
-use ddo_core::streaming::{StagingKind, StagingMode, StreamingConfig, StreamingEngine};
+use ddo_core::streaming::{
+    PinnedSource, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
+};
 use ddo_core::{
     CoreError, DType, Device, DeviceBuffer, HostDevice, HostDeviceConfig, Param, ParamKind,
 };
@@ -110,6 +112,9 @@ struct Case {
     staging: StagingMode,
     pinned_limit: u64,
     budget_fraction: Option<f64>,
+    /// With owned params, `Register` stages everything in the engine's home for the
+    /// params that are not mapped (`tests/register.rs` covers mapped ones).
+    pinned_source: PinnedSource,
 }
 
 fn run_case(case: &Case) -> Result<(), TestCaseError> {
@@ -135,6 +140,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         budget: case
             .budget_fraction
             .map(|f| (total as f64 * f) as u64 + ring_room),
+        pinned_source: case.pinned_source,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let copy = d.create_stream().unwrap();
@@ -242,9 +248,10 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         ]),
         prop::sample::select(vec![1024u64, 4096, 1 << 20]),
         prop::option::of(0.2f64..1.2),
+        prop::sample::select(vec![PinnedSource::Home, PinnedSource::Register]),
     )
         .prop_map(
-            |(sizes, picks, unit_bytes, slots, staging, pinned_limit, budget)| {
+            |(sizes, picks, unit_bytes, slots, staging, pinned_limit, budget, pinned_source)| {
                 let n = sizes.len();
                 // Every segment once in a shuffled order, then some repeats.
                 let mut schedule: Vec<usize> = (0..n).collect();
@@ -263,6 +270,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     staging,
                     pinned_limit,
                     budget_fraction: budget,
+                    pinned_source,
                 }
             },
         )
@@ -290,6 +298,7 @@ fn a_tight_ring_on_a_crawling_link_still_reads_every_unit_in_order() {
             staging,
             pinned_limit: 1 << 20,
             budget_fraction: None,
+            pinned_source: PinnedSource::Home,
         })
         .unwrap();
     }
@@ -306,6 +315,7 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
         pinned_limit: limit,
         staging: StagingMode::Auto,
         budget: None,
+        pinned_source: PinnedSource::Home,
     };
     let dev: Arc<dyn Device> = d.clone();
     let engine = StreamingEngine::new(

@@ -27,7 +27,7 @@ use std::sync::{Arc, Weak};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use ddo_core::device::{DeviceAllocation, EventHandle, StreamHandle};
-use ddo_core::host::{AlignedBytes, PinnedLedger};
+use ddo_core::host::{AlignedBytes, PinnedLedger, register_target};
 use ddo_core::{
     AllocatorKind, CoreError, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event,
     HostBuffer, HostMemoryKind, HostSlice, MemoryInfo, Stream,
@@ -488,8 +488,8 @@ impl EventHandle for CudaEventHandle {
     }
 }
 
-/// The page-locking of one pinned host buffer; unregisters on drop (errors are recorded on
-/// the device, never raised).
+/// The page-locking of one pinned host buffer, or of a registered range of a checkpoint
+/// mapping; unregisters on drop (errors are recorded on the device, never raised).
 struct HostRegistration {
     addr: usize,
     ctx: Arc<CudaContext>,
@@ -881,6 +881,60 @@ impl Device for CudaDevice {
         // unregisters, before `memory` is freed.
         let registration = self.pinned.reserve(bytes as u64, Some(Box::new(token)))?;
         Ok(HostBuffer::owned(memory, Some(registration)))
+    }
+
+    /// `cuMemHostRegister` with the read-only flag on the buffer's range of its checkpoint
+    /// mapping, rounded out to [`REGISTER_ALIGN`](ddo_core::host::REGISTER_ALIGN) blocks
+    /// from the mapping's start (so the range starts on a page boundary; its end is the
+    /// block's or the mapping's), counted under the device's pinned ledger. The driver's
+    /// `CUDA_ERROR_NOT_SUPPORTED`, `CUDA_ERROR_NOT_PERMITTED` and
+    /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED` are
+    /// [`CoreError::HostRegisterUnsupported`]. Unregistered when the view's last handle
+    /// drops (copies queued from it hold a handle until they complete).
+    fn register_host(&self, buffer: &HostBuffer) -> ddo_core::Result<HostBuffer> {
+        let (map, span) = register_target(&self.id().to_string(), buffer)?;
+        let bytes = span.len() as u64;
+        let (pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
+        if pinned.saturating_add(bytes) > limit {
+            return Err(CoreError::PinnedLimit {
+                requested: bytes,
+                pinned,
+                limit,
+            });
+        }
+        if span.is_empty() {
+            let registration = self.pinned.reserve(0, None)?;
+            return HostBuffer::registered(buffer.clone(), registration);
+        }
+        let range = &map.bytes()[span.clone()];
+        driver::host_register_read_only(&self.shared.ctx, range).map_err(|e| {
+            use cudarc::driver::sys::CUresult as R;
+            match e.0 {
+                R::CUDA_ERROR_NOT_SUPPORTED
+                | R::CUDA_ERROR_NOT_PERMITTED
+                | R::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {
+                    CoreError::HostRegisterUnsupported {
+                        device: self.id().to_string(),
+                        reason: format!(
+                            "cuMemHostRegister (read-only) of bytes {}..{} of {} answered {:?}",
+                            span.start,
+                            span.end,
+                            map.path().display(),
+                            e.0
+                        ),
+                    }
+                }
+                _ => self.core(CudaError::driver("cuMemHostRegister", e)),
+            }
+        })?;
+        let token = HostRegistration {
+            addr: range.as_ptr() as usize,
+            ctx: Arc::clone(&self.shared.ctx),
+            shared: Arc::downgrade(&self.shared),
+        };
+        // On a refusal the token drops here and unregisters; `map` is still held.
+        let registration = self.pinned.reserve(bytes, Some(Box::new(token)))?;
+        HostBuffer::registered(buffer.clone(), registration)
     }
 
     fn compute_stream(&self) -> Stream {

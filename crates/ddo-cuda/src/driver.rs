@@ -1,6 +1,7 @@
 //! The one module of ddo-cuda that holds `unsafe`: one thin checked function per CUDA
 //! driver call that cudarc's safe API does not cover (raw device allocations, copies from
-//! and to DDO's own host bytes, page-locking DDO's own host memory) plus the library probe.
+//! and to DDO's own host bytes, page-locking DDO's own host memory and, read-only,
+//! checkpoint mappings) plus the library probe.
 //!
 //! These functions validate nothing beyond what their signatures guarantee; they are
 //! crate-private and each states the contract its callers keep (the layer above —
@@ -147,10 +148,37 @@ pub(crate) fn host_register(ctx: &CudaContext, bytes: &[u8]) -> Result<()> {
     .call("cuMemHostRegister")
 }
 
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY`:
+/// page-locks `bytes`, part of a read-only memory mapping of a checkpoint file, in place
+/// (the driver faults the pages in; the device only reads them). The raw error is kept so
+/// the caller can tell "not supported" from other failures.
+///
+/// Contract: `bytes` lies in a live read-only file mapping that stays mapped until
+/// [`host_unregister`] has been called on its first byte, and starts on a page boundary
+/// of that mapping; no live registration overlaps its pages.
+pub(crate) fn host_register_read_only(
+    ctx: &CudaContext,
+    bytes: &[u8],
+) -> std::result::Result<(), DriverError> {
+    ctx.bind_to_thread()?;
+    // SAFETY: `bytes` is a valid, mapped host range; with the read-only flag the driver
+    // page-locks it and maps it for device reads without writing it, and by this
+    // function's contract the mapping outlives the registration.
+    unsafe {
+        sys::cuMemHostRegister_v2(
+            bytes.as_ptr().cast_mut().cast::<c_void>(),
+            bytes.len(),
+            sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_READ_ONLY,
+        )
+    }
+    .result()
+}
+
 /// `cuMemHostUnregister` of the range registered at `addr`.
 ///
-/// Contract: `addr` is the first byte of a range registered by [`host_register`] and not
-/// yet unregistered, and no queued copy uses it any more.
+/// Contract: `addr` is the first byte of a range registered by [`host_register`] or
+/// [`host_register_read_only`] and not yet unregistered, and no queued copy uses it any
+/// more.
 pub(crate) fn host_unregister(ctx: &CudaContext, addr: usize) -> Result<()> {
     ctx.bind_to_thread().call("cuCtxSetCurrent")?;
     // SAFETY: by this function's contract `addr` starts a registered range nothing uses;

@@ -37,6 +37,10 @@ pub struct RouteMetrics {
     ring_slots: AtomicU64,
     ring_slot_bytes: AtomicU64,
     staging_buffers: AtomicU64,
+    host_registrations: AtomicU64,
+    registered_host_bytes: AtomicU64,
+    staging_setup_ns: AtomicU64,
+    register_fallbacks: AtomicU64,
     resident_leaves: Mutex<Vec<String>>,
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
@@ -135,6 +139,20 @@ impl RouteMetrics {
             .store(staging_buffers, Ordering::Relaxed);
     }
 
+    /// Sets where the streaming engine's copies read from (see [`StreamingHost`]); a build
+    /// that fell back from registered mappings is counted.
+    pub fn set_streaming_host(&self, host: StreamingHost) {
+        self.host_registrations
+            .store(host.registrations, Ordering::Relaxed);
+        self.registered_host_bytes
+            .store(host.registered_bytes, Ordering::Relaxed);
+        self.staging_setup_ns
+            .store(host.setup_ns, Ordering::Relaxed);
+        if host.register_fell_back {
+            self.register_fallbacks.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Appends a finished phase's peaks.
     pub fn push_phase(&self, phase: PhasePeak) {
         self.phases.lock().push(phase);
@@ -166,6 +184,10 @@ impl RouteMetrics {
             ring_slots: self.ring_slots.load(Ordering::Relaxed),
             ring_slot_bytes: self.ring_slot_bytes.load(Ordering::Relaxed),
             staging_buffers: self.staging_buffers.load(Ordering::Relaxed),
+            host_registrations: self.host_registrations.load(Ordering::Relaxed),
+            registered_host_bytes: self.registered_host_bytes.load(Ordering::Relaxed),
+            staging_setup_ns: self.staging_setup_ns.load(Ordering::Relaxed),
+            register_fallbacks: self.register_fallbacks.load(Ordering::Relaxed),
         }
     }
 
@@ -178,6 +200,21 @@ impl RouteMetrics {
     pub fn detach_reports(&self) -> Vec<DetachSummary> {
         self.detach_reports.lock().clone()
     }
+}
+
+/// Where a streaming engine's copies read from, for [`RouteMetrics::set_streaming_host`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamingHost {
+    /// Ranges of checkpoint mappings page-locked in place (0: a pinned home or staging
+    /// buffers).
+    pub registrations: u64,
+    /// Bytes those ranges page-lock.
+    pub registered_bytes: u64,
+    /// Nanoseconds taken to set the host side up (home copy, registrations).
+    pub setup_ns: u64,
+    /// Whether registered mappings were asked for (`pinned_source=register`) but the
+    /// engine staged otherwise.
+    pub register_fell_back: bool,
 }
 
 /// A copy of a route's counters at one moment.
@@ -221,9 +258,25 @@ pub struct RouteCounters {
     /// Bytes of one ring slot (the largest transfer unit).
     #[serde(default)]
     pub ring_slot_bytes: u64,
-    /// Pinned staging buffers (0: copies run from one pinned home of the weights).
+    /// Pinned staging buffers (0: copies run from one pinned home of the weights, or from
+    /// registered checkpoint mappings).
     #[serde(default)]
     pub staging_buffers: u64,
+    /// Checkpoint mapping ranges the streaming engine page-locked in place
+    /// (`pinned_source=register`; 0: it copies from a pinned home or staging buffers).
+    #[serde(default)]
+    pub host_registrations: u64,
+    /// Bytes of those ranges (part of `pinned_host_bytes`).
+    #[serde(default)]
+    pub registered_host_bytes: u64,
+    /// Nanoseconds the streaming engine took to set its host side up when it was last
+    /// built (copying the weights into a pinned home, or registering the mappings).
+    #[serde(default)]
+    pub staging_setup_ns: u64,
+    /// Engine builds that were asked to register the mappings but staged otherwise (the
+    /// device could not, or the bytes did not fit under the pinned limit).
+    #[serde(default)]
+    pub register_fallbacks: u64,
 }
 
 /// Peak device memory of one finished phase.
@@ -551,12 +604,39 @@ impl MetricsSnapshot {
                 c.transfer_units,
                 c.ring_slots,
                 format_bytes(c.ring_slot_bytes),
-                if c.staging_buffers == 0 {
+                if c.host_registrations > 0 {
+                    let home = c.pinned_host_bytes.saturating_sub(c.registered_host_bytes);
+                    format!(
+                        "copies from {} checkpoint range(s) page-locked in place ({}){}",
+                        c.host_registrations,
+                        format_bytes(c.registered_host_bytes),
+                        if home > 0 {
+                            format!(" and a pinned home of {}", format_bytes(home))
+                        } else {
+                            String::new()
+                        }
+                    )
+                } else if c.staging_buffers == 0 {
                     "copies from one pinned home".to_string()
                 } else {
                     format!("{} pinned staging buffers", c.staging_buffers)
                 }
             );
+            if c.staging_setup_ns > 0 || c.register_fallbacks > 0 {
+                let _ = writeln!(
+                    s,
+                    "  streaming host side set up in {:.3} ms{}",
+                    c.staging_setup_ns as f64 / 1e6,
+                    if c.register_fallbacks > 0 {
+                        format!(
+                            "; pinned_source=register fell back {} time(s)",
+                            c.register_fallbacks
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
         if !self.resident_leaves.is_empty() {
             const SHOWN: usize = 8;
@@ -650,6 +730,17 @@ mod tests {
             text.contains("streaming: 3.00 GiB per forward in 40 units, ring 2 x 90.00 MiB, copies from one pinned home"),
             "{text}"
         );
+        let mut registered = snap.clone();
+        registered.counters.host_registrations = 3;
+        registered.counters.registered_host_bytes = 3 << 30;
+        registered.counters.pinned_host_bytes = (3 << 30) + (1 << 20);
+        registered.counters.staging_setup_ns = 2_500_000;
+        let text = registered.format_profile();
+        assert!(
+            text.contains("copies from 3 checkpoint range(s) page-locked in place (3.00 GiB) and a pinned home of 1.00 MiB"),
+            "{text}"
+        );
+        assert!(text.contains("host side set up in 2.500 ms"), "{text}");
         // Snapshots written before these fields existed still parse.
         let json = snap
             .to_json()

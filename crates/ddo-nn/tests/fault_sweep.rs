@@ -119,6 +119,20 @@ fn routes(budget: &str) -> Vec<(String, RouteSpec, bool)> {
     let g = "diffusers_group_offload";
     vec![
         ("none".into(), RouteSpec::resident(), false),
+        // Before any route that gives the params a pinned home (whose teardown leaves
+        // owned copies): registering needs params that still point into the checkpoint.
+        (
+            "leaf+stream+pinned_source=register".into(),
+            parse(&format!("{g}:use_stream=true,pinned_source=register")),
+            false,
+        ),
+        (
+            format!("native_vmm:budget={budget},pinned_source=register"),
+            parse(&format!(
+                "native_vmm:budget={budget},unit_bytes=16KiB,pinned_source=register"
+            )),
+            true,
+        ),
         ("leaf".into(), RouteSpec::leaf_group(false, false), false),
         (
             "leaf+stream".into(),

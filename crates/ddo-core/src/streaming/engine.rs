@@ -22,20 +22,29 @@
 //! [`Fixup`](super::layout::Fixup)s.
 //! [`StreamingEngine::end_forward`] hands the ring back in stream order and leaves the
 //! streamed params host-only again.
+//!
+//! Host side ([`StagingKind`]): a pinned home (one copy per unit), bounded staging buffers,
+//! or — with [`PinnedSource::Register`] — the checkpoint mappings themselves, registered in
+//! place: each unit is then copied in *runs*, one copy per maximal sequence of its params
+//! that lie one after another both in the file and in the unit (the layout orders each
+//! unit by file offset, [`UnitOrder::Source`], so a module's tensors coalesce), and the
+//! params whose bytes are not mapped come from a pinned home of their own.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_metrics::RouteMetrics;
 
+use crate::config::PinnedSource;
 use crate::device::{Device, DeviceBuffer, Event, Stream};
 use crate::error::{CoreError, Result};
-use crate::host::HostBuffer;
+use crate::host::{CheckpointMap, HostBuffer, register_span};
 use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
 use crate::streaming::home::PinnedHome;
-use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, align_up};
+use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, UnitOrder, align_up};
 use crate::streaming::plan::plan_residency_with;
 use crate::streaming::{StagingMode, StreamingConfig, ring_does_not_fit};
 
@@ -53,6 +62,42 @@ pub enum StagingKind {
         /// Bytes of each.
         buffer_bytes: u64,
     },
+    /// [`PinnedSource::Register`]: the checkpoint mappings the streamed params point into,
+    /// page-locked in place in `registrations` ranges of `registered_bytes` in all (no
+    /// copy of them), plus a pinned home of `home_bytes` for the streamed params whose
+    /// bytes are not mapped. Copies run straight from both, one per run of params.
+    Registered {
+        /// Registered ranges (merged per mapping).
+        registrations: usize,
+        /// Bytes they page-lock.
+        registered_bytes: u64,
+        /// Bytes of the pinned home of the params that are not mapped (0: none).
+        home_bytes: u64,
+    },
+}
+
+impl StagingKind {
+    /// Pinned staging buffers the host copies through (0 when copies run straight from
+    /// a pinned home or a registered mapping), as the metrics count them.
+    pub fn staging_buffers(&self) -> u64 {
+        match self {
+            StagingKind::Ring { buffers, .. } => *buffers as u64,
+            StagingKind::PinnedHome | StagingKind::Registered { .. } => 0,
+        }
+    }
+
+    /// Ranges of checkpoint mappings page-locked in place, and their bytes (0 unless
+    /// [`StagingKind::Registered`]).
+    pub fn registered(&self) -> (u64, u64) {
+        match self {
+            StagingKind::Registered {
+                registrations,
+                registered_bytes,
+                ..
+            } => (*registrations as u64, *registered_bytes),
+            StagingKind::PinnedHome | StagingKind::Ring { .. } => (0, 0),
+        }
+    }
 }
 
 /// The engine's plan, as metrics and tests see it.
@@ -64,7 +109,9 @@ pub struct StreamingFigures {
     pub streamed_segments: usize,
     /// Weight bytes kept resident on the device.
     pub resident_bytes: u64,
-    /// Bytes copied to the device per forward (units, alignment padding included).
+    /// Bytes copied to the device per forward: whole units, alignment padding included,
+    /// from a pinned home or a staging ring; the runs (padding between them skipped)
+    /// from registered mappings.
     pub streamed_bytes: u64,
     /// Param bytes streamed per forward (without padding).
     pub streamed_payload_bytes: u64,
@@ -83,9 +130,32 @@ pub struct StreamingFigures {
     /// Host bytes of the params' previous sources that the pinned home released (bytes
     /// this engine held the last handle to); 0 for ring staging.
     pub host_bytes_released: u64,
+    /// Host→device copies per forward (units for a pinned home, runs for registered
+    /// mappings, staging-buffer chunks for a ring).
+    #[serde(default)]
+    pub copies_per_forward: u64,
+    /// Time taken to set the host side up (pinned home copy, registrations), in ns.
+    #[serde(default)]
+    pub staging_setup_ns: u64,
+    /// Why [`PinnedSource::Register`] was asked for but the engine staged otherwise (the
+    /// device cannot register the memory, or it does not fit under the pinned limit).
+    #[serde(default)]
+    pub register_fallback: Option<String>,
 }
 
 impl StreamingFigures {
+    /// Where copies read from, as the route metrics record it
+    /// ([`RouteMetrics::set_streaming_host`]).
+    pub fn host_metrics(&self) -> ddo_metrics::StreamingHost {
+        let (registrations, registered_bytes) = self.staging.registered();
+        ddo_metrics::StreamingHost {
+            registrations,
+            registered_bytes,
+            setup_ns: self.staging_setup_ns,
+            register_fell_back: self.register_fallback.is_some(),
+        }
+    }
+
     /// Device bytes of the ring.
     pub fn ring_bytes(&self) -> u64 {
         self.slot_bytes * self.ring_slots as u64
@@ -155,6 +225,163 @@ enum Host {
         last_copy: Vec<Option<Event>>,
         next: usize,
     },
+    Registered {
+        /// Registered views of the mappings (dropping them unregisters).
+        sources: Vec<HostBuffer>,
+        /// The pinned home of the streamed params that are not mapped.
+        home: Option<PinnedHome>,
+        /// Per unit, its copies.
+        runs: Vec<Vec<CopyRun>>,
+    },
+}
+
+/// Host staging built from a [`RegisterPlan`].
+struct Registered {
+    host: Host,
+    staging: StagingKind,
+    pinned_bytes: u64,
+    released: u64,
+    copies: u64,
+    copied_bytes: u64,
+}
+
+/// Where a run of a unit is copied from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunSource {
+    /// Byte `offset` of registered range `source`.
+    Registered { source: usize, offset: u64 },
+    /// Byte `offset` of the pinned home.
+    Home { offset: u64 },
+}
+
+/// One host→device copy of part of a unit: `len` bytes to byte `dst` of the unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CopyRun {
+    source: RunSource,
+    dst: u64,
+    len: u64,
+}
+
+/// What registering the streamed params' mappings takes (pure; touches no memory): the
+/// ranges to register (rounded out to [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN)
+/// blocks and merged per mapping, so no two share a page), each unit's copies, and the
+/// pinned home of the params that are not mapped.
+#[derive(Debug)]
+struct RegisterPlan {
+    spans: Vec<(Arc<CheckpointMap>, Range<usize>)>,
+    runs: Vec<Vec<CopyRun>>,
+    home: Vec<(Arc<Param>, u64)>,
+    home_bytes: u64,
+    registered_bytes: u64,
+}
+
+impl RegisterPlan {
+    fn new(layout: &StagingLayout) -> Self {
+        // Each mapping once, in the order the layout first uses it.
+        let mut maps: Vec<(Arc<CheckpointMap>, Vec<Range<usize>>)> = Vec::new();
+        let mut map_index: HashMap<usize, usize> = HashMap::new();
+        for e in layout.units().iter().flat_map(|u| &u.entries) {
+            if let Some((map, range)) = e.param.host().mapped_range() {
+                let m = *map_index
+                    .entry(Arc::as_ptr(map) as usize)
+                    .or_insert_with(|| {
+                        maps.push((Arc::clone(map), Vec::new()));
+                        maps.len() - 1
+                    });
+                maps[m]
+                    .1
+                    .push(register_span(map.len(), range.start, range.len()));
+            }
+        }
+        // Merge overlapping or touching spans of one mapping.
+        let mut spans: Vec<(Arc<CheckpointMap>, Range<usize>)> = Vec::new();
+        let mut first_span = Vec::with_capacity(maps.len());
+        for (map, mut ranges) in maps {
+            first_span.push(spans.len());
+            ranges.sort_unstable_by_key(|r| r.start);
+            let mut merged: Vec<Range<usize>> = Vec::new();
+            for r in ranges.into_iter().filter(|r| !r.is_empty()) {
+                match merged.last_mut() {
+                    Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                    _ => merged.push(r),
+                }
+            }
+            spans.extend(merged.into_iter().map(|r| (Arc::clone(&map), r)));
+        }
+        first_span.push(spans.len());
+        let source_of = |map: &Arc<CheckpointMap>, at: usize| -> Option<(usize, u64)> {
+            let m = *map_index.get(&(Arc::as_ptr(map) as usize))?;
+            let (lo, hi) = (first_span[m], first_span[m + 1]);
+            let i = lo + spans[lo..hi].partition_point(|(_, r)| r.end <= at);
+            (i < hi && spans[i].1.contains(&at)).then(|| (i, (at - spans[i].1.start) as u64))
+        };
+        let mut runs = Vec::with_capacity(layout.units().len());
+        let mut home = Vec::new();
+        let mut home_at = 0u64;
+        for unit in layout.units() {
+            let mut unit_runs: Vec<CopyRun> = Vec::new();
+            for e in unit.entries.iter().filter(|e| e.len > 0) {
+                let mapped = e
+                    .param
+                    .host()
+                    .mapped_range()
+                    .and_then(|(map, range)| source_of(map, range.start));
+                if let Some((source, offset)) = mapped {
+                    // Extends the run before when the file and the unit put the same
+                    // distance between them.
+                    if let Some(run) = unit_runs.last_mut()
+                        && let RunSource::Registered {
+                            source: s,
+                            offset: o,
+                        } = run.source
+                        && s == source
+                        && offset >= o
+                        && offset - o == e.offset - run.dst
+                    {
+                        run.len = e.offset + e.len - run.dst;
+                    } else {
+                        unit_runs.push(CopyRun {
+                            source: RunSource::Registered { source, offset },
+                            dst: e.offset,
+                            len: e.len,
+                        });
+                    }
+                } else if let Some(run) = unit_runs.last_mut()
+                    && let RunSource::Home { offset } = run.source
+                {
+                    // The home keeps the unit's spacing inside a run.
+                    home.push((Arc::clone(&e.param), offset + (e.offset - run.dst)));
+                    run.len = e.offset + e.len - run.dst;
+                    home_at = align_up(offset + run.len);
+                } else {
+                    home.push((Arc::clone(&e.param), home_at));
+                    unit_runs.push(CopyRun {
+                        source: RunSource::Home { offset: home_at },
+                        dst: e.offset,
+                        len: e.len,
+                    });
+                    home_at = align_up(home_at + e.len);
+                }
+            }
+            runs.push(unit_runs);
+        }
+        let registered_bytes = spans.iter().map(|(_, r)| r.len() as u64).sum();
+        Self {
+            spans,
+            runs,
+            home,
+            home_bytes: home_at,
+            registered_bytes,
+        }
+    }
+
+    fn copies(&self) -> u64 {
+        self.runs.iter().map(|r| r.len() as u64).sum()
+    }
+
+    fn copied_bytes(&self) -> u64 {
+        self.runs.iter().flatten().map(|r| r.len).sum()
+    }
 }
 
 /// The streaming engine of one component (see the [module docs](self)).
@@ -186,12 +413,17 @@ impl StreamingEngine {
     /// together) started in the order `schedule` gives (indices into `segments`), copying
     /// on `copy`. With a budget, the residency planner picks the segments to keep resident
     /// so that `resident + slots × slot ≤ budget`; everything else streams. Host staging is
-    /// prepared now (for a pinned home: the params' host bytes are replaced by it); device
-    /// memory is taken at the first [`StreamingEngine::begin_forward`].
+    /// prepared now (for a pinned home: the params' host bytes are replaced by it; with
+    /// [`PinnedSource::Register`]: the mappings are registered, and only the params that
+    /// are not mapped get a home); device memory is taken at the first
+    /// [`StreamingEngine::begin_forward`].
     ///
     /// Errors: a budget too small for the ring ([`CoreError::Refused`]-style typed
-    /// [`CoreError::InvalidOption`] with a hint), or a pinned limit below one staging
-    /// buffer ([`CoreError::PinnedLimit`]). On error nothing is changed.
+    /// [`CoreError::InvalidOption`] with a hint), a pinned limit below one staging buffer,
+    /// or below a required home ([`CoreError::PinnedLimit`]), or a device failure while
+    /// registering (a registration the device refuses as unsupported falls back instead,
+    /// [`StreamingFigures::register_fallback`]). On error nothing is changed and nothing
+    /// stays pinned.
     pub fn new(
         device: Arc<dyn Device>,
         copy: Stream,
@@ -234,7 +466,22 @@ impl StreamingEngine {
                 }
             }
         }
-        let layout = StagingLayout::new(segments, schedule, &resident_ids, config.unit_bytes);
+        // Registering copies straight from the file: order each unit by file offset so
+        // that a module's tensors coalesce into one copy.
+        let register =
+            config.pinned_source == PinnedSource::Register && config.staging != StagingMode::Ring;
+        let unit_order = if register {
+            UnitOrder::Source
+        } else {
+            UnitOrder::Schedule
+        };
+        let layout = StagingLayout::with_order(
+            segments,
+            schedule,
+            &resident_ids,
+            config.unit_bytes,
+            unit_order,
+        );
         let units = layout.units().len();
         let slots = slots_wanted.min(units);
         let slot_bytes = layout.slot_bytes();
@@ -256,12 +503,39 @@ impl StreamingEngine {
             .pinned_limit
             .min(info.pinned_limit.saturating_sub(info.pinned_host));
         let home_bytes: u64 = layout.units().iter().map(|u| u.bytes).sum();
+        let setup = Instant::now();
+        // Registered mappings first, when asked for and they fit; otherwise (or where the
+        // device cannot register the memory) the engine stages as it does for a home.
+        let mut register_fallback = None;
+        let mut registered = None;
+        if register && units > 0 {
+            let plan = RegisterPlan::new(&layout);
+            let need = plan.registered_bytes + plan.home_bytes;
+            if need > pinned_room {
+                register_fallback = Some(format!(
+                    "the registered ranges ({} B) and the pinned home of the params that are not mapped \
+                     ({} B) need {need} B, over the {pinned_room} B of pinned room left under the limit",
+                    plan.registered_bytes, plan.home_bytes
+                ));
+            } else {
+                match Self::build_registered(&*device, plan) {
+                    Ok(built) => registered = Some(built),
+                    Err(CoreError::HostRegisterUnsupported { reason, .. }) => {
+                        register_fallback = Some(reason);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
         let use_home = match config.staging {
             StagingMode::PinnedHome => true,
             StagingMode::Ring => false,
             StagingMode::Auto => home_bytes <= pinned_room,
         };
-        let (host, staging, pinned_bytes, released) = if units == 0 {
+        let copied_bytes = registered
+            .as_ref()
+            .map_or(0, |r: &Registered| r.copied_bytes);
+        let (host, staging, pinned_bytes, released, copies) = if units == 0 {
             (
                 None,
                 StagingKind::Ring {
@@ -270,6 +544,15 @@ impl StreamingEngine {
                 },
                 0,
                 0,
+                0,
+            )
+        } else if let Some(r) = registered {
+            (
+                Some(r.host),
+                r.staging,
+                r.pinned_bytes,
+                r.released,
+                r.copies,
             )
         } else if use_home {
             if home_bytes > pinned_room {
@@ -280,7 +563,13 @@ impl StreamingEngine {
                 });
             }
             let (host, released) = Self::build_home(&*device, &layout, home_bytes)?;
-            (Some(host), StagingKind::PinnedHome, home_bytes, released)
+            (
+                Some(host),
+                StagingKind::PinnedHome,
+                home_bytes,
+                released,
+                units as u64,
+            )
         } else {
             const BUFFERS: usize = 2;
             let per = (pinned_room / BUFFERS as u64) / PARAM_ALIGN * PARAM_ALIGN;
@@ -296,6 +585,11 @@ impl StreamingEngine {
             for _ in 0..BUFFERS {
                 buffers.push(device.alloc_pinned(buffer_bytes as usize)?);
             }
+            let copies = layout
+                .units()
+                .iter()
+                .map(|u| u.bytes.div_ceil(buffer_bytes))
+                .sum();
             (
                 Some(Host::Staged {
                     buffers,
@@ -308,8 +602,10 @@ impl StreamingEngine {
                 },
                 buffer_bytes * BUFFERS as u64,
                 0,
+                copies,
             )
         };
+        let staging_setup_ns = u64::try_from(setup.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let streamed_segments = order
             .iter()
             .filter(|&&s| segments[s].iter().any(|p| !resident_ids.contains(&p.id())))
@@ -318,7 +614,10 @@ impl StreamingEngine {
             resident_segments,
             streamed_segments,
             resident_bytes: resident_params.iter().map(|p| p.nbytes() as u64).sum(),
-            streamed_bytes: layout.streamed_bytes(),
+            streamed_bytes: match staging {
+                StagingKind::Registered { .. } => copied_bytes,
+                StagingKind::PinnedHome | StagingKind::Ring { .. } => layout.streamed_bytes(),
+            },
             streamed_payload_bytes: layout.payload_bytes(),
             units,
             ring_slots: slots,
@@ -327,6 +626,9 @@ impl StreamingEngine {
             staging,
             pinned_bytes,
             host_bytes_released: released,
+            copies_per_forward: copies,
+            staging_setup_ns,
+            register_fallback,
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
         let placement = Placement::new(&sizes, slot_bytes * slots as u64);
@@ -366,6 +668,51 @@ impl StreamingEngine {
         let home = PinnedHome::build(device, placements, home_bytes)?;
         let released = home.host_bytes_released();
         Ok((Host::Home { home, unit_offsets }, released))
+    }
+
+    /// Registers the plan's ranges of the checkpoint mappings in place and builds the
+    /// pinned home of the params that are not mapped. On error everything made so far is
+    /// dropped (registrations undone, no param changed).
+    fn build_registered(device: &dyn Device, plan: RegisterPlan) -> Result<Registered> {
+        let mut sources = Vec::with_capacity(plan.spans.len());
+        let mut registered_bytes = 0u64;
+        for (map, range) in &plan.spans {
+            let view = HostBuffer::mapped(Arc::clone(map), range.start, range.len())?;
+            let registered = device.register_host(&view)?;
+            registered_bytes += registered
+                .pinned_registration()
+                .map_or(range.len() as u64, |r| r.bytes());
+            sources.push(registered);
+        }
+        let (copies, copied_bytes) = (plan.copies(), plan.copied_bytes());
+        let (home, released) = if plan.home_bytes > 0 {
+            let home = PinnedHome::build(
+                device,
+                plan.home.iter().map(|(p, at)| (p, *at)),
+                plan.home_bytes,
+            )?;
+            let released = home.host_bytes_released();
+            (Some(home), released)
+        } else {
+            (None, 0)
+        };
+        let staging = StagingKind::Registered {
+            registrations: sources.len(),
+            registered_bytes,
+            home_bytes: plan.home_bytes,
+        };
+        Ok(Registered {
+            host: Host::Registered {
+                sources,
+                home,
+                runs: plan.runs,
+            },
+            staging,
+            pinned_bytes: registered_bytes + plan.home_bytes,
+            released,
+            copies,
+            copied_bytes,
+        })
     }
 
     /// The plan's figures.
@@ -519,6 +866,34 @@ impl StreamingEngine {
                     at += n;
                 }
             }
+            Some(Host::Registered {
+                sources,
+                home,
+                runs,
+            }) => {
+                for run in &runs[u] {
+                    let src = match run.source {
+                        RunSource::Registered { source, offset } => {
+                            sources[source].slice(offset as usize, run.len as usize)?
+                        }
+                        RunSource::Home { offset } => match home {
+                            Some(home) => home.buffer().slice(offset as usize, run.len as usize)?,
+                            None => {
+                                return Err(CoreError::Backend {
+                                    device: self.device.id().to_string(),
+                                    message: "streaming engine: a run reads a pinned home that was not built"
+                                        .into(),
+                                });
+                            }
+                        },
+                    };
+                    let dst = ring
+                        .buffer
+                        .slice((dst_base + run.dst) as usize, run.len as usize)?;
+                    self.device.copy_h2d(&src, &dst, &self.copy)?;
+                    self.metrics.record_h2d(run.len);
+                }
+            }
             None => {}
         }
         ring.ready[u] = Some(self.device.record_event(&self.copy)?);
@@ -629,13 +1004,19 @@ impl StreamingEngine {
 
     /// Releases everything: device memory, then host staging. A pinned home gives the
     /// params their bytes back in owned pageable memory (one copy again, never two at once
-    /// per param). Idempotent.
+    /// per param); registered mappings are unregistered (the params still point into
+    /// them). Idempotent.
     pub fn teardown(&mut self) -> Result<()> {
         let released = self.release_device();
         let staged = self.device.synchronize_stream(&self.copy);
         let restored = match self.host.take() {
-            Some(Host::Home { home, .. }) => home.restore(),
-            Some(Host::Staged { .. }) | None => Ok(()),
+            Some(Host::Home { home, .. })
+            | Some(Host::Registered {
+                home: Some(home), ..
+            }) => home.restore(),
+            // Dropping registered views unregisters them (copies still holding a view
+            // have completed: the copy stream was synchronised).
+            Some(Host::Registered { home: None, .. } | Host::Staged { .. }) | None => Ok(()),
         };
         self.figures.pinned_bytes = 0;
         released.and(staged).and(restored)

@@ -9,6 +9,8 @@
 //! A param already in the unit being built is not added again (a leaf that runs twice in
 //! a row, a tied weight); a param streamed in two units has two locations, and the
 //! engine points it at the right one when its position starts ([`StagingLayout::fixups`]).
+//! Inside a unit, params follow the schedule or, for copies straight from a registered
+//! checkpoint mapping, their place in the file ([`UnitOrder`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -71,21 +73,63 @@ pub struct StagingLayout {
     unit_target: u64,
 }
 
+/// How params are ordered inside each transfer unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnitOrder {
+    /// In schedule order (each position's params in segment order).
+    #[default]
+    Schedule,
+    /// By where their host bytes are: checkpoint-mapped params by mapping and file offset,
+    /// then the others in schedule order. Params adjacent in the file then sit next to
+    /// each other in the unit too, so copies straight from a registered mapping coalesce
+    /// (Diffusers checkpoints store a module's tensors one after another). A unit holds
+    /// the same params and has the same size either way (each param keeps its aligned
+    /// size); only their places inside it change.
+    Source,
+}
+
+/// Sort key of a param for [`UnitOrder::Source`]: mapped params first, by mapping and
+/// offset.
+fn source_key(p: &Param) -> (u8, usize, usize) {
+    match p.host().mapped_range() {
+        Some((map, range)) => (0, Arc::as_ptr(map) as usize, range.start),
+        None => (1, 0, 0),
+    }
+}
+
 impl StagingLayout {
     /// Packs the params of `segments` in the order `schedule` starts them (indices into
     /// `segments`), leaving out the params in `resident`, into units of about `unit_target`
-    /// bytes.
+    /// bytes, each unit in schedule order.
     pub fn new(
         segments: &[Vec<Arc<Param>>],
         schedule: &[usize],
         resident: &HashSet<ParamId>,
         unit_target: u64,
     ) -> Self {
+        Self::with_order(
+            segments,
+            schedule,
+            resident,
+            unit_target,
+            UnitOrder::Schedule,
+        )
+    }
+
+    /// [`StagingLayout::new`] with the params of each unit in `order`. Which params share
+    /// a unit, and the units' sizes, do not depend on `order`.
+    pub fn with_order(
+        segments: &[Vec<Arc<Param>>],
+        schedule: &[usize],
+        resident: &HashSet<ParamId>,
+        unit_target: u64,
+        order: UnitOrder,
+    ) -> Self {
         let mut units: Vec<TransferUnit> = Vec::new();
         let mut unit_of = vec![None; schedule.len()];
-        let mut in_current: HashMap<ParamId, u64> = HashMap::new();
-        // (param id) -> (position, unit, offset) for every position that uses it.
-        let mut uses: HashMap<ParamId, Vec<(usize, usize, u64)>> = HashMap::new();
+        let mut in_current: HashSet<ParamId> = HashSet::new();
+        // (param id) -> (position, unit) for every position that uses it.
+        let mut uses: HashMap<ParamId, Vec<(usize, usize)>> = HashMap::new();
         let mut params: HashMap<ParamId, Arc<Param>> = HashMap::new();
         for (pos, &seg) in schedule.iter().enumerate() {
             let streamed: Vec<&Arc<Param>> = segments
@@ -95,10 +139,10 @@ impl StagingLayout {
             if streamed.is_empty() {
                 continue;
             }
-            let added = |in_current: &HashMap<ParamId, u64>| -> u64 {
+            let added = |in_current: &HashSet<ParamId>| -> u64 {
                 streamed
                     .iter()
-                    .filter(|p| !in_current.contains_key(&p.id()))
+                    .filter(|p| !in_current.contains(&p.id()))
                     .map(|p| align_up(p.nbytes() as u64))
                     .sum()
             };
@@ -119,28 +163,44 @@ impl StagingLayout {
             let u = units.len() - 1;
             let unit = &mut units[u];
             for p in streamed {
-                let offset = match in_current.get(&p.id()) {
-                    Some(&o) => o,
-                    None => {
-                        let offset = unit.bytes;
-                        let len = p.nbytes() as u64;
-                        unit.entries.push(UnitEntry {
-                            param: Arc::clone(p),
-                            offset,
-                            len,
-                        });
-                        unit.bytes = offset + align_up(len);
-                        unit.payload += len;
-                        in_current.insert(p.id(), offset);
-                        offset
-                    }
-                };
-                uses.entry(p.id()).or_default().push((pos, u, offset));
+                if in_current.insert(p.id()) {
+                    let offset = unit.bytes;
+                    let len = p.nbytes() as u64;
+                    unit.entries.push(UnitEntry {
+                        param: Arc::clone(p),
+                        offset,
+                        len,
+                    });
+                    unit.bytes = offset + align_up(len);
+                    unit.payload += len;
+                }
+                uses.entry(p.id()).or_default().push((pos, u));
                 params.entry(p.id()).or_insert_with(|| Arc::clone(p));
             }
             unit.last = pos;
             unit_of[pos] = Some(u);
         }
+        if order == UnitOrder::Source {
+            for unit in &mut units {
+                // Stable: params with equal keys (owned ones) keep schedule order.
+                unit.entries.sort_by_cached_key(|e| source_key(&e.param));
+                let mut at = 0u64;
+                for e in &mut unit.entries {
+                    e.offset = at;
+                    at += align_up(e.len);
+                }
+                debug_assert_eq!(at, unit.bytes);
+            }
+        }
+        let offset_in: HashMap<(usize, ParamId), u64> = units
+            .iter()
+            .enumerate()
+            .flat_map(|(u, unit)| {
+                unit.entries
+                    .iter()
+                    .map(move |e| ((u, e.param.id()), e.offset))
+            })
+            .collect();
         let mut fixups = vec![Vec::new(); schedule.len()];
         let mut single = Vec::new();
         let mut ids: Vec<&ParamId> = uses.keys().collect();
@@ -148,11 +208,13 @@ impl StagingLayout {
         for id in ids {
             let list = &uses[id];
             let param = &params[id];
-            let (_, u0, o0) = list[0];
-            if list.iter().all(|&(_, u, o)| (u, o) == (u0, o0)) {
-                single.push((Arc::clone(param), u0, o0));
+            let place = |u: usize| (u, offset_in[&(u, *id)]);
+            let first = place(list[0].1);
+            if list.iter().all(|&(_, u)| place(u) == first) {
+                single.push((Arc::clone(param), first.0, first.1));
             } else {
-                for &(pos, unit, offset) in list {
+                for &(pos, u) in list {
+                    let (unit, offset) = place(u);
                     fixups[pos].push(Fixup {
                         param: Arc::clone(param),
                         unit,

@@ -24,9 +24,22 @@
 //!      from the params' own bytes just before their device copy, the host waiting only for
 //!      the copy that last read the buffer. No copy ever runs from pageable memory.
 //!
-//!    The third option, registering the checkpoint mapping itself as pinned, needs a
-//!    backend call the `Device` trait does not have yet (`cuMemHostRegister` with the
-//!    read-only flag on the mapping); `ddo-cuda` may add it, and the bench would compare it;
+//!    - *registered mappings* (opt-in, [`PinnedSource::Register`], route option
+//!      `pinned_source=register`): the checkpoint mappings the streamed params point into
+//!      are page-locked where they are ([`Device::register_host`](crate::Device::register_host):
+//!      `cuMemHostRegister` with the read-only flag on CUDA), in ranges rounded out to
+//!      [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks and merged per file; no copy
+//!      of the weights is made at attach and the params keep pointing into the mapping.
+//!      Each unit (ordered by file offset, [`UnitOrder::Source`]) is copied in one copy per
+//!      run of params adjacent both in the file and in the unit. Streamed params whose bytes
+//!      are not mapped get a pinned home of their own. Registered bytes plus that home
+//!      count against the limit; when they do not fit, or the device cannot register the
+//!      memory, the engine stages as above (pinned home if it fits, else the staging ring;
+//!      [`StreamingFigures::register_fallback`] says why). Teardown unregisters.
+//!      Which is faster is for the GPU bench to measure: the home costs a copy of the
+//!      weights at attach and pinned memory beside the page cache; registering costs
+//!      page-locking the mapping (the file's pages are read in then) and smaller copies
+//!      where tensors are not adjacent;
 //! 4. **streams through a ring** of [`StreamingConfig::ring_slots`] device slots, each the
 //!    size of the largest unit, allocated once per forward as one buffer: unit `u` lands
 //!    in slot `u mod k`; compute waits on the unit's copy event; the copy of unit `u + k`
@@ -48,9 +61,10 @@ pub mod layout;
 pub mod plan;
 pub mod schedule;
 
+pub use crate::config::PinnedSource;
 pub use engine::{StagingKind, StreamingEngine, StreamingFigures};
 pub use home::PinnedHome;
-pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry};
+pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry, UnitOrder};
 pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
 pub use schedule::{Schedule, ScheduleOutcome};
 
@@ -94,6 +108,9 @@ pub struct StreamingConfig {
     pub staging: StagingMode,
     /// VRAM budget in bytes for resident weights plus the ring (`None`: stream everything).
     pub budget: Option<u64>,
+    /// Where copies read the streamed weights from: a pinned home (default) or the
+    /// checkpoint mappings registered in place. Ignored with [`StagingMode::Ring`].
+    pub pinned_source: PinnedSource,
 }
 
 impl Default for StreamingConfig {
@@ -104,6 +121,7 @@ impl Default for StreamingConfig {
             pinned_limit: DEFAULT_PINNED_LIMIT,
             staging: StagingMode::Auto,
             budget: None,
+            pinned_source: PinnedSource::Home,
         }
     }
 }
@@ -118,9 +136,9 @@ impl StreamingConfig {
         }
     }
 
-    /// The settings route options give (`unit_bytes`, `ring_slots`, `pinned_limit`;
-    /// `pinned=false` or `low_cpu_mem_usage=true` choose the staging ring). The budget is
-    /// left to the route, which knows the device's free memory.
+    /// The settings route options give (`unit_bytes`, `ring_slots`, `pinned_limit`,
+    /// `pinned_source`; `pinned=false` or `low_cpu_mem_usage=true` choose the staging
+    /// ring). The budget is left to the route, which knows the device's free memory.
     pub fn from_options(o: &RouteOptions) -> Self {
         let d = Self::default();
         let ring_only = o.pinned == Some(false) || o.low_cpu_mem_usage == Some(true);
@@ -134,6 +152,7 @@ impl StreamingConfig {
                 StagingMode::Auto
             },
             budget: None,
+            pinned_source: o.pinned_source.unwrap_or_default(),
         }
     }
 }

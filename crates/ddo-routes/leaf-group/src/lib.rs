@@ -42,8 +42,10 @@
 //!   bytes when the streamed bytes fit under `pinned_limit` (default
 //!   [`DEFAULT_PINNED_LIMIT`](ddo_core::streaming::DEFAULT_PINNED_LIMIT)), else (and with
 //!   `pinned=false` or `low_cpu_mem_usage=true`) two bounded pinned staging buffers are
-//!   filled from the params' own bytes. The learning forward copies from the params' own
-//!   bytes (`low_cpu_mem_usage=true`: pinned on the fly).
+//!   filled from the params' own bytes. With `pinned_source=register` (stream mode only)
+//!   the engine page-locks the checkpoint mappings the params point into instead of
+//!   copying them into a home (see [`ddo_core::streaming`]). The learning forward copies
+//!   from the params' own bytes (`low_cpu_mem_usage=true`: pinned on the fly).
 //!
 //! The route keeps nothing resident by design: between phases
 //! ([`AttachedRoute::end_phase`]) nothing of the component stays on the device, and
@@ -60,8 +62,8 @@ use ddo_core::residency::{FreeMode, ResidencyTable, pin_copy};
 use ddo_core::streaming::layout::align_up;
 use ddo_core::streaming::plan::plan_residency_with;
 use ddo_core::streaming::{
-    PinnedHome, Schedule, ScheduleOutcome, StagingKind, StreamingConfig, StreamingEngine,
-    StreamingFigures, ring_does_not_fit,
+    PinnedHome, Schedule, ScheduleOutcome, StreamingConfig, StreamingEngine, StreamingFigures,
+    ring_does_not_fit,
 };
 use ddo_core::{
     AttachedRoute, Component, CoreError, Device, DeviceId, GroupOffloadConfig, HostSlice, Leaf,
@@ -77,7 +79,7 @@ pub const ROUTE_NAME: &str = "diffusers_group_offload";
 const BUDGET_HINT: &str = "diffusers_group_offload keeps budgeted residency only with a stream: \
      set use_stream=true, or use native_vmm with a budget, or none";
 
-const STREAM_ONLY_HINT: &str = "pinned_limit, unit_bytes and ring_slots tune the streaming engine: set use_stream=true, or drop them";
+const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots and pinned_source tune the streaming engine: set use_stream=true, or drop them";
 
 /// Label of the block-level group that holds every leaf outside the root's block lists.
 pub const UNMATCHED_LABEL: &str = "unmatched";
@@ -232,6 +234,7 @@ impl Route for GroupOffloadRoute {
         for (given, option) in [
             (o.unit_bytes.is_some(), "unit_bytes"),
             (o.ring_slots.is_some(), "ring_slots"),
+            (o.pinned_source.is_some(), "pinned_source"),
         ] {
             if given && !streamed {
                 return Err(refuse(Refusal::UnsupportedOption {
@@ -746,11 +749,9 @@ impl AttachedGroupOffload {
             f.units as u64,
             f.ring_slots as u64,
             f.slot_bytes,
-            match f.staging {
-                StagingKind::PinnedHome => 0,
-                StagingKind::Ring { buffers, .. } => buffers as u64,
-            },
+            f.staging.staging_buffers(),
         );
+        self.metrics.set_streaming_host(f.host_metrics());
         self.metrics.set_pinned_host_bytes(f.pinned_bytes);
         st.engine = Some(engine);
         Ok(())

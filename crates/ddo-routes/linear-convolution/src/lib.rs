@@ -161,6 +161,7 @@ impl Route for LinearConvolutionRoute {
             (o.pinned_limit.is_some(), "pinned_limit"),
             (o.unit_bytes.is_some(), "unit_bytes"),
             (o.ring_slots.is_some(), "ring_slots"),
+            (o.pinned_source.is_some(), "pinned_source"),
         ] {
             if given {
                 return Err(refused(

@@ -2,8 +2,11 @@
 //! it keeps resident the leaves whose weights would cost most to stream, and streams the
 //! rest through ddo-core's [`StreamingEngine`]: packed in schedule order into transfer
 //! units, staged in pinned memory (by default a pinned home that becomes the weights' one
-//! host copy; with `pinned=false` a bounded pinned staging ring), and copied on a copy
-//! stream into a ring of device bytes ahead of compute.
+//! host copy; with `pinned_source=register` the checkpoint mapping page-locked in place;
+//! with `pinned=false` a bounded pinned staging ring), and copied on a copy stream into a
+//! ring of device bytes ahead of compute. Leaf by leaf (when the ring does not fit beside
+//! the resident set) the streamed weights are page-locked in a pinned home whatever
+//! `pinned_source` says: registering applies to the engine.
 //!
 //! This crate is one of the route crates above `ddo-core`: it talks to the [`Device`]
 //! trait only, moves params through [`ResidencyTable`] and the engine, and is registered
@@ -35,8 +38,8 @@ use std::sync::Arc;
 use ddo_core::residency::{EagerLeafStreamer, FreeMode, ResidencyTable};
 use ddo_core::streaming::layout::align_up;
 use ddo_core::streaming::{
-    PinnedHome, Schedule, ScheduleOutcome, StagingKind, StagingMode, StreamingConfig,
-    StreamingEngine, StreamingFigures,
+    PinnedHome, Schedule, ScheduleOutcome, StagingMode, StreamingConfig, StreamingEngine,
+    StreamingFigures,
 };
 use ddo_core::{
     AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, HostSlice, Leaf,
@@ -57,7 +60,7 @@ pub const DEFAULT_BUDGET: Budget = Budget::FreeMinus(DEFAULT_FREE_MARGIN);
 
 /// The hint given for an option `native_vmm` does not take.
 pub const OPTION_HINT: &str = "native_vmm takes budget, pinned and the streaming engine's pinned_limit, \
-     unit_bytes and ring_slots; use diffusers_group_offload for grouped offload options";
+     unit_bytes, ring_slots and pinned_source; use diffusers_group_offload for grouped offload options";
 
 /// Whether streamed weights are page-locked when the spec does not say: yes, in a pinned
 /// home that replaces their host bytes (one host copy), when it fits under `pinned_limit`.
@@ -360,7 +363,12 @@ impl Route for NativeVmmRoute {
         if let Some(option) = spec.options().given().into_iter().find(|o| {
             !matches!(
                 *o,
-                "budget" | "pinned" | "pinned_limit" | "unit_bytes" | "ring_slots"
+                "budget"
+                    | "pinned"
+                    | "pinned_limit"
+                    | "unit_bytes"
+                    | "ring_slots"
+                    | "pinned_source"
             )
         }) {
             return Err(refused(
@@ -574,11 +582,9 @@ impl NativeVmmAttachment {
             f.units as u64,
             f.ring_slots as u64,
             f.slot_bytes,
-            match f.staging {
-                StagingKind::PinnedHome => 0,
-                StagingKind::Ring { buffers, .. } => buffers as u64,
-            },
+            f.staging.staging_buffers(),
         );
+        self.metrics.set_streaming_host(f.host_metrics());
         self.metrics.set_pinned_host_bytes(f.pinned_bytes);
         self.metrics
             .set_resident_weight_bytes(st.eager.table().resident_bytes() + f.resident_bytes);

@@ -1,0 +1,696 @@
+//! Registering checkpoint mappings in place (`Device::register_host`) on the host backend,
+//! and the streaming engine's `pinned_source=register` staging built on it: every schedule
+//! position reads exactly its params' bytes, the pinned bytes are the registered ranges
+//! plus the home of the params that are not mapped (and 0 after teardown), mapped params
+//! keep pointing into the file, copies coalesce over params adjacent in the file and in
+//! the unit, the pinned limit is respected (falling back to the home or the staging ring
+//! the way the home mode does), and a device that refuses the registration falls back to
+//! a pinned home.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ddo_core::device::download;
+use ddo_core::host::{REGISTER_ALIGN, register_span};
+use ddo_core::streaming::{
+    PinnedSource, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
+};
+use ddo_core::{
+    Checkpoint, CoreError, DType, Device, DeviceBuffer, HostBuffer, HostDevice, HostDeviceConfig,
+    HostMemoryKind, Param, ParamKind,
+};
+use ddo_metrics::RouteMetrics;
+use proptest::prelude::*;
+
+/// A fresh temporary directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "ddo-register-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A device whose copies take time (bytes / `link` seconds).
+fn device(pinned_limit: u64, link: f64) -> Arc<HostDevice> {
+    HostDevice::new(HostDeviceConfig {
+        capacity: 1 << 26,
+        pinned_limit,
+        link_bytes_per_sec: Some(link),
+        ..HostDeviceConfig::default()
+    })
+    .unwrap()
+}
+
+/// Segments of f32 params: `sizes[s][i] = (elements, mapped)`. Mapped params are written to
+/// one safetensors file, in `file_order` (a permutation of the mapped params, by index in
+/// the order they appear in `sizes`), and opened checkpoint-backed; the others are owned
+/// pageable memory. Values are unique per param.
+fn segments(
+    dir: &Path,
+    sizes: &[Vec<(usize, bool)>],
+    file_order: &[usize],
+) -> (Vec<Vec<Arc<Param>>>, PathBuf) {
+    let mut next = 1.0f32;
+    let mut values: Vec<Vec<Vec<f32>>> = Vec::new();
+    let mut mapped_names = Vec::new();
+    for (s, params) in sizes.iter().enumerate() {
+        let mut seg = Vec::new();
+        for (i, &(n, mapped)) in params.iter().enumerate() {
+            seg.push((0..n).map(|k| next + k as f32 / 1024.0).collect());
+            next += 1.0;
+            if mapped {
+                mapped_names.push((s, i));
+            }
+        }
+        values.push(seg);
+    }
+    // safetensors writes tensors sorted by name: a rank prefix sets the file order.
+    let mut rank = vec![0; mapped_names.len()];
+    for (r, &m) in file_order.iter().enumerate() {
+        rank[m] = r;
+    }
+    let name_of: BTreeMap<(usize, usize), String> = mapped_names
+        .iter()
+        .enumerate()
+        .map(|(m, &(s, i))| ((s, i), format!("t{:04}.s{s}.p{i}", rank[m])))
+        .collect();
+    let path = dir.join("diffusion_pytorch_model.safetensors");
+    let bytes: Vec<(String, Vec<u8>, usize)> = name_of
+        .iter()
+        .map(|(&(s, i), name)| {
+            let v = &values[s][i];
+            (name.clone(), bytemuck_f32(v), v.len())
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(name, data, n)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![*n], data)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let segs = sizes
+        .iter()
+        .enumerate()
+        .map(|(s, params)| {
+            params
+                .iter()
+                .enumerate()
+                .map(|(i, &(n, _))| match name_of.get(&(s, i)) {
+                    Some(name) => {
+                        Param::from_checkpoint(&ckpt, name, name.clone(), ParamKind::Parameter)
+                            .unwrap()
+                    }
+                    None => Param::from_f32(
+                        format!("owned.s{s}.p{i}"),
+                        ParamKind::Parameter,
+                        DType::F32,
+                        vec![n],
+                        &values[s][i],
+                    )
+                    .unwrap(),
+                })
+                .collect()
+        })
+        .collect();
+    // Only the params hold the mapping now.
+    drop(ckpt);
+    (segs, path)
+}
+
+fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// One forward of `schedule`: each position's "kernel" copies its params' device bytes
+/// into `outputs[pos]` on the compute stream, behind a slow pinned copy so compute lags
+/// the host. Returns the bytes each position read.
+fn forward(
+    d: &HostDevice,
+    engine: &mut StreamingEngine,
+    segs: &[Vec<Arc<Param>>],
+    schedule: &[usize],
+    outputs: &[DeviceBuffer],
+    lag: &(HostBuffer, DeviceBuffer),
+) -> ddo_core::Result<Vec<Vec<u8>>> {
+    let compute = d.compute_stream();
+    engine.begin_forward()?;
+    for (pos, &s) in schedule.iter().enumerate() {
+        engine.enter(pos)?;
+        d.copy_h2d(&lag.0.slice_all(), &lag.1.slice_all(), &compute)?;
+        let mut at = 0;
+        for p in &segs[s] {
+            let src = p.device().ok_or_else(|| CoreError::NotResident {
+                leaf: format!("position {pos}"),
+                param: p.name().to_string(),
+            })?;
+            d.copy_d2d(&src, &outputs[pos].slice(at, p.nbytes())?, &compute)?;
+            at += p.nbytes();
+        }
+        engine.leave(pos)?;
+    }
+    engine.end_forward()?;
+    d.synchronize()?;
+    outputs
+        .iter()
+        .map(|o| download(d, &o.slice_all(), &compute))
+        .collect()
+}
+
+fn expected(segs: &[Vec<Arc<Param>>], schedule: &[usize]) -> Vec<Vec<u8>> {
+    schedule
+        .iter()
+        .map(|&s| segs[s].iter().flat_map(|p| p.host().to_vec()).collect())
+        .collect()
+}
+
+/// The ranges a registration of the streamed mapped params must cover, computed
+/// independently of the engine from the params' source descriptors: each param's range
+/// of the file rounded out to blocks, merged. `(ranges, bytes)`.
+fn expected_registered(params: &[&Arc<Param>]) -> (usize, u64) {
+    let mut spans: Vec<std::ops::Range<usize>> = params
+        .iter()
+        .filter_map(|p| p.source())
+        .filter(|s| !s.range.is_empty())
+        .map(|s| {
+            let file_len = std::fs::metadata(&s.file).unwrap().len() as usize;
+            register_span(file_len, s.range.start, s.range.len())
+        })
+        .collect();
+    spans.sort_by_key(|r| r.start);
+    let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
+    for r in spans {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    (
+        merged.len(),
+        merged.iter().map(|r| r.len() as u64).sum::<u64>(),
+    )
+}
+
+/// Bytes of the home of the params that are not mapped: each unit's owned params, each
+/// at its aligned size.
+fn expected_home(engine: &StreamingEngine) -> u64 {
+    engine
+        .layout()
+        .units()
+        .iter()
+        .flat_map(|u| &u.entries)
+        .filter(|e| e.param.source().is_none() && e.len > 0)
+        .map(|e| e.len.div_ceil(256) * 256)
+        .sum()
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    sizes: Vec<Vec<(usize, bool)>>,
+    file_order_seed: u64,
+    schedule: Vec<usize>,
+    unit_bytes: u64,
+    slots: usize,
+    staging: StagingMode,
+    pinned_limit: u64,
+    budget_fraction: Option<f64>,
+}
+
+fn run_case(case: &Case) -> Result<(), TestCaseError> {
+    let dir = TempDir::new();
+    let mapped = case.sizes.iter().flatten().filter(|(_, m)| *m).count();
+    // A seeded permutation of the mapped params.
+    let mut file_order: Vec<usize> = (0..mapped).collect();
+    let mut x = case.file_order_seed | 1;
+    for i in (1..file_order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        file_order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let (segs, _path) = segments(&dir.0, &case.sizes, &file_order);
+    let d = device(case.pinned_limit + (1 << 16), 2e8);
+    let aligned = |p: &Arc<Param>| (p.nbytes() as u64).div_ceil(256) * 256;
+    let total: u64 = segs.iter().flatten().map(aligned).sum();
+    let largest: u64 = segs
+        .iter()
+        .map(|s| s.iter().map(aligned).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let ring_room = case.slots as u64
+        * largest.max(case.unit_bytes.div_ceil(256).min(total.div_ceil(256)) * 256);
+    let before: Vec<(u64, bool)> = segs
+        .iter()
+        .flatten()
+        .map(|p| (p.host_checksum(), p.is_checkpoint_backed()))
+        .collect();
+    let config = StreamingConfig {
+        unit_bytes: case.unit_bytes,
+        ring_slots: case.slots,
+        pinned_limit: case.pinned_limit,
+        staging: case.staging,
+        budget: case
+            .budget_fraction
+            .map(|f| (total as f64 * f) as u64 + ring_room),
+        pinned_source: PinnedSource::Register,
+    };
+    let metrics = Arc::new(RouteMetrics::new());
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine = match StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &case.schedule,
+        &config,
+        metrics.clone(),
+    ) {
+        Ok(e) => e,
+        // Neither the registration nor a home fits and a pinned home was required:
+        // refused with nothing pinned and no param changed.
+        Err(CoreError::PinnedLimit { .. }) => {
+            prop_assert_eq!(case.staging, StagingMode::PinnedHome);
+            prop_assert_eq!(d.memory_info().pinned_host, 0);
+            let now: Vec<(u64, bool)> = segs
+                .iter()
+                .flatten()
+                .map(|p| (p.host_checksum(), p.is_checkpoint_backed()))
+                .collect();
+            prop_assert_eq!(&now, &before);
+            return Ok(());
+        }
+        Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+    };
+    let f = engine.figures().clone();
+    prop_assert_eq!(d.memory_info().pinned_host, f.pinned_bytes);
+    prop_assert!(f.pinned_bytes <= case.pinned_limit);
+    let resident: HashSet<_> = engine.resident_params().iter().map(|p| p.id()).collect();
+    let mut seen = HashSet::new();
+    let streamed: Vec<&Arc<Param>> = segs
+        .iter()
+        .flatten()
+        .filter(|p| !resident.contains(&p.id()) && seen.insert(p.id()))
+        .collect();
+    let (ranges, registered) = expected_registered(&streamed);
+    let home = expected_home(&engine);
+    match f.staging {
+        StagingKind::Registered {
+            registrations,
+            registered_bytes,
+            home_bytes,
+        } => {
+            prop_assert!(case.staging != StagingMode::Ring);
+            prop_assert!(f.register_fallback.is_none());
+            prop_assert_eq!((registrations, registered_bytes), (ranges, registered));
+            prop_assert_eq!(home_bytes, home);
+            prop_assert_eq!(f.pinned_bytes, registered_bytes + home_bytes);
+            // Mapped params still point into the file; the streamed owned ones live in
+            // the home (one host copy), the others are untouched.
+            for p in segs.iter().flatten() {
+                let kind = p.host().kind();
+                if p.source().is_some() {
+                    prop_assert_eq!(kind, HostMemoryKind::CheckpointMapped);
+                } else {
+                    let owned_streamed = !resident.contains(&p.id());
+                    prop_assert_eq!(kind == HostMemoryKind::Pinned, owned_streamed);
+                }
+            }
+        }
+        StagingKind::PinnedHome | StagingKind::Ring { .. } => {
+            // Registering did not fit under the limit (or the ring was forced).
+            if case.staging != StagingMode::Ring && f.units > 0 {
+                let reason = f.register_fallback.clone().unwrap_or_default();
+                prop_assert!(reason.contains("pinned room"), "{}", reason);
+                prop_assert!(registered + home > case.pinned_limit);
+            }
+        }
+    }
+    let want = expected(&segs, &case.schedule);
+    let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
+    let lag = (d.alloc_pinned(1 << 16).unwrap(), d.alloc(1 << 16).unwrap());
+    for i in 0..3 {
+        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, &lag)
+            .map_err(|e| TestCaseError::fail(format!("{e}")))?;
+        prop_assert_eq!(&got, &want, "forward {}", i);
+    }
+    let c = metrics.counters();
+    prop_assert_eq!(c.h2d_bytes, f.resident_bytes + 3 * f.streamed_bytes);
+    prop_assert_eq!(
+        c.h2d_copies,
+        resident.len() as u64 + 3 * f.copies_per_forward
+    );
+    engine.teardown().unwrap();
+    drop(engine);
+    drop(outputs);
+    drop(lag);
+    prop_assert_eq!(d.memory_info().allocated, 0);
+    prop_assert_eq!(d.memory_info().pinned_host, 0);
+    // Same bytes; params the home held are owned pageable copies now, mapped ones are
+    // still mapped.
+    let after: Vec<u64> = segs.iter().flatten().map(|p| p.host_checksum()).collect();
+    let before_sums: Vec<u64> = before.iter().map(|b| b.0).collect();
+    prop_assert_eq!(before_sums, after);
+    for p in segs.iter().flatten() {
+        if p.source().is_some() && matches!(f.staging, StagingKind::Registered { .. }) {
+            prop_assert!(p.is_checkpoint_backed(), "{}", p.name());
+        }
+        prop_assert!(p.device().is_none());
+    }
+    Ok(())
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    // Sizes in f32 elements: small odd ones and multiples of 64 (256 B, which coalesce).
+    let size = prop_oneof![1usize..200, (1usize..8).prop_map(|k| k * 64)];
+    let sizes = prop::collection::vec(
+        prop::collection::vec((size, prop::bool::weighted(0.8)), 1..4),
+        2..9,
+    );
+    (
+        sizes,
+        any::<u64>(),
+        prop::collection::vec(0usize..100, 2..14),
+        prop::sample::select(vec![64u64, 256, 1000, 4096, 1 << 20]),
+        2usize..5,
+        prop::sample::select(vec![
+            StagingMode::Auto,
+            StagingMode::Auto,
+            StagingMode::PinnedHome,
+            StagingMode::Ring,
+        ]),
+        // Below one registration block, around it, and plenty.
+        prop::sample::select(vec![4096u64, 48 << 10, 96 << 10, 1 << 20]),
+        // Mostly everything streamed; sometimes a budget that keeps part resident.
+        prop::option::weighted(0.3, 0.0f64..0.7),
+    )
+        .prop_map(
+            |(sizes, file_order_seed, picks, unit_bytes, slots, staging, pinned_limit, budget)| {
+                let n = sizes.len();
+                let mut schedule: Vec<usize> = (0..n).collect();
+                for (i, p) in picks.iter().enumerate() {
+                    if i < n {
+                        schedule.swap(i, p % n);
+                    } else {
+                        schedule.push(p % n);
+                    }
+                }
+                Case {
+                    sizes,
+                    file_order_seed,
+                    schedule,
+                    unit_bytes,
+                    slots,
+                    staging,
+                    pinned_limit,
+                    budget_fraction: budget,
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn registered_staging_reads_every_position_exactly_and_keeps_its_limits(case in case_strategy()) {
+        run_case(&case)?;
+    }
+}
+
+#[test]
+fn register_host_pins_a_mapping_in_place_and_refuses_what_it_cannot_pin() {
+    let dir = TempDir::new();
+    let (segs, path) = segments(
+        &dir.0,
+        &[vec![(40_000, true), (30_000, true), (10, true)]],
+        &[0, 1, 2],
+    );
+    let map = Checkpoint::open(&path).unwrap().map().clone();
+    let d = device(1 << 20, 1e9);
+    // A range in the middle of the file locks whole blocks around it.
+    let buffer = HostBuffer::mapped(Arc::clone(&map), 70_000, 100).unwrap();
+    let view = d.register_host(&buffer).unwrap();
+    assert_eq!(view.kind(), HostMemoryKind::Pinned);
+    assert_eq!(view.len(), 100);
+    assert_eq!(
+        view.with_bytes(<[u8]>::to_vec),
+        buffer.with_bytes(<[u8]>::to_vec)
+    );
+    let span = register_span(map.len(), 70_000, 100);
+    assert_eq!(span, REGISTER_ALIGN..2 * REGISTER_ALIGN);
+    assert_eq!(d.memory_info().pinned_host, REGISTER_ALIGN as u64);
+    assert_eq!(
+        view.pinned_registration().unwrap().bytes(),
+        REGISTER_ALIGN as u64
+    );
+    // Read-only, like the mapping.
+    assert!(view.with_bytes_mut(|b| b[0] = 1).is_err());
+    // A range sharing a block is refused (a page is registered once); a disjoint one is not.
+    let overlapping = HostBuffer::mapped(Arc::clone(&map), REGISTER_ALIGN + 5, 10).unwrap();
+    let err = d.register_host(&overlapping).unwrap_err();
+    assert!(
+        matches!(err, CoreError::HostRegisterUnsupported { .. }),
+        "{err}"
+    );
+    let first = HostBuffer::mapped(Arc::clone(&map), 0, 10).unwrap();
+    let first = d.register_host(&first).unwrap();
+    assert_eq!(d.memory_info().pinned_host, 2 * REGISTER_ALIGN as u64);
+    // Owned memory is not registered in place; nor is a registered view.
+    for owned in [HostBuffer::pageable_from(&[1, 2, 3]), view.clone()] {
+        let err = d.register_host(&owned).unwrap_err();
+        assert!(
+            matches!(err, CoreError::HostRegisterUnsupported { .. }),
+            "{err}"
+        );
+    }
+    // Over the pinned limit: the ledger's typed error, nothing registered.
+    let small = device(REGISTER_ALIGN as u64 / 2, 1e9);
+    let err = small.register_host(&buffer).unwrap_err();
+    assert!(matches!(err, CoreError::PinnedLimit { .. }), "{err}");
+    assert_eq!(small.memory_info().pinned_host, 0);
+    // Copies from the view are pinned copies (asynchronous): they land after the link time.
+    let slow = device(1 << 20, 1_000.0);
+    let src = slow.register_host(&buffer).unwrap();
+    let dst = slow.alloc(100).unwrap();
+    let copy = slow.create_stream().unwrap();
+    slow.copy_h2d(&src.slice_all(), &dst.slice_all(), &copy)
+        .unwrap();
+    let done = slow.record_event(&copy).unwrap();
+    assert!(!slow.event_complete(&done).unwrap(), "the copy blocked");
+    slow.synchronize_event(&done).unwrap();
+    assert_eq!(
+        download(&*slow, &dst.slice_all(), &copy).unwrap(),
+        buffer.with_bytes(<[u8]>::to_vec)
+    );
+    // Unregistered with the last handle; the range can be registered again.
+    drop((view, first));
+    assert_eq!(d.memory_info().pinned_host, 0);
+    let again = d.register_host(&overlapping).unwrap();
+    drop(again);
+    assert_eq!(d.memory_info().pinned_host, 0);
+    drop(segs);
+}
+
+/// Builds a register-mode engine over `segs` (one unit) and returns its figures.
+fn figures_of(segs: &[Vec<Arc<Param>>], unit_bytes: u64) -> ddo_core::streaming::StreamingFigures {
+    let d = device(1 << 20, 1e9);
+    let schedule: Vec<usize> = (0..segs.len()).collect();
+    let mut engine = StreamingEngine::new(
+        d.clone(),
+        d.create_stream().unwrap(),
+        segs,
+        &schedule,
+        &StreamingConfig {
+            unit_bytes,
+            pinned_source: PinnedSource::Register,
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    let f = engine.figures().clone();
+    engine.teardown().unwrap();
+    f
+}
+
+#[test]
+fn params_adjacent_in_the_file_and_in_the_unit_are_copied_together() {
+    let dir = TempDir::new();
+    // A "bias" of 64 f32 (256 B) stored before its "weight" of 1024 f32, as safetensors
+    // sorts them, and two more tensors after: one unit, one copy.
+    let (segs, _) = segments(
+        &dir.0,
+        &[
+            vec![(1024, true), (64, true)],
+            vec![(128, true), (192, true)],
+        ],
+        &[1, 0, 2, 3],
+    );
+    let f = figures_of(&segs, 1 << 20);
+    assert_eq!(f.units, 1);
+    assert!(
+        matches!(
+            f.staging,
+            StagingKind::Registered {
+                registrations: 1,
+                home_bytes: 0,
+                ..
+            }
+        ),
+        "{:?}",
+        f.staging
+    );
+    assert_eq!(f.copies_per_forward, 1, "{f:?}");
+    assert_eq!(f.streamed_bytes, (1024 + 64 + 128 + 192) * 4);
+
+    // A 100-byte bias is padded to 256 B in the unit but not in the file: two copies.
+    let dir = TempDir::new();
+    let (segs, _) = segments(&dir.0, &[vec![(1024, true), (25, true)]], &[1, 0]);
+    assert_eq!(figures_of(&segs, 1 << 20).copies_per_forward, 2);
+
+    // Owned params go to a home of their own: one more copy for the owned run.
+    let dir = TempDir::new();
+    let (segs, _) = segments(
+        &dir.0,
+        &[
+            vec![(1024, true), (64, false)],
+            vec![(128, true), (30, false)],
+        ],
+        &[0, 1],
+    );
+    let f = figures_of(&segs, 1 << 20);
+    let StagingKind::Registered {
+        registrations,
+        home_bytes,
+        ..
+    } = f.staging
+    else {
+        panic!("{:?}", f.staging)
+    };
+    assert_eq!(registrations, 1);
+    // The two owned params, kept at their distance in the unit: 256 B + 120 B.
+    assert_eq!(home_bytes, 512);
+    assert_eq!(f.copies_per_forward, 2);
+    assert!(segs[0][1].host().buffer().kind() == HostMemoryKind::Pageable);
+}
+
+#[test]
+fn a_device_that_refuses_the_registration_gets_a_pinned_home() {
+    let dir = TempDir::new();
+    let (segs, _) = segments(&dir.0, &[vec![(1000, true)], vec![(500, true)]], &[0, 1]);
+    let d = device(1 << 20, 1e9);
+    // The whole mapping the params point into is registered already: the engine's
+    // registration overlaps it.
+    let map = Arc::clone(segs[0][0].host().mapped_range().unwrap().0);
+    let whole = d
+        .register_host(&HostBuffer::mapped(Arc::clone(&map), 0, map.len()).unwrap())
+        .unwrap();
+    let held = d.memory_info().pinned_host;
+    let metrics = Arc::new(RouteMetrics::new());
+    let mut engine = StreamingEngine::new(
+        d.clone(),
+        d.create_stream().unwrap(),
+        &segs,
+        &[0, 1],
+        &StreamingConfig {
+            pinned_source: PinnedSource::Register,
+            ..StreamingConfig::default()
+        },
+        metrics.clone(),
+    )
+    .unwrap();
+    let f = engine.figures().clone();
+    assert_eq!(f.staging, StagingKind::PinnedHome);
+    let reason = f.register_fallback.clone().expect("a fallback reason");
+    assert!(reason.contains("overlap"), "{reason}");
+    assert_eq!(d.memory_info().pinned_host, held + f.pinned_bytes);
+    metrics.set_streaming_host(f.host_metrics());
+    assert_eq!(metrics.counters().register_fallbacks, 1);
+    engine.teardown().unwrap();
+    assert_eq!(d.memory_info().pinned_host, held);
+    drop(whole);
+    assert_eq!(d.memory_info().pinned_host, 0);
+}
+
+#[test]
+fn over_the_limit_registration_falls_back_like_the_home_does() {
+    let dir = TempDir::new();
+    // 4000 B, then 200 kB that are never streamed, then 2000 B: the registration covers a
+    // block at each end of the file, far more than a home of the 6 kB streamed.
+    let (segs, _) = segments(
+        &dir.0,
+        &[vec![(1000, true)], vec![(50_000, true)], vec![(500, true)]],
+        &[0, 1, 2],
+    );
+    let build = |limit: u64, staging: StagingMode| {
+        let d = device(1 << 20, 1e9);
+        let r = StreamingEngine::new(
+            d.clone(),
+            d.create_stream().unwrap(),
+            &segs,
+            &[0, 2],
+            &StreamingConfig {
+                unit_bytes: 2048,
+                pinned_limit: limit,
+                staging,
+                pinned_source: PinnedSource::Register,
+                ..StreamingConfig::default()
+            },
+            Arc::new(RouteMetrics::new()),
+        );
+        (r, d)
+    };
+    // Two units of 4000 and 2000 B, aligned.
+    let home: u64 = 4096 + 2048;
+    // Neither fits and a home is required: the typed error, nothing pinned, the params
+    // still mapped.
+    let (r, d) = build(home - 1, StagingMode::PinnedHome);
+    assert!(matches!(r, Err(CoreError::PinnedLimit { .. })));
+    assert_eq!(d.memory_info().pinned_host, 0);
+    assert!(segs.iter().flatten().all(|p| p.is_checkpoint_backed()));
+    // Neither fits under Auto: the bounded staging ring.
+    let (r, _d) = build(home - 1, StagingMode::Auto);
+    assert!(matches!(
+        r.unwrap().figures().staging,
+        StagingKind::Ring { .. }
+    ));
+    let (r, _d) = build(1 << 20, StagingMode::Auto);
+    let f = r.unwrap().figures().clone();
+    let StagingKind::Registered {
+        registrations,
+        registered_bytes,
+        home_bytes: 0,
+    } = f.staging
+    else {
+        panic!("{:?}", f.staging)
+    };
+    assert_eq!(registrations, 2);
+    assert!(
+        registered_bytes > REGISTER_ALIGN as u64 && registered_bytes < 3 * REGISTER_ALIGN as u64
+    );
+    // Below the registered bytes but above the home: the home, saying why.
+    let (r, _d) = build(registered_bytes - 1, StagingMode::Auto);
+    let f = r.unwrap().figures().clone();
+    assert_eq!(f.staging, StagingKind::PinnedHome);
+    assert!(f.register_fallback.unwrap().contains("pinned room"));
+}
