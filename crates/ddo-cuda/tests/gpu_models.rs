@@ -459,12 +459,12 @@ fn flux_stream_pipeline_against_its_copies() {
     }
     for (side, txt) in [(2usize, 4usize), (72, 512)] {
         let inputs = synthetic_flux_inputs(side, txt, 4096);
-        for extra in ["", ",unit_bytes=64MiB", ",unit_bytes=64MiB,ring_slots=3"] {
+        for extra in ["", ",unit_bytes=16MiB", ",ring_slots=3"] {
             let spec: RouteSpec =
                 format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true{extra}")
                     .parse()
                     .unwrap();
-            let h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
+            let mut h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
             model.forward(&*d, &inputs).unwrap();
             let before = h.metrics_snapshot().counters;
             let stats_before = d.allocator_stats();
@@ -493,7 +493,7 @@ fn flux_stream_pipeline_against_its_copies() {
                 (after.copy_wait_ns - before.copy_wait_ns) as f64 / forwards as f64 / 1e6,
                 after.transfer_units
             );
-            drop(h);
+            ddo_routes::remove_dynamic_offload(&mut h).unwrap();
         }
     }
 }
