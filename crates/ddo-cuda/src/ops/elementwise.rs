@@ -65,9 +65,10 @@ fn map(
 ) -> Result<Tensor> {
     let xi = input(dev, op_name, x)?;
     let out = Out::new(dev, op_name, x.shape().to_vec(), dtype)?;
-    if out.numel > 0 && xi.dtype == dtype && vectorizable(out.numel, dtype, &[xi.ptr, out.ptr])
-    {
-        map_vec(dev, xi.ptr, out.ptr, out.code, out.numel, dtype, code, mul, add)?;
+    if out.numel > 0 && xi.dtype == dtype && vectorizable(out.numel, dtype, &[xi.ptr, out.ptr]) {
+        map_vec(
+            dev, xi.ptr, out.ptr, out.code, out.numel, dtype, code, mul, add,
+        )?;
     } else if out.numel > 0 {
         let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_unary")?;
         launch(
