@@ -428,8 +428,10 @@ fn flux_stream_pipeline_against_its_copies() {
     let mut cfg = FluxTransformerConfig::flux_dev();
     cfg.num_layers = 5;
     cfg.num_single_layers = 10;
-    let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
-    let bytes = model.component().param_bytes();
+    let bytes = FluxTransformer::random(cfg, 2, DType::BF16)
+        .unwrap()
+        .component()
+        .param_bytes();
     let floor = bytes as f64 / bw * 1e3;
     println!(
         "pinned h2d {:.1} GB/s; {:.2} GiB of weights: floor {floor:.1} ms",
@@ -457,43 +459,87 @@ fn flux_stream_pipeline_against_its_copies() {
             med / floor
         );
     }
-    for (side, txt) in [(2usize, 4usize), (72, 512)] {
-        let inputs = synthetic_flux_inputs(side, txt, 4096);
-        for extra in ["", ",unit_bytes=16MiB", ",ring_slots=3"] {
-            let spec: RouteSpec =
-                format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true{extra}")
-                    .parse()
+    // The link while compute runs: the same copies issued beside two resident forwards of
+    // another copy of the model on the compute stream, their end seen by polling an event.
+    {
+        let mut cfg = FluxTransformerConfig::flux_dev();
+        cfg.num_layers = 5;
+        cfg.num_single_layers = 10;
+        let resident = FluxTransformer::random(cfg, 3, DType::BF16).unwrap();
+        let _r =
+            enable_dynamic_offload(resident.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let inputs = synthetic_flux_inputs(72, 512, 4096);
+        resident.forward(&*d, &inputs).unwrap();
+        let unit = 64usize << 20;
+        let host = d.alloc_pinned(unit).unwrap();
+        let dev = d.alloc(unit).unwrap();
+        let n = (bytes as usize).div_ceil(unit);
+        for with_compute in [false, true, false, true] {
+            d.synchronize().unwrap();
+            let t = Instant::now();
+            for _ in 0..n {
+                d.copy_h2d(&host.slice_all(), &dev.slice_all(), &copy)
                     .unwrap();
-            let mut h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
-            model.forward(&*d, &inputs).unwrap();
-            let before = h.metrics_snapshot().counters;
-            let stats_before = d.allocator_stats();
-            let (med, lo, hi) = median_ms(
-                || {
-                    model.forward(&*d, &inputs).unwrap();
+            }
+            let done = d.record_event(&copy).unwrap();
+            if with_compute {
+                resident.forward(&*d, &inputs).unwrap();
+                resident.forward(&*d, &inputs).unwrap();
+            }
+            while !d.event_complete(&done).unwrap() {
+                std::hint::spin_loop();
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            d.synchronize().unwrap();
+            println!(
+                "  copies of 64 MiB {}: {ms:.1} ms ({:.3} x floor)",
+                if with_compute {
+                    "beside two resident forwards"
+                } else {
+                    "alone"
                 },
-                &d,
+                ms / floor
             );
-            let after = h.metrics_snapshot().counters;
-            let stats_after = d.allocator_stats();
-            println!(
-                "    driver allocs {} -> {}, frees {} -> {}, oom retries {} -> {}",
-                stats_before.driver_allocs,
-                stats_after.driver_allocs,
-                stats_before.driver_frees,
-                stats_after.driver_frees,
-                stats_before.oom_retries,
-                stats_after.oom_retries
-            );
-            let forwards = (after.forwards - before.forwards).max(1);
-            println!(
-                "  {} tokens{extra}: {med:.1} ms [{lo:.1}, {hi:.1}] = {:.3} x floor; host copy wait {:.2} ms/forward, {} units",
-                side * side + txt,
-                med / floor,
-                (after.copy_wait_ns - before.copy_wait_ns) as f64 / forwards as f64 / 1e6,
-                after.transfer_units
-            );
-            ddo_routes::remove_dynamic_offload(&mut h).unwrap();
         }
+    }
+    for (side, txt, extra) in [
+        (2usize, 4usize, ""),
+        (72, 512, ""),
+        (72, 512, ",unit_bytes=16MiB"),
+        (72, 512, ",ring_slots=3"),
+    ] {
+        // Group offload stays attached for the component's life: a fresh model per setting.
+        let mut cfg = FluxTransformerConfig::flux_dev();
+        cfg.num_layers = 5;
+        cfg.num_single_layers = 10;
+        let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
+        let inputs = synthetic_flux_inputs(side, txt, 4096);
+        let spec: RouteSpec =
+            format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true{extra}")
+                .parse()
+                .unwrap();
+        let h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
+        model.forward(&*d, &inputs).unwrap();
+        let before = h.metrics_snapshot().counters;
+        let (med, lo, hi) = median_ms(
+            || {
+                model.forward(&*d, &inputs).unwrap();
+            },
+            &d,
+        );
+        let after = h.metrics_snapshot().counters;
+        let forwards = (after.forwards - before.forwards).max(1);
+        println!(
+            "  {} tokens{extra}: {med:.1} ms [{lo:.1}, {hi:.1}] = {:.3} x floor; host copy wait {:.2} ms/forward, {} units, ring {} x {} B",
+            side * side + txt,
+            med / floor,
+            (after.copy_wait_ns - before.copy_wait_ns) as f64 / forwards as f64 / 1e6,
+            after.transfer_units,
+            after.ring_slots,
+            after.ring_slot_bytes
+        );
+        drop(h);
+        drop(model);
+        d.synchronize().unwrap();
     }
 }
