@@ -267,7 +267,6 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         .collect();
     let config = StreamingConfig {
         unit_bytes: case.unit_bytes,
-        unit_auto: false,
         ring_slots: case.slots,
         pinned_limit: case.pinned_limit,
         staging: case.staging,

@@ -134,7 +134,6 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
     let before_checksums: Vec<u64> = segs.iter().flatten().map(|p| p.host_checksum()).collect();
     let config = StreamingConfig {
         unit_bytes: case.unit_bytes,
-        unit_auto: false,
         ring_slots: case.slots,
         pinned_limit: case.pinned_limit,
         staging: case.staging,
@@ -312,7 +311,6 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
     let limit = 1024; // two staging buffers of 512 B: units are split into several copies
     let config = StreamingConfig {
         unit_bytes: 64,
-        unit_auto: false,
         ring_slots: 2,
         pinned_limit: limit,
         staging: StagingMode::Auto,

@@ -475,19 +475,13 @@ impl StreamingEngine {
         } else {
             UnitOrder::Schedule
         };
-        let unit_bytes = if config.unit_auto && config.staging != StagingMode::Ring {
-            let largest = order
-                .iter()
-                .filter(|&&s| segments[s].iter().any(|p| !resident_ids.contains(&p.id())))
-                .map(|&s| segment_bytes(&segments[s]))
-                .max()
-                .unwrap_or(0);
-            super::auto_unit_bytes(largest)
-        } else {
-            config.unit_bytes
-        };
-        let layout =
-            StagingLayout::with_order(segments, schedule, &resident_ids, unit_bytes, unit_order);
+        let layout = StagingLayout::with_order(
+            segments,
+            schedule,
+            &resident_ids,
+            config.unit_bytes,
+            unit_order,
+        );
         let units = layout.units().len();
         let slots = slots_wanted.min(units);
         let slot_bytes = layout.slot_bytes();

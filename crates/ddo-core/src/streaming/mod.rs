@@ -46,10 +46,9 @@
 //!    waits on the use event compute records after unit `u`'s last leaf. No allocation, no
 //!    host synchronisation and no per-param work sit on the per-leaf path.
 //!
-//! Defaults, and why: units of [`auto_unit_bytes`] unless `unit_bytes` is given: half the
-//! largest streamed segment, from [`DEFAULT_UNIT_BYTES`] (16 MiB: DESIGN.md measured 1 MiB
+//! Defaults, and why: units of [`DEFAULT_UNIT_BYTES`] (16 MiB: DESIGN.md measured 1 MiB
 //! copies 15% below the link; at 16 MiB a copy lasts ~0.3 ms at 53 GB/s, so the per-copy
-//! cost is under 3%) up to 64 MiB (2% more link for Flux-sized segments); a ring of
+//! cost is under 3%; Flux's large linears are units of their own anyway); a ring of
 //! [`DEFAULT_RING_SLOTS`] (2: one slot in use while the next fills; a streamed Flux step is
 //! link-bound by ~3×, so one unit of lookahead keeps the copy stream busy and the peak at
 //! Diffusers' two-leaf level; the bench sweeps `ring_slots=3`); a pinned limit of
@@ -71,21 +70,8 @@ pub use schedule::{Schedule, ScheduleOutcome};
 
 use crate::config::RouteOptions;
 
-/// Default transfer unit target (and the smallest automatic one): 16 MiB.
+/// Default transfer unit target: 16 MiB.
 pub const DEFAULT_UNIT_BYTES: u64 = 16 << 20;
-
-/// Largest transfer unit [`auto_unit_bytes`] picks: 64 MiB.
-pub const MAX_AUTO_UNIT_BYTES: u64 = 64 << 20;
-
-/// The transfer unit the engine uses when `unit_bytes` is not set: half the largest
-/// streamed segment, between [`DEFAULT_UNIT_BYTES`] and [`MAX_AUTO_UNIT_BYTES`]. Copies of
-/// 64 MiB run 2% faster than copies of 16 MiB (55.2 against 54.0 GB/s, GPU.md), which is
-/// what a link-bound step gains; half a segment keeps at least four units in a two-slot
-/// ring. On the H200 the zero-budget Flux step (largest segment 113 MB) took 122.0 ms with
-/// 16 MiB units and 121.0 ms with 64 MiB ones; the VAE (segments under 10 MB) keeps 16 MiB.
-pub fn auto_unit_bytes(largest_streamed_segment: u64) -> u64 {
-    layout::align_up(largest_streamed_segment / 2).clamp(DEFAULT_UNIT_BYTES, MAX_AUTO_UNIT_BYTES)
-}
 
 /// Default number of ring slots.
 pub const DEFAULT_RING_SLOTS: usize = 2;
@@ -114,9 +100,6 @@ pub enum StagingMode {
 pub struct StreamingConfig {
     /// Transfer unit target in bytes.
     pub unit_bytes: u64,
-    /// Whether the engine picks the unit itself ([`auto_unit_bytes`]; not with the bounded
-    /// staging ring, whose buffers are units): set when the options leave `unit_bytes` out.
-    pub unit_auto: bool,
     /// Device ring slots (at least 2).
     pub ring_slots: usize,
     /// Most pinned host bytes the engine may hold.
@@ -134,7 +117,6 @@ impl Default for StreamingConfig {
     fn default() -> Self {
         Self {
             unit_bytes: DEFAULT_UNIT_BYTES,
-            unit_auto: false,
             ring_slots: DEFAULT_RING_SLOTS,
             pinned_limit: DEFAULT_PINNED_LIMIT,
             staging: StagingMode::Auto,
@@ -162,7 +144,6 @@ impl StreamingConfig {
         let ring_only = o.pinned == Some(false) || o.low_cpu_mem_usage == Some(true);
         Self {
             unit_bytes: o.unit_bytes.unwrap_or(d.unit_bytes).max(1),
-            unit_auto: o.unit_bytes.is_none(),
             ring_slots: o.ring_slots.unwrap_or(d.ring_slots).max(2),
             pinned_limit: o.pinned_limit.unwrap_or(d.pinned_limit),
             staging: if ring_only {
@@ -186,31 +167,5 @@ pub fn ring_does_not_fit(budget: u64, ring_bytes: u64, slots: u64) -> crate::Cor
             "the streaming ring needs {ring_bytes} B ({slots} slots of the largest segment or transfer unit) \
              on top of what stays resident; raise the budget, lower ring_slots or unit_bytes, or drop the budget"
         ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn automatic_units_are_half_the_largest_segment_within_bounds() {
-        // Small segments (the VAE's) keep the 16 MiB default.
-        assert_eq!(auto_unit_bytes(0), DEFAULT_UNIT_BYTES);
-        assert_eq!(auto_unit_bytes(10 << 20), DEFAULT_UNIT_BYTES);
-        // Flux's largest streamed segment (a 3072 x 18432 bf16 adaLN linear and its bias).
-        let flux = 3072 * 18432 * 2 + 18432 * 2;
-        let unit = auto_unit_bytes(flux);
-        assert!(unit >= flux / 2 && unit < flux / 2 + PARAM_ALIGN, "{unit}");
-        assert_eq!(unit % PARAM_ALIGN, 0);
-        assert_eq!(auto_unit_bytes(1 << 30), MAX_AUTO_UNIT_BYTES);
-        // Only options that leave unit_bytes out ask for it.
-        let o = RouteOptions::default();
-        assert!(StreamingConfig::from_options(&o).unit_auto);
-        let o = RouteOptions {
-            unit_bytes: Some(16 << 20),
-            ..RouteOptions::default()
-        };
-        assert!(!StreamingConfig::from_options(&o).unit_auto);
     }
 }

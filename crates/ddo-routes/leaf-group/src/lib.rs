@@ -22,7 +22,7 @@
 //!   [`Schedule`]) while onloading each group on the copy stream and ordering compute
 //!   behind it with an event. From then on the groups run on ddo-core's
 //!   [`StreamingEngine`]: their params, packed in schedule order into transfer units
-//!   (`unit_bytes`, by default half the largest streamed group, 16 to 64 MiB) in pinned staging bounded by `pinned_limit`, stream
+//!   (`unit_bytes`, default 16 MiB) in pinned staging bounded by `pinned_limit`, stream
 //!   through a ring of `ring_slots` device slots (default 2) allocated once per forward,
 //!   compute waiting on each unit's copy event and each slot's refill waiting on compute's
 //!   use event — no allocation, host synchronisation or per-param work per leaf. With a
