@@ -407,3 +407,55 @@ fn a_budget_keeps_the_costliest_segments_resident_and_the_ring_fits_beside_them(
     );
     engine.teardown().unwrap();
 }
+
+#[test]
+fn the_first_weight_copy_is_queued_when_the_first_leaf_starts() {
+    // Between begin_forward and the first leaf the program uploads its inputs; a pageable
+    // upload queued behind a ring's worth of weight copies would wait for all of them (on
+    // the H200 that cost the zero-budget Flux step 5.5 ms). So begin_forward queues no copy
+    // and the first enter does; the forward then reads every unit as before.
+    let segs = segments(&[vec![300], vec![200, 10], vec![256]]);
+    let d = device(1 << 24, 1 << 20, 2e8);
+    let config = StreamingConfig {
+        unit_bytes: 64,
+        ring_slots: 2,
+        pinned_limit: 1 << 20,
+        staging: StagingMode::PinnedHome,
+        budget: None,
+        pinned_source: PinnedSource::Home,
+    };
+    let metrics = Arc::new(RouteMetrics::new());
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &[0, 1, 2],
+        &config,
+        Arc::clone(&metrics),
+    )
+    .unwrap();
+    let copies = || metrics.counters().h2d_copies;
+    let before = copies();
+    engine.begin_forward().unwrap();
+    assert_eq!(copies(), before, "begin_forward queued a weight copy");
+    engine.enter(0).unwrap();
+    let queued = copies() - before;
+    assert!(queued >= 1, "the first leaf started with nothing queued");
+    engine.abort().unwrap();
+    d.synchronize().unwrap();
+    // A whole forward still reads every unit's bytes, once per unit.
+    let outputs: Vec<DeviceBuffer> = [0usize, 1, 2]
+        .iter()
+        .map(|&s| {
+            let n = segs[s].iter().map(|p| p.nbytes()).sum::<usize>();
+            d.alloc(n).unwrap()
+        })
+        .collect();
+    let lag = (d.alloc_pinned(1 << 10).unwrap(), d.alloc(1 << 10).unwrap());
+    let before = copies();
+    let got = forward(&d, &mut engine, &segs, &[0, 1, 2], &outputs, &lag).unwrap();
+    assert_eq!(got, expected(&segs, &[0, 1, 2]));
+    let per_forward = copies() - before;
+    assert_eq!(per_forward as usize, engine.layout().units().len());
+}
