@@ -539,35 +539,16 @@ impl HostDevice {
         bias: Option<&Tensor>,
         op: &str,
     ) -> Result<Tensor> {
-        let ws = w.shape();
-        let lead = xs.first().map(|x| x.shape()).unwrap_or(&[]);
-        let fits = !lead.is_empty()
-            && ws.len() == 2
-            && xs.iter().all(|x| {
-                let s = x.shape();
-                s.len() == lead.len() && s[..s.len() - 1] == lead[..lead.len() - 1]
-            })
-            && xs.iter().map(|x| x.shape()[lead.len() - 1]).sum::<usize>() == ws[1];
-        if !fits {
-            let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
-            return Err(shape_err(
-                op,
-                format!(
-                    "x {shapes:?} and w {ws:?}: expected x [..., in] (parts sharing their leading \
-                     dims, widths summing to in) and w [out, in]"
-                ),
-            ));
-        }
-        let (out_f, in_f) = (ws[0], ws[1]);
+        let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
+        let g = crate::shape::linear_geometry(op, &shapes, w.shape())?;
+        let (out_f, in_f, m) = (g.out_features, g.in_features, g.rows);
         let inputs = xs
             .iter()
             .map(|x| self.input(op, x))
             .collect::<Result<Vec<_>>>()?;
         let wi = self.input(op, w)?;
         let bi = self.optional_vector(op, "bias", bias, out_f)?;
-        let m = product(&lead[..lead.len() - 1]);
-        let mut shape = lead.to_vec();
-        shape[lead.len() - 1] = out_f;
+        let shape = g.out_shape.clone();
         let output = self.new_output(op, shape, xs[0].dtype())?;
         self.fence()?;
         let xv = if let [one] = inputs.as_slice() {
@@ -575,8 +556,7 @@ impl HostDevice {
         } else {
             let mut joined = vec![0.0f32; m * in_f];
             let mut col = 0;
-            for (xi, x) in inputs.iter().zip(xs) {
-                let width = x.shape()[lead.len() - 1];
+            for (xi, &width) in inputs.iter().zip(&g.widths) {
                 let part = xi.f32()?;
                 for (row, src) in joined
                     .chunks_exact_mut(in_f.max(1))

@@ -136,6 +136,53 @@ pub fn concat_shape(op: &str, shapes: &[&[usize]], dim: usize) -> Result<Vec<usi
     Ok(shape)
 }
 
+/// The sizes of `linear(concat(parts, last dim), w)`, checked: each part `[..., in_i]` with
+/// the same leading dims, `w [out, Σ in_i]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearGeometry {
+    /// Rows: the product of the leading dims.
+    pub rows: usize,
+    /// `w`'s input width (the parts' widths summed).
+    pub in_features: usize,
+    /// `w`'s output width.
+    pub out_features: usize,
+    /// Each part's width, in order.
+    pub widths: Vec<usize>,
+    /// The output shape: the leading dims, then `out_features`.
+    pub out_shape: Vec<usize>,
+}
+
+/// Checks the operands of a linear over the concatenation of `parts` (one part: a plain
+/// linear) against `w`, or a typed error naming `op`.
+pub fn linear_geometry(op: &str, parts: &[&[usize]], w: &[usize]) -> Result<LinearGeometry> {
+    let lead = parts.first().copied().unwrap_or(&[]);
+    let r = lead.len();
+    let fits = r > 0
+        && w.len() == 2
+        && parts
+            .iter()
+            .all(|s| s.len() == r && s[..r - 1] == lead[..r - 1])
+        && parts.iter().map(|s| s[r - 1]).sum::<usize>() == w[1];
+    if !fits {
+        return Err(shape_err(
+            op,
+            format!(
+                "x {parts:?} and w {w:?}: expected x [..., in] (parts sharing their leading dims, \
+                 widths summing to in) and w [out, in]"
+            ),
+        ));
+    }
+    let mut out_shape = lead.to_vec();
+    out_shape[r - 1] = w[0];
+    Ok(LinearGeometry {
+        rows: lead[..r - 1].iter().product(),
+        in_features: w[1],
+        out_features: w[0],
+        widths: parts.iter().map(|s| s[r - 1]).collect(),
+        out_shape,
+    })
+}
+
 /// The sizes of a 2-D convolution (groups = 1), checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv2dGeometry {

@@ -454,6 +454,64 @@ fn to_f32(dev: &CudaDevice, t: &Tensor) -> Result<Tensor> {
     Ops::cast(dev, t, DType::F32)
 }
 
+/// The rows of a linear's output: `m` rows of `out_f` elements of `dtype`.
+struct Rows {
+    m: usize,
+    out_f: usize,
+    dtype: DType,
+}
+
+impl Rows {
+    /// `out [m, out_f] = x [m, k] · W[:, window]ᵀ + beta · out`, where the window's rows
+    /// start at `w` with a stride of `lda` elements and `x` is contiguous: in column-major
+    /// terms `Cᵀ [out, m] = W [out, k] · Xᵀ [k, m]`, in chunks of rows that fit cuBLAS's
+    /// 32-bit sizes.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        dev: &CudaDevice,
+        w: u64,
+        lda: usize,
+        k: usize,
+        x: u64,
+        out: u64,
+        beta: f32,
+    ) -> Result<()> {
+        let esize = self.dtype.size_in_bytes();
+        let rows_max = (i32::MAX as usize / self.out_f.max(lda)).max(1);
+        let mut r0 = 0;
+        while r0 < self.m {
+            let rows = rows_max.min(self.m - r0);
+            gemm(
+                dev,
+                &Gemm {
+                    trans_a: true,
+                    trans_b: false,
+                    m: self.out_f,
+                    n: rows,
+                    k,
+                    a: w,
+                    lda,
+                    stride_a: 0,
+                    b: x + (r0 * k * esize) as u64,
+                    ldb: k,
+                    stride_b: 0,
+                    c: out + (r0 * self.out_f * esize) as u64,
+                    ldc: self.out_f,
+                    stride_c: 0,
+                    batch: 1,
+                    ab: self.dtype,
+                    c_dtype: self.dtype,
+                    alpha: 1.0,
+                    beta,
+                },
+            )?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+}
+
 /// `Ops::linear` on `dev`: `x [..., in] · wᵀ (+ bias)` with `w [out, in]`.
 pub(crate) fn linear(
     dev: &CudaDevice,
@@ -498,39 +556,12 @@ pub(crate) fn linear(
             zero(dev, out.ptr, total * out.dtype.size_in_bytes())?;
         }
     } else {
-        // Cᵀ [out, m] = W [out, in] · Xᵀ [in, m] in column-major terms, in chunks of rows
-        // that fit cuBLAS's 32-bit sizes.
-        let esize = x.dtype().size_in_bytes();
-        let rows_max = (i32::MAX as usize / out_f.max(in_f)).max(1);
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = rows_max.min(m - r0);
-            gemm(
-                dev,
-                &Gemm {
-                    trans_a: true,
-                    trans_b: false,
-                    m: out_f,
-                    n: rows,
-                    k: in_f,
-                    a: wi.ptr,
-                    lda: in_f,
-                    stride_a: 0,
-                    b: xi.ptr + (r0 * in_f * esize) as u64,
-                    ldb: in_f,
-                    stride_b: 0,
-                    c: out.ptr + (r0 * out_f * esize) as u64,
-                    ldc: out_f,
-                    stride_c: 0,
-                    batch: 1,
-                    ab: x.dtype(),
-                    c_dtype: x.dtype(),
-                    alpha: 1.0,
-                    beta,
-                },
-            )?;
-            r0 += rows;
-        }
+        let rows = Rows {
+            m,
+            out_f,
+            dtype: x.dtype(),
+        };
+        rows.gemm(dev, wi.ptr, in_f, in_f, xi.ptr, out.ptr, beta)?;
     }
     let mut inputs = vec![&xi, &wi];
     if let Some(b) = &bi {
@@ -555,35 +586,16 @@ pub(crate) fn linear_concat(
     if xs.len() < 2 || !same_dtype {
         return ddo_core::ops::linear_concat_by_concat(dev, xs, w, bias);
     }
-    let ws = w.shape();
-    let lead = xs[0].shape();
-    let fits = !lead.is_empty()
-        && ws.len() == 2
-        && xs.iter().all(|x| {
-            let s = x.shape();
-            s.len() == lead.len() && s[..s.len() - 1] == lead[..lead.len() - 1]
-        })
-        && xs.iter().map(|x| x.shape()[lead.len() - 1]).sum::<usize>() == ws[1];
-    if !fits {
-        let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
-        return Err(shape_err(
-            OP,
-            format!(
-                "x {shapes:?} and w {ws:?}: expected x [..., in] (parts sharing their leading \
-                 dims, widths summing to in) and w [out, in]"
-            ),
-        ));
-    }
-    let (out_f, in_f) = (ws[0], ws[1]);
+    let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
+    let g = ddo_core::shape::linear_geometry(OP, &shapes, w.shape())?;
+    let (out_f, in_f, m) = (g.out_features, g.in_features, g.rows);
     let inputs = xs
         .iter()
         .map(|x| input(dev, OP, x))
         .collect::<Result<Vec<_>>>()?;
     let wi = input(dev, OP, w)?;
     let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
-    let m = product(&lead[..lead.len() - 1]);
-    let mut shape = lead.to_vec();
-    shape[lead.len() - 1] = out_f;
+    let shape = g.out_shape.clone();
     let out = Out::new(dev, OP, shape, w.dtype())?;
     let esize = w.dtype().size_in_bytes();
     let mut seeded = match &bi {
@@ -594,41 +606,25 @@ pub(crate) fn linear_concat(
         None => false,
     };
     let mut col = 0;
-    for (xi, x) in inputs.iter().zip(xs) {
-        let width = x.shape()[lead.len() - 1];
+    for (xi, &width) in inputs.iter().zip(&g.widths) {
         if width == 0 {
             continue;
         }
-        let rows_max = (i32::MAX as usize / out_f.max(in_f)).max(1);
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = rows_max.min(m - r0);
-            gemm(
-                dev,
-                &Gemm {
-                    trans_a: true,
-                    trans_b: false,
-                    m: out_f,
-                    n: rows,
-                    k: width,
-                    a: wi.ptr + (col * esize) as u64,
-                    lda: in_f,
-                    stride_a: 0,
-                    b: xi.ptr + (r0 * width * esize) as u64,
-                    ldb: width,
-                    stride_b: 0,
-                    c: out.ptr + (r0 * out_f * esize) as u64,
-                    ldc: out_f,
-                    stride_c: 0,
-                    batch: 1,
-                    ab: w.dtype(),
-                    c_dtype: w.dtype(),
-                    alpha: 1.0,
-                    beta: if seeded { 1.0 } else { 0.0 },
-                },
-            )?;
-            r0 += rows;
-        }
+        let rows = Rows {
+            m,
+            out_f,
+            dtype: w.dtype(),
+        };
+        let beta = if seeded { 1.0 } else { 0.0 };
+        rows.gemm(
+            dev,
+            wi.ptr + (col * esize) as u64,
+            in_f,
+            width,
+            xi.ptr,
+            out.ptr,
+            beta,
+        )?;
         seeded = true;
         col += width;
     }
