@@ -959,14 +959,14 @@ impl StreamingEngine {
     /// compute and the streamed params are host-only again. A forward that did not enter
     /// every unit is aborted instead (copies still queued are waited for).
     pub fn end_forward(&mut self) -> Result<()> {
-        let Some(ring) = self.ring.as_ref() else {
+        let Some(ring) = self.ring.take() else {
             self.active = false;
             return Ok(());
         };
         if ring.entered < self.layout.units().len() {
+            self.ring = Some(ring);
             return self.abort();
         }
-        let ring = self.ring.take().expect("checked above");
         self.active = false;
         self.clear_streamed_pointers();
         self.device.release_after(ring.buffer, &self.compute)
