@@ -14,6 +14,11 @@
 //! bandwidth is measured first (1 GiB, best of 5), in the same process. Streamed
 //! transformer runs call `detach_auxiliary_cpu_sources` after the first forward, so the
 //! checkpoint mapping is dropped once the engine's pinned home holds the weights.
+//!
+//! The inputs are on the device before the timed forwards, as `tools/bench_peer.py` holds
+//! them for Diffusers: the transformer's as f32 except `hidden_states` in bf16 (the model
+//! casts the others on the device each forward, as Diffusers' `run_transformer` does), the
+//! VAE latents in bf16.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -52,11 +57,22 @@ fn ids(values: &[f32]) -> Vec<[f32; 3]> {
     values.chunks_exact(3).map(|c| [c[0], c[1], c[2]]).collect()
 }
 
-fn flux_inputs(path: &Path) -> Result<FluxInputs, BoxError> {
+/// `name` from `path` on the device in `dtype` (rounded on the host).
+fn device_tensor(
+    d: &CudaDevice,
+    path: &Path,
+    name: &str,
+    dtype: DType,
+) -> Result<Tensor, BoxError> {
+    let (shape, values) = read_f32_tensor(path, name)?;
+    Ok(Tensor::from_f32(shape, dtype, &values)?.to_device(d, &d.compute_stream())?)
+}
+
+fn flux_inputs(d: &CudaDevice, path: &Path) -> Result<FluxInputs, BoxError> {
     Ok(FluxInputs {
-        hidden_states: tensor(path, "hidden_states")?.0,
-        encoder_hidden_states: tensor(path, "encoder_hidden_states")?.0,
-        pooled_projections: tensor(path, "pooled_projections")?.0,
+        hidden_states: device_tensor(d, path, "hidden_states", DType::BF16)?,
+        encoder_hidden_states: device_tensor(d, path, "encoder_hidden_states", DType::F32)?,
+        pooled_projections: device_tensor(d, path, "pooled_projections", DType::F32)?,
         timestep: tensor(path, "timestep")?.1,
         guidance: Some(tensor(path, "guidance")?.1),
         img_ids: ids(&tensor(path, "img_ids")?.1),
@@ -140,7 +156,7 @@ fn main() -> Result<(), BoxError> {
     let mut results = serde_json::Map::new();
     let inputs_path = dir.join("bench_inputs.safetensors");
 
-    let inputs = flux_inputs(&inputs_path)?;
+    let inputs = flux_inputs(&d, &inputs_path)?;
     let transformer_runs = [
         ("transformer_resident", "none".to_string()),
         (
@@ -192,7 +208,7 @@ fn main() -> Result<(), BoxError> {
         d.empty_cache()?;
     }
 
-    let (latents, _) = tensor(&inputs_path, "latents")?;
+    let latents = device_tensor(&d, &inputs_path, "latents", DType::BF16)?;
     let vae_runs = [
         ("vae_resident", "none"),
         (

@@ -417,6 +417,12 @@ impl HostBuffer {
         self.len() == 0
     }
 
+    /// Whether this handle is the buffer's only one: no clone and no slice of it (such as
+    /// one a queued copy holds until it completes) is alive, so its bytes can be rewritten.
+    pub fn is_exclusive(&mut self) -> bool {
+        Arc::get_mut(&mut self.inner).is_some()
+    }
+
     /// Runs `f` over the bytes (a shared lock for owned memory).
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
         match &*self.inner {
@@ -842,6 +848,19 @@ mod tests {
         assert_eq!(b.as_slice(), &[1, 2, 3, 4, 5]);
         assert_eq!(b.as_slice().as_ptr() as usize % 64, 0);
         assert!(AlignedBytes::zeroed(0).is_empty());
+    }
+
+    #[test]
+    fn a_host_buffer_is_exclusive_only_while_no_clone_or_slice_lives() {
+        let mut b = HostBuffer::pageable_zeroed(16);
+        assert!(b.is_exclusive());
+        let view = b.slice(4, 8).unwrap();
+        assert!(!b.is_exclusive());
+        drop(view);
+        let other = b.clone();
+        assert!(!b.is_exclusive());
+        drop(other);
+        assert!(b.is_exclusive());
     }
 
     #[test]

@@ -4,7 +4,10 @@
 //! Semantics follow the host backend ([`ddo_core::HostDevice`]):
 //! - copies run in order on the stream they are queued on; from and to pinned host memory
 //!   they are asynchronous, from and to pageable or checkpoint-mapped memory they return
-//!   only once done;
+//!   only once done, except a host→device copy from pageable memory of at most half
+//!   [`CudaDeviceConfig::upload_staging_bytes`]: its bytes are copied into one of the
+//!   device's pinned upload buffers and it returns at once, queued like a pinned copy (no
+//!   wait for the stream, no wait behind copies already queued on the link);
 //! - the memory a queued copy reads or writes lives until the copy has completed: each
 //!   stream keeps handles to both sides in a pending list, tagged with an event recorded
 //!   after the copy, and drops them once that event has completed (checked on every call
@@ -63,7 +66,21 @@ pub struct CudaDeviceConfig {
     /// Install the native VMM allocator at creation, before anything is allocated
     /// ([`CudaDevice::install_native_vmm`] does it later, as long as nothing has been).
     pub native_vmm: bool,
+    /// Most pinned bytes kept for staging pageable host→device uploads (model inputs,
+    /// rotary tables, small host-built tensors); uploads larger than half of it, and every
+    /// upload when it is 0, are copied straight from pageable memory and waited for. The
+    /// buffers count in the pinned ledger ([`MemoryInfo::pinned_host`], under
+    /// `pinned_limit`), are made only when that has room, give way to
+    /// [`Device::alloc_pinned`] and are returned by [`Device::empty_cache`].
+    pub upload_staging_bytes: u64,
 }
+
+/// Default [`CudaDeviceConfig::upload_staging_bytes`]: room for a Flux step's inputs and
+/// rotary tables (about 10 MB at 4608 + 512 tokens).
+pub const DEFAULT_UPLOAD_STAGING_BYTES: u64 = 32 << 20;
+
+/// Smallest pinned upload buffer (smaller uploads share its size class).
+const UPLOAD_STAGING_MIN: usize = 64 << 10;
 
 impl CudaDeviceConfig {
     /// Defaults for device `ordinal`.
@@ -72,6 +89,7 @@ impl CudaDeviceConfig {
             ordinal,
             pinned_limit: None,
             native_vmm: false,
+            upload_staging_bytes: DEFAULT_UPLOAD_STAGING_BYTES,
         }
     }
 }
@@ -367,7 +385,7 @@ enum Held {
 
 struct PendingCopy {
     done: PooledEvent,
-    _held: [Held; 2],
+    _held: Vec<Held>,
 }
 
 /// A stream of a [`CudaDevice`].
@@ -415,7 +433,7 @@ impl CudaStreamHandle {
 
     /// Keeps `held` alive until the copy just queued on this stream has completed. When the
     /// completion event cannot be recorded, waits for the stream instead.
-    fn track(&self, held: [Held; 2]) -> Result<()> {
+    fn track(&self, held: Vec<Held>) -> Result<()> {
         match self.shared.events.record(&self.stream) {
             Ok(done) => {
                 self.pending
@@ -513,6 +531,9 @@ pub struct CudaDevice {
     streams: Mutex<Vec<Weak<CudaStreamHandle>>>,
     next_stream: AtomicU64,
     pinned: Arc<PinnedLedger>,
+    /// Pinned buffers pageable uploads are staged through; one is free for reuse when this
+    /// list holds its only handle (the copy that read it last has completed and retired).
+    upload_staging: Mutex<Vec<HostBuffer>>,
     config: CudaDeviceConfig,
 }
 
@@ -568,6 +589,7 @@ impl CudaDevice {
             compute: Stream::new(compute),
             next_stream: AtomicU64::new(1),
             pinned: PinnedLedger::new(config.pinned_limit.unwrap_or_else(default_pinned_limit)),
+            upload_staging: Mutex::new(Vec::new()),
             shared,
             config,
         });
@@ -652,6 +674,73 @@ impl CudaDevice {
     /// The settings.
     pub fn config(&self) -> &CudaDeviceConfig {
         &self.config
+    }
+
+    /// Pinned bytes held for staging pageable uploads (part of
+    /// [`MemoryInfo::pinned_host`]; see [`CudaDeviceConfig::upload_staging_bytes`]).
+    pub fn upload_staging_bytes(&self) -> u64 {
+        self.upload_staging
+            .lock()
+            .iter()
+            .map(|b| b.len() as u64)
+            .sum()
+    }
+
+    /// A pinned upload buffer of at least `len` bytes that no queued copy reads, or `None`
+    /// when `len` is too large to stage or no buffer can be had (the caller then copies
+    /// from pageable memory). Completed copies must have been retired (`poll`) first.
+    fn upload_staging_buffer(&self, len: usize) -> Option<HostBuffer> {
+        let cap = self.config.upload_staging_bytes;
+        if len == 0 || len as u64 > cap / 2 {
+            return None;
+        }
+        let class = len.next_power_of_two().max(UPLOAD_STAGING_MIN);
+        let mut pool = self.upload_staging.lock();
+        let mut best: Option<usize> = None;
+        for i in 0..pool.len() {
+            let fits = pool[i].len() >= len && pool[i].is_exclusive();
+            if fits && best.is_none_or(|b| pool[i].len() < pool[b].len()) {
+                best = Some(i);
+            }
+        }
+        if let Some(i) = best {
+            return Some(pool[i].clone());
+        }
+        // Room for a new buffer: free ones that are too small go first.
+        let mut held: u64 = pool.iter().map(|b| b.len() as u64).sum();
+        if held + class as u64 > cap {
+            pool.retain_mut(|b| {
+                if held + class as u64 > cap && b.is_exclusive() {
+                    held -= b.len() as u64;
+                    false
+                } else {
+                    true
+                }
+            });
+            if held + class as u64 > cap {
+                return None;
+            }
+        }
+        drop(pool);
+        // At the pinned limit (or refused by the driver): not staged. (`alloc_pinned` takes
+        // the pool's lock when it needs room, so it is not held here.)
+        let buffer = self.alloc_pinned(class).ok()?;
+        self.upload_staging.lock().push(buffer.clone());
+        Some(buffer)
+    }
+
+    /// Drops the pinned upload buffers no queued copy reads; returns their bytes.
+    fn release_upload_staging(&self) -> u64 {
+        let mut released = 0;
+        self.upload_staging.lock().retain_mut(|b| {
+            if b.is_exclusive() {
+                released += b.len() as u64;
+                false
+            } else {
+                true
+            }
+        });
+        released
     }
 
     /// The cudarc context (for kernels and library calls).
@@ -858,7 +947,11 @@ impl Device for CudaDevice {
     }
 
     fn alloc_pinned(&self, bytes: usize) -> ddo_core::Result<HostBuffer> {
-        let (pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
+        let (mut pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
+        if pinned.saturating_add(bytes as u64) > limit && self.release_upload_staging() > 0 {
+            // Upload staging is a cache: it gives way to an allocation that needs its room.
+            pinned = self.pinned.pinned();
+        }
         if pinned.saturating_add(bytes as u64) > limit {
             return Err(CoreError::PinnedLimit {
                 requested: bytes as u64,
@@ -976,8 +1069,23 @@ impl Device for CudaDevice {
         if src.kind() == HostMemoryKind::Pinned {
             src.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
                 .map_err(|e| self.core(e))?;
-            s.track([Held::Host(src.clone()), Held::Device(dst.clone())])
+            s.track(vec![Held::Host(src.clone()), Held::Device(dst.clone())])
                 .map_err(|e| self.core(e))
+        } else if let Some(staging) = (src.kind() == HostMemoryKind::Pageable)
+            .then(|| self.upload_staging_buffer(src.len()))
+            .flatten()
+        {
+            // Pageable: the bytes go into a pinned upload buffer now, and the copy from it
+            // is queued like any pinned copy. A pageable copy would hold the host until it
+            // is done, queued behind whatever the link already carries.
+            let view = staging.slice(0, src.len())?;
+            view.with_bytes_mut(|to| src.with_bytes(|from| to.copy_from_slice(from)))?;
+            view.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
+                .map_err(|e| self.core(e))?;
+            // The destination is not held: its free is ordered behind the copy instead, so
+            // a tensor just uploaded is still its buffer's only holder (in-place ops).
+            alloc.note_use(s);
+            s.track(vec![Held::Host(view)]).map_err(|e| self.core(e))
         } else {
             // Pageable or mapped: the copy completes before the bytes' borrow ends.
             src.with_bytes(|bytes| {
@@ -1014,7 +1122,7 @@ impl Device for CudaDevice {
         if dst.kind() == HostMemoryKind::Pinned {
             dst.with_bytes_mut(|bytes| driver::memcpy_dtoh_async(bytes, from, &s.stream))?
                 .map_err(|e| self.core(e))?;
-            s.track([Held::Device(src.clone()), Held::Host(dst.clone())])
+            s.track(vec![Held::Device(src.clone()), Held::Host(dst.clone())])
                 .map_err(|e| self.core(e))
         } else {
             dst.with_bytes_mut(|bytes| {
@@ -1046,7 +1154,7 @@ impl Device for CudaDevice {
         self.order_use(src_alloc, s)?;
         self.order_use(dst_alloc, s)?;
         driver::memcpy_dtod_async(to, from, src.len(), &s.stream).map_err(|e| self.core(e))?;
-        s.track([Held::Device(src.clone()), Held::Device(dst.clone())])
+        s.track(vec![Held::Device(src.clone()), Held::Device(dst.clone())])
             .map_err(|e| self.core(e))
     }
 
@@ -1172,8 +1280,11 @@ impl Device for CudaDevice {
             .map_err(|e| self.core(CudaError::Vmm(e)))
     }
 
+    /// Waits for the device, returns the caching allocator's idle segments to the driver
+    /// (the bytes returned) and drops the pinned upload buffers.
     fn empty_cache(&self) -> ddo_core::Result<u64> {
         self.synchronize()?;
+        self.release_upload_staging();
         self.shared
             .allocator
             .wait_and_empty_cache()

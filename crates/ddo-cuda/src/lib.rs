@@ -38,7 +38,7 @@ mod ops;
 
 pub use allocator::{AllocatorStats, CachingAllocator, StreamKey};
 pub use device::{
-    CudaAllocation, CudaDevice, CudaDeviceConfig, CudaEventHandle, CudaStreamHandle, device_count,
-    library_present,
+    CudaAllocation, CudaDevice, CudaDeviceConfig, CudaEventHandle, CudaStreamHandle,
+    DEFAULT_UPLOAD_STAGING_BYTES, device_count, library_present,
 };
 pub use error::{CudaError, Result};

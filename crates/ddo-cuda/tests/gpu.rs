@@ -89,7 +89,7 @@ fn pageable_and_pinned_copies_round_trip() {
     let s = d.compute_stream();
     for len in [1, 511, 4096, 3 * MIB + 17] {
         let bytes = pattern(len, len as u8);
-        // Pageable: synchronous both ways.
+        // Pageable: staged through a pinned upload buffer on the way up, synchronous down.
         let buf = upload(&*d, &bytes, &s).unwrap();
         assert_eq!(download(&*d, &buf.slice_all(), &s).unwrap(), bytes);
         // Pinned: asynchronous both ways.
@@ -114,9 +114,87 @@ fn pageable_and_pinned_copies_round_trip() {
             let part = download(&*d, &other.slice(0, len - 64).unwrap(), &s).unwrap();
             assert_eq!(part, bytes[32..len - 32]);
         }
-        assert_eq!(d.memory_info().pinned_host, 2 * len as u64);
+        assert_eq!(
+            d.memory_info().pinned_host - d.upload_staging_bytes(),
+            2 * len as u64
+        );
     }
+    assert!(d.upload_staging_bytes() >= 3 * MIB as u64);
+    d.empty_cache().unwrap();
     assert_eq!(d.memory_info().pinned_host, 0);
+    assert_clean(&d);
+}
+
+#[test]
+fn pageable_uploads_are_staged_reused_and_give_way_to_pinned_allocations() {
+    let config = ddo_cuda::CudaDeviceConfig {
+        pinned_limit: Some(16 * MIB as u64),
+        upload_staging_bytes: 8 * MIB as u64,
+        ..ddo_cuda::CudaDeviceConfig::new(0)
+    };
+    let d = match CudaDevice::with_config(config) {
+        Ok(d) => d,
+        Err(_) if gpu().is_none() => return,
+        Err(e) => panic!("{e}"),
+    };
+    let s = d.compute_stream();
+    // The first upload makes a 4 MiB buffer (its size class); once its copy is done, the
+    // next reuses it. A buffer a queued copy still reads is never handed out again, so
+    // back-to-back uploads may need a second one, never more than the room allows.
+    let (a, b) = (pattern(3 * MIB, 1), pattern(3 * MIB, 2));
+    let da = upload(&*d, &a, &s).unwrap();
+    assert_eq!(d.upload_staging_bytes(), 4 * MIB as u64);
+    assert_eq!(d.memory_info().pinned_host, 4 * MIB as u64);
+    d.synchronize().unwrap();
+    let db = upload(&*d, &b, &s).unwrap();
+    assert_eq!(
+        d.upload_staging_bytes(),
+        4 * MIB as u64,
+        "reused, not grown"
+    );
+    let many: Vec<_> = (0..6)
+        .map(|i| upload(&*d, &pattern(3 * MIB, i), &s).unwrap())
+        .collect();
+    assert!(d.upload_staging_bytes() <= 8 * MIB as u64);
+    for (i, m) in many.iter().enumerate() {
+        assert_eq!(
+            download(&*d, &m.slice_all(), &s).unwrap(),
+            pattern(3 * MIB, i as u8)
+        );
+    }
+    drop(many);
+    assert_eq!(download(&*d, &da.slice_all(), &s).unwrap(), a);
+    assert_eq!(download(&*d, &db.slice_all(), &s).unwrap(), b);
+    let staged = d.upload_staging_bytes();
+    // The source can change as soon as the call returns: its bytes were staged.
+    let mut c = pattern(MIB + 5, 3);
+    let src = HostBuffer::pageable_from(&c);
+    let dc = d.alloc(c.len()).unwrap();
+    d.copy_h2d(&src.slice_all(), &dc.slice_all(), &s).unwrap();
+    src.with_bytes_mut(|x| x.fill(0)).unwrap();
+    assert_eq!(d.upload_staging_bytes(), staged, "reused, not grown");
+    assert_eq!(download(&*d, &dc.slice_all(), &s).unwrap(), c);
+    // Larger than half the staging room: copied straight and waited for, nothing staged.
+    c = pattern(5 * MIB, 4);
+    let dl = upload(&*d, &c, &s).unwrap();
+    assert_eq!(download(&*d, &dl.slice_all(), &s).unwrap(), c);
+    assert_eq!(d.upload_staging_bytes(), staged);
+    // A pinned allocation that needs the staging's room gets it.
+    d.synchronize().unwrap();
+    let pinned = d.alloc_pinned(14 * MIB).unwrap();
+    assert_eq!(d.upload_staging_bytes(), 0);
+    assert_eq!(d.memory_info().pinned_host, 14 * MIB as u64);
+    // With the ledger near full, uploads are not staged (and still correct).
+    let dd = upload(&*d, &a, &s).unwrap();
+    assert_eq!(download(&*d, &dd.slice_all(), &s).unwrap(), a);
+    assert_eq!(d.upload_staging_bytes(), 0);
+    drop(pinned);
+    let _ = upload(&*d, &b, &s).unwrap();
+    assert_eq!(d.upload_staging_bytes(), 4 * MIB as u64);
+    d.empty_cache().unwrap();
+    assert_eq!(d.upload_staging_bytes(), 0);
+    assert_eq!(d.memory_info().pinned_host, 0);
+    drop((da, db, dc, dl, dd));
     assert_clean(&d);
 }
 
@@ -385,6 +463,8 @@ fn reference_component_matches_the_host_backend_under_resident_and_leaf_group() 
         let got = run_reference(Arc::clone(&cuda), &spec, route);
         assert_eq!(got, expected, "{route:?}");
     }
+    // The inputs' upload buffers are a cache that `empty_cache` returns.
+    d.empty_cache().unwrap();
     assert_eq!(d.memory_info().pinned_host, 0);
     assert_clean(&d);
 }

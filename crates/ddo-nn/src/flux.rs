@@ -1018,10 +1018,9 @@ impl FluxProgram {
         let ops = ops_of(device)?;
         let stream = device.compute_stream();
         let dtype = self.dtype(ctx)?;
-        // Every host→device upload of the forward happens here, before the first leaf: a
-        // pageable upload waits behind the weight copies a streamed route has queued on the
-        // link, and the host can queue nothing while it waits, so one wait at the start costs
-        // less than several spread through the forward.
+        // The forward's inputs and rotary tables are uploaded here, before the first leaf,
+        // while a streamed route's first weight copies already run (a backend may hold the
+        // host for a pageable upload; ddo-cuda stages them in pinned buffers instead).
         let prepare = |t: &Tensor| -> Result<Tensor> {
             if !t.is_on_device() && t.dtype() == DType::F32 && dtype != DType::F32 {
                 // Rounded on the host (to nearest even, as the device's cast): the same

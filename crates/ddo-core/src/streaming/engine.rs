@@ -738,8 +738,7 @@ impl StreamingEngine {
     }
 
     /// Starts a forward: makes the resident params resident (first forward of a phase),
-    /// takes the ring and points the streamed params into it; the first units are queued
-    /// when the first leaf starts ([`StreamingEngine::enter`]).
+    /// takes the ring, points the streamed params into it and queues the first units.
     pub fn begin_forward(&mut self) -> Result<()> {
         if self.active {
             self.abort()?;
@@ -775,11 +774,13 @@ impl StreamingEngine {
             entered: 0,
         });
         self.active = true;
-        // The first copies are queued when the first leaf starts (`enter`), not here: the
-        // program uploads its inputs between the two, and a pageable upload queued behind a
-        // ring's worth of weight copies stalls the host and the compute stream while the
-        // ring fills (H200, zero-budget Flux step: 123.9 ms with the inputs uploaded behind
-        // the copies, 118.4 ms with them already on the device).
+        // The link starts now, while the program prepares and uploads its inputs (a
+        // backend stages pageable uploads so that they do not hold the host behind these
+        // copies: ddo-cuda's upload buffers).
+        if let Err(e) = self.issue_ready() {
+            let _ = self.abort();
+            return Err(e);
+        }
         Ok(())
     }
 
@@ -905,10 +906,6 @@ impl StreamingEngine {
     /// Schedule position `pos` starts: when it opens a unit, compute waits for that unit's
     /// copy; params with several locations are pointed at this position's copy.
     pub fn enter(&mut self, pos: usize) -> Result<()> {
-        if self.ring.as_ref().is_some_and(|r| r.next_issue == 0) {
-            // The forward's first leaf: queue the copies now (see `begin_forward`).
-            self.issue_ready()?;
-        }
         let Some(ring) = self.ring.as_mut() else {
             return Ok(());
         };
