@@ -303,7 +303,8 @@ impl StreamHandle for HostStream {
 /// The address ranges of a device's live host registrations
 /// ([`Device::register_host`]): a second registration overlapping one of them is refused
 /// ([`CoreError::HostRegisterUnsupported`]), as CUDA refuses it
-/// (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`).
+/// (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), and so is a copy from a checkpoint range
+/// that is only partly page-locked, as CUDA refuses it (`CUDA_ERROR_INVALID_VALUE`).
 #[derive(Debug, Default)]
 struct Registrations(Mutex<Vec<std::ops::Range<usize>>>);
 
@@ -564,6 +565,27 @@ impl Device for HostDevice {
     fn copy_h2d(&self, src: &HostSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()> {
         check_len("host->device copy", dst.len(), src.len())?;
         self.allocation(dst.buffer())?;
+        if let Some((map, range)) = src.mapped_range()
+            && !range.is_empty()
+        {
+            let base = map.bytes().as_ptr() as usize;
+            let (lo, hi) = (base + range.start, base + range.end);
+            let live = self.registrations.0.lock();
+            let overlaps = live.iter().any(|r| r.start < hi && lo < r.end);
+            if overlaps && !live.iter().any(|r| r.start <= lo && hi <= r.end) {
+                return Err(CoreError::Backend {
+                    device: self.id().to_string(),
+                    message: format!(
+                        "host->device copy from bytes {}..{} of {}, which are only partly \
+                         page-locked (CUDA refuses such a copy with CUDA_ERROR_INVALID_VALUE); \
+                         copy from the registered view, or from a pageable copy of the bytes",
+                        range.start,
+                        range.end,
+                        map.path().display()
+                    ),
+                });
+            }
+        }
         let s = self.host_stream(stream)?;
         let pinned = src.kind() == HostMemoryKind::Pinned;
         let (src, dst) = (src.clone(), dst.clone());

@@ -264,7 +264,6 @@ impl EagerLeafStreamer {
         params: &[Arc<Param>],
         metrics: &RouteMetrics,
     ) -> Result<()> {
-        let stream = device.compute_stream();
         let pinned = &self.pinned;
         let source = |p: &Param| -> Result<HostSlice> {
             Ok(pinned
@@ -272,9 +271,58 @@ impl EagerLeafStreamer {
                 .and_then(|c| c.get(p))
                 .unwrap_or_else(|| p.host()))
         };
-        self.table
-            .acquire(device, params, &source, &stream, metrics)?;
-        self.onloaded.push((leaf, params.to_vec()));
+        Self::onload_into(
+            &mut self.table,
+            &mut self.onloaded,
+            device,
+            leaf,
+            params,
+            metrics,
+            &source,
+        )
+    }
+
+    /// [`EagerLeafStreamer::onload`], reading each param's bytes where `source` says (for
+    /// params without a pinned copy; e.g. a streaming engine's
+    /// [`host_source`](crate::streaming::StreamingEngine::host_source)).
+    pub fn onload_from(
+        &mut self,
+        device: &dyn Device,
+        leaf: LeafId,
+        params: &[Arc<Param>],
+        metrics: &RouteMetrics,
+        source: &dyn Fn(&Param) -> Result<HostSlice>,
+    ) -> Result<()> {
+        let pinned = &self.pinned;
+        let source = |p: &Param| -> Result<HostSlice> {
+            match pinned.as_ref().and_then(|c| c.get(p)) {
+                Some(copy) => Ok(copy),
+                None => source(p),
+            }
+        };
+        Self::onload_into(
+            &mut self.table,
+            &mut self.onloaded,
+            device,
+            leaf,
+            params,
+            metrics,
+            &source,
+        )
+    }
+
+    fn onload_into(
+        table: &mut ResidencyTable,
+        onloaded: &mut Vec<(LeafId, Vec<Arc<Param>>)>,
+        device: &dyn Device,
+        leaf: LeafId,
+        params: &[Arc<Param>],
+        metrics: &RouteMetrics,
+        source: &dyn Fn(&Param) -> Result<HostSlice>,
+    ) -> Result<()> {
+        let stream = device.compute_stream();
+        table.acquire(device, params, source, &stream, metrics)?;
+        onloaded.push((leaf, params.to_vec()));
         Ok(())
     }
 

@@ -694,3 +694,72 @@ fn over_the_limit_registration_falls_back_like_the_home_does() {
     assert_eq!(f.staging, StagingKind::PinnedHome);
     assert!(f.register_fallback.unwrap().contains("pinned room"));
 }
+
+#[test]
+fn params_beside_registered_ranges_are_read_where_a_copy_is_allowed() {
+    // In the file: a (160,000 B), b (streamed), c (64 B), d (streamed). The engine streams
+    // b and d only; their registered spans, rounded out to 64 KiB blocks, reach into a and
+    // cover c whole (the two spans merge over it).
+    let dir = TempDir::new();
+    let (segs, _) = segments(
+        &dir.0,
+        &[
+            vec![(40_000, true)],
+            vec![(40_000, true)],
+            vec![(16, true)],
+            vec![(40_000, true)],
+        ],
+        &[0, 1, 2, 3],
+    );
+    let d = device(1 << 24, 1e9);
+    let streamed = vec![segs[1].clone(), segs[3].clone()];
+    let mut engine = StreamingEngine::new(
+        d.clone(),
+        d.create_stream().unwrap(),
+        &streamed,
+        &[0, 1],
+        &StreamingConfig {
+            pinned_source: PinnedSource::Register,
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    assert!(matches!(
+        engine.figures().staging,
+        StagingKind::Registered { .. }
+    ));
+    let s = d.compute_stream();
+    let (a, c) = (&segs[0][0], &segs[2][0]);
+    for (p, kind) in [(a, HostMemoryKind::Pageable), (c, HostMemoryKind::Pinned)] {
+        let dst = d.alloc(p.nbytes()).unwrap();
+        if kind == HostMemoryKind::Pageable {
+            // Straight from the partly page-locked mapping: refused, as CUDA refuses it.
+            let err = d.copy_h2d(&p.host(), &dst.slice_all(), &s).unwrap_err();
+            assert!(
+                matches!(&err, CoreError::Backend { message, .. } if message.contains("partly page-locked")),
+                "{err}"
+            );
+        }
+        let src = engine.host_source(p).unwrap();
+        assert_eq!(src.buffer().kind(), kind, "{}", p.name());
+        d.copy_h2d(&src, &dst.slice_all(), &s).unwrap();
+        assert_eq!(
+            download(&*d, &dst.slice_all(), &s).unwrap(),
+            p.host().to_vec(),
+            "{}",
+            p.name()
+        );
+    }
+    // A streamed param reads its own bytes (the engine copies it through the view).
+    assert!(engine.host_source(&segs[1][0]).is_ok());
+    engine.teardown().unwrap();
+    // Once unregistered, the mapping is plain again.
+    assert_eq!(
+        engine.host_source(a).unwrap().buffer().kind(),
+        HostMemoryKind::CheckpointMapped
+    );
+    let dst = d.alloc(a.nbytes()).unwrap();
+    d.copy_h2d(&a.host(), &dst.slice_all(), &s).unwrap();
+    d.synchronize().unwrap();
+}

@@ -151,6 +151,43 @@ fn streamed_routes_register_the_mapping_and_match_resident() {
 }
 
 #[test]
+fn resident_params_beside_registered_ones_are_not_copied_from_partly_locked_pages() {
+    // Leaves of 160,000 B: registered spans (rounded out to 64 KiB blocks) of the streamed
+    // leaves reach into the resident ones next to them in the file, and a copy from a
+    // partly page-locked range is refused (by CUDA, and so by the host backend).
+    let m = mapped(spec(6, 200, DType::F32), |_| false);
+    let total = m.component.param_bytes();
+    let largest = m
+        .component
+        .leaves()
+        .iter()
+        .map(|l| l.param_bytes())
+        .max()
+        .unwrap_or(0);
+    // The ring (two slots of the largest leaf, in 64 KiB units) and about half of the rest
+    // resident.
+    let ring = 2 * largest.div_ceil(256) * 256;
+    let budget = ring + total.saturating_sub(ring) / 2;
+    for route in [
+        leaf_stream(&format!(",budget={budget},unit_bytes=64KiB")),
+        native(budget, ",unit_bytes=64KiB"),
+    ] {
+        let (mut h, d) = run(&m, route, 3);
+        let c = h.metrics().counters();
+        assert!(c.leaves_resident > 0 && c.leaves_streamed > 0, "{c:?}");
+        assert!(c.host_registrations >= 1, "{}: {c:?}", route.describe());
+        release(&mut h);
+        let mem = d.memory_info();
+        assert_eq!(
+            (mem.allocated, mem.pinned_host),
+            (0, 0),
+            "{}",
+            route.describe()
+        );
+    }
+}
+
+#[test]
 fn owned_params_fall_back_to_a_home_of_their_own() {
     // Biases are owned copies (as after a dtype conversion); weights stay mapped.
     let m = mapped(spec(5, 16, DType::F32), |name| name.ends_with(".bias"));

@@ -40,7 +40,7 @@ use ddo_metrics::RouteMetrics;
 use crate::config::PinnedSource;
 use crate::device::{Device, DeviceBuffer, Event, Stream};
 use crate::error::{CoreError, Result};
-use crate::host::{CheckpointMap, HostBuffer, register_span};
+use crate::host::{CheckpointMap, HostBuffer, HostSlice, register_span};
 use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
 use crate::streaming::home::PinnedHome;
@@ -403,6 +403,33 @@ pub struct StreamingEngine {
     figures: StreamingFigures,
 }
 
+/// Where a resident param's bytes are copied from. With registered mappings, a param
+/// that lies wholly in a registered range is read through the registered view; one that
+/// lies only partly in one (its neighbour in the file streams, and registrations are
+/// rounded out to [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks) is read from a
+/// pageable copy of its bytes, since a copy from partly page-locked memory is refused
+/// (CUDA: `CUDA_ERROR_INVALID_VALUE`). Otherwise its own host bytes.
+fn resident_source(host: Option<&Host>, p: &Param) -> Result<HostSlice> {
+    let src = p.host();
+    let (Some(Host::Registered { sources, .. }), Some((map, range))) = (host, src.mapped_range())
+    else {
+        return Ok(src);
+    };
+    for view in sources {
+        let Some((m, offset, len)) = view.registered_base().and_then(HostBuffer::mapping) else {
+            continue;
+        };
+        if !Arc::ptr_eq(m, map) || offset >= range.end || range.start >= offset + len {
+            continue;
+        }
+        if offset <= range.start && range.end <= offset + len {
+            return view.slice(range.start - offset, range.len());
+        }
+        return Ok(src.with_bytes(HostBuffer::pageable_from).slice_all());
+    }
+    Ok(src)
+}
+
 /// Bytes of one segment for the planner: its params, each aligned.
 fn segment_bytes(params: &[Arc<Param>]) -> u64 {
     params.iter().map(|p| align_up(p.nbytes() as u64)).sum()
@@ -730,6 +757,17 @@ impl StreamingEngine {
         &self.resident_params
     }
 
+    /// Where a copy of `p`'s bytes to the device must read them while this engine lives:
+    /// outside the engine's own copies (resident params, leaves run off the schedule, params
+    /// of no leaf), a param next to registered ones in the file may lie partly in a
+    /// page-locked range, and a copy from partly page-locked memory is refused (CUDA:
+    /// `CUDA_ERROR_INVALID_VALUE`). Such a param is read from a pageable copy of its
+    /// bytes, one wholly inside a registered range through the registered view, any other
+    /// from its own host bytes.
+    pub fn host_source(&self, p: &Param) -> Result<HostSlice> {
+        resident_source(self.host.as_ref(), p)
+    }
+
     /// Whether a forward is running on the engine (between
     /// [`StreamingEngine::begin_forward`] and [`StreamingEngine::end_forward`] or
     /// [`StreamingEngine::abort`]).
@@ -745,10 +783,11 @@ impl StreamingEngine {
         }
         if self.resident.is_empty() && !self.resident_params.is_empty() {
             let params = self.resident_params.clone();
+            let host = self.host.as_ref();
             self.resident.acquire(
                 &*self.device,
                 &params,
-                &|p: &Param| Ok(p.host()),
+                &|p: &Param| resident_source(host, p),
                 &self.compute,
                 &self.metrics,
             )?;

@@ -572,11 +572,15 @@ impl AttachedGroupOffload {
     fn acquire(&self, st: &mut State, g: usize, stream: &Stream) -> Result<()> {
         let device = &*self.device;
         let kind = self.source;
+        // With an engine, where its registered mappings allow.
+        let engine = st.engine.as_ref();
+        let host = |p: &Param| -> Result<HostSlice> {
+            engine.map_or_else(|| Ok(p.host()), |e| e.host_source(p))
+        };
         let source = |p: &Param| -> Result<HostSlice> {
             match kind {
-                HostSource::Pinned => Ok(p.host()),
-                HostSource::PinOnTheFly => Ok(pin_copy(device, &p.host())?.slice_all()),
-                HostSource::Own => Ok(p.host()),
+                HostSource::Pinned | HostSource::Own => host(p),
+                HostSource::PinOnTheFly => Ok(pin_copy(device, &host(p)?)?.slice_all()),
             }
         };
         let started = Instant::now();

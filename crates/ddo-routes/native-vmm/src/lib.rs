@@ -669,8 +669,20 @@ impl AttachedRoute for NativeVmmAttachment {
                 if on_engine {
                     self.leave_engine(&mut st)?;
                 }
-                st.eager
-                    .onload(&*self.device, leaf.id(), &lp.params, &self.metrics)
+                let st = &mut *st;
+                match st.engine.as_ref() {
+                    // Read where the engine's registered mappings allow.
+                    Some(engine) => st.eager.onload_from(
+                        &*self.device,
+                        leaf.id(),
+                        &lp.params,
+                        &self.metrics,
+                        &|p: &Param| engine.host_source(p),
+                    ),
+                    None => st
+                        .eager
+                        .onload(&*self.device, leaf.id(), &lp.params, &self.metrics),
+                }
             }
         }
     }
