@@ -264,26 +264,11 @@ impl EagerLeafStreamer {
         params: &[Arc<Param>],
         metrics: &RouteMetrics,
     ) -> Result<()> {
-        let pinned = &self.pinned;
-        let source = |p: &Param| -> Result<HostSlice> {
-            Ok(pinned
-                .as_ref()
-                .and_then(|c| c.get(p))
-                .unwrap_or_else(|| p.host()))
-        };
-        Self::onload_into(
-            &mut self.table,
-            &mut self.onloaded,
-            device,
-            leaf,
-            params,
-            metrics,
-            &source,
-        )
+        self.onload_from(device, leaf, params, metrics, &|p: &Param| Ok(p.host()))
     }
 
-    /// [`EagerLeafStreamer::onload`], reading each param's bytes where `source` says (for
-    /// params without a pinned copy; e.g. a streaming engine's
+    /// [`EagerLeafStreamer::onload`], reading the bytes of params without a pinned copy
+    /// where `source` says (e.g. a streaming engine's
     /// [`host_source`](crate::streaming::StreamingEngine::host_source)).
     pub fn onload_from(
         &mut self,
@@ -300,29 +285,10 @@ impl EagerLeafStreamer {
                 None => source(p),
             }
         };
-        Self::onload_into(
-            &mut self.table,
-            &mut self.onloaded,
-            device,
-            leaf,
-            params,
-            metrics,
-            &source,
-        )
-    }
-
-    fn onload_into(
-        table: &mut ResidencyTable,
-        onloaded: &mut Vec<(LeafId, Vec<Arc<Param>>)>,
-        device: &dyn Device,
-        leaf: LeafId,
-        params: &[Arc<Param>],
-        metrics: &RouteMetrics,
-        source: &dyn Fn(&Param) -> Result<HostSlice>,
-    ) -> Result<()> {
         let stream = device.compute_stream();
-        table.acquire(device, params, source, &stream, metrics)?;
-        onloaded.push((leaf, params.to_vec()));
+        self.table
+            .acquire(device, params, &source, &stream, metrics)?;
+        self.onloaded.push((leaf, params.to_vec()));
         Ok(())
     }
 
