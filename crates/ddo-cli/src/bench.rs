@@ -23,7 +23,7 @@ use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
 use crate::progress::ProgressBar;
 use crate::run::{build_pipeline, parse_dtype, positive, source_from_args};
-use crate::setup::{DeviceChoice, check_budget, open_device, vram_budget};
+use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device, vram_budget};
 
 /// `ddo bench`'s options.
 pub const OPTIONS: &[OptSpec] = &[
@@ -322,14 +322,32 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
 
     // A CUDA device is opened once and shared; the host backend gets a fresh one per
     // candidate (its allocator kind is fixed at creation).
+    // Pinned memory is scarce for the whole run when a candidate is `wsl_compat`.
+    let scarce_pinned = list
+        .iter()
+        .any(|c| matches!(c, Candidate::Preset(p) if p.resolved() == Preset::WslCompat));
     let shared = match device_choice {
-        DeviceChoice::Cuda(_) => Some(open_device(device_choice, budget, false)?),
+        DeviceChoice::Cuda(_) => Some(open_device(
+            device_choice,
+            budget,
+            DeviceNeeds {
+                native_allocator: false,
+                scarce_pinned,
+            },
+        )?),
         DeviceChoice::Cpu => None,
     };
     let device_for = |native: bool| -> CliResult<Arc<dyn Device>> {
         match &shared {
             Some(d) => Ok(Arc::clone(d)),
-            None => open_device(DeviceChoice::Cpu, budget, native),
+            None => open_device(
+                DeviceChoice::Cpu,
+                budget,
+                DeviceNeeds {
+                    native_allocator: native,
+                    scarce_pinned,
+                },
+            ),
         }
     };
     let probe = device_for(false)?;

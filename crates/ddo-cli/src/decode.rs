@@ -17,9 +17,7 @@ use crate::args::{OptSpec, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, OutputKind, output_kind, read_tensor, write_png, write_safetensors};
 use crate::run::parse_dtype;
-use crate::setup::{
-    DeviceChoice, Routing, check_budget, needs_native_allocator, open_device, vram_budget,
-};
+use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device, vram_budget};
 
 /// `ddo decode`'s options.
 pub const OPTIONS: &[OptSpec] = &[
@@ -125,7 +123,7 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let device = open_device(
         device_choice,
         budget,
-        needs_native_allocator(std::slice::from_ref(&explanation)),
+        DeviceNeeds::of(std::slice::from_ref(&explanation)),
     )?;
     let capacity = device.memory_info().capacity;
     let effective_budget = budget.or((capacity > 0).then_some(capacity));

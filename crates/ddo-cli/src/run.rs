@@ -22,8 +22,7 @@ use crate::io::{
 };
 use crate::progress::ProgressBar;
 use crate::setup::{
-    DeviceChoice, Explanation, Routing, check_budget, needs_native_allocator, open_device,
-    vram_budget,
+    DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device, vram_budget,
 };
 use crate::tokenize::PipelineTokenizers;
 
@@ -334,7 +333,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         .iter()
         .map(|n| routing.explain(n))
         .collect::<CliResult<Vec<Explanation>>>()?;
-    let device = open_device(device_choice, budget, needs_native_allocator(&explanations))?;
+    let device = open_device(device_choice, budget, DeviceNeeds::of(&explanations))?;
     let capacity = device.memory_info().capacity;
     let effective_budget = budget.or((capacity > 0).then_some(capacity));
     if let Some(b) = effective_budget {

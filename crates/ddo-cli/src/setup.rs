@@ -406,12 +406,14 @@ fn pinned_limit() -> u64 {
 /// Opens the execution device. On the host backend the budget is the device's capacity
 /// (default [`DEFAULT_HOST_CAPACITY`]). The native allocator is installed when a route
 /// needs it: on CUDA as the device's first step, on the host backend by choosing it at
-/// construction (the counterpart of installing it first thing in a fresh process).
+/// construction (the counterpart of installing it first thing in a fresh process). Where
+/// pinned memory is scarce, a CUDA device stages no pageable uploads in pinned buffers.
 pub fn open_device(
     choice: DeviceChoice,
     budget: Option<u64>,
-    native_allocator: bool,
+    needs: DeviceNeeds,
 ) -> CliResult<Arc<dyn Device>> {
+    let native_allocator = needs.native_allocator;
     match choice {
         DeviceChoice::Cpu => {
             let device = HostDevice::new(HostDeviceConfig {
@@ -431,6 +433,11 @@ pub fn open_device(
             // (the fresh-process rule).
             let config = ddo_cuda::CudaDeviceConfig {
                 native_vmm: native_allocator,
+                upload_staging_bytes: if needs.scarce_pinned {
+                    0
+                } else {
+                    ddo_cuda::DEFAULT_UPLOAD_STAGING_BYTES
+                },
                 ..ddo_cuda::CudaDeviceConfig::new(n)
             };
             let device = ddo_cuda::CudaDevice::with_config(config)
@@ -479,4 +486,83 @@ pub fn needs_native_allocator(explanations: &[Explanation]) -> bool {
     explanations
         .iter()
         .any(|e| e.spec.target() == RouteTarget::Route(RouteId::NativeVmm))
+}
+
+/// Whether pinned memory is scarce for these resolutions (a component resolved under
+/// `wsl_compat`): the device then keeps no pinned upload buffers, so the pinned bytes stay
+/// within what the routes' `pinned_limit` allows.
+pub fn pinned_is_scarce(explanations: &[Explanation]) -> bool {
+    explanations
+        .iter()
+        .any(|e| e.resolved_preset == Preset::WslCompat.to_string())
+}
+
+/// What the execution device must provide, from the routes resolved for it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceNeeds {
+    /// Install the native allocator ([`needs_native_allocator`]).
+    pub native_allocator: bool,
+    /// Keep no pinned upload buffers on CUDA ([`pinned_is_scarce`]).
+    pub scarce_pinned: bool,
+}
+
+impl DeviceNeeds {
+    /// The needs of `explanations`' routes.
+    pub fn of(explanations: &[Explanation]) -> Self {
+        Self {
+            native_allocator: needs_native_allocator(explanations),
+            scarce_pinned: pinned_is_scarce(explanations),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn explanation(resolved_preset: &str, spec: &str) -> Explanation {
+        Explanation {
+            component: "transformer".into(),
+            preset: resolved_preset.into(),
+            resolved_preset: resolved_preset.into(),
+            route: String::new(),
+            options: BTreeMap::new(),
+            source: Sources {
+                preset: "--preset".into(),
+                route: "--route".into(),
+                options: BTreeMap::new(),
+            },
+            spec: spec.parse().unwrap(),
+        }
+    }
+
+    #[test]
+    fn the_device_needs_follow_the_resolved_routes_and_presets() {
+        let fast = explanation("one_shot_fast", "none");
+        let native = explanation("vmm_fast", "native_vmm:budget=1GiB");
+        let wsl = explanation(
+            "wsl_compat",
+            "diffusers_group_offload:offload_type=leaf_level,use_stream=false",
+        );
+        assert_eq!(DeviceNeeds::of(&[]), DeviceNeeds::default());
+        assert_eq!(
+            DeviceNeeds::of(std::slice::from_ref(&fast)),
+            DeviceNeeds::default()
+        );
+        assert_eq!(
+            DeviceNeeds::of(&[fast.clone(), native]),
+            DeviceNeeds {
+                native_allocator: true,
+                scarce_pinned: false,
+            }
+        );
+        // One component under wsl_compat makes pinned memory scarce for the whole device.
+        assert_eq!(
+            DeviceNeeds::of(&[fast, wsl]),
+            DeviceNeeds {
+                native_allocator: false,
+                scarce_pinned: true,
+            }
+        );
+    }
 }
