@@ -267,6 +267,9 @@ pub struct MemoryInfo {
     pub driver_total: Option<u64>,
     /// Pinned host bytes handed out by this device.
     pub pinned_host: u64,
+    /// Of `pinned_host`, bytes the device keeps as a cache (ddo-cuda's upload buffers) and
+    /// gives back when [`Device::alloc_pinned`] needs their room.
+    pub pinned_cached: u64,
     /// Limit on pinned host bytes.
     pub pinned_limit: u64,
 }
@@ -278,13 +281,23 @@ impl MemoryInfo {
         self.driver_free
             .unwrap_or_else(|| self.capacity.saturating_sub(self.allocated))
     }
+
+    /// Pinned bytes [`Device::alloc_pinned`] can still hand out: the limit less what is
+    /// pinned, counting the device's cached pinned bytes as room (they give way).
+    pub fn pinned_room(&self) -> u64 {
+        self.pinned_limit
+            .saturating_sub(self.pinned_host.saturating_sub(self.pinned_cached))
+    }
 }
 
 /// The memory and transfer plane of one execution device.
 ///
 /// Copies are asynchronous with respect to the host when their host side is pinned;
-/// from pageable or mapped memory they return only when done (as CUDA does). Work on a
-/// stream runs in order; [`Device::wait_event`] orders work across streams.
+/// from pageable or mapped memory they return only when done (as CUDA does), except that a
+/// backend may stage a pageable host→device copy in pinned memory of its own and queue it
+/// like a pinned one (ddo-cuda's upload buffers): the source is read before the call
+/// returns either way. Work on a stream runs in order; [`Device::wait_event`] orders work
+/// across streams.
 pub trait Device: Send + Sync + fmt::Debug {
     /// The device's identity.
     fn id(&self) -> DeviceId;
@@ -418,4 +431,31 @@ pub fn download(device: &dyn Device, src: &DeviceSlice, stream: &Stream) -> Resu
     device.copy_d2h(src, &dst.slice_all(), stream)?;
     device.synchronize_stream(stream)?;
     Ok(dst.with_bytes(<[u8]>::to_vec))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MemoryInfo;
+
+    #[test]
+    fn pinned_room_counts_cached_pinned_bytes_as_room() {
+        let info = MemoryInfo {
+            pinned_host: 700,
+            pinned_cached: 200,
+            pinned_limit: 1000,
+            ..MemoryInfo::default()
+        };
+        assert_eq!(info.pinned_room(), 500);
+        let full = MemoryInfo {
+            pinned_cached: 0,
+            ..info
+        };
+        assert_eq!(full.pinned_room(), 300);
+        // Over the limit (a smaller limit set later): no room, not an underflow.
+        let over = MemoryInfo {
+            pinned_limit: 400,
+            ..full
+        };
+        assert_eq!(over.pinned_room(), 0);
+    }
 }

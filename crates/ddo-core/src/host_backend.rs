@@ -746,6 +746,7 @@ impl Device for HostDevice {
             driver_free: None,
             driver_total: None,
             pinned_host: self.pinned.pinned(),
+            pinned_cached: 0,
             pinned_limit: self.pinned.limit(),
         }
     }

@@ -987,7 +987,11 @@ impl Device for CudaDevice {
     fn register_host(&self, buffer: &HostBuffer) -> ddo_core::Result<HostBuffer> {
         let (map, span) = register_target(&self.id().to_string(), buffer)?;
         let bytes = span.len() as u64;
-        let (pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
+        let (mut pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
+        if pinned.saturating_add(bytes) > limit && self.release_upload_staging() > 0 {
+            // The upload buffers give way, as they do for `alloc_pinned`.
+            pinned = self.pinned.pinned();
+        }
         if pinned.saturating_add(bytes) > limit {
             return Err(CoreError::PinnedLimit {
                 requested: bytes,
@@ -1243,6 +1247,7 @@ impl Device for CudaDevice {
             driver_free: driver.map(|(free, _)| free),
             driver_total: driver.map(|(_, total)| total),
             pinned_host: self.pinned.pinned(),
+            pinned_cached: self.upload_staging_bytes(),
             pinned_limit: self.pinned.limit(),
         }
     }

@@ -166,6 +166,13 @@ fn pageable_uploads_are_staged_reused_and_give_way_to_pinned_allocations() {
     assert_eq!(download(&*d, &da.slice_all(), &s).unwrap(), a);
     assert_eq!(download(&*d, &db.slice_all(), &s).unwrap(), b);
     let staged = d.upload_staging_bytes();
+    let m = d.memory_info();
+    assert_eq!(m.pinned_cached, staged);
+    assert_eq!(
+        m.pinned_room(),
+        16 * MIB as u64,
+        "cached upload buffers count as room"
+    );
     // The source can change as soon as the call returns: its bytes were staged.
     let mut c = pattern(MIB + 5, 3);
     let src = HostBuffer::pageable_from(&c);

@@ -526,9 +526,7 @@ impl StreamingEngine {
             }
         }
         let info = device.memory_info();
-        let pinned_room = config
-            .pinned_limit
-            .min(info.pinned_limit.saturating_sub(info.pinned_host));
+        let pinned_room = config.pinned_limit.min(info.pinned_room());
         let home_bytes: u64 = layout.units().iter().map(|u| u.bytes).sum();
         let setup = Instant::now();
         // Registered mappings first, when asked for and they fit; otherwise (or where the

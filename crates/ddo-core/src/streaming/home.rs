@@ -87,7 +87,7 @@ impl PinnedHome {
             at += align_up(p.nbytes() as u64);
         }
         let info = device.memory_info();
-        let room = limit.min(info.pinned_limit.saturating_sub(info.pinned_host));
+        let room = limit.min(info.pinned_room());
         if at == 0 {
             return Ok(None);
         }
