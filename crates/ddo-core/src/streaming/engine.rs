@@ -156,6 +156,21 @@ impl StreamingFigures {
         }
     }
 
+    /// Records the plan in a route's metrics: streamed bytes, units and ring
+    /// ([`RouteMetrics::set_streaming_plan`]), where copies read from and the pinned bytes.
+    /// The resident bytes and leaves are the route's to record (it may hold more).
+    pub fn publish(&self, metrics: &RouteMetrics) {
+        metrics.set_streaming_plan(
+            self.streamed_bytes,
+            self.units as u64,
+            self.ring_slots as u64,
+            self.slot_bytes,
+            self.staging.staging_buffers(),
+        );
+        metrics.set_streaming_host(self.host_metrics());
+        metrics.set_pinned_host_bytes(self.pinned_bytes);
+    }
+
     /// Device bytes of the ring.
     pub fn ring_bytes(&self) -> u64 {
         self.slot_bytes * self.ring_slots as u64

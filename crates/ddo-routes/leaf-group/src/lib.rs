@@ -724,39 +724,26 @@ impl AttachedGroupOffload {
             &config,
             Arc::clone(&self.metrics),
         )?;
-        let f = engine.figures().clone();
+        let f = engine.figures();
         let resident: HashSet<ParamId> = engine.resident_params().iter().map(|p| p.id()).collect();
-        let resident_leaves = self
+        let resident_groups: Vec<_> = self
             .plan
             .groups
             .iter()
             .filter(|g| !g.params.is_empty() && g.params.iter().all(|p| resident.contains(&p.id())))
+            .collect();
+        let resident_leaves = resident_groups
+            .iter()
             .map(|g| g.leaves.len() as u64)
             .sum::<u64>();
         self.metrics.set_leaf_plan(
             self.plan.streamed_leaves().saturating_sub(resident_leaves),
             resident_leaves,
         );
-        self.metrics.set_resident_leaves(
-            self.plan
-                .groups
-                .iter()
-                .filter(|g| {
-                    !g.params.is_empty() && g.params.iter().all(|p| resident.contains(&p.id()))
-                })
-                .map(|g| g.label.clone())
-                .collect(),
-        );
+        self.metrics
+            .set_resident_leaves(resident_groups.iter().map(|g| g.label.clone()).collect());
         self.metrics.set_resident_weight_bytes(f.resident_bytes);
-        self.metrics.set_streaming_plan(
-            f.streamed_bytes,
-            f.units as u64,
-            f.ring_slots as u64,
-            f.slot_bytes,
-            f.staging.staging_buffers(),
-        );
-        self.metrics.set_streaming_host(f.host_metrics());
-        self.metrics.set_pinned_host_bytes(f.pinned_bytes);
+        f.publish(&self.metrics);
         st.engine = Some(engine);
         Ok(())
     }

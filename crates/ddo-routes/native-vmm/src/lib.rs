@@ -577,15 +577,7 @@ impl NativeVmmAttachment {
             self.plan.resident.len() as u64 + extra,
         );
         self.metrics.set_resident_leaves(resident_leaves);
-        self.metrics.set_streaming_plan(
-            f.streamed_bytes,
-            f.units as u64,
-            f.ring_slots as u64,
-            f.slot_bytes,
-            f.staging.staging_buffers(),
-        );
-        self.metrics.set_streaming_host(f.host_metrics());
-        self.metrics.set_pinned_host_bytes(f.pinned_bytes);
+        f.publish(&self.metrics);
         self.metrics
             .set_resident_weight_bytes(st.eager.table().resident_bytes() + f.resident_bytes);
         st.engine = Some(engine);
