@@ -87,15 +87,17 @@ pub fn bundle() -> Result<(), String> {
     Ok(())
 }
 
+/// Marks `path` executable (a no-op off Unix).
 #[cfg(unix)]
-fn make_executable(path: &Path) -> Result<(), String> {
+pub fn make_executable(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
     fs::set_permissions(path, fs::Permissions::from_mode(0o755))
         .map_err(|e| format!("cannot make {} executable: {e}", path.display()))
 }
 
+/// Marks `path` executable (a no-op off Unix).
 #[cfg(not(unix))]
-fn make_executable(_path: &Path) -> Result<(), String> {
+pub fn make_executable(_path: &Path) -> Result<(), String> {
     Ok(())
 }
 
