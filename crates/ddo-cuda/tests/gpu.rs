@@ -14,21 +14,12 @@ use ddo_routes::enable_dynamic_offload;
 
 const MIB: usize = 1 << 20;
 
-/// Device 0, or `None` (after saying so) when there is no driver library or no device.
-/// With `DDO_REQUIRE_GPU=1` (set by `cargo xtask test-gpu` and the bundle's `run-all.sh`)
-/// a missing device fails the test instead.
+mod common;
+
+/// Device 0, or `None` (after saying so) when there is no driver library or no device;
+/// with `DDO_REQUIRE_GPU=1` a missing device fails the test instead.
 fn gpu() -> Option<Arc<CudaDevice>> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
-            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
-            }
-            println!("skipped: no CUDA device");
-            None
-        }
-        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
-    }
+    common::open_gpu(false)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -10,22 +10,14 @@ use std::time::{Duration, Instant};
 
 use ddo_core::reference::SplitMix64;
 use ddo_core::{Conv2dParams, DType, Device, HostDevice, Ops, Tensor};
-use ddo_cuda::{CudaDevice, CudaError};
+use ddo_cuda::CudaDevice;
 
-/// Device 0, or `None` (after saying so) when there is no driver library or no device.
-/// With `DDO_REQUIRE_GPU=1` a missing device fails the test instead.
+mod common;
+
+/// Device 0, or `None` (after saying so) when there is no driver library or no device;
+/// with `DDO_REQUIRE_GPU=1` a missing device fails the test instead.
 fn gpu() -> Option<Arc<CudaDevice>> {
-    match CudaDevice::new(0) {
-        Ok(d) => Some(d),
-        Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
-            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
-            }
-            println!("skipped: no CUDA device");
-            None
-        }
-        Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
-    }
+    common::open_gpu(false)
 }
 
 /// The reference backend.

@@ -261,7 +261,7 @@ fn resident_benchmark_against_pytorch() {
         let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72, 512, 4096);
+        let inputs = synthetic_flux_inputs(72, 512);
         d.reset_peak();
         let (med, min, max) = median_ms(
             || {
@@ -352,7 +352,7 @@ fn flux_block_compute_against_copy_time() {
         let bytes = model.component().param_bytes();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72, 512, 4096);
+        let inputs = synthetic_flux_inputs(72, 512);
         let (med, _, _) = median_ms(
             || {
                 model.forward(&*d, &inputs).unwrap();
@@ -394,7 +394,7 @@ fn flux_block_op_profile() {
         let dev: Arc<dyn Device> = wrapped.clone();
         let _h =
             enable_dynamic_offload(model.component(), dev.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72, 512, 4096);
+        let inputs = synthetic_flux_inputs(72, 512);
         model.forward(&*dev, &inputs).unwrap();
         wrapped.time_ops(true);
         model.forward(&*dev, &inputs).unwrap();
@@ -472,7 +472,7 @@ fn flux_stream_pipeline_against_its_copies() {
         cfg.num_layers = 5;
         cfg.num_single_layers = 10;
         let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
-        let mut inputs = synthetic_flux_inputs(side, txt, 4096);
+        let mut inputs = synthetic_flux_inputs(side, txt);
         if device_inputs {
             let s = d.compute_stream();
             inputs.hidden_states = inputs.hidden_states.to_device(&*d, &s).unwrap();

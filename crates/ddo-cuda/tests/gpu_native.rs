@@ -113,7 +113,7 @@ fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundar
         return;
     };
     let Some(d) = open_gpu(true) else { return };
-    let inputs = synthetic_flux_inputs(32, 128, 4096);
+    let inputs = synthetic_flux_inputs(32, 128);
     let model = small_flux();
     let weights: u64 = model.component().param_bytes();
     let expected = {
@@ -255,7 +255,7 @@ fn run_workloads(d: &Arc<CudaDevice>, allocator: &'static str, rows: &mut Vec<Ro
         let model = FluxTransformer::random(cfg, 2, DType::BF16).unwrap();
         let _h =
             enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
-        let inputs = synthetic_flux_inputs(72, 512, 4096);
+        let inputs = synthetic_flux_inputs(72, 512);
         d.synchronize().unwrap();
         d.reset_peak();
         let ms = median_ms(

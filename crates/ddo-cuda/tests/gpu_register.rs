@@ -200,7 +200,7 @@ fn flux_streams_bit_identically_from_a_pinned_home_and_from_the_registered_mappi
             t.elapsed().as_secs_f64()
         );
     }
-    let inputs = synthetic_flux_inputs(side, txt, 4096);
+    let inputs = synthetic_flux_inputs(side, txt);
     // Resident reference, from the same file.
     let expected = {
         let model = FluxTransformer::load(&dir.0, None).unwrap();

@@ -277,6 +277,35 @@ pub struct FluxInputs {
     pub txt_ids: Vec<[f32; 3]>,
 }
 
+impl FluxInputs {
+    /// Deterministic host inputs for a model of `config`, for tests and benchmarks:
+    /// `side`² image tokens at ids `(0, row, col)`, `txt` text tokens at zero ids, values
+    /// in [-1, 1) from a fixed integer hash, timestep 0.5 and guidance 3.5 (batch 1).
+    pub fn synthetic(config: &FluxTransformerConfig, side: usize, txt: usize) -> Result<Self> {
+        let n = side * side;
+        let wave = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 2_654_435_761 + seed) % 1000) as f32 / 500.0) - 1.0)
+                .collect()
+        };
+        let tensor = |shape: Vec<usize>, seed: usize| -> Result<Tensor> {
+            let len = shape.iter().product();
+            Tensor::from_f32(shape, DType::F32, &wave(len, seed))
+        };
+        Ok(Self {
+            hidden_states: tensor(vec![1, n, config.in_channels], 1)?,
+            encoder_hidden_states: tensor(vec![1, txt, config.joint_attention_dim], 2)?,
+            pooled_projections: tensor(vec![1, config.pooled_projection_dim], 3)?,
+            timestep: vec![0.5],
+            guidance: Some(vec![3.5]),
+            img_ids: (0..n)
+                .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+                .collect(),
+            txt_ids: vec![[0.0; 3]; txt],
+        })
+    }
+}
+
 fn shape_err(what: &str, message: impl Into<String>) -> CoreError {
     CoreError::Shape {
         what: what.into(),

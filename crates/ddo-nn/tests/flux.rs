@@ -634,32 +634,6 @@ fn rotary_tables_follow_the_ids_of_each_forward() {
     assert_eq!(bytes(&*d, &model.forward(&*d, &inputs()).unwrap()), first);
 }
 
-/// Synthetic Flux inputs: `side`² image tokens and `txt` text tokens of width `joint`.
-fn synthetic_inputs(side: usize, txt: usize, joint: usize) -> FluxInputs {
-    let n = side * side;
-    let wave = |len: usize, seed: usize| -> Vec<f32> {
-        (0..len)
-            .map(|i| (((i * 2_654_435_761 + seed) % 1000) as f32 / 500.0) - 1.0)
-            .collect()
-    };
-    FluxInputs {
-        hidden_states: Tensor::from_f32(vec![1, n, 64], DType::F32, &wave(n * 64, 1)).unwrap(),
-        encoder_hidden_states: Tensor::from_f32(
-            vec![1, txt, joint],
-            DType::F32,
-            &wave(txt * joint, 2),
-        )
-        .unwrap(),
-        pooled_projections: Tensor::from_f32(vec![1, 768], DType::F32, &wave(768, 3)).unwrap(),
-        timestep: vec![0.5],
-        guidance: Some(vec![3.5]),
-        img_ids: (0..n)
-            .map(|i| [0.0, (i / side) as f32, (i % side) as f32])
-            .collect(),
-        txt_ids: vec![[0.0; 3]; txt],
-    }
-}
-
 #[test]
 fn block_activation_peaks_stay_a_few_hidden_states_wide() {
     // What a streamed transformer holds on the device besides its ring is the activation
@@ -678,11 +652,11 @@ fn block_activation_peaks_stay_a_few_hidden_states_wide() {
         cfg.axes_dims_rope = vec![4, 6, 6];
         cfg.joint_attention_dim = 256;
         let width = cfg.num_attention_heads * cfg.attention_head_dim;
-        let model = FluxTransformer::random(cfg, 7, DType::BF16).expect("random model");
+        let model = FluxTransformer::random(cfg.clone(), 7, DType::BF16).expect("random model");
         let d = HostDevice::with_capacity(1 << 30).expect("host device");
         let _h = enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident())
             .expect("resident");
-        let inputs = synthetic_inputs(side, txt, 256);
+        let inputs = FluxInputs::synthetic(&cfg, side, txt).expect("inputs");
         let weights = d.memory_info().allocated;
         d.reset_peak();
         let out = model.forward(&*d, &inputs).expect("forward");
