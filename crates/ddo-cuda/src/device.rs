@@ -11,7 +11,8 @@
 //! - the memory a queued copy reads or writes lives until the copy has completed: each
 //!   stream keeps handles to both sides in a pending list, tagged with an event recorded
 //!   after the copy, and drops them once that event has completed (checked on every call
-//!   and at every synchronisation);
+//!   and at every synchronisation); a staged upload keeps its pinned buffer there, and the
+//!   destination's free is ordered behind the copy instead ([`CudaAllocation::note_use`]);
 //! - frees are stream-ordered: [`Device::release_after`] records an event on its stream
 //!   (as does the last drop for streams named by [`CudaAllocation::note_use`], where work
 //!   that holds no handle was queued); the block goes back to the caching allocator with
@@ -385,7 +386,7 @@ enum Held {
 
 struct PendingCopy {
     done: PooledEvent,
-    _held: Vec<Held>,
+    _held: (Held, Option<Held>),
 }
 
 /// A stream of a [`CudaDevice`].
@@ -431,9 +432,10 @@ impl CudaStreamHandle {
         drop(done);
     }
 
-    /// Keeps `held` alive until the copy just queued on this stream has completed. When the
-    /// completion event cannot be recorded, waits for the stream instead.
-    fn track(&self, held: Vec<Held>) -> Result<()> {
+    /// Keeps `held` (one side of the copy, or both) alive until the copy just queued on
+    /// this stream has completed. When the completion event cannot be recorded, waits for
+    /// the stream instead.
+    fn track(&self, held: (Held, Option<Held>)) -> Result<()> {
         match self.shared.events.record(&self.stream) {
             Ok(done) => {
                 self.pending
@@ -729,6 +731,16 @@ impl CudaDevice {
         Some(buffer)
     }
 
+    /// The pinned bytes now, after dropping the idle upload buffers when `bytes` more would
+    /// pass the limit (the buffers are a cache: they give way to pinned memory asked for).
+    fn pinned_making_room(&self, bytes: u64) -> u64 {
+        let pinned = self.pinned.pinned();
+        if pinned.saturating_add(bytes) > self.pinned.limit() && self.release_upload_staging() > 0 {
+            return self.pinned.pinned();
+        }
+        pinned
+    }
+
     /// Drops the pinned upload buffers no queued copy reads; returns their bytes.
     fn release_upload_staging(&self) -> u64 {
         let mut released = 0;
@@ -947,11 +959,7 @@ impl Device for CudaDevice {
     }
 
     fn alloc_pinned(&self, bytes: usize) -> ddo_core::Result<HostBuffer> {
-        let (mut pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
-        if pinned.saturating_add(bytes as u64) > limit && self.release_upload_staging() > 0 {
-            // Upload staging is a cache: it gives way to an allocation that needs its room.
-            pinned = self.pinned.pinned();
-        }
+        let (pinned, limit) = (self.pinned_making_room(bytes as u64), self.pinned.limit());
         if pinned.saturating_add(bytes as u64) > limit {
             return Err(CoreError::PinnedLimit {
                 requested: bytes as u64,
@@ -987,11 +995,7 @@ impl Device for CudaDevice {
     fn register_host(&self, buffer: &HostBuffer) -> ddo_core::Result<HostBuffer> {
         let (map, span) = register_target(&self.id().to_string(), buffer)?;
         let bytes = span.len() as u64;
-        let (mut pinned, limit) = (self.pinned.pinned(), self.pinned.limit());
-        if pinned.saturating_add(bytes) > limit && self.release_upload_staging() > 0 {
-            // The upload buffers give way, as they do for `alloc_pinned`.
-            pinned = self.pinned.pinned();
-        }
+        let (pinned, limit) = (self.pinned_making_room(bytes), self.pinned.limit());
         if pinned.saturating_add(bytes) > limit {
             return Err(CoreError::PinnedLimit {
                 requested: bytes,
@@ -1073,7 +1077,7 @@ impl Device for CudaDevice {
         if src.kind() == HostMemoryKind::Pinned {
             src.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
                 .map_err(|e| self.core(e))?;
-            s.track(vec![Held::Host(src.clone()), Held::Device(dst.clone())])
+            s.track((Held::Host(src.clone()), Some(Held::Device(dst.clone()))))
                 .map_err(|e| self.core(e))
         } else if let Some(staging) = (src.kind() == HostMemoryKind::Pageable)
             .then(|| self.upload_staging_buffer(src.len()))
@@ -1089,7 +1093,7 @@ impl Device for CudaDevice {
             // The destination is not held: its free is ordered behind the copy instead, so
             // a tensor just uploaded is still its buffer's only holder (in-place ops).
             alloc.note_use(s);
-            s.track(vec![Held::Host(view)]).map_err(|e| self.core(e))
+            s.track((Held::Host(view), None)).map_err(|e| self.core(e))
         } else {
             // Pageable or mapped: the copy completes before the bytes' borrow ends.
             src.with_bytes(|bytes| {
@@ -1126,7 +1130,7 @@ impl Device for CudaDevice {
         if dst.kind() == HostMemoryKind::Pinned {
             dst.with_bytes_mut(|bytes| driver::memcpy_dtoh_async(bytes, from, &s.stream))?
                 .map_err(|e| self.core(e))?;
-            s.track(vec![Held::Device(src.clone()), Held::Host(dst.clone())])
+            s.track((Held::Device(src.clone()), Some(Held::Host(dst.clone()))))
                 .map_err(|e| self.core(e))
         } else {
             dst.with_bytes_mut(|bytes| {
@@ -1158,7 +1162,7 @@ impl Device for CudaDevice {
         self.order_use(src_alloc, s)?;
         self.order_use(dst_alloc, s)?;
         driver::memcpy_dtod_async(to, from, src.len(), &s.stream).map_err(|e| self.core(e))?;
-        s.track(vec![Held::Device(src.clone()), Held::Device(dst.clone())])
+        s.track((Held::Device(src.clone()), Some(Held::Device(dst.clone()))))
             .map_err(|e| self.core(e))
     }
 
