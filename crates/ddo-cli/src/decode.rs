@@ -160,7 +160,14 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         b.saturating_sub(device.memory_info().allocated)
             .saturating_sub(weights_on_device)
     });
-    let plan = plan_decode(vae.config(), &latents.shape, vae.dtype(), tiled, available);
+    let plan = plan_decode(
+        vae.config(),
+        &latents.shape,
+        vae.dtype(),
+        tiled,
+        available,
+        effective_budget,
+    )?;
     let t0 = Instant::now();
     let input = latents.to_tensor()?;
     let dev = device.clone();

@@ -2,14 +2,25 @@
 //! component — the route, its options, and where every value came from — without loading
 //! anything. `--json` prints one object per component, a stable shape:
 //! `{"component", "preset", "resolved_preset", "route", "options": {...}, "source": {...}}`.
+//!
+//! With a model (`--config` or `--weights`) it prints the pipeline's memory plan instead:
+//! the budget (`--vram-budget`, else what the device gives), each phase's peak at
+//! `--height × --width`, and each component's planned route with its footprint and the
+//! reason; `--json` is then `{"memory_plan": {...}, "components": [...]}`, the components
+//! in the shape above.
 
 use std::io::Write;
 
 use ddo_nn::pipeline::{TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE};
 
-use crate::args::{OptSpec, flag, many, opt, parse};
+use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
-use crate::setup::Routing;
+use crate::progress::ProgressBar;
+use crate::run::{
+    Source, build_pipeline, parse_dtype, plan_budget, plan_memory, plan_order, positive,
+    source_from_args,
+};
+use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device, vram_budget};
 
 /// `ddo resolve`'s options.
 pub const OPTIONS: &[OptSpec] = &[
@@ -24,6 +35,42 @@ pub const OPTIONS: &[OptSpec] = &[
         "an explicit route (repeatable)",
     ),
     opt("component", "NAME", "explain one component only"),
+    opt(
+        "config",
+        "tiny|flux-dev",
+        "plan memory for random weights at a named config",
+    ),
+    opt(
+        "weights",
+        "DIR",
+        "plan memory for a Diffusers pipeline folder",
+    ),
+    opt(
+        "vram-budget",
+        "SIZE",
+        "the budget to plan for (with --config/--weights; default: what the device gives)",
+    ),
+    opt(
+        "device",
+        "cpu|cuda:N",
+        "the device to plan for (default cpu)",
+    ),
+    opt(
+        "height",
+        "PX",
+        "image height to plan for (default 128 for tiny, 1024 otherwise)",
+    ),
+    opt(
+        "width",
+        "PX",
+        "image width to plan for (default 128 for tiny, 1024 otherwise)",
+    ),
+    opt(
+        "max-sequence-length",
+        "N",
+        "T5 tokens to plan for (default 32 for tiny, 512 otherwise)",
+    ),
+    opt("dtype", "f32|bf16|f16", "weight dtype (as `ddo run`)"),
     flag("json", "one JSON object per component, in an array"),
     flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
 ];
@@ -42,6 +89,24 @@ pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
     let known: Vec<String> = COMPONENTS.iter().map(|s| s.to_string()).collect();
     let routing = Routing::from_args(&args, &known)?;
+    if args.get("config").is_some() || args.get("weights").is_some() {
+        return resolve_plan(&args, &routing, out);
+    }
+    for o in [
+        "vram-budget",
+        "device",
+        "height",
+        "width",
+        "max-sequence-length",
+        "dtype",
+    ] {
+        if args.get(o).is_some() {
+            return Err(CliError::usage(
+                format!("--{o} plans memory, which needs a model"),
+                "add --config tiny|flux-dev or --weights DIR",
+            ));
+        }
+    }
     let selected: Vec<&str> = match args.get("component") {
         Some(c) if COMPONENTS.contains(&c) => vec![c],
         Some(c) => {
@@ -77,6 +142,52 @@ pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             }
         }
         s
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))
+}
+
+/// `ddo resolve --config|--weights ...`: the memory plan.
+fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliResult<()> {
+    let source = source_from_args(args)?;
+    let tiny = matches!(&source, Source::Config(n) if n == "tiny");
+    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    let default_side = if tiny { 128 } else { 1024 };
+    let height = positive(args, "height")?.unwrap_or(default_side);
+    let width = positive(args, "width")?.unwrap_or(default_side);
+    let max_seq = positive(args, "max-sequence-length")?;
+    let budget = vram_budget(args)?;
+    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
+    let mut bar = ProgressBar::new();
+    let (pipe, _) = build_pipeline(&source, dtype, max_seq, &mut bar)?;
+    let names = pipe.component_names();
+    let resolved = names
+        .iter()
+        .map(|n| routing.explain(n))
+        .collect::<CliResult<Vec<Explanation>>>()?;
+    let device = open_device(device_choice, budget, DeviceNeeds::of(&resolved))?;
+    let pipeline = pipe.offload_pipeline()?;
+    let plan = plan_memory(
+        &pipe,
+        &pipeline,
+        routing,
+        &*device,
+        plan_budget(&*device, budget),
+        height,
+        width,
+    )?;
+    let explanations = plan_order(&names, &plan)
+        .iter()
+        .map(|p| routing.explain_planned(p))
+        .collect::<CliResult<Vec<Explanation>>>()?;
+    let text = if args.flag("json") {
+        let v = serde_json::json!({
+            "memory_plan": plan.to_json(),
+            "components": explanations,
+        });
+        serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+    } else {
+        format!("{height}x{width} px\n{}", plan.format_text())
     };
     out.write_all(text.as_bytes())
         .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))

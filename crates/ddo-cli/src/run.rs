@@ -7,12 +7,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use ddo_core::DType;
+use ddo_core::FootprintContext;
 use ddo_metrics::format_bytes;
 use ddo_nn::pipeline::{
     FluxPipeline, FluxPipelineConfig, InitLatents, PipelineRequest, PipelineRun, PromptEmbeds,
     PromptInput, TiledDecode,
 };
-use ddo_routes::enable_pipeline_offload_with_env;
+use ddo_routes::{
+    ComponentPlan, PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_pipeline,
+};
 use serde_json::{Value, json};
 
 use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
@@ -159,13 +162,7 @@ fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()>
         + config.text_encoder_2.param_count()
         + config.transformer.param_count();
     let needed = params * dtype.size_in_bytes() as u64;
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-        t.lines()
-            .find(|l| l.starts_with("MemAvailable:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    });
+    let available = ddo_core::host::mem_available();
     match available {
         Some(free) if needed > free => Err(CliError::runtime(
             format!(
@@ -257,6 +254,56 @@ pub(crate) fn source_from_args(args: &Parsed) -> CliResult<Source> {
     Ok(source)
 }
 
+/// The VRAM budget the memory plan is made for, and where it came from: `--vram-budget`;
+/// else on a device with a driver what it has free less
+/// [`DEFAULT_FREE_MARGIN`](ddo_routes::plan::DEFAULT_FREE_MARGIN); else (the host backend) its
+/// capacity.
+pub(crate) fn plan_budget(device: &dyn ddo_core::Device, given: Option<u64>) -> (u64, String) {
+    let info = device.memory_info();
+    match (given, info.driver_free) {
+        (Some(b), _) => (b, "--vram-budget".into()),
+        (None, Some(free)) => (
+            free.saturating_sub(ddo_routes::plan::DEFAULT_FREE_MARGIN),
+            format!(
+                "the device's free {} less {}",
+                format_bytes(free),
+                format_bytes(ddo_routes::plan::DEFAULT_FREE_MARGIN)
+            ),
+        ),
+        (None, None) => (info.capacity, "the host device's capacity".into()),
+    }
+}
+
+/// The pipeline's memory plan at `height × width` under `budget` on `device`.
+pub(crate) fn plan_memory(
+    pipe: &FluxPipeline,
+    pipeline: &ddo_routes::Pipeline,
+    routing: &Routing,
+    device: &dyn ddo_core::Device,
+    budget: (u64, String),
+    height: usize,
+    width: usize,
+) -> CliResult<PipelinePlan> {
+    plan_pipeline(
+        pipeline,
+        &routing.plan_settings(),
+        &routing.explicit_routes(),
+        &routing.environment(),
+        &PlanRequest {
+            budget_bytes: budget.0,
+            budget_source: budget.1,
+            phases: pipe.phase_demands(height, width, budget.0, device.scratch_bytes())?,
+            context: FootprintContext::of(device),
+        },
+    )
+    .map_err(|e| CliError::from(e).context("planning memory"))
+}
+
+/// The plans of `names`, in that order.
+pub(crate) fn plan_order<'a>(names: &[String], plan: &'a PipelinePlan) -> Vec<&'a ComponentPlan> {
+    names.iter().filter_map(|n| plan.component(n)).collect()
+}
+
 /// Runs `ddo run` with `argv` (after `run`), writing the profile to `out`.
 pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let started = Instant::now();
@@ -334,11 +381,9 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         .map(|n| routing.explain(n))
         .collect::<CliResult<Vec<Explanation>>>()?;
     let device = open_device(device_choice, budget, DeviceNeeds::of(&explanations))?;
-    let capacity = device.memory_info().capacity;
-    let effective_budget = budget.or((capacity > 0).then_some(capacity));
-    if let Some(b) = effective_budget {
-        check_budget(b, &pipe.components())?;
-    }
+    let (plan_budget, budget_source) = plan_budget(&*device, budget);
+    let effective_budget = Some(plan_budget);
+    check_budget(plan_budget, &pipe.components())?;
     pipe.latent_grid(height, width)?;
 
     let (prompt, prompt_label) = match (prompt_embeds, args.get("prompt")) {
@@ -400,15 +445,26 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         }
     };
 
-    let settings = routing.settings();
     let pipeline = pipe.offload_pipeline()?;
-    let mut offload = enable_pipeline_offload_with_env(
+    let plan = plan_memory(
+        &pipe,
         &pipeline,
-        device.clone(),
-        &settings,
-        &routing.environment(),
-    )
-    .map_err(|e| CliError::from(e).context("attaching routes"))?;
+        &routing,
+        &*device,
+        (plan_budget, budget_source),
+        height,
+        width,
+    )?;
+    let explanations = plan_order(&names, &plan)
+        .iter()
+        .map(|p| routing.explain_planned(p))
+        .collect::<CliResult<Vec<Explanation>>>()?;
+    if !args.flag("json") {
+        out.write_all(plan.format_text().as_bytes())
+            .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))?;
+    }
+    let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
+        .map_err(|e| CliError::from(e).context("attaching routes"))?;
     let request = PipelineRequest {
         prompt,
         steps,
@@ -470,6 +526,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         seed,
         prompt: &prompt_label,
         explanations: &explanations,
+        plan: &plan,
         run: &run,
         snapshots: &snapshots,
         out: &out_path,
@@ -496,6 +553,7 @@ struct Report<'a> {
     seed: u64,
     prompt: &'a str,
     explanations: &'a [Explanation],
+    plan: &'a PipelinePlan,
     run: &'a PipelineRun,
     snapshots: &'a [Value],
     out: &'a PathBuf,
@@ -525,6 +583,7 @@ impl Report<'_> {
             "guidance": self.guidance,
             "seed": self.seed,
             "prompt": self.prompt,
+            "memory_plan": self.plan.to_json(),
             "preset": first.map(|e| e.preset.clone()),
             "resolved_preset": first.map(|e| e.resolved_preset.clone()),
             "phases": self.run.phases.iter().map(|p| json!({
@@ -536,6 +595,7 @@ impl Report<'_> {
                 "driver_used_sampled_bytes": p.peak.driver_used_sampled_bytes,
                 "native_pool": p.peak.native_pool,
                 "idle_release": p.idle_release,
+                "setup_seconds": p.setup_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
                 "note": p.note,
             })).collect::<Vec<_>>(),
             "components": self.explanations.iter().zip(self.snapshots).map(|(e, s)| json!({
@@ -599,6 +659,14 @@ impl Report<'_> {
             if let Some(n) = &p.note {
                 s += &format!("{:<16} {n}\n", "");
             }
+            if !p.setup_seconds.is_empty() {
+                let setups: Vec<String> = p
+                    .setup_seconds
+                    .iter()
+                    .map(|(c, t)| format!("{c} {}", ms(*t)))
+                    .collect();
+                s += &format!("{:<16} attach: {}\n", "", setups.join(", "));
+            }
             if let Some(pool) = &p.peak.native_pool {
                 s += &format!("{:<16} {}\n", "", pool.format_line());
             }
@@ -617,20 +685,31 @@ impl Report<'_> {
             }
         }
         s += &format!(
-            "\n{:<16} {:<24} {:>8}  {:>26} {:>12}  {}\n",
-            "component", "route", "forwards", "host->device", "pinned peak", "decided by"
+            "\n{:<16} {:<24} {:>8}  {:>26} {:>12} {:>12} {:>12}  {}\n",
+            "component",
+            "route",
+            "forwards",
+            "host->device",
+            "resident*",
+            "streamed/fwd*",
+            "pinned peak",
+            "decided by"
         );
         for (e, snap) in self.explanations.iter().zip(self.snapshots) {
             let c = &snap["counters"];
             let num = |k: &str| c[k].as_u64().unwrap_or(0);
+            let planned = self.plan.component(&e.component);
             let decided = match e.source.route.split_once(" (") {
                 Some(("preset table", rest)) => {
                     format!("preset {}", rest.split(',').next().unwrap_or(rest))
                 }
+                Some(("memory plan", rest)) => {
+                    format!("memory plan, {}", rest.split(',').next().unwrap_or(rest))
+                }
                 _ => e.source.route.clone(),
             };
             s += &format!(
-                "{:<16} {:<24} {:>8}  {:>26} {:>12}  {}\n",
+                "{:<16} {:<24} {:>8}  {:>26} {:>12} {:>12} {:>12}  {}\n",
                 e.component,
                 e.route,
                 num("forwards"),
@@ -639,9 +718,29 @@ impl Report<'_> {
                     format_bytes(num("h2d_bytes")),
                     num("h2d_copies")
                 ),
+                format_bytes(planned.map_or(0, |p| p.footprint.resident_bytes)),
+                format_bytes(planned.map_or(0, |p| p.footprint.streamed_bytes_per_forward)),
                 format_bytes(num("peak_pinned_host_bytes")),
                 decided
             );
+        }
+        s += "* as planned (the route's footprint)\n";
+        for c in &self.plan.components {
+            if c.footprint.pageable_staging && c.footprint.pinned_limit_to_avoid_pageable > 0 {
+                s += &format!(
+                    "note: {} copies from pageable memory (the pinned limit is below its {} of streamed weights); \
+                     --route {}=...:pinned_limit={} would avoid it\n",
+                    c.component,
+                    format_bytes(c.footprint.streamed_bytes_per_forward),
+                    c.component,
+                    c.footprint
+                        .pinned_limit_to_avoid_pageable
+                        .div_ceil(1 << 30)
+                        .max(1)
+                        .to_string()
+                        + "GiB"
+                );
+            }
         }
         let kind = match self.out.extension().and_then(|e| e.to_str()) {
             Some("safetensors") => "safetensors: sample, latents".to_string(),

@@ -146,16 +146,44 @@ impl Routing {
         }
     }
 
-    /// Resolves `component` and says where each value came from.
-    pub fn explain(&self, component: &str) -> CliResult<Explanation> {
-        let env = self.environment();
-        let settings = Settings {
+    /// The `--route`s, by component.
+    pub fn explicit_routes(&self) -> Vec<(String, RouteSpec)> {
+        self.routes.iter().map(|(c, s)| (c.clone(), *s)).collect()
+    }
+
+    /// Settings for the memory planner: the preset, the environment switch, and no
+    /// policies (the `--route`s go to the planner as explicit routes).
+    pub fn plan_settings(&self) -> Settings {
+        Settings {
             preset: self.preset_flag.unwrap_or_default(),
             component_policies: BTreeMap::new(),
             use_environment: self.use_environment,
-        };
+        }
+    }
+
+    /// Resolves `component` and says where each value came from.
+    pub fn explain(&self, component: &str) -> CliResult<Explanation> {
+        let env = self.environment();
+        let settings = self.plan_settings();
         let explicit = self.routes.get(component);
         let r = resolve(&settings, component, explicit, &env)?;
+        self.explain_resolution(component, &r, None)
+    }
+
+    /// [`Routing::explain`] for the route the memory plan chose for `component`.
+    pub fn explain_planned(&self, plan: &ddo_routes::ComponentPlan) -> CliResult<Explanation> {
+        let reason = plan.planned.then_some(plan.reason.as_str());
+        self.explain_resolution(&plan.component, &plan.resolution, reason)
+    }
+
+    fn explain_resolution(
+        &self,
+        component: &str,
+        r: &ddo_core::Resolution,
+        planned: Option<&str>,
+    ) -> CliResult<Explanation> {
+        let env = self.environment();
+        let settings = self.plan_settings();
         let preset_source = if self.preset_flag.is_some() {
             "--preset".to_string()
         } else if r.preset_from_environment {
@@ -175,18 +203,24 @@ impl Routing {
             ddo_core::DecidedBy::EnvironmentRoute(var) => format!("environment ({var})"),
             ddo_core::DecidedBy::ComponentPolicy => "component policy".to_string(),
             ddo_core::DecidedBy::LowLevelConfig => "low-level config".to_string(),
-            ddo_core::DecidedBy::PresetDefault => {
+            ddo_core::DecidedBy::PresetDefault | ddo_core::DecidedBy::MemoryPlan => {
                 let column = match kind {
                     ComponentKind::Vae => "vae column (the seed's VAE table)",
                     ComponentKind::TextEncoder => "text-encoder column (DDO's default)",
                     ComponentKind::Transformer => "transformer column (DDO's default)",
                     ComponentKind::Other(_) => "transformer column (DDO's default for other names)",
                 };
-                format!("preset table ({}, {column})", r.preset)
+                match planned {
+                    Some(reason) => {
+                        format!("memory plan ({}, {column}: {reason})", r.preset)
+                    }
+                    None => format!("preset table ({}, {column})", r.preset),
+                }
             }
         };
-        let given_by = match &r.decided_by {
-            ddo_core::DecidedBy::PresetDefault => "preset table".to_string(),
+        let given_by = match (&r.decided_by, planned) {
+            (ddo_core::DecidedBy::PresetDefault, _) => "preset table".to_string(),
+            (ddo_core::DecidedBy::MemoryPlan, Some(_)) => "memory plan".to_string(),
             _ => route_source.clone(),
         };
         let (options, option_sources) = effective_options(&r.spec, &given_by);
@@ -392,15 +426,7 @@ pub fn vram_budget(args: &Parsed) -> CliResult<Option<u64>> {
 /// Half the host's physical memory (16 GiB where it cannot be read): the host backend's
 /// pinned limit.
 fn pinned_limit() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(16 << 30, |kb| kb * 1024 / 2)
+    ddo_core::host::mem_total().map_or(16 << 30, |b| b / 2)
 }
 
 /// Opens the execution device. On the host backend the budget is the device's capacity

@@ -83,9 +83,11 @@ fn run_tiny_writes_a_png_and_prints_the_phase_profile() {
         "prompt_encoding",
         "denoise",
         "decode",
-        "transformer: diffusers_group_offload",
+        "memory plan: budget 8.00 GiB",
+        "transformer: none",
         "vae: diffusers_group_offload",
         "peak (exact)",
+        "attach: transformer",
         "wrote",
     ] {
         assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
@@ -94,6 +96,117 @@ fn run_tiny_writes_a_png_and_prints_the_phase_profile() {
         out.stderr.is_empty(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The memory plan under the default preset on the host backend: with 8 GiB the tiny
+/// transformer stays fully resident (its weights cross once in four forwards); with a
+/// budget below its weights a part stays resident and the rest streams; the image is the
+/// same bit for bit.
+#[test]
+fn the_default_preset_keeps_what_fits_resident_and_streams_the_rest() {
+    let d = scratch("plan");
+    let run = |budget: &str, name: &str| {
+        let out = d.join(name);
+        let v = json(&ddo(&[
+            "run",
+            "--config",
+            "tiny",
+            "--height",
+            "16",
+            "--width",
+            "16",
+            "--max-sequence-length",
+            "8",
+            "--vram-budget",
+            budget,
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ]));
+        (v, tensor(&out, "sample"))
+    };
+    let component = |v: &Value, name: &str| -> (Value, Value) {
+        let plan = v["memory_plan"]["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["component"] == name)
+            .unwrap()
+            .clone();
+        let metrics = v["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["component"] == name)
+            .unwrap()["metrics"]
+            .clone();
+        (plan, metrics)
+    };
+    let (roomy, image) = run("8GiB", "roomy.safetensors");
+    let (plan, metrics) = component(&roomy, "transformer");
+    assert_eq!(plan["route"], "none", "{plan}");
+    assert_eq!(plan["planned"], true);
+    assert_eq!(plan["footprint"]["streamed_bytes_per_forward"], 0);
+    let weights = plan["footprint"]["weight_bytes"].as_u64().unwrap();
+    assert_eq!(metrics["counters"]["forwards"], 4);
+    assert_eq!(
+        metrics["counters"]["h2d_bytes"].as_u64().unwrap(),
+        weights,
+        "the resident weights cross once"
+    );
+
+    let (tight, tight_image) = run("280KiB", "tight.safetensors");
+    assert!(weights > 280 << 10, "the budget must be below the weights");
+    let (plan, metrics) = component(&tight, "transformer");
+    assert!(
+        plan["route"]
+            .as_str()
+            .unwrap()
+            .starts_with("diffusers_group_offload"),
+        "{plan}"
+    );
+    let resident = plan["footprint"]["resident_bytes"].as_u64().unwrap();
+    let streamed = plan["footprint"]["streamed_bytes_per_forward"]
+        .as_u64()
+        .unwrap();
+    assert!(resident > 0 && streamed > 0, "{plan}");
+    let crossed = metrics["counters"]["h2d_bytes"].as_u64().unwrap();
+    assert!(
+        crossed > weights && crossed < 4 * weights,
+        "learning forward + resident once + three streamed forwards: {crossed} of {weights}"
+    );
+    for phase in tight["memory_plan"]["phases"].as_array().unwrap() {
+        assert!(
+            phase["peak_bytes"].as_u64().unwrap() <= 280 << 10,
+            "{phase}"
+        );
+    }
+    for phase in tight["phases"].as_array().unwrap() {
+        assert!(
+            phase["peak_bytes"].as_u64().unwrap() <= 280 << 10,
+            "{phase}"
+        );
+    }
+    assert_eq!(image, tight_image, "the image does not depend on the plan");
+
+    // Too small for any plan: refused before anything runs, naming a budget that works.
+    let out = ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--vram-budget",
+        "64KiB",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--vram-budget") && err.contains("too small"),
+        "{err}"
     );
 }
 

@@ -305,6 +305,13 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Which allocator serves allocations.
     fn allocator(&self) -> AllocatorKind;
 
+    /// Device bytes the backend uses outside tensors while models run (library
+    /// workspaces, kernel scratch), which memory planners keep free beside activations.
+    /// The host backend keeps its scratch in host memory: 0.
+    fn scratch_bytes(&self) -> u64 {
+        0
+    }
+
     /// Allocates `bytes` of device memory (contents unspecified). Fails with
     /// [`CoreError::OutOfMemory`] when the device cannot satisfy it.
     fn alloc(&self, bytes: usize) -> Result<DeviceBuffer>;

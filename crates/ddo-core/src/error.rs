@@ -27,6 +27,28 @@ pub enum CoreError {
         /// Device capacity.
         capacity: u64,
     },
+    /// A VRAM budget below what any plan of a pipeline phase needs.
+    #[error(
+        "a VRAM budget of {budget_text} is too small for the {phase} phase, which needs at least {needed_text} \
+         ({detail}); give --vram-budget {needed_text} or more, or ask for less: a smaller --height/--width, \
+         or routes that hold less (e.g. --route {component}=diffusers_group_offload:use_stream=true)"
+    )]
+    BudgetTooSmall {
+        /// The phase.
+        phase: String,
+        /// The component that needs the most device memory in that phase.
+        component: String,
+        /// The budget, bytes.
+        budget: u64,
+        /// The budget, in words.
+        budget_text: String,
+        /// The smallest budget that works, bytes.
+        needed: u64,
+        /// The smallest budget that works, in words.
+        needed_text: String,
+        /// What the needed bytes are made of.
+        detail: String,
+    },
     /// Pinned host memory would exceed the device's pinned limit.
     #[error(
         "pinned host memory limit reached: requested {requested} B with {pinned} B of {limit} B pinned; \

@@ -328,6 +328,10 @@ impl Device for FaultInjectingDevice {
         self.inner.allocator()
     }
 
+    fn scratch_bytes(&self) -> u64 {
+        self.inner.scratch_bytes()
+    }
+
     fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         self.alloc_point(bytes as u64, "alloc")?;
         self.inner.alloc(bytes)

@@ -195,6 +195,29 @@ impl fmt::Debug for PinnedRegistration {
     }
 }
 
+/// A field of the host's `/proc/meminfo` in bytes (`"MemTotal"`, `"MemAvailable"`), or
+/// `None` where the file or the field cannot be read (not Linux, a sandbox).
+pub fn meminfo_bytes(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| {
+        l.strip_prefix(field)
+            .is_some_and(|rest| rest.starts_with(':'))
+    })?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The host's physical memory (`MemTotal`), where it can be read.
+pub fn mem_total() -> Option<u64> {
+    meminfo_bytes("MemTotal")
+}
+
+/// What the host can give without swapping (`MemAvailable`: free memory plus reclaimable
+/// page cache), where it can be read.
+pub fn mem_available() -> Option<u64> {
+    meminfo_bytes("MemAvailable")
+}
+
 /// Granularity of host registrations, in bytes from the start of a checkpoint mapping:
 /// 64 KiB. A registration page-locks whole pages, and two registrations must not share a
 /// page (CUDA refuses the second with `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), so
@@ -841,6 +864,16 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn meminfo_fields_are_read_by_exact_name() {
+        // Linux CI has /proc/meminfo; elsewhere every field is None.
+        if let Some(total) = mem_total() {
+            let available = mem_available().expect("MemAvailable beside MemTotal");
+            assert!(available <= total && total > 0);
+        }
+        assert_eq!(meminfo_bytes("Mem"), None, "a prefix is not a field");
+    }
 
     #[test]
     fn aligned_bytes_are_aligned_and_sized() {

@@ -15,6 +15,7 @@
 //! - configuration ([`Preset`], [`RouteSpec`], [`Settings`]) and the pure
 //!   [`resolve`](resolve::resolve)r that encodes the seed's VAE table;
 //! - `detach_auxiliary_cpu_sources` ([`detach`]);
+//! - what a route will hold before it attaches ([`Footprint`]);
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
 //! - the host backend ([`HostDevice`]): host memory with a capacity, exact accounting and
@@ -29,6 +30,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod fault;
+pub mod footprint;
 pub mod host;
 pub mod host_backend;
 pub mod host_ops;
@@ -54,6 +56,7 @@ pub use device::{
 pub use dtype::DType;
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
+pub use footprint::{Footprint, FootprintContext};
 pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice, UniqueMap};
 pub use host_backend::{HostDevice, HostDeviceConfig};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};

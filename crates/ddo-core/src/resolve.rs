@@ -9,7 +9,7 @@
 //!
 //! | preset | vae | transformer | text encoders |
 //! | --- | --- | --- | --- |
-//! | auto → one_shot_fast | group leaf, no stream | group leaf, stream | group leaf, stream |
+//! | auto → one_shot_fast | group leaf, no stream | planned: none if it fits, else group leaf, stream, budget | same as transformer |
 //! | low_ram_safe | group leaf, no stream | group leaf, stream, low_cpu_mem_usage | group leaf, no stream |
 //! | vmm_fast | group leaf, no stream | native_vmm (budget: free − 1 GiB) | group leaf, stream |
 //! | warm_process | none (resident) | none (resident) | none (resident) |
@@ -17,7 +17,10 @@
 //! | nvme_baseline | none (resident) | group leaf, no stream | group leaf, no stream |
 //! | off | unmanaged | unmanaged | unmanaged |
 //!
-//! "group leaf" is `diffusers_group_offload` with `offload_type=leaf_level`; every VAE
+//! "planned" rows are sized by the pipeline memory planner when a VRAM budget and the
+//! phases are known (`ddo_routes::plan_pipeline`, [`preset_is_planned`]); resolved alone,
+//! without a plan, they are "group leaf, stream". "group leaf" is `diffusers_group_offload`
+//! with `offload_type=leaf_level`; every VAE
 //! group row uses `low_cpu_mem_usage=false`. Why these: a one-shot run streams the
 //! transformer at Diffusers' best measured setting (leaf level with a stream, 1.19× the
 //! link floor, 0.58 GiB peak on the reference H200); low_ram_safe avoids the second,
@@ -94,6 +97,10 @@ pub enum DecidedBy {
     EnvironmentRoute(String),
     /// The preset's default for the component's kind.
     PresetDefault,
+    /// The preset's default, sized by the pipeline memory planner (`ddo_routes::plan`):
+    /// resident when the component fits its phase's budget, else the preset's streamed
+    /// route with a `budget` for what fits ([`preset_is_planned`]).
+    MemoryPlan,
     /// The low-level `enable_dynamic_offload` config, applied as given.
     LowLevelConfig,
 }
@@ -105,6 +112,7 @@ impl fmt::Display for DecidedBy {
             DecidedBy::ComponentPolicy => f.write_str("component policy"),
             DecidedBy::EnvironmentRoute(var) => write!(f, "environment ({var})"),
             DecidedBy::PresetDefault => f.write_str("preset default"),
+            DecidedBy::MemoryPlan => f.write_str("preset default, sized by the memory plan"),
             DecidedBy::LowLevelConfig => f.write_str("low-level config"),
         }
     }
@@ -143,13 +151,13 @@ pub fn route_env_var(component: &str) -> String {
 
 /// The streaming engine's pinned limit a preset implies: 256 MiB
 /// ([`WSL_COMPAT_PINNED_LIMIT`](crate::streaming::WSL_COMPAT_PINNED_LIMIT)) under
-/// `wsl_compat`, else the engine's default
-/// ([`DEFAULT_PINNED_LIMIT`](crate::streaming::DEFAULT_PINNED_LIMIT)). A route's explicit
+/// `wsl_compat`, else the engine's default, which follows the machine
+/// ([`default_pinned_limit`](crate::streaming::default_pinned_limit)). A route's explicit
 /// `pinned_limit` option wins over it.
 pub fn preset_pinned_limit(preset: Preset) -> u64 {
     match preset.resolved() {
         Preset::WslCompat => crate::streaming::WSL_COMPAT_PINNED_LIMIT,
-        _ => crate::streaming::DEFAULT_PINNED_LIMIT,
+        _ => crate::streaming::default_pinned_limit(),
     }
 }
 
@@ -216,6 +224,18 @@ pub fn preset_default(preset: Preset, kind: &ComponentKind) -> RouteSpec {
         .unwrap_or_else(|_| leaf(false, false)),
         (Preset::NvmeBaseline, _) => leaf(false, false),
     }
+}
+
+/// Whether the pipeline memory planner sizes `preset`'s default for a component of `kind`:
+/// under `auto` / `one_shot_fast`, the transformer, the text encoders and any other
+/// non-VAE component (the seed's VAE table is never planned). A planned component stays
+/// fully resident (`none`) when it fits what its phase leaves of the VRAM budget, and
+/// otherwise keeps the preset's route (leaf level with a stream) with a `budget` of what
+/// fits, so the most costly leaves stay resident. The other presets keep their rows as
+/// written: `low_ram_safe`, `wsl_compat` and `nvme_baseline` choose their host-memory
+/// behaviour on purpose, `vmm_fast` sizes its own native pool, `warm_process` is resident.
+pub fn preset_is_planned(preset: Preset, kind: &ComponentKind) -> bool {
+    matches!(preset.resolved(), Preset::OneShotFast) && *kind != ComponentKind::Vae
 }
 
 /// Resolves the route of the component named `component`.

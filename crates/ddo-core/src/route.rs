@@ -11,6 +11,7 @@ use crate::component::{Component, Leaf, LeafId};
 use crate::config::{RouteId, RouteSpec};
 use crate::device::{Device, DeviceId};
 use crate::error::{CoreError, Result};
+use crate::footprint::{Footprint, FootprintContext};
 use crate::tensor::Tensor;
 
 /// A component's forward computation, written against [`ForwardContext`]: every leaf runs
@@ -84,6 +85,18 @@ pub trait Route: Send + Sync {
     /// nothing; a refusal says what to change.
     fn preflight(&self, component: &Component, device: &dyn Device, spec: &RouteSpec)
     -> Result<()>;
+
+    /// What the route would hold for `component` under `spec` (a spec its preflight
+    /// accepts) with the memory `context` describes: resident, streamed and transient
+    /// device bytes, pinned host bytes, and whether it needs the native allocator. Pure:
+    /// touches nothing, so planners can ask before anything is attached. It must agree
+    /// with what [`Route::attach`] then does (each route's tests check it).
+    fn footprint(
+        &self,
+        component: &Component,
+        spec: &RouteSpec,
+        context: &FootprintContext,
+    ) -> Result<Footprint>;
 
     /// Attaches to `component`. On error nothing is left allocated or changed.
     fn attach(

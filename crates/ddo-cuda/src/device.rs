@@ -80,6 +80,11 @@ pub struct CudaDeviceConfig {
 /// rotary tables (about 10 MB at 4608 + 512 tokens).
 pub const DEFAULT_UPLOAD_STAGING_BYTES: u64 = 32 << 20;
 
+/// Device bytes a CUDA device reports as scratch ([`Device::scratch_bytes`]) for memory
+/// planners: 256 MiB for cuBLAS/cuBLASLt workspaces, the attention and convolution
+/// kernels' scratch and the caching allocator's rounding.
+pub const SCRATCH_BYTES: u64 = 256 << 20;
+
 /// Smallest pinned upload buffer (smaller uploads share its size class).
 const UPLOAD_STAGING_MIN: usize = 64 << 10;
 
@@ -120,14 +125,7 @@ fn no_driver_library() -> CudaError {
 }
 
 fn default_pinned_limit() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|text| {
-            let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024 / 2)
-        })
-        .unwrap_or(16 << 30)
+    ddo_core::host::mem_total().map_or(16 << 30, |b| b / 2)
 }
 
 /// Raw device memory from the driver: `cuMemAlloc` / `cuMemFree` in one context.
@@ -931,6 +929,10 @@ impl Device for CudaDevice {
 
     fn ops(&self) -> Option<&dyn ddo_core::Ops> {
         Some(self)
+    }
+
+    fn scratch_bytes(&self) -> u64 {
+        SCRATCH_BYTES
     }
 
     fn allocator(&self) -> AllocatorKind {

@@ -19,6 +19,7 @@ pub mod clip;
 pub mod error;
 pub mod flux;
 pub mod layers;
+pub mod memory;
 pub mod pipeline;
 pub mod scheduler;
 pub mod soak;

@@ -265,8 +265,12 @@ pub enum TiledDecode {
     /// Untiled.
     Off,
     /// Untiled when the estimated activation peak fits in what the budget leaves free;
-    /// otherwise tiled, with the largest tiles whose estimate fits. An out-of-memory in an
-    /// untiled decode is retried tiled once.
+    /// otherwise tiled with Diffusers' default tiles ([`TilingConfig::from_config`]) when
+    /// they split the latents and their estimate fits; otherwise refused with a typed error
+    /// naming the smallest `--vram-budget` that would do. Never tiles smaller than the
+    /// default: small tiles ruin the image. An out-of-memory in an untiled decode is retried
+    /// once with the default tiles when they split the latents, and returned as it is
+    /// otherwise.
     Auto,
 }
 
@@ -308,14 +312,23 @@ pub struct DecodePlan {
 }
 
 /// Plans the decode of latents `[b, c, h, w]` stored as `dtype` under `mode`; `available`
-/// is what the budget leaves free for the decode's activations (auto mode).
+/// is what the budget leaves free for the decode's activations (auto mode) and `budget` the
+/// budget it was computed from (`None`: the device's own memory), which a refusal names.
+///
+/// Under [`TiledDecode::Auto`] the decode is untiled when the untiled estimate fits in
+/// `available`, else tiled with Diffusers' default tiles when they split the latents and
+/// their estimate fits; otherwise it is refused with [`CoreError::InvalidOption`] (option
+/// `tiled-decode`) whose hint names the smallest `--vram-budget` that would fit (the budget
+/// plus the shortfall, rounded up to a MiB), `--tiled-decode off` and `--height`/`--width`.
+/// Auto never picks tiles smaller than the default.
 pub fn plan_decode(
     config: &AutoencoderKLConfig,
     latent_shape: &[usize],
     dtype: DType,
     mode: TiledDecode,
     available: Option<u64>,
-) -> DecodePlan {
+    budget: Option<u64>,
+) -> Result<DecodePlan> {
     let untiled = estimate_decode_peak_bytes(config, latent_shape, dtype);
     let default_tiling = TilingConfig::from_config(config);
     let (h, w) = match latent_shape {
@@ -366,85 +379,93 @@ pub fn plan_decode(
                 );
             }
             Some(free) => {
-                let candidates = tiling_candidates(&default_tiling, h, w);
-                let estimates: Vec<(TilingConfig, u64)> = candidates
-                    .iter()
-                    .map(|t| {
-                        (
-                            *t,
-                            estimate_tiled_decode_peak_bytes(config, latent_shape, dtype, t),
-                        )
-                    })
-                    .collect();
-                let chosen = estimates
-                    .iter()
-                    .find(|(_, e)| *e <= free)
-                    .or_else(|| estimates.iter().min_by_key(|(_, e)| *e))
-                    .copied();
-                match chosen {
-                    Some((t, e)) => {
+                let tiles = fallback_tiling(&default_tiling, h, w).map(|t| {
+                    (
+                        t,
+                        estimate_tiled_decode_peak_bytes(config, latent_shape, dtype, &t),
+                    )
+                });
+                match tiles {
+                    Some((t, e)) if e <= free => {
                         plan.tiled = true;
                         plan.tiling = Some(t);
                         plan.estimate_tiled_bytes = Some(e);
                         plan.reason = format!(
-                            "tiled (auto): untiled estimate {} exceeds {} left by the budget; {}-latent tiles, estimate {}{}",
+                            "tiled (auto): untiled estimate {} exceeds {} left by the budget; \
+                             Diffusers' default {}-latent tiles, estimate {}",
                             human(untiled),
                             human(free),
                             t.tile_latent_min_size,
                             human(e),
-                            if e > free {
-                                " (still above: smallest tiles tried)"
-                            } else {
-                                ""
-                            }
                         );
                     }
-                    None => {
-                        plan.reason = format!(
-                            "untiled (auto): estimate {} exceeds {} left by the budget, and the latents are too small to tile",
-                            human(untiled),
-                            human(free)
-                        );
+                    _ => {
+                        let tiled = match tiles {
+                            Some((t, e)) => format!(
+                                ", with Diffusers' default {}-latent tiles {}",
+                                t.tile_latent_min_size,
+                                human(e)
+                            ),
+                            None => format!(
+                                " (the {h}x{w} latents fit in one default {}-latent tile)",
+                                default_tiling.tile_latent_min_size
+                            ),
+                        };
+                        let needed = tiles.map_or(untiled, |(_, e)| e.min(untiled));
+                        return Err(decode_does_not_fit(untiled, &tiled, needed, free, budget));
                     }
                 }
             }
         },
     }
-    plan
+    Ok(plan)
 }
 
-/// Diffusers' default tiles, then halved tiles, down to 4 latents, keeping only tilings that
-/// actually split `h × w`.
-fn tiling_candidates(default: &TilingConfig, h: usize, w: usize) -> Vec<TilingConfig> {
-    let mut out = Vec::new();
-    let mut t = *default;
-    loop {
-        if t.validate().is_ok() && t.needs_tiling(h, w) {
-            out.push(t);
+/// The refusal of an auto decode that fits neither untiled nor in Diffusers' default tiles:
+/// what it needs, and the smallest budget that gives it `needed` bytes (`budget` plus the
+/// shortfall, rounded up to a MiB).
+fn decode_does_not_fit(
+    untiled: u64,
+    tiled: &str,
+    needed: u64,
+    free: u64,
+    budget: Option<u64>,
+) -> CoreError {
+    const MIB: u64 = 1 << 20;
+    let human = ddo_metrics::format_bytes;
+    let shortfall = needed.saturating_sub(free);
+    let raise = match budget {
+        Some(b) => {
+            let mib = b.saturating_add(shortfall).div_ceil(MIB);
+            format!(
+                "give --vram-budget {mib}MiB ({}) or more",
+                human(mib.saturating_mul(MIB))
+            )
         }
-        if t.tile_latent_min_size < 8 || t.tile_sample_min_size < 2 {
-            break;
-        }
-        t.tile_latent_min_size /= 2;
-        t.tile_sample_min_size /= 2;
-    }
-    out
-}
-
-/// The fallback tiling of an out-of-memory retry: the first candidate, or a tile half the
-/// latents' larger side when Diffusers' default would not split them.
-fn fallback_tiling(default: &TilingConfig, h: usize, w: usize) -> Option<TilingConfig> {
-    if let Some(t) = tiling_candidates(default, h, w).into_iter().next() {
-        return Some(t);
-    }
-    let side = (h.max(w) / 2).max(2);
-    let ratio = default.tile_sample_min_size / default.tile_latent_min_size.max(1);
-    let t = TilingConfig {
-        tile_latent_min_size: side,
-        tile_sample_min_size: side * ratio.max(1),
-        tile_overlap_factor: default.tile_overlap_factor,
+        None => format!(
+            "free {} more device memory (or give a --vram-budget on a larger device)",
+            human(shortfall)
+        ),
     };
-    (t.validate().is_ok() && t.needs_tiling(h, w)).then_some(t)
+    invalid(
+        "tiled-decode",
+        "auto",
+        format!(
+            "the decode does not fit in the {} the budget leaves free: untiled it needs an \
+             estimated {}{tiled}, and auto never tiles smaller than Diffusers' default (smaller \
+             tiles ruin the image); {raise}, use --tiled-decode off to decode untiled anyway, \
+             or a smaller --height/--width",
+            human(free),
+            human(untiled),
+        ),
+    )
+}
+
+/// The only tiles auto mode uses, in its plan and in the out-of-memory retry: Diffusers'
+/// default tiles, when they are valid and split `h × w`. Never smaller (small tiles ruin the
+/// image), so latents that fit in one default tile get none.
+fn fallback_tiling(default: &TilingConfig, h: usize, w: usize) -> Option<TilingConfig> {
+    (default.validate().is_ok() && default.needs_tiling(h, w)).then_some(*default)
 }
 
 /// What [`FluxPipeline::run_phases`] runs.
@@ -490,6 +511,10 @@ pub struct PhaseReport {
     /// What the native pool's idle-cache release returned after the phase's cleanup, when
     /// the request asked for it.
     pub idle_release: Option<IdleCacheRelease>,
+    /// Seconds each component's attach took when it was attached for this phase
+    /// (pinning, uploads of resident weights); empty when the pipeline was attached up
+    /// front.
+    pub setup_seconds: Vec<(String, f64)>,
 }
 
 /// What [`FluxPipeline::run_phases`] returns.
@@ -932,8 +957,9 @@ impl FluxPipeline {
     }
 
     /// [`FluxPipeline::decode`] as `plan` says; in auto mode, an untiled decode that runs out
-    /// of device memory is retried once, tiled (Diffusers' default tiles when they split the
-    /// latents, else tiles half the latents' larger side), and `plan` records it.
+    /// of device memory is retried once with Diffusers' default tiles when they split the
+    /// latents, and `plan` records it. Tiles are never smaller than the default: when the
+    /// latents fit in one default tile the out-of-memory error returns as it is.
     pub fn decode_planned(
         &self,
         device: &dyn Device,
@@ -943,16 +969,13 @@ impl FluxPipeline {
         plan: &mut DecodePlan,
     ) -> Result<Tensor> {
         match self.decode(device, packed, height, width, plan.tiling) {
-            Err(CoreError::OutOfMemory { .. }) if !plan.tiled && plan.mode == TiledDecode::Auto => {
+            Err(e @ CoreError::OutOfMemory { .. })
+                if !plan.tiled && plan.mode == TiledDecode::Auto =>
+            {
                 let (h, w) = self.latent_grid(height, width)?;
                 let default = TilingConfig::from_config(self.vae.config());
                 let Some(t) = fallback_tiling(&default, h, w) else {
-                    return Err(invalid(
-                        "tiled-decode",
-                        "auto",
-                        "the untiled decode ran out of device memory and the latents are too small \
-                         to tile; raise the budget",
-                    ));
+                    return Err(e);
                 };
                 device.synchronize()?;
                 let latent_shape = [1, self.vae.config().latent_channels, h, w];
@@ -1022,7 +1045,7 @@ impl FluxPipeline {
         request: &PipelineRequest,
         progress: Progress<'_>,
     ) -> Result<PipelineRun> {
-        let device: Arc<dyn Device> = Arc::clone(offload.handle(TRANSFORMER)?.device());
+        let device: Arc<dyn Device> = Arc::clone(offload.device());
         let dev = &*device;
         self.latent_grid(request.height, request.width)?;
         if request.release_native_idle_cache && dev.allocator() != AllocatorKind::NativeVmm {
@@ -1050,6 +1073,7 @@ impl FluxPipeline {
                     PromptInput::Text(p) => self.stand_in_tokens(p)?,
                     PromptInput::Embeddings(_) => (Vec::new(), Vec::new()),
                 };
+                offload.begin_phase(&text)?;
                 onload_unmanaged(offload, dev, &text)?;
                 let e = self.encode_prompt(dev, &clip_ids, &t5_ids)?;
                 progress("prompt_encoding", 1, 1);
@@ -1075,6 +1099,7 @@ impl FluxPipeline {
 
         // Phase 2: denoise.
         let t0 = Instant::now();
+        offload.begin_phase(&[TRANSFORMER])?;
         onload_unmanaged(offload, dev, &[TRANSFORMER])?;
         let latents = self.initial_latents(dev, &request.init, request.height, request.width)?;
         let (latents, timesteps) = self.denoise(
@@ -1104,6 +1129,7 @@ impl FluxPipeline {
 
         // Phase 3: decode.
         let t0 = Instant::now();
+        offload.begin_phase(&[VAE])?;
         onload_unmanaged(offload, dev, &[VAE])?;
         let (h, w) = self.latent_grid(request.height, request.width)?;
         let latent_shape = [1, self.vae.config().latent_channels, h, w];
@@ -1114,7 +1140,8 @@ impl FluxPipeline {
             self.vae.dtype(),
             request.tiled_decode,
             available,
-        );
+            request.vram_budget,
+        )?;
         let image =
             self.decode_planned(dev, &latents_host, request.height, request.width, &mut plan)?;
         progress("decode", 1, 1);
@@ -1205,9 +1232,13 @@ fn end_phase(
     release_idle: bool,
 ) -> Result<PhaseReport> {
     let mut components = Vec::new();
+    let mut setup_seconds = Vec::new();
     for name in ran {
         if let Ok(h) = offload.handle(name) {
             components.push(format!("{name}: {}", h.spec().describe()));
+        }
+        if let Some(s) = offload.setup_seconds(name) {
+            setup_seconds.push((name.to_string(), s));
         }
     }
     for name in release {
@@ -1234,6 +1265,7 @@ fn end_phase(
         peak,
         note,
         idle_release,
+        setup_seconds,
     })
 }
 
@@ -1277,19 +1309,145 @@ mod tests {
     fn decode_plans() {
         let c = AutoencoderKLConfig::flux();
         let shape = [1, 16, 128, 128];
-        let off = plan_decode(&c, &shape, DType::BF16, TiledDecode::Off, Some(1));
+        let plan = |mode, available| plan_decode(&c, &shape, DType::BF16, mode, available, None);
+        let off = plan(TiledDecode::Off, Some(1)).unwrap();
         assert!(!off.tiled);
-        let on = plan_decode(&c, &shape, DType::BF16, TiledDecode::On, None);
+        let on = plan(TiledDecode::On, None).unwrap();
         assert!(!on.tiled, "1024 px latents fit Diffusers' 128-latent tile");
-        let big = plan_decode(&c, &shape, DType::BF16, TiledDecode::Auto, Some(u64::MAX));
+        let big = plan(TiledDecode::Auto, Some(u64::MAX)).unwrap();
         assert!(!big.tiled);
-        let small = plan_decode(&c, &shape, DType::BF16, TiledDecode::Auto, Some(600 << 20));
-        assert!(small.tiled, "{}", small.reason);
-        assert!(
-            small.estimate_tiled_bytes.unwrap() <= 600 << 20,
-            "{}",
-            small.reason
+        let unknown = plan(TiledDecode::Auto, None).unwrap();
+        assert!(!unknown.tiled, "{}", unknown.reason);
+        // `on` tiles whatever the budget once the default tile splits the latents.
+        let on = plan_decode(
+            &c,
+            &[1, 16, 256, 256],
+            DType::BF16,
+            TiledDecode::On,
+            Some(1),
+            None,
         );
-        assert!(small.estimate_tiled_bytes.unwrap() < small.estimate_untiled_bytes);
+        assert_eq!(on.unwrap().tiling, Some(TilingConfig::from_config(&c)));
+    }
+
+    /// The smallest budget an auto refusal names, in MiB.
+    fn named_budget_mib(e: &CoreError) -> u64 {
+        let CoreError::InvalidOption { option, hint, .. } = e else {
+            panic!("not an invalid option: {e}");
+        };
+        assert_eq!(option, "tiled-decode");
+        for o in ["--tiled-decode off", "--height/--width"] {
+            assert!(hint.contains(o), "{o} missing: {hint}");
+        }
+        let rest = &hint[hint.find("--vram-budget ").expect("a budget") + 14..];
+        rest[..rest.find("MiB").unwrap()].parse().unwrap()
+    }
+
+    #[test]
+    fn auto_decode_never_tiles_below_the_default_tile() {
+        const MIB: u64 = 1 << 20;
+        let c = AutoencoderKLConfig::flux();
+        let default = TilingConfig::from_config(&c);
+        // 2048 px: Diffusers' default 128-latent tiles split the 256x256 latents.
+        let shape = [1, 16, 256, 256];
+        let untiled = estimate_decode_peak_bytes(&c, &shape, DType::BF16);
+        let tiled = estimate_tiled_decode_peak_bytes(&c, &shape, DType::BF16, &default);
+        assert!(tiled < untiled, "{tiled} vs {untiled}");
+        // The budget leaves `available` free after `held` bytes of weights and the like.
+        let held = 300 * MIB + 12_345;
+        let plan = |available: u64| {
+            plan_decode(
+                &c,
+                &shape,
+                DType::BF16,
+                TiledDecode::Auto,
+                Some(available),
+                Some(available + held),
+            )
+        };
+
+        // Untiled when it fits.
+        let fits = plan(untiled).unwrap();
+        assert!(!fits.tiled && fits.tiling.is_none(), "{}", fits.reason);
+
+        // Only the default tiles fit: exactly them.
+        for available in [untiled - 1, tiled] {
+            let p = plan(available).unwrap();
+            assert!(p.tiled, "{}", p.reason);
+            assert_eq!(p.tiling, Some(default), "{}", p.reason);
+            assert_eq!(p.estimate_tiled_bytes, Some(tiled));
+            assert!(
+                p.reason.contains("default 128-latent tiles"),
+                "{}",
+                p.reason
+            );
+        }
+
+        // Neither fits: refused (smaller tiles would fit but are never used), naming the
+        // smallest budget that works: the budget now plus the shortfall, rounded up to a MiB.
+        let available = tiled / 4;
+        let e = plan(available).unwrap_err();
+        eprintln!("{e}");
+        let mib = named_budget_mib(&e);
+        assert_eq!(mib, (available + held + (tiled - available)).div_ceil(MIB));
+        assert!(
+            e.to_string()
+                .contains(&ddo_metrics::format_bytes(mib * MIB)),
+            "{e}"
+        );
+        // With that budget the plan succeeds, with the default tiles; a MiB less does not.
+        let p = plan(mib * MIB - held).unwrap();
+        assert_eq!(p.tiling, Some(default), "{}", p.reason);
+        assert!(plan((mib - 1) * MIB - held).is_err());
+
+        // Latents that fit in one default tile are never tiled: the refusal asks for the
+        // untiled peak, and that budget decodes untiled.
+        let small = [1, 16, 128, 128];
+        let untiled = estimate_decode_peak_bytes(&c, &small, DType::BF16);
+        let plan = |available: u64, budget| {
+            plan_decode(
+                &c,
+                &small,
+                DType::BF16,
+                TiledDecode::Auto,
+                Some(available),
+                budget,
+            )
+        };
+        let e = plan(600 * MIB, Some(600 * MIB + held)).unwrap_err();
+        assert!(
+            e.to_string().contains("fit in one default 128-latent tile"),
+            "{e}"
+        );
+        let mib = named_budget_mib(&e);
+        assert_eq!(mib, (untiled + held).div_ceil(MIB));
+        let p = plan(mib * MIB - held, Some(mib * MIB)).unwrap();
+        assert!(!p.tiled, "{}", p.reason);
+        // Without a budget (the device's own memory) the refusal says how much more it needs.
+        let e = plan(600 * MIB, None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&ddo_metrics::format_bytes(untiled - 600 * MIB)),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_out_of_memory_retry_never_tiles_below_the_default_tile() {
+        let c = AutoencoderKLConfig::flux();
+        let default = TilingConfig::from_config(&c);
+        assert_eq!(default.tile_latent_min_size, 128);
+        for (h, w) in [(256, 256), (129, 64), (64, 300)] {
+            assert_eq!(fallback_tiling(&default, h, w), Some(default), "{h}x{w}");
+        }
+        // Latents within one default tile: no retry (previously: tiles half their side).
+        for (h, w) in [(128, 128), (64, 96), (1, 1)] {
+            assert_eq!(fallback_tiling(&default, h, w), None, "{h}x{w}");
+        }
+        let invalid = TilingConfig {
+            tile_overlap_factor: 1.0,
+            ..default
+        };
+        assert_eq!(fallback_tiling(&invalid, 256, 256), None);
     }
 }

@@ -4,11 +4,15 @@
 //! for benchmarks and tests).
 
 use std::collections::{BTreeMap, HashMap};
+use std::num::NonZeroUsize;
 use std::path::{Component as PathComponent, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
+use ddo_core::host::AlignedBytes;
 use ddo_core::reference::SplitMix64;
+use ddo_core::tensor::byte_len;
 use ddo_core::{Checkpoint, CoreError, DType, HostBuffer, Param, ParamKind, UniqueMap};
+use half::{bf16, f16};
 
 use crate::error::{LoadError, LoadResult};
 
@@ -38,13 +42,24 @@ pub trait WeightSource {
 }
 
 /// Seeded random weights at any shape: 2-D and larger weights uniform in ±1/√fan_in,
-/// 1-D `weight`s near 1, biases and other 1-D params near 0.
+/// 1-D `weight`s near 1 (uniform in 1 ± 0.1), biases and other 1-D params near 0 (uniform
+/// in ±0.1).
+///
+/// Each param draws one 64-bit seed from the source's SplitMix64 and is filled in chunks of
+/// [`RANDOM_CHUNK_ELEMS`] elements, each from its own SplitMix64 seeded from (param seed,
+/// chunk index), written straight into the dtype's bytes (f32, or f16/bf16 rounded to
+/// nearest even as [`DType::encode_f32`] rounds). Params larger than a chunk are filled on
+/// all available cores; the values depend only on the seed, the dtype and the sequence of
+/// params asked for, never on the number of threads.
 #[derive(Debug, Clone)]
 pub struct RandomWeights {
     rng: SplitMix64,
     dtype: DType,
     made: u64,
 }
+
+/// Elements per independently seeded chunk of a [`RandomWeights`] param (1 Mi).
+pub const RANDOM_CHUNK_ELEMS: usize = 1 << 20;
 
 impl RandomWeights {
     /// A source seeded with `seed`, storing params as `dtype`.
@@ -60,33 +75,162 @@ impl RandomWeights {
     pub fn bytes_made(&self) -> u64 {
         self.made
     }
+
+    /// The param `name` of `shape`, filled by up to `threads` threads.
+    fn make(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        kind: ParamKind,
+        threads: Option<usize>,
+    ) -> LoadResult<Arc<Param>> {
+        let encoding = Encoding::of(self.dtype)?;
+        let len = byte_len(shape, self.dtype)?;
+        let seed = self.rng.next_u64();
+        let spread = Spread::of(name, shape);
+        let mut bytes = AlignedBytes::zeroed(len);
+        let threads = match threads {
+            Some(t) => t,
+            None if len > RANDOM_CHUNK_ELEMS * self.dtype.size_in_bytes() => {
+                std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
+            }
+            None => 1,
+        };
+        fill_random(bytes.as_mut_slice(), encoding, spread, seed, threads);
+        let p = Param::new(
+            name,
+            kind,
+            self.dtype,
+            shape.to_vec(),
+            HostBuffer::owned(bytes, None).slice_all(),
+        )?;
+        self.made += p.nbytes() as u64;
+        Ok(p)
+    }
 }
 
 impl WeightSource for RandomWeights {
     fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
-        let n: usize = shape.iter().product();
-        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
-        let scale = 1.0 / (fan_in as f32).sqrt();
-        let one_d_weight = shape.len() == 1 && name.ends_with("weight");
-        let values: Vec<f32> = (0..n)
-            .map(|_| {
-                let u = self.rng.next_signed();
-                if shape.len() >= 2 {
-                    u * scale
-                } else if one_d_weight {
-                    1.0 + 0.1 * u
-                } else {
-                    0.1 * u
-                }
-            })
-            .collect();
-        let p = Param::from_f32(name, kind, self.dtype, shape.to_vec(), &values)?;
-        self.made += p.nbytes() as u64;
-        Ok(p)
+        self.make(name, shape, kind, None)
     }
 
     fn contains(&self, _name: &str) -> bool {
         true
+    }
+}
+
+/// Where a random param's values lie.
+#[derive(Debug, Clone, Copy)]
+enum Spread {
+    /// Uniform in ±scale (2-D and larger: scale = 1/√fan_in).
+    Weight(f32),
+    /// Uniform in 1 ± 0.1 (1-D `weight`s: norm scales).
+    NearOne,
+    /// Uniform in ±0.1 (biases and other 1-D params).
+    NearZero,
+}
+
+impl Spread {
+    fn of(name: &str, shape: &[usize]) -> Self {
+        if shape.len() >= 2 {
+            let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
+            Spread::Weight(1.0 / (fan_in as f32).sqrt())
+        } else if name.ends_with("weight") {
+            Spread::NearOne
+        } else {
+            Spread::NearZero
+        }
+    }
+
+    /// The value for `u` uniform in [-1, 1).
+    fn value(self, u: f32) -> f32 {
+        match self {
+            Spread::Weight(scale) => u * scale,
+            Spread::NearOne => 1.0 + 0.1 * u,
+            Spread::NearZero => 0.1 * u,
+        }
+    }
+}
+
+/// The element encodings random params can be written in.
+#[derive(Debug, Clone, Copy)]
+enum Encoding {
+    F32,
+    F16,
+    BF16,
+}
+
+impl Encoding {
+    fn of(dtype: DType) -> Result<Self, CoreError> {
+        match dtype {
+            DType::F32 => Ok(Encoding::F32),
+            DType::F16 => Ok(Encoding::F16),
+            DType::BF16 => Ok(Encoding::BF16),
+            other => Err(CoreError::Shape {
+                what: "random weights".into(),
+                message: format!("cannot make random float values as {other} storage"),
+            }),
+        }
+    }
+}
+
+/// The generator of chunk `chunk` of the param seeded with `seed`: one SplitMix64 step over
+/// the pair, so neighbouring chunks (and params) start far apart in the sequence.
+fn chunk_rng(seed: u64, chunk: usize) -> SplitMix64 {
+    let mut mix = SplitMix64::new(seed ^ (chunk as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    SplitMix64::new(mix.next_u64())
+}
+
+/// Fills `bytes` with random values of `spread`, chunk by chunk, on up to `threads`
+/// threads (the calling thread among them). The result does not depend on `threads`.
+fn fill_random(bytes: &mut [u8], encoding: Encoding, spread: Spread, seed: u64, threads: usize) {
+    let elem = match encoding {
+        Encoding::F32 => 4,
+        Encoding::F16 | Encoding::BF16 => 2,
+    };
+    let chunk_bytes = RANDOM_CHUNK_ELEMS * elem;
+    let workers = threads.min(bytes.len().div_ceil(chunk_bytes));
+    let chunks = bytes.chunks_mut(chunk_bytes).enumerate();
+    if workers <= 1 {
+        for (i, chunk) in chunks {
+            fill_chunk(chunk, encoding, spread, chunk_rng(seed, i));
+        }
+        return;
+    }
+    let work = Mutex::new(chunks);
+    let next = || work.lock().unwrap_or_else(PoisonError::into_inner).next();
+    let run = || {
+        while let Some((i, chunk)) = next() {
+            fill_chunk(chunk, encoding, spread, chunk_rng(seed, i));
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..workers {
+            s.spawn(run);
+        }
+        run();
+    });
+}
+
+fn fill_chunk(out: &mut [u8], encoding: Encoding, spread: Spread, mut rng: SplitMix64) {
+    let next = move || spread.value(rng.next_signed());
+    // The same conversions as `DType::encode_f32` (round to nearest even).
+    match encoding {
+        Encoding::F32 => encode_each(out, next, f32::to_le_bytes),
+        Encoding::F16 => encode_each(out, next, |v| f16::from_f32(v).to_le_bytes()),
+        Encoding::BF16 => encode_each(out, next, |v| bf16::from_f32(v).to_le_bytes()),
+    }
+}
+
+fn encode_each<const N: usize>(
+    out: &mut [u8],
+    mut next: impl FnMut() -> f32,
+    encode: impl Fn(f32) -> [u8; N],
+) {
+    let (elements, rest) = out.as_chunks_mut::<N>();
+    debug_assert!(rest.is_empty(), "a chunk holds whole elements");
+    for e in elements {
+        *e = encode(next());
     }
 }
 
@@ -324,4 +468,149 @@ pub fn read_f32_tensor(path: &Path, name: &str) -> LoadResult<(Vec<usize>, Vec<f
         .host_buffer(name)?
         .with_bytes(|b| info.dtype.decode_f32(b))?;
     Ok((info.shape.clone(), values))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    fn values(p: &Param) -> Vec<f32> {
+        p.host().with_bytes(|b| p.dtype().decode_f32(b)).unwrap()
+    }
+
+    fn bytes(p: &Param) -> Vec<u8> {
+        p.host().to_vec()
+    }
+
+    /// 3.5 chunks: several chunks and a ragged tail.
+    const BIG: [usize; 2] = [7 * RANDOM_CHUNK_ELEMS / 1024, 512];
+
+    #[test]
+    fn values_do_not_depend_on_the_thread_count() {
+        for dtype in FLOATS {
+            let mut one = RandomWeights::new(11, dtype);
+            let mut four = RandomWeights::new(11, dtype);
+            let mut default = RandomWeights::new(11, dtype);
+            for (name, shape) in [
+                ("a.weight", &BIG[..]),
+                ("b.weight", &[3 * RANDOM_CHUNK_ELEMS + 5][..]),
+                ("c.bias", &[RANDOM_CHUNK_ELEMS][..]),
+                ("d.weight", &[8, 3, 3, 3][..]),
+            ] {
+                let kind = ParamKind::Parameter;
+                let a = one.make(name, shape, kind, Some(1)).unwrap();
+                let b = four.make(name, shape, kind, Some(4)).unwrap();
+                let c = default.param(name, shape, kind).unwrap();
+                assert_eq!(bytes(&a), bytes(&b), "{dtype} {name}: 1 vs 4 threads");
+                assert_eq!(bytes(&a), bytes(&c), "{dtype} {name}: 1 vs available");
+                assert_eq!(a.shape(), shape);
+                assert_eq!(a.dtype(), dtype);
+            }
+            assert_eq!(one.bytes_made(), four.bytes_made());
+        }
+    }
+
+    #[test]
+    fn chunks_are_seeded_apart() {
+        let mut w = RandomWeights::new(3, DType::F32);
+        let v = values(&w.param("x", &BIG, ParamKind::Parameter).unwrap());
+        let chunk = |i: usize| &v[i * RANDOM_CHUNK_ELEMS..(i + 1) * RANDOM_CHUNK_ELEMS];
+        assert_ne!(chunk(0), chunk(1));
+        assert_ne!(chunk(1), chunk(2));
+        assert_ne!(v[..16], v[RANDOM_CHUNK_ELEMS + 1..RANDOM_CHUNK_ELEMS + 17]);
+    }
+
+    #[test]
+    fn values_follow_the_documented_distribution_in_every_float_dtype() {
+        for dtype in FLOATS {
+            let mut w = RandomWeights::new(5, dtype);
+            // (name, shape, centre, half width)
+            let fan_in = 512.0f32;
+            for (name, shape, centre, width) in [
+                ("proj.weight", &BIG[..], 0.0f32, 1.0 / fan_in.sqrt()),
+                ("conv.weight", &[4, 8, 3, 3][..], 0.0, 1.0 / 72.0f32.sqrt()),
+                ("norm.weight", &[3 * RANDOM_CHUNK_ELEMS / 2][..], 1.0, 0.1),
+                ("proj.bias", &[4096][..], 0.0, 0.1),
+                ("pos_embed", &[4096][..], 0.0, 0.1),
+            ] {
+                let v = values(&w.param(name, shape, ParamKind::Parameter).unwrap());
+                assert_eq!(v.len(), shape.iter().product::<usize>());
+                // Rounding to a half-width dtype may move a value by half an ulp.
+                let slack = (centre.abs() + width) / 256.0;
+                let (lo, hi) = v
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+                assert!(
+                    lo >= centre - width - slack && hi <= centre + width + slack,
+                    "{dtype} {name}: [{lo}, {hi}] outside {centre} ± {width}"
+                );
+                // Spread over the whole interval, centred.
+                assert!(lo < centre - 0.9 * width && hi > centre + 0.9 * width);
+                // The mean within four standard errors (a uniform's sd is width/√3).
+                let n = v.len() as f64;
+                let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+                assert!(
+                    (mean - f64::from(centre)).abs() < 4.0 * f64::from(width) / (3.0 * n).sqrt(),
+                    "{dtype} {name}: mean {mean}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn half_widths_round_the_f32_values_as_dtype_encoding_does() {
+        let shape = [RANDOM_CHUNK_ELEMS + 100, 2];
+        let f32s = values(
+            &RandomWeights::new(9, DType::F32)
+                .param("w", &shape, ParamKind::Parameter)
+                .unwrap(),
+        );
+        for dtype in [DType::F16, DType::BF16] {
+            let p = RandomWeights::new(9, dtype)
+                .param("w", &shape, ParamKind::Parameter)
+                .unwrap();
+            assert_eq!(bytes(&p), dtype.encode_f32(&f32s).unwrap(), "{dtype}");
+            assert_eq!(p.nbytes(), f32s.len() * 2);
+        }
+    }
+
+    #[test]
+    fn one_seed_gives_one_sequence_of_params() {
+        let shapes: [&[usize]; 4] = [&[64, 32], &BIG, &[32], &[0, 4]];
+        let build = |seed: u64| {
+            let mut w = RandomWeights::new(seed, DType::BF16);
+            let params: Vec<Vec<u8>> = shapes
+                .iter()
+                .map(|s| bytes(&w.param("x.weight", s, ParamKind::Parameter).unwrap()))
+                .collect();
+            (params, w.bytes_made())
+        };
+        let (a, made) = build(1);
+        assert_eq!((a.clone(), made), build(1));
+        assert_eq!(made, 2 * (64 * 32 + BIG[0] * BIG[1] + 32) as u64);
+        assert_ne!(a, build(2).0);
+        assert!(a[3].is_empty());
+        // Each param draws its own seed: the same shape again gives other values.
+        let mut w = RandomWeights::new(1, DType::BF16);
+        let first = bytes(
+            &w.param("x.weight", &[64, 32], ParamKind::Parameter)
+                .unwrap(),
+        );
+        let again = bytes(
+            &w.param("x.weight", &[64, 32], ParamKind::Parameter)
+                .unwrap(),
+        );
+        assert_eq!(first, a[0]);
+        assert_ne!(first, again);
+    }
+
+    #[test]
+    fn quantized_random_weights_are_refused() {
+        let mut w = RandomWeights::new(1, DType::Quantized);
+        let e = w.param("w", &[4, 4], ParamKind::Parameter).unwrap_err();
+        assert!(matches!(e, LoadError::Core(CoreError::Shape { .. })), "{e}");
+        assert_eq!(w.bytes_made(), 0);
+    }
 }

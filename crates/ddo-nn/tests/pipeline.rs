@@ -347,26 +347,143 @@ fn an_untiled_decode_out_of_memory_is_retried_tiled_once() {
     .unwrap();
 
     // Off: the out-of-memory error comes back as it is.
-    let mut off: DecodePlan = plan_decode(config, &shape, DType::F32, TiledDecode::Off, None);
+    let mut off: DecodePlan =
+        plan_decode(config, &shape, DType::F32, TiledDecode::Off, None, None).unwrap();
     let e = pipe
         .decode_planned(&*d, &packed, height, width, &mut off)
         .unwrap_err();
     assert!(matches!(e, ddo_core::CoreError::OutOfMemory { .. }), "{e}");
 
     // Auto without a budget to compare with plans untiled; the failure is retried tiled.
-    let mut auto = plan_decode(config, &shape, DType::F32, TiledDecode::Auto, None);
+    let mut auto = plan_decode(config, &shape, DType::F32, TiledDecode::Auto, None, None).unwrap();
     assert!(!auto.tiled);
     let image = pipe
         .decode_planned(&*d, &packed, height, width, &mut auto)
         .unwrap();
     assert_eq!(image.shape(), [1, 3, height, width]);
     assert!(auto.tiled && auto.retried_after_oom, "{auto:?}");
+    assert_eq!(
+        auto.tiling,
+        Some(tiles),
+        "the retry uses Diffusers' default tiles"
+    );
     assert!(auto.reason.contains("retried"), "{}", auto.reason);
     drop(image);
     let peak = handle.end_phase("decode").unwrap();
     assert!(peak.allocator_peak_bytes <= d.memory_info().capacity);
     ddo_routes::remove_dynamic_offload(&mut handle).unwrap();
     assert_eq!(d.memory_info().allocated, 0);
+}
+
+#[test]
+fn an_untiled_decode_out_of_memory_is_not_retried_below_the_default_tile() {
+    use ddo_nn::pipeline::plan_decode;
+    use ddo_nn::vae::{TilingConfig, estimate_decode_peak_bytes};
+    use ddo_routes::{OffloadOptions, enable_offload};
+
+    let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 9, DType::F32).unwrap();
+    let (height, width) = (32, 32);
+    let (h, w) = pipe.latent_grid(height, width).unwrap();
+    let shape = [1, 4, h, w];
+    let config = pipe.vae.config();
+    // The 16x16 latents fit in one of Diffusers' 16-latent default tiles.
+    assert!(!TilingConfig::from_config(config).needs_tiling(h, w));
+    let untiled = estimate_decode_peak_bytes(config, &shape, DType::F32);
+    let weights = pipe.vae.component().param_bytes();
+    let d = HostDevice::with_capacity(weights + untiled / 2).unwrap();
+    let mut handle = enable_offload(
+        pipe.vae.component(),
+        d.clone(),
+        &OffloadOptions {
+            route: Some("none".parse().unwrap()),
+            ..OffloadOptions::default()
+        },
+    )
+    .unwrap();
+    let packed = Tensor::from_f32(
+        vec![1, (h / 2) * (w / 2), 16],
+        DType::F32,
+        &ddo_nn::pipeline::gaussian_noise(3, (h / 2) * (w / 2) * 16),
+    )
+    .unwrap();
+    let mut auto = plan_decode(config, &shape, DType::F32, TiledDecode::Auto, None, None).unwrap();
+    let e = pipe
+        .decode_planned(&*d, &packed, height, width, &mut auto)
+        .unwrap_err();
+    // No retry with tiles smaller than the default: the out-of-memory error as it is.
+    assert!(matches!(e, ddo_core::CoreError::OutOfMemory { .. }), "{e}");
+    assert!(!auto.tiled && !auto.retried_after_oom, "{auto:?}");
+    assert_eq!(auto.tiling, None);
+    assert_eq!(d.memory_info().allocated, weights);
+    ddo_routes::remove_dynamic_offload(&mut handle).unwrap();
+    assert_eq!(d.memory_info().allocated, 0);
+}
+
+#[test]
+fn auto_decode_refuses_a_budget_too_small_for_the_default_tiles_and_names_one_that_works() {
+    use ddo_nn::vae::{TilingConfig, estimate_tiled_decode_peak_bytes};
+
+    let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 5, DType::F32).unwrap();
+    let mut request = fixture_request(TiledDecode::Auto);
+    request.height = 64;
+    request.width = 64;
+    request.init = InitLatents::Seed(1);
+    request.steps = 1;
+    let roomy = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(!roomy.decode.tiled, "{}", roomy.decode.reason);
+    // What the decode phase holds besides its activations (the 1 GiB device's capacity
+    // is the budget here), and the estimate with Diffusers' default tiles.
+    let held = (1u64 << 30) - roomy.decode.available_bytes.unwrap();
+    let (h, w) = pipe.latent_grid(64, 64).unwrap();
+    let default = TilingConfig::from_config(pipe.vae.config());
+    assert!(default.needs_tiling(h, w));
+    let tiled =
+        estimate_tiled_decode_peak_bytes(pipe.vae.config(), &[1, 4, h, w], DType::F32, &default);
+
+    // Room for smaller tiles only: refused before the decode, everything released.
+    request.vram_budget = Some(held + tiled / 2);
+    let d = device();
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    let mut offload =
+        enable_pipeline_offload_with_env(&pipeline, d.clone(), &settings(Preset::Auto, None), &env)
+            .unwrap();
+    let e = pipe
+        .run_phases(&mut offload, &request, &mut |_, _, _| {})
+        .unwrap_err();
+    let ddo_core::CoreError::InvalidOption { option, hint, .. } = &e else {
+        panic!("{e}");
+    };
+    assert_eq!(option, "tiled-decode");
+    assert!(hint.contains("--tiled-decode off"), "{hint}");
+    assert!(hint.contains("--height/--width"), "{hint}");
+    assert_eq!(d.memory_info().allocated, 0);
+    for name in ["text_encoder", "transformer", "vae"] {
+        assert!(offload.handle(name).unwrap().is_detached(), "{name}");
+    }
+    // The budget it names: the budget plus the shortfall, rounded up to a MiB.
+    let rest = &hint[hint.find("--vram-budget ").expect("a budget") + 14..];
+    let mib: u64 = rest[..rest.find("MiB").unwrap()].parse().unwrap();
+    assert_eq!(mib, (held + tiled).div_ceil(1 << 20));
+
+    // With that budget the decode runs (the MiB rounding leaves this tiny VAE room to
+    // decode untiled); with just enough for the default tiles it runs on them.
+    request.vram_budget = Some(mib << 20);
+    let named = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(
+        named
+            .image
+            .host_f32()
+            .unwrap()
+            .iter()
+            .all(|v| v.is_finite())
+    );
+    request.vram_budget = Some(held + tiled);
+    let tight = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(tight.decode.tiled, "{}", tight.decode.reason);
+    assert_eq!(tight.decode.tiling, Some(default));
+    assert_eq!(tight.decode.estimate_tiled_bytes, Some(tiled));
+    assert_eq!(tight.decode.available_bytes, Some(tiled));
 }
 
 fn ids(name: &str) -> Vec<u32> {

@@ -20,6 +20,7 @@
 
 mod handle;
 mod pipeline;
+pub mod plan;
 
 use std::sync::Arc;
 
@@ -32,6 +33,9 @@ use ddo_metrics::RouteMetrics;
 
 pub use handle::OffloadHandle;
 pub use pipeline::{Pipeline, PipelineOffload};
+pub use plan::{
+    ComponentPlan, PhaseDemand, PhasePlan, PipelinePlan, PlanRequest, footprint, plan_pipeline,
+};
 
 /// One entry of the route table.
 #[derive(Clone, Copy)]
@@ -194,7 +198,34 @@ pub fn enable_pipeline_offload_with_env(
     Ok(PipelineOffload::new(device, handles))
 }
 
-fn attach(
+/// Prepares `pipeline` to run under `plan` ([`plan_pipeline`]): every component's route is
+/// preflighted now (touching nothing), and each attaches when its phase begins
+/// ([`PipelineOffload::begin_phase`]) and is released at the boundary, so phases never hold
+/// each other's memory. A component the plan does not name is refused (plan every phase).
+pub fn enable_planned_pipeline_offload(
+    pipeline: &Pipeline,
+    device: Arc<dyn Device>,
+    plan: &PipelinePlan,
+) -> Result<PipelineOffload> {
+    let mut pending = Vec::new();
+    for component in pipeline.components() {
+        let Some(p) = plan.component(component.name()) else {
+            return Err(CoreError::InvalidOption {
+                option: "plan".into(),
+                value: component.name().to_string(),
+                hint: "the memory plan has no phase that runs this component; list it in a PhaseDemand"
+                    .into(),
+            });
+        };
+        if let RouteTarget::Route(id) = p.resolution.spec.target() {
+            route(id).preflight(component, &*device, &p.resolution.spec)?;
+        }
+        pending.push((Arc::clone(component), p.resolution.clone()));
+    }
+    Ok(PipelineOffload::deferred(device, pending))
+}
+
+pub(crate) fn attach(
     component: &Arc<Component>,
     device: Arc<dyn Device>,
     spec: RouteSpec,

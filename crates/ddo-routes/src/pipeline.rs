@@ -1,10 +1,14 @@
 //! [`Pipeline`] (named components) and [`PipelineOffload`] (their handles, phase
-//! boundaries and per-phase peaks).
+//! boundaries and per-phase peaks). A `PipelineOffload` made from a memory plan
+//! ([`enable_planned_pipeline_offload`](crate::enable_planned_pipeline_offload)) attaches
+//! each component when its phase starts ([`PipelineOffload::begin_phase`]), so phases never
+//! hold each other's device or pinned memory.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
-use ddo_core::{Component, CoreError, Device, Result};
+use ddo_core::{Component, CoreError, Device, Resolution, Result};
 use ddo_metrics::PhasePeak;
 
 use crate::handle::{OffloadHandle, record_phase};
@@ -47,6 +51,10 @@ impl Pipeline {
 pub struct PipelineOffload {
     device: Arc<dyn Device>,
     handles: BTreeMap<String, OffloadHandle>,
+    /// Components whose phase has not started: attached by [`PipelineOffload::begin_phase`].
+    pending: BTreeMap<String, (Arc<Component>, Resolution)>,
+    /// Seconds each component's attach took (pinning, uploads of resident weights).
+    setup_seconds: BTreeMap<String, f64>,
     phases: Vec<PhasePeak>,
 }
 
@@ -59,11 +67,72 @@ impl PipelineOffload {
                 .into_iter()
                 .map(|h| (h.component().name().to_string(), h))
                 .collect(),
+            pending: BTreeMap::new(),
+            setup_seconds: BTreeMap::new(),
             phases: Vec::new(),
         }
     }
 
-    /// The handle of component `name`.
+    /// A pipeline whose components attach when their phase starts.
+    pub(crate) fn deferred(
+        device: Arc<dyn Device>,
+        pending: Vec<(Arc<Component>, Resolution)>,
+    ) -> Self {
+        let mut offload = Self::new(device, Vec::new());
+        offload.pending = pending
+            .into_iter()
+            .map(|(c, r)| (c.name().to_string(), (c, r)))
+            .collect();
+        offload
+    }
+
+    /// The device the pipeline runs on.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Attaches the components of `names` that are still waiting for their phase (those
+    /// already attached, or unknown, are skipped) and returns how long each attach took.
+    /// On an error the components this call attached are released again.
+    pub fn begin_phase(&mut self, names: &[&str]) -> Result<Vec<(String, f64)>> {
+        let mut done = Vec::new();
+        for name in names {
+            let Some((component, resolution)) = self.pending.remove(*name) else {
+                continue;
+            };
+            let started = Instant::now();
+            match crate::attach(
+                &component,
+                Arc::clone(&self.device),
+                resolution.spec,
+                resolution.decided_by.clone(),
+                Some(resolution.preset),
+            ) {
+                Ok(h) => {
+                    let seconds = started.elapsed().as_secs_f64();
+                    self.setup_seconds.insert(name.to_string(), seconds);
+                    self.handles.insert(name.to_string(), h);
+                    done.push((name.to_string(), seconds));
+                }
+                Err(e) => {
+                    for (n, _) in &done {
+                        if let Some(h) = self.handles.get_mut(n) {
+                            h.release();
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Seconds the attach of component `name` took, once its phase has begun.
+    pub fn setup_seconds(&self, name: &str) -> Option<f64> {
+        self.setup_seconds.get(name).copied()
+    }
+
+    /// The handle of component `name` (attached: eagerly, or once its phase has begun).
     pub fn handle(&self, name: &str) -> Result<&OffloadHandle> {
         self.handles.get(name).ok_or_else(|| self.unknown(name))
     }
@@ -74,9 +143,16 @@ impl PipelineOffload {
         self.handles.get_mut(name).ok_or(unknown)
     }
 
-    /// Component names.
+    /// Component names, attached or waiting for their phase.
     pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.handles.keys().map(String::as_str)
+        let mut all: Vec<&str> = self
+            .handles
+            .keys()
+            .chain(self.pending.keys())
+            .map(String::as_str)
+            .collect();
+        all.sort_unstable();
+        all.into_iter()
     }
 
     /// Ends `phase`: every route drops its transient buffers, the device is synchronised,
@@ -97,7 +173,11 @@ impl PipelineOffload {
     /// Releases component `name` after its last phase (whatever its route: this is DDO's
     /// managed boundary): hooks removed, device and pinned memory freed, weights host-only.
     /// The handle stays, detached, so its metrics can still be read.
+    /// A component whose phase never began is just dropped from the waiting list.
     pub fn release(&mut self, name: &str) -> Result<()> {
+        if self.pending.remove(name).is_some() {
+            return Ok(());
+        }
         let h = self.handle_mut(name)?;
         h.release();
         Ok(())
@@ -109,9 +189,23 @@ impl PipelineOffload {
     }
 
     fn unknown(&self, name: &str) -> CoreError {
+        if self.pending.contains_key(name) {
+            return CoreError::InvalidOption {
+                option: "component".into(),
+                value: name.to_string(),
+                hint: "not attached yet: it attaches when its phase begins (PipelineOffload::begin_phase)"
+                    .into(),
+            };
+        }
         CoreError::UnknownComponent {
             name: name.to_string(),
-            known: self.handles.keys().cloned().collect::<Vec<_>>().join(", "),
+            known: self
+                .handles
+                .keys()
+                .chain(self.pending.keys())
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", "),
         }
     }
 }

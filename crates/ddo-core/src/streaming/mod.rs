@@ -51,9 +51,11 @@
 //! cost is under 3%; Flux's large linears are units of their own anyway); a ring of
 //! [`DEFAULT_RING_SLOTS`] (2: one slot in use while the next fills; a streamed Flux step is
 //! link-bound by ~3×, so one unit of lookahead keeps the copy stream busy and the peak at
-//! Diffusers' two-leaf level; the bench sweeps `ring_slots=3`); a pinned limit of
-//! [`DEFAULT_PINNED_LIMIT`] (16 GiB, enough for a Flux-dev transformer's streamed bytes
-//! to live in a pinned home), and [`WSL_COMPAT_PINNED_LIMIT`] (256 MiB) under `wsl_compat`.
+//! Diffusers' two-leaf level; the bench sweeps `ring_slots=3`); a pinned limit that
+//! follows the machine ([`default_pinned_limit`]: half the host's available memory, so a
+//! FLUX.1-dev transformer's 22 GiB live in a pinned home on a 128 GiB host;
+//! [`DEFAULT_PINNED_LIMIT`] where that cannot be read), and [`WSL_COMPAT_PINNED_LIMIT`]
+//! (256 MiB) under `wsl_compat`.
 
 pub mod engine;
 pub mod home;
@@ -76,9 +78,31 @@ pub const DEFAULT_UNIT_BYTES: u64 = 16 << 20;
 /// Default number of ring slots.
 pub const DEFAULT_RING_SLOTS: usize = 2;
 
-/// Default limit on pinned host bytes the engine holds: 16 GiB (and never more than the
-/// device's own pinned limit leaves).
+/// The pinned limit where the host's available memory cannot be read: 16 GiB.
 pub const DEFAULT_PINNED_LIMIT: u64 = 16 << 30;
+
+/// The share of the host's available memory (`MemAvailable`, read when a route attaches)
+/// the engine's default pinned limit takes: one half. A pinned home replaces the weights'
+/// host copy, so once built it costs no host memory beyond the weights; while it is being
+/// built both copies are held, and the other half is left for that and for the rest of
+/// the process.
+pub const PINNED_SHARE_OF_AVAILABLE: (u64, u64) = (1, 2);
+
+/// The engine's default pinned limit: [`PINNED_SHARE_OF_AVAILABLE`] of the host's
+/// available memory now, at least [`WSL_COMPAT_PINNED_LIMIT`], or [`DEFAULT_PINNED_LIMIT`]
+/// where `/proc/meminfo` cannot be read. The device's own pinned limit still applies on
+/// top of it.
+pub fn default_pinned_limit() -> u64 {
+    pinned_limit_for_available(crate::host::mem_available())
+}
+
+/// [`default_pinned_limit`] for a given available-memory reading.
+pub fn pinned_limit_for_available(available: Option<u64>) -> u64 {
+    let (num, den) = PINNED_SHARE_OF_AVAILABLE;
+    available.map_or(DEFAULT_PINNED_LIMIT, |a| {
+        (a / den).saturating_mul(num).max(WSL_COMPAT_PINNED_LIMIT)
+    })
+}
 
 /// The pinned limit the `wsl_compat` preset sets: 256 MiB (WSL rations pinned memory).
 pub const WSL_COMPAT_PINNED_LIMIT: u64 = 256 << 20;
@@ -118,7 +142,7 @@ impl Default for StreamingConfig {
         Self {
             unit_bytes: DEFAULT_UNIT_BYTES,
             ring_slots: DEFAULT_RING_SLOTS,
-            pinned_limit: DEFAULT_PINNED_LIMIT,
+            pinned_limit: default_pinned_limit(),
             staging: StagingMode::Auto,
             budget: None,
             pinned_source: PinnedSource::Home,

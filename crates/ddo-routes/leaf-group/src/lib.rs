@@ -62,13 +62,13 @@ use ddo_core::residency::{FreeMode, ResidencyTable, pin_copy};
 use ddo_core::streaming::layout::align_up;
 use ddo_core::streaming::plan::plan_residency_with;
 use ddo_core::streaming::{
-    PinnedHome, Schedule, ScheduleOutcome, StreamingConfig, StreamingEngine, StreamingFigures,
-    ring_does_not_fit,
+    PinnedHome, Schedule, ScheduleOutcome, StagingMode, StreamingConfig, StreamingEngine,
+    StreamingFigures, ring_does_not_fit,
 };
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, GroupOffloadConfig, HostSlice, Leaf,
-    LeafId, OffloadType, Param, ParamId, Placement, Refusal, Result, Route, RouteId, RouteSpec,
-    Stream,
+    AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext,
+    GroupOffloadConfig, HostSlice, Leaf, LeafId, OffloadType, Param, ParamId, Placement, Refusal,
+    Result, Route, RouteId, RouteSpec, Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::{Mutex, MutexGuard};
@@ -115,16 +115,7 @@ impl GroupOffloadRoute {
         if let (true, Some(budget)) = (config.use_stream, spec.options().budget) {
             let streaming = StreamingConfig::from_options(spec.options());
             let budget = budget.bytes_given_free(device.memory_info().free_bytes());
-            let weighted: Vec<(String, u64)> = plan
-                .groups
-                .iter()
-                .enumerate()
-                .filter(|(i, g)| !g.params.is_empty() && Some(*i) != plan.unmatched)
-                .map(|(_, g)| {
-                    let bytes = g.params.iter().map(|p| align_up(p.nbytes() as u64)).sum();
-                    (g.label.clone(), bytes)
-                })
-                .collect();
+            let weighted = plan.engine_segments();
             let model = streaming.slot_model();
             let ring_plan = plan_residency_with(&weighted, budget, model);
             if !ring_plan.fits() {
@@ -259,6 +250,99 @@ impl Route for GroupOffloadRoute {
         let hooks: Arc<dyn AttachedRoute> =
             self.attach_group_offload(component, device, spec, metrics)?;
         Ok(hooks)
+    }
+
+    /// Without a stream: nothing resident, every group copied per forward, one group on
+    /// the device at a time (block level: plus the unmatched group), the weights' one host
+    /// copy pinned when `pinned` and it fits under the pinned limit. With a stream: the
+    /// engine's residency plan under `budget` (resident + ring within it), the rest
+    /// streamed; pinned host bytes are the pinned home of the streamed bytes when they fit
+    /// under the limit, else two staging buffers (then copies go through pageable reads,
+    /// and the footprint names the limit that would avoid it). The learning forward holds
+    /// two groups at most and nothing resident yet: the transient bytes cover what it holds
+    /// beyond the resident set.
+    fn footprint(
+        &self,
+        component: &Component,
+        spec: &RouteSpec,
+        context: &FootprintContext,
+    ) -> Result<Footprint> {
+        let config = spec.group_offload_config();
+        let plan = GroupPlan::new(component, &config);
+        let weight_bytes = component.param_bytes();
+        let unmatched = plan.unmatched_bytes();
+        let streaming = StreamingConfig::from_options(spec.options());
+        let limit = streaming.pinned_limit.min(context.pinned_room);
+        let human = ddo_metrics::format_bytes;
+        if !config.use_stream {
+            let pinned = config.pinned && weight_bytes <= limit;
+            return Ok(Footprint {
+                weight_bytes,
+                resident_bytes: 0,
+                streamed_bytes_per_forward: weight_bytes,
+                transient_device_bytes: plan.largest_group_bytes() + unmatched,
+                pinned_host_bytes: if pinned { weight_bytes } else { 0 },
+                needs_native_allocator: false,
+                pageable_staging: !pinned,
+                pinned_limit_to_avoid_pageable: if pinned { 0 } else { weight_bytes },
+                summary: format!(
+                    "{} groups copied per forward, one at a time, from {} host memory",
+                    plan.groups.len(),
+                    if pinned { "pinned" } else { "pageable" }
+                ),
+            });
+        }
+        let segments = plan.engine_segments();
+        let model = streaming.slot_model();
+        let budget = spec
+            .options()
+            .budget
+            .map(|b| b.bytes_given_free(context.free_device_bytes));
+        let total: u64 = segments.iter().map(|(_, b)| b).sum();
+        let (resident, streamed, ring) = match budget {
+            Some(b) => {
+                let p = plan_residency_with(&segments, b, model);
+                (p.resident_bytes, p.streamed_bytes, p.slot_bytes)
+            }
+            None => {
+                let largest = segments.iter().map(|(_, b)| *b).max().unwrap_or(0);
+                (0, total, model.room(largest, total))
+            }
+        };
+        let learning = plan.largest_groups_bytes(2);
+        let (pinned, pageable) = if streaming.staging == StagingMode::Ring {
+            (2 * (ring / model.slots.max(1)).min(limit / 2), false)
+        } else if streamed <= limit {
+            (streamed, false)
+        } else {
+            (2 * (ring / model.slots.max(1)).min(limit / 2), true)
+        };
+        Ok(Footprint {
+            weight_bytes,
+            resident_bytes: resident,
+            streamed_bytes_per_forward: streamed + unmatched,
+            // The learning forward holds no resident set yet: at most two groups.
+            transient_device_bytes: ring.max(learning.saturating_sub(resident)) + unmatched,
+            pinned_host_bytes: pinned,
+            needs_native_allocator: false,
+            pageable_staging: pageable,
+            pinned_limit_to_avoid_pageable: if pageable { streamed } else { 0 },
+            summary: format!(
+                "{} resident, {} streamed per forward through a {} ring{}",
+                human(resident),
+                human(streamed + unmatched),
+                human(ring),
+                if pageable {
+                    format!(
+                        "; staged from pageable memory: pinned_limit {} < {} streamed",
+                        human(limit),
+                        human(streamed)
+                    )
+                } else {
+                    String::new()
+                }
+            ),
+        })
     }
 }
 
@@ -426,6 +510,21 @@ impl GroupPlan {
     /// Leaves whose weights move to the device per forward (every leaf with params).
     pub fn streamed_leaves(&self) -> u64 {
         self.leaf_group.iter().filter(|g| g.is_some()).count() as u64
+    }
+
+    /// The groups the streaming engine streams or keeps resident, as the residency planner
+    /// sees them: `(label, bytes)` with each param at the engine's alignment, the unmatched
+    /// group left out (it is onloaded for the whole forward).
+    pub fn engine_segments(&self) -> Vec<(String, u64)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .filter(|(i, g)| !g.params.is_empty() && Some(*i) != self.unmatched)
+            .map(|(_, g)| {
+                let bytes = g.params.iter().map(|p| align_up(p.nbytes() as u64)).sum();
+                (g.label.clone(), bytes)
+            })
+            .collect()
     }
 
     fn streamed_group_bytes(&self) -> impl Iterator<Item = u64> + '_ {

@@ -23,8 +23,8 @@ use std::sync::Arc;
 
 use ddo_core::residency::{EagerLeafStreamer, PinnedCopies, ResidencyTable};
 use ddo_core::{
-    AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, Leaf, Param, Refusal,
-    Result, Route, RouteId, RouteSpec,
+    AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, Footprint,
+    FootprintContext, Leaf, Param, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -192,6 +192,32 @@ impl Route for LinearConvolutionRoute {
     ) -> Result<Arc<dyn AttachedRoute>> {
         let hooks: Arc<dyn AttachedRoute> = self.attach_hooks(component, device, spec, metrics)?;
         Ok(hooks)
+    }
+
+    /// Zero residency: every leaf copied before it runs and freed after (one leaf on the
+    /// device at a time), from pinned copies of every weight unless `pinned=false`.
+    fn footprint(
+        &self,
+        component: &Component,
+        spec: &RouteSpec,
+        _context: &FootprintContext,
+    ) -> Result<Footprint> {
+        let weight_bytes = component.param_bytes();
+        let pinned = LinearConvolutionConfig::from_spec(spec).pinned;
+        Ok(Footprint {
+            weight_bytes,
+            resident_bytes: 0,
+            streamed_bytes_per_forward: weight_bytes,
+            transient_device_bytes: component.largest_leaf().map_or(0, |l| l.param_bytes()),
+            pinned_host_bytes: if pinned { weight_bytes } else { 0 },
+            needs_native_allocator: false,
+            pageable_staging: !pinned,
+            pinned_limit_to_avoid_pageable: 0,
+            summary: format!(
+                "zero residency: each leaf copied before it runs from {} host memory",
+                if pinned { "pinned" } else { "pageable" }
+            ),
+        })
     }
 }
 

@@ -42,8 +42,9 @@ use ddo_core::streaming::{
     StreamingFigures,
 };
 use ddo_core::{
-    AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, HostSlice, Leaf,
-    Param, ParamId, Refusal, Result, Route, RouteId, RouteSpec, Stream,
+    AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, Footprint,
+    FootprintContext, HostSlice, Leaf, Param, ParamId, Refusal, Result, Route, RouteId, RouteSpec,
+    Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -171,12 +172,23 @@ pub fn plan_with_mode(
     device: &dyn Device,
     spec: &RouteSpec,
 ) -> (ResidencyPlan, StreamMode) {
-    let budget = budget_bytes(device, spec);
+    plan_in(component, spec, &FootprintContext::of(device))
+}
+
+/// [`plan_with_mode`] against the memory `context` describes.
+fn plan_in(
+    component: &Component,
+    spec: &RouteSpec,
+    context: &FootprintContext,
+) -> (ResidencyPlan, StreamMode) {
+    let budget = NativeVmmConfig::from_spec(spec)
+        .budget
+        .bytes_given_free(context.free_device_bytes);
     let one_leaf = plan_residency(&weighted_leaves(component, false), budget);
     if one_leaf.streamed.is_empty() {
         return (one_leaf, StreamMode::Nothing);
     }
-    if device.supports_streams() {
+    if context.supports_streams {
         let ring = plan_residency_with(
             &weighted_leaves(component, true),
             budget,
@@ -410,6 +422,57 @@ impl Route for NativeVmmRoute {
     ) -> Result<Arc<dyn AttachedRoute>> {
         let hooks: Arc<dyn AttachedRoute> = self.attach_hooks(component, device, spec, metrics)?;
         Ok(hooks)
+    }
+
+    /// The plan [`plan_with_mode`] makes with the context's free bytes: resident leaves,
+    /// the rest streamed through the engine's ring (or one leaf at a time), the streamed
+    /// weights in a pinned home when `pinned` and they fit under the pinned limit.
+    fn footprint(
+        &self,
+        component: &Component,
+        spec: &RouteSpec,
+        context: &FootprintContext,
+    ) -> Result<Footprint> {
+        let config = NativeVmmConfig::from_spec(spec);
+        let (plan, mode) = plan_in(component, spec, context);
+        let limit = config.streaming.pinned_limit.min(context.pinned_room);
+        let streamed = plan.streamed_bytes;
+        let home = config.pinned && streamed > 0 && streamed <= limit;
+        let slot = plan.slot_bytes / config.slot_model().slots.max(1);
+        // Otherwise the engine stages through two bounded pinned buffers.
+        let pinned = if home {
+            streamed
+        } else if mode == StreamMode::Engine {
+            2 * slot.min(limit / 2)
+        } else {
+            0
+        };
+        let pageable = streamed > 0 && !home;
+        let human = ddo_metrics::format_bytes;
+        Ok(Footprint {
+            weight_bytes: component.param_bytes(),
+            resident_bytes: plan.resident_bytes,
+            streamed_bytes_per_forward: streamed,
+            transient_device_bytes: plan.slot_bytes,
+            pinned_host_bytes: pinned,
+            needs_native_allocator: true,
+            pageable_staging: pageable && config.pinned,
+            pinned_limit_to_avoid_pageable: if pageable && config.pinned {
+                streamed
+            } else {
+                0
+            },
+            summary: format!(
+                "{} resident in the native pool, {} streamed per forward ({})",
+                human(plan.resident_bytes),
+                human(streamed),
+                match mode {
+                    StreamMode::Nothing => "nothing streams",
+                    StreamMode::Engine => "through the engine's ring",
+                    StreamMode::LeafByLeaf => "one leaf at a time",
+                }
+            ),
+        })
     }
 }
 

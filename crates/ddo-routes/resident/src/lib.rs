@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use ddo_core::residency::{FreeMode, ResidencyTable};
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, Leaf, Refusal, Result, Route, RouteId,
-    RouteSpec,
+    AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext, Leaf,
+    Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -51,6 +51,16 @@ impl Route for ResidentRoute {
             return Err(refuse(Refusal::DoesNotFit { needed, available }));
         }
         Ok(())
+    }
+
+    /// Every weight on the device for the attachment's life; nothing streamed or pinned.
+    fn footprint(
+        &self,
+        component: &Component,
+        _spec: &RouteSpec,
+        _context: &FootprintContext,
+    ) -> Result<Footprint> {
+        Ok(Footprint::resident(component.param_bytes()))
     }
 
     fn attach(

@@ -1,0 +1,148 @@
+//! What each phase of the Flux pipeline asks of the device besides weights: activation
+//! estimates for the transformer, the text encoders and the VAE decode at the requested
+//! size, and the [`PhaseDemand`]s the pipeline memory planner (`ddo_routes::plan`) plans
+//! from ([`FluxPipeline::phase_demands`]).
+//!
+//! The transformer and text-encoder figures are upper bounds written from the models' op
+//! sequences, counting every intermediate as f32 (the widest the ops produce) and the
+//! widest point of a block with its inputs still live; `tests` check them against the
+//! exact peak of a run on the host backend. The decode uses the VAE's dry-run estimates
+//! ([`estimate_decode_peak_bytes`]). Each phase adds the device's scratch
+//! ([`Device::scratch_bytes`](ddo_core::Device::scratch_bytes): cuBLAS and attention
+//! workspaces on CUDA, nothing on the host backend).
+
+use ddo_core::{DType, Result};
+use ddo_routes::PhaseDemand;
+
+use crate::clip::ClipTextConfig;
+use crate::flux::FluxTransformerConfig;
+use crate::pipeline::{FluxPipeline, PHASES, TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE};
+use crate::t5::T5Config;
+use crate::vae::{TilingConfig, estimate_decode_peak_bytes, estimate_tiled_decode_peak_bytes};
+
+/// Bytes of one intermediate element: intermediates are counted as f32.
+const ELEM: u64 = 4;
+
+/// Activation bound of one Flux transformer forward over `image_tokens + text_tokens`
+/// tokens: the widest point of a single-stream block (the fused projection `3·D + M` wide,
+/// its MLP activation `M`, the concatenation `D + M` and a handful of `D`-wide tensors: the
+/// residual, the norm, the modulated input, q/k/v after RoPE, the attention output), where
+/// `D` is the inner width and `M = 4·D`, plus the double-stream blocks' modulation vectors,
+/// which are smaller.
+pub fn estimate_flux_activation_bytes(
+    config: &FluxTransformerConfig,
+    image_tokens: usize,
+    text_tokens: usize,
+) -> u64 {
+    let d = (config.num_attention_heads * config.attention_head_dim) as u64;
+    let m = 4 * d;
+    let tokens = (image_tokens + text_tokens) as u64;
+    let per_token = (3 * d + m) + m + (d + m) + 10 * d;
+    // RoPE tables (cos, sin per token and head width) and the modulation vectors.
+    let tables = 2 * tokens * config.attention_head_dim as u64 + 24 * d;
+    ELEM * (tokens * per_token + tables)
+}
+
+/// Activation bound of one T5 encoder forward over `seq` tokens: the gated feed-forward
+/// (two `d_ff`-wide projections and their product), a handful of `d_model`-wide tensors, q/k/v
+/// and the attention output (`heads × d_kv` each), plus the relative position bias
+/// `[heads, seq, seq]` and one score block of the same size.
+pub fn estimate_t5_activation_bytes(config: &T5Config, seq: usize) -> u64 {
+    let s = seq as u64;
+    let inner = (config.num_heads * config.d_kv) as u64;
+    let per_token = 3 * config.d_ff as u64 + 8 * config.d_model as u64 + 4 * inner;
+    let bias = 2 * config.num_heads as u64 * s * s;
+    ELEM * (s * per_token + bias)
+}
+
+/// Activation bound of one CLIP text forward over `seq` tokens: the MLP (`intermediate`
+/// wide, before and after the activation), a handful of `hidden`-wide tensors, and the
+/// causal mask and one score block (`heads × seq × seq`).
+pub fn estimate_clip_activation_bytes(config: &ClipTextConfig, seq: usize) -> u64 {
+    let s = seq as u64;
+    let per_token = 2 * config.intermediate_size as u64 + 10 * config.hidden_size as u64;
+    let scores = (config.num_attention_heads as u64 + 1) * s * s;
+    ELEM * (s * per_token + scores)
+}
+
+impl FluxPipeline {
+    /// The three phases at `height × width` for the memory planner: prompt encoding (CLIP
+    /// and T5 at `max_sequence_length`), denoise (the transformer over the packed image
+    /// tokens and the text tokens) and decode (the VAE; untiled when its estimate fits the
+    /// `budget` beside the VAE's weights, else Diffusers' default tiles, as
+    /// `plan_decode` decides), each with `scratch` bytes of backend scratch.
+    pub fn phase_demands(
+        &self,
+        height: usize,
+        width: usize,
+        budget: u64,
+        scratch: u64,
+    ) -> Result<Vec<PhaseDemand>> {
+        let (h, w) = self.latent_grid(height, width)?;
+        let image_tokens = (h / 2) * (w / 2);
+        let text_tokens = self.max_sequence_length;
+        let clip = self.clip.as_ref().map_or(0, |c| {
+            estimate_clip_activation_bytes(c.config(), c.config().max_position_embeddings)
+        });
+        let t5 = self
+            .t5
+            .as_ref()
+            .map_or(0, |t| estimate_t5_activation_bytes(t.config(), text_tokens));
+        let transformer =
+            estimate_flux_activation_bytes(self.transformer.config(), image_tokens, text_tokens);
+        let vae = self.vae.config();
+        let latent_shape = [1, vae.latent_channels, h, w];
+        let dtype: DType = self.vae.dtype();
+        let untiled = estimate_decode_peak_bytes(vae, &latent_shape, dtype);
+        let tiling = TilingConfig::from_config(vae);
+        let weights = self.vae.component().param_bytes();
+        let decode = if untiled + weights + scratch <= budget || !tiling.needs_tiling(h, w) {
+            untiled
+        } else {
+            estimate_tiled_decode_peak_bytes(vae, &latent_shape, dtype, &tiling)
+        };
+        let mut text = Vec::new();
+        if self.clip.is_some() {
+            text.push(TEXT_ENCODER.to_string());
+        }
+        if self.t5.is_some() {
+            text.push(TEXT_ENCODER_2.to_string());
+        }
+        Ok(vec![
+            PhaseDemand {
+                phase: PHASES[0].to_string(),
+                components: text,
+                activation_bytes: clip.max(t5) + scratch,
+            },
+            PhaseDemand {
+                phase: PHASES[1].to_string(),
+                components: vec![TRANSFORMER.to_string()],
+                activation_bytes: transformer + scratch,
+            },
+            PhaseDemand {
+                phase: PHASES[2].to_string(),
+                components: vec![VAE.to_string()],
+                activation_bytes: decode + scratch,
+            },
+        ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::FluxPipelineConfig;
+
+    #[test]
+    fn full_size_estimates_are_in_the_range_the_gpu_shows() {
+        // FLUX.1-dev at 1024x1024: 4096 image + 512 text tokens. The figures are bounds,
+        // but a bound far above reality would make the planner stream what fits.
+        let cfg = FluxPipelineConfig::flux_dev();
+        let flux = estimate_flux_activation_bytes(&cfg.transformer, 4096, 512);
+        assert!(flux > 512 << 20 && flux < 3 << 30, "{flux}");
+        let t5 = estimate_t5_activation_bytes(&cfg.text_encoder_2, 512);
+        assert!(t5 > 64 << 20 && t5 < 1 << 30, "{t5}");
+        let clip = estimate_clip_activation_bytes(&cfg.text_encoder, 77);
+        assert!(clip < 64 << 20, "{clip}");
+    }
+}

@@ -1,0 +1,523 @@
+//! The pipeline memory planner: one plan for the whole pipeline from a VRAM budget, the
+//! phases (which components each runs, and its activation estimate) and each route's
+//! [`Footprint`].
+//!
+//! Phases never hold each other's memory (a component is attached when its phase starts
+//! and released at the boundary, [`PipelineOffload::begin_phase`](crate::PipelineOffload)),
+//! so each phase is planned on its own against the whole budget. Within a phase the
+//! components run one after another but stay attached together, so the phase's peak is
+//!
+//! ```text
+//! activation + Σ resident bytes + max transient bytes (ring, largest group)
+//! ```
+//!
+//! Components whose route was chosen by the caller (explicit route, component policy,
+//! environment) or by a preset that plans nothing ([`preset_is_planned`]) are *fixed*:
+//! their footprint is counted as it is. The others are *planned*, smallest first: each stays
+//! fully resident (`none`) while that fits beside the fixed ones and the rings of the
+//! components still to stream; the rest keep the preset's streamed route, and the largest
+//! of them gets a `budget` of what is left, so its most costly leaves stay resident
+//! (`resident + ring ≤ budget`, the streaming engine's own planner). A phase that cannot
+//! fit even with nothing resident is refused with [`CoreError::BudgetTooSmall`], naming
+//! the smallest budget that works. A plan never exceeds its budget: every phase's peak is
+//! checked before the plan is returned (`tests/plan.rs` proves it on the host backend with
+//! memory counted exactly).
+
+use std::sync::Arc;
+
+use ddo_core::resolve::{Environment, preset_is_planned, resolve};
+use ddo_core::{
+    Budget, Component, ComponentKind, CoreError, DecidedBy, Footprint, FootprintContext,
+    Resolution, Result, RouteOptions, RouteSpec, RouteTarget, Settings,
+};
+use ddo_metrics::format_bytes;
+use serde::Serialize;
+
+use crate::pipeline::Pipeline;
+
+/// What a budget taken from the device's free memory leaves free: 1 GiB, for what other
+/// processes and the CUDA context take after the figure is read, and the caching of other
+/// components.
+pub const DEFAULT_FREE_MARGIN: u64 = 1 << 30;
+
+/// One phase as the planner sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PhaseDemand {
+    /// The phase's name (`prompt_encoding`, `denoise`, `decode`).
+    pub phase: String,
+    /// The components it runs, by name.
+    pub components: Vec<String>,
+    /// Device bytes its activations and workspaces take at the requested size.
+    pub activation_bytes: u64,
+}
+
+/// What the planner is asked.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    /// Device bytes DDO may use.
+    pub budget_bytes: u64,
+    /// Where the budget came from, in words (`--vram-budget`, `free memory less 1 GiB`).
+    pub budget_source: String,
+    /// The phases, in order.
+    pub phases: Vec<PhaseDemand>,
+    /// The device's pinned room, streams and allocator (free bytes are taken from the
+    /// budget).
+    pub context: FootprintContext,
+}
+
+/// The plan of one component.
+#[derive(Debug, Clone)]
+pub struct ComponentPlan {
+    /// The component's name.
+    pub component: String,
+    /// The phase it runs in.
+    pub phase: String,
+    /// The route it attaches with (the planner's choice when `planned`).
+    pub resolution: Resolution,
+    /// Whether the planner chose the route (else it was fixed by the caller or the preset).
+    pub planned: bool,
+    /// What the route will hold.
+    pub footprint: Footprint,
+    /// Why, in one line.
+    pub reason: String,
+}
+
+/// The plan of one phase.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PhasePlan {
+    /// The phase.
+    pub phase: String,
+    /// Its components.
+    pub components: Vec<String>,
+    /// Activation estimate, bytes.
+    pub activation_bytes: u64,
+    /// Weight bytes kept on the device through the phase.
+    pub resident_bytes: u64,
+    /// The largest transient weight bytes (ring or group) of one component.
+    pub transient_bytes: u64,
+    /// Weight bytes streamed per forward, over the phase's components.
+    pub streamed_bytes_per_forward: u64,
+    /// Pinned host bytes the phase's routes hold.
+    pub pinned_host_bytes: u64,
+    /// `activation + resident + transient`: at most the budget.
+    pub peak_bytes: u64,
+}
+
+/// One memory plan for a pipeline.
+#[derive(Debug, Clone)]
+pub struct PipelinePlan {
+    /// The budget planned for, bytes.
+    pub budget_bytes: u64,
+    /// Where it came from.
+    pub budget_source: String,
+    /// Every component, in the order of the phases.
+    pub components: Vec<ComponentPlan>,
+    /// Every phase.
+    pub phases: Vec<PhasePlan>,
+}
+
+impl PipelinePlan {
+    /// The plan of component `name`.
+    pub fn component(&self, name: &str) -> Option<&ComponentPlan> {
+        self.components.iter().find(|c| c.component == name)
+    }
+
+    /// The plan as text: one line for the budget, one per phase, one per component.
+    pub fn format_text(&self) -> String {
+        let mut out = format!(
+            "memory plan: budget {} ({})\n",
+            format_bytes(self.budget_bytes),
+            self.budget_source
+        );
+        for p in &self.phases {
+            out.push_str(&format!(
+                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}; streamed {}/forward, pinned {}\n",
+                p.phase,
+                format_bytes(p.peak_bytes),
+                format_bytes(p.activation_bytes),
+                format_bytes(p.resident_bytes),
+                format_bytes(p.transient_bytes),
+                format_bytes(p.streamed_bytes_per_forward),
+                format_bytes(p.pinned_host_bytes),
+            ));
+            for c in self.components.iter().filter(|c| c.phase == p.phase) {
+                out.push_str(&format!(
+                    "    {}: {} ({}) - {}\n",
+                    c.component,
+                    c.resolution.spec.describe(),
+                    c.footprint.summary,
+                    c.reason
+                ));
+            }
+        }
+        out
+    }
+
+    /// The plan as JSON.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "budget_bytes": self.budget_bytes,
+            "budget_source": self.budget_source,
+            "phases": self.phases,
+            "components": self.components.iter().map(|c| serde_json::json!({
+                "component": c.component,
+                "phase": c.phase,
+                "route": c.resolution.spec.describe(),
+                "decided_by": c.resolution.decided_by.to_string(),
+                "planned": c.planned,
+                "footprint": c.footprint,
+                "reason": c.reason,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// The footprint of `spec` for `component` (resident/unmanaged targets count as resident).
+pub fn footprint(
+    component: &Component,
+    spec: &RouteSpec,
+    context: &FootprintContext,
+) -> Result<Footprint> {
+    match spec.target() {
+        RouteTarget::Unmanaged => Ok(Footprint::resident(component.param_bytes())),
+        RouteTarget::Route(id) => crate::route(id).footprint(component, spec, context),
+    }
+}
+
+struct Candidate<'a> {
+    component: &'a Arc<Component>,
+    resolution: Resolution,
+}
+
+/// Plans `pipeline` under `settings` (presets, policies; explicit routes in `explicit`,
+/// by component name) for `request`. Pure: reads the environment only through `env` (and
+/// only with `settings.use_environment`), and attaches nothing.
+pub fn plan_pipeline(
+    pipeline: &Pipeline,
+    settings: &Settings,
+    explicit: &[(String, RouteSpec)],
+    env: &dyn Environment,
+    request: &PlanRequest,
+) -> Result<PipelinePlan> {
+    let budget = request.budget_bytes;
+    let mut components = Vec::new();
+    let mut phases = Vec::new();
+    let mut seen = Vec::new();
+    for demand in &request.phases {
+        let mut fixed = Vec::new();
+        let mut planned = Vec::new();
+        for name in &demand.components {
+            let Some(component) = pipeline.get(name) else {
+                continue;
+            };
+            if seen.contains(name) {
+                return Err(CoreError::InvalidOption {
+                    option: "phases".into(),
+                    value: name.clone(),
+                    hint: "a component runs in one phase; list it once".into(),
+                });
+            }
+            seen.push(name.clone());
+            let given = explicit.iter().find(|(n, _)| n == name).map(|(_, s)| s);
+            let resolution = resolve(settings, name, given, env)?;
+            let candidate = Candidate {
+                component,
+                resolution,
+            };
+            if candidate.resolution.decided_by == DecidedBy::PresetDefault
+                && preset_is_planned(candidate.resolution.preset, &ComponentKind::from_name(name))
+            {
+                planned.push(candidate);
+            } else {
+                fixed.push(candidate);
+            }
+        }
+        let (phase, mut plans) = plan_phase(demand, budget, request.context, fixed, planned)?;
+        phases.push(phase);
+        components.append(&mut plans);
+    }
+    Ok(PipelinePlan {
+        budget_bytes: budget,
+        budget_source: request.budget_source.clone(),
+        components,
+        phases,
+    })
+}
+
+fn plan_phase(
+    demand: &PhaseDemand,
+    budget: u64,
+    context: FootprintContext,
+    fixed: Vec<Candidate<'_>>,
+    mut planned: Vec<Candidate<'_>>,
+) -> Result<(PhasePlan, Vec<ComponentPlan>)> {
+    let activation = demand.activation_bytes;
+    let room = budget.saturating_sub(activation);
+    let ctx = context.with_free(room);
+    let mut out: Vec<(ComponentPlan, u64)> = Vec::new();
+    let (mut fixed_resident, mut fixed_transient) = (0u64, 0u64);
+    let mut largest_need = (String::new(), 0u64);
+    for c in fixed {
+        let f = footprint(c.component, &c.resolution.spec, &ctx)?;
+        fixed_resident += f.resident_bytes;
+        fixed_transient = fixed_transient.max(f.transient_device_bytes);
+        if f.peak_device_bytes() > largest_need.1 {
+            largest_need = (c.component.name().to_string(), f.peak_device_bytes());
+        }
+        let reason = format!("{}: counted as given", c.resolution.decided_by);
+        out.push((
+            ComponentPlan {
+                component: c.component.name().to_string(),
+                phase: demand.phase.clone(),
+                resolution: c.resolution,
+                planned: false,
+                footprint: f,
+                reason,
+            },
+            u64::MAX,
+        ));
+    }
+    // Planned: smallest first; each one's zero-budget stream footprint is its least need.
+    planned.sort_by_key(|c| c.component.param_bytes());
+    for c in &mut planned {
+        c.resolution.spec = with_planned_units(&c.resolution.spec, c.component.param_bytes())?;
+    }
+    let streamed_least: Vec<Footprint> = planned
+        .iter()
+        .map(|c| footprint(c.component, &c.resolution.spec, &ctx))
+        .collect::<Result<_>>()?;
+    for (c, f) in planned.iter().zip(&streamed_least) {
+        if f.transient_device_bytes > largest_need.1 {
+            largest_need = (c.component.name().to_string(), f.transient_device_bytes);
+        }
+    }
+    // The most that can stay resident: the first `j` planned resident, the rest streamed.
+    let fits = |j: usize| {
+        let resident: u64 = planned[..j].iter().map(|c| c.component.param_bytes()).sum();
+        let transient = streamed_least[j..]
+            .iter()
+            .map(|f| f.transient_device_bytes)
+            .max()
+            .unwrap_or(0)
+            .max(fixed_transient);
+        activation
+            .saturating_add(fixed_resident)
+            .saturating_add(resident)
+            .saturating_add(transient)
+            <= budget
+    };
+    let Some(keep) = (0..=planned.len()).rev().find(|&j| fits(j)) else {
+        let least_transient = streamed_least
+            .iter()
+            .map(|f| f.transient_device_bytes)
+            .max()
+            .unwrap_or(0)
+            .max(fixed_transient);
+        let needed = activation + fixed_resident + least_transient;
+        return Err(too_small(
+            demand,
+            budget,
+            needed,
+            &largest_need.0,
+            activation,
+            fixed_resident,
+            least_transient,
+        ));
+    };
+    let resident_planned: u64 = planned[..keep]
+        .iter()
+        .map(|c| c.component.param_bytes())
+        .sum();
+    let streamed_count = planned.len() - keep;
+    for (i, (c, least)) in planned.into_iter().zip(streamed_least).enumerate() {
+        let name = c.component.name().to_string();
+        let weight = c.component.param_bytes();
+        let (spec, f, reason) = if i < keep {
+            let spec = RouteSpec::resident();
+            let f = footprint(c.component, &spec, &ctx)?;
+            (
+                spec,
+                f,
+                format!(
+                    "fits: {} of weights resident beside {} of activations",
+                    format_bytes(weight),
+                    format_bytes(activation)
+                ),
+            )
+        } else if i + 1 == keep + streamed_count {
+            // The largest streamed one gets what is left as its budget.
+            let others = out
+                .iter()
+                .filter(|(_, order)| *order != u64::MAX)
+                .map(|(p, _)| p.footprint.transient_device_bytes)
+                .max()
+                .unwrap_or(0)
+                .max(fixed_transient);
+            let left = budget
+                .saturating_sub(activation)
+                .saturating_sub(fixed_resident)
+                .saturating_sub(resident_planned)
+                .saturating_sub(others);
+            budgeted(c.component, &c.resolution.spec, &ctx, left, least, weight)?
+        } else {
+            let reason = format!(
+                "does not fit beside the rest: streamed with no resident weights ({} ring)",
+                format_bytes(least.transient_device_bytes)
+            );
+            (c.resolution.spec, least, reason)
+        };
+        let resolution = Resolution {
+            spec,
+            decided_by: DecidedBy::MemoryPlan,
+            needs_native_allocator: f.needs_native_allocator,
+            ..c.resolution
+        };
+        out.push((
+            ComponentPlan {
+                component: name,
+                phase: demand.phase.clone(),
+                resolution,
+                planned: true,
+                footprint: f,
+                reason,
+            },
+            i as u64,
+        ));
+    }
+    let plans: Vec<ComponentPlan> = out.into_iter().map(|(p, _)| p).collect();
+    let resident: u64 = plans.iter().map(|p| p.footprint.resident_bytes).sum();
+    let transient = plans
+        .iter()
+        .map(|p| p.footprint.transient_device_bytes)
+        .max()
+        .unwrap_or(0);
+    let peak = activation + resident + transient;
+    if peak > budget {
+        // The plan's own check: never hand out a plan above its budget.
+        return Err(too_small(
+            demand,
+            budget,
+            peak,
+            &largest_need.0,
+            activation,
+            resident,
+            transient,
+        ));
+    }
+    let phase = PhasePlan {
+        phase: demand.phase.clone(),
+        components: plans.iter().map(|p| p.component.clone()).collect(),
+        activation_bytes: activation,
+        resident_bytes: resident,
+        transient_bytes: transient,
+        streamed_bytes_per_forward: plans
+            .iter()
+            .map(|p| p.footprint.streamed_bytes_per_forward)
+            .sum(),
+        pinned_host_bytes: plans.iter().map(|p| p.footprint.pinned_host_bytes).sum(),
+        peak_bytes: peak,
+    };
+    Ok((phase, plans))
+}
+
+/// Transfer units for a planned streamed route: the engine's default
+/// ([`DEFAULT_UNIT_BYTES`](ddo_core::streaming::DEFAULT_UNIT_BYTES), 16 MiB) unless the
+/// component is small, where 1/32 of its weights (at least one aligned param slot) keeps the
+/// ring (two units) from holding more than the component itself. A `unit_bytes` the spec
+/// gives is kept.
+fn with_planned_units(spec: &RouteSpec, weight_bytes: u64) -> Result<RouteSpec> {
+    use ddo_core::streaming::{DEFAULT_UNIT_BYTES, PARAM_ALIGN};
+    if spec.options().unit_bytes.is_some() || spec.options().use_stream != Some(true) {
+        return Ok(*spec);
+    }
+    let unit = (weight_bytes / 32).clamp(PARAM_ALIGN as u64, DEFAULT_UNIT_BYTES);
+    if unit == DEFAULT_UNIT_BYTES {
+        return Ok(*spec);
+    }
+    RouteSpec::new(
+        spec.target(),
+        RouteOptions {
+            unit_bytes: Some(unit),
+            ..*spec.options()
+        },
+    )
+}
+
+/// The streamed route with a budget of `left` bytes (resident + ring within it), or with
+/// no budget when `left` keeps nothing resident.
+fn budgeted(
+    component: &Component,
+    spec: &RouteSpec,
+    ctx: &FootprintContext,
+    left: u64,
+    least: Footprint,
+    weight: u64,
+) -> Result<(RouteSpec, Footprint, String)> {
+    if left > 0 {
+        let with_budget = RouteSpec::new(
+            spec.target(),
+            RouteOptions {
+                budget: Some(Budget::Bytes(left)),
+                ..*spec.options()
+            },
+        )?;
+        let f = footprint(component, &with_budget, ctx)?;
+        if f.resident_bytes > 0 && f.peak_device_bytes() <= left {
+            let reason = format!(
+                "{} of weights do not fit: {} resident under a budget of {}, {} streamed per forward",
+                format_bytes(weight),
+                format_bytes(f.resident_bytes),
+                format_bytes(left),
+                format_bytes(f.streamed_bytes_per_forward)
+            );
+            return Ok((with_budget, f, reason));
+        }
+    }
+    let reason = format!(
+        "{} of weights do not fit and the budget leaves no room beside the {} ring: all streamed",
+        format_bytes(weight),
+        format_bytes(least.transient_device_bytes)
+    );
+    Ok((*spec, least, reason))
+}
+
+fn too_small(
+    demand: &PhaseDemand,
+    budget: u64,
+    needed: u64,
+    component: &str,
+    activation: u64,
+    resident: u64,
+    transient: u64,
+) -> CoreError {
+    // Round the figure up to a MiB so that giving it back as a budget works.
+    let needed = needed.div_ceil(1 << 20).saturating_mul(1 << 20);
+    CoreError::BudgetTooSmall {
+        phase: demand.phase.clone(),
+        component: if component.is_empty() {
+            demand.components.first().cloned().unwrap_or_default()
+        } else {
+            component.to_string()
+        },
+        budget,
+        budget_text: format_bytes(budget),
+        needed,
+        needed_text: format_mib(needed),
+        detail: format!(
+            "activations {} + resident weights {} + the largest ring or group {}",
+            format_bytes(activation),
+            format_bytes(resident),
+            format_bytes(transient)
+        ),
+    }
+}
+
+/// `n` bytes (a whole number of MiB) in the `--vram-budget` syntax.
+fn format_mib(n: u64) -> String {
+    let mib = n >> 20;
+    if mib % 1024 == 0 {
+        format!("{}GiB", mib / 1024)
+    } else {
+        format!("{mib}MiB")
+    }
+}

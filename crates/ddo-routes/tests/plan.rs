@@ -1,0 +1,303 @@
+//! The pipeline memory planner (`plan_pipeline`) and per-phase attachment
+//! (`enable_planned_pipeline_offload`): what fits stays resident, what does not streams
+//! with a budget for what fits, explicit routes are never replaced, a budget too small is
+//! refused with the smallest that works, and — the proptest — a plan never exceeds its
+//! budget when it runs on the host backend with memory counted exactly.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
+use ddo_core::{
+    Budget, Component, CoreError, DType, DecidedBy, Device, FootprintContext, MapEnvironment,
+    Preset, RouteId, RouteSpec, Settings,
+};
+use ddo_routes::{
+    PhaseDemand, Pipeline, PipelinePlan, PlanRequest, enable_planned_pipeline_offload,
+    plan_pipeline,
+};
+use proptest::prelude::*;
+
+fn pipeline_of(specs: &[ReferenceSpec]) -> Pipeline {
+    let components: Vec<Arc<Component>> =
+        specs.iter().map(|s| reference::build(s).unwrap()).collect();
+    Pipeline::new(components).unwrap()
+}
+
+fn flux_like(transformer_blocks: usize) -> Vec<ReferenceSpec> {
+    vec![
+        ReferenceSpec::small("text_encoder", 2, 8, DType::F32),
+        ReferenceSpec::small("transformer", transformer_blocks, 32, DType::F32),
+        ReferenceSpec::small("vae", 2, 8, DType::F32),
+    ]
+}
+
+fn demands(activation: u64) -> Vec<PhaseDemand> {
+    [
+        ("prompt_encoding", "text_encoder"),
+        ("denoise", "transformer"),
+        ("decode", "vae"),
+    ]
+    .into_iter()
+    .map(|(phase, c)| PhaseDemand {
+        phase: phase.into(),
+        components: vec![c.into()],
+        activation_bytes: activation,
+    })
+    .collect()
+}
+
+fn plan(
+    pipeline: &Pipeline,
+    device: &Arc<ddo_core::HostDevice>,
+    budget: u64,
+    activation: u64,
+    explicit: &[(String, RouteSpec)],
+) -> ddo_core::Result<PipelinePlan> {
+    plan_pipeline(
+        pipeline,
+        &Settings::default(),
+        explicit,
+        &MapEnvironment::default(),
+        &PlanRequest {
+            budget_bytes: budget,
+            budget_source: "test".into(),
+            phases: demands(activation),
+            context: FootprintContext::of(&**device),
+        },
+    )
+}
+
+#[test]
+fn a_component_that_fits_stays_resident_and_one_that_does_not_keeps_a_part() {
+    let specs = flux_like(8);
+    let pipeline = pipeline_of(&specs);
+    let weights = pipeline.get("transformer").unwrap().param_bytes();
+    let d = device(1 << 30);
+
+    let roomy = plan(&pipeline, &d, 1 << 30, 4096, &[]).unwrap();
+    let t = roomy.component("transformer").unwrap();
+    assert_eq!(t.resolution.spec.route_id(), Some(RouteId::Resident));
+    assert_eq!(t.resolution.decided_by, DecidedBy::MemoryPlan);
+    assert_eq!(t.footprint.streamed_bytes_per_forward, 0);
+    // The seed's VAE table is not planned: leaf level, no stream, under auto.
+    let vae = roomy.component("vae").unwrap();
+    assert!(!vae.planned);
+    assert_eq!(
+        vae.resolution.spec.group_offload_config().use_stream,
+        false,
+        "{}",
+        vae.resolution.spec.describe()
+    );
+
+    let tight = plan(&pipeline, &d, weights / 2, 4096, &[]).unwrap();
+    let t = tight.component("transformer").unwrap();
+    assert_eq!(
+        t.resolution.spec.route_id(),
+        Some(RouteId::DiffusersGroupOffload)
+    );
+    assert!(matches!(
+        t.resolution.spec.options().budget,
+        Some(Budget::Bytes(_))
+    ));
+    assert!(t.footprint.resident_bytes > 0, "{:?}", t.footprint);
+    assert!(t.footprint.streamed_bytes_per_forward > 0);
+    let denoise = tight.phases.iter().find(|p| p.phase == "denoise").unwrap();
+    assert!(denoise.peak_bytes <= weights / 2, "{denoise:?}");
+}
+
+#[test]
+fn explicit_routes_are_counted_never_replaced() {
+    let specs = flux_like(4);
+    let pipeline = pipeline_of(&specs);
+    let d = device(1 << 30);
+    let explicit = vec![(
+        "transformer".to_string(),
+        "diffusers_group_offload:use_stream=true"
+            .parse::<RouteSpec>()
+            .unwrap(),
+    )];
+    let p = plan(&pipeline, &d, 1 << 30, 0, &explicit).unwrap();
+    let t = p.component("transformer").unwrap();
+    assert!(!t.planned);
+    assert_eq!(t.resolution.decided_by, DecidedBy::ExplicitRoute);
+    assert_eq!(t.resolution.spec, explicit[0].1);
+}
+
+#[test]
+fn a_budget_too_small_names_the_smallest_that_works() {
+    let specs = flux_like(4);
+    let pipeline = pipeline_of(&specs);
+    let d = device(1 << 30);
+    let activation = 1 << 20;
+    let err = plan(&pipeline, &d, activation + 16, activation, &[]).unwrap_err();
+    let CoreError::BudgetTooSmall { needed, phase, .. } = &err else {
+        panic!("{err}");
+    };
+    assert!(err.to_string().contains("--vram-budget"), "{err}");
+    assert!(!phase.is_empty());
+    let ok = plan(&pipeline, &d, *needed, activation, &[]).unwrap();
+    for p in &ok.phases {
+        assert!(p.peak_bytes <= *needed, "{p:?}");
+    }
+}
+
+#[test]
+fn planned_components_attach_when_their_phase_begins_and_release_at_its_end() {
+    let specs = flux_like(4);
+    let pipeline = pipeline_of(&specs);
+    let d = device(1 << 30);
+    let p = plan(&pipeline, &d, 1 << 30, 0, &[]).unwrap();
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    assert_eq!(d.memory_info().allocated, 0, "nothing attached up front");
+    assert!(offload.handle("transformer").is_err());
+    for ((name, phase), spec) in ["text_encoder", "transformer", "vae"]
+        .into_iter()
+        .zip(["prompt_encoding", "denoise", "decode"])
+        .zip(&specs)
+    {
+        let set_up = offload.begin_phase(&[name]).unwrap();
+        assert_eq!(set_up.len(), 1);
+        for other in ["text_encoder", "transformer", "vae"] {
+            let attached = pipeline.get(other).unwrap().attached().is_some();
+            assert_eq!(attached, other == name, "{other} during {phase}");
+        }
+        let out = offload
+            .handle(name)
+            .unwrap()
+            .forward(reference::input(spec, 2, 0).unwrap())
+            .unwrap();
+        assert_eq!(
+            bytes_of(&*d, &out),
+            baseline(&reference::build(spec).unwrap(), spec, 2, 0)
+        );
+        drop(out);
+        offload.release(name).unwrap();
+        offload.phase_boundary(phase).unwrap();
+        assert_eq!(d.memory_info().allocated, 0, "after {phase}");
+        assert_eq!(d.memory_info().pinned_host, 0, "after {phase}");
+    }
+}
+
+/// A random component: a stem, `blocks` blocks of linear + norm at random widths, a head.
+fn component_spec(name: &str, widths: &[usize], seed: u64) -> ReferenceSpec {
+    let width = widths[0];
+    ReferenceSpec {
+        name: name.into(),
+        class_name: "Random".into(),
+        dtype: DType::F32,
+        in_features: width,
+        stem: vec![LeafSpec::linear(width)],
+        blocks: widths
+            .iter()
+            .skip(1)
+            .map(|w| {
+                vec![
+                    LeafSpec::linear(*w),
+                    LeafSpec::linear(width),
+                    LeafSpec::norm(),
+                ]
+            })
+            .collect(),
+        head: vec![LeafSpec::norm(), LeafSpec::linear(width)],
+        tie_head_to_stem: false,
+        seed,
+    }
+}
+
+/// Exact device peak of `forwards` forwards of `spec` under `route` on a roomy device,
+/// less the weights the route holds: the activations a real run adds to the plan.
+fn activation_peak(spec: &ReferenceSpec) -> u64 {
+    let d = device(1 << 30);
+    let c = reference::build(spec).unwrap();
+    let h = ddo_routes::enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::resident()).unwrap();
+    d.reset_peak();
+    let base = d.memory_info().allocated;
+    drop(h.forward(reference::input(spec, 2, 0).unwrap()).unwrap());
+    d.synchronize().unwrap();
+    d.memory_info().peak_allocated - base
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// For random component trees, budgets and activation sizes: every phase's planned peak
+    /// is within the budget, and running the plan on a host device whose capacity is the
+    /// budget (activations held as a real allocation) stays within the plan, counted
+    /// exactly; a refused plan names a budget that then plans.
+    #[test]
+    fn a_plan_never_exceeds_its_budget(
+        text in prop::collection::vec(4usize..24, 2..4),
+        transformer in prop::collection::vec(8usize..48, 2..8),
+        budget_share in 1u64..120,
+        extra_activation in 0u64..4096,
+        seed in 0u64..1000,
+    ) {
+        let specs = vec![
+            component_spec("text_encoder", &text, seed),
+            component_spec("transformer", &transformer, seed + 1),
+            ReferenceSpec::small("vae", 2, 8, DType::F32),
+        ];
+        let pipeline = pipeline_of(&specs);
+        let weights: u64 = pipeline.components().iter().map(|c| c.param_bytes()).sum();
+        let budget = (weights * budget_share / 100).max(1);
+        let activations: Vec<u64> = specs.iter().map(|s| activation_peak(s) + extra_activation).collect();
+        let phases: Vec<PhaseDemand> = [("prompt_encoding", "text_encoder"), ("denoise", "transformer"), ("decode", "vae")]
+            .into_iter()
+            .zip(&activations)
+            .map(|((phase, c), a)| PhaseDemand { phase: phase.into(), components: vec![c.into()], activation_bytes: *a })
+            .collect();
+        let request = |budget: u64| PlanRequest {
+            budget_bytes: budget,
+            budget_source: "proptest".into(),
+            phases: phases.clone(),
+            context: FootprintContext::of(&*device(budget)),
+        };
+        let env = MapEnvironment::default();
+        let settings = Settings { preset: Preset::Auto, ..Settings::default() };
+        let plan = match plan_pipeline(&pipeline, &settings, &[], &env, &request(budget)) {
+            Ok(p) => p,
+            Err(CoreError::BudgetTooSmall { needed, .. }) => {
+                prop_assert!(needed > budget);
+                let p = plan_pipeline(&pipeline, &settings, &[], &env, &request(needed));
+                prop_assert!(p.is_ok(), "the named budget {} did not plan: {:?}", needed, p.err());
+                return Ok(());
+            }
+            Err(e) => return Err(TestCaseError::fail(e.to_string())),
+        };
+        for p in &plan.phases {
+            prop_assert!(p.peak_bytes <= budget, "{:?} above {}", p, budget);
+        }
+        let d = device(budget);
+        let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &plan).unwrap();
+        for (((name, phase), spec), activation) in ["text_encoder", "transformer", "vae"]
+            .into_iter()
+            .zip(["prompt_encoding", "denoise", "decode"])
+            .zip(&specs)
+            .zip(&activations)
+        {
+            d.reset_peak();
+            offload.begin_phase(&[name]).unwrap();
+            // The activations the demand announced beyond the forward's own.
+            let held = (extra_activation > 0).then(|| d.alloc(extra_activation as usize).unwrap());
+            let forwards = if phase == "denoise" { 3 } else { 2 };
+            for step in 0..forwards {
+                let out = offload.handle(name).unwrap().forward(reference::input(spec, 2, step).unwrap()).unwrap();
+                prop_assert_eq!(bytes_of(&*d, &out), baseline(&reference::build(spec).unwrap(), spec, 2, step));
+            }
+            drop(held);
+            d.synchronize().unwrap();
+            let planned = plan.phases.iter().find(|p| p.phase == phase).unwrap();
+            let measured = d.memory_info().peak_allocated;
+            prop_assert!(
+                measured <= planned.peak_bytes,
+                "{}: measured {} above the planned {} (activation {})",
+                phase, measured, planned.peak_bytes, activation
+            );
+            offload.release(name).unwrap();
+            offload.phase_boundary(phase).unwrap();
+        }
+    }
+}
