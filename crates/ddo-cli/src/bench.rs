@@ -15,7 +15,10 @@ use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor, ops_of};
 use ddo_metrics::format_bytes;
 use ddo_nn::flux::{FluxInputs, latent_image_ids};
 use ddo_nn::pipeline::{FluxPipeline, gaussian_noise};
-use ddo_routes::{Pipeline, enable_pipeline_offload_with_env};
+use ddo_routes::{
+    Pipeline, PlanRequest, enable_pipeline_offload_with_env, enable_planned_pipeline_offload,
+    plan_pipeline,
+};
 use serde::Serialize;
 use serde_json::json;
 
@@ -66,6 +69,10 @@ pub const OPTIONS: &[OptSpec] = &[
         "also draw time vs peak memory to PREFIX.svg and PREFIX.png",
     ),
     flag("json", "print JSON instead of the table"),
+    flag(
+        "timeline",
+        "trace streamed candidates (timeline=true) and print where the copy engine sat idle",
+    ),
 ];
 
 /// The candidates when none are given: every route, group offload in its three shapes.
@@ -102,6 +109,8 @@ pub struct CandidateResult {
     pub ratio_to_floor: Option<f64>,
     /// Why the candidate did not run.
     pub error: Option<String>,
+    /// The last timed forward's timeline, added up (`--timeline`, streamed candidates).
+    pub timeline: Option<ddo_metrics::TimelineSummary>,
 }
 
 enum Candidate {
@@ -117,11 +126,27 @@ impl Candidate {
         }
     }
 
-    fn settings(&self, component: &str) -> Settings {
+    /// The settings a route candidate attaches with (`timeline=true` added to streamed
+    /// routes when `timeline`).
+    fn settings(&self, component: &str, timeline: bool) -> Settings {
         match self {
             Candidate::Route(_, spec) => {
                 let mut s = Settings::default();
-                s.component_policies.insert(component.to_string(), *spec);
+                let streams = spec.options().use_stream == Some(true)
+                    || spec.route_id() == Some(ddo_core::RouteId::NativeVmm);
+                let spec = if timeline && streams && spec.options().timeline.is_none() {
+                    RouteSpec::new(
+                        spec.target(),
+                        ddo_core::RouteOptions {
+                            timeline: Some(true),
+                            ..*spec.options()
+                        },
+                    )
+                    .unwrap_or(*spec)
+                } else {
+                    *spec
+                };
+                s.component_policies.insert(component.to_string(), spec);
                 s
             }
             Candidate::Preset(p) => Settings {
@@ -357,7 +382,19 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
     let link_bytes = (component.param_bytes() as usize).clamp(1 << 20, 256 << 20);
     let bandwidth = link_bandwidth(&*probe, link_bytes)?;
+    // Preset candidates run as the memory plan sizes them for this component's phase.
+    let (plan_budget, budget_source) = crate::run::plan_budget(&*probe, budget);
+    let demand = pipe
+        .phase_demands(height, width, plan_budget, probe.scratch_bytes())?
+        .into_iter()
+        .find(|d| d.components.iter().any(|c| c == component.name()))
+        .map(|mut d| {
+            d.components = vec![component.name().to_string()];
+            d
+        });
+    let context = ddo_core::FootprintContext::of(&*probe);
     drop(probe);
+    let timeline = args.flag("timeline");
 
     // Candidates are explicit: the environment is never read (use_environment is false).
     let env = ddo_core::MapEnvironment::default();
@@ -369,12 +406,35 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         let outcome = (|| -> CliResult<CandidateResult> {
             let device = device_for(cand.native(&name))?;
             let pipeline = Pipeline::new(vec![Arc::clone(&component)])?;
-            let mut offload = enable_pipeline_offload_with_env(
-                &pipeline,
-                Arc::clone(&device),
-                &cand.settings(&name),
-                &env,
-            )?;
+            let mut offload = match (cand, &demand) {
+                (Candidate::Preset(p), Some(demand)) => {
+                    let plan = plan_pipeline(
+                        &pipeline,
+                        &Settings {
+                            preset: *p,
+                            ..Settings::default()
+                        },
+                        &[],
+                        &env,
+                        &PlanRequest {
+                            budget_bytes: plan_budget,
+                            budget_source: budget_source.clone(),
+                            phases: vec![demand.clone()],
+                            context,
+                        },
+                    )?;
+                    let mut offload =
+                        enable_planned_pipeline_offload(&pipeline, Arc::clone(&device), &plan)?;
+                    offload.begin_phase(&[name.as_str()])?;
+                    offload
+                }
+                _ => enable_pipeline_offload_with_env(
+                    &pipeline,
+                    Arc::clone(&device),
+                    &cand.settings(&name, timeline),
+                    &env,
+                )?,
+            };
             let route = offload.handle(&name)?.spec().describe();
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
                 for _ in 0..warmup {
@@ -392,6 +452,11 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 Ok((seconds, peak, (after - before) / repeats as u64))
             })();
+            let traced = offload
+                .handle(&name)
+                .ok()
+                .and_then(|h| h.metrics_snapshot().timeline)
+                .map(|t| t.summary(5));
             let _ = offload.release(&name);
             let (seconds, peak, streamed) = run?;
             let med = median(&seconds);
@@ -408,6 +473,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 floor_seconds: floor,
                 ratio_to_floor: (streamed > 0).then(|| med / floor.max(1e-12)),
                 error: None,
+                timeline: traced,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -422,6 +488,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             floor_seconds: 0.0,
             ratio_to_floor: None,
             error: Some(e.message),
+            timeline: None,
         }));
     }
     bar.finish();
@@ -494,6 +561,15 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 ms(r.floor_seconds),
                 r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}"))
             );
+        }
+        for r in &results {
+            if let Some(t) = &r.timeline {
+                s += &format!(
+                    "\n{}: {}",
+                    r.label,
+                    t.format_text((r.floor_seconds > 0.0).then_some(r.floor_seconds * 1e3))
+                );
+            }
         }
         if let Some(p) = &out_json {
             s += &format!("\nwrote {}\n", p.display());

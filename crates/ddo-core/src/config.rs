@@ -382,6 +382,9 @@ pub struct RouteOptions {
     /// Where the streaming engine copies from: a pinned home (default) or the checkpoint
     /// mapping registered in place ([`PinnedSource`]).
     pub pinned_source: Option<PinnedSource>,
+    /// Record each streamed forward's timeline (timed device events per transfer unit,
+    /// `ddo_metrics::Timeline`); a diagnostic that synchronises at the end of each forward.
+    pub timeline: Option<bool>,
 }
 
 impl RouteOptions {
@@ -421,6 +424,9 @@ impl RouteOptions {
         if self.pinned_source.is_some() {
             v.push("pinned_source");
         }
+        if self.timeline.is_some() {
+            v.push("timeline");
+        }
         v
     }
 
@@ -452,13 +458,14 @@ impl RouteOptions {
                 self.ring_slots = Some(n);
             }
             "pinned_source" => self.pinned_source = Some(value.parse()?),
+            "timeline" => self.timeline = Some(parse_bool(key, value)?),
             _ => {
                 return Err(CoreError::InvalidOption {
                     option: key.into(),
                     value: value.into(),
                     hint: "known options: offload_type, num_blocks_per_group, use_stream, record_stream, \
                            low_cpu_mem_usage, pinned, budget, pinned_limit, unit_bytes, ring_slots, \
-                           pinned_source"
+                           pinned_source, timeline"
                         .into(),
                 });
             }
@@ -700,6 +707,9 @@ impl RouteSpec {
         }
         if let Some(p) = o.pinned_source {
             s.push_str(&format!(" pinned_source={p}"));
+        }
+        if let Some(t) = o.timeline {
+            s.push_str(&format!(" timeline={t}"));
         }
         s
     }

@@ -367,6 +367,20 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Records an event at the current end of `stream`.
     fn record_event(&self, stream: &Stream) -> Result<Event>;
 
+    /// Records an event that carries a timestamp, for timelines
+    /// ([`Device::event_elapsed_ns`]); a backend without timestamps records a plain event.
+    fn record_timed_event(&self, stream: &Stream) -> Result<Event> {
+        self.record_event(stream)
+    }
+
+    /// Nanoseconds from `start` to `end` (negative when `end` came first), both recorded by
+    /// [`Device::record_timed_event`]; waits for both to complete. `None` where the backend
+    /// keeps no timestamps.
+    fn event_elapsed_ns(&self, start: &Event, end: &Event) -> Result<Option<i64>> {
+        let _ = (start, end);
+        Ok(None)
+    }
+
     /// Makes later work on `stream` wait until `event` has completed.
     fn wait_event(&self, stream: &Stream, event: &Event) -> Result<()>;
 

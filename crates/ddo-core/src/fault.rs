@@ -382,6 +382,14 @@ impl Device for FaultInjectingDevice {
         self.inner.record_event(stream)
     }
 
+    fn record_timed_event(&self, stream: &Stream) -> Result<Event> {
+        self.inner.record_timed_event(stream)
+    }
+
+    fn event_elapsed_ns(&self, start: &Event, end: &Event) -> Result<Option<i64>> {
+        self.inner.event_elapsed_ns(start, end)
+    }
+
     fn wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
         self.point(FaultKind::EventWait, || "wait_event".into())?;
         self.inner.wait_event(stream, event)

@@ -147,6 +147,8 @@ impl DeviceAllocation for HostAllocation {
 struct EventState {
     done: bool,
     error: Option<String>,
+    /// When the stream reached the event.
+    at: Option<std::time::Instant>,
 }
 
 /// An event of the host backend.
@@ -162,6 +164,7 @@ impl HostEvent {
         let mut st = self.state.lock();
         st.done = true;
         st.error = error;
+        st.at = Some(std::time::Instant::now());
         self.cv.notify_all();
     }
 
@@ -707,6 +710,20 @@ impl Device for HostDevice {
 
     fn event_complete(&self, event: &Event) -> Result<bool> {
         Ok(self.host_event(event)?.state.lock().done)
+    }
+
+    /// Every host event is timed: the instant its stream's worker reached it.
+    fn event_elapsed_ns(&self, start: &Event, end: &Event) -> Result<Option<i64>> {
+        self.synchronize_event(start)?;
+        self.synchronize_event(end)?;
+        let at = |e: &Event| -> Result<Option<std::time::Instant>> {
+            Ok(self.host_event(e)?.state.lock().at)
+        };
+        Ok(match (at(start)?, at(end)?) {
+            (Some(a), Some(b)) if b >= a => Some(b.duration_since(a).as_nanos() as i64),
+            (Some(a), Some(b)) => Some(-(a.duration_since(b).as_nanos() as i64)),
+            _ => None,
+        })
     }
 
     fn synchronize_event(&self, event: &Event) -> Result<()> {

@@ -1182,6 +1182,31 @@ impl Device for CudaDevice {
         })))
     }
 
+    fn record_timed_event(&self, stream: &Stream) -> ddo_core::Result<Event> {
+        let s = self.stream_handle(stream)?;
+        let event = s
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .call("cuEventRecord")
+            .map_err(|e| self.core(e))?;
+        Ok(Event::new(Arc::new(CudaEventHandle {
+            id: self.id(),
+            instance: self.shared.instance,
+            event,
+        })))
+    }
+
+    fn event_elapsed_ns(&self, start: &Event, end: &Event) -> ddo_core::Result<Option<i64>> {
+        let a = self.event_handle(start)?;
+        let b = self.event_handle(end)?;
+        let ms = a
+            .event
+            .elapsed_ms(&b.event)
+            .call("cuEventElapsedTime")
+            .map_err(|e| self.core(e))?;
+        Ok(Some((f64::from(ms) * 1e6) as i64))
+    }
+
     fn wait_event(&self, stream: &Stream, event: &Event) -> ddo_core::Result<()> {
         let s = self.stream_handle(stream)?;
         let e = self.event_handle(event)?;

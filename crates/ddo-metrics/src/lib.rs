@@ -15,6 +15,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+pub mod timeline;
+pub use timeline::{CopyGap, IdleCause, Timeline, TimelineSummary, UnitTiming};
+
 /// Live counters of one attached route. Cheap to update from the per-leaf path (relaxed
 /// atomics); shared between the route and its handle behind an `Arc`.
 #[derive(Debug, Default)]
@@ -44,12 +47,23 @@ pub struct RouteMetrics {
     resident_leaves: Mutex<Vec<String>>,
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
+    timeline: Mutex<Option<Timeline>>,
 }
 
 impl RouteMetrics {
     /// New, all-zero counters.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Keeps the last streamed forward's timeline (route option `timeline=true`).
+    pub fn set_timeline(&self, timeline: Timeline) {
+        *self.timeline.lock() = Some(timeline);
+    }
+
+    /// The last streamed forward's timeline, if one was recorded.
+    pub fn timeline(&self) -> Option<Timeline> {
+        self.timeline.lock().clone()
     }
 
     /// Records one host→device copy of `bytes`.
@@ -517,6 +531,9 @@ pub struct MetricsSnapshot {
     /// The leaves (or groups) a budget keeps resident; the others stream.
     #[serde(default)]
     pub resident_leaves: Vec<String>,
+    /// The last streamed forward's timeline (route option `timeline=true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
 }
 
 impl MetricsSnapshot {
@@ -724,6 +741,7 @@ mod tests {
             phases: vec![],
             detach_reports: vec![],
             resident_leaves: vec![],
+            timeline: None,
         };
         let text = snap.format_profile();
         assert!(
@@ -784,6 +802,7 @@ mod tests {
             phases: m.phases(),
             detach_reports: vec![],
             resident_leaves: (0..10).map(|i| format!("blocks.{i}.linear")).collect(),
+            timeline: None,
         };
         let json = snap.to_json().expect("serialises");
         let back: MetricsSnapshot = serde_json::from_str(&json).expect("parses");

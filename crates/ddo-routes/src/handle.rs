@@ -137,6 +137,7 @@ impl OffloadHandle {
             phases: self.metrics.phases(),
             detach_reports: self.metrics.detach_reports(),
             resident_leaves: self.metrics.resident_leaves(),
+            timeline: self.metrics.timeline(),
         }
     }
 

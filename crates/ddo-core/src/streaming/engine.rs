@@ -227,6 +227,31 @@ struct Ring {
     next_issue: usize,
     /// Units whose first position compute has entered.
     entered: usize,
+    /// Timed events of this forward (`timeline=true`).
+    trace: Option<Trace>,
+}
+
+/// The timed events of one traced forward, per unit.
+#[derive(Debug)]
+struct Trace {
+    start: Event,
+    copy_start: Vec<Option<Event>>,
+    copy_end: Vec<Option<Event>>,
+    compute_start: Vec<Option<Event>>,
+    compute_end: Vec<Option<Event>>,
+}
+
+impl Trace {
+    fn new(start: Event, units: usize) -> Self {
+        let none = || (0..units).map(|_| None).collect::<Vec<_>>();
+        Self {
+            start,
+            copy_start: none(),
+            copy_end: none(),
+            compute_start: none(),
+            compute_end: none(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -415,6 +440,8 @@ pub struct StreamingEngine {
     ring: Option<Ring>,
     /// Whether a forward is running (between begin and end or abort).
     active: bool,
+    /// Record a timeline of each forward.
+    timeline: bool,
     figures: StreamingFigures,
 }
 
@@ -685,6 +712,7 @@ impl StreamingEngine {
             host,
             ring: None,
             active: false,
+            timeline: config.timeline,
             figures,
         })
     }
@@ -818,12 +846,21 @@ impl StreamingEngine {
             p.set_device(Some(buffer.slice(at as usize, p.nbytes())?))?;
         }
         let units = self.layout.units().len();
+        let trace = if self.timeline {
+            Some(Trace::new(
+                self.device.record_timed_event(&self.compute)?,
+                units,
+            ))
+        } else {
+            None
+        };
         self.ring = Some(Ring {
             buffer,
             ready: (0..units).map(|_| None).collect(),
             used: (0..units).map(|_| None).collect(),
             next_issue: 0,
             entered: 0,
+            trace,
         });
         self.active = true;
         // The link starts now, while the program prepares and uploads its inputs (a
@@ -869,6 +906,9 @@ impl StreamingEngine {
             && let Some(ev) = ring.used[b].as_ref()
         {
             self.device.wait_event(&self.copy, ev)?;
+        }
+        if let Some(t) = ring.trace.as_mut() {
+            t.copy_start[u] = Some(self.device.record_timed_event(&self.copy)?);
         }
         let dst_base = self.placement.offsets[u];
         match self.host.as_mut() {
@@ -951,7 +991,15 @@ impl StreamingEngine {
             }
             None => {}
         }
-        ring.ready[u] = Some(self.device.record_event(&self.copy)?);
+        let ready = match ring.trace.as_mut() {
+            Some(t) => {
+                let e = self.device.record_timed_event(&self.copy)?;
+                t.copy_end[u] = Some(e.clone());
+                e
+            }
+            None => self.device.record_event(&self.copy)?,
+        };
+        ring.ready[u] = Some(ready);
         Ok(())
     }
 
@@ -968,6 +1016,9 @@ impl StreamingEngine {
                 Some(ev) => {
                     self.device.wait_event(&self.compute, &ev)?;
                     ring.entered += 1;
+                    if let Some(t) = ring.trace.as_mut() {
+                        t.compute_start[u] = Some(self.device.record_timed_event(&self.compute)?);
+                    }
                 }
                 None => {
                     return Err(CoreError::Backend {
@@ -1000,7 +1051,15 @@ impl StreamingEngine {
         if self.layout.units()[u].last != pos {
             return Ok(());
         }
-        ring.used[u] = Some(self.device.record_event(&self.compute)?);
+        let used = match ring.trace.as_mut() {
+            Some(t) => {
+                let e = self.device.record_timed_event(&self.compute)?;
+                t.compute_end[u] = Some(e.clone());
+                e
+            }
+            None => self.device.record_event(&self.compute)?,
+        };
+        ring.used[u] = Some(used);
         self.issue_ready()
     }
 
@@ -1018,7 +1077,44 @@ impl StreamingEngine {
         }
         self.active = false;
         self.clear_streamed_pointers();
+        if let Some(trace) = &ring.trace {
+            let end = self.device.record_timed_event(&self.compute)?;
+            if let Some(t) = self.timeline_of(trace, &end)? {
+                self.metrics.set_timeline(t);
+            }
+        }
         self.device.release_after(ring.buffer, &self.compute)
+    }
+
+    /// The timeline of a traced forward that ended at `end` (waits for its events), or
+    /// `None` where the device keeps no timestamps.
+    fn timeline_of(&self, trace: &Trace, end: &Event) -> Result<Option<ddo_metrics::Timeline>> {
+        let at = |e: &Option<Event>| -> Result<Option<i64>> {
+            match e {
+                Some(e) => self.device.event_elapsed_ns(&trace.start, e),
+                None => Ok(None),
+            }
+        };
+        let Some(forward_ns) = self.device.event_elapsed_ns(&trace.start, end)? else {
+            return Ok(None);
+        };
+        let mut units = Vec::with_capacity(self.layout.units().len());
+        for (u, unit) in self.layout.units().iter().enumerate() {
+            units.push(ddo_metrics::UnitTiming {
+                unit: u,
+                label: unit
+                    .entries
+                    .first()
+                    .map_or_else(String::new, |e| e.param.name().to_string()),
+                bytes: unit.bytes,
+                blocker: self.placement.blockers[u],
+                copy_start_ns: at(&trace.copy_start[u])?.unwrap_or(0),
+                copy_end_ns: at(&trace.copy_end[u])?.unwrap_or(0),
+                compute_start_ns: at(&trace.compute_start[u])?.unwrap_or(0),
+                compute_end_ns: at(&trace.compute_end[u])?.unwrap_or(0),
+            });
+        }
+        Ok(Some(ddo_metrics::Timeline { units, forward_ns }))
     }
 
     fn clear_streamed_pointers(&self) {

@@ -135,6 +135,9 @@ pub struct StreamingConfig {
     /// Where copies read the streamed weights from: a pinned home (default) or the
     /// checkpoint mappings registered in place. Ignored with [`StagingMode::Ring`].
     pub pinned_source: PinnedSource,
+    /// Record a timeline of each forward ([`StreamingEngine`] publishes it to the route's
+    /// metrics).
+    pub timeline: bool,
 }
 
 impl Default for StreamingConfig {
@@ -146,6 +149,7 @@ impl Default for StreamingConfig {
             staging: StagingMode::Auto,
             budget: None,
             pinned_source: PinnedSource::Home,
+            timeline: false,
         }
     }
 }
@@ -177,6 +181,7 @@ impl StreamingConfig {
             },
             budget: None,
             pinned_source: o.pinned_source.unwrap_or_default(),
+            timeline: o.timeline.unwrap_or(false),
         }
     }
 }

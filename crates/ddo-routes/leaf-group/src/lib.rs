@@ -79,7 +79,7 @@ pub const ROUTE_NAME: &str = "diffusers_group_offload";
 const BUDGET_HINT: &str = "diffusers_group_offload keeps budgeted residency only with a stream: \
      set use_stream=true, or use native_vmm with a budget, or none";
 
-const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots and pinned_source tune the streaming engine: set use_stream=true, or drop them";
+const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots, pinned_source and timeline tune the streaming engine: set use_stream=true, or drop them";
 
 /// Label of the block-level group that holds every leaf outside the root's block lists.
 pub const UNMATCHED_LABEL: &str = "unmatched";
@@ -226,6 +226,7 @@ impl Route for GroupOffloadRoute {
             (o.unit_bytes.is_some(), "unit_bytes"),
             (o.ring_slots.is_some(), "ring_slots"),
             (o.pinned_source.is_some(), "pinned_source"),
+            (o.timeline.is_some(), "timeline"),
         ] {
             if given && !streamed {
                 return Err(refuse(Refusal::UnsupportedOption {

@@ -162,6 +162,7 @@ impl Route for LinearConvolutionRoute {
             (o.unit_bytes.is_some(), "unit_bytes"),
             (o.ring_slots.is_some(), "ring_slots"),
             (o.pinned_source.is_some(), "pinned_source"),
+            (o.timeline.is_some(), "timeline"),
         ] {
             if given {
                 return Err(refused(

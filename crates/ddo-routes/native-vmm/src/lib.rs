@@ -61,7 +61,7 @@ pub const DEFAULT_BUDGET: Budget = Budget::FreeMinus(DEFAULT_FREE_MARGIN);
 
 /// The hint given for an option `native_vmm` does not take.
 pub const OPTION_HINT: &str = "native_vmm takes budget, pinned and the streaming engine's pinned_limit, \
-     unit_bytes, ring_slots and pinned_source; use diffusers_group_offload for grouped offload options";
+     unit_bytes, ring_slots, pinned_source and timeline; use diffusers_group_offload for grouped offload options";
 
 /// Whether streamed weights are page-locked when the spec does not say: yes, in a pinned
 /// home that replaces their host bytes (one host copy), when it fits under `pinned_limit`.
@@ -381,6 +381,7 @@ impl Route for NativeVmmRoute {
                     | "unit_bytes"
                     | "ring_slots"
                     | "pinned_source"
+                    | "timeline"
             )
         }) {
             return Err(refused(
