@@ -5,6 +5,17 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
+/// `bytes` in the syntax `--vram-budget` and route options read: whole GiB or MiB,
+/// rounded up to a MiB.
+pub fn budget_arg(bytes: u64) -> String {
+    let mib = bytes.div_ceil(1 << 20);
+    if mib.is_multiple_of(1024) {
+        format!("{}GiB", mib / 1024)
+    } else {
+        format!("{mib}MiB")
+    }
+}
+
 /// Result alias for the core crate.
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
@@ -29,9 +40,10 @@ pub enum CoreError {
     },
     /// A VRAM budget below what any plan of a pipeline phase needs.
     #[error(
-        "a VRAM budget of {budget_text} is too small for the {phase} phase, which needs at least {needed_text} \
-         ({detail}); give --vram-budget {needed_text} or more, or ask for less: a smaller --height/--width, \
-         or routes that hold less (e.g. --route {component}=diffusers_group_offload:use_stream=true)"
+        "a VRAM budget of {} is too small for the {phase} phase, which needs at least {} ({detail}); \
+         give --vram-budget {} or more, or ask for less: a smaller --height/--width, or routes that hold \
+         less (e.g. --route {component}=diffusers_group_offload:use_stream=true)",
+        ddo_metrics::format_bytes(*.budget), budget_arg(*.needed), budget_arg(*.needed)
     )]
     BudgetTooSmall {
         /// The phase.
@@ -40,12 +52,8 @@ pub enum CoreError {
         component: String,
         /// The budget, bytes.
         budget: u64,
-        /// The budget, in words.
-        budget_text: String,
-        /// The smallest budget that works, bytes.
+        /// The smallest budget that works, bytes (a whole number of MiB).
         needed: u64,
-        /// The smallest budget that works, in words.
-        needed_text: String,
         /// What the needed bytes are made of.
         detail: String,
     },

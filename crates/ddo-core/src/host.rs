@@ -38,9 +38,11 @@ pub struct AlignedBytes {
 }
 
 impl AlignedBytes {
-    /// `len` zero bytes.
+    /// `len` zero bytes. Large buffers come from the allocator's zeroed pages
+    /// (`alloc_zeroed`), so no byte is written here and the pages are committed only when
+    /// first touched (by whoever fills them, on as many threads as they like).
     pub fn zeroed(len: usize) -> Self {
-        let lines = vec![CacheLine([0; 64]); len.div_ceil(64)].into_boxed_slice();
+        let lines = bytemuck::zeroed_slice_box::<CacheLine>(len.div_ceil(64));
         Self { lines, len }
     }
 

@@ -274,6 +274,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             .budget_fraction
             .map(|f| (total as f64 * f) as u64 + ring_room),
         pinned_source: PinnedSource::Register,
+        timeline: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();

@@ -141,6 +141,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             .budget_fraction
             .map(|f| (total as f64 * f) as u64 + ring_room),
         pinned_source: case.pinned_source,
+        timeline: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let copy = d.create_stream().unwrap();
@@ -316,6 +317,7 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
         staging: StagingMode::Auto,
         budget: None,
         pinned_source: PinnedSource::Home,
+        timeline: false,
     };
     let dev: Arc<dyn Device> = d.clone();
     let engine = StreamingEngine::new(
@@ -422,6 +424,7 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
         staging: StagingMode::PinnedHome,
         budget: None,
         pinned_source: PinnedSource::Home,
+        timeline: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();

@@ -430,7 +430,7 @@ fn with_planned_units(spec: &RouteSpec, weight_bytes: u64) -> Result<RouteSpec> 
     if spec.options().unit_bytes.is_some() || spec.options().use_stream != Some(true) {
         return Ok(*spec);
     }
-    let unit = (weight_bytes / 32).clamp(PARAM_ALIGN as u64, DEFAULT_UNIT_BYTES);
+    let unit = (weight_bytes / 32).clamp(PARAM_ALIGN, DEFAULT_UNIT_BYTES);
     if unit == DEFAULT_UNIT_BYTES {
         return Ok(*spec);
     }
@@ -500,24 +500,12 @@ fn too_small(
             component.to_string()
         },
         budget,
-        budget_text: format_bytes(budget),
         needed,
-        needed_text: format_mib(needed),
         detail: format!(
             "activations {} + resident weights {} + the largest ring or group {}",
             format_bytes(activation),
             format_bytes(resident),
             format_bytes(transient)
         ),
-    }
-}
-
-/// `n` bytes (a whole number of MiB) in the `--vram-budget` syntax.
-fn format_mib(n: u64) -> String {
-    let mib = n >> 20;
-    if mib % 1024 == 0 {
-        format!("{}GiB", mib / 1024)
-    } else {
-        format!("{mib}MiB")
     }
 }
