@@ -1,6 +1,7 @@
 //! `ddo bench`: one component of the pipeline under several routes or presets, in one
 //! process, with the same workload: per candidate, a fresh attachment (and, on the host
-//! backend, a fresh device), warm-up forwards, then timed forwards. Prints a table — time
+//! backend, a fresh device), its inputs made once and held on the device, warm-up forwards,
+//! then timed forwards. Prints a table — time
 //! median/min/max, peak device memory (exact), bytes streamed per forward, and the ratio to
 //! the link floor (streamed bytes / the host→device bandwidth measured first, in the same
 //! process) — and writes JSON with `--json` / `--out-json`; `--plot PREFIX` draws time
@@ -190,10 +191,16 @@ impl Workload<'_> {
             })
     }
 
-    fn forward(&self, device: &dyn Device) -> ddo_core::Result<()> {
+    /// The workload's inputs, made once per candidate and held on `device` before the
+    /// timed forwards (as the Diffusers side of the peer bench holds them on the GPU), so
+    /// a forward times the component, not building noise on the host or uploading it.
+    fn prepare(&self, device: &dyn Device) -> ddo_core::Result<Prepared> {
         let p = self.pipe;
         let ops = ops_of(device)?;
-        let out: Tensor = match self.component.as_str() {
+        let on_device = |shape: Vec<usize>, dtype: DType, values: &[f32]| {
+            Tensor::from_f32(shape, dtype, values)?.to_device(device, &device.compute_stream())
+        };
+        Ok(match self.component.as_str() {
             "transformer" => {
                 let c = p.transformer.config();
                 let (h, w) = p.latent_grid(self.height, self.width)?;
@@ -201,18 +208,18 @@ impl Workload<'_> {
                 let tokens = img_ids.len();
                 let text = p.max_sequence_length;
                 let noise = |n: usize, seed: u64| gaussian_noise(seed, n);
-                let inputs = FluxInputs {
-                    hidden_states: Tensor::from_f32(
+                Prepared::Transformer(Box::new(FluxInputs {
+                    hidden_states: on_device(
                         vec![1, tokens, c.in_channels],
-                        DType::F32,
+                        p.transformer_dtype(),
                         &noise(tokens * c.in_channels, 1),
                     )?,
-                    encoder_hidden_states: Tensor::from_f32(
+                    encoder_hidden_states: on_device(
                         vec![1, text, c.joint_attention_dim],
                         DType::F32,
                         &noise(text * c.joint_attention_dim, 2),
                     )?,
-                    pooled_projections: Tensor::from_f32(
+                    pooled_projections: on_device(
                         vec![1, c.pooled_projection_dim],
                         DType::F32,
                         &noise(c.pooled_projection_dim, 3),
@@ -221,29 +228,24 @@ impl Workload<'_> {
                     guidance: c.guidance_embeds.then(|| vec![3.5]),
                     img_ids,
                     txt_ids: vec![[0.0; 3]; text],
-                };
-                p.transformer.forward(device, &inputs)?
+                }))
             }
             "vae" => {
                 let (h, w) = p.latent_grid(self.height, self.width)?;
                 let c = p.vae.config().latent_channels;
-                let lat =
-                    ops.tensor_from_f32(&[1, c, h, w], DType::F32, &gaussian_noise(4, c * h * w))?;
-                p.vae.decode(Some(device), &lat, None)?
+                Prepared::Latents(ops.tensor_from_f32(
+                    &[1, c, h, w],
+                    DType::F32,
+                    &gaussian_noise(4, c * h * w),
+                )?)
             }
             "text_encoder" | "text_encoder_2" => {
                 let (clip_ids, t5_ids) = p.stand_in_tokens("a photo of a cat")?;
-                match (self.component.as_str(), &p.clip, &p.t5) {
-                    ("text_encoder", Some(c), _) => c.forward(device, &clip_ids)?.pooler_output,
-                    (_, _, Some(t)) => t.forward(device, &t5_ids)?,
-                    _ => {
-                        return Err(ddo_core::CoreError::InvalidOption {
-                            option: "component".into(),
-                            value: self.component.clone(),
-                            hint: "this pipeline has no text encoders".into(),
-                        });
-                    }
-                }
+                Prepared::Tokens(if self.component == "text_encoder" {
+                    clip_ids
+                } else {
+                    t5_ids
+                })
             }
             other => {
                 return Err(ddo_core::CoreError::InvalidOption {
@@ -252,10 +254,37 @@ impl Workload<'_> {
                     hint: "use transformer, vae, text_encoder or text_encoder_2".into(),
                 });
             }
+        })
+    }
+
+    /// One forward of the component on `inputs`, synchronised.
+    fn forward(&self, device: &dyn Device, inputs: &Prepared) -> ddo_core::Result<()> {
+        let p = self.pipe;
+        let out: Tensor = match inputs {
+            Prepared::Transformer(inputs) => p.transformer.forward(device, inputs)?,
+            Prepared::Latents(lat) => p.vae.decode(Some(device), lat, None)?,
+            Prepared::Tokens(ids) => match (self.component.as_str(), &p.clip, &p.t5) {
+                ("text_encoder", Some(c), _) => c.forward(device, ids)?.pooler_output,
+                ("text_encoder_2", _, Some(t)) => t.forward(device, ids)?,
+                _ => {
+                    return Err(ddo_core::CoreError::InvalidOption {
+                        option: "component".into(),
+                        value: self.component.clone(),
+                        hint: "this pipeline has no text encoders".into(),
+                    });
+                }
+            },
         };
         drop(out);
         device.synchronize()
     }
+}
+
+/// A workload's inputs, on the device.
+enum Prepared {
+    Transformer(Box<FluxInputs>),
+    Latents(Tensor),
+    Tokens(Vec<u32>),
 }
 
 /// Host→device bandwidth of `device`, bytes per second: the best of a few pinned copies of
@@ -437,15 +466,16 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             };
             let route = offload.handle(&name)?.spec().describe();
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
+                let inputs = workload.prepare(&*device)?;
                 for _ in 0..warmup {
-                    workload.forward(&*device)?;
+                    workload.forward(&*device, &inputs)?;
                 }
                 let before = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 device.reset_peak();
                 let mut seconds = Vec::with_capacity(repeats);
                 for _ in 0..repeats {
                     let t0 = Instant::now();
-                    workload.forward(&*device)?;
+                    workload.forward(&*device, &inputs)?;
                     seconds.push(t0.elapsed().as_secs_f64());
                 }
                 let peak = device.memory_info().peak_allocated;

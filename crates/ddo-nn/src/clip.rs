@@ -342,19 +342,20 @@ impl ClipTextModel {
         b.enter_blocks("layers");
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
+            // Leaves in execution order (streamed routes predict their schedule from it).
             b.enter(i.to_string());
+            let layer_norm1 = LayerNorm::build(&mut b, "layer_norm1", d, eps, true)?;
             b.enter("self_attn");
+            let q_proj = Linear::build(&mut b, "q_proj", d, d, true)?;
             let k_proj = Linear::build(&mut b, "k_proj", d, d, true)?;
             let v_proj = Linear::build(&mut b, "v_proj", d, d, true)?;
-            let q_proj = Linear::build(&mut b, "q_proj", d, d, true)?;
             let out_proj = Linear::build(&mut b, "out_proj", d, d, true)?;
             b.exit();
-            let layer_norm1 = LayerNorm::build(&mut b, "layer_norm1", d, eps, true)?;
+            let layer_norm2 = LayerNorm::build(&mut b, "layer_norm2", d, eps, true)?;
             b.enter("mlp");
             let fc1 = Linear::build(&mut b, "fc1", d, ff, true)?;
             let fc2 = Linear::build(&mut b, "fc2", ff, d, true)?;
             b.exit();
-            let layer_norm2 = LayerNorm::build(&mut b, "layer_norm2", d, eps, true)?;
             b.exit();
             layers.push(ClipLayer {
                 k_proj,

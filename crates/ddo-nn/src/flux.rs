@@ -535,8 +535,10 @@ struct Rope {
 }
 
 impl FluxAttention {
-    /// Builds `attn` in Diffusers' registration order: norm_q, norm_k, to_q, to_k, to_v,
-    /// (to_out.0), (norm_added_q, norm_added_k, add_q/k/v_proj, to_add_out).
+    /// Builds `attn` with its leaves in the order the forward runs them (streamed routes
+    /// predict their schedule from the leaf order): to_q, to_k, to_v, (add_q/k/v_proj),
+    /// norm_q, norm_k, (norm_added_q, norm_added_k, to_out.0, to_add_out). The names are
+    /// Diffusers'; only the tree order differs from its registration order.
     fn build(
         b: &mut ModelBuilder<'_>,
         dim: usize,
@@ -545,24 +547,36 @@ impl FluxAttention {
         joint: bool,
     ) -> LoadResult<Self> {
         b.scope("attn", |b| {
-            let norm_q = RmsNorm::build(b, "norm_q", head_dim, NORM_EPS)?;
-            let norm_k = RmsNorm::build(b, "norm_k", head_dim, NORM_EPS)?;
             let to_q = Linear::build(b, "to_q", dim, dim, true)?;
             let to_k = Linear::build(b, "to_k", dim, dim, true)?;
             let to_v = Linear::build(b, "to_v", dim, dim, true)?;
-            let (to_out, added) = if joint {
-                let to_out = b.scope("to_out", |b| Linear::build(b, "0", dim, dim, true))?;
-                let added = AddedProjections {
-                    norm_added_q: RmsNorm::build(b, "norm_added_q", head_dim, NORM_EPS)?,
-                    norm_added_k: RmsNorm::build(b, "norm_added_k", head_dim, NORM_EPS)?,
-                    add_q_proj: Linear::build(b, "add_q_proj", dim, dim, true)?,
-                    add_k_proj: Linear::build(b, "add_k_proj", dim, dim, true)?,
-                    add_v_proj: Linear::build(b, "add_v_proj", dim, dim, true)?,
-                    to_add_out: Linear::build(b, "to_add_out", dim, dim, true)?,
-                };
-                (Some(to_out), Some(added))
+            let added_proj = if joint {
+                Some((
+                    Linear::build(b, "add_q_proj", dim, dim, true)?,
+                    Linear::build(b, "add_k_proj", dim, dim, true)?,
+                    Linear::build(b, "add_v_proj", dim, dim, true)?,
+                ))
             } else {
-                (None, None)
+                None
+            };
+            let norm_q = RmsNorm::build(b, "norm_q", head_dim, NORM_EPS)?;
+            let norm_k = RmsNorm::build(b, "norm_k", head_dim, NORM_EPS)?;
+            let (to_out, added) = match added_proj {
+                Some((add_q_proj, add_k_proj, add_v_proj)) => {
+                    let norm_added_q = RmsNorm::build(b, "norm_added_q", head_dim, NORM_EPS)?;
+                    let norm_added_k = RmsNorm::build(b, "norm_added_k", head_dim, NORM_EPS)?;
+                    let to_out = b.scope("to_out", |b| Linear::build(b, "0", dim, dim, true))?;
+                    let added = AddedProjections {
+                        norm_added_q,
+                        norm_added_k,
+                        add_q_proj,
+                        add_k_proj,
+                        add_v_proj,
+                        to_add_out: Linear::build(b, "to_add_out", dim, dim, true)?,
+                    };
+                    (Some(to_out), Some(added))
+                }
+                None => (None, None),
             };
             Ok(Self {
                 heads,
@@ -784,10 +798,11 @@ impl SingleBlock {
     fn build(b: &mut ModelBuilder<'_>, c: &FluxTransformerConfig) -> LoadResult<Self> {
         let d = c.inner_dim();
         let mlp = d * MLP_RATIO;
+        // Leaves in execution order (streamed routes predict their schedule from it).
         let norm = b.scope("norm", |b| Linear::build(b, "linear", d, 3 * d, true))?;
+        let attn = FluxAttention::build(b, d, c.num_attention_heads, c.attention_head_dim, false)?;
         let proj_mlp = Linear::build(b, "proj_mlp", d, mlp, true)?;
         let proj_out = Linear::build(b, "proj_out", d + mlp, d, true)?;
-        let attn = FluxAttention::build(b, d, c.num_attention_heads, c.attention_head_dim, false)?;
         Ok(Self {
             norm,
             proj_mlp,
@@ -877,6 +892,8 @@ impl FluxProgram {
 
     fn build(b: &mut ModelBuilder<'_>, c: &FluxTransformerConfig) -> LoadResult<Self> {
         let d = c.inner_dim();
+        // Leaves in execution order (streamed routes predict their schedule from it).
+        let x_embedder = Linear::build(b, "x_embedder", c.in_channels, d, true)?;
         let (timestep_embedder, guidance_embedder, text_embedder) =
             b.scope("time_text_embed", |b| {
                 let t = SiluMlp::build(b, "timestep_embedder", TIMESTEP_CHANNELS, d)?;
@@ -895,7 +912,6 @@ impl FluxProgram {
             })?;
         let context_embedder =
             Linear::build(b, "context_embedder", c.joint_attention_dim, d, true)?;
-        let x_embedder = Linear::build(b, "x_embedder", c.in_channels, d, true)?;
         b.enter_blocks("transformer_blocks");
         let double_blocks = (0..c.num_layers)
             .map(|i| b.scope(i.to_string(), |b| DoubleBlock::build(b, c)))

@@ -406,12 +406,13 @@ impl T5Encoder {
             b.enter(i.to_string());
             b.enter_blocks("layer");
 
+            // Leaves in execution order (streamed routes predict their schedule from it).
             b.enter("0");
+            let attn_norm = RmsNorm::build(&mut b, "layer_norm", d, eps)?;
             b.enter("SelfAttention");
             let q = Linear::build(&mut b, "q", d, inner, false)?;
             let k = Linear::build(&mut b, "k", d, inner, false)?;
             let v = Linear::build(&mut b, "v", d, inner, false)?;
-            let o = Linear::build(&mut b, "o", inner, d, false)?;
             let relative_attention_bias = if i == 0 {
                 Some(Embedding::build(
                     &mut b,
@@ -422,11 +423,12 @@ impl T5Encoder {
             } else {
                 None
             };
+            let o = Linear::build(&mut b, "o", inner, d, false)?;
             b.exit();
-            let attn_norm = RmsNorm::build(&mut b, "layer_norm", d, eps)?;
             b.exit();
 
             b.enter("1");
+            let ff_norm = RmsNorm::build(&mut b, "layer_norm", d, eps)?;
             b.enter("DenseReluDense");
             let feed_forward = if config.is_gated_act() {
                 T5FeedForward::Gated {
@@ -441,7 +443,6 @@ impl T5Encoder {
                 }
             };
             b.exit();
-            let ff_norm = RmsNorm::build(&mut b, "layer_norm", d, eps)?;
             b.exit();
 
             b.exit(); // layer

@@ -23,12 +23,30 @@ pub struct Schedule {
     cursor: usize,
     diverged: bool,
     relearned: u64,
+    /// The fixed order is a prediction no forward has confirmed yet.
+    predicted: bool,
 }
 
 impl Schedule {
     /// An empty schedule: the next forward learns the order.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A schedule that expects `order` before any forward ran (a route's prediction, e.g.
+    /// the component's leaf order): the first forward follows it when it is right, and
+    /// learns the real order without counting a relearn when it is not.
+    pub fn predicted(order: Vec<usize>) -> Self {
+        Self {
+            fixed: Some(order),
+            predicted: true,
+            ..Self::default()
+        }
+    }
+
+    /// Whether the fixed order is still an unconfirmed prediction.
+    pub fn is_predicted(&self) -> bool {
+        self.predicted
     }
 
     /// The fixed order, once learned.
@@ -83,12 +101,17 @@ impl Schedule {
         let observed = std::mem::take(&mut self.observed);
         self.cursor = 0;
         self.diverged = false;
+        let predicted = std::mem::take(&mut self.predicted);
         match &self.fixed {
             None => {
                 self.fixed = Some(observed);
                 ScheduleOutcome::Learned
             }
             Some(f) if *f == observed => ScheduleOutcome::Followed,
+            Some(_) if predicted => {
+                self.fixed = Some(observed);
+                ScheduleOutcome::Learned
+            }
             Some(_) => {
                 self.fixed = Some(observed);
                 self.relearned += 1;
@@ -116,6 +139,30 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prediction_is_followed_when_right_and_learned_without_a_relearn_when_wrong() {
+        let mut s = Schedule::predicted(vec![0, 1, 2]);
+        assert!(s.is_predicted() && s.following());
+        s.begin_forward();
+        assert_eq!(
+            (s.start(0), s.start(1), s.start(2)),
+            (Some(0), Some(1), Some(2))
+        );
+        assert_eq!(s.end_forward(), ScheduleOutcome::Followed);
+        assert!(!s.is_predicted());
+
+        let mut s = Schedule::predicted(vec![0, 1, 2]);
+        s.begin_forward();
+        assert_eq!((s.start(1), s.start(0)), (None, None));
+        assert_eq!(s.end_forward(), ScheduleOutcome::Learned);
+        assert_eq!((s.order(), s.relearned()), (Some(&[1, 0][..]), 0));
+        // Confirmed orders relearn as before.
+        s.begin_forward();
+        s.start(0);
+        assert_eq!(s.end_forward(), ScheduleOutcome::Relearned);
+        assert_eq!(s.relearned(), 1);
+    }
 
     #[test]
     fn learns_then_follows_then_relearns_on_a_change() {

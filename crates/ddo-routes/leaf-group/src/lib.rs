@@ -165,7 +165,15 @@ impl GroupOffloadRoute {
         metrics.set_leaf_plan(plan.streamed_leaves(), 0);
         metrics.set_resident_weight_bytes(0);
         metrics.set_pinned_host_bytes(pinned_bytes);
-        Ok(Arc::new(AttachedGroupOffload {
+        // With a stream the groups are expected to start in the component's leaf order
+        // (the models build their trees in execution order): the engine is built now, so
+        // the first forward streams too. A forward that runs another order learns it.
+        let schedule = if config.use_stream {
+            Schedule::predicted(plan.predicted_order())
+        } else {
+            Schedule::new()
+        };
+        let attached = Arc::new(AttachedGroupOffload {
             component: component.name().to_string(),
             spec: *spec,
             config,
@@ -184,10 +192,16 @@ impl GroupOffloadRoute {
                 current: None,
                 position: None,
                 unmatched_onloaded: false,
-                schedule: Schedule::new(),
+                schedule,
                 engine: None,
             }),
-        }))
+        });
+        if attached.config.use_stream {
+            let mut st = attached.state.lock();
+            // On error the attachment is dropped, and its detach gives everything back.
+            attached.build_engine(&mut st)?;
+        }
+        Ok(attached)
     }
 }
 
@@ -511,6 +525,18 @@ impl GroupPlan {
     /// Leaves whose weights move to the device per forward (every leaf with params).
     pub fn streamed_leaves(&self) -> u64 {
         self.leaf_group.iter().filter(|g| g.is_some()).count() as u64
+    }
+
+    /// The order streamed groups are expected to start in: every group with params other
+    /// than the unmatched one, by its first leaf in the component's leaf order.
+    pub fn predicted_order(&self) -> Vec<usize> {
+        let mut order = Vec::new();
+        for g in self.leaf_group.iter().flatten() {
+            if Some(*g) != self.unmatched && !order.contains(g) {
+                order.push(*g);
+            }
+        }
+        order
     }
 
     /// The groups the streaming engine streams or keeps resident, as the residency planner

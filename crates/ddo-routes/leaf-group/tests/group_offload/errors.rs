@@ -36,9 +36,8 @@ fn out_of_memory_mid_forward_is_typed_and_detach_releases_everything() {
         }
         let device = slow_device(1600, 4e6);
         let (hooks, _metrics) = attach(&c, &device, &case.spec());
-        // The first forward onloads one group at a time while it learns the schedule.
-        assert_eq!(run(&c, &*device, &xs[0]), expected[0], "{case:?}");
-        // The second prefetches, and runs out of memory.
+        // The schedule is predicted from the leaf order, so the first forward already
+        // prefetches on the engine's ring, and runs out of memory; so does the next.
         for _ in 0..2 {
             let err = c.forward(&*device, xs[0].clone()).unwrap_err();
             assert!(
