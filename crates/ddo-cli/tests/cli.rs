@@ -462,7 +462,7 @@ fn resolve_json_shape_and_sources() {
     assert_eq!(t["source"]["options"]["ring_slots"], "--route");
     assert_eq!(t["options"]["unit_bytes"], "16.00 MiB");
     assert_eq!(t["source"]["options"]["unit_bytes"], "route default");
-    assert_eq!(t["options"]["pinned_source"], "home");
+    assert_eq!(t["options"]["pinned_source"], "register");
     assert_eq!(t["source"]["options"]["pinned_source"], "route default");
     let v = json(&ddo(&[
         "resolve",

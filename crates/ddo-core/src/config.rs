@@ -209,16 +209,19 @@ impl FromStr for OffloadType {
     Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
 )]
 pub enum PinnedSource {
-    /// `home` (the default): one pinned buffer laid out in transfer units replaces the
-    /// params' host bytes (a copy of the weights at attach); one copy per unit.
-    #[default]
+    /// `home`: one pinned buffer laid out in transfer units replaces the params' host
+    /// bytes (a copy of the weights at attach); one copy per unit.
     Home,
-    /// `register`: checkpoint-mapped params stay where they are and their mapping is
+    /// `register` (the default): checkpoint-mapped params stay where they are and their
+    /// mapping is
     /// page-locked in place (read-only, no copy); the engine copies from it into the ring,
     /// one copy per run of params adjacent both in the file and in the unit. Params whose
-    /// bytes are not mapped (owned copies) go to a pinned home of their own. Where the
-    /// device cannot register memory, or the registered bytes do not fit under the pinned
-    /// limit, the engine stages as `home` does.
+    /// bytes are not mapped (owned copies, random weights) go to a pinned home of their
+    /// own, so for them it is `home`. Where the device cannot register memory, or the
+    /// registered bytes do not fit under the pinned limit, the engine stages as `home`
+    /// does. The default since page-locking a mapping in place took 0.21 s where copying
+    /// the same 5.92 GiB into a home took 5.04 s (H200 host), at the same step time.
+    #[default]
     Register,
 }
 
@@ -250,9 +253,10 @@ impl FromStr for PinnedSource {
             .ok_or_else(|| CoreError::InvalidOption {
                 option: "pinned_source".into(),
                 value: s.into(),
-                hint: "use home (a pinned copy of the streamed weights, the default) or register \
-                       (page-lock the checkpoint mapping in place)"
-                    .into(),
+                hint:
+                    "use register (page-lock the checkpoint mapping in place, the default) or home \
+                       (a pinned copy of the streamed weights)"
+                        .into(),
             })
     }
 }

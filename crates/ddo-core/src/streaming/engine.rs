@@ -537,8 +537,16 @@ impl StreamingEngine {
         }
         // Registering copies straight from the file: order each unit by file offset so
         // that a module's tensors coalesce into one copy.
-        let register =
-            config.pinned_source == PinnedSource::Register && config.staging != StagingMode::Ring;
+        // Registering applies to checkpoint mappings: with no streamed param mapped (owned
+        // weights, random weights) the engine stages exactly as a pinned home does.
+        let any_mapped = order.iter().any(|&s| {
+            segments[s]
+                .iter()
+                .any(|p| !resident_ids.contains(&p.id()) && p.host().mapped_range().is_some())
+        });
+        let register = config.pinned_source == PinnedSource::Register
+            && config.staging != StagingMode::Ring
+            && any_mapped;
         let unit_order = if register {
             UnitOrder::Source
         } else {

@@ -24,8 +24,9 @@
 //!      from the params' own bytes just before their device copy, the host waiting only for
 //!      the copy that last read the buffer. No copy ever runs from pageable memory.
 //!
-//!    - *registered mappings* (opt-in, [`PinnedSource::Register`], route option
-//!      `pinned_source=register`): the checkpoint mappings the streamed params point into
+//!    - *registered mappings* (the default, [`PinnedSource::Register`], route option
+//!      `pinned_source=register`, used when some streamed param is checkpoint-mapped;
+//!      owned weights take the pinned home): the checkpoint mappings the streamed params point into
 //!      are page-locked where they are ([`Device::register_host`](crate::Device::register_host):
 //!      `cuMemHostRegister` with the read-only flag on CUDA), in ranges rounded out to
 //!      [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks and merged per file; no copy
@@ -148,7 +149,7 @@ impl Default for StreamingConfig {
             pinned_limit: default_pinned_limit(),
             staging: StagingMode::Auto,
             budget: None,
-            pinned_source: PinnedSource::Home,
+            pinned_source: PinnedSource::Register,
             timeline: false,
         }
     }
