@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytemuck::{Pod, Zeroable};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
@@ -44,6 +44,29 @@ impl AlignedBytes {
     pub fn zeroed(len: usize) -> Self {
         let lines = bytemuck::zeroed_slice_box::<CacheLine>(len.div_ceil(64));
         Self { lines, len }
+    }
+
+    /// [`AlignedBytes::zeroed`] with every page already committed, the pages touched on up
+    /// to 8 threads: for memory about to be page-locked, whose registration would otherwise
+    /// fault every page in (and zero it) on one thread.
+    pub fn zeroed_committed(len: usize) -> Self {
+        const PAGE: usize = 4096;
+        let mut out = Self::zeroed(len);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 8);
+        let bytes = out.as_mut_slice();
+        if threads == 1 || bytes.len() < (64 << 20) {
+            bytes.iter_mut().step_by(PAGE).for_each(|b| *b = 0);
+            return out;
+        }
+        let part = bytes.len().div_ceil(threads).next_multiple_of(PAGE);
+        std::thread::scope(|scope| {
+            for chunk in bytes.chunks_mut(part) {
+                scope.spawn(move || chunk.iter_mut().step_by(PAGE).for_each(|b| *b = 0));
+            }
+        });
+        out
     }
 
     /// A copy of `bytes`.
@@ -328,8 +351,9 @@ impl fmt::Debug for CheckpointMap {
 
 enum HostStorage {
     Owned {
-        // Dropped before `bytes`: unpin before the memory goes away.
-        pin: Option<PinnedRegistration>,
+        // Dropped before `bytes`: unpin before the memory goes away. Taken out by
+        // [`HostBuffer::unpin`], which leaves the same bytes pageable.
+        pin: Mutex<Option<PinnedRegistration>>,
         // Address of the first byte; the boxed lines never move while `bytes` lives.
         addr: usize,
         bytes: RwLock<AlignedBytes>,
@@ -370,7 +394,7 @@ impl HostBuffer {
         let addr = bytes.as_slice().as_ptr() as usize;
         Self {
             inner: Arc::new(HostStorage::Owned {
-                pin,
+                pin: Mutex::new(pin),
                 addr,
                 bytes: RwLock::new(bytes),
             }),
@@ -415,10 +439,9 @@ impl HostBuffer {
     /// Which kind of memory this is (a registered view of a mapping is pinned).
     pub fn kind(&self) -> HostMemoryKind {
         match &*self.inner {
-            HostStorage::Owned { pin: Some(_), .. } | HostStorage::Registered { .. } => {
-                HostMemoryKind::Pinned
-            }
-            HostStorage::Owned { pin: None, .. } => HostMemoryKind::Pageable,
+            HostStorage::Owned { pin, .. } if pin.lock().is_some() => HostMemoryKind::Pinned,
+            HostStorage::Registered { .. } => HostMemoryKind::Pinned,
+            HostStorage::Owned { .. } => HostMemoryKind::Pageable,
             HostStorage::Mapped { .. } => HostMemoryKind::CheckpointMapped,
         }
     }
@@ -500,12 +523,24 @@ impl HostBuffer {
         }
     }
 
-    /// The pinned registration, for a pinned buffer or a registered view.
-    pub fn pinned_registration(&self) -> Option<&PinnedRegistration> {
+    /// Bytes the pinned registration counts, for a pinned buffer or a registered view.
+    pub fn pinned_bytes(&self) -> Option<u64> {
         match &*self.inner {
-            HostStorage::Owned { pin, .. } => pin.as_ref(),
-            HostStorage::Registered { pin, .. } => Some(pin),
+            HostStorage::Owned { pin, .. } => pin.lock().as_ref().map(PinnedRegistration::bytes),
+            HostStorage::Registered { pin, .. } => Some(pin.bytes()),
             HostStorage::Mapped { .. } => None,
+        }
+    }
+
+    /// Unpins an owned pinned buffer in place: its registration goes (`cuMemHostUnregister`
+    /// on CUDA, and the pinned ledger gets the bytes back) and every handle to it now reads
+    /// the same bytes as pageable memory, with no copy. The caller makes sure no queued
+    /// copy still reads it. Returns whether it was pinned (registered views of mappings and
+    /// pageable buffers are left as they are).
+    pub fn unpin(&self) -> bool {
+        match &*self.inner {
+            HostStorage::Owned { pin, .. } => pin.lock().take().is_some(),
+            HostStorage::Registered { .. } | HostStorage::Mapped { .. } => false,
         }
     }
 

@@ -460,10 +460,7 @@ fn register_host_pins_a_mapping_in_place_and_refuses_what_it_cannot_pin() {
     let span = register_span(map.len(), 70_000, 100);
     assert_eq!(span, REGISTER_ALIGN..2 * REGISTER_ALIGN);
     assert_eq!(d.memory_info().pinned_host, REGISTER_ALIGN as u64);
-    assert_eq!(
-        view.pinned_registration().unwrap().bytes(),
-        REGISTER_ALIGN as u64
-    );
+    assert_eq!(view.pinned_bytes().unwrap(), REGISTER_ALIGN as u64);
     // Read-only, like the mapping.
     assert!(view.with_bytes_mut(|b| b[0] = 1).is_err());
     // A range sharing a block is refused (a page is registered once); a disjoint one is not.

@@ -1050,7 +1050,9 @@ impl Device for CudaDevice {
                 limit,
             });
         }
-        let memory = AlignedBytes::zeroed(bytes);
+        // Committed on several threads first: registering lazily zeroed memory would fault
+        // (and zero) every page on the driver's one thread.
+        let memory = AlignedBytes::zeroed_committed(bytes);
         if bytes == 0 {
             let registration = self.pinned.reserve(0, None)?;
             return Ok(HostBuffer::owned(memory, Some(registration)));

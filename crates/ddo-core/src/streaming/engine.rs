@@ -755,9 +755,7 @@ impl StreamingEngine {
         for (map, range) in &plan.spans {
             let view = HostBuffer::mapped(Arc::clone(map), range.start, range.len())?;
             let registered = device.register_host(&view)?;
-            registered_bytes += registered
-                .pinned_registration()
-                .map_or(range.len() as u64, |r| r.bytes());
+            registered_bytes += registered.pinned_bytes().unwrap_or(range.len() as u64);
             sources.push(registered);
         }
         let (copies, copied_bytes) = (plan.copies(), plan.copied_bytes());

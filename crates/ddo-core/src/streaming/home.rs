@@ -210,9 +210,15 @@ impl PinnedHome {
         self.released
     }
 
-    /// Gives every param an owned pageable copy of its bytes back, then drops the pinned
-    /// buffer. The first failure is returned after every param was tried.
+    /// Leaves every param with pageable host bytes: the home is unpinned in place (the
+    /// params keep reading the same bytes, now pageable, with no copy and no second host
+    /// copy of the weights) when the home's memory is owned; otherwise each param gets an
+    /// owned pageable copy and the pinned buffer goes. The caller makes sure no queued copy
+    /// reads the home. The first failure is returned after every param was tried.
     pub fn restore(self) -> Result<()> {
+        if self.buffer.unpin() {
+            return Ok(());
+        }
         let mut result = Ok(());
         for (p, offset) in &self.replaced {
             let bytes = self.buffer.with_bytes(|b| {
