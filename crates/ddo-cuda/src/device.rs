@@ -89,7 +89,7 @@ pub const SCRATCH_BYTES: u64 = 256 << 20;
 const UPLOAD_STAGING_MIN: usize = 64 << 10;
 
 /// Threads that fill one upload chunk from pageable memory.
-const UPLOAD_COPY_THREADS: usize = 4;
+const UPLOAD_COPY_THREADS: usize = 8;
 
 /// `dst.copy_from_slice(src)` on up to [`UPLOAD_COPY_THREADS`] threads (one below 1 MiB).
 fn parallel_copy(dst: &mut [u8], src: &[u8]) {
