@@ -25,9 +25,7 @@
 //! bytes. It is also within one leaf of the optimum: with the optimum's slot leaf as the
 //! candidate `k`, first-fit-decreasing either packs every smaller leaf or leaves less room
 //! than the smallest leaf it skipped, which is no larger than the slot. Ties go to the
-//! earlier leaf, so plans are deterministic; then, among leaves of one size, the resident
-//! ones are spread evenly over the schedule (same bytes, same slot), so the link has work
-//! beside resident compute instead of waiting through a resident stretch. Planning costs O(n²) in the number of leaves
+//! earlier leaf, so plans are deterministic. Planning costs O(n²) in the number of leaves
 //! (a few milliseconds for a thousand).
 
 /// Most local-search steps; each step strictly increases the resident bytes, and in
@@ -118,8 +116,7 @@ pub fn plan_residency_with<S: AsRef<str>>(
     model: SlotModel,
 ) -> ResidencyPlan {
     let bytes: Vec<u64> = leaves.iter().map(|(_, b)| *b).collect();
-    let mut resident = choose_resident(&bytes, budget_bytes, model);
-    spread_equal_sizes(&bytes, &mut resident);
+    let resident = choose_resident(&bytes, budget_bytes, model);
     let mut plan = ResidencyPlan {
         resident: Vec::new(),
         streamed: Vec::new(),
@@ -142,29 +139,6 @@ pub fn plan_residency_with<S: AsRef<str>>(
     }
     plan.slot_bytes = model.room(largest, plan.streamed_bytes);
     plan
-}
-
-/// Among leaves of equal size, which of them is resident changes neither the bytes kept
-/// nor the slot; where they sit in the schedule changes the step time: resident leaves
-/// bunched at the start leave the link idle while they compute (the ring fills and waits),
-/// then compute waits for the link. So for each size, the resident leaves are re-chosen
-/// evenly spaced over that size's leaves in schedule order (`r` of `m`: leaf `k` when
-/// `⌊(k+1)·r/m⌋ > ⌊k·r/m⌋`), keeping their count.
-fn spread_equal_sizes(bytes: &[u64], keep: &mut [bool]) {
-    let mut by_size: std::collections::BTreeMap<u64, Vec<usize>> = Default::default();
-    for (i, b) in bytes.iter().enumerate() {
-        by_size.entry(*b).or_default().push(i);
-    }
-    for members in by_size.values() {
-        let m = members.len();
-        let r = members.iter().filter(|&&i| keep[i]).count();
-        if r == 0 || r == m {
-            continue;
-        }
-        for (k, &i) in members.iter().enumerate() {
-            keep[i] = (k + 1) * r / m > k * r / m;
-        }
-    }
 }
 
 /// The residency choice for leaves of `bytes` under `budget`: `true` = resident.
@@ -309,18 +283,6 @@ mod tests {
             .enumerate()
             .map(|(i, b)| (format!("l{i}"), *b))
             .collect()
-    }
-
-    #[test]
-    fn equal_leaves_are_kept_resident_evenly_spaced_over_the_schedule() {
-        // Ten equal leaves, budget for about half beside a one-leaf slot.
-        let l = leaves(&[100; 10]);
-        let p = plan_residency(&l, 600);
-        assert_eq!((p.resident_bytes, p.slot_bytes), (500, 100));
-        let keep: Vec<bool> = (0..10).map(|i| p.is_resident(&format!("l{i}"))).collect();
-        assert_eq!(keep.iter().filter(|k| **k).count(), 5);
-        // Spread: never two resident in a row, never two streamed in a row.
-        assert!(keep.windows(2).all(|w| w[0] != w[1]), "{keep:?}");
     }
 
     #[test]
