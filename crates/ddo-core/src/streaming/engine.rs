@@ -741,7 +741,8 @@ impl StreamingEngine {
             }
             at += unit.bytes;
         }
-        let home = PinnedHome::build(device, placements, home_bytes)?;
+        // Chunks end between units: each unit's copy reads one pinned buffer.
+        let home = PinnedHome::build_chunked(device, placements, home_bytes, &unit_offsets)?;
         let released = home.host_bytes_released();
         Ok((Host::Home { home, unit_offsets }, released))
     }
@@ -919,9 +920,7 @@ impl StreamingEngine {
         let dst_base = self.placement.offsets[u];
         match self.host.as_mut() {
             Some(Host::Home { home, unit_offsets }) => {
-                let src = home
-                    .buffer()
-                    .slice(unit_offsets[u] as usize, unit.bytes as usize)?;
+                let src = home.slice(unit_offsets[u], unit.bytes)?;
                 let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
                 self.device.copy_h2d(&src, &dst, &self.copy)?;
                 self.metrics.record_h2d(unit.bytes);
@@ -978,7 +977,7 @@ impl StreamingEngine {
                             sources[source].slice(offset as usize, run.len as usize)?
                         }
                         RunSource::Home { offset } => match home {
-                            Some(home) => home.buffer().slice(offset as usize, run.len as usize)?,
+                            Some(home) => home.slice(offset, run.len)?,
                             None => {
                                 return Err(CoreError::Backend {
                                     device: self.device.id().to_string(),

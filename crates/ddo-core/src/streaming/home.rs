@@ -13,17 +13,13 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::error::{CoreError, Result};
-use crate::host::HostBuffer;
+use crate::host::{HostBuffer, HostSlice};
 use crate::param::{Param, ParamId};
 use crate::streaming::layout::align_up;
 
 /// Threads that copy the weights into a home: memory bandwidth, not cores, bounds a copy,
 /// and a handful of threads reach it.
 pub const COPY_THREADS: usize = 8;
-
-/// Bytes copied into a home before its params take it as their host bytes (and their old
-/// sources are freed): 256 MiB.
-pub const BATCH_BYTES: u64 = 256 << 20;
 
 /// Copies each `(param, offset)` of `items` (sorted by offset, not overlapping) into
 /// `dst` at its offset, on up to [`COPY_THREADS`] threads balanced by bytes.
@@ -76,69 +72,143 @@ fn copy_disjoint(dst: &mut [u8], items: &[(&Arc<Param>, u64)]) {
     });
 }
 
-/// One pinned buffer holding the params' bytes, which replaced their host sources.
+/// Pinned memory holding the params' bytes, which replaced their host sources: one pinned
+/// buffer per chunk of about [`CHUNK_BYTES`] (chunks end only where the caller allows, e.g.
+/// between transfer units), so the home is pinned, filled and adopted chunk by chunk and the
+/// host never holds much more than one copy of the weights while it is built.
 #[derive(Debug)]
 pub struct PinnedHome {
-    buffer: HostBuffer,
+    /// `(start offset, buffer)` of each chunk, in order; together they cover `bytes`.
+    chunks: Vec<(u64, HostBuffer)>,
+    bytes: u64,
     /// `(param, offset)` of every param whose host bytes the home replaced.
     replaced: Vec<(Arc<Param>, u64)>,
     released: u64,
 }
 
+/// Bytes of one chunk of a pinned home (a chunk ends at the first allowed break past this):
+/// 256 MiB.
+pub const CHUNK_BYTES: u64 = 256 << 20;
+
 impl PinnedHome {
-    /// Allocates `bytes` of pinned memory, writes each `(param, offset)` placement (a param
-    /// may be placed more than once; its first place becomes its host bytes) and replaces
-    /// the params' host sources. The copy runs on up to [`COPY_THREADS`] threads, in batches
-    /// of about [`BATCH_BYTES`]; each batch's params take the home as their host bytes as
-    /// soon as it is copied, so a source the params alone held is freed batch by batch and
-    /// the host holds the weights about once, not twice, while the home is built. On error
-    /// nothing changed (params already moved get their previous bytes back, as owned
-    /// copies where their source was owned).
+    /// [`PinnedHome::build_chunked`] with no breaks: one pinned buffer.
     pub fn build<'a>(
         device: &dyn Device,
         placements: impl IntoIterator<Item = (&'a Arc<Param>, u64)>,
         bytes: u64,
     ) -> Result<Self> {
-        let buffer = device.alloc_pinned(bytes as usize)?;
+        Self::build_chunked(device, placements, bytes, &[])
+    }
+
+    /// Allocates `bytes` of pinned memory as chunks that end only at offsets in `breaks`
+    /// (sorted; the first break at or past [`CHUNK_BYTES`] from a chunk's start ends it),
+    /// writes each `(param, offset)` placement (a param may be placed more than once; its
+    /// first place becomes its host bytes) and replaces the params' host sources. Each
+    /// chunk is pinned, filled on up to [`COPY_THREADS`] threads and adopted by its params
+    /// before the next is pinned, so a source the params alone held is freed chunk by
+    /// chunk. A placement must not cross a break it is given. On error nothing changed
+    /// (params already moved get their previous bytes back, as owned copies where their
+    /// source was owned).
+    pub fn build_chunked<'a>(
+        device: &dyn Device,
+        placements: impl IntoIterator<Item = (&'a Arc<Param>, u64)>,
+        bytes: u64,
+        breaks: &[u64],
+    ) -> Result<Self> {
+        Self::build_in_chunks(device, placements, bytes, breaks, CHUNK_BYTES)
+    }
+
+    /// [`PinnedHome::build_chunked`] with chunks of about `chunk_bytes`.
+    fn build_in_chunks<'a>(
+        device: &dyn Device,
+        placements: impl IntoIterator<Item = (&'a Arc<Param>, u64)>,
+        bytes: u64,
+        breaks: &[u64],
+        chunk_bytes: u64,
+    ) -> Result<Self> {
         let mut placements: Vec<(&Arc<Param>, u64)> = placements.into_iter().collect();
         placements.sort_by_key(|(_, at)| *at);
         let overlapping = placements
             .windows(2)
             .any(|w| w[0].1 + w[0].0.nbytes() as u64 > w[1].1);
+        // Chunk ends: the first break past CHUNK_BYTES from each chunk's start, then `bytes`.
+        let mut ends = Vec::new();
+        let mut chunk_start = 0u64;
+        for &b in breaks {
+            if b > chunk_start && b < bytes && b - chunk_start >= chunk_bytes {
+                ends.push(b);
+                chunk_start = b;
+            }
+        }
+        ends.push(bytes);
+        if placements.iter().any(|(p, at)| {
+            let end = at + p.nbytes() as u64;
+            end > bytes || ends.iter().any(|&e| *at < e && end > e)
+        }) {
+            return Err(CoreError::Backend {
+                device: device.id().to_string(),
+                message: "pinned home: a placement crosses a chunk boundary or the end".into(),
+            });
+        }
         let mut placed: HashSet<ParamId> = HashSet::new();
         let mut home = Self {
-            buffer,
+            chunks: Vec::with_capacity(ends.len()),
+            bytes,
             replaced: Vec::new(),
             released: 0,
         };
-        let mut start = 0;
-        while start < placements.len() {
-            let mut end = start;
-            let mut batch_bytes = 0u64;
-            while end < placements.len() && (end == start || batch_bytes < BATCH_BYTES) {
-                batch_bytes += placements[end].0.nbytes() as u64;
-                end += 1;
+        let (mut lo, mut first) = (0u64, 0usize);
+        for &hi in &ends {
+            let mut last = first;
+            while last < placements.len() && placements[last].1 < hi {
+                last += 1;
             }
-            let batch = &placements[start..end];
-            let copied = home.buffer.with_bytes_mut(|dst| {
-                if overlapping {
-                    for (p, at) in batch {
-                        let at = *at as usize;
-                        p.host()
-                            .with_bytes(|b| dst[at..at + b.len()].copy_from_slice(b));
+            let batch: Vec<(&Arc<Param>, u64)> = placements[first..last]
+                .iter()
+                .map(|(p, at)| (*p, at - lo))
+                .collect();
+            let filled = device.alloc_pinned((hi - lo) as usize).and_then(|buffer| {
+                buffer.with_bytes_mut(|dst| {
+                    if overlapping {
+                        for (p, at) in &batch {
+                            let at = *at as usize;
+                            p.host()
+                                .with_bytes(|b| dst[at..at + b.len()].copy_from_slice(b));
+                        }
+                    } else {
+                        copy_disjoint(dst, &batch);
                     }
-                } else {
-                    copy_disjoint(dst, batch);
-                }
+                })?;
+                Ok(buffer)
             });
-            if let Err(e) = copied.and_then(|()| home.adopt(batch, &mut placed)) {
+            let adopted = filled.and_then(|buffer| {
+                home.chunks.push((lo, buffer));
+                home.adopt(&placements[first..last], &mut placed)
+            });
+            if let Err(e) = adopted {
                 // Give the params moved so far their bytes back before the home goes.
                 let _ = home.restore();
                 return Err(e);
             }
-            start = end;
+            lo = hi;
+            first = last;
         }
         Ok(home)
+    }
+
+    /// `len` bytes of the home from `offset`, within one chunk.
+    pub fn slice(&self, offset: u64, len: u64) -> Result<HostSlice> {
+        let i = self.chunks.partition_point(|(start, _)| *start <= offset);
+        let (start, buffer) =
+            i.checked_sub(1)
+                .and_then(|i| self.chunks.get(i))
+                .ok_or(CoreError::OutOfRange {
+                    what: "pinned home",
+                    offset: offset as usize,
+                    len: len as usize,
+                    buffer_len: self.bytes as usize,
+                })?;
+        buffer.slice((offset - start) as usize, len as usize)
     }
 
     /// Points the params of `batch` placed here first at their place in the home.
@@ -147,7 +217,7 @@ impl PinnedHome {
             if !placed.insert(p.id()) {
                 continue;
             }
-            let slice = self.buffer.slice(*offset as usize, p.nbytes())?;
+            let slice = self.slice(*offset, p.nbytes() as u64)?;
             let old = p.replace_host(slice)?;
             // The old bytes go with their last handle; this was it when only ours is left.
             if old.buffer().handle_count() == 1 {
@@ -192,17 +262,18 @@ impl PinnedHome {
                 Ok(None)
             };
         }
-        Self::build(device, placements, at).map(Some)
-    }
-
-    /// The pinned buffer.
-    pub fn buffer(&self) -> &HostBuffer {
-        &self.buffer
+        let breaks: Vec<u64> = placements.iter().map(|(_, at)| *at).collect();
+        Self::build_chunked(device, placements, at, &breaks).map(Some)
     }
 
     /// Pinned bytes held.
     pub fn bytes(&self) -> u64 {
-        self.buffer.len() as u64
+        self.bytes
+    }
+
+    /// Pinned buffers (chunks) the home is made of.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
     }
 
     /// Host bytes of the params' previous sources that went when the home replaced them.
@@ -216,15 +287,18 @@ impl PinnedHome {
     /// owned pageable copy and the pinned buffer goes. The caller makes sure no queued copy
     /// reads the home. The first failure is returned after every param was tried.
     pub fn restore(self) -> Result<()> {
-        if self.buffer.unpin() {
+        // Every chunk unpinned in place: the params read the same bytes, pageable.
+        let unpinned: Vec<bool> = self.chunks.iter().map(|(_, b)| b.unpin()).collect();
+        if unpinned.iter().all(|u| *u) {
             return Ok(());
         }
         let mut result = Ok(());
         for (p, offset) in &self.replaced {
-            let bytes = self.buffer.with_bytes(|b| {
-                HostBuffer::pageable_from(&b[*offset as usize..*offset as usize + p.nbytes()])
-            });
-            if let Err(e) = p.replace_host(bytes.slice_all())
+            let copied = self
+                .slice(*offset, p.nbytes() as u64)
+                .map(|s| s.with_bytes(HostBuffer::pageable_from))
+                .and_then(|bytes| p.replace_host(bytes.slice_all()).map(drop));
+            if let Err(e) = copied
                 && result.is_ok()
             {
                 result = Err(e);
@@ -281,6 +355,47 @@ mod tests {
             assert_eq!(p.host().kind(), HostMemoryKind::Pageable);
             assert_eq!(p.host_checksum(), *sum);
         }
+        assert_eq!(device.memory_info().pinned_host, 0);
+
+        // In chunks of about 8 MiB, breaking only between params: the pinned peak grows
+        // chunk by chunk while each chunk's sources are freed as it is adopted.
+        let mut at = 0u64;
+        let placements: Vec<(&Arc<Param>, u64)> = params
+            .iter()
+            .map(|p| {
+                let here = at;
+                at += crate::streaming::layout::align_up(p.nbytes() as u64);
+                (p, here)
+            })
+            .collect();
+        let breaks: Vec<u64> = placements.iter().map(|(_, a)| *a).collect();
+        let home = PinnedHome::build_in_chunks(&*device, placements.clone(), at, &breaks, 8 << 20)
+            .unwrap();
+        assert_eq!(home.chunks(), 48 / 6, "six 1.5 MiB params make a chunk");
+        assert_eq!(home.bytes(), at);
+        assert_eq!(device.memory_info().pinned_host, at);
+        for ((p, off), sum) in placements.iter().zip(&sums) {
+            assert_eq!(p.host_checksum(), *sum);
+            assert_eq!(
+                home.slice(*off, p.nbytes() as u64).unwrap().to_vec(),
+                p.host().to_vec()
+            );
+        }
+        // A unit may not cross a chunk: a slice over a boundary is refused.
+        assert!(
+            home.slice(placements[5].1, 2 * placements[5].0.nbytes() as u64)
+                .is_err()
+        );
+        home.restore().unwrap();
+        assert_eq!(device.memory_info().pinned_host, 0);
+        // A placement that crosses a break it was given is refused, and nothing changed.
+        let before: Vec<u64> = params.iter().map(|p| p.host_checksum()).collect();
+        let err = PinnedHome::build_in_chunks(&*device, placements, at, &[(3 << 20) + 8], 1 << 20);
+        assert!(err.is_err());
+        assert_eq!(
+            params.iter().map(|p| p.host_checksum()).collect::<Vec<_>>(),
+            before
+        );
         assert_eq!(device.memory_info().pinned_host, 0);
     }
 }
