@@ -9,39 +9,20 @@ Usage: python3 tools/peer_full.py OUT.json
 """
 
 import json
-import statistics
+import os
 import sys
 import time
 
 import torch
 
-from diffusers import FluxTransformer2DModel
-
-
-def events_ms(f, warmup=2, runs=5):
-    for _ in range(warmup):
-        f()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(runs):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_peer import flux_transformer, time_cuda  # noqa: E402
 
 
 def main():
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
-            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-            pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
-        ).to(torch.bfloat16).eval()
+        model = flux_transformer(19, 38).to(torch.bfloat16).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -62,9 +43,8 @@ def main():
     results = {"weight_bytes": weights}
     with torch.no_grad():
         torch.cuda.reset_peak_memory_stats()
-        ms = events_ms(lambda: model(**inputs))
-        results["resident"] = {"median_ms": statistics.median(ms), "ms": ms,
-                               "peak_bytes": torch.cuda.max_memory_allocated()}
+        results["resident"] = time_cuda(lambda: model(**inputs), warmup=2, runs=5)
+        results["resident"]["peak_bytes"] = torch.cuda.max_memory_allocated()
         print("resident", json.dumps(results["resident"]), flush=True)
         model = model.to("cpu")
         torch.cuda.empty_cache()
@@ -74,10 +54,9 @@ def main():
                                    offload_type="leaf_level", use_stream=True)
         setup = time.time() - t
         torch.cuda.reset_peak_memory_stats()
-        ms = events_ms(lambda: model(**inputs))
-        results["leaf_stream"] = {"median_ms": statistics.median(ms), "ms": ms,
-                                  "peak_bytes": torch.cuda.max_memory_allocated(),
-                                  "setup_s": setup}
+        results["leaf_stream"] = time_cuda(lambda: model(**inputs), warmup=2, runs=5)
+        results["leaf_stream"]["peak_bytes"] = torch.cuda.max_memory_allocated()
+        results["leaf_stream"]["setup_s"] = setup
         print("leaf_stream", json.dumps(results["leaf_stream"]), flush=True)
     with open(sys.argv[1], "w") as f:
         json.dump(results, f, indent=2)

@@ -17,7 +17,7 @@ use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
 use crate::progress::ProgressBar;
 use crate::run::{
-    Source, build_pipeline, parse_dtype, plan_budget, plan_memory, plan_order, positive,
+    Source, build_pipeline, parse_dtype, plan_budget, plan_memory, planned_explanations, positive,
     source_from_args,
 };
 use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device, vram_budget};
@@ -176,10 +176,7 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
         height,
         width,
     )?;
-    let explanations = plan_order(&names, &plan)
-        .iter()
-        .map(|p| routing.explain_planned(p))
-        .collect::<CliResult<Vec<Explanation>>>()?;
+    let explanations = planned_explanations(routing, &names, &plan)?;
     let text = if args.flag("json") {
         let v = serde_json::json!({
             "memory_plan": plan.to_json(),

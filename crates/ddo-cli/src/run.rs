@@ -13,9 +13,7 @@ use ddo_nn::pipeline::{
     FluxPipeline, FluxPipelineConfig, InitLatents, PipelineRequest, PipelineRun, PromptEmbeds,
     PromptInput, TiledDecode,
 };
-use ddo_routes::{
-    ComponentPlan, PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_pipeline,
-};
+use ddo_routes::{PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_pipeline};
 use serde_json::{Value, json};
 
 use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
@@ -299,9 +297,17 @@ pub(crate) fn plan_memory(
     .map_err(|e| CliError::from(e).context("planning memory"))
 }
 
-/// The plans of `names`, in that order.
-pub(crate) fn plan_order<'a>(names: &[String], plan: &'a PipelinePlan) -> Vec<&'a ComponentPlan> {
-    names.iter().filter_map(|n| plan.component(n)).collect()
+/// How `routing` explains the routes the plan chose for `names`, in that order.
+pub(crate) fn planned_explanations(
+    routing: &Routing,
+    names: &[String],
+    plan: &PipelinePlan,
+) -> CliResult<Vec<Explanation>> {
+    names
+        .iter()
+        .filter_map(|n| plan.component(n))
+        .map(|p| routing.explain_planned(p))
+        .collect()
 }
 
 /// Runs `ddo run` with `argv` (after `run`), writing the profile to `out`.
@@ -455,10 +461,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         height,
         width,
     )?;
-    let explanations = plan_order(&names, &plan)
-        .iter()
-        .map(|p| routing.explain_planned(p))
-        .collect::<CliResult<Vec<Explanation>>>()?;
+    let explanations = planned_explanations(&routing, &names, &plan)?;
     if !args.flag("json") {
         out.write_all(plan.format_text().as_bytes())
             .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))?;

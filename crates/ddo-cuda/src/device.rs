@@ -749,6 +749,25 @@ impl CudaDevice {
         Some(buffer)
     }
 
+    /// An event recorded on `stream` with `flags` (cudarc's default: no timing).
+    fn record_with(
+        &self,
+        stream: &Stream,
+        flags: Option<cudarc::driver::sys::CUevent_flags>,
+    ) -> ddo_core::Result<Event> {
+        let s = self.stream_handle(stream)?;
+        let event = s
+            .stream
+            .record_event(flags)
+            .call("cuEventRecord")
+            .map_err(|e| self.core(e))?;
+        Ok(Event::new(Arc::new(CudaEventHandle {
+            id: self.id(),
+            instance: self.shared.instance,
+            event,
+        })))
+    }
+
     /// Bytes of one chunk of a large pageable upload: half the upload buffers' room.
     fn upload_chunk(&self) -> usize {
         (self.config.upload_staging_bytes / 2) as usize
@@ -1179,9 +1198,7 @@ impl Device for CudaDevice {
             // a tensor just uploaded is still its buffer's only holder (in-place ops).
             alloc.note_use(s);
             s.track((Held::Host(view), None)).map_err(|e| self.core(e))
-        } else if src.kind() == HostMemoryKind::Pageable
-            && self.upload_staging_buffer(self.upload_chunk()).is_some()
-        {
+        } else if src.kind() == HostMemoryKind::Pageable && self.upload_chunk() > 0 {
             self.upload_in_chunks(src, to, alloc, s)
         } else {
             // Pageable or mapped: the copy completes before the bytes' borrow ends.
@@ -1256,31 +1273,14 @@ impl Device for CudaDevice {
     }
 
     fn record_event(&self, stream: &Stream) -> ddo_core::Result<Event> {
-        let s = self.stream_handle(stream)?;
-        let event = s
-            .stream
-            .record_event(None)
-            .call("cuEventRecord")
-            .map_err(|e| self.core(e))?;
-        Ok(Event::new(Arc::new(CudaEventHandle {
-            id: self.id(),
-            instance: self.shared.instance,
-            event,
-        })))
+        self.record_with(stream, None)
     }
 
     fn record_timed_event(&self, stream: &Stream) -> ddo_core::Result<Event> {
-        let s = self.stream_handle(stream)?;
-        let event = s
-            .stream
-            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .call("cuEventRecord")
-            .map_err(|e| self.core(e))?;
-        Ok(Event::new(Arc::new(CudaEventHandle {
-            id: self.id(),
-            instance: self.shared.instance,
-            event,
-        })))
+        self.record_with(
+            stream,
+            Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT),
+        )
     }
 
     fn event_elapsed_ns(&self, start: &Event, end: &Event) -> ddo_core::Result<Option<i64>> {

@@ -315,7 +315,6 @@ fn bad_requests_are_typed_errors_and_release_everything() {
 fn an_untiled_decode_out_of_memory_is_retried_tiled_once() {
     use ddo_nn::pipeline::{DecodePlan, plan_decode};
     use ddo_nn::vae::{TilingConfig, estimate_decode_peak_bytes, estimate_tiled_decode_peak_bytes};
-    use ddo_routes::{OffloadOptions, enable_offload};
 
     let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 9, DType::F32).unwrap();
     let (height, width) = (128, 128);
@@ -329,22 +328,8 @@ fn an_untiled_decode_out_of_memory_is_retried_tiled_once() {
     assert!(tiled < untiled / 2, "{tiled} vs {untiled}");
     // Room for the resident weights and a tiled decode, not for an untiled one.
     let weights = pipe.vae.component().param_bytes();
-    let d = HostDevice::with_capacity(weights + (tiled + untiled) / 2).unwrap();
-    let mut handle = enable_offload(
-        pipe.vae.component(),
-        d.clone(),
-        &OffloadOptions {
-            route: Some("none".parse().unwrap()),
-            ..OffloadOptions::default()
-        },
-    )
-    .unwrap();
-    let packed = Tensor::from_f32(
-        vec![1, (h / 2) * (w / 2), 16],
-        DType::F32,
-        &ddo_nn::pipeline::gaussian_noise(3, (h / 2) * (w / 2) * 16),
-    )
-    .unwrap();
+    let (d, mut handle) = resident_vae(&pipe, weights + (tiled + untiled) / 2);
+    let packed = packed_noise(h, w);
 
     // Off: the out-of-memory error comes back as it is.
     let mut off: DecodePlan =
@@ -379,7 +364,6 @@ fn an_untiled_decode_out_of_memory_is_retried_tiled_once() {
 fn an_untiled_decode_out_of_memory_is_not_retried_below_the_default_tile() {
     use ddo_nn::pipeline::plan_decode;
     use ddo_nn::vae::{TilingConfig, estimate_decode_peak_bytes};
-    use ddo_routes::{OffloadOptions, enable_offload};
 
     let pipe = FluxPipeline::random(&FluxPipelineConfig::tiny(), 9, DType::F32).unwrap();
     let (height, width) = (32, 32);
@@ -390,22 +374,8 @@ fn an_untiled_decode_out_of_memory_is_not_retried_below_the_default_tile() {
     assert!(!TilingConfig::from_config(config).needs_tiling(h, w));
     let untiled = estimate_decode_peak_bytes(config, &shape, DType::F32);
     let weights = pipe.vae.component().param_bytes();
-    let d = HostDevice::with_capacity(weights + untiled / 2).unwrap();
-    let mut handle = enable_offload(
-        pipe.vae.component(),
-        d.clone(),
-        &OffloadOptions {
-            route: Some("none".parse().unwrap()),
-            ..OffloadOptions::default()
-        },
-    )
-    .unwrap();
-    let packed = Tensor::from_f32(
-        vec![1, (h / 2) * (w / 2), 16],
-        DType::F32,
-        &ddo_nn::pipeline::gaussian_noise(3, (h / 2) * (w / 2) * 16),
-    )
-    .unwrap();
+    let (d, mut handle) = resident_vae(&pipe, weights + untiled / 2);
+    let packed = packed_noise(h, w);
     let mut auto = plan_decode(config, &shape, DType::F32, TiledDecode::Auto, None, None).unwrap();
     let e = pipe
         .decode_planned(&*d, &packed, height, width, &mut auto)
@@ -531,4 +501,32 @@ fn prompt_encoding_and_a_run_from_tokens_match_diffusers() {
     eprintln!("text_latents: max |diff| {err:.3e}");
     assert!(err <= 1e-4, "text latents: {err:e}");
     assert!(run.phases[0].note.is_none());
+}
+
+/// `pipe`'s VAE resident on a fresh host device of `capacity` bytes.
+fn resident_vae(
+    pipe: &FluxPipeline,
+    capacity: u64,
+) -> (Arc<HostDevice>, ddo_routes::OffloadHandle) {
+    let d = HostDevice::with_capacity(capacity).unwrap();
+    let handle = ddo_routes::enable_offload(
+        pipe.vae.component(),
+        d.clone(),
+        &ddo_routes::OffloadOptions {
+            route: Some("none".parse().unwrap()),
+            ..ddo_routes::OffloadOptions::default()
+        },
+    )
+    .unwrap();
+    (d, handle)
+}
+
+/// Seeded packed latents `[1, (h/2)·(w/2), 16]` for an `h × w` latent grid.
+fn packed_noise(h: usize, w: usize) -> Tensor {
+    Tensor::from_f32(
+        vec![1, (h / 2) * (w / 2), 16],
+        DType::F32,
+        &ddo_nn::pipeline::gaussian_noise(3, (h / 2) * (w / 2) * 16),
+    )
+    .unwrap()
 }

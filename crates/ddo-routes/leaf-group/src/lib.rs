@@ -325,12 +325,14 @@ impl Route for GroupOffloadRoute {
             }
         };
         let learning = plan.largest_groups_bytes(2);
+        // A home of the streamed bytes when they fit, else two staging buffers of a slot.
+        let staging_buffers = 2 * (ring / model.slots.max(1)).min(limit / 2);
         let (pinned, pageable) = if streaming.staging == StagingMode::Ring {
-            (2 * (ring / model.slots.max(1)).min(limit / 2), false)
+            (staging_buffers, false)
         } else if streamed <= limit {
             (streamed, false)
         } else {
-            (2 * (ring / model.slots.max(1)).min(limit / 2), true)
+            (staging_buffers, true)
         };
         Ok(Footprint {
             weight_bytes,
