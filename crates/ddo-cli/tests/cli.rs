@@ -208,6 +208,25 @@ fn the_default_preset_keeps_what_fits_resident_and_streams_the_rest() {
         err.contains("--vram-budget") && err.contains("too small"),
         "{err}"
     );
+    // An image no device holds is refused by the plan too, with no overflow, for run and
+    // resolve alike.
+    for command in ["run", "resolve"] {
+        let out = ddo(&[
+            command,
+            "--config",
+            "tiny",
+            "--height",
+            "4294967296",
+            "--width",
+            "4294967296",
+        ]);
+        assert_eq!(out.status.code(), Some(1), "{command}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("too small") && !err.contains("internal"),
+            "{command}: {err}"
+        );
+    }
 }
 
 #[test]

@@ -34,13 +34,15 @@ pub fn estimate_flux_activation_bytes(
     image_tokens: usize,
     text_tokens: usize,
 ) -> u64 {
-    let d = (config.num_attention_heads * config.attention_head_dim) as u64;
-    let m = 4 * d;
-    let tokens = (image_tokens + text_tokens) as u64;
-    let per_token = (3 * d + m) + m + (d + m) + 10 * d;
+    let d = (config.num_attention_heads as u64).saturating_mul(config.attention_head_dim as u64);
+    let tokens = (image_tokens as u64).saturating_add(text_tokens as u64);
+    // (3·D + M) + M + (D + M) + 10·D with M = 4·D: 26·D per token.
+    let per_token = d.saturating_mul(26);
     // RoPE tables (cos, sin per token and head width) and the modulation vectors.
-    let tables = 2 * tokens * config.attention_head_dim as u64 + 24 * d;
-    ELEM * (tokens * per_token + tables)
+    let tables = tokens
+        .saturating_mul(2 * config.attention_head_dim as u64)
+        .saturating_add(d.saturating_mul(24));
+    saturating_elems(&[tokens.saturating_mul(per_token), tables])
 }
 
 /// Activation bound of one T5 encoder forward over `seq` tokens: the gated feed-forward
@@ -49,10 +51,12 @@ pub fn estimate_flux_activation_bytes(
 /// `[heads, seq, seq]` and one score block of the same size.
 pub fn estimate_t5_activation_bytes(config: &T5Config, seq: usize) -> u64 {
     let s = seq as u64;
-    let inner = (config.num_heads * config.d_kv) as u64;
-    let per_token = 3 * config.d_ff as u64 + 8 * config.d_model as u64 + 4 * inner;
-    let bias = 2 * config.num_heads as u64 * s * s;
-    ELEM * (s * per_token + bias)
+    let inner = (config.num_heads as u64).saturating_mul(config.d_kv as u64);
+    let per_token = (3 * config.d_ff as u64)
+        .saturating_add(8 * config.d_model as u64)
+        .saturating_add(inner.saturating_mul(4));
+    let bias = (2 * config.num_heads as u64).saturating_mul(s.saturating_mul(s));
+    saturating_elems(&[s.saturating_mul(per_token), bias])
 }
 
 /// Activation bound of one CLIP text forward over `seq` tokens: the MLP (`intermediate`
@@ -60,9 +64,19 @@ pub fn estimate_t5_activation_bytes(config: &T5Config, seq: usize) -> u64 {
 /// causal mask and one score block (`heads × seq × seq`).
 pub fn estimate_clip_activation_bytes(config: &ClipTextConfig, seq: usize) -> u64 {
     let s = seq as u64;
-    let per_token = 2 * config.intermediate_size as u64 + 10 * config.hidden_size as u64;
-    let scores = (config.num_attention_heads as u64 + 1) * s * s;
-    ELEM * (s * per_token + scores)
+    let per_token =
+        (2 * config.intermediate_size as u64).saturating_add(10 * config.hidden_size as u64);
+    let scores = (config.num_attention_heads as u64 + 1).saturating_mul(s.saturating_mul(s));
+    saturating_elems(&[s.saturating_mul(per_token), scores])
+}
+
+/// Bytes of the elements `counts` add up to, saturating: an absurd size gives a bound no
+/// budget holds (the planner then refuses it with a typed error), never an overflow.
+fn saturating_elems(counts: &[u64]) -> u64 {
+    counts
+        .iter()
+        .fold(0u64, |a, c| a.saturating_add(*c))
+        .saturating_mul(ELEM)
 }
 
 impl FluxPipeline {
@@ -79,7 +93,7 @@ impl FluxPipeline {
         scratch: u64,
     ) -> Result<Vec<PhaseDemand>> {
         let (h, w) = self.latent_grid(height, width)?;
-        let image_tokens = (h / 2) * (w / 2);
+        let image_tokens = (h / 2).saturating_mul(w / 2);
         let text_tokens = self.max_sequence_length;
         let clip = self.clip.as_ref().map_or(0, |c| {
             estimate_clip_activation_bytes(c.config(), c.config().max_position_embeddings)
@@ -96,7 +110,9 @@ impl FluxPipeline {
         let untiled = estimate_decode_peak_bytes(vae, &latent_shape, dtype);
         let tiling = TilingConfig::from_config(vae);
         let weights = self.vae.component().param_bytes();
-        let decode = if untiled + weights + scratch <= budget || !tiling.needs_tiling(h, w) {
+        let decode = if untiled.saturating_add(weights).saturating_add(scratch) <= budget
+            || !tiling.needs_tiling(h, w)
+        {
             untiled
         } else {
             estimate_tiled_decode_peak_bytes(vae, &latent_shape, dtype, &tiling)
@@ -112,17 +128,17 @@ impl FluxPipeline {
             PhaseDemand {
                 phase: PHASES[0].to_string(),
                 components: text,
-                activation_bytes: clip.max(t5) + scratch,
+                activation_bytes: clip.max(t5).saturating_add(scratch),
             },
             PhaseDemand {
                 phase: PHASES[1].to_string(),
                 components: vec![TRANSFORMER.to_string()],
-                activation_bytes: transformer + scratch,
+                activation_bytes: transformer.saturating_add(scratch),
             },
             PhaseDemand {
                 phase: PHASES[2].to_string(),
                 components: vec![VAE.to_string()],
-                activation_bytes: decode + scratch,
+                activation_bytes: decode.saturating_add(scratch),
             },
         ])
     }

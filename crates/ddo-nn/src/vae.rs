@@ -1129,6 +1129,9 @@ pub fn estimate_decode_peak_bytes(
     let [b, c, h, w] = *latent_shape else {
         return 0;
     };
+    if beyond_any_device(config, latent_shape) {
+        return u64::MAX;
+    }
     let mut sim = PeakSim {
         elem: dtype.size_in_bytes() as u64,
         live: 0,
@@ -1137,6 +1140,27 @@ pub fn estimate_decode_peak_bytes(
     sim.alloc(b * c * h * w); // the latents
     sim.decoder(config, b, h, w);
     sim.peak
+}
+
+/// Whether a decode of `latent_shape` is beyond any device: the widest channel count at the
+/// full output resolution above 2^40 elements (2 TiB in bf16). The estimates then say
+/// `u64::MAX` (which no budget holds) instead of overflowing their element counts or
+/// walking billions of tiles.
+fn beyond_any_device(config: &AutoencoderKLConfig, latent_shape: &[usize]) -> bool {
+    let widest = config
+        .block_out_channels
+        .iter()
+        .copied()
+        .chain([config.latent_channels, config.out_channels])
+        .max()
+        .unwrap_or(1);
+    let upscale = 1usize << (2 * config.block_out_channels.len().saturating_sub(1)).min(62);
+    latent_shape
+        .iter()
+        .copied()
+        .chain([widest, upscale])
+        .try_fold(1usize, usize::checked_mul)
+        .is_none_or(|n| n as u64 > 1 << 40)
 }
 
 /// [`estimate_decode_peak_bytes`] for a tiled decode with `tiling` (untiled when the
@@ -1155,6 +1179,9 @@ pub fn estimate_tiled_decode_peak_bytes(
     };
     if !tiling.needs_tiling(h, w) || tiling.validate().is_err() {
         return estimate_decode_peak_bytes(config, latent_shape, dtype);
+    }
+    if beyond_any_device(config, latent_shape) {
+        return u64::MAX;
     }
     let f = config.upsample_factor();
     let oc = config.out_channels;

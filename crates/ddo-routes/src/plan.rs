@@ -254,7 +254,7 @@ fn plan_phase(
     let activation = demand.activation_bytes;
     let room = budget.saturating_sub(activation);
     let ctx = context.with_free(room);
-    let mut out: Vec<(ComponentPlan, u64)> = Vec::new();
+    let mut plans: Vec<ComponentPlan> = Vec::new();
     let (mut fixed_resident, mut fixed_transient) = (0u64, 0u64);
     let mut largest_need = (String::new(), 0u64);
     for c in fixed {
@@ -265,17 +265,14 @@ fn plan_phase(
             largest_need = (c.component.name().to_string(), f.peak_device_bytes());
         }
         let reason = format!("{}: counted as given", c.resolution.decided_by);
-        out.push((
-            ComponentPlan {
-                component: c.component.name().to_string(),
-                phase: demand.phase.clone(),
-                resolution: c.resolution,
-                planned: false,
-                footprint: f,
-                reason,
-            },
-            u64::MAX,
-        ));
+        plans.push(ComponentPlan {
+            component: c.component.name().to_string(),
+            phase: demand.phase.clone(),
+            resolution: c.resolution,
+            planned: false,
+            footprint: f,
+            reason,
+        });
     }
     // Planned: smallest first; each one's zero-budget stream footprint is its least need.
     planned.sort_by_key(|c| c.component.param_bytes());
@@ -313,7 +310,9 @@ fn plan_phase(
             .max()
             .unwrap_or(0)
             .max(fixed_transient);
-        let needed = activation + fixed_resident + least_transient;
+        let needed = activation
+            .saturating_add(fixed_resident)
+            .saturating_add(least_transient);
         return Err(too_small(
             demand,
             budget,
@@ -345,14 +344,13 @@ fn plan_phase(
                 ),
             )
         } else if i + 1 == keep + streamed_count {
-            // The largest streamed one gets what is left as its budget.
-            let others = out
+            // The largest streamed one gets what is left as its budget, beside the
+            // largest transient of the components planned before it and the fixed ones.
+            let others = plans
                 .iter()
-                .filter(|(_, order)| *order != u64::MAX)
-                .map(|(p, _)| p.footprint.transient_device_bytes)
+                .map(|p| p.footprint.transient_device_bytes)
                 .max()
-                .unwrap_or(0)
-                .max(fixed_transient);
+                .unwrap_or(0);
             let left = budget
                 .saturating_sub(activation)
                 .saturating_sub(fixed_resident)
@@ -372,26 +370,24 @@ fn plan_phase(
             needs_native_allocator: f.needs_native_allocator,
             ..c.resolution
         };
-        out.push((
-            ComponentPlan {
-                component: name,
-                phase: demand.phase.clone(),
-                resolution,
-                planned: true,
-                footprint: f,
-                reason,
-            },
-            i as u64,
-        ));
+        plans.push(ComponentPlan {
+            component: name,
+            phase: demand.phase.clone(),
+            resolution,
+            planned: true,
+            footprint: f,
+            reason,
+        });
     }
-    let plans: Vec<ComponentPlan> = out.into_iter().map(|(p, _)| p).collect();
     let resident: u64 = plans.iter().map(|p| p.footprint.resident_bytes).sum();
     let transient = plans
         .iter()
         .map(|p| p.footprint.transient_device_bytes)
         .max()
         .unwrap_or(0);
-    let peak = activation + resident + transient;
+    let peak = activation
+        .saturating_add(resident)
+        .saturating_add(transient);
     if peak > budget {
         // The plan's own check: never hand out a plan above its budget.
         return Err(too_small(
