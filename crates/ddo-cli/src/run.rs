@@ -379,7 +379,9 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     };
 
     let mut bar = ProgressBar::new();
+    let mut startup = Stopwatch::new(started);
     let (pipe, model_label) = build_pipeline(&source, dtype, max_seq, &mut bar)?;
+    startup.lap("weights");
     let names = pipe.component_names();
     let routing = Routing::from_args(&args, &names)?;
     let explanations = names
@@ -387,6 +389,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         .map(|n| routing.explain(n))
         .collect::<CliResult<Vec<Explanation>>>()?;
     let device = open_device(device_choice, budget, DeviceNeeds::of(&explanations))?;
+    startup.lap("device");
     let (plan_budget, budget_source) = plan_budget(&*device, budget);
     let effective_budget = Some(plan_budget);
     check_budget(plan_budget, &pipe.components())?;
@@ -466,8 +469,10 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         out.write_all(plan.format_text().as_bytes())
             .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))?;
     }
+    startup.lap("plan");
     let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
         .map_err(|e| CliError::from(e).context("attaching routes"))?;
+    startup.lap("attach");
     let request = PipelineRequest {
         prompt,
         steps,
@@ -484,6 +489,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     });
     bar.finish();
     let run = result?;
+    startup.lap("phases");
 
     let image = HostTensor::from_tensor(&run.image)?;
     match out_kind {
@@ -517,6 +523,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 .unwrap_or(Value::Null)
         })
         .collect();
+    startup.lap("output");
     let total = started.elapsed().as_secs_f64();
     let report = Report {
         model: &model_label,
@@ -534,6 +541,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         snapshots: &snapshots,
         out: &out_path,
         save_latents: save_latents.as_ref(),
+        laps: &startup.laps,
         total,
     };
     let text = if args.flag("json") {
@@ -561,7 +569,40 @@ struct Report<'a> {
     snapshots: &'a [Value],
     out: &'a PathBuf,
     save_latents: Option<&'a PathBuf>,
+    /// Wall time by stage (see [`Stopwatch`]).
+    laps: &'a [(&'static str, f64)],
     total: f64,
+}
+
+/// Wall time of `ddo run` by stage: each lap is the time since the previous one (the first
+/// counts from the process's start of `run`, argument parsing and input files included).
+struct Stopwatch {
+    last: Instant,
+    laps: Vec<(&'static str, f64)>,
+}
+
+impl Stopwatch {
+    fn new(started: Instant) -> Self {
+        Self {
+            last: started,
+            laps: Vec::new(),
+        }
+    }
+
+    fn lap(&mut self, stage: &'static str) {
+        let now = Instant::now();
+        self.laps
+            .push((stage, now.duration_since(self.last).as_secs_f64()));
+        self.last = now;
+    }
+
+    /// Seconds before the pipeline's first phase began (every lap before `phases`).
+    fn before_phases(laps: &[(&'static str, f64)]) -> f64 {
+        laps.iter()
+            .take_while(|(stage, _)| *stage != "phases")
+            .map(|(_, s)| s)
+            .sum()
+    }
 }
 
 fn ms(seconds: f64) -> String {
@@ -612,6 +653,8 @@ impl Report<'_> {
             "timesteps": self.run.timesteps,
             "output": self.out.display().to_string(),
             "latents_output": self.save_latents.map(|p| p.display().to_string()),
+            "stage_seconds": self.laps.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "seconds_before_first_phase": Stopwatch::before_phases(self.laps),
             "total_seconds": self.total,
         })
     }
@@ -754,6 +797,16 @@ impl Report<'_> {
             s += &format!(", latents to {}", p.display());
         }
         s += &format!("; total {}\n", ms(self.total));
+        let laps: Vec<String> = self
+            .laps
+            .iter()
+            .map(|(stage, t)| format!("{stage} {}", ms(*t)))
+            .collect();
+        s += &format!(
+            "wall time: {} ({} before the first phase)\n",
+            laps.join(", "),
+            ms(Stopwatch::before_phases(self.laps))
+        );
         s
     }
 }

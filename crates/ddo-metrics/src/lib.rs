@@ -43,6 +43,8 @@ pub struct RouteMetrics {
     host_registrations: AtomicU64,
     registered_host_bytes: AtomicU64,
     staging_setup_ns: AtomicU64,
+    home_pin_ns: AtomicU64,
+    home_fill_ns: AtomicU64,
     register_fallbacks: AtomicU64,
     resident_leaves: Mutex<Vec<String>>,
     phases: Mutex<Vec<PhasePeak>>,
@@ -162,6 +164,9 @@ impl RouteMetrics {
             .store(host.registered_bytes, Ordering::Relaxed);
         self.staging_setup_ns
             .store(host.setup_ns, Ordering::Relaxed);
+        self.home_pin_ns.store(host.home_pin_ns, Ordering::Relaxed);
+        self.home_fill_ns
+            .store(host.home_fill_ns, Ordering::Relaxed);
         if host.register_fell_back {
             self.register_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
@@ -201,6 +206,8 @@ impl RouteMetrics {
             host_registrations: self.host_registrations.load(Ordering::Relaxed),
             registered_host_bytes: self.registered_host_bytes.load(Ordering::Relaxed),
             staging_setup_ns: self.staging_setup_ns.load(Ordering::Relaxed),
+            home_pin_ns: self.home_pin_ns.load(Ordering::Relaxed),
+            home_fill_ns: self.home_fill_ns.load(Ordering::Relaxed),
             register_fallbacks: self.register_fallbacks.load(Ordering::Relaxed),
         }
     }
@@ -226,6 +233,12 @@ pub struct StreamingHost {
     pub registered_bytes: u64,
     /// Nanoseconds taken to set the host side up (home copy, registrations).
     pub setup_ns: u64,
+    /// Of a pinned home's build: nanoseconds spent allocating and page-locking its chunks,
+    /// summed over the threads that did it in parallel.
+    pub home_pin_ns: u64,
+    /// Of a pinned home's build: nanoseconds spent copying the weights in, summed over
+    /// threads.
+    pub home_fill_ns: u64,
     /// Whether registered mappings were asked for (`pinned_source=register`) but the
     /// engine staged otherwise.
     pub register_fell_back: bool,
@@ -287,6 +300,13 @@ pub struct RouteCounters {
     /// built (copying the weights into a pinned home, or registering the mappings).
     #[serde(default)]
     pub staging_setup_ns: u64,
+    /// Of a pinned home's build: ns allocating and page-locking its chunks, summed over
+    /// the threads that did it in parallel.
+    #[serde(default)]
+    pub home_pin_ns: u64,
+    /// Of a pinned home's build: ns copying the weights in, summed over threads.
+    #[serde(default)]
+    pub home_fill_ns: u64,
     /// Engine builds that were asked to register the mappings but staged otherwise (the
     /// device could not, or the bytes did not fit under the pinned limit).
     #[serde(default)]

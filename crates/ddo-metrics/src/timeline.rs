@@ -39,6 +39,14 @@ pub struct Timeline {
     pub units: Vec<UnitTiming>,
     /// The forward's end (compute's last event), ns from its start.
     pub forward_ns: i64,
+    /// Host wall time, ns, from `begin_forward`'s entry to the start event (resident
+    /// uploads, the ring's allocation).
+    #[serde(default)]
+    pub host_begin_ns: i64,
+    /// Host wall time, ns, from `begin_forward`'s entry until the end event was recorded
+    /// (the host's view of the forward, without waiting for the device to finish).
+    #[serde(default)]
+    pub host_forward_ns: i64,
 }
 
 impl UnitTiming {
@@ -102,6 +110,12 @@ pub struct TimelineSummary {
     pub head_ms: f64,
     /// Time compute waited for copies (unit start after the previous unit's end), ms.
     pub compute_waited_ms: f64,
+    /// See [`Timeline::host_begin_ns`], ms.
+    #[serde(default)]
+    pub host_begin_ms: f64,
+    /// See [`Timeline::host_forward_ns`], ms.
+    #[serde(default)]
+    pub host_forward_ms: f64,
     /// The longest gaps.
     pub largest_gaps: Vec<CopyGap>,
 }
@@ -127,6 +141,8 @@ impl Timeline {
             tail_ms: 0.0,
             head_ms: 0.0,
             compute_waited_ms: 0.0,
+            host_begin_ms: self.host_begin_ns as f64 / 1e6,
+            host_forward_ms: self.host_forward_ns as f64 / 1e6,
             largest_gaps: Vec::new(),
         };
         if s.copy_busy_ms > 0.0 {
@@ -210,6 +226,10 @@ impl TimelineSummary {
             self.tail_ms,
             self.compute_waited_ms
         ));
+        out.push_str(&format!(
+            "  host: {:.1} ms in begin_forward before the start event, {:.1} ms from begin_forward to the end event\n",
+            self.host_begin_ms, self.host_forward_ms
+        ));
         for g in &self.largest_gaps {
             out.push_str(&format!(
                 "  gap {:.3} ms before unit {} ({}): {}\n",
@@ -255,6 +275,8 @@ mod tests {
                 unit(2, None, (6.0, 7.0), (7.0, 8.0)),
             ],
             forward_ns: 9_000_000,
+            host_begin_ns: 1_000_000,
+            host_forward_ns: 10_000_000,
         };
         let s = t.summary(5);
         assert_eq!(s.bytes, 3000);
@@ -266,5 +288,10 @@ mod tests {
         assert!((s.busy_bytes_per_second - 1e6).abs() < 1e-3);
         let text = s.format_text(Some(4.5));
         assert!(text.contains("2.000x"), "{text}");
+        assert!((s.host_forward_ms - 10.0).abs() < 1e-9);
+        assert!(
+            text.contains("1.0 ms in begin_forward") && text.contains("10.0 ms from begin_forward"),
+            "{text}"
+        );
     }
 }

@@ -137,6 +137,9 @@ pub struct StreamingFigures {
     /// Time taken to set the host side up (pinned home copy, registrations), in ns.
     #[serde(default)]
     pub staging_setup_ns: u64,
+    /// Where a pinned home's build time went (zero without a home).
+    #[serde(default, skip)]
+    pub home_times: crate::streaming::home::BuildTimes,
     /// Why [`PinnedSource::Register`] was asked for but the engine staged otherwise (the
     /// device cannot register the memory, or it does not fit under the pinned limit).
     #[serde(default)]
@@ -152,6 +155,8 @@ impl StreamingFigures {
             registrations,
             registered_bytes,
             setup_ns: self.staging_setup_ns,
+            home_pin_ns: nanos(self.home_times.pin),
+            home_fill_ns: nanos(self.home_times.fill),
             register_fell_back: self.register_fallback.is_some(),
         }
     }
@@ -235,6 +240,9 @@ struct Ring {
 #[derive(Debug)]
 struct Trace {
     start: Event,
+    /// Host time at `begin_forward`'s entry, and until the start event was recorded.
+    host_entry: Instant,
+    host_begin: std::time::Duration,
     copy_start: Vec<Option<Event>>,
     copy_end: Vec<Option<Event>>,
     compute_start: Vec<Option<Event>>,
@@ -242,10 +250,12 @@ struct Trace {
 }
 
 impl Trace {
-    fn new(start: Event, units: usize) -> Self {
+    fn new(start: Event, host_entry: Instant, units: usize) -> Self {
         let none = || (0..units).map(|_| None).collect::<Vec<_>>();
         Self {
             start,
+            host_begin: host_entry.elapsed(),
+            host_entry,
             copy_start: none(),
             copy_end: none(),
             compute_start: none(),
@@ -472,6 +482,11 @@ fn resident_source(host: Option<&Host>, p: &Param) -> Result<HostSlice> {
     Ok(src)
 }
 
+/// `d` in whole nanoseconds (saturating).
+fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Bytes of one segment for the planner: its params, each aligned.
 fn segment_bytes(params: &[Arc<Param>]) -> u64 {
     params.iter().map(|p| align_up(p.nbytes() as u64)).sum()
@@ -680,7 +695,14 @@ impl StreamingEngine {
                 copies,
             )
         };
-        let staging_setup_ns = u64::try_from(setup.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let staging_setup_ns = nanos(setup.elapsed());
+        let home_times = match &host {
+            Some(Host::Home { home, .. })
+            | Some(Host::Registered {
+                home: Some(home), ..
+            }) => home.build_times(),
+            _ => Default::default(),
+        };
         let streamed_segments = order
             .iter()
             .filter(|&&s| segments[s].iter().any(|p| !resident_ids.contains(&p.id())))
@@ -703,6 +725,7 @@ impl StreamingEngine {
             host_bytes_released: released,
             copies_per_forward: copies,
             staging_setup_ns,
+            home_times,
             register_fallback,
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
@@ -826,6 +849,7 @@ impl StreamingEngine {
     /// Starts a forward: makes the resident params resident (first forward of a phase),
     /// takes the ring, points the streamed params into it and queues the first units.
     pub fn begin_forward(&mut self) -> Result<()> {
+        let entry = Instant::now();
         if self.active {
             self.abort()?;
         }
@@ -856,6 +880,7 @@ impl StreamingEngine {
         let trace = if self.timeline {
             Some(Trace::new(
                 self.device.record_timed_event(&self.compute)?,
+                entry,
                 units,
             ))
         } else {
@@ -1084,7 +1109,10 @@ impl StreamingEngine {
         self.clear_streamed_pointers();
         if let Some(trace) = &ring.trace {
             let end = self.device.record_timed_event(&self.compute)?;
-            if let Some(t) = self.timeline_of(trace, &end)? {
+            let host_forward = trace.host_entry.elapsed();
+            if let Some(mut t) = self.timeline_of(trace, &end)? {
+                t.host_begin_ns = i64::try_from(trace.host_begin.as_nanos()).unwrap_or(i64::MAX);
+                t.host_forward_ns = i64::try_from(host_forward.as_nanos()).unwrap_or(i64::MAX);
                 self.metrics.set_timeline(t);
             }
         }
@@ -1119,7 +1147,12 @@ impl StreamingEngine {
                 compute_end_ns: at(&trace.compute_end[u])?.unwrap_or(0),
             });
         }
-        Ok(Some(ddo_metrics::Timeline { units, forward_ns }))
+        Ok(Some(ddo_metrics::Timeline {
+            units,
+            forward_ns,
+            host_begin_ns: 0,
+            host_forward_ns: 0,
+        }))
     }
 
     fn clear_streamed_pointers(&self) {

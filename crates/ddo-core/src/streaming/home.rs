@@ -8,8 +8,9 @@
 //! two copies for long and never none. The streaming engine lays its home out in transfer
 //! units; the no-stream group offload lays the params one after another.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::device::Device;
 use crate::error::{CoreError, Result};
@@ -84,11 +85,30 @@ pub struct PinnedHome {
     /// `(param, offset)` of every param whose host bytes the home replaced.
     replaced: Vec<(Arc<Param>, u64)>,
     released: u64,
+    times: BuildTimes,
 }
 
+/// Where the time of a [`PinnedHome`] build went: `pin`, `fill` and `adopt` are summed over
+/// chunks (and over the workers that pinned and filled them in parallel); `wall` is the
+/// whole build.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BuildTimes {
+    /// Allocating and page-locking the chunks ([`Device::alloc_pinned`]).
+    pub pin: Duration,
+    /// Copying the params' bytes in.
+    pub fill: Duration,
+    /// Pointing the params at the home and freeing their old bytes.
+    pub adopt: Duration,
+    /// The build, start to end.
+    pub wall: Duration,
+}
+
+/// Threads that pin and fill a home's chunks in parallel (each chunk on one thread).
+pub const PIN_WORKERS: usize = 8;
+
 /// Bytes of one chunk of a pinned home (a chunk ends at the first allowed break past this):
-/// 256 MiB.
-pub const CHUNK_BYTES: u64 = 256 << 20;
+/// 64 MiB.
+pub const CHUNK_BYTES: u64 = 64 << 20;
 
 impl PinnedHome {
     /// [`PinnedHome::build_chunked`] with no breaks: one pinned buffer.
@@ -104,7 +124,8 @@ impl PinnedHome {
     /// (sorted; the first break at or past [`CHUNK_BYTES`] from a chunk's start ends it),
     /// writes each `(param, offset)` placement (a param may be placed more than once; its
     /// first place becomes its host bytes) and replaces the params' host sources. Each
-    /// chunk is pinned, filled on up to [`COPY_THREADS`] threads and adopted by its params
+    /// chunk is pinned and filled by one of up to [`PIN_WORKERS`] threads (a home of one chunk
+    /// is filled on up to [`COPY_THREADS`]) and adopted by its params, in order,
     /// before the next is pinned, so a source the params alone held is freed chunk by
     /// chunk. A placement must not cross a break it is given. On error nothing changed
     /// (params already moved get their previous bytes back, as owned copies where their
@@ -150,50 +171,154 @@ impl PinnedHome {
                 message: "pinned home: a placement crosses a chunk boundary or the end".into(),
             });
         }
-        let mut placed: HashSet<ParamId> = HashSet::new();
-        let mut home = Self {
-            chunks: Vec::with_capacity(ends.len()),
-            bytes,
-            replaced: Vec::new(),
-            released: 0,
-        };
+        // Each chunk's placements, relative to its start.
+        let mut batches: Vec<(u64, u64, std::ops::Range<usize>)> = Vec::with_capacity(ends.len());
         let (mut lo, mut first) = (0u64, 0usize);
         for &hi in &ends {
             let mut last = first;
             while last < placements.len() && placements[last].1 < hi {
                 last += 1;
             }
-            let batch: Vec<(&Arc<Param>, u64)> = placements[first..last]
-                .iter()
-                .map(|(p, at)| (*p, at - lo))
-                .collect();
-            let filled = device.alloc_pinned((hi - lo) as usize).and_then(|buffer| {
+            batches.push((lo, hi, first..last));
+            lo = hi;
+            first = last;
+        }
+        let mut home = Self {
+            chunks: Vec::with_capacity(ends.len()),
+            bytes,
+            replaced: Vec::new(),
+            released: 0,
+            times: BuildTimes::default(),
+        };
+        let started = Instant::now();
+        let workers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, PIN_WORKERS)
+            .min(batches.len());
+        // Chunk `i` pinned and filled (by whichever worker claimed it), with the time each
+        // step took.
+        // With one worker, a chunk's copy is spread over threads instead.
+        let spread = workers <= 1 && !overlapping;
+        let make = |i: usize| -> (usize, Result<HostBuffer>, Duration, Duration) {
+            let (lo, hi, range) = &batches[i];
+            let t = Instant::now();
+            let buffer = device.alloc_pinned((hi - lo) as usize);
+            let pinned = t.elapsed();
+            let t = Instant::now();
+            let filled = buffer.and_then(|buffer| {
+                let batch = &placements[range.clone()];
                 buffer.with_bytes_mut(|dst| {
-                    if overlapping {
-                        for (p, at) in &batch {
-                            let at = *at as usize;
+                    if spread {
+                        let relative: Vec<(&Arc<Param>, u64)> =
+                            batch.iter().map(|(p, at)| (*p, at - lo)).collect();
+                        copy_disjoint(dst, &relative);
+                    } else {
+                        for (p, at) in batch {
+                            let at = (at - lo) as usize;
                             p.host()
                                 .with_bytes(|b| dst[at..at + b.len()].copy_from_slice(b));
                         }
-                    } else {
-                        copy_disjoint(dst, &batch);
                     }
                 })?;
                 Ok(buffer)
             });
-            let adopted = filled.and_then(|buffer| {
-                home.chunks.push((lo, buffer));
-                home.adopt(&placements[first..last], &mut placed)
-            });
-            if let Err(e) = adopted {
-                // Give the params moved so far their bytes back before the home goes.
-                let _ = home.restore();
-                return Err(e);
+            (i, filled, pinned, t.elapsed())
+        };
+        let mut placed: HashSet<ParamId> = HashSet::new();
+        let mut failure: Option<CoreError> = None;
+        {
+            // Adopt chunk `i` (in order): its params now read the home.
+            let mut adopt = |home: &mut Self, i: usize, filled: Result<HostBuffer>| {
+                let (lo, _, range) = &batches[i];
+                let t = Instant::now();
+                let adopted = filled.and_then(|buffer| {
+                    home.chunks.push((*lo, buffer));
+                    home.adopt(&placements[range.clone()], &mut placed)
+                });
+                home.times.adopt += t.elapsed();
+                adopted
+            };
+            if workers <= 1 {
+                for i in 0..batches.len() {
+                    let (_, filled, pin, fill) = make(i);
+                    home.times.pin += pin;
+                    home.times.fill += fill;
+                    if let Err(e) = adopt(&mut home, i, filled) {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            } else {
+                // Workers claim chunks in order, at most WINDOW ahead of the last one adopted
+                // (so the host holds at most that many chunks twice); this thread adopts them
+                // in order as they arrive.
+                let window = workers;
+                let state = Mutex::new((0usize, 0usize, false)); // (next to claim, adopted, stop)
+                let wake = Condvar::new();
+                let (tx, rx) = std::sync::mpsc::channel();
+                std::thread::scope(|s| {
+                    for _ in 0..workers {
+                        let (tx, state, wake, make) = (tx.clone(), &state, &wake, &make);
+                        let chunks = batches.len();
+                        s.spawn(move || {
+                            loop {
+                                let i = {
+                                    let mut g =
+                                        state.lock().unwrap_or_else(PoisonError::into_inner);
+                                    while !g.2 && g.0 < chunks && g.0 >= g.1 + window {
+                                        g = wake.wait(g).unwrap_or_else(PoisonError::into_inner);
+                                    }
+                                    if g.2 || g.0 >= chunks {
+                                        return;
+                                    }
+                                    g.0 += 1;
+                                    g.0 - 1
+                                };
+                                if tx.send(make(i)).is_err() {
+                                    return;
+                                }
+                            }
+                        });
+                    }
+                    drop(tx);
+                    let mut ready: BTreeMap<usize, Result<HostBuffer>> = BTreeMap::new();
+                    let mut next = 0usize;
+                    for (i, filled, pin, fill) in rx.iter() {
+                        home.times.pin += pin;
+                        home.times.fill += fill;
+                        ready.insert(i, filled);
+                        while failure.is_none()
+                            && let Some(filled) = ready.remove(&next)
+                        {
+                            if let Err(e) = adopt(&mut home, next, filled) {
+                                failure = Some(e);
+                            }
+                            next += 1;
+                            let mut g = state.lock().unwrap_or_else(PoisonError::into_inner);
+                            g.1 = next;
+                            g.2 |= failure.is_some();
+                            wake.notify_all();
+                        }
+                        if failure.is_some() {
+                            // Chunks made after the failure are dropped (unpinned) here.
+                            ready.clear();
+                        }
+                    }
+                });
             }
-            lo = hi;
-            first = last;
+        }
+        home.times.wall = started.elapsed();
+        if let Some(e) = failure {
+            // Give the params moved so far their bytes back before the home goes.
+            let _ = home.restore();
+            return Err(e);
         }
         Ok(home)
+    }
+
+    /// How long building the home took, and its parts.
+    pub fn build_times(&self) -> BuildTimes {
+        self.times
     }
 
     /// `len` bytes of the home from `offset`, within one chunk.
@@ -397,5 +522,48 @@ mod tests {
             before
         );
         assert_eq!(device.memory_info().pinned_host, 0);
+    }
+
+    #[test]
+    fn a_chunk_that_cannot_be_pinned_leaves_every_param_as_it_was() {
+        // Room for five of eight 2 MiB chunks: a later chunk fails while workers pin others.
+        let device = HostDevice::new(HostDeviceConfig {
+            capacity: 1 << 20,
+            pinned_limit: 10 << 20,
+            ..HostDeviceConfig::default()
+        })
+        .unwrap();
+        let params: Vec<Arc<Param>> = (0..16)
+            .map(|i| {
+                let values: Vec<f32> = (0..(1 << 18)).map(|k| (i * 3 + k % 7) as f32).collect();
+                Param::from_f32(
+                    format!("q{i}"),
+                    ParamKind::Parameter,
+                    DType::F32,
+                    vec![values.len()],
+                    &values,
+                )
+                .unwrap()
+            })
+            .collect();
+        let sums: Vec<u64> = params.iter().map(|p| p.host_checksum()).collect();
+        let mut at = 0u64;
+        let placements: Vec<(&Arc<Param>, u64)> = params
+            .iter()
+            .map(|p| {
+                let here = at;
+                at += crate::streaming::layout::align_up(p.nbytes() as u64);
+                (p, here)
+            })
+            .collect();
+        let breaks: Vec<u64> = placements.iter().map(|(_, a)| *a).collect();
+        let err =
+            PinnedHome::build_in_chunks(&*device, placements, at, &breaks, 2 << 20).unwrap_err();
+        assert!(matches!(err, CoreError::PinnedLimit { .. }), "{err}");
+        for (p, sum) in params.iter().zip(&sums) {
+            assert_eq!(p.host().kind(), HostMemoryKind::Pageable, "{}", p.name());
+            assert_eq!(p.host_checksum(), *sum, "{}", p.name());
+        }
+        assert_eq!(device.memory_info().pinned_host, 0, "nothing stays pinned");
     }
 }
