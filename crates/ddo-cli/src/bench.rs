@@ -359,6 +359,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         .unwrap_or(1);
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;
+    device_choice.prepare_kernels();
     let list = candidates(&args)?;
     let out_json = args.get("out-json").map(PathBuf::from);
     let plot_prefix = args.get("plot").map(PathBuf::from);

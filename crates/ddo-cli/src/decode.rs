@@ -101,6 +101,7 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     };
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;
+    device_choice.prepare_kernels();
     let routing = Routing::from_args(&args, &["vae".to_string()])?;
     let explanation = routing.explain("vae")?;
 

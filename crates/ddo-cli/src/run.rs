@@ -378,6 +378,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         None => InitLatents::Seed(seed),
     };
 
+    device_choice.prepare_kernels();
     let mut bar = ProgressBar::new();
     let mut startup = Stopwatch::new(started);
     let (pipe, model_label) = build_pipeline(&source, dtype, max_seq, &mut bar)?;
@@ -640,6 +641,7 @@ impl Report<'_> {
                 "native_pool": p.peak.native_pool,
                 "idle_release": p.idle_release,
                 "setup_seconds": p.setup_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
+                "prepared_seconds": p.prepared_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
                 "note": p.note,
             })).collect::<Vec<_>>(),
             "components": self.explanations.iter().zip(self.snapshots).map(|(e, s)| json!({
@@ -709,7 +711,14 @@ impl Report<'_> {
                 let setups: Vec<String> = p
                     .setup_seconds
                     .iter()
-                    .map(|(c, t)| format!("{c} {}", ms(*t)))
+                    .map(|(c, t)| match p.prepared_seconds.iter().find(|(n, _)| n == c) {
+                        Some((_, b)) => format!(
+                            "{c} {} (attached in the background during the phase before, in {})",
+                            ms(*t),
+                            ms(*b)
+                        ),
+                        None => format!("{c} {}", ms(*t)),
+                    })
                     .collect();
                 s += &format!("{:<16} attach: {}\n", "", setups.join(", "));
             }

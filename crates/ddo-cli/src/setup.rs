@@ -385,6 +385,16 @@ pub enum DeviceChoice {
 }
 
 impl DeviceChoice {
+    /// Starts compiling the CUDA kernels for this device on background threads
+    /// ([`ddo_cuda::prepare_kernels`]), so they are ready (or read from the kernel cache)
+    /// by the first GPU forward; call it before the weights load. Nothing for the host
+    /// backend; a device that cannot be reached is reported when it is opened, not here.
+    pub fn prepare_kernels(self) {
+        if let DeviceChoice::Cuda(n) = self {
+            let _ = ddo_cuda::prepare_kernels(n);
+        }
+    }
+
     /// Parses `cpu`, `cuda` or `cuda:N`.
     pub fn parse(text: &str) -> CliResult<Self> {
         let bad = || {

@@ -68,6 +68,12 @@ pub struct Footprint {
     pub pinned_host_bytes: u64,
     /// Whether the route needs the native VMM allocator installed.
     pub needs_native_allocator: bool,
+    /// Whether attaching puts weights on the device (a resident route uploads them then).
+    /// A route that takes device memory only from its first forward on can be attached
+    /// while another phase runs ([`PipelineOffload::prepare`] in `ddo-routes`).
+    ///
+    /// [`PipelineOffload::prepare`]: https://docs.rs/ddo-routes
+    pub attaches_on_device: bool,
     /// Whether host copies run from pageable memory because pinned memory was not
     /// available (`pinned_limit` too small): the copies then go at pageable speed.
     pub pageable_staging: bool,
@@ -90,6 +96,7 @@ impl Footprint {
         Self {
             weight_bytes,
             resident_bytes: weight_bytes,
+            attaches_on_device: true,
             summary: format!(
                 "resident: {} on the device",
                 ddo_metrics::format_bytes(weight_bytes)
@@ -116,5 +123,6 @@ mod tests {
             (r.peak_device_bytes(), r.streamed_bytes_per_forward),
             (7, 0)
         );
+        assert!(r.attaches_on_device && !f.attaches_on_device);
     }
 }

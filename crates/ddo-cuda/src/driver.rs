@@ -9,7 +9,7 @@
 //! keeps host and device memory alive until the copies that use it have completed).
 //! Contexts, streams and events are cudarc's safe types.
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
@@ -37,6 +37,27 @@ pub(crate) fn device_count() -> Result<usize> {
         Err(e) if no_device(&e) => Ok(0),
         Err(e) => Err(CudaError::driver("cuDeviceGetCount", e)),
     }
+}
+
+/// The compute capability `(major, minor)` of device `ordinal`: `cuInit`, then
+/// `cuDeviceGet` and two `cuDeviceGetAttribute`s; no context is made.
+pub(crate) fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
+    let count = device_count()?;
+    let no_device = CudaError::NoDevice { ordinal, count };
+    if ordinal >= count {
+        return Err(no_device);
+    }
+    let dev = result::device::get(c_int::try_from(ordinal).map_err(|_| no_device)?)
+        .call("cuDeviceGet")?;
+    let attribute = |a| {
+        // SAFETY: `dev` was returned by `cuDeviceGet` (after `cuInit`), which is all
+        // `cuDeviceGetAttribute` needs; the attribute is a valid enum value.
+        unsafe { result::device::get_attribute(dev, a) }.call("cuDeviceGetAttribute")
+    };
+    Ok((
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
 }
 
 /// The primary context of device `ordinal` (retained; released when the last `Arc` drops).

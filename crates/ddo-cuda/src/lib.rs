@@ -20,14 +20,21 @@
 //! [`CudaDevice::new`] checks that it loads (and that the device exists) before any driver
 //! call, answering [`CudaError::NoLibrary`] or [`CudaError::NoDevice`] otherwise.
 //! `unsafe` lives in the lowest modules: `driver` (one thin checked function per driver
-//! call), the kernel launch and NVRTC probe in `ops/kernels.rs`, and the cuBLAS calls in
-//! `ops/gemm.rs`; each block carries a `// SAFETY:` comment.
+//! call), the NVRTC calls in `ops/nvrtc.rs`, the kernel launch in `ops/kernels.rs`, and the
+//! cuBLAS calls in `ops/gemm.rs`; each block carries a `// SAFETY:` comment.
 //!
 //! Compute: `ops()` gives the GPU [`Ops`](ddo_core::Ops) — NVRTC-compiled kernels for the
-//! element-wise, normalisation, layout and rotary ops (`ops/kernels.rs` compiles each source
-//! once per device), cuBLAS for linear and batched matmul, a tensor-core implicit-GEMM
-//! convolution (im2col + cuBLAS for f32), and a fused flash-style attention that never
-//! materialises the score matrix (a chunked path for head sizes above 128).
+//! element-wise, normalisation, layout and rotary ops, cuBLAS for linear and batched
+//! matmul, a tensor-core implicit-GEMM convolution (im2col + cuBLAS for f32), and a fused
+//! flash-style attention that never materialises the score matrix (a chunked path for head
+//! sizes above 128).
+//!
+//! Kernels: each source is compiled to a cubin for the device's architecture once per
+//! process (`ops/kernels.rs`) and cached on disk across processes ([`kernel_cache_dir`]:
+//! `DDO_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ddo/kernels`, else
+//! `$HOME/.cache/ddo/kernels`). [`prepare_kernels`] starts those compilations in the
+//! background, in parallel, so a program that calls it early (before loading weights)
+//! finds them done at its first GPU forward.
 
 pub mod allocator;
 pub mod device;
@@ -42,3 +49,7 @@ pub use device::{
     DEFAULT_UPLOAD_STAGING_BYTES, device_count, library_present,
 };
 pub use error::{CudaError, Result};
+pub use ops::kernel_cache::KernelCacheStats;
+pub use ops::kernels::{
+    forget_kernel_images, kernel_cache_dir, kernel_cache_stats, prepare_kernels,
+};

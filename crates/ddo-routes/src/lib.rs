@@ -220,7 +220,11 @@ pub fn enable_planned_pipeline_offload(
         if let RouteTarget::Route(id) = p.resolution.spec.target() {
             route(id).preflight(component, &*device, &p.resolution.spec)?;
         }
-        pending.push((Arc::clone(component), p.resolution.clone()));
+        pending.push((
+            Arc::clone(component),
+            p.resolution.clone(),
+            !p.footprint.attaches_on_device,
+        ));
     }
     Ok(PipelineOffload::deferred(device, pending))
 }

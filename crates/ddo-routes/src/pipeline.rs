@@ -2,10 +2,14 @@
 //! boundaries and per-phase peaks). A `PipelineOffload` made from a memory plan
 //! ([`enable_planned_pipeline_offload`](crate::enable_planned_pipeline_offload)) attaches
 //! each component when its phase starts ([`PipelineOffload::begin_phase`]), so phases never
-//! hold each other's device or pinned memory.
+//! hold each other's device memory. A component whose route takes device memory only from
+//! its first forward on (a streamed group offload: its attach builds the pinned home) can be
+//! attached on a background thread while the phase before it runs
+//! ([`PipelineOffload::prepare`]), so that host-side setup costs no wall time.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use ddo_core::{Component, CoreError, Device, Resolution, Result};
@@ -52,10 +56,30 @@ pub struct PipelineOffload {
     device: Arc<dyn Device>,
     handles: BTreeMap<String, OffloadHandle>,
     /// Components whose phase has not started: attached by [`PipelineOffload::begin_phase`].
-    pending: BTreeMap<String, (Arc<Component>, Resolution)>,
-    /// Seconds each component's attach took (pinning, uploads of resident weights).
+    pending: BTreeMap<String, Pending>,
+    /// Components being attached on a background thread ([`PipelineOffload::prepare`]).
+    preparing: BTreeMap<String, Preparing>,
+    /// Seconds each component's phase waited for its attach (pinning, uploads of resident
+    /// weights; for a prepared component only what was left when its phase began).
     setup_seconds: BTreeMap<String, f64>,
+    /// Seconds a prepared component's background attach took.
+    prepared_seconds: BTreeMap<String, f64>,
     phases: Vec<PhasePeak>,
+}
+
+/// A component waiting for its phase.
+#[derive(Debug)]
+struct Pending {
+    component: Arc<Component>,
+    resolution: Resolution,
+    /// Its route puts nothing on the device at attach ([`ddo_core::Footprint::attaches_on_device`]).
+    host_only_attach: bool,
+}
+
+/// A background attach: its thread gives the handle (or the error) and the seconds it took.
+#[derive(Debug)]
+struct Preparing {
+    thread: JoinHandle<(Result<OffloadHandle>, f64)>,
 }
 
 impl PipelineOffload {
@@ -68,22 +92,101 @@ impl PipelineOffload {
                 .map(|h| (h.component().name().to_string(), h))
                 .collect(),
             pending: BTreeMap::new(),
+            preparing: BTreeMap::new(),
             setup_seconds: BTreeMap::new(),
+            prepared_seconds: BTreeMap::new(),
             phases: Vec::new(),
         }
     }
 
     /// A pipeline whose components attach when their phase starts.
+    /// `pending` is `(component, resolution, whether its attach is host-only)`.
     pub(crate) fn deferred(
         device: Arc<dyn Device>,
-        pending: Vec<(Arc<Component>, Resolution)>,
+        pending: Vec<(Arc<Component>, Resolution, bool)>,
     ) -> Self {
         let mut offload = Self::new(device, Vec::new());
         offload.pending = pending
             .into_iter()
-            .map(|(c, r)| (c.name().to_string(), (c, r)))
+            .map(|(component, resolution, host_only_attach)| {
+                (
+                    component.name().to_string(),
+                    Pending {
+                        component,
+                        resolution,
+                        host_only_attach,
+                    },
+                )
+            })
             .collect();
         offload
+    }
+
+    /// Starts attaching, each on a background thread, the components of `names` that wait
+    /// for their phase and whose route puts nothing on the device at attach (the others,
+    /// attached, or unknown names are skipped); returns the names started. Their phase's
+    /// [`PipelineOffload::begin_phase`] waits for the attach and reports its error, if any.
+    /// Call it while the phase before theirs runs: their host side (a pinned home, page-locked
+    /// mappings) is then built meanwhile.
+    pub fn prepare(&mut self, names: &[&str]) -> Vec<String> {
+        let mut started = Vec::new();
+        for name in names {
+            if !self.pending.get(*name).is_some_and(|p| p.host_only_attach) {
+                continue;
+            }
+            let Some(p) = self.pending.remove(*name) else {
+                continue;
+            };
+            let device = Arc::clone(&self.device);
+            let spawned = std::thread::Builder::new()
+                .name(format!("ddo-prepare-{name}"))
+                .spawn({
+                    let (component, resolution) = (Arc::clone(&p.component), p.resolution.clone());
+                    move || {
+                        let t = Instant::now();
+                        let handle = crate::attach(
+                            &component,
+                            device,
+                            resolution.spec,
+                            resolution.decided_by.clone(),
+                            Some(resolution.preset),
+                        );
+                        (handle, t.elapsed().as_secs_f64())
+                    }
+                });
+            match spawned {
+                Ok(thread) => {
+                    self.preparing
+                        .insert(name.to_string(), Preparing { thread });
+                    started.push(name.to_string());
+                }
+                // No thread to be had: the component attaches when its phase begins.
+                Err(_) => {
+                    self.pending.insert(name.to_string(), p);
+                }
+            }
+        }
+        started
+    }
+
+    /// Waits for the background attach of `name`, if one runs: its handle is kept (or its
+    /// error returned) and the time it took recorded.
+    fn finish_preparing(&mut self, name: &str) -> Option<Result<OffloadHandle>> {
+        let preparing = self.preparing.remove(name)?;
+        Some(match preparing.thread.join() {
+            Ok((handle, seconds)) => {
+                self.prepared_seconds.insert(name.to_string(), seconds);
+                handle
+            }
+            Err(panic) => Err(CoreError::Panicked {
+                context: format!("attaching {name} in the background"),
+                message: panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-string panic payload".into()),
+            }),
+        })
     }
 
     /// The device the pipeline runs on.
@@ -97,17 +200,21 @@ impl PipelineOffload {
     pub fn begin_phase(&mut self, names: &[&str]) -> Result<Vec<(String, f64)>> {
         let mut done = Vec::new();
         for name in names {
-            let Some((component, resolution)) = self.pending.remove(*name) else {
+            let started = Instant::now();
+            let attached = if let Some(prepared) = self.finish_preparing(name) {
+                prepared
+            } else if let Some(p) = self.pending.remove(*name) {
+                crate::attach(
+                    &p.component,
+                    Arc::clone(&self.device),
+                    p.resolution.spec,
+                    p.resolution.decided_by.clone(),
+                    Some(p.resolution.preset),
+                )
+            } else {
                 continue;
             };
-            let started = Instant::now();
-            match crate::attach(
-                &component,
-                Arc::clone(&self.device),
-                resolution.spec,
-                resolution.decided_by.clone(),
-                Some(resolution.preset),
-            ) {
+            match attached {
                 Ok(h) => {
                     let seconds = started.elapsed().as_secs_f64();
                     self.setup_seconds.insert(name.to_string(), seconds);
@@ -127,9 +234,16 @@ impl PipelineOffload {
         Ok(done)
     }
 
-    /// Seconds the attach of component `name` took, once its phase has begun.
+    /// Seconds the phase of component `name` waited for its attach, once the phase has
+    /// begun (for a prepared component, what was left of its background attach).
     pub fn setup_seconds(&self, name: &str) -> Option<f64> {
         self.setup_seconds.get(name).copied()
+    }
+
+    /// Seconds the background attach of component `name` took
+    /// ([`PipelineOffload::prepare`]), once its phase has begun.
+    pub fn prepared_seconds(&self, name: &str) -> Option<f64> {
+        self.prepared_seconds.get(name).copied()
     }
 
     /// The handle of component `name` (attached: eagerly, or once its phase has begun).
@@ -149,6 +263,7 @@ impl PipelineOffload {
             .handles
             .keys()
             .chain(self.pending.keys())
+            .chain(self.preparing.keys())
             .map(String::as_str)
             .collect();
         all.sort_unstable();
@@ -178,6 +293,13 @@ impl PipelineOffload {
         if self.pending.remove(name).is_some() {
             return Ok(());
         }
+        if let Some(prepared) = self.finish_preparing(name) {
+            // Attached in the background: keep the handle (detached) for its metrics.
+            let mut h = prepared?;
+            h.release();
+            self.handles.insert(name.to_string(), h);
+            return Ok(());
+        }
         let h = self.handle_mut(name)?;
         h.release();
         Ok(())
@@ -189,7 +311,7 @@ impl PipelineOffload {
     }
 
     fn unknown(&self, name: &str) -> CoreError {
-        if self.pending.contains_key(name) {
+        if self.pending.contains_key(name) || self.preparing.contains_key(name) {
             return CoreError::InvalidOption {
                 option: "component".into(),
                 value: name.to_string(),
@@ -203,9 +325,23 @@ impl PipelineOffload {
                 .handles
                 .keys()
                 .chain(self.pending.keys())
+                .chain(self.preparing.keys())
                 .cloned()
                 .collect::<Vec<_>>()
                 .join(", "),
+        }
+    }
+}
+
+impl Drop for PipelineOffload {
+    /// A background attach still running is waited for and its component released, so no
+    /// thread outlives the pipeline holding its pinned memory.
+    fn drop(&mut self) {
+        let names: Vec<String> = self.preparing.keys().cloned().collect();
+        for name in names {
+            if let Some(Ok(mut h)) = self.finish_preparing(&name) {
+                h.release();
+            }
         }
     }
 }

@@ -180,6 +180,106 @@ fn planned_components_attach_when_their_phase_begins_and_release_at_its_end() {
     }
 }
 
+#[test]
+fn a_streamed_component_is_prepared_in_the_background_and_a_resident_one_is_not() {
+    let specs = flux_like(8);
+    let pipeline = pipeline_of(&specs);
+    let weights = pipeline.get("transformer").unwrap().param_bytes();
+    let d = device(1 << 30);
+    // The transformer streams with a budgeted part; the text encoder stays resident.
+    let p = plan(&pipeline, &d, weights / 2, 4096, &[]).unwrap();
+    assert!(
+        !p.component("transformer")
+            .unwrap()
+            .footprint
+            .attaches_on_device
+    );
+    assert!(
+        p.component("text_encoder")
+            .unwrap()
+            .footprint
+            .attaches_on_device
+    );
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    offload.begin_phase(&["text_encoder"]).unwrap();
+    let resident_before = d.memory_info().allocated;
+    let started = offload.prepare(&["transformer", "text_encoder", "vae", "nope"]);
+    // The VAE's leaf-level route (no stream) also attaches host-side only.
+    assert_eq!(
+        started,
+        ["transformer", "vae"],
+        "text_encoder is attached already"
+    );
+    // A background attach takes pinned host memory, never device memory.
+    let out = offload
+        .handle("text_encoder")
+        .unwrap()
+        .forward(reference::input(&specs[0], 2, 0).unwrap())
+        .unwrap();
+    drop(out);
+    offload.release("text_encoder").unwrap();
+    offload.phase_boundary("prompt_encoding").unwrap();
+    assert!(d.memory_info().allocated <= resident_before);
+    let set_up = offload.begin_phase(&["transformer"]).unwrap();
+    assert_eq!(set_up.len(), 1);
+    assert!(offload.prepared_seconds("transformer").is_some());
+    assert!(
+        d.memory_info().pinned_host > 0,
+        "the home was built in the background"
+    );
+    let out = offload
+        .handle("transformer")
+        .unwrap()
+        .forward(reference::input(&specs[1], 2, 0).unwrap())
+        .unwrap();
+    assert_eq!(
+        bytes_of(&*d, &out),
+        baseline(&reference::build(&specs[1]).unwrap(), &specs[1], 2, 0),
+        "a prepared component computes what a resident one does"
+    );
+    drop(out);
+    offload.release("transformer").unwrap();
+    offload.release("vae").unwrap();
+    offload.phase_boundary("denoise").unwrap();
+    assert_eq!(d.memory_info().pinned_host, 0);
+
+    // Released, or dropped, while its background attach may still run: nothing stays.
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    assert_eq!(offload.prepare(&["transformer"]).len(), 1);
+    offload.release("transformer").unwrap();
+    assert!(pipeline.get("transformer").unwrap().attached().is_none());
+    assert_eq!(d.memory_info().pinned_host, 0);
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    assert_eq!(offload.prepare(&["transformer"]).len(), 1);
+    drop(offload);
+    assert!(pipeline.get("transformer").unwrap().attached().is_none());
+    assert_eq!(d.memory_info().pinned_host, 0);
+}
+
+#[test]
+fn a_background_attach_that_fails_reports_at_its_phase() {
+    let specs = flux_like(8);
+    let pipeline = pipeline_of(&specs);
+    let weights = pipeline.get("transformer").unwrap().param_bytes();
+    let d = device(1 << 30);
+    let p = plan(&pipeline, &d, weights / 2, 4096, &[]).unwrap();
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    // Someone else attaches the transformer meanwhile: the background attach is refused.
+    let other = ddo_routes::enable_offload(
+        pipeline.get("transformer").unwrap(),
+        dyn_device(&d),
+        &ddo_routes::OffloadOptions {
+            route: Some("none".parse().unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(offload.prepare(&["transformer"]).len(), 1);
+    let err = offload.begin_phase(&["transformer"]).unwrap_err();
+    assert!(matches!(err, CoreError::AlreadyAttached { .. }), "{err}");
+    drop(other);
+}
+
 /// A random component: a stem, `blocks` blocks of linear + norm at random widths, a head.
 fn component_spec(name: &str, widths: &[usize], seed: u64) -> ReferenceSpec {
     let width = widths[0];

@@ -52,8 +52,8 @@
 //! cost is under 3%; Flux's large linears are units of their own anyway); a ring of
 //! [`DEFAULT_RING_SLOTS`] (2: one slot in use while the next fills; a streamed Flux step is
 //! link-bound by ~3×, so one unit of lookahead keeps the copy stream busy and the peak at
-//! Diffusers' two-leaf level; with a `budget`, [`DEFAULT_BUDGETED_RING_SLOTS`] (3), so the
-//! link keeps running ahead while resident leaves compute); a pinned limit that
+//! Diffusers' two-leaf level; a route may default to more under a budget, as the group
+//! offload does); a pinned limit that
 //! follows the machine ([`default_pinned_limit`]: half the host's available memory, so a
 //! FLUX.1-dev transformer's 22 GiB live in a pinned home on a 128 GiB host;
 //! [`DEFAULT_PINNED_LIMIT`] where that cannot be read), and [`WSL_COMPAT_PINNED_LIMIT`]
@@ -79,13 +79,6 @@ pub const DEFAULT_UNIT_BYTES: u64 = 16 << 20;
 
 /// Default number of ring slots.
 pub const DEFAULT_RING_SLOTS: usize = 2;
-
-/// Default number of ring slots when a budget keeps part of the model resident: 3. While
-/// resident leaves compute, the link can only run as far ahead as the ring reaches; on one
-/// H200 (FLUX.1-dev transformer, `budget=10GiB`) two slots left the copy engine waiting
-/// for ring room 12.1 ms per step (262.9 ms a step), three 1.4 ms (253.0 ms), four
-/// 0.6 ms (253.6 ms, more streamed), six 258.3 ms.
-pub const DEFAULT_BUDGETED_RING_SLOTS: usize = 3;
 
 /// The pinned limit where the host's available memory cannot be read: 16 GiB.
 pub const DEFAULT_PINNED_LIMIT: u64 = 16 << 30;
@@ -181,14 +174,7 @@ impl StreamingConfig {
         let ring_only = o.pinned == Some(false) || o.low_cpu_mem_usage == Some(true);
         Self {
             unit_bytes: o.unit_bytes.unwrap_or(d.unit_bytes).max(1),
-            ring_slots: o
-                .ring_slots
-                .unwrap_or(if o.budget.is_some() {
-                    DEFAULT_BUDGETED_RING_SLOTS
-                } else {
-                    d.ring_slots
-                })
-                .max(2),
+            ring_slots: o.ring_slots.unwrap_or(d.ring_slots).max(2),
             pinned_limit: o.pinned_limit.unwrap_or(d.pinned_limit),
             staging: if ring_only {
                 StagingMode::Ring

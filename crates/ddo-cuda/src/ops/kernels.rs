@@ -1,5 +1,6 @@
-//! Kernel infrastructure of the CUDA compute plane: CUDA C sources compiled once per device
-//! with NVRTC, their functions cached by name, and one launch helper.
+//! Kernel infrastructure of the CUDA compute plane: CUDA C sources compiled with NVRTC
+//! ahead of use, in parallel, into a process-wide image cache backed by a disk cache; each
+//! device's loaded modules and functions cached by name; one launch helper.
 //!
 //! # API (crate-private)
 //!
@@ -22,14 +23,19 @@
 //!     as Rust's float `Sum`);
 //!   - `struct Dims6 { i64 v[6]; }` — matches [`Dims6`] on the Rust side, passed by value.
 //! - `dev.kernel(source_name, source, function) -> Result<CudaFunction, CoreError>`
-//!   ([`CudaDevice::kernel`]): compiles `PRELUDE + source` the first time `source_name` is
-//!   seen on this device (`--gpu-architecture=compute_XY` from the device's compute
-//!   capability, `-default-device`, `--std=c++17`; precise division and square root, no
-//!   flush-to-zero), loads the module into the device's context, and returns the function
-//!   `function` (cached by name). `source_name` identifies the source: one name, one text.
-//!   Every kernel must be `extern "C" __global__` so its name is not mangled. A compile
-//!   failure is a [`CoreError::Backend`] carrying NVRTC's log; a missing libnvrtc is a
-//!   `Backend` error saying where it is looked for (never a panic).
+//!   ([`CudaDevice::kernel`]): the first time this device needs `source_name`, takes the
+//!   compiled image of `PRELUDE + source` for the device's compute capability from the
+//!   image cache (below), loads it into the device's context (`cuModuleLoadData`), and
+//!   returns the function `function` (cached by name). `source_name` identifies the source:
+//!   one name, one text; every source the ops use is listed once in [`SOURCES`]. Every
+//!   kernel must be `extern "C" __global__` so its name is not mangled. A compile failure
+//!   is a [`CoreError::Backend`] carrying NVRTC's log; a missing libnvrtc is a `Backend`
+//!   error saying where it is looked for (never a panic).
+//! - [`prepare_kernels`]`(ordinal)` (public): starts compiling every source of [`SOURCES`]
+//!   for device `ordinal`'s architecture, one thread per source, and returns at once; the
+//!   ops then find the images ready, or wait for the one in flight.
+//! - [`kernel_cache_dir`], [`kernel_cache_stats`], [`forget_kernel_images`] (public): the
+//!   disk cache's directory, where images came from, and a way to drop the memory cache.
 //! - [`compute_stream`]`(dev) -> Result<Arc<CudaStream>, CoreError>`: the device's compute
 //!   stream, where every op is queued.
 //! - [`launch`]`(dev, &f, cfg, &[Arg])`: launches `f` on the compute stream with the
@@ -39,27 +45,54 @@
 //!   addresses (each `unsafe` launch then needs its own `// SAFETY:` comment).
 //! - [`grid_1d`]`(n, block)`: a launch configuration for a grid-stride loop over `n` items
 //!   (grid capped, so kernels must loop).
-//! - [`compile_ptx`]`(source, arch)`: NVRTC only (no device), for tests;
+//! - `compile_ptx(source, arch)` (tests only): NVRTC to PTX, no device;
 //!   [`nvrtc_present`]`()` says whether libnvrtc loads.
 //!
 //! Memory discipline (see `ops/mod.rs`): outputs are allocated with `alloc_on(bytes,
 //! compute)`, and every allocation a kernel touches is marked with `note_use(compute)` so
 //! its free is ordered after the kernel.
 //!
-//! The cache is keyed by the device's compute stream (held weakly): entries of dropped
-//! devices are removed — and their modules unloaded — at the next `kernel` call of any
-//! device.
+//! # Compiling and caching
+//!
+//! NVRTC (through `ops/nvrtc.rs`, the crate's only NVRTC calls) compiles `PRELUDE + source`
+//! to a **cubin** for the device's real architecture (`--gpu-architecture=sm_XY` from its
+//! compute capability, `-default-device`, `--std=c++17`; precise division and square root,
+//! no flush-to-zero), which loads without the driver's JIT. When the cubin fails for a
+//! reason other than the source (an NVRTC without `nvrtcGetCUBIN`, an architecture it does
+//! not know), it falls back to PTX for `compute_XY`, as before.
+//!
+//! Images live in one process-wide cache ([`ImageCache`] in `ops/kernel_cache.rs`), keyed
+//! by (architecture, source name); a compilation in flight (started by [`prepare_kernels`]
+//! or by another device) is waited for, never repeated. Lookup order: memory, then the
+//! disk cache, then NVRTC (whose image is then written to disk). The disk cache's
+//! directory is `DDO_KERNEL_CACHE` (`off`, `0` or empty: no disk cache), else
+//! `$XDG_CACHE_HOME/ddo/kernels`, else `$HOME/.cache/ddo/kernels`; a file is named by a
+//! 128-bit hash of the prelude, source, architecture, image kind, options and NVRTC
+//! version, and holds a checked header (magic, format version, kind, key, length,
+//! checksum) before the image. Corrupt files are ignored and replaced; writes are atomic
+//! (temporary file + rename) and best effort: an IO error only means compiling.
+//!
+//! The per-device cache is keyed by the device's compute stream (held weakly): entries of
+//! dropped devices are removed — and their modules unloaded — at the next `kernel` call of
+//! any device. Its lock is not held while an image is compiled, waited for or loaded.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock, Weak};
 
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig,
+    PushKernelArg,
 };
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use ddo_core::{CoreError, DType, Device};
 use parking_lot::Mutex;
 
+use super::kernel_cache::{
+    Arch, Compiler, DiskCache, Image, ImageCache, ImageKind, KernelCacheStats, cache_dir_from,
+};
+use super::nvrtc::{self, Failure, NVRTC_HINT, Output};
+use super::{attention, elementwise, gemm, layout, norm};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 
@@ -195,7 +228,164 @@ pub(crate) enum Arg {
     Dims(Dims6),
 }
 
-/// The compiled modules and loaded functions of one device.
+/// Every kernel source the ops use, as `(source_name, text)`: the names are the
+/// `source_name`s the ops pass to [`CudaDevice::kernel`], the texts their modules' `SOURCE`
+/// consts. [`prepare_kernels`] compiles all of them.
+pub(crate) const SOURCES: [(&str, &str); 5] = [
+    (elementwise::SOURCE_NAME, elementwise::SOURCE),
+    (norm::SOURCE_NAME, norm::SOURCE),
+    (layout::SOURCE_NAME, layout::SOURCE),
+    (gemm::SOURCE_NAME, gemm::SOURCE),
+    (attention::SOURCE_NAME, attention::SOURCE),
+];
+
+/// NVRTC options besides the architecture: flush-to-zero off, precise square root and
+/// division, device code by default, C++17.
+const OPTIONS: [&str; 5] = [
+    "--ftz=false",
+    "--prec-sqrt=true",
+    "--prec-div=true",
+    "-default-device",
+    "--std=c++17",
+];
+
+/// [`OPTIONS`] with `--gpu-architecture={target}` (`sm_90` for a cubin, `compute_90` for PTX).
+fn options(target: &str) -> Vec<String> {
+    std::iter::once(format!("--gpu-architecture={target}"))
+        .chain(OPTIONS.iter().map(|o| o.to_string()))
+        .collect()
+}
+
+/// The identity of NVRTC `version` compiling with [`OPTIONS`] after [`PRELUDE`]: the part
+/// of the disk key besides source, architecture and image kind.
+fn nvrtc_identity((major, minor): (i32, i32)) -> String {
+    format!(
+        "nvrtc {major}.{minor}\noptions {}\nprelude {PRELUDE}",
+        OPTIONS.join(" ")
+    )
+}
+
+/// Whether libnvrtc can be loaded (no compilation is made).
+pub(crate) fn nvrtc_present() -> bool {
+    nvrtc::present()
+}
+
+/// The message for a failed NVRTC compilation.
+fn describe(failure: Failure) -> String {
+    match failure {
+        Failure::NoLibrary => {
+            format!("the CUDA library `libnvrtc` could not be loaded: {NVRTC_HINT}")
+        }
+        Failure::Source(log) => format!("NVRTC_ERROR_COMPILATION: {log}"),
+        Failure::Other(message) => message,
+    }
+}
+
+/// Compiles `PRELUDE + source` to PTX for `arch` (e.g. `compute_90`); the error is NVRTC's
+/// log (or the missing library). Needs libnvrtc, no device; for tests.
+#[cfg(test)]
+pub(crate) fn compile_ptx(source: &str, arch: &str) -> Result<Ptx, String> {
+    let text = format!("{PRELUDE}\n{source}");
+    let ptx = nvrtc::compile(&text, "kernel.cu", &options(arch), Output::Ptx).map_err(describe)?;
+    Ok(Ptx::from_src(String::from_utf8_lossy(&ptx).into_owned()))
+}
+
+/// The image of `PRELUDE + source` for `arch`: a cubin for `sm_XY`, or PTX for
+/// `compute_XY` when the cubin fails for a reason other than the source (an older NVRTC,
+/// say). A source error is reported at once, with NVRTC's log.
+fn compile_image(name: &str, source: &str, arch: Arch) -> Result<Image, String> {
+    let text = format!("{PRELUDE}\n{source}");
+    let why_not_cubin = match nvrtc::compile(&text, name, &options(&arch.sm()), Output::Cubin) {
+        Ok(cubin) => return Ok(Image::new(ImageKind::Cubin, cubin)),
+        Err(Failure::Other(why)) => why,
+        Err(other) => return Err(describe(other)),
+    };
+    match nvrtc::compile(&text, name, &options(&arch.compute()), Output::Ptx) {
+        Ok(ptx) => Ok(Image::new(ImageKind::Ptx, ptx)),
+        Err(e) => Err(format!(
+            "{} (a cubin for {} failed first: {why_not_cubin})",
+            describe(e),
+            arch.sm()
+        )),
+    }
+}
+
+/// NVRTC as the image cache's compiler.
+struct Nvrtc;
+
+impl Compiler for Nvrtc {
+    fn identity(&self) -> Result<String, String> {
+        static IDENTITY: OnceLock<Result<String, String>> = OnceLock::new();
+        IDENTITY
+            .get_or_init(|| nvrtc::version().map(nvrtc_identity).map_err(describe))
+            .clone()
+    }
+
+    fn compile(&self, name: &str, source: &str, arch: Arch) -> Result<Image, String> {
+        compile_image(name, source, arch)
+    }
+}
+
+/// The process's image cache, its disk directory read from the environment once.
+fn images() -> &'static Arc<ImageCache<Nvrtc>> {
+    static IMAGES: OnceLock<Arc<ImageCache<Nvrtc>>> = OnceLock::new();
+    IMAGES.get_or_init(|| {
+        let disk = cache_dir_from(|name| std::env::var_os(name)).map(DiskCache::new);
+        Arc::new(ImageCache::new(Nvrtc, disk))
+    })
+}
+
+/// Starts compiling every kernel source of the CUDA ops for device `ordinal`'s
+/// architecture in the background, one thread per source, and returns at once.
+///
+/// The images land in the process's kernel-image cache (and in the disk cache, see
+/// [`kernel_cache_dir`]), where the ops' first use of a source on any device of that
+/// architecture finds them, waiting for a compilation still in flight instead of starting
+/// another; sources found in the disk cache are read, not compiled. Call it as early as
+/// possible (before loading weights, say) so the compiles overlap other work. Calling it
+/// again, or for another device of the same architecture, starts nothing new.
+///
+/// Without `libcuda` or `libnvrtc` it does nothing and returns `Ok(())`. It makes no CUDA
+/// context; it asks the driver for the device's compute capability only, so an error is a
+/// driver error or a missing device ([`CudaError::NoDevice`], as a
+/// [`CoreError::Backend`]); callers may ignore it, as opening the device reports the same.
+/// A compilation that fails in the background is not reported here: the op that needs the
+/// source reports it (a [`CoreError::Backend`] carrying NVRTC's log).
+pub fn prepare_kernels(ordinal: usize) -> Result<(), CoreError> {
+    if !crate::driver::library_present() || !nvrtc_present() {
+        return Ok(());
+    }
+    let (major, minor) = crate::driver::compute_capability(ordinal)
+        .map_err(|e| e.into_core(&format!("cuda:{ordinal}")))?;
+    images().prefetch(Arch { major, minor }, &SOURCES);
+    Ok(())
+}
+
+/// The directory where this process caches compiled kernel images across processes, or
+/// `None` when the disk cache is off.
+///
+/// Read once per process from the environment: `DDO_KERNEL_CACHE` when set (`off`, `0` or
+/// empty turn the disk cache off), else `$XDG_CACHE_HOME/ddo/kernels`, else
+/// `$HOME/.cache/ddo/kernels`. One file per source, architecture and compiler version
+/// (see `ops/kernel_cache.rs` for the format); the directory may be deleted at any time.
+/// Any failure to read or write it only means compiling again, never an error.
+pub fn kernel_cache_dir() -> Option<PathBuf> {
+    images().disk().map(|d| d.dir().to_path_buf())
+}
+
+/// Where this process's kernel images came from so far (memory, disk, compiled).
+pub fn kernel_cache_stats() -> KernelCacheStats {
+    images().stats()
+}
+
+/// Forgets the compiled kernel images this process holds in memory (devices keep the
+/// modules they loaded already): the next device that needs a source reads the disk cache
+/// or compiles it. For tests and measurements of a cold start.
+pub fn forget_kernel_images() {
+    images().forget();
+}
+
+/// The loaded modules and functions of one device.
 struct DeviceKernels {
     /// The device's compute stream (its identity; dead once the device is dropped).
     compute: Weak<CudaStream>,
@@ -205,46 +395,37 @@ struct DeviceKernels {
 
 static CACHE: Mutex<Vec<DeviceKernels>> = Mutex::new(Vec::new());
 
-/// Where libnvrtc is looked for, for error messages.
-const NVRTC_HINT: &str = "cudarc loads libnvrtc.so (also libnvrtc.so.13 and other versioned names) at run time \
-     through the dynamic loader, which searches LD_LIBRARY_PATH, the ld.so cache and the system library \
-     directories; install the CUDA toolkit's NVRTC (or the nvidia-cuda-nvrtc wheel) and add the directory \
-     holding libnvrtc.so to LD_LIBRARY_PATH (e.g. /usr/local/cuda/targets/x86_64-linux/lib), or run on the \
-     host backend";
-
-/// Whether libnvrtc can be loaded (no compilation is made).
-pub(crate) fn nvrtc_present() -> bool {
-    // SAFETY: `is_culib_present` only tries `dlopen` on libnvrtc's candidate names and drops
-    // what it opened; it calls nothing in the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+/// The entry of the device whose compute stream is `stream` (made when missing), after
+/// dropping the entries of dropped devices.
+fn device_entry<'a>(
+    cache: &'a mut Vec<DeviceKernels>,
+    stream: &Arc<CudaStream>,
+) -> &'a mut DeviceKernels {
+    cache.retain(|e| e.compute.strong_count() > 0);
+    let at = match cache
+        .iter()
+        .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(stream)))
+    {
+        Some(i) => i,
+        None => {
+            cache.push(DeviceKernels {
+                compute: Arc::downgrade(stream),
+                modules: HashMap::new(),
+                functions: HashMap::new(),
+            });
+            cache.len() - 1
+        }
+    };
+    &mut cache[at]
 }
 
-/// Compiles `PRELUDE + source` to PTX for `arch` (e.g. `compute_90`); the error is NVRTC's
-/// log (or the missing library). Needs libnvrtc, no device.
-pub(crate) fn compile_ptx(source: &str, arch: &str) -> Result<Ptx, String> {
-    if !nvrtc_present() {
-        return Err(format!(
-            "the CUDA library `libnvrtc` could not be loaded: {NVRTC_HINT}"
-        ));
+/// Loads `image` into `ctx` (`cuModuleLoadData` takes a cubin or NUL-terminated PTX).
+fn load_image(ctx: &Arc<CudaContext>, image: &Image) -> Result<Arc<CudaModule>, DriverError> {
+    let mut bytes = image.bytes.to_vec();
+    if image.kind == ImageKind::Ptx {
+        bytes.push(0);
     }
-    let text = format!("{PRELUDE}\n{source}");
-    let opts = CompileOptions {
-        prec_div: Some(true),
-        prec_sqrt: Some(true),
-        ftz: Some(false),
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "-default-device".into(),
-            "--std=c++17".into(),
-        ],
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(text, opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
-            format!("{nvrtc:?}: {}", log.to_string_lossy())
-        }
-        other => other.to_string(),
-    })
+    ctx.load_module(Ptx::from_binary(bytes))
 }
 
 fn backend(dev: &CudaDevice, message: String) -> CoreError {
@@ -254,7 +435,7 @@ fn backend(dev: &CudaDevice, message: String) -> CoreError {
     }
 }
 
-fn driver_err(dev: &CudaDevice, call: &'static str, e: cudarc::driver::DriverError) -> CoreError {
+fn driver_err(dev: &CudaDevice, call: &'static str, e: DriverError) -> CoreError {
     CudaError::driver(call, e).into_core(&dev.id().to_string())
 }
 
@@ -265,8 +446,9 @@ pub(crate) fn compute_stream(dev: &CudaDevice) -> Result<Arc<CudaStream>, CoreEr
 }
 
 impl CudaDevice {
-    /// The kernel `function` of the CUDA C source `source` (named `source_name`), compiled
-    /// with [`PRELUDE`] in front the first time this device needs it; see the module docs.
+    /// The kernel `function` of the CUDA C source `source` (named `source_name`), its
+    /// module loaded the first time this device needs it from the process's image cache
+    /// (compiled with [`PRELUDE`] in front when no cache has it); see the module docs.
     pub(crate) fn kernel(
         &self,
         source_name: &'static str,
@@ -274,45 +456,39 @@ impl CudaDevice {
         function: &str,
     ) -> Result<CudaFunction, CoreError> {
         let stream = compute_stream(self)?;
-        let mut cache = CACHE.lock();
-        cache.retain(|e| e.compute.strong_count() > 0);
-        let at = match cache
-            .iter()
-            .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-        {
-            Some(i) => i,
-            None => {
-                cache.push(DeviceKernels {
-                    compute: Arc::downgrade(&stream),
-                    modules: HashMap::new(),
-                    functions: HashMap::new(),
-                });
-                cache.len() - 1
+        let key = (source_name, function.to_string());
+        // The device lock is not held while an image is compiled, waited for or loaded.
+        let loaded = {
+            let mut cache = CACHE.lock();
+            let entry = device_entry(&mut cache, &stream);
+            if let Some(f) = entry.functions.get(&key) {
+                return Ok(f.clone());
             }
+            entry.modules.get(source_name).cloned()
         };
-        let entry = &mut cache[at];
-        if let Some(f) = entry.functions.get(&(source_name, function.to_string())) {
-            return Ok(f.clone());
-        }
-        let module = match entry.modules.get(source_name) {
-            Some(m) => Arc::clone(m),
+        let module = match loaded {
+            Some(m) => m,
             None => {
                 let ctx = self.context();
                 let (major, minor) = ctx
                     .compute_capability()
                     .map_err(|e| driver_err(self, "cuDeviceGetAttribute", e))?;
-                let arch = format!("compute_{major}{minor}");
-                let ptx = compile_ptx(source, &arch).map_err(|log| {
+                let arch = Arch { major, minor };
+                let image = images().get(arch, source_name, source).map_err(|log| {
                     backend(
                         self,
-                        format!("NVRTC could not compile kernel source `{source_name}` for {arch}: {log}"),
+                        format!(
+                            "NVRTC could not compile kernel source `{source_name}` for {}: {log}",
+                            arch.sm()
+                        ),
                     )
                 })?;
-                let m = ctx
-                    .load_module(ptx)
-                    .map_err(|e| driver_err(self, "cuModuleLoadData", e))?;
-                entry.modules.insert(source_name, Arc::clone(&m));
-                m
+                let m =
+                    load_image(ctx, &image).map_err(|e| driver_err(self, "cuModuleLoadData", e))?;
+                // Another thread may have loaded it meanwhile: keep the first.
+                let mut cache = CACHE.lock();
+                let entry = device_entry(&mut cache, &stream);
+                Arc::clone(entry.modules.entry(source_name).or_insert(m))
             }
         };
         let f = module.load_function(function).map_err(|e| {
@@ -325,9 +501,10 @@ impl CudaDevice {
                 ),
             )
         })?;
-        entry
+        let mut cache = CACHE.lock();
+        device_entry(&mut cache, &stream)
             .functions
-            .insert((source_name, function.to_string()), f.clone());
+            .insert(key, f.clone());
         Ok(f)
     }
 }
@@ -377,4 +554,101 @@ pub(crate) fn launch(
     unsafe { builder.launch(cfg) }
         .map(|_| ())
         .map_err(|e| driver_err(dev, "cuLaunchKernel", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_is_in_the_table_once() {
+        let names = [
+            elementwise::SOURCE_NAME,
+            norm::SOURCE_NAME,
+            layout::SOURCE_NAME,
+            gemm::SOURCE_NAME,
+            attention::SOURCE_NAME,
+        ];
+        for name in names {
+            assert_eq!(
+                SOURCES.iter().filter(|(n, _)| *n == name).count(),
+                1,
+                "{name} must appear once in SOURCES"
+            );
+        }
+        let mut sorted: Vec<&str> = SOURCES.iter().map(|(n, _)| *n).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), SOURCES.len(), "source names are unique");
+        // The same text under each name as its module's const (no copy that could drift).
+        assert!(SOURCES.contains(&(gemm::SOURCE_NAME, gemm::SOURCE)));
+        assert!(SOURCES.contains(&(attention::SOURCE_NAME, attention::SOURCE)));
+        // One entry per file of `kernels/`, so a new source cannot be left out.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let files = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "cu")
+            })
+            .count();
+        assert_eq!(files, SOURCES.len(), "one SOURCES entry per kernels/*.cu");
+    }
+
+    #[test]
+    fn options_and_identity_name_everything_that_decides_an_image() {
+        let opts = options("sm_90");
+        assert_eq!(opts[0], "--gpu-architecture=sm_90");
+        for o in OPTIONS {
+            assert!(opts.iter().any(|x| x == o), "{o}");
+        }
+        let id = nvrtc_identity((13, 0));
+        for o in OPTIONS {
+            assert!(id.contains(o), "{o} is part of the identity");
+        }
+        assert!(id.contains(PRELUDE));
+        assert_ne!(id, nvrtc_identity((13, 1)));
+        assert_ne!(id, nvrtc_identity((12, 0)));
+    }
+
+    /// Without libcuda or libnvrtc (as on CI) the warm-up does nothing and succeeds.
+    #[test]
+    fn prepare_kernels_without_the_libraries_is_a_no_op() {
+        if crate::driver::library_present() && nvrtc_present() {
+            println!("skipped: libcuda and libnvrtc load here (the GPU tests cover it)");
+            return;
+        }
+        let before = kernel_cache_stats();
+        prepare_kernels(0).unwrap();
+        prepare_kernels(7).unwrap();
+        assert_eq!(kernel_cache_stats(), before);
+    }
+
+    /// Every source compiles to a cubin for sm_90 (the H200). Needs libnvrtc, no GPU.
+    #[test]
+    fn every_source_compiles_to_a_cubin_for_sm_90() {
+        if !nvrtc_present() {
+            println!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to its directory)");
+            return;
+        }
+        let arch = Arch { major: 9, minor: 0 };
+        let images: Vec<_> = SOURCES
+            .iter()
+            .map(|&(name, source)| {
+                std::thread::spawn(move || (name, compile_image(name, source, arch)))
+            })
+            .collect();
+        for t in images {
+            let (name, image) = t.join().unwrap();
+            let image = image.unwrap_or_else(|log| panic!("{name} does not compile: {log}"));
+            assert_eq!(image.kind, ImageKind::Cubin, "{name}");
+            assert_eq!(&image.bytes[..4], b"\x7fELF", "{name}");
+        }
+        // A source error is reported with NVRTC's log, not hidden by the PTX fallback.
+        let err = compile_image("bad.cu", "this is not C", arch).unwrap_err();
+        assert!(err.starts_with("NVRTC_ERROR_COMPILATION"), "{err}");
+    }
 }

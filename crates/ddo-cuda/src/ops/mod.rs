@@ -9,10 +9,12 @@
 //! `note_use(compute)` ([`Out::finish`]), so a buffer dropped while a kernel still reads or
 //! writes it is freed only after that kernel.
 //!
-//! Files: [`kernels`] (NVRTC compile cache, prelude, launch helper), `elementwise`
-//! (unary, binary with broadcasting, affine, cast, rope), `norm` (group/layer/RMS norm,
-//! softmax, reduce), `layout` (upload/download, concat, narrow, permute, upsample,
-//! embedding), and the GEMM/convolution/attention files (`gemm`, `conv`, `attention`).
+//! Files: [`kernels`] (the sources, prelude, per-device module cache, warm-up, launch
+//! helper), [`kernel_cache`] (compiled images in memory and on disk), [`nvrtc`] (the NVRTC
+//! calls), `elementwise` (unary, binary with broadcasting, affine, cast, rope), `norm`
+//! (group/layer/RMS norm, softmax, reduce), `layout` (upload/download, concat, narrow,
+//! permute, upsample, embedding), and the GEMM/convolution/attention files (`gemm`, `conv`,
+//! `attention`).
 
 pub(crate) use ddo_core::shape::{
     broadcast_shape, broadcast_strides, coalesce, contiguous_strides,
@@ -29,20 +31,11 @@ pub(crate) mod attention;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
+pub(crate) mod kernel_cache;
 pub(crate) mod kernels;
 pub(crate) mod layout;
 pub(crate) mod norm;
-
-/// Every kernel source of this crate as `(source_name, text)`, for the NVRTC compile test.
-/// The names are the `source_name`s the ops pass to [`CudaDevice::kernel`].
-#[cfg(test)]
-pub(crate) const SOURCES: &[(&str, &str)] = &[
-    (elementwise::SOURCE_NAME, elementwise::SOURCE),
-    (norm::SOURCE_NAME, norm::SOURCE),
-    (layout::SOURCE_NAME, layout::SOURCE),
-    (gemm::SOURCE_NAME, gemm::SOURCE),
-    (attention::SOURCE_NAME, attention::SOURCE),
-];
+pub(crate) mod nvrtc;
 
 /// A shape error of `op`.
 pub(crate) fn shape_err(op: &str, message: impl Into<String>) -> CoreError {
@@ -394,7 +387,7 @@ mod tests {
             println!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a directory holding it)");
             return;
         }
-        for (name, source) in SOURCES {
+        for (name, source) in kernels::SOURCES {
             let ptx = kernels::compile_ptx(source, "compute_90")
                 .unwrap_or_else(|log| panic!("{name} does not compile: {log}"));
             let text = ptx.to_src();
@@ -422,14 +415,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn sources_have_distinct_names() {
-        let mut names: Vec<&str> = SOURCES.iter().map(|(n, _)| *n).collect();
-        names.sort_unstable();
-        names.dedup();
-        assert_eq!(names.len(), SOURCES.len());
     }
 
     #[test]

@@ -212,6 +212,7 @@ impl Route for LinearConvolutionRoute {
             transient_device_bytes: component.largest_leaf().map_or(0, |l| l.param_bytes()),
             pinned_host_bytes: if pinned { weight_bytes } else { 0 },
             needs_native_allocator: false,
+            attaches_on_device: false,
             pageable_staging: !pinned,
             pinned_limit_to_avoid_pageable: 0,
             summary: format!(

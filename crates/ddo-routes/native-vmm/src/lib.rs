@@ -457,6 +457,7 @@ impl Route for NativeVmmRoute {
             transient_device_bytes: plan.slot_bytes,
             pinned_host_bytes: pinned,
             needs_native_allocator: true,
+            attaches_on_device: plan.resident_bytes > 0,
             pageable_staging: pageable && config.pinned,
             pinned_limit_to_avoid_pageable: if pageable && config.pinned {
                 streamed
