@@ -18,6 +18,9 @@
 //!    Diffusers, targets met or missed) and `$OUT/bench.svg`, plus both logs.
 //!
 //! With `--run` the script is run here too (a machine with a GPU and a toolchain).
+//!
+//! With `--full` it builds instead the benchmark at the full FLUX.1-dev config, the transformer
+//! step and the whole pipeline, into `gpu-bundle/bench-full/` (see [`full`]).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -26,22 +29,36 @@ use std::process::Command;
 use crate::gpu::make_executable;
 use crate::{cargo, run, workspace_root};
 
+mod full;
+
 /// The bench bundle's folder, relative to the workspace root (ignored by git).
 pub const BENCH_DIR: &str = "gpu-bundle/bench";
 
 /// Python files the job needs, from `tools/`.
 const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
 
-/// Parses `--peer diffusers [--run] [--options OPTS]` and builds (and maybe runs) the bench.
+const USAGE: &str =
+    "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS]";
+
+/// Parses `--peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS]` and builds (and
+/// maybe runs) the bench: the quick one, or with `--full` the one at FLUX.1-dev's size.
 pub fn bench(args: &[String]) -> Result<(), String> {
     let mut peer = None;
     let mut run_here = false;
     let mut options = String::new();
+    let mut full_mode = false;
+    let mut wheels = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--peer" => peer = it.next().cloned(),
             "--run" => run_here = true,
+            "--full" => full_mode = true,
+            "--wheels" => {
+                wheels = Some(PathBuf::from(it.next().ok_or(
+                    "--wheels needs the folder of the Diffusers wheels, e.g. ../shared/wheels",
+                )?));
+            }
             "--options" => {
                 options = it
                     .next()
@@ -49,9 +66,7 @@ pub fn bench(args: &[String]) -> Result<(), String> {
                     .ok_or("--options needs route options, e.g. unit_bytes=16MiB,ring_slots=3")?;
             }
             other => {
-                return Err(format!(
-                    "unknown bench argument `{other}`; usage: cargo xtask bench --peer diffusers [--run] [--options OPTS]"
-                ));
+                return Err(format!("unknown bench argument `{other}`; usage: {USAGE}"));
             }
         }
     }
@@ -59,6 +74,27 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         Some("diffusers") => {}
         Some(other) => return Err(format!("unknown peer `{other}`; the peer is `diffusers`")),
         None => return Err("give the peer: cargo xtask bench --peer diffusers".into()),
+    }
+    if full_mode {
+        // The options are written into the job's script: letters, digits and `_=,.` only.
+        if !options
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_=,.".contains(c))
+        {
+            return Err(format!(
+                "--options `{options}`: route options are key=value pairs joined by commas, e.g. ring_slots=3"
+            ));
+        }
+        return full::bench_full(&full::FullOptions {
+            route_options: options,
+            wheels,
+            run_here,
+        });
+    }
+    if wheels.is_some() {
+        return Err(format!(
+            "--wheels is for --full (the quick bench installs ./wheels on the GPU machine); usage: {USAGE}"
+        ));
     }
     let root = workspace_root();
     run(cargo().args([
@@ -185,5 +221,41 @@ mod tests {
                 .contains("unknown peer")
         );
         assert!(bench(&["--fast".into()]).unwrap_err().contains("unknown"));
+    }
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn bad_full_arguments_are_refused_before_building() {
+        let full = |extra: &[&str]| {
+            let mut a = args(&["--peer", "diffusers", "--full"]);
+            a.extend(args(extra));
+            bench(&a).unwrap_err()
+        };
+        assert!(
+            bench(&args(&["--full"]))
+                .unwrap_err()
+                .contains("--peer diffusers")
+        );
+        assert!(
+            bench(&args(&["--full", "--peer", "comfy"]))
+                .unwrap_err()
+                .contains("unknown peer")
+        );
+        assert!(full(&["--wheels"]).contains("--wheels needs"));
+        assert!(full(&["--options"]).contains("--options needs"));
+        assert!(full(&["--options", "ring_slots=3; rm -rf /"]).contains("key=value pairs"));
+        assert!(
+            full(&["--wheels", "/nonexistent/wheels"]).contains("cannot read the Diffusers wheels")
+        );
+        assert!(full(&["--big"]).contains("unknown bench argument `--big`"));
+        // --wheels belongs to --full.
+        assert!(
+            bench(&args(&["--peer", "diffusers", "--wheels", "x"]))
+                .unwrap_err()
+                .contains("--wheels is for --full")
+        );
     }
 }

@@ -444,6 +444,19 @@ impl CudaStreamHandle {
         Ok(())
     }
 
+    /// Waits for the oldest copy still tracked on this stream and lets go of what it held;
+    /// `false` when none is tracked. On a failed wait the copy stays tracked.
+    fn retire_oldest(&self) -> Result<bool> {
+        let Some(oldest) = self.pending.lock().pop_front() else {
+            return Ok(false);
+        };
+        if let Err(e) = oldest.done.wait() {
+            self.pending.lock().push_front(oldest);
+            return Err(e);
+        }
+        Ok(true)
+    }
+
     /// After the stream was synchronised: every queued copy has completed.
     fn retire_all(&self) {
         let done: Vec<PendingCopy> = self.pending.lock().drain(..).collect();
@@ -777,8 +790,9 @@ impl CudaDevice {
     /// buffers: each chunk is copied into a free buffer on up to [`UPLOAD_COPY_THREADS`]
     /// threads and its device copy queued, so the host fills the next chunk while the link
     /// carries the last (a plain pageable copy runs at the driver's pageable rate, about
-    /// 7 GB/s on the H200's host). When no buffer is free the stream's queued copies are
-    /// waited for first. The source can change as soon as this returns.
+    /// 7 GB/s on the H200's host). When no buffer is free the oldest queued copies are
+    /// waited for, one at a time (the whole stream only when that frees none). The source
+    /// can change as soon as this returns.
     fn upload_in_chunks(
         &self,
         src: &HostSlice,
@@ -790,7 +804,13 @@ impl CudaDevice {
         let mut at = 0usize;
         while at < src.len() {
             let n = chunk.min(src.len() - at);
-            let staging = match self.upload_staging_buffer(n) {
+            // No free buffer: wait for the oldest queued copies, one at a time, so the
+            // host fills this chunk while the link still carries the newer ones.
+            let mut free = self.upload_staging_buffer(n);
+            while free.is_none() && s.retire_oldest().map_err(|e| self.core(e))? {
+                free = self.upload_staging_buffer(n);
+            }
+            let staging = match free {
                 Some(b) => b,
                 None => {
                     s.stream

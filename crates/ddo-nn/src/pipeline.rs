@@ -1077,11 +1077,12 @@ impl FluxPipeline {
                     PromptInput::Text(p) => self.stand_in_tokens(p)?,
                     PromptInput::Embeddings(_) => (Vec::new(), Vec::new()),
                 };
+                // The transformer's host side (its pinned home) is built while the text
+                // encoders attach and run, where its route puts nothing on the device at
+                // attach.
+                offload.prepare(&[TRANSFORMER]);
                 offload.begin_phase(&text)?;
                 onload_unmanaged(offload, dev, &text)?;
-                // The transformer's host side (its pinned home) is built while the text
-                // encoders run, where its route puts nothing on the device at attach.
-                offload.prepare(&[TRANSFORMER]);
                 let e = self.encode_prompt(dev, &clip_ids, &t5_ids)?;
                 progress("prompt_encoding", 1, 1);
                 // Keep what denoise needs on the host; drop the device copies.
