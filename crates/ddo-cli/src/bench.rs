@@ -112,6 +112,10 @@ pub struct CandidateResult {
     pub error: Option<String>,
     /// The last timed forward's timeline, added up (`--timeline`, streamed candidates).
     pub timeline: Option<ddo_metrics::TimelineSummary>,
+    /// Seconds the candidate's attach took (a pinned home, registrations, resident uploads).
+    pub setup_seconds: f64,
+    /// The route's pinned host bytes at their peak.
+    pub peak_pinned_host_bytes: u64,
 }
 
 enum Candidate {
@@ -436,6 +440,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         let outcome = (|| -> CliResult<CandidateResult> {
             let device = device_for(cand.native(&name))?;
             let pipeline = Pipeline::new(vec![Arc::clone(&component)])?;
+            let attach_started = std::time::Instant::now();
             let mut offload = match (cand, &demand) {
                 (Candidate::Preset(p), Some(demand)) => {
                     let plan = plan_pipeline(
@@ -465,6 +470,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                     &env,
                 )?,
             };
+            let setup_seconds = attach_started.elapsed().as_secs_f64();
             let route = offload.handle(&name)?.spec().describe();
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
                 let inputs = workload.prepare(&*device)?;
@@ -483,11 +489,12 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 Ok((seconds, peak, (after - before) / repeats as u64))
             })();
-            let traced = offload
-                .handle(&name)
-                .ok()
-                .and_then(|h| h.metrics_snapshot().timeline)
+            let snapshot = offload.handle(&name).ok().map(|h| h.metrics_snapshot());
+            let traced = snapshot
+                .as_ref()
+                .and_then(|m| m.timeline.as_ref())
                 .map(|t| t.summary(5));
+            let peak_pinned_host_bytes = snapshot.map_or(0, |m| m.counters.peak_pinned_host_bytes);
             let _ = offload.release(&name);
             let (seconds, peak, streamed) = run?;
             let med = median(&seconds);
@@ -505,6 +512,8 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 ratio_to_floor: (streamed > 0).then(|| med / floor.max(1e-12)),
                 error: None,
                 timeline: traced,
+                setup_seconds,
+                peak_pinned_host_bytes,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -520,6 +529,8 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             ratio_to_floor: None,
             error: Some(e.message),
             timeline: None,
+            setup_seconds: 0.0,
+            peak_pinned_host_bytes: 0,
         }));
     }
     bar.finish();
