@@ -140,6 +140,11 @@ pub struct StreamingFigures {
     /// Where a pinned home's build time went (zero without a home).
     #[serde(default, skip)]
     pub home_times: crate::streaming::home::BuildTimes,
+    /// Bytes of the mapped ranges page-locked only for the resident params' first upload
+    /// (so it runs at pinned speed), released once that upload is queued; not in
+    /// `pinned_bytes`.
+    #[serde(default)]
+    pub resident_registered_bytes: u64,
     /// Why [`PinnedSource::Register`] was asked for but the engine staged otherwise (the
     /// device cannot register the memory, or it does not fit under the pinned limit).
     #[serde(default)]
@@ -278,6 +283,9 @@ enum Host {
     Registered {
         /// Registered views of the mappings (dropping them unregisters).
         sources: Vec<HostBuffer>,
+        /// The sources that hold only resident params, until their first upload is queued
+        /// (then they become plain mapped views: unregistered once those copies are done).
+        resident_only: Vec<usize>,
         /// The pinned home of the streamed params that are not mapped.
         home: Option<PinnedHome>,
         /// Per unit, its copies.
@@ -290,6 +298,7 @@ struct Registered {
     host: Host,
     staging: StagingKind,
     pinned_bytes: u64,
+    resident_registered_bytes: u64,
     released: u64,
     copies: u64,
     copied_bytes: u64,
@@ -319,14 +328,25 @@ struct CopyRun {
 #[derive(Debug)]
 struct RegisterPlan {
     spans: Vec<(Arc<CheckpointMap>, Range<usize>)>,
+    /// Spans that hold only resident params: registered for their first upload, released
+    /// after it.
+    resident_only: Vec<usize>,
     runs: Vec<Vec<CopyRun>>,
     home: Vec<(Arc<Param>, u64)>,
     home_bytes: u64,
+    /// Bytes of the spans the streamed copies read (kept registered).
     registered_bytes: u64,
+    /// Bytes of the `resident_only` spans.
+    resident_registered_bytes: u64,
 }
 
 impl RegisterPlan {
-    fn new(layout: &StagingLayout) -> Self {
+    /// The plan for `layout`'s streamed params; `resident` params that are mapped get their
+    /// ranges registered too, for their one upload from page-locked memory, where no block
+    /// of theirs is a streamed range's (those keep the reading rules of
+    /// [`resident_source`]), so the streamed registrations are exactly what they would be
+    /// without them.
+    fn new(layout: &StagingLayout, resident: &[Arc<Param>]) -> Self {
         // Each mapping once, in the order the layout first uses it.
         let mut maps: Vec<(Arc<CheckpointMap>, Vec<Range<usize>>)> = Vec::new();
         let mut map_index: HashMap<usize, usize> = HashMap::new();
@@ -344,10 +364,7 @@ impl RegisterPlan {
             }
         }
         // Merge overlapping or touching spans of one mapping.
-        let mut spans: Vec<(Arc<CheckpointMap>, Range<usize>)> = Vec::new();
-        let mut first_span = Vec::with_capacity(maps.len());
-        for (map, mut ranges) in maps {
-            first_span.push(spans.len());
+        let merge = |mut ranges: Vec<Range<usize>>| {
             ranges.sort_unstable_by_key(|r| r.start);
             let mut merged: Vec<Range<usize>> = Vec::new();
             for r in ranges.into_iter().filter(|r| !r.is_empty()) {
@@ -356,9 +373,40 @@ impl RegisterPlan {
                     _ => merged.push(r),
                 }
             }
-            spans.extend(merged.into_iter().map(|r| (Arc::clone(&map), r)));
+            merged
+        };
+        let mut spans: Vec<(Arc<CheckpointMap>, Range<usize>)> = Vec::new();
+        let mut first_span = Vec::with_capacity(maps.len());
+        for (map, ranges) in maps {
+            first_span.push(spans.len());
+            spans.extend(merge(ranges).into_iter().map(|r| (Arc::clone(&map), r)));
         }
         first_span.push(spans.len());
+        // The resident params' ranges that share no block with a streamed range, merged
+        // among themselves, after every streamed span.
+        let streamed_spans = spans.len();
+        let mut resident_maps: Vec<(Arc<CheckpointMap>, Vec<Range<usize>>)> = Vec::new();
+        for p in resident {
+            let host = p.host();
+            let Some((map, range)) = host.mapped_range() else {
+                continue;
+            };
+            let r = register_span(map.len(), range.start, range.len());
+            let clashes = spans[..streamed_spans]
+                .iter()
+                .any(|(m, s)| Arc::ptr_eq(m, map) && s.start < r.end && r.start < s.end);
+            if clashes {
+                continue;
+            }
+            match resident_maps.iter_mut().find(|(m, _)| Arc::ptr_eq(m, map)) {
+                Some((_, ranges)) => ranges.push(r),
+                None => resident_maps.push((Arc::clone(map), vec![r])),
+            }
+        }
+        for (map, ranges) in resident_maps {
+            spans.extend(merge(ranges).into_iter().map(|r| (Arc::clone(&map), r)));
+        }
+        let resident_only: Vec<usize> = (streamed_spans..spans.len()).collect();
         let source_of = |map: &Arc<CheckpointMap>, at: usize| -> Option<(usize, u64)> {
             let m = *map_index.get(&(Arc::as_ptr(map) as usize))?;
             let (lo, hi) = (first_span[m], first_span[m + 1]);
@@ -415,13 +463,18 @@ impl RegisterPlan {
             }
             runs.push(unit_runs);
         }
-        let registered_bytes = spans.iter().map(|(_, r)| r.len() as u64).sum();
+        let span_bytes = |i: usize| spans[i].1.len() as u64;
+        let resident_registered_bytes: u64 = resident_only.iter().map(|&i| span_bytes(i)).sum();
+        let registered_bytes =
+            (0..spans.len()).map(span_bytes).sum::<u64>() - resident_registered_bytes;
         Self {
             spans,
+            resident_only,
             runs,
             home,
             home_bytes: home_at,
             registered_bytes,
+            resident_registered_bytes,
         }
     }
 
@@ -599,7 +652,17 @@ impl StreamingEngine {
         let mut register_fallback = None;
         let mut registered = None;
         if register && units > 0 {
-            let plan = RegisterPlan::new(&layout);
+            // The resident params' ranges too, for their one upload, where that fits.
+            let with_resident = RegisterPlan::new(&layout, &resident_params);
+            let plan = if with_resident.registered_bytes
+                + with_resident.resident_registered_bytes
+                + with_resident.home_bytes
+                <= pinned_room
+            {
+                with_resident
+            } else {
+                RegisterPlan::new(&layout, &[])
+            };
             let need = plan.registered_bytes + plan.home_bytes;
             if need > pinned_room {
                 register_fallback = Some(format!(
@@ -625,6 +688,9 @@ impl StreamingEngine {
         let copied_bytes = registered
             .as_ref()
             .map_or(0, |r: &Registered| r.copied_bytes);
+        let resident_registered_bytes = registered
+            .as_ref()
+            .map_or(0, |r: &Registered| r.resident_registered_bytes);
         let (host, staging, pinned_bytes, released, copies) = if units == 0 {
             (
                 None,
@@ -726,6 +792,7 @@ impl StreamingEngine {
             copies_per_forward: copies,
             staging_setup_ns,
             home_times,
+            resident_registered_bytes,
             register_fallback,
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
@@ -776,10 +843,12 @@ impl StreamingEngine {
     fn build_registered(device: &dyn Device, plan: RegisterPlan) -> Result<Registered> {
         let mut sources = Vec::with_capacity(plan.spans.len());
         let mut registered_bytes = 0u64;
-        for (map, range) in &plan.spans {
+        for (i, (map, range)) in plan.spans.iter().enumerate() {
             let view = HostBuffer::mapped(Arc::clone(map), range.start, range.len())?;
             let registered = device.register_host(&view)?;
-            registered_bytes += registered.pinned_bytes().unwrap_or(range.len() as u64);
+            if !plan.resident_only.contains(&i) {
+                registered_bytes += registered.pinned_bytes().unwrap_or(range.len() as u64);
+            }
             sources.push(registered);
         }
         let (copies, copied_bytes) = (plan.copies(), plan.copied_bytes());
@@ -795,22 +864,45 @@ impl StreamingEngine {
             (None, 0)
         };
         let staging = StagingKind::Registered {
-            registrations: sources.len(),
+            registrations: sources.len() - plan.resident_only.len(),
             registered_bytes,
             home_bytes: plan.home_bytes,
         };
         Ok(Registered {
             host: Host::Registered {
                 sources,
+                resident_only: plan.resident_only,
                 home,
                 runs: plan.runs,
             },
             staging,
             pinned_bytes: registered_bytes + plan.home_bytes,
+            resident_registered_bytes: plan.resident_registered_bytes,
             released,
             copies,
             copied_bytes,
         })
+    }
+
+    /// Turns the registered ranges that only resident params needed into plain mapped views
+    /// once their upload is queued: each unregisters when the copies reading it are done.
+    fn release_resident_registrations(&mut self) -> Result<()> {
+        let Some(Host::Registered {
+            sources,
+            resident_only,
+            ..
+        }) = self.host.as_mut()
+        else {
+            return Ok(());
+        };
+        for i in std::mem::take(resident_only) {
+            let plain = match sources[i].registered_base().and_then(HostBuffer::mapping) {
+                Some((map, offset, len)) => HostBuffer::mapped(Arc::clone(map), offset, len)?,
+                None => continue,
+            };
+            sources[i] = plain;
+        }
+        Ok(())
     }
 
     /// The plan's figures.
@@ -863,6 +955,7 @@ impl StreamingEngine {
                 &self.compute,
                 &self.metrics,
             )?;
+            self.release_resident_registrations()?;
         }
         if self.slots == 0 {
             self.active = true;
@@ -995,6 +1088,7 @@ impl StreamingEngine {
                 sources,
                 home,
                 runs,
+                ..
             }) => {
                 for run in &runs[u] {
                     let src = match run.source {
