@@ -3,6 +3,8 @@
 //! shared by two groups is copied once and freed after its last user; and
 //! [`PinnedCopies`], pinned host copies of params counted against the device's pinned
 //! limit. Both undo everything they did when an operation fails halfway.
+//! [`UploadRegistrations`] page-locks checkpoint-mapped params where they are for one
+//! upload, so it runs at pinned speed instead of faulting the mapping in page by page.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use ddo_metrics::RouteMetrics;
 use crate::component::LeafId;
 use crate::device::{Device, DeviceBuffer, Stream};
 use crate::error::Result;
-use crate::host::{HostBuffer, HostSlice};
+use crate::host::{HostBuffer, HostSlice, register_span};
 use crate::param::{Param, ParamId};
 
 struct Entry {
@@ -424,5 +426,88 @@ mod tests {
         assert_eq!(d.memory_info().pinned_host, 16);
         drop(ok);
         assert_eq!(d.memory_info().pinned_host, 0);
+    }
+}
+
+/// The checkpoint mappings of some params page-locked in place for one upload: each
+/// mapping's block-rounded ranges ([`register_span`]) merged, so every mapped param lies
+/// wholly in one registration. A copy from a registered view runs at pinned speed; from the
+/// plain mapping it faults the file's pages in one by one (on the H200's host VM a 10.9 GB
+/// upload from a warm page cache ran at about 3 GB/s that way). Dropping it unregisters
+/// (copies queued from a view hold it until they complete).
+#[derive(Debug, Default)]
+pub struct UploadRegistrations {
+    views: Vec<HostBuffer>,
+}
+
+impl UploadRegistrations {
+    /// Registers the mapped ranges of `params` on `device` when they fit in the pinned room
+    /// it has left; where they do not, or the device refuses, nothing is registered and
+    /// [`UploadRegistrations::source`] gives every param its own bytes (never an error: the
+    /// upload then runs as it would have).
+    pub fn register(device: &dyn Device, params: &[Arc<Param>]) -> Self {
+        let mut maps: Vec<(Arc<crate::host::CheckpointMap>, Vec<std::ops::Range<usize>>)> =
+            Vec::new();
+        for p in params {
+            let host = p.host();
+            let Some((map, range)) = host.mapped_range() else {
+                continue;
+            };
+            let r = register_span(map.len(), range.start, range.len());
+            match maps.iter_mut().find(|(m, _)| Arc::ptr_eq(m, map)) {
+                Some((_, ranges)) => ranges.push(r),
+                None => maps.push((Arc::clone(map), vec![r])),
+            }
+        }
+        let mut spans = Vec::new();
+        for (map, mut ranges) in maps {
+            ranges.sort_unstable_by_key(|r| r.start);
+            let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
+            for r in ranges.into_iter().filter(|r| !r.is_empty()) {
+                match merged.last_mut() {
+                    Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                    _ => merged.push(r),
+                }
+            }
+            spans.extend(merged.into_iter().map(|r| (Arc::clone(&map), r)));
+        }
+        let bytes: u64 = spans.iter().map(|(_, r)| r.len() as u64).sum();
+        if spans.is_empty() || bytes > device.memory_info().pinned_room() {
+            return Self::default();
+        }
+        let mut views = Vec::with_capacity(spans.len());
+        for (map, range) in spans {
+            let registered = HostBuffer::mapped(map, range.start, range.len())
+                .and_then(|view| device.register_host(&view));
+            match registered {
+                Ok(v) => views.push(v),
+                // Refused (unsupported, over the limit meanwhile): the plain path for all.
+                Err(_) => return Self::default(),
+            }
+        }
+        Self { views }
+    }
+
+    /// Where to upload `p` from: its range of a registered view, else its own bytes.
+    pub fn source(&self, p: &Param) -> Result<HostSlice> {
+        let src = p.host();
+        let Some((map, range)) = src.mapped_range() else {
+            return Ok(src);
+        };
+        for view in &self.views {
+            let Some((m, offset, len)) = view.registered_base().and_then(HostBuffer::mapping)
+            else {
+                continue;
+            };
+            if Arc::ptr_eq(m, map) && offset <= range.start && range.end <= offset + len {
+                return view.slice(range.start - offset, range.len());
+            }
+        }
+        Ok(src)
+    }
+
+    /// Bytes page-locked.
+    pub fn bytes(&self) -> u64 {
+        self.views.iter().map(|v| v.len() as u64).sum()
     }
 }

@@ -839,3 +839,44 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
     drop((engine, outputs, lag));
     assert_eq!(d.memory_info().pinned_host, 0);
 }
+
+#[test]
+fn upload_registrations_page_lock_mapped_params_for_one_upload_or_nothing() {
+    use ddo_core::residency::UploadRegistrations;
+    let dir = TempDir::new();
+    let sizes = vec![vec![
+        (24 << 10, true),
+        (300, false),
+        (5000, true),
+        (24 << 10, true),
+    ]];
+    let (segs, _path) = segments(&dir.0, &sizes, &[2, 0, 1]);
+    let params = &segs[0];
+    let d = device(1 << 30, 2e9);
+    let uploads = UploadRegistrations::register(&*d, params);
+    assert!(uploads.bytes() > 0);
+    assert_eq!(d.memory_info().pinned_host, uploads.bytes());
+    for p in params {
+        let src = uploads.source(p).unwrap();
+        let expected = if p.is_checkpoint_backed() {
+            HostMemoryKind::Pinned
+        } else {
+            HostMemoryKind::Pageable
+        };
+        assert_eq!(src.kind(), expected, "{}", p.name());
+        assert_eq!(src.to_vec(), p.host().to_vec(), "{}", p.name());
+    }
+    drop(uploads);
+    assert_eq!(d.memory_info().pinned_host, 0);
+    // No room under the pinned limit: nothing registered, every param read where it is.
+    let tight = device(4096, 2e9);
+    let none = UploadRegistrations::register(&*tight, params);
+    assert_eq!((none.bytes(), tight.memory_info().pinned_host), (0, 0));
+    for p in params {
+        assert_ne!(uploads_kind(&none, p), HostMemoryKind::Pinned);
+    }
+}
+
+fn uploads_kind(u: &ddo_core::residency::UploadRegistrations, p: &Param) -> HostMemoryKind {
+    u.source(p).unwrap().kind()
+}

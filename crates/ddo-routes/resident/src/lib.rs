@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use ddo_core::residency::{FreeMode, ResidencyTable};
+use ddo_core::residency::{FreeMode, ResidencyTable, UploadRegistrations};
 use ddo_core::{
     AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext, Leaf,
     Refusal, Result, Route, RouteId, RouteSpec,
@@ -73,11 +73,14 @@ impl Route for ResidentRoute {
         let stream = device.compute_stream();
         let mut table = ResidencyTable::new();
         let params = component.params();
-        table.acquire(&*device, &params, &|p| Ok(p.host()), &stream, &metrics)?;
+        // Checkpoint-mapped weights are page-locked where they are for this one upload.
+        let uploads = UploadRegistrations::register(&*device, &params);
+        table.acquire(&*device, &params, &|p| uploads.source(p), &stream, &metrics)?;
         if let Err(e) = device.synchronize_stream(&stream) {
             table.release_all(&*device, FreeMode::Immediate, &stream);
             return Err(e);
         }
+        drop(uploads);
         let leaves_with_params = component
             .leaves()
             .iter()
