@@ -442,10 +442,15 @@ pub struct UploadRegistrations {
 
 impl UploadRegistrations {
     /// Registers the mapped ranges of `params` on `device` when they fit in the pinned room
-    /// it has left; where they do not, or the device refuses, nothing is registered and
-    /// [`UploadRegistrations::source`] gives every param its own bytes (never an error: the
-    /// upload then runs as it would have).
-    pub fn register(device: &dyn Device, params: &[Arc<Param>]) -> Self {
+    /// it has left; where they do not, or the device cannot register them
+    /// ([`CoreError::HostRegisterUnsupported`], [`CoreError::PinnedLimit`]), nothing is
+    /// registered and [`UploadRegistrations::source`] gives every param its own bytes (the
+    /// upload then runs as it would have). Any other device failure is returned, with
+    /// nothing left registered.
+    ///
+    /// [`CoreError::HostRegisterUnsupported`]: crate::CoreError::HostRegisterUnsupported
+    /// [`CoreError::PinnedLimit`]: crate::CoreError::PinnedLimit
+    pub fn register(device: &dyn Device, params: &[Arc<Param>]) -> Result<Self> {
         let mut maps: Vec<(Arc<crate::host::CheckpointMap>, Vec<std::ops::Range<usize>>)> =
             Vec::new();
         for p in params {
@@ -473,7 +478,7 @@ impl UploadRegistrations {
         }
         let bytes: u64 = spans.iter().map(|(_, r)| r.len() as u64).sum();
         if spans.is_empty() || bytes > device.memory_info().pinned_room() {
-            return Self::default();
+            return Ok(Self::default());
         }
         let mut views = Vec::with_capacity(spans.len());
         for (map, range) in spans {
@@ -482,10 +487,14 @@ impl UploadRegistrations {
             match registered {
                 Ok(v) => views.push(v),
                 // Refused (unsupported, over the limit meanwhile): the plain path for all.
-                Err(_) => return Self::default(),
+                Err(
+                    crate::CoreError::HostRegisterUnsupported { .. }
+                    | crate::CoreError::PinnedLimit { .. },
+                ) => return Ok(Self::default()),
+                Err(e) => return Err(e),
             }
         }
-        Self { views }
+        Ok(Self { views })
     }
 
     /// Where to upload `p` from: its range of a registered view, else its own bytes.

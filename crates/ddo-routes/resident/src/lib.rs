@@ -74,7 +74,7 @@ impl Route for ResidentRoute {
         let mut table = ResidencyTable::new();
         let params = component.params();
         // Checkpoint-mapped weights are page-locked where they are for this one upload.
-        let uploads = UploadRegistrations::register(&*device, &params);
+        let uploads = UploadRegistrations::register(&*device, &params)?;
         table.acquire(&*device, &params, &|p| uploads.source(p), &stream, &metrics)?;
         if let Err(e) = device.synchronize_stream(&stream) {
             table.release_all(&*device, FreeMode::Immediate, &stream);
