@@ -342,10 +342,9 @@ struct RegisterPlan {
 
 impl RegisterPlan {
     /// The plan for `layout`'s streamed params; `resident` params that are mapped get their
-    /// ranges registered too, for their one upload from page-locked memory, where no block
-    /// of theirs is a streamed range's (those keep the reading rules of
-    /// [`resident_source`]), so the streamed registrations are exactly what they would be
-    /// without them.
+    /// ranges registered too, so their one upload runs from page-locked memory: those that
+    /// share a block with a streamed range widen it (and stay registered with it), the others
+    /// get ranges of their own that go after the upload.
     fn new(layout: &StagingLayout, resident: &[Arc<Param>]) -> Self {
         // Each mapping once, in the order the layout first uses it.
         let mut maps: Vec<(Arc<CheckpointMap>, Vec<Range<usize>>)> = Vec::new();
@@ -375,32 +374,55 @@ impl RegisterPlan {
             }
             merged
         };
+        // Resident params that share a block with a kept range join it (kept registered,
+        // so they are read from it whole: a copy from partly page-locked memory is refused);
+        // the others get ranges of their own, released after their upload. Joining can
+        // widen a kept range onto another resident param, so this runs until nothing moves.
+        let mut pending: Vec<(Arc<CheckpointMap>, Range<usize>)> = resident
+            .iter()
+            .filter_map(|p| {
+                let host = p.host();
+                let (map, range) = host.mapped_range()?;
+                let r = register_span(map.len(), range.start, range.len());
+                (!r.is_empty()).then(|| (Arc::clone(map), r))
+            })
+            .collect();
+        let mut kept: Vec<Vec<Range<usize>>> = maps
+            .iter()
+            .map(|(_, ranges)| merge(ranges.clone()))
+            .collect();
+        loop {
+            let before = pending.len();
+            pending.retain(|(map, r)| {
+                let Some(&m) = map_index.get(&(Arc::as_ptr(map) as usize)) else {
+                    return true;
+                };
+                let clashes = kept[m].iter().any(|s| s.start < r.end && r.start < s.end);
+                if clashes {
+                    let mut ranges = std::mem::take(&mut kept[m]);
+                    ranges.push(r.clone());
+                    kept[m] = merge(ranges);
+                }
+                !clashes
+            });
+            if pending.len() == before {
+                break;
+            }
+        }
         let mut spans: Vec<(Arc<CheckpointMap>, Range<usize>)> = Vec::new();
         let mut first_span = Vec::with_capacity(maps.len());
-        for (map, ranges) in maps {
+        for ((map, _), ranges) in maps.iter().zip(kept) {
             first_span.push(spans.len());
-            spans.extend(merge(ranges).into_iter().map(|r| (Arc::clone(&map), r)));
+            spans.extend(ranges.into_iter().map(|r| (Arc::clone(map), r)));
         }
         first_span.push(spans.len());
-        // The resident params' ranges that share no block with a streamed range, merged
-        // among themselves, after every streamed span.
+        // The other resident params' ranges, merged among themselves, after every kept span.
         let streamed_spans = spans.len();
         let mut resident_maps: Vec<(Arc<CheckpointMap>, Vec<Range<usize>>)> = Vec::new();
-        for p in resident {
-            let host = p.host();
-            let Some((map, range)) = host.mapped_range() else {
-                continue;
-            };
-            let r = register_span(map.len(), range.start, range.len());
-            let clashes = spans[..streamed_spans]
-                .iter()
-                .any(|(m, s)| Arc::ptr_eq(m, map) && s.start < r.end && r.start < s.end);
-            if clashes {
-                continue;
-            }
-            match resident_maps.iter_mut().find(|(m, _)| Arc::ptr_eq(m, map)) {
+        for (map, r) in pending {
+            match resident_maps.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &map)) {
                 Some((_, ranges)) => ranges.push(r),
-                None => resident_maps.push((Arc::clone(map), vec![r])),
+                None => resident_maps.push((map, vec![r])),
             }
         }
         for (map, ranges) in resident_maps {
