@@ -10,8 +10,9 @@
 //! - `soak`: 1,000 attach/forward/phase/remove cycles over every route (see [`soak`]).
 //! - `gpu-bundle`: those tests built in release into `gpu-bundle/` with `run-all.sh`, for a
 //!   GPU machine without a toolchain (see [`gpu`]).
-//! - `bench --peer diffusers`: the streaming benchmark against Diffusers on the same
-//!   weights, built into `gpu-bundle/bench/` with `run-bench.sh` (see [`bench`]).
+//! - `bench --peer diffusers [--full]`: the streaming benchmark against Diffusers on the
+//!   same weights, built into `gpu-bundle/bench/` with `run-bench.sh`; `--full`: the
+//!   FLUX.1-dev transformer and whole pipeline, into `gpu-bundle/bench-full/` (see [`bench`]).
 
 mod bench;
 mod fuzz;
