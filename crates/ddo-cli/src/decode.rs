@@ -15,7 +15,8 @@ use serde_json::json;
 
 use crate::args::{OptSpec, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
-use crate::io::{HostTensor, OutputKind, output_kind, read_tensor, write_png, write_safetensors};
+use crate::io::{HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor};
+use crate::outputs::Outputs;
 use crate::run::parse_dtype;
 use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device, vram_budget};
 
@@ -89,6 +90,10 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let latents_path = need("latents", "FILE.safetensors")?;
     let out_path = need("out", "OUT.png")?;
     let out_kind = output_kind(&out_path)?;
+    let outputs = Outputs::plan(
+        &[("--out", &out_path)],
+        &[("--weights", &weights), ("--latents", &latents_path)],
+    )?;
     let dtype = args.get("dtype").map(parse_dtype).transpose()?;
     let tiled: TiledDecode = match args.get("tiled-decode") {
         Some(t) => t.parse().map_err(|_| {
@@ -186,8 +191,10 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
     let peak = handle.end_phase("decode")?;
     match out_kind {
-        OutputKind::Png => write_png(&out_path, &decoded)?,
-        OutputKind::Safetensors => write_safetensors(&out_path, &[("sample", &decoded)])?,
+        OutputKind::Png => outputs.commit(&[("--out", encode_png(&decoded)?)])?,
+        OutputKind::Safetensors => {
+            outputs.commit(&[("--out", encode_safetensors(&[("sample", &decoded)])?)])?
+        }
     }
     let snapshot = handle.metrics_snapshot();
     let text = if args.flag("json") {

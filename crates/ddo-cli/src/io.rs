@@ -68,8 +68,9 @@ pub fn read_tensor(path: &Path, names: &[&str], option: &str) -> CliResult<HostT
     }))
 }
 
-/// Writes f32 tensors to a safetensors file.
-pub fn write_safetensors(path: &Path, tensors: &[(&str, &HostTensor)]) -> CliResult<()> {
+/// f32 tensors as the bytes of a safetensors file (written through
+/// [`Outputs`](crate::outputs::Outputs)).
+pub fn encode_safetensors(tensors: &[(&str, &HostTensor)]) -> CliResult<Vec<u8>> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, t)| t.values.iter().flat_map(|v| v.to_le_bytes()).collect())
@@ -80,18 +81,8 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &HostTensor)]) -> CliRes
             .map_err(|e| CliError::runtime(format!("cannot encode tensor `{name}`: {e}"), ""))?;
         views.push((name.to_string(), view));
     }
-    let data = safetensors::tensor::serialize(views, None)
-        .map_err(|e| CliError::runtime(format!("cannot encode safetensors: {e}"), ""))?;
-    write_file(path, &data)
-}
-
-fn write_file(path: &Path, data: &[u8]) -> CliResult<()> {
-    std::fs::write(path, data).map_err(|e| {
-        CliError::runtime(
-            format!("cannot write {}: {e}", path.display()),
-            "check that the directory exists and is writable",
-        )
-    })
+    safetensors::tensor::serialize(views, None)
+        .map_err(|e| CliError::runtime(format!("cannot encode safetensors: {e}"), ""))
 }
 
 /// The 8-bit RGB pixels of image `[1, 3, H, W]` (values about [-1, 1]) as Diffusers'
@@ -123,8 +114,9 @@ pub fn image_to_rgb8(image: &HostTensor) -> CliResult<(u32, u32, Vec<u8>)> {
     Ok((w as u32, h as u32, rgb))
 }
 
-/// Writes image `[1, 3, H, W]` as an 8-bit RGB PNG.
-pub fn write_png(path: &Path, image: &HostTensor) -> CliResult<()> {
+/// Image `[1, 3, H, W]` as the bytes of an 8-bit RGB PNG (written through
+/// [`Outputs`](crate::outputs::Outputs)).
+pub fn encode_png(image: &HostTensor) -> CliResult<Vec<u8>> {
     let (w, h, rgb) = image_to_rgb8(image)?;
     let mut out = Vec::new();
     {
@@ -138,7 +130,7 @@ pub fn write_png(path: &Path, image: &HostTensor) -> CliResult<()> {
             .write_image_data(&rgb)
             .map_err(|e| CliError::runtime(format!("PNG encoding failed: {e}"), ""))?;
     }
-    write_file(path, &out)
+    Ok(out)
 }
 
 /// How an output path is written.

@@ -28,6 +28,7 @@ pub mod decode;
 pub mod error;
 pub mod inspect;
 pub mod io;
+pub mod outputs;
 pub mod plot;
 pub mod progress;
 pub mod resolve;

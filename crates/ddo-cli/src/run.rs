@@ -19,8 +19,9 @@ use serde_json::{Value, json};
 use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
 use crate::io::{
-    HostTensor, OutputKind, output_kind, read_tensor, unpack_host, write_png, write_safetensors,
+    HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor, unpack_host,
 };
+use crate::outputs::Outputs;
 use crate::progress::ProgressBar;
 use crate::setup::{
     DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device, vram_budget,
@@ -358,6 +359,38 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         ));
     }
 
+    // Outputs are checked against the inputs and each other, and for a writable
+    // directory, before anything is read or computed.
+    let weights_dir = match &source {
+        Source::Weights(dir) => Some(dir.clone()),
+        Source::Config(_) => None,
+    };
+    let input_paths: Vec<(&'static str, PathBuf)> = [
+        ("--weights", weights_dir),
+        (
+            "--prompt-embeds",
+            args.get("prompt-embeds").map(PathBuf::from),
+        ),
+        (
+            "--init-latents",
+            args.get("init-latents").map(PathBuf::from),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(o, p)| p.map(|p| (o, p)))
+    .collect();
+    let mut output_paths: Vec<(&'static str, &std::path::Path)> = vec![("--out", &out_path)];
+    if let Some(p) = &save_latents {
+        output_paths.push(("--save-latents", p));
+    }
+    let outputs = Outputs::plan(
+        &output_paths,
+        &input_paths
+            .iter()
+            .map(|(o, p)| (*o, p.as_path()))
+            .collect::<Vec<_>>(),
+    )?;
+
     // Inputs given as files are read before anything heavy.
     let prompt_embeds = match args.get("prompt-embeds") {
         Some(p) => {
@@ -493,14 +526,17 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     startup.lap("phases");
 
     let image = HostTensor::from_tensor(&run.image)?;
-    match out_kind {
-        OutputKind::Png => write_png(&out_path, &image)?,
-        OutputKind::Safetensors => {
-            let latents = HostTensor::from_tensor(&run.latents)?;
-            write_safetensors(&out_path, &[("sample", &image), ("latents", &latents)])?
-        }
-    }
-    if let Some(p) = &save_latents {
+    let mut files: Vec<(&'static str, Vec<u8>)> = vec![(
+        "--out",
+        match out_kind {
+            OutputKind::Png => encode_png(&image)?,
+            OutputKind::Safetensors => {
+                let latents = HostTensor::from_tensor(&run.latents)?;
+                encode_safetensors(&[("sample", &image), ("latents", &latents)])?
+            }
+        },
+    )];
+    if save_latents.is_some() {
         let (h, w) = pipe.latent_grid(height, width)?;
         let unpacked = unpack_host(&HostTensor::from_tensor(&run.latents)?, h, w)?;
         let cfg = pipe.vae.config();
@@ -512,8 +548,12 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             shape: unpacked.shape.clone(),
             values: unpacked.values.iter().map(|v| v / sf + shift).collect(),
         };
-        write_safetensors(p, &[("latents", &unscaled)])?;
+        files.push((
+            "--save-latents",
+            encode_safetensors(&[("latents", &unscaled)])?,
+        ));
     }
+    outputs.commit(&files)?;
 
     let snapshots: Vec<Value> = names
         .iter()

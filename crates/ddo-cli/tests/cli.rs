@@ -876,3 +876,133 @@ fn run_releases_the_native_idle_cache_only_under_the_native_allocator() {
     }
     assert_eq!(v["components"][2]["metrics"]["allocator"], "native_vmm");
 }
+
+/// Outputs never touch inputs and are checked before any work: `--out` naming the VAE's
+/// checkpoint, the latents file or a file inside the weights folder, and `--out` equal to
+/// `--save-latents`, are refused (exit 2) with every file unchanged; an output directory that
+/// does not exist is refused before the pipeline runs; a successful run leaves no temporary
+/// file beside its outputs.
+#[test]
+fn outputs_never_overwrite_inputs_and_are_checked_first() {
+    let d = scratch("outputs");
+    let vae = repo().join("fixtures/vae_flux");
+    let ckpt = vae.join("diffusion_pytorch_model.safetensors");
+    let before = std::fs::read(&ckpt).unwrap();
+    let latents = d.join("latents.safetensors");
+    let out = ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--out",
+        d.join("a.png").to_str().unwrap(),
+        "--save-latents",
+        latents.to_str().unwrap(),
+    ]);
+    ok(&out);
+    let mut names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["a.png", "latents.safetensors"],
+        "no temporary file left"
+    );
+    let lat_before = std::fs::read(&latents).unwrap();
+    let vae_s = vae.to_str().unwrap();
+    let lat_s = latents.to_str().unwrap();
+    let inside = vae.join("new.png");
+    for (args, needle) in [
+        (
+            vec![
+                "decode",
+                "--weights",
+                vae_s,
+                "--latents",
+                lat_s,
+                "--out",
+                ckpt.to_str().unwrap(),
+            ],
+            "destroy an input",
+        ),
+        (
+            vec![
+                "decode",
+                "--weights",
+                vae_s,
+                "--latents",
+                lat_s,
+                "--out",
+                lat_s,
+            ],
+            "destroy an input",
+        ),
+        (
+            vec![
+                "decode",
+                "--weights",
+                vae_s,
+                "--latents",
+                lat_s,
+                "--out",
+                inside.to_str().unwrap(),
+            ],
+            "inside the folder",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "tiny",
+                "--out",
+                lat_s,
+                "--save-latents",
+                lat_s,
+            ],
+            "name the same file",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "tiny",
+                "--init-latents",
+                lat_s,
+                "--save-latents",
+                lat_s,
+            ],
+            "destroy an input",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "tiny",
+                "--out",
+                d.join("missing/x.png").to_str().unwrap(),
+            ],
+            "cannot be used",
+        ),
+    ] {
+        let out = ddo(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(
+            !err.contains("prompt_encoding"),
+            "refused before any phase: {err}"
+        );
+    }
+    assert_eq!(
+        std::fs::read(&ckpt).unwrap(),
+        before,
+        "the checkpoint is untouched"
+    );
+    assert_eq!(
+        std::fs::read(&latents).unwrap(),
+        lat_before,
+        "the latents are untouched"
+    );
+    assert!(!inside.exists());
+}
