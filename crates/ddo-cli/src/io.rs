@@ -37,7 +37,8 @@ impl HostTensor {
     }
 }
 
-/// Reads tensor `name` (or the first of `names` present) of a safetensors file as f32.
+/// Reads tensor `name` (or the first of `names` present) of a safetensors file as f32;
+/// a tensor with a NaN or an infinity is refused.
 pub fn read_tensor(path: &Path, names: &[&str], option: &str) -> CliResult<HostTensor> {
     if !path.is_file() {
         return Err(CliError::runtime(
@@ -48,7 +49,21 @@ pub fn read_tensor(path: &Path, names: &[&str], option: &str) -> CliResult<HostT
     let mut last = None;
     for name in names {
         match ddo_nn::read_f32_tensor(path, name) {
-            Ok((shape, values)) => return Ok(HostTensor { shape, values }),
+            Ok((shape, values)) => {
+                // One NaN or infinity would make every pixel NaN downstream.
+                let bad = values.iter().filter(|v| !v.is_finite()).count();
+                if bad > 0 {
+                    return Err(CliError::usage(
+                        format!(
+                            "{option} {}: {bad} of the {} values of `{name}` are NaN or infinite",
+                            path.display(),
+                            values.len()
+                        ),
+                        "give finite values (the image would be all NaN)",
+                    ));
+                }
+                return Ok(HostTensor { shape, values });
+            }
             Err(ddo_nn::LoadError::MissingTensor { .. }) => continue,
             Err(e) => {
                 last = Some(CliError::from(e).context(option));

@@ -155,7 +155,7 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
     let default_side = if tiny { 128 } else { 1024 };
     let height = positive(args, "height")?.unwrap_or(default_side);
     let width = positive(args, "width")?.unwrap_or(default_side);
-    let max_seq = positive(args, "max-sequence-length")?;
+    let max_seq = crate::run::max_sequence_length(args)?;
     let budget = vram_budget(args)?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let mut bar = ProgressBar::new();

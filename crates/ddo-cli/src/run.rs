@@ -154,6 +154,20 @@ pub(crate) fn positive(args: &Parsed, name: &str) -> CliResult<Option<usize>> {
     }
 }
 
+/// The most T5 tokens FluxPipeline encodes (`max_sequence_length`; Diffusers refuses more).
+pub const MAX_SEQUENCE_LENGTH: usize = 512;
+
+/// `--max-sequence-length`, at most [`MAX_SEQUENCE_LENGTH`] as FluxPipeline allows.
+pub(crate) fn max_sequence_length(args: &Parsed) -> CliResult<Option<usize>> {
+    match positive(args, "max-sequence-length")? {
+        Some(n) if n > MAX_SEQUENCE_LENGTH => Err(CliError::usage(
+            format!("--max-sequence-length {n}: cannot be greater than {MAX_SEQUENCE_LENGTH}"),
+            format!("give at most {MAX_SEQUENCE_LENGTH} (FluxPipeline's limit for T5)"),
+        )),
+        n => Ok(n),
+    }
+}
+
 /// Refuses random weights that would not fit in the host's available memory (building them
 /// would get the process killed instead of failing cleanly).
 fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()> {
@@ -335,7 +349,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     if !guidance.is_finite() {
         return Err(CliError::usage("--guidance must be finite", "e.g. 3.5"));
     }
-    let max_seq = positive(&args, "max-sequence-length")?;
+    let max_seq = max_sequence_length(&args)?;
     let tiled_decode: TiledDecode = match args.get("tiled-decode") {
         Some(t) => t.parse().map_err(|_| {
             CliError::usage(
@@ -427,7 +441,21 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let (plan_budget, budget_source) = plan_budget(&*device, budget);
     let effective_budget = Some(plan_budget);
     check_budget(plan_budget, &pipe.components())?;
-    pipe.latent_grid(height, width)?;
+    // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does this,
+    // and the profile says so.
+    let (latent_h, latent_w) = pipe.latent_grid(height, width)?;
+    let (asked_h, asked_w) = (height, width);
+    let (height, width) = (
+        latent_h * pipe.vae_scale_factor(),
+        latent_w * pipe.vae_scale_factor(),
+    );
+    let size_note = ((height, width) != (asked_h, asked_w)).then(|| {
+        format!(
+            "{asked_w}x{asked_h} rounded down to {width}x{height}: height and width must be multiples of {} (whole 2x2 patches of the {}x VAE's latents), as Diffusers resizes them",
+            2 * pipe.vae_scale_factor(),
+            pipe.vae_scale_factor()
+        )
+    });
 
     let (prompt, prompt_label) = match (prompt_embeds, args.get("prompt")) {
         (Some(_), Some(_)) => {
@@ -572,6 +600,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         budget: effective_budget,
         height,
         width,
+        size_note: size_note.as_deref(),
         steps,
         guidance,
         seed,
@@ -600,6 +629,8 @@ struct Report<'a> {
     budget: Option<u64>,
     height: usize,
     width: usize,
+    /// Why the size differs from the one asked for.
+    size_note: Option<&'a str>,
     steps: usize,
     guidance: f32,
     seed: u64,
@@ -664,6 +695,7 @@ impl Report<'_> {
             "vram_budget_bytes": self.budget,
             "height": self.height,
             "width": self.width,
+            "size_note": self.size_note,
             "steps": self.steps,
             "guidance": self.guidance,
             "seed": self.seed,
@@ -718,9 +750,13 @@ impl Report<'_> {
             self.budget.map_or("none".into(), format_bytes)
         );
         s += &format!(
-            "  {}x{} px, {} steps, guidance {}, seed {}, prompt {}\n\n",
+            "  {}x{} px, {} steps, guidance {}, seed {}, prompt {}\n",
             self.width, self.height, self.steps, self.guidance, self.seed, self.prompt
         );
+        if let Some(n) = self.size_note {
+            s += &format!("  note: {n}\n");
+        }
+        s += "\n";
         s += &format!(
             "{:<16} {:>10} {:>14} {:>14}  {}\n",
             "phase", "time", "peak (exact)", "after cleanup", "component: route"

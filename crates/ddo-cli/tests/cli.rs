@@ -1006,3 +1006,63 @@ fn outputs_never_overwrite_inputs_and_are_checked_first() {
     );
     assert!(!inside.exists());
 }
+
+/// Sizes and values that would be silently wrong: a height that is not a multiple of 2x the
+/// VAE factor is rounded down as Diffusers does and the profile says so (the PNG has the
+/// size reported); a NaN in the latents is refused; a T5 length above FluxPipeline's 512 is
+/// refused before any allocation.
+#[test]
+fn sizes_are_rounded_as_diffusers_does_and_non_finite_inputs_are_refused() {
+    let d = scratch("sizes");
+    let png = d.join("r.png");
+    let v = json(&ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--height",
+        "70",
+        "--width",
+        "64",
+        "--json",
+        "--out",
+        png.to_str().unwrap(),
+    ]));
+    assert_eq!(
+        (v["height"].as_u64(), v["width"].as_u64()),
+        (Some(68), Some(64))
+    );
+    assert!(
+        v["size_note"].as_str().unwrap().contains("rounded down"),
+        "{v}"
+    );
+    let bytes = std::fs::read(&png).unwrap();
+    let dim = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+    assert_eq!((dim(16), dim(20)), (64, 68), "the PNG is the size reported");
+
+    let nan = d.join("nan.safetensors");
+    let mut values = vec![0.25f32; 16 * 8 * 8];
+    values[5] = f32::NAN;
+    let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 16, 8, 8], &data)
+            .unwrap();
+    safetensors::serialize_to_file([("latents".to_string(), view)], None, &nan).unwrap();
+    let out = ddo(&[
+        "decode",
+        "--weights",
+        &fixture("vae_flux"),
+        "--latents",
+        nan.to_str().unwrap(),
+        "--out",
+        d.join("n.png").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("NaN or infinite"), "{err}");
+    assert!(!d.join("n.png").exists());
+
+    let out = ddo(&["run", "--config", "tiny", "--max-sequence-length", "100000"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot be greater than 512"), "{err}");
+}
