@@ -41,7 +41,7 @@ use std::io::Write;
 pub use error::{CliError, CliResult, ErrorKind};
 
 /// The subcommands and one line on each.
-pub const COMMANDS: [(&str, &str); 4] = [
+pub const COMMANDS: [(&str, &str); 5] = [
     (
         "run",
         "run the Flux pipeline in phases and print each phase's route, time and peak",
@@ -57,6 +57,10 @@ pub const COMMANDS: [(&str, &str); 4] = [
     (
         "inspect",
         "read safetensors headers: components, params, bytes by dtype, preset plans",
+    ),
+    (
+        "bench",
+        "time one component under several routes or presets, with ratios to the link floor",
     ),
 ];
 
@@ -96,6 +100,12 @@ fn command_help(name: &str) -> Option<String> {
             inspect::OPTIONS,
             "ddo inspect PATH [--vram-budget SIZE] [--json]",
             "",
+        ),
+        "bench" => (
+            bench::OPTIONS,
+            "ddo bench (--config tiny|flux-dev | --weights DIR) [--component NAME] [--route ROUTE]... [--preset NAME]... [options]",
+            "Without --route or --preset every route is a candidate. Each candidate gets a fresh attachment,\n\
+             its inputs made once and held on the device, warm-up forwards, then timed forwards.\n",
         ),
         _ => return None,
     };

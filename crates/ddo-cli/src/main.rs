@@ -2,6 +2,20 @@
 //! its status.
 
 fn main() {
-    let argv: Vec<String> = std::env::args().skip(1).collect();
+    // Arguments that are not UTF-8 are refused in one line, not a panic in `env::args`.
+    let mut argv = Vec::new();
+    for (i, a) in std::env::args_os().skip(1).enumerate() {
+        match a.into_string() {
+            Ok(s) => argv.push(s),
+            Err(raw) => {
+                eprintln!(
+                    "ddo: error: argument {} ({}) is not valid UTF-8; hint: give paths and prompts in UTF-8",
+                    i + 1,
+                    raw.to_string_lossy()
+                );
+                std::process::exit(2);
+            }
+        }
+    }
     std::process::exit(ddo_cli::main_with_args(argv));
 }

@@ -339,6 +339,15 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let tiny = matches!(&source, Source::Config(n) if n == "tiny");
     let dtype = args.get("dtype").map(parse_dtype).transpose()?;
     let steps = positive(&args, "steps")?.unwrap_or(if tiny { 4 } else { 28 });
+    ddo_nn::scheduler::check_schedule_memory(steps).map_err(|e| {
+        CliError::usage(
+            format!("--steps {steps}: more than this host can schedule"),
+            match e {
+                ddo_core::CoreError::InvalidOption { hint, .. } => hint,
+                other => other.to_string(),
+            },
+        )
+    })?;
     let default_side = if tiny { 128 } else { 1024 };
     let height = positive(&args, "height")?.unwrap_or(default_side);
     let width = positive(&args, "width")?.unwrap_or(default_side);

@@ -1066,3 +1066,32 @@ fn sizes_are_rounded_as_diffusers_does_and_non_finite_inputs_are_refused() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("cannot be greater than 512"), "{err}");
 }
+
+/// Counts and arguments that used to abort or panic: a step count the host cannot schedule
+/// is refused before any allocation, an argument that is not UTF-8 is refused in one line,
+/// and `ddo help bench` (where errors point) lists bench's options.
+#[test]
+fn counts_and_arguments_that_would_abort_are_refused_in_one_line() {
+    let out = ddo(&["run", "--config", "tiny", "--steps", "99999999999999"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("more than this host can schedule"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let out = Command::new(env!("CARGO_BIN_EXE_ddo"))
+            .args(["run", "--config", "tiny", "--prompt"])
+            .arg(std::ffi::OsStr::from_bytes(b"\xff\xfe"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("not valid UTF-8"), "{err}");
+    }
+    let help = ok(&ddo(&["help", "bench"]));
+    assert!(
+        help.contains("--component") && help.contains("--timeline"),
+        "{help}"
+    );
+}

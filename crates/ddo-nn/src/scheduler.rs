@@ -259,6 +259,23 @@ pub struct FlowMatchEulerScheduler {
     timesteps: Vec<f32>,
 }
 
+/// Host bytes the schedule of one step takes at its peak (the sigmas in f64 and f32, the
+/// shifted sigmas, the timesteps, and their copies in the pipeline's report), rounded up.
+pub const SCHEDULE_BYTES_PER_STEP: u64 = 64;
+
+/// Refuses a step count whose schedule the host cannot hold: its vectors take about
+/// [`SCHEDULE_BYTES_PER_STEP`] per step, and an allocation that fails aborts the process.
+pub fn check_schedule_memory(steps: usize) -> Result<()> {
+    let need = (steps as u64).saturating_mul(SCHEDULE_BYTES_PER_STEP);
+    match ddo_core::host::mem_available() {
+        Some(free) if need > free => Err(schedule_error(format!(
+            "{steps} steps need about {need} B of host memory for the schedule; {free} B are available: give fewer steps (at most {})",
+            free / SCHEDULE_BYTES_PER_STEP
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn schedule_error(message: impl Into<String>) -> CoreError {
     CoreError::InvalidOption {
         option: "scheduler".into(),
@@ -301,6 +318,7 @@ impl FlowMatchEulerScheduler {
     /// The schedule FluxPipeline sets for `steps` steps and `image_seq_len` packed image
     /// tokens: [`flux_sigmas`] and `mu` from [`FlowMatchEulerConfig::mu`].
     pub fn set_flux_schedule(&mut self, steps: usize, image_seq_len: usize) -> Result<()> {
+        check_schedule_memory(steps)?;
         let mu = self.config.mu(image_seq_len);
         self.set_sigmas(&flux_sigmas(steps), Some(mu))
     }
@@ -346,6 +364,7 @@ impl FlowMatchEulerScheduler {
         if steps == 0 {
             return Err(schedule_error("give at least one step"));
         }
+        check_schedule_memory(steps)?;
         let n_train = self.config.num_train_timesteps;
         let (sigma_max, sigma_min) = self.train_sigma_range();
         let sigmas: Vec<f64> = linspace(
