@@ -181,7 +181,7 @@ fn weight_files(dir: &Path) -> CliResult<Vec<PathBuf>> {
 }
 
 fn index_shards(index: &Path) -> CliResult<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index)
+    let text = ddo_nn::read_text_file(index)
         .map_err(|e| CliError::runtime(format!("cannot read {}: {e}", index.display()), ""))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
         CliError::runtime(
@@ -207,7 +207,7 @@ fn index_shards(index: &Path) -> CliResult<Vec<PathBuf>> {
 }
 
 fn class_of(dir: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let text = ddo_nn::read_text_file(&dir.join("config.json")).ok()?;
     let json: serde_json::Value = serde_json::from_str(&text).ok()?;
     json["_class_name"]
         .as_str()

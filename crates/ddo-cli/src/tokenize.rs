@@ -66,7 +66,7 @@ fn bad(path: &Path, message: impl std::fmt::Display) -> CliError {
 }
 
 fn read_json(path: &Path) -> CliResult<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| bad(path, e))?;
+    let text = ddo_nn::read_text_file(path).map_err(|e| bad(path, e))?;
     serde_json::from_str(&text).map_err(|e| bad(path, e))
 }
 
@@ -84,7 +84,7 @@ fn clip_from_vocab_merges(dir: &Path) -> CliResult<Tokenizer> {
     let vocab_path = dir.join("vocab.json");
     let vocab = read_json(&vocab_path)?;
     let merges_path = dir.join("merges.txt");
-    let merges_text = std::fs::read_to_string(&merges_path).map_err(|e| bad(&merges_path, e))?;
+    let merges_text = ddo_nn::read_text_file(&merges_path).map_err(|e| bad(&merges_path, e))?;
     let merges: Vec<Value> = merges_text
         .lines()
         .filter(|l| !l.starts_with("#version") && !l.trim().is_empty())
@@ -133,7 +133,9 @@ impl FileTokenizer {
         let json_file = dir.join("tokenizer.json");
         let (tokenizer, source) = if json_file.is_file() {
             (
-                Tokenizer::from_file(&json_file).map_err(|e| bad(&json_file, e))?,
+                ddo_nn::read_text_file(&json_file)
+                    .map_err(|e| bad(&json_file, e))
+                    .and_then(|text| text.parse::<Tokenizer>().map_err(|e| bad(&json_file, e)))?,
                 json_file,
             )
         } else if kind == "clip"

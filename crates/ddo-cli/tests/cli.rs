@@ -1095,3 +1095,77 @@ fn counts_and_arguments_that_would_abort_are_refused_in_one_line() {
         "{help}"
     );
 }
+
+/// Files that are not files: a FIFO `config.json` or checkpoint, and a `config.json` that
+/// links to `/dev/zero`, are refused at once (they used to hang or read without end).
+#[cfg(unix)]
+#[test]
+fn fifos_and_devices_are_refused_not_read() {
+    let d = scratch("fifo");
+    let src = repo().join("fixtures/vae_flux");
+    let latents = d.join("l.safetensors");
+    ok(&ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--out",
+        d.join("a.png").to_str().unwrap(),
+        "--save-latents",
+        latents.to_str().unwrap(),
+    ]));
+    let cases: [(&str, &dyn Fn(&Path)); 3] = [
+        ("config.json", &|p: &Path| {
+            let status = Command::new("mkfifo").arg(p).status().unwrap();
+            assert!(status.success());
+        }),
+        ("config.json", &|p: &Path| {
+            std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+        }),
+        ("diffusion_pytorch_model.safetensors", &|p: &Path| {
+            let status = Command::new("mkfifo").arg(p).status().unwrap();
+            assert!(status.success());
+        }),
+    ];
+    for (i, (name, make)) in cases.iter().enumerate() {
+        let vae = d.join(format!("vae{i}"));
+        std::fs::create_dir_all(&vae).unwrap();
+        for f in ["config.json", "diffusion_pytorch_model.safetensors"] {
+            if f != *name {
+                std::fs::copy(src.join(f), vae.join(f)).unwrap();
+            }
+        }
+        make(&vae.join(name));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ddo"))
+            .args(["decode", "--weights", vae.to_str().unwrap(), "--latents"])
+            .arg(&latents)
+            .args(["--out", d.join(format!("o{i}.png")).to_str().unwrap()])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if started.elapsed().as_secs() > 20 {
+                let _ = child.kill();
+                panic!("case {i} ({name}): ddo decode hung");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(!status.success(), "case {i}: {err}");
+        // A FIFO checkpoint is not taken for weights at all.
+        assert!(
+            err.contains("not a regular file") || err.contains("no safetensors weights"),
+            "case {i} ({name}): {err}"
+        );
+    }
+}

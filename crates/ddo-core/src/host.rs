@@ -352,6 +352,15 @@ impl CheckpointMap {
             path: path.to_path_buf(),
             source,
         };
+        // Only regular files: opening a FIFO would wait for a writer, a device would map
+        // without end.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(CoreError::Checkpoint {
+                path: path.to_path_buf(),
+                message: "not a regular file (a FIFO, device or directory is not read)".into(),
+            });
+        }
         let file = File::open(path).map_err(io)?;
         // SAFETY: the map is read-only and DDO never hands out mutable access. Another
         // process truncating or rewriting the file while it is mapped is outside what DDO

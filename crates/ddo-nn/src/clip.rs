@@ -136,10 +136,7 @@ impl ClipTextConfig {
     /// Reads a Transformers `config.json` (a `CLIPTextConfig`, or a full `CLIPConfig`
     /// whose `text_config` is used) and validates it.
     pub fn from_file(path: &Path) -> LoadResult<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = crate::weights::read_text_file(path)?;
         Self::from_json_str(&text, path)
     }
 

@@ -142,10 +142,7 @@ impl FlowMatchEulerConfig {
 
     /// Reads and validates a Diffusers `scheduler_config.json`.
     pub fn from_file(path: &Path) -> LoadResult<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = crate::weights::read_text_file(path)?;
         let config: Self = serde_json::from_str(&text).map_err(|e| LoadError::Config {
             file: path.to_path_buf(),
             message: format!(

@@ -141,10 +141,7 @@ impl T5Config {
 
     /// Reads a Transformers `config.json` and validates it.
     pub fn from_file(path: &Path) -> LoadResult<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = crate::weights::read_text_file(path)?;
         Self::from_json_str(&text, path)
     }
 

@@ -178,10 +178,7 @@ impl AutoencoderKLConfig {
 
     /// Reads and validates a Diffusers `config.json`.
     pub fn from_file(path: &Path) -> LoadResult<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = crate::weights::read_text_file(path)?;
         Self::from_json(&text, path)
     }
 

@@ -234,6 +234,51 @@ fn encode_each<const N: usize>(
     }
 }
 
+/// The most bytes a JSON or text file DDO reads (configs, indexes, tokenizer files) may
+/// have: 64 MiB (a T5 `tokenizer.json` is about 2.4 MB).
+pub const MAX_TEXT_FILE_BYTES: u64 = 64 << 20;
+
+/// Reads a config, index or tokenizer file as text: only a regular file (a link is followed
+/// to one; a FIFO, a device such as `/dev/zero` or a directory is refused, so nothing hangs
+/// or reads without end) of at most [`MAX_TEXT_FILE_BYTES`].
+pub fn read_text_file(path: &Path) -> LoadResult<String> {
+    use std::io::Read;
+    let io = |source: std::io::Error| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let invalid = |message: String| {
+        io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            message,
+        ))
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(invalid(
+            "not a regular file (a FIFO, device or directory is not read)".into(),
+        ));
+    }
+    if meta.len() > MAX_TEXT_FILE_BYTES {
+        return Err(invalid(format!(
+            "{} B, over the {MAX_TEXT_FILE_BYTES} B a config or tokenizer file may have",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_TEXT_FILE_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > MAX_TEXT_FILE_BYTES {
+        return Err(invalid(format!(
+            "grew past the {MAX_TEXT_FILE_BYTES} B a config or tokenizer file may have while read"
+        )));
+    }
+    Ok(text)
+}
+
 /// Weights from safetensors files, memory-mapped.
 #[derive(Debug)]
 pub struct CheckpointWeights {
@@ -288,10 +333,7 @@ impl CheckpointWeights {
             file: index.to_path_buf(),
             message,
         };
-        let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io {
-            path: index.to_path_buf(),
-            source,
-        })?;
+        let text = crate::weights::read_text_file(index)?;
         // Other fields (`metadata`) are ignored; a tensor named twice is refused.
         #[derive(serde::Deserialize)]
         struct IndexFile {
