@@ -1113,7 +1113,8 @@ fn fifos_and_devices_are_refused_not_read() {
         "--save-latents",
         latents.to_str().unwrap(),
     ]));
-    let cases: [(&str, &dyn Fn(&Path)); 3] = [
+    type Make<'a> = &'a dyn Fn(&Path);
+    let cases: [(&str, Make); 3] = [
         ("config.json", &|p: &Path| {
             let status = Command::new("mkfifo").arg(p).status().unwrap();
             assert!(status.success());
