@@ -510,7 +510,7 @@ pub fn check_budget(budget: u64, components: &[Arc<Component>]) -> CliResult<()>
             ),
             format!(
                 "give --vram-budget {} or more (activations need room too)",
-                format_bytes(leaf.param_bytes())
+                ddo_core::error::budget_arg(leaf.param_bytes())
             ),
         ));
     }

@@ -1094,6 +1094,31 @@ fn counts_and_arguments_that_would_abort_are_refused_in_one_line() {
         help.contains("--component") && help.contains("--timeline"),
         "{help}"
     );
+    // A budget hint names a size the parser takes.
+    let d = scratch("hint");
+    let out_png = d.join("h.png");
+    let out = ddo(&["run", "--config", "tiny", "--vram-budget", "1KiB"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    let size = err
+        .split("give --vram-budget ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{err}"));
+    let again = ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--vram-budget",
+        size,
+        "--out",
+        out_png.to_str().unwrap(),
+    ]);
+    let err2 = String::from_utf8_lossy(&again.stderr);
+    assert!(!err2.contains("invalid --vram-budget"), "{size}: {err2}");
+    assert!(
+        !err2.contains("smaller than the largest leaf"),
+        "{size}: {err2}"
+    );
 }
 
 /// Files that are not files: a FIFO `config.json` or checkpoint, and a `config.json` that

@@ -197,7 +197,7 @@ pub enum CoreError {
     },
     /// An environment variable read under `use_environment=true` is invalid.
     #[error(
-        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or pass use_environment=false"
+        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or do not read the environment (`ddo --no-env`, Settings::use_environment = false)"
     )]
     InvalidEnvironment {
         /// Variable.
@@ -288,7 +288,7 @@ pub enum CoreError {
     #[error(
         "{device} does not run the native VMM allocator, so it has no native idle cache to release; \
          install it as the first step of the process (`CudaDevice::install_native_vmm`, \
-         `ddo run --allocator native_vmm`, or the vmm_fast preset), or call empty_cache() for the caching allocator"
+         `ddo run --preset vmm_fast` or `--route COMPONENT=native_vmm`), or call empty_cache() for the caching allocator"
     )]
     NativeAllocatorNotInstalled {
         /// The device.

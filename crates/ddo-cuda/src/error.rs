@@ -78,7 +78,7 @@ pub enum CudaError {
     #[error(
         "cannot install the native VMM allocator on {device}: the caching allocator has already served {allocations} \
          allocation(s) on it; install it first, right after creating the device (CudaDeviceConfig::native_vmm, \
-         `ddo run --allocator native_vmm`), before any weight, activation or workspace is allocated"
+         `ddo run --preset vmm_fast` or `--route COMPONENT=native_vmm`), before any weight, activation or workspace is allocated"
     )]
     NativeInstallTooLate {
         /// Device (`cuda:N`).
