@@ -90,7 +90,12 @@ impl From<CoreError> for CliError {
             | CoreError::UnknownComponent { .. }
             | CoreError::InvalidOption { .. }
             | CoreError::ContradictoryOptions { .. }
-            | CoreError::InvalidEnvironment { .. } => ErrorKind::Usage,
+            | CoreError::InvalidEnvironment { .. }
+            // An option the chosen route does not take is the command line's to change.
+            | CoreError::Refused {
+                refusal: ddo_core::Refusal::UnsupportedOption { .. },
+                ..
+            } => ErrorKind::Usage,
             _ => ErrorKind::Runtime,
         };
         Self {

@@ -536,13 +536,15 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         width,
     )?;
     let explanations = planned_explanations(&routing, &names, &plan)?;
+    // Every route's preflight runs here, before the plan is printed: a refusal is the
+    // whole output.
+    let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
+        .map_err(|e| CliError::from(e).context("attaching routes"))?;
     if !args.flag("json") {
         out.write_all(plan.format_text().as_bytes())
             .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))?;
     }
     startup.lap("plan");
-    let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
-        .map_err(|e| CliError::from(e).context("attaching routes"))?;
     startup.lap("attach");
     let request = PipelineRequest {
         prompt,

@@ -1195,3 +1195,58 @@ fn fifos_and_devices_are_refused_not_read() {
         );
     }
 }
+
+/// Smaller ones: an option the chosen route does not take is a usage error (exit 2) before
+/// any output; a bad `DDO_VAE_ROUTE` that `--route vae=` overrides is not read; latents
+/// stored as I64 are named with their dtype, not "no tensor named latents".
+#[test]
+fn route_options_overrides_and_latent_dtypes_are_reported_as_they_are() {
+    let d = scratch("smaller");
+    let png = d.join("s.png");
+    let out = ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--route",
+        "vae=none:budget=1KiB",
+        "--out",
+        png.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot be honoured"), "{err}");
+    assert!(out.stdout.is_empty(), "nothing printed before the refusal");
+    ok(&ddo_with_env(
+        &[
+            "run",
+            "--config",
+            "tiny",
+            "--route",
+            "vae=linear_convolution",
+            "--out",
+            png.to_str().unwrap(),
+        ],
+        &[("DDO_VAE_ROUTE", "garbage")],
+    ));
+    let ints = d.join("ints.safetensors");
+    let data: Vec<u8> = (0..16i64 * 4 * 4).flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![1, 16, 4, 4], &data)
+            .unwrap();
+    safetensors::serialize_to_file([("latents".to_string(), view)], None, &ints).unwrap();
+    let out = ddo(&[
+        "decode",
+        "--weights",
+        &fixture("vae_flux"),
+        "--latents",
+        ints.to_str().unwrap(),
+        "--out",
+        d.join("i.png").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("I64") && err.contains("does not load"),
+        "{err}"
+    );
+}

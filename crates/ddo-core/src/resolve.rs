@@ -267,10 +267,15 @@ pub fn resolve(
     };
     let preset = preset.resolved();
 
-    let env_route = if settings.use_environment {
+    // The component's environment route is read only when nothing above it decides (an
+    // explicit route or a policy wins, so a bad value it overrides cannot fail the run).
+    let env_route = || -> Result<Option<(RouteSpec, String)>> {
+        if !settings.use_environment {
+            return Ok(None);
+        }
         let var = route_env_var(component);
         match env.var(&var) {
-            Some(v) => Some((
+            Some(v) => Ok(Some((
                 v.trim()
                     .parse::<RouteSpec>()
                     .map_err(|e| CoreError::InvalidEnvironment {
@@ -279,18 +284,16 @@ pub fn resolve(
                         message: e.to_string(),
                     })?,
                 var,
-            )),
-            None => None,
+            ))),
+            None => Ok(None),
         }
-    } else {
-        None
     };
 
     let (spec, decided_by) = if let Some(spec) = explicit {
         (*spec, DecidedBy::ExplicitRoute)
     } else if let Some(spec) = settings.component_policies.get(component) {
         (*spec, DecidedBy::ComponentPolicy)
-    } else if let Some((spec, var)) = env_route {
+    } else if let Some((spec, var)) = env_route()? {
         (spec, DecidedBy::EnvironmentRoute(var))
     } else {
         (
@@ -542,6 +545,15 @@ mod tests {
                 "{var}={value}: {e}"
             );
         }
+        // A bad route variable that an explicit route or a policy overrides is never read.
+        let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "teleport")]);
+        let explicit = RouteSpec::resident();
+        let r = resolve(&s, "vae", Some(&explicit), &env).unwrap();
+        assert_eq!(r.decided_by, DecidedBy::ExplicitRoute);
+        s.component_policies
+            .insert("vae".into(), RouteSpec::resident());
+        let r = resolve(&s, "vae", None, &env).unwrap();
+        assert_eq!(r.decided_by, DecidedBy::ComponentPolicy);
     }
 
     #[test]

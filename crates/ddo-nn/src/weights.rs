@@ -495,6 +495,13 @@ impl WeightSource for CheckpointWeights {
 /// (f32, f16 or bf16 in the file): for latents, embeddings and reference outputs.
 pub fn read_f32_tensor(path: &Path, name: &str) -> LoadResult<(Vec<usize>, Vec<f32>)> {
     let ckpt = open_checkpoint(path)?;
+    if let Some((_, dtype)) = ckpt.unsupported().find(|(n, _)| *n == name) {
+        return Err(LoadError::UnsupportedDtype {
+            name: name.to_string(),
+            file: path.to_path_buf(),
+            dtype: dtype.to_string(),
+        });
+    }
     let info = ckpt.tensor(name).map_err(|_| LoadError::MissingTensor {
         name: name.to_string(),
         file: path.to_path_buf(),
