@@ -89,6 +89,9 @@ struct TensorInfo {
 }
 
 fn read_header(path: &Path) -> CliResult<Vec<TensorInfo>> {
+    // The same checks `run` and `decode` make (truncation, overlaps, duplicate names,
+    // overflowing shapes, non-regular files) before anything is summarised.
+    ddo_core::Checkpoint::open(path).map_err(CliError::from)?;
     let bad = |message: String| {
         CliError::runtime(
             format!("{}: {message}", path.display()),
@@ -181,6 +184,9 @@ fn weight_files(dir: &Path) -> CliResult<Vec<PathBuf>> {
 }
 
 fn index_shards(index: &Path) -> CliResult<Vec<PathBuf>> {
+    // The loader's checks first: shards are plain file names inside the folder, exist,
+    // and hold the tensors mapped to them.
+    ddo_nn::CheckpointWeights::open_index(index, None).map_err(CliError::from)?;
     let text = ddo_nn::read_text_file(index)
         .map_err(|e| CliError::runtime(format!("cannot read {}: {e}", index.display()), ""))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {

@@ -1250,3 +1250,48 @@ fn route_options_overrides_and_latent_dtypes_are_reported_as_they_are() {
         "{err}"
     );
 }
+
+/// `inspect` refuses exactly the files the loader refuses: over the fuzz seed corpus of
+/// safetensors headers (duplicates, truncations, overflowing lengths, ...), `ddo inspect`
+/// fails exactly when `Checkpoint::validate_bytes` (what `run` and `decode` open with) does;
+/// and an index naming a shard outside its folder is refused.
+#[test]
+fn inspect_refuses_what_the_loader_refuses() {
+    let d = scratch("inspect-corpus");
+    let corpus = repo().join("fuzz/corpus/safetensors_header");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&corpus).unwrap() {
+        let src = entry.unwrap().path();
+        let bytes = std::fs::read(&src).unwrap();
+        let file = d.join(format!("{seen}.safetensors"));
+        std::fs::write(&file, &bytes).unwrap();
+        let loader_refuses = ddo_core::Checkpoint::validate_bytes(&bytes, &file).is_err();
+        let out = ddo(&["inspect", file.to_str().unwrap()]);
+        assert_eq!(
+            !out.status.success(),
+            loader_refuses,
+            "{}: inspect {} but the loader {}: {}",
+            src.display(),
+            if out.status.success() {
+                "accepts"
+            } else {
+                "refuses"
+            },
+            if loader_refuses { "refuses" } else { "accepts" },
+            String::from_utf8_lossy(&out.stderr)
+        );
+        seen += 1;
+    }
+    assert!(seen >= 5, "the corpus is there");
+    let shards = d.join("sharded");
+    std::fs::create_dir_all(&shards).unwrap();
+    std::fs::write(
+        shards.join("diffusion_pytorch_model.safetensors.index.json"),
+        r#"{"weight_map": {"a": "../../etc/passwd"}}"#,
+    )
+    .unwrap();
+    let out = ddo(&["inspect", shards.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("not a file name inside"), "{err}");
+}
