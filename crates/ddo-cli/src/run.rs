@@ -358,6 +358,16 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     if !guidance.is_finite() {
         return Err(CliError::usage("--guidance must be finite", "e.g. 3.5"));
     }
+    // FluxPipeline embeds guidance x 1000 (as the timestep): past f32's range that is
+    // infinite and every pixel NaN.
+    if !(guidance * 1000.0).is_finite() {
+        return Err(CliError::usage(
+            format!(
+                "--guidance {guidance}: too large: the guidance embedding (x 1000) overflows f32"
+            ),
+            "give a guidance scale such as 3.5 (FLUX.1-dev is distilled around 3.5)",
+        ));
+    }
     let max_seq = max_sequence_length(&args)?;
     let tiled_decode: TiledDecode = match args.get("tiled-decode") {
         Some(t) => t.parse().map_err(|_| {

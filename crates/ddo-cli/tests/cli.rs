@@ -1061,6 +1061,11 @@ fn sizes_are_rounded_as_diffusers_does_and_non_finite_inputs_are_refused() {
     assert!(err.contains("NaN or infinite"), "{err}");
     assert!(!d.join("n.png").exists());
 
+    let out = ddo(&["run", "--config", "tiny", "--guidance", "1e38"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("overflows f32"), "{err}");
+
     let out = ddo(&["run", "--config", "tiny", "--max-sequence-length", "100000"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
