@@ -71,6 +71,10 @@ pub const OPTIONS: &[OptSpec] = &[
     ),
     flag("json", "print JSON instead of the table"),
     flag(
+        "allow-unused-weights",
+        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
+    ),
+    flag(
         "timeline",
         "trace streamed candidates (timeline=true) and print where the copy engine sat idle",
     ),
@@ -369,7 +373,13 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let plot_prefix = args.get("plot").map(PathBuf::from);
 
     let mut bar = ProgressBar::new();
-    let (pipe, model_label) = build_pipeline(&source, dtype, None, &mut bar)?;
+    let (pipe, model_label) = build_pipeline(
+        &source,
+        dtype,
+        None,
+        crate::run::unused_weights(&args),
+        &mut bar,
+    )?;
     let workload = Workload {
         pipe: &pipe,
         component: args.get("component").unwrap_or("transformer").to_string(),

@@ -57,6 +57,10 @@ pub const OPTIONS: &[OptSpec] = &[
     ),
     flag("json", "print the profile as JSON"),
     flag("no-env", "do not read DDO_PRESET / DDO_VAE_ROUTE"),
+    flag(
+        "allow-unused-weights",
+        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
+    ),
 ];
 
 /// The VAE folder: `dir` itself, or `dir/vae` for a pipeline folder.
@@ -112,7 +116,7 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
 
     let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
     let dir = vae_dir(&weights);
-    let vae = AutoencoderKL::load(&dir, dtype)
+    let vae = AutoencoderKL::load_checked(&dir, dtype, crate::run::unused_weights(&args))
         .map_err(|e| CliError::from(e).context(&format!("--weights {}", weights.display())))?;
     let c = vae.config().latent_channels;
     if !matches!(latents.shape.as_slice(), [1, cc, h, w] if *cc == c && *h > 0 && *w > 0) {

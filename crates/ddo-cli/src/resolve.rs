@@ -72,6 +72,10 @@ pub const OPTIONS: &[OptSpec] = &[
     ),
     opt("dtype", "f32|bf16|f16", "weight dtype (as `ddo run`)"),
     flag("json", "one JSON object per component, in an array"),
+    flag(
+        "allow-unused-weights",
+        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
+    ),
     flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
 ];
 
@@ -159,7 +163,13 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
     let budget = vram_budget(args)?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let mut bar = ProgressBar::new();
-    let (pipe, _) = build_pipeline(&source, dtype, max_seq, &mut bar)?;
+    let (pipe, _) = build_pipeline(
+        &source,
+        dtype,
+        max_seq,
+        crate::run::unused_weights(args),
+        &mut bar,
+    )?;
     let names = pipe.component_names();
     let resolved = names
         .iter()

@@ -122,6 +122,10 @@ pub const OPTIONS: &[OptSpec] = &[
     ),
     flag("json", "print the profile as JSON"),
     flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
+    flag(
+        "allow-unused-weights",
+        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
+    ),
 ];
 
 /// Where the models come from.
@@ -151,6 +155,15 @@ pub(crate) fn positive(args: &Parsed, name: &str) -> CliResult<Option<usize>> {
             "give a positive whole number",
         )),
         v => Ok(v),
+    }
+}
+
+/// `--allow-unused-weights`.
+pub(crate) fn unused_weights(args: &Parsed) -> ddo_nn::UnusedWeights {
+    if args.flag("allow-unused-weights") {
+        ddo_nn::UnusedWeights::Allow
+    } else {
+        ddo_nn::UnusedWeights::Refuse
     }
 }
 
@@ -194,6 +207,7 @@ pub(crate) fn build_pipeline(
     source: &Source,
     dtype: Option<DType>,
     max_seq: Option<usize>,
+    unused: ddo_nn::UnusedWeights,
     bar: &mut ProgressBar,
 ) -> CliResult<(FluxPipeline, String)> {
     match source {
@@ -220,7 +234,7 @@ pub(crate) fn build_pipeline(
         }
         Source::Weights(dir) => {
             bar.status(&format!("opening {}...", dir.display()));
-            let mut pipe = FluxPipeline::load(dir, dtype)
+            let mut pipe = FluxPipeline::load_checked(dir, dtype, unused)
                 .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;
             bar.finish();
             if let Some(n) = max_seq {
@@ -447,7 +461,8 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     device_choice.prepare_kernels();
     let mut bar = ProgressBar::new();
     let mut startup = Stopwatch::new(started);
-    let (pipe, model_label) = build_pipeline(&source, dtype, max_seq, &mut bar)?;
+    let (pipe, model_label) =
+        build_pipeline(&source, dtype, max_seq, unused_weights(&args), &mut bar)?;
     startup.lap("weights");
     let names = pipe.component_names();
     let routing = Routing::from_args(&args, &names)?;

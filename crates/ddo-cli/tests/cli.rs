@@ -1300,3 +1300,53 @@ fn inspect_refuses_what_the_loader_refuses() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("not a file name inside"), "{err}");
 }
+
+/// A config that leaves checkpoint tensors unused (here `mid_block_add_attention: false`
+/// beside a checkpoint that has the attention) is refused, naming the flag that allows it;
+/// with `--allow-unused-weights` it decodes.
+#[test]
+fn checkpoint_tensors_the_config_leaves_unused_are_refused_unless_allowed() {
+    let d = scratch("unused");
+    let src = repo().join("fixtures/vae_flux");
+    let vae = d.join("vae");
+    std::fs::create_dir_all(&vae).unwrap();
+    std::fs::copy(
+        src.join("diffusion_pytorch_model.safetensors"),
+        vae.join("diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["mid_block_add_attention"] = Value::Bool(false);
+    std::fs::write(vae.join("config.json"), config.to_string()).unwrap();
+    let latents = d.join("l.safetensors");
+    let data: Vec<u8> = (0..16 * 8 * 8)
+        .flat_map(|i| (i as f32 / 1024.0).to_le_bytes())
+        .collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 16, 8, 8], &data)
+            .unwrap();
+    safetensors::serialize_to_file([("latents".to_string(), view)], None, &latents).unwrap();
+    let png = d.join("o.png");
+    let args = [
+        "decode",
+        "--weights",
+        vae.to_str().unwrap(),
+        "--latents",
+        latents.to_str().unwrap(),
+        "--out",
+        png.to_str().unwrap(),
+    ];
+    let out = ddo(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("not used by its config") && err.contains("--allow-unused-weights"),
+        "{err}"
+    );
+    assert!(err.contains("mid_block.attentions"), "{err}");
+    let mut allowed = args.to_vec();
+    allowed.push("--allow-unused-weights");
+    ok(&ddo(&allowed));
+    assert!(png.exists());
+}

@@ -32,7 +32,7 @@ use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
 use crate::layers::{Embedding, LayerNorm, Linear, ops};
 use crate::t5::{check_ids, dtype_min, ids_from_tensor, merge_heads, split_heads};
-use crate::weights::{CheckpointWeights, WeightSource};
+use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
 
 /// The component name of the CLIP text encoder in SD / Flux pipelines.
 pub const COMPONENT_NAME: &str = "text_encoder";
@@ -388,9 +388,21 @@ impl ClipTextModel {
     /// Loads a Transformers model folder (`config.json` and `model.safetensors`, single or
     /// sharded), converting weights to `dtype` when given.
     pub fn from_dir(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
+        Self::from_dir_checked(dir, dtype, UnusedWeights::Refuse)
+    }
+
+    /// [`ClipTextModel::from_dir`], with what to do about checkpoint tensors the config leaves unused
+    /// (refused by default).
+    pub fn from_dir_checked(
+        dir: &Path,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         let config = ClipTextConfig::from_file(&dir.join("config.json"))?;
         let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        Self::build(&mut weights, &config)
+        let model = Self::build(&mut weights, &config)?;
+        weights.check_unused(&[], unused)?;
+        Ok(model)
     }
 
     /// The component (attach routes to it).

@@ -32,6 +32,20 @@ pub enum LoadError {
         /// Checkpoint file (or folder, when sharded).
         file: PathBuf,
     },
+    /// Checkpoint tensors the config leaves unused: the config and the weights disagree
+    /// (e.g. `layers_per_block` lower than the weights were trained with).
+    #[error(
+        "{count} tensor(s) in {file} are not used by its config (e.g. {examples}): the config and the weights disagree; \
+         fix config.json, or pass --allow-unused-weights to run without them"
+    )]
+    UnusedWeights {
+        /// Checkpoint file (or index).
+        file: PathBuf,
+        /// How many.
+        count: usize,
+        /// The first few names.
+        examples: String,
+    },
     /// A weight has another shape than the config implies.
     #[error(
         "tensor `{name}` in {file} has shape {found:?}, the config implies {expected:?}; \

@@ -27,7 +27,7 @@ use serde::Deserialize;
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
 use crate::layers::{LayerNorm, Linear, RmsNorm};
-use crate::weights::{CheckpointWeights, RandomWeights, WeightSource};
+use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSource};
 
 /// RoPE base of every Flux model (`FluxPosEmbed(theta=10000)`).
 pub const ROPE_THETA: f64 = 10000.0;
@@ -1182,9 +1182,21 @@ impl FluxTransformer {
     /// sharded). `dtype` converts every param on load; `None` keeps the file's dtype and
     /// the params checkpoint-backed.
     pub fn load(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
+        Self::load_checked(dir, dtype, UnusedWeights::Refuse)
+    }
+
+    /// [`FluxTransformer::load`], with what to do about checkpoint tensors the config leaves unused
+    /// (refused by default).
+    pub fn load_checked(
+        dir: &Path,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         let config = FluxTransformerConfig::from_file(&dir.join("config.json"))?;
         let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        Self::build(&mut weights, config)
+        let model = Self::build(&mut weights, config)?;
+        weights.check_unused(&[], unused)?;
+        Ok(model)
     }
 
     /// A model with seeded random weights stored as `dtype`.

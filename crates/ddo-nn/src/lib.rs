@@ -31,6 +31,6 @@ pub mod weights;
 pub use builder::ModelBuilder;
 pub use error::{LoadError, LoadResult};
 pub use weights::{
-    CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, WeightSource, read_f32_tensor,
-    read_text_file,
+    CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, UnusedWeights, WeightSource,
+    read_f32_tensor, read_text_file,
 };

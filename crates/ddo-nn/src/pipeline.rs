@@ -48,7 +48,7 @@ use crate::vae::{
     self, AutoencoderKL, AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes,
     estimate_tiled_decode_peak_bytes,
 };
-use crate::weights::RandomWeights;
+use crate::weights::{RandomWeights, UnusedWeights};
 
 /// Phase names, in order (the names `phase_boundary` records).
 pub const PHASES: [&str; 3] = ["prompt_encoding", "denoise", "decode"];
@@ -670,6 +670,16 @@ impl FluxPipeline {
     /// (FLUX.1-dev's scheduler when absent). `dtype` converts weights on load; `None` keeps
     /// the files' dtype, memory-mapped.
     pub fn load(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
+        Self::load_checked(dir, dtype, UnusedWeights::Refuse)
+    }
+
+    /// [`FluxPipeline::load`], with what to do about checkpoint tensors a component's config
+    /// leaves unused (refused by default; a VAE's encoder is never needed).
+    pub fn load_checked(
+        dir: &Path,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         if !dir.is_dir() {
             return Err(LoadError::Io {
                 path: dir.to_path_buf(),
@@ -679,17 +689,17 @@ impl FluxPipeline {
                 ),
             });
         }
-        let transformer = FluxTransformer::load(&dir.join(TRANSFORMER), dtype)?;
-        let vae = AutoencoderKL::load(&dir.join(VAE), dtype)?;
+        let transformer = FluxTransformer::load_checked(&dir.join(TRANSFORMER), dtype, unused)?;
+        let vae = AutoencoderKL::load_checked(&dir.join(VAE), dtype, unused)?;
         let clip_dir = dir.join(TEXT_ENCODER);
         let clip = if clip_dir.is_dir() {
-            Some(ClipTextModel::from_dir(&clip_dir, dtype)?)
+            Some(ClipTextModel::from_dir_checked(&clip_dir, dtype, unused)?)
         } else {
             None
         };
         let t5_dir = dir.join(TEXT_ENCODER_2);
         let t5 = if t5_dir.is_dir() {
-            Some(T5Encoder::from_dir(&t5_dir, dtype)?)
+            Some(T5Encoder::from_dir_checked(&t5_dir, dtype, unused)?)
         } else {
             None
         };

@@ -33,7 +33,7 @@ use serde::Deserialize;
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
 use crate::layers::{Embedding, Linear, RmsNorm, ops};
-use crate::weights::{CheckpointWeights, WeightSource};
+use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
 
 /// The component name of the T5 encoder in Flux / SD3 pipelines.
 pub const COMPONENT_NAME: &str = "text_encoder_2";
@@ -475,9 +475,21 @@ impl T5Encoder {
     /// Loads a Transformers model folder (`config.json` and `model.safetensors`, single or
     /// sharded), converting weights to `dtype` when given.
     pub fn from_dir(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
+        Self::from_dir_checked(dir, dtype, UnusedWeights::Refuse)
+    }
+
+    /// [`T5Encoder::from_dir`], with what to do about checkpoint tensors the config leaves unused
+    /// (refused by default).
+    pub fn from_dir_checked(
+        dir: &Path,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         let config = T5Config::from_file(&dir.join("config.json"))?;
         let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        Self::build(&mut weights, &config)
+        let model = Self::build(&mut weights, &config)?;
+        weights.check_unused(&[], unused)?;
+        Ok(model)
     }
 
     /// The component (attach routes to it).

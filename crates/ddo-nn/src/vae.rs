@@ -41,7 +41,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
 use crate::layers::{Conv2d, GroupNorm, Linear, act, ops};
-use crate::weights::{CheckpointWeights, WeightSource};
+use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
 
 /// The component name of the VAE in Diffusers pipelines.
 pub const COMPONENT_NAME: &str = "vae";
@@ -834,9 +834,21 @@ impl AutoencoderKL {
     /// Loads a Diffusers model folder (`config.json` and `diffusion_pytorch_model.safetensors`,
     /// single or sharded), memory-mapped; `dtype` converts every weight on load.
     pub fn load(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
+        Self::load_checked(dir, dtype, UnusedWeights::Refuse)
+    }
+
+    /// [`AutoencoderKL::load`], with what to do about checkpoint tensors the config leaves unused
+    /// (refused by default).
+    pub fn load_checked(
+        dir: &Path,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         let config = AutoencoderKLConfig::from_file(&dir.join("config.json"))?;
         let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        Self::build(&mut weights, config)
+        let model = Self::build(&mut weights, config)?;
+        weights.check_unused(&["encoder.", "quant_conv."], unused)?;
+        Ok(model)
     }
 
     /// The component (its leaves own the decoder's weights).

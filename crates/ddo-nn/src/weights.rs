@@ -279,6 +279,17 @@ pub fn read_text_file(path: &Path) -> LoadResult<String> {
     Ok(text)
 }
 
+/// What a loader does with checkpoint tensors its config leaves unused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnusedWeights {
+    /// Refuse the checkpoint ([`LoadError::UnusedWeights`]): a config that disagrees with its
+    /// weights would change the output without a word.
+    #[default]
+    Refuse,
+    /// Load without them (`--allow-unused-weights`).
+    Allow,
+}
+
 /// Weights from safetensors files, memory-mapped.
 #[derive(Debug)]
 pub struct CheckpointWeights {
@@ -286,6 +297,8 @@ pub struct CheckpointWeights {
     location: HashMap<String, usize>,
     target: Option<DType>,
     origin: PathBuf,
+    /// Tensors a model asked for.
+    used: std::collections::HashSet<String>,
 }
 
 /// File names a Diffusers or Transformers model folder keeps its weights under.
@@ -323,7 +336,40 @@ impl CheckpointWeights {
             location,
             target,
             origin: path.to_path_buf(),
+            used: Default::default(),
         })
+    }
+
+    /// [`LoadError::UnusedWeights`] when the checkpoint holds tensors no model asked for
+    /// (outside `ignored` prefixes) and `unused` is [`UnusedWeights::Refuse`].
+    pub fn check_unused(&self, ignored: &[&str], unused: UnusedWeights) -> LoadResult<()> {
+        let names = self.unused(ignored);
+        if names.is_empty() || unused == UnusedWeights::Allow {
+            return Ok(());
+        }
+        Err(LoadError::UnusedWeights {
+            file: self.origin.clone(),
+            count: names.len(),
+            examples: names
+                .iter()
+                .take(3)
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+    }
+
+    /// Tensors of the checkpoint no model asked for, except those under `ignored` name
+    /// prefixes (parts a loader does not use by design, such as a VAE's encoder), sorted.
+    pub fn unused(&self, ignored: &[&str]) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .location
+            .keys()
+            .filter(|n| !self.used.contains(*n) && !ignored.iter().any(|p| n.starts_with(p)))
+            .cloned()
+            .collect();
+        names.sort();
+        names
     }
 
     /// Opens a sharded checkpoint from its index (`weight_map`: tensor → shard file in the
@@ -396,6 +442,7 @@ impl CheckpointWeights {
             location,
             target,
             origin: index.to_path_buf(),
+            used: Default::default(),
         })
     }
 
@@ -438,6 +485,7 @@ impl CheckpointWeights {
 
 impl WeightSource for CheckpointWeights {
     fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
+        self.used.insert(name.to_string());
         let Some(&id) = self.location.get(name) else {
             return Err(LoadError::MissingTensor {
                 name: name.to_string(),
