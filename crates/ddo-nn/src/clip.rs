@@ -401,7 +401,12 @@ impl ClipTextModel {
         let config = ClipTextConfig::from_file(&dir.join("config.json"))?;
         let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
         let model = Self::build(&mut weights, &config)?;
-        weights.check_unused(&[], unused)?;
+        // A buffer older exports saved, and the projection head of CLIPTextModelWithProjection:
+        // neither is part of the text model's forward.
+        weights.check_unused(
+            &["text_model.embeddings.position_ids", "text_projection."],
+            unused,
+        )?;
         Ok(model)
     }
 

@@ -488,7 +488,8 @@ impl T5Encoder {
         let config = T5Config::from_file(&dir.join("config.json"))?;
         let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
         let model = Self::build(&mut weights, &config)?;
-        weights.check_unused(&[], unused)?;
+        // The tied duplicate of `shared.weight`, when a checkpoint keeps both names.
+        weights.check_unused(&["encoder.embed_tokens.weight"], unused)?;
         Ok(model)
     }
 

@@ -290,3 +290,27 @@ fn a_folder_without_weights_says_what_it_looked_for() {
         "{e}"
     );
 }
+
+#[test]
+fn tensors_no_model_asked_for_are_reported_unless_ignored_or_allowed() {
+    use ddo_nn::UnusedWeights;
+    let dir = TempDir::new();
+    let path = dir.0.join("model.safetensors");
+    good_file(&path);
+    let mut w = CheckpointWeights::open_file(&path, None).unwrap();
+    w.param("a.weight", &[2, 2], ParamKind::Parameter).unwrap();
+    assert_eq!(w.unused(&[]), ["a.bias"]);
+    assert!(w.unused(&["a.b"]).is_empty(), "an ignored prefix");
+    match expect_err(w.check_unused(&[], UnusedWeights::Refuse).map(|_| ())) {
+        LoadError::UnusedWeights {
+            count, examples, ..
+        } => {
+            assert_eq!(count, 1);
+            assert!(examples.contains("a.bias"), "{examples}");
+        }
+        other => panic!("{other:?}"),
+    }
+    w.check_unused(&[], UnusedWeights::Allow).unwrap();
+    w.param("a.bias", &[2], ParamKind::Parameter).unwrap();
+    w.check_unused(&[], UnusedWeights::Refuse).unwrap();
+}
