@@ -295,7 +295,8 @@ fn effective_options(
                 o.low_cpu_mem_usage.is_some(),
             );
             put("pinned", Value::from(c.pinned), o.pinned.is_some());
-            let streaming = ddo_core::streaming::StreamingConfig::from_options(o);
+            // The route's own answer (a budget changes its ring's default).
+            let streaming = ddo_route_leaf_group::streaming_config(spec);
             put(
                 "pinned_limit",
                 Value::from(format_bytes(streaming.pinned_limit)),

@@ -1350,3 +1350,32 @@ fn checkpoint_tensors_the_config_leaves_unused_are_refused_unless_allowed() {
     ok(&ddo(&allowed));
     assert!(png.exists());
 }
+
+/// `ddo resolve` shows the ring a budgeted group offload really gets (3 slots under a
+/// budget, 2 without), the route's own answer.
+#[test]
+fn resolve_shows_the_budgeted_ring() {
+    let slots = |route: &str| {
+        let v = json(&ddo(&[
+            "resolve",
+            "--route",
+            route,
+            "--component",
+            "transformer",
+            "--json",
+        ]));
+        v[0]["options"]["ring_slots"].as_u64()
+    };
+    assert_eq!(
+        slots("transformer=diffusers_group_offload:use_stream=true,budget=10GiB"),
+        Some(3)
+    );
+    assert_eq!(
+        slots("transformer=diffusers_group_offload:use_stream=true"),
+        Some(2)
+    );
+    assert_eq!(
+        slots("transformer=diffusers_group_offload:use_stream=true,budget=10GiB,ring_slots=5"),
+        Some(5)
+    );
+}

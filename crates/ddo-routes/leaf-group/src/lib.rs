@@ -82,8 +82,8 @@ use parking_lot::{Mutex, MutexGuard};
 pub const BUDGETED_RING_SLOTS: usize = 3;
 
 /// The streaming engine's settings for `spec`: its options, with [`BUDGETED_RING_SLOTS`]
-/// under a budget.
-fn streaming_config(spec: &RouteSpec) -> StreamingConfig {
+/// under a budget (what `ddo resolve` shows asks this).
+pub fn streaming_config(spec: &RouteSpec) -> StreamingConfig {
     let o = spec.options();
     let mut config = StreamingConfig::from_options(o);
     if o.budget.is_some() && o.ring_slots.is_none() {
