@@ -97,22 +97,12 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         ));
     }
     let root = workspace_root();
-    run(cargo().args([
-        "build",
-        "--release",
-        "--locked",
-        "-p",
-        "ddo-cli",
+    let (exe, _) = build_release(
+        &root,
         "--example",
         "bench_peer",
-    ]))?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let exe = target.join("release/examples/bench_peer");
-    if !exe.is_file() {
-        return Err(format!("cargo built no {}", exe.display()));
-    }
+        "release/examples/bench_peer",
+    )?;
     let dir = root.join(BENCH_DIR);
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
@@ -136,6 +126,33 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         run(&mut Command::new(&script))?;
     }
     Ok(())
+}
+
+/// Builds ddo-cli's `kind` (`--bin` or `--example`) `name` in release and returns its
+/// executable (`rel`, under the target directory) and the target directory.
+pub(crate) fn build_release(
+    root: &Path,
+    kind: &str,
+    name: &str,
+    rel: &str,
+) -> Result<(PathBuf, PathBuf), String> {
+    run(cargo().args([
+        "build",
+        "--release",
+        "--locked",
+        "-p",
+        "ddo-cli",
+        kind,
+        name,
+    ]))?;
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let exe = target.join(rel);
+    if !exe.is_file() {
+        return Err(format!("cargo built no {}", exe.display()));
+    }
+    Ok((exe, target))
 }
 
 fn copy(from: &Path, to: &Path) -> Result<(), String> {

@@ -317,6 +317,20 @@ pub fn register_span(map_len: usize, offset: usize, len: usize) -> std::ops::Ran
     start..end
 }
 
+/// `ranges` sorted, with overlapping or touching ones merged and empty ones dropped: the
+/// registrations a set of [`register_span`]s of one mapping needs (no two share a block).
+pub fn merge_spans(mut ranges: Vec<std::ops::Range<usize>>) -> Vec<std::ops::Range<usize>> {
+    ranges.sort_unstable_by_key(|r| r.start);
+    let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
+    for r in ranges.into_iter().filter(|r| !r.is_empty()) {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
 /// What registering `buffer` on `device` page-locks: its mapping and the range of it
 /// ([`register_span`]). A buffer that is not checkpoint-mapped (owned memory, pinned or
 /// not, or a registered view) is [`CoreError::HostRegisterUnsupported`]: owned memory is

@@ -14,7 +14,7 @@ use ddo_metrics::RouteMetrics;
 use crate::component::LeafId;
 use crate::device::{Device, DeviceBuffer, Stream};
 use crate::error::Result;
-use crate::host::{HostBuffer, HostSlice, register_span};
+use crate::host::{HostBuffer, HostSlice, merge_spans, register_span};
 use crate::param::{Param, ParamId};
 
 struct Entry {
@@ -465,16 +465,12 @@ impl UploadRegistrations {
             }
         }
         let mut spans = Vec::new();
-        for (map, mut ranges) in maps {
-            ranges.sort_unstable_by_key(|r| r.start);
-            let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
-            for r in ranges.into_iter().filter(|r| !r.is_empty()) {
-                match merged.last_mut() {
-                    Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-                    _ => merged.push(r),
-                }
-            }
-            spans.extend(merged.into_iter().map(|r| (Arc::clone(&map), r)));
+        for (map, ranges) in maps {
+            spans.extend(
+                merge_spans(ranges)
+                    .into_iter()
+                    .map(|r| (Arc::clone(&map), r)),
+            );
         }
         let bytes: u64 = spans.iter().map(|(_, r)| r.len() as u64).sum();
         if spans.is_empty() || bytes > device.memory_info().pinned_room() {

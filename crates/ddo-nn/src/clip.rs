@@ -399,15 +399,15 @@ impl ClipTextModel {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let config = ClipTextConfig::from_file(&dir.join("config.json"))?;
-        let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        let model = Self::build(&mut weights, &config)?;
         // A buffer older exports saved, and the projection head of CLIPTextModelWithProjection:
         // neither is part of the text model's forward.
-        weights.check_unused(
+        CheckpointWeights::build_in(
+            dir,
+            dtype,
             &["text_model.embeddings.position_ids", "text_projection."],
             unused,
-        )?;
-        Ok(model)
+            |w| Self::build(w, &config),
+        )
     }
 
     /// The component (attach routes to it).

@@ -1193,10 +1193,7 @@ impl FluxTransformer {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let config = FluxTransformerConfig::from_file(&dir.join("config.json"))?;
-        let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        let model = Self::build(&mut weights, config)?;
-        weights.check_unused(&[], unused)?;
-        Ok(model)
+        CheckpointWeights::build_in(dir, dtype, &[], unused, |w| Self::build(w, config))
     }
 
     /// A model with seeded random weights stored as `dtype`.

@@ -486,11 +486,10 @@ impl T5Encoder {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let config = T5Config::from_file(&dir.join("config.json"))?;
-        let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        let model = Self::build(&mut weights, &config)?;
         // The tied duplicate of `shared.weight`, when a checkpoint keeps both names.
-        weights.check_unused(&["encoder.embed_tokens.weight"], unused)?;
-        Ok(model)
+        CheckpointWeights::build_in(dir, dtype, &["encoder.embed_tokens.weight"], unused, |w| {
+            Self::build(w, &config)
+        })
     }
 
     /// The component (attach routes to it).

@@ -845,10 +845,9 @@ impl AutoencoderKL {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let config = AutoencoderKLConfig::from_file(&dir.join("config.json"))?;
-        let mut weights = CheckpointWeights::open_dir(dir, dtype)?;
-        let model = Self::build(&mut weights, config)?;
-        weights.check_unused(&["encoder.", "quant_conv."], unused)?;
-        Ok(model)
+        CheckpointWeights::build_in(dir, dtype, &["encoder.", "quant_conv."], unused, |w| {
+            Self::build(w, config)
+        })
     }
 
     /// The component (its leaves own the decoder's weights).

@@ -340,6 +340,22 @@ impl CheckpointWeights {
         })
     }
 
+    /// A model built by `build` from the checkpoint of model folder `dir` (see
+    /// [`CheckpointWeights::open_dir`]), then [`CheckpointWeights::check_unused`] with
+    /// `ignored` and `unused`: what every component loader does.
+    pub fn build_in<T>(
+        dir: &Path,
+        dtype: Option<DType>,
+        ignored: &[&str],
+        unused: UnusedWeights,
+        build: impl FnOnce(&mut Self) -> LoadResult<T>,
+    ) -> LoadResult<T> {
+        let mut weights = Self::open_dir(dir, dtype)?;
+        let model = build(&mut weights)?;
+        weights.check_unused(ignored, unused)?;
+        Ok(model)
+    }
+
     /// [`LoadError::UnusedWeights`] when the checkpoint holds tensors no model asked for
     /// (outside `ignored` prefixes) and `unused` is [`UnusedWeights::Refuse`].
     pub fn check_unused(&self, ignored: &[&str], unused: UnusedWeights) -> LoadResult<()> {

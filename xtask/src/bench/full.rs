@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::gpu::make_executable;
-use crate::{cargo, run, workspace_root};
+use crate::{run, workspace_root};
 
 /// The full bench bundle's folder, relative to the workspace root (ignored by git).
 pub const FULL_DIR: &str = "gpu-bundle/bench-full";
@@ -107,22 +107,7 @@ pub fn bench_full(opts: &FullOptions) -> Result<(), String> {
     let root = workspace_root();
     // Everything that can be refused without building is checked first.
     let diffusers = diffusers_wheels(&wheels_dir(&root, opts.wheels.as_deref()))?;
-    run(cargo().args([
-        "build",
-        "--release",
-        "--locked",
-        "-p",
-        "ddo-cli",
-        "--bin",
-        "ddo",
-    ]))?;
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let exe = target.join("release/ddo");
-    if !exe.is_file() {
-        return Err(format!("cargo built no {}", exe.display()));
-    }
+    let (exe, target) = super::build_release(&root, "--bin", "ddo", "release/ddo")?;
     let fallback = fallback_wheels(&target.join("bench-full-wheels"))?;
 
     let dir = root.join(FULL_DIR);

@@ -362,18 +362,8 @@ impl RegisterPlan {
                     .push(register_span(map.len(), range.start, range.len()));
             }
         }
-        // Merge overlapping or touching spans of one mapping.
-        let merge = |mut ranges: Vec<Range<usize>>| {
-            ranges.sort_unstable_by_key(|r| r.start);
-            let mut merged: Vec<Range<usize>> = Vec::new();
-            for r in ranges.into_iter().filter(|r| !r.is_empty()) {
-                match merged.last_mut() {
-                    Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-                    _ => merged.push(r),
-                }
-            }
-            merged
-        };
+        // Overlapping or touching spans of one mapping are merged.
+        let merge = crate::host::merge_spans;
         // Resident params that share a block with a kept range join it (kept registered,
         // so they are read from it whole: a copy from partly page-locked memory is refused);
         // the others get ranges of their own, released after their upload. Joining can

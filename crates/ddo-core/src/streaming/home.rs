@@ -439,6 +439,37 @@ mod tests {
     use crate::host_backend::{HostDevice, HostDeviceConfig};
     use crate::{DType, HostMemoryKind, ParamKind};
 
+    /// `n` f32 params of `elems` values each, named `{tag}{i}`, values unique per param.
+    fn f32_params(tag: &str, n: usize, elems: usize) -> Vec<Arc<Param>> {
+        (0..n)
+            .map(|i| {
+                let values: Vec<f32> = (0..elems).map(|k| (i * 7 + k % 13) as f32).collect();
+                Param::from_f32(
+                    format!("{tag}{i}"),
+                    ParamKind::Parameter,
+                    DType::F32,
+                    vec![elems],
+                    &values,
+                )
+                .unwrap()
+            })
+            .collect()
+    }
+
+    /// `params` placed one after another, each aligned, and the bytes they take.
+    fn one_after_another(params: &[Arc<Param>]) -> (Vec<(&Arc<Param>, u64)>, u64) {
+        let mut at = 0u64;
+        let placements = params
+            .iter()
+            .map(|p| {
+                let here = at;
+                at += align_up(p.nbytes() as u64);
+                (p, here)
+            })
+            .collect();
+        (placements, at)
+    }
+
     #[test]
     fn a_home_built_in_parallel_batches_holds_every_param_once_and_frees_the_sources() {
         let device = HostDevice::new(HostDeviceConfig {
@@ -448,19 +479,7 @@ mod tests {
         })
         .unwrap();
         // 48 params of 1.5 MiB: several batches, several threads per batch.
-        let params: Vec<Arc<Param>> = (0..48)
-            .map(|i| {
-                let values: Vec<f32> = (0..(3 << 17)).map(|k| (i * 7 + k % 13) as f32).collect();
-                Param::from_f32(
-                    format!("p{i}"),
-                    ParamKind::Parameter,
-                    DType::F32,
-                    vec![values.len()],
-                    &values,
-                )
-                .unwrap()
-            })
-            .collect();
+        let params = f32_params("p", 48, 3 << 17);
         let sums: Vec<u64> = params.iter().map(|p| p.host_checksum()).collect();
         let total: u64 = params.iter().map(|p| p.nbytes() as u64).sum();
         let home = PinnedHome::sequential(&*device, &params, 1 << 30, true)
@@ -484,15 +503,7 @@ mod tests {
 
         // In chunks of about 8 MiB, breaking only between params: the pinned peak grows
         // chunk by chunk while each chunk's sources are freed as it is adopted.
-        let mut at = 0u64;
-        let placements: Vec<(&Arc<Param>, u64)> = params
-            .iter()
-            .map(|p| {
-                let here = at;
-                at += crate::streaming::layout::align_up(p.nbytes() as u64);
-                (p, here)
-            })
-            .collect();
+        let (placements, at) = one_after_another(&params);
         let breaks: Vec<u64> = placements.iter().map(|(_, a)| *a).collect();
         let home = PinnedHome::build_in_chunks(&*device, placements.clone(), at, &breaks, 8 << 20)
             .unwrap();
@@ -533,29 +544,9 @@ mod tests {
             ..HostDeviceConfig::default()
         })
         .unwrap();
-        let params: Vec<Arc<Param>> = (0..16)
-            .map(|i| {
-                let values: Vec<f32> = (0..(1 << 18)).map(|k| (i * 3 + k % 7) as f32).collect();
-                Param::from_f32(
-                    format!("q{i}"),
-                    ParamKind::Parameter,
-                    DType::F32,
-                    vec![values.len()],
-                    &values,
-                )
-                .unwrap()
-            })
-            .collect();
+        let params = f32_params("q", 16, 1 << 18);
         let sums: Vec<u64> = params.iter().map(|p| p.host_checksum()).collect();
-        let mut at = 0u64;
-        let placements: Vec<(&Arc<Param>, u64)> = params
-            .iter()
-            .map(|p| {
-                let here = at;
-                at += crate::streaming::layout::align_up(p.nbytes() as u64);
-                (p, here)
-            })
-            .collect();
+        let (placements, at) = one_after_another(&params);
         let breaks: Vec<u64> = placements.iter().map(|(_, a)| *a).collect();
         let err =
             PinnedHome::build_in_chunks(&*device, placements, at, &breaks, 2 << 20).unwrap_err();

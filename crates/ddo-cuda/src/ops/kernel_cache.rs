@@ -395,15 +395,16 @@ fn encode(key: &DiskKey, image: &Image) -> Vec<u8> {
 fn decode(file: &[u8], key: &DiskKey) -> Option<Image> {
     let (header, body) = file.split_at_checked(HEADER_LEN)?;
     let (magic, rest) = header.split_at(8);
-    let u32_at = |at: usize| u32::from_le_bytes(rest[at..at + 4].try_into().unwrap());
-    let u64_at = |at: usize| u64::from_le_bytes(rest[at..at + 8].try_into().unwrap());
-    let hash = u128::from_le_bytes(rest[8..24].try_into().unwrap());
+    // Fields read without a panic whatever the file holds (a short header is no image).
+    let u32_at = |at: usize| Some(u32::from_le_bytes(rest.get(at..at + 4)?.try_into().ok()?));
+    let u64_at = |at: usize| Some(u64::from_le_bytes(rest.get(at..at + 8)?.try_into().ok()?));
+    let hash = u128::from_le_bytes(rest.get(8..24)?.try_into().ok()?);
     let ok = magic == MAGIC
-        && u32_at(0) == FORMAT_VERSION
-        && u32_at(4) == key.kind.code()
+        && u32_at(0)? == FORMAT_VERSION
+        && u32_at(4)? == key.kind.code()
         && hash == key.hash
-        && u64_at(24) == body.len() as u64
-        && u64_at(32) == fnv64(body)
+        && u64_at(24)? == body.len() as u64
+        && u64_at(32)? == fnv64(body)
         && !body.is_empty();
     ok.then(|| Image::new(key.kind, body.to_vec()))
 }
