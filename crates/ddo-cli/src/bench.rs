@@ -5,7 +5,10 @@
 //! median/min/max, peak device memory (exact), bytes streamed per forward, and the ratio to
 //! the link floor (streamed bytes / the host→device bandwidth measured first, in the same
 //! process) — and writes JSON with `--json` / `--out-json`; `--plot PREFIX` draws time
-//! against peak memory to `PREFIX.svg` and `PREFIX.png` ([`crate::plot`]).
+//! against peak memory to `PREFIX.svg` and `PREFIX.png` ([`crate::plot`]). The files are
+//! checked before any work and written whole at the end ([`crate::outputs`]); a workload
+//! whose activations do not fit the budget, or more than [`MAX_FORWARDS`] forwards, is
+//! refused before anything is allocated.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,7 +18,7 @@ use std::time::Instant;
 use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor, ops_of};
 use ddo_metrics::format_bytes;
 use ddo_nn::flux::{FluxInputs, latent_image_ids};
-use ddo_nn::pipeline::{FluxPipeline, gaussian_noise};
+use ddo_nn::pipeline::{FluxPipeline, TiledDecode, gaussian_noise};
 use ddo_routes::{
     Pipeline, PlanRequest, enable_pipeline_offload_with_env, enable_planned_pipeline_offload,
     plan_pipeline,
@@ -25,6 +28,7 @@ use serde_json::json;
 
 use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
+use crate::outputs::Outputs;
 use crate::progress::ProgressBar;
 use crate::run::{build_pipeline, parse_dtype, positive, source_from_args};
 use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device, vram_budget};
@@ -321,6 +325,21 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// The most `--repeats` (and `--warmup`) forwards `ddo bench` runs: a larger count is a
+/// typo, and its timing vector alone could not be allocated.
+pub const MAX_FORWARDS: usize = 1_000_000;
+
+/// `--repeats`/`--warmup` (`name`) at most [`MAX_FORWARDS`].
+fn forwards(name: &str, n: usize) -> CliResult<usize> {
+    if n > MAX_FORWARDS {
+        return Err(CliError::usage(
+            format!("--{name} {n}: more than {MAX_FORWARDS} forwards"),
+            format!("give at most {MAX_FORWARDS}; a few forwards give a stable median"),
+        ));
+    }
+    Ok(n)
+}
+
 fn candidates(args: &Parsed) -> CliResult<Vec<Candidate>> {
     let mut out = Vec::new();
     for r in args.all("route") {
@@ -361,16 +380,33 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let side = if tiny { 128 } else { 1024 };
     let height = positive(&args, "height")?.unwrap_or(side);
     let width = positive(&args, "width")?.unwrap_or(side);
-    let repeats = positive(&args, "repeats")?.unwrap_or(5);
-    let warmup = args
-        .parse::<usize>("warmup", "a whole number")?
-        .unwrap_or(1);
+    let repeats = forwards("repeats", positive(&args, "repeats")?.unwrap_or(5))?;
+    let warmup = forwards(
+        "warmup",
+        args.parse::<usize>("warmup", "a whole number")?
+            .unwrap_or(1),
+    )?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;
     device_choice.prepare_kernels();
     let list = candidates(&args)?;
     let out_json = args.get("out-json").map(PathBuf::from);
     let plot_prefix = args.get("plot").map(PathBuf::from);
+    let plot_paths = plot_prefix.as_deref().map(crate::plot::paths);
+    // Outputs are checked against the weights and each other before any work.
+    let mut output_paths: Vec<(&'static str, &std::path::Path)> = Vec::new();
+    if let Some(p) = &out_json {
+        output_paths.push(("--out-json", p));
+    }
+    if let Some((svg, png)) = &plot_paths {
+        output_paths.push(("--plot", svg));
+        output_paths.push(("--plot", png));
+    }
+    let inputs: Vec<(&'static str, &std::path::Path)> = match &source {
+        crate::run::Source::Weights(dir) => vec![("--weights", dir.as_path())],
+        crate::run::Source::Config(_) => Vec::new(),
+    };
+    let outputs = Outputs::plan(&output_paths, &inputs)?;
 
     let mut bar = ProgressBar::new();
     let (pipe, model_label) = build_pipeline(
@@ -428,14 +464,37 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let bandwidth = link_bandwidth(&*probe, link_bytes)?;
     // Preset candidates run as the memory plan sizes them for this component's phase.
     let (plan_budget, budget_source) = crate::run::plan_budget(&*probe, budget);
+    // The VAE workload decodes untiled (`Workload::forward`).
     let demand = pipe
-        .phase_demands(height, width, plan_budget, probe.scratch_bytes())?
+        .phase_demands(
+            height,
+            width,
+            1,
+            TiledDecode::Off,
+            plan_budget,
+            probe.scratch_bytes(),
+        )?
         .into_iter()
         .find(|d| d.components.iter().any(|c| c == component.name()))
         .map(|mut d| {
             d.components = vec![component.name().to_string()];
             d
         });
+    // A workload whose activations alone exceed the budget is refused before its inputs
+    // are made (they could not be allocated).
+    if let Some(d) = &demand
+        && d.activation_bytes > plan_budget
+    {
+        return Err(CliError::usage(
+            format!(
+                "the {} workload at {width}x{height} px needs about {} of activations; the budget ({budget_source}) is {}",
+                component.name(),
+                format_bytes(d.activation_bytes),
+                format_bytes(plan_budget)
+            ),
+            "give a smaller --height/--width or a larger --vram-budget",
+        ));
+    }
     let context = ddo_core::FootprintContext::of(&*probe);
     drop(probe);
     let timeline = args.flag("timeline");
@@ -562,22 +621,21 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         "candidates": results,
     });
     let json_text = serde_json::to_string_pretty(&value).unwrap_or_default() + "\n";
-    if let Some(p) = &out_json {
-        std::fs::write(p, &json_text).map_err(|e| {
-            CliError::runtime(
-                format!("cannot write {}: {e}", p.display()),
-                "check the directory",
-            )
-        })?;
+    // Every file is made before any is written: all of them or none.
+    let mut files: Vec<(&'static str, Vec<u8>)> = Vec::new();
+    if out_json.is_some() {
+        files.push(("--out-json", json_text.clone().into_bytes()));
     }
-    let plotted = match &plot_prefix {
-        Some(prefix) => Some(crate::plot::write_plot(
-            prefix,
+    if plot_paths.is_some() {
+        let (svg, png) = crate::plot::render_plot(
             &format!("ddo bench: {name} on {device_label}"),
             &results,
-        )?),
-        None => None,
-    };
+        )?;
+        files.push(("--plot", svg.into_bytes()));
+        files.push(("--plot", png));
+    }
+    outputs.commit(&files)?;
+    let plotted = plot_paths;
     let text = if args.flag("json") {
         json_text
     } else {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use ddo_metrics::format_bytes;
-use ddo_nn::pipeline::{TiledDecode, plan_decode};
+use ddo_nn::pipeline::plan_decode;
 use ddo_nn::vae::AutoencoderKL;
 use ddo_routes::{OffloadOptions, enable_offload_with_env};
 use serde_json::json;
@@ -16,7 +16,7 @@ use serde_json::json;
 use crate::args::{OptSpec, flag, many, opt, parse};
 use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor};
-use crate::outputs::Outputs;
+use crate::outputs::{Outputs, image_paths};
 use crate::run::parse_dtype;
 use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device, vram_budget};
 
@@ -30,12 +30,12 @@ pub const OPTIONS: &[OptSpec] = &[
     opt(
         "latents",
         "FILE.safetensors",
-        "tensor `latents` [1, C, h, w], unscaled as AutoencoderKL.decode takes it",
+        "tensor `latents` [B, C, h, w] (B images), unscaled as AutoencoderKL.decode takes it",
     ),
     opt(
         "out",
         "OUT.png|OUT.safetensors",
-        "the image, or the decoded tensor `sample` (f32 NCHW)",
+        "the image (B > 1: OUT-0.png, OUT-1.png, ...), or the decoded tensor `sample` (f32 NCHW)",
     ),
     opt(
         "preset",
@@ -94,39 +94,51 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let latents_path = need("latents", "FILE.safetensors")?;
     let out_path = need("out", "OUT.png")?;
     let out_kind = output_kind(&out_path)?;
+    // The latents say how many images there are, hence which files to plan.
+    let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
+    let images = match latents.shape.as_slice() {
+        [b, _, _, _] => *b,
+        _ => 1,
+    };
+    if out_kind == OutputKind::Png && images > crate::run::MAX_IMAGES {
+        return Err(CliError::usage(
+            format!(
+                "--latents {}: {images} images, more PNG files than {} in one command",
+                latents_path.display(),
+                crate::run::MAX_IMAGES
+            ),
+            "write them to one OUT.safetensors, or split the latents",
+        ));
+    }
+    let image_files = image_paths(&out_path, images);
     let outputs = Outputs::plan(
-        &[("--out", &out_path)],
+        &image_files
+            .iter()
+            .map(|p| ("--out", p.as_path()))
+            .collect::<Vec<_>>(),
         &[("--weights", &weights), ("--latents", &latents_path)],
     )?;
     let dtype = args.get("dtype").map(parse_dtype).transpose()?;
-    let tiled: TiledDecode = match args.get("tiled-decode") {
-        Some(t) => t.parse().map_err(|_| {
-            CliError::usage(
-                format!("invalid --tiled-decode `{t}`"),
-                "use on, off or auto",
-            )
-        })?,
-        None => TiledDecode::Auto,
-    };
+    let tiled = crate::run::tiled_decode(&args)?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;
     device_choice.prepare_kernels();
     let routing = Routing::from_args(&args, &["vae".to_string()])?;
     let explanation = routing.explain("vae")?;
 
-    let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
     let dir = vae_dir(&weights);
     let vae = AutoencoderKL::load_checked(&dir, dtype, crate::run::unused_weights(&args))
         .map_err(|e| CliError::from(e).context(&format!("--weights {}", weights.display())))?;
     let c = vae.config().latent_channels;
-    if !matches!(latents.shape.as_slice(), [1, cc, h, w] if *cc == c && *h > 0 && *w > 0) {
+    if !matches!(latents.shape.as_slice(), [b, cc, h, w] if *b > 0 && *cc == c && *h > 0 && *w > 0)
+    {
         return Err(CliError::usage(
             format!(
                 "--latents {}: shape {:?}",
                 latents_path.display(),
                 latents.shape
             ),
-            format!("this VAE decodes latents [1, {c}, h, w] (NCHW, batch 1)"),
+            format!("this VAE decodes latents [B, {c}, h, w] (NCHW, B images)"),
         ));
     }
 
@@ -195,7 +207,13 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
     let peak = handle.end_phase("decode")?;
     match out_kind {
-        OutputKind::Png => outputs.commit(&[("--out", encode_png(&decoded)?)])?,
+        OutputKind::Png => outputs.commit(
+            &decoded
+                .rows()
+                .iter()
+                .map(|row| Ok(("--out", encode_png(row)?)))
+                .collect::<CliResult<Vec<_>>>()?,
+        )?,
         OutputKind::Safetensors => {
             outputs.commit(&[("--out", encode_safetensors(&[("sample", &decoded)])?)])?
         }
@@ -215,7 +233,8 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             "peak_bytes": peak.allocator_peak_bytes,
             "end_bytes": peak.allocator_end_bytes,
             "metrics": snapshot,
-            "output": out_path.display().to_string(),
+            "output": image_files.first().map(|p| p.display().to_string()),
+            "outputs": image_files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
             "total_seconds": started.elapsed().as_secs_f64(),
         });
         serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
@@ -232,7 +251,11 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             seconds * 1e3,
             format_bytes(peak.allocator_peak_bytes),
             plan.reason,
-            out_path.display()
+            image_files
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         )
     };
     out.write_all(text.as_bytes())

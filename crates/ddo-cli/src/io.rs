@@ -35,6 +35,22 @@ impl HostTensor {
             &self.values,
         )?)
     }
+
+    /// The rows of the leading (batch) dimension, each with a leading 1: `[b, ...]` gives
+    /// `b` tensors `[1, ...]`. A tensor without dimensions is one row of itself.
+    pub fn rows(&self) -> Vec<HostTensor> {
+        let Some((&b, rest)) = self.shape.split_first() else {
+            return vec![self.clone()];
+        };
+        let row: usize = rest.iter().product();
+        let shape: Vec<usize> = std::iter::once(1).chain(rest.iter().copied()).collect();
+        (0..b)
+            .map(|i| HostTensor {
+                shape: shape.clone(),
+                values: self.values[i * row..(i + 1) * row].to_vec(),
+            })
+            .collect()
+    }
 }
 
 /// Reads tensor `name` (or the first of `names` present) of a safetensors file as f32;
@@ -169,15 +185,15 @@ pub fn output_kind(path: &Path) -> CliResult<OutputKind> {
     }
 }
 
-/// FluxPipeline's `_unpack_latents` on the host: `[1, (h/2)(w/2), 4c]` → `[1, c, h, w]`.
+/// FluxPipeline's `_unpack_latents` on the host: `[b, (h/2)(w/2), 4c]` → `[b, c, h, w]`.
 pub fn unpack_host(packed: &HostTensor, h: usize, w: usize) -> CliResult<HostTensor> {
-    let &[1, tokens, c4] = packed.shape.as_slice() else {
+    let &[b, tokens, c4] = packed.shape.as_slice() else {
         return Err(CliError::runtime(
             format!("packed latents have shape {:?}", packed.shape),
-            "expected [1, tokens, 4 x channels]",
+            "expected [batch, tokens, 4 x channels]",
         ));
     };
-    if tokens != (h / 2) * (w / 2) || c4 % 4 != 0 {
+    if tokens == 0 || tokens != (h / 2) * (w / 2) || c4 == 0 || c4 % 4 != 0 {
         return Err(CliError::runtime(
             format!(
                 "packed latents {:?} do not fit a {h}x{w} grid",
@@ -187,22 +203,28 @@ pub fn unpack_host(packed: &HostTensor, h: usize, w: usize) -> CliResult<HostTen
         ));
     }
     let c = c4 / 4;
-    let mut out = vec![0.0f32; c * h * w];
-    for r in 0..h / 2 {
-        for col in 0..w / 2 {
-            let token = r * (w / 2) + col;
-            for ch in 0..c {
-                for dy in 0..2 {
-                    for dx in 0..2 {
-                        let v = packed.values[token * c4 + ch * 4 + dy * 2 + dx];
-                        out[(ch * h + 2 * r + dy) * w + 2 * col + dx] = v;
+    let mut out = vec![0.0f32; b * c * h * w];
+    for (src, dst) in packed
+        .values
+        .chunks_exact(tokens * c4)
+        .zip(out.chunks_exact_mut(c * h * w))
+    {
+        for r in 0..h / 2 {
+            for col in 0..w / 2 {
+                let token = r * (w / 2) + col;
+                for ch in 0..c {
+                    for dy in 0..2 {
+                        for dx in 0..2 {
+                            let v = src[token * c4 + ch * 4 + dy * 2 + dx];
+                            dst[(ch * h + 2 * r + dy) * w + 2 * col + dx] = v;
+                        }
                     }
                 }
             }
         }
     }
     Ok(HostTensor {
-        shape: vec![1, c, h, w],
+        shape: vec![b, c, h, w],
         values: out,
     })
 }

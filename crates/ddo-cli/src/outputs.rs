@@ -64,6 +64,29 @@ fn resolve(option: &str, path: &Path) -> CliResult<PathBuf> {
     Ok(dir.join(name))
 }
 
+/// The files `count` images go to when `out` names them: `out` itself for one image or a
+/// `.safetensors` file (which holds the whole batch), else `STEM-0.EXT`, `STEM-1.EXT`, ...
+/// beside `out`, one per image, numbered as Diffusers' `images` list is.
+pub fn image_paths(out: &Path, count: usize) -> Vec<PathBuf> {
+    let batch_file = out
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"));
+    if count <= 1 || batch_file {
+        return vec![out.to_path_buf()];
+    }
+    let stem = out
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = out
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
+    (0..count)
+        .map(|i| out.with_file_name(format!("{stem}-{i}{ext}")))
+        .collect()
+}
+
 /// A temporary name beside `target` for this process.
 fn temporary(target: &Path) -> PathBuf {
     let name = target
@@ -149,8 +172,9 @@ impl Outputs {
 
     /// Writes `data` (`(option, bytes)`, one for each planned output that is written; the
     /// others are left alone) to temporary files beside the targets, then renames them into
-    /// place. A failure before the renames removes the temporary files and leaves every
-    /// target as it was.
+    /// place. An option planned several times (`--out` for each image) takes its data in the
+    /// order it was planned. A failure before the renames removes the temporary files and
+    /// leaves every target as it was.
     pub fn commit(&self, data: &[(&'static str, Vec<u8>)]) -> CliResult<()> {
         let mut written: Vec<(PathBuf, &Planned)> = Vec::new();
         let cleanup = |written: &[(PathBuf, &Planned)]| {
@@ -158,8 +182,14 @@ impl Outputs {
                 let _ = fs::remove_file(tmp);
             }
         };
+        let mut used = vec![false; self.planned.len()];
         for (option, bytes) in data {
-            let Some(p) = self.planned.iter().find(|p| p.option == *option) else {
+            let next = self
+                .planned
+                .iter()
+                .enumerate()
+                .find(|(i, p)| p.option == *option && !used[*i]);
+            let Some((index, p)) = next else {
                 cleanup(&written);
                 return Err(CliError::runtime(
                     format!("internal: {option} was not planned as an output"),
@@ -179,6 +209,7 @@ impl Outputs {
                     "nothing was written; free space or name another file",
                 ));
             }
+            used[index] = true;
             written.push((tmp, p));
         }
         for (i, (tmp, p)) in written.iter().enumerate() {

@@ -70,6 +70,16 @@ pub const OPTIONS: &[OptSpec] = &[
         "N",
         "T5 tokens to plan for (default 32 for tiny, 512 otherwise)",
     ),
+    opt(
+        "num-images",
+        "N",
+        "images to plan for (as `ddo run --num-images`, default 1)",
+    ),
+    opt(
+        "tiled-decode",
+        "on|off|auto",
+        "the decode to plan for (as `ddo run`, default auto)",
+    ),
     opt("dtype", "f32|bf16|f16", "weight dtype (as `ddo run`)"),
     flag("json", "one JSON object per component, in an array"),
     flag(
@@ -102,6 +112,8 @@ pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         "height",
         "width",
         "max-sequence-length",
+        "num-images",
+        "tiled-decode",
         "dtype",
     ] {
         if args.get(o).is_some() {
@@ -160,6 +172,8 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
     let height = positive(args, "height")?.unwrap_or(default_side);
     let width = positive(args, "width")?.unwrap_or(default_side);
     let max_seq = crate::run::max_sequence_length(args)?;
+    let images = positive(args, "num-images")?.unwrap_or(1);
+    let tiled = crate::run::tiled_decode(args)?;
     let budget = vram_budget(args)?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let mut bar = ProgressBar::new();
@@ -183,8 +197,8 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
         routing,
         &*device,
         plan_budget(&*device, budget),
-        height,
-        width,
+        (height, width, images),
+        tiled,
     )?;
     let explanations = planned_explanations(routing, &names, &plan)?;
     let text = if args.flag("json") {

@@ -21,7 +21,7 @@ use crate::error::{CliError, CliResult};
 use crate::io::{
     HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor, unpack_host,
 };
-use crate::outputs::Outputs;
+use crate::outputs::{Outputs, image_paths};
 use crate::progress::ProgressBar;
 use crate::setup::{
     DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device, vram_budget,
@@ -75,6 +75,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "image width (default 128 for tiny, 1024 otherwise)",
     ),
     opt("seed", "N", "seed of the initial noise (default 0)"),
+    opt(
+        "num-images",
+        "N",
+        "images per prompt (Diffusers' num_images_per_prompt, default 1): --out a.png writes a-0.png, a-1.png, ...",
+    ),
     opt("guidance", "SCALE", "guidance scale (default 3.5)"),
     opt(
         "prompt",
@@ -94,12 +99,12 @@ pub const OPTIONS: &[OptSpec] = &[
     opt(
         "init-latents",
         "FILE.safetensors",
-        "initial noise (`latents` or `noise`: [1,C,h,w] or packed [1,T,4C])",
+        "initial noise (`latents` or `noise`: [N,C,h,w] or packed [N,T,4C], one row per image)",
     ),
     opt(
         "prompt-embeds",
         "FILE.safetensors",
-        "prompt embeddings (`prompt_embeds`, `pooled_prompt_embeds`)",
+        "prompt embeddings (`prompt_embeds` [B,L,D], `pooled_prompt_embeds` [B,P]; B prompts)",
     ),
     opt(
         "dtype",
@@ -164,6 +169,24 @@ pub(crate) fn unused_weights(args: &Parsed) -> ddo_nn::UnusedWeights {
         ddo_nn::UnusedWeights::Allow
     } else {
         ddo_nn::UnusedWeights::Refuse
+    }
+}
+
+/// The most images one `ddo run` makes (prompts × `--num-images`): a batch whose files are
+/// named and probed before the run starts. Far beyond what one device denoises at once (the
+/// memory plan refuses much smaller batches at FLUX.1-dev's size).
+pub const MAX_IMAGES: usize = 4096;
+
+/// `--tiled-decode` (default auto).
+pub(crate) fn tiled_decode(args: &Parsed) -> CliResult<TiledDecode> {
+    match args.get("tiled-decode") {
+        Some(t) => t.parse().map_err(|_| {
+            CliError::usage(
+                format!("invalid --tiled-decode `{t}`"),
+                "use on, off or auto",
+            )
+        }),
+        None => Ok(TiledDecode::Auto),
     }
 }
 
@@ -308,9 +331,10 @@ pub(crate) fn plan_memory(
     routing: &Routing,
     device: &dyn ddo_core::Device,
     budget: (u64, String),
-    height: usize,
-    width: usize,
+    image: (usize, usize, usize),
+    tiled: TiledDecode,
 ) -> CliResult<PipelinePlan> {
+    let (height, width, images) = image;
     plan_pipeline(
         pipeline,
         &routing.plan_settings(),
@@ -319,7 +343,14 @@ pub(crate) fn plan_memory(
         &PlanRequest {
             budget_bytes: budget.0,
             budget_source: budget.1,
-            phases: pipe.phase_demands(height, width, budget.0, device.scratch_bytes())?,
+            phases: pipe.phase_demands(
+                height,
+                width,
+                images,
+                tiled,
+                budget.0,
+                device.scratch_bytes(),
+            )?,
             context: FootprintContext::of(device),
         },
     )
@@ -366,6 +397,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let height = positive(&args, "height")?.unwrap_or(default_side);
     let width = positive(&args, "width")?.unwrap_or(default_side);
     let seed = args.parse::<u64>("seed", "a whole number")?.unwrap_or(0);
+    let num_images = positive(&args, "num-images")?.unwrap_or(1);
     let guidance = args
         .parse::<f32>("guidance", "a number, e.g. 3.5")?
         .unwrap_or(3.5);
@@ -383,15 +415,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         ));
     }
     let max_seq = max_sequence_length(&args)?;
-    let tiled_decode: TiledDecode = match args.get("tiled-decode") {
-        Some(t) => t.parse().map_err(|_| {
-            CliError::usage(
-                format!("invalid --tiled-decode `{t}`"),
-                "use on, off or auto",
-            )
-        })?,
-        None => TiledDecode::Auto,
-    };
+    let tiled_decode = tiled_decode(&args)?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;
     let out_path = PathBuf::from(args.get("out").unwrap_or("ddo-out.png"));
@@ -406,8 +430,57 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         ));
     }
 
+    // Inputs given as files are read before anything heavy: the embeddings say how many
+    // prompts there are, hence how many images.
+    let prompt_embeds = match args.get("prompt-embeds") {
+        Some(p) => {
+            let path = PathBuf::from(p);
+            let seq = read_tensor(&path, &["prompt_embeds"], "--prompt-embeds")?;
+            let pooled = read_tensor(&path, &["pooled_prompt_embeds"], "--prompt-embeds")?;
+            Some(PromptEmbeds {
+                prompt_embeds: seq.to_tensor()?,
+                pooled_prompt_embeds: pooled.to_tensor()?,
+            })
+        }
+        None => None,
+    };
+    let prompts = prompt_embeds.as_ref().map_or(1, PromptEmbeds::batch);
+    let images = prompts
+        .checked_mul(num_images)
+        .filter(|&n| n <= MAX_IMAGES)
+        .ok_or_else(|| {
+            CliError::usage(
+                format!(
+                    "--num-images {num_images} for {prompts} prompt(s): more than {MAX_IMAGES} images in one batch"
+                ),
+                format!(
+                    "ask for at most {MAX_IMAGES} images in all, and run again (with another --seed) for more"
+                ),
+            )
+        })?;
+    let init = match args.get("init-latents") {
+        Some(p) => InitLatents::Given(
+            read_tensor(&PathBuf::from(p), &["latents", "noise"], "--init-latents")?.to_tensor()?,
+        ),
+        None => InitLatents::Seed(seed),
+    };
+    // One noise per image; the pipeline checks the rest of the shape.
+    if let InitLatents::Given(t) = &init
+        && t.shape().first() != Some(&images)
+    {
+        return Err(CliError::usage(
+            format!(
+                "--init-latents: noise {:?} for {images} image(s)",
+                t.shape()
+            ),
+            format!(
+                "give one row per image ({prompts} prompt(s) x --num-images {num_images}), e.g. [{images}, C, h, w]"
+            ),
+        ));
+    }
+
     // Outputs are checked against the inputs and each other, and for a writable
-    // directory, before anything is read or computed.
+    // directory, before anything heavy is read or computed.
     let weights_dir = match &source {
         Source::Weights(dir) => Some(dir.clone()),
         Source::Config(_) => None,
@@ -426,7 +499,9 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     .into_iter()
     .filter_map(|(o, p)| p.map(|p| (o, p)))
     .collect();
-    let mut output_paths: Vec<(&'static str, &std::path::Path)> = vec![("--out", &out_path)];
+    let image_files = image_paths(&out_path, images);
+    let mut output_paths: Vec<(&'static str, &std::path::Path)> =
+        image_files.iter().map(|p| ("--out", p.as_path())).collect();
     if let Some(p) = &save_latents {
         output_paths.push(("--save-latents", p));
     }
@@ -437,26 +512,6 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             .map(|(o, p)| (*o, p.as_path()))
             .collect::<Vec<_>>(),
     )?;
-
-    // Inputs given as files are read before anything heavy.
-    let prompt_embeds = match args.get("prompt-embeds") {
-        Some(p) => {
-            let path = PathBuf::from(p);
-            let seq = read_tensor(&path, &["prompt_embeds"], "--prompt-embeds")?;
-            let pooled = read_tensor(&path, &["pooled_prompt_embeds"], "--prompt-embeds")?;
-            Some(PromptEmbeds {
-                prompt_embeds: seq.to_tensor()?,
-                pooled_prompt_embeds: pooled.to_tensor()?,
-            })
-        }
-        None => None,
-    };
-    let init = match args.get("init-latents") {
-        Some(p) => InitLatents::Given(
-            read_tensor(&PathBuf::from(p), &["latents", "noise"], "--init-latents")?.to_tensor()?,
-        ),
-        None => InitLatents::Seed(seed),
-    };
 
     device_choice.prepare_kernels();
     let mut bar = ProgressBar::new();
@@ -557,8 +612,8 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         &routing,
         &*device,
         (plan_budget, budget_source),
-        height,
-        width,
+        (height, width, images),
+        tiled_decode,
     )?;
     let explanations = planned_explanations(&routing, &names, &plan)?;
     // Every route's preflight runs here, before the plan is printed: a refusal is the
@@ -578,6 +633,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         height,
         width,
         init,
+        num_images,
         tiled_decode,
         vram_budget: effective_budget,
         release_native_idle_cache: args.flag("release-native-idle"),
@@ -590,16 +646,20 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     startup.lap("phases");
 
     let image = HostTensor::from_tensor(&run.image)?;
-    let mut files: Vec<(&'static str, Vec<u8>)> = vec![(
-        "--out",
-        match out_kind {
-            OutputKind::Png => encode_png(&image)?,
-            OutputKind::Safetensors => {
-                let latents = HostTensor::from_tensor(&run.latents)?;
-                encode_safetensors(&[("sample", &image), ("latents", &latents)])?
-            }
-        },
-    )];
+    let mut files: Vec<(&'static str, Vec<u8>)> = match out_kind {
+        OutputKind::Png => image
+            .rows()
+            .iter()
+            .map(|row| Ok(("--out", encode_png(row)?)))
+            .collect::<CliResult<_>>()?,
+        OutputKind::Safetensors => {
+            let latents = HostTensor::from_tensor(&run.latents)?;
+            vec![(
+                "--out",
+                encode_safetensors(&[("sample", &image), ("latents", &latents)])?,
+            )]
+        }
+    };
     if save_latents.is_some() {
         let (h, w) = pipe.latent_grid(height, width)?;
         let unpacked = unpack_host(&HostTensor::from_tensor(&run.latents)?, h, w)?;
@@ -645,7 +705,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         plan: &plan,
         run: &run,
         snapshots: &snapshots,
-        out: &out_path,
+        out: &image_files,
         save_latents: save_latents.as_ref(),
         laps: &startup.laps,
         total,
@@ -675,7 +735,8 @@ struct Report<'a> {
     plan: &'a PipelinePlan,
     run: &'a PipelineRun,
     snapshots: &'a [Value],
-    out: &'a PathBuf,
+    /// The files the images went to (one, or one per image).
+    out: &'a [PathBuf],
     save_latents: Option<&'a PathBuf>,
     /// Wall time by stage (see [`Stopwatch`]).
     laps: &'a [(&'static str, f64)],
@@ -761,7 +822,9 @@ impl Report<'_> {
             })).collect::<Vec<_>>(),
             "decode": self.run.decode,
             "timesteps": self.run.timesteps,
-            "output": self.out.display().to_string(),
+            "output": self.out.first().map(|p| p.display().to_string()),
+            "outputs": self.out.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+            "images": self.run.image.shape().first(),
             "latents_output": self.save_latents.map(|p| p.display().to_string()),
             "stage_seconds": self.laps.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "seconds_before_first_phase": Stopwatch::before_phases(self.laps),
@@ -909,11 +972,18 @@ impl Report<'_> {
                 );
             }
         }
-        let kind = match self.out.extension().and_then(|e| e.to_str()) {
+        let images = self.run.image.shape().first().copied().unwrap_or(1);
+        let first = self.out.first().map(|p| p.as_path());
+        let kind = match first.and_then(|p| p.extension()).and_then(|e| e.to_str()) {
+            Some("safetensors") if images > 1 => {
+                format!("safetensors: sample and latents of {images} images")
+            }
             Some("safetensors") => "safetensors: sample, latents".to_string(),
+            _ if images > 1 => format!("{images} images, {}x{} PNG", self.width, self.height),
             _ => format!("{}x{} PNG", self.width, self.height),
         };
-        s += &format!("\nwrote {} ({kind})", self.out.display());
+        let names: Vec<String> = self.out.iter().map(|p| p.display().to_string()).collect();
+        s += &format!("\nwrote {} ({kind})", names.join(", "));
         if let Some(p) = self.save_latents {
             s += &format!(", latents to {}", p.display());
         }

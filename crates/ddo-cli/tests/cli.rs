@@ -5,71 +5,13 @@
 //! folder, and every bad-input case: a non-zero exit and one line on stderr with a hint,
 //! never a panic.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+use std::process::Command;
+
+use common::{ddo, ddo_with_env, fixture, json, max_abs, ok, repo, scratch, tensor};
 use serde_json::Value;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn fixture(rel: &str) -> String {
-    repo().join("fixtures").join(rel).display().to_string()
-}
-
-/// A fresh scratch folder for one test.
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ddo-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn ddo_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
-    cmd.args(args);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("DDO_") {
-            cmd.env_remove(k);
-        }
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run ddo")
-}
-
-fn ddo(args: &[&str]) -> Output {
-    ddo_with_env(args, &[])
-}
-
-fn ok(out: &Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout: {stdout}\nstderr: {}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
-fn json(out: &Output) -> Value {
-    serde_json::from_str(&ok(out)).expect("stdout is JSON")
-}
-
-fn tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
-    ddo_nn::read_f32_tensor(path, name).expect("tensor")
-}
-
-fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 #[test]
 fn run_tiny_writes_a_png_and_prints_the_phase_profile() {

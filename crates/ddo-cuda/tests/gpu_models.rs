@@ -509,3 +509,89 @@ fn flux_stream_pipeline_against_its_copies() {
         d.synchronize().unwrap();
     }
 }
+
+/// The committed fixtures: `DDO_FIXTURES` where the checkout moved (the GPU machine runs a
+/// copy), else the workspace's own `fixtures/`.
+fn fixtures_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("DDO_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures"));
+    if dir.join("flux_pipeline/batch2.safetensors").is_file() {
+        Some(dir)
+    } else {
+        println!(
+            "skipped: no fixtures at {} (set DDO_FIXTURES)",
+            dir.display()
+        );
+        None
+    }
+}
+
+#[test]
+fn a_batch_of_two_prompts_matches_diffusers_on_the_gpu() {
+    use ddo_nn::pipeline::{
+        FluxPipeline, InitLatents, PipelineRequest, PromptEmbeds, PromptInput, TiledDecode,
+    };
+    let (Some(d), Some(fixtures)) = (open_gpu(false), fixtures_dir()) else {
+        return;
+    };
+    let dir = fixtures.join("flux_pipeline");
+    let file = dir.join("batch2.safetensors");
+    let pipe = FluxPipeline::load(&dir, None).unwrap();
+    let start = held(&d);
+    for (label, route) in [("resident", RouteSpec::resident())]
+        .into_iter()
+        .chain(routes())
+    {
+        let pipeline = pipe.offload_pipeline().unwrap();
+        let mut settings = ddo_core::Settings::default();
+        for name in pipe.component_names() {
+            settings.component_policies.insert(name, route);
+        }
+        let mut offload = ddo_routes::enable_pipeline_offload_with_env(
+            &pipeline,
+            d.clone(),
+            &settings,
+            &ddo_core::MapEnvironment::default(),
+        )
+        .unwrap();
+        let request = PipelineRequest {
+            prompt: PromptInput::Embeddings(PromptEmbeds {
+                prompt_embeds: host_tensor(&file, "prompt_embeds").0,
+                pooled_prompt_embeds: host_tensor(&file, "pooled_prompt_embeds").0,
+            }),
+            steps: 4,
+            guidance: 3.5,
+            height: 32,
+            width: 24,
+            init: InitLatents::Given(host_tensor(&file, "noise").0),
+            num_images: 1,
+            tiled_decode: TiledDecode::Off,
+            vram_budget: None,
+            release_native_idle_cache: false,
+        };
+        let run = pipe
+            .run_phases(&mut offload, &request, &mut |_, _, _| {})
+            .unwrap();
+        drop(offload);
+        let latents = run.latents.host_f32().unwrap();
+        let image: Vec<f32> = run
+            .image
+            .host_f32()
+            .unwrap()
+            .iter()
+            .map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0))
+            .collect();
+        let e_lat = rel_l2(&latents, &host_tensor(&file, "embeds_latents").1);
+        let e_img = rel_l2(&image, &host_tensor(&file, "embeds_image_pt").1);
+        println!(
+            "batch 2 (f32 fixture) under {label}: relative L2 from Diffusers: latents {e_lat:.3e}, image {e_img:.3e}"
+        );
+        assert_eq!(run.image.shape(), [2, 3, 32, 24]);
+        assert!(
+            e_lat <= 1e-3 && e_img <= 1e-3,
+            "{label}: {e_lat:e} {e_img:e}"
+        );
+        assert_eq!(held(&d), start, "{label}: memory not returned");
+    }
+}

@@ -16,7 +16,9 @@ use ddo_routes::PhaseDemand;
 
 use crate::clip::ClipTextConfig;
 use crate::flux::FluxTransformerConfig;
-use crate::pipeline::{FluxPipeline, PHASES, TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE};
+use crate::pipeline::{
+    FluxPipeline, PHASES, TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, TiledDecode, VAE,
+};
 use crate::t5::T5Config;
 use crate::vae::{TilingConfig, estimate_decode_peak_bytes, estimate_tiled_decode_peak_bytes};
 
@@ -80,15 +82,18 @@ fn saturating_elems(counts: &[u64]) -> u64 {
 }
 
 impl FluxPipeline {
-    /// The three phases at `height × width` for the memory planner: prompt encoding (CLIP
-    /// and T5 at `max_sequence_length`), denoise (the transformer over the packed image
-    /// tokens and the text tokens) and decode (the VAE; untiled when its estimate fits the
-    /// `budget` beside the VAE's weights, else Diffusers' default tiles, as
-    /// `plan_decode` decides), each with `scratch` bytes of backend scratch.
+    /// The three phases of `images` images at `height × width` for the memory planner:
+    /// prompt encoding (CLIP and T5 at `max_sequence_length`, once per prompt), denoise (the
+    /// transformer over the packed image tokens and the text tokens of every image) and
+    /// decode (the VAE over all the images, as `plan_decode` will decide under `tiled`:
+    /// untiled when its estimate fits the `budget` beside the VAE's weights or `tiled` is
+    /// off, else Diffusers' default tiles), each with `scratch` bytes of backend scratch.
     pub fn phase_demands(
         &self,
         height: usize,
         width: usize,
+        images: usize,
+        tiled: TiledDecode,
         budget: u64,
         scratch: u64,
     ) -> Result<Vec<PhaseDemand>> {
@@ -103,19 +108,25 @@ impl FluxPipeline {
             .as_ref()
             .map_or(0, |t| estimate_t5_activation_bytes(t.config(), text_tokens));
         let transformer =
-            estimate_flux_activation_bytes(self.transformer.config(), image_tokens, text_tokens);
+            estimate_flux_activation_bytes(self.transformer.config(), image_tokens, text_tokens)
+                .saturating_mul(images.max(1) as u64);
         let vae = self.vae.config();
-        let latent_shape = [1, vae.latent_channels, h, w];
+        let latent_shape = [images.max(1), vae.latent_channels, h, w];
         let dtype: DType = self.vae.dtype();
         let untiled = estimate_decode_peak_bytes(vae, &latent_shape, dtype);
         let tiling = TilingConfig::from_config(vae);
         let weights = self.vae.component().param_bytes();
-        let decode = if untiled.saturating_add(weights).saturating_add(scratch) <= budget
-            || !tiling.needs_tiling(h, w)
-        {
-            untiled
-        } else {
+        let fits = untiled.saturating_add(weights).saturating_add(scratch) <= budget;
+        let tiles = tiling.needs_tiling(h, w)
+            && match tiled {
+                TiledDecode::Off => false,
+                TiledDecode::On => true,
+                TiledDecode::Auto => !fits,
+            };
+        let decode = if tiles {
             estimate_tiled_decode_peak_bytes(vae, &latent_shape, dtype, &tiling)
+        } else {
+            untiled
         };
         let mut text = Vec::new();
         if self.clip.is_some() {

@@ -222,13 +222,64 @@ fn check_consistency(
     Ok(())
 }
 
-/// Prompt embeddings as the transformer takes them.
+/// Prompt embeddings as the transformer takes them, one row per prompt.
 #[derive(Debug, Clone)]
 pub struct PromptEmbeds {
-    /// T5 sequence `[1, L, joint_attention_dim]`.
+    /// T5 sequence `[b, L, joint_attention_dim]`.
     pub prompt_embeds: Tensor,
-    /// CLIP pooled `[1, pooled_projection_dim]`.
+    /// CLIP pooled `[b, pooled_projection_dim]`.
     pub pooled_prompt_embeds: Tensor,
+}
+
+impl PromptEmbeds {
+    /// How many prompts (the leading dimension of `prompt_embeds`; 0 when it has none).
+    pub fn batch(&self) -> usize {
+        self.prompt_embeds.shape().first().copied().unwrap_or(0)
+    }
+
+    /// FluxPipeline's `num_images_per_prompt`: each prompt's rows repeated `n` times in a row
+    /// (`prompt_embeds.repeat(1, n, 1).view(b·n, L, D)`, the pooled ones alike), as host
+    /// tensors of the same dtypes. The embeddings must be on the host.
+    pub fn repeat_each(&self, n: usize) -> Result<Self> {
+        Ok(Self {
+            prompt_embeds: repeat_rows(&self.prompt_embeds, n)?,
+            pooled_prompt_embeds: repeat_rows(&self.pooled_prompt_embeds, n)?,
+        })
+    }
+}
+
+/// Host tensor `t` (`[b, ...]`) with each of its `b` rows repeated `n` times in a row.
+fn repeat_rows(t: &Tensor, n: usize) -> Result<Tensor> {
+    let values = t.host_f32()?;
+    let shape = t.shape();
+    let rows = shape.first().copied().unwrap_or(0);
+    let row: usize = shape.iter().skip(1).product();
+    let images = rows.checked_mul(n).filter(|_| n > 0).ok_or_else(|| {
+        invalid(
+            "num_images",
+            n.to_string(),
+            "give 1 or more images per prompt",
+        )
+    })?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(images.saturating_mul(row))
+        .map_err(|_| {
+            invalid(
+                "num_images",
+                n.to_string(),
+                "ask for fewer images: their prompt embeddings do not fit in host memory",
+            )
+        })?;
+    for r in values.chunks_exact(row.max(1)).take(rows) {
+        for _ in 0..n {
+            out.extend_from_slice(r);
+        }
+    }
+    let mut new_shape = shape.to_vec();
+    if let Some(b) = new_shape.first_mut() {
+        *b = images;
+    }
+    Tensor::from_f32(new_shape, t.dtype(), &out)
 }
 
 /// What prompt encoding starts from.
@@ -252,7 +303,7 @@ pub enum PromptInput {
 pub enum InitLatents {
     /// Noise from [`gaussian_noise`] with this seed.
     Seed(u64),
-    /// Given noise: unpacked `[1, C, h, w]` or packed `[1, tokens, 4·C]`.
+    /// Given noise, one row per image: unpacked `[n, C, h, w]` or packed `[n, tokens, 4·C]`.
     Given(Tensor),
 }
 
@@ -483,6 +534,9 @@ pub struct PipelineRequest {
     pub width: usize,
     /// Initial noise.
     pub init: InitLatents,
+    /// Images per prompt (FluxPipeline's `num_images_per_prompt`): `b` prompts give
+    /// `b · num_images` images, each with its own noise; at least 1.
+    pub num_images: usize,
     /// Tiled decode mode.
     pub tiled_decode: TiledDecode,
     /// The device memory DDO may use, bytes (auto decode compares against it; `None`: the
@@ -526,9 +580,9 @@ pub struct PhaseReport {
 pub struct PipelineRun {
     /// The three phases, in order.
     pub phases: Vec<PhaseReport>,
-    /// Packed latents after the loop, on the host, f32 `[1, tokens, 4·C]`.
+    /// Packed latents after the loop, on the host, f32 `[n, tokens, 4·C]`, one row per image.
     pub latents: Tensor,
-    /// The decoded image on the host, f32 NCHW, about [-1, 1].
+    /// The decoded images on the host, f32 `[n, 3, H, W]`, about [-1, 1].
     pub image: Tensor,
     /// The schedule's timesteps.
     pub timesteps: Vec<f32>,
@@ -813,9 +867,9 @@ impl FluxPipeline {
     /// Checks embeddings against the transformer's widths.
     pub fn check_embeds(&self, e: &PromptEmbeds) -> Result<()> {
         let c = self.transformer.config();
-        let ok_seq =
-            matches!(e.prompt_embeds.shape(), [1, l, d] if *l > 0 && *d == c.joint_attention_dim);
-        let ok_pool = e.pooled_prompt_embeds.shape() == [1, c.pooled_projection_dim];
+        let ok_seq = matches!(e.prompt_embeds.shape(),
+            [b, l, d] if *b > 0 && *l > 0 && *d == c.joint_attention_dim);
+        let ok_pool = e.pooled_prompt_embeds.shape() == [e.batch(), c.pooled_projection_dim];
         if ok_seq && ok_pool {
             return Ok(());
         }
@@ -827,42 +881,59 @@ impl FluxPipeline {
                 e.pooled_prompt_embeds.shape()
             ),
             format!(
-                "expected prompt_embeds [1, L, {}] and pooled_prompt_embeds [1, {}] (batch 1)",
+                "expected prompt_embeds [b, L, {}] and pooled_prompt_embeds [b, {}], one row per prompt",
                 c.joint_attention_dim, c.pooled_projection_dim
             ),
         ))
     }
 
-    /// The packed initial latents on `device`, in the transformer's dtype.
+    /// The packed initial latents of `images` images on `device`, in the transformer's
+    /// dtype. Seeded noise is one draw of `images · C · h · w` values, as `randn_tensor` draws
+    /// `[images, C, h, w]` from one generator: image 0 is the batch-1 noise of the same seed.
     pub fn initial_latents(
         &self,
         device: &dyn Device,
         init: &InitLatents,
         height: usize,
         width: usize,
+        images: usize,
     ) -> Result<Tensor> {
         let ops = ops_of(device)?;
         let stream = device.compute_stream();
         let (h, w) = self.latent_grid(height, width)?;
         let c = self.transformer.config().in_channels / 4;
         let tokens = (h / 2) * (w / 2);
+        let n = images;
         let packed = match init {
             InitLatents::Seed(seed) => {
-                let noise = gaussian_noise(*seed, c * h * w);
-                let t = ops.tensor_from_f32(&[1, c, h, w], DType::F32, &noise)?;
+                let count = [n, c, h, w]
+                    .into_iter()
+                    .try_fold(1usize, usize::checked_mul)
+                    .filter(|&k| k > 0)
+                    .ok_or_else(|| {
+                        invalid(
+                            "num_images",
+                            n.to_string(),
+                            "give 1 or more images, few enough that their noise fits in memory",
+                        )
+                    })?;
+                let noise = gaussian_noise(*seed, count);
+                let t = ops.tensor_from_f32(&[n, c, h, w], DType::F32, &noise)?;
                 pack_latents(ops, &t)?
             }
             InitLatents::Given(t) => match t.shape() {
-                [1, cc, hh, ww] if (*cc, *hh, *ww) == (c, h, w) => {
+                [b, cc, hh, ww] if (*b, *cc, *hh, *ww) == (n, c, h, w) => {
                     pack_latents(ops, &t.to_device(device, &stream)?)?
                 }
-                [1, tt, cc] if (*tt, *cc) == (tokens, 4 * c) => t.to_device(device, &stream)?,
+                [b, tt, cc] if (*b, *tt, *cc) == (n, tokens, 4 * c) => {
+                    t.to_device(device, &stream)?
+                }
                 s => {
                     return Err(invalid(
                         "initial latents",
                         format!("{s:?}"),
                         format!(
-                            "for a {height}x{width} image give noise [1, {c}, {h}, {w}] (unpacked) or [1, {tokens}, {}] (packed)",
+                            "for {n} {height}x{width} image(s) give noise [{n}, {c}, {h}, {w}] (unpacked) or [{n}, {tokens}, {}] (packed), one row per image",
                             4 * c
                         ),
                     ));
@@ -901,12 +972,13 @@ impl FluxPipeline {
         let stream = device.compute_stream();
         let (h, w) = self.latent_grid(height, width)?;
         let img_ids = latent_image_ids(h / 2, w / 2);
-        if latents.shape() != [1, img_ids.len(), self.transformer.config().in_channels] {
+        let b = embeds.batch();
+        if latents.shape() != [b, img_ids.len(), self.transformer.config().in_channels] {
             return Err(invalid(
                 "latents",
                 format!("{:?}", latents.shape()),
                 format!(
-                    "packed latents for a {height}x{width} image are [1, {}, {}]",
+                    "packed latents for {b} {height}x{width} image(s) (one per row of the prompt embeddings) are [{b}, {}, {}]",
                     img_ids.len(),
                     self.transformer.config().in_channels
                 ),
@@ -952,7 +1024,7 @@ impl FluxPipeline {
 
     /// FluxPipeline's decode on `device`: unpack, `latents / scaling_factor + shift_factor`,
     /// `vae.decode` (tiled with `tiling` when the latents exceed a tile), through the VAE's
-    /// route. Returns the image `[1, 3, H, W]` on `device`.
+    /// route. Returns the images `[b, 3, H, W]` on `device`, one per row of `packed`.
     pub fn decode(
         &self,
         device: &dyn Device,
@@ -992,7 +1064,8 @@ impl FluxPipeline {
                     return Err(e);
                 };
                 device.synchronize()?;
-                let latent_shape = [1, self.vae.config().latent_channels, h, w];
+                let b = packed.shape().first().copied().unwrap_or(1);
+                let latent_shape = [b, self.vae.config().latent_channels, h, w];
                 plan.tiled = true;
                 plan.tiling = Some(t);
                 plan.retried_after_oom = true;
@@ -1068,6 +1141,13 @@ impl FluxPipeline {
             });
         }
         let release_idle = request.release_native_idle_cache;
+        if request.num_images == 0 {
+            return Err(invalid(
+                "num_images",
+                "0",
+                "give 1 or more images per prompt",
+            ));
+        }
         let mut phases = Vec::new();
 
         // Phase 1: prompt encoding.
@@ -1105,6 +1185,13 @@ impl FluxPipeline {
                 (host, None)
             }
         };
+        // num_images_per_prompt: each prompt's embeddings once per image.
+        let embeds = if request.num_images == 1 {
+            embeds
+        } else {
+            embeds.repeat_each(request.num_images)?
+        };
+        let images = embeds.batch();
         let ran = if note.is_none() { &text[..] } else { &[][..] };
         phases.push(end_phase(
             offload,
@@ -1121,7 +1208,8 @@ impl FluxPipeline {
         let t0 = Instant::now();
         offload.begin_phase(&[TRANSFORMER])?;
         onload_unmanaged(offload, dev, &[TRANSFORMER])?;
-        let latents = self.initial_latents(dev, &request.init, request.height, request.width)?;
+        let latents =
+            self.initial_latents(dev, &request.init, request.height, request.width, images)?;
         let (latents, timesteps) = self.denoise(
             dev,
             &embeds,
@@ -1152,7 +1240,7 @@ impl FluxPipeline {
         offload.begin_phase(&[VAE])?;
         onload_unmanaged(offload, dev, &[VAE])?;
         let (h, w) = self.latent_grid(request.height, request.width)?;
-        let latent_shape = [1, self.vae.config().latent_channels, h, w];
+        let latent_shape = [images, self.vae.config().latent_channels, h, w];
         let available = self.decode_headroom(offload, dev, request.vram_budget)?;
         let mut plan = plan_decode(
             self.vae.config(),

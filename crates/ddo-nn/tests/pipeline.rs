@@ -120,6 +120,7 @@ fn fixture_request(tiled: TiledDecode) -> PipelineRequest {
         height: 32,
         width: 24,
         init: InitLatents::Given(host("inputs.safetensors", "noise")),
+        num_images: 1,
         tiled_decode: tiled,
         vram_budget: None,
         release_native_idle_cache: false,
@@ -529,4 +530,139 @@ fn packed_noise(h: usize, w: usize) -> Tensor {
         &ddo_nn::pipeline::gaussian_noise(3, (h / 2) * (w / 2) * 16),
     )
     .unwrap()
+}
+
+/// `fixtures/flux_pipeline/batch2.safetensors` (see `batch2.md` there).
+fn batch2(name: &str) -> (Vec<usize>, Vec<f32>) {
+    fixture("batch2.safetensors", name)
+}
+
+/// Diffusers' `postprocess(output_type="pt")` of a decoded image: `(x / 2 + 0.5)` in [0, 1].
+fn to_pt(image: &[f32]) -> Vec<f32> {
+    image
+        .iter()
+        .map(|x| (x / 2.0 + 0.5).clamp(0.0, 1.0))
+        .collect()
+}
+
+#[test]
+fn a_batch_of_two_prompts_matches_diffusers_and_mixes_nothing_between_images() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let tensor = |name: &str| {
+        let (shape, values) = batch2(name);
+        Tensor::from_f32(shape, DType::F32, &values).unwrap()
+    };
+    let mut request = fixture_request(TiledDecode::Off);
+    request.prompt = PromptInput::Embeddings(PromptEmbeds {
+        prompt_embeds: tensor("prompt_embeds"),
+        pooled_prompt_embeds: tensor("pooled_prompt_embeds"),
+    });
+    request.init = InitLatents::Given(tensor("noise"));
+    let batch = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    let (shape, reference) = batch2("embeds_latents");
+    assert_eq!(batch.latents.shape(), &shape[..]);
+    let latents = batch.latents.host_f32().unwrap();
+    let err_latents = max_abs(&latents, &reference);
+    let (shape, reference) = batch2("embeds_image_pt");
+    assert_eq!(batch.image.shape(), &shape[..]);
+    let image = batch.image.host_f32().unwrap();
+    let err_image = max_abs(&to_pt(&image), &reference);
+    eprintln!(
+        "batch 2 from embeddings: max |diff| latents {err_latents:.3e}, image {err_image:.3e}"
+    );
+    assert!(err_latents <= 1e-4, "latents {err_latents:e}");
+    assert!(err_image <= 1e-4, "image {err_image:e}");
+
+    // Each image alone, from its own prompt and noise, is its row of the batch.
+    let rows = |t: &Tensor| {
+        let v = t.host_f32().unwrap();
+        let n = v.len() / t.shape()[0];
+        v.chunks(n).map(<[f32]>::to_vec).collect::<Vec<_>>()
+    };
+    let (image_rows, latent_rows) = (rows(&batch.image), rows(&batch.latents));
+    for i in 0..2 {
+        let row = |name: &str| {
+            let (shape, values) = batch2(name);
+            let n = values.len() / shape[0];
+            let mut one = shape.clone();
+            one[0] = 1;
+            Tensor::from_f32(one, DType::F32, &values[i * n..(i + 1) * n]).unwrap()
+        };
+        let mut single = fixture_request(TiledDecode::Off);
+        single.prompt = PromptInput::Embeddings(PromptEmbeds {
+            prompt_embeds: row("prompt_embeds"),
+            pooled_prompt_embeds: row("pooled_prompt_embeds"),
+        });
+        single.init = InitLatents::Given(row("noise"));
+        let alone = run(&pipe, device(), &settings(Preset::Auto, None), &single);
+        let dl = max_abs(&alone.latents.host_f32().unwrap(), &latent_rows[i]);
+        let di = max_abs(&alone.image.host_f32().unwrap(), &image_rows[i]);
+        eprintln!("image {i} alone vs its batch row: latents {dl:.3e}, image {di:.3e}");
+        assert!(dl <= 1e-5 && di <= 1e-5, "image {i}: {dl:e} {di:e}");
+    }
+}
+
+#[test]
+fn num_images_repeats_the_prompt_as_diffusers_num_images_per_prompt() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let (clip_ids, t5_ids) = (ids("text_clip_input_ids_f32"), ids("text_t5_input_ids_f32"));
+    let (shape, noise) = batch2("noise");
+    let mut request = fixture_request(TiledDecode::Off);
+    request.prompt = PromptInput::Tokens {
+        clip: clip_ids,
+        t5: t5_ids,
+    };
+    request.num_images = 2;
+    request.init = InitLatents::Given(Tensor::from_f32(shape, DType::F32, &noise).unwrap());
+    let run2 = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    let (shape, reference) = batch2("text_latents");
+    assert_eq!(run2.latents.shape(), &shape[..]);
+    let err_latents = max_abs(&run2.latents.host_f32().unwrap(), &reference);
+    let (shape, reference) = batch2("text_image_pt");
+    assert_eq!(run2.image.shape(), &shape[..]);
+    let err_image = max_abs(&to_pt(&run2.image.host_f32().unwrap()), &reference);
+    eprintln!(
+        "num_images_per_prompt 2 from tokens: max |diff| latents {err_latents:.3e}, image {err_image:.3e}"
+    );
+    assert!(err_latents <= 1e-4, "latents {err_latents:e}");
+    assert!(err_image <= 1e-4, "image {err_image:e}");
+
+    // Seeded noise for two images begins with the one-image noise of the same seed.
+    let mut seeded = fixture_request(TiledDecode::Off);
+    seeded.init = InitLatents::Seed(9);
+    let one = run(&pipe, device(), &settings(Preset::Auto, None), &seeded);
+    seeded.num_images = 2;
+    let two = run(&pipe, device(), &settings(Preset::Auto, None), &seeded);
+    assert_eq!(two.image.shape()[0], 2);
+    let (a, b) = (one.image.host_f32().unwrap(), two.image.host_f32().unwrap());
+    assert!(max_abs(&a, &b[..a.len()]) <= 1e-5);
+    assert!(
+        max_abs(&a, &b[a.len()..]) > 1e-3,
+        "the second image has its own noise"
+    );
+
+    // Noise for the wrong number of images is refused before the loop, and the routes are
+    // released.
+    let mut wrong = fixture_request(TiledDecode::Off);
+    wrong.num_images = 3;
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let d = device();
+    let mut offload = enable_pipeline_offload_with_env(
+        &pipeline,
+        d.clone(),
+        &settings(Preset::Auto, None),
+        &ddo_core::MapEnvironment::default(),
+    )
+    .unwrap();
+    let err = pipe
+        .run_phases(&mut offload, &wrong, &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[3, 4, 16, 12]"), "{err}");
+    assert_eq!(d.memory_info().allocated, 0);
+    wrong.num_images = 0;
+    assert!(
+        pipe.run_phases(&mut offload, &wrong, &mut |_, _, _| {})
+            .is_err()
+    );
 }

@@ -1,0 +1,70 @@
+//! Helpers the `ddo` binary's integration tests share: the repository and its fixtures, a
+//! scratch folder per test, running the binary without the caller's `DDO_*` variables, and
+//! reading what it wrote.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn fixture(rel: &str) -> String {
+    repo().join("fixtures").join(rel).display().to_string()
+}
+
+/// A fresh scratch folder for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ddo-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn ddo_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
+    cmd.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("DDO_") {
+            cmd.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ddo")
+}
+
+pub fn ddo(args: &[&str]) -> Output {
+    ddo_with_env(args, &[])
+}
+
+pub fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {stdout}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+pub fn json(out: &Output) -> Value {
+    serde_json::from_str(&ok(out)).expect("stdout is JSON")
+}
+
+pub fn tensor(path: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    ddo_nn::read_f32_tensor(path, name).expect("tensor")
+}
+
+pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
