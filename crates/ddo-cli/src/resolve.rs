@@ -137,6 +137,10 @@ pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         .iter()
         .map(|c| routing.explain(c))
         .collect::<CliResult<Vec<_>>>()?;
+    // What the route refuses from the options alone, `ddo run` refuses too: say so here.
+    for e in &explanations {
+        ddo_routes::check_route_options(&e.component, &e.spec)?;
+    }
     let text = if args.flag("json") {
         serde_json::to_string_pretty(&explanations).unwrap_or_default() + "\n"
     } else {
@@ -201,6 +205,12 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
         tiled,
     )?;
     let explanations = planned_explanations(routing, &names, &plan)?;
+    // Every route's preflight, as `ddo run` runs it before the first phase (touching
+    // nothing: the routes attach only when a phase begins, which never happens here).
+    drop(
+        ddo_routes::enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
+            .map_err(|e| CliError::from(e).context("attaching routes"))?,
+    );
     let text = if args.flag("json") {
         let v = serde_json::json!({
             "memory_plan": plan.to_json(),

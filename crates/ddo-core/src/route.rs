@@ -10,7 +10,7 @@ use ddo_metrics::RouteMetrics;
 use crate::component::{Component, Leaf, LeafId};
 use crate::config::{RouteId, RouteSpec};
 use crate::device::{Device, DeviceId};
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, Refusal, Result};
 use crate::footprint::{Footprint, FootprintContext};
 use crate::tensor::Tensor;
 
@@ -80,6 +80,11 @@ pub trait AttachedRoute: Send + Sync + fmt::Debug {
 pub trait Route: Send + Sync {
     /// Which route this is.
     fn id(&self) -> RouteId;
+
+    /// The part of [`Route::preflight`] that reads only `spec` and the component's name:
+    /// the options this route cannot honour whatever the weights and the device. `ddo
+    /// resolve` asks it without a model; `preflight` runs it too, so both refuse alike.
+    fn check_options(&self, component: &str, spec: &RouteSpec) -> std::result::Result<(), Refusal>;
 
     /// Checks that the route can run `component` on `device` with `spec`, touching
     /// nothing; a refusal says what to change.

@@ -198,6 +198,24 @@ pub fn enable_pipeline_offload_with_env(
     Ok(PipelineOffload::new(device, handles))
 }
 
+/// What `spec`'s route refuses for a component named `component` from the spec alone,
+/// without weights or a device ([`Route::check_options`]; every preflight runs the same
+/// check): what `ddo resolve` refuses without a model. Unmanaged specs pass.
+pub fn check_route_options(component: &str, spec: &RouteSpec) -> Result<()> {
+    match spec.target() {
+        RouteTarget::Route(id) => {
+            route(id)
+                .check_options(component, spec)
+                .map_err(|refusal| CoreError::Refused {
+                    route: id.as_str(),
+                    component: component.to_string(),
+                    refusal,
+                })
+        }
+        RouteTarget::Unmanaged => Ok(()),
+    }
+}
+
 /// Prepares `pipeline` to run under `plan` ([`plan_pipeline`]): every component's route is
 /// preflighted now (touching nothing), and each attaches when its phase begins
 /// ([`PipelineOffload::begin_phase`]) and is released at the boundary, so phases never hold

@@ -229,6 +229,36 @@ impl Route for GroupOffloadRoute {
         RouteId::DiffusersGroupOffload
     }
 
+    /// A budget and the streaming engine's options need `use_stream=true`.
+    fn check_options(
+        &self,
+        _component: &str,
+        spec: &RouteSpec,
+    ) -> std::result::Result<(), Refusal> {
+        let o = spec.options();
+        let streamed = spec.group_offload_config().use_stream;
+        if o.budget.is_some() && !streamed {
+            return Err(Refusal::UnsupportedOption {
+                option: "budget",
+                hint: BUDGET_HINT,
+            });
+        }
+        for (given, option) in [
+            (o.unit_bytes.is_some(), "unit_bytes"),
+            (o.ring_slots.is_some(), "ring_slots"),
+            (o.pinned_source.is_some(), "pinned_source"),
+            (o.timeline.is_some(), "timeline"),
+        ] {
+            if given && !streamed {
+                return Err(Refusal::UnsupportedOption {
+                    option,
+                    hint: STREAM_ONLY_HINT,
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn preflight(
         &self,
         component: &Component,
@@ -247,27 +277,7 @@ impl Route for GroupOffloadRoute {
             component: component.name().to_string(),
             refusal,
         };
-        let o = spec.options();
-        let streamed = spec.group_offload_config().use_stream;
-        if o.budget.is_some() && !streamed {
-            return Err(refuse(Refusal::UnsupportedOption {
-                option: "budget",
-                hint: BUDGET_HINT,
-            }));
-        }
-        for (given, option) in [
-            (o.unit_bytes.is_some(), "unit_bytes"),
-            (o.ring_slots.is_some(), "ring_slots"),
-            (o.pinned_source.is_some(), "pinned_source"),
-            (o.timeline.is_some(), "timeline"),
-        ] {
-            if given && !streamed {
-                return Err(refuse(Refusal::UnsupportedOption {
-                    option,
-                    hint: STREAM_ONLY_HINT,
-                }));
-            }
-        }
+        self.check_options(component.name(), spec).map_err(refuse)?;
         if spec.group_offload_config().use_stream && !device.supports_streams() {
             return Err(refuse(Refusal::NoStreams));
         }

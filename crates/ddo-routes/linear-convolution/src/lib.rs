@@ -123,31 +123,18 @@ impl Route for LinearConvolutionRoute {
         RouteId::LinearConvolution
     }
 
-    fn preflight(
+    /// No budget and none of the group-offload options: the route has neither.
+    fn check_options(
         &self,
-        component: &Component,
-        device: &dyn Device,
+        _component: &str,
         spec: &RouteSpec,
-    ) -> Result<()> {
-        if let Some(other) = spec.route_id().filter(|r| *r != RouteId::LinearConvolution) {
-            return Err(CoreError::InvalidOption {
-                option: "route".into(),
-                value: other.as_str().into(),
-                hint: "this spec names another route; pass it to that route".into(),
-            });
-        }
-        if device.allocator() == AllocatorKind::NativeVmm {
-            return Err(refused(component, Refusal::NativeAllocatorInstalled));
-        }
+    ) -> std::result::Result<(), Refusal> {
         let o = spec.options();
         if o.budget.is_some() {
-            return Err(refused(
-                component,
-                Refusal::UnsupportedOption {
-                    option: "budget",
-                    hint: BUDGET_HINT,
-                },
-            ));
+            return Err(Refusal::UnsupportedOption {
+                option: "budget",
+                hint: BUDGET_HINT,
+            });
         }
         // Options that only travel together (num_blocks_per_group needs offload_type,
         // record_stream needs use_stream) are checked first, so the refusal names the
@@ -165,15 +152,33 @@ impl Route for LinearConvolutionRoute {
             (o.timeline.is_some(), "timeline"),
         ] {
             if given {
-                return Err(refused(
-                    component,
-                    Refusal::UnsupportedOption {
-                        option,
-                        hint: GROUP_OFFLOAD_HINT,
-                    },
-                ));
+                return Err(Refusal::UnsupportedOption {
+                    option,
+                    hint: GROUP_OFFLOAD_HINT,
+                });
             }
         }
+        Ok(())
+    }
+
+    fn preflight(
+        &self,
+        component: &Component,
+        device: &dyn Device,
+        spec: &RouteSpec,
+    ) -> Result<()> {
+        if let Some(other) = spec.route_id().filter(|r| *r != RouteId::LinearConvolution) {
+            return Err(CoreError::InvalidOption {
+                option: "route".into(),
+                value: other.as_str().into(),
+                hint: "this spec names another route; pass it to that route".into(),
+            });
+        }
+        if device.allocator() == AllocatorKind::NativeVmm {
+            return Err(refused(component, Refusal::NativeAllocatorInstalled));
+        }
+        self.check_options(component.name(), spec)
+            .map_err(|r| refused(component, r))?;
         if let Some((name, _)) = component
             .named_params()
             .into_iter()

@@ -356,6 +356,33 @@ impl Route for NativeVmmRoute {
         RouteId::NativeVmm
     }
 
+    /// The streaming options only, and the VAE only with an explicit budget.
+    fn check_options(&self, component: &str, spec: &RouteSpec) -> std::result::Result<(), Refusal> {
+        if let Some(option) = spec.options().given().into_iter().find(|o| {
+            !matches!(
+                *o,
+                "budget"
+                    | "pinned"
+                    | "pinned_limit"
+                    | "unit_bytes"
+                    | "ring_slots"
+                    | "pinned_source"
+                    | "timeline"
+            )
+        }) {
+            return Err(Refusal::UnsupportedOption {
+                option,
+                hint: OPTION_HINT,
+            });
+        }
+        let config = NativeVmmConfig::from_spec(spec);
+        // By name only: the explicit opt-in is for the component named `vae`.
+        if component == "vae" && !config.explicit_budget {
+            return Err(Refusal::VaeNeedsExplicitCapacity);
+        }
+        Ok(())
+    }
+
     fn preflight(
         &self,
         component: &Component,
@@ -372,31 +399,8 @@ impl Route for NativeVmmRoute {
         if device.allocator() != AllocatorKind::NativeVmm {
             return Err(refused(component, Refusal::NativeAllocatorRequired));
         }
-        if let Some(option) = spec.options().given().into_iter().find(|o| {
-            !matches!(
-                *o,
-                "budget"
-                    | "pinned"
-                    | "pinned_limit"
-                    | "unit_bytes"
-                    | "ring_slots"
-                    | "pinned_source"
-                    | "timeline"
-            )
-        }) {
-            return Err(refused(
-                component,
-                Refusal::UnsupportedOption {
-                    option,
-                    hint: OPTION_HINT,
-                },
-            ));
-        }
-        let config = NativeVmmConfig::from_spec(spec);
-        // By name only: the explicit opt-in is for the component named `vae`.
-        if component.name() == "vae" && !config.explicit_budget {
-            return Err(refused(component, Refusal::VaeNeedsExplicitCapacity));
-        }
+        self.check_options(component.name(), spec)
+            .map_err(|r| refused(component, r))?;
         if let Some(leaf) = component.largest_leaf() {
             let budget = budget_bytes(device, spec);
             let leaf_bytes = leaf.param_bytes();

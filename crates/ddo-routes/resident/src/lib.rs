@@ -24,6 +24,22 @@ impl Route for ResidentRoute {
         RouteId::Resident
     }
 
+    /// `none` takes no options.
+    fn check_options(
+        &self,
+        _component: &str,
+        spec: &RouteSpec,
+    ) -> std::result::Result<(), Refusal> {
+        match spec.options().given().first() {
+            Some(option) => Err(Refusal::UnsupportedOption {
+                option,
+                hint: "route none keeps every weight resident and takes no options; \
+                       use diffusers_group_offload or native_vmm to tune offloading",
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn preflight(
         &self,
         component: &Component,
@@ -35,13 +51,7 @@ impl Route for ResidentRoute {
             component: component.name().to_string(),
             refusal,
         };
-        if let Some(option) = spec.options().given().first() {
-            return Err(refuse(Refusal::UnsupportedOption {
-                option,
-                hint: "route none keeps every weight resident and takes no options; \
-                       use diffusers_group_offload or native_vmm to tune offloading",
-            }));
-        }
+        self.check_options(component.name(), spec).map_err(refuse)?;
         let info = device.memory_info();
         let available = info
             .driver_free
