@@ -638,9 +638,17 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         vram_budget: effective_budget,
         release_native_idle_cache: args.flag("release-native-idle"),
     };
+    // When each denoising step's host side finished (the streaming engine keeps the host
+    // within a ring of the device, so these follow the device's pace).
+    let mut step_ends: Vec<Instant> = Vec::new();
+    let denoise_began = Instant::now();
     let result = pipe.run_phases(&mut offload, &request, &mut |phase, done, total| {
+        if phase == "denoise" {
+            step_ends.push(Instant::now());
+        }
         bar.update(phase, done, total)
     });
+    let step_seconds = step_seconds(denoise_began, &step_ends);
     bar.finish();
     let run = result?;
     startup.lap("phases");
@@ -708,6 +716,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         out: &image_files,
         save_latents: save_latents.as_ref(),
         laps: &startup.laps,
+        step_seconds: &step_seconds,
         total,
     };
     let text = if args.flag("json") {
@@ -740,7 +749,20 @@ struct Report<'a> {
     save_latents: Option<&'a PathBuf>,
     /// Wall time by stage (see [`Stopwatch`]).
     laps: &'a [(&'static str, f64)],
+    /// Seconds of each denoising step but the first, which counts from the run's start
+    /// (see [`step_seconds`]).
+    step_seconds: &'a [f64],
     total: f64,
+}
+
+/// The time between consecutive denoising steps' ends; the first counts from `began` and
+/// so also holds prompt encoding and the denoise phase's setup.
+fn step_seconds(began: Instant, ends: &[Instant]) -> Vec<f64> {
+    std::iter::once(began)
+        .chain(ends.iter().copied())
+        .zip(ends)
+        .map(|(a, b)| b.duration_since(a).as_secs_f64())
+        .collect()
 }
 
 /// Wall time of `ddo run` by stage: each lap is the time since the previous one (the first
@@ -828,6 +850,7 @@ impl Report<'_> {
             "latents_output": self.save_latents.map(|p| p.display().to_string()),
             "stage_seconds": self.laps.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "seconds_before_first_phase": Stopwatch::before_phases(self.laps),
+            "denoise_step_seconds": self.step_seconds,
             "total_seconds": self.total,
         })
     }

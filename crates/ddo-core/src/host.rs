@@ -85,6 +85,19 @@ impl AlignedBytes {
         matches!(self.storage, Storage::Mapped(_))
     }
 
+    /// The mapping of bytes that live in one of their own ([`AlignedBytes::is_mapped`]), no
+    /// copy (it may be longer than [`AlignedBytes::len`]: a whole number of huge pages); the
+    /// bytes back when they live in the allocator.
+    pub fn into_mapping(self) -> std::result::Result<memmap2::MmapMut, Self> {
+        match self.storage {
+            Storage::Mapped(map) => Ok(map),
+            storage => Err(Self {
+                storage,
+                len: self.len,
+            }),
+        }
+    }
+
     /// [`AlignedBytes::zeroed`] with every page already committed, the pages touched on up
     /// to 8 threads: for memory about to be page-locked, whose registration would otherwise
     /// fault every page in (and zero it) on one thread.
@@ -356,10 +369,30 @@ pub fn register_target(
 /// A read-only memory map of a checkpoint file, shared by every tensor that points into it.
 pub struct CheckpointMap {
     path: PathBuf,
-    mmap: memmap2::Mmap,
+    mmap: MapBytes,
+}
+
+/// The bytes of a [`CheckpointMap`].
+enum MapBytes {
+    /// A file, mapped read-only.
+    File(memmap2::Mmap),
+    /// Bytes made in memory ([`CheckpointMap::in_memory`]): writable as far as the system
+    /// goes, never written through DDO (a mapped buffer hands out no mutable access).
+    Memory(memmap2::MmapMut),
 }
 
 impl CheckpointMap {
+    /// Weights made in memory (random weights, weights converted to another dtype), frozen
+    /// read-only and from then on treated as a checkpoint mapping named `label` (which
+    /// names no file): their params are read in place, page-locked in place for copies,
+    /// and never written, exactly as a checkpoint file's.
+    pub fn in_memory(label: impl Into<PathBuf>, bytes: memmap2::MmapMut) -> Arc<Self> {
+        Arc::new(Self {
+            path: label.into(),
+            mmap: MapBytes::Memory(bytes),
+        })
+    }
+
     /// Maps `path` read-only.
     pub fn open(path: &Path) -> Result<Arc<Self>> {
         let io = |source| CoreError::Io {
@@ -383,7 +416,7 @@ impl CheckpointMap {
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         Ok(Arc::new(Self {
             path: path.to_path_buf(),
-            mmap,
+            mmap: MapBytes::File(mmap),
         }))
     }
 
@@ -394,17 +427,26 @@ impl CheckpointMap {
 
     /// Size of the mapping in bytes.
     pub fn len(&self) -> usize {
-        self.mmap.len()
+        self.bytes().len()
     }
 
     /// Whether the mapping is empty.
     pub fn is_empty(&self) -> bool {
-        self.mmap.is_empty()
+        self.bytes().is_empty()
     }
 
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.mmap
+        match &self.mmap {
+            MapBytes::File(m) => m,
+            MapBytes::Memory(m) => m,
+        }
+    }
+
+    /// Whether the bytes were made in memory ([`CheckpointMap::in_memory`]), not mapped from
+    /// a file.
+    pub fn is_in_memory(&self) -> bool {
+        matches!(self.mmap, MapBytes::Memory(_))
     }
 }
 
@@ -468,6 +510,25 @@ impl HostBuffer {
                 addr,
                 bytes: RwLock::new(bytes),
             }),
+        }
+    }
+
+    /// `bytes` as a param's host copy, frozen: bytes in a mapping of their own
+    /// ([`AlignedBytes::is_mapped`]) become a read-only [`CheckpointMap::in_memory`] named
+    /// `label` and a mapped buffer over it (no copy), so they register in place like a
+    /// checkpoint's; smaller ones stay owned and pageable.
+    pub fn frozen(bytes: AlignedBytes, label: &str) -> Self {
+        let len = bytes.len();
+        match bytes.into_mapping() {
+            // `AlignedBytes::zeroed` maps `len` rounded up to whole huge pages.
+            Ok(map) => Self {
+                inner: Arc::new(HostStorage::Mapped {
+                    map: CheckpointMap::in_memory(label, map),
+                    offset: 0,
+                    len,
+                }),
+            },
+            Err(bytes) => Self::owned(bytes, None),
         }
     }
 

@@ -102,7 +102,9 @@ impl RandomWeights {
             kind,
             self.dtype,
             shape.to_vec(),
-            HostBuffer::owned(bytes, None).slice_all(),
+            // Frozen: large params are read in place and page-locked in place for copies
+            // like a checkpoint's (no pinned home to build), never written.
+            HostBuffer::frozen(bytes, &format!("(random weights) {name}")).slice_all(),
         )?;
         self.made += p.nbytes() as u64;
         Ok(p)
@@ -538,12 +540,14 @@ impl WeightSource for CheckpointWeights {
                 let host = ckpt.host_buffer(name)?;
                 let values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
                 let bytes = t.encode_f32(&values)?;
+                // Frozen like a checkpoint's bytes (see `RandomWeights`).
+                let label = format!("({} converted to {t}) {name}", file.display());
                 Ok(Param::new(
                     name,
                     kind,
                     t,
                     shape.to_vec(),
-                    HostBuffer::pageable_from(&bytes).slice_all(),
+                    HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
                 )?)
             }
             _ => Ok(Param::from_checkpoint(ckpt, name, name, kind)?),
