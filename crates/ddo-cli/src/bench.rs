@@ -466,14 +466,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let (plan_budget, budget_source) = crate::run::plan_budget(&*probe, budget);
     // The VAE workload decodes untiled (`Workload::forward`).
     let demand = pipe
-        .phase_demands(
-            height,
-            width,
-            1,
-            TiledDecode::Off,
-            plan_budget,
-            probe.scratch_bytes(),
-        )?
+        .phase_demands(height, width, 1, TiledDecode::Off, plan_budget, &*probe)?
         .into_iter()
         .find(|d| d.components.iter().any(|c| c == component.name()))
         .map(|mut d| {
@@ -627,10 +620,8 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         files.push(("--out-json", json_text.clone().into_bytes()));
     }
     if plot_paths.is_some() {
-        let (svg, png) = crate::plot::render_plot(
-            &format!("ddo bench: {name} on {device_label}"),
-            &results,
-        )?;
+        let (svg, png) =
+            crate::plot::render_plot(&format!("ddo bench: {name} on {device_label}"), &results)?;
         files.push(("--plot", svg.into_bytes()));
         files.push(("--plot", png));
     }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use ddo_metrics::format_bytes;
-use ddo_nn::pipeline::plan_decode;
+use ddo_nn::pipeline::plan_decode_on;
 use ddo_nn::vae::AutoencoderKL;
 use ddo_routes::{OffloadOptions, enable_offload_with_env};
 use serde_json::json;
@@ -182,7 +182,8 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         b.saturating_sub(device.memory_info().allocated)
             .saturating_sub(weights_on_device)
     });
-    let plan = plan_decode(
+    let plan = plan_decode_on(
+        Some(&*device),
         vae.config(),
         &latents.shape,
         vae.dtype(),

@@ -104,41 +104,50 @@ fn draw<DB: DrawingBackend>(
     root.present()
 }
 
-/// Writes `PREFIX.svg` and `PREFIX.png`; returns their paths.
-pub fn write_plot(
-    prefix: &Path,
-    caption: &str,
-    results: &[CandidateResult],
-) -> CliResult<(PathBuf, PathBuf)> {
+/// The files `--plot PREFIX` names: `PREFIX.svg` and `PREFIX.png`.
+pub fn paths(prefix: &Path) -> (PathBuf, PathBuf) {
+    (with_ext(prefix, "svg"), with_ext(prefix, "png"))
+}
+
+/// Draws the chart in memory: the SVG text and the PNG bytes, for the caller to write
+/// (`ddo bench` writes them with its other outputs, all or none).
+pub fn render_plot(caption: &str, results: &[CandidateResult]) -> CliResult<(String, Vec<u8>)> {
     if !font_ready() {
         return Err(CliError::runtime(
             "cannot load the embedded plot font",
             "this is a bug in the ddo build; run without --plot",
         ));
     }
-    let size = (
+    let (w, h) = (
         WIDTH,
         CHART_HEIGHT + 12 + LEGEND_LINE * results.len() as u32,
     );
-    let svg = with_ext(prefix, "svg");
-    let png = with_ext(prefix, "png");
-    let failed = |p: &Path, e: &dyn std::fmt::Display| {
-        CliError::runtime(
-            format!("cannot draw {}: {e}", p.display()),
-            "check that the directory of --plot exists and is writable",
-        )
+    let failed = |what: &str, e: &dyn std::fmt::Display| {
+        CliError::runtime(format!("cannot draw the {what} chart: {e}"), "")
     };
+    let mut svg = String::new();
     draw(
-        SVGBackend::new(&svg, size).into_drawing_area(),
+        SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area(),
         caption,
         results,
     )
-    .map_err(|e| failed(&svg, &e))?;
+    .map_err(|e| failed("SVG", &e))?;
+    let mut rgb = vec![0u8; w as usize * h as usize * 3];
     draw(
-        BitMapBackend::new(&png, size).into_drawing_area(),
+        BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area(),
         caption,
         results,
     )
-    .map_err(|e| failed(&png, &e))?;
+    .map_err(|e| failed("PNG", &e))?;
+    let mut png = Vec::new();
+    {
+        let mut encoder = png::Encoder::new(&mut png, w, h);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header().map_err(|e| failed("PNG", &e))?;
+        writer
+            .write_image_data(&rgb)
+            .map_err(|e| failed("PNG", &e))?;
+    }
     Ok((svg, png))
 }

@@ -343,14 +343,7 @@ pub(crate) fn plan_memory(
         &PlanRequest {
             budget_bytes: budget.0,
             budget_source: budget.1,
-            phases: pipe.phase_demands(
-                height,
-                width,
-                images,
-                tiled,
-                budget.0,
-                device.scratch_bytes(),
-            )?,
+            phases: pipe.phase_demands(height, width, images, tiled, budget.0, device)?,
             context: FootprintContext::of(device),
         },
     )

@@ -305,6 +305,23 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Which allocator serves allocations.
     fn allocator(&self) -> AllocatorKind;
 
+    /// Device bytes one [`Ops::conv2d`](crate::Ops::conv2d) of an input of `elems`
+    /// elements per channel (batch × height × width) with `channels` input channels,
+    /// `filters` output channels and a `kernel × kernel` window allocates besides its output
+    /// while it runs (a layout copy of its input, repacked weights, im2col chunks), for
+    /// memory estimates. The host backend convolves without any: 0.
+    fn conv2d_scratch_bytes(
+        &self,
+        elems: usize,
+        channels: usize,
+        filters: usize,
+        kernel: usize,
+        dtype: crate::DType,
+    ) -> u64 {
+        let _ = (elems, channels, filters, kernel, dtype);
+        0
+    }
+
     /// Device bytes the backend uses outside tensors while models run (library
     /// workspaces, kernel scratch), which memory planners keep free beside activations.
     /// The host backend keeps its scratch in host memory: 0.

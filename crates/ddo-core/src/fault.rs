@@ -332,6 +332,18 @@ impl Device for FaultInjectingDevice {
         self.inner.scratch_bytes()
     }
 
+    fn conv2d_scratch_bytes(
+        &self,
+        elems: usize,
+        channels: usize,
+        filters: usize,
+        kernel: usize,
+        dtype: crate::DType,
+    ) -> u64 {
+        self.inner
+            .conv2d_scratch_bytes(elems, channels, filters, kernel, dtype)
+    }
+
     fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         self.alloc_point(bytes as u64, "alloc")?;
         self.inner.alloc(bytes)

@@ -33,8 +33,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use ddo_core::device::{DeviceAllocation, EventHandle, StreamHandle};
 use ddo_core::host::{AlignedBytes, PinnedLedger, register_target};
 use ddo_core::{
-    AllocatorKind, CoreError, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event,
-    HostBuffer, HostMemoryKind, HostSlice, MemoryInfo, Stream,
+    AllocatorKind, CoreError, DType, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice,
+    Event, HostBuffer, HostMemoryKind, HostSlice, MemoryInfo, Stream,
 };
 use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
 use ddo_vmm::{
@@ -1053,6 +1053,17 @@ impl Device for CudaDevice {
 
     fn scratch_bytes(&self) -> u64 {
         SCRATCH_BYTES
+    }
+
+    fn conv2d_scratch_bytes(
+        &self,
+        elems: usize,
+        channels: usize,
+        filters: usize,
+        kernel: usize,
+        dtype: DType,
+    ) -> u64 {
+        crate::ops::conv::scratch_bytes(elems, channels, filters, kernel, dtype)
     }
 
     fn allocator(&self) -> AllocatorKind {

@@ -11,7 +11,7 @@
 //! ([`Device::scratch_bytes`](ddo_core::Device::scratch_bytes): cuBLAS and attention
 //! workspaces on CUDA, nothing on the host backend).
 
-use ddo_core::{DType, Result};
+use ddo_core::{DType, Device, Result};
 use ddo_routes::PhaseDemand;
 
 use crate::clip::ClipTextConfig;
@@ -20,7 +20,9 @@ use crate::pipeline::{
     FluxPipeline, PHASES, TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, TiledDecode, VAE,
 };
 use crate::t5::T5Config;
-use crate::vae::{TilingConfig, estimate_decode_peak_bytes, estimate_tiled_decode_peak_bytes};
+use crate::vae::{
+    TilingConfig, estimate_decode_peak_bytes_on, estimate_tiled_decode_peak_bytes_on,
+};
 
 /// Bytes of one intermediate element: intermediates are counted as f32.
 const ELEM: u64 = 4;
@@ -87,7 +89,8 @@ impl FluxPipeline {
     /// transformer over the packed image tokens and the text tokens of every image) and
     /// decode (the VAE over all the images, as `plan_decode` will decide under `tiled`:
     /// untiled when its estimate fits the `budget` beside the VAE's weights or `tiled` is
-    /// off, else Diffusers' default tiles), each with `scratch` bytes of backend scratch.
+    /// off, else Diffusers' default tiles, its convolutions' scratch on `device` counted),
+    /// each with the device's scratch ([`Device::scratch_bytes`]).
     pub fn phase_demands(
         &self,
         height: usize,
@@ -95,8 +98,9 @@ impl FluxPipeline {
         images: usize,
         tiled: TiledDecode,
         budget: u64,
-        scratch: u64,
+        device: &dyn Device,
     ) -> Result<Vec<PhaseDemand>> {
+        let scratch = device.scratch_bytes();
         let (h, w) = self.latent_grid(height, width)?;
         let image_tokens = (h / 2).saturating_mul(w / 2);
         let text_tokens = self.max_sequence_length;
@@ -113,7 +117,7 @@ impl FluxPipeline {
         let vae = self.vae.config();
         let latent_shape = [images.max(1), vae.latent_channels, h, w];
         let dtype: DType = self.vae.dtype();
-        let untiled = estimate_decode_peak_bytes(vae, &latent_shape, dtype);
+        let untiled = estimate_decode_peak_bytes_on(Some(device), vae, &latent_shape, dtype);
         let tiling = TilingConfig::from_config(vae);
         let weights = self.vae.component().param_bytes();
         let fits = untiled.saturating_add(weights).saturating_add(scratch) <= budget;
@@ -124,7 +128,7 @@ impl FluxPipeline {
                 TiledDecode::Auto => !fits,
             };
         let decode = if tiles {
-            estimate_tiled_decode_peak_bytes(vae, &latent_shape, dtype, &tiling)
+            estimate_tiled_decode_peak_bytes_on(Some(device), vae, &latent_shape, dtype, &tiling)
         } else {
             untiled
         };

@@ -45,8 +45,8 @@ use crate::scheduler::{FlowMatchEulerConfig, FlowMatchEulerScheduler};
 use crate::t5::{self, T5Config, T5Encoder};
 use crate::tokenizer;
 use crate::vae::{
-    self, AutoencoderKL, AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes,
-    estimate_tiled_decode_peak_bytes,
+    self, AutoencoderKL, AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes_on,
+    estimate_tiled_decode_peak_bytes_on,
 };
 use crate::weights::{RandomWeights, UnusedWeights};
 
@@ -380,7 +380,21 @@ pub fn plan_decode(
     available: Option<u64>,
     budget: Option<u64>,
 ) -> Result<DecodePlan> {
-    let untiled = estimate_decode_peak_bytes(config, latent_shape, dtype);
+    plan_decode_on(None, config, latent_shape, dtype, mode, available, budget)
+}
+
+/// [`plan_decode`] for a decode on `device`, whose convolution scratch the estimates count
+/// ([`estimate_decode_peak_bytes_on`]).
+pub fn plan_decode_on(
+    device: Option<&dyn Device>,
+    config: &AutoencoderKLConfig,
+    latent_shape: &[usize],
+    dtype: DType,
+    mode: TiledDecode,
+    available: Option<u64>,
+    budget: Option<u64>,
+) -> Result<DecodePlan> {
+    let untiled = estimate_decode_peak_bytes_on(device, config, latent_shape, dtype);
     let default_tiling = TilingConfig::from_config(config);
     let (h, w) = match latent_shape {
         [_, _, h, w] => (*h, *w),
@@ -403,7 +417,8 @@ pub fn plan_decode(
             if default_tiling.needs_tiling(h, w) {
                 plan.tiled = true;
                 plan.tiling = Some(default_tiling);
-                plan.estimate_tiled_bytes = Some(estimate_tiled_decode_peak_bytes(
+                plan.estimate_tiled_bytes = Some(estimate_tiled_decode_peak_bytes_on(
+                    device,
                     config,
                     latent_shape,
                     dtype,
@@ -433,7 +448,13 @@ pub fn plan_decode(
                 let tiles = fallback_tiling(&default_tiling, h, w).map(|t| {
                     (
                         t,
-                        estimate_tiled_decode_peak_bytes(config, latent_shape, dtype, &t),
+                        estimate_tiled_decode_peak_bytes_on(
+                            device,
+                            config,
+                            latent_shape,
+                            dtype,
+                            &t,
+                        ),
                     )
                 });
                 match tiles {
@@ -1069,7 +1090,8 @@ impl FluxPipeline {
                 plan.tiled = true;
                 plan.tiling = Some(t);
                 plan.retried_after_oom = true;
-                plan.estimate_tiled_bytes = Some(estimate_tiled_decode_peak_bytes(
+                plan.estimate_tiled_bytes = Some(estimate_tiled_decode_peak_bytes_on(
+                    Some(device),
                     self.vae.config(),
                     &latent_shape,
                     self.vae.dtype(),
@@ -1242,7 +1264,8 @@ impl FluxPipeline {
         let (h, w) = self.latent_grid(request.height, request.width)?;
         let latent_shape = [images, self.vae.config().latent_channels, h, w];
         let available = self.decode_headroom(offload, dev, request.vram_budget)?;
-        let mut plan = plan_decode(
+        let mut plan = plan_decode_on(
+            Some(dev),
             self.vae.config(),
             &latent_shape,
             self.vae.dtype(),
@@ -1385,6 +1408,7 @@ fn end_phase(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vae::{estimate_decode_peak_bytes, estimate_tiled_decode_peak_bytes};
 
     #[test]
     fn gaussian_noise_is_deterministic_and_standard() {

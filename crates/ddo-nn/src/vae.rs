@@ -987,14 +987,39 @@ fn build_up_blocks(
     Ok(blocks)
 }
 
-/// Live-byte bookkeeping of a simulated forward.
-struct PeakSim {
+/// Live-byte bookkeeping of a simulated forward; `device` answers what each convolution
+/// allocates besides its output ([`Device::conv2d_scratch_bytes`]; none without one).
+struct PeakSim<'a> {
     elem: u64,
+    dtype: DType,
     live: u64,
     peak: u64,
+    device: Option<&'a dyn Device>,
 }
 
-impl PeakSim {
+impl<'a> PeakSim<'a> {
+    fn new(dtype: DType, device: Option<&'a dyn Device>) -> Self {
+        Self {
+            elem: dtype.size_in_bytes() as u64,
+            dtype,
+            live: 0,
+            peak: 0,
+            device,
+        }
+    }
+
+    /// A `k × k` convolution from `cin` to `cout` channels over `hw` elements per channel:
+    /// its output, then the backend's scratch on top while it runs; frees `input`.
+    fn conv(&mut self, input: u64, cin: usize, cout: usize, k: usize, hw: usize) -> u64 {
+        let out = self.alloc(cout * hw);
+        let scratch = self
+            .device
+            .map_or(0, |d| d.conv2d_scratch_bytes(hw, cin, cout, k, self.dtype));
+        self.peak = self.peak.max(self.live + scratch);
+        self.free(input);
+        out
+    }
+
     fn alloc(&mut self, elems: usize) -> u64 {
         let bytes = elems as u64 * self.elem;
         self.live += bytes;
@@ -1048,12 +1073,12 @@ impl PeakSim {
     fn resnet(&mut self, x: u64, cin: usize, cout: usize, hw: usize) -> u64 {
         let mut h = self.alloc(cin * hw); // norm1
         h = self.step(h, cin * hw); // silu
-        h = self.step(h, cout * hw); // conv1
+        h = self.conv(h, cin, cout, 3, hw); // conv1
         h = self.step(h, cout * hw); // norm2
         h = self.step(h, cout * hw); // silu
-        h = self.step(h, cout * hw); // conv2
+        h = self.conv(h, cout, cout, 3, hw); // conv2
         let residual = if cin != cout {
-            self.step(x, cout * hw)
+            self.conv(x, cin, cout, 1, hw)
         } else {
             x
         };
@@ -1085,9 +1110,15 @@ impl PeakSim {
         let mut hw = b * h * w;
         let mut x = if config.use_post_quant_conv {
             let z = self.alloc(lc * hw);
-            self.step(z, top * hw)
+            self.conv(z, lc, top, 3, hw)
         } else {
-            self.alloc(top * hw)
+            // conv_in reads the latents, live for the whole decode.
+            let out = self.alloc(top * hw);
+            let scratch = self
+                .device
+                .map_or(0, |d| d.conv2d_scratch_bytes(hw, lc, top, 3, self.dtype));
+            self.peak = self.peak.max(self.live + scratch);
+            out
         };
         x = self.resnet(x, top, top, hw);
         if config.mid_block_add_attention {
@@ -1103,14 +1134,14 @@ impl PeakSim {
             if i + 1 < widths.len() {
                 hw *= 4;
                 let up = self.step(x, out * hw);
-                x = self.step(up, out * hw);
+                x = self.conv(up, out, out, 3, hw);
             }
             prev = out;
         }
         let last = widths[widths.len() - 1];
         x = self.step(x, last * hw); // conv_norm_out
         x = self.step(x, last * hw); // silu
-        self.step(x, config.out_channels * hw)
+        self.conv(x, last, config.out_channels, 3, hw)
     }
 }
 
@@ -1134,17 +1165,26 @@ pub fn estimate_decode_peak_bytes(
     latent_shape: &[usize],
     dtype: DType,
 ) -> u64 {
+    estimate_decode_peak_bytes_on(None, config, latent_shape, dtype)
+}
+
+/// [`estimate_decode_peak_bytes`] on `device`: each convolution's scratch
+/// ([`Device::conv2d_scratch_bytes`]: on CUDA the channels-last copy of a bf16 input, as
+/// large as the input) counts on top of the tensors live while it runs. `None`, or the host
+/// backend: the tensors alone, which is that backend's exact peak.
+pub fn estimate_decode_peak_bytes_on(
+    device: Option<&dyn Device>,
+    config: &AutoencoderKLConfig,
+    latent_shape: &[usize],
+    dtype: DType,
+) -> u64 {
     let [b, c, h, w] = *latent_shape else {
         return 0;
     };
     if beyond_any_device(config, latent_shape) {
         return u64::MAX;
     }
-    let mut sim = PeakSim {
-        elem: dtype.size_in_bytes() as u64,
-        live: 0,
-        peak: 0,
-    };
+    let mut sim = PeakSim::new(dtype, device);
     sim.alloc(b * c * h * w); // the latents
     sim.decoder(config, b, h, w);
     sim.peak
@@ -1182,11 +1222,23 @@ pub fn estimate_tiled_decode_peak_bytes(
     dtype: DType,
     tiling: &TilingConfig,
 ) -> u64 {
+    estimate_tiled_decode_peak_bytes_on(None, config, latent_shape, dtype, tiling)
+}
+
+/// [`estimate_tiled_decode_peak_bytes`] on `device`, its convolutions' scratch counted as
+/// [`estimate_decode_peak_bytes_on`] counts it.
+pub fn estimate_tiled_decode_peak_bytes_on(
+    device: Option<&dyn Device>,
+    config: &AutoencoderKLConfig,
+    latent_shape: &[usize],
+    dtype: DType,
+    tiling: &TilingConfig,
+) -> u64 {
     let [b, c, h, w] = *latent_shape else {
         return 0;
     };
     if !tiling.needs_tiling(h, w) || tiling.validate().is_err() {
-        return estimate_decode_peak_bytes(config, latent_shape, dtype);
+        return estimate_decode_peak_bytes_on(device, config, latent_shape, dtype);
     }
     if beyond_any_device(config, latent_shape) {
         return u64::MAX;
@@ -1198,11 +1250,7 @@ pub fn estimate_tiled_decode_peak_bytes(
         tiling.blend_extent(),
         tiling.row_limit(),
     );
-    let mut sim = PeakSim {
-        elem: dtype.size_in_bytes() as u64,
-        live: 0,
-        peak: 0,
-    };
+    let mut sim = PeakSim::new(dtype, device);
     sim.alloc(b * c * h * w);
     // (bytes, height, width) of the blended, uncropped tiles of the row above.
     let mut above: Vec<(u64, usize, usize)> = Vec::new();

@@ -40,6 +40,27 @@ const NHWC_SMEM_BYTES: u32 = 3 * 2 * 128 * 40 * 2;
 /// Largest im2col scratch of one convolution, in bytes.
 const SCRATCH_BYTES: usize = 256 << 20;
 
+/// Device bytes [`conv2d`] allocates besides its output for an input of `elems` elements
+/// per channel (batch × height × width, stride 1, "same" padding), `c` channels, `o`
+/// filters of `k × k`, in `dtype`: the path choice of [`conv2d`] — nothing for a 1×1
+/// convolution (the input is the GEMM operand); on the implicit GEMM (f16/bf16) the
+/// repacked weights, plus the channels-last copy of the input when `c` is a multiple of
+/// 8; otherwise (f32) the im2col scratch, at most [`SCRATCH_BYTES`].
+pub(crate) fn scratch_bytes(elems: usize, c: usize, o: usize, k: usize, dtype: DType) -> u64 {
+    let (elems, c, o, k) = (elems as u64, c as u64, o as u64, k as u64);
+    if k <= 1 {
+        return 0;
+    }
+    match dtype {
+        DType::F16 | DType::BF16 => {
+            let packed = o * k * k * c.next_multiple_of(32) * 2;
+            let channels_last = if c % 8 == 0 { elems * c * 2 } else { 0 };
+            packed + channels_last
+        }
+        _ => (elems * c * k * k * dtype.size_in_bytes() as u64).min(SCRATCH_BYTES as u64),
+    }
+}
+
 /// `Ops::conv2d` on `dev`.
 pub(crate) fn conv2d(
     dev: &CudaDevice,
@@ -340,4 +361,30 @@ fn implicit_gemm(
         dev.allocation(t)?.note_use(handle);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_follows_the_path_conv2d_takes() {
+        let hw = 1024 * 1024;
+        // The Flux VAE's last resnets in bf16: the channels-last copy of the input (as large
+        // as the input) and the repacked weights.
+        assert_eq!(
+            scratch_bytes(hw, 128, 128, 3, DType::BF16),
+            hw as u64 * 128 * 2 + 128 * 9 * 128 * 2
+        );
+        // Channels not a multiple of 8: no channels-last copy, weights padded to 32.
+        assert_eq!(scratch_bytes(hw, 3, 16, 3, DType::F16), 16 * 9 * 32 * 2);
+        // 1x1: the input is the GEMM operand.
+        assert_eq!(scratch_bytes(hw, 512, 256, 1, DType::BF16), 0);
+        // f32: the im2col chunk, at most SCRATCH_BYTES.
+        assert_eq!(scratch_bytes(64, 4, 4, 3, DType::F32), 64 * 4 * 9 * 4);
+        assert_eq!(
+            scratch_bytes(hw, 128, 128, 3, DType::F32),
+            SCRATCH_BYTES as u64
+        );
+    }
 }
