@@ -826,6 +826,7 @@ impl Report<'_> {
                 "idle_release": p.idle_release,
                 "setup_seconds": p.setup_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
                 "prepared_seconds": p.prepared_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
+                "cleanup_seconds": p.cleanup_seconds,
                 "note": p.note,
             })).collect::<Vec<_>>(),
             "components": self.explanations.iter().zip(self.snapshots).map(|(e, s)| json!({

@@ -46,6 +46,8 @@ pub struct RouteMetrics {
     home_pin_ns: AtomicU64,
     home_fill_ns: AtomicU64,
     register_fallbacks: AtomicU64,
+    resident_upload_ns: AtomicU64,
+    resident_upload_sync_ns: AtomicU64,
     resident_leaves: Mutex<Vec<String>>,
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
@@ -84,6 +86,17 @@ impl RouteMetrics {
     pub fn record_copy_wait(&self, waited: Duration) {
         let ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
         self.copy_wait_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Adds a resident set's upload: `queued`, the host time allocating it and queueing its
+    /// copies; `synced`, the time from then until the copies finished (measured only where
+    /// the caller synchronises to measure it; zero otherwise).
+    pub fn record_resident_upload(&self, queued: Duration, synced: Duration) {
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.resident_upload_ns
+            .fetch_add(ns(queued), Ordering::Relaxed);
+        self.resident_upload_sync_ns
+            .fetch_add(ns(synced), Ordering::Relaxed);
     }
 
     /// Records one whole forward of the component.
@@ -209,6 +222,8 @@ impl RouteMetrics {
             home_pin_ns: self.home_pin_ns.load(Ordering::Relaxed),
             home_fill_ns: self.home_fill_ns.load(Ordering::Relaxed),
             register_fallbacks: self.register_fallbacks.load(Ordering::Relaxed),
+            resident_upload_ns: self.resident_upload_ns.load(Ordering::Relaxed),
+            resident_upload_sync_ns: self.resident_upload_sync_ns.load(Ordering::Relaxed),
         }
     }
 
@@ -311,6 +326,13 @@ pub struct RouteCounters {
     /// device could not, or the bytes did not fit under the pinned limit).
     #[serde(default)]
     pub register_fallbacks: u64,
+    /// Host ns allocating resident sets and queueing their uploads (a streaming engine's
+    /// first forward).
+    #[serde(default)]
+    pub resident_upload_ns: u64,
+    /// Ns from then until those uploads finished, where measured (`timeline=true`).
+    #[serde(default)]
+    pub resident_upload_sync_ns: u64,
 }
 
 /// Peak device memory of one finished phase.

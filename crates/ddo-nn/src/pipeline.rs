@@ -594,6 +594,9 @@ pub struct PhaseReport {
     /// Seconds each component attached in the background during the phase before took
     /// ([`PipelineOffload::prepare`]).
     pub prepared_seconds: Vec<(String, f64)>,
+    /// Seconds of the phase's cleanup (releasing its components, synchronising, emptying
+    /// the cache), included in `seconds`.
+    pub cleanup_seconds: f64,
 }
 
 /// What [`FluxPipeline::run_phases`] returns.
@@ -1376,6 +1379,7 @@ fn end_phase(
             prepared_seconds.push((name.to_string(), s));
         }
     }
+    let cleanup = Instant::now();
     for name in release {
         let Ok(h) = offload.handle(name) else {
             continue;
@@ -1402,6 +1406,7 @@ fn end_phase(
         idle_release,
         setup_seconds,
         prepared_seconds,
+        cleanup_seconds: cleanup.elapsed().as_secs_f64(),
     })
 }
 

@@ -960,6 +960,7 @@ impl StreamingEngine {
         if self.resident.is_empty() && !self.resident_params.is_empty() {
             let params = self.resident_params.clone();
             let host = self.host.as_ref();
+            let queued = Instant::now();
             self.resident.acquire(
                 &*self.device,
                 &params,
@@ -967,6 +968,19 @@ impl StreamingEngine {
                 &self.compute,
                 &self.metrics,
             )?;
+            let queued = queued.elapsed();
+            // With a timeline the upload's own time is measured too (a synchronisation
+            // the plain path does not pay).
+            let synced = Instant::now();
+            if self.timeline {
+                self.device.synchronize()?;
+            }
+            let synced = if self.timeline {
+                synced.elapsed()
+            } else {
+                std::time::Duration::ZERO
+            };
+            self.metrics.record_resident_upload(queued, synced);
             self.release_resident_registrations()?;
         }
         if self.slots == 0 {
