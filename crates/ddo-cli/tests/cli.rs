@@ -445,7 +445,9 @@ fn resolve_json_shape_and_sources() {
         "--component",
         "transformer",
     ]));
-    assert_eq!(v[0]["options"]["pinned_limit"], "256.00 MiB", "{v}");
+    // An explicit route keeps what it gives: the preset adds no pinned limit to it.
+    assert_ne!(v[0]["options"]["pinned_limit"], "256.00 MiB", "{v}");
+    assert_eq!(v[0]["source"]["route"], "--route", "{v}");
 }
 
 #[test]

@@ -509,8 +509,10 @@ pub struct GroupOffloadConfig {
     pub record_stream: bool,
     /// Pin on the fly instead of keeping pinned copies.
     pub low_cpu_mem_usage: bool,
-    /// Page-lock the weights' one host copy (default: unless `low_cpu_mem_usage`): without
-    /// a stream a pinned home made at attach, with one the streaming engine's staging.
+    /// Page-lock the weights' one host copy: without a stream a pinned home made at attach,
+    /// with one the streaming engine's staging. Default: with a stream unless
+    /// `low_cpu_mem_usage`; without one never, as Diffusers pins only for a stream
+    /// (`ModuleGroup._init_cpu_param_dict`), the seed's VAE leaf calls included.
     pub pinned: bool,
 }
 
@@ -671,7 +673,7 @@ impl RouteSpec {
             use_stream,
             record_stream: o.record_stream.unwrap_or(false),
             low_cpu_mem_usage,
-            pinned: o.pinned.unwrap_or(!low_cpu_mem_usage),
+            pinned: o.pinned.unwrap_or(use_stream && !low_cpu_mem_usage),
         }
     }
 
@@ -887,9 +889,11 @@ mod tests {
         let leaf: RouteSpec = "diffusers_group_offload".parse().unwrap();
         let c = leaf.group_offload_config();
         assert_eq!(c.offload_type, OffloadType::LeafLevel);
-        // Without a stream the weights' one host copy is page-locked by default (a pinned
-        // home, not a second copy).
-        assert!(!c.use_stream && c.pinned);
+        // Without a stream nothing is page-locked by default: Diffusers pins only for a
+        // stream. `pinned=true` asks for it.
+        assert!(!c.use_stream && !c.pinned);
+        let pinned: RouteSpec = "diffusers_group_offload:pinned=true".parse().unwrap();
+        assert!(pinned.group_offload_config().pinned);
         let low = RouteSpec::leaf_group(true, true).group_offload_config();
         assert!(low.use_stream && !low.pinned);
         let registered: RouteSpec = "native_vmm:pinned_source=register".parse().unwrap();

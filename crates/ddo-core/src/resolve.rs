@@ -27,8 +27,9 @@
 //! pinned host copy; vmm_fast puts the denoiser in the native pool (the allocator is a
 //! separate bootstrap step, never installed by resolving a preset); warm_process keeps
 //! everything resident for a long-lived process; wsl_compat avoids pinned memory, which
-//! WSL rations (its rows stream nothing, and a streamed route resolved under it gets
-//! `pinned_limit=256MiB` unless it gives its own, [`preset_pinned_limit`]); nvme_baseline is
+//! WSL rations (its rows stream nothing; [`preset_pinned_limit`] is the 256 MiB a streamed
+//! row of its own would get; an explicit route, a policy or an environment route is left as
+//! given, as the seed asks of explicit configs); nvme_baseline is
 //! the synchronous baseline.
 //!
 //! # Precedence
@@ -161,8 +162,10 @@ pub fn preset_pinned_limit(preset: Preset) -> u64 {
     }
 }
 
-/// `spec` with the preset's pinned limit filled in where it streams and gives none (only
-/// `wsl_compat` sets one below the engine's default).
+/// `spec`, a preset's own default, with the preset's pinned limit filled in where it
+/// streams and gives none (only `wsl_compat` sets one below the engine's default). Never
+/// applied to an explicit route, a component policy or an environment route: the seed's
+/// "explicit configs are not silently replaced by a preset default".
 fn with_preset_pinned_limit(spec: RouteSpec, preset: Preset) -> RouteSpec {
     let o = spec.options();
     if preset.resolved() != Preset::WslCompat
@@ -301,7 +304,11 @@ pub fn resolve(
             DecidedBy::PresetDefault,
         )
     };
-    let spec = with_preset_pinned_limit(spec, preset);
+    let spec = if decided_by == DecidedBy::PresetDefault {
+        with_preset_pinned_limit(spec, preset)
+    } else {
+        spec
+    };
     Ok(Resolution {
         needs_native_allocator: spec.route_id() == Some(RouteId::NativeVmm),
         spec,
@@ -564,23 +571,40 @@ mod tests {
     }
 
     #[test]
-    fn wsl_compat_caps_the_pinned_limit_of_a_streamed_route_it_resolves() {
+    fn a_preset_never_adds_options_to_an_explicit_route() {
+        // The seed: an explicit route wins and is not silently changed. Under wsl_compat an
+        // explicit streamed route used to get pinned_limit=256MiB while reported as explicit.
         let explicit = RouteSpec::leaf_group(true, false);
         let mut settings = settings(Preset::WslCompat);
         let env = MapEnvironment::default();
         let r = resolve(&settings, "transformer", Some(&explicit), &env).unwrap();
-        assert_eq!(r.spec.options().pinned_limit, Some(256 << 20));
+        assert_eq!(r.decided_by, DecidedBy::ExplicitRoute);
+        assert_eq!(r.spec, explicit);
+        // Nor to a component policy or an environment route.
+        settings
+            .component_policies
+            .insert("transformer".into(), explicit);
+        let r = resolve(&settings, "transformer", None, &env).unwrap();
+        assert_eq!(
+            (r.decided_by, r.spec),
+            (DecidedBy::ComponentPolicy, explicit)
+        );
+        settings.component_policies.clear();
+        let env = MapEnvironment::from_pairs([(
+            "DDO_TRANSFORMER_ROUTE",
+            "diffusers_group_offload:use_stream=true",
+        )]);
+        settings.use_environment = true;
+        let r = resolve(&settings, "transformer", None, &env).unwrap();
+        assert_eq!(
+            r.decided_by,
+            DecidedBy::EnvironmentRoute("DDO_TRANSFORMER_ROUTE".into())
+        );
+        assert_eq!(r.spec.options().pinned_limit, None);
+        // wsl_compat's own defaults stream nothing; its cap stays for the engine's callers.
+        let r = resolve(&settings, "text_encoder", None, &MapEnvironment::default()).unwrap();
+        assert_eq!(r.spec.options().pinned_limit, None);
+        assert!(matches!(r.decided_by, DecidedBy::PresetDefault));
         assert!(preset_pinned_limit(Preset::WslCompat) <= 256 << 20);
-        // A limit given explicitly wins; other presets and no-stream routes are unchanged.
-        let own: RouteSpec = "diffusers_group_offload:use_stream=true,pinned_limit=64MiB"
-            .parse()
-            .unwrap();
-        let r = resolve(&settings, "transformer", Some(&own), &env).unwrap();
-        assert_eq!(r.spec.options().pinned_limit, Some(64 << 20));
-        let r = resolve(&settings, "text_encoder", None, &env).unwrap();
-        assert_eq!(r.spec.options().pinned_limit, None);
-        settings.preset = Preset::OneShotFast;
-        let r = resolve(&settings, "transformer", Some(&explicit), &env).unwrap();
-        assert_eq!(r.spec.options().pinned_limit, None);
     }
 }

@@ -80,24 +80,15 @@ fn vae_rows_one_shot_fast_low_ram_safe_vmm_fast_attach_leaf_no_stream() {
         let h = enable_offload_with_env(&c, dyn_device(&d), &options(preset), &no_env())
             .unwrap_or_else(|e| panic!("{preset}: {e}"));
         assert_vae_leaf_no_stream(h.spec());
-        // vmm_fast's VAE row needs no native allocator and installs none. Without a
-        // stream the weights' one host copy is page-locked in place (a pinned home), never
-        // copied a second time.
-        let padded: u64 = c
-            .params()
-            .iter()
-            .map(|p| (p.nbytes() as u64).next_multiple_of(256))
-            .sum();
-        assert_eq!(
-            d.memory_info().pinned_host,
-            padded,
-            "{preset}: one pinned home"
-        );
+        // vmm_fast's VAE row needs no native allocator and installs none. Without a stream
+        // nothing is page-locked, as Diffusers' no-stream calls pin nothing (the seed's
+        // VAE leaf policy); the weights are copied from their own pageable bytes.
+        assert_eq!(d.memory_info().pinned_host, 0, "{preset}: nothing pinned");
         assert!(
             c.params()
                 .iter()
-                .all(|p| p.host().kind() == ddo_core::HostMemoryKind::Pinned),
-            "{preset}: the params' own bytes are the pinned ones"
+                .all(|p| p.host().kind() != ddo_core::HostMemoryKind::Pinned),
+            "{preset}: the params' bytes stay as they were"
         );
         assert_eq!(ddo_core::Device::allocator(&*d), AllocatorKind::Caching);
     }

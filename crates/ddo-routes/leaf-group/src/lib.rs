@@ -35,7 +35,8 @@
 //!   and frees at once (as Diffusers does with `current_stream().synchronize()`);
 //!   `record_stream=true` frees in stream order behind the compute stream, without a host
 //!   synchronisation. The engine's ring goes back in stream order at the end of a forward.
-//! - **Host sources.** Without a stream, `pinned=true` keeps pinned copies of every weight,
+//! - **Host sources.** Without a stream nothing is pinned by default (Diffusers pins only
+//!   for a stream); `pinned=true` keeps pinned copies of every weight,
 //!   made at attach and counted against the device's pinned limit; otherwise weights are
 //!   copied from their own host bytes (pageable copies block the host, as on CUDA). With a
 //!   stream there is one host copy: the engine's pinned home replaces the params' host
