@@ -1,8 +1,9 @@
 //! Building blocks every route uses to move params: a [`ResidencyTable`] that makes params
 //! resident on a device (allocate, copy, install) with reference counts, so a tied weight
-//! shared by two groups is copied once and freed after its last user; and
-//! [`PinnedCopies`], pinned host copies of params counted against the device's pinned
-//! limit. Both undo everything they did when an operation fails halfway.
+//! shared by two groups is copied once and freed after its last user, undoing everything it
+//! did when an operation fails halfway; [`pin_copy`], a pinned copy of a param's bytes, counted
+//! against the device's pinned limit; and [`EagerLeafStreamer`], the leaf-by-leaf copies of
+//! `linear_convolution` and `native_vmm`.
 //! [`UploadRegistrations`] page-locks checkpoint-mapped params where they are for one
 //! upload, so it runs at pinned speed instead of faulting the mapping in page by page.
 
@@ -178,60 +179,23 @@ impl std::fmt::Debug for ResidencyTable {
     }
 }
 
-/// Pinned host copies of params (one per param, tied weights once).
-#[derive(Default, Debug)]
-pub struct PinnedCopies {
-    copies: HashMap<ParamId, HostBuffer>,
-    bytes: u64,
-}
-
-impl PinnedCopies {
-    /// Pins a copy of each of `params`. On error (e.g. the pinned limit) nothing stays
-    /// pinned.
-    pub fn pin(device: &dyn Device, params: &[Arc<Param>]) -> Result<Self> {
-        let mut out = Self::default();
-        for p in params {
-            if out.copies.contains_key(&p.id()) {
-                continue;
-            }
-            let host = pin_copy(device, &p.host())?;
-            out.bytes += host.len() as u64;
-            out.copies.insert(p.id(), host);
-        }
-        Ok(out)
-    }
-
-    /// The pinned copy of `param`, when there is one.
-    pub fn get(&self, param: &Param) -> Option<HostSlice> {
-        self.copies.get(&param.id()).map(HostBuffer::slice_all)
-    }
-
-    /// Pinned bytes held.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-}
-
 /// The state of a route that copies a leaf's weights to the device just before the leaf
 /// runs and frees them just after (`linear_convolution`, and `native_vmm`'s streamed
-/// leaves): the params on the device, the optional pinned copies they are copied from, and
-/// the leaves onloaded now — at most the one running, plus any left behind by a leaf whose
+/// leaves): the params on the device, copied from their own host bytes (which a route may
+/// have made a pinned home), and the leaves onloaded now — at most the one running, plus any left behind by a leaf whose
 /// computation failed (its `after_leaf` never ran).
 #[derive(Debug)]
 pub struct EagerLeafStreamer {
     table: ResidencyTable,
-    pinned: Option<PinnedCopies>,
     onloaded: Vec<(LeafId, Vec<Arc<Param>>)>,
     detached: bool,
 }
 
 impl EagerLeafStreamer {
-    /// A streamer over `table` (which may already hold resident params) copying from
-    /// `pinned` copies where there are some, else from the params' own host bytes.
-    pub fn new(table: ResidencyTable, pinned: Option<PinnedCopies>) -> Self {
+    /// A streamer over `table` (which may already hold resident params).
+    pub fn new(table: ResidencyTable) -> Self {
         Self {
             table,
-            pinned,
             onloaded: Vec::new(),
             detached: false,
         }
@@ -240,11 +204,6 @@ impl EagerLeafStreamer {
     /// The params on the device.
     pub fn table(&self) -> &ResidencyTable {
         &self.table
-    }
-
-    /// Pinned bytes held (0 without pinned copies, or after detach).
-    pub fn pinned_bytes(&self) -> u64 {
-        self.pinned.as_ref().map_or(0, PinnedCopies::bytes)
     }
 
     /// Whether [`EagerLeafStreamer::detach`] ran.
@@ -269,8 +228,8 @@ impl EagerLeafStreamer {
         self.onload_from(device, leaf, params, metrics, &|p: &Param| Ok(p.host()))
     }
 
-    /// [`EagerLeafStreamer::onload`], reading the bytes of params without a pinned copy
-    /// where `source` says (e.g. a streaming engine's
+    /// [`EagerLeafStreamer::onload`], reading the params' bytes where `source` says (e.g. a
+    /// streaming engine's
     /// [`host_source`](crate::streaming::StreamingEngine::host_source)).
     pub fn onload_from(
         &mut self,
@@ -280,16 +239,9 @@ impl EagerLeafStreamer {
         metrics: &RouteMetrics,
         source: &dyn Fn(&Param) -> Result<HostSlice>,
     ) -> Result<()> {
-        let pinned = &self.pinned;
-        let source = |p: &Param| -> Result<HostSlice> {
-            match pinned.as_ref().and_then(|c| c.get(p)) {
-                Some(copy) => Ok(copy),
-                None => source(p),
-            }
-        };
         let stream = device.compute_stream();
         self.table
-            .acquire(device, params, &source, &stream, metrics)?;
+            .acquire(device, params, source, &stream, metrics)?;
         self.onloaded.push((leaf, params.to_vec()));
         Ok(())
     }
@@ -314,7 +266,7 @@ impl EagerLeafStreamer {
         synced
     }
 
-    /// Releases everything (device copies, pinned copies) and leaves each of `params`
+    /// Releases every device copy and leaves each of `params`
     /// host-only. Idempotent; the device's synchronisation error, if any, is returned after
     /// everything was released (in stream order).
     pub fn detach(&mut self, device: &dyn Device, params: &[Arc<Param>]) -> Result<()> {
@@ -330,7 +282,6 @@ impl EagerLeafStreamer {
         self.table
             .release_all(device, mode, &device.compute_stream());
         self.onloaded.clear();
-        self.pinned = None;
         for p in params {
             // Clearing a device copy cannot fail.
             let _ = p.set_device(None);
@@ -420,9 +371,10 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        let ok = PinnedCopies::pin(&*d, &[param(4)]).unwrap();
-        assert_eq!(ok.bytes(), 16);
-        assert!(PinnedCopies::pin(&*d, &[param(1), param(4)]).is_err());
+        let ok = pin_copy(&*d, &param(4).host()).unwrap();
+        assert_eq!(ok.len(), 16);
+        assert!(ok.is_pinned());
+        assert!(pin_copy(&*d, &param(2).host()).is_err());
         assert_eq!(d.memory_info().pinned_host, 16);
         drop(ok);
         assert_eq!(d.memory_info().pinned_host, 0);

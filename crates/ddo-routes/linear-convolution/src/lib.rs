@@ -1,14 +1,15 @@
 //! The `linear_convolution` route: the seed's isolated eager configuration. Every leaf's
-//! weights live on the host (in pinned copies by default) and are copied to the execution
-//! device just before the leaf runs and freed just after it, so nothing of the component
-//! stays on the device between leaves (zero residency). There is no budget, no copy stream
-//! and no persistent pinned cache beyond the pinned weights themselves, which are held for
-//! the attachment's life and freed on detach. Bytes are copied as they are: the leaf's own
-//! dense forward and dtype are preserved.
+//! weights live on the host (pinned by default) and are copied to the execution device just
+//! before the leaf runs and freed just after it, so nothing of the component stays on the
+//! device between leaves (zero residency). There is no budget, no copy stream and no
+//! persistent pinned cache: the pinned weights are the weights' one host copy (a
+//! [`PinnedHome`] that replaces their host bytes at attach, within the device's pinned
+//! limit), never a second copy, and detach unpins them in place. Bytes are copied as they
+//! are: the leaf's own dense forward and dtype are preserved.
 //!
 //! This crate is one of the route crates above `ddo-core`: it talks to the
 //! [`Device`] trait only (so it runs on the host backend in CI and on CUDA unchanged),
-//! moves params through [`ResidencyTable`] and [`PinnedCopies`], and is registered in the
+//! moves params through [`ResidencyTable`] and [`PinnedHome`], and is registered in the
 //! static route table of `ddo-routes`, which calls [`Route::preflight`], then
 //! [`Route::attach`], then installs the returned hooks on the component.
 //!
@@ -21,7 +22,8 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use ddo_core::residency::{EagerLeafStreamer, PinnedCopies, ResidencyTable};
+use ddo_core::residency::{EagerLeafStreamer, ResidencyTable};
+use ddo_core::streaming::PinnedHome;
 use ddo_core::{
     AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, Footprint,
     FootprintContext, Leaf, Param, Refusal, Result, Route, RouteId, RouteSpec,
@@ -46,7 +48,7 @@ pub struct LinearConvolutionRoute;
 /// The route's settings, resolved from a [`RouteSpec`] that passed preflight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinearConvolutionConfig {
-    /// Keep pinned host copies of the weights for the attachment's life (default true).
+    /// Page-lock the weights' one host copy for the attachment's life (default true).
     pub pinned: bool,
 }
 
@@ -95,9 +97,11 @@ impl LinearConvolutionRoute {
         self.preflight(component, &*device, spec)?;
         let config = LinearConvolutionConfig::from_spec(spec);
         let params = component.params();
-        // The only allocation of attach; on error `pin` has already unpinned what it took.
-        let pinned = if config.pinned {
-            Some(PinnedCopies::pin(&*device, &params)?)
+        // The only allocation of attach: the weights' host bytes replaced by one pinned home
+        // (no second copy), bounded by the device's pinned limit — over it, a typed
+        // `PinnedLimit` and nothing pinned (`pinned=false` runs from the weights' own bytes).
+        let home = if config.pinned {
+            PinnedHome::sequential(&*device, &params, u64::MAX, true)?
         } else {
             None
         };
@@ -105,7 +109,7 @@ impl LinearConvolutionRoute {
         let streamed = leaves.iter().filter(|p| !p.is_empty()).count() as u64;
         metrics.set_leaf_plan(streamed, 0);
         metrics.set_resident_weight_bytes(0);
-        metrics.set_pinned_host_bytes(pinned.as_ref().map_or(0, PinnedCopies::bytes));
+        metrics.set_pinned_host_bytes(home.as_ref().map_or(0, PinnedHome::bytes));
         Ok(Arc::new(LinearConvolutionAttachment {
             component: component.name().to_string(),
             device,
@@ -113,7 +117,8 @@ impl LinearConvolutionRoute {
             config,
             leaves,
             params,
-            state: Mutex::new(EagerLeafStreamer::new(ResidencyTable::new(), pinned)),
+            state: Mutex::new(EagerLeafStreamer::new(ResidencyTable::new())),
+            home: Mutex::new(home),
         }))
     }
 }
@@ -201,7 +206,8 @@ impl Route for LinearConvolutionRoute {
     }
 
     /// Zero residency: every leaf copied before it runs and freed after (one leaf on the
-    /// device at a time), from pinned copies of every weight unless `pinned=false`.
+    /// device at a time), from the weights' one host copy, pinned in place unless
+    /// `pinned=false` (each param at a multiple of 256 bytes of the home).
     fn footprint(
         &self,
         component: &Component,
@@ -210,12 +216,17 @@ impl Route for LinearConvolutionRoute {
     ) -> Result<Footprint> {
         let weight_bytes = component.param_bytes();
         let pinned = LinearConvolutionConfig::from_spec(spec).pinned;
+        let home_bytes: u64 = component
+            .params()
+            .iter()
+            .map(|p| ddo_core::streaming::layout::align_up(p.nbytes() as u64))
+            .sum();
         Ok(Footprint {
             weight_bytes,
             resident_bytes: 0,
             streamed_bytes_per_forward: weight_bytes,
             transient_device_bytes: component.largest_leaf().map_or(0, |l| l.param_bytes()),
-            pinned_host_bytes: if pinned { weight_bytes } else { 0 },
+            pinned_host_bytes: if pinned { home_bytes } else { 0 },
             needs_native_allocator: false,
             attaches_on_device: false,
             pageable_staging: !pinned,
@@ -240,6 +251,8 @@ pub struct LinearConvolutionAttachment {
     /// Every param of the component once.
     params: Vec<Arc<Param>>,
     state: Mutex<EagerLeafStreamer>,
+    /// The weights' pinned host copy, until detach unpins it in place.
+    home: Mutex<Option<PinnedHome>>,
 }
 
 impl fmt::Debug for LinearConvolutionAttachment {
@@ -263,7 +276,7 @@ impl LinearConvolutionAttachment {
 
     /// Pinned host bytes held (0 without pinned weights, or after detach).
     pub fn pinned_bytes(&self) -> u64 {
-        self.state.lock().pinned_bytes()
+        self.home.lock().as_ref().map_or(0, PinnedHome::bytes)
     }
 
     /// Device bytes of weights held now (0 between leaves).
@@ -348,6 +361,13 @@ impl AttachedRoute for LinearConvolutionAttachment {
 
     fn detach(&self) -> Result<()> {
         let synced = self.state.lock().detach(&*self.device, &self.params);
+        // After a synchronisation no queued copy reads the home: unpin it in place. Without
+        // one the home stays pinned under the params until they go.
+        let restored = match &synced {
+            Ok(()) => self.home.lock().take().map_or(Ok(()), PinnedHome::restore),
+            Err(_) => Ok(()),
+        };
+        let synced = synced.and(restored);
         self.metrics.set_pinned_host_bytes(0);
         self.metrics.set_resident_weight_bytes(0);
         synced

@@ -132,9 +132,12 @@ proptest! {
             spec_text("linear_convolution:pinned=false")
         };
         let hooks = attach(&c, &d, &route_spec).unwrap();
-        // Attach puts nothing on the device; pinned copies of every param (tied once).
+        // Attach puts nothing on the device; pinned, the params' one host copy becomes a
+        // pinned home (each param, tied ones once, at a multiple of 256 bytes): no second
+        // copy of any weight.
         prop_assert_eq!(d.memory_info().allocated, 0);
-        let pinned_bytes = if pinned { c.param_bytes() } else { 0 };
+        let pinned_bytes = if pinned { home_bytes(&c) } else { 0 };
+        prop_assert!(c.params().iter().all(|p| (p.host().kind() == ddo_core::HostMemoryKind::Pinned) == pinned));
         prop_assert_eq!(d.memory_info().pinned_host, pinned_bytes);
         prop_assert_eq!(hooks.pinned_bytes(), pinned_bytes);
         let counters = hooks.metrics().counters();
@@ -198,7 +201,7 @@ fn attach_through_the_route_trait_pins_by_default_and_is_removable() {
         "{}",
         hooks.describe()
     );
-    assert_eq!(metrics.counters().pinned_host_bytes, c.param_bytes());
+    assert_eq!(metrics.counters().pinned_host_bytes, home_bytes(&c));
     c.install_hooks(Arc::clone(&hooks)).unwrap();
     let y = c
         .forward(&*d, reference::input(&spec, 2, 1).unwrap())
@@ -211,6 +214,20 @@ fn attach_through_the_route_trait_pins_by_default_and_is_removable() {
     assert!(c.remove_hooks(&hooks));
     hooks.detach().unwrap();
     assert_eq!(d.memory_info().pinned_host, 0);
+    // Unpinned in place: the params read the same values from pageable bytes.
+    assert!(
+        c.params()
+            .iter()
+            .all(|p| p.host().kind() != ddo_core::HostMemoryKind::Pinned)
+    );
+}
+
+/// The pinned home of `c`'s params: each once, at a multiple of 256 bytes.
+fn home_bytes(c: &ddo_core::Component) -> u64 {
+    c.params()
+        .iter()
+        .map(|p| (p.nbytes() as u64).next_multiple_of(256))
+        .sum()
 }
 
 #[test]

@@ -341,7 +341,7 @@ impl NativeVmmRoute {
             compute: stream,
             copy,
             state: Mutex::new(State {
-                eager: EagerLeafStreamer::new(table, None),
+                eager: EagerLeafStreamer::new(table),
                 home,
                 schedule: Schedule::new(),
                 engine: None,
@@ -553,11 +553,10 @@ impl NativeVmmAttachment {
     }
 
     /// Pinned host bytes held: the streaming engine's staging (once the schedule is
-    /// learned), or the pinned copies of leaf-by-leaf streaming; 0 after detach.
+    /// learned), or the pinned home of leaf-by-leaf streaming; 0 after detach.
     pub fn pinned_bytes(&self) -> u64 {
         let st = self.state.lock();
-        st.eager.pinned_bytes()
-            + st.home.as_ref().map_or(0, PinnedHome::bytes)
+        st.home.as_ref().map_or(0, PinnedHome::bytes)
             + st.engine.as_ref().map_or(0, |e| e.figures().pinned_bytes)
     }
 
