@@ -9,7 +9,9 @@
 //! component not declared exclusively owned, execution already started, references to a
 //! mapping or buffer it did not register, overlapping sources that are not one registered
 //! alias, and layouts it cannot copy faithfully. Resident memory and the mapping are
-//! measured separately; `commit_recovery_proven` is set only when a measured drop backs it.
+//! measured separately (`RssAnon`, `RssFile`, and the commit charge where the OS reports
+//! one); `commit_recovery_proven` is set only when a measured commit drop backs it, never on
+//! a drop of `RssFile`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Weak};
@@ -34,6 +36,20 @@ pub fn rss_anon_file() -> (Option<u64>, Option<u64>) {
         })
     };
     (field("RssAnon:"), field("RssFile:"))
+}
+
+/// The process's commit charge (bytes), where the OS reports one per process: `None` on
+/// Linux, which charges no commit for a read-only file mapping (a checkpoint's) and reports
+/// no per-process commit figure, and on every other OS DDO runs on today.
+pub fn process_commit_bytes() -> Option<u64> {
+    None
+}
+
+/// The seed's conservative rule: proven only when mappings were released and a measured
+/// commit charge dropped; a drop in `RssFile` (resident pages of the file) is not commit.
+fn commit_recovery_proven(s: &DetachSummary) -> bool {
+    s.mappings_released > 0
+        && matches!((s.commit_before, s.commit_after), (Some(b), Some(a)) if a < b)
 }
 
 /// A param's byte range in a mapping: range, param name, mapping.
@@ -66,6 +82,8 @@ pub fn detach_auxiliary_cpu_sources(
         rss_anon_after: None,
         rss_file_before: None,
         rss_file_after: None,
+        commit_before: None,
+        commit_after: None,
         commit_recovery_proven: false,
     };
     if !enabled {
@@ -210,6 +228,7 @@ pub fn detach_auxiliary_cpu_sources(
     }
 
     (summary.rss_anon_before, summary.rss_file_before) = rss_anon_file();
+    summary.commit_before = process_commit_bytes();
     for group in &plan {
         for p in &group.params {
             let owned = p.host().with_bytes(HostBuffer::pageable_from);
@@ -227,10 +246,53 @@ pub fn detach_auxiliary_cpu_sources(
         }
     }
     (summary.rss_anon_after, summary.rss_file_after) = rss_anon_file();
-    summary.commit_recovery_proven = summary.mappings_released > 0
-        && matches!(
-            (summary.rss_file_before, summary.rss_file_after),
-            (Some(before), Some(after)) if after < before
-        );
+    summary.commit_after = process_commit_bytes();
+    summary.commit_recovery_proven = commit_recovery_proven(&summary);
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn released(rss: (u64, u64), commit: Option<(u64, u64)>) -> DetachSummary {
+        DetachSummary {
+            enabled: true,
+            max_copy_bytes: 1 << 24,
+            bytes_copied: 64,
+            groups_copied: 1,
+            tensors_copied: 1,
+            groups_skipped: Vec::new(),
+            mappings_released: 1,
+            mapping_bytes_released: 1 << 20,
+            rss_anon_before: Some(1 << 30),
+            rss_anon_after: Some(1 << 30),
+            rss_file_before: Some(rss.0),
+            rss_file_after: Some(rss.1),
+            commit_before: commit.map(|c| c.0),
+            commit_after: commit.map(|c| c.1),
+            commit_recovery_proven: false,
+        }
+    }
+
+    #[test]
+    fn only_a_measured_commit_drop_proves_commit_recovery() {
+        // RssFile fell by the whole mapping, commit not measured: not proven (the seed:
+        // resident memory and commit are measured separately).
+        assert!(!commit_recovery_proven(&released((2 << 20, 1 << 20), None)));
+        assert!(commit_recovery_proven(&released(
+            (1 << 20, 1 << 20),
+            Some((9, 8))
+        )));
+        assert!(!commit_recovery_proven(&released(
+            (2 << 20, 1 << 20),
+            Some((8, 8))
+        )));
+        let mut none_released = released((2 << 20, 1 << 20), Some((9, 8)));
+        none_released.mappings_released = 0;
+        assert!(!commit_recovery_proven(&none_released));
+        let text = released((2 << 20, 1 << 20), None).format_profile();
+        assert!(text.contains("commit not measured on this OS"), "{text}");
+        assert!(text.contains("commit_recovery_proven: false"), "{text}");
+    }
 }

@@ -471,8 +471,19 @@ pub struct DetachSummary {
     pub rss_file_before: Option<u64>,
     /// `RssFile` after (bytes), where available.
     pub rss_file_after: Option<u64>,
-    /// True only when a measured drop backs the claim that releasing the mapping returned
-    /// memory; conservative, false whenever it was not measured.
+    /// The process's commit charge before (bytes): Windows' private commit, which releasing
+    /// a checkpoint's ownership can lower without a similar drop in resident memory. `None`
+    /// where the OS has no per-process figure for it (Linux charges no commit for a
+    /// read-only file mapping and reports none per process).
+    #[serde(default)]
+    pub commit_before: Option<u64>,
+    /// The commit charge after (bytes), where measured.
+    #[serde(default)]
+    pub commit_after: Option<u64>,
+    /// True only when a measured drop of the commit charge (`commit_before` →
+    /// `commit_after`) backs the claim that releasing the mappings returned commit; a drop
+    /// of `RssFile` is resident memory, not commit, and proves nothing here. Conservative:
+    /// false whenever the commit was not measured.
     pub commit_recovery_proven: bool,
 }
 
@@ -516,6 +527,11 @@ impl DetachSummary {
             opt_bytes(self.rss_file_before),
             opt_bytes(self.rss_file_after)
         );
+        let commit = match (self.commit_before, self.commit_after) {
+            (Some(b), Some(a)) => format!("{} -> {}", format_bytes(b), format_bytes(a)),
+            _ => "not measured on this OS".to_string(),
+        };
+        let _ = writeln!(s, "  commit {commit}");
         let _ = writeln!(
             s,
             "  commit_recovery_proven: {}",
