@@ -125,6 +125,41 @@ fn copies_every_group_within_the_bound_and_releases_the_mapping() {
 }
 
 #[test]
+fn detach_leaves_device_residency_and_cache_capacities_alone() {
+    // The seed: detaching CPU sources "does not change GPU residency or cache capacities".
+    // A native_vmm attachment holds resident leaves and a pool; both stay as they were.
+    let f = fixture(false);
+    let (h, d) = attach(&f);
+    let residency =
+        |c: &Component| -> Vec<bool> { c.params().iter().map(|p| p.device().is_some()).collect() };
+    let device_before = residency(&f.component);
+    assert!(
+        device_before.iter().all(|r| *r),
+        "the fixture keeps every leaf resident"
+    );
+    let (m, pool) = (
+        ddo_core::Device::memory_info(&*d),
+        ddo_core::Device::native_pool_figures(&*d),
+    );
+    let report = h
+        .detach_auxiliary_cpu_sources(true, 16 * 1024 * 1024)
+        .unwrap();
+    assert!(report.bytes_copied > 0, "{report:?}");
+    assert_eq!(residency(&f.component), device_before);
+    let after = ddo_core::Device::memory_info(&*d);
+    assert_eq!(
+        (
+            after.allocated,
+            after.reserved,
+            after.capacity,
+            after.pinned_host
+        ),
+        (m.allocated, m.reserved, m.capacity, m.pinned_host)
+    );
+    assert_eq!(ddo_core::Device::native_pool_figures(&*d), pool);
+}
+
+#[test]
 fn groups_beyond_the_bound_are_skipped_with_a_reason_and_the_mapping_kept() {
     let f = fixture(false);
     let (h, _d) = attach(&f);
