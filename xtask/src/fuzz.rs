@@ -1,21 +1,68 @@
 //! `cargo xtask fuzz [--seconds N] [--target NAME]`: runs the cargo-fuzz targets in
-//! `fuzz/` (checkpoint headers, sharded indexes) for N seconds each (default 60), starting
-//! from the committed seed corpus `fuzz/corpus/<target>/`, and reports the executions.
+//! `fuzz/` (checkpoint headers, sharded indexes, `ddo` argument vectors) for N seconds each
+//! (default 60), starting from the committed seed corpus `fuzz/corpus/<target>/`, and
+//! reports the executions.
 //!
 //! Needs the nightly toolchain (`rustup toolchain install nightly`) and cargo-fuzz, which
 //! this task installs with `cargo install cargo-fuzz` when it is missing. New inputs
 //! libFuzzer finds go to `fuzz/target/corpus/<target>/` (ignored), never into the seeds;
-//! crashes go to `fuzz/artifacts/<target>/` and fail the task. Each run is capped by
-//! `-malloc_limit_mb=64` (an allocation that follows what a header claims is a crash) and
-//! `-max_len=8192`. Not part of CI: CI is stable-only; the seeds are replayed on stable by
-//! `crates/ddo-core/tests/safetensors.rs`.
+//! crashes go to `fuzz/artifacts/<target>/` and fail the task (libFuzzer's whole output is
+//! kept in `fuzz/target/<target>.log`). Each run is capped by
+//! `-malloc_limit_mb=64` (an allocation that follows what a header claims is a crash),
+//! `-max_len=8192` and the target's `-timeout` (an input running longer is a hang, a
+//! crash). `DDO_*` variables are removed from the targets' environment (`cli_args` runs the
+//! command, which would read them). Not part of CI: CI is stable-only; the seeds are
+//! replayed on stable by `crates/ddo-core/tests/safetensors.rs` and
+//! `crates/ddo-cli/tests/cli_args_seeds.rs`.
 
 use std::process::{Command, Stdio};
 
 use crate::workspace_root;
 
 /// The fuzz targets, in `fuzz/fuzz_targets/`.
-pub const TARGETS: [&str; 2] = ["safetensors_header", "sharded_index"];
+pub const TARGETS: [&str; 3] = ["safetensors_header", "sharded_index", "cli_args"];
+
+/// How a target is built and run beyond what every target shares.
+struct Profile {
+    /// libFuzzer's `-timeout`, in seconds: one input running longer is a hang, a crash.
+    timeout_seconds: u32,
+    /// Options of `cargo fuzz run` itself.
+    build: &'static [&'static str],
+    /// A target folder of its own under `fuzz/target/` (builds with other options would
+    /// otherwise rebuild each other).
+    target_dir: Option<&'static str>,
+    /// More libFuzzer options.
+    run: &'static [&'static str],
+}
+
+/// The header targets parse a few KiB, with every comparison traced. `cli_args` may run the
+/// tiny pipeline at 16x16 pixels (tens of milliseconds under AddressSanitizer, most of it in
+/// the compute kernels): it is built without comparison tracing (its values come from
+/// dictionaries, not from matching compared bytes; a fifth of its time went to the traced
+/// comparisons of matrix packing) and slow inputs are mutated less often
+/// (`-entropic_scale_per_exec_time`): with the limits of `ddo_cli::fuzz_argv`, about 1,200
+/// executions per second on two cores instead of 500. Its largest single allocation stays
+/// well under the shared 64 MB malloc limit. libFuzzer's leak check after an input is off
+/// for it: the host backend's stream workers are detached threads that free their queue
+/// and state after the device that owned them is dropped, so that check races with them (one
+/// report in 400,000 executions, not reproduced by the input); memory that really grows is
+/// still caught by `-rss_limit_mb`, and `cargo xtask soak` checks the resident set.
+fn profile(target: &str) -> Profile {
+    match target {
+        "cli_args" => Profile {
+            timeout_seconds: 10,
+            build: &["--no-trace-compares"],
+            target_dir: Some("target/no-trace-compares"),
+            run: &["-entropic_scale_per_exec_time=1", "-detect_leaks=0"],
+        },
+        _ => Profile {
+            timeout_seconds: 5,
+            build: &[],
+            target_dir: None,
+            run: &[],
+        },
+    }
+}
 
 fn works(cmd: &mut Command) -> bool {
     cmd.stdout(Stdio::null())
@@ -97,9 +144,16 @@ pub fn fuzz(args: &[String]) -> Result<(), String> {
         let work = fuzz_dir.join("target/corpus").join(target);
         std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
         let seeds = fuzz_dir.join("corpus").join(target);
+        let profile = profile(target);
         let mut cmd = Command::new("cargo");
         cmd.current_dir(&fuzz_dir)
-            .args(["+nightly", "fuzz", "run", target.as_str()])
+            .args(["+nightly", "fuzz", "run"])
+            .args(profile.build);
+        if let Some(dir) = profile.target_dir {
+            cmd.arg("--target-dir").arg(fuzz_dir.join(dir));
+        }
+        // The corpus folders are absolute: `cli_args` changes its working directory.
+        cmd.arg(target.as_str())
             .arg(&work)
             .arg(&seeds)
             .args([
@@ -108,29 +162,45 @@ pub fn fuzz(args: &[String]) -> Result<(), String> {
                 "-malloc_limit_mb=64",
                 "-rss_limit_mb=2048",
                 "-max_len=8192",
+                &format!("-timeout={}", profile.timeout_seconds),
                 "-print_final_stats=1",
-            ]);
+            ])
+            .args(profile.run);
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("DDO_") {
+                cmd.env_remove(key);
+            }
+        }
         eprintln!("$ {cmd:?}");
         let out = cmd
             .output()
             .map_err(|e| format!("cannot start cargo fuzz: {e}"))?;
         let text = String::from_utf8_lossy(&out.stderr).into_owned()
             + &String::from_utf8_lossy(&out.stdout);
+        // The whole output (a leak or sanitizer report is longer than the tail shown).
+        let log = fuzz_dir.join("target").join(format!("{target}.log"));
+        let _ = std::fs::write(&log, &text);
         if !out.status.success() {
             let tail: Vec<&str> = text.lines().rev().take(40).collect();
             for l in tail.iter().rev() {
                 eprintln!("{l}");
             }
             return Err(format!(
-                "fuzz target {target} failed ({}); the crashing input is in fuzz/artifacts/{target}/",
-                out.status
+                "fuzz target {target} failed ({}); the crashing input is in fuzz/artifacts/{target}/, the whole output in {}",
+                out.status,
+                log.display()
             ));
         }
         let n = executions(&text).ok_or_else(|| {
             format!("fuzz target {target}: no `Done N runs` line in libFuzzer's output")
         })?;
         total += n;
-        report.push(format!("{target}: {n} executions in {seconds} s, no crash"));
+        let done = text
+            .lines()
+            .rfind(|l| l.trim().starts_with("Done "))
+            .unwrap_or_default()
+            .trim();
+        report.push(format!("{target}: {n} executions ({done}), no crash"));
     }
     for line in &report {
         println!("fuzz: {line}");
@@ -154,6 +224,26 @@ mod tests {
             (5, vec!["sharded_index".to_string()])
         );
         assert_eq!(parse(&[]).unwrap().1.len(), TARGETS.len());
+        assert_eq!(
+            parse(&args(&["--target", "cli_args"])).unwrap().1,
+            ["cli_args"]
+        );
+        let manifest = std::fs::read_to_string(workspace_root().join("fuzz/Cargo.toml")).unwrap();
+        for t in TARGETS {
+            assert!(
+                manifest.contains(&format!("name = \"{t}\"")),
+                "{t}: no [[bin]]"
+            );
+            let source = workspace_root().join(format!("fuzz/fuzz_targets/{t}.rs"));
+            assert!(source.is_file(), "{}", source.display());
+            assert!(
+                workspace_root().join("fuzz/corpus").join(t).is_dir(),
+                "{t}: no seeds"
+            );
+            let p = profile(t);
+            assert!(p.timeout_seconds > 0);
+            assert!(p.target_dir.is_none_or(|d| d.starts_with("target/")), "{t}");
+        }
         assert!(parse(&args(&["--seconds", "0"])).is_err());
         assert!(parse(&args(&["--target", "nope"])).is_err());
     }

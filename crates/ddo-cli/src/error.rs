@@ -53,9 +53,10 @@ impl CliError {
         }
     }
 
-    /// Prefixes the message with where it happened (`loading weights: ...`).
+    /// Prefixes the message with where it happened (`loading weights: ...`), still one line
+    /// (`what` may hold a path the user gave, newlines included).
     pub fn context(mut self, what: &str) -> Self {
-        self.message = format!("{what}: {}", self.message);
+        self.message = one_line(&format!("{what}: {}", self.message));
         self
     }
 }
@@ -123,5 +124,22 @@ impl From<CudaError> for CliError {
             kind: ErrorKind::Runtime,
             message: one_line(&e.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_is_one_line_context_included() {
+        let e = CliError::runtime("cannot read\nx", "check\tit")
+            .context("--weights a\nb\r\nc")
+            .context("loading");
+        assert_eq!(
+            e.message,
+            "loading: --weights a b c: cannot read x; hint: check it"
+        );
+        assert_eq!(e.exit_code(), 1);
     }
 }

@@ -26,6 +26,7 @@ pub mod args;
 pub mod bench;
 pub mod decode;
 pub mod error;
+pub mod fuzz_argv;
 pub mod inspect;
 pub mod io;
 pub mod outputs;
