@@ -809,29 +809,6 @@ pub fn bounded(mut argv: Vec<String>) -> Vec<String> {
                 .then(|| "cpu".into())
         });
     }
-    // CAMPAIGN-ONLY (not committed): `--weights ""` lets an output overwrite the weights
-    // (outputs.rs drops inputs it cannot canonicalize); avoided until fixed.
-    for v in values_of(&mut argv, "weights") {
-        rewrite(v, |v| v.is_empty().then(|| "missing".into()));
-    }
-    // CAMPAIGN-ONLY: a tiled decode estimate enumerates every tile start (vae.rs
-    // `tile_starts`): a huge side takes seconds and gigabytes before the plan refuses.
-    let huge_side = ["height", "width"].iter().any(|n| {
-        values_of(&mut argv, n)
-            .iter()
-            .any(|v| count(value_part(v)).is_some_and(|c| c > 1 << 20))
-    });
-    if huge_side && argv.first().is_some_and(|c| c == "run" || c == "resolve") {
-        for v in values_of(&mut argv, "tiled-decode") {
-            rewrite(v, |_| Some("off".into()));
-        }
-        if !argv
-            .iter()
-            .any(|a| a == "--tiled-decode" || a.starts_with("--tiled-decode="))
-        {
-            argv.push("--tiled-decode=off".into());
-        }
-    }
     let command = argv.first().cloned().unwrap_or_default();
     if command != "run" && command != "bench" {
         return argv;

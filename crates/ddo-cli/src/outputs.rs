@@ -107,7 +107,15 @@ impl Outputs {
     ) -> CliResult<Self> {
         let inputs: Vec<(&str, PathBuf)> = inputs
             .iter()
-            .filter_map(|(o, p)| fs::canonicalize(p).ok().map(|c| (*o, c)))
+            // An empty path is the current folder to the loaders that read it.
+            .filter_map(|(o, p)| {
+                let p = if p.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    p
+                };
+                fs::canonicalize(p).ok().map(|c| (*o, c))
+            })
             .collect();
         let mut planned: Vec<Planned> = Vec::with_capacity(outputs.len());
         for (option, path) in outputs {
@@ -228,6 +236,16 @@ impl Outputs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_input_path_is_the_current_folder() {
+        let cwd = std::env::current_dir().unwrap();
+        let inside = cwd.join("Cargo.toml");
+        let err = Outputs::plan(&[("--out", &inside)], &[("--weights", Path::new(""))])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("writing it would destroy an input"), "{err}");
+    }
 
     struct Dir(PathBuf);
 

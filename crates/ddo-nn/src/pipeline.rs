@@ -622,6 +622,13 @@ pub type Progress<'a> = &'a mut dyn FnMut(&str, usize, usize);
 /// pair `(u1, u2)` into `r·cos θ, r·sin θ` with `r = √(−2 ln u1)`, `θ = 2π u2` (f64, rounded to
 /// f32).
 pub fn gaussian_noise(seed: u64, n: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(n + 1);
+    fill_gaussian_noise(seed, n, &mut out);
+    out
+}
+
+/// [`gaussian_noise`] into `out` (empty, with room for `n + 1` values).
+fn fill_gaussian_noise(seed: u64, n: usize, out: &mut Vec<f32>) {
     let mut state = seed;
     let mut next = || {
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -631,7 +638,6 @@ pub fn gaussian_noise(seed: u64, n: usize) -> Vec<f32> {
         z ^ (z >> 31)
     };
     let mut uniform = || ((next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-    let mut out = Vec::with_capacity(n + 1);
     while out.len() < n {
         let (u1, u2) = (uniform(), uniform());
         let r = (-2.0 * u1.ln()).sqrt();
@@ -640,7 +646,6 @@ pub fn gaussian_noise(seed: u64, n: usize) -> Vec<f32> {
         out.push((r * theta.sin()) as f32);
     }
     out.truncate(n);
-    out
 }
 
 fn round_to(dtype: DType, v: f32) -> f32 {
@@ -941,7 +946,21 @@ impl FluxPipeline {
                             "give 1 or more images, few enough that their noise fits in memory",
                         )
                     })?;
-                let noise = gaussian_noise(*seed, count);
+                // The noise is made on the host first: refused, not aborted, when it does
+                // not fit in host memory.
+                let mut noise = Vec::new();
+                noise
+                    .try_reserve_exact(count.saturating_add(1))
+                    .map_err(|_| {
+                        invalid(
+                            "height/width",
+                            format!("{height}x{width}"),
+                            format!(
+                                "the initial noise of {n} image(s) ({count} values) does not fit in host memory: give a smaller --height/--width or --num-images"
+                            ),
+                        )
+                    })?;
+                fill_gaussian_noise(*seed, count, &mut noise);
                 let t = ops.tensor_from_f32(&[n, c, h, w], DType::F32, &noise)?;
                 pack_latents(ops, &t)?
             }
