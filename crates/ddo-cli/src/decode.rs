@@ -93,7 +93,7 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let weights = need("weights", "VAE_DIR")?;
     let latents_path = need("latents", "FILE.safetensors")?;
     let out_path = need("out", "OUT.png")?;
-    let out_kind = output_kind(&out_path)?;
+    let out_kind = output_kind("--out", &out_path)?;
     // The latents say how many images there are, hence which files to plan.
     let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
     let images = match latents.shape.as_slice() {

@@ -173,13 +173,14 @@ pub enum OutputKind {
     Safetensors,
 }
 
-/// The output kind of `path`, from its extension.
-pub fn output_kind(path: &Path) -> CliResult<OutputKind> {
+/// The output kind of `path`, from its extension (either case); `option` names the option
+/// that gave it in the refusal.
+pub fn output_kind(option: &str, path: &Path) -> CliResult<OutputKind> {
     match path.extension().and_then(|e| e.to_str()) {
         Some(e) if e.eq_ignore_ascii_case("png") => Ok(OutputKind::Png),
-        Some("safetensors") => Ok(OutputKind::Safetensors),
+        Some(e) if e.eq_ignore_ascii_case("safetensors") => Ok(OutputKind::Safetensors),
         _ => Err(CliError::usage(
-            format!("--out {}: unknown output type", path.display()),
+            format!("{option} {}: unknown output type", path.display()),
             "end the name in .png (an image) or .safetensors (the decoded tensor `sample`, f32 NCHW)",
         )),
     }

@@ -412,10 +412,10 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;
     let out_path = PathBuf::from(args.get("out").unwrap_or("ddo-out.png"));
-    let out_kind = output_kind(&out_path)?;
+    let out_kind = output_kind("--out", &out_path)?;
     let save_latents = args.get("save-latents").map(PathBuf::from);
     if let Some(p) = &save_latents
-        && output_kind(p)? != OutputKind::Safetensors
+        && output_kind("--save-latents", p).ok() != Some(OutputKind::Safetensors)
     {
         return Err(CliError::usage(
             format!("--save-latents {}: not a .safetensors name", p.display()),

@@ -169,6 +169,36 @@ fn the_default_preset_keeps_what_fits_resident_and_streams_the_rest() {
             "{command}: {err}"
         );
     }
+    // With a budget no device has the plan passes, and the noise is refused, blamed on the
+    // size that overflows it.
+    let out = ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--height",
+        "4294967296",
+        "--width",
+        "4294967296",
+        "--vram-budget",
+        "18446744073709551615",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("height/width"), "{err}");
+    // The fixture's 2x VAE at 2^31 latent rows, 178 million tiles of Diffusers' tiling: the
+    // plan bounds the tiled decode without walking the tiles, and refuses the budget.
+    let out = ddo(&[
+        "resolve",
+        "--weights",
+        repo().join("fixtures/flux_pipeline").to_str().unwrap(),
+        "--height",
+        "4294967297",
+        "--width",
+        "4",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("too small"), "{err}");
 }
 
 #[test]
@@ -927,6 +957,20 @@ fn outputs_never_overwrite_inputs_and_are_checked_first() {
                 d.join("missing/x.png").to_str().unwrap(),
             ],
             "cannot be used",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "tiny",
+                "--save-latents",
+                d.to_str().unwrap(),
+            ],
+            "--save-latents",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--out", d.to_str().unwrap()],
+            "--out",
         ),
     ] {
         let out = ddo(&args);

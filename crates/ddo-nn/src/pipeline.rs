@@ -935,17 +935,25 @@ impl FluxPipeline {
         let n = images;
         let packed = match init {
             InitLatents::Seed(seed) => {
-                let count = [n, c, h, w]
-                    .into_iter()
-                    .try_fold(1usize, usize::checked_mul)
-                    .filter(|&k| k > 0)
-                    .ok_or_else(|| {
+                if n == 0 {
+                    return Err(invalid("num_images", "0", "give 1 or more images"));
+                }
+                let per_image = c.checked_mul(h).and_then(|k| k.checked_mul(w));
+                let count = per_image.and_then(|k| k.checked_mul(n)).ok_or_else(|| {
+                    if per_image.is_none() {
+                        invalid(
+                            "height/width",
+                            format!("{height}x{width}"),
+                            "the initial noise of one image has more values than memory can address: give a smaller --height/--width",
+                        )
+                    } else {
                         invalid(
                             "num_images",
                             n.to_string(),
-                            "give 1 or more images, few enough that their noise fits in memory",
+                            "the images' initial noise has more values than memory can address: give a smaller --num-images or --height/--width",
                         )
-                    })?;
+                    }
+                })?;
                 // The noise is made on the host first: refused, not aborted, when it does
                 // not fit in host memory.
                 let mut noise = Vec::new();
