@@ -82,6 +82,10 @@ pub const OPTIONS: &[OptSpec] = &[
         "timeline",
         "trace streamed candidates (timeline=true) and print where the copy engine sat idle",
     ),
+    flag(
+        "profile",
+        "after the timed forwards, one more with every op timed: device time per op class",
+    ),
 ];
 
 /// The candidates when none are given: every route, group offload in its three shapes.
@@ -124,6 +128,9 @@ pub struct CandidateResult {
     pub setup_seconds: f64,
     /// The route's pinned host bytes at their peak.
     pub peak_pinned_host_bytes: u64,
+    /// Device time per op class of one more forward (`--profile`, where the device keeps
+    /// one).
+    pub op_profile: Option<ddo_core::OpProfile>,
 }
 
 enum Candidate {
@@ -491,6 +498,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let context = ddo_core::FootprintContext::of(&*probe);
     drop(probe);
     let timeline = args.flag("timeline");
+    let profile = args.flag("profile");
 
     // Candidates are explicit: the environment is never read (use_environment is false).
     let env = ddo_core::MapEnvironment::default();
@@ -534,6 +542,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             };
             let setup_seconds = attach_started.elapsed().as_secs_f64();
             let route = offload.handle(&name)?.spec().describe();
+            let mut op_profile = None;
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
                 let inputs = workload.prepare(&*device)?;
                 for _ in 0..warmup {
@@ -549,6 +558,12 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 }
                 let peak = device.memory_info().peak_allocated;
                 let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
+                if profile && device.begin_op_profile() {
+                    let forward = workload.forward(&*device, &inputs);
+                    let ended = device.end_op_profile();
+                    forward?;
+                    op_profile = ended?;
+                }
                 Ok((seconds, peak, (after - before) / repeats as u64))
             })();
             let snapshot = offload.handle(&name).ok().map(|h| h.metrics_snapshot());
@@ -576,6 +591,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 timeline: traced,
                 setup_seconds,
                 peak_pinned_host_bytes,
+                op_profile,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -593,6 +609,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             timeline: None,
             setup_seconds: 0.0,
             peak_pinned_host_bytes: 0,
+            op_profile: None,
         }));
     }
     bar.finish();
@@ -670,6 +687,20 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                     r.label,
                     t.format_text((r.floor_seconds > 0.0).then_some(r.floor_seconds * 1e3))
                 );
+            }
+        }
+        if profile {
+            for r in &results {
+                match &r.op_profile {
+                    Some(p) => {
+                        s += &format!("\n{}: device time per op class, one forward\n", r.label);
+                        s += &p.format_text();
+                    }
+                    None if r.error.is_none() => {
+                        s += &format!("\n{}: this device keeps no per-op profile\n", r.label);
+                    }
+                    None => {}
+                }
             }
         }
         if let Some(p) = &out_json {

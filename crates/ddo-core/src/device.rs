@@ -428,6 +428,18 @@ pub trait Device: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Starts a per-op profile of this device's [`Ops`] ([`crate::profile`]); `false`
+    /// where the backend keeps none.
+    fn begin_op_profile(&self) -> bool {
+        false
+    }
+
+    /// Ends the profile [`Device::begin_op_profile`] started: waits for its ops and returns
+    /// their device time by op class. `None` when none was started or the backend keeps none.
+    fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {
+        Ok(None)
+    }
+
     /// The native VMM pool's exact figures (peaks since the last [`Device::reset_peak`]),
     /// when the native allocator serves this device; `None` otherwise.
     fn native_pool_figures(&self) -> Option<NativePoolFigures> {

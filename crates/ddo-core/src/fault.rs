@@ -436,6 +436,14 @@ impl Device for FaultInjectingDevice {
         self.inner.empty_cache()
     }
 
+    fn begin_op_profile(&self) -> bool {
+        self.inner.begin_op_profile()
+    }
+
+    fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {
+        self.inner.end_op_profile()
+    }
+
     fn ops(&self) -> Option<&dyn Ops> {
         self.inner.ops().map(|_| self as &dyn Ops)
     }

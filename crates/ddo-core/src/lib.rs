@@ -16,6 +16,7 @@
 //!   [`resolve`](resolve::resolve)r that encodes the seed's VAE table;
 //! - `detach_auxiliary_cpu_sources` ([`detach`]);
 //! - what a route will hold before it attaches ([`Footprint`]);
+//! - per-op device-time [`profile`]s that both backends record;
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
 //! - the host backend ([`HostDevice`]): host memory with a capacity, exact accounting and
@@ -36,6 +37,7 @@ pub mod host_backend;
 pub mod host_ops;
 pub mod ops;
 pub mod param;
+pub mod profile;
 pub mod reference;
 pub mod residency;
 pub mod resolve;
@@ -61,6 +63,7 @@ pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice,
 pub use host_backend::{HostDevice, HostDeviceConfig};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
+pub use profile::{OpClassTime, OpProfile, OpProfiler};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
 pub use route::{AttachedRoute, ComponentProgram, ForwardContext, LeafWeights, Route};
 pub use tensor::{Tensor, TensorStorage};

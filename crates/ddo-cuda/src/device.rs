@@ -568,9 +568,16 @@ pub struct CudaDevice {
     /// list holds its only handle (the copy that read it last has completed and retired).
     upload_staging: Mutex<Vec<HostBuffer>>,
     config: CudaDeviceConfig,
+    /// The per-op profile recorder every op runs through (`ops/mod.rs`).
+    profiler: ddo_core::OpProfiler,
 }
 
 impl CudaDevice {
+    /// The per-op profile recorder ([`Device::begin_op_profile`]).
+    pub(crate) fn profiler(&self) -> &ddo_core::OpProfiler {
+        &self.profiler
+    }
+
     /// Device `ordinal` with default settings. Checks that the driver library loads and
     /// that the device exists before any other driver call.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
@@ -625,6 +632,7 @@ impl CudaDevice {
             upload_staging: Mutex::new(Vec::new()),
             shared,
             config,
+            profiler: ddo_core::OpProfiler::new(),
         });
         if config.native_vmm {
             device.install_native_vmm()?;
@@ -1432,6 +1440,17 @@ impl Device for CudaDevice {
         native
             .release_idle(&gate)
             .map_err(|e| self.core(CudaError::Vmm(e)))
+    }
+
+    /// Every op is bracketed by two timed events on the compute stream until the profile
+    /// ends.
+    fn begin_op_profile(&self) -> bool {
+        self.profiler.begin();
+        true
+    }
+
+    fn end_op_profile(&self) -> ddo_core::Result<Option<ddo_core::OpProfile>> {
+        self.profiler.finish(self)
     }
 
     /// Waits for the device, returns the caching allocator's idle segments to the driver

@@ -16,6 +16,7 @@
 //! permute, upsample, embedding), and the GEMM/convolution/attention files (`gemm`, `conv`,
 //! `attention`).
 
+use ddo_core::profile::{self, tensor_bytes};
 pub(crate) use ddo_core::shape::{
     broadcast_shape, broadcast_strides, coalesce, contiguous_strides,
 };
@@ -253,6 +254,25 @@ pub(crate) fn scratch(dev: &CudaDevice, bytes: usize) -> Result<(DeviceBuffer, u
     Ok((buffer, ptr))
 }
 
+/// Optional tensors as a list (for [`tensor_bytes`]).
+fn some<'a>(ts: &[Option<&'a Tensor>]) -> Vec<&'a Tensor> {
+    ts.iter().flatten().copied().collect()
+}
+
+impl CudaDevice {
+    /// Runs op `f` through the device's [`OpProfiler`](ddo_core::OpProfiler).
+    fn op(
+        &self,
+        op: &str,
+        variant: Option<&dyn std::fmt::Debug>,
+        in_bytes: u64,
+        flops: profile::FlopCount<'_>,
+        f: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.profiler().run(self, op, variant, in_bytes, flops, f)
+    }
+}
+
 impl Ops for CudaDevice {
     fn tensor_from_f32(&self, shape: &[usize], dtype: DType, values: &[f32]) -> Result<Tensor> {
         layout::tensor_from_f32(self, shape, dtype, values)
@@ -263,11 +283,24 @@ impl Ops for CudaDevice {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        gemm::linear(self, x, w, bias)
+        let inputs = [&[x, w][..], &some(&[bias])].concat();
+        self.op(
+            "linear",
+            None,
+            tensor_bytes(&inputs),
+            &|_| profile::linear_flops(&[x], w),
+            || gemm::linear(self, x, w, bias),
+        )
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        gemm::matmul(self, a, b)
+        self.op(
+            "matmul",
+            None,
+            tensor_bytes(&[a, b]),
+            &|out| profile::matmul_flops(a, out),
+            || gemm::matmul(self, a, b),
+        )
     }
 
     fn conv2d(
@@ -277,7 +310,14 @@ impl Ops for CudaDevice {
         bias: Option<&Tensor>,
         params: ddo_core::Conv2dParams,
     ) -> Result<Tensor> {
-        conv::conv2d(self, x, w, bias, params)
+        let inputs = [&[x, w][..], &some(&[bias])].concat();
+        self.op(
+            "conv2d",
+            None,
+            tensor_bytes(&inputs),
+            &|out| profile::conv2d_flops(w, out),
+            || conv::conv2d(self, x, w, bias, params),
+        )
     }
 
     fn group_norm(
@@ -288,7 +328,14 @@ impl Ops for CudaDevice {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        norm::group_norm(self, x, groups, weight, bias, eps)
+        let inputs = [&[x][..], &some(&[weight, bias])].concat();
+        self.op(
+            "group_norm",
+            None,
+            tensor_bytes(&inputs),
+            &profile::no_flops,
+            || norm::group_norm(self, x, groups, weight, bias, eps),
+        )
     }
 
     fn layer_norm(
@@ -298,43 +345,103 @@ impl Ops for CudaDevice {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        norm::layer_norm(self, x, weight, bias, eps)
+        let inputs = [&[x][..], &some(&[weight, bias])].concat();
+        self.op(
+            "layer_norm",
+            None,
+            tensor_bytes(&inputs),
+            &profile::no_flops,
+            || norm::layer_norm(self, x, weight, bias, eps),
+        )
     }
 
     fn rms_norm(&self, x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<Tensor> {
-        norm::rms_norm(self, x, weight, eps)
+        let inputs = [&[x][..], &some(&[weight])].concat();
+        self.op(
+            "rms_norm",
+            None,
+            tensor_bytes(&inputs),
+            &profile::no_flops,
+            || norm::rms_norm(self, x, weight, eps),
+        )
     }
 
     fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-        elementwise::unary(self, x, op)
+        self.op(
+            "unary",
+            Some(&op),
+            tensor_bytes(&[x]),
+            &profile::no_flops,
+            || elementwise::unary(self, x, op),
+        )
     }
 
     fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
-        elementwise::unary_owned(self, x, op)
+        let bytes = tensor_bytes(&[&x]);
+        self.op("unary", Some(&op), bytes, &profile::no_flops, || {
+            elementwise::unary_owned(self, x, op)
+        })
     }
 
     fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        gemm::linear_concat(self, xs, w, bias)
+        let inputs = [xs, &[w][..], &some(&[bias])].concat();
+        self.op(
+            "linear",
+            None,
+            tensor_bytes(&inputs),
+            &|_| profile::linear_flops(xs, w),
+            || gemm::linear_concat(self, xs, w, bias),
+        )
     }
 
     fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
-        elementwise::binary(self, a, b, op)
+        self.op(
+            "binary",
+            Some(&op),
+            tensor_bytes(&[a, b]),
+            &profile::no_flops,
+            || elementwise::binary(self, a, b, op),
+        )
     }
 
     fn affine(&self, x: &Tensor, mul: f32, add: f32) -> Result<Tensor> {
-        elementwise::affine(self, x, mul, add)
+        self.op(
+            "affine",
+            None,
+            tensor_bytes(&[x]),
+            &profile::no_flops,
+            || elementwise::affine(self, x, mul, add),
+        )
     }
 
     fn softmax(&self, x: &Tensor) -> Result<Tensor> {
-        norm::softmax(self, x)
+        self.op(
+            "softmax",
+            None,
+            tensor_bytes(&[x]),
+            &profile::no_flops,
+            || norm::softmax(self, x),
+        )
     }
 
     fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        norm::reduce(self, x, dim, op)
+        self.op(
+            "reduce",
+            Some(&op),
+            tensor_bytes(&[x]),
+            &profile::no_flops,
+            || norm::reduce(self, x, dim, op),
+        )
     }
 
     fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {
-        layout::upsample_nearest2x(self, x)
+        self.op(
+            "upsample_nearest2x",
+            None,
+            tensor_bytes(&[x]),
+            &profile::no_flops,
+            || layout::upsample_nearest2x(self, x),
+        )
     }
 
     fn attention(
@@ -345,31 +452,59 @@ impl Ops for CudaDevice {
         mask: Option<&Tensor>,
         scale: f32,
     ) -> Result<Tensor> {
-        attention::attention(self, q, k, v, mask, scale)
+        let inputs = [&[q, k, v][..], &some(&[mask])].concat();
+        self.op(
+            "attention",
+            None,
+            tensor_bytes(&inputs),
+            &|out| profile::attention_flops(q, k, out),
+            || attention::attention(self, q, k, v, mask, scale),
+        )
     }
 
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        elementwise::rope(self, x, cos, sin)
+        self.op(
+            "rope",
+            None,
+            tensor_bytes(&[x, cos, sin]),
+            &profile::no_flops,
+            || elementwise::rope(self, x, cos, sin),
+        )
     }
 
     fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
-        layout::concat(self, xs, dim)
+        self.op("concat", None, tensor_bytes(xs), &profile::no_flops, || {
+            layout::concat(self, xs, dim)
+        })
     }
 
     fn narrow(&self, x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        layout::narrow(self, x, dim, start, len)
+        // A view or a copy of the narrowed part: the bytes counted are the output's.
+        self.op("narrow", None, 0, &profile::no_flops, || {
+            layout::narrow(self, x, dim, start, len)
+        })
     }
 
     fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-        layout::permute(self, x, dims)
+        self.op(
+            "permute",
+            None,
+            tensor_bytes(&[x]),
+            &profile::no_flops,
+            || layout::permute(self, x, dims),
+        )
     }
 
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        elementwise::cast(self, x, dtype)
+        self.op("cast", None, tensor_bytes(&[x]), &profile::no_flops, || {
+            elementwise::cast(self, x, dtype)
+        })
     }
 
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        layout::embedding(self, table, ids)
+        self.op("embedding", None, 0, &profile::no_flops, || {
+            layout::embedding(self, table, ids)
+        })
     }
 }
 

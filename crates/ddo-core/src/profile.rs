@@ -1,0 +1,319 @@
+//! Per-op profiles: the device time of every [`Ops`](crate::Ops) call a backend runs
+//! between [`Device::begin_op_profile`] and [`Device::end_op_profile`], summed by op class
+//! (`linear`, `attention`, `binary.Mul`, ...), with the floating-point work of the GEMM-like
+//! ops and the bytes every op reads and writes, so the next compute gap is visible without
+//! guessing (`ddo bench --profile`).
+//!
+//! A backend owns one [`OpProfiler`] and runs each op through [`OpProfiler::run`]: when no
+//! profile is active that is one atomic load; when one is, the op is bracketed by two timed
+//! events on the compute stream ([`Device::record_timed_event`]), resolved when the profile
+//! ends. Bracketing serialises nothing that was not serial already: ops are queued in
+//! order on one stream. Copies of a streaming route run on other streams and are not ops,
+//! so a profile of a streamed forward shows compute only, waits on copies included in the
+//! op that waited.
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Debug};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::device::{Device, Event};
+use crate::{Result, Tensor};
+
+/// One op class of a [`OpProfile`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OpClassTime {
+    /// The class: the [`Ops`](crate::Ops) method, with the variant for `unary`, `binary`
+    /// and `reduce` (`binary.Mul`).
+    pub op: String,
+    /// Calls.
+    pub calls: u64,
+    /// Device nanoseconds, summed over the calls.
+    pub ns: u64,
+    /// Floating-point operations (a multiply-add counts two) of the GEMM-like ops
+    /// (`linear`, `matmul`, `conv2d`, `attention`); 0 for the others.
+    pub flops: u64,
+    /// Bytes of the inputs and outputs, summed over the calls (each tensor counted once per
+    /// call, as if read or written once).
+    pub bytes: u64,
+}
+
+/// A per-op profile: the classes, the most time first.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct OpProfile {
+    /// The op classes, by descending time.
+    pub classes: Vec<OpClassTime>,
+}
+
+impl OpProfile {
+    /// Device nanoseconds of all the ops.
+    pub fn total_ns(&self) -> u64 {
+        self.classes.iter().map(|c| c.ns).sum()
+    }
+
+    /// Calls of all the ops.
+    pub fn total_calls(&self) -> u64 {
+        self.classes.iter().map(|c| c.calls).sum()
+    }
+
+    /// The profile as a text table: class, calls, time, share of the total, and the rate
+    /// (TFLOP/s for the GEMM-like ops, GB/s of tensor bytes for the others).
+    pub fn format_text(&self) -> String {
+        let total = self.total_ns().max(1);
+        let w = self
+            .classes
+            .iter()
+            .map(|c| c.op.len())
+            .max()
+            .unwrap_or(2)
+            .max(8);
+        let mut s = format!(
+            "{:<w$} {:>7} {:>11} {:>7} {:>14}\n",
+            "op class", "calls", "time", "share", "rate"
+        );
+        for c in &self.classes {
+            let secs = c.ns as f64 / 1e9;
+            let rate = if secs <= 0.0 {
+                "-".to_string()
+            } else if c.flops > 0 {
+                format!("{:.1} TFLOP/s", c.flops as f64 / secs / 1e12)
+            } else {
+                format!("{:.0} GB/s", c.bytes as f64 / secs / 1e9)
+            };
+            s += &format!(
+                "{:<w$} {:>7} {:>8.3} ms {:>6.1}% {:>14}\n",
+                c.op,
+                c.calls,
+                c.ns as f64 / 1e6,
+                100.0 * c.ns as f64 / total as f64,
+                rate
+            );
+        }
+        s += &format!(
+            "{:<w$} {:>7} {:>8.3} ms\n",
+            "total",
+            self.total_calls(),
+            self.total_ns() as f64 / 1e6
+        );
+        s
+    }
+}
+
+/// One op recorded by an active profile, resolved at its end.
+struct Pending {
+    op: String,
+    flops: u64,
+    bytes: u64,
+    start: Event,
+    end: Event,
+}
+
+/// The recorder a backend runs its ops through (see the module docs).
+#[derive(Default)]
+pub struct OpProfiler {
+    active: AtomicBool,
+    pending: Mutex<Vec<Pending>>,
+}
+
+impl Debug for OpProfiler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpProfiler")
+            .field("active", &self.is_active())
+            .field("pending", &self.pending.lock().len())
+            .finish()
+    }
+}
+
+/// The flop count of an op, from its inputs and output (0 for ops that are not GEMM-like).
+pub type FlopCount<'a> = &'a dyn Fn(&Tensor) -> u64;
+
+impl OpProfiler {
+    /// A recorder with no profile active.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts a profile, dropping what an unfinished one had recorded.
+    pub fn begin(&self) {
+        self.pending.lock().clear();
+        self.active.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a profile is active.
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f`, an op of class `op` (`variant` appended after a dot) reading `in_bytes`
+    /// ([`tensor_bytes`] of its inputs), on `device`'s compute stream; while a profile is
+    /// active it is timed by two events and its bytes (inputs and output) and
+    /// `flops(output)` are recorded.
+    pub fn run(
+        &self,
+        device: &dyn Device,
+        op: &str,
+        variant: Option<&dyn Debug>,
+        in_bytes: u64,
+        flops: FlopCount<'_>,
+        f: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if !self.is_active() {
+            return f();
+        }
+        let stream = device.compute_stream();
+        let start = device.record_timed_event(&stream)?;
+        let out = f()?;
+        let end = device.record_timed_event(&stream)?;
+        let bytes = in_bytes.saturating_add(out.nbytes() as u64);
+        let op = match variant {
+            Some(v) => format!("{op}.{v:?}"),
+            None => op.to_string(),
+        };
+        self.pending.lock().push(Pending {
+            op,
+            flops: flops(&out),
+            bytes,
+            start,
+            end,
+        });
+        Ok(out)
+    }
+
+    /// Ends the active profile: waits for its ops and sums their times by class. `None`
+    /// when no profile was active or the device keeps no timestamps.
+    pub fn finish(&self, device: &dyn Device) -> Result<Option<OpProfile>> {
+        if !self.active.swap(false, Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let pending = std::mem::take(&mut *self.pending.lock());
+        let mut by_class: BTreeMap<String, OpClassTime> = BTreeMap::new();
+        for p in pending {
+            let Some(ns) = device.event_elapsed_ns(&p.start, &p.end)? else {
+                return Ok(None);
+            };
+            let c = by_class.entry(p.op.clone()).or_insert_with(|| OpClassTime {
+                op: p.op,
+                calls: 0,
+                ns: 0,
+                flops: 0,
+                bytes: 0,
+            });
+            c.calls += 1;
+            c.ns = c.ns.saturating_add(ns.max(0) as u64);
+            c.flops = c.flops.saturating_add(p.flops);
+            c.bytes = c.bytes.saturating_add(p.bytes);
+        }
+        let mut classes: Vec<OpClassTime> = by_class.into_values().collect();
+        classes.sort_by(|a, b| b.ns.cmp(&a.ns).then_with(|| a.op.cmp(&b.op)));
+        Ok(Some(OpProfile { classes }))
+    }
+}
+
+/// Bytes of `tensors` (an op's inputs, for [`OpProfiler::run`]).
+pub fn tensor_bytes(tensors: &[&Tensor]) -> u64 {
+    tensors.iter().map(|t| t.nbytes() as u64).sum()
+}
+
+/// No flops: the op is not GEMM-like.
+pub fn no_flops(_: &Tensor) -> u64 {
+    0
+}
+
+/// Flops of `linear(x, w)`: `2 · rows · n · k` for `x [.., k]` and `w [n, k]` (over all the
+/// `xs` of a `linear_concat`).
+pub fn linear_flops(xs: &[&Tensor], w: &Tensor) -> u64 {
+    let (n, k) = match w.shape() {
+        [n, k] => (*n as u64, *k as u64),
+        _ => return 0,
+    };
+    let rows: u64 = xs
+        .iter()
+        .map(|x| (x.numel() as u64).checked_div(k).unwrap_or(0))
+        .sum();
+    2u64.saturating_mul(rows)
+        .saturating_mul(n)
+        .saturating_mul(k)
+}
+
+/// Flops of `matmul(a, b) = out`: `2 · numel(out) · k`, `k` the last dimension of `a`.
+pub fn matmul_flops(a: &Tensor, out: &Tensor) -> u64 {
+    let k = a.shape().last().copied().unwrap_or(0) as u64;
+    2u64.saturating_mul(out.numel() as u64).saturating_mul(k)
+}
+
+/// Flops of a convolution with weight `w [cout, cin/groups, kh, kw]` producing `out`:
+/// `2 · numel(out) · cin/groups · kh · kw`.
+pub fn conv2d_flops(w: &Tensor, out: &Tensor) -> u64 {
+    let per_output: u64 = w.shape().iter().skip(1).map(|&d| d as u64).product();
+    2u64.saturating_mul(out.numel() as u64)
+        .saturating_mul(per_output)
+}
+
+/// Flops of attention with `q [.., lq, d]`, `k [.., lk, d]` and output `[.., lq, dv]`: the
+/// two GEMMs, `2 · numel(q) · lk + 2 · numel(out) · lk`.
+pub fn attention_flops(q: &Tensor, k: &Tensor, out: &Tensor) -> u64 {
+    let rank = k.shape().len();
+    let lk = if rank >= 2 { k.shape()[rank - 2] } else { 0 } as u64;
+    2u64.saturating_mul(lk)
+        .saturating_mul((q.numel() as u64).saturating_add(out.numel() as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    fn t(shape: &[usize]) -> Tensor {
+        let n = shape.iter().product();
+        Tensor::from_f32(shape.to_vec(), DType::F32, &vec![0.0; n]).unwrap()
+    }
+
+    #[test]
+    fn flop_counts_follow_the_gemm_shapes() {
+        assert_eq!(linear_flops(&[&t(&[2, 3, 4])], &t(&[5, 4])), 2 * 6 * 5 * 4);
+        assert_eq!(
+            linear_flops(&[&t(&[3, 4]), &t(&[1, 4])], &t(&[5, 4])),
+            2 * 4 * 5 * 4
+        );
+        assert_eq!(matmul_flops(&t(&[2, 3, 7]), &t(&[2, 3, 5])), 2 * 30 * 7);
+        assert_eq!(
+            conv2d_flops(&t(&[8, 4, 3, 3]), &t(&[1, 8, 5, 5])),
+            2 * 200 * 36
+        );
+        // q [1, 2, 3, 4], k [1, 2, 6, 4], out [1, 2, 3, 5]: 2·24·6 + 2·30·6.
+        assert_eq!(
+            attention_flops(&t(&[1, 2, 3, 4]), &t(&[1, 2, 6, 4]), &t(&[1, 2, 3, 5])),
+            2 * 24 * 6 + 2 * 30 * 6
+        );
+    }
+
+    #[test]
+    fn the_table_orders_classes_by_time_and_sums_them() {
+        let p = OpProfile {
+            classes: vec![
+                OpClassTime {
+                    op: "attention".into(),
+                    calls: 2,
+                    ns: 3_000_000,
+                    flops: 6_000_000_000,
+                    bytes: 0,
+                },
+                OpClassTime {
+                    op: "binary.Add".into(),
+                    calls: 4,
+                    ns: 1_000_000,
+                    flops: 0,
+                    bytes: 2_000_000_000,
+                },
+            ],
+        };
+        assert_eq!(p.total_ns(), 4_000_000);
+        let text = p.format_text();
+        assert!(text.contains("2.0 TFLOP/s"), "{text}");
+        assert!(text.contains("2000 GB/s"), "{text}");
+        assert!(text.contains("75.0%"), "{text}");
+        assert!(text.lines().last().unwrap().contains("4.000 ms"), "{text}");
+    }
+}
