@@ -779,6 +779,64 @@ fn bench_compares_routes_in_one_process() {
     assert!(cands[1]["ratio_to_floor"].as_f64().unwrap() > 0.0);
     let saved: Value = serde_json::from_str(&std::fs::read_to_string(&out_json).unwrap()).unwrap();
     assert_eq!(saved["candidates"].as_array().unwrap().len(), 5);
+    assert!(cands[0]["op_profile"].is_null(), "no profile unless asked");
+
+    // --profile: one more forward with every op timed, by class. The tiny transformer runs
+    // its linears and one attention per block (2 double + 2 single blocks, with the
+    // fixture's config) through the ops.
+    let v = json(&ddo(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--route",
+        "none",
+        "--profile",
+        "--json",
+    ]));
+    let profile = &v["candidates"][0]["op_profile"]["classes"];
+    let class = |name: &str| {
+        profile
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["op"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} in {profile}"))
+    };
+    assert!(
+        class("attention")["calls"].as_u64().unwrap() >= 2,
+        "{profile}"
+    );
+    assert!(class("attention")["flops"].as_u64().unwrap() > 0);
+    assert!(class("linear")["calls"].as_u64().unwrap() > 10, "{profile}");
+    let text = ok(&ddo(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--route",
+        "none",
+        "--profile",
+    ]));
+    assert!(
+        text.contains("device time per op class") && text.contains("TFLOP/s"),
+        "{text}"
+    );
 
     // A candidate that is refused is reported, the others still run.
     let text = ok(&ddo(&[

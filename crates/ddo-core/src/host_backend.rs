@@ -328,6 +328,8 @@ impl Drop for RegistrationToken {
 
 /// The host backend's device.
 pub struct HostDevice {
+    /// The ops [`Device::ops`] hands out: this device's, each through a per-op profiler.
+    profiled: crate::ProfiledOps,
     config: HostDeviceConfig,
     ledger: Arc<Ledger>,
     pinned: Arc<PinnedLedger>,
@@ -365,7 +367,8 @@ impl HostDevice {
         let instance = NEXT_INSTANCE.fetch_add(1, Ordering::Relaxed);
         let compute = Arc::new(HostStream::spawn(id, instance, 0)?);
         let streams = Mutex::new(vec![Arc::downgrade(&compute)]);
-        Ok(Arc::new(Self {
+        Ok(Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
+            profiled: crate::ProfiledOps::new(me.clone()),
             ledger: Arc::new(Ledger {
                 id,
                 instance,
@@ -832,8 +835,20 @@ impl Device for HostDevice {
         })
     }
 
+    /// This device's ops, each through its per-op profiler ([`crate::ProfiledOps`]).
     fn ops(&self) -> Option<&dyn Ops> {
-        Some(self)
+        Some(&self.profiled)
+    }
+
+    /// Every op is bracketed by two timestamped events on the compute stream until the
+    /// profile ends (host ops run on the calling thread, so their times are wall times).
+    fn begin_op_profile(&self) -> bool {
+        self.profiled.profiler().begin();
+        true
+    }
+
+    fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {
+        self.profiled.profiler().finish(self)
     }
 }
 

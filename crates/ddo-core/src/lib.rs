@@ -63,7 +63,7 @@ pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice,
 pub use host_backend::{HostDevice, HostDeviceConfig};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
-pub use profile::{OpClassTime, OpProfile, OpProfiler};
+pub use profile::{ComputeDevice, OpClassTime, OpProfile, OpProfiler, ProfiledOps};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
 pub use route::{AttachedRoute, ComponentProgram, ForwardContext, LeafWeights, Route};
 pub use tensor::{Tensor, TensorStorage};

@@ -4,23 +4,26 @@
 //! ops and the bytes every op reads and writes, so the next compute gap is visible without
 //! guessing (`ddo bench --profile`).
 //!
-//! A backend owns one [`OpProfiler`] and runs each op through [`OpProfiler::run`]: when no
-//! profile is active that is one atomic load; when one is, the op is bracketed by two timed
-//! events on the compute stream ([`Device::record_timed_event`]), resolved when the profile
-//! ends. Bracketing serialises nothing that was not serial already: ops are queued in
+//! A backend hands out a [`ProfiledOps`] from [`Device::ops`]: its own ops, each run through
+//! an [`OpProfiler`], with the op classes, input bytes and flop counts written here once for
+//! every backend. When no profile is active that costs one atomic load per op; when one is,
+//! the op is bracketed by two timed events on the compute stream
+//! ([`Device::record_timed_event`]), resolved when the profile ends. Bracketing serialises nothing that was not serial already: ops are queued in
 //! order on one stream. Copies of a streaming route run on other streams and are not ops,
 //! so a profile of a streamed forward shows compute only, waits on copies included in the
 //! op that waited.
 
 use std::collections::BTreeMap;
 use std::fmt::{self, Debug};
+use std::sync::Weak;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::device::{Device, Event};
-use crate::{Result, Tensor};
+use crate::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
+use crate::{CoreError, DType, Result, Tensor};
 
 /// One op class of a [`OpProfile`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -260,6 +263,260 @@ pub fn attention_flops(q: &Tensor, k: &Tensor, out: &Tensor) -> u64 {
         .saturating_mul((q.numel() as u64).saturating_add(out.numel() as u64))
 }
 
+/// A device with a compute plane: what [`ProfiledOps`] runs ops on.
+pub trait ComputeDevice: Device + Ops {}
+impl<T: Device + Ops> ComputeDevice for T {}
+
+/// The [`Ops`] a backend hands out from [`Device::ops`]: the backend's own ops (its `Ops`
+/// impl), each run through the [`OpProfiler`] this holds. It refers to its device weakly
+/// (the device owns it), so a backend builds it with `Arc::new_cyclic`.
+pub struct ProfiledOps {
+    device: Weak<dyn ComputeDevice>,
+    profiler: OpProfiler,
+}
+
+impl Debug for ProfiledOps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProfiledOps")
+            .field("profiler", &self.profiler)
+            .finish()
+    }
+}
+
+/// Optional tensors as a list (for [`tensor_bytes`]).
+fn some<'a>(ts: &[Option<&'a Tensor>]) -> Vec<&'a Tensor> {
+    ts.iter().flatten().copied().collect()
+}
+
+impl ProfiledOps {
+    /// The ops of `device`, profiled.
+    pub fn new(device: Weak<dyn ComputeDevice>) -> Self {
+        Self {
+            device,
+            profiler: OpProfiler::new(),
+        }
+    }
+
+    /// The profiler ([`Device::begin_op_profile`] and [`Device::end_op_profile`] use it).
+    pub fn profiler(&self) -> &OpProfiler {
+        &self.profiler
+    }
+
+    fn device(&self) -> Result<std::sync::Arc<dyn ComputeDevice>> {
+        self.device.upgrade().ok_or_else(|| CoreError::Backend {
+            device: "dropped".into(),
+            message: "the device of these ops has been dropped".into(),
+        })
+    }
+
+    fn op(
+        &self,
+        op: &str,
+        variant: Option<&dyn Debug>,
+        in_bytes: u64,
+        flops: FlopCount<'_>,
+        f: impl FnOnce(&dyn ComputeDevice) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let dev = self.device()?;
+        let d: &dyn ComputeDevice = &*dev;
+        self.profiler.run(d, op, variant, in_bytes, flops, || f(d))
+    }
+}
+
+impl Ops for ProfiledOps {
+    fn tensor_from_f32(&self, shape: &[usize], dtype: DType, values: &[f32]) -> Result<Tensor> {
+        self.device()?.tensor_from_f32(shape, dtype, values)
+    }
+
+    fn to_f32_vec(&self, x: &Tensor) -> Result<Vec<f32>> {
+        self.device()?.to_f32_vec(x)
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let inputs = [&[x, w][..], &some(&[bias])].concat();
+        self.op(
+            "linear",
+            None,
+            tensor_bytes(&inputs),
+            &|_| linear_flops(&[x], w),
+            |d| d.linear(x, w, bias),
+        )
+    }
+
+    fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let inputs = [xs, &[w][..], &some(&[bias])].concat();
+        self.op(
+            "linear",
+            None,
+            tensor_bytes(&inputs),
+            &|_| linear_flops(xs, w),
+            |d| d.linear_concat(xs, w, bias),
+        )
+    }
+
+    fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.op(
+            "matmul",
+            None,
+            tensor_bytes(&[a, b]),
+            &|out| matmul_flops(a, out),
+            |d| d.matmul(a, b),
+        )
+    }
+
+    fn conv2d(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        params: Conv2dParams,
+    ) -> Result<Tensor> {
+        let inputs = [&[x, w][..], &some(&[bias])].concat();
+        self.op(
+            "conv2d",
+            None,
+            tensor_bytes(&inputs),
+            &|out| conv2d_flops(w, out),
+            |d| d.conv2d(x, w, bias, params),
+        )
+    }
+
+    fn group_norm(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let inputs = [&[x][..], &some(&[weight, bias])].concat();
+        self.op("group_norm", None, tensor_bytes(&inputs), &no_flops, |d| {
+            d.group_norm(x, groups, weight, bias, eps)
+        })
+    }
+
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let inputs = [&[x][..], &some(&[weight, bias])].concat();
+        self.op("layer_norm", None, tensor_bytes(&inputs), &no_flops, |d| {
+            d.layer_norm(x, weight, bias, eps)
+        })
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<Tensor> {
+        let inputs = [&[x][..], &some(&[weight])].concat();
+        self.op("rms_norm", None, tensor_bytes(&inputs), &no_flops, |d| {
+            d.rms_norm(x, weight, eps)
+        })
+    }
+
+    fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
+        self.op("unary", Some(&op), tensor_bytes(&[x]), &no_flops, |d| {
+            d.unary(x, op)
+        })
+    }
+
+    fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
+        let bytes = tensor_bytes(&[&x]);
+        self.op("unary", Some(&op), bytes, &no_flops, |d| {
+            d.unary_owned(x, op)
+        })
+    }
+
+    fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        self.op("binary", Some(&op), tensor_bytes(&[a, b]), &no_flops, |d| {
+            d.binary(a, b, op)
+        })
+    }
+
+    fn affine(&self, x: &Tensor, mul: f32, add: f32) -> Result<Tensor> {
+        self.op("affine", None, tensor_bytes(&[x]), &no_flops, |d| {
+            d.affine(x, mul, add)
+        })
+    }
+
+    fn softmax(&self, x: &Tensor) -> Result<Tensor> {
+        self.op("softmax", None, tensor_bytes(&[x]), &no_flops, |d| {
+            d.softmax(x)
+        })
+    }
+
+    fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        self.op("reduce", Some(&op), tensor_bytes(&[x]), &no_flops, |d| {
+            d.reduce(x, dim, op)
+        })
+    }
+
+    fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {
+        self.op(
+            "upsample_nearest2x",
+            None,
+            tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.upsample_nearest2x(x),
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let inputs = [&[q, k, v][..], &some(&[mask])].concat();
+        self.op(
+            "attention",
+            None,
+            tensor_bytes(&inputs),
+            &|out| attention_flops(q, k, out),
+            |d| d.attention(q, k, v, mask, scale),
+        )
+    }
+
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        self.op("rope", None, tensor_bytes(&[x, cos, sin]), &no_flops, |d| {
+            d.rope(x, cos, sin)
+        })
+    }
+
+    fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
+        self.op("concat", None, tensor_bytes(xs), &no_flops, |d| {
+            d.concat(xs, dim)
+        })
+    }
+
+    /// A view or a copy of the narrowed part: the bytes counted are the output's.
+    fn narrow(&self, x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        self.op("narrow", None, 0, &no_flops, |d| {
+            d.narrow(x, dim, start, len)
+        })
+    }
+
+    fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+        self.op("permute", None, tensor_bytes(&[x]), &no_flops, |d| {
+            d.permute(x, dims)
+        })
+    }
+
+    fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.op("cast", None, tensor_bytes(&[x]), &no_flops, |d| {
+            d.cast(x, dtype)
+        })
+    }
+
+    /// The bytes counted are the output's (the table is read only where `ids` point).
+    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        self.op("embedding", None, 0, &no_flops, |d| d.embedding(table, ids))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,6 +543,42 @@ mod tests {
         assert_eq!(
             attention_flops(&t(&[1, 2, 3, 4]), &t(&[1, 2, 6, 4]), &t(&[1, 2, 3, 5])),
             2 * 24 * 6 + 2 * 30 * 6
+        );
+    }
+
+    /// On the host backend every op through `Device::ops` is counted by class with its
+    /// exact flops and bytes; ops outside a profile are not; ending twice gives nothing.
+    #[test]
+    fn the_host_backend_profiles_the_ops_it_hands_out() {
+        use crate::device::ops_of;
+        use crate::{HostDevice, HostDeviceConfig, UnaryOp};
+        let dev = HostDevice::new(HostDeviceConfig::default()).unwrap();
+        let ops = ops_of(&*dev).unwrap();
+        let x = ops
+            .tensor_from_f32(&[3, 4], DType::F32, &[0.5; 12])
+            .unwrap();
+        let w = ops
+            .tensor_from_f32(&[5, 4], DType::F32, &[0.25; 20])
+            .unwrap();
+        ops.linear(&x, &w, None).unwrap(); // before the profile: not counted
+        assert!(dev.begin_op_profile());
+        let y = ops.linear(&x, &w, None).unwrap();
+        let y = ops.unary(&y, UnaryOp::Silu).unwrap();
+        ops.unary_owned(y, UnaryOp::Silu).unwrap();
+        let p = dev
+            .end_op_profile()
+            .unwrap()
+            .expect("the host keeps timestamps");
+        let by = |name: &str| p.classes.iter().find(|c| c.op == name).cloned();
+        let lin = by("linear").expect("linear");
+        assert_eq!((lin.calls, lin.flops), (1, 2 * 3 * 5 * 4));
+        assert_eq!(lin.bytes, (12 + 20 + 15) * 4);
+        let silu = by("unary.Silu").expect("unary.Silu");
+        assert_eq!((silu.calls, silu.flops, silu.bytes), (2, 0, 2 * 2 * 15 * 4));
+        assert_eq!(p.classes.len(), 2, "{:?}", p.classes);
+        assert!(
+            dev.end_op_profile().unwrap().is_none(),
+            "no profile is active"
         );
     }
 

@@ -568,16 +568,11 @@ pub struct CudaDevice {
     /// list holds its only handle (the copy that read it last has completed and retired).
     upload_staging: Mutex<Vec<HostBuffer>>,
     config: CudaDeviceConfig,
-    /// The per-op profile recorder every op runs through (`ops/mod.rs`).
-    profiler: ddo_core::OpProfiler,
+    /// The ops [`Device::ops`] hands out: this device's, each through a per-op profiler.
+    profiled: ddo_core::ProfiledOps,
 }
 
 impl CudaDevice {
-    /// The per-op profile recorder ([`Device::begin_op_profile`]).
-    pub(crate) fn profiler(&self) -> &ddo_core::OpProfiler {
-        &self.profiler
-    }
-
     /// Device `ordinal` with default settings. Checks that the driver library loads and
     /// that the device exists before any other driver call.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
@@ -624,7 +619,7 @@ impl CudaDevice {
             stream: compute,
             pending: Mutex::new(VecDeque::new()),
         });
-        let device = Arc::new(Self {
+        let device = Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
             streams: Mutex::new(vec![Arc::downgrade(&compute)]),
             compute: Stream::new(compute),
             next_stream: AtomicU64::new(1),
@@ -632,7 +627,7 @@ impl CudaDevice {
             upload_staging: Mutex::new(Vec::new()),
             shared,
             config,
-            profiler: ddo_core::OpProfiler::new(),
+            profiled: ddo_core::ProfiledOps::new(me.clone()),
         });
         if config.native_vmm {
             device.install_native_vmm()?;
@@ -1055,8 +1050,9 @@ impl Device for CudaDevice {
         self.shared.id
     }
 
+    /// This device's ops, each through its per-op profiler ([`ddo_core::ProfiledOps`]).
     fn ops(&self) -> Option<&dyn ddo_core::Ops> {
-        Some(self)
+        Some(&self.profiled)
     }
 
     fn scratch_bytes(&self) -> u64 {
@@ -1445,12 +1441,12 @@ impl Device for CudaDevice {
     /// Every op is bracketed by two timed events on the compute stream until the profile
     /// ends.
     fn begin_op_profile(&self) -> bool {
-        self.profiler.begin();
+        self.profiled.profiler().begin();
         true
     }
 
     fn end_op_profile(&self) -> ddo_core::Result<Option<ddo_core::OpProfile>> {
-        self.profiler.finish(self)
+        self.profiled.profiler().finish(self)
     }
 
     /// Waits for the device, returns the caching allocator's idle segments to the driver

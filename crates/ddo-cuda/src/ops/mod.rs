@@ -16,7 +16,6 @@
 //! permute, upsample, embedding), and the GEMM/convolution/attention files (`gemm`, `conv`,
 //! `attention`).
 
-use ddo_core::profile::{self, tensor_bytes};
 pub(crate) use ddo_core::shape::{
     broadcast_shape, broadcast_strides, coalesce, contiguous_strides,
 };
@@ -254,25 +253,6 @@ pub(crate) fn scratch(dev: &CudaDevice, bytes: usize) -> Result<(DeviceBuffer, u
     Ok((buffer, ptr))
 }
 
-/// Optional tensors as a list (for [`tensor_bytes`]).
-fn some<'a>(ts: &[Option<&'a Tensor>]) -> Vec<&'a Tensor> {
-    ts.iter().flatten().copied().collect()
-}
-
-impl CudaDevice {
-    /// Runs op `f` through the device's [`OpProfiler`](ddo_core::OpProfiler).
-    fn op(
-        &self,
-        op: &str,
-        variant: Option<&dyn std::fmt::Debug>,
-        in_bytes: u64,
-        flops: profile::FlopCount<'_>,
-        f: impl FnOnce() -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        self.profiler().run(self, op, variant, in_bytes, flops, f)
-    }
-}
-
 impl Ops for CudaDevice {
     fn tensor_from_f32(&self, shape: &[usize], dtype: DType, values: &[f32]) -> Result<Tensor> {
         layout::tensor_from_f32(self, shape, dtype, values)
@@ -283,24 +263,11 @@ impl Ops for CudaDevice {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let inputs = [&[x, w][..], &some(&[bias])].concat();
-        self.op(
-            "linear",
-            None,
-            tensor_bytes(&inputs),
-            &|_| profile::linear_flops(&[x], w),
-            || gemm::linear(self, x, w, bias),
-        )
+        gemm::linear(self, x, w, bias)
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        self.op(
-            "matmul",
-            None,
-            tensor_bytes(&[a, b]),
-            &|out| profile::matmul_flops(a, out),
-            || gemm::matmul(self, a, b),
-        )
+        gemm::matmul(self, a, b)
     }
 
     fn conv2d(
@@ -310,14 +277,7 @@ impl Ops for CudaDevice {
         bias: Option<&Tensor>,
         params: ddo_core::Conv2dParams,
     ) -> Result<Tensor> {
-        let inputs = [&[x, w][..], &some(&[bias])].concat();
-        self.op(
-            "conv2d",
-            None,
-            tensor_bytes(&inputs),
-            &|out| profile::conv2d_flops(w, out),
-            || conv::conv2d(self, x, w, bias, params),
-        )
+        conv::conv2d(self, x, w, bias, params)
     }
 
     fn group_norm(
@@ -328,14 +288,7 @@ impl Ops for CudaDevice {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        let inputs = [&[x][..], &some(&[weight, bias])].concat();
-        self.op(
-            "group_norm",
-            None,
-            tensor_bytes(&inputs),
-            &profile::no_flops,
-            || norm::group_norm(self, x, groups, weight, bias, eps),
-        )
+        norm::group_norm(self, x, groups, weight, bias, eps)
     }
 
     fn layer_norm(
@@ -345,103 +298,43 @@ impl Ops for CudaDevice {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        let inputs = [&[x][..], &some(&[weight, bias])].concat();
-        self.op(
-            "layer_norm",
-            None,
-            tensor_bytes(&inputs),
-            &profile::no_flops,
-            || norm::layer_norm(self, x, weight, bias, eps),
-        )
+        norm::layer_norm(self, x, weight, bias, eps)
     }
 
     fn rms_norm(&self, x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<Tensor> {
-        let inputs = [&[x][..], &some(&[weight])].concat();
-        self.op(
-            "rms_norm",
-            None,
-            tensor_bytes(&inputs),
-            &profile::no_flops,
-            || norm::rms_norm(self, x, weight, eps),
-        )
+        norm::rms_norm(self, x, weight, eps)
     }
 
     fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-        self.op(
-            "unary",
-            Some(&op),
-            tensor_bytes(&[x]),
-            &profile::no_flops,
-            || elementwise::unary(self, x, op),
-        )
+        elementwise::unary(self, x, op)
     }
 
     fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&x]);
-        self.op("unary", Some(&op), bytes, &profile::no_flops, || {
-            elementwise::unary_owned(self, x, op)
-        })
+        elementwise::unary_owned(self, x, op)
     }
 
     fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let inputs = [xs, &[w][..], &some(&[bias])].concat();
-        self.op(
-            "linear",
-            None,
-            tensor_bytes(&inputs),
-            &|_| profile::linear_flops(xs, w),
-            || gemm::linear_concat(self, xs, w, bias),
-        )
+        gemm::linear_concat(self, xs, w, bias)
     }
 
     fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
-        self.op(
-            "binary",
-            Some(&op),
-            tensor_bytes(&[a, b]),
-            &profile::no_flops,
-            || elementwise::binary(self, a, b, op),
-        )
+        elementwise::binary(self, a, b, op)
     }
 
     fn affine(&self, x: &Tensor, mul: f32, add: f32) -> Result<Tensor> {
-        self.op(
-            "affine",
-            None,
-            tensor_bytes(&[x]),
-            &profile::no_flops,
-            || elementwise::affine(self, x, mul, add),
-        )
+        elementwise::affine(self, x, mul, add)
     }
 
     fn softmax(&self, x: &Tensor) -> Result<Tensor> {
-        self.op(
-            "softmax",
-            None,
-            tensor_bytes(&[x]),
-            &profile::no_flops,
-            || norm::softmax(self, x),
-        )
+        norm::softmax(self, x)
     }
 
     fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        self.op(
-            "reduce",
-            Some(&op),
-            tensor_bytes(&[x]),
-            &profile::no_flops,
-            || norm::reduce(self, x, dim, op),
-        )
+        norm::reduce(self, x, dim, op)
     }
 
     fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {
-        self.op(
-            "upsample_nearest2x",
-            None,
-            tensor_bytes(&[x]),
-            &profile::no_flops,
-            || layout::upsample_nearest2x(self, x),
-        )
+        layout::upsample_nearest2x(self, x)
     }
 
     fn attention(
@@ -452,59 +345,31 @@ impl Ops for CudaDevice {
         mask: Option<&Tensor>,
         scale: f32,
     ) -> Result<Tensor> {
-        let inputs = [&[q, k, v][..], &some(&[mask])].concat();
-        self.op(
-            "attention",
-            None,
-            tensor_bytes(&inputs),
-            &|out| profile::attention_flops(q, k, out),
-            || attention::attention(self, q, k, v, mask, scale),
-        )
+        attention::attention(self, q, k, v, mask, scale)
     }
 
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        self.op(
-            "rope",
-            None,
-            tensor_bytes(&[x, cos, sin]),
-            &profile::no_flops,
-            || elementwise::rope(self, x, cos, sin),
-        )
+        elementwise::rope(self, x, cos, sin)
     }
 
     fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
-        self.op("concat", None, tensor_bytes(xs), &profile::no_flops, || {
-            layout::concat(self, xs, dim)
-        })
+        layout::concat(self, xs, dim)
     }
 
     fn narrow(&self, x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        // A view or a copy of the narrowed part: the bytes counted are the output's.
-        self.op("narrow", None, 0, &profile::no_flops, || {
-            layout::narrow(self, x, dim, start, len)
-        })
+        layout::narrow(self, x, dim, start, len)
     }
 
     fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-        self.op(
-            "permute",
-            None,
-            tensor_bytes(&[x]),
-            &profile::no_flops,
-            || layout::permute(self, x, dims),
-        )
+        layout::permute(self, x, dims)
     }
 
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        self.op("cast", None, tensor_bytes(&[x]), &profile::no_flops, || {
-            elementwise::cast(self, x, dtype)
-        })
+        elementwise::cast(self, x, dtype)
     }
 
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        self.op("embedding", None, 0, &profile::no_flops, || {
-            layout::embedding(self, table, ids)
-        })
+        layout::embedding(self, table, ids)
     }
 }
 

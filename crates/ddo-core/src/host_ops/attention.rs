@@ -1,0 +1,341 @@
+//! Scaled dot-product attention on the host: per (batch, head), in blocks of queries and
+//! keys with an online softmax (no full score matrix is ever held), the blocks spread over
+//! scoped threads when there is enough work.
+
+use super::gemm::{Mat, gemm};
+use super::read_opt;
+use crate::error::Result;
+use crate::host_backend::HostDevice;
+use crate::tensor::Tensor;
+
+/// Queries per attention block.
+const ATTN_BLOCK_Q: usize = 64;
+/// Keys per attention block.
+const ATTN_BLOCK_K: usize = 256;
+
+/// The mask operand of one (batch, head): values, base offset and strides along
+/// queries and keys.
+#[derive(Clone, Copy)]
+struct HeadMask<'a> {
+    values: &'a [f32],
+    base: usize,
+    sq: usize,
+    sk: usize,
+}
+
+#[derive(Clone, Copy)]
+struct AttnDims {
+    lq: usize,
+    lk: usize,
+    d: usize,
+    dv: usize,
+    scale: f32,
+}
+
+/// Attention of one (batch, head) with an online softmax over blocks of keys.
+fn attend_head(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: Option<HeadMask<'_>>,
+    dims: AttnDims,
+    out: &mut [f32],
+) {
+    let AttnDims {
+        lq,
+        lk,
+        d,
+        dv,
+        scale,
+    } = dims;
+    let mut scores = vec![0.0f32; ATTN_BLOCK_Q * ATTN_BLOCK_K];
+    let mut row_max = vec![f32::NEG_INFINITY; ATTN_BLOCK_Q];
+    let mut row_sum = vec![0.0f32; ATTN_BLOCK_Q];
+    for q0 in (0..lq).step_by(ATTN_BLOCK_Q) {
+        let bq = ATTN_BLOCK_Q.min(lq - q0);
+        let o_blk = &mut out[q0 * dv..(q0 + bq) * dv];
+        o_blk.fill(0.0);
+        row_max[..bq].fill(f32::NEG_INFINITY);
+        row_sum[..bq].fill(0.0);
+        for k0 in (0..lk).step_by(ATTN_BLOCK_K) {
+            let bk = ATTN_BLOCK_K.min(lk - k0);
+            let s = &mut scores[..bq * bk];
+            // S = scale · Q_blk · K_blkᵀ (K read transposed through its strides).
+            gemm(
+                bq,
+                d,
+                bk,
+                scale,
+                Mat::new(&q[q0 * d..], d, 1),
+                Mat::new(&k[k0 * d..], 1, d),
+                0.0,
+                s,
+                bk,
+            );
+            for (i, row) in s.chunks_exact_mut(bk).enumerate() {
+                if let Some(m) = mask {
+                    let base = m.base + (q0 + i) * m.sq + k0 * m.sk;
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x += m.values[base + j * m.sk];
+                    }
+                }
+                let blk_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let new_max = row_max[i].max(blk_max);
+                if new_max == f32::NEG_INFINITY {
+                    // Everything so far is masked out: nothing to accumulate.
+                    row.fill(0.0);
+                    continue;
+                }
+                let correction = (row_max[i] - new_max).exp();
+                let mut sum = 0.0f32;
+                for x in row.iter_mut() {
+                    *x = (*x - new_max).exp();
+                    sum += *x;
+                }
+                row_sum[i] = row_sum[i] * correction + sum;
+                row_max[i] = new_max;
+                if correction != 1.0 {
+                    for o in &mut o_blk[i * dv..(i + 1) * dv] {
+                        *o *= correction;
+                    }
+                }
+            }
+            // O_blk += P · V_blk.
+            gemm(
+                bq,
+                bk,
+                dv,
+                1.0,
+                Mat::new(s, bk, 1),
+                Mat::new(&v[k0 * dv..], dv, 1),
+                1.0,
+                o_blk,
+                dv,
+            );
+        }
+        // A row with no unmasked key has sum 0 and gives NaN, as softmax over -inf does.
+        for (i, row) in o_blk.chunks_exact_mut(dv.max(1)).enumerate().take(bq) {
+            let inv = 1.0 / row_sum[i];
+            for o in row {
+                *o *= inv;
+            }
+        }
+    }
+}
+
+pub(super) fn attention(
+    dev: &HostDevice,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+) -> Result<Tensor> {
+    const OP: &str = "attention";
+    let crate::shape::AttentionGeometry {
+        b,
+        h,
+        lq,
+        lk,
+        d,
+        dv,
+        mask_strides,
+    } = crate::shape::attention_geometry(
+        OP,
+        q.shape(),
+        k.shape(),
+        v.shape(),
+        mask.map(Tensor::shape),
+    )?;
+    let qi = dev.input(OP, q)?;
+    let ki = dev.input(OP, k)?;
+    let vi = dev.input(OP, v)?;
+    let mi = mask.map(|m| dev.input(OP, m)).transpose()?;
+    let output = dev.new_output(OP, vec![b, h, lq, dv], q.dtype())?;
+    dev.fence()?;
+    let qv = qi.f32()?;
+    let kv = ki.f32()?;
+    let vv = vi.f32()?;
+    let mv = read_opt(mi.as_ref())?;
+    let dims = AttnDims {
+        lq,
+        lk,
+        d,
+        dv,
+        scale,
+    };
+    let heads = b * h;
+    let mut out = vec![0.0f32; heads * lq * dv];
+    // Work units: one block of queries of one (batch, head), each with its own rows of
+    // the output, so a single long head spreads over threads too.
+    let run = |head: usize, q0: usize, o: &mut [f32]| {
+        let bq = ATTN_BLOCK_Q.min(lq - q0);
+        let head_mask = match (&mv, &mask_strides) {
+            (Some(values), Some(s)) => Some(HeadMask {
+                values,
+                base: (head / h) * s[0] + (head % h) * s[1] + q0 * s[2],
+                sq: s[2],
+                sk: s[3],
+            }),
+            _ => None,
+        };
+        let rows = head * lq + q0;
+        attend_head(
+            &qv[rows * d..(rows + bq) * d],
+            &kv[head * lk * d..(head + 1) * lk * d],
+            &vv[head * lk * dv..(head + 1) * lk * dv],
+            head_mask,
+            AttnDims { lq: bq, ..dims },
+            o,
+        );
+    };
+    let mut units: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    if dv > 0 {
+        for (head, o) in out.chunks_mut(lq * dv).enumerate() {
+            for (i, blk) in o.chunks_mut(ATTN_BLOCK_Q * dv).enumerate() {
+                units.push((head, i * ATTN_BLOCK_Q, blk));
+            }
+        }
+    }
+    let work = [heads, lq, lk, d + dv]
+        .iter()
+        .fold(1usize, |acc, &n| acc.saturating_mul(n));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(units.len());
+    if threads <= 1 || work < (1 << 22) {
+        for (head, q0, o) in units {
+            run(head, q0, o);
+        }
+    } else {
+        let mut parts: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, unit) in units.into_iter().enumerate() {
+            parts[i % threads].push(unit);
+        }
+        std::thread::scope(|scope| {
+            for part in parts {
+                let run = &run;
+                scope.spawn(move || {
+                    for (head, q0, o) in part {
+                        run(head, q0, o);
+                    }
+                });
+            }
+        });
+    }
+    output.write_f32(&out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::host_ops::test_support::*;
+    use crate::ops::Ops;
+    use crate::reference::SplitMix64;
+    #[allow(clippy::too_many_arguments)]
+    fn ref_attention(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        mask: Option<(&[f32], &[usize])>,
+        [b, h, lq, lk, d, dv]: [usize; 6],
+        scale: f64,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; b * h * lq * dv];
+        for bi in 0..b {
+            for hi in 0..h {
+                let head = bi * h + hi;
+                for i in 0..lq {
+                    let mut s: Vec<f64> = (0..lk)
+                        .map(|j| {
+                            let dot: f64 = (0..d)
+                                .map(|t| {
+                                    f64::from(q[(head * lq + i) * d + t])
+                                        * f64::from(k[(head * lk + j) * d + t])
+                                })
+                                .sum();
+                            let m = mask.map_or(0.0, |(mv, ms)| {
+                                f64::from(mv[ravel_broadcast(&[bi, hi, i, j], ms)])
+                            });
+                            dot * scale + m
+                        })
+                        .collect();
+                    let mx = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    s.iter_mut().for_each(|x| *x = (*x - mx).exp());
+                    let sum: f64 = s.iter().sum();
+                    for t in 0..dv {
+                        out[(head * lq + i) * dv + t] = (0..lk)
+                            .map(|j| s[j] / sum * f64::from(v[(head * lk + j) * dv + t]))
+                            .sum();
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn check_attention(
+        d: &HostDevice,
+        rng: &mut SplitMix64,
+        dims @ [b, h, lq, lk, hd, dv]: [usize; 6],
+        mask_shape: Option<&[usize]>,
+    ) {
+        let q = random(rng, b * h * lq * hd);
+        let k = random(rng, b * h * lk * hd);
+        let v = random(rng, b * h * lk * dv);
+        let mask = mask_shape.map(|ms| {
+            let mut m: Vec<f32> = random(rng, ms.iter().product())
+                .iter()
+                .map(|x| x * 2.0)
+                .collect();
+            // Mask a few keys out entirely (never a whole row).
+            for (i, x) in m.iter_mut().enumerate() {
+                if i % 7 == 3 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            m
+        });
+        let mt = mask
+            .as_ref()
+            .map(|m| put(d, mask_shape.unwrap_or(&[]), DType::F32, m));
+        let scale = 1.0 / (hd as f32).sqrt();
+        let y = d
+            .attention(
+                &put(d, &[b, h, lq, hd], DType::F32, &q),
+                &put(d, &[b, h, lk, hd], DType::F32, &k),
+                &put(d, &[b, h, lk, dv], DType::F32, &v),
+                mt.as_ref(),
+                scale,
+            )
+            .unwrap();
+        assert_eq!(y.shape(), &[b, h, lq, dv]);
+        let want = ref_attention(
+            &q,
+            &k,
+            &v,
+            mask.as_deref().zip(mask_shape),
+            dims,
+            f64::from(scale),
+        );
+        assert_close(
+            &format!("attention {dims:?} mask {mask_shape:?}"),
+            &get(d, &y),
+            &want,
+            F32_TOL,
+        );
+    }
+
+    #[test]
+    fn attention_matches_naive_softmax_with_masks_and_unequal_lengths() {
+        let d = dev();
+        let mut rng = SplitMix64::new(9);
+        check_attention(&d, &mut rng, [2, 3, 5, 7, 8, 8], None);
+        check_attention(&d, &mut rng, [2, 3, 5, 7, 8, 6], Some(&[2, 1, 5, 7]));
+        check_attention(&d, &mut rng, [1, 2, 4, 9, 4, 4], Some(&[9]));
+        // Several query and key blocks, with a key tail.
+        check_attention(&d, &mut rng, [1, 2, 300, 300, 16, 16], Some(&[300, 300]));
+        check_attention(&d, &mut rng, [1, 1, 70, 520, 8, 8], Some(&[1, 1, 1, 520]));
+    }
+}
