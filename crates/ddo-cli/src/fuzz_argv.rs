@@ -511,7 +511,7 @@ fn flux_dev_is_refused() -> bool {
     };
     let params =
         c.text_encoder.param_count() + c.text_encoder_2.param_count() + c.transformer.param_count();
-    ddo_core::host::mem_available().is_some_and(|free| params.saturating_mul(2) > free)
+    ddo_core::host_memory::mem_available().is_some_and(|free| params.saturating_mul(2) > free)
 }
 
 /// A value for an option of `kind`: from its dictionary, or (one time in 16) raw bytes, or

@@ -211,7 +211,7 @@ fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()>
         + config.text_encoder_2.param_count()
         + config.transformer.param_count();
     let needed = params * dtype.size_in_bytes() as u64;
-    let available = ddo_core::host::mem_available();
+    let available = ddo_core::host_memory::mem_available();
     match available {
         Some(free) if needed > free => Err(CliError::runtime(
             format!(

@@ -437,7 +437,7 @@ pub fn vram_budget(args: &Parsed) -> CliResult<Option<u64>> {
 /// Half the host's physical memory (16 GiB where it cannot be read): the host backend's
 /// pinned limit.
 fn pinned_limit() -> u64 {
-    ddo_core::host::mem_total().map_or(16 << 30, |b| b / 2)
+    ddo_core::host_memory::mem_total().map_or(16 << 30, |b| b / 2)
 }
 
 /// Opens the execution device. On the host backend the budget is the device's capacity

@@ -20,7 +20,7 @@ use ddo_metrics::{DetachSummary, SkippedGroup};
 
 use crate::component::{Component, Mode};
 use crate::error::{CoreError, DetachRefusal, Result};
-use crate::host::{CheckpointMap, HostBuffer};
+use crate::host_memory::{CheckpointMap, HostBuffer};
 use crate::param::Param;
 
 /// `RssAnon` and `RssFile` of this process, in bytes, from `/proc/self/status` (Linux).

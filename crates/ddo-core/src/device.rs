@@ -11,7 +11,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::{CoreError, Result};
-use crate::host::{HostBuffer, HostSlice};
+use crate::host_memory::{HostBuffer, HostSlice};
 use crate::ops::Ops;
 use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
 
@@ -344,8 +344,8 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// copy; read-only, as the mapping is) and returns a registered view of the same bytes
     /// ([`HostBuffer::registered`], of kind [`Pinned`](crate::HostMemoryKind::Pinned)):
     /// copies from it run asynchronously at pinned speed. The locked range is `buffer`'s
-    /// rounded out to [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks of the mapping
-    /// ([`register_span`](crate::host::register_span)); its bytes count against the pinned
+    /// rounded out to [`REGISTER_ALIGN`](crate::host_memory::REGISTER_ALIGN) blocks of the mapping
+    /// ([`register_span`](crate::host_memory::register_span)); its bytes count against the pinned
     /// limit exactly like [`Device::alloc_pinned`]'s ([`CoreError::PinnedLimit`] over it),
     /// until the view's last handle drops and the backend unregisters it.
     ///

@@ -41,7 +41,7 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::host::{HostBuffer, HostSlice};
+use crate::host_memory::{HostBuffer, HostSlice};
 use crate::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 use crate::tensor::Tensor;
 
@@ -574,7 +574,7 @@ impl Ops for FaultInjectingDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host_backend::HostDevice;
+    use crate::host_device::HostDevice;
 
     fn wrapped() -> (Arc<HostDevice>, Arc<FaultInjectingDevice>) {
         let d = HostDevice::with_capacity(1 << 20).unwrap();

@@ -8,6 +8,7 @@
 //! - the memory and transfer plane, [`Device`], with backend-neutral handles
 //!   ([`DeviceBuffer`], [`Stream`], [`Event`]) and host memory of three kinds
 //!   ([`HostBuffer`]: pageable, pinned, checkpoint-mapped);
+//! - the safetensors checkpoint reader ([`Checkpoint`]);
 //! - [`Tensor`], [`DType`], [`Param`] (stable id, host source, device residency, aliases)
 //!   and [`Component`] (a tree of modules whose leaves own the params);
 //! - the route contract ([`Route`], [`AttachedRoute`]) and the forward driver
@@ -24,6 +25,7 @@
 //!
 //! Architecture invariant: this crate never depends on cudarc or any GPU library.
 
+pub mod checkpoint;
 pub mod component;
 pub mod config;
 pub mod detach;
@@ -32,8 +34,8 @@ pub mod dtype;
 pub mod error;
 pub mod fault;
 pub mod footprint;
-pub mod host;
-pub mod host_backend;
+pub mod host_device;
+pub mod host_memory;
 pub mod host_ops;
 pub mod ops;
 pub mod param;
@@ -46,6 +48,7 @@ pub mod shape;
 pub mod streaming;
 pub mod tensor;
 
+pub use checkpoint::{Checkpoint, UniqueMap};
 pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};
 pub use config::{
     Budget, ComponentKind, GroupOffloadConfig, OffloadType, PinnedSource, Preset, RouteId,
@@ -59,8 +62,8 @@ pub use dtype::DType;
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
-pub use host::{Checkpoint, CheckpointMap, HostBuffer, HostMemoryKind, HostSlice, UniqueMap};
-pub use host_backend::{HostDevice, HostDeviceConfig};
+pub use host_device::{HostDevice, HostDeviceConfig};
+pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use profile::{ComputeDevice, OpClassTime, OpProfile, OpProfiler, ProfiledOps};

@@ -10,10 +10,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 
+use crate::checkpoint::Checkpoint;
 use crate::device::DeviceSlice;
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::host::{Checkpoint, HostBuffer, HostMemoryKind, HostSlice};
+use crate::host_memory::{HostBuffer, HostMemoryKind, HostSlice};
 use crate::tensor::{Tensor, TensorStorage, byte_len};
 
 /// Stable identity of a param for the life of the process.

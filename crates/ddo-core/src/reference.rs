@@ -11,11 +11,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::checkpoint::Checkpoint;
 use crate::component::{Component, LeafId, LeafKind, Module};
 use crate::device::{Device, Stream, download, upload};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::host::Checkpoint;
 use crate::param::{Param, ParamKind};
 use crate::route::{ComponentProgram, ForwardContext};
 use crate::tensor::{Tensor, TensorStorage};
@@ -435,7 +435,7 @@ impl ComponentProgram for ReferenceProgram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host_backend::HostDevice;
+    use crate::host_device::HostDevice;
 
     #[test]
     fn an_unrouted_component_with_host_weights_refuses_to_run() {
@@ -539,7 +539,7 @@ mod tests {
             out.to_host_bytes(&*d, &d.compute_stream()).unwrap()
         };
         for wait in [true, false] {
-            let d = HostDevice::new(crate::host_backend::HostDeviceConfig {
+            let d = HostDevice::new(crate::host_device::HostDeviceConfig {
                 link_bytes_per_sec: Some(100_000.0),
                 ..Default::default()
             })

@@ -15,7 +15,7 @@ use ddo_metrics::RouteMetrics;
 use crate::component::LeafId;
 use crate::device::{Device, DeviceBuffer, Stream};
 use crate::error::Result;
-use crate::host::{HostBuffer, HostSlice, merge_spans, register_span};
+use crate::host_memory::{HostBuffer, HostSlice, merge_spans, register_span};
 use crate::param::{Param, ParamId};
 
 struct Entry {
@@ -302,7 +302,7 @@ pub fn pin_copy(device: &dyn Device, src: &HostSlice) -> Result<HostBuffer> {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::host_backend::HostDevice;
+    use crate::host_device::HostDevice;
     use crate::param::ParamKind;
 
     fn param(n: usize) -> Arc<Param> {
@@ -366,7 +366,7 @@ mod tests {
 
     #[test]
     fn pinned_copies_respect_the_limit_and_unpin_on_drop() {
-        let d = HostDevice::new(crate::host_backend::HostDeviceConfig {
+        let d = HostDevice::new(crate::host_device::HostDeviceConfig {
             pinned_limit: 20,
             ..Default::default()
         })
@@ -403,8 +403,10 @@ impl UploadRegistrations {
     /// [`CoreError::HostRegisterUnsupported`]: crate::CoreError::HostRegisterUnsupported
     /// [`CoreError::PinnedLimit`]: crate::CoreError::PinnedLimit
     pub fn register(device: &dyn Device, params: &[Arc<Param>]) -> Result<Self> {
-        let mut maps: Vec<(Arc<crate::host::CheckpointMap>, Vec<std::ops::Range<usize>>)> =
-            Vec::new();
+        let mut maps: Vec<(
+            Arc<crate::host_memory::CheckpointMap>,
+            Vec<std::ops::Range<usize>>,
+        )> = Vec::new();
         for p in params {
             let host = p.host();
             let Some((map, range)) = host.mapped_range() else {

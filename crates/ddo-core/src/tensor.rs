@@ -3,7 +3,7 @@
 use crate::device::{Device, DeviceSlice, Stream, download};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::host::{HostBuffer, HostSlice};
+use crate::host_memory::{HostBuffer, HostSlice};
 
 /// Where a tensor's bytes are.
 #[derive(Clone, Debug)]
@@ -178,7 +178,7 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host_backend::HostDevice;
+    use crate::host_device::HostDevice;
 
     #[test]
     fn storage_must_match_shape_and_dtype() {

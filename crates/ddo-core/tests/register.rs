@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::device::download;
-use ddo_core::host::{REGISTER_ALIGN, register_span};
+use ddo_core::host_memory::{REGISTER_ALIGN, register_span};
 use ddo_core::streaming::{
     PinnedSource, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
 };

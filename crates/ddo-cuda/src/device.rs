@@ -31,7 +31,7 @@ use std::sync::{Arc, Weak};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use ddo_core::device::{DeviceAllocation, EventHandle, StreamHandle};
-use ddo_core::host::{AlignedBytes, PinnedLedger, register_target};
+use ddo_core::host_memory::{AlignedBytes, PinnedLedger, register_target};
 use ddo_core::{
     AllocatorKind, CoreError, DType, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice,
     Event, HostBuffer, HostMemoryKind, HostSlice, MemoryInfo, Stream,
@@ -145,7 +145,7 @@ fn no_driver_library() -> CudaError {
 }
 
 fn default_pinned_limit() -> u64 {
-    ddo_core::host::mem_total().map_or(16 << 30, |b| b / 2)
+    ddo_core::host_memory::mem_total().map_or(16 << 30, |b| b / 2)
 }
 
 /// Raw device memory from the driver: `cuMemAlloc` / `cuMemFree` in one context.
@@ -570,9 +570,39 @@ pub struct CudaDevice {
     config: CudaDeviceConfig,
     /// The ops [`Device::ops`] hands out: this device's, each through a per-op profiler.
     profiled: ddo_core::ProfiledOps,
+    /// Whether attention may run on cuDNN (`ops/cudnn_attention.rs`).
+    cudnn_attention: std::sync::atomic::AtomicBool,
+    /// Attention calls cuDNN ran.
+    cudnn_attention_runs: AtomicU64,
 }
 
 impl CudaDevice {
+    /// Whether attention may run on cuDNN's fused flash attention where libcudnn loads and
+    /// accepts the shape (on by default); off, every call runs DDO's NVRTC kernels.
+    pub fn set_cudnn_attention(&self, on: bool) {
+        self.cudnn_attention.store(on, Ordering::Relaxed);
+    }
+
+    /// Attention calls that cuDNN ran on this device so far.
+    pub fn cudnn_attention_runs(&self) -> u64 {
+        self.cudnn_attention_runs.load(Ordering::Relaxed)
+    }
+
+    /// Why the last attention call that could have run on cuDNN (in this process) ran on
+    /// DDO's kernels instead: libcudnn missing, the handle not created, or the shape refused
+    /// (the failed call and its status); `None` when none was.
+    pub fn cudnn_attention_refusal(&self) -> Option<String> {
+        crate::ops::cudnn_attention::last_refusal()
+    }
+
+    pub(crate) fn cudnn_attention_enabled(&self) -> bool {
+        self.cudnn_attention.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn note_cudnn_attention(&self) {
+        self.cudnn_attention_runs.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Device `ordinal` with default settings. Checks that the driver library loads and
     /// that the device exists before any other driver call.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
@@ -628,6 +658,8 @@ impl CudaDevice {
             shared,
             config,
             profiled: ddo_core::ProfiledOps::new(me.clone()),
+            cudnn_attention: std::sync::atomic::AtomicBool::new(true),
+            cudnn_attention_runs: AtomicU64::new(0),
         });
         if config.native_vmm {
             device.install_native_vmm()?;
@@ -1124,7 +1156,7 @@ impl Device for CudaDevice {
     }
 
     /// `cuMemHostRegister` with the read-only flag on the buffer's range of its checkpoint
-    /// mapping, rounded out to [`REGISTER_ALIGN`](ddo_core::host::REGISTER_ALIGN) blocks
+    /// mapping, rounded out to [`REGISTER_ALIGN`](ddo_core::host_memory::REGISTER_ALIGN) blocks
     /// from the mapping's start (so the range starts on a page boundary; its end is the
     /// block's or the mapping's), counted under the device's pinned ledger. The driver's
     /// `CUDA_ERROR_NOT_SUPPORTED`, `CUDA_ERROR_NOT_PERMITTED` and

@@ -600,6 +600,54 @@ fn attention_matches_host_on_every_path() {
     );
 }
 
+/// cuDNN's fused attention (on by default where libcudnn loads) and DDO's NVRTC kernels
+/// (with it switched off) both match the host, at Flux's, T5's and CLIP's head sizes, with
+/// masks in the inputs' dtype broadcast over batch and heads; the cuDNN path really ran
+/// (its counter moves), and with it off it does not.
+#[test]
+fn attention_on_cudnn_and_on_the_nvrtc_kernels_match_the_host() {
+    let Some(gd) = gpu() else { return };
+    let hd = host();
+    let mut rng = SplitMix64::new(31);
+    for (dims, dtype, mask_shape) in [
+        ([1, 4, 1024, 1024, 128], DType::BF16, None),
+        ([2, 3, 100, 130, 64], DType::BF16, None),
+        ([1, 3, 300, 300, 128], DType::F16, None),
+        ([2, 4, 77, 77, 64], DType::BF16, Some(vec![1, 1, 77, 77])),
+        ([1, 4, 96, 96, 64], DType::BF16, Some(vec![1, 4, 96, 96])),
+    ] {
+        let [b, h, lq, lk, d] = dims;
+        let q = rand_pair(&gd, &hd, &mut rng, &[b, h, lq, d], dtype, 2.0);
+        let k = rand_pair(&gd, &hd, &mut rng, &[b, h, lk, d], dtype, 2.0);
+        let v = rand_pair(&gd, &hd, &mut rng, &[b, h, lk, d], dtype, 1.0);
+        let mask = mask_shape.as_ref().map(|ms| {
+            let m = random(&mut rng, ms.iter().product(), 2.0);
+            pair(&gd, &hd, ms, dtype, &m)
+        });
+        let scale = 1.0 / (d as f32).sqrt();
+        let want = hd
+            .attention(&q.h, &k.h, &v.h, mask.as_ref().map(|m| &m.h), scale)
+            .unwrap();
+        for on in [true, false] {
+            gd.set_cudnn_attention(on);
+            let before = gd.cudnn_attention_runs();
+            let got = gd
+                .attention(&q.g, &k.g, &v.g, mask.as_ref().map(|m| &m.g), scale)
+                .unwrap();
+            let ran = gd.cudnn_attention_runs() - before;
+            let what = format!("attention {dims:?} {dtype:?} mask {mask_shape:?} cudnn {on}");
+            check(&what, &gd, &hd, &got, &want);
+            assert_eq!(
+                ran,
+                u64::from(on),
+                "{what}: cuDNN ran {ran} times; last refusal: {:?}",
+                gd.cudnn_attention_refusal()
+            );
+        }
+        gd.set_cudnn_attention(true);
+    }
+}
+
 #[test]
 fn attention_rows_with_every_key_masked_are_nan_like_the_host() {
     let Some(gd) = gpu() else { return };

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use common::{open_gpu, synthetic_flux_inputs};
 use ddo_core::device::download;
-use ddo_core::host::{REGISTER_ALIGN, register_span};
+use ddo_core::host_memory::{REGISTER_ALIGN, register_span};
 use ddo_core::{
     Checkpoint, CoreError, DType, Device, HostBuffer, HostMemoryKind, RouteSpec, Tensor,
 };

@@ -264,7 +264,7 @@ pub const SCHEDULE_BYTES_PER_STEP: u64 = 64;
 /// [`SCHEDULE_BYTES_PER_STEP`] per step, and an allocation that fails aborts the process.
 pub fn check_schedule_memory(steps: usize) -> Result<()> {
     let need = (steps as u64).saturating_mul(SCHEDULE_BYTES_PER_STEP);
-    match ddo_core::host::mem_available() {
+    match ddo_core::host_memory::mem_available() {
         Some(free) if need > free => Err(schedule_error(format!(
             "{steps} steps need about {need} B of host memory for the schedule; {free} B are available: give fewer steps (at most {})",
             free / SCHEDULE_BYTES_PER_STEP

@@ -5,7 +5,7 @@
 use super::gemm::{Mat, gemm};
 use super::read_opt;
 use crate::error::Result;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::tensor::Tensor;
 
 /// Queries per attention block.

@@ -4,7 +4,7 @@
 use super::gemm::{Mat, gemm};
 use super::read_opt;
 use crate::error::Result;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::ops::Conv2dParams;
 use crate::tensor::Tensor;
 

@@ -3,7 +3,7 @@
 
 use super::{product, shape_err, walk};
 use crate::error::Result;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::ops::{BinaryOp, UnaryOp};
 use crate::shape::{broadcast_shape, broadcast_strides, coalesce};
 use crate::tensor::Tensor;

@@ -5,7 +5,7 @@
 
 use super::{product, read_opt, shape_err, walk};
 use crate::error::Result;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::shape::{broadcast_shape, broadcast_strides};
 use crate::tensor::Tensor;
 

@@ -4,7 +4,7 @@
 use super::{encode_into, product, shape_err, walk};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::shape::{coalesce, contiguous_strides};
 use crate::tensor::{Tensor, numel};
 

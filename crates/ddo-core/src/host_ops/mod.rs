@@ -26,7 +26,7 @@ use half::{bf16, f16};
 use crate::device::{Device, DeviceBuffer};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::host_backend::{HostAllocation, HostDevice};
+use crate::host_device::{HostAllocation, HostDevice};
 use crate::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 use crate::tensor::{Tensor, TensorStorage, byte_len, numel};
 
@@ -384,7 +384,7 @@ impl Ops for HostDevice {
 mod tests {
     use super::*;
     use crate::device::ops_of;
-    use crate::host_backend::HostDeviceConfig;
+    use crate::host_device::HostDeviceConfig;
     use crate::host_ops::test_support::*;
     use crate::reference::SplitMix64;
     #[test]

@@ -3,7 +3,7 @@
 
 use super::{product, read_opt, shape_err};
 use crate::error::Result;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::ops::ReduceOp;
 use crate::tensor::Tensor;
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::dtype::DType;
-use crate::host_backend::HostDevice;
+use crate::host_device::HostDevice;
 use crate::ops::Ops;
 use crate::reference::SplitMix64;
 use crate::tensor::Tensor;

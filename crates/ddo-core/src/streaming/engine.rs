@@ -40,7 +40,7 @@ use ddo_metrics::RouteMetrics;
 use crate::config::PinnedSource;
 use crate::device::{Device, DeviceBuffer, Event, Stream};
 use crate::error::{CoreError, Result};
-use crate::host::{CheckpointMap, HostBuffer, HostSlice, register_span};
+use crate::host_memory::{CheckpointMap, HostBuffer, HostSlice, register_span};
 use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
 use crate::streaming::home::PinnedHome;
@@ -322,7 +322,7 @@ struct CopyRun {
 }
 
 /// What registering the streamed params' mappings takes (pure; touches no memory): the
-/// ranges to register (rounded out to [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN)
+/// ranges to register (rounded out to [`REGISTER_ALIGN`](crate::host_memory::REGISTER_ALIGN)
 /// blocks and merged per mapping, so no two share a page), each unit's copies, and the
 /// pinned home of the params that are not mapped.
 #[derive(Debug)]
@@ -363,7 +363,7 @@ impl RegisterPlan {
             }
         }
         // Overlapping or touching spans of one mapping are merged.
-        let merge = crate::host::merge_spans;
+        let merge = crate::host_memory::merge_spans;
         // Resident params that share a block with a kept range join it (kept registered,
         // so they are read from it whole: a copy from partly page-locked memory is refused);
         // the others get ranges of their own, released after their upload. Joining can
@@ -523,7 +523,7 @@ pub struct StreamingEngine {
 /// Where a resident param's bytes are copied from. With registered mappings, a param
 /// that lies wholly in a registered range is read through the registered view; one that
 /// lies only partly in one (its neighbour in the file streams, and registrations are
-/// rounded out to [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks) is read from a
+/// rounded out to [`REGISTER_ALIGN`](crate::host_memory::REGISTER_ALIGN) blocks) is read from a
 /// pageable copy of its bytes, since a copy from partly page-locked memory is refused
 /// (CUDA: `CUDA_ERROR_INVALID_VALUE`). Otherwise its own host bytes.
 fn resident_source(host: Option<&Host>, p: &Param) -> Result<HostSlice> {

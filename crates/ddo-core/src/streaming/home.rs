@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::device::Device;
 use crate::error::{CoreError, Result};
-use crate::host::{HostBuffer, HostSlice};
+use crate::host_memory::{HostBuffer, HostSlice};
 use crate::param::{Param, ParamId};
 use crate::streaming::layout::align_up;
 
@@ -436,7 +436,7 @@ impl PinnedHome {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host_backend::{HostDevice, HostDeviceConfig};
+    use crate::host_device::{HostDevice, HostDeviceConfig};
     use crate::{DType, HostMemoryKind, ParamKind};
 
     /// `n` f32 params of `elems` values each, named `{tag}{i}`, values unique per param.

@@ -29,7 +29,7 @@
 //!      owned weights take the pinned home): the checkpoint mappings the streamed params point into
 //!      are page-locked where they are ([`Device::register_host`](crate::Device::register_host):
 //!      `cuMemHostRegister` with the read-only flag on CUDA), in ranges rounded out to
-//!      [`REGISTER_ALIGN`](crate::host::REGISTER_ALIGN) blocks and merged per file; no copy
+//!      [`REGISTER_ALIGN`](crate::host_memory::REGISTER_ALIGN) blocks and merged per file; no copy
 //!      of the weights is made at attach and the params keep pointing into the mapping.
 //!      Each unit (ordered by file offset, [`UnitOrder::Source`]) is copied in one copy per
 //!      run of params adjacent both in the file and in the unit. Streamed params whose bytes
@@ -95,7 +95,7 @@ pub const PINNED_SHARE_OF_AVAILABLE: (u64, u64) = (1, 2);
 /// where `/proc/meminfo` cannot be read. The device's own pinned limit still applies on
 /// top of it.
 pub fn default_pinned_limit() -> u64 {
-    pinned_limit_for_available(crate::host::mem_available())
+    pinned_limit_for_available(crate::host_memory::mem_available())
 }
 
 /// [`default_pinned_limit`] for a given available-memory reading.

@@ -127,6 +127,9 @@ pub(crate) fn attention(
         v.shape(),
         mask.map(Tensor::shape),
     )?;
+    let mask4: Option<[usize; 4]> = mask_strides
+        .as_ref()
+        .and_then(|s| s.as_slice().try_into().ok());
     let mstr = mask_strides
         .map(|s| Dims6::from_slice(&s))
         .unwrap_or_default();
@@ -147,6 +150,29 @@ pub(crate) fn attention(
         return out.finish(dev, &inputs);
     }
     let (mask_ptr, mask_code) = super::opt_ptr(mi.as_ref());
+    if dev.cudnn_attention_enabled()
+        && d == dv
+        && [qi.ptr, ki.ptr, vi.ptr, out.ptr, mask_ptr]
+            .iter()
+            .all(|p| p % 16 == 0)
+        && let Some(key) = super::cudnn_attention::key(
+            q.dtype(),
+            [b, h, lq, lk, d],
+            mi.as_ref().zip(mask4).map(|(m, s)| (m.dtype, s)),
+        )
+        && [ki.dtype, vi.dtype] == [qi.dtype; 2]
+    {
+        let ptrs = super::cudnn_attention::Pointers {
+            q: qi.ptr,
+            k: ki.ptr,
+            v: vi.ptr,
+            out: out.ptr,
+            mask: mask_ptr,
+        };
+        if super::cudnn_attention::run(dev, &key, &ptrs, scale)? {
+            return out.finish(dev, &inputs);
+        }
+    }
     let plan = Plan {
         dtypes: [qi.dtype, ki.dtype, vi.dtype],
         d,

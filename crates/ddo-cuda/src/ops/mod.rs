@@ -29,6 +29,7 @@ use crate::device::{CudaAllocation, CudaDevice};
 
 pub(crate) mod attention;
 pub(crate) mod conv;
+pub(crate) mod cudnn_attention;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
 pub(crate) mod kernel_cache;

@@ -1,7 +1,7 @@
-//! The host backend: a [`Device`] whose "device memory" is host memory with a capacity, so
-//! out-of-memory is real; exact current/peak accounting; and an asynchronous copy engine
-//! with one worker thread per stream, so copy/compute overlap and missing waits behave as
-//! they would on a GPU.
+//! The host backend, [`HostDevice`]: a [`Device`] whose "device memory" is host memory
+//! with a capacity, so out-of-memory is real; exact current/peak accounting; and an
+//! asynchronous copy engine with one worker thread per stream, so copy/compute overlap and
+//! missing waits behave as they would on a GPU.
 //!
 //! Compute on this backend runs on the calling thread after the compute stream has drained
 //! (see [`HostDevice::host_compute_fence`]); copies on other streams keep running
@@ -22,7 +22,7 @@ use crate::device::{
     Event, EventHandle, MemoryInfo, Stream, StreamHandle,
 };
 use crate::error::{CoreError, Result};
-use crate::host::{
+use crate::host_memory::{
     AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger, register_target,
 };
 use crate::ops::Ops;

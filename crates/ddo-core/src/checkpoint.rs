@@ -1,0 +1,263 @@
+//! The safetensors checkpoint reader: [`Checkpoint`] opens a file as a read-only
+//! [`CheckpointMap`] and validates its header (length, JSON with unique names
+//! ([`UniqueMap`]), each tensor's dtype, shape, byte count and offsets) before any tensor is
+//! handed out as a checkpoint-mapped [`HostBuffer`]; [`CheckpointTensor`] is one header
+//! entry. The mapping and the host buffers themselves live in [`crate::host_memory`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::host_memory::{CheckpointMap, HostBuffer};
+
+/// One tensor's entry in a checkpoint header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointTensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Absolute byte offset in the file.
+    pub offset: usize,
+    /// Byte length.
+    pub len: usize,
+}
+
+/// An opened, memory-mapped safetensors checkpoint. Tensors handed out by
+/// [`Checkpoint::host_buffer`] point into the mapping (they are checkpoint-backed); the
+/// mapping is unmapped when the last of them, and this value, are dropped.
+#[derive(Debug)]
+pub struct Checkpoint {
+    map: Arc<CheckpointMap>,
+    tensors: BTreeMap<String, CheckpointTensor>,
+    unsupported: BTreeMap<String, String>,
+}
+
+/// A JSON object read with its keys in file order, refusing a key that appears twice (a
+/// plain map would keep the last silently: a checkpoint header or a sharded index with a
+/// duplicate tensor name is ambiguous, so DDO refuses it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UniqueMap(pub Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for UniqueMap {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueMap;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object with unique keys")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueMap, A::Error> {
+                let mut seen = std::collections::BTreeSet::new();
+                let mut entries = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!("duplicate name `{key}`")));
+                    }
+                    entries.push((key, map.next_value()?));
+                }
+                Ok(UniqueMap(entries))
+            }
+        }
+        deserializer.deserialize_map(Visitor)
+    }
+}
+
+/// Largest safetensors header DDO reads (100 MiB, as the format's reference reader allows).
+pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
+
+impl Checkpoint {
+    /// Opens and validates `path`: the header length against the file, the header JSON,
+    /// each tensor's dtype, shape, byte count and offsets (inside the data, not
+    /// overlapping). Errors name the file and, where one is at fault, the tensor. Nothing
+    /// is allocated in proportion to what the header claims. A tensor of a dtype DDO does
+    /// not load (f64, integers, ...) is listed but refused when asked for.
+    pub fn open(path: &Path) -> Result<Self> {
+        let map = CheckpointMap::open(path)?;
+        let (tensors, unsupported) = Self::parse(map.bytes(), path)?;
+        Ok(Self {
+            map,
+            tensors,
+            unsupported,
+        })
+    }
+
+    /// Validates the bytes of a safetensors file as [`Checkpoint::open`] does, without a
+    /// file (`path` only names it in errors); returns the number of tensors listed. For
+    /// fuzzing and for checking bytes before they are written.
+    pub fn validate_bytes(bytes: &[u8], path: &Path) -> Result<usize> {
+        let (tensors, unsupported) = Self::parse(bytes, path)?;
+        Ok(tensors.len() + unsupported.len())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn parse(
+        bytes: &[u8],
+        path: &Path,
+    ) -> Result<(BTreeMap<String, CheckpointTensor>, BTreeMap<String, String>)> {
+        let bad = |message: String| CoreError::Checkpoint {
+            path: path.to_path_buf(),
+            message,
+        };
+        let header_len = bytes
+            .get(..8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .ok_or_else(|| {
+                bad(format!(
+                    "file is {} B, shorter than the 8-byte header length",
+                    bytes.len()
+                ))
+            })?;
+        let available = (bytes.len() - 8) as u64;
+        if header_len > available.min(MAX_HEADER_BYTES) {
+            return Err(bad(format!(
+                "header length {header_len} B exceeds the file ({available} B after the length) or the \
+                 {MAX_HEADER_BYTES} B limit; the file is truncated or not safetensors"
+            )));
+        }
+        let header_end = 8 + header_len as usize;
+        let header = std::str::from_utf8(&bytes[8..header_end])
+            .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+        let json: UniqueMap = serde_json::from_str(header)
+            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+        let data_len = bytes.len() - header_end;
+        let mut tensors = BTreeMap::new();
+        let mut unsupported = BTreeMap::new();
+        let mut ranges: Vec<(usize, usize, &str)> = Vec::new();
+        let sizes = |v: Option<&serde_json::Value>| -> Option<Vec<usize>> {
+            v?.as_array()?
+                .iter()
+                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                .collect()
+        };
+        for (name, entry) in &json.0 {
+            if name == "__metadata__" {
+                continue;
+            }
+            let dtype_name = entry
+                .get("dtype")
+                .and_then(|d| d.as_str())
+                .ok_or_else(|| bad(format!("tensor `{name}` has no string `dtype`")))?;
+            let shape = sizes(entry.get("shape"))
+                .ok_or_else(|| bad(format!("tensor `{name}`: `shape` is not a list of sizes")))?;
+            let offsets = sizes(entry.get("data_offsets"))
+                .filter(|v| v.len() == 2)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tensor `{name}`: `data_offsets` is not [start, end]"
+                    ))
+                })?;
+            let (start, end) = (offsets[0], offsets[1]);
+            if start > end || end > data_len {
+                return Err(bad(format!(
+                    "tensor `{name}`: data offsets {start}..{end} fall outside the {data_len} B of data; \
+                     the file is truncated or corrupt"
+                )));
+            }
+            let element_size = match dtype_name {
+                "F32" | "I32" | "U32" => 4,
+                "F16" | "BF16" | "I16" | "U16" => 2,
+                "U8" | "I8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+                "F64" | "I64" | "U64" => 8,
+                other => {
+                    return Err(bad(format!("tensor `{name}` has unknown dtype `{other}`")));
+                }
+            };
+            let needed = shape
+                .iter()
+                .try_fold(element_size, |acc: usize, &d| acc.checked_mul(d))
+                .ok_or_else(|| bad(format!("tensor `{name}`: shape {shape:?} overflows")))?;
+            if needed != end - start {
+                return Err(bad(format!(
+                    "tensor `{name}`: shape {shape:?} of {dtype_name} needs {needed} B but its offsets span {} B",
+                    end - start
+                )));
+            }
+            ranges.push((start, end, name));
+            let dtype = match dtype_name {
+                "F32" => Some(DType::F32),
+                "F16" => Some(DType::F16),
+                "BF16" => Some(DType::BF16),
+                "U8" | "I8" => Some(DType::Quantized),
+                _ => None,
+            };
+            match dtype {
+                Some(dtype) => {
+                    tensors.insert(
+                        name.clone(),
+                        CheckpointTensor {
+                            dtype,
+                            shape,
+                            offset: header_end + start,
+                            len: end - start,
+                        },
+                    );
+                }
+                None => {
+                    unsupported.insert(name.clone(), dtype_name.to_string());
+                }
+            }
+        }
+        ranges.sort_unstable();
+        for pair in ranges.windows(2) {
+            let ((_, a_end, a), (b_start, _, b)) = (pair[0], pair[1]);
+            if b_start < a_end {
+                return Err(bad(format!("tensors `{a}` and `{b}` overlap in the data")));
+            }
+        }
+        Ok((tensors, unsupported))
+    }
+
+    /// The mapped file.
+    pub fn path(&self) -> &Path {
+        self.map.path()
+    }
+
+    /// The mapping.
+    pub fn map(&self) -> &Arc<CheckpointMap> {
+        &self.map
+    }
+
+    /// Tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// A tensor's header entry. A tensor of a dtype DDO does not load is a typed error
+    /// naming it and its dtype.
+    pub fn tensor(&self, name: &str) -> Result<&CheckpointTensor> {
+        if let Some(dtype) = self.unsupported.get(name) {
+            return Err(CoreError::Checkpoint {
+                path: self.path().to_path_buf(),
+                message: format!(
+                    "tensor `{name}` has dtype {dtype}, which DDO does not load (f32, f16, bf16, u8/i8 quantized)"
+                ),
+            });
+        }
+        self.tensors
+            .get(name)
+            .ok_or_else(|| CoreError::MissingTensor {
+                path: self.path().to_path_buf(),
+                name: name.to_string(),
+            })
+    }
+
+    /// Tensors present but of a dtype DDO does not load, with that dtype.
+    pub fn unsupported(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.unsupported
+            .iter()
+            .map(|(n, d)| (n.as_str(), d.as_str()))
+    }
+
+    /// A new checkpoint-backed host buffer over one tensor's bytes.
+    pub fn host_buffer(&self, name: &str) -> Result<HostBuffer> {
+        let t = self.tensor(name)?;
+        HostBuffer::mapped(Arc::clone(&self.map), t.offset, t.len)
+    }
+}
