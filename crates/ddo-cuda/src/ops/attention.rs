@@ -150,7 +150,11 @@ pub(crate) fn attention(
         return out.finish(dev, &inputs);
     }
     let (mask_ptr, mask_code) = super::opt_ptr(mi.as_ref());
+    // cuDNN's engines take a positive, finite scale only (a negative one gave NaN on an
+    // H200 with cuDNN 9.14): other scales run on the NVRTC kernels.
     if dev.cudnn_attention_enabled()
+        && scale.is_finite()
+        && scale > 0.0
         && d == dv
         && [qi.ptr, ki.ptr, vi.ptr, out.ptr, mask_ptr]
             .iter()

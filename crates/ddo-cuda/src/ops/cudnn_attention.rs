@@ -10,7 +10,9 @@
 //! transposed through its strides), `S · scale` (a by-value f32 scalar), `+ mask` (a
 //! pointwise add of the mask tensor, broadcast over the dims it has size 1 in), the softmax
 //! as `max` (a reduction to `[b, h, lq, 1]`), `sub`, `exp`, `sum` (a reduction) and `div`,
-//! with the probabilities in the input dtype, then `O = P·V`. Every intermediate is virtual:
+//! with the probabilities in the input dtype, then `O = P·V`; and the statistics
+//! `max + log(sum)` the frontend always adds (virtual here), without which cuDNN 9.14's
+//! attention engines do not recognise the graph. Every intermediate is virtual:
 //! cuDNN's heuristics pick a fused engine that never stores a score.
 //!
 //! # State
@@ -436,6 +438,25 @@ fn build(handle: dnn::cudnnHandle_t, key: &Key) -> DnnResult<Plan> {
         &sum,
         &mut parts,
     )?);
+    // The softmax statistics `max + log(sum)` (virtual: not an output): cuDNN's attention
+    // engines recognise the graph only with them, as the frontend always builds it.
+    let log_sum = virt(f32t, rows)?;
+    ops.push(pointwise(
+        P::CUDNN_POINTWISE_LOG,
+        &sum,
+        None,
+        &log_sum,
+        &mut parts,
+    )?);
+    let stats = virt(f32t, rows)?;
+    ops.push(pointwise(
+        P::CUDNN_POINTWISE_ADD,
+        &max,
+        Some(&log_sum),
+        &stats,
+        &mut parts,
+    )?);
+    parts.extend([log_sum, stats]);
     // The probabilities in the input dtype: bmm2 takes its A operand in the i/o type.
     let probs = virt(io, scores)?;
     ops.push(pointwise(
