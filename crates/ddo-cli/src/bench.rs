@@ -548,6 +548,10 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 for _ in 0..warmup {
                     workload.forward(&*device, &inputs)?;
                 }
+                // What the warm-up started preparing (cuDNN plans) is ready before timing.
+                if warmup > 0 {
+                    device.settle(std::time::Duration::from_secs(60))?;
+                }
                 let before = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 device.reset_peak();
                 let mut seconds = Vec::with_capacity(repeats);

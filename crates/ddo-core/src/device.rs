@@ -428,6 +428,15 @@ pub trait Device: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Waits, at most `timeout`, for what the backend prepares in the background for ops it
+    /// has seen (the CUDA backend builds cuDNN attention plans on a thread of its own, and
+    /// runs its own kernels until they are ready), so what follows runs in the steady state;
+    /// whether nothing is pending now. Benchmarks call it after their warm-up.
+    fn settle(&self, timeout: std::time::Duration) -> Result<bool> {
+        let _ = timeout;
+        Ok(true)
+    }
+
     /// Starts a per-op profile of this device's [`Ops`] ([`crate::profile`]); `false`
     /// where the backend keeps none.
     fn begin_op_profile(&self) -> bool {

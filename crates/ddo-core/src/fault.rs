@@ -440,6 +440,10 @@ impl Device for FaultInjectingDevice {
         self.inner.begin_op_profile()
     }
 
+    fn settle(&self, timeout: std::time::Duration) -> Result<bool> {
+        self.inner.settle(timeout)
+    }
+
     fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {
         self.inner.end_op_profile()
     }

@@ -595,6 +595,16 @@ impl CudaDevice {
         crate::ops::cudnn_attention::last_refusal()
     }
 
+    /// Waits (at most `timeout`) until no cuDNN attention plan of this device is being
+    /// built: a shape's first call starts its build on a thread of its own and runs on the
+    /// NVRTC kernels until it is ready. Whether none is pending now.
+    pub fn wait_cudnn_attention_plans(
+        &self,
+        timeout: std::time::Duration,
+    ) -> ddo_core::Result<bool> {
+        crate::ops::cudnn_attention::wait_for_plans(self, timeout)
+    }
+
     pub(crate) fn cudnn_attention_enabled(&self) -> bool {
         self.cudnn_attention.load(Ordering::Relaxed)
     }
@@ -1475,6 +1485,11 @@ impl Device for CudaDevice {
     fn begin_op_profile(&self) -> bool {
         self.profiled.profiler().begin();
         true
+    }
+
+    /// Waits for the cuDNN attention plans being built ([`CudaDevice::wait_cudnn_attention_plans`]).
+    fn settle(&self, timeout: std::time::Duration) -> ddo_core::Result<bool> {
+        self.wait_cudnn_attention_plans(timeout)
     }
 
     fn end_op_profile(&self) -> ddo_core::Result<Option<ddo_core::OpProfile>> {

@@ -17,12 +17,15 @@
 //!
 //! # State
 //!
-//! One cuDNN handle per device, bound to its compute stream, in a process-wide table keyed
-//! weakly by that stream (as cuBLAS's handles are, `gemm.rs`), with the execution plans
-//! built so far per shape (b, h, lq, lk, d, dtype, mask layout): building one takes tens of
-//! milliseconds, running one microseconds. A shape cuDNN refuses (no engine, or a plan that
-//! does not finalise) is remembered as refused, and the caller runs its NVRTC kernels. Calls
-//! on a handle are serialised by the table's lock.
+//! Plans are kept per device (a process-wide table keyed weakly by the device's compute
+//! stream, as cuBLAS's handles are in `gemm.rs`) and per shape (b, h, lq, lk, d, dtype, mask
+//! layout). Building one takes up to seconds (cuDNN compiles its fused kernel at runtime;
+//! about 2 s for FLUX.1-dev's shape on an H200), so the first call for a shape starts the
+//! build on a thread of its own, on a handle of its own bound to the compute stream, and
+//! that call and those after it run on DDO's NVRTC kernels until the plan is ready: no call
+//! waits for cuDNN. A shape cuDNN refuses (no engine, or no plan that finalises) is
+//! remembered as refused. Running a plan takes the table's lock (queuing takes
+//! microseconds; the work runs on the stream).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -113,18 +116,44 @@ impl Drop for Desc {
     }
 }
 
-/// A raw cuDNN handle.
+/// A raw cuDNN handle, destroyed on drop.
 struct Handle(dnn::cudnnHandle_t);
 
 // SAFETY: a cuDNN handle may be used from any thread as long as calls on it do not run
-// concurrently; every use goes through the `DNN` table's mutex.
+// concurrently: it is built on by one builder thread, then used only under the `DNN`
+// table's mutex.
 unsafe impl Send for Handle {}
 
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created by `cudnnCreate`, destroyed once, here, after the plans built on it
+        // (a `Plan` drops its descriptors before its handle).
+        let _ = unsafe { dnn::cudnnDestroy(self.0) };
+    }
+}
+
 /// A finalised execution plan and the descriptors it was built from (kept alive with it).
-struct Plan {
+struct Built {
     plan: Desc,
     workspace: usize,
     _parts: Vec<Desc>,
+}
+
+/// A plan ready to run: built on its own handle, which is bound to the device's compute
+/// stream and runs it. (Fields drop in order: the descriptors before the handle.)
+struct Plan {
+    built: Built,
+    handle: Handle,
+}
+
+/// Where a shape's plan stands.
+enum State {
+    /// A builder thread is making it; calls run on DDO's kernels meanwhile.
+    Pending,
+    /// Ready to run.
+    Ready(Plan),
+    /// cuDNN refused the shape (no engine, or no plan finalised).
+    Refused,
 }
 
 /// The shape facts a plan is built for.
@@ -145,22 +174,15 @@ pub(crate) struct Key {
 struct DnnEntry {
     compute: Weak<CudaStream>,
     ctx: Arc<CudaContext>,
-    handle: Handle,
-    /// Plans by shape; `None`: cuDNN refused the shape.
-    plans: HashMap<Key, Option<Plan>>,
+    /// Plans by shape.
+    plans: HashMap<Key, State>,
 }
 
 impl DnnEntry {
     fn destroy(self) {
-        let DnnEntry {
-            ctx, handle, plans, ..
-        } = self;
-        drop(plans);
-        if ctx.bind_to_thread().is_ok() {
-            // SAFETY: created by `cudnnCreate` in `ctx`, destroyed once (the entry is
-            // consumed), its plans dropped first; nothing else refers to it.
-            let _ = unsafe { dnn::cudnnDestroy(handle.0) };
-        }
+        // cuDNN releases a handle's resources in the handle's context.
+        let _ = self.ctx.bind_to_thread();
+        drop(self.plans);
     }
 }
 
@@ -255,7 +277,7 @@ fn dense(dims: [i64; 4]) -> [i64; 4] {
 }
 
 /// Builds the plan for `key` on `handle` (see the module docs for the graph).
-fn build(handle: dnn::cudnnHandle_t, key: &Key) -> DnnResult<Plan> {
+fn build(handle: dnn::cudnnHandle_t, key: &Key) -> DnnResult<Built> {
     use dnn::cudnnDataType_t::{CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_DATA_HALF};
     use dnn::cudnnPointwiseMode_t as P;
     use dnn::cudnnReduceTensorOp_t as R;
@@ -526,7 +548,7 @@ fn build(handle: dnn::cudnnHandle_t, key: &Key) -> DnnResult<Plan> {
         status: dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED,
     };
     for cfg in configs.into_iter().take(got.max(0) as usize) {
-        let attempt = (|| -> DnnResult<Plan> {
+        let attempt = (|| -> DnnResult<Built> {
             let plan = Desc::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
             plan.set(
                 A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
@@ -548,7 +570,7 @@ fn build(handle: dnn::cudnnHandle_t, key: &Key) -> DnnResult<Plan> {
                     (&mut ws as *mut i64).cast::<c_void>(),
                 )
             })?;
-            Ok(Plan {
+            Ok(Built {
                 plan,
                 workspace: ws.max(0) as usize,
                 _parts: Vec::new(),
@@ -573,8 +595,115 @@ fn backend(dev: &CudaDevice, message: String) -> CoreError {
     }
 }
 
-/// Runs attention for `key` on cuDNN with `scale`; `Ok(false)` when cuDNN is absent or
-/// refuses the shape (the caller runs its own kernels then).
+/// Builds the plan for `key` on a new handle bound to `stream` (in `ctx`), on this thread.
+fn build_on_new_handle(
+    ctx: &CudaContext,
+    stream: &CudaStream,
+    key: &Key,
+) -> std::result::Result<Plan, String> {
+    ctx.bind_to_thread()
+        .map_err(|e| format!("cuCtxSetCurrent failed with {e:?}"))?;
+    let mut h: dnn::cudnnHandle_t = std::ptr::null_mut();
+    // SAFETY: `h` is a valid out-pointer; the device's context is bound.
+    check("cudnnCreate", unsafe { dnn::cudnnCreate(&mut h) })
+        .map_err(|e| format!("{} failed with {:?}", e.call, e.status))?;
+    let handle = Handle(h);
+    // SAFETY: the handle was just created in the bound context; the stream belongs to that
+    // context and outlives every use of the handle on it (the plan, which owns the handle,
+    // is dropped with the device's entry, once the stream is gone, or right here).
+    check("cudnnSetStream", unsafe {
+        dnn::cudnnSetStream(h, stream.cu_stream() as dnn::cudaStream_t)
+    })
+    .map_err(|e| format!("{} failed with {:?}", e.call, e.status))?;
+    let built =
+        build(h, key).map_err(|e| format!("{key:?}: {} failed with {:?}", e.call, e.status))?;
+    Ok(Plan { built, handle })
+}
+
+/// The device's entry in `table` (made if it has none); dead devices' entries destroyed.
+fn entry_of<'t>(
+    table: &'t mut Vec<DnnEntry>,
+    stream: &Arc<CudaStream>,
+    ctx: &Arc<CudaContext>,
+) -> &'t mut DnnEntry {
+    let (live, dead): (Vec<DnnEntry>, Vec<DnnEntry>) = std::mem::take(table)
+        .into_iter()
+        .partition(|e| e.compute.strong_count() > 0);
+    *table = live;
+    for e in dead {
+        e.destroy();
+    }
+    let at = match table
+        .iter()
+        .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(stream)))
+    {
+        Some(i) => i,
+        None => {
+            table.push(DnnEntry {
+                compute: Arc::downgrade(stream),
+                ctx: Arc::clone(ctx),
+                plans: HashMap::new(),
+            });
+            table.len() - 1
+        }
+    };
+    &mut table[at]
+}
+
+/// Starts building `key`'s plan on a thread of its own: building one takes up to seconds
+/// (cuDNN compiles its fused kernel at runtime), so the call that first meets a shape, and
+/// those after it until the plan is ready, run on DDO's kernels instead of waiting.
+fn spawn_build(stream: Arc<CudaStream>, ctx: Arc<CudaContext>, key: Key) {
+    let spawned = std::thread::Builder::new()
+        .name("ddo-cudnn-plan".into())
+        .spawn(move || {
+            let outcome = build_on_new_handle(&ctx, &stream, &key);
+            let mut table = DNN.lock();
+            let state = match outcome {
+                Ok(plan) => State::Ready(plan),
+                Err(why) => {
+                    *LAST_REFUSAL.lock() = Some(why);
+                    State::Refused
+                }
+            };
+            let entry = entry_of(&mut table, &stream, &ctx);
+            entry.plans.insert(key, state);
+        });
+    if spawned.is_err() {
+        let mut table = DNN.lock();
+        *LAST_REFUSAL.lock() = Some("no thread for building a cuDNN plan".into());
+        if let Some(e) = table
+            .iter_mut()
+            .find(|e| e.compute.strong_count() > 0 && e.plans.contains_key(&key))
+        {
+            e.plans.insert(key, State::Refused);
+        }
+    }
+}
+
+/// Waits until no plan of `dev` is being built (for tests and benchmarks that want the
+/// steady state): at most `timeout`; whether none is pending now.
+pub(crate) fn wait_for_plans(dev: &CudaDevice, timeout: std::time::Duration) -> Result<bool> {
+    let stream = kernels::compute_stream(dev)?;
+    let started = std::time::Instant::now();
+    loop {
+        let pending = DNN.lock().iter().any(|e| {
+            std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream))
+                && e.plans.values().any(|s| matches!(s, State::Pending))
+        });
+        if !pending {
+            return Ok(true);
+        }
+        if started.elapsed() >= timeout {
+            return Ok(false);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// Runs attention for `key` on cuDNN with `scale` when its plan is ready; `Ok(false)` when
+/// cuDNN is absent, refuses the shape or is still building its plan (the caller runs its own
+/// kernels then). The first call for a shape starts the build ([`spawn_build`]).
 pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> Result<bool> {
     if !cudnn_present() {
         return refuse("libcudnn could not be loaded".into());
@@ -585,61 +714,21 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
         crate::error::CudaError::driver(call, e).into_core(&dev.id().to_string())
     };
     let mut table = DNN.lock();
-    let (live, dead): (Vec<DnnEntry>, Vec<DnnEntry>) = std::mem::take(&mut *table)
-        .into_iter()
-        .partition(|e| e.compute.strong_count() > 0);
-    *table = live;
-    for e in dead {
-        e.destroy();
-    }
-    ctx.bind_to_thread()
-        .map_err(|e| driver("cuCtxSetCurrent", e))?;
-    let at = match table
-        .iter()
-        .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-    {
-        Some(i) => i,
+    let entry = entry_of(&mut table, &stream, ctx);
+    let plan = match entry.plans.get(key) {
+        Some(State::Ready(plan)) => plan,
+        Some(State::Pending | State::Refused) => return Ok(false),
         None => {
-            let mut h: dnn::cudnnHandle_t = std::ptr::null_mut();
-            // SAFETY: `h` is a valid out-pointer; the device's context is bound.
-            if let Err(e) = check("cudnnCreate", unsafe { dnn::cudnnCreate(&mut h) }) {
-                // A library that loads but cannot start (no matching CUDA) is an absent one.
-                return refuse(format!("{} failed with {:?}", e.call, e.status));
-            }
-            let entry = DnnEntry {
-                compute: Arc::downgrade(&stream),
-                ctx: Arc::clone(ctx),
-                handle: Handle(h),
-                plans: HashMap::new(),
-            };
-            // SAFETY: the handle was just created in the bound context; the stream belongs
-            // to that context and outlives every use of the handle on it (the entry is
-            // destroyed only once the stream is gone).
-            let set = unsafe { dnn::cudnnSetStream(h, stream.cu_stream() as dnn::cudaStream_t) };
-            if let Err(e) = check("cudnnSetStream", set) {
-                entry.destroy();
-                return Err(backend(
-                    dev,
-                    format!("{} failed with {:?}", e.call, e.status),
-                ));
-            }
-            table.push(entry);
-            table.len() - 1
+            entry.plans.insert(*key, State::Pending);
+            drop(table);
+            spawn_build(Arc::clone(&stream), Arc::clone(ctx), *key);
+            return Ok(false);
         }
     };
-    let entry = &mut table[at];
-    let handle = entry.handle.0;
-    let plan = entry.plans.entry(*key).or_insert_with(|| {
-        build(handle, key)
-            .map_err(|e| {
-                *LAST_REFUSAL.lock() =
-                    Some(format!("{key:?}: {} failed with {:?}", e.call, e.status))
-            })
-            .ok()
-    });
-    let Some(plan) = plan.as_ref() else {
-        return Ok(false);
-    };
+    ctx.bind_to_thread()
+        .map_err(|e| driver("cuCtxSetCurrent", e))?;
+    let handle = plan.handle.0;
+    let plan = &plan.built;
     let workspace = if plan.workspace > 0 {
         Some(super::scratch(dev, plan.workspace)?)
     } else {

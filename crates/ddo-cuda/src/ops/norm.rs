@@ -4,7 +4,7 @@
 use cudarc::driver::LaunchConfig;
 use ddo_core::{ReduceOp, Result, Tensor};
 
-use super::kernels::{Arg, grid_1d, launch};
+use super::kernels::{self, Arg, grid_1d, launch};
 use super::{Out, input, opt_ptr, optional_vector, scratch, shape_err};
 use crate::device::CudaDevice;
 
@@ -63,8 +63,28 @@ fn row_norm(
         let rows = out.numel / d;
         let (wp, wc) = opt_ptr(wi.as_ref());
         let (bp, bc) = opt_ptr(bi.as_ref());
-        // Short rows: a warp per row, the row held in registers.
-        let (name, cfg) = if d <= WARP_ROW_MAX {
+        // 16-bit rows of whole 16-byte chunks: vectorised, the row held in registers (8
+        // elements a thread; d / 8 lanes per row when that divides a warp, else a block of
+        // d / 8 threads). Other short rows: a warp per row. Long rows: a block per row.
+        let half = |c: i32| matches!(c, kernels::DTYPE_F16 | kernels::DTYPE_BF16);
+        let vec =
+            half(xi.code) && half(out.code) && d % 8 == 0 && xi.ptr % 16 == 0 && out.ptr % 16 == 0;
+        let lanes = d / 8;
+        let (name, cfg) = if vec && lanes <= 32 && 32 % lanes.max(1) == 0 {
+            (
+                "ddo_row_norm_vec_warp",
+                grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256),
+            )
+        } else if vec && lanes % 32 == 0 && lanes <= 1024 {
+            (
+                "ddo_row_norm_vec_block",
+                LaunchConfig {
+                    grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+                    block_dim: (lanes as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        } else if d <= WARP_ROW_MAX {
             ("ddo_row_norm_warp", grid_1d(rows as u64 * 32, 256))
         } else {
             ("ddo_row_norm", rows_config(rows, d))
