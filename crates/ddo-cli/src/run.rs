@@ -519,6 +519,9 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         .map(|n| routing.explain(n))
         .collect::<CliResult<Vec<Explanation>>>()?;
     let device = open_device(device_choice, budget, DeviceNeeds::of(&explanations))?;
+    // The backend may prepare per-shape work (cuDNN plans) while the routes attach and the
+    // prompt is encoded.
+    pipe.prepare_attention(&*device, height, width, images)?;
     startup.lap("device");
     let (plan_budget, budget_source) = plan_budget(&*device, budget);
     let effective_budget = Some(plan_budget);

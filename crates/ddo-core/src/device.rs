@@ -10,6 +10,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
+use crate::DType;
 use crate::error::{CoreError, Result};
 use crate::host_memory::{HostBuffer, HostSlice};
 use crate::ops::Ops;
@@ -428,10 +429,25 @@ pub trait Device: Send + Sync + fmt::Debug {
         None
     }
 
-    /// Waits, at most `timeout`, for what the backend prepares in the background for ops it
-    /// has seen (the CUDA backend builds cuDNN attention plans on a thread of its own, and
-    /// runs its own kernels until they are ready), so what follows runs in the steady state;
-    /// whether nothing is pending now. Benchmarks call it after their warm-up.
+    /// A hint that attention over `q [b, h, lq, d]`, `k [b, h, lk, d]`, `v [b, h, lk, dv]`
+    /// (in `dtype`), with an additive mask of the given shape (broadcastable to
+    /// `[b, h, lq, lk]`) and dtype if any, will run soon: the backend may prepare for it in
+    /// the background (the CUDA backend builds its cuDNN plan). Results never depend on it;
+    /// an invalid shape is ignored here and refused by the op.
+    fn prepare_attention(
+        &self,
+        q: &[usize],
+        k: &[usize],
+        v: &[usize],
+        mask: Option<(&[usize], DType)>,
+        dtype: DType,
+    ) {
+        let _ = (q, k, v, mask, dtype);
+    }
+
+    /// Waits, at most `timeout`, for what the backend prepares in the background (the CUDA
+    /// backend's cuDNN attention plans), so what follows runs in the steady state; whether
+    /// nothing is pending now. Benchmarks call it after their warm-up.
     fn settle(&self, timeout: std::time::Duration) -> Result<bool> {
         let _ = timeout;
         Ok(true)

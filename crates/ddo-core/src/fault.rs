@@ -444,6 +444,17 @@ impl Device for FaultInjectingDevice {
         self.inner.settle(timeout)
     }
 
+    fn prepare_attention(
+        &self,
+        q: &[usize],
+        k: &[usize],
+        v: &[usize],
+        mask: Option<(&[usize], DType)>,
+        dtype: DType,
+    ) {
+        self.inner.prepare_attention(q, k, v, mask, dtype)
+    }
+
     fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {
         self.inner.end_op_profile()
     }

@@ -1492,6 +1492,21 @@ impl Device for CudaDevice {
         self.wait_cudnn_attention_plans(timeout)
     }
 
+    /// Starts building the cuDNN plan of an eligible shape in the background
+    /// (`ops/cudnn_attention.rs`).
+    fn prepare_attention(
+        &self,
+        q: &[usize],
+        k: &[usize],
+        v: &[usize],
+        mask: Option<(&[usize], DType)>,
+        dtype: DType,
+    ) {
+        if self.cudnn_attention_enabled() {
+            crate::ops::attention::prepare(self, q, k, v, mask, dtype);
+        }
+    }
+
     fn end_op_profile(&self) -> ddo_core::Result<Option<ddo_core::OpProfile>> {
         self.profiled.profiler().finish(self)
     }

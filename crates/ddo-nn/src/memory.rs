@@ -159,6 +159,58 @@ impl FluxPipeline {
     }
 }
 
+/// The dtype of the first weight of `component` (the models' activations take it).
+fn weights_dtype(component: &ddo_core::Component) -> DType {
+    component
+        .leaves()
+        .iter()
+        .find_map(|l| l.params().first().map(|(_, p)| p.dtype()))
+        .unwrap_or(DType::F32)
+}
+
+impl FluxPipeline {
+    /// Names the attention shapes a run of `images` images at `height × width` will use to
+    /// `device` ([`Device::prepare_attention`]): CLIP's (causal mask), T5's (its relative
+    /// position bias as the mask) and the transformer's joint attention over image and text
+    /// tokens, so a backend that builds something per shape (the CUDA backend's cuDNN plans)
+    /// starts before the first phase. Results do not depend on it.
+    pub fn prepare_attention(
+        &self,
+        device: &dyn Device,
+        height: usize,
+        width: usize,
+        images: usize,
+    ) -> Result<()> {
+        if let Some(clip) = &self.clip {
+            let c = clip.config();
+            let (heads, len) = (c.num_attention_heads, c.max_position_embeddings);
+            let q = [1, heads, len, c.hidden_size / heads.max(1)];
+            let dtype = weights_dtype(clip.component());
+            device.prepare_attention(&q, &q, &q, Some((&[1, 1, len, len], dtype)), dtype);
+        }
+        if let Some(t5) = &self.t5 {
+            let c = t5.config();
+            let len = self.max_sequence_length;
+            let q = [1, c.num_heads, len, c.d_kv];
+            let dtype = weights_dtype(t5.component());
+            let mask = [1, c.num_heads, len, len];
+            device.prepare_attention(&q, &q, &q, Some((&mask, dtype)), dtype);
+        }
+        let (h, w) = self.latent_grid(height, width)?;
+        let c = self.transformer.config();
+        let tokens = (h / 2) * (w / 2) + self.max_sequence_length;
+        let q = [
+            images.max(1),
+            c.num_attention_heads,
+            tokens,
+            c.attention_head_dim,
+        ];
+        let dtype = self.transformer_dtype();
+        device.prepare_attention(&q, &q, &q, None, dtype);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -209,6 +209,37 @@ pub(crate) fn attention(
     out.finish(dev, &inputs)
 }
 
+/// [`Device::prepare_attention`](ddo_core::Device::prepare_attention) on `dev`: the cuDNN
+/// plan of an eligible shape starts building (the same eligibility as a call: 16-bit, d ==
+/// dv, the mask's layout; alignment is a call's matter).
+pub(crate) fn prepare(
+    dev: &CudaDevice,
+    q: &[usize],
+    k: &[usize],
+    v: &[usize],
+    mask: Option<(&[usize], DType)>,
+    dtype: DType,
+) {
+    let Ok(g) = ddo_core::shape::attention_geometry("attention", q, k, v, mask.map(|(m, _)| m))
+    else {
+        return;
+    };
+    let mask4: Option<[usize; 4]> = g
+        .mask_strides
+        .as_ref()
+        .and_then(|s| s.as_slice().try_into().ok());
+    if g.d != g.dv {
+        return;
+    }
+    if let Some(key) = super::cudnn_attention::key(
+        dtype,
+        [g.b, g.h, g.lq, g.lk, g.d],
+        mask.zip(mask4).map(|((_, mdt), s)| (mdt, s)),
+    ) {
+        let _ = super::cudnn_attention::prepare(dev, &key);
+    }
+}
+
 /// Device addresses and dtype codes of one call.
 struct Operands {
     q: u64,

@@ -20,12 +20,13 @@
 //! Plans are kept per device (a process-wide table keyed weakly by the device's compute
 //! stream, as cuBLAS's handles are in `gemm.rs`) and per shape (b, h, lq, lk, d, dtype, mask
 //! layout). Building one takes up to seconds (cuDNN compiles its fused kernel at runtime;
-//! about 2 s for FLUX.1-dev's shape on an H200), so the first call for a shape starts the
-//! build on a thread of its own, on a handle of its own bound to the compute stream, and
-//! that call and those after it run on DDO's NVRTC kernels until the plan is ready: no call
-//! waits for cuDNN. A shape cuDNN refuses (no engine, or no plan that finalises) is
-//! remembered as refused. Running a plan takes the table's lock (queuing takes
-//! microseconds; the work runs on the stream).
+//! about 2 s for FLUX.1-dev's shape on an H200), on a thread of its own and a handle of its
+//! own bound to the compute stream: [`prepare`] starts it early (the pipeline names its
+//! shapes before its first phase), and a call whose plan is still being built waits for it,
+//! so which implementation runs depends on the shape alone and a run is reproducible bit for
+//! bit. A shape cuDNN refuses (no engine, or no plan that finalises) is remembered as
+//! refused and runs on DDO's NVRTC kernels. Running a plan takes the table's lock (queuing
+//! takes microseconds; the work runs on the stream).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -650,9 +651,8 @@ fn entry_of<'t>(
     &mut table[at]
 }
 
-/// Starts building `key`'s plan on a thread of its own: building one takes up to seconds
-/// (cuDNN compiles its fused kernel at runtime), so the call that first meets a shape, and
-/// those after it until the plan is ready, run on DDO's kernels instead of waiting.
+/// Builds `key`'s plan on a thread of its own (up to seconds: cuDNN compiles its fused
+/// kernel at runtime) and records it, or the refusal, in the table.
 fn spawn_build(stream: Arc<CudaStream>, ctx: Arc<CudaContext>, key: Key) {
     let spawned = std::thread::Builder::new()
         .name("ddo-cudnn-plan".into())
@@ -701,9 +701,30 @@ pub(crate) fn wait_for_plans(dev: &CudaDevice, timeout: std::time::Duration) -> 
     }
 }
 
-/// Runs attention for `key` on cuDNN with `scale` when its plan is ready; `Ok(false)` when
-/// cuDNN is absent, refuses the shape or is still building its plan (the caller runs its own
-/// kernels then). The first call for a shape starts the build ([`spawn_build`]).
+/// Starts building `key`'s plan in the background unless it is built, being built or
+/// refused ([`CudaDevice::prepare_attention`]: the pipeline names its shapes before its
+/// first phase, so the build overlaps loading and prompt encoding).
+pub(crate) fn prepare(dev: &CudaDevice, key: &Key) -> Result<()> {
+    if !cudnn_present() {
+        return Ok(());
+    }
+    let stream = kernels::compute_stream(dev)?;
+    let ctx = dev.context();
+    let mut table = DNN.lock();
+    let entry = entry_of(&mut table, &stream, ctx);
+    if !entry.plans.contains_key(key) {
+        entry.plans.insert(*key, State::Pending);
+        drop(table);
+        spawn_build(stream, Arc::clone(ctx), *key);
+    }
+    Ok(())
+}
+
+/// Runs attention for `key` on cuDNN with `scale`; `Ok(false)` when cuDNN is absent or
+/// refuses the shape (the caller runs its own kernels then). A shape's plan is built once
+/// (on a thread of its own, [`spawn_build`]) and this call waits for it when it is not
+/// ready: which implementation runs depends on the shape only, never on timing, so a run
+/// is reproducible bit for bit.
 pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> Result<bool> {
     if !cudnn_present() {
         return refuse("libcudnn could not be loaded".into());
@@ -713,17 +734,22 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
     let driver = |call: &'static str, e| {
         crate::error::CudaError::driver(call, e).into_core(&dev.id().to_string())
     };
-    let mut table = DNN.lock();
-    let entry = entry_of(&mut table, &stream, ctx);
-    let plan = match entry.plans.get(key) {
-        Some(State::Ready(plan)) => plan,
-        Some(State::Pending | State::Refused) => return Ok(false),
-        None => {
-            entry.plans.insert(*key, State::Pending);
-            drop(table);
-            spawn_build(Arc::clone(&stream), Arc::clone(ctx), *key);
-            return Ok(false);
+    prepare(dev, key)?;
+    let mut table = loop {
+        let mut table = DNN.lock();
+        let entry = entry_of(&mut table, &stream, ctx);
+        match entry.plans.get(key) {
+            Some(State::Ready(_)) => break table,
+            Some(State::Refused) | None => return Ok(false),
+            Some(State::Pending) => {
+                drop(table);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
+    };
+    let entry = entry_of(&mut table, &stream, ctx);
+    let Some(State::Ready(plan)) = entry.plans.get(key) else {
+        return Ok(false);
     };
     ctx.bind_to_thread()
         .map_err(|e| driver("cuCtxSetCurrent", e))?;
