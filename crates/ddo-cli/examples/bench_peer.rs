@@ -12,8 +12,9 @@
 //! the exact device peak, bytes copied host→device per forward, the engine's plan, host RSS
 //! (sampled during the timed forwards) and pinned host bytes. The pinned host→device
 //! bandwidth is measured first (1 GiB, best of 5), in the same process. Streamed
-//! transformer runs call `detach_auxiliary_cpu_sources` after the first forward, so the
-//! checkpoint mapping is dropped once the engine's pinned home holds the weights.
+//! transformer runs mark the model exclusively owned at load and call
+//! `detach_auxiliary_cpu_sources` after the first forward, so the checkpoint mapping is
+//! dropped once the engine's pinned home holds the weights.
 //!
 //! The inputs are on the device before the timed forwards, as `tools/bench_peer.py` holds
 //! them for Diffusers: the transformer's as f32 except `hidden_states` in bf16 (the model
@@ -172,6 +173,9 @@ fn main() -> Result<(), BoxError> {
     for (name, route) in transformer_runs {
         let (rss0, _, _) = rss();
         let model = FluxTransformer::load(&dir.join("transformer"), None)?;
+        // Nothing else holds this model's tensors: say so before its first forward, as
+        // detaching its checkpoint-backed sources requires (the seed's rule).
+        model.component().set_exclusively_owned(true);
         let weight_bytes = model.component().param_bytes();
         let h = enable_dynamic_offload(model.component(), dev.clone(), spec(&route, &extra)?)?;
         // The first forward learns the schedule and builds the engine, whose pinned home
