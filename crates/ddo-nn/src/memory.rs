@@ -198,7 +198,13 @@ impl FluxPipeline {
         }
         let (h, w) = self.latent_grid(height, width)?;
         let c = self.transformer.config();
-        let tokens = (h / 2) * (w / 2) + self.max_sequence_length;
+        // A size no device holds is refused by the memory plan, not here: no hint for it.
+        let Some(tokens) = (h / 2)
+            .checked_mul(w / 2)
+            .and_then(|t| t.checked_add(self.max_sequence_length))
+        else {
+            return Ok(());
+        };
         let q = [
             images.max(1),
             c.num_attention_heads,
