@@ -100,6 +100,30 @@ fn release_is_refused_with_work_in_flight_and_releases_nothing() {
     assert!(report.proven, "{report:?}");
 }
 
+/// `empty_cache` returns the caching allocator's idle segments only: with the native pool
+/// installed it returns nothing and leaves the pool's idle pages mapped (it never reports
+/// them as given back); those go back through `release_native_vmm_idle_cache` alone (the
+/// seed, issue 17 point 6).
+#[test]
+fn empty_cache_does_not_report_the_native_pool_as_returned() {
+    let Some(d) = open_gpu(true) else { return };
+    let buf = upload(&*d, &vec![7u8; 8 << 20], &d.compute_stream()).unwrap();
+    drop(buf);
+    d.synchronize().unwrap();
+    let before = d.native_pool_figures().expect("pool figures");
+    assert_eq!(before.live_bytes, 0, "{before:?}");
+    assert!(before.mapped_bytes >= 8 << 20, "idle pages stay mapped: {before:?}");
+    let returned = d.empty_cache().unwrap();
+    let after = d.native_pool_figures().unwrap();
+    assert_eq!(returned, 0, "empty_cache reported {returned} B returned");
+    assert_eq!(after.mapped_bytes, before.mapped_bytes, "{after:?}");
+    let released = release_native_vmm_idle_cache(&*d).unwrap();
+    println!("empty_cache: {returned} B; then the idle release: {released:?}");
+    assert!(released.bytes >= 8 << 20, "{released:?}");
+    let left = d.native_pool_figures().unwrap().mapped_bytes;
+    assert!(left + released.bytes <= before.mapped_bytes, "{left} B still mapped");
+}
+
 fn small_flux() -> FluxTransformer {
     let mut cfg = FluxTransformerConfig::flux_dev();
     cfg.num_layers = 2;

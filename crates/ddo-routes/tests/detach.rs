@@ -314,6 +314,63 @@ fn refuses_overlapping_sources_that_are_not_one_registered_alias() {
     });
 }
 
+/// A param over part of a mapped tensor (a view, or a partial alias of another param over
+/// the same tensor) is refused, changing nothing: copying it would not be the tensor the
+/// checkpoint holds, and dropping the mapping would take the other param's bytes with it
+/// (the seed, issue 17 point 6).
+#[test]
+fn refuses_views_and_partial_aliases_of_mapped_tensors() {
+    let f = fixture(false);
+    let ckpt = Checkpoint::open(&f.path).unwrap();
+    let name = ckpt
+        .names()
+        .find(|n| {
+            let t = ckpt.tensor(n).unwrap();
+            t.dtype == DType::BF16 && t.len >= 8
+        })
+        .unwrap()
+        .to_string();
+    let info = ckpt.tensor(&name).unwrap().clone();
+    let buffer = ckpt.host_buffer(&name).unwrap();
+    let half = info.len / 2 / 2 * 2;
+    // A view: the first half of the tensor, alone.
+    let view = Param::new(
+        "a.weight",
+        ParamKind::Parameter,
+        DType::BF16,
+        vec![half / 2],
+        buffer.slice(0, half).unwrap(),
+    )
+    .unwrap();
+    let other = Param::from_f32(
+        "b.weight",
+        ParamKind::Parameter,
+        DType::F32,
+        vec![2],
+        &[1.0, 2.0],
+    )
+    .unwrap();
+    // A partial alias: the whole tensor under one name, its second half under another.
+    let whole = Param::from_checkpoint(&ckpt, &name, "c.weight", ParamKind::Parameter).unwrap();
+    let tail = Param::new(
+        "d.weight",
+        ParamKind::Parameter,
+        DType::BF16,
+        vec![(info.len - half) / 2],
+        buffer.slice(half, info.len - half).unwrap(),
+    )
+    .unwrap();
+    drop((ckpt, buffer));
+    for (a, b) in [(view, other), (whole, tail)] {
+        let c = two_leaf_component(a, b);
+        let d = device(1 << 20);
+        let h = enable_dynamic_offload(&c, dyn_device(&d), pageable_leaf()).unwrap();
+        assert_refused(&h, &c, |r| {
+            matches!(r, DetachRefusal::UnsupportedLayout { why, .. } if why.contains("view"))
+        });
+    }
+}
+
 #[test]
 fn refuses_unsupported_layouts() {
     let dir = TempDir::new("detach-q");
