@@ -112,7 +112,10 @@ fn empty_cache_does_not_report_the_native_pool_as_returned() {
     d.synchronize().unwrap();
     let before = d.native_pool_figures().expect("pool figures");
     assert_eq!(before.live_bytes, 0, "{before:?}");
-    assert!(before.mapped_bytes >= 8 << 20, "idle pages stay mapped: {before:?}");
+    assert!(
+        before.mapped_bytes >= 8 << 20,
+        "idle pages stay mapped: {before:?}"
+    );
     let returned = d.empty_cache().unwrap();
     let after = d.native_pool_figures().unwrap();
     assert_eq!(returned, 0, "empty_cache reported {returned} B returned");
@@ -121,7 +124,10 @@ fn empty_cache_does_not_report_the_native_pool_as_returned() {
     println!("empty_cache: {returned} B; then the idle release: {released:?}");
     assert!(released.bytes >= 8 << 20, "{released:?}");
     let left = d.native_pool_figures().unwrap().mapped_bytes;
-    assert!(left + released.bytes <= before.mapped_bytes, "{left} B still mapped");
+    assert!(
+        left + released.bytes <= before.mapped_bytes,
+        "{left} B still mapped"
+    );
 }
 
 fn small_flux() -> FluxTransformer {

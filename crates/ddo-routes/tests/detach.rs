@@ -365,9 +365,11 @@ fn refuses_views_and_partial_aliases_of_mapped_tensors() {
         let c = two_leaf_component(a, b);
         let d = device(1 << 20);
         let h = enable_dynamic_offload(&c, dyn_device(&d), pageable_leaf()).unwrap();
-        assert_refused(&h, &c, |r| {
-            matches!(r, DetachRefusal::UnsupportedLayout { why, .. } if why.contains("view"))
-        });
+        assert_refused(
+            &h,
+            &c,
+            |r| matches!(r, DetachRefusal::UnsupportedLayout { why, .. } if why.contains("view")),
+        );
     }
 }
 
