@@ -48,6 +48,9 @@ pub struct OpClassTime {
 pub struct OpProfile {
     /// The op classes, by descending time.
     pub classes: Vec<OpClassTime>,
+    /// What the backend says of how the ops ran, once each (on CUDA: why attention ran on
+    /// DDO's kernels where cuDNN was missing or refused a shape).
+    pub notes: Vec<String>,
 }
 
 impl OpProfile {
@@ -100,6 +103,9 @@ impl OpProfile {
             self.total_calls(),
             self.total_ns() as f64 / 1e6
         );
+        for note in &self.notes {
+            s += &format!("note: {note}\n");
+        }
         s
     }
 }
@@ -210,7 +216,10 @@ impl OpProfiler {
         }
         let mut classes: Vec<OpClassTime> = by_class.into_values().collect();
         classes.sort_by(|a, b| b.ns.cmp(&a.ns).then_with(|| a.op.cmp(&b.op)));
-        Ok(Some(OpProfile { classes }))
+        Ok(Some(OpProfile {
+            classes,
+            notes: Vec::new(),
+        }))
     }
 }
 
@@ -601,12 +610,18 @@ mod tests {
                     bytes: 2_000_000_000,
                 },
             ],
+            notes: vec!["attention ran on DDO's kernels: cuDNN refused".into()],
         };
         assert_eq!(p.total_ns(), 4_000_000);
         let text = p.format_text();
         assert!(text.contains("2.0 TFLOP/s"), "{text}");
         assert!(text.contains("2000 GB/s"), "{text}");
         assert!(text.contains("75.0%"), "{text}");
-        assert!(text.lines().last().unwrap().contains("4.000 ms"), "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[lines.len() - 2].contains("4.000 ms"), "{text}");
+        assert_eq!(
+            lines[lines.len() - 1],
+            "note: attention ran on DDO's kernels: cuDNN refused"
+        );
     }
 }

@@ -1507,8 +1507,16 @@ impl Device for CudaDevice {
         }
     }
 
+    /// The profile notes, once, the last time in this process that attention ran on the
+    /// NVRTC kernels because cuDNN was missing or refused a shape.
     fn end_op_profile(&self) -> ddo_core::Result<Option<ddo_core::OpProfile>> {
-        self.profiled.profiler().finish(self)
+        let mut profile = self.profiled.profiler().finish(self)?;
+        if let (Some(p), Some(why)) = (profile.as_mut(), self.cudnn_attention_refusal()) {
+            p.notes.push(format!(
+                "attention ran on DDO's NVRTC kernels where cuDNN could not: {why}"
+            ));
+        }
+        Ok(profile)
     }
 
     /// Waits for the device, returns the caching allocator's idle segments to the driver
