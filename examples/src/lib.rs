@@ -131,6 +131,39 @@ pub fn run_pipeline_phases() -> Result<Vec<(String, u64)>> {
 mod tests {
     use super::*;
 
+    /// Every example the README names (`--example <a|b|...>`) is a file of this crate and
+    /// declared in its manifest, and every example file is named there.
+    #[test]
+    fn the_readme_names_exactly_the_examples_that_exist() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let readme = std::fs::read_to_string(dir.join("../README.md")).unwrap();
+        let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+        let listed: Vec<&str> = readme
+            .lines()
+            .find_map(|l| l.split("--example <").nth(1))
+            .and_then(|rest| rest.split('>').next())
+            .expect("README names the examples as --example <a|b|...>")
+            .split('|')
+            .collect();
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().to_string_lossy().into_owned();
+                name.strip_suffix(".rs").map(str::to_string)
+            })
+            .collect();
+        files.sort();
+        let mut names: Vec<String> = listed.iter().map(|s| s.to_string()).collect();
+        names.sort();
+        assert_eq!(names, files, "README's list and the example files");
+        for name in &listed {
+            assert!(
+                manifest.contains(&format!("name = \"{name}\"")),
+                "{name} is not declared in Cargo.toml"
+            );
+        }
+    }
+
     #[test]
     fn every_route_example_runs_and_matches_resident() {
         for (label, route) in all_routes().unwrap() {
