@@ -48,7 +48,7 @@ use crate::allocator::{
 };
 use crate::driver;
 use crate::error::{CudaError, DriverResultExt, Result};
-use crate::native::NativeAllocator;
+use crate::vmm_allocator::NativeAllocator;
 
 /// The compute stream's key in the allocator.
 const COMPUTE: StreamKey = StreamKey(0);
@@ -323,7 +323,7 @@ pub struct CudaAllocation {
     uses: Mutex<Vec<(StreamKey, PooledEvent)>>,
     unheld: Mutex<Vec<(StreamKey, Arc<CudaStream>)>>,
     /// Compute-stream events another stream must wait for before touching these bytes
-    /// (native allocator: the bytes' previous users; see [`crate::native`]).
+    /// (native allocator: the bytes' previous users; see [`crate::vmm_allocator`]).
     fences: Vec<Arc<PooledEvent>>,
     /// Streams already ordered behind `fences`.
     fenced_streams: Mutex<Vec<StreamKey>>,

@@ -11,7 +11,7 @@
 //! - the [`allocator`]: a PyTorch-style caching allocator (size classes, best fit,
 //!   splitting and merging, stream-ordered reuse, an out-of-memory retry, exact
 //!   accounting) over a small raw-memory trait, with a fake so all of it is tested on CPU;
-//! - the [`native`] allocator wiring: ddo-vmm's pool as the device allocator once
+//! - the native allocator wiring ([`vmm_allocator`]): ddo-vmm's pool as the device allocator once
 //!   [`CudaDevice::install_native_vmm`] has run (refused after any caching allocation), with
 //!   stream-ordered frees, same-stream reuse and `release_native_idle_cache`;
 //! - [`CudaError`], converted into [`ddo_core::CoreError`] at the `Device` boundary.
@@ -40,8 +40,8 @@ pub mod allocator;
 pub mod device;
 mod driver;
 pub mod error;
-pub mod native;
 mod ops;
+pub mod vmm_allocator;
 
 pub use allocator::{AllocatorStats, CachingAllocator, StreamKey};
 pub use device::{
