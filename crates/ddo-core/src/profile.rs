@@ -155,22 +155,23 @@ impl OpProfiler {
         self.active.load(Ordering::Relaxed)
     }
 
-    /// Runs `f`, an op of class `op` (`variant` appended after a dot) reading `in_bytes`
+    /// Runs `f`, an op of class `op` (`variant` appended after a dot) reading `in_bytes()`
     /// ([`tensor_bytes`] of its inputs), on `device`'s compute stream; while a profile is
     /// active it is timed by two events and its bytes (inputs and output) and
-    /// `flops(output)` are recorded.
+    /// `flops(output)` are recorded. With no profile active neither count is computed.
     pub fn run(
         &self,
         device: &dyn Device,
         op: &str,
         variant: Option<&dyn Debug>,
-        in_bytes: u64,
+        in_bytes: impl FnOnce() -> u64,
         flops: FlopCount<'_>,
         f: impl FnOnce() -> Result<Tensor>,
     ) -> Result<Tensor> {
         if !self.is_active() {
             return f();
         }
+        let in_bytes = in_bytes();
         let stream = device.compute_stream();
         let start = device.record_timed_event(&stream)?;
         let out = f()?;
@@ -322,7 +323,7 @@ impl ProfiledOps {
         &self,
         op: &str,
         variant: Option<&dyn Debug>,
-        in_bytes: u64,
+        in_bytes: impl FnOnce() -> u64,
         flops: FlopCount<'_>,
         f: impl FnOnce(&dyn ComputeDevice) -> Result<Tensor>,
     ) -> Result<Tensor> {
@@ -342,22 +343,20 @@ impl Ops for ProfiledOps {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let inputs = [&[x, w][..], &some(&[bias])].concat();
         self.op(
             "linear",
             None,
-            tensor_bytes(&inputs),
+            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
             &|_| linear_flops(&[x], w),
             |d| d.linear(x, w, bias),
         )
     }
 
     fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let inputs = [xs, &[w][..], &some(&[bias])].concat();
         self.op(
             "linear",
             None,
-            tensor_bytes(&inputs),
+            || tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat()),
             &|_| linear_flops(xs, w),
             |d| d.linear_concat(xs, w, bias),
         )
@@ -367,7 +366,7 @@ impl Ops for ProfiledOps {
         self.op(
             "matmul",
             None,
-            tensor_bytes(&[a, b]),
+            || tensor_bytes(&[a, b]),
             &|out| matmul_flops(a, out),
             |d| d.matmul(a, b),
         )
@@ -380,11 +379,10 @@ impl Ops for ProfiledOps {
         bias: Option<&Tensor>,
         params: Conv2dParams,
     ) -> Result<Tensor> {
-        let inputs = [&[x, w][..], &some(&[bias])].concat();
         self.op(
             "conv2d",
             None,
-            tensor_bytes(&inputs),
+            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
             &|out| conv2d_flops(w, out),
             |d| d.conv2d(x, w, bias, params),
         )
@@ -398,10 +396,13 @@ impl Ops for ProfiledOps {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        let inputs = [&[x][..], &some(&[weight, bias])].concat();
-        self.op("group_norm", None, tensor_bytes(&inputs), &no_flops, |d| {
-            d.group_norm(x, groups, weight, bias, eps)
-        })
+        self.op(
+            "group_norm",
+            None,
+            || tensor_bytes(&[&[x][..], &some(&[weight, bias])].concat()),
+            &no_flops,
+            |d| d.group_norm(x, groups, weight, bias, eps),
+        )
     }
 
     fn layer_norm(
@@ -411,61 +412,91 @@ impl Ops for ProfiledOps {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        let inputs = [&[x][..], &some(&[weight, bias])].concat();
-        self.op("layer_norm", None, tensor_bytes(&inputs), &no_flops, |d| {
-            d.layer_norm(x, weight, bias, eps)
-        })
+        self.op(
+            "layer_norm",
+            None,
+            || tensor_bytes(&[&[x][..], &some(&[weight, bias])].concat()),
+            &no_flops,
+            |d| d.layer_norm(x, weight, bias, eps),
+        )
     }
 
     fn rms_norm(&self, x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<Tensor> {
-        let inputs = [&[x][..], &some(&[weight])].concat();
-        self.op("rms_norm", None, tensor_bytes(&inputs), &no_flops, |d| {
-            d.rms_norm(x, weight, eps)
-        })
+        self.op(
+            "rms_norm",
+            None,
+            || tensor_bytes(&[&[x][..], &some(&[weight])].concat()),
+            &no_flops,
+            |d| d.rms_norm(x, weight, eps),
+        )
     }
 
     fn unary(&self, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
-        self.op("unary", Some(&op), tensor_bytes(&[x]), &no_flops, |d| {
-            d.unary(x, op)
-        })
+        self.op(
+            "unary",
+            Some(&op),
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.unary(x, op),
+        )
     }
 
     fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&x]);
-        self.op("unary", Some(&op), bytes, &no_flops, |d| {
-            d.unary_owned(x, op)
-        })
+        let bytes = x.nbytes() as u64;
+        self.op(
+            "unary",
+            Some(&op),
+            || bytes,
+            &no_flops,
+            |d| d.unary_owned(x, op),
+        )
     }
 
     fn binary(&self, a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
-        self.op("binary", Some(&op), tensor_bytes(&[a, b]), &no_flops, |d| {
-            d.binary(a, b, op)
-        })
+        self.op(
+            "binary",
+            Some(&op),
+            || tensor_bytes(&[a, b]),
+            &no_flops,
+            |d| d.binary(a, b, op),
+        )
     }
 
     fn affine(&self, x: &Tensor, mul: f32, add: f32) -> Result<Tensor> {
-        self.op("affine", None, tensor_bytes(&[x]), &no_flops, |d| {
-            d.affine(x, mul, add)
-        })
+        self.op(
+            "affine",
+            None,
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.affine(x, mul, add),
+        )
     }
 
     fn softmax(&self, x: &Tensor) -> Result<Tensor> {
-        self.op("softmax", None, tensor_bytes(&[x]), &no_flops, |d| {
-            d.softmax(x)
-        })
+        self.op(
+            "softmax",
+            None,
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.softmax(x),
+        )
     }
 
     fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        self.op("reduce", Some(&op), tensor_bytes(&[x]), &no_flops, |d| {
-            d.reduce(x, dim, op)
-        })
+        self.op(
+            "reduce",
+            Some(&op),
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.reduce(x, dim, op),
+        )
     }
 
     fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {
         self.op(
             "upsample_nearest2x",
             None,
-            tensor_bytes(&[x]),
+            || tensor_bytes(&[x]),
             &no_flops,
             |d| d.upsample_nearest2x(x),
         )
@@ -479,50 +510,75 @@ impl Ops for ProfiledOps {
         mask: Option<&Tensor>,
         scale: f32,
     ) -> Result<Tensor> {
-        let inputs = [&[q, k, v][..], &some(&[mask])].concat();
         self.op(
             "attention",
             None,
-            tensor_bytes(&inputs),
+            || tensor_bytes(&[&[q, k, v][..], &some(&[mask])].concat()),
             &|out| attention_flops(q, k, out),
             |d| d.attention(q, k, v, mask, scale),
         )
     }
 
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        self.op("rope", None, tensor_bytes(&[x, cos, sin]), &no_flops, |d| {
-            d.rope(x, cos, sin)
-        })
+        self.op(
+            "rope",
+            None,
+            || tensor_bytes(&[x, cos, sin]),
+            &no_flops,
+            |d| d.rope(x, cos, sin),
+        )
     }
 
     fn concat(&self, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
-        self.op("concat", None, tensor_bytes(xs), &no_flops, |d| {
-            d.concat(xs, dim)
-        })
+        self.op(
+            "concat",
+            None,
+            || tensor_bytes(xs),
+            &no_flops,
+            |d| d.concat(xs, dim),
+        )
     }
 
     /// A view or a copy of the narrowed part: the bytes counted are the output's.
     fn narrow(&self, x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        self.op("narrow", None, 0, &no_flops, |d| {
-            d.narrow(x, dim, start, len)
-        })
+        self.op(
+            "narrow",
+            None,
+            || 0,
+            &no_flops,
+            |d| d.narrow(x, dim, start, len),
+        )
     }
 
     fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-        self.op("permute", None, tensor_bytes(&[x]), &no_flops, |d| {
-            d.permute(x, dims)
-        })
+        self.op(
+            "permute",
+            None,
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.permute(x, dims),
+        )
     }
 
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        self.op("cast", None, tensor_bytes(&[x]), &no_flops, |d| {
-            d.cast(x, dtype)
-        })
+        self.op(
+            "cast",
+            None,
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.cast(x, dtype),
+        )
     }
 
     /// The bytes counted are the output's (the table is read only where `ids` point).
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        self.op("embedding", None, 0, &no_flops, |d| d.embedding(table, ids))
+        self.op(
+            "embedding",
+            None,
+            || 0,
+            &no_flops,
+            |d| d.embedding(table, ids),
+        )
     }
 }
 
