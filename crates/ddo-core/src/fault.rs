@@ -9,8 +9,9 @@
 //! - [`FaultKind::Alloc`]: [`Device::alloc`], [`Device::alloc_pinned`],
 //!   [`Device::register_host`] (pinning in place counts as a pinned allocation), and **op-internal
 //!   allocations**: every [`Ops`] call that returns a tensor allocates exactly one device
-//!   output on the host backend (its only device allocation), so each such op call counts as
-//!   one allocation. The inner op runs first (ops have no side effect but their output) and
+//!   output on the host backend (its only device allocation that outlives the call: the
+//!   default [`Ops::group_norm_silu`], a composition, also makes an intermediate and frees it
+//!   before returning, not counted), so each such op call counts as one allocation. The inner op runs first (ops have no side effect but their output) and
 //!   its output is then dropped, so the error names the exact bytes the op asked for.
 //!   [`Ops::to_f32_vec`] allocates nothing on the device and is not counted. A backend whose
 //!   ops make workspace allocations of their own (cuBLAS) has those counted only as part of
@@ -504,6 +505,19 @@ impl Ops for FaultInjectingDevice {
         self.op("group_norm", |o| o.group_norm(x, groups, weight, bias, eps))
     }
 
+    fn group_norm_silu(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.op("group_norm_silu", |o| {
+            o.group_norm_silu(x, groups, weight, bias, eps)
+        })
+    }
+
     fn layer_norm(
         &self,
         x: &Tensor,
@@ -682,6 +696,40 @@ mod tests {
             2,
             "to_f32_vec allocates no device memory"
         );
+    }
+
+    /// The fused group norm + SiLU goes to the inner ops as one op (one op point, one
+    /// allocation point, timed under its own name), with the inner composition's values.
+    #[test]
+    fn group_norm_silu_is_forwarded_as_one_op() {
+        let (_d, f) = wrapped();
+        let ops = f.ops().unwrap();
+        let values: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+        let x = ops
+            .tensor_from_f32(&[2, 4, 3], DType::F32, &values)
+            .unwrap();
+        let before = f.counts();
+        f.time_ops(true);
+        let y = ops.group_norm_silu(&x, 2, None, None, 1e-5).unwrap();
+        let table = f.op_times();
+        f.time_ops(false);
+        assert_eq!(table.len(), 1, "{table:?}");
+        assert_eq!((table[0].0.as_str(), table[0].1), ("group_norm_silu", 1));
+        let after = f.counts();
+        assert_eq!(
+            (after.ops - before.ops, after.allocs - before.allocs),
+            (1, 1)
+        );
+        let inner = f.inner_ops().unwrap();
+        let normed = inner.group_norm(&x, 2, None, None, 1e-5).unwrap();
+        let want = inner.unary(&normed, UnaryOp::Silu).unwrap();
+        assert_eq!(ops.to_f32_vec(&y).unwrap(), ops.to_f32_vec(&want).unwrap());
+        // An armed op point fails the fused op before it runs.
+        f.arm(FaultKind::Op, 1, FaultAction::Error);
+        assert!(matches!(
+            ops.group_norm_silu(&x, 2, None, None, 1e-5),
+            Err(CoreError::Injected(m)) if m.contains("group_norm_silu")
+        ));
     }
 
     #[test]

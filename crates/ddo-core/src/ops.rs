@@ -137,6 +137,26 @@ pub trait Ops: Send + Sync {
         eps: f32,
     ) -> Result<Tensor>;
 
+    /// [`Ops::group_norm`] followed by SiLU (`x * sigmoid(x)`) as one op, same arguments and
+    /// the same shape checks and errors: what a VAE decoder's resnets and output norm do to
+    /// every feature map. A backend may fuse the two (one pass writing the activated values,
+    /// no intermediate tensor, one rounding into the output dtype instead of two), so its
+    /// values may differ from the composition by that rounding. The default is the
+    /// composition itself, [`Ops::group_norm`] then [`Ops::unary`] with [`UnaryOp::Silu`]
+    /// (the host backend's values, bit for bit, and its intermediate allocation); wrappers of
+    /// another backend's ops forward it to that backend's.
+    fn group_norm_silu(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let normed = self.group_norm(x, groups, weight, bias, eps)?;
+        self.unary(&normed, UnaryOp::Silu)
+    }
+
     /// Layer normalisation over the last dimension, optional affine `[d]`.
     fn layer_norm(
         &self,

@@ -405,6 +405,25 @@ impl Ops for ProfiledOps {
         )
     }
 
+    /// A class of its own, `group_norm_silu`, with group norm's bytes (the input, the
+    /// affine and the output; none of an intermediate a backend's composition may make).
+    fn group_norm_silu(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        self.op(
+            "group_norm_silu",
+            None,
+            || tensor_bytes(&[&[x][..], &some(&[weight, bias])].concat()),
+            &no_flops,
+            |d| d.group_norm_silu(x, groups, weight, bias, eps),
+        )
+    }
+
     fn layer_norm(
         &self,
         x: &Tensor,
@@ -645,6 +664,63 @@ mod tests {
             dev.end_op_profile().unwrap().is_none(),
             "no profile is active"
         );
+    }
+
+    /// `group_norm_silu` reaches the backend through `ProfiledOps` as one op of its own
+    /// class (not a group norm and a unary), with group norm's bytes; the host backend's
+    /// default gives exactly group norm then SiLU, in every dtype, with and without the
+    /// affine, and refuses what group norm refuses.
+    #[test]
+    fn group_norm_silu_is_one_profiled_op_and_the_host_composes_it_exactly() {
+        use crate::device::ops_of;
+        use crate::reference::SplitMix64;
+        use crate::{HostDevice, HostDeviceConfig, UnaryOp};
+        let dev = HostDevice::new(HostDeviceConfig::default()).unwrap();
+        let ops = ops_of(&*dev).unwrap();
+        let mut rng = SplitMix64::new(31);
+        let mut random = |n: usize, scale: f32, offset: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.next_signed() * scale + offset).collect()
+        };
+        let shape = [2, 6, 5, 3];
+        let xv = random(2 * 6 * 5 * 3, 3.0, 1.5);
+        let (wv, bv) = (random(6, 1.0, 0.0), random(6, 1.0, 0.0));
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let x = ops.tensor_from_f32(&shape, dtype, &xv).unwrap();
+            let w = ops.tensor_from_f32(&[6], DType::F32, &wv).unwrap();
+            let b = ops.tensor_from_f32(&[6], dtype, &bv).unwrap();
+            for affine in [false, true] {
+                let (w, b) = (affine.then_some(&w), affine.then_some(&b));
+                assert!(dev.begin_op_profile());
+                let fused = ops.group_norm_silu(&x, 3, w, b, 1e-6).unwrap();
+                let p = dev.end_op_profile().unwrap().expect("timestamps");
+                assert_eq!(p.classes.len(), 1, "{:?}", p.classes);
+                let c = &p.classes[0];
+                assert_eq!((c.op.as_str(), c.calls, c.flops), ("group_norm_silu", 1, 0));
+                let affine_bytes = w.map_or(0, |t| t.nbytes()) + b.map_or(0, |t| t.nbytes());
+                assert_eq!(
+                    c.bytes,
+                    (2 * x.nbytes() + affine_bytes) as u64,
+                    "{dtype} affine={affine}"
+                );
+                let normed = ops.group_norm(&x, 3, w, b, 1e-6).unwrap();
+                let composed = ops.unary(&normed, UnaryOp::Silu).unwrap();
+                assert_eq!((fused.shape(), fused.dtype()), (&shape[..], dtype));
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    ops.to_f32_vec(t)
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect()
+                };
+                assert_eq!(bits(&fused), bits(&composed), "{dtype} affine={affine}");
+            }
+            for groups in [0, 4] {
+                assert!(matches!(
+                    ops.group_norm_silu(&x, groups, None, None, 1e-6),
+                    Err(CoreError::Shape { .. })
+                ));
+            }
+        }
     }
 
     #[test]

@@ -171,9 +171,89 @@ extern "C" __global__ void ddo_row_norm_vec_block(const void* x, int xdt, const 
     }
 }
 
-// Group-norm statistics, pass 1: block (chunk c, group g) writes the count, mean and sum of
-// squared deviations (M2) of elements [c * chunk, min((c + 1) * chunk, len)) of group g
-// (groups are contiguous runs of `len` elements) to part[(g * chunks + c) * 3 + 0..3].
+// ---- Group normalisation ------------------------------------------------------------------
+// x [n, c, spatial...] in groups of cg = c / groups channels: group g (of n * groups) is the
+// contiguous run of len = cg * spatial elements at g * len, and channel plane p (of n * c) the
+// run of `spatial` elements at p * spatial, in group p / cg, channel p % c. Three launches
+// (ops/norm.rs):
+//   1. statistics per chunk of a group (count, mean, sum of squared deviations M2), two passes
+//      over the chunk: held in registers (ddo_group_stats_vec_*) or read twice (ddo_group_stats);
+//   2. ddo_group_merge: one warp per group merges its chunks (Chan et al., in f64) into
+//      (mean, 1 / sqrt(var + eps));
+//   3. apply, one channel plane per block row (no division per element):
+//      y = (x - mean) * (inv * w[ch]) + b[ch], then SiLU for the fused op, rounded once into
+//      y's dtype (ddo_group_apply_vec_* / ddo_group_silu_vec_*, else ddo_group_apply).
+
+// Word i (0..3) of a 16-byte vector (i is a constant after unrolling: no local memory).
+__device__ __forceinline__ u32 gn_word(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Lane k of a 16-byte vector of dtype DT (4 f32 lanes, or 8 of f16/bf16; lane 2i is the low
+// half of word i), as f32.
+template <int DT>
+__device__ __forceinline__ float gn_lane(const uint4& v, int k) {
+    if constexpr (DT == DTYPE_F32) {
+        return __uint_as_float(gn_word(v, k));
+    } else {
+        u32 w = gn_word(v, k >> 1);
+        if constexpr (DT == DTYPE_BF16) {
+            return __uint_as_float((k & 1) ? (w & 0xffff0000u) : (w << 16));
+        } else {
+            return f16_to_float((u16)((k & 1) ? (w >> 16) : (w & 0xffffu)));
+        }
+    }
+}
+
+// Two f32 values rounded (to nearest even) into the 16-bit pair of one word, `lo` in the low
+// half. From sm_80 one cvt per pair (a NaN becomes the canonical NaN); before, the prelude's
+// scalar conversions.
+template <int DT>
+__device__ __forceinline__ u32 gn_pack2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    if constexpr (DT == DTYPE_BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+#else
+    if constexpr (DT == DTYPE_BF16) {
+        return (u32)float_to_bf16(lo) | ((u32)float_to_bf16(hi) << 16);
+    } else {
+        return (u32)float_to_f16(lo) | ((u32)float_to_f16(hi) << 16);
+    }
+#endif
+}
+
+// W = 16 / element size f32 values as one 16-byte vector of dtype DT.
+template <int DT>
+__device__ __forceinline__ uint4 gn_pack(const float* f) {
+    uint4 r;
+    if constexpr (DT == DTYPE_F32) {
+        r.x = __float_as_uint(f[0]);
+        r.y = __float_as_uint(f[1]);
+        r.z = __float_as_uint(f[2]);
+        r.w = __float_as_uint(f[3]);
+    } else {
+        r.x = gn_pack2<DT>(f[0], f[1]);
+        r.y = gn_pack2<DT>(f[2], f[3]);
+        r.z = gn_pack2<DT>(f[4], f[5]);
+        r.w = gn_pack2<DT>(f[6], f[7]);
+    }
+    return r;
+}
+
+// SiLU of the fused op, x * sigmoid(x) = x / (1 + e^-x) in f32 with the fast exponential and
+// division (a few ulp, far below a 16-bit rounding): x -> -inf gives -0 (NaN at -inf, as
+// -inf * 0), +inf stays +inf, NaN stays NaN.
+__device__ __forceinline__ float gn_silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
+// Group-norm statistics, scalar pass 1 (any dtype, any length, any alignment): block (chunk c,
+// group g) writes the count, mean and M2 of elements [c * chunk, min((c + 1) * chunk, len)) of
+// group g to part[(g * chunks + c) * 3 + 0..3], reading the chunk twice. The mean is summed
+// about the chunk's first element, so a mean far from 0 (against the spread) stays accurate.
 extern "C" __global__ void ddo_group_stats(const void* x, int xdt, float* part, i64 groups,
                                            i64 len, i64 chunk, i64 chunks) {
     __shared__ float scratch[32];
@@ -182,9 +262,12 @@ extern "C" __global__ void ddo_group_stats(const void* x, int xdt, float* part, 
             i64 start = g * len + c * chunk;
             i64 n = len - c * chunk;
             if (n > chunk) n = chunk;
+            const float shift = load_as_float(x, start, xdt);
             float s = 0.0f;
-            for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += load_as_float(x, start + j, xdt);
-            float mean = block_sum(s, scratch) / (float)n;
+            for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+                s += load_as_float(x, start + j, xdt) - shift;
+            }
+            float mean = shift + block_sum(s, scratch) / (float)n;
             float s2 = 0.0f;
             for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
                 float v = load_as_float(x, start + j, xdt) - mean;
@@ -201,42 +284,214 @@ extern "C" __global__ void ddo_group_stats(const void* x, int xdt, float* part, 
     }
 }
 
-// Group-norm statistics, pass 2: one thread per group merges its chunks (Chan et al.,
-// in f64) into stats[g * 2 + 0..2] = (mean, 1 / sqrt(var + eps)).
-extern "C" __global__ void ddo_group_merge(const float* part, float* stats, i64 groups,
-                                           i64 chunks, float eps) {
-    i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
-        double n = 0.0, mean = 0.0, m2 = 0.0;
-        for (i64 c = 0; c < chunks; ++c) {
-            const float* p = part + (g * chunks + c) * 3;
-            double nb = p[0], mb = p[1], m2b = p[2];
-            double tot = n + nb;
-            double delta = mb - mean;
-            mean += delta * nb / tot;
-            m2 += m2b + delta * delta * n * nb / tot;
-            n = tot;
+// Group-norm statistics, vectorised pass 1 (ops/norm.rs: GROUP_STATS_VPT): groups of len_vec
+// whole 16-byte vectors (x 16-byte aligned, len a multiple of W), chunks of chunk_vec <=
+// blockDim.x * GN_STATS_VPT vectors. Each thread loads its (at most) GN_STATS_VPT vectors of
+// the chunk into registers once; the mean (summed about the chunk's first element) and then
+// M2 are taken from the registers. Same output as ddo_group_stats.
+#define GN_STATS_VPT 8
+template <int DT>
+__device__ __forceinline__ void gn_stats_vec(const uint4* x, float* part, i64 groups,
+                                             i64 len_vec, i64 chunk_vec, i64 chunks) {
+    constexpr int W = DT == DTYPE_F32 ? 4 : 8;
+    __shared__ float scratch[32];
+    for (i64 g = blockIdx.y; g < groups; g += gridDim.y) {
+        for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+            const uint4* src = x + g * len_vec + c * chunk_vec;
+            i64 nv = len_vec - c * chunk_vec;
+            if (nv > chunk_vec) nv = chunk_vec;
+            uint4 r[GN_STATS_VPT];
+#pragma unroll
+            for (int k = 0; k < GN_STATS_VPT; ++k) {
+                i64 j = (i64)k * blockDim.x + threadIdx.x;
+                r[k] = j < nv ? src[j] : make_uint4(0u, 0u, 0u, 0u);
+            }
+            // One address for the whole block: a broadcast, from L1 after the first warp.
+            const float shift = gn_lane<DT>(src[0], 0);
+            float s = 0.0f;
+#pragma unroll
+            for (int k = 0; k < GN_STATS_VPT; ++k) {
+                if ((i64)k * blockDim.x + threadIdx.x < nv) {
+                    float sk = 0.0f;
+#pragma unroll
+                    for (int l = 0; l < W; ++l) sk += gn_lane<DT>(r[k], l) - shift;
+                    s += sk;
+                }
+            }
+            const float n = (float)(nv * W);
+            const float mean = shift + block_sum(s, scratch) / n;
+            float s2 = 0.0f;
+#pragma unroll
+            for (int k = 0; k < GN_STATS_VPT; ++k) {
+                if ((i64)k * blockDim.x + threadIdx.x < nv) {
+#pragma unroll
+                    for (int l = 0; l < W; ++l) {
+                        float d = gn_lane<DT>(r[k], l) - mean;
+                        s2 = fmaf(d, d, s2);
+                    }
+                }
+            }
+            float m2 = block_sum(s2, scratch);
+            if (threadIdx.x == 0) {
+                float* p = part + (g * chunks + c) * 3;
+                p[0] = n;
+                p[1] = mean;
+                p[2] = m2;
+            }
         }
-        stats[g * 2] = (float)mean;
-        stats[g * 2 + 1] = (float)(1.0 / sqrt(m2 / n + (double)eps));
     }
 }
 
-// Group-norm apply: element i of x [n, c, spatial...] is in group i / len and channel
-// (i / spatial) % channels; y = (x - mean) * inv * w[ch] + b[ch] (w, b may be null).
+extern "C" __global__ void __launch_bounds__(256)
+    ddo_group_stats_vec_f32(const uint4* x, float* part, i64 groups, i64 len_vec,
+                            i64 chunk_vec, i64 chunks) {
+    gn_stats_vec<DTYPE_F32>(x, part, groups, len_vec, chunk_vec, chunks);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    ddo_group_stats_vec_f16(const uint4* x, float* part, i64 groups, i64 len_vec,
+                            i64 chunk_vec, i64 chunks) {
+    gn_stats_vec<DTYPE_F16>(x, part, groups, len_vec, chunk_vec, chunks);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    ddo_group_stats_vec_bf16(const uint4* x, float* part, i64 groups, i64 len_vec,
+                             i64 chunk_vec, i64 chunks) {
+    gn_stats_vec<DTYPE_BF16>(x, part, groups, len_vec, chunk_vec, chunks);
+}
+
+// Chan et al.'s merge of (nb, mb, m2b) into (n, mean, m2); an empty side changes nothing.
+__device__ __forceinline__ void gn_chan(double& n, double& mean, double& m2, double nb,
+                                        double mb, double m2b) {
+    double tot = n + nb;
+    if (tot > 0.0) {
+        double delta = mb - mean;
+        double f = nb / tot;
+        mean += delta * f;
+        m2 += m2b + delta * delta * n * f;
+        n = tot;
+    }
+}
+
+// Group-norm statistics, pass 2: one warp per group (blockDim a multiple of 32; grid-stride
+// over groups) merges its chunks' partials, lane-strided and then across the warp, into
+// stats[g * 2 + 0..2] = (mean, 1 / sqrt(var + eps)) (biased variance).
+extern "C" __global__ void ddo_group_merge(const float* part, float* stats, i64 groups,
+                                           i64 chunks, float eps) {
+    const int lane = threadIdx.x & 31;
+    i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 g = warp; g < groups; g += warps) {
+        double n = 0.0, mean = 0.0, m2 = 0.0;
+        for (i64 c = lane; c < chunks; c += 32) {
+            const float* p = part + (g * chunks + c) * 3;
+            gn_chan(n, mean, m2, p[0], p[1], p[2]);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            double nb = __shfl_xor_sync(0xffffffffu, n, o);
+            double mb = __shfl_xor_sync(0xffffffffu, mean, o);
+            double m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+            gn_chan(n, mean, m2, nb, mb, m2b);
+        }
+        if (lane == 0) {
+            stats[g * 2] = (float)mean;
+            stats[g * 2 + 1] = (float)(1.0 / sqrt(m2 / n + (double)eps));
+        }
+    }
+}
+
+// The affine of channel plane p: y = (x - mean) * a + shift with a = inv * w[ch] and
+// shift = b[ch] (w, b may be null: 1 and 0).
+__device__ __forceinline__ void gn_plane(i64 p, const float* stats, const void* w, int wdt,
+                                         const void* b, int bdt, i64 channels, i64 cg,
+                                         float& mean, float& a, float& shift) {
+    i64 ch = p % channels;
+    i64 g = p / cg;
+    mean = stats[g * 2];
+    a = stats[g * 2 + 1];
+    if (w) a *= load_as_float(w, ch, wdt);
+    shift = b ? load_as_float(b, ch, bdt) : 0.0f;
+}
+
+// Group-norm apply, scalar (any dtypes, any plane size, any alignment): block row blockIdx.y
+// (grid-stride over the `planes` planes) walks plane p's `spatial` elements grid-stride along x.
 extern "C" __global__ void ddo_group_apply(const void* x, int xdt, const float* stats,
                                            const void* w, int wdt, const void* b, int bdt,
-                                           void* y, int ydt, i64 total, i64 len, i64 spatial,
-                                           i64 channels) {
-    i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        i64 g = i / len;
-        i64 ch = (i / spatial) % channels;
-        float v = (load_as_float(x, i, xdt) - stats[g * 2]) * stats[g * 2 + 1];
-        if (w) v *= load_as_float(w, ch, wdt);
-        if (b) v += load_as_float(b, ch, bdt);
-        store_from_float(y, i, ydt, v);
+                                           void* y, int ydt, i64 planes, i64 spatial,
+                                           i64 channels, i64 cg, int silu) {
+    for (i64 p = blockIdx.y; p < planes; p += gridDim.y) {
+        float mean, a, shift;
+        gn_plane(p, stats, w, wdt, b, bdt, channels, cg, mean, a, shift);
+        const i64 base = p * spatial;
+        for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < spatial;
+             j += (i64)gridDim.x * blockDim.x) {
+            float v = (load_as_float(x, base + j, xdt) - mean) * a + shift;
+            if (silu) v = gn_silu(v);
+            store_from_float(y, base + j, ydt, v);
+        }
     }
+}
+
+// Group-norm apply, vectorised (ops/norm.rs: GROUP_APPLY_VPT): planes of plane_vec whole
+// 16-byte vectors (spatial a multiple of W, x and y 16-byte aligned), x and y of dtype DT.
+// Block row blockIdx.y (grid-stride over planes) takes tiles of blockDim.x * GN_APPLY_VPT
+// vectors of its plane (grid-stride along x); each thread loads its GN_APPLY_VPT vectors of a
+// tile, then normalises (and for SILU activates) and stores them: one read, one write.
+#define GN_APPLY_VPT 4
+template <int DT, bool SILU>
+__device__ __forceinline__ void gn_apply_vec(const uint4* x, const float* stats, const void* w,
+                                             int wdt, const void* b, int bdt, uint4* y,
+                                             i64 planes, i64 plane_vec, i64 channels, i64 cg) {
+    constexpr int W = DT == DTYPE_F32 ? 4 : 8;
+    const i64 tile = (i64)blockDim.x * GN_APPLY_VPT;
+    for (i64 p = blockIdx.y; p < planes; p += gridDim.y) {
+        float mean, a, shift;
+        gn_plane(p, stats, w, wdt, b, bdt, channels, cg, mean, a, shift);
+        const uint4* src = x + p * plane_vec;
+        uint4* dst = y + p * plane_vec;
+        for (i64 t = (i64)blockIdx.x * tile; t < plane_vec; t += (i64)gridDim.x * tile) {
+            uint4 r[GN_APPLY_VPT];
+#pragma unroll
+            for (int k = 0; k < GN_APPLY_VPT; ++k) {
+                i64 j = t + (i64)k * blockDim.x + threadIdx.x;
+                r[k] = j < plane_vec ? src[j] : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int k = 0; k < GN_APPLY_VPT; ++k) {
+                i64 j = t + (i64)k * blockDim.x + threadIdx.x;
+                if (j < plane_vec) {
+                    float f[W];
+#pragma unroll
+                    for (int l = 0; l < W; ++l) {
+                        float v = (gn_lane<DT>(r[k], l) - mean) * a + shift;
+                        f[l] = SILU ? gn_silu(v) : v;
+                    }
+                    dst[j] = gn_pack<DT>(f);
+                }
+            }
+        }
+    }
+}
+
+#define GN_APPLY_ARGS                                                                        \
+    const uint4 *x, const float *stats, const void *w, int wdt, const void *b, int bdt,      \
+        uint4 *y, i64 planes, i64 plane_vec, i64 channels, i64 cg
+#define GN_APPLY_PASS x, stats, w, wdt, b, bdt, y, planes, plane_vec, channels, cg
+extern "C" __global__ void __launch_bounds__(256) ddo_group_apply_vec_f32(GN_APPLY_ARGS) {
+    gn_apply_vec<DTYPE_F32, false>(GN_APPLY_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) ddo_group_apply_vec_f16(GN_APPLY_ARGS) {
+    gn_apply_vec<DTYPE_F16, false>(GN_APPLY_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) ddo_group_apply_vec_bf16(GN_APPLY_ARGS) {
+    gn_apply_vec<DTYPE_BF16, false>(GN_APPLY_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) ddo_group_silu_vec_f32(GN_APPLY_ARGS) {
+    gn_apply_vec<DTYPE_F32, true>(GN_APPLY_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) ddo_group_silu_vec_f16(GN_APPLY_ARGS) {
+    gn_apply_vec<DTYPE_F16, true>(GN_APPLY_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) ddo_group_silu_vec_bf16(GN_APPLY_ARGS) {
+    gn_apply_vec<DTYPE_BF16, true>(GN_APPLY_PASS);
 }
 
 // Softmax over rows of d elements, one block per row: y = exp(x - max) * (1 / sum).

@@ -2,9 +2,10 @@
 //! every op against the host backend's [`Ops`] (the reference) on the same seeded random
 //! inputs, in f32, f16 and bf16, with broadcasting, odd and large sizes, offsets into
 //! buffers, and the typed errors; the vectorised fast paths (16-byte element-wise and rope
-//! kernels, unit copies, the warp-per-row norm) on shapes on both sides of their
-//! conditions; `unary_owned` in place and its fallbacks; `linear_concat` against `linear`
-//! of the concatenation. Without a driver or a device each test prints
+//! kernels, unit copies, the warp-per-row norm, the group-norm statistics and apply) on
+//! shapes on both sides of their conditions; the fused `group_norm_silu` against the host's
+//! group norm then SiLU; `unary_owned` in place and its fallbacks; `linear_concat` against
+//! `linear` of the concatenation. Without a driver or a device each test prints
 //! "skipped: no CUDA device" and passes (unless `DDO_REQUIRE_GPU=1`), like `tests/gpu.rs`.
 
 use std::sync::Arc;
@@ -697,6 +698,12 @@ fn bad_shapes_wrong_devices_and_ids_are_typed_errors() {
     shape_err(p.gpu.upsample_nearest2x(&g));
     shape_err(p.gpu.group_norm(&g, 2, None, None, 1e-5));
     shape_err(p.gpu.group_norm(&g, 0, None, None, 1e-5));
+    shape_err(p.gpu.group_norm_silu(&g, 2, None, None, 1e-5));
+    shape_err(
+        p.gpu
+            .group_norm_silu(&g.reshape(&[6]).unwrap(), 1, None, None, 1e-5),
+    );
+    shape_err(p.gpu.group_norm_silu(&g, 1, Some(&g3), None, 1e-5));
     shape_err(p.gpu.layer_norm(&g, Some(&g), None, 1e-5));
     shape_err(p.gpu.rms_norm(&g, Some(&g3), 1e-5));
     shape_err(p.gpu.rope(&g, &g3, &g3));
@@ -797,6 +804,26 @@ fn large_ops_report_their_bandwidth() {
         2 * 2 * n,
         &|| g.group_norm(&x, 32, None, None, 1e-6).unwrap(),
     );
+    time(
+        "group_norm_silu bf16 [1,256,512,512] 32 groups",
+        2 * 2 * n,
+        &|| g.group_norm_silu(&x, 32, None, None, 1e-6).unwrap(),
+    );
+    // Planes of the Flux VAE decoder's last block ([1, 128, 1024, 1024]), half the
+    // channels, with the affine.
+    let wide = x.reshape(&[1, 64, 1024, 1024]).unwrap();
+    let w128 = g
+        .tensor_from_f32(&[64], DType::BF16, &values[..64])
+        .unwrap();
+    time(
+        "group_norm_silu bf16 [1,64,1024,1024] 32 groups, affine",
+        2 * 2 * n,
+        &|| {
+            g.group_norm_silu(&wide, 32, Some(&w128), Some(&w128), 1e-6)
+                .unwrap()
+        },
+    );
+    drop((wide, w128));
     let rows = x.reshape(&[16384, 4096]).unwrap();
     time("layer_norm bf16 [16384, 4096]", 2 * 2 * n, &|| {
         g.layer_norm(&rows, None, None, 1e-6).unwrap()
@@ -1349,5 +1376,114 @@ fn linear_concat_matches_linear_of_the_concatenation() {
     refused(p.gpu.linear_concat(&[&ga, &gc], &gw, Some(&gbad)));
     drop((ga, gb, gc, gd, gbad, gw, gw32, gb32));
     p.gpu.release_blas_workspaces().unwrap();
+    p.assert_clean();
+}
+
+// ---- Group norm and the fused group norm + SiLU ------------------------------------------
+
+/// Group norm and the fused group norm + SiLU against the host (group norm, then SiLU for the
+/// fused op: the GPU rounds once where the host rounds twice, well inside the tolerance) on
+/// both sides of each vector condition: statistics in 16-byte vectors when a group is a
+/// whole number of them and x is aligned (else scalar), the apply in vectors when a channel
+/// plane is (else scalar). A VAE-like tensor, short planes, a partial last chunk, odd planes,
+/// a group longer than a scalar chunk, one element a group or a plane, no spatial dims, a
+/// mean far from 0; weight and bias present and absent.
+#[test]
+fn group_norm_and_its_fused_silu_match_the_host_on_the_vector_and_scalar_paths() {
+    let Some(mut p) = Pair::new(23) else { return };
+    // (shape, groups, where the values are centred)
+    let cases: [(&[usize], usize, f32); 9] = [
+        // Vector statistics (chunks of 2,048 vectors) and apply (128 tiles a plane).
+        (&[1, 128, 256, 256], 32, 0.0),
+        // Vector, short planes (32 vectors: a warp each), batch 2.
+        (&[2, 512, 16, 16], 32, 0.0),
+        // Vector, the last chunk of each group partial; values far from 0.
+        (&[1, 64, 40, 64], 32, 20.0),
+        // 16-bit: vector statistics (144 a group), scalar apply (36 a plane); f32: vector.
+        (&[2, 64, 6, 6], 16, 0.0),
+        // Odd planes and groups: scalar statistics and apply.
+        (&[2, 64, 7, 9], 32, 0.0),
+        // Odd, a group longer than one scalar chunk (8,192), far from 0.
+        (&[1, 8, 4099], 4, 20.0),
+        // One element a group.
+        (&[1, 32, 1, 1], 32, 0.0),
+        // One element a plane, four a group (f32: vector statistics, scalar apply).
+        (&[1, 32, 1, 1], 8, 0.0),
+        // No spatial dims.
+        (&[3, 6], 3, 0.0),
+    ];
+    for dtype in DTYPES {
+        for (shape, groups, centre) in cases {
+            let c = shape[1];
+            let v: Vec<f32> = p
+                .random(shape.iter().product())
+                .iter()
+                .map(|x| x * 2.0 + centre - 0.7)
+                .collect();
+            let (g, h) = p.put(shape, dtype, &v);
+            let (gw, hw) = p.rand(&[c], dtype);
+            let (gb, hb) = p.rand(&[c], DType::F32);
+            for affine in [false, true] {
+                let (gwo, gbo) = (affine.then_some(&gw), affine.then_some(&gb));
+                let (hwo, hbo) = (affine.then_some(&hw), affine.then_some(&hb));
+                let what =
+                    format!("{dtype} {shape:?} groups={groups} centre={centre} affine={affine}");
+                // The reference in f32 from the same (rounded) inputs, rounded once into the
+                // dtype: the host's 16-bit group norm sums squares in f32 about 0, which
+                // far from 0 (values near 20, groups of 8,198) is itself 2.5e-3 off in f16.
+                let h32 = p.host.cast(&h, DType::F32).unwrap();
+                let normed = p.host.group_norm(&h32, groups, hwo, hbo, 1e-6).unwrap();
+                let silu = p.host.unary(&normed, UnaryOp::Silu).unwrap();
+                p.check(
+                    &format!("group_norm {what}"),
+                    &p.gpu.group_norm(&g, groups, gwo, gbo, 1e-6).unwrap(),
+                    &p.host.cast(&normed, dtype).unwrap(),
+                );
+                p.check(
+                    &format!("group_norm_silu {what}"),
+                    &p.gpu.group_norm_silu(&g, groups, gwo, gbo, 1e-6).unwrap(),
+                    &p.host.cast(&silu, dtype).unwrap(),
+                );
+            }
+        }
+    }
+    p.assert_clean();
+}
+
+/// Inputs one element into their buffer (misaligned for 16-byte vectors: the scalar kernels)
+/// and 16 bytes in (aligned: the vector kernels, at an offset), through `Device::ops` too.
+#[test]
+fn group_norm_reads_misaligned_and_offset_inputs() {
+    let Some(mut p) = Pair::new(24) else { return };
+    let shape = [2usize, 32, 16, 16];
+    for dtype in DTYPES {
+        let v: Vec<f32> = p
+            .random(shape.iter().product())
+            .iter()
+            .map(|x| x * 3.0 + 1.5)
+            .collect();
+        let (gw, hw) = p.rand(&[32], DType::F32);
+        let (gb, hb) = p.rand(&[32], dtype);
+        for offset in [dtype.size_in_bytes(), 16] {
+            let (g, h) = p.put_at(offset, &shape, dtype, &v);
+            let what = format!("{dtype} {offset} bytes into its buffer");
+            let normed = p
+                .host
+                .group_norm(&h, 8, Some(&hw), Some(&hb), 1e-5)
+                .unwrap();
+            p.check(
+                &format!("group_norm {what}"),
+                &p.gpu.group_norm(&g, 8, Some(&gw), Some(&gb), 1e-5).unwrap(),
+                &normed,
+            );
+            let ops = ddo_core::ops_of(&*p.gpu).unwrap();
+            p.check(
+                &format!("group_norm_silu {what}"),
+                &ops.group_norm_silu(&g, 8, Some(&gw), Some(&gb), 1e-5)
+                    .unwrap(),
+                &p.host.unary(&normed, UnaryOp::Silu).unwrap(),
+            );
+        }
+    }
     p.assert_clean();
 }

@@ -155,6 +155,19 @@ impl GroupNorm {
             ops.group_norm(x, groups, Some(w.get("weight")?), Some(w.get("bias")?), eps)
         })
     }
+
+    /// Normalises `x [n, c, ...]`, then applies SiLU: [`Ops::group_norm_silu`] in the leaf,
+    /// entered and left exactly as [`GroupNorm::forward`] is (a backend may fuse the two; the
+    /// host backend's values are those of `forward` then SiLU, bit for bit).
+    ///
+    /// [`Ops::group_norm_silu`]: ddo_core::Ops::group_norm_silu
+    pub fn forward_silu(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let (groups, eps) = (self.groups, self.eps);
+        ctx.run_leaf(self.leaf, |w| {
+            ops.group_norm_silu(x, groups, Some(w.get("weight")?), Some(w.get("bias")?), eps)
+        })
+    }
 }
 
 /// `nn.LayerNorm` over the last dim; without affine params it owns no leaf.

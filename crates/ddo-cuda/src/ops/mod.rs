@@ -292,6 +292,18 @@ impl Ops for CudaDevice {
         norm::group_norm(self, x, groups, weight, bias, eps)
     }
 
+    /// Fused: the SiLU is applied in group norm's apply pass (`norm::group_norm_silu`).
+    fn group_norm_silu(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        norm::group_norm_silu(self, x, groups, weight, bias, eps)
+    }
+
     fn layer_norm(
         &self,
         x: &Tensor,

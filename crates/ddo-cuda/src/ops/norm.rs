@@ -13,7 +13,7 @@ pub(crate) const SOURCE_NAME: &str = "norm.cu";
 /// The kernel source.
 pub(crate) const SOURCE: &str = include_str!("../../kernels/norm.cu");
 
-/// Elements per block of the group-norm statistics pass.
+/// Elements per block of the scalar group-norm statistics pass (`ddo_group_stats`).
 const GROUP_CHUNK: usize = 8192;
 /// Most blocks of a row-per-block launch (kernels loop over the rest).
 const MAX_ROW_BLOCKS: usize = 1 << 20;
@@ -137,8 +137,7 @@ pub(crate) fn rms_norm(
     row_norm(dev, "rms_norm", x, weight, None, eps, true)
 }
 
-/// [`ddo_core::Ops::group_norm`]: chunked statistics (mean and M2 per chunk), merged per
-/// group, then an element-wise apply over the whole tensor.
+/// [`ddo_core::Ops::group_norm`]; see [`group_norm_act`].
 pub(crate) fn group_norm(
     dev: &CudaDevice,
     x: &Tensor,
@@ -146,6 +145,123 @@ pub(crate) fn group_norm(
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
     eps: f32,
+) -> Result<Tensor> {
+    group_norm_act(dev, x, groups, weight, bias, eps, false)
+}
+
+/// [`ddo_core::Ops::group_norm_silu`]: [`group_norm_act`] with SiLU fused into the apply
+/// pass (no intermediate tensor; one rounding into the output dtype). Its errors are group
+/// norm's, named `group_norm` as the host backend's composition names them.
+pub(crate) fn group_norm_silu(
+    dev: &CudaDevice,
+    x: &Tensor,
+    groups: usize,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<Tensor> {
+    group_norm_act(dev, x, groups, weight, bias, eps, true)
+}
+
+/// Threads per block of the group-norm statistics kernels.
+const GROUP_STATS_BLOCK: usize = 256;
+/// 16-byte vectors a thread of `ddo_group_stats_vec_*` holds (`GN_STATS_VPT` in the source).
+const GROUP_STATS_VPT: usize = 8;
+/// Fewest statistics blocks the vectorised chunking aims for when the groups are long enough
+/// (about eight per SM of a 132-SM H200, so one batch of 32 groups fills the device).
+const GROUP_STATS_TARGET_BLOCKS: usize = 1024;
+/// 16-byte vectors per thread and tile of `ddo_group_apply_vec_*` (`GN_APPLY_VPT`).
+const GROUP_APPLY_VPT: usize = 4;
+/// Elements per thread and tile the scalar apply aims for.
+const GROUP_APPLY_SCALAR_PER_THREAD: usize = 4;
+/// Most block rows of a launch (`gridDim.y`); kernels loop over the rest.
+const MAX_GRID_Y: usize = 65535;
+/// Most blocks along x of the group-norm launches; kernels loop over the rest.
+const MAX_GRID_X: usize = 1 << 16;
+
+/// Elements of one 16-byte vector of the kernels' dtype `code`.
+fn vector_lanes(code: i32) -> usize {
+    if code == kernels::DTYPE_F32 { 4 } else { 8 }
+}
+
+/// Whether runs of `run` elements of dtype `code`, starting at each of `ptrs`, split into
+/// whole, aligned 16-byte vectors (every run starts 16-byte aligned).
+fn vectorizable(code: i32, run: usize, ptrs: &[u64]) -> bool {
+    run.is_multiple_of(vector_lanes(code)) && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+/// Vectors per chunk of the vectorised statistics for `all_groups` groups of `len_vec`
+/// vectors: the most a block holds (`GROUP_STATS_BLOCK * GROUP_STATS_VPT`), halved while
+/// the launch would have fewer than [`GROUP_STATS_TARGET_BLOCKS`] blocks, down to one vector
+/// a thread.
+fn stats_chunk_vectors(all_groups: usize, len_vec: usize) -> usize {
+    let mut chunk = GROUP_STATS_BLOCK * GROUP_STATS_VPT;
+    while chunk > GROUP_STATS_BLOCK
+        && all_groups.saturating_mul(len_vec.div_ceil(chunk)) < GROUP_STATS_TARGET_BLOCKS
+    {
+        chunk /= 2;
+    }
+    chunk
+}
+
+/// One block row per channel plane of `planes` planes of `items` items (vectors or
+/// elements), `per_thread` items a thread per tile: threads a power of two from 32 to 256
+/// (fewer for short planes), as many tiles along x as cover a plane.
+fn plane_config(planes: usize, items: usize, per_thread: usize) -> LaunchConfig {
+    let threads = items
+        .div_ceil(per_thread)
+        .next_power_of_two()
+        .clamp(32, 256);
+    let tiles = items.div_ceil(threads * per_thread).clamp(1, MAX_GRID_X);
+    LaunchConfig {
+        grid_dim: (tiles as u32, planes.clamp(1, MAX_GRID_Y) as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The vectorised statistics kernel for x of dtype `code`.
+fn stats_vec_kernel(code: i32) -> &'static str {
+    match code {
+        kernels::DTYPE_F32 => "ddo_group_stats_vec_f32",
+        kernels::DTYPE_F16 => "ddo_group_stats_vec_f16",
+        _ => "ddo_group_stats_vec_bf16",
+    }
+}
+
+/// The vectorised apply kernel for x and y of dtype `code`, with SiLU or without.
+fn apply_vec_kernel(code: i32, silu: bool) -> &'static str {
+    match (code, silu) {
+        (kernels::DTYPE_F32, false) => "ddo_group_apply_vec_f32",
+        (kernels::DTYPE_F16, false) => "ddo_group_apply_vec_f16",
+        (_, false) => "ddo_group_apply_vec_bf16",
+        (kernels::DTYPE_F32, true) => "ddo_group_silu_vec_f32",
+        (kernels::DTYPE_F16, true) => "ddo_group_silu_vec_f16",
+        (_, true) => "ddo_group_silu_vec_bf16",
+    }
+}
+
+/// Group normalisation, then SiLU when `silu`, in three launches (`kernels/norm.cu`):
+///
+/// 1. statistics per chunk of each group (count, mean, M2): `ddo_group_stats_vec_*` when the
+///    group length is a whole number of 16-byte vectors and `x` is 16-byte aligned (each
+///    thread holds up to 8 vectors in registers; chunks of up to 2,048 vectors, halved until
+///    the grid has about [`GROUP_STATS_TARGET_BLOCKS`] blocks), else `ddo_group_stats`
+///    (chunks of [`GROUP_CHUNK`] elements read twice); grid (chunks, groups);
+/// 2. `ddo_group_merge`: a warp per group merges the chunks (Chan, f64) into mean and
+///    `1 / sqrt(var + eps)`;
+/// 3. apply, a block row per channel plane (`n * c` of them): `ddo_group_apply_vec_*` /
+///    `ddo_group_silu_vec_*` when a plane is a whole number of vectors and `x` and the output
+///    are 16-byte aligned (one read and one write of 16 bytes per 4 or 8 elements), else the
+///    scalar `ddo_group_apply`.
+fn group_norm_act(
+    dev: &CudaDevice,
+    x: &Tensor,
+    groups: usize,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+    silu: bool,
 ) -> Result<Tensor> {
     const OP: &str = "group_norm";
     let xs = x.shape();
@@ -166,35 +282,69 @@ pub(crate) fn group_norm(
     let out = Out::new(dev, OP, xs.to_vec(), x.dtype())?;
     if out.numel > 0 {
         let all_groups = n * groups;
-        let len = c / groups * spatial;
-        let chunks = len.div_ceil(GROUP_CHUNK);
-        let (_part_buf, part) = scratch(dev, all_groups * chunks * 3 * 4)?;
+        let cg = c / groups;
+        let len = cg * spatial;
+        let stats_rows = all_groups.min(MAX_GRID_Y) as u32;
         let (_stats_buf, stats) = scratch(dev, all_groups * 2 * 4)?;
-        let stats_fn = dev.kernel(SOURCE_NAME, SOURCE, "ddo_group_stats")?;
-        let cfg = LaunchConfig {
-            grid_dim: (chunks.min(1 << 16) as u32, all_groups.min(65535) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        // Pass 1: per-chunk partials.
+        let (chunks, _part_buf, part) = if vectorizable(xi.code, len, &[xi.ptr]) {
+            let lanes = vector_lanes(xi.code);
+            let len_vec = len / lanes;
+            let chunk_vec = stats_chunk_vectors(all_groups, len_vec);
+            debug_assert!(chunk_vec <= GROUP_STATS_BLOCK * GROUP_STATS_VPT);
+            let chunks = len_vec.div_ceil(chunk_vec);
+            let (part_buf, part) = scratch(dev, all_groups * chunks * 3 * 4)?;
+            let f = dev.kernel(SOURCE_NAME, SOURCE, stats_vec_kernel(xi.code))?;
+            let cfg = LaunchConfig {
+                grid_dim: (chunks.min(MAX_GRID_X) as u32, stats_rows, 1),
+                block_dim: (GROUP_STATS_BLOCK as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(
+                dev,
+                &f,
+                cfg,
+                &[
+                    Arg::Ptr(xi.ptr),
+                    Arg::Ptr(part),
+                    Arg::I64(all_groups as i64),
+                    Arg::I64(len_vec as i64),
+                    Arg::I64(chunk_vec as i64),
+                    Arg::I64(chunks as i64),
+                ],
+            )?;
+            (chunks, part_buf, part)
+        } else {
+            let chunks = len.div_ceil(GROUP_CHUNK);
+            let (part_buf, part) = scratch(dev, all_groups * chunks * 3 * 4)?;
+            let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_group_stats")?;
+            let cfg = LaunchConfig {
+                grid_dim: (chunks.min(MAX_GRID_X) as u32, stats_rows, 1),
+                block_dim: (GROUP_STATS_BLOCK as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(
+                dev,
+                &f,
+                cfg,
+                &[
+                    Arg::Ptr(xi.ptr),
+                    Arg::I32(xi.code),
+                    Arg::Ptr(part),
+                    Arg::I64(all_groups as i64),
+                    Arg::I64(len as i64),
+                    Arg::I64(GROUP_CHUNK as i64),
+                    Arg::I64(chunks as i64),
+                ],
+            )?;
+            (chunks, part_buf, part)
         };
-        launch(
-            dev,
-            &stats_fn,
-            cfg,
-            &[
-                Arg::Ptr(xi.ptr),
-                Arg::I32(xi.code),
-                Arg::Ptr(part),
-                Arg::I64(all_groups as i64),
-                Arg::I64(len as i64),
-                Arg::I64(GROUP_CHUNK as i64),
-                Arg::I64(chunks as i64),
-            ],
-        )?;
+        // Pass 2: a warp per group.
         let merge = dev.kernel(SOURCE_NAME, SOURCE, "ddo_group_merge")?;
         launch(
             dev,
             &merge,
-            grid_1d(all_groups as u64, 128),
+            grid_1d(all_groups as u64 * 32, 128),
             &[
                 Arg::Ptr(part),
                 Arg::Ptr(stats),
@@ -203,29 +353,55 @@ pub(crate) fn group_norm(
                 Arg::F32(eps),
             ],
         )?;
+        // Pass 3: a block row per channel plane.
+        let planes = n * c;
         let (wp, wc) = opt_ptr(wi.as_ref());
         let (bp, bc) = opt_ptr(bi.as_ref());
-        let apply = dev.kernel(SOURCE_NAME, SOURCE, "ddo_group_apply")?;
-        launch(
-            dev,
-            &apply,
-            grid_1d(out.numel as u64, 256),
-            &[
-                Arg::Ptr(xi.ptr),
-                Arg::I32(xi.code),
-                Arg::Ptr(stats),
-                Arg::Ptr(wp),
-                Arg::I32(wc),
-                Arg::Ptr(bp),
-                Arg::I32(bc),
-                Arg::Ptr(out.ptr),
-                Arg::I32(out.code),
-                Arg::I64(out.numel as i64),
-                Arg::I64(len as i64),
-                Arg::I64(spatial as i64),
-                Arg::I64(c as i64),
-            ],
-        )?;
+        if xi.code == out.code && vectorizable(xi.code, spatial, &[xi.ptr, out.ptr]) {
+            let plane_vec = spatial / vector_lanes(xi.code);
+            let f = dev.kernel(SOURCE_NAME, SOURCE, apply_vec_kernel(xi.code, silu))?;
+            launch(
+                dev,
+                &f,
+                plane_config(planes, plane_vec, GROUP_APPLY_VPT),
+                &[
+                    Arg::Ptr(xi.ptr),
+                    Arg::Ptr(stats),
+                    Arg::Ptr(wp),
+                    Arg::I32(wc),
+                    Arg::Ptr(bp),
+                    Arg::I32(bc),
+                    Arg::Ptr(out.ptr),
+                    Arg::I64(planes as i64),
+                    Arg::I64(plane_vec as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(cg as i64),
+                ],
+            )?;
+        } else {
+            let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_group_apply")?;
+            launch(
+                dev,
+                &f,
+                plane_config(planes, spatial, GROUP_APPLY_SCALAR_PER_THREAD),
+                &[
+                    Arg::Ptr(xi.ptr),
+                    Arg::I32(xi.code),
+                    Arg::Ptr(stats),
+                    Arg::Ptr(wp),
+                    Arg::I32(wc),
+                    Arg::Ptr(bp),
+                    Arg::I32(bc),
+                    Arg::Ptr(out.ptr),
+                    Arg::I32(out.code),
+                    Arg::I64(planes as i64),
+                    Arg::I64(spatial as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(cg as i64),
+                    Arg::I32(i32::from(silu)),
+                ],
+            )?;
+        }
     }
     let mut used = vec![&xi];
     used.extend(wi.as_ref());
@@ -322,4 +498,95 @@ pub(crate) fn reduce(dev: &CudaDevice, x: &Tensor, dim: usize, op: ReduceOp) -> 
         }
     }
     out.finish(dev, &[&xi])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The group-norm launches of the Flux VAE decoder (batch 1, 32 groups, bf16) fill an
+    /// H200 (132 SMs) on both passes; short groups and tiny or countless planes stay inside
+    /// the grid limits.
+    #[test]
+    fn group_norm_launches_fill_the_device_within_grid_limits() {
+        let bf16 = kernels::DTYPE_BF16;
+        for (c, spatial) in [
+            (512usize, 128 * 128),
+            (512, 256 * 256),
+            (512, 512 * 512),
+            (256, 512 * 512),
+            (256, 1024 * 1024),
+            (128, 1024 * 1024),
+        ] {
+            let len_vec = c / 32 * spatial / vector_lanes(bf16);
+            let chunk = stats_chunk_vectors(32, len_vec);
+            assert!(
+                (GROUP_STATS_BLOCK..=GROUP_STATS_BLOCK * GROUP_STATS_VPT).contains(&chunk),
+                "{chunk}"
+            );
+            let blocks = 32 * len_vec.div_ceil(chunk);
+            assert!(
+                blocks >= GROUP_STATS_TARGET_BLOCKS,
+                "{c}x{spatial}: {blocks}"
+            );
+            assert!(len_vec.div_ceil(chunk) <= MAX_GRID_X);
+            let cfg = plane_config(c, spatial / vector_lanes(bf16), GROUP_APPLY_VPT);
+            assert_eq!(cfg.block_dim, (256, 1, 1));
+            let tiles = cfg.grid_dim.0 as usize;
+            assert_eq!(cfg.grid_dim.1 as usize, c);
+            assert!(tiles * c >= 1024, "{c}x{spatial}: {tiles} tiles a plane");
+            assert_eq!(tiles * 256 * GROUP_APPLY_VPT, spatial / 8, "whole tiles");
+        }
+        // Short groups: the smallest chunk, one of it.
+        assert_eq!(stats_chunk_vectors(32, 1), GROUP_STATS_BLOCK);
+        assert_eq!(stats_chunk_vectors(1, 0), GROUP_STATS_BLOCK);
+        // Countless one-element planes: 32-thread blocks, at most 65,535 rows (kernels loop).
+        let cfg = plane_config(1 << 20, 1, GROUP_APPLY_SCALAR_PER_THREAD);
+        assert_eq!((cfg.grid_dim, cfg.block_dim), ((1, 65535, 1), (32, 1, 1)));
+        // One huge plane: at most 65,536 tiles along x (kernels loop).
+        let cfg = plane_config(1, 1 << 40, GROUP_APPLY_VPT);
+        assert_eq!(
+            (cfg.grid_dim, cfg.block_dim),
+            ((1 << 16, 1, 1), (256, 1, 1))
+        );
+        // A short plane: a power-of-two block of at least a warp.
+        assert_eq!(plane_config(3, 63, 4).block_dim, (32, 1, 1));
+        assert_eq!(plane_config(3, 300, 4).block_dim, (128, 1, 1));
+    }
+
+    #[test]
+    fn the_vector_paths_need_whole_aligned_vectors() {
+        use kernels::{DTYPE_BF16, DTYPE_F16, DTYPE_F32};
+        assert!(vectorizable(DTYPE_BF16, 16, &[0, 256]));
+        assert!(vectorizable(DTYPE_F16, 8, &[16]));
+        assert!(
+            !vectorizable(DTYPE_BF16, 12, &[0]),
+            "12 is no whole number of 8 lanes"
+        );
+        assert!(vectorizable(DTYPE_F32, 12, &[0]), "but of 4 f32 lanes");
+        assert!(!vectorizable(DTYPE_BF16, 16, &[0, 2]), "misaligned output");
+        assert!(!vectorizable(DTYPE_F32, 4, &[4]), "misaligned input");
+        assert_eq!(stats_vec_kernel(DTYPE_F16), "ddo_group_stats_vec_f16");
+        assert_eq!(
+            apply_vec_kernel(DTYPE_BF16, true),
+            "ddo_group_silu_vec_bf16"
+        );
+        assert_eq!(
+            apply_vec_kernel(DTYPE_F32, false),
+            "ddo_group_apply_vec_f32"
+        );
+        // Every kernel name the ops launch is in the source.
+        for code in [DTYPE_F32, DTYPE_F16, DTYPE_BF16] {
+            for name in [
+                stats_vec_kernel(code),
+                apply_vec_kernel(code, false),
+                apply_vec_kernel(code, true),
+            ] {
+                assert!(SOURCE.contains(&format!(" {name}(")), "{name}");
+            }
+        }
+        for name in ["ddo_group_stats", "ddo_group_merge", "ddo_group_apply"] {
+            assert!(SOURCE.contains(&format!(" {name}(")), "{name}");
+        }
+    }
 }
