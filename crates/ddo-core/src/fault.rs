@@ -15,7 +15,9 @@
 //!   its output is then dropped, so the error names the exact bytes the op asked for.
 //!   [`Ops::to_f32_vec`] allocates nothing on the device and is not counted. A backend whose
 //!   ops make workspace allocations of their own (cuBLAS) has those counted only as part of
-//!   the op.
+//!   the op; so has an op whose backend composes it of others (the host's
+//!   [`Ops::linear_gelu_tanh`], [`Ops::layer_norm_modulate`], [`Ops::gated_add`]): one op
+//!   point and one allocation, its output.
 //! - [`FaultKind::Copy`]: [`Device::copy_h2d`], [`Device::copy_d2h`], [`Device::copy_d2d`].
 //!   Copies ops make internally are not counted.
 //! - [`FaultKind::EventWait`]: [`Device::wait_event`] and [`Device::synchronize_event`].
@@ -598,6 +600,26 @@ impl Ops for FaultInjectingDevice {
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         self.op("embedding", |o| o.embedding(table, ids))
     }
+
+    fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.op("linear_gelu_tanh", |o| o.linear_gelu_tanh(x, w, bias))
+    }
+
+    fn layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<Tensor> {
+        self.op("layer_norm_modulate", |o| {
+            o.layer_norm_modulate(x, eps, scale, shift)
+        })
+    }
+
+    fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+        self.op("gated_add", |o| o.gated_add(x, gate, y))
+    }
 }
 
 #[cfg(test)]
@@ -730,6 +752,39 @@ mod tests {
             ops.group_norm_silu(&x, 2, None, None, 1e-5),
             Err(CoreError::Injected(m)) if m.contains("group_norm_silu")
         ));
+    }
+
+    /// A fused op is one op point and one allocation point (the trait's default would pass
+    /// through the wrapper once per op it composes), named after itself, with the inner
+    /// backend's values.
+    #[test]
+    fn fused_ops_reach_the_inner_backend_as_one_op() {
+        let (d, f) = wrapped();
+        let ops = f.ops().unwrap();
+        let vals = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>();
+        let x = ops.tensor_from_f32(&[3, 4], DType::F32, &vals(12)).unwrap();
+        let w = ops.tensor_from_f32(&[5, 4], DType::F32, &vals(20)).unwrap();
+        let s = ops.tensor_from_f32(&[4], DType::F32, &vals(4)).unwrap();
+        f.time_ops(true);
+        let before = f.counts();
+        let got = ops.linear_gelu_tanh(&x, &w, None).unwrap();
+        let c = f.counts().since(&before);
+        assert_eq!((c.ops, c.allocs), (1, 1), "{c:?}");
+        let before = f.counts();
+        let m = ops.layer_norm_modulate(&x, 1e-6, &s, &s).unwrap();
+        let g = ops.gated_add(&x, &s, &m).unwrap();
+        let c = f.counts().since(&before);
+        assert_eq!((c.ops, c.allocs), (2, 2), "{c:?}");
+        let names: Vec<String> = f.op_times().into_iter().map(|(n, ..)| n).collect();
+        assert_eq!(
+            names,
+            ["gated_add", "layer_norm_modulate", "linear_gelu_tanh"]
+        );
+        let v = |t: &Tensor| d.to_f32_vec(t).unwrap();
+        assert_eq!(v(&got), v(&d.linear_gelu_tanh(&x, &w, None).unwrap()));
+        assert_eq!(v(&m), v(&d.layer_norm_modulate(&x, 1e-6, &s, &s).unwrap()));
+        assert_eq!(v(&g), v(&d.gated_add(&x, &s, &m).unwrap()));
+        f.time_ops(false);
     }
 
     #[test]

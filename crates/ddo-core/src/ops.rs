@@ -227,6 +227,74 @@ pub trait Ops: Send + Sync {
 
     /// Rows `ids` of `table [rows, d]` → `[ids.len(), d]`.
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
+
+    /// `gelu_tanh(linear(x, w, bias))`: a linear followed by the tanh-approximation GELU
+    /// ([`UnaryOp::GeluTanh`]), as the first projection of a `gelu-approximate`
+    /// FeedForward. The default is exactly that composition ([`Ops::linear`], then
+    /// [`Ops::unary_owned`]), so a backend without a fused path gives its values bit for
+    /// bit; a fused backend (CUDA: cuBLASLt's GELU epilogue) rounds once, after the
+    /// activation, where the composition rounds after the linear and again after the GELU.
+    fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let y = self.linear(x, w, bias)?;
+        self.unary_owned(y, UnaryOp::GeluTanh)
+    }
+
+    /// `layer_norm(x, None, None, eps) * (1 + scale) + shift` — a layer norm without affine
+    /// params followed by an AdaLN modulation, with `scale` and `shift` broadcast over `x`
+    /// (NumPy rules; in DiT blocks `[b, 1, d]` over `x [b, t, d]`, or `[d]`). The result has
+    /// `x`'s dtype and the broadcast shape. The default is exactly
+    /// [`layer_norm_modulate_composed`] ([`Ops::layer_norm`], [`Ops::affine`] of `scale`,
+    /// [`Ops::binary`] `Mul` then `Add`, each rounded into its dtype); a fused backend
+    /// (CUDA, for `scale`/`shift` of one row per group of rows) computes it in f32 and
+    /// rounds once.
+    fn layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<Tensor> {
+        layer_norm_modulate_composed(self, x, eps, scale, shift)
+    }
+
+    /// `x + gate * y`, broadcasting (NumPy rules; a DiT block's gated residual: `gate`
+    /// `[b, 1, d]` over `x, y [b, t, d]`). The result has `x`'s dtype. The default is exactly
+    /// [`gated_add_composed`] ([`Ops::binary`] `Mul`, rounded into `gate`'s dtype, then
+    /// `Add`); a fused backend (CUDA, for `y` of `x`'s shape and `gate` of one row per
+    /// group of rows) computes it in f32 and rounds once.
+    fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+        gated_add_composed(self, x, gate, y)
+    }
+}
+
+/// [`Ops::layer_norm_modulate`] as its composition: `layer_norm(x)`, `affine(scale, 1, 1)`,
+/// their product, plus `shift` (four ops, each rounded into its output dtype). The trait's
+/// default, and the fallback of backends for operands their fused kernel does not take.
+pub fn layer_norm_modulate_composed<O: Ops + ?Sized>(
+    ops: &O,
+    x: &Tensor,
+    eps: f32,
+    scale: &Tensor,
+    shift: &Tensor,
+) -> Result<Tensor> {
+    let n = ops.layer_norm(x, None, None, eps)?;
+    let one_plus = ops.affine(scale, 1.0, 1.0)?;
+    let y = ops.binary(&n, &one_plus, BinaryOp::Mul)?;
+    drop(n);
+    ops.binary(&y, shift, BinaryOp::Add)
+}
+
+/// [`Ops::gated_add`] as its composition: `gate * y`, then `x +` that (two ops, each
+/// rounded into its output dtype). The trait's default, and the fallback of backends for
+/// operands their fused kernel does not take.
+pub fn gated_add_composed<O: Ops + ?Sized>(
+    ops: &O,
+    x: &Tensor,
+    gate: &Tensor,
+    y: &Tensor,
+) -> Result<Tensor> {
+    let g = ops.binary(gate, y, BinaryOp::Mul)?;
+    ops.binary(x, &g, BinaryOp::Add)
 }
 
 /// [`Ops::linear_concat`] done the plain way: [`Ops::concat`] along the last dim, then

@@ -599,6 +599,43 @@ impl Ops for ProfiledOps {
             |d| d.embedding(table, ids),
         )
     }
+
+    /// A class of its own, with the linear's flops (the activation's are not counted).
+    fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.op(
+            "linear_gelu_tanh",
+            None,
+            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
+            &|_| linear_flops(&[x], w),
+            |d| d.linear_gelu_tanh(x, w, bias),
+        )
+    }
+
+    fn layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<Tensor> {
+        self.op(
+            "layer_norm_modulate",
+            None,
+            || tensor_bytes(&[x, scale, shift]),
+            &no_flops,
+            |d| d.layer_norm_modulate(x, eps, scale, shift),
+        )
+    }
+
+    fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+        self.op(
+            "gated_add",
+            None,
+            || tensor_bytes(&[x, gate, y]),
+            &no_flops,
+            |d| d.gated_add(x, gate, y),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -721,6 +758,57 @@ mod tests {
                 ));
             }
         }
+    }
+
+    /// The fused ops reach the backend as one op each (the trait's defaults would show up
+    /// as `linear` + `unary.GeluTanh`, ...), each its own class with its flops and bytes,
+    /// and give the values of the composition they stand for.
+    #[test]
+    fn fused_ops_are_forwarded_as_classes_of_their_own() {
+        use crate::device::ops_of;
+        use crate::{HostDevice, HostDeviceConfig, UnaryOp};
+        let dev = HostDevice::new(HostDeviceConfig::default()).unwrap();
+        let ops = ops_of(&*dev).unwrap();
+        let vals = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>();
+        let x = ops
+            .tensor_from_f32(&[3, 4], DType::BF16, &vals(12))
+            .unwrap();
+        let w = ops
+            .tensor_from_f32(&[5, 4], DType::BF16, &vals(20))
+            .unwrap();
+        let b = ops.tensor_from_f32(&[5], DType::BF16, &vals(5)).unwrap();
+        let composed = {
+            let y = ops.linear(&x, &w, Some(&b)).unwrap();
+            ops.unary_owned(y, UnaryOp::GeluTanh).unwrap()
+        };
+        // x [1, 3, 4] with a [1, 1, 4] modulation and gate.
+        let x3 = x.reshape(&[1, 3, 4]).unwrap();
+        let s = ops
+            .tensor_from_f32(&[1, 1, 4], DType::BF16, &vals(4))
+            .unwrap();
+        let h = ops
+            .tensor_from_f32(&[1, 1, 4], DType::BF16, &vals(4))
+            .unwrap();
+        let modulated = crate::ops::layer_norm_modulate_composed(ops, &x3, 1e-6, &s, &h).unwrap();
+        let gated = crate::ops::gated_add_composed(ops, &x3, &s, &modulated).unwrap();
+        assert!(dev.begin_op_profile());
+        let fused = ops.linear_gelu_tanh(&x, &w, Some(&b)).unwrap();
+        let fused_mod = ops.layer_norm_modulate(&x3, 1e-6, &s, &h).unwrap();
+        let fused_gate = ops.gated_add(&x3, &s, &fused_mod).unwrap();
+        let p = dev.end_op_profile().unwrap().expect("timestamps");
+        assert_eq!(p.classes.len(), 3, "{:?}", p.classes);
+        let by = |name: &str| p.classes.iter().find(|c| c.op == name).cloned();
+        let c = by("linear_gelu_tanh").expect("linear_gelu_tanh");
+        assert_eq!((c.calls, c.flops), (1, 2 * 3 * 5 * 4));
+        assert_eq!(c.bytes, (12 + 20 + 5 + 15) * 2);
+        let c = by("layer_norm_modulate").expect("layer_norm_modulate");
+        assert_eq!((c.calls, c.flops, c.bytes), (1, 0, (12 + 4 + 4 + 12) * 2));
+        let c = by("gated_add").expect("gated_add");
+        assert_eq!((c.calls, c.flops, c.bytes), (1, 0, (12 + 4 + 12 + 12) * 2));
+        let v = |t: &Tensor| ops.to_f32_vec(t).unwrap();
+        assert_eq!(v(&fused), v(&composed));
+        assert_eq!(v(&fused_mod), v(&modulated));
+        assert_eq!(v(&fused_gate), v(&gated));
     }
 
     #[test]

@@ -333,9 +333,64 @@ pub fn attention_geometry(
     })
 }
 
+/// How a per-feature operand `v` (a modulation's scale or shift, a gate) broadcast over
+/// `x [..., d]` is read row by row, for backends that fuse it into one pass over `x`'s
+/// rows: `Some(group)` when `v` broadcasts to `x` without changing `x`'s shape, has `d`
+/// elements along its last dim, and each of its rows serves `group` consecutive rows of `x`
+/// (row `r` of `x` reads row `r / group` of `v`): `[b, 1, d]` over `[b, t, d]` gives `t`;
+/// `[d]`, `[1, d]` or `[1, 1, d]` give every row; `x`'s own shape gives 1. `None` for any
+/// other layout (a per-row scalar `[..., 1]`, rows that repeat cyclically such as
+/// `[1, t, d]` over `[b, t, d]`, a `v` of higher rank than `x`) and for shapes that do not
+/// broadcast — those take the composition of plain ops, whose shape rules apply.
+pub fn row_broadcast_group(x: &[usize], v: &[usize]) -> Option<usize> {
+    let (&d, row_dims) = x.split_last()?;
+    if v.last() != Some(&d) || v.len() > x.len() {
+        return None;
+    }
+    let off = x.len() - v.len();
+    if v.iter().zip(&x[off..]).any(|(&a, &b)| a != b && a != 1) {
+        return None;
+    }
+    let rows: usize = row_dims.iter().product();
+    if rows == 0 || d == 0 {
+        return Some(1);
+    }
+    let strides = broadcast_strides(v, x);
+    let (sizes, [st]) = coalesce(row_dims, [&strides[..row_dims.len()]]);
+    match (sizes.as_slice(), st.as_slice()) {
+        ([_], [0]) => Some(rows),
+        ([_], [s]) if *s == d => Some(1),
+        ([_, t], [s, 0]) if *s == d => Some(*t),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_broadcasts_name_the_rows_each_row_of_v_serves() {
+        let x = [2, 5, 8];
+        assert_eq!(row_broadcast_group(&x, &[2, 1, 8]), Some(5));
+        assert_eq!(row_broadcast_group(&x, &[8]), Some(10));
+        assert_eq!(row_broadcast_group(&x, &[1, 8]), Some(10));
+        assert_eq!(row_broadcast_group(&x, &[1, 1, 8]), Some(10));
+        assert_eq!(row_broadcast_group(&x, &[2, 5, 8]), Some(1));
+        assert_eq!(row_broadcast_group(&[1, 5, 8], &[1, 1, 8]), Some(5));
+        assert_eq!(row_broadcast_group(&[8], &[8]), Some(1));
+        assert_eq!(row_broadcast_group(&[3, 2, 5, 8], &[3, 2, 1, 8]), Some(5));
+        // Not one row per group of rows: the composition handles them.
+        assert_eq!(row_broadcast_group(&x, &[1, 5, 8]), None);
+        assert_eq!(row_broadcast_group(&x, &[2, 5, 1]), None);
+        assert_eq!(row_broadcast_group(&x, &[2, 1, 1]), None);
+        assert_eq!(row_broadcast_group(&x, &[1, 2, 5, 8]), None);
+        assert_eq!(row_broadcast_group(&x, &[3, 1, 8]), None);
+        assert_eq!(row_broadcast_group(&x, &[7]), None);
+        assert_eq!(row_broadcast_group(&[], &[1]), None);
+        // No rows or no features: nothing to read.
+        assert_eq!(row_broadcast_group(&[0, 8], &[8]), Some(1));
+    }
 
     #[test]
     fn broadcasting_follows_numpy_and_names_the_op() {

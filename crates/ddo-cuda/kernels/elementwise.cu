@@ -232,3 +232,42 @@ extern "C" __global__ void ddo_rope_vec(const uint4* x, const float4* c, const f
         y[i] = r;
     }
 }
+
+// ---- Gated residual (Ops::gated_add) ---------------------------------------------------
+// o[r, c] = x[r, c] + g[(r / gg) * d + c] * y[r, c] over rows of d elements: g is one row
+// per gg consecutive rows of x and y (a DiT block's [b, 1, d] gate over [b, t, d]). f32
+// math, one rounding at the store. One block per row, grid-stride over rows.
+extern "C" __global__ void ddo_gated_add(const void* x, int xdt, const void* g, int gdt,
+                                         const void* y, int ydt, void* o, int odt, i64 rows,
+                                         i64 d, i64 gg) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = r * d, gb = (r / gg) * d;
+        for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+            float v = load_as_float(x, base + c, xdt) +
+                      load_as_float(g, gb + c, gdt) * load_as_float(y, base + c, ydt);
+            store_from_float(o, base + c, odt, v);
+        }
+    }
+}
+
+// The same with x, y and o of one dtype dt, 16-byte aligned, d a multiple of the vector's
+// lanes (dvec = d / lanes vectors a row): 16-byte loads and stores; g (any dtype) is read
+// element by element (one row serves many rows of x: it stays in cache).
+extern "C" __global__ void ddo_gated_add_vec(const uint4* x, const void* g, int gdt,
+                                             const uint4* y, uint4* o, int dt, i64 rows,
+                                             i64 dvec, i64 gg) {
+    const int lanes = dt == DTYPE_F32 ? 4 : 8;
+    const i64 d = dvec * lanes;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = r * dvec, gb = (r / gg) * d;
+        for (i64 c = threadIdx.x; c < dvec; c += blockDim.x) {
+            uint4 vx = x[base + c], vy = y[base + c], vo;
+            i64 gc = gb + c * lanes;
+            for (int k = 0; k < lanes; ++k) {
+                float v = lane_get(vx, k, dt) + load_as_float(g, gc + k, gdt) * lane_get(vy, k, dt);
+                lane_set(vo, k, dt, v);
+            }
+            o[base + c] = vo;
+        }
+    }
+}

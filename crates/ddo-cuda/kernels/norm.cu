@@ -561,3 +561,113 @@ extern "C" __global__ void ddo_reduce_cols(const void* x, int xdt, void* y, int 
         store_from_float(y, k, ydt, v);
     }
 }
+
+// ---- Layer norm + AdaLN modulation (Ops::layer_norm_modulate) ---------------------------
+// y = (x - mean) / sqrt(var + eps) * (1 + s[r / gs]) + h[r / gh] per row r of d elements
+// (biased variance, no affine): s and h are [rows / gs, d] and [rows / gh, d] (one row of
+// each serves gs, gh consecutive rows of x). Everything in f32, one rounding at the store.
+__device__ __forceinline__ float modulate_(float n, const void* s, int sdt, i64 so,
+                                           const void* h, int hdt, i64 ho) {
+    return n * (1.0f + load_as_float(s, so, sdt)) + load_as_float(h, ho, hdt);
+}
+
+// Any dtypes, any d: one block per row (grid-stride over rows), x read from memory per pass.
+extern "C" __global__ void ddo_ln_modulate(const void* x, int xdt, const void* s, int sdt,
+                                           const void* h, int hdt, void* y, int ydt, i64 rows,
+                                           i64 d, float eps, i64 gs, i64 gh) {
+    __shared__ float scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = r * d, sb = (r / gs) * d, hb = (r / gh) * d;
+        float sum = 0.0f;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) sum += load_as_float(x, base + j, xdt);
+        float mean = block_sum(sum, scratch) / (float)d;
+        float s2 = 0.0f;
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            float c = load_as_float(x, base + j, xdt) - mean;
+            s2 += c * c;
+        }
+        float inv = rsqrtf(block_sum(s2, scratch) / (float)d + eps);
+        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
+            float n = (load_as_float(x, base + j, xdt) - mean) * inv;
+            store_from_float(y, base + j, ydt, modulate_(n, s, sdt, sb + j, h, hdt, hb + j));
+        }
+    }
+}
+
+// 16-bit x and y, d % 8 == 0, x and y 16-byte aligned: the row in registers, 8 elements a
+// thread (as ddo_row_norm_vec_*). Short rows: g = d / 8 lanes per row (a power of two up
+// to 32), 32 / g rows per warp.
+extern "C" __global__ void ddo_ln_modulate_vec_warp(const void* x, int xdt, const void* s,
+                                                    int sdt, const void* h, int hdt, void* y,
+                                                    int ydt, i64 rows, i64 d, float eps,
+                                                    i64 gs, i64 gh) {
+    const int g = (int)(d / 8);
+    const int lane = threadIdx.x & 31;
+    const int sub = lane % g;
+    const i64 per_warp = 32 / g;
+    i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 r0 = warp * per_warp; r0 < rows; r0 += warps * per_warp) {
+        i64 r = r0 + lane / g;
+        bool live = r < rows;
+        i64 col = (i64)sub * 8;
+        float v[8];
+        if (live) {
+            load8(x, r * d + col, xdt, v);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum += v[k];
+        for (int o = g / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        float mean = sum / (float)d;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float c = v[k] - mean;
+            s2 += c * c;
+        }
+        for (int o = g / 2; o > 0; o >>= 1) s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+        float inv = rsqrtf(s2 / (float)d + eps);
+        if (live) {
+            i64 sb = (r / gs) * d + col, hb = (r / gh) * d + col;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                v[k] = modulate_((v[k] - mean) * inv, s, sdt, sb + k, h, hdt, hb + k);
+            }
+            store8(y, r * d + col, ydt, v);
+        }
+    }
+}
+
+// Long rows: one block of d / 8 threads (a multiple of 32, at most 1024) per row.
+extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, const void* s,
+                                                     int sdt, const void* h, int hdt, void* y,
+                                                     int ydt, i64 rows, i64 d, float eps,
+                                                     i64 gs, i64 gh) {
+    __shared__ float scratch[32];
+    const i64 col = (i64)threadIdx.x * 8;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        float v[8];
+        load8(x, r * d + col, xdt, v);
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum += v[k];
+        float mean = block_sum(sum, scratch) / (float)d;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float c = v[k] - mean;
+            s2 += c * c;
+        }
+        float inv = rsqrtf(block_sum(s2, scratch) / (float)d + eps);
+        i64 sb = (r / gs) * d + col, hb = (r / gh) * d + col;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            v[k] = modulate_((v[k] - mean) * inv, s, sdt, sb + k, h, hdt, hb + k);
+        }
+        store8(y, r * d + col, ydt, v);
+    }
+}

@@ -21,11 +21,13 @@
 //! call, answering [`CudaError::NoLibrary`] or [`CudaError::NoDevice`] otherwise.
 //! `unsafe` lives in the lowest modules: `driver` (one thin checked function per driver
 //! call), the NVRTC calls in `ops/nvrtc.rs`, the kernel launch in `ops/kernels.rs`, and the
-//! cuBLAS calls in `ops/gemm.rs`; each block carries a `// SAFETY:` comment.
+//! cuBLAS calls in `ops/gemm.rs`, the cuBLASLt calls in `ops/cublaslt.rs` and the cuDNN
+//! calls in `ops/cudnn_attention.rs`; each block carries a `// SAFETY:` comment.
 //!
 //! Compute: `ops()` gives the GPU [`Ops`](ddo_core::Ops) — NVRTC-compiled kernels for the
-//! element-wise, normalisation, layout and rotary ops, cuBLAS for linear and batched
-//! matmul, a tensor-core implicit-GEMM convolution (im2col + cuBLAS for f32), and a fused
+//! element-wise, normalisation, layout and rotary ops (and the fused layer norm +
+//! modulation and gated residual), cuBLASLt for 16-bit linears with the bias and GELU in
+//! the GEMM's epilogue, cuBLAS for the other linears and batched matmul, a tensor-core implicit-GEMM convolution (im2col + cuBLAS for f32), and a fused
 //! flash-style attention that never materialises the score matrix (a chunked path for head
 //! sizes above 128).
 //!

@@ -1,4 +1,5 @@
-//! GPU tests of the CUDA backend's heavy ops — linear, matmul, conv2d (cuBLAS, im2col) and
+//! GPU tests of the CUDA backend's heavy ops — linear (cuBLASLt with fused bias and GELU
+//! epilogues, and cuBLAS), `linear_gelu_tanh`, matmul, conv2d (cuBLAS, im2col) and
 //! attention (fused tensor-core, fused CUDA-core and chunked cuBLAS paths) — against the host
 //! backend's [`Ops`] (the reference) on fresh seeded random inputs: relative L2 ≤ 1e-5 in
 //! f32, ≤ 1e-2 in f16/bf16. `heavy_ops_timings` prints (never asserts) medians of 10 runs of
@@ -164,6 +165,165 @@ fn linear_matches_host_with_and_without_bias_and_batch_dims() {
     );
     // Shape errors are typed.
     let err = gd.linear(&x.g, &b.g, None).unwrap_err();
+    assert!(matches!(err, ddo_core::CoreError::Shape { .. }), "{err}");
+}
+
+/// 16-bit linears on cuBLASLt (bias in the epilogue) and on cuBLAS (`set_cublaslt(false)`)
+/// against the host, on one row, odd sizes, batch dims, one output feature and a quartered
+/// Flux projection.
+#[test]
+fn cublaslt_linears_match_the_host_with_and_without_bias() {
+    let Some(gd) = gpu() else { return };
+    let hd = host();
+    let mut rng = SplitMix64::new(41);
+    let shapes: [(Vec<usize>, (usize, usize)); 7] = [
+        (vec![1, 64], (96, 64)),
+        (vec![1, 1, 768], (4608, 768)),
+        (vec![7, 33], (45, 33)),
+        (vec![2, 5, 40], (24, 40)),
+        (vec![3, 17], (1, 17)),
+        (vec![9, 72], (131, 72)),
+        (vec![1152, 768], (3072, 768)),
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        for (xs, (o, i)) in &shapes {
+            let x = rand_pair(&gd, &hd, &mut rng, xs, dtype, 1.0);
+            let w = rand_pair(&gd, &hd, &mut rng, &[*o, *i], dtype, 0.5);
+            let b = rand_pair(&gd, &hd, &mut rng, &[*o], dtype, 1.0);
+            for with_bias in [false, true] {
+                let (bg, bh) = if with_bias {
+                    (Some(&b.g), Some(&b.h))
+                } else {
+                    (None, None)
+                };
+                let want = hd.linear(&x.h, &w.h, bh).unwrap();
+                for lt in [true, false] {
+                    gd.set_cublaslt(lt);
+                    let before = gd.cublaslt_runs();
+                    let got = gd.linear(&x.g, &w.g, bg).unwrap();
+                    let ran = gd.cublaslt_runs() - before;
+                    check(
+                        &format!(
+                            "linear {dtype:?} x {xs:?} w [{o}, {i}] bias {with_bias} \
+                             cublaslt {lt} (ran {ran})"
+                        ),
+                        &gd,
+                        &hd,
+                        &got,
+                        &want,
+                    );
+                    if !lt {
+                        assert_eq!(ran, 0, "cuBLASLt ran while switched off");
+                    }
+                }
+            }
+        }
+    }
+    gd.set_cublaslt(true);
+    if let Some(why) = gd.cublaslt_refusal() {
+        println!("last cuBLASLt refusal: {why}");
+    }
+}
+
+/// Where libcublasLt loads (it ships with libcublas), an aligned bf16 linear with a bias and
+/// a `linear_gelu_tanh` run on it; f32 linears never do.
+#[test]
+fn cublaslt_runs_the_aligned_16_bit_linears() {
+    let Some(gd) = gpu() else { return };
+    let hd = host();
+    let mut rng = SplitMix64::new(42);
+    let x = rand_pair(&gd, &hd, &mut rng, &[256, 512], DType::BF16, 1.0);
+    let w = rand_pair(&gd, &hd, &mut rng, &[1024, 512], DType::BF16, 0.1);
+    let b = rand_pair(&gd, &hd, &mut rng, &[1024], DType::BF16, 1.0);
+    let before = gd.cublaslt_runs();
+    let y = gd.linear(&x.g, &w.g, Some(&b.g)).unwrap();
+    let g = gd.linear_gelu_tanh(&x.g, &w.g, Some(&b.g)).unwrap();
+    let ran = gd.cublaslt_runs() - before;
+    assert_eq!(
+        ran,
+        2,
+        "cuBLASLt ran {ran} of 2 linears: {:?}",
+        gd.cublaslt_refusal()
+    );
+    check(
+        "linear bf16 on cuBLASLt",
+        &gd,
+        &hd,
+        &y,
+        &hd.linear(&x.h, &w.h, Some(&b.h)).unwrap(),
+    );
+    check(
+        "linear_gelu_tanh bf16 on cuBLASLt",
+        &gd,
+        &hd,
+        &g,
+        &hd.linear_gelu_tanh(&x.h, &w.h, Some(&b.h)).unwrap(),
+    );
+    let x32 = rand_pair(&gd, &hd, &mut rng, &[16, 64], DType::F32, 1.0);
+    let w32 = rand_pair(&gd, &hd, &mut rng, &[32, 64], DType::F32, 1.0);
+    let before = gd.cublaslt_runs();
+    let y32 = gd.linear(&x32.g, &w32.g, None).unwrap();
+    assert_eq!(gd.cublaslt_runs(), before, "f32 stays on cuBLAS");
+    check(
+        "linear f32 on cuBLAS",
+        &gd,
+        &hd,
+        &y32,
+        &hd.linear(&x32.h, &w32.h, None).unwrap(),
+    );
+}
+
+/// `linear_gelu_tanh` (cuBLASLt's GELU epilogue, or cuBLAS + the element-wise GELU) against
+/// the host's composition `unary_owned(linear(..), GeluTanh)`, in every dtype.
+#[test]
+fn linear_gelu_tanh_matches_the_host_composition() {
+    let Some(gd) = gpu() else { return };
+    let hd = host();
+    let mut rng = SplitMix64::new(43);
+    let shapes: [(Vec<usize>, (usize, usize)); 5] = [
+        (vec![1, 64], (96, 64)),
+        (vec![7, 33], (45, 33)),
+        (vec![2, 5, 40], (24, 40)),
+        (vec![9, 72], (131, 72)),
+        (vec![1152, 768], (3072, 768)),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for (xs, (o, i)) in &shapes {
+            // Pre-activations of a few units: both GELU tails are exercised.
+            let x = rand_pair(&gd, &hd, &mut rng, xs, dtype, 2.0);
+            let w = rand_pair(&gd, &hd, &mut rng, &[*o, *i], dtype, 0.5);
+            let b = rand_pair(&gd, &hd, &mut rng, &[*o], dtype, 2.0);
+            for with_bias in [false, true] {
+                let (bg, bh) = if with_bias {
+                    (Some(&b.g), Some(&b.h))
+                } else {
+                    (None, None)
+                };
+                let want = hd.linear_gelu_tanh(&x.h, &w.h, bh).unwrap();
+                for lt in [true, false] {
+                    gd.set_cublaslt(lt);
+                    let before = gd.cublaslt_runs();
+                    let got = gd.linear_gelu_tanh(&x.g, &w.g, bg).unwrap();
+                    let ran = gd.cublaslt_runs() - before;
+                    check(
+                        &format!(
+                            "linear_gelu_tanh {dtype:?} x {xs:?} w [{o}, {i}] bias {with_bias} \
+                             cublaslt {lt} (ran {ran})"
+                        ),
+                        &gd,
+                        &hd,
+                        &got,
+                        &want,
+                    );
+                }
+            }
+        }
+    }
+    gd.set_cublaslt(true);
+    // Shape errors are the linear's.
+    let x = rand_pair(&gd, &hd, &mut rng, &[3, 8], DType::BF16, 1.0);
+    let w = rand_pair(&gd, &hd, &mut rng, &[4, 9], DType::BF16, 1.0);
+    let err = gd.linear_gelu_tanh(&x.g, &w.g, None).unwrap_err();
     assert!(matches!(err, ddo_core::CoreError::Shape { .. }), "{err}");
 }
 
@@ -833,6 +993,40 @@ fn heavy_ops_timings() {
         ms,
         2.0 * 4608.0 * 3072.0 * 3072.0,
     );
+    gd.set_cublaslt(false);
+    let ms = median_ms(&gd, || drop(gd.linear(&x, &w, Some(&b)).unwrap()));
+    report(
+        "linear [4608,3072]x[3072,3072]^T + bias bf16, cuBLAS (cuBLASLt off)",
+        ms,
+        2.0 * 4608.0 * 3072.0 * 3072.0,
+    );
+    let ms = median_ms(&gd, || drop(gd.linear(&x, &w, None).unwrap()));
+    report(
+        "linear [4608,3072]x[3072,3072]^T bf16, cuBLAS (cuBLASLt off)",
+        ms,
+        2.0 * 4608.0 * 3072.0 * 3072.0,
+    );
+    gd.set_cublaslt(true);
+    drop((w, b));
+    // Flux's MLP projection: 3072 -> 12288 with bias and GELU.
+    let (w, b) = (t(&[12288, 3072], 0.02), t(&[12288], 1.0));
+    let flops = 2.0 * 4608.0 * 3072.0 * 12288.0;
+    for lt in [true, false] {
+        gd.set_cublaslt(lt);
+        let ms = median_ms(&gd, || drop(gd.linear_gelu_tanh(&x, &w, Some(&b)).unwrap()));
+        report(
+            &format!("linear_gelu_tanh [4608,3072]x[12288,3072]^T + bias bf16, cuBLASLt {lt}"),
+            ms,
+            flops,
+        );
+        let ms = median_ms(&gd, || drop(gd.linear(&x, &w, Some(&b)).unwrap()));
+        report(
+            &format!("linear [4608,3072]x[12288,3072]^T + bias bf16, cuBLASLt {lt}"),
+            ms,
+            flops,
+        );
+    }
+    gd.set_cublaslt(true);
     drop((x, w, b));
 
     for (c_in, c_out, side) in [

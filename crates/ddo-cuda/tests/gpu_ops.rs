@@ -5,7 +5,9 @@
 //! kernels, unit copies, the warp-per-row norm, the group-norm statistics and apply) on
 //! shapes on both sides of their conditions; the fused `group_norm_silu` against the host's
 //! group norm then SiLU; `unary_owned` in place and its fallbacks; `linear_concat` against
-//! `linear` of the concatenation. Without a driver or a device each test prints
+//! `linear` of the concatenation; the fused `layer_norm_modulate` and `gated_add` against
+//! the host's compositions, on each kernel and on the composition's layouts. Without a
+//! driver or a device each test prints
 //! "skipped: no CUDA device" and passes (unless `DDO_REQUIRE_GPU=1`), like `tests/gpu.rs`.
 
 use std::sync::Arc;
@@ -1485,5 +1487,126 @@ fn group_norm_reads_misaligned_and_offset_inputs() {
             );
         }
     }
+    p.assert_clean();
+}
+
+/// Shapes of a per-feature operand over `x [2, 37, d]`: the fused kernels' `[b, 1, d]`,
+/// `[d]`, `[1, d]` and `x`'s own shape, and `[1, 37, d]`, which takes the composition.
+fn modulation_shapes(d: usize) -> [Vec<usize>; 5] {
+    [
+        vec![2, 1, d],
+        vec![d],
+        vec![1, d],
+        vec![2, 37, d],
+        vec![1, 37, d],
+    ]
+}
+
+/// Feature widths on both sides of the fused kernels' conditions: whole 16-byte chunks on
+/// the warp kernel (64, 256), on the block kernel (3072, Flux's), and on the generic one
+/// (24, 520), and widths that are not multiples of 8 (5, 100).
+const FEATURES: [usize; 8] = [5, 24, 64, 100, 256, 520, 768, 3072];
+
+/// `layer_norm_modulate` (one fused kernel where the scale and shift hold one row per group
+/// of rows) against the host's composition `layer_norm`, `affine`, `Mul`, `Add`.
+#[test]
+fn layer_norm_modulate_matches_the_host_composition() {
+    let Some(mut p) = Pair::new(31) else { return };
+    for dtype in DTYPES {
+        for d in FEATURES {
+            let v: Vec<f32> = p.random(2 * 37 * d).iter().map(|x| x * 3.0 + 0.5).collect();
+            let (gx, hx) = p.put(&[2, 37, d], dtype, &v);
+            for (si, shape) in modulation_shapes(d).iter().enumerate() {
+                let (gs, hs) = p.rand(shape, dtype);
+                // The shift in another layout than the scale (and in f32 once).
+                let hshape = &modulation_shapes(d)[(si + 1) % 4];
+                let sdt = if si == 2 { DType::F32 } else { dtype };
+                let (gh, hh) = p.rand(hshape, sdt);
+                p.check(
+                    &format!(
+                        "layer_norm_modulate {dtype} d={d} scale {shape:?} shift {hshape:?} {sdt}"
+                    ),
+                    &p.gpu.layer_norm_modulate(&gx, 1e-6, &gs, &gh).unwrap(),
+                    &p.host.layer_norm_modulate(&hx, 1e-6, &hs, &hh).unwrap(),
+                );
+            }
+        }
+    }
+    // The fused kernel allocates its output and nothing else.
+    let (gx, _) = p.rand(&[2, 64, 3072], DType::BF16);
+    let (gs, _) = p.rand(&[2, 1, 3072], DType::BF16);
+    p.gpu.synchronize().unwrap();
+    let before = p.gpu.memory_info().allocated;
+    p.gpu.reset_peak();
+    let y = p.gpu.layer_norm_modulate(&gx, 1e-6, &gs, &gs).unwrap();
+    let peak = p.gpu.memory_info().peak_allocated;
+    assert!(
+        peak.saturating_sub(before) <= (y.nbytes() as u64).next_multiple_of(512),
+        "peak rose by {} B for a {} B output",
+        peak.saturating_sub(before),
+        y.nbytes()
+    );
+    // Shape errors are the composition's.
+    let (gbad, _) = p.rand(&[3, 1, 3072], DType::BF16);
+    let err = p
+        .gpu
+        .layer_norm_modulate(&gx, 1e-6, &gbad, &gs)
+        .unwrap_err();
+    assert!(matches!(err, CoreError::Shape { .. }), "{err}");
+    drop((gx, gs, gbad, y));
+    p.assert_clean();
+}
+
+/// `gated_add` (one fused pass where `y` has `x`'s shape and the gate one row per group of
+/// rows) against the host's composition `Mul`, `Add`.
+#[test]
+fn gated_add_matches_the_host_composition() {
+    let Some(mut p) = Pair::new(32) else { return };
+    for dtype in DTYPES {
+        for d in FEATURES {
+            let (gx, hx) = p.rand(&[2, 37, d], dtype);
+            let (gy, hy) = p.rand(&[2, 37, d], dtype);
+            for (i, shape) in modulation_shapes(d).iter().enumerate() {
+                let gdt = if i == 2 { DType::F32 } else { dtype };
+                let (gg, hg) = p.rand(shape, gdt);
+                p.check(
+                    &format!("gated_add {dtype} d={d} gate {shape:?} {gdt}"),
+                    &p.gpu.gated_add(&gx, &gg, &gy).unwrap(),
+                    &p.host.gated_add(&hx, &hg, &hy).unwrap(),
+                );
+            }
+            // y of another dtype, and y broadcast (the composition).
+            let (gy32, hy32) = p.rand(&[2, 37, d], DType::F32);
+            let (gg, hg) = p.rand(&[2, 1, d], dtype);
+            p.check(
+                &format!("gated_add {dtype} d={d} y f32"),
+                &p.gpu.gated_add(&gx, &gg, &gy32).unwrap(),
+                &p.host.gated_add(&hx, &hg, &hy32).unwrap(),
+            );
+            let (gyb, hyb) = p.rand(&[1, 37, d], dtype);
+            p.check(
+                &format!("gated_add {dtype} d={d} y [1, 37, d]"),
+                &p.gpu.gated_add(&gx, &gg, &gyb).unwrap(),
+                &p.host.gated_add(&hx, &hg, &hyb).unwrap(),
+            );
+        }
+    }
+    let (gx, _) = p.rand(&[2, 64, 3072], DType::BF16);
+    let (gg, _) = p.rand(&[2, 1, 3072], DType::BF16);
+    p.gpu.synchronize().unwrap();
+    let before = p.gpu.memory_info().allocated;
+    p.gpu.reset_peak();
+    let y = p.gpu.gated_add(&gx, &gg, &gx).unwrap();
+    let peak = p.gpu.memory_info().peak_allocated;
+    assert!(
+        peak.saturating_sub(before) <= (y.nbytes() as u64).next_multiple_of(512),
+        "peak rose by {} B for a {} B output",
+        peak.saturating_sub(before),
+        y.nbytes()
+    );
+    let (gbad, _) = p.rand(&[2, 37, 3072], DType::BF16);
+    let err = p.gpu.gated_add(&gx, &gg, &gbad).unwrap_err();
+    assert!(matches!(err, CoreError::Shape { .. }), "{err}");
+    drop((gx, gg, gbad, y));
     p.assert_clean();
 }

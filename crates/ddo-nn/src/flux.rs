@@ -26,7 +26,7 @@ use serde::Deserialize;
 
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
-use crate::layers::{LayerNorm, Linear, RmsNorm};
+use crate::layers::{Linear, RmsNorm};
 use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSource};
 
 /// RoPE base of every Flux model (`FluxPosEmbed(theta=10000)`).
@@ -491,10 +491,11 @@ impl FeedForward {
         })
     }
 
-    fn forward(&self, ctx: &mut ForwardContext<'_>, ops: &dyn Ops, x: &Tensor) -> Result<Tensor> {
-        // The activation replaces the projection in place where the backend can: this is
-        // the widest tensor of a double block.
-        let h = ops.unary_owned(self.proj.forward(ctx, x)?, UnaryOp::GeluTanh)?;
+    fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        // The projection and its activation are one op (`linear_gelu_tanh`): in the GEMM's
+        // epilogue where the backend can, else in place over the projection — this is the
+        // widest tensor of a double block.
+        let h = self.proj.forward_gelu_tanh(ctx, x)?;
         self.out.forward(ctx, &h)
     }
 }
@@ -672,25 +673,17 @@ fn chunks(ops: &dyn Ops, emb: &Tensor, n: usize) -> Result<Vec<Tensor>> {
         .collect()
 }
 
-/// `norm(x) * (1 + scale) + shift` with `norm` a plain layer norm (eps 1e-6).
-fn modulate(
-    ctx: &mut ForwardContext<'_>,
-    ops: &dyn Ops,
-    x: &Tensor,
-    scale: &Tensor,
-    shift: &Tensor,
-) -> Result<Tensor> {
-    let n = LayerNorm::plain(NORM_EPS).forward(ctx, x)?;
-    let one_plus = ops.affine(scale, 1.0, 1.0)?;
-    let y = ops.binary(&n, &one_plus, BinaryOp::Mul)?;
-    drop(n);
-    ops.binary(&y, shift, BinaryOp::Add)
+/// `norm(x) * (1 + scale) + shift` with `norm` a plain layer norm (eps 1e-6), as one op
+/// ([`Ops::layer_norm_modulate`]: one kernel on CUDA; on the host the composition
+/// `layer_norm`, `affine`, `Mul`, `Add`).
+fn modulate(ops: &dyn Ops, x: &Tensor, scale: &Tensor, shift: &Tensor) -> Result<Tensor> {
+    ops.layer_norm_modulate(x, NORM_EPS, scale, shift)
 }
 
-/// `x + gate * y`.
+/// `x + gate * y`, as one op ([`Ops::gated_add`]: one kernel on CUDA; on the host `Mul`
+/// then `Add`).
 fn gated_add(ops: &dyn Ops, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let g = ops.binary(gate, y, BinaryOp::Mul)?;
-    ops.binary(x, &g, BinaryOp::Add)
+    ops.gated_add(x, gate, y)
 }
 
 /// `x.clip(-65504, 65504)`, as the blocks do for f16 activations.
@@ -746,11 +739,11 @@ impl DoubleBlock {
         let m = chunks(ops, &self.norm1.forward(ctx, temb_act)?, 6)?;
         let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
             (&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]);
-        let norm_img = modulate(ctx, ops, img, scale_msa, shift_msa)?;
+        let norm_img = modulate(ops, img, scale_msa, shift_msa)?;
         let c = chunks(ops, &self.norm1_context.forward(ctx, temb_act)?, 6)?;
         let (c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) =
             (&c[0], &c[1], &c[2], &c[3], &c[4], &c[5]);
-        let norm_txt = modulate(ctx, ops, txt, c_scale_msa, c_shift_msa)?;
+        let norm_txt = modulate(ops, txt, c_scale_msa, c_shift_msa)?;
 
         let (attn_img, attn_txt) = self
             .attn
@@ -764,16 +757,16 @@ impl DoubleBlock {
         let img = {
             let img = gated_add(ops, img, gate_msa, &attn_img)?;
             drop(attn_img);
-            let norm = modulate(ctx, ops, &img, scale_mlp, shift_mlp)?;
-            let ff = self.ff.forward(ctx, ops, &norm)?;
+            let norm = modulate(ops, &img, scale_mlp, shift_mlp)?;
+            let ff = self.ff.forward(ctx, &norm)?;
             drop(norm);
             gated_add(ops, &img, gate_mlp, &ff)?
         };
         let txt = {
             let txt = gated_add(ops, txt, c_gate_msa, &attn_txt)?;
             drop(attn_txt);
-            let norm = modulate(ctx, ops, &txt, c_scale_mlp, c_shift_mlp)?;
-            let ff = self.ff_context.forward(ctx, ops, &norm)?;
+            let norm = modulate(ops, &txt, c_scale_mlp, c_shift_mlp)?;
+            let ff = self.ff_context.forward(ctx, &norm)?;
             drop(norm);
             gated_add(ops, &txt, c_gate_mlp, &ff)?
         };
@@ -826,11 +819,10 @@ impl SingleBlock {
     ) -> Result<Tensor> {
         let m = chunks(ops, &self.norm.forward(ctx, temb_act)?, 3)?;
         let (shift, scale, gate) = (&m[0], &m[1], &m[2]);
-        let norm_x = modulate(ctx, ops, x, scale, shift)?;
+        let norm_x = modulate(ops, x, scale, shift)?;
         let (attn, _) = self.attn.forward(ctx, ops, &norm_x, None, rope)?;
-        let mlp = self.proj_mlp.forward(ctx, &norm_x)?;
+        let mlp = self.proj_mlp.forward_gelu_tanh(ctx, &norm_x)?;
         drop(norm_x);
-        let mlp = ops.unary_owned(mlp, UnaryOp::GeluTanh)?;
         let h = self.proj_out.forward_concat(ctx, &[&attn, &mlp])?;
         drop((attn, mlp));
         let x = gated_add(ops, x, gate, &h)?;
@@ -1139,7 +1131,7 @@ impl FluxProgram {
         // AdaLayerNormContinuous: chunk order is (scale, shift).
         let emb = self.norm_out.forward(ctx, &temb_act)?;
         let m = chunks(ops, &emb, 2)?;
-        let x = modulate(ctx, ops, &img, &m[0], &m[1])?;
+        let x = modulate(ops, &img, &m[0], &m[1])?;
         self.proj_out.forward(ctx, &x)
     }
 }

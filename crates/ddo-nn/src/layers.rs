@@ -60,6 +60,18 @@ impl Linear {
         })
     }
 
+    /// `gelu_tanh(x · wᵀ + b)` ([`ddo_core::Ops::linear_gelu_tanh`]): the projection and
+    /// its tanh-approximation GELU as one op inside the leaf (the same hooks as
+    /// [`Linear::forward`]), so a backend can apply the activation in the GEMM's epilogue.
+    pub fn forward_gelu_tanh(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let bias = self.bias;
+        ctx.run_leaf(self.leaf, |w| {
+            let b = if bias { Some(w.get("bias")?) } else { None };
+            ops.linear_gelu_tanh(x, w.get("weight")?, b)
+        })
+    }
+
     /// `concat(xs, last dim) [..., in]` → `[..., out]` without materialising the
     /// concatenation ([`ddo_core::Ops::linear_concat`]): Flux's single blocks feed
     /// `proj_out` the attention output and the MLP activation side by side.

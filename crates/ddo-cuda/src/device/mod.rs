@@ -81,6 +81,10 @@ pub struct CudaDevice {
     cudnn_attention: std::sync::atomic::AtomicBool,
     /// Attention calls cuDNN ran.
     cudnn_attention_runs: AtomicU64,
+    /// Whether 16-bit linears may run on cuBLASLt (`ops/cublaslt.rs`).
+    cublaslt: std::sync::atomic::AtomicBool,
+    /// Linears cuBLASLt ran.
+    cublaslt_runs: AtomicU64,
 }
 
 impl CudaDevice {
@@ -118,6 +122,33 @@ impl CudaDevice {
 
     pub(crate) fn note_cudnn_attention(&self) {
         self.cudnn_attention_runs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether 16-bit linears (and `linear_gelu_tanh`) may run on cuBLASLt with the bias
+    /// and the GELU in the GEMM's epilogue where libcublasLt loads and finds an algorithm
+    /// (on by default); off, they run on cuBLAS with a bias-fill pass and a separate GELU.
+    pub fn set_cublaslt(&self, on: bool) {
+        self.cublaslt.store(on, Ordering::Relaxed);
+    }
+
+    /// Linears (including `linear_gelu_tanh`) that cuBLASLt ran on this device so far.
+    pub fn cublaslt_runs(&self) -> u64 {
+        self.cublaslt_runs.load(Ordering::Relaxed)
+    }
+
+    /// Why the last linear that could have run on cuBLASLt (in this process) ran on cuBLAS
+    /// instead: libcublasLt missing, the handle not created, no algorithm for the shape, or
+    /// a refused call (its status); `None` when none was.
+    pub fn cublaslt_refusal(&self) -> Option<String> {
+        crate::ops::cublaslt::last_refusal()
+    }
+
+    pub(crate) fn cublaslt_enabled(&self) -> bool {
+        self.cublaslt.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn note_cublaslt(&self) {
+        self.cublaslt_runs.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Device `ordinal` with default settings. Checks that the driver library loads and
@@ -177,6 +208,8 @@ impl CudaDevice {
             profiled: ddo_core::ProfiledOps::new(me.clone()),
             cudnn_attention: std::sync::atomic::AtomicBool::new(true),
             cudnn_attention_runs: AtomicU64::new(0),
+            cublaslt: std::sync::atomic::AtomicBool::new(true),
+            cublaslt_runs: AtomicU64::new(0),
         });
         if config.native_vmm {
             device.install_native_vmm()?;
@@ -512,13 +545,19 @@ impl Device for CudaDevice {
         }
     }
 
-    /// The profile notes, once, the last time in this process that attention ran on the
-    /// NVRTC kernels because cuDNN was missing or refused a shape.
+    /// The profile notes, once each, the last time in this process that attention ran on
+    /// the NVRTC kernels because cuDNN was missing or refused a shape, and the last time a
+    /// 16-bit linear ran on cuBLAS because cuBLASLt was missing or refused it.
     fn end_op_profile(&self) -> ddo_core::Result<Option<ddo_core::OpProfile>> {
         let mut profile = self.profiled.profiler().finish(self)?;
         if let (Some(p), Some(why)) = (profile.as_mut(), self.cudnn_attention_refusal()) {
             p.notes.push(format!(
                 "attention ran on DDO's NVRTC kernels where cuDNN could not: {why}"
+            ));
+        }
+        if let (Some(p), Some(why)) = (profile.as_mut(), self.cublaslt_refusal()) {
+            p.notes.push(format!(
+                "a 16-bit linear ran on cuBLAS where cuBLASLt could not: {why}"
             ));
         }
         Ok(profile)

@@ -1,5 +1,6 @@
 //! Element-wise ops on the GPU: unary functions, affine, casts, binary ops with NumPy
-//! broadcasting, rotary embedding (kernels in `kernels/elementwise.cu`).
+//! broadcasting, rotary embedding, the fused gated residual `x + gate * y` (kernels in
+//! `kernels/elementwise.cu`).
 
 use ddo_core::{BinaryOp, DType, Result, Tensor, UnaryOp};
 
@@ -381,4 +382,82 @@ pub(crate) fn rope(dev: &CudaDevice, x: &Tensor, cos: &Tensor, sin: &Tensor) -> 
         )?;
     }
     out.finish(dev, &[&xi, &ci, &si])
+}
+
+/// Most blocks of a row-per-block launch (the kernels loop over the rest).
+const MAX_ROW_BLOCKS: usize = 1 << 20;
+
+/// [`ddo_core::Ops::gated_add`]: `x + gate * y` in one pass (`ddo_gated_add*`: f32 math,
+/// one rounding into `x`'s dtype) when `y` has `x`'s shape and `gate` holds one row per
+/// group of their rows ([`ddo_core::shape::row_broadcast_group`]: `[b, 1, d]`, `[1, d]`,
+/// `[d]`, ...); any other layout takes the composition of plain ops, as on the host.
+pub(crate) fn gated_add(dev: &CudaDevice, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+    const OP: &str = "gated_add";
+    let group = ddo_core::shape::row_broadcast_group(x.shape(), gate.shape());
+    let Some(gg) = group.filter(|_| y.shape() == x.shape()) else {
+        return ddo_core::ops::gated_add_composed(dev, x, gate, y);
+    };
+    let xi = input(dev, OP, x)?;
+    let gi = input(dev, OP, gate)?;
+    let yi = input(dev, OP, y)?;
+    let out = Out::new(dev, OP, x.shape().to_vec(), x.dtype())?;
+    let d = x.shape().last().copied().unwrap_or(1);
+    if out.numel > 0 && d > 0 {
+        let rows = out.numel / d;
+        let dtype = out.dtype;
+        let vec = xi.dtype == dtype
+            && yi.dtype == dtype
+            && d.is_multiple_of(lanes(dtype))
+            && [xi.ptr, yi.ptr, out.ptr]
+                .iter()
+                .all(|p| p.is_multiple_of(16));
+        let width = if vec { d / lanes(dtype) } else { d };
+        // About two items a thread, at least a warp, at most 256 threads.
+        let threads = (width.div_ceil(2).div_ceil(32) * 32).clamp(32, 256) as u32;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if vec {
+            let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_gated_add_vec")?;
+            launch(
+                dev,
+                &f,
+                cfg,
+                &[
+                    Arg::Ptr(xi.ptr),
+                    Arg::Ptr(gi.ptr),
+                    Arg::I32(gi.code),
+                    Arg::Ptr(yi.ptr),
+                    Arg::Ptr(out.ptr),
+                    Arg::I32(out.code),
+                    Arg::I64(rows as i64),
+                    Arg::I64(width as i64),
+                    Arg::I64(gg.max(1) as i64),
+                ],
+            )?;
+        } else {
+            let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_gated_add")?;
+            launch(
+                dev,
+                &f,
+                cfg,
+                &[
+                    Arg::Ptr(xi.ptr),
+                    Arg::I32(xi.code),
+                    Arg::Ptr(gi.ptr),
+                    Arg::I32(gi.code),
+                    Arg::Ptr(yi.ptr),
+                    Arg::I32(yi.code),
+                    Arg::Ptr(out.ptr),
+                    Arg::I32(out.code),
+                    Arg::I64(rows as i64),
+                    Arg::I64(d as i64),
+                    Arg::I64(gg.max(1) as i64),
+                ],
+            )?;
+        }
+    }
+    out.finish(dev, &[&xi, &gi, &yi])
 }

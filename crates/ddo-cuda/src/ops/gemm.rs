@@ -1,5 +1,5 @@
-//! Linear layers and matrix products of the CUDA backend, on cuBLAS — and the GEMM helper
-//! the convolution and the chunked attention path use.
+//! Linear layers and matrix products of the CUDA backend, on cuBLAS and cuBLASLt — and the
+//! GEMM helper the convolution and the chunked attention path use.
 //!
 //! # cuBLAS state
 //!
@@ -10,7 +10,9 @@
 //! caching allocator on the compute stream (so it shows in the device's accounting);
 //! [`CudaDevice::release_blas_workspaces`] gives it back (phase cleanup may call it; the
 //! next GEMM allocates a new one). Calls on a handle are serialised by the table's lock
-//! (queuing a GEMM takes microseconds; the work itself runs on the stream).
+//! (queuing a GEMM takes microseconds; the work itself runs on the stream). The same entry
+//! holds the device's cuBLASLt handle and plans (`cublaslt.rs`), which use the same
+//! workspace.
 //!
 //! # Numerics
 //!
@@ -18,9 +20,12 @@
 //! `C = A·B` row-major is `Cᵀ = Bᵀ·Aᵀ` column-major. f16/bf16 products run on tensor cores
 //! with f32 accumulation (`CUBLAS_COMPUTE_32F`); f32 products use
 //! `CUBLAS_COMPUTE_32F_PEDANTIC` (plain f32 math: no TF32, no reduced-precision emulation),
-//! so they match the host reference to f32 rounding. A bias seeds the output (`ddo_fill_bias`
-//! of `kernels/conv.cu`) and cuBLAS adds the product with `beta = 1`: the result is rounded
-//! once into the output dtype. Operands of different dtypes are cast to f32 first (exact),
+//! so they match the host reference to f32 rounding. A 16-bit linear whose operands (and
+//! bias) share one dtype runs on cuBLASLt with the bias — and for `linear_gelu_tanh` the
+//! GELU — in the GEMM's epilogue (`cublaslt.rs`); where cuBLASLt is off, missing or refuses
+//! the shape, and for f32, a bias seeds the output (`ddo_fill_bias` of `kernels/conv.cu`)
+//! and cuBLAS adds the product with `beta = 1`. Either way the result is rounded once into
+//! the output dtype. Operands of different dtypes are cast to f32 first (exact),
 //! multiplied in f32, and the result cast to the first input's dtype.
 //!
 //! Matmul broadcasting: with a shared right-hand matrix, `a`'s batch folds into the rows of
@@ -35,6 +40,7 @@ use cudarc::driver::{CudaContext, CudaStream, LaunchConfig};
 use ddo_core::{CoreError, DType, Device, DeviceBuffer, Ops, Result, Tensor};
 use parking_lot::Mutex;
 
+use super::cublaslt::{self, Epilogue, LtLinear, LtState};
 use super::kernels::{self, Arg};
 use super::{Out, broadcast_shape, broadcast_strides, coalesce, input, optional_vector, shape_err};
 use crate::device::CudaDevice;
@@ -61,14 +67,20 @@ struct BlasEntry {
     /// The context the handle lives in (kept until the handle is destroyed).
     ctx: Arc<CudaContext>,
     handle: Handle,
-    /// The workspace set on the handle, if any.
+    /// The workspace set on the handle, if any (the cuBLASLt calls use it too).
     workspace: Option<DeviceBuffer>,
+    /// The device's cuBLASLt state: `None` until the first 16-bit linear asks for it, then
+    /// the handle with its plans, or why it could not be created (not tried again).
+    lt: Option<std::result::Result<LtState, String>>,
 }
 
 impl BlasEntry {
-    /// Destroys the handle (errors have nowhere to go: the device is gone).
+    /// Destroys the handles (errors have nowhere to go: the device is gone).
     fn destroy(self) {
         if self.ctx.bind_to_thread().is_ok() {
+            if let Some(Ok(lt)) = self.lt {
+                lt.destroy();
+            }
             // SAFETY: the handle was created by `cublasCreate` in `ctx`, is destroyed once
             // (the entry is consumed), and nothing else refers to it any more.
             let _ = unsafe { cudarc::cublas::result::destroy_handle(self.handle.0) };
@@ -103,6 +115,12 @@ fn with_blas<R>(
     dev: &CudaDevice,
     f: impl FnOnce(cublas::cublasHandle_t) -> Result<R>,
 ) -> Result<R> {
+    with_entry(dev, |entry| f(entry.handle.0))
+}
+
+/// Runs `f` with `dev`'s entry of the table (its cuBLAS handle created if needed, with a
+/// workspace set), the device's context bound to this thread and the table locked.
+fn with_entry<R>(dev: &CudaDevice, f: impl FnOnce(&mut BlasEntry) -> Result<R>) -> Result<R> {
     if !cublas_present() {
         return Err(backend(
             dev,
@@ -142,6 +160,7 @@ fn with_blas<R>(
                 ctx: Arc::clone(ctx),
                 handle: Handle(handle),
                 workspace: None,
+                lt: None,
             };
             // SAFETY: `handle` was just created in the bound context; the stream belongs to
             // that context and outlives every use of the handle on it (the entry is
@@ -183,7 +202,7 @@ fn with_blas<R>(
             entry.workspace = Some(buffer);
         }
     }
-    f(entry.handle.0)
+    f(entry)
 }
 
 impl CudaDevice {
@@ -512,6 +531,47 @@ impl Rows {
     }
 }
 
+/// Queues `g` on cuBLASLt (`cublaslt.rs`) on the compute stream, with the device's
+/// workspace: `Ok(false)` — nothing queued, the reason kept for
+/// [`CudaDevice::cublaslt_refusal`] — when cuBLASLt is switched off, missing, or does not
+/// take the shape.
+///
+/// Contract (kept by the callers): `g`'s addresses are live allocations of `dev` holding
+/// the elements its dimensions describe, each marked with `note_use(compute)` before it can
+/// be dropped.
+fn lt_linear(dev: &CudaDevice, g: &LtLinear) -> Result<bool> {
+    if !dev.cublaslt_enabled() {
+        return Ok(false);
+    }
+    let stream = kernels::compute_stream(dev)?;
+    let outcome = with_entry(dev, |entry| {
+        let (ws, ws_bytes) = match &entry.workspace {
+            Some(b) => (dev.allocation(b)?.device_ptr(), WORKSPACE_BYTES),
+            None => (0, 0),
+        };
+        // The context is bound (`with_entry`): the handle may be created here.
+        match entry.lt.get_or_insert_with(LtState::create) {
+            Ok(state) => Ok(state.run(
+                g,
+                ws,
+                ws_bytes,
+                stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t,
+            )),
+            Err(why) => Ok(Err(why.clone())),
+        }
+    })?;
+    match outcome {
+        Ok(()) => {
+            dev.note_cublaslt();
+            Ok(true)
+        }
+        Err(why) => {
+            cublaslt::refuse(why);
+            Ok(false)
+        }
+    }
+}
+
 /// `Ops::linear` on `dev`: `x [..., in] · wᵀ (+ bias)` with `w [out, in]`.
 pub(crate) fn linear(
     dev: &CudaDevice,
@@ -519,6 +579,35 @@ pub(crate) fn linear(
     w: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
+    linear_impl(dev, x, w, bias, false).map(|(y, _)| y)
+}
+
+/// `Ops::linear_gelu_tanh` on `dev`: `gelu_tanh(x [..., in] · wᵀ (+ bias))`, the GELU in
+/// cuBLASLt's epilogue where it takes the linear (its GELU is the tanh approximation: see
+/// `cublaslt.rs`), else [`linear`] followed by the in-place element-wise GELU.
+pub(crate) fn linear_gelu_tanh(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (y, fused) = linear_impl(dev, x, w, bias, true)?;
+    if fused {
+        Ok(y)
+    } else {
+        super::elementwise::unary_owned(dev, y, ddo_core::UnaryOp::GeluTanh)
+    }
+}
+
+/// The linear, with the GELU applied in cuBLASLt's epilogue when `gelu` and cuBLASLt ran
+/// it: returns the output and whether the GELU was applied.
+fn linear_impl(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    gelu: bool,
+) -> Result<(Tensor, bool)> {
     const OP: &str = "linear";
     let (xs, ws) = (x.shape(), w.shape());
     if xs.is_empty() || ws.len() != 2 || xs[xs.len() - 1] != ws[1] {
@@ -534,15 +623,39 @@ pub(crate) fn linear(
     if xi.dtype != wi.dtype {
         let y = linear(dev, &to_f32(dev, x)?, &to_f32(dev, w)?, bias)?;
         return if x.dtype() == DType::F32 {
-            Ok(y)
+            Ok((y, false))
         } else {
-            Ops::cast(dev, &y, x.dtype())
+            Ok((Ops::cast(dev, &y, x.dtype())?, false))
         };
     }
     let m = product(&xs[..xs.len() - 1]);
     let mut shape = xs.to_vec();
     shape[xs.len() - 1] = out_f;
     let out = Out::new(dev, OP, shape, x.dtype())?;
+    let mut inputs = vec![&xi, &wi];
+    if let Some(b) = &bi {
+        inputs.push(b);
+    }
+    // 16-bit operands of one dtype (the bias too): cuBLASLt, the bias (and the GELU) in the
+    // epilogue. f32 stays on cuBLAS's pedantic path (exact against the host).
+    let lt_dtype = matches!(x.dtype(), DType::F16 | DType::BF16)
+        && bi.as_ref().is_none_or(|b| b.dtype == x.dtype());
+    if lt_dtype && m > 0 && out_f > 0 && in_f > 0 {
+        let g = LtLinear {
+            m: out_f,
+            n: m,
+            k: in_f,
+            w: wi.ptr,
+            x: xi.ptr,
+            out: out.ptr,
+            bias: bi.as_ref().map_or(0, |b| b.ptr),
+            dtype: x.dtype(),
+            epilogue: Epilogue::new(bi.is_some(), gelu),
+        };
+        if lt_linear(dev, &g)? {
+            return Ok((out.finish(dev, &inputs)?, gelu));
+        }
+    }
     let total = m * out_f;
     let beta = match &bi {
         Some(b) => {
@@ -563,11 +676,7 @@ pub(crate) fn linear(
         };
         rows.gemm(dev, wi.ptr, in_f, in_f, xi.ptr, out.ptr, beta)?;
     }
-    let mut inputs = vec![&xi, &wi];
-    if let Some(b) = &bi {
-        inputs.push(b);
-    }
-    out.finish(dev, &inputs)
+    Ok((out.finish(dev, &inputs)?, false))
 }
 
 /// `Ops::linear_concat` on `dev`: `linear(concat(xs, last dim), w, bias)` as one GEMM per

@@ -29,6 +29,7 @@ use crate::device::{CudaAllocation, CudaDevice};
 
 pub(crate) mod attention;
 pub(crate) mod conv;
+pub(crate) mod cublaslt;
 pub(crate) mod cudnn_attention;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
@@ -383,6 +384,24 @@ impl Ops for CudaDevice {
 
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         layout::embedding(self, table, ids)
+    }
+
+    fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        gemm::linear_gelu_tanh(self, x, w, bias)
+    }
+
+    fn layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<Tensor> {
+        norm::layer_norm_modulate(self, x, eps, scale, shift)
+    }
+
+    fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+        elementwise::gated_add(self, x, gate, y)
     }
 }
 

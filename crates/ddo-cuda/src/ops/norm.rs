@@ -1,5 +1,6 @@
-//! Row-wise ops on the GPU: layer, RMS and group normalisation, softmax over the last dim,
-//! reductions over one dim (kernels in `kernels/norm.cu`).
+//! Row-wise ops on the GPU: layer, RMS and group normalisation, the fused layer norm +
+//! AdaLN modulation, softmax over the last dim, reductions over one dim (kernels in
+//! `kernels/norm.cu`).
 
 use cudarc::driver::LaunchConfig;
 use ddo_core::{ReduceOp, Result, Tensor};
@@ -498,6 +499,76 @@ pub(crate) fn reduce(dev: &CudaDevice, x: &Tensor, dim: usize, op: ReduceOp) -> 
         }
     }
     out.finish(dev, &[&xi])
+}
+
+/// [`ddo_core::Ops::layer_norm_modulate`]: `layer_norm(x) * (1 + scale) + shift` in one
+/// kernel (`ddo_ln_modulate*`: f32 math, the row of 16-bit `x` in registers, one rounding
+/// at the store) when `scale` and `shift` each hold one row per group of `x`'s rows
+/// ([`ddo_core::shape::row_broadcast_group`]: `[b, 1, d]`, `[1, d]`, `[d]`, ...); any other
+/// layout takes the composition of plain ops, as on the host.
+pub(crate) fn layer_norm_modulate(
+    dev: &CudaDevice,
+    x: &Tensor,
+    eps: f32,
+    scale: &Tensor,
+    shift: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "layer_norm_modulate";
+    let group = |v: &Tensor| ddo_core::shape::row_broadcast_group(x.shape(), v.shape());
+    let (Some(gs), Some(gh)) = (group(scale), group(shift)) else {
+        return ddo_core::ops::layer_norm_modulate_composed(dev, x, eps, scale, shift);
+    };
+    let d = last_dim(OP, x)?;
+    let xi = input(dev, OP, x)?;
+    let si = input(dev, OP, scale)?;
+    let hi = input(dev, OP, shift)?;
+    let out = Out::new(dev, OP, x.shape().to_vec(), x.dtype())?;
+    if out.numel > 0 {
+        let rows = out.numel / d;
+        let half = |c: i32| matches!(c, kernels::DTYPE_F16 | kernels::DTYPE_BF16);
+        let vec =
+            half(xi.code) && half(out.code) && d % 8 == 0 && xi.ptr % 16 == 0 && out.ptr % 16 == 0;
+        let lanes = d / 8;
+        let (name, cfg) = if vec && lanes <= 32 && 32 % lanes.max(1) == 0 {
+            (
+                "ddo_ln_modulate_vec_warp",
+                grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256),
+            )
+        } else if vec && lanes % 32 == 0 && lanes <= 1024 {
+            (
+                "ddo_ln_modulate_vec_block",
+                LaunchConfig {
+                    grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+                    block_dim: (lanes as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        } else {
+            ("ddo_ln_modulate", rows_config(rows, d))
+        };
+        let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
+        launch(
+            dev,
+            &f,
+            cfg,
+            &[
+                Arg::Ptr(xi.ptr),
+                Arg::I32(xi.code),
+                Arg::Ptr(si.ptr),
+                Arg::I32(si.code),
+                Arg::Ptr(hi.ptr),
+                Arg::I32(hi.code),
+                Arg::Ptr(out.ptr),
+                Arg::I32(out.code),
+                Arg::I64(rows as i64),
+                Arg::I64(d as i64),
+                Arg::F32(eps),
+                Arg::I64(gs.max(1) as i64),
+                Arg::I64(gh.max(1) as i64),
+            ],
+        )?;
+    }
+    out.finish(dev, &[&xi, &si, &hi])
 }
 
 #[cfg(test)]
