@@ -4,6 +4,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_core::DType;
@@ -648,6 +649,12 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     bar.finish();
     let run = result?;
     startup.lap("phases");
+    // Host memory the routes handed back (`Device::release_host`) is unpinned now that the
+    // device is idle, beside the output's encoding.
+    let unpinning = {
+        let device = Arc::clone(&device);
+        std::thread::spawn(move || device.unpin_released())
+    };
 
     let image = HostTensor::from_tensor(&run.image)?;
     let mut files: Vec<(&'static str, Vec<u8>)> = match out_kind {
@@ -682,6 +689,9 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         ));
     }
     outputs.commit(&files)?;
+    // The outputs are written: a panic while unpinning (printed by the panic hook) cannot
+    // change them, and the process is about to let go of that memory anyway.
+    let _ = unpinning.join();
 
     let snapshots: Vec<Value> = names
         .iter()

@@ -268,8 +268,9 @@ pub struct MemoryInfo {
     pub driver_total: Option<u64>,
     /// Pinned host bytes handed out by this device.
     pub pinned_host: u64,
-    /// Of `pinned_host`, bytes the device keeps as a cache (ddo-cuda's upload buffers) and
-    /// gives back when [`Device::alloc_pinned`] needs their room.
+    /// Of `pinned_host`, bytes the device keeps as a cache (ddo-cuda's upload buffers, and
+    /// host memory handed back through [`Device::release_host`]) and gives back when
+    /// [`Device::alloc_pinned`] or [`Device::register_host`] needs their room.
     pub pinned_cached: u64,
     /// Limit on pinned host bytes.
     pub pinned_limit: u64,
@@ -362,6 +363,24 @@ pub trait Device: Send + Sync + fmt::Debug {
         })
     }
 
+    /// Lets go of `buffer`, a handle to pinned or registered host memory that no queued
+    /// copy will read again. A backend whose unpinning stalls the device may keep it
+    /// pinned, counted in its pinned figures, until [`Device::unpin_released`] (or until
+    /// pinned memory is asked for that needs the room): the CUDA driver's
+    /// `cuMemHostUnregister` waits for the device's queued work, so unregistering 500 ranges
+    /// in a phase boundary or between a forward's kernels costs 0.1–0.3 s of an H200's time.
+    /// The default drops it here.
+    fn release_host(&self, buffer: HostBuffer) {
+        drop(buffer);
+    }
+
+    /// Unpins what [`Device::release_host`] kept; returns the bytes. Call it where the
+    /// device has nothing queued (after a pipeline's last phase, beside its output); also
+    /// done by [`Device::settle`]. The default has nothing to unpin.
+    fn unpin_released(&self) -> u64 {
+        0
+    }
+
     /// The stream compute runs on.
     fn compute_stream(&self) -> Stream;
 
@@ -446,7 +465,8 @@ pub trait Device: Send + Sync + fmt::Debug {
     }
 
     /// Waits, at most `timeout`, for what the backend prepares in the background (the CUDA
-    /// backend's cuDNN attention plans), so what follows runs in the steady state; whether
+    /// backend's cuDNN attention plans), and unpins what [`Device::release_host`] kept, so
+    /// what follows runs in the steady state and the pinned figures are final; whether
     /// nothing is pending now. Benchmarks call it after their warm-up.
     fn settle(&self, timeout: std::time::Duration) -> Result<bool> {
         let _ = timeout;

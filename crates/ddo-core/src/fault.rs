@@ -366,6 +366,14 @@ impl Device for FaultInjectingDevice {
         self.inner.register_host(buffer)
     }
 
+    fn release_host(&self, buffer: HostBuffer) {
+        self.inner.release_host(buffer);
+    }
+
+    fn unpin_released(&self) -> u64 {
+        self.inner.unpin_released()
+    }
+
     fn compute_stream(&self) -> Stream {
         self.inner.compute_stream()
     }

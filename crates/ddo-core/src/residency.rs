@@ -469,4 +469,13 @@ impl UploadRegistrations {
     pub fn bytes(&self) -> u64 {
         self.views.iter().map(|v| v.len() as u64).sum()
     }
+
+    /// Hands the registrations back to `device` once the upload no longer needs them
+    /// ([`Device::release_host`]: a backend whose unregistering stalls queued work unpins
+    /// them when the device is idle).
+    pub fn release(self, device: &dyn Device) {
+        for view in self.views {
+            device.release_host(view);
+        }
+    }
 }

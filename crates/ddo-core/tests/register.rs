@@ -912,3 +912,67 @@ fn upload_registrations_page_lock_mapped_params_for_one_upload_or_nothing() {
 fn uploads_kind(u: &ddo_core::residency::UploadRegistrations, p: &Param) -> HostMemoryKind {
     u.source(p).unwrap().kind()
 }
+
+#[test]
+fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order() {
+    // Four big resident segments first in the file (their ranges registered for the first
+    // upload only) and twelve small streamed ones after them, interleaved in the schedule:
+    // the first forward uploads each resident segment between the streamed units, reads
+    // every position's own bytes, and hands the resident-only ranges back to the device
+    // (`Device::release_host`: the host backend unpins them at once); later forwards read
+    // the same bytes, and teardown hands back the rest.
+    let dir = TempDir::new();
+    let mut sizes: Vec<Vec<(usize, bool)>> = (0..4).map(|_| vec![(48 << 10, true); 2]).collect();
+    // Segment 4 is never scheduled: 512 KiB of file between the two kinds of range.
+    sizes.push(vec![(128 << 10, true)]);
+    sizes.extend((0..12).map(|_| vec![(4 << 10, true)]));
+    let file_order: Vec<usize> = (0..21).collect();
+    let (segs, _path) = segments(&dir.0, &sizes, &file_order);
+    let d = device(1 << 30, 2e8);
+    let big = 2 * (192 << 10) as u64;
+    let small = (16 << 10) as u64;
+    let config = StreamingConfig {
+        unit_bytes: small,
+        ring_slots: 2,
+        pinned_limit: 1 << 30,
+        staging: StagingMode::Auto,
+        budget: Some(4 * big + 2 * small),
+        pinned_source: PinnedSource::Register,
+        timeline: false,
+    };
+    // The big segments interleaved with the small ones in the schedule.
+    let schedule: Vec<usize> = vec![0, 5, 6, 7, 1, 8, 9, 10, 2, 11, 12, 13, 3, 14, 15, 16];
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &schedule,
+        &config,
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    let f = engine.figures().clone();
+    assert_eq!(f.resident_segments, 4, "{f:?}");
+    assert!(f.resident_registered_bytes > 0, "{f:?}");
+    let lag_bytes = 1 << 16;
+    let want = expected(&segs, &schedule);
+    let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
+    let lag = (
+        d.alloc_pinned(lag_bytes).unwrap(),
+        d.alloc(lag_bytes).unwrap(),
+    );
+    let pinned = || d.memory_info().pinned_host;
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(
+        pinned(),
+        f.pinned_bytes + lag_bytes as u64,
+        "the resident-only ranges were not handed back after their upload"
+    );
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    assert_eq!(got, want);
+    engine.teardown().unwrap();
+    drop((engine, outputs, lag));
+    assert_eq!(pinned(), 0);
+}

@@ -469,3 +469,79 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
     let per_forward = copies() - before;
     assert_eq!(per_forward as usize, engine.layout().units().len());
 }
+
+#[test]
+fn the_first_forward_uploads_resident_params_between_the_units_in_schedule_order() {
+    // Even segments are big (resident under the budget), odd ones stream. The first
+    // forward queues each resident segment on the copy stream right behind the unit before
+    // it, so the link carries bytes in the order compute needs them: after `begin_forward`
+    // (units 0 and 1 fill the ring of two) the residents up to the next unit are on the
+    // device and the last one is not; the rest arrive as the ring moves on, and compute
+    // reads every position's own bytes.
+    let segs = segments(&[
+        vec![1000],
+        vec![100],
+        vec![1000],
+        vec![100],
+        vec![1000],
+        vec![100],
+        vec![1000],
+        vec![100],
+    ]);
+    let schedule = [0, 1, 2, 3, 4, 5, 6, 7];
+    let d = device(1 << 24, 1 << 20, 2e7);
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &schedule,
+        &StreamingConfig {
+            unit_bytes: 512,
+            ring_slots: 2,
+            budget: Some(4 * 4096 + 2 * 512),
+            staging: StagingMode::PinnedHome,
+            pinned_source: PinnedSource::Home,
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    assert_eq!(engine.figures().resident_segments, 4);
+    let on_device = |s: usize| segs[s][0].device().is_some();
+    engine.begin_forward().unwrap();
+    // The ring holds the units of segments 1 and 3; residents 0, 2 and 4 (up to the next
+    // unit, which waits for a slot) are queued; 6 waits for the unit before it.
+    assert!(
+        (0..5).step_by(2).all(on_device),
+        "the residents up to the next unit"
+    );
+    assert!(
+        !on_device(6),
+        "a resident segment was queued before the unit before it"
+    );
+    engine.abort().unwrap();
+    d.synchronize().unwrap();
+    // An aborted first upload starts over: the next forward reads every position's bytes.
+    assert!(
+        !on_device(0),
+        "an aborted first upload left resident params behind"
+    );
+    let outputs: Vec<DeviceBuffer> = schedule
+        .iter()
+        .map(|&s| d.alloc(segs[s].iter().map(|p| p.nbytes()).sum()).unwrap())
+        .collect();
+    let lag = (d.alloc_pinned(1 << 12).unwrap(), d.alloc(1 << 12).unwrap());
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    assert_eq!(got, expected(&segs, &schedule));
+    assert!(
+        (0..8).step_by(2).all(on_device),
+        "resident after the forward"
+    );
+    // The second forward uploads nothing resident again and still reads the same bytes.
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    assert_eq!(got, expected(&segs, &schedule));
+    drop((outputs, lag));
+    engine.teardown().unwrap();
+    assert_eq!(d.memory_info().allocated, 0);
+}

@@ -14,6 +14,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -78,6 +79,93 @@ fn write_blob(path: &Path, bytes: &[u8]) {
     file.extend_from_slice(header.as_bytes());
     file.extend_from_slice(bytes);
     std::fs::write(path, file).unwrap();
+}
+
+#[test]
+fn handed_back_registrations_stay_pinned_until_the_device_is_idle() {
+    // 8 ranges of 4 MiB (every other 4 MiB of a 64 MiB tensor, so their rounded spans
+    // never touch), registered, copied from, then handed back with `release_host` while
+    // their copies may still run: they stay registered and counted (the driver's
+    // unregistering would wait for the queued work) until `unpin_released`, which returns
+    // their bytes; then the same ranges register again (a live one would be refused as
+    // overlapping) and a registration that needs room unpins what was handed back first.
+    if open_gpu(false).is_none() {
+        return;
+    }
+    let mib = 1u64 << 20;
+    let d = CudaDevice::with_config(ddo_cuda::CudaDeviceConfig {
+        pinned_limit: Some(48 * mib),
+        ..ddo_cuda::CudaDeviceConfig::new(0)
+    })
+    .unwrap();
+    let dir = TempDir::new("release-host");
+    let path = dir.0.join("blob.safetensors");
+    let part = 4usize << 20;
+    let len = 16 * part;
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+    write_blob(&path, &bytes);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let buffer = ckpt.host_buffer("blob").unwrap();
+    let (map, offset, _) = buffer.mapping().map(|(m, o, l)| (m.clone(), o, l)).unwrap();
+    let before = d.memory_info().pinned_host;
+    let dst = d.alloc(len).unwrap();
+    let copy = d.create_stream().unwrap();
+    let parts: Vec<usize> = (0..16).step_by(2).collect();
+    let register_all = || -> Vec<HostBuffer> {
+        parts
+            .iter()
+            .map(|&i| {
+                let view = HostBuffer::mapped(Arc::clone(&map), offset + i * part, part).unwrap();
+                d.register_host(&view).unwrap()
+            })
+            .collect()
+    };
+    let views = register_all();
+    let registered = d.memory_info().pinned_host - before;
+    assert!(registered >= (8 * part) as u64, "{registered}");
+    for (&i, v) in parts.iter().zip(&views) {
+        d.copy_h2d(&v.slice_all(), &dst.slice(i * part, part).unwrap(), &copy)
+            .unwrap();
+    }
+    for v in views {
+        d.release_host(v);
+    }
+    d.synchronize().unwrap();
+    assert_eq!(
+        d.memory_info().pinned_host - before,
+        registered,
+        "handed-back ranges are counted until they are unpinned"
+    );
+    assert_eq!(d.unpin_released(), registered);
+    assert_eq!(d.memory_info().pinned_host, before);
+    assert_eq!(d.unpin_released(), 0, "nothing left to unpin");
+    let got = download(&*d, &dst.slice_all(), &copy).unwrap();
+    for &i in &parts {
+        assert!(
+            got[i * part..(i + 1) * part] == bytes[i * part..(i + 1) * part],
+            "part {i}"
+        );
+    }
+    // Unregistered for real: the same ranges register again; handed back once more, they
+    // give way to pinned memory asked for beyond the limit's room.
+    let again = register_all();
+    for v in again {
+        d.release_host(v);
+    }
+    assert_eq!(
+        d.memory_info().pinned_room(),
+        48 * mib,
+        "handed-back bytes count as room"
+    );
+    let pinned = d.alloc_pinned(6 * part).unwrap();
+    assert_eq!(
+        d.unpin_released(),
+        0,
+        "the allocation did not unpin what was handed back"
+    );
+    assert_eq!(d.memory_info().pinned_host, before + (6 * part) as u64);
+    drop(pinned);
+    assert_eq!(d.memory_info().pinned_host, before);
 }
 
 #[test]
@@ -293,6 +381,8 @@ fn flux_streams_bit_identically_from_a_pinned_home_and_from_the_registered_mappi
         }
         let _ = h.cleanup_on_error(|_| Err::<(), _>(CoreError::Injected("release".into())));
         d.synchronize().unwrap();
+        // The registrations handed back at the release stay pinned until the device is idle.
+        d.unpin_released();
         assert_eq!(
             d.memory_info().pinned_host - d.upload_staging_bytes(),
             pinned_before,

@@ -242,6 +242,8 @@ fn memory(devices: &[&Arc<dyn Device>]) -> Result<SoakMemory> {
     };
     for d in devices {
         d.synchronize()?;
+        // Host memory a route handed back is counted until the device unpins it.
+        d.unpin_released();
         // Caches are not leaks: return the caching allocator's idle segments and the
         // native pool's idle chunks before reading what is held.
         d.empty_cache()?;

@@ -499,6 +499,23 @@ impl RegisterPlan {
     }
 }
 
+/// The first forward's upload of the resident params: batch `i` holds the params that
+/// `resident_at[i].0` is the first position to use. Batches go on the copy stream in
+/// schedule order, each in front of the first unit whose position follows it, so the link
+/// carries resident and streamed bytes in the order compute needs them and compute starts
+/// with the first batch instead of after the last.
+#[derive(Debug)]
+struct FirstUpload {
+    /// The next batch to queue.
+    next_queue: usize,
+    /// The next batch compute has not waited for.
+    next_wait: usize,
+    /// Per batch: the event after its copies, until compute waits for it.
+    ready: Vec<Option<Event>>,
+    /// Host time spent queueing the batches.
+    queued: std::time::Duration,
+}
+
 /// The streaming engine of one component (see the [module docs](self)).
 #[derive(Debug)]
 pub struct StreamingEngine {
@@ -510,7 +527,12 @@ pub struct StreamingEngine {
     slots: usize,
     placement: Placement,
     resident_params: Vec<Arc<Param>>,
+    /// The resident params by the schedule position that first uses them (ascending
+    /// positions): the first forward of a phase uploads them in this order.
+    resident_at: Vec<(usize, Vec<Arc<Param>>)>,
     resident: ResidencyTable,
+    /// The resident params' upload while the first forward of a phase runs.
+    upload: Option<FirstUpload>,
     host: Option<Host>,
     ring: Option<Ring>,
     /// Whether a forward is running (between begin and end or abort).
@@ -613,6 +635,22 @@ impl StreamingEngine {
                         }
                     }
                 }
+            }
+        }
+        // Each resident param at the first position whose segment holds it.
+        let mut resident_at: Vec<(usize, Vec<Arc<Param>>)> = Vec::new();
+        let mut placed: HashSet<ParamId> = HashSet::new();
+        for (pos, &s) in schedule.iter().enumerate() {
+            let Some(params) = segments.get(s) else {
+                continue;
+            };
+            let first: Vec<Arc<Param>> = params
+                .iter()
+                .filter(|p| resident_ids.contains(&p.id()) && placed.insert(p.id()))
+                .cloned()
+                .collect();
+            if !first.is_empty() {
+                resident_at.push((pos, first));
             }
         }
         // Registering copies straight from the file: order each unit by file offset so
@@ -818,7 +856,9 @@ impl StreamingEngine {
             slots,
             placement,
             resident_params,
+            resident_at,
             resident: ResidencyTable::new(),
+            upload: None,
             host,
             ring: None,
             active: false,
@@ -897,7 +937,7 @@ impl StreamingEngine {
     }
 
     /// Turns the registered ranges that only resident params needed into plain mapped views
-    /// once their upload is queued: each unregisters when the copies reading it are done.
+    /// once their upload is queued, through [`Device::release_host`].
     fn release_resident_registrations(&mut self) -> Result<()> {
         let Some(Host::Registered {
             sources,
@@ -912,7 +952,10 @@ impl StreamingEngine {
                 Some((map, offset, len)) => HostBuffer::mapped(Arc::clone(map), offset, len)?,
                 None => continue,
             };
-            sources[i] = plain;
+            // Unregistering waits for the device's queued work (on CUDA): the backend
+            // keeps the view pinned until the device is idle (`Device::release_host`).
+            self.device
+                .release_host(std::mem::replace(&mut sources[i], plain));
         }
         Ok(())
     }
@@ -958,33 +1001,19 @@ impl StreamingEngine {
             self.abort()?;
         }
         if self.resident.is_empty() && !self.resident_params.is_empty() {
-            let params = self.resident_params.clone();
-            let host = self.host.as_ref();
-            let queued = Instant::now();
-            self.resident.acquire(
-                &*self.device,
-                &params,
-                &|p: &Param| resident_source(host, p),
-                &self.compute,
-                &self.metrics,
-            )?;
-            let queued = queued.elapsed();
-            // With a timeline the upload's own time is measured too (a synchronisation
-            // the plain path does not pay).
-            let synced = Instant::now();
-            if self.timeline {
-                self.device.synchronize()?;
-            }
-            let synced = if self.timeline {
-                synced.elapsed()
-            } else {
-                std::time::Duration::ZERO
-            };
-            self.metrics.record_resident_upload(queued, synced);
-            self.release_resident_registrations()?;
+            self.upload = Some(FirstUpload {
+                next_queue: 0,
+                next_wait: 0,
+                ready: (0..self.resident_at.len()).map(|_| None).collect(),
+                queued: std::time::Duration::ZERO,
+            });
         }
         if self.slots == 0 {
             self.active = true;
+            if let Err(e) = self.queue_residents_before(usize::MAX) {
+                let _ = self.abort();
+                return Err(e);
+            }
             return Ok(());
         }
         let slot_bytes = self.figures.slot_bytes;
@@ -1017,7 +1046,11 @@ impl StreamingEngine {
         // The link starts now, while the program prepares and uploads its inputs (a
         // backend stages pageable uploads so that they do not hold the host behind these
         // copies: ddo-cuda's upload buffers).
-        if let Err(e) = self.issue_ready() {
+        let first_unit = self.layout.units().first().map_or(usize::MAX, |u| u.first);
+        if let Err(e) = self
+            .queue_residents_before(first_unit)
+            .and_then(|()| self.issue_ready())
+        {
             let _ = self.abort();
             return Err(e);
         }
@@ -1046,9 +1079,81 @@ impl StreamingEngine {
         }
     }
 
+    /// Queues unit `u`'s copy, then the resident params of the first forward that compute
+    /// needs before the next unit.
+    fn issue(&mut self, u: usize) -> Result<()> {
+        self.issue_unit(u)?;
+        let next = self
+            .layout
+            .units()
+            .get(u + 1)
+            .map_or(usize::MAX, |n| n.first);
+        self.queue_residents_before(next)
+    }
+
+    /// Queues, on the copy stream, every batch of the first upload whose position is below
+    /// `limit`, recording an event after each; once the last is queued, the registered
+    /// ranges only resident params needed are let go.
+    fn queue_residents_before(&mut self, limit: usize) -> Result<()> {
+        let Some(upload) = self.upload.as_mut() else {
+            return Ok(());
+        };
+        let total = self.resident_at.len();
+        if upload.next_queue >= total {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let host = self.host.as_ref();
+        while upload.next_queue < total && self.resident_at[upload.next_queue].0 < limit {
+            let i = upload.next_queue;
+            self.resident.acquire(
+                &*self.device,
+                &self.resident_at[i].1,
+                &|p: &Param| resident_source(host, p),
+                &self.copy,
+                &self.metrics,
+            )?;
+            upload.ready[i] = Some(self.device.record_event(&self.copy)?);
+            upload.next_queue = i + 1;
+        }
+        upload.queued += started.elapsed();
+        if upload.next_queue == total {
+            self.metrics
+                .record_resident_upload(upload.queued, std::time::Duration::ZERO);
+            self.release_resident_registrations()?;
+        }
+        Ok(())
+    }
+
+    /// Compute waits for the first upload's batches up to position `pos` (queueing any
+    /// not queued yet: a forward never reads a resident param before its copy).
+    fn wait_residents(&mut self, pos: usize) -> Result<()> {
+        let Some(upload) = self.upload.as_ref() else {
+            return Ok(());
+        };
+        let (next_wait, next_queue) = (upload.next_wait, upload.next_queue);
+        let upto = next_wait + self.resident_at[next_wait..].partition_point(|(at, _)| *at <= pos);
+        if upto == next_wait {
+            return Ok(());
+        }
+        if upto > next_queue {
+            self.queue_residents_before(pos + 1)?;
+        }
+        let Some(upload) = self.upload.as_mut() else {
+            return Ok(());
+        };
+        for i in next_wait..upto {
+            if let Some(ev) = upload.ready[i].take() {
+                self.device.wait_event(&self.compute, &ev)?;
+            }
+        }
+        upload.next_wait = upto;
+        Ok(())
+    }
+
     /// Queues unit `u`'s copy into its place, behind the last use of the bytes it
     /// overwrites.
-    fn issue(&mut self, u: usize) -> Result<()> {
+    fn issue_unit(&mut self, u: usize) -> Result<()> {
         let Some(ring) = self.ring.as_mut() else {
             return Ok(());
         };
@@ -1156,6 +1261,7 @@ impl StreamingEngine {
     /// Schedule position `pos` starts: when it opens a unit, compute waits for that unit's
     /// copy; params with several locations are pointed at this position's copy.
     pub fn enter(&mut self, pos: usize) -> Result<()> {
+        self.wait_residents(pos)?;
         let Some(ring) = self.ring.as_mut() else {
             return Ok(());
         };
@@ -1217,6 +1323,11 @@ impl StreamingEngine {
     /// compute and the streamed params are host-only again. A forward that did not enter
     /// every unit is aborted instead (copies still queued are waited for).
     pub fn end_forward(&mut self) -> Result<()> {
+        if self.upload_unfinished() {
+            // A forward that did not reach every resident position: start over next time.
+            return self.abort();
+        }
+        self.upload = None;
         let Some(ring) = self.ring.take() else {
             self.active = false;
             return Ok(());
@@ -1291,6 +1402,21 @@ impl StreamingEngine {
     /// and leaves the streamed params host-only. Resident params stay.
     pub fn abort(&mut self) -> Result<()> {
         self.active = false;
+        if self.upload_unfinished() {
+            // Part of the first upload may be queued: the next forward uploads them all
+            // again, from an empty residency.
+            self.upload = None;
+            let copy = self.device.synchronize_stream(&self.copy);
+            let compute = self.device.synchronize_stream(&self.compute);
+            self.resident
+                .release_all(&*self.device, FreeMode::Immediate, &self.compute);
+            if let Some(ring) = self.ring.take() {
+                self.clear_streamed_pointers();
+                drop(ring);
+            }
+            return copy.and(compute);
+        }
+        self.upload = None;
         let Some(ring) = self.ring.take() else {
             return Ok(());
         };
@@ -1299,6 +1425,13 @@ impl StreamingEngine {
         self.clear_streamed_pointers();
         drop(ring);
         copy.and(compute)
+    }
+
+    /// Whether the first upload of a phase has batches compute has not waited for.
+    fn upload_unfinished(&self) -> bool {
+        self.upload
+            .as_ref()
+            .is_some_and(|u| u.next_wait < self.resident_at.len())
     }
 
     /// Phase boundary: [`StreamingEngine::abort`] and drop the resident params' device
@@ -1319,13 +1452,17 @@ impl StreamingEngine {
         let released = self.release_device();
         let staged = self.device.synchronize_stream(&self.copy);
         let restored = match self.host.take() {
-            Some(Host::Home { home, .. })
-            | Some(Host::Registered {
-                home: Some(home), ..
-            }) => home.restore(),
-            // Dropping registered views unregisters them (copies still holding a view
-            // have completed: the copy stream was synchronised).
-            Some(Host::Registered { home: None, .. } | Host::Staged { .. }) | None => Ok(()),
+            Some(Host::Home { home, .. }) => home.restore(),
+            Some(Host::Registered { sources, home, .. }) => {
+                // Registered views unregister once let go (copies still holding one have
+                // completed: the copy stream was synchronised), where the backend's
+                // unregistering does not stall queued work (`Device::release_host`).
+                for view in sources {
+                    self.device.release_host(view);
+                }
+                home.map_or(Ok(()), PinnedHome::restore)
+            }
+            Some(Host::Staged { .. }) | None => Ok(()),
         };
         self.figures.pinned_bytes = 0;
         released.and(staged).and(restored)

@@ -74,6 +74,9 @@ pub struct CudaDevice {
     /// Pinned buffers pageable uploads are staged through; one is free for reuse when this
     /// list holds its only handle (the copy that read it last has completed and retired).
     upload_staging: Mutex<Vec<HostBuffer>>,
+    /// Pinned and registered host memory let go through [`Device::release_host`], still
+    /// page-locked (and counted) until [`Device::unpin_released`].
+    released_host: Mutex<Vec<HostBuffer>>,
     config: CudaDeviceConfig,
     /// The ops [`Device::ops`] hands out: this device's, each through a per-op profiler.
     profiled: ddo_core::ProfiledOps,
@@ -203,6 +206,7 @@ impl CudaDevice {
             next_stream: AtomicU64::new(1),
             pinned: PinnedLedger::new(config.pinned_limit.unwrap_or_else(default_pinned_limit)),
             upload_staging: Mutex::new(Vec::new()),
+            released_host: Mutex::new(Vec::new()),
             shared,
             config,
             profiled: ddo_core::ProfiledOps::new(me.clone()),
@@ -480,7 +484,7 @@ impl Device for CudaDevice {
             driver_free: driver.map(|(free, _)| free),
             driver_total: driver.map(|(_, total)| total),
             pinned_host: self.pinned.pinned(),
-            pinned_cached: self.upload_staging_bytes(),
+            pinned_cached: self.upload_staging_bytes() + self.released_host_bytes(),
             pinned_limit: self.pinned.limit(),
         }
     }
@@ -527,7 +531,18 @@ impl Device for CudaDevice {
 
     /// Waits for the cuDNN attention plans being built ([`CudaDevice::wait_cudnn_attention_plans`]).
     fn settle(&self, timeout: std::time::Duration) -> ddo_core::Result<bool> {
+        self.unpin_released();
         self.wait_cudnn_attention_plans(timeout)
+    }
+
+    /// Keeps `buffer` (pinned) until [`Device::unpin_released`]: unregistering waits for
+    /// the device's queued work (`device/registration.rs`).
+    fn release_host(&self, buffer: HostBuffer) {
+        self.released_host.lock().push(buffer);
+    }
+
+    fn unpin_released(&self) -> u64 {
+        self.unpin_released_host()
     }
 
     /// Starts building the cuDNN plan of an eligible shape in the background

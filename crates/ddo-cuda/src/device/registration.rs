@@ -37,10 +37,32 @@ impl CudaDevice {
     /// pass the limit (the buffers are a cache: they give way to pinned memory asked for).
     fn pinned_making_room(&self, bytes: u64) -> u64 {
         let pinned = self.pinned.pinned();
-        if pinned.saturating_add(bytes) > self.pinned.limit() && self.release_upload_staging() > 0 {
-            return self.pinned.pinned();
+        if pinned.saturating_add(bytes) > self.pinned.limit()
+            && (self.unpin_released_host() > 0 || self.release_upload_staging() > 0)
+        {
+            return self.pinned_making_room(bytes);
         }
         pinned
+    }
+
+    /// Pinned bytes of the host memory [`Device::release_host`] kept (part of
+    /// [`MemoryInfo::pinned_cached`](ddo_core::MemoryInfo::pinned_cached): it gives way to
+    /// pinned memory asked for).
+    pub fn released_host_bytes(&self) -> u64 {
+        self.released_host
+            .lock()
+            .iter()
+            .map(|b| b.pinned_bytes().unwrap_or(0))
+            .sum()
+    }
+
+    /// Drops the host memory [`Device::release_host`] kept (each registration unregisters
+    /// as its last handle goes); returns the pinned bytes that were let go.
+    pub(super) fn unpin_released_host(&self) -> u64 {
+        let released = std::mem::take(&mut *self.released_host.lock());
+        let bytes = released.iter().map(|b| b.pinned_bytes().unwrap_or(0)).sum();
+        drop(released);
+        bytes
     }
 
     /// The body of [`Device::alloc_pinned`].

@@ -90,7 +90,7 @@ impl Route for ResidentRoute {
             table.release_all(&*device, FreeMode::Immediate, &stream);
             return Err(e);
         }
-        drop(uploads);
+        uploads.release(&*device);
         let leaves_with_params = component
             .leaves()
             .iter()
