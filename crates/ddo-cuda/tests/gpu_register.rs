@@ -299,6 +299,8 @@ fn flux_streams_bit_identically_from_a_pinned_home_and_from_the_registered_mappi
     };
     d.synchronize().unwrap();
     d.empty_cache().unwrap();
+    // The resident attach handed its upload registrations back: unpinned once idle.
+    d.unpin_released();
     let pinned_before = d.memory_info().pinned_host;
     for source in ["home", "register"] {
         // A fresh, checkpoint-backed load per source: the home replaces the params' bytes.
