@@ -3,7 +3,12 @@
 //! with a `run-all.sh`, for a GPU machine that has no toolchain.
 //!
 //! Both set `DDO_REQUIRE_GPU=1` for the tests, so a machine without a usable device fails
-//! loudly instead of printing "skipped: no CUDA device" and passing.
+//! loudly instead of printing "skipped: no CUDA device" and passing, and both give the
+//! tests that read an environment variable what they need: `DDO_FIXTURES` (the committed
+//! fixtures) and `DDO_PEER_DIR` (Diffusers' reference outputs, written first by
+//! `tools/gpu_peer.py` with the Diffusers wheels of `../shared/wheels/` where Python has
+//! torch; the bundle carries the script and the wheels). Only the benchmarks behind
+//! `DDO_BENCH=1` stay opt-in.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -22,14 +27,65 @@ fn package_args() -> Vec<&'static str> {
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const BUNDLE_DIR: &str = "gpu-bundle";
 
-/// `cargo test -p ddo-cuda -p ddo-vmm --release -- --test-threads=1`, with a GPU required.
+/// Where the Diffusers wheels are kept, relative to the workspace root.
+pub const WHEELS_DIR: &str = "../shared/wheels";
+
+/// The Diffusers side of the conformance tests, relative to the workspace root.
+pub const PEER_SCRIPT: &str = "tools/gpu_peer.py";
+
+/// `cargo test -p ddo-cuda -p ddo-vmm --release -- --test-threads=1`, with a GPU required,
+/// the fixtures named and Diffusers' references written first (by the script
+/// [`peer_script`] prints, which `run-all.sh` runs too).
 pub fn test_gpu() -> Result<(), String> {
-    run(cargo()
-        .arg("test")
+    let root = workspace_root();
+    let scratch = root.join("target").join("gpu-peer");
+    let prepare = peer_script(
+        &root.join(PEER_SCRIPT).to_string_lossy(),
+        &root.join(WHEELS_DIR).to_string_lossy(),
+        &scratch.to_string_lossy(),
+    );
+    let peer = std::process::Command::new("bash")
+        .args([
+            "-c",
+            &format!("{prepare}\nprintf %s \"${{DDO_PEER_DIR:-}}\""),
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run bash: {e}"))?;
+    let peer_dir = String::from_utf8_lossy(&peer.stdout).trim().to_string();
+    let mut cmd = cargo();
+    cmd.arg("test")
         .args(package_args())
         .args(["--release", "--"])
         .args(["--test-threads=1", "--nocapture"])
-        .env("DDO_REQUIRE_GPU", "1"))
+        .env("DDO_REQUIRE_GPU", "1")
+        .env("DDO_FIXTURES", root.join("fixtures"));
+    if !peer_dir.is_empty() {
+        cmd.env("DDO_PEER_DIR", peer_dir);
+    }
+    run(&mut cmd)
+}
+
+/// Bash that writes Diffusers' reference outputs with `script` into `scratch/peer` (Diffusers
+/// installed from the wheels in `wheels` into `scratch/site`) and exports `DDO_PEER_DIR`,
+/// unless it is set already; where Python, torch or the wheels are missing it says which and
+/// leaves it unset (the conformance tests then say they skipped).
+pub fn peer_script(script: &str, wheels: &str, scratch: &str) -> String {
+    format!(
+        r#"if [ -z "${{DDO_PEER_DIR:-}}" ]; then
+  if command -v python3 >/dev/null 2>&1 && python3 -c 'import torch' >/dev/null 2>&1 && ls "{wheels}"/*.whl >/dev/null 2>&1 && [ -f "{script}" ]; then
+    mkdir -p "{scratch}"
+    if python3 -m pip install -q --no-index --no-deps --target "{scratch}/site" "{wheels}"/*.whl >&2 \
+      && PYTHONPATH="{scratch}/site${{PYTHONPATH:+:$PYTHONPATH}}" python3 "{script}" "{scratch}/peer" >&2; then
+      export DDO_PEER_DIR="{scratch}/peer"
+    else
+      echo "Diffusers' reference outputs could not be written: the conformance tests will skip" >&2
+    fi
+  else
+    echo "no python3 with torch, no wheels in {wheels} or no {script}: the conformance tests will skip" >&2
+  fi
+fi"#
+    )
 }
 
 /// Builds the GPU test binaries in release and writes `gpu-bundle/` with `run-all.sh`.
@@ -74,6 +130,31 @@ pub fn bundle() -> Result<(), String> {
             .map_err(|e| format!("cannot copy {} to {}: {e}", exe.display(), to.display()))?;
         eprintln!("gpu-bundle: {name} <- {}", exe.display());
         names.push(name);
+    }
+    // The conformance tests' Diffusers side: the script and the wheels.
+    let peer = root.join(PEER_SCRIPT);
+    fs::copy(&peer, dir.join("gpu_peer.py"))
+        .map_err(|e| format!("cannot copy {}: {e}", peer.display()))?;
+    let wheels = root.join(WHEELS_DIR);
+    let wheel_dir = dir.join("wheels");
+    fs::create_dir_all(&wheel_dir)
+        .map_err(|e| format!("cannot create {}: {e}", wheel_dir.display()))?;
+    let mut copied = 0;
+    if let Ok(entries) = fs::read_dir(&wheels) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "whl") {
+                let to = wheel_dir.join(entry.file_name());
+                fs::copy(&path, &to).map_err(|e| format!("cannot copy {}: {e}", path.display()))?;
+                copied += 1;
+            }
+        }
+    }
+    if copied == 0 {
+        eprintln!(
+            "gpu-bundle: no wheels in {}: the Diffusers conformance tests will skip there",
+            wheels.display()
+        );
     }
     let script = dir.join("run-all.sh");
     fs::write(&script, run_all_script(&names))
@@ -146,6 +227,11 @@ fn bundle_name(exe: &Path) -> String {
 /// (`$1`, else `$OUT`, else `logs/` beside the script); non-zero if any binary failed.
 pub fn run_all_script(names: &[String]) -> String {
     let list = names.join(" ");
+    let peer = peer_script(
+        "$here/gpu_peer.py",
+        "$here/wheels",
+        "${TMPDIR:-/tmp}/ddo-gpu-peer",
+    );
     format!(
         r#"#!/usr/bin/env bash
 # Runs DDO's GPU test binaries (built by `cargo xtask gpu-bundle`), one test at a time.
@@ -157,6 +243,11 @@ log_dir="${{1:-${{OUT:-$here/logs}}}}"
 mkdir -p "$log_dir"
 export DDO_REQUIRE_GPU=1
 export RUST_BACKTRACE=1
+# The committed fixtures: the checkout this bundle sits in, unless named.
+if [ -z "${{DDO_FIXTURES:-}}" ] && [ -d "$here/../fixtures" ]; then
+  export DDO_FIXTURES="$(cd "$here/../fixtures" && pwd)"
+fi
+{peer}
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$log_dir/nvidia-smi.log"
 fi
@@ -213,5 +304,11 @@ mod tests {
         assert!(script.contains("PIPESTATUS[0]"));
         assert!(script.contains("exit 1"));
         assert!(script.contains("DDO_REQUIRE_GPU=1"));
+        // The tests that read the environment get it: fixtures, and Diffusers' outputs.
+        assert!(script.contains("export DDO_FIXTURES="));
+        assert!(script.contains(r#"export DDO_PEER_DIR="${TMPDIR:-/tmp}/ddo-gpu-peer/peer""#));
+        assert!(script.contains(r#"python3 "$here/gpu_peer.py""#));
+        // Before the first binary runs.
+        assert!(script.find("DDO_PEER_DIR=").unwrap() < script.find("for bin in").unwrap());
     }
 }
