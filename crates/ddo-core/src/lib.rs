@@ -32,6 +32,7 @@ pub mod detach;
 pub mod device;
 pub mod dtype;
 pub mod error;
+#[cfg(any(test, feature = "test-support"))]
 pub mod fault;
 pub mod footprint;
 pub mod host_device;
@@ -40,9 +41,11 @@ pub mod host_ops;
 pub mod ops;
 pub mod param;
 pub mod profile;
+#[cfg(any(test, feature = "test-support"))]
 pub mod reference;
 pub mod residency;
 pub mod resolve;
+pub mod rng;
 pub mod route;
 pub mod shape;
 pub mod streaming;
@@ -60,6 +63,7 @@ pub use device::{
 };
 pub use dtype::DType;
 pub use error::{CoreError, DetachRefusal, Refusal, Result};
+#[cfg(any(test, feature = "test-support"))]
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
 pub use host_device::{HostDevice, HostDeviceConfig};

@@ -710,7 +710,7 @@ mod tests {
     #[test]
     fn group_norm_silu_is_one_profiled_op_and_the_host_composes_it_exactly() {
         use crate::device::ops_of;
-        use crate::reference::SplitMix64;
+        use crate::rng::SplitMix64;
         use crate::{HostDevice, HostDeviceConfig, UnaryOp};
         let dev = HostDevice::new(HostDeviceConfig::default()).unwrap();
         let ops = ops_of(&*dev).unwrap();

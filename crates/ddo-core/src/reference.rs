@@ -17,6 +17,7 @@ use crate::device::{Device, Stream, download, upload};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::param::{Param, ParamKind};
+use crate::rng::SplitMix64;
 use crate::route::{ComponentProgram, ForwardContext};
 use crate::tensor::{Tensor, TensorStorage};
 
@@ -88,31 +89,6 @@ impl ReferenceSpec {
             tie_head_to_stem: false,
             seed: 7,
         }
-    }
-}
-
-/// Deterministic generator (SplitMix64) for weights and inputs.
-#[derive(Debug, Clone)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[-1, 1)`.
-    pub fn next_signed(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
 

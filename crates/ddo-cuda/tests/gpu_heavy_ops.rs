@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ddo_core::reference::SplitMix64;
+use ddo_core::rng::SplitMix64;
 use ddo_core::{Conv2dParams, DType, Device, HostDevice, Ops, Tensor};
 use ddo_cuda::CudaDevice;
 

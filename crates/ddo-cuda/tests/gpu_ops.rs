@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use ddo_core::reference::SplitMix64;
+use ddo_core::rng::SplitMix64;
 use ddo_core::{
     BinaryOp, CoreError, DType, Device, HostBuffer, HostDevice, Ops, ReduceOp, Tensor,
     TensorStorage, UnaryOp,

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ddo_core::reference::SplitMix64;
+use ddo_core::rng::SplitMix64;
 use ddo_core::{CoreError, DType, Device, Preset, Result, RouteSpec, Settings, Tensor};
 use ddo_routes::{Pipeline, enable_pipeline_offload};
 

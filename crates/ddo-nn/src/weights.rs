@@ -9,7 +9,7 @@ use std::path::{Component as PathComponent, Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ddo_core::host_memory::AlignedBytes;
-use ddo_core::reference::SplitMix64;
+use ddo_core::rng::SplitMix64;
 use ddo_core::tensor::byte_len;
 use ddo_core::{Checkpoint, CoreError, DType, HostBuffer, Param, ParamKind, UniqueMap};
 use half::{bf16, f16};

@@ -232,7 +232,7 @@ mod tests {
     use crate::dtype::DType;
     use crate::host_ops::test_support::*;
     use crate::ops::Ops;
-    use crate::reference::SplitMix64;
+    use crate::rng::SplitMix64;
     #[allow(clippy::too_many_arguments)]
     fn ref_attention(
         q: &[f32],

@@ -238,7 +238,7 @@ mod tests {
     use crate::error::CoreError;
     use crate::host_ops::test_support::*;
     use crate::ops::Ops;
-    use crate::reference::SplitMix64;
+    use crate::rng::SplitMix64;
     fn ref_unary(x: f64, op: UnaryOp) -> f64 {
         let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
         match op {

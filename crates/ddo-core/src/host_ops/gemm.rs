@@ -246,7 +246,7 @@ mod tests {
     use crate::error::CoreError;
     use crate::host_ops::test_support::*;
     use crate::ops::Ops;
-    use crate::reference::SplitMix64;
+    use crate::rng::SplitMix64;
     fn ref_matmul(a: &[f32], ash: &[usize], b: &[f32], bsh: &[usize], osh: &[usize]) -> Vec<f64> {
         let r = osh.len();
         let (m, k, n) = (osh[r - 2], ash[ash.len() - 1], osh[r - 1]);

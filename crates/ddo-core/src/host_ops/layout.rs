@@ -231,7 +231,7 @@ mod tests {
     use crate::dtype::DType;
     use crate::host_ops::test_support::*;
     use crate::ops::Ops;
-    use crate::reference::SplitMix64;
+    use crate::rng::SplitMix64;
     #[test]
     fn layout_ops_cast_and_embedding() {
         let d = dev();

@@ -386,7 +386,7 @@ mod tests {
     use crate::device::ops_of;
     use crate::host_device::HostDeviceConfig;
     use crate::host_ops::test_support::*;
-    use crate::reference::SplitMix64;
+    use crate::rng::SplitMix64;
     #[test]
     fn host_device_exposes_its_ops() {
         let d = dev();

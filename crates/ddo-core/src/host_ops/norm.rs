@@ -211,7 +211,7 @@ mod tests {
     use crate::dtype::DType;
     use crate::host_ops::test_support::*;
     use crate::ops::Ops;
-    use crate::reference::SplitMix64;
+    use crate::rng::SplitMix64;
     fn ref_norm_rows(x: &[f32], d: usize, eps: f64, rms: bool) -> Vec<f64> {
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks(d) {

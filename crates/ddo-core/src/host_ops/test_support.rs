@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::dtype::DType;
 use crate::host_device::HostDevice;
 use crate::ops::Ops;
-use crate::reference::SplitMix64;
+use crate::rng::SplitMix64;
 use crate::tensor::Tensor;
 
 pub(super) fn dev() -> Arc<HostDevice> {
