@@ -17,26 +17,15 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
 use crate::error::{CudaError, DriverResultExt, Result};
 
 /// Whether the driver library (`libcuda.so`) can be loaded. Must be `true` before any other
-/// function of this module runs: cudarc panics on a missing library.
+/// function of this module runs: cudarc panics on a missing library. The probe, the device
+/// count and the primary context are `ddo-vmm`'s (written once, below this crate).
 pub(crate) fn library_present() -> bool {
-    // SAFETY: `is_culib_present` only tries `dlopen` on libcuda's candidate names and drops
-    // what it opened; it makes no driver call and touches no state of ours.
-    unsafe { sys::is_culib_present() }
+    ddo_vmm::library_present()
 }
 
 /// `cuInit`, then `cuDeviceGetCount`. `CUDA_ERROR_NO_DEVICE` from either is a count of 0.
 pub(crate) fn device_count() -> Result<usize> {
-    let no_device = |e: &DriverError| e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE;
-    match result::init() {
-        Ok(()) => {}
-        Err(e) if no_device(&e) => return Ok(0),
-        Err(e) => return Err(CudaError::driver("cuInit", e)),
-    }
-    match result::device::get_count() {
-        Ok(n) => Ok(usize::try_from(n).unwrap_or(0)),
-        Err(e) if no_device(&e) => Ok(0),
-        Err(e) => Err(CudaError::driver("cuDeviceGetCount", e)),
-    }
+    ddo_vmm::device_count().map_err(CudaError::from_shared_glue)
 }
 
 /// The compute capability `(major, minor)` of device `ordinal`: `cuInit`, then
@@ -62,7 +51,7 @@ pub(crate) fn compute_capability(ordinal: usize) -> Result<(i32, i32)> {
 
 /// The primary context of device `ordinal` (retained; released when the last `Arc` drops).
 pub(crate) fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>> {
-    CudaContext::new(ordinal).call("cuDevicePrimaryCtxRetain")
+    ddo_vmm::primary_context(ordinal).map_err(CudaError::from_shared_glue)
 }
 
 /// `cuMemAlloc`: `bytes` of device memory in `ctx`. The raw error is kept so the caller can

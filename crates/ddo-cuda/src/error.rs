@@ -114,6 +114,23 @@ impl CudaError {
         }
     }
 
+    /// An error of the driver glue shared with `ddo-vmm` (probe, device count, primary
+    /// context) as this crate's: a failed driver call stays a [`CudaError::Driver`].
+    pub(crate) fn from_shared_glue(e: ddo_vmm::VmmError) -> Self {
+        match e {
+            ddo_vmm::VmmError::Driver {
+                call,
+                code,
+                message,
+            } => CudaError::Driver {
+                call,
+                code,
+                message,
+            },
+            other => CudaError::Vmm(other),
+        }
+    }
+
     /// Whether this is the driver's out-of-memory error.
     pub fn is_driver_out_of_memory(&self) -> bool {
         matches!(self, CudaError::Driver { code, .. } if code == "CUDA_ERROR_OUT_OF_MEMORY")

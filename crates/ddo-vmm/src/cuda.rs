@@ -10,9 +10,28 @@ use crate::driver;
 use crate::error::{Result, VmmError};
 use crate::physical::{ChunkHandle, PhysicalMemory, VaRange};
 
-/// Whether the CUDA driver library can be loaded (no driver call is made).
+/// Whether the CUDA driver library can be loaded (no driver call is made). The one
+/// probe of the workspace: `ddo-cuda` asks it too.
 pub fn library_present() -> bool {
     driver::library_present()
+}
+
+/// How many CUDA devices the driver reports (`cuInit`, then `cuDeviceGetCount`; no device
+/// is 0); [`VmmError::NoLibrary`] without a driver. Shared with `ddo-cuda`.
+pub fn device_count() -> Result<usize> {
+    if !driver::library_present() {
+        return Err(VmmError::NoLibrary);
+    }
+    driver::device_count()
+}
+
+/// Device `ordinal`'s primary context, retained until the last `Arc` drops (the driver
+/// library must be present: [`library_present`]). Shared with `ddo-cuda`.
+pub fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !driver::library_present() {
+        return Err(VmmError::NoLibrary);
+    }
+    driver::primary_context(ordinal)
 }
 
 /// The virtual-memory calls of one CUDA device, in one context.

@@ -33,7 +33,7 @@ pub mod physical;
 pub mod pool;
 pub mod quiescence;
 
-pub use cuda::{CudaPhysicalMemory, library_present};
+pub use cuda::{CudaPhysicalMemory, device_count, library_present, primary_context};
 pub use error::{Result, VmmError};
 pub use fake::{FakeOp, FakePhysicalMemory};
 pub use physical::{ChunkHandle, PhysicalMemory, VaRange};
