@@ -60,13 +60,16 @@
 //! (256 MiB) under `wsl_compat`.
 
 pub mod engine;
+pub mod figures;
 pub mod home;
 pub mod layout;
 pub mod plan;
+mod register_plan;
 pub mod schedule;
 
 pub use crate::config::PinnedSource;
-pub use engine::{StagingKind, StreamingEngine, StreamingFigures};
+pub use engine::StreamingEngine;
+pub use figures::{StagingKind, StreamingFigures};
 pub use home::PinnedHome;
 pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry, UnitOrder};
 pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
