@@ -15,6 +15,8 @@ use ddo_cuda::CudaDevice;
 
 mod common;
 
+use common::rel_l2;
+
 /// Device 0, or `None` (after saying so) when there is no driver library or no device;
 /// with `DDO_REQUIRE_GPU=1` a missing device fails the test instead.
 fn gpu() -> Option<Arc<CudaDevice>> {
@@ -29,30 +31,6 @@ fn host() -> Arc<HostDevice> {
 /// Relative L2 tolerance of a result stored as `dtype`.
 fn tol(dtype: DType) -> f64 {
     if dtype == DType::F32 { 1e-5 } else { 1e-2 }
-}
-
-/// Relative L2 distance; NaN must sit where the reference has NaN.
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "length");
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(
-            g.is_nan(),
-            w.is_nan(),
-            "NaN mismatch at {i}: got {g}, want {w}"
-        );
-        if w.is_nan() {
-            continue;
-        }
-        let (g, w) = (f64::from(g), f64::from(w));
-        num += (g - w).powi(2);
-        den += w * w;
-    }
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
 }
 
 fn random(rng: &mut SplitMix64, n: usize, scale: f32) -> Vec<f32> {

@@ -103,30 +103,15 @@ impl Pair {
         assert!(e <= t, "{what}: relative L2 error {e:e} > {t:e}");
     }
 
-    /// [`Pair::check`] with the plain relative L2, every element in both sums.
+    /// [`Pair::check`] with the plain relative L2, every element in both sums
+    /// ([`common::rel_l2`]).
     fn check_all(&self, what: &str, got: &Tensor, want: &Tensor) {
         assert!(got.is_on_device());
         assert_eq!(got.shape(), want.shape(), "{what}: shape");
         assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
         let g = self.gpu.to_f32_vec(got).unwrap();
         let w = self.host.to_f32_vec(want).unwrap();
-        assert_eq!(g.len(), w.len(), "{what}: length");
-        assert!(
-            g.iter().zip(&w).all(|(a, b)| a.is_nan() == b.is_nan()),
-            "{what}: NaN where the host has none, or the other way round"
-        );
-        let (num, den) = g.iter().zip(&w).filter(|(a, _)| !a.is_nan()).fold(
-            (0.0f64, 0.0f64),
-            |(n, d), (&a, &b)| {
-                let (a, b) = (f64::from(a), f64::from(b));
-                (n + (a - b).powi(2), d + b * b)
-            },
-        );
-        let e = if den == 0.0 {
-            num.sqrt()
-        } else {
-            (num / den).sqrt()
-        };
+        let e = common::rel_l2(&g, &w);
         let t = tol(want.dtype());
         assert!(e <= t, "{what}: relative L2 error {e:e} > {t:e}");
     }

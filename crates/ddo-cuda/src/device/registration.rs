@@ -49,18 +49,14 @@ impl CudaDevice {
     /// [`MemoryInfo::pinned_cached`](ddo_core::MemoryInfo::pinned_cached): it gives way to
     /// pinned memory asked for).
     pub fn released_host_bytes(&self) -> u64 {
-        self.released_host
-            .lock()
-            .iter()
-            .map(|b| b.pinned_bytes().unwrap_or(0))
-            .sum()
+        pinned_bytes_of(&self.released_host.lock())
     }
 
     /// Drops the host memory [`Device::release_host`] kept (each registration unregisters
     /// as its last handle goes); returns the pinned bytes that were let go.
     pub(super) fn unpin_released_host(&self) -> u64 {
         let released = std::mem::take(&mut *self.released_host.lock());
-        let bytes = released.iter().map(|b| b.pinned_bytes().unwrap_or(0)).sum();
+        let bytes = pinned_bytes_of(&released);
         drop(released);
         bytes
     }
@@ -140,4 +136,9 @@ impl CudaDevice {
         let registration = self.pinned.reserve(bytes, Some(Box::new(token)))?;
         HostBuffer::registered(buffer.clone(), registration)
     }
+}
+
+/// Pinned bytes of `buffers` (0 for a buffer that pins nothing).
+fn pinned_bytes_of(buffers: &[HostBuffer]) -> u64 {
+    buffers.iter().map(|b| b.pinned_bytes().unwrap_or(0)).sum()
 }

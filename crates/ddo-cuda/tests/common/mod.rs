@@ -1,6 +1,6 @@
 //! Helpers shared by the GPU test binaries (`gpu`, `gpu_ops`, `gpu_heavy_ops`, `gpu_models`,
 //! `gpu_native`, `gpu_soak`, ...): opening `cuda:0` or skipping without one, and synthetic
-//! Flux inputs. Each test binary uses part of them.
+//! Flux inputs, the relative L2 error. Each test binary uses part of them.
 #![allow(dead_code)]
 
 use std::sync::Arc;
@@ -39,4 +39,29 @@ pub fn rnd(len: usize, seed: usize) -> Vec<f32> {
 /// ([`FluxInputs::synthetic`]).
 pub fn synthetic_flux_inputs(side: usize, txt: usize) -> FluxInputs {
     FluxInputs::synthetic(&FluxTransformerConfig::flux_dev(), side, txt).unwrap()
+}
+
+/// Relative L2 error of `got` against `want` over every element (NaN must match NaN and
+/// is left out; absolute when `want` is all zeros).
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g.is_nan(),
+            w.is_nan(),
+            "NaN mismatch at {i}: got {g}, want {w}"
+        );
+        if w.is_nan() {
+            continue;
+        }
+        let (g, w) = (f64::from(g), f64::from(w));
+        num += (g - w).powi(2);
+        den += w * w;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
 }
