@@ -84,21 +84,10 @@ fn flux_inputs(d: &CudaDevice, path: &Path) -> Result<FluxInputs, BoxError> {
     })
 }
 
-/// Pinned host→device bandwidth in bytes per second: 1 GiB, best of 5.
+/// Host→device bandwidth in bytes per second, measured as `ddo bench` measures it
+/// ([`ddo_cli::bench::link_bandwidth`] over a 256 MiB pinned buffer).
 fn pinned_bandwidth(d: &CudaDevice) -> Result<f64, BoxError> {
-    let n = 1usize << 30;
-    let host = d.alloc_pinned(n)?;
-    let dev = d.alloc(n)?;
-    let s = d.compute_stream();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        d.synchronize()?;
-        let t = Instant::now();
-        d.copy_h2d(&host.slice_all(), &dev.slice_all(), &s)?;
-        d.synchronize_stream(&s)?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(n as f64 / best)
+    Ok(ddo_cli::bench::link_bandwidth(d, 256 << 20)?)
 }
 
 /// Times `f` (3 warm-ups, 10 runs), sampling RSS and pinned bytes after each run.
