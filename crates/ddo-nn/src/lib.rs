@@ -26,6 +26,7 @@ pub mod soak;
 pub mod t5;
 pub mod tokenizer;
 pub mod vae;
+pub mod warm;
 pub mod weights;
 
 pub use builder::ModelBuilder;
