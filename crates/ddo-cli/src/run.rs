@@ -527,14 +527,6 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let (plan_budget, budget_source) = plan_budget(&*device, budget);
     let effective_budget = Some(plan_budget);
     check_budget(plan_budget, &pipe.components())?;
-    // On a backend that loads kernels at their first launch (CUDA), each linear shape runs
-    // once now rather than in the middle of a phase, where the host would stop queueing.
-    ddo_nn::warm::warm_linears(
-        &*device,
-        &pipe.linear_shapes(height, width, images)?,
-        Some(plan_budget),
-    )?;
-    startup.lap("warm_up");
     // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does this,
     // and the profile says so.
     let (latent_h, latent_w) = pipe.latent_grid(height, width)?;

@@ -464,15 +464,6 @@ pub trait Device: Send + Sync + fmt::Debug {
         let _ = (q, k, v, mask, dtype);
     }
 
-    /// Whether the first call of an op at a new shape costs this backend host time that
-    /// later calls do not, so that a pipeline should run its shapes once before its first
-    /// phase (`ddo_nn::warm`). The CUDA backend: cuBLASLt loads each GEMM kernel at its
-    /// first launch (3 to 185 ms a shape measured on an H200, against 0.2-0.4 ms for the
-    /// plan itself). False by default.
-    fn loads_kernels_lazily(&self) -> bool {
-        false
-    }
-
     /// Waits, at most `timeout`, for what the backend prepares in the background (the CUDA
     /// backend's cuDNN attention plans), and unpins what [`Device::release_host`] kept, so
     /// what follows runs in the steady state and the pinned figures are final; whether

@@ -161,8 +161,6 @@ pub struct FaultInjectingDevice {
     fired: AtomicU64,
     /// Per op name: calls and nanoseconds, when timing is on.
     op_times: Mutex<Option<std::collections::BTreeMap<String, (u64, u64)>>>,
-    /// Reported by [`Device::loads_kernels_lazily`] besides the inner device's answer.
-    lazy_kernels: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for FaultInjectingDevice {
@@ -186,14 +184,7 @@ impl FaultInjectingDevice {
             armed: Mutex::new(None),
             fired: AtomicU64::new(0),
             op_times: Mutex::new(None),
-            lazy_kernels: std::sync::atomic::AtomicBool::new(false),
         })
-    }
-
-    /// Makes [`Device::loads_kernels_lazily`] answer true (as the CUDA backend does), so the
-    /// host backend runs what a pipeline does only for such a backend (its warm-up).
-    pub fn report_lazy_kernels(&self, on: bool) {
-        self.lazy_kernels.store(on, Ordering::Relaxed);
     }
 
     /// Starts (or stops) timing every op: the device is synchronised before and after each
@@ -473,10 +464,6 @@ impl Device for FaultInjectingDevice {
         dtype: DType,
     ) {
         self.inner.prepare_attention(q, k, v, mask, dtype)
-    }
-
-    fn loads_kernels_lazily(&self) -> bool {
-        self.lazy_kernels.load(Ordering::Relaxed) || self.inner.loads_kernels_lazily()
     }
 
     fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {

@@ -39,7 +39,7 @@ pub const TIMESTEP_CHANNELS: usize = 256;
 const NORM_EPS: f32 = 1e-6;
 
 /// FeedForward / single-block MLP width multiplier (`mlp_ratio = 4`).
-pub(crate) const MLP_RATIO: usize = 4;
+const MLP_RATIO: usize = 4;
 
 /// `FluxTransformer2DModel`'s `config.json`. Unknown fields (`_class_name`,
 /// `_diffusers_version`, ...) are ignored; missing fields take Diffusers' defaults.

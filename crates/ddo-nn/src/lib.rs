@@ -26,7 +26,6 @@ pub mod soak;
 pub mod t5;
 pub mod tokenizer;
 pub mod vae;
-pub mod warm;
 pub mod weights;
 
 pub use builder::ModelBuilder;

@@ -160,7 +160,7 @@ impl FluxPipeline {
 }
 
 /// The dtype of the first weight of `component` (the models' activations take it).
-pub(crate) fn weights_dtype(component: &ddo_core::Component) -> DType {
+fn weights_dtype(component: &ddo_core::Component) -> DType {
     component
         .leaves()
         .iter()

@@ -560,12 +560,6 @@ impl Device for CudaDevice {
         }
     }
 
-    /// cuBLASLt (and cuBLAS) load each kernel at its first launch: a new GEMM shape's first
-    /// call held the host 3 to 185 ms on an H200.
-    fn loads_kernels_lazily(&self) -> bool {
-        true
-    }
-
     /// The profile notes, once each, the last time in this process that attention ran on
     /// the NVRTC kernels because cuDNN was missing or refused a shape, and the last time a
     /// 16-bit linear ran on cuBLAS because cuBLASLt was missing or refused it.
