@@ -94,6 +94,39 @@ fn vae_rows_one_shot_fast_low_ram_safe_vmm_fast_attach_leaf_no_stream() {
     }
 }
 
+/// The seed's VAE row for vmm_fast holds on a device whose native allocator was installed
+/// at bootstrap too: leaf, no stream, nothing pinned, the weights and activations served by
+/// the native pool, the output byte-identical to the resident baseline, and the pool holding
+/// no live bytes once the output is dropped (each leaf's weights go back after its call).
+#[test]
+fn vae_row_vmm_fast_on_a_native_device_is_leaf_no_stream() {
+    let (c, spec) = vae();
+    let n = native_device(2 << 30);
+    assert_eq!(Device::allocator(&*n), AllocatorKind::NativeVmm);
+    let h =
+        enable_offload_with_env(&c, dyn_device(&n), &options(Preset::VmmFast), &no_env()).unwrap();
+    assert_vae_leaf_no_stream(h.spec());
+    assert_eq!(n.memory_info().pinned_host, 0, "nothing pinned");
+    let out = h.forward(reference::input(&spec, 2, 1).unwrap()).unwrap();
+    assert_eq!(
+        bytes_of(&*n, &out),
+        baseline(&c_for_baseline(&spec), &spec, 2, 1)
+    );
+    let pool = Device::native_pool_figures(&*n).expect("a native device reports its pool");
+    assert!(
+        pool.peak_live_bytes > 0,
+        "the pool served the forward: {pool:?}"
+    );
+    drop(out);
+    n.synchronize().unwrap();
+    let pool = Device::native_pool_figures(&*n).unwrap();
+    assert_eq!(
+        pool.live_bytes, 0,
+        "nothing of the VAE stays live: {pool:?}"
+    );
+    assert_eq!(Device::allocator(&*n), AllocatorKind::NativeVmm);
+}
+
 #[test]
 fn vae_rows_warm_process_wsl_compat_nvme_baseline_attach_resident() {
     for preset in [Preset::WarmProcess, Preset::WslCompat, Preset::NvmeBaseline] {
