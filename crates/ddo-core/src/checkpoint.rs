@@ -180,13 +180,7 @@ impl Checkpoint {
                 )));
             }
             ranges.push((start, end, name));
-            let dtype = match dtype_name {
-                "F32" => Some(DType::F32),
-                "F16" => Some(DType::F16),
-                "BF16" => Some(DType::BF16),
-                "U8" | "I8" => Some(DType::Quantized),
-                _ => None,
-            };
+            let dtype = DType::from_header_name(dtype_name);
             match dtype {
                 Some(dtype) => {
                     tensors.insert(

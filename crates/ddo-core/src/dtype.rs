@@ -1,7 +1,15 @@
 //! Element types of tensors and parameters, and conversions between their byte forms.
+//!
+//! The two 8-bit floats are those of safetensors' `F8_E4M3` and `F8_E5M2` (PyTorch's
+//! `float8_e4m3fn` and `float8_e5m2`, the storage of ComfyUI's and Diffusers' fp8
+//! checkpoints). Their conversions are the `float8` crate's, a port of CUDA's
+//! `__nv_cvt_double_to_fp8` with `__NV_SATFINITE`: decoding is exact, encoding rounds to
+//! nearest even and saturates at the largest finite value (±448 and ±57344), NaN stays NaN,
+//! so a CUDA kernel converting with the same intrinsic gives the same bytes.
 
 use std::fmt;
 
+use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 
 use crate::error::{CoreError, Result};
@@ -16,6 +24,12 @@ pub enum DType {
     F16,
     /// bfloat16.
     BF16,
+    /// 8-bit float, 4 exponent bits (bias 7) and 3 mantissa bits, no infinities
+    /// (`float8_e4m3fn`; largest finite 448).
+    F8E4M3,
+    /// 8-bit float, 5 exponent bits (bias 15) and 2 mantissa bits, IEEE-style infinities
+    /// (`float8_e5m2`; largest finite 57344).
+    F8E5M2,
     /// Quantized storage (one byte per stored element, layout owned by the quantizer).
     /// DDO moves it as bytes where a route allows, and never computes on it.
     Quantized,
@@ -27,7 +41,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::Quantized => 1,
+            DType::F8E4M3 | DType::F8E5M2 | DType::Quantized => 1,
         }
     }
 
@@ -36,12 +50,19 @@ impl DType {
         matches!(self, DType::Quantized)
     }
 
-    /// Short name (`f32`, `f16`, `bf16`, `quantized`).
+    /// Whether this is one of the 8-bit floats (stored as such; computed on after an upcast).
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
+    }
+
+    /// Short name (`f32`, `f16`, `bf16`, `f8_e4m3`, `f8_e5m2`, `quantized`).
     pub const fn as_str(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::F8E4M3 => "f8_e4m3",
+            DType::F8E5M2 => "f8_e5m2",
             DType::Quantized => "quantized",
         }
     }
@@ -52,8 +73,36 @@ impl DType {
             safetensors::Dtype::F32 => Some(DType::F32),
             safetensors::Dtype::F16 => Some(DType::F16),
             safetensors::Dtype::BF16 => Some(DType::BF16),
+            safetensors::Dtype::F8_E4M3 => Some(DType::F8E4M3),
+            safetensors::Dtype::F8_E5M2 => Some(DType::F8E5M2),
             safetensors::Dtype::U8 | safetensors::Dtype::I8 => Some(DType::Quantized),
             _ => None,
+        }
+    }
+
+    /// The dtype a safetensors header's `dtype` string names (`"BF16"`, `"F8_E4M3"`, ...),
+    /// if DDO supports it (as [`DType::from_safetensors`]).
+    pub fn from_header_name(name: &str) -> Option<DType> {
+        match name {
+            "F32" => Some(DType::F32),
+            "F16" => Some(DType::F16),
+            "BF16" => Some(DType::BF16),
+            "F8_E4M3" => Some(DType::F8E4M3),
+            "F8_E5M2" => Some(DType::F8E5M2),
+            "U8" | "I8" => Some(DType::Quantized),
+            _ => None,
+        }
+    }
+
+    /// The safetensors dtype this is stored as (quantized storage as `U8`).
+    pub fn to_safetensors(self) -> safetensors::Dtype {
+        match self {
+            DType::F32 => safetensors::Dtype::F32,
+            DType::F16 => safetensors::Dtype::F16,
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
+            DType::F8E5M2 => safetensors::Dtype::F8_E5M2,
+            DType::Quantized => safetensors::Dtype::U8,
         }
     }
 
@@ -80,6 +129,14 @@ impl DType {
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
+            DType::F8E4M3 => bytes
+                .iter()
+                .map(|&b| F8E4M3::from_bits(b).to_f32())
+                .collect(),
+            DType::F8E5M2 => bytes
+                .iter()
+                .map(|&b| F8E5M2::from_bits(b).to_f32())
+                .collect(),
             DType::Quantized => {
                 return Err(CoreError::Shape {
                     what: "decode".into(),
@@ -91,7 +148,8 @@ impl DType {
         })
     }
 
-    /// Encodes f32 values as little-endian bytes of this dtype (round to nearest even).
+    /// Encodes f32 values as little-endian bytes of this dtype (round to nearest even; the
+    /// 8-bit floats saturate at their largest finite value, see the module docs).
     pub fn encode_f32(self, values: &[f32]) -> Result<Vec<u8>> {
         Ok(match self {
             DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -102,6 +160,14 @@ impl DType {
             DType::BF16 => values
                 .iter()
                 .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::F8E4M3 => values
+                .iter()
+                .map(|&v| F8E4M3::from_f32(v).to_bits())
+                .collect(),
+            DType::F8E5M2 => values
+                .iter()
+                .map(|&v| F8E5M2::from_f32(v).to_bits())
                 .collect(),
             DType::Quantized => {
                 return Err(CoreError::Shape {
@@ -139,6 +205,128 @@ mod tests {
                 assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");
             }
         }
+    }
+
+    /// The value of 8-bit float `code` written from the formats' definitions, independently
+    /// of the conversion under test: `(exponent bits, mantissa bits, bias, has infinities)`.
+    fn reference_fp8(code: u8, e_bits: u32, m_bits: u32, bias: i32, ieee: bool) -> f32 {
+        let sign = if code & 0x80 != 0 { -1.0f64 } else { 1.0 };
+        let e = ((code >> m_bits) as u32 & ((1 << e_bits) - 1)) as i32;
+        let m = (code as u32 & ((1 << m_bits) - 1)) as f64;
+        let top = (1 << e_bits) - 1;
+        if ieee && e == top {
+            return if m == 0.0 {
+                (sign * f64::INFINITY) as f32
+            } else {
+                f32::NAN
+            };
+        }
+        if !ieee && e == top && m as u32 == (1 << m_bits) - 1 {
+            return f32::NAN; // e4m3fn: only S.1111.111 is NaN; no infinities
+        }
+        let frac = m / f64::from(1u32 << m_bits);
+        let v = if e == 0 {
+            frac * 2f64.powi(1 - bias)
+        } else {
+            (1.0 + frac) * 2f64.powi(e - bias)
+        };
+        (sign * v) as f32
+    }
+
+    const FORMATS: [(DType, u32, u32, i32, bool, f32); 2] = [
+        (DType::F8E4M3, 4, 3, 7, false, 448.0),
+        (DType::F8E5M2, 5, 2, 15, true, 57344.0),
+    ];
+
+    #[test]
+    fn every_fp8_code_decodes_to_its_defined_value_and_encodes_back() {
+        for (dtype, e, m, bias, ieee, _) in FORMATS {
+            let codes: Vec<u8> = (0..=255).collect();
+            let values = dtype.decode_f32(&codes).unwrap();
+            for (&code, &v) in codes.iter().zip(&values) {
+                let want = reference_fp8(code, e, m, bias, ieee);
+                if want.is_nan() {
+                    assert!(v.is_nan(), "{dtype} {code:#04x}: {v}, want NaN");
+                    assert!(
+                        dtype.decode_f32(&dtype.encode_f32(&[v]).unwrap()).unwrap()[0].is_nan()
+                    );
+                    continue;
+                }
+                assert_eq!(v.to_bits(), want.to_bits(), "{dtype} {code:#04x}");
+                if v.is_finite() {
+                    assert_eq!(
+                        dtype.encode_f32(&[v]).unwrap(),
+                        [code],
+                        "{dtype} {code:#04x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_encoding_rounds_to_nearest_even_and_saturates() {
+        for (dtype, .., max) in FORMATS {
+            // Every finite positive value, ascending.
+            let mut grid: Vec<f32> = dtype
+                .decode_f32(&(0..=127u8).collect::<Vec<_>>())
+                .unwrap()
+                .into_iter()
+                .filter(|v| v.is_finite())
+                .collect();
+            grid.sort_by(f32::total_cmp);
+            assert_eq!(*grid.last().unwrap(), max, "{dtype}");
+            for (i, pair) in grid.windows(2).enumerate() {
+                let (lo, hi) = (pair[0], pair[1]);
+                let mid = (lo + hi) / 2.0; // exact in f32: both have few mantissa bits
+                let even = if i % 2 == 0 { lo } else { hi }; // codes alternate even/odd
+                let got = dtype
+                    .decode_f32(&dtype.encode_f32(&[mid]).unwrap())
+                    .unwrap()[0];
+                assert_eq!(got, even, "{dtype}: midpoint of {lo} and {hi}");
+                let below = dtype
+                    .decode_f32(&dtype.encode_f32(&[mid - (mid - lo) / 4.0]).unwrap())
+                    .unwrap()[0];
+                assert_eq!(
+                    below, lo,
+                    "{dtype}: just below the midpoint of {lo} and {hi}"
+                );
+                let neg = dtype
+                    .decode_f32(&dtype.encode_f32(&[-(mid + (hi - mid) / 4.0)]).unwrap())
+                    .unwrap()[0];
+                assert_eq!(neg, -hi, "{dtype}: just above the midpoint, negated");
+            }
+            for big in [max * 1.01, max * 4.0, 1e30, f32::INFINITY] {
+                let back = dtype
+                    .decode_f32(&dtype.encode_f32(&[big, -big]).unwrap())
+                    .unwrap();
+                assert_eq!(back, [max, -max], "{dtype}: {big} saturates");
+            }
+            let nan = dtype
+                .decode_f32(&dtype.encode_f32(&[f32::NAN]).unwrap())
+                .unwrap()[0];
+            assert!(nan.is_nan(), "{dtype}: NaN stays NaN");
+        }
+    }
+
+    #[test]
+    fn fp8_dtypes_map_to_and_from_safetensors() {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::F8E4M3,
+            DType::F8E5M2,
+        ] {
+            assert_eq!(DType::from_safetensors(dtype.to_safetensors()), Some(dtype));
+            // The header's name of it, as the safetensors crate writes it.
+            let name = format!("{:?}", dtype.to_safetensors());
+            assert_eq!(DType::from_header_name(&name), Some(dtype), "{name}");
+        }
+        assert_eq!(DType::F8E4M3.size_in_bytes(), 1);
+        assert!(DType::F8E5M2.is_fp8() && !DType::F8E5M2.is_quantized());
+        assert!(!DType::BF16.is_fp8());
+        assert_eq!(DType::F8E4M3.to_string(), "f8_e4m3");
     }
 
     #[test]

@@ -328,10 +328,10 @@ pub enum Refusal {
     NativeAllocatorRequired,
     /// The component holds quantized storage the route cannot move.
     #[error(
-        "`{param}` has quantized storage, which this route does not support; use diffusers_group_offload or none"
+        "`{param}` has quantized or fp8 storage, which this route does not support; use diffusers_group_offload or none"
     )]
     Quantized {
-        /// First quantized param.
+        /// First quantized (or fp8) param.
         param: String,
     },
     /// An explicit option the route cannot honour.

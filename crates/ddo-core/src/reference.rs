@@ -299,12 +299,7 @@ pub fn write_checkpoint(component: &Component, path: &Path) -> Result<()> {
         .collect();
     let mut views = Vec::new();
     for (name, data, dtype, shape) in &bytes {
-        let st = match dtype {
-            DType::F32 => safetensors::Dtype::F32,
-            DType::F16 => safetensors::Dtype::F16,
-            DType::BF16 => safetensors::Dtype::BF16,
-            DType::Quantized => safetensors::Dtype::U8,
-        };
+        let st = dtype.to_safetensors();
         let view = safetensors::tensor::TensorView::new(st, shape.clone(), data).map_err(|e| {
             CoreError::Checkpoint {
                 path: path.to_path_buf(),

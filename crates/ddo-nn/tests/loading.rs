@@ -130,6 +130,43 @@ fn an_unsupported_dtype_names_the_tensor_and_is_refused_only_when_asked_for() {
     assert!(read_f32_tensor(&file, "ids").is_err());
 }
 
+/// fp8 tensors (ComfyUI's and Diffusers' `F8_E4M3`, `F8_E5M2`) load as stored, one byte
+/// per element, beside tensors of other dtypes in the same file; asked for another dtype
+/// they are converted exactly (every fp8 value is a bf16 value).
+#[test]
+fn fp8_tensors_load_as_stored_or_convert_exactly() {
+    let dir = TempDir::new();
+    let file = dir.0.join("model.safetensors");
+    let codes: Vec<u8> = vec![0x00, 0x38, 0xB8, 0x7E, 0x01, 0x44, 0x3C, 0xC0];
+    let header = r#"{"w":{"dtype":"F8_E4M3","shape":[2,4],"data_offsets":[0,8]},"v":{"dtype":"F8_E5M2","shape":[8],"data_offsets":[8,16]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[16,20]}}"#;
+    let mut data = codes.clone();
+    data.extend_from_slice(&codes);
+    data.extend_from_slice(&[0x80, 0x3F, 0x00, 0x40]); // bf16 1.0, 2.0
+    write_raw(&file, header, &data);
+    let bytes = |p: &ddo_core::Param| p.host().with_bytes(|b| b.to_vec());
+    let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+    let p = w.param("w", &[2, 4], ParamKind::Parameter).unwrap();
+    assert_eq!((p.dtype(), bytes(&p)), (DType::F8E4M3, codes.clone()));
+    let p = w.param("v", &[8], ParamKind::Parameter).unwrap();
+    assert_eq!((p.dtype(), bytes(&p)), (DType::F8E5M2, codes.clone()));
+    assert_eq!(
+        w.param("b", &[2], ParamKind::Parameter).unwrap().dtype(),
+        DType::BF16
+    );
+    let mut w = CheckpointWeights::open_file(&file, Some(DType::BF16)).unwrap();
+    let p = w.param("w", &[2, 4], ParamKind::Parameter).unwrap();
+    let values = DType::F8E4M3.decode_f32(&codes).unwrap();
+    assert_eq!(values[1], 1.0);
+    assert_eq!(values[3], 448.0);
+    assert_eq!(p.dtype(), DType::BF16);
+    assert_eq!(bytes(&p), DType::BF16.encode_f32(&values).unwrap());
+    assert_eq!(
+        p.host().with_bytes(|b| DType::BF16.decode_f32(b)).unwrap(),
+        values,
+        "exact"
+    );
+}
+
 #[test]
 fn quantized_storage_is_refused_by_model_loading() {
     let dir = TempDir::new();

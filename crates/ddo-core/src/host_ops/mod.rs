@@ -105,6 +105,11 @@ fn encode_into(dtype: DType, values: &[f32], out: &mut [u8]) {
                 c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
             }
         }
+        DType::F8E4M3 | DType::F8E5M2 => {
+            // One byte per element: the dtype's own encoding (saturating, see `DType`).
+            let bytes = dtype.encode_f32(values).unwrap_or_default();
+            out[..bytes.len()].copy_from_slice(&bytes);
+        }
         // Refused by `float_dtype` before anything is allocated.
         DType::Quantized => {}
     }
@@ -595,6 +600,35 @@ mod tests {
         let err = d.affine(&host, 1.0, 0.0).unwrap_err();
         assert!(matches!(err, CoreError::WrongDevice { .. }), "{err}");
         assert!(d.to_f32_vec(&host).is_err());
+    }
+
+    /// The host backend computes on 8-bit float tensors by decoding them (exactly) to f32:
+    /// a cast round trip gives the dtype's own encoding, and a linear over an fp8 weight
+    /// equals the linear over that weight's decoded values.
+    #[test]
+    fn fp8_tensors_cast_exactly_and_compute_as_their_decoded_values() {
+        let d = dev();
+        let mut rng = SplitMix64::new(31);
+        let values: Vec<f32> = random(&mut rng, 48).iter().map(|v| v * 300.0).collect();
+        let x = put(&d, &[4, 12], DType::F32, &values);
+        for dtype in [DType::F8E4M3, DType::F8E5M2] {
+            let q = d.cast(&x, dtype).unwrap();
+            assert_eq!((q.dtype(), q.nbytes()), (dtype, 48));
+            let want = dtype
+                .decode_f32(&dtype.encode_f32(&values).unwrap())
+                .unwrap();
+            assert_eq!(get(&d, &d.cast(&q, DType::F32).unwrap()), want, "{dtype}");
+            let back = d.cast(&d.cast(&q, DType::BF16).unwrap(), dtype).unwrap();
+            assert_eq!(get(&d, &back), want, "{dtype}: through bf16 and back");
+            // A linear [3, 12] · [4, 12]^T with the fp8 tensor as the weight.
+            let input = put(&d, &[3, 12], DType::F32, &random(&mut rng, 36));
+            let decoded = put(&d, &[4, 12], DType::F32, &want);
+            assert_eq!(
+                get(&d, &d.linear(&input, &q, None).unwrap()),
+                get(&d, &d.linear(&input, &decoded, None).unwrap()),
+                "{dtype}"
+            );
+        }
     }
 
     #[test]

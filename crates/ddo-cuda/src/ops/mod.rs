@@ -50,10 +50,20 @@ pub(crate) fn shape_err(op: &str, message: impl Into<String>) -> CoreError {
 /// Refuses quantized storage, as the host backend does.
 pub(crate) fn float_dtype(op: &str, dtype: DType) -> Result<i32> {
     kernels::dtype_code(dtype).ok_or_else(|| {
-        shape_err(
-            op,
-            "quantized storage has no element values to compute on; dequantize it first",
-        )
+        if dtype.is_fp8() {
+            shape_err(
+                op,
+                format!(
+                    "{dtype} tensors are stored but not computed on by the CUDA backend yet; \
+                     give --dtype bf16 to convert them at load"
+                ),
+            )
+        } else {
+            shape_err(
+                op,
+                "quantized storage has no element values to compute on; dequantize it first",
+            )
+        }
     })
 }
 

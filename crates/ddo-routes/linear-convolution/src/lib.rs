@@ -187,7 +187,7 @@ impl Route for LinearConvolutionRoute {
         if let Some((name, _)) = component
             .named_params()
             .into_iter()
-            .find(|(_, p)| p.dtype().is_quantized())
+            .find(|(_, p)| p.dtype().is_quantized() || p.dtype().is_fp8())
         {
             return Err(refused(component, Refusal::Quantized { param: name }));
         }

@@ -347,6 +347,41 @@ fn refuses_quantized_params() {
     );
 }
 
+/// fp8 weights are quantized modules to this route as the seed words it (its eager
+/// forward computes in the stored dtype): refused with the routes that take them.
+#[test]
+fn refuses_fp8_params() {
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        let w = Param::new(
+            "proj.weight",
+            ParamKind::Parameter,
+            dtype,
+            vec![8],
+            HostBuffer::pageable_from(&[0x38u8; 8]).slice_all(),
+        )
+        .unwrap();
+        let root = Module::container(
+            "",
+            vec![Module::leaf(
+                "proj",
+                LeafKind::Linear,
+                vec![("weight".into(), w)],
+            )],
+        );
+        let c = Component::new("transformer", "Fp8", root, Arc::new(Identity)).unwrap();
+        let d = device(1 << 20);
+        let r = refused(&c, &d, &RouteSpec::route(RouteId::LinearConvolution));
+        assert_eq!(
+            r,
+            Refusal::Quantized {
+                param: "proj.weight".into()
+            },
+            "{dtype}"
+        );
+        assert!(r.to_string().contains("diffusers_group_offload"), "{r}");
+    }
+}
+
 #[test]
 fn refuses_a_budget() {
     let spec = ReferenceSpec::small("vae", 1, 4, DType::F32);
