@@ -271,3 +271,30 @@ extern "C" __global__ void ddo_gated_add_vec(const uint4* x, const void* g, int 
         }
     }
 }
+
+// float8_e4m3fn -> float, exactly: 4 exponent bits (bias 7), 3 mantissa bits, no
+// infinities, S.1111.111 is NaN.
+__device__ __forceinline__ float e4m3_to_float(u32 v) {
+    u32 e = (v >> 3) & 15u, m = v & 7u;
+    float r;
+    if (e == 15u && m == 7u) {
+        r = __int_as_float(0x7fc00000);
+    } else if (e == 0u) {
+        r = (float)m * 0.001953125f;  // m / 8 * 2^-6
+    } else {
+        r = __uint_as_float(((e + 120u) << 23) | (m << 20));  // exponent e - 7 + 127
+    }
+    return (v & 128u) ? -r : r;
+}
+
+// out[i] = x[i] for 8-bit float x (e5m2 != 0: float8_e5m2, the top byte of an f16; else
+// float8_e4m3fn) into a float dtype: exact, every fp8 value is an f16, bf16 and f32 value.
+extern "C" __global__ void ddo_fp8_upcast(const unsigned char* x, int e5m2, void* out,
+                                          int out_dtype, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        u32 b = x[i];
+        float v = e5m2 ? f16_to_float((u16)(b << 8)) : e4m3_to_float(b);
+        store_from_float(out, i, out_dtype, v);
+    }
+}

@@ -1626,3 +1626,85 @@ fn gated_add_matches_the_host_composition() {
     drop((gx, gg, gbad, y));
     p.assert_clean();
 }
+
+/// An 8-bit float tensor of `codes` on `gpu` (uploaded as stored bytes).
+fn fp8_tensor(gpu: &CudaDevice, dtype: DType, shape: &[usize], codes: &[u8]) -> Tensor {
+    let host = Tensor::new(
+        shape.to_vec(),
+        dtype,
+        TensorStorage::Host(HostBuffer::pageable_from(codes).slice_all()),
+    )
+    .unwrap();
+    host.to_device(gpu, &gpu.compute_stream()).unwrap()
+}
+
+/// fp8 storage (issue 18): every code of both formats decodes on the device exactly as on
+/// the host, into each float dtype; encoding into fp8 on the device is a typed refusal; and
+/// a linear (plain, GELU, concatenated) over an fp8 weight and bias is, bit for bit, the
+/// linear over their decoded values.
+#[test]
+fn fp8_decodes_exactly_and_linears_upcast_their_fp8_operands() {
+    let Some(gpu) = gpu() else { return };
+    let codes: Vec<u8> = (0..=255).collect();
+    for fp8 in [DType::F8E4M3, DType::F8E5M2] {
+        let t = fp8_tensor(&gpu, fp8, &[256], &codes);
+        let want = fp8.decode_f32(&codes).unwrap();
+        for dtype in DTYPES {
+            let got = gpu.to_f32_vec(&gpu.cast(&t, dtype).unwrap()).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                if w.is_nan() {
+                    assert!(g.is_nan(), "{fp8} code {i:#04x} as {dtype}: {g}, want NaN");
+                } else {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{fp8} code {i:#04x} as {dtype}");
+                }
+            }
+        }
+        let f = gpu.cast(&t, DType::F32).unwrap();
+        assert!(
+            matches!(gpu.cast(&f, fp8), Err(CoreError::Shape { .. })),
+            "{fp8}: encoding on the device is refused"
+        );
+
+        let (m, k, n) = (37, 64, 48);
+        let scaled = |len: usize, seed: usize| -> Vec<u8> {
+            let v: Vec<f32> = common::rnd(len, seed).iter().map(|x| x * 0.5).collect();
+            fp8.encode_f32(&v).unwrap()
+        };
+        let w8 = fp8_tensor(&gpu, fp8, &[n, k], &scaled(n * k, 11));
+        let b8 = fp8_tensor(&gpu, fp8, &[n], &scaled(n, 12));
+        let x = gpu
+            .tensor_from_f32(&[m, k], DType::BF16, &common::rnd(m * k, 13))
+            .unwrap();
+        let w16 = gpu.cast(&w8, DType::BF16).unwrap();
+        let b16 = gpu.cast(&b8, DType::BF16).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            gpu.to_f32_vec(t)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(
+            bits(&gpu.linear(&x, &w8, Some(&b8)).unwrap()),
+            bits(&gpu.linear(&x, &w16, Some(&b16)).unwrap()),
+            "{fp8} linear"
+        );
+        assert_eq!(
+            bits(&gpu.linear_gelu_tanh(&x, &w8, Some(&b16)).unwrap()),
+            bits(&gpu.linear_gelu_tanh(&x, &w16, Some(&b16)).unwrap()),
+            "{fp8} linear_gelu_tanh"
+        );
+        let halves = [
+            gpu.tensor_from_f32(&[m, k / 2], DType::BF16, &common::rnd(m * k / 2, 14))
+                .unwrap(),
+            gpu.tensor_from_f32(&[m, k / 2], DType::BF16, &common::rnd(m * k / 2, 15))
+                .unwrap(),
+        ];
+        let parts: Vec<&Tensor> = halves.iter().collect();
+        assert_eq!(
+            bits(&gpu.linear_concat(&parts, &w8, Some(&b8)).unwrap()),
+            bits(&gpu.linear_concat(&parts, &w16, Some(&b16)).unwrap()),
+            "{fp8} linear_concat"
+        );
+    }
+}

@@ -170,15 +170,50 @@ pub(crate) fn affine(dev: &CudaDevice, x: &Tensor, mul: f32, add: f32) -> Result
     map(dev, "affine", x, x.dtype(), U_AFFINE, mul, add)
 }
 
-/// [`ddo_core::Ops::cast`]: a byte copy when the dtype is unchanged (as the host does).
+/// [`ddo_core::Ops::cast`]: a byte copy when the dtype is unchanged (as the host does); an
+/// 8-bit float source is decoded exactly ([`fp8_upcast`]).
 pub(crate) fn cast(dev: &CudaDevice, x: &Tensor, dtype: DType) -> Result<Tensor> {
     const OP: &str = "cast";
+    if x.dtype().is_fp8() && dtype != x.dtype() {
+        return fp8_upcast(dev, x, dtype);
+    }
     if dtype != x.dtype() {
         return map(dev, OP, x, dtype, U_COPY, 1.0, 0.0);
     }
     let xi = input(dev, OP, x)?;
     let out = Out::new(dev, OP, x.shape().to_vec(), dtype)?;
     copy_bytes(dev, out.ptr, &xi)?;
+    out.finish(dev, &[&xi])
+}
+
+/// `x` (an 8-bit float tensor) decoded into a new tensor of the float `dtype`: exact, as the
+/// host's [`DType::decode_f32`] (every fp8 value is an f16, bf16 and f32 value). Encoding
+/// into fp8 on the device is refused by the output (`float_dtype`).
+pub(crate) fn fp8_upcast(dev: &CudaDevice, x: &Tensor, dtype: DType) -> Result<Tensor> {
+    const OP: &str = "fp8 upcast";
+    let xi = super::stored_input(dev, x)?;
+    if !xi.dtype.is_fp8() {
+        return Err(super::shape_err(
+            OP,
+            format!("{} is not an 8-bit float", xi.dtype),
+        ));
+    }
+    let out = Out::new(dev, OP, x.shape().to_vec(), dtype)?;
+    if out.numel > 0 {
+        let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_fp8_upcast")?;
+        launch(
+            dev,
+            &f,
+            grid_1d(out.numel as u64, BLOCK),
+            &[
+                Arg::Ptr(xi.ptr),
+                Arg::I32(i32::from(xi.dtype == DType::F8E5M2)),
+                Arg::Ptr(out.ptr),
+                Arg::I32(out.code),
+                Arg::I64(out.numel as i64),
+            ],
+        )?;
+    }
     out.finish(dev, &[&xi])
 }
 

@@ -572,6 +572,31 @@ fn lt_linear(dev: &CudaDevice, g: &LtLinear) -> Result<bool> {
     }
 }
 
+/// For a linear whose weight or bias is stored as an 8-bit float, both decoded exactly into
+/// new tensors of `x`'s dtype (freed in stream order after the GEMM); `None` otherwise.
+#[allow(clippy::type_complexity)] // the pair a linear takes
+fn fp8_operands(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    let b_fp8 = bias.is_some_and(|b| b.dtype().is_fp8());
+    if !w.dtype().is_fp8() && !b_fp8 {
+        return Ok(None);
+    }
+    let to = |t: &Tensor| -> Result<Tensor> {
+        if t.dtype().is_fp8() {
+            super::elementwise::fp8_upcast(dev, t, x.dtype())
+        } else {
+            Ok(t.clone())
+        }
+    };
+    let w = to(w)?;
+    let bias = bias.map(to).transpose()?;
+    Ok(Some((w, bias)))
+}
+
 /// `Ops::linear` on `dev`: `x [..., in] · wᵀ (+ bias)` with `w [out, in]`.
 pub(crate) fn linear(
     dev: &CudaDevice,
@@ -609,6 +634,11 @@ fn linear_impl(
     gelu: bool,
 ) -> Result<(Tensor, bool)> {
     const OP: &str = "linear";
+    if let Some((w, bias)) = fp8_operands(dev, x, w, bias)? {
+        // fp8 storage (issue 18): the weight (and bias) decoded into scratch of the input's
+        // dtype, then the same GEMM as a 16-bit weight.
+        return linear_impl(dev, x, &w, bias.as_ref(), gelu);
+    }
     let (xs, ws) = (x.shape(), w.shape());
     if xs.is_empty() || ws.len() != 2 || xs[xs.len() - 1] != ws[1] {
         return Err(shape_err(
@@ -691,6 +721,11 @@ pub(crate) fn linear_concat(
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "linear_concat";
+    if let Some(first) = xs.first()
+        && let Some((w, bias)) = fp8_operands(dev, first, w, bias)?
+    {
+        return linear_concat(dev, xs, &w, bias.as_ref());
+    }
     let same_dtype = xs.iter().all(|t| t.dtype() == w.dtype());
     if xs.len() < 2 || !same_dtype {
         return ddo_core::ops::linear_concat_by_concat(dev, xs, w, bias);

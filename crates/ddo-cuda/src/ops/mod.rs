@@ -54,8 +54,9 @@ pub(crate) fn float_dtype(op: &str, dtype: DType) -> Result<i32> {
             shape_err(
                 op,
                 format!(
-                    "{dtype} tensors are stored but not computed on by the CUDA backend yet; \
-                     give --dtype bf16 to convert them at load"
+                    "{dtype} tensors are computed on by the CUDA backend only as linear weights \
+                     and biases (decoded into the input's dtype) and through cast; give \
+                     --dtype bf16 to convert them at load"
                 ),
             )
         } else {
@@ -87,6 +88,16 @@ pub(crate) struct In<'a> {
 
 /// Checks that `t` is a float tensor of `dev` and returns its address, size, dtype, shape.
 pub(crate) fn input<'a>(dev: &CudaDevice, op: &str, t: &'a Tensor) -> Result<In<'a>> {
+    let code = float_dtype(op, t.dtype())?;
+    Ok(In {
+        code,
+        ..stored_input(dev, t)?
+    })
+}
+
+/// `t`'s bytes on `dev` whatever its dtype (code -1: not a float kernels compute in), for
+/// the ops that read stored bytes themselves (the fp8 upcast).
+pub(crate) fn stored_input<'a>(dev: &CudaDevice, t: &'a Tensor) -> Result<In<'a>> {
     let slice = match t.storage() {
         TensorStorage::Device(s) => s,
         TensorStorage::Host(_) => {
@@ -98,12 +109,11 @@ pub(crate) fn input<'a>(dev: &CudaDevice, op: &str, t: &'a Tensor) -> Result<In<
         }
     };
     let alloc = dev.allocation(slice.buffer())?;
-    let code = float_dtype(op, t.dtype())?;
     Ok(In {
         ptr: alloc.device_ptr() + slice.offset() as u64,
         len: slice.len(),
         dtype: t.dtype(),
-        code,
+        code: -1,
         shape: t.shape(),
         numel: t.numel(),
         alloc,
