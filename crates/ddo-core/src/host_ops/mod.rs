@@ -106,9 +106,12 @@ fn encode_into(dtype: DType, values: &[f32], out: &mut [u8]) {
             }
         }
         DType::F8E4M3 | DType::F8E5M2 => {
-            // One byte per element: the dtype's own encoding (saturating, see `DType`).
+            // One byte per element: the dtype's own encoding (saturating, see `DType`), zipped
+            // as the other arms are (never past `out`).
             let bytes = dtype.encode_f32(values).unwrap_or_default();
-            out[..bytes.len()].copy_from_slice(&bytes);
+            for (o, b) in out.iter_mut().zip(bytes) {
+                *o = b;
+            }
         }
         // Refused by `float_dtype` before anything is allocated.
         DType::Quantized => {}
