@@ -66,7 +66,7 @@ pub const OPTIONS: &[OptSpec] = &[
         "PX",
         "image width of the workload (default 128 for tiny, 1024 otherwise)",
     ),
-    opt("dtype", "f32|bf16|f16", "weight dtype (as for run)"),
+    opt("dtype", "f32|bf16|f16|fp8", "weight dtype (as for run)"),
     opt("out-json", "FILE.json", "also write the JSON there"),
     opt(
         "plot",

@@ -119,6 +119,12 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         &[("--weights", &weights), ("--latents", &latents_path)],
     )?;
     let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    if let Some(d) = dtype.filter(|d| d.is_fp8()) {
+        return Err(CliError::usage(
+            format!("--dtype {d}: the VAE is not stored as fp8"),
+            "fp8 storage is for the transformer (`ddo run --dtype fp8`); decode with --dtype f32, bf16 or f16",
+        ));
+    }
     let tiled = crate::run::tiled_decode(&args)?;
     let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
     let budget = vram_budget(&args)?;

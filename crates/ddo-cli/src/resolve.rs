@@ -80,7 +80,7 @@ pub const OPTIONS: &[OptSpec] = &[
         "on|off|auto",
         "the decode to plan for (as `ddo run`, default auto)",
     ),
-    opt("dtype", "f32|bf16|f16", "weight dtype (as `ddo run`)"),
+    opt("dtype", "f32|bf16|f16|fp8", "weight dtype (as `ddo run`)"),
     flag("json", "one JSON object per component, in an array"),
     flag(
         "allow-unused-weights",

@@ -109,8 +109,8 @@ pub const OPTIONS: &[OptSpec] = &[
     ),
     opt(
         "dtype",
-        "f32|bf16|f16",
-        "weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights)",
+        "f32|bf16|f16|fp8",
+        "weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8 (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a per-tensor scale, computes in bf16, and loads the rest as bf16",
     ),
     opt(
         "out",
@@ -147,9 +147,11 @@ pub fn parse_dtype(text: &str) -> CliResult<DType> {
         "f32" | "float32" => Ok(DType::F32),
         "bf16" | "bfloat16" => Ok(DType::BF16),
         "f16" | "float16" => Ok(DType::F16),
+        "fp8" | "fp8_e4m3" | "f8_e4m3" | "float8_e4m3fn" => Ok(DType::F8E4M3),
+        "fp8_e5m2" | "f8_e5m2" | "float8_e5m2" => Ok(DType::F8E5M2),
         _ => Err(CliError::usage(
             format!("unknown dtype `{text}`"),
-            "use f32, bf16 or f16",
+            "use f32, bf16, f16, or fp8_e4m3 (alias fp8) / fp8_e5m2 for the transformer's weights stored as fp8 with bf16 compute",
         )),
     }
 }
@@ -211,7 +213,10 @@ fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()>
     let params = config.text_encoder.param_count()
         + config.text_encoder_2.param_count()
         + config.transformer.param_count();
-    let needed = params * dtype.size_in_bytes() as u64;
+    // fp8 storage builds each transformer weight in bf16 before storing it as fp8, and
+    // keeps the modulations and the other components in bf16: counted at bf16, an upper
+    // bound.
+    let needed = params * dtype.compute().size_in_bytes() as u64;
     let available = ddo_core::host_memory::mem_available();
     match available {
         Some(free) if needed > free => Err(CliError::runtime(

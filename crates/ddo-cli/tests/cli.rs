@@ -201,6 +201,68 @@ fn the_default_preset_keeps_what_fits_resident_and_streams_the_rest() {
     assert!(err.contains("too small"), "{err}");
 }
 
+/// `--dtype fp8` (issue 18): the transformer's cast layers are stored as scaled fp8, so
+/// its weights take fewer bytes than in bf16 (the plan and the copies count stored bytes),
+/// and the image stays close to the bf16 run's.
+#[test]
+fn run_with_fp8_storage_moves_fewer_bytes_and_stays_close_to_bf16() {
+    let d = scratch("fp8");
+    let run = |dtype: &str| {
+        let out = d.join(format!("{dtype}.safetensors"));
+        let v = json(&ddo(&[
+            "run",
+            "--config",
+            "tiny",
+            "--height",
+            "16",
+            "--width",
+            "16",
+            "--max-sequence-length",
+            "8",
+            "--steps",
+            "2",
+            "--dtype",
+            dtype,
+            "--route",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ]));
+        let transformer = v["memory_plan"]["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["component"] == "transformer")
+            .unwrap()["footprint"]
+            .clone();
+        (v, transformer, tensor(&out, "sample").1)
+    };
+    let (_, bf16, bf16_image) = run("bf16");
+    let (v, fp8, fp8_image) = run("fp8");
+    assert!(
+        v["model"].as_str().unwrap().contains("f8_e4m3"),
+        "{}",
+        v["model"]
+    );
+    let (b, f) = (
+        bf16["streamed_bytes_per_forward"].as_u64().unwrap(),
+        fp8["streamed_bytes_per_forward"].as_u64().unwrap(),
+    );
+    assert!(
+        f < b * 3 / 4 && f > b / 3,
+        "fp8 streams {f} B against bf16's {b} B"
+    );
+    let num: f64 = fp8_image
+        .iter()
+        .zip(&bf16_image)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = bf16_image.iter().map(|b| (*b as f64).powi(2)).sum();
+    let rel = (num / den).sqrt();
+    assert!(rel < 0.1, "fp8 image {rel:e} from the bf16 image");
+}
+
 #[test]
 fn run_json_has_phases_components_and_the_decode_choice() {
     let d = scratch("json");
@@ -539,6 +601,26 @@ fn bad_inputs_exit_non_zero_with_one_line_and_a_hint() {
             vec!["run", "--config", "tiny", "--preset", "fastest"],
             2,
             "unknown preset",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--dtype", "fp4"],
+            2,
+            "fp8_e4m3",
+        ),
+        (
+            vec![
+                "decode",
+                "--weights",
+                &vae_flux,
+                "--latents",
+                &flux_latents,
+                "--dtype",
+                "fp8",
+                "--out",
+                "never-written.png",
+            ],
+            2,
+            "not stored as fp8",
         ),
         (
             vec!["run", "--config", "tiny", "--route", "vae=turbo"],

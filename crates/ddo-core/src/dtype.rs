@@ -55,6 +55,92 @@ impl DType {
         matches!(self, DType::F8E4M3 | DType::F8E5M2)
     }
 
+    /// The dtype a model computes in when its weights are stored as this one: bf16 for the
+    /// 8-bit floats (stored as fp8, upcast for compute, as Diffusers' layerwise casting's
+    /// `compute_dtype=torch.bfloat16`), the dtype itself otherwise.
+    pub const fn compute(self) -> DType {
+        match self {
+            DType::F8E4M3 | DType::F8E5M2 => DType::BF16,
+            other => other,
+        }
+    }
+
+    /// The largest finite value of an 8-bit float (448 for e4m3, 57344 for e5m2).
+    pub const fn fp8_max(self) -> Option<f32> {
+        match self {
+            DType::F8E4M3 => Some(448.0),
+            DType::F8E5M2 => Some(57344.0),
+            _ => None,
+        }
+    }
+
+    /// Quantizes `values` into this 8-bit float with one per-tensor scale, as ComfyUI's
+    /// scaled fp8 checkpoints store weights: `scale = amax / fp8_max` (1 for an all-zero
+    /// tensor), codes `encode(v / scale)` rounded to nearest even, so `decode(code) * scale`
+    /// approximates `v` over the whole range of the format. A non-finite value is refused
+    /// (it has no scale that keeps the rest).
+    pub fn quantize_scaled(self, what: &str, values: &[f32]) -> Result<(Vec<u8>, f32)> {
+        let Some(max) = self.fp8_max() else {
+            return Err(CoreError::Shape {
+                what: format!("quantizing {what}"),
+                message: format!("{self} is not an 8-bit float"),
+            });
+        };
+        // Large tensors are scanned and encoded on all cores, in fixed chunks: the result
+        // does not depend on the thread count.
+        const CHUNK: usize = 1 << 20;
+        let threads = if values.len() > CHUNK {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        } else {
+            1
+        };
+        let amax = par_chunks(values, CHUNK, threads, |c| {
+            c.iter().fold(0f32, |a, &v| {
+                if v.is_finite() {
+                    a.max(v.abs())
+                } else {
+                    f32::NAN
+                }
+            })
+        })
+        .into_iter()
+        .fold(0f32, |a, m| {
+            if m.is_nan() || a.is_nan() {
+                f32::NAN
+            } else {
+                a.max(m)
+            }
+        });
+        if amax.is_nan() {
+            let bad = values
+                .iter()
+                .find(|v| !v.is_finite())
+                .copied()
+                .unwrap_or(f32::NAN);
+            return Err(CoreError::Shape {
+                what: format!("quantizing {what}"),
+                message: format!(
+                    "value {bad} is not finite; fp8 with a scale needs finite weights"
+                ),
+            });
+        }
+        let scale = if amax > 0.0 { amax / max } else { 1.0 };
+        // Divided, not multiplied by a reciprocal: a subnormal amax's reciprocal overflows.
+        let e4m3 = self == DType::F8E4M3;
+        let parts = par_chunks(values, CHUNK, threads, |c| -> Vec<u8> {
+            if e4m3 {
+                c.iter()
+                    .map(|&v| F8E4M3::from_f32(v / scale).to_bits())
+                    .collect()
+            } else {
+                c.iter()
+                    .map(|&v| F8E5M2::from_f32(v / scale).to_bits())
+                    .collect()
+            }
+        });
+        Ok((parts.concat(), scale))
+    }
+
     /// Short name (`f32`, `f16`, `bf16`, `f8_e4m3`, `f8_e5m2`, `quantized`).
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -179,6 +265,32 @@ impl DType {
     }
 }
 
+/// `f` over each `chunk`-element piece of `values` on up to `threads` threads, results in
+/// order.
+fn par_chunks<T: Send>(
+    values: &[f32],
+    chunk: usize,
+    threads: usize,
+    f: impl Fn(&[f32]) -> T + Sync,
+) -> Vec<T> {
+    let chunks: Vec<&[f32]> = values.chunks(chunk).collect();
+    if threads <= 1 || chunks.len() <= 1 {
+        return chunks.into_iter().map(f).collect();
+    }
+    let per = chunks.len().div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = chunks
+            .chunks(per)
+            .map(|group| s.spawn(move || group.iter().map(|c| f(c)).collect::<Vec<T>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -188,6 +300,51 @@ impl fmt::Display for DType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn per_tensor_scaled_quantization_spans_the_format_and_refuses_non_finite_values() {
+        let values: Vec<f32> = (0..200).map(|i| (i as f32 - 100.0) * 3.1e-4).collect();
+        for dtype in [DType::F8E4M3, DType::F8E5M2] {
+            let max = dtype.fp8_max().unwrap();
+            let (codes, scale) = dtype.quantize_scaled("w", &values).unwrap();
+            assert_eq!(codes.len(), values.len());
+            let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
+            assert_eq!(scale, amax / max, "{dtype}");
+            let back = dtype.decode_f32(&codes).unwrap();
+            // The largest magnitude lands on the largest finite code.
+            assert_eq!(
+                back.iter().fold(0f32, |a, v| a.max(v.abs())),
+                max,
+                "{dtype}"
+            );
+            // Relative error of a normal value: half an ulp of 3 (or 2) mantissa bits.
+            let rel = if dtype == DType::F8E4M3 {
+                1.0 / 16.0
+            } else {
+                1.0 / 8.0
+            };
+            for (v, q) in values.iter().zip(&back) {
+                let err = (v - q * scale).abs();
+                assert!(
+                    err <= rel * v.abs() + 1e-9 + scale * 2f32.powi(-9),
+                    "{dtype}: {v} -> {}",
+                    q * scale
+                );
+            }
+            // All zeros: scale 1, codes 0.
+            let (zeros, one) = dtype.quantize_scaled("z", &[0.0; 4]).unwrap();
+            assert_eq!((zeros, one), (vec![0; 4], 1.0));
+            for bad in [f32::NAN, f32::INFINITY] {
+                let err = dtype
+                    .quantize_scaled("layer.weight", &[1.0, bad])
+                    .unwrap_err();
+                assert!(err.to_string().contains("layer.weight"), "{err}");
+            }
+        }
+        assert!(DType::BF16.quantize_scaled("w", &[1.0]).is_err());
+        assert_eq!(DType::F8E4M3.compute(), DType::BF16);
+        assert_eq!(DType::F16.compute(), DType::F16);
+    }
 
     #[test]
     fn round_trips_through_each_float_dtype() {

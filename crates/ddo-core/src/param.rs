@@ -67,6 +67,9 @@ pub struct Param {
     dtype: DType,
     shape: Vec<usize>,
     source: Option<SourceDescriptor>,
+    /// The per-tensor dequantization scale of a scaled fp8 weight (values are
+    /// `decode(byte) * scale`); carried by every tensor made from the param.
+    scale: Option<f32>,
     state: RwLock<ParamState>,
 }
 
@@ -100,6 +103,7 @@ impl Param {
             dtype,
             shape,
             source,
+            scale: None,
             state: RwLock::new(ParamState { host, device: None }),
         }))
     }
@@ -140,6 +144,28 @@ impl Param {
             });
         }
         Ok(param)
+    }
+
+    /// The param with a per-tensor dequantization `scale` (a scaled fp8 weight, e.g. a
+    /// checkpoint's `<layer>.scale_weight`); only an 8-bit float takes one, finite and
+    /// positive. Call it on a param no one else holds yet (as a loader does).
+    pub fn with_scale(mut param: Arc<Self>, scale: f32) -> Result<Arc<Self>> {
+        crate::tensor::check_scale(&param.name, param.dtype, Some(scale))?;
+        match Arc::get_mut(&mut param) {
+            Some(p) => {
+                p.scale = Some(scale);
+                Ok(param)
+            }
+            None => Err(CoreError::Shape {
+                what: format!("param `{}` scale", param.name),
+                message: "the param is already shared; give the scale when it is made".into(),
+            }),
+        }
+    }
+
+    /// The per-tensor dequantization scale of a scaled fp8 weight.
+    pub fn scale(&self) -> Option<f32> {
+        self.scale
     }
 
     /// Stable id.
@@ -226,13 +252,16 @@ impl Param {
             self.shape.clone(),
             self.dtype,
             TensorStorage::Host(self.host()),
-        )
+        )?
+        .with_scale(self.scale)
     }
 
     /// The param as a device tensor, when resident.
     pub fn device_tensor(&self) -> Option<Tensor> {
         self.device().and_then(|d| {
-            Tensor::new(self.shape.clone(), self.dtype, TensorStorage::Device(d)).ok()
+            Tensor::new(self.shape.clone(), self.dtype, TensorStorage::Device(d))
+                .and_then(|t| t.with_scale(self.scale))
+                .ok()
         })
     }
 

@@ -15,11 +15,16 @@ pub enum TensorStorage {
 }
 
 /// A dense, contiguous, row-major tensor.
+///
+/// An 8-bit float tensor may carry a per-tensor dequantization `scale` (a scaled fp8
+/// weight): its values are `decode(byte) * scale`. Only the ops that dequantize read such a
+/// tensor ([`crate::Ops::cast`] and the linears); every other op refuses it.
 #[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
     storage: TensorStorage,
+    scale: Option<f32>,
 }
 
 /// Number of elements of `shape`, or `None` on overflow.
@@ -56,7 +61,22 @@ impl Tensor {
             shape,
             dtype,
             storage,
+            scale: None,
         })
+    }
+
+    /// The same tensor with the per-tensor dequantization `scale` (its values become
+    /// `decode(byte) * scale`); only an 8-bit float takes one, and only a finite positive
+    /// one.
+    pub fn with_scale(mut self, scale: Option<f32>) -> Result<Self> {
+        check_scale("tensor", self.dtype, scale)?;
+        self.scale = scale;
+        Ok(self)
+    }
+
+    /// The per-tensor dequantization scale of a scaled fp8 tensor.
+    pub fn scale(&self) -> Option<f32> {
+        self.scale
     }
 
     /// A host tensor holding `values` encoded as `dtype`.
@@ -89,6 +109,7 @@ impl Tensor {
             shape: shape.to_vec(),
             dtype: self.dtype,
             storage: self.storage.clone(),
+            scale: self.scale,
         })
     }
 
@@ -145,7 +166,8 @@ impl Tensor {
                     self.shape.clone(),
                     self.dtype,
                     TensorStorage::Device(dst.slice_all()),
-                )
+                )?
+                .with_scale(self.scale)
             }
         }
     }
@@ -158,21 +180,61 @@ impl Tensor {
         }
     }
 
-    /// The tensor's values as f32, waiting for `stream` when they are on a device.
+    /// The tensor's values as f32 (a scaled tensor's scale applied), waiting for `stream`
+    /// when they are on a device.
     pub fn to_f32_vec(&self, device: &dyn Device, stream: &Stream) -> Result<Vec<f32>> {
-        self.dtype.decode_f32(&self.to_host_bytes(device, stream)?)
+        let mut values = self
+            .dtype
+            .decode_f32(&self.to_host_bytes(device, stream)?)?;
+        apply_scale(&mut values, self.scale);
+        Ok(values)
     }
 
-    /// The tensor's values as f32, for a host tensor.
+    /// The tensor's values as f32 (a scaled tensor's scale applied), for a host tensor.
     pub fn host_f32(&self) -> Result<Vec<f32>> {
         match &self.storage {
-            TensorStorage::Host(h) => h.with_bytes(|b| self.dtype.decode_f32(b)),
+            TensorStorage::Host(h) => {
+                let mut values = h.with_bytes(|b| self.dtype.decode_f32(b))?;
+                apply_scale(&mut values, self.scale);
+                Ok(values)
+            }
             TensorStorage::Device(_) => Err(CoreError::Shape {
                 what: "host_f32".into(),
                 message: "the tensor is on a device; use to_f32_vec with its device".into(),
             }),
         }
     }
+}
+
+/// Multiplies decoded values by a per-tensor dequantization scale, in f32 (what both
+/// backends' dequantizing ops compute before rounding to their output dtype).
+pub fn apply_scale(values: &mut [f32], scale: Option<f32>) {
+    if let Some(s) = scale {
+        for v in values {
+            *v *= s;
+        }
+    }
+}
+
+/// Checks a per-tensor dequantization scale for `what` of `dtype`: only 8-bit floats take
+/// one, and it must be finite and positive.
+pub fn check_scale(what: &str, dtype: DType, scale: Option<f32>) -> Result<()> {
+    let Some(s) = scale else {
+        return Ok(());
+    };
+    if !dtype.is_fp8() {
+        return Err(CoreError::Shape {
+            what: format!("{what} scale"),
+            message: format!("a per-tensor scale belongs to an 8-bit float; {what} is {dtype}"),
+        });
+    }
+    if !s.is_finite() || s <= 0.0 {
+        return Err(CoreError::Shape {
+            what: format!("{what} scale"),
+            message: format!("scale {s} is not a finite positive number"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -189,6 +251,26 @@ mod tests {
             Err(CoreError::SizeMismatch { .. })
         ));
         assert!(byte_len(&[usize::MAX, 2], DType::F32).is_err());
+    }
+
+    #[test]
+    fn only_fp8_tensors_take_a_finite_positive_scale_and_keep_it() {
+        let t = Tensor::from_f32(vec![2, 2], DType::F8E4M3, &[1.0, -2.0, 0.5, 4.0]).unwrap();
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert!(t.clone().with_scale(Some(bad)).is_err(), "{bad}");
+        }
+        let bf = Tensor::from_f32(vec![2], DType::BF16, &[1.0, 2.0]).unwrap();
+        assert!(bf.with_scale(Some(0.5)).is_err());
+        let s = t.with_scale(Some(0.25)).unwrap();
+        assert_eq!(s.host_f32().unwrap(), vec![0.25, -0.5, 0.125, 1.0]);
+        assert_eq!(s.reshape(&[4]).unwrap().scale(), Some(0.25));
+        let d = HostDevice::with_capacity(1 << 20).unwrap();
+        let on = s.to_device(&*d, &d.compute_stream()).unwrap();
+        assert_eq!(on.scale(), Some(0.25));
+        assert_eq!(
+            on.to_f32_vec(&*d, &d.compute_stream()).unwrap(),
+            vec![0.25, -0.5, 0.125, 1.0]
+        );
     }
 
     #[test]

@@ -287,14 +287,16 @@ __device__ __forceinline__ float e4m3_to_float(u32 v) {
     return (v & 128u) ? -r : r;
 }
 
-// out[i] = x[i] for 8-bit float x (e5m2 != 0: float8_e5m2, the top byte of an f16; else
-// float8_e4m3fn) into a float dtype: exact, every fp8 value is an f16, bf16 and f32 value.
-extern "C" __global__ void ddo_fp8_upcast(const unsigned char* x, int e5m2, void* out,
-                                          int out_dtype, i64 n) {
+// out[i] = x[i] * scale for 8-bit float x (e5m2 != 0: float8_e5m2, the top byte of an f16;
+// else float8_e4m3fn) into a float dtype. The decode is exact (every fp8 value is an f16,
+// bf16 and f32 value); a scaled fp8 tensor's per-tensor scale multiplies in f32 before the
+// store rounds (scale 1 for an unscaled one: exact).
+extern "C" __global__ void ddo_fp8_upcast(const unsigned char* x, int e5m2, float scale,
+                                          void* out, int out_dtype, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         u32 b = x[i];
         float v = e5m2 ? f16_to_float((u16)(b << 8)) : e4m3_to_float(b);
-        store_from_float(out, i, out_dtype, v);
+        store_from_float(out, i, out_dtype, v * scale);
     }
 }

@@ -1706,5 +1706,51 @@ fn fp8_decodes_exactly_and_linears_upcast_their_fp8_operands() {
             bits(&gpu.linear_concat(&parts, &w16, Some(&b16)).unwrap()),
             "{fp8} linear_concat"
         );
+
+        // Scaled fp8 (a per-tensor scale, as ComfyUI's scaled checkpoints and
+        // `--dtype fp8` store weights): cast and the linears dequantize, `decode * scale` in
+        // f32 rounded to the output dtype, exactly as the host backend does.
+        let scale = 0.0123f32;
+        let ws = w8.clone().with_scale(Some(scale)).unwrap();
+        let want: Vec<f32> = fp8
+            .decode_f32(&scaled(n * k, 11))
+            .unwrap()
+            .iter()
+            .map(|v| v * scale)
+            .collect();
+        let got = gpu.to_f32_vec(&gpu.cast(&ws, DType::F32).unwrap()).unwrap();
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{fp8} scaled cast"
+        );
+        let host = ddo_core::HostDevice::with_capacity(1 << 24).unwrap();
+        let host_w = host
+            .cast(
+                &host
+                    .tensor_from_f32(&[n, k], fp8, &fp8.decode_f32(&scaled(n * k, 11)).unwrap())
+                    .unwrap()
+                    .with_scale(Some(scale))
+                    .unwrap(),
+                DType::BF16,
+            )
+            .unwrap();
+        let ws16 = gpu
+            .tensor_from_f32(&[n, k], DType::BF16, &host.to_f32_vec(&host_w).unwrap())
+            .unwrap();
+        assert_eq!(
+            bits(&gpu.cast(&ws, DType::BF16).unwrap()),
+            bits(&ws16),
+            "{fp8} scaled upcast to bf16 rounds as the host"
+        );
+        assert_eq!(
+            bits(&gpu.linear(&x, &ws, Some(&b16)).unwrap()),
+            bits(&gpu.linear(&x, &ws16, Some(&b16)).unwrap()),
+            "{fp8} scaled linear"
+        );
+        assert!(
+            gpu.unary(&ws, ddo_core::UnaryOp::Silu).is_err(),
+            "{fp8}: other ops refuse a scaled tensor"
+        );
     }
 }

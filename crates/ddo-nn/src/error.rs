@@ -115,6 +115,21 @@ pub enum LoadError {
         /// What would be valid.
         hint: String,
     },
+    /// An fp8 weight's scale tensor (`<layer>.scale_weight` or `<layer>.weight_scale`) is
+    /// unusable: not one finite positive number, or beside a weight that is not fp8.
+    #[error(
+        "{file}: scale `{scale}` of `{tensor}`: {message}; fix or remove the scale tensor (a scaled fp8 weight takes one f32, f16 or bf16 value above 0)"
+    )]
+    BadScale {
+        /// The weight it scales.
+        tensor: String,
+        /// The scale tensor.
+        scale: String,
+        /// Checkpoint file.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// The core refused something while building (allocation, a bad module tree).
     #[error(transparent)]
     Core(#[from] CoreError),

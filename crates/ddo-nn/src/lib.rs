@@ -18,6 +18,7 @@ pub mod builder;
 pub mod clip;
 pub mod error;
 pub mod flux;
+pub mod fp8;
 pub mod layers;
 pub mod memory;
 pub mod pipeline;
@@ -30,6 +31,7 @@ pub mod weights;
 
 pub use builder::ModelBuilder;
 pub use error::{LoadError, LoadResult};
+pub use fp8::{FLUX_SKIP_PATTERNS, Fp8Storage};
 pub use weights::{
     CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, UnusedWeights, WeightSource,
     read_f32_tensor, read_text_file,

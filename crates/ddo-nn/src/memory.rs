@@ -113,7 +113,8 @@ impl FluxPipeline {
             .map_or(0, |t| estimate_t5_activation_bytes(t.config(), text_tokens));
         let transformer =
             estimate_flux_activation_bytes(self.transformer.config(), image_tokens, text_tokens)
-                .saturating_mul(images.max(1) as u64);
+                .saturating_mul(images.max(1) as u64)
+                .saturating_add(fp8_upcast_scratch_bytes(self.transformer.component()));
         let vae = self.vae.config();
         let latent_shape = [images.max(1), vae.latent_channels, h, w];
         let dtype: DType = self.vae.dtype();
@@ -160,6 +161,27 @@ impl FluxPipeline {
 }
 
 /// The dtype of the first weight of `component` (the models' activations take it).
+/// The device scratch a linear over fp8 weights takes besides its activations: its weight
+/// (and bias) decoded into the compute dtype for the GEMM, at most one leaf at a time; 0
+/// when nothing is stored as fp8.
+pub fn fp8_upcast_scratch_bytes(component: &ddo_core::Component) -> u64 {
+    component
+        .leaves()
+        .iter()
+        .map(|l| {
+            l.params()
+                .iter()
+                .filter(|(_, p)| p.dtype().is_fp8())
+                .map(|(_, p)| {
+                    let n: u64 = p.shape().iter().map(|&d| d as u64).product();
+                    n.saturating_mul(p.dtype().compute().size_in_bytes() as u64)
+                })
+                .fold(0u64, u64::saturating_add)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 fn weights_dtype(component: &ddo_core::Component) -> DType {
     component
         .leaves()
@@ -220,7 +242,27 @@ impl FluxPipeline {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flux::FluxTransformer;
     use crate::pipeline::FluxPipelineConfig;
+
+    #[test]
+    fn fp8_weights_add_their_largest_leafs_upcast_scratch() {
+        let cfg = FluxPipelineConfig::tiny();
+        let bf16 = FluxTransformer::random(cfg.transformer.clone(), 1, DType::BF16).unwrap();
+        assert_eq!(fp8_upcast_scratch_bytes(bf16.component()), 0);
+        let fp8 = FluxTransformer::random(cfg.transformer.clone(), 1, DType::F8E4M3).unwrap();
+        let largest = fp8
+            .component()
+            .leaves()
+            .iter()
+            .flat_map(|l| l.params().iter().map(|(_, p)| p))
+            .filter(|p| p.dtype().is_fp8())
+            .map(|p| 2 * p.nbytes() as u64)
+            .max()
+            .unwrap();
+        // Each leaf here holds one fp8 weight (biases stay as made): its bf16 copy.
+        assert_eq!(fp8_upcast_scratch_bytes(fp8.component()), largest);
+    }
 
     #[test]
     fn full_size_estimates_are_in_the_range_the_gpu_shows() {

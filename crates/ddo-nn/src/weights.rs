@@ -501,6 +501,88 @@ impl CheckpointWeights {
     pub fn close(self) {}
 }
 
+/// The names a checkpoint stores a weight's per-tensor fp8 scale under, for a weight
+/// `<layer>.weight`: ComfyUI's scaled fp8 checkpoints write `<layer>.scale_weight`, and
+/// ComfyUI's newer quantized checkpoints, NVIDIA ModelOpt and compressed-tensors exports write
+/// `<layer>.weight_scale`. Values are `decode(byte) * scale` in both.
+pub const SCALE_NAMES: [&str; 2] = ["scale_weight", "weight_scale"];
+
+/// The activation scale ComfyUI stores beside a scaled fp8 weight (`<layer>.scale_input`),
+/// for fp8 matrix products. DDO computes in the input's dtype, so it reads no input scale;
+/// the tensor counts as used.
+pub const INPUT_SCALE_NAME: &str = "scale_input";
+
+impl CheckpointWeights {
+    /// The per-tensor scale of weight `name` of `dtype` when the checkpoint has one
+    /// ([`SCALE_NAMES`]); marks the scale (and [`INPUT_SCALE_NAME`]) used. A scale that is
+    /// not one finite positive number, or beside a weight that is not fp8, is a
+    /// [`LoadError::BadScale`].
+    fn scale_of(&mut self, name: &str, dtype: DType) -> LoadResult<Option<f32>> {
+        let Some(layer) = name.strip_suffix(".weight") else {
+            return Ok(None);
+        };
+        let found: Vec<String> = SCALE_NAMES
+            .iter()
+            .map(|s| format!("{layer}.{s}"))
+            .filter(|s| self.location.contains_key(s))
+            .collect();
+        let Some(scale_name) = found.first().cloned() else {
+            return Ok(None);
+        };
+        let id = self.location[&scale_name];
+        let file = self.files[id].path().to_path_buf();
+        let bad = |message: String| LoadError::BadScale {
+            tensor: name.to_string(),
+            scale: scale_name.clone(),
+            file: file.clone(),
+            message,
+        };
+        if found.len() > 1 {
+            return Err(bad(format!(
+                "the checkpoint also has `{}`; keep one scale per weight",
+                found[1]
+            )));
+        }
+        if !dtype.is_fp8() {
+            return Err(bad(format!("the weight is {dtype}, not an 8-bit float")));
+        }
+        let ckpt = &self.files[id];
+        if let Some((_, d)) = ckpt.unsupported().find(|(n, _)| *n == scale_name) {
+            return Err(bad(format!("its dtype {d} is not f32, f16 or bf16")));
+        }
+        let info = ckpt.tensor(&scale_name)?.clone();
+        if !matches!(info.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(bad(format!(
+                "its dtype {} is not f32, f16 or bf16",
+                info.dtype
+            )));
+        }
+        if info.shape.iter().product::<usize>() != 1 {
+            return Err(bad(format!(
+                "shape {:?}: a per-tensor scale has one element (per-channel scales are not read)",
+                info.shape
+            )));
+        }
+        let value = ckpt
+            .host_buffer(&scale_name)?
+            .with_bytes(|b| info.dtype.decode_f32(b))?
+            .first()
+            .copied()
+            .unwrap_or(f32::NAN);
+        if !value.is_finite() || value <= 0.0 {
+            return Err(bad(format!(
+                "its value {value} is not a finite positive number"
+            )));
+        }
+        self.used.insert(scale_name);
+        let input = format!("{layer}.{INPUT_SCALE_NAME}");
+        if self.location.contains_key(&input) {
+            self.used.insert(input);
+        }
+        Ok(Some(value))
+    }
+}
+
 impl WeightSource for CheckpointWeights {
     fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
         self.used.insert(name.to_string());
@@ -535,22 +617,41 @@ impl WeightSource for CheckpointWeights {
                 dtype: "u8/i8 (quantized)".into(),
             });
         }
+        let scale = self.scale_of(name, info.dtype)?;
+        let ckpt = &self.files[id];
         match self.target {
             Some(t) if t != info.dtype => {
                 let host = ckpt.host_buffer(name)?;
-                let values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
-                let bytes = t.encode_f32(&values)?;
+                let mut values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
+                // A scaled fp8 weight converts as its dequantized values.
+                ddo_core::tensor::apply_scale(&mut values, scale);
+                let (bytes, scale) = if t.is_fp8() {
+                    let (codes, s) = t.quantize_scaled(name, &values)?;
+                    (codes, Some(s))
+                } else {
+                    (t.encode_f32(&values)?, None)
+                };
                 // Frozen like a checkpoint's bytes (see `RandomWeights`).
                 let label = format!("({} converted to {t}) {name}", file.display());
-                Ok(Param::new(
+                let p = Param::new(
                     name,
                     kind,
                     t,
                     shape.to_vec(),
                     HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
-                )?)
+                )?;
+                Ok(match scale {
+                    Some(s) => Param::with_scale(p, s)?,
+                    None => p,
+                })
             }
-            _ => Ok(Param::from_checkpoint(ckpt, name, name, kind)?),
+            _ => {
+                let p = Param::from_checkpoint(ckpt, name, name, kind)?;
+                Ok(match scale {
+                    Some(s) => Param::with_scale(p, s)?,
+                    None => p,
+                })
+            }
         }
     }
 

@@ -671,3 +671,72 @@ fn block_activation_peaks_stay_a_few_hidden_states_wide() {
         drop(out);
     }
 }
+
+/// `--dtype fp8_e4m3` on the fixture: the layers Diffusers' layerwise casting casts are
+/// stored as scaled fp8 (one byte a weight) and the rest as in the file; the model computes
+/// in bf16, stays close to Diffusers' f32 output, and gives the same bytes on every route
+/// that accepts fp8 (`linear_convolution` refuses it as quantized).
+#[test]
+fn fp8_storage_casts_the_diffusers_layers_and_streams_bit_identically() {
+    let load_fp8 = || FluxTransformer::load(&fixture_dir(), Some(DType::F8E4M3)).unwrap();
+    let model = load_fp8();
+    let f32_model = load();
+    let mut cast = 0;
+    for leaf in model.component().leaves() {
+        for (name, p) in leaf.params() {
+            let path = format!("{}.{name}", leaf.path());
+            let is_cast = name == "weight"
+                && p.shape().len() == 2
+                && !path.contains("norm")
+                && path != "proj_out.weight";
+            if is_cast {
+                cast += 1;
+                assert_eq!(p.dtype(), DType::F8E4M3, "{path}");
+                assert!(p.scale().is_some_and(|s| s > 0.0), "{path}");
+            } else {
+                assert_eq!((p.dtype(), p.scale()), (DType::F32, None), "{path}");
+            }
+        }
+    }
+    assert!(cast > 10, "{cast} cast weights");
+    assert!(model.component().param_bytes() < f32_model.component().param_bytes() / 2);
+
+    let run = |spec: Option<RouteSpec>| -> Result<(Vec<u8>, Vec<f32>), CoreError> {
+        let model = load_fp8();
+        let d = device();
+        let _handle = match spec {
+            Some(spec) => Some(enable_dynamic_offload(
+                model.component(),
+                d.clone() as Arc<dyn Device>,
+                spec,
+            )?),
+            None => {
+                model.component().to_device(&*d, &d.compute_stream())?;
+                None
+            }
+        };
+        let out = model.forward(&*d, &inputs())?;
+        assert_eq!(out.dtype(), DType::BF16, "computes in bf16");
+        Ok((bytes(&*d, &out), ops_of(&*d)?.to_f32_vec(&out)?))
+    };
+    let (resident, values) = run(None).unwrap();
+    let (_, reference) = fixture("outputs.safetensors", "sample");
+    let err = rel_l2(&values, &reference);
+    eprintln!(
+        "flux_transformer in fp8 (bf16 compute): relative L2 {err:.3e} against Diffusers f32"
+    );
+    assert!(err < 0.06, "relative L2 {err:e} against the f32 reference");
+    for spec in [
+        RouteSpec::resident(),
+        RouteSpec::leaf_group(true, false),
+        "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
+            .parse()
+            .unwrap(),
+    ] {
+        let label = spec.describe();
+        let (out, _) = run(Some(spec)).unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert!(out == resident, "{label}: differs from resident");
+    }
+    let err = run(Some("linear_convolution".parse().unwrap())).unwrap_err();
+    assert!(err.to_string().contains("quantized"), "{err}");
+}

@@ -167,6 +167,146 @@ fn fp8_tensors_load_as_stored_or_convert_exactly() {
     );
 }
 
+/// A scaled fp8 weight: `<layer>.scale_weight` (ComfyUI) or `<layer>.weight_scale`
+/// (ModelOpt, compressed-tensors) is read as its one f32/f16/bf16 value and carried by the
+/// param; conversion to another dtype dequantizes with it; both names count as used, as
+/// does ComfyUI's `scale_input`.
+#[test]
+fn fp8_scale_tensors_are_read_applied_on_conversion_and_count_as_used() {
+    let dir = TempDir::new();
+    let codes: Vec<u8> = vec![0x38, 0xB8, 0x40, 0x30]; // e4m3: 1, -1, 2, 0.5
+    for scale_name in ["scale_weight", "weight_scale"] {
+        let file = dir.0.join(format!("{scale_name}.safetensors"));
+        let header = format!(
+            r#"{{"l.weight":{{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]}},"l.{scale_name}":{{"dtype":"F32","shape":[],"data_offsets":[4,8]}},"l.scale_input":{{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}}}"#
+        );
+        let mut data = codes.clone();
+        data.extend_from_slice(&0.25f32.to_le_bytes());
+        data.extend_from_slice(&1.0f32.to_le_bytes());
+        write_raw(&file, &header, &data);
+        let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+        let p = w.param("l.weight", &[2, 2], ParamKind::Parameter).unwrap();
+        assert_eq!(
+            (p.dtype(), p.scale()),
+            (DType::F8E4M3, Some(0.25)),
+            "{scale_name}"
+        );
+        assert_eq!(p.host().to_vec(), codes, "stored bytes as in the file");
+        assert_eq!(
+            p.host_tensor().unwrap().host_f32().unwrap(),
+            vec![0.25, -0.25, 0.5, 0.125]
+        );
+        assert!(w.unused(&[]).is_empty(), "{:?}", w.unused(&[]));
+        let mut w = CheckpointWeights::open_file(&file, Some(DType::BF16)).unwrap();
+        let p = w.param("l.weight", &[2, 2], ParamKind::Parameter).unwrap();
+        assert_eq!((p.dtype(), p.scale()), (DType::BF16, None));
+        assert_eq!(
+            p.host().with_bytes(|b| DType::BF16.decode_f32(b)).unwrap(),
+            vec![0.25, -0.25, 0.5, 0.125],
+            "converted as dequantized"
+        );
+    }
+}
+
+/// A scale that is zero, negative, NaN, infinite, not one element, not a float, doubled,
+/// or beside a weight that is not fp8 is a typed error naming the weight, the scale and
+/// the file; nothing is loaded.
+#[test]
+fn bad_fp8_scales_are_typed_errors_naming_the_tensor() {
+    let dir = TempDir::new();
+    let f32_scale = |v: f32| {
+        (
+            r#""dtype":"F32","shape":[1]"#.to_string(),
+            v.to_le_bytes().to_vec(),
+        )
+    };
+    let cases: Vec<(&str, String, String, Vec<u8>, &str)> = vec![
+        (
+            "zero",
+            "F8_E4M3".into(),
+            f32_scale(0.0).0,
+            f32_scale(0.0).1,
+            "not a finite positive",
+        ),
+        (
+            "negative",
+            "F8_E4M3".into(),
+            f32_scale(-1.0).0,
+            f32_scale(-1.0).1,
+            "not a finite positive",
+        ),
+        (
+            "nan",
+            "F8_E4M3".into(),
+            f32_scale(f32::NAN).0,
+            f32_scale(f32::NAN).1,
+            "not a finite positive",
+        ),
+        (
+            "inf",
+            "F8_E4M3".into(),
+            f32_scale(f32::INFINITY).0,
+            f32_scale(f32::INFINITY).1,
+            "not a finite positive",
+        ),
+        (
+            "per-channel",
+            "F8_E4M3".into(),
+            r#""dtype":"F32","shape":[2]"#.into(),
+            [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect(),
+            "one element",
+        ),
+        (
+            "fp8 scale",
+            "F8_E4M3".into(),
+            r#""dtype":"F8_E4M3","shape":[1]"#.into(),
+            vec![0x38],
+            "not f32",
+        ),
+        (
+            "not fp8",
+            "BF16".into(),
+            f32_scale(0.5).0,
+            f32_scale(0.5).1,
+            "not an 8-bit float",
+        ),
+    ];
+    for (label, wdtype, scale_meta, scale_bytes, says) in cases {
+        let file = dir
+            .0
+            .join(format!("{}.safetensors", label.replace(' ', "_")));
+        let wlen = if wdtype == "BF16" { 8 } else { 4 };
+        let header = format!(
+            r#"{{"l.weight":{{"dtype":"{wdtype}","shape":[2,2],"data_offsets":[0,{wlen}]}},"l.scale_weight":{{{scale_meta},"data_offsets":[{wlen},{}]}}}}"#,
+            wlen + scale_bytes.len()
+        );
+        let mut data = vec![0x38u8; wlen];
+        data.extend_from_slice(&scale_bytes);
+        write_raw(&file, &header, &data);
+        let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+        let e = expect_err(w.param("l.weight", &[2, 2], ParamKind::Parameter));
+        let msg = e.to_string();
+        assert!(
+            matches!(&e, LoadError::BadScale { tensor, scale, .. } if tensor == "l.weight" && scale == "l.scale_weight"),
+            "{label}: {e:?}"
+        );
+        assert!(
+            msg.contains(says) && msg.contains(&file.display().to_string()),
+            "{label}: {msg}"
+        );
+    }
+    // Both names for one weight.
+    let file = dir.0.join("both.safetensors");
+    let header = r#"{"l.weight":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},"l.scale_weight":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},"l.weight_scale":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#;
+    let mut data = vec![0x38u8; 4];
+    data.extend_from_slice(&1.0f32.to_le_bytes());
+    data.extend_from_slice(&1.0f32.to_le_bytes());
+    write_raw(&file, header, &data);
+    let mut w = CheckpointWeights::open_file(&file, None).unwrap();
+    let e = expect_err(w.param("l.weight", &[2, 2], ParamKind::Parameter));
+    assert!(e.to_string().contains("keep one scale"), "{e}");
+}
+
 #[test]
 fn quantized_storage_is_refused_by_model_loading() {
     let dir = TempDir::new();

@@ -266,7 +266,7 @@ const DEVICES: &[&str] = &[
 ];
 
 const DTYPES: &[&str] = &[
-    "f32", "bf16", "f16", "F32", "fp16", "float32", "i64", "", "q4",
+    "f32", "bf16", "f16", "F32", "fp16", "float32", "i64", "", "q4", "fp8", "fp8_e5m2",
 ];
 
 const TILED: &[&str] = &["on", "off", "auto", "ON", "true", "1", ""];

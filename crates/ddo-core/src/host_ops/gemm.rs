@@ -3,7 +3,7 @@
 //! it: `linear`, `linear_concat` (the parts joined in host scratch, never in device
 //! memory) and `matmul` with broadcast batch dims.
 
-use super::{product, read_opt, shape_err, walk};
+use super::{product, shape_err, walk};
 use crate::error::Result;
 use crate::host_device::HostDevice;
 use crate::shape::{broadcast_shape, broadcast_strides};
@@ -106,8 +106,10 @@ impl HostDevice {
             .iter()
             .map(|x| self.input(op, x))
             .collect::<Result<Vec<_>>>()?;
-        let wi = self.input(op, w)?;
-        let bi = self.optional_vector(op, "bias", bias, out_f)?;
+        // The weight and bias may be (scaled) fp8: dequantized as CUDA's upcast does.
+        let wi = self.dequant_input(op, w)?;
+        let bi = self.optional_bias(op, bias, out_f)?;
+        let compute = xs[0].dtype();
         let shape = g.out_shape.clone();
         let output = self.new_output(op, shape, xs[0].dtype())?;
         self.fence()?;
@@ -128,11 +130,11 @@ impl HostDevice {
             }
             joined
         };
-        let (mut out, beta) = match read_opt(bi.as_ref())? {
+        let (mut out, beta) = match bi.as_ref().map(|b| b.dequantized(compute)).transpose()? {
             Some(b) => (b.repeat(m), 1.0),
             None => (vec![0.0; m * out_f], 0.0),
         };
-        wi.with_f32(|wv| {
+        let mut run = |wv: &[f32]| {
             gemm(
                 m,
                 in_f,
@@ -145,7 +147,12 @@ impl HostDevice {
                 &mut out,
                 out_f,
             );
-        })?;
+        };
+        if wi.dtype.is_fp8() {
+            run(&wi.dequantized(compute)?);
+        } else {
+            wi.with_f32(run)?;
+        }
         output.write_f32(&out)
     }
 }

@@ -25,7 +25,7 @@ pub(super) fn tensor_from_f32(
 }
 
 pub(super) fn to_f32_vec(dev: &HostDevice, x: &Tensor) -> Result<Vec<f32>> {
-    let xi = dev.input("to_f32_vec", x)?;
+    let xi = dev.dequant_input("to_f32_vec", x)?;
     dev.fence()?;
     xi.f32()
 }
@@ -185,11 +185,15 @@ pub(super) fn permute(dev: &HostDevice, x: &Tensor, dims: &[usize]) -> Result<Te
 
 pub(super) fn cast(dev: &HostDevice, x: &Tensor, dtype: DType) -> Result<Tensor> {
     const OP: &str = "cast";
-    let xi = dev.input(OP, x)?;
+    // Casting dequantizes: a scaled fp8 source is read with its scale.
+    let xi = dev.dequant_input(OP, x)?;
     let output = dev.new_output(OP, x.shape().to_vec(), dtype)?;
     dev.fence()?;
     if dtype == x.dtype() {
-        return output.write_bytes(|out| xi.bytes(|b| out.copy_from_slice(b)));
+        // The same bytes: a scaled tensor keeps its scale.
+        return output
+            .write_bytes(|out| xi.bytes(|b| out.copy_from_slice(b)))?
+            .with_scale(x.scale());
     }
     let v = xi.f32()?;
     output.write_f32(&v)

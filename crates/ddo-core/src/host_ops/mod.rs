@@ -55,13 +55,29 @@ struct Input<'a> {
     alloc: &'a HostAllocation,
     range: std::ops::Range<usize>,
     dtype: DType,
+    /// A scaled fp8 tensor's per-tensor scale (only [`HostDevice::dequant_input`] takes one).
+    scale: Option<f32>,
 }
 
 impl Input<'_> {
-    /// The values as f32 (a copy).
+    /// The values as f32 (a copy; a scaled tensor's scale applied).
     fn f32(&self) -> Result<Vec<f32>> {
-        self.alloc
-            .with_bytes(|b| self.dtype.decode_f32(&b[self.range.clone()]))
+        let mut values = self
+            .alloc
+            .with_bytes(|b| self.dtype.decode_f32(&b[self.range.clone()]))?;
+        crate::tensor::apply_scale(&mut values, self.scale);
+        Ok(values)
+    }
+
+    /// The values as a dequantizing op computes on them: an 8-bit float decoded, scaled
+    /// in f32, then rounded to the `compute` dtype (what CUDA's upcast into scratch of the
+    /// input's dtype stores); any other dtype as [`Input::f32`].
+    fn dequantized(&self, compute: DType) -> Result<Vec<f32>> {
+        let values = self.f32()?;
+        if !self.dtype.is_fp8() || compute == DType::F32 {
+            return Ok(values);
+        }
+        compute.decode_f32(&compute.encode_f32(&values)?)
     }
 
     /// Runs `f` over the raw bytes.
@@ -76,12 +92,14 @@ impl Input<'_> {
         self.alloc.with_bytes(|b| {
             let bytes = &b[self.range.clone()];
             if self.dtype == DType::F32
+                && self.scale.is_none()
                 && cfg!(target_endian = "little")
                 && let Ok(values) = bytemuck::try_cast_slice::<u8, f32>(bytes)
             {
                 return Ok(f(values));
             }
-            let values = self.dtype.decode_f32(bytes)?;
+            let mut values = self.dtype.decode_f32(bytes)?;
+            crate::tensor::apply_scale(&mut values, self.scale);
             Ok(f(&values))
         })
     }
@@ -171,6 +189,18 @@ fn walk<const K: usize>(shape: &[usize], strides: [&[usize]; K], mut f: impl FnM
 impl HostDevice {
     /// Checks that `t` is a float tensor in this device's memory.
     fn input<'a>(&self, op: &str, t: &'a Tensor) -> Result<Input<'a>> {
+        if t.scale().is_some() {
+            return Err(shape_err(
+                op,
+                "a scaled fp8 tensor is read only by cast and the linears; cast it to a float dtype first",
+            ));
+        }
+        self.dequant_input(op, t)
+    }
+
+    /// [`HostDevice::input`] for the ops that dequantize (cast, the linears' weight and
+    /// bias): a scaled fp8 tensor is taken with its scale.
+    fn dequant_input<'a>(&self, op: &str, t: &'a Tensor) -> Result<Input<'a>> {
         let slice = match t.storage() {
             TensorStorage::Device(s) => s,
             TensorStorage::Host(_) => {
@@ -187,6 +217,7 @@ impl HostDevice {
             alloc,
             range: slice.offset()..slice.offset() + slice.len(),
             dtype: t.dtype(),
+            scale: t.scale(),
         })
     }
 
@@ -224,6 +255,23 @@ impl HostDevice {
             ));
         }
         Ok(Some(self.input(op, t)?))
+    }
+
+    /// [`HostDevice::optional_vector`] for a linear's bias, which may be scaled fp8.
+    fn optional_bias<'a>(
+        &self,
+        op: &str,
+        t: Option<&'a Tensor>,
+        len: usize,
+    ) -> Result<Option<Input<'a>>> {
+        let Some(t) = t else { return Ok(None) };
+        if t.shape() != [len] {
+            return Err(shape_err(
+                op,
+                format!("bias has shape {:?}, expected [{len}]", t.shape()),
+            ));
+        }
+        Ok(Some(self.dequant_input(op, t)?))
     }
 }
 
@@ -631,6 +679,71 @@ mod tests {
                 get(&d, &d.linear(&input, &decoded, None).unwrap()),
                 "{dtype}"
             );
+        }
+    }
+
+    /// A scaled fp8 weight (ComfyUI's scaled fp8, or `--dtype fp8_e4m3`) computes as its
+    /// dequantized values `decode(byte) * scale`, rounded to the input's dtype, as CUDA's
+    /// upcast into scratch stores them; casts dequantize; every other op refuses it.
+    #[test]
+    fn scaled_fp8_weights_compute_as_their_dequantized_values() {
+        let d = dev();
+        let mut rng = SplitMix64::new(32);
+        let values: Vec<f32> = random(&mut rng, 48).iter().map(|v| v * 0.02).collect();
+        for dtype in [DType::F8E4M3, DType::F8E5M2] {
+            let (codes, scale) = dtype.quantize_scaled("w", &values).unwrap();
+            let raw = put(&d, &[48], dtype, &dtype.decode_f32(&codes).unwrap());
+            let q = raw
+                .reshape(&[4, 12])
+                .unwrap()
+                .with_scale(Some(scale))
+                .unwrap();
+            assert_eq!(q.scale(), Some(scale));
+            let dequant: Vec<f32> = dtype
+                .decode_f32(&codes)
+                .unwrap()
+                .iter()
+                .map(|v| v * scale)
+                .collect();
+            assert_eq!(
+                get(&d, &d.cast(&q, DType::F32).unwrap()),
+                dequant,
+                "{dtype}"
+            );
+            for compute in [DType::F32, DType::BF16] {
+                let rounded = compute
+                    .decode_f32(&compute.encode_f32(&dequant).unwrap())
+                    .unwrap();
+                let x = d
+                    .cast(
+                        &put(&d, &[3, 12], DType::F32, &random(&mut rng, 36)),
+                        compute,
+                    )
+                    .unwrap();
+                let plain = put(&d, &[4, 12], compute, &rounded);
+                let bias_codes = dtype
+                    .quantize_scaled("b", &[0.5, -0.25, 0.125, 1.0])
+                    .unwrap();
+                let b = put(&d, &[4], dtype, &dtype.decode_f32(&bias_codes.0).unwrap())
+                    .with_scale(Some(bias_codes.1))
+                    .unwrap();
+                let b_plain = put(
+                    &d,
+                    &[4],
+                    compute,
+                    &get(&d, &d.cast(&b, DType::F32).unwrap()),
+                );
+                assert_eq!(
+                    get(&d, &d.linear(&x, &q, Some(&b)).unwrap()),
+                    get(&d, &d.linear(&x, &plain, Some(&b_plain)).unwrap()),
+                    "{dtype} into {compute}"
+                );
+            }
+            // Scaling is not an unscaled fp8 value: an op that reads stored values refuses.
+            let err = d.unary(&q, UnaryOp::Silu).unwrap_err();
+            assert!(err.to_string().contains("scaled fp8"), "{err}");
+            // A same-dtype cast keeps the bytes and the scale.
+            assert_eq!(d.cast(&q, dtype).unwrap().scale(), Some(scale));
         }
     }
 

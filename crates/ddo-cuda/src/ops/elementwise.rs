@@ -186,9 +186,11 @@ pub(crate) fn cast(dev: &CudaDevice, x: &Tensor, dtype: DType) -> Result<Tensor>
     out.finish(dev, &[&xi])
 }
 
-/// `x` (an 8-bit float tensor) decoded into a new tensor of the float `dtype`: exact, as the
-/// host's [`DType::decode_f32`] (every fp8 value is an f16, bf16 and f32 value). Encoding
-/// into fp8 on the device is refused by the output (`float_dtype`).
+/// `x` (an 8-bit float tensor) decoded into a new tensor of the float `dtype`, times its
+/// per-tensor scale when it has one: the decode is exact, as the host's
+/// [`DType::decode_f32`] (every fp8 value is an f16, bf16 and f32 value), the scale
+/// multiplies in f32 before rounding, as the host's dequantizing ops do. Encoding into fp8
+/// on the device is refused by the output (`float_dtype`).
 pub(crate) fn fp8_upcast(dev: &CudaDevice, x: &Tensor, dtype: DType) -> Result<Tensor> {
     const OP: &str = "fp8 upcast";
     let xi = super::stored_input(dev, x)?;
@@ -208,6 +210,7 @@ pub(crate) fn fp8_upcast(dev: &CudaDevice, x: &Tensor, dtype: DType) -> Result<T
             &[
                 Arg::Ptr(xi.ptr),
                 Arg::I32(i32::from(xi.dtype == DType::F8E5M2)),
+                Arg::F32(x.scale().unwrap_or(1.0)),
                 Arg::Ptr(out.ptr),
                 Arg::I32(out.code),
                 Arg::I64(out.numel as i64),

@@ -28,6 +28,7 @@ use serde::Deserialize;
 
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
+use crate::fp8::{FLUX_SKIP_PATTERNS, Fp8Storage};
 use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSource};
 
 pub use embeddings::{rope_tables, timestep_embedding};
@@ -344,12 +345,29 @@ impl FluxTransformer {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let config = FluxTransformerConfig::from_file(&dir.join("config.json"))?;
-        CheckpointWeights::build_in(dir, dtype, &[], unused, |w| Self::build(w, config))
+        match dtype {
+            // fp8 storage: the cast layers' weights stored as fp8 with a per-tensor scale,
+            // the rest as stored ([`Fp8Storage`]); weights already in fp8 load as stored.
+            Some(f) if f.is_fp8() => CheckpointWeights::build_in(dir, None, &[], unused, |w| {
+                Self::build(&mut Fp8Storage::new(w, f, &FLUX_SKIP_PATTERNS)?, config)
+            }),
+            _ => CheckpointWeights::build_in(dir, dtype, &[], unused, |w| Self::build(w, config)),
+        }
     }
 
-    /// A model with seeded random weights stored as `dtype`.
+    /// A model with seeded random weights stored as `dtype`; an 8-bit float `dtype` makes
+    /// bf16 weights and stores the cast layers' as scaled fp8, as [`FluxTransformer::load`]
+    /// does with a checkpoint.
     pub fn random(config: FluxTransformerConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
-        Self::build(&mut RandomWeights::new(seed, dtype), config)
+        let mut w = RandomWeights::new(seed, dtype.compute());
+        if dtype.is_fp8() {
+            Self::build(
+                &mut Fp8Storage::new(&mut w, dtype, &FLUX_SKIP_PATTERNS)?,
+                config,
+            )
+        } else {
+            Self::build(&mut w, config)
+        }
     }
 
     /// The component (attach routes to it).

@@ -212,12 +212,13 @@ impl FluxProgram {
         Ok((b, li, lt))
     }
 
-    /// The model's compute dtype: that of `x_embedder`'s weight (Diffusers' hidden dtype).
+    /// The model's compute dtype: that of `x_embedder`'s weight (Diffusers' hidden dtype),
+    /// bf16 when it is stored as fp8 ([`DType::compute`]).
     fn dtype(&self, ctx: &ForwardContext<'_>) -> Result<DType> {
         let leaf = ctx.component().leaf(self.x_embedder.leaf())?;
         leaf.params()
             .first()
-            .map(|(_, p)| p.dtype())
+            .map(|(_, p)| p.dtype().compute())
             .ok_or_else(|| shape_err("x_embedder", "has no weight"))
     }
 

@@ -333,7 +333,9 @@ impl FluxPipeline {
     }
 
     /// A pipeline at `config` with seeded random weights stored as `dtype` (component `k`
-    /// of text_encoder, text_encoder_2, transformer, vae uses seed `seed + k`).
+    /// of text_encoder, text_encoder_2, transformer, vae uses seed `seed + k`). An 8-bit
+    /// float `dtype` stores the transformer's cast layers as scaled fp8 and makes the rest in
+    /// bf16 ([`crate::fp8`]).
     pub fn random(config: &FluxPipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
         check_consistency(
             Some(&config.text_encoder),
@@ -341,10 +343,12 @@ impl FluxPipeline {
             &config.transformer,
             &config.vae,
         )?;
-        let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype);
+        // fp8 storage is the transformer's; the other components use its compute dtype.
+        let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype.compute());
         let clip = ClipTextModel::build(&mut w(0), &config.text_encoder)?;
         let t5 = T5Encoder::build(&mut w(1), &config.text_encoder_2)?;
-        let transformer = FluxTransformer::build(&mut w(2), config.transformer.clone())?;
+        let transformer =
+            FluxTransformer::random(config.transformer.clone(), seed.wrapping_add(2), dtype)?;
         let vae = AutoencoderKL::build(&mut w(3), config.vae.clone())?;
         Self::new(
             Some(clip),
@@ -359,7 +363,9 @@ impl FluxPipeline {
     /// Loads a Diffusers pipeline folder: `transformer/` and `vae/` (required),
     /// `text_encoder/` and `text_encoder_2/` (when present), `scheduler/scheduler_config.json`
     /// (FLUX.1-dev's scheduler when absent). `dtype` converts weights on load; `None` keeps
-    /// the files' dtype, memory-mapped.
+    /// the files' dtype, memory-mapped. An 8-bit float `dtype` stores the transformer's
+    /// cast layers as scaled fp8 and converts the other components to bf16
+    /// ([`crate::fp8`]).
     pub fn load(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
         Self::load_checked(dir, dtype, UnusedWeights::Refuse)
     }
@@ -381,6 +387,9 @@ impl FluxPipeline {
             });
         }
         let transformer = FluxTransformer::load_checked(&dir.join(TRANSFORMER), dtype, unused)?;
+        // fp8 storage (`dtype` an 8-bit float) is the transformer's; the other components
+        // convert to its compute dtype.
+        let dtype = dtype.map(DType::compute);
         let vae = AutoencoderKL::load_checked(&dir.join(VAE), dtype, unused)?;
         let clip_dir = dir.join(TEXT_ENCODER);
         let clip = if clip_dir.is_dir() {
@@ -453,13 +462,14 @@ impl FluxPipeline {
         Ok((h, w))
     }
 
-    /// The transformer's dtype (that of `x_embedder`'s weight).
+    /// The transformer's compute dtype (that of `x_embedder`'s weight; bf16 when it is
+    /// stored as fp8).
     pub fn transformer_dtype(&self) -> DType {
         self.transformer
             .component()
             .leaf_by_path("x_embedder")
             .and_then(|l| l.params().first())
-            .map_or(DType::F32, |(_, p)| p.dtype())
+            .map_or(DType::F32, |(_, p)| p.dtype().compute())
     }
 
     /// Token ids for a text prompt with the stand-in tokenizer: CLIP padded to its

@@ -1,0 +1,192 @@
+//! fp8 storage chosen at load (`--dtype fp8_e4m3`): [`Fp8Storage`] wraps any
+//! [`WeightSource`] and stores the weights of the layers Diffusers' layerwise casting casts
+//! as an 8-bit float with a per-tensor scale, leaving the rest as the source gives them.
+//!
+//! Which layers: Diffusers' `enable_layerwise_casting` casts the `Linear`, `Conv` and
+//! `Embedding` modules whose dotted name matches none of its skip patterns, by default
+//! `DEFAULT_SKIP_MODULES_PATTERN` (`pos_embed`, `patch_embed`, `norm`, `^proj_in$`,
+//! `^proj_out$`) plus the model's `_skip_layerwise_casting_patterns` (Flux's transformer:
+//! `pos_embed`, `norm`), searched as regular expressions in the module name. So in Flux
+//! the attention, feed-forward, embedder and single-block projections are cast, and the
+//! adaLN modulations (`norm1.linear`, `norm.linear`, `norm_out.linear`), the norms and the
+//! final `proj_out` stay as stored.
+//!
+//! Two differences from Diffusers, both for accuracy: Diffusers casts weight and bias
+//! straight to fp8 (`module.to(float8_e4m3fn)`, no scale), where DDO stores each weight with
+//! a per-tensor scale (`amax / 448`, as ComfyUI's scaled fp8 checkpoints do: small weights
+//! stay out of fp8's subnormals) and keeps biases in the source dtype (they are a few
+//! kilobytes per layer). Compute is in bf16 ([`DType::compute`]) either way.
+
+use std::sync::Arc;
+
+use ddo_core::host_memory::AlignedBytes;
+use ddo_core::{DType, HostBuffer, Param, ParamKind};
+
+use crate::error::{LoadError, LoadResult};
+use crate::weights::WeightSource;
+
+/// Diffusers' `DEFAULT_SKIP_MODULES_PATTERN` with `FluxTransformer2DModel`'s
+/// `_skip_layerwise_casting_patterns` (a pattern `^name$` matches the whole module name,
+/// any other a part of it, as `re.search` does for these).
+pub const FLUX_SKIP_PATTERNS: [&str; 5] = [
+    "pos_embed",
+    "patch_embed",
+    "norm",
+    "^proj_in$",
+    "^proj_out$",
+];
+
+/// Whether module `module` (a dotted name) matches `pattern` as `re.search` matches the
+/// skip patterns: `^name$` the whole name, any other pattern a substring.
+fn matches(pattern: &str, module: &str) -> bool {
+    match pattern.strip_prefix('^').and_then(|p| p.strip_suffix('$')) {
+        Some(whole) => module == whole,
+        None => module.contains(pattern),
+    }
+}
+
+/// A [`WeightSource`] that stores the cast layers' weights (`<module>.weight`, two or more
+/// dims, module outside the skip patterns) as scaled fp8; everything else, and a weight
+/// already stored as fp8, passes through as the inner source gives it.
+pub struct Fp8Storage<'w> {
+    inner: &'w mut dyn WeightSource,
+    format: DType,
+    skip: &'static [&'static str],
+    converted: u64,
+}
+
+impl<'w> Fp8Storage<'w> {
+    /// Wraps `inner`, storing cast weights as `format` (an 8-bit float) and skipping the
+    /// modules matching `skip`.
+    pub fn new(
+        inner: &'w mut dyn WeightSource,
+        format: DType,
+        skip: &'static [&'static str],
+    ) -> LoadResult<Self> {
+        if !format.is_fp8() {
+            return Err(LoadError::InvalidConfig {
+                field: "fp8 storage".into(),
+                value: format.to_string(),
+                hint: "store weights as f8_e4m3 or f8_e5m2".into(),
+            });
+        }
+        Ok(Self {
+            inner,
+            format,
+            skip,
+            converted: 0,
+        })
+    }
+
+    /// Whether param `name` of `shape` is stored as fp8.
+    pub fn casts(&self, name: &str, shape: &[usize], kind: ParamKind) -> bool {
+        let Some(module) = name.strip_suffix(".weight") else {
+            return false;
+        };
+        kind == ParamKind::Parameter
+            && shape.len() >= 2
+            && !self.skip.iter().any(|p| matches(p, module))
+    }
+
+    /// Weights converted to fp8 so far.
+    pub fn converted(&self) -> u64 {
+        self.converted
+    }
+}
+
+impl WeightSource for Fp8Storage<'_> {
+    fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
+        let p = self.inner.param(name, shape, kind)?;
+        if !self.casts(name, shape, kind) || p.dtype().is_fp8() {
+            return Ok(p);
+        }
+        let values = p.host().with_bytes(|b| p.dtype().decode_f32(b))?;
+        drop(p);
+        let (codes, scale) = self.format.quantize_scaled(name, &values)?;
+        drop(values);
+        // Frozen like a checkpoint's bytes: read and page-locked in place, never written.
+        let label = format!("(stored as {}) {name}", self.format);
+        let q = Param::new(
+            name,
+            kind,
+            self.format,
+            shape.to_vec(),
+            HostBuffer::frozen(AlignedBytes::copy_from(&codes), &label).slice_all(),
+        )?;
+        self.converted += 1;
+        Ok(Param::with_scale(q, scale)?)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::RandomWeights;
+
+    #[test]
+    fn skip_patterns_follow_diffusers_layerwise_casting_for_flux() {
+        let mut inner = RandomWeights::new(1, DType::BF16);
+        let s = Fp8Storage::new(&mut inner, DType::F8E4M3, &FLUX_SKIP_PATTERNS).unwrap();
+        let w = ParamKind::Parameter;
+        for cast in [
+            "transformer_blocks.0.attn.to_q.weight",
+            "transformer_blocks.3.ff.net.0.proj.weight",
+            "single_transformer_blocks.7.proj_out.weight",
+            "single_transformer_blocks.7.proj_mlp.weight",
+            "x_embedder.weight",
+            "context_embedder.weight",
+            "time_text_embed.timestep_embedder.linear_1.weight",
+        ] {
+            assert!(s.casts(cast, &[8, 8], w), "{cast}");
+        }
+        for kept in [
+            "transformer_blocks.0.norm1.linear.weight",
+            "single_transformer_blocks.0.norm.linear.weight",
+            "norm_out.linear.weight",
+            "proj_out.weight",
+            "transformer_blocks.0.attn.norm_q.weight",
+        ] {
+            assert!(!s.casts(kept, &[8, 8], w), "{kept}");
+        }
+        // Biases, 1-D weights and buffers stay as stored.
+        assert!(!s.casts("transformer_blocks.0.attn.to_q.bias", &[8], w));
+        assert!(!s.casts("x_embedder.weight", &[8], w));
+        assert!(!s.casts("x_embedder.weight", &[8, 8], ParamKind::Buffer));
+    }
+
+    #[test]
+    fn cast_weights_are_scaled_fp8_of_the_source_values_and_the_rest_passes_through() {
+        let mut plain = RandomWeights::new(7, DType::BF16);
+        let want = plain
+            .param("blocks.0.attn.to_q.weight", &[16, 8], ParamKind::Parameter)
+            .unwrap();
+        let bias = plain
+            .param("blocks.0.attn.to_q.bias", &[16], ParamKind::Parameter)
+            .unwrap();
+        let mut inner = RandomWeights::new(7, DType::BF16);
+        let mut s = Fp8Storage::new(&mut inner, DType::F8E4M3, &FLUX_SKIP_PATTERNS).unwrap();
+        let q = s
+            .param("blocks.0.attn.to_q.weight", &[16, 8], ParamKind::Parameter)
+            .unwrap();
+        let b = s
+            .param("blocks.0.attn.to_q.bias", &[16], ParamKind::Parameter)
+            .unwrap();
+        assert_eq!((q.dtype(), q.nbytes()), (DType::F8E4M3, 128));
+        let source = want
+            .host()
+            .with_bytes(|b| DType::BF16.decode_f32(b))
+            .unwrap();
+        let (codes, scale) = DType::F8E4M3.quantize_scaled("w", &source).unwrap();
+        assert_eq!(q.scale(), Some(scale));
+        assert_eq!(q.host().to_vec(), codes);
+        assert_eq!(s.converted(), 1);
+        // The bias is the source's, untouched.
+        assert_eq!(b.dtype(), DType::BF16);
+        assert_eq!(b.host().to_vec(), bias.host().to_vec());
+        assert!(Fp8Storage::new(&mut plain, DType::BF16, &FLUX_SKIP_PATTERNS).is_err());
+    }
+}
