@@ -80,65 +80,151 @@ impl DType {
     /// approximates `v` over the whole range of the format. A non-finite value is refused
     /// (it has no scale that keeps the rest).
     pub fn quantize_scaled(self, what: &str, values: &[f32]) -> Result<(Vec<u8>, f32)> {
+        let mut out = vec![0u8; values.len()];
+        let scale = self.quantize_scaled_into(
+            what,
+            values.len(),
+            |at, buf| buf.copy_from_slice(&values[at..at + buf.len()]),
+            &mut out,
+        )?;
+        Ok((out, scale))
+    }
+
+    /// [`DType::quantize_scaled`] of the float tensor `bytes` of dtype `src` (f32, f16,
+    /// bf16), written into `out` (one byte an element): decoded chunk by chunk, never as a
+    /// whole f32 copy, on all cores for a large tensor.
+    pub fn quantize_scaled_bytes(
+        self,
+        what: &str,
+        src: DType,
+        bytes: &[u8],
+        out: &mut [u8],
+    ) -> Result<f32> {
+        if !matches!(src, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(CoreError::Shape {
+                what: format!("quantizing {what}"),
+                message: format!("the source is {src}; quantize from f32, f16 or bf16"),
+            });
+        }
+        let size = src.size_in_bytes();
+        if bytes.len() != out.len() * size {
+            return Err(CoreError::SizeMismatch {
+                what: format!("quantizing {what}"),
+                expected: out.len() * size,
+                actual: bytes.len(),
+            });
+        }
+        self.quantize_scaled_into(
+            what,
+            out.len(),
+            |at, buf| {
+                let b = &bytes[at * size..(at + buf.len()) * size];
+                match src {
+                    DType::F32 => {
+                        for (v, c) in buf.iter_mut().zip(b.chunks_exact(4)) {
+                            *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                        }
+                    }
+                    DType::F16 => {
+                        for (v, c) in buf.iter_mut().zip(b.chunks_exact(2)) {
+                            *v = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                        }
+                    }
+                    _ => {
+                        for (v, c) in buf.iter_mut().zip(b.chunks_exact(2)) {
+                            *v = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                        }
+                    }
+                }
+            },
+            out,
+        )
+    }
+
+    /// The scaled quantization of `n` values that `read(at, buf)` gives chunk by chunk
+    /// (`buf.len()` values from index `at`), into `out`; large inputs on all cores, in
+    /// fixed chunks, so the result does not depend on the thread count.
+    fn quantize_scaled_into(
+        self,
+        what: &str,
+        n: usize,
+        read: impl Fn(usize, &mut [f32]) + Sync,
+        out: &mut [u8],
+    ) -> Result<f32> {
+        const CHUNK: usize = 1 << 16;
         let Some(max) = self.fp8_max() else {
             return Err(CoreError::Shape {
                 what: format!("quantizing {what}"),
                 message: format!("{self} is not an 8-bit float"),
             });
         };
-        // Large tensors are scanned and encoded on all cores, in fixed chunks: the result
-        // does not depend on the thread count.
-        const CHUNK: usize = 1 << 20;
-        let threads = if values.len() > CHUNK {
+        let threads = if n > 16 * CHUNK {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         } else {
             1
         };
-        let amax = par_chunks(values, CHUNK, threads, |c| {
-            c.iter().fold(0f32, |a, &v| {
-                if v.is_finite() {
-                    a.max(v.abs())
-                } else {
-                    f32::NAN
+        // Pass 1: the largest magnitude (NaN when any value is not finite).
+        let chunks = n.div_ceil(CHUNK);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let scan = || {
+            let mut buf = vec![0f32; CHUNK.min(n)];
+            let mut amax = 0f32;
+            loop {
+                let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if c >= chunks {
+                    return amax;
                 }
-            })
-        })
-        .into_iter()
-        .fold(0f32, |a, m| {
-            if m.is_nan() || a.is_nan() {
+                let at = c * CHUNK;
+                let buf = &mut buf[..CHUNK.min(n - at)];
+                read(at, buf);
+                for &v in buf.iter() {
+                    amax = if v.is_finite() && !amax.is_nan() {
+                        amax.max(v.abs())
+                    } else {
+                        f32::NAN
+                    };
+                }
+            }
+        };
+        let amax = on_threads(threads, scan).into_iter().fold(0f32, |a, m| {
+            if a.is_nan() || m.is_nan() {
                 f32::NAN
             } else {
                 a.max(m)
             }
         });
         if amax.is_nan() {
-            let bad = values
-                .iter()
-                .find(|v| !v.is_finite())
-                .copied()
-                .unwrap_or(f32::NAN);
             return Err(CoreError::Shape {
                 what: format!("quantizing {what}"),
-                message: format!(
-                    "value {bad} is not finite; fp8 with a scale needs finite weights"
-                ),
+                message: "a value is not finite; fp8 with a scale needs finite weights".into(),
             });
         }
         let scale = if amax > 0.0 { amax / max } else { 1.0 };
-        // Divided, not multiplied by a reciprocal: a subnormal amax's reciprocal overflows.
+        // Pass 2: the codes. Divided, not multiplied by a reciprocal: a subnormal amax's
+        // reciprocal overflows.
         let e4m3 = self == DType::F8E4M3;
-        let parts = par_chunks(values, CHUNK, threads, |c| -> Vec<u8> {
-            if e4m3 {
-                c.iter()
-                    .map(|&v| F8E4M3::from_f32(v / scale).to_bits())
-                    .collect()
-            } else {
-                c.iter()
-                    .map(|&v| F8E5M2::from_f32(v / scale).to_bits())
-                    .collect()
+        let work = std::sync::Mutex::new(out.chunks_mut(CHUNK).enumerate());
+        let encode = || {
+            let mut buf = vec![0f32; CHUNK.min(n)];
+            loop {
+                let item = work
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .next();
+                let Some((c, dst)) = item else { return };
+                let buf = &mut buf[..dst.len()];
+                read(c * CHUNK, buf);
+                for (d, &v) in dst.iter_mut().zip(buf.iter()) {
+                    *d = if e4m3 {
+                        F8E4M3::from_f32(v / scale).to_bits()
+                    } else {
+                        F8E5M2::from_f32(v / scale).to_bits()
+                    };
+                }
             }
-        });
-        Ok((parts.concat(), scale))
+        };
+        on_threads(threads, encode);
+        Ok(scale)
     }
 
     /// Short name (`f32`, `f16`, `bf16`, `f8_e4m3`, `f8_e5m2`, `quantized`).
@@ -265,29 +351,19 @@ impl DType {
     }
 }
 
-/// `f` over each `chunk`-element piece of `values` on up to `threads` threads, results in
-/// order.
-fn par_chunks<T: Send>(
-    values: &[f32],
-    chunk: usize,
-    threads: usize,
-    f: impl Fn(&[f32]) -> T + Sync,
-) -> Vec<T> {
-    let chunks: Vec<&[f32]> = values.chunks(chunk).collect();
-    if threads <= 1 || chunks.len() <= 1 {
-        return chunks.into_iter().map(f).collect();
+/// Runs `f` on `threads` threads (the calling thread among them) and gives each result.
+fn on_threads<T: Send>(threads: usize, f: impl Fn() -> T + Sync) -> Vec<T> {
+    if threads <= 1 {
+        return vec![f()];
     }
-    let per = chunks.len().div_ceil(threads);
     let f = &f;
     std::thread::scope(|s| {
-        let handles: Vec<_> = chunks
-            .chunks(per)
-            .map(|group| s.spawn(move || group.iter().map(|c| f(c)).collect::<Vec<T>>()))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
+        let others: Vec<_> = (1..threads).map(|_| s.spawn(f)).collect();
+        let mut results = vec![f()];
+        for h in others {
+            results.push(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+        }
+        results
     })
 }
 
@@ -344,6 +420,49 @@ mod tests {
         assert!(DType::BF16.quantize_scaled("w", &[1.0]).is_err());
         assert_eq!(DType::F8E4M3.compute(), DType::BF16);
         assert_eq!(DType::F16.compute(), DType::F16);
+    }
+
+    /// From f32, f16 or bf16 bytes, the chunked quantizer (threaded past 16 chunks) gives
+    /// the codes and scale of quantizing the decoded values.
+    #[test]
+    fn quantizing_source_bytes_equals_quantizing_their_values_on_any_thread_count() {
+        let n = 17 * (1 << 16) + 123;
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i as u64).wrapping_mul(2654435761) % 20001) as f32 * 1e-6 - 0.01)
+            .collect();
+        for src in [DType::F32, DType::F16, DType::BF16] {
+            let bytes = src.encode_f32(&values).unwrap();
+            let decoded = src.decode_f32(&bytes).unwrap();
+            for fmt in [DType::F8E4M3, DType::F8E5M2] {
+                // A one-thread reference written from the definition.
+                let amax = decoded.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let want_scale = amax / fmt.fp8_max().unwrap();
+                let scaled: Vec<f32> = decoded.iter().map(|v| v / want_scale).collect();
+                let want = fmt.encode_f32(&scaled).unwrap();
+                assert_eq!(
+                    fmt.quantize_scaled("w", &decoded).unwrap(),
+                    (want.clone(), want_scale)
+                );
+                let mut out = vec![0u8; n];
+                let scale = fmt
+                    .quantize_scaled_bytes("w", src, &bytes, &mut out)
+                    .unwrap();
+                assert_eq!(scale, want_scale, "{src} -> {fmt}");
+                assert!(out == want, "{src} -> {fmt}");
+            }
+        }
+        let mut short = vec![0u8; 3];
+        assert!(
+            DType::F8E4M3
+                .quantize_scaled_bytes("w", DType::BF16, &[0; 4], &mut short)
+                .is_err()
+        );
+        let nan = DType::BF16.encode_f32(&[1.0, f32::NAN]).unwrap();
+        assert!(
+            DType::F8E4M3
+                .quantize_scaled_bytes("w", DType::BF16, &nan, &mut [0u8; 2])
+                .is_err()
+        );
     }
 
     #[test]

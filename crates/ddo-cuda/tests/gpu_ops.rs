@@ -1752,5 +1752,41 @@ fn fp8_decodes_exactly_and_linears_upcast_their_fp8_operands() {
             gpu.unary(&ws, ddo_core::UnaryOp::Silu).is_err(),
             "{fp8}: other ops refuse a scaled tensor"
         );
+
+        // The 8-codes-a-thread upcast and its tail, and a source at an odd offset (the
+        // one-at-a-time kernel): the same values as the host's, into each dtype.
+        let long: Vec<u8> = (0..1029u32).map(|i| (i * 37 % 256) as u8).collect();
+        let whole = fp8_tensor(&gpu, fp8, &[1029], &long);
+        let TensorStorage::Device(slice) = whole.storage() else {
+            panic!("device tensor")
+        };
+        let odd = Tensor::new(
+            vec![1027],
+            fp8,
+            TensorStorage::Device(slice.buffer().slice(1, 1027).unwrap()),
+        )
+        .unwrap()
+        .with_scale(Some(scale))
+        .unwrap();
+        let whole = whole.with_scale(Some(scale)).unwrap();
+        for dtype in DTYPES {
+            for (t, codes) in [(&whole, &long[..]), (&odd, &long[1..1028])] {
+                let want: Vec<f32> = fp8
+                    .decode_f32(codes)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v * scale)
+                    .collect();
+                let want = dtype.decode_f32(&dtype.encode_f32(&want).unwrap()).unwrap();
+                let got = gpu.to_f32_vec(&gpu.cast(t, dtype).unwrap()).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                        "{fp8} into {dtype}, {} codes, element {i}: {g} vs {w}",
+                        codes.len()
+                    );
+                }
+            }
+        }
     }
 }

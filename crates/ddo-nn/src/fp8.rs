@@ -100,10 +100,13 @@ impl WeightSource for Fp8Storage<'_> {
         if !self.casts(name, shape, kind) || p.dtype().is_fp8() {
             return Ok(p);
         }
-        let values = p.host().with_bytes(|b| p.dtype().decode_f32(b))?;
+        // Quantized straight from the source bytes into the param's own (on all cores).
+        let mut codes = AlignedBytes::zeroed(p.nbytes() / p.dtype().size_in_bytes());
+        let scale = p.host().with_bytes(|b| {
+            self.format
+                .quantize_scaled_bytes(name, p.dtype(), b, codes.as_mut_slice())
+        })?;
         drop(p);
-        let (codes, scale) = self.format.quantize_scaled(name, &values)?;
-        drop(values);
         // Frozen like a checkpoint's bytes: read and page-locked in place, never written.
         let label = format!("(stored as {}) {name}", self.format);
         let q = Param::new(
@@ -111,7 +114,7 @@ impl WeightSource for Fp8Storage<'_> {
             kind,
             self.format,
             shape.to_vec(),
-            HostBuffer::frozen(AlignedBytes::copy_from(&codes), &label).slice_all(),
+            HostBuffer::frozen(codes, &label).slice_all(),
         )?;
         self.converted += 1;
         Ok(Param::with_scale(q, scale)?)
