@@ -595,3 +595,48 @@ fn a_batch_of_two_prompts_matches_diffusers_on_the_gpu() {
         assert_eq!(held(&d), start, "{label}: memory not returned");
     }
 }
+
+/// The fp8 conformance fixtures on the GPU (`tools/gen_fp8_fixture.py`): Diffusers'
+/// layerwise casting (`flux_transformer_fp8`) and a ComfyUI-style scaled checkpoint
+/// (`flux_transformer_fp8_scaled`), loaded as stored, within 2e-2 of their references; every
+/// streaming route that takes fp8 gives the resident bytes; memory returns.
+#[test]
+fn fp8_checkpoints_match_their_references_on_the_gpu() {
+    let (Some(d), Some(fixtures)) = (open_gpu(false), fixtures_dir()) else {
+        return;
+    };
+    let inputs = flux_inputs(&fixtures.join("flux_transformer/inputs.safetensors"));
+    let start = held(&d);
+    for name in ["flux_transformer_fp8", "flux_transformer_fp8_scaled"] {
+        let dir = fixtures.join(name);
+        let (_, reference) = host_tensor(&dir.join("outputs.safetensors"), "sample");
+        let model = FluxTransformer::load(&dir, None).unwrap();
+        let h =
+            enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let out = model.forward(&*d, &inputs).unwrap();
+        assert_eq!(out.dtype(), DType::BF16);
+        let resident = bytes(&d, &out);
+        let err = rel_l2(
+            &out.to_f32_vec(&*d, &d.compute_stream()).unwrap(),
+            &reference,
+        );
+        println!("{name} on the GPU: relative L2 {err:.3e} against its reference");
+        assert!(err <= 2e-2, "{name}: {err:e}");
+        drop((out, h, model));
+        for (label, route) in routes()
+            .into_iter()
+            .filter(|(l, _)| *l != "linear_convolution")
+        {
+            let model = FluxTransformer::load(&dir, None).unwrap();
+            let mut h = enable_dynamic_offload(model.component(), d.clone(), route).unwrap();
+            let out = model.forward(&*d, &inputs).unwrap();
+            assert!(bytes(&d, &out) == resident, "{name} under {label}");
+            drop(out);
+            match ddo_routes::remove_dynamic_offload(&mut h) {
+                Err(ddo_core::CoreError::NotOwned { .. }) => drop((h, model)),
+                other => other.unwrap(),
+            }
+        }
+        assert_eq!(held(&d), start, "{name}: memory not returned");
+    }
+}

@@ -740,3 +740,81 @@ fn fp8_storage_casts_the_diffusers_layers_and_streams_bit_identically() {
     let err = run(Some("linear_convolution".parse().unwrap())).unwrap_err();
     assert!(err.to_string().contains("quantized"), "{err}");
 }
+
+fn fp8_fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+/// The fixture folder `name` loaded as stored and run on the host backend on the
+/// transformer fixture's inputs: its output, and the relative L2 against its `sample`.
+fn fp8_fixture_run(name: &str) -> (FluxTransformer, f64) {
+    let dir = fp8_fixture_dir(name);
+    let model = FluxTransformer::load(&dir, None).expect("load fp8 fixture");
+    let d = device();
+    model
+        .component()
+        .to_device(&*d, &d.compute_stream())
+        .unwrap();
+    let out = model.forward(&*d, &inputs()).expect("forward");
+    assert_eq!(out.dtype(), DType::BF16, "{name}: computes in bf16");
+    let values = ops_of(&*d).unwrap().to_f32_vec(&out).unwrap();
+    let (_, reference) = read_f32_tensor(&dir.join("outputs.safetensors"), "sample").unwrap();
+    model.component().to_host().unwrap();
+    (model, rel_l2(&values, &reference))
+}
+
+/// Conformance with Diffusers' layerwise casting (`fixtures/flux_transformer_fp8`,
+/// `tools/gen_fp8_fixture.py`): the checkpoint as layerwise casting stores it (the cast
+/// layers' weights and biases float8_e4m3fn, no scale; the rest bf16), loaded as stored,
+/// matches Diffusers' fp8-storage / bf16-compute output within 2e-2.
+#[test]
+fn layerwise_cast_fp8_checkpoints_match_diffusers() {
+    let (model, err) = fp8_fixture_run("flux_transformer_fp8");
+    eprintln!("flux_transformer_fp8: relative L2 {err:.3e} against Diffusers' layerwise casting");
+    assert!(err <= 2e-2, "relative L2 {err:e}");
+    let fp8 = model
+        .component()
+        .params()
+        .iter()
+        .filter(|p| p.dtype() == DType::F8E4M3)
+        .count();
+    assert_eq!(
+        fp8, 50,
+        "the cast layers' weights and biases load as stored"
+    );
+}
+
+/// A ComfyUI-style scaled fp8 checkpoint (`fixtures/flux_transformer_fp8_scaled`): weights
+/// with `<layer>.scale_weight`, the rest bf16. It matches PyTorch on the dequantized weights
+/// within 2e-2, and its codes and scales are, bit for bit, what `--dtype fp8_e4m3` makes of
+/// the f32 checkpoint it was quantized from: the same layers, the same quantization.
+#[test]
+fn scaled_fp8_checkpoints_match_pytorch_and_ddos_own_conversion() {
+    let (model, err) = fp8_fixture_run("flux_transformer_fp8_scaled");
+    eprintln!(
+        "flux_transformer_fp8_scaled: relative L2 {err:.3e} against PyTorch on the dequantized weights"
+    );
+    assert!(err <= 2e-2, "relative L2 {err:e}");
+    let converted = FluxTransformer::load(&fixture_dir(), Some(DType::F8E4M3)).unwrap();
+    let mut scaled = 0;
+    for (a, b) in model
+        .component()
+        .leaves()
+        .iter()
+        .zip(converted.component().leaves())
+    {
+        for ((name, p), (_, q)) in a.params().iter().zip(b.params()) {
+            if p.dtype() == DType::F8E4M3 {
+                scaled += 1;
+                let path = format!("{}.{name}", a.path());
+                assert_eq!(p.scale(), q.scale(), "{path}");
+                assert!(p.host().to_vec() == q.host().to_vec(), "{path}: codes");
+            } else {
+                assert!(!q.dtype().is_fp8(), "{}.{name}", a.path());
+            }
+        }
+    }
+    assert_eq!(scaled, 25);
+}
