@@ -16,9 +16,13 @@ Loads the committed `fixtures/flux_transformer/` (float32) and writes two folder
   tensor (biases, norms, modulations) is bfloat16. `sample` is the output of the bfloat16 model whose cast
   weights are `(q.float() * scale).to(bfloat16)`, what DDO's dequantizing linears compute on.
 
+With `--original` it writes `flux_transformer_original/` instead: the same weights as single files in the
+original Flux layout (float32; and a ComfyUI-style scaled fp8 file), see that folder's README.md.
+
 Usage (the venv of tools/README.md):
 
   .venv-fixtures/bin/python tools/gen_fp8_fixture.py
+  .venv-fixtures/bin/python tools/gen_fp8_fixture.py --original
 """
 
 from __future__ import annotations
@@ -161,5 +165,150 @@ def main():
     json.dumps(names)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--original" not in sys.argv:
     main()
+
+
+# --------------------------------------------------------------------------
+# single files in the original (Black Forest Labs) layout
+# --------------------------------------------------------------------------
+
+
+def to_original(sd: "dict[str, torch.Tensor]", cfg) -> "OrderedDict[str, torch.Tensor]":
+    """The inverse of Diffusers' `convert_flux_transformer_checkpoint_to_diffusers`, written from it by hand;
+    `main_original` checks it by converting back with Diffusers' own function."""
+    o = OrderedDict()
+    both = lambda ours, theirs: [o.__setitem__(f"{theirs}.{p}", sd[f"{ours}.{p}"]) for p in ("weight", "bias")]  # noqa: E731
+    for ours, theirs in [
+        ("time_text_embed.timestep_embedder", "time_in"),
+        ("time_text_embed.text_embedder", "vector_in"),
+        ("time_text_embed.guidance_embedder", "guidance_in"),
+    ]:
+        both(f"{ours}.linear_1", f"{theirs}.in_layer")
+        both(f"{ours}.linear_2", f"{theirs}.out_layer")
+    both("context_embedder", "txt_in")
+    both("x_embedder", "img_in")
+    for i in range(cfg.num_layers):
+        b, t = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        both(f"{b}.norm1.linear", f"{t}.img_mod.lin")
+        both(f"{b}.norm1_context.linear", f"{t}.txt_mod.lin")
+        for p in ("weight", "bias"):
+            o[f"{t}.img_attn.qkv.{p}"] = torch.cat([sd[f"{b}.attn.to_{x}.{p}"] for x in "qkv"])
+            o[f"{t}.txt_attn.qkv.{p}"] = torch.cat([sd[f"{b}.attn.add_{x}_proj.{p}"] for x in "qkv"])
+        for ours, theirs in [
+            ("norm_q", "img_attn.norm.query_norm"),
+            ("norm_k", "img_attn.norm.key_norm"),
+            ("norm_added_q", "txt_attn.norm.query_norm"),
+            ("norm_added_k", "txt_attn.norm.key_norm"),
+        ]:
+            o[f"{t}.{theirs}.scale"] = sd[f"{b}.attn.{ours}.weight"]
+        both(f"{b}.ff.net.0.proj", f"{t}.img_mlp.0")
+        both(f"{b}.ff.net.2", f"{t}.img_mlp.2")
+        both(f"{b}.ff_context.net.0.proj", f"{t}.txt_mlp.0")
+        both(f"{b}.ff_context.net.2", f"{t}.txt_mlp.2")
+        both(f"{b}.attn.to_out.0", f"{t}.img_attn.proj")
+        both(f"{b}.attn.to_add_out", f"{t}.txt_attn.proj")
+    for i in range(cfg.num_single_layers):
+        b, t = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        both(f"{b}.norm.linear", f"{t}.modulation.lin")
+        for p in ("weight", "bias"):
+            o[f"{t}.linear1.{p}"] = torch.cat([sd[f"{b}.attn.to_{x}.{p}"] for x in "qkv"] + [sd[f"{b}.proj_mlp.{p}"]])
+        o[f"{t}.norm.query_norm.scale"] = sd[f"{b}.attn.norm_q.weight"]
+        o[f"{t}.norm.key_norm.scale"] = sd[f"{b}.attn.norm_k.weight"]
+        both(f"{b}.proj_out", f"{t}.linear2")
+    both("proj_out", "final_layer.linear")
+    for p in ("weight", "bias"):
+        scale, shift = sd[f"norm_out.linear.{p}"].chunk(2, dim=0)
+        o[f"final_layer.adaLN_modulation.1.{p}"] = torch.cat([shift, scale])
+    return o
+
+
+FUSED_CAST = re.compile(
+    r"(img_attn\.qkv|txt_attn\.qkv|img_attn\.proj|txt_attn\.proj|img_mlp\.[02]|txt_mlp\.[02]|linear1|linear2"
+    r"|^img_in|^txt_in|time_in\..*|vector_in\..*|guidance_in\..*)\.weight$"
+)
+
+
+def main_original():
+    # The Diffusers fixture's weights realigned into fresh storage (as g.load_saved_model does).
+    model = g.load_saved_model("flux_transformer", SRC)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = model.config
+    orig = to_original(sd, cfg)
+    # Diffusers converts it back to exactly the fixture (its inner_dim is FLUX.1's 3072: the
+    # split of linear1 needs it, so it is given the tiny width here).
+    import diffusers.loaders.single_file_utils as sfu
+
+    import types
+
+    src_code = sfu.convert_flux_transformer_checkpoint_to_diffusers
+    code = src_code.__code__
+    consts = tuple(cfg.num_attention_heads * cfg.attention_head_dim if c == 3072 else c for c in code.co_consts)
+    patched = types.FunctionType(code.replace(co_consts=consts), src_code.__globals__)
+    back = patched({k: v.clone() for k, v in orig.items()})
+    assert set(back) == set(sd), set(back) ^ set(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    d = g.FIXTURES / "flux_transformer_original"
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in orig.items()}, str(d / "flux1-tiny.safetensors"))
+
+    # A ComfyUI-style scaled fp8 file: under model.diffusion_model., the cast layers' (fused) weights as
+    # float8_e4m3fn with one scale each, everything else bfloat16, and the `scaled_fp8` marker.
+    fp8 = OrderedDict()
+    deq = OrderedDict()
+    for k, v in orig.items():
+        if FUSED_CAST.search(k):
+            w = v.float()
+            scale = (w.abs().max() / 448.0).to(torch.float32)
+            q = (w / scale).to(FP8)
+            fp8["model.diffusion_model." + k] = q
+            fp8["model.diffusion_model." + k[: -len(".weight")] + ".scale_weight"] = scale.reshape(())
+            deq[k] = (q.float() * scale).to(torch.bfloat16)
+        else:
+            fp8["model.diffusion_model." + k] = v.to(torch.bfloat16)
+            deq[k] = v.to(torch.bfloat16)
+    fp8["scaled_fp8"] = torch.zeros(0, dtype=FP8)
+    save_file({k: v.contiguous() for k, v in fp8.items()}, str(d / "flux1-tiny-fp8-scaled.safetensors"))
+    ref = load_bf16()
+    converted = patched({k: v.clone() for k, v in deq.items()})
+    ref.load_state_dict(converted, strict=True)
+    sample = run(ref)
+    save_file({"sample_fp8_scaled": sample}, str(d / "outputs.safetensors"))
+    shutil.copy(SRC / "config.json", d / "config.json")
+    # The pipeline fixture's transformer in the same layout (for `ddo run --weights
+    # fixtures/flux_pipeline --transformer FILE`), checked the same way.
+    pipe_model = FluxTransformer2DModel.from_pretrained(
+        str(g.FIXTURES / "flux_pipeline" / "transformer"), torch_dtype=torch.float32
+    )
+    psd = {k: v.detach().clone() for k, v in pipe_model.state_dict().items()}
+    porig = to_original(psd, pipe_model.config)
+    pback = patched({k: v.clone() for k, v in porig.items()})
+    assert set(pback) == set(psd) and all(torch.equal(pback[k], psd[k]) for k in psd)
+    save_file({k: v.contiguous() for k, v in porig.items()}, str(d / "flux_pipeline-transformer.safetensors"))
+    n_fp8 = sum(1 for v in fp8.values() if v.dtype == FP8 and v.numel() > 0)
+    (d / "README.md").write_text(
+        "# `flux_transformer_original`\n\nWritten by `tools/gen_fp8_fixture.py`: `../flux_transformer` as single "
+        "files in the original Flux layout (`double_blocks.N.img_attn.qkv`, `single_blocks.N.linear1`, "
+        "`final_layer.adaLN_modulation.1`, ...), made by the inverse of Diffusers' "
+        "`convert_flux_transformer_checkpoint_to_diffusers` and checked by converting back with that function "
+        "(its `inner_dim = 3072` set to the tiny width), which gives the fixture's state dict exactly.\n\n"
+        "* `flux1-tiny.safetensors`: float32, no prefix.\n"
+        "* `flux_pipeline-transformer.safetensors`: `../flux_pipeline/transformer` the same way (float32, no "
+        "prefix), for `ddo run --weights fixtures/flux_pipeline --transformer FILE`.\n"
+        f"* `flux1-tiny-fp8-scaled.safetensors`: as ComfyUI's scaled fp8 files: under `model.diffusion_model.`, "
+        f"{n_fp8} (fused) weights as float8_e4m3fn with `<layer>.scale_weight` (`amax / 448`, float32, shape []), "
+        "the rest bfloat16, and the `scaled_fp8` marker.\n"
+        "* `outputs.safetensors`: `sample_fp8_scaled`, the bfloat16 Diffusers model on the dequantized weights "
+        "(`(q.float() * scale).to(bfloat16)`, converted with Diffusers' function) on "
+        "`../flux_transformer/inputs.safetensors` cast to bfloat16.\n"
+        "* `config.json`: the tiny config (its RoPE axes cannot be read from the tensors).\n\n"
+        f"Versions: torch {torch.__version__}, diffusers {g.diffusers.__version__}.\n"
+    )
+    print(f"[gen] flux_transformer_original: {len(orig)} tensors, {n_fp8} fp8")
+
+
+if __name__ == "__main__" and "--original" in sys.argv:
+    main_original()

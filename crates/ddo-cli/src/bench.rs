@@ -46,6 +46,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "random weights at a named config",
     ),
     opt("weights", "DIR", "a Diffusers pipeline folder"),
+    opt(
+        "transformer",
+        "FILE",
+        "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
+    ),
     many("route", "ROUTE[:k=v,...]", "a candidate route (repeatable)"),
     many("preset", "NAME", "a candidate preset (repeatable)"),
     opt("repeats", "N", "timed forwards per candidate (default 5)"),
@@ -440,6 +445,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let mut bar = ProgressBar::new();
     let (pipe, model_label) = build_pipeline(
         &source,
+        crate::run::transformer_file(&args)?.as_deref(),
         dtype,
         None,
         crate::run::unused_weights(&args),

@@ -46,6 +46,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "plan memory for a Diffusers pipeline folder",
     ),
     opt(
+        "transformer",
+        "FILE",
+        "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
+    ),
+    opt(
         "vram-budget",
         "SIZE",
         "the budget to plan for (with --config/--weights; default: what the device gives)",
@@ -183,6 +188,7 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
     let mut bar = ProgressBar::new();
     let (pipe, _) = build_pipeline(
         &source,
+        crate::run::transformer_file(args)?.as_deref(),
         dtype,
         max_seq,
         crate::run::unused_weights(args),

@@ -3,7 +3,7 @@
 //! image and printing each phase's route, time and peak from the handles' metrics.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,6 +43,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "weights",
         "DIR",
         "a Diffusers pipeline folder (transformer/, vae/, text_encoder/, text_encoder_2/)",
+    ),
+    opt(
+        "transformer",
+        "FILE",
+        "a single-file transformer in the original Flux layout (flux1-dev.safetensors, ComfyUI's fp8 files) in place of the folder's or the config's",
     ),
     opt(
         "preset",
@@ -209,10 +214,18 @@ pub(crate) fn max_sequence_length(args: &Parsed) -> CliResult<Option<usize>> {
 
 /// Refuses random weights that would not fit in the host's available memory (building them
 /// would get the process killed instead of failing cleanly).
-fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()> {
+fn check_host_memory(
+    config: &FluxPipelineConfig,
+    dtype: DType,
+    random_transformer: bool,
+) -> CliResult<()> {
     let params = config.text_encoder.param_count()
         + config.text_encoder_2.param_count()
-        + config.transformer.param_count();
+        + if random_transformer {
+            config.transformer.param_count()
+        } else {
+            0
+        };
     // fp8 storage builds each transformer weight in bf16 before storing it as fp8, and
     // keeps the modulations and the other components in bf16: counted at bf16, an upper
     // bound.
@@ -231,9 +244,40 @@ fn check_host_memory(config: &FluxPipelineConfig, dtype: DType) -> CliResult<()>
     }
 }
 
-/// Loads or builds the pipeline.
+/// `--transformer FILE`: a single-file transformer checkpoint in the original Flux layout.
+pub(crate) fn transformer_file(args: &Parsed) -> CliResult<Option<PathBuf>> {
+    let Some(f) = args.get("transformer") else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(f);
+    if !path.is_file() {
+        return Err(CliError::usage(
+            format!("--transformer {f}: not a file"),
+            "give one .safetensors file in the original Flux layout (e.g. flux1-dev.safetensors or a ComfyUI fp8 file); a Diffusers folder goes in --weights",
+        ));
+    }
+    Ok(Some(path))
+}
+
+/// The single-file transformer at `path`, with `config` (a `config.json` beside the
+/// pipeline's, or the named config's) when there is one.
+fn load_transformer_file(
+    path: &Path,
+    config: Option<ddo_nn::flux::FluxTransformerConfig>,
+    dtype: Option<DType>,
+    unused: ddo_nn::UnusedWeights,
+    bar: &mut ProgressBar,
+) -> CliResult<ddo_nn::flux::FluxTransformer> {
+    bar.status(&format!("opening {}...", path.display()));
+    ddo_nn::flux::FluxTransformer::load_original(path, config, dtype, unused)
+        .map_err(|e| CliError::from(e).context(&format!("--transformer {}", path.display())))
+}
+
+/// Loads or builds the pipeline; `transformer` (`--transformer FILE`) replaces the
+/// folder's or the config's transformer.
 pub(crate) fn build_pipeline(
     source: &Source,
+    transformer: Option<&Path>,
     dtype: Option<DType>,
     max_seq: Option<usize>,
     unused: ddo_nn::UnusedWeights,
@@ -250,20 +294,58 @@ pub(crate) fn build_pipeline(
             if let Some(n) = max_seq {
                 config.max_sequence_length = n;
             }
+            let asked = dtype;
             let dtype = dtype.unwrap_or(if name == "tiny" {
                 DType::F32
             } else {
                 DType::BF16
             });
-            check_host_memory(&config, dtype)?;
+            check_host_memory(&config, dtype, transformer.is_none())?;
+            let file = transformer
+                .map(|f| {
+                    load_transformer_file(
+                        f,
+                        Some(config.transformer.clone()),
+                        // The file as stored unless --dtype asks for a conversion.
+                        asked,
+                        unused,
+                        bar,
+                    )
+                })
+                .transpose()?;
             bar.status(&format!("building {name} with random {dtype} weights..."));
-            let pipe = FluxPipeline::random(&config, 0, dtype)?;
+            let pipe = FluxPipeline::random_with(&config, 0, dtype, file)?;
             bar.finish();
-            Ok((pipe, format!("{name} (random weights, {dtype})")))
+            let label = match transformer {
+                Some(f) => format!(
+                    "{name} (random weights, {dtype}; transformer {})",
+                    f.display()
+                ),
+                None => format!("{name} (random weights, {dtype})"),
+            };
+            Ok((pipe, label))
         }
         Source::Weights(dir) => {
+            let file = transformer
+                .map(|f| {
+                    let config_file = dir.join("transformer").join("config.json");
+                    let config = if config_file.is_file() {
+                        Some(
+                            ddo_nn::flux::FluxTransformerConfig::from_file(&config_file).map_err(
+                                |e| {
+                                    CliError::from(e)
+                                        .context(&format!("--weights {}", dir.display()))
+                                },
+                            )?,
+                        )
+                    } else {
+                        None
+                    };
+                    load_transformer_file(f, config, dtype, unused, bar)
+                })
+                .transpose()?;
             bar.status(&format!("opening {}...", dir.display()));
-            let mut pipe = FluxPipeline::load_checked(dir, dtype, unused)
+            let mut pipe = FluxPipeline::load_with(dir, dtype, unused, file)
                 .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;
             bar.finish();
             if let Some(n) = max_seq {
@@ -515,8 +597,14 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     device_choice.prepare_kernels();
     let mut bar = ProgressBar::new();
     let mut startup = Stopwatch::new(started);
-    let (pipe, model_label) =
-        build_pipeline(&source, dtype, max_seq, unused_weights(&args), &mut bar)?;
+    let (pipe, model_label) = build_pipeline(
+        &source,
+        transformer_file(&args)?.as_deref(),
+        dtype,
+        max_seq,
+        unused_weights(&args),
+        &mut bar,
+    )?;
     startup.lap("weights");
     let names = pipe.component_names();
     let routing = Routing::from_args(&args, &names)?;

@@ -263,6 +263,67 @@ fn run_with_fp8_storage_moves_fewer_bytes_and_stays_close_to_bf16() {
     assert!(rel < 0.1, "fp8 image {rel:e} from the bf16 image");
 }
 
+/// `--transformer FILE` (issue 18): the pipeline folder's transformer as one file in the
+/// original Flux layout gives the folder's image bit for bit; a missing file, a folder, or a
+/// file in the Diffusers layout is a typed refusal naming the option.
+#[test]
+fn a_single_file_transformer_replaces_the_folders_bit_for_bit() {
+    let d = scratch("single-file");
+    let inputs = fixture("flux_pipeline/inputs.safetensors");
+    let run = |extra: &[&str], name: &str| {
+        let out = d.join(name);
+        let mut argv = vec![
+            "run",
+            "--weights",
+            &fixture("flux_pipeline"),
+            "--prompt-embeds",
+            &inputs,
+            "--init-latents",
+            &inputs,
+            "--height",
+            "32",
+            "--width",
+            "24",
+            "--steps",
+            "2",
+            "--tiled-decode",
+            "off",
+            "--out",
+            out.to_str().unwrap(),
+        ]
+        .into_iter()
+        .map(str::to_string)
+        .collect::<Vec<_>>();
+        argv.extend(extra.iter().map(|s| s.to_string()));
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let v = ddo(&argv);
+        (v, out)
+    };
+    let file = fixture("flux_transformer_original/flux_pipeline-transformer.safetensors");
+    let (folder, a) = run(&[], "folder.safetensors");
+    ok(&folder);
+    let (single, b) = run(&["--transformer", &file], "single.safetensors");
+    ok(&single);
+    assert_eq!(tensor(&a, "sample"), tensor(&b, "sample"));
+    assert_eq!(tensor(&a, "latents"), tensor(&b, "latents"));
+    for (bad, says) in [
+        ("no-such-file.safetensors".to_string(), "not a file"),
+        (fixture("flux_pipeline"), "not a file"),
+        (
+            fixture("flux_transformer/diffusion_pytorch_model.safetensors"),
+            "original layout",
+        ),
+    ] {
+        let (out, _) = run(&["--transformer", &bad], "bad.safetensors");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--transformer") && err.contains(says),
+            "{bad}: {err}"
+        );
+    }
+}
+
 #[test]
 fn run_json_has_phases_components_and_the_decode_choice() {
     let d = scratch("json");

@@ -301,6 +301,9 @@ pub struct CheckpointWeights {
     origin: PathBuf,
     /// Tensors a model asked for.
     used: std::collections::HashSet<String>,
+    /// Param names mapped onto the checkpoint's tensors, for a checkpoint in another
+    /// layout ([`CheckpointWeights::with_views`]); `None`: names are the tensors'.
+    views: Option<HashMap<String, View>>,
 }
 
 /// File names a Diffusers or Transformers model folder keeps its weights under.
@@ -339,6 +342,7 @@ impl CheckpointWeights {
             target,
             origin: path.to_path_buf(),
             used: Default::default(),
+            views: None,
         })
     }
 
@@ -375,6 +379,14 @@ impl CheckpointWeights {
                 .collect::<Vec<_>>()
                 .join(", "),
         })
+    }
+
+    /// The checkpoint, when it is one file (not a sharded index).
+    pub fn single_file(&self) -> Option<&Checkpoint> {
+        match self.files.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
     }
 
     /// Tensors of the checkpoint no model asked for, except those under `ignored` name
@@ -461,6 +473,7 @@ impl CheckpointWeights {
             target,
             origin: index.to_path_buf(),
             used: Default::default(),
+            views: None,
         })
     }
 
@@ -583,45 +596,143 @@ impl CheckpointWeights {
     }
 }
 
+/// How a param a model asks for is read from a checkpoint tensor: the whole tensor, a
+/// range of its leading rows (a fused `qkv` split into `to_q`, `to_k`, `to_v`: a zero-copy
+/// slice of the mapping), or the tensor with its two halves along the first dim swapped
+/// (an owned copy: the original Flux layout's final modulation is `shift, scale`, Diffusers'
+/// `scale, shift`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ViewKind {
+    /// The tensor as it is.
+    Whole,
+    /// Rows `start..start + len` along dim 0.
+    Rows {
+        /// First row.
+        start: usize,
+        /// Rows.
+        len: usize,
+    },
+    /// The halves along dim 0 swapped.
+    SwapHalves,
+}
+
+/// A param name mapped onto a checkpoint tensor ([`CheckpointWeights::with_views`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct View {
+    /// The checkpoint tensor.
+    pub tensor: String,
+    /// How the param is read from it.
+    pub kind: ViewKind,
+}
+
+impl CheckpointWeights {
+    /// The same checkpoint read through `views`: a model's param names (Diffusers') mapped
+    /// onto the checkpoint's tensors (another layout's). Names outside `views` are missing;
+    /// a checkpoint tensor counts as used when a view of it is read.
+    pub fn with_views(mut self, views: HashMap<String, View>) -> Self {
+        self.views = Some(views);
+        self
+    }
+
+    /// The checkpoint tensor and view for param `name`.
+    fn view_of(&self, name: &str) -> Option<View> {
+        match &self.views {
+            Some(v) => v.get(name).cloned(),
+            None => Some(View {
+                tensor: name.to_string(),
+                kind: ViewKind::Whole,
+            }),
+        }
+    }
+}
+
 impl WeightSource for CheckpointWeights {
     fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
-        self.used.insert(name.to_string());
-        let Some(&id) = self.location.get(name) else {
+        let missing = || LoadError::MissingTensor {
+            name: name.to_string(),
+            file: self.origin.clone(),
+        };
+        let Some(view) = self.view_of(name) else {
+            return Err(missing());
+        };
+        let tensor = view.tensor.as_str();
+        self.used.insert(tensor.to_string());
+        let Some(&id) = self.location.get(tensor) else {
             return Err(LoadError::MissingTensor {
-                name: name.to_string(),
+                name: tensor.to_string(),
                 file: self.origin.clone(),
             });
         };
         let ckpt = &self.files[id];
         let file = ckpt.path().to_path_buf();
-        if let Some((_, dtype)) = ckpt.unsupported().find(|(n, _)| *n == name) {
+        if let Some((_, dtype)) = ckpt.unsupported().find(|(n, _)| *n == tensor) {
             return Err(LoadError::UnsupportedDtype {
-                name: name.to_string(),
+                name: tensor.to_string(),
                 file,
                 dtype: dtype.to_string(),
             });
         }
-        let info = ckpt.tensor(name)?.clone();
-        if info.shape != shape {
+        let info = ckpt.tensor(tensor)?.clone();
+        // The shape the view must find in the checkpoint.
+        let fits = match view.kind {
+            ViewKind::Whole => info.shape == shape,
+            ViewKind::SwapHalves => {
+                info.shape == shape && shape.first().is_some_and(|d| d % 2 == 0)
+            }
+            ViewKind::Rows { start, len } => {
+                info.shape.len() == shape.len()
+                    && shape.first() == Some(&len)
+                    && info.shape.first().is_some_and(|&rows| start + len <= rows)
+                    && info.shape[1..] == shape[1..]
+            }
+        };
+        if !fits {
+            let expected = match view.kind {
+                ViewKind::Rows { start, len } => {
+                    let mut e = shape.to_vec();
+                    if let Some(first) = e.first_mut() {
+                        *first = (start + len).max(*first);
+                    }
+                    e
+                }
+                _ => shape.to_vec(),
+            };
             return Err(LoadError::ShapeMismatch {
-                name: name.to_string(),
+                name: tensor.to_string(),
                 file,
-                expected: shape.to_vec(),
+                expected,
                 found: info.shape,
             });
         }
         if info.dtype.is_quantized() {
             return Err(LoadError::UnsupportedDtype {
-                name: name.to_string(),
+                name: tensor.to_string(),
                 file,
                 dtype: "u8/i8 (quantized)".into(),
             });
         }
-        let scale = self.scale_of(name, info.dtype)?;
+        // A fused tensor's scale is every part's.
+        let scale = self.scale_of(tensor, info.dtype)?;
         let ckpt = &self.files[id];
-        match self.target {
+        let whole = ckpt.host_buffer(tensor)?;
+        let row_bytes = info.len / info.shape.first().copied().unwrap_or(1).max(1);
+        let host = match view.kind {
+            ViewKind::Whole => whole.slice_all(),
+            ViewKind::Rows { start, len } => whole.slice(start * row_bytes, len * row_bytes)?,
+            ViewKind::SwapHalves => {
+                let half = info.len / 2;
+                let mut bytes = AlignedBytes::zeroed(info.len);
+                whole.with_bytes(|b| {
+                    let out = bytes.as_mut_slice();
+                    out[..half].copy_from_slice(&b[half..]);
+                    out[half..].copy_from_slice(&b[..half]);
+                });
+                let label = format!("({}, halves swapped) {tensor}", file.display());
+                HostBuffer::frozen(bytes, &label).slice_all()
+            }
+        };
+        let p = match self.target {
             Some(t) if t != info.dtype => {
-                let host = ckpt.host_buffer(name)?;
                 let mut values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
                 // A scaled fp8 weight converts as its dequantized values.
                 ddo_core::tensor::apply_scale(&mut values, scale);
@@ -632,7 +743,7 @@ impl WeightSource for CheckpointWeights {
                     (t.encode_f32(&values)?, None)
                 };
                 // Frozen like a checkpoint's bytes (see `RandomWeights`).
-                let label = format!("({} converted to {t}) {name}", file.display());
+                let label = format!("({} converted to {t}) {tensor}", file.display());
                 let p = Param::new(
                     name,
                     kind,
@@ -640,23 +751,23 @@ impl WeightSource for CheckpointWeights {
                     shape.to_vec(),
                     HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
                 )?;
-                Ok(match scale {
+                return Ok(match scale {
                     Some(s) => Param::with_scale(p, s)?,
                     None => p,
-                })
+                });
             }
-            _ => {
-                let p = Param::from_checkpoint(ckpt, name, name, kind)?;
-                Ok(match scale {
-                    Some(s) => Param::with_scale(p, s)?,
-                    None => p,
-                })
-            }
-        }
+            _ if view.kind == ViewKind::Whole => Param::from_checkpoint(ckpt, tensor, name, kind)?,
+            _ => Param::new(name, kind, info.dtype, shape.to_vec(), host)?,
+        };
+        Ok(match scale {
+            Some(s) => Param::with_scale(p, s)?,
+            None => p,
+        })
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.location.contains_key(name)
+        self.view_of(name)
+            .is_some_and(|v| self.location.contains_key(&v.tensor))
     }
 }
 

@@ -818,3 +818,115 @@ fn scaled_fp8_checkpoints_match_pytorch_and_ddos_own_conversion() {
     }
     assert_eq!(scaled, 25);
 }
+
+fn original_file(name: &str) -> PathBuf {
+    fp8_fixture_dir("flux_transformer_original").join(name)
+}
+
+fn tiny_config() -> FluxTransformerConfig {
+    FluxTransformerConfig::from_file(&fixture_dir().join("config.json")).unwrap()
+}
+
+/// A single file in the original Flux layout (`fixtures/flux_transformer_original`, made by
+/// the inverse of Diffusers' conversion and checked with Diffusers' own): every param maps
+/// onto it as `from_single_file` converts it, so the output is bit-identical to the Diffusers
+/// folder's; the fused `qkv` / `linear1` parts are slices of the file's mapping (no copy),
+/// only the final modulation (its halves swapped) is owned.
+#[test]
+fn original_layout_single_files_load_as_diffusers_converts_them() {
+    let (_, folder, _) = resident_output();
+    let model = FluxTransformer::load_original(
+        &original_file("flux1-tiny.safetensors"),
+        Some(tiny_config()),
+        None,
+        ddo_nn::UnusedWeights::Refuse,
+    )
+    .unwrap();
+    for leaf in model.component().leaves() {
+        for (name, p) in leaf.params() {
+            let path = format!("{}.{name}", leaf.path());
+            assert_eq!(
+                p.is_checkpoint_backed(),
+                !path.starts_with("norm_out.linear"),
+                "{path}"
+            );
+        }
+    }
+    let d = device();
+    model
+        .component()
+        .to_device(&*d, &d.compute_stream())
+        .unwrap();
+    let out = model.forward(&*d, &inputs()).unwrap();
+    assert!(
+        bytes(&*d, &out) == folder,
+        "differs from the Diffusers folder"
+    );
+
+    // The tiny head width (16) has no known RoPE axes: the config must be given.
+    let err = FluxTransformer::load_original(
+        &original_file("flux1-tiny.safetensors"),
+        None,
+        None,
+        ddo_nn::UnusedWeights::Refuse,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, LoadError::InvalidConfig { field, .. } if field == "attention_head_dim"),
+        "{err}"
+    );
+    // A Diffusers-layout file is not the original layout.
+    let err = FluxTransformer::load_original(
+        &fixture_dir().join("diffusion_pytorch_model.safetensors"),
+        Some(tiny_config()),
+        None,
+        ddo_nn::UnusedWeights::Refuse,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("original layout"), "{err}");
+}
+
+/// ComfyUI's scaled fp8 single files: under `model.diffusion_model.`, fused fp8 weights with
+/// one `scale_weight` each (every part of a split takes it), bf16 elsewhere, the `scaled_fp8`
+/// marker left alone; the output matches PyTorch on the dequantized weights within 2e-2.
+#[test]
+fn comfyui_scaled_fp8_single_files_load_as_stored_and_match_pytorch() {
+    let file = original_file("flux1-tiny-fp8-scaled.safetensors");
+    let model = FluxTransformer::load_original(
+        &file,
+        Some(tiny_config()),
+        None,
+        ddo_nn::UnusedWeights::Refuse,
+    )
+    .unwrap();
+    let leaf = model
+        .component()
+        .leaf_by_path("transformer_blocks.0.attn.to_k")
+        .unwrap();
+    let (_, k) = &leaf.params()[0];
+    let q = &model
+        .component()
+        .leaf_by_path("transformer_blocks.0.attn.to_q")
+        .unwrap()
+        .params()[0]
+        .1;
+    assert_eq!(k.dtype(), DType::F8E4M3);
+    assert!(
+        k.scale().is_some() && k.scale() == q.scale(),
+        "one scale for the fused qkv"
+    );
+    let d = device();
+    model
+        .component()
+        .to_device(&*d, &d.compute_stream())
+        .unwrap();
+    let out = model.forward(&*d, &inputs()).unwrap();
+    let values = ops_of(&*d).unwrap().to_f32_vec(&out).unwrap();
+    let (_, reference) =
+        read_f32_tensor(&original_file("outputs.safetensors"), "sample_fp8_scaled").unwrap();
+    let err = rel_l2(&values, &reference);
+    eprintln!(
+        "flux1-tiny-fp8-scaled: relative L2 {err:.3e} against PyTorch on the dequantized weights"
+    );
+    assert!(err <= 2e-2, "{err:e}");
+}

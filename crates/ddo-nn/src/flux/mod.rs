@@ -18,6 +18,7 @@
 mod blocks;
 mod embeddings;
 mod latents;
+pub mod original;
 mod program;
 
 use std::path::Path;
@@ -33,6 +34,7 @@ use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSour
 
 pub use embeddings::{rope_tables, timestep_embedding};
 pub use latents::{latent_image_ids, latent_size, pack_latents, unpack_latents};
+pub use original::{config_from_original, original_prefix, original_views};
 pub use program::FluxProgram;
 
 /// RoPE base of every Flux model (`FluxPosEmbed(theta=10000)`).

@@ -337,6 +337,17 @@ impl FluxPipeline {
     /// float `dtype` stores the transformer's cast layers as scaled fp8 and makes the rest in
     /// bf16 ([`crate::fp8`]).
     pub fn random(config: &FluxPipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
+        Self::random_with(config, seed, dtype, None)
+    }
+
+    /// [`FluxPipeline::random`] with `transformer` (a loaded checkpoint, e.g. a single file)
+    /// in place of the random one when given: the other components are random at `config`.
+    pub fn random_with(
+        config: &FluxPipelineConfig,
+        seed: u64,
+        dtype: DType,
+        transformer: Option<FluxTransformer>,
+    ) -> LoadResult<Self> {
         check_consistency(
             Some(&config.text_encoder),
             Some(&config.text_encoder_2),
@@ -347,8 +358,12 @@ impl FluxPipeline {
         let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype.compute());
         let clip = ClipTextModel::build(&mut w(0), &config.text_encoder)?;
         let t5 = T5Encoder::build(&mut w(1), &config.text_encoder_2)?;
-        let transformer =
-            FluxTransformer::random(config.transformer.clone(), seed.wrapping_add(2), dtype)?;
+        let transformer = match transformer {
+            Some(t) => t,
+            None => {
+                FluxTransformer::random(config.transformer.clone(), seed.wrapping_add(2), dtype)?
+            }
+        };
         let vae = AutoencoderKL::build(&mut w(3), config.vae.clone())?;
         Self::new(
             Some(clip),
@@ -377,6 +392,17 @@ impl FluxPipeline {
         dtype: Option<DType>,
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
+        Self::load_with(dir, dtype, unused, None)
+    }
+
+    /// [`FluxPipeline::load_checked`] with `transformer` (a loaded checkpoint, e.g. a single
+    /// file) in place of the folder's `transformer/` when given (the folder then needs none).
+    pub fn load_with(
+        dir: &Path,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+        transformer: Option<FluxTransformer>,
+    ) -> LoadResult<Self> {
         if !dir.is_dir() {
             return Err(LoadError::Io {
                 path: dir.to_path_buf(),
@@ -386,7 +412,10 @@ impl FluxPipeline {
                 ),
             });
         }
-        let transformer = FluxTransformer::load_checked(&dir.join(TRANSFORMER), dtype, unused)?;
+        let transformer = match transformer {
+            Some(t) => t,
+            None => FluxTransformer::load_checked(&dir.join(TRANSFORMER), dtype, unused)?,
+        };
         // fp8 storage (`dtype` an 8-bit float) is the transformer's; the other components
         // convert to its compute dtype.
         let dtype = dtype.map(DType::compute);
