@@ -62,6 +62,22 @@ pub struct ComponentSummary {
     pub leaves: u64,
     /// The largest leaf: module name and bytes.
     pub largest_leaf: Option<(String, u64)>,
+    /// Its 8-bit float tensors, when it has any.
+    pub fp8: Option<Fp8Summary>,
+}
+
+/// A component's fp8 tensors (issue 18): what streams as stored and which carry a scale.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Fp8Summary {
+    /// Tensors stored as `F8_E4M3` or `F8_E5M2`.
+    pub tensors: u64,
+    /// Their bytes (one an element: what a streamed route copies for them).
+    pub bytes: u64,
+    /// fp8 weights with a per-tensor scale beside them (`<layer>.scale_weight` or
+    /// `<layer>.weight_scale`).
+    pub scaled: u64,
+    /// The scale tensors' names found (`scale_weight`, `weight_scale`).
+    pub scale_names: Vec<String>,
 }
 
 /// What one preset does with one component under the budget.
@@ -236,10 +252,26 @@ fn summarize(
         by_dtype: BTreeMap::new(),
         leaves: 0,
         largest_leaf: None,
+        fp8: None,
     };
     let mut leaves: BTreeMap<String, u64> = BTreeMap::new();
+    let mut fp8_weights: std::collections::BTreeSet<String> = Default::default();
+    let mut scales: BTreeMap<String, String> = BTreeMap::new();
+    let mut fp8 = Fp8Summary::default();
     for f in files {
         for t in read_header(f)? {
+            if t.dtype == "F8_E4M3" || t.dtype == "F8_E5M2" {
+                fp8.tensors += 1;
+                fp8.bytes += t.bytes;
+                if let Some(layer) = t.name.strip_suffix(".weight") {
+                    fp8_weights.insert(layer.to_string());
+                }
+            }
+            for kind in ddo_nn::weights::SCALE_NAMES {
+                if let Some(layer) = t.name.strip_suffix(&format!(".{kind}")) {
+                    scales.insert(layer.to_string(), kind.to_string());
+                }
+            }
             s.tensors += 1;
             s.params += t.params;
             s.bytes += t.bytes;
@@ -253,6 +285,19 @@ fn summarize(
     }
     s.leaves = leaves.len() as u64;
     s.largest_leaf = leaves.into_iter().max_by_key(|(_, b)| *b);
+    if fp8.tensors > 0 {
+        let mut names: Vec<String> = Vec::new();
+        for (layer, kind) in &scales {
+            if fp8_weights.contains(layer) {
+                fp8.scaled += 1;
+                if !names.contains(kind) {
+                    names.push(kind.clone());
+                }
+            }
+        }
+        fp8.scale_names = names;
+        s.fp8 = Some(fp8);
+    }
     Ok(s)
 }
 
@@ -450,6 +495,25 @@ pub fn inspect(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 format_bytes(c.bytes),
                 dtypes.join(", ")
             );
+        }
+        for c in &comps {
+            if let Some(f) = &c.fp8 {
+                let scales = if f.scaled > 0 {
+                    format!(
+                        "{} weights with a per-tensor scale ({})",
+                        f.scaled,
+                        f.scale_names.join(", ")
+                    )
+                } else {
+                    "no scales".to_string()
+                };
+                s += &format!(
+                    "{}: {} fp8 tensors ({}), {scales}; they stream as stored and compute in bf16 (linear_convolution refuses them)\n",
+                    c.component,
+                    f.tensors,
+                    format_bytes(f.bytes)
+                );
+            }
         }
         s += &format!(
             "\nper preset, with a {} budget (estimates from the headers):\n",

@@ -603,6 +603,42 @@ fn resolve_json_shape_and_sources() {
     assert_eq!(v[0]["source"]["route"], "--route", "{v}");
 }
 
+/// `ddo inspect` on fp8 checkpoints (issue 18): the fp8 tensors and their bytes, and how
+/// many weights carry a per-tensor scale under which name.
+#[test]
+fn inspect_shows_fp8_tensors_and_their_scales() {
+    let scaled = json(&ddo(&[
+        "inspect",
+        &fixture("flux_transformer_original/flux1-tiny-fp8-scaled.safetensors"),
+        "--json",
+    ]));
+    let f = &scaled["components"][0]["fp8"];
+    assert_eq!(
+        (f["tensors"].as_u64(), f["scaled"].as_u64()),
+        (Some(19), Some(18)),
+        "{f}"
+    );
+    assert_eq!(f["scale_names"], serde_json::json!(["scale_weight"]));
+    let plain = json(&ddo(&[
+        "inspect",
+        &fixture("flux_transformer_fp8"),
+        "--json",
+    ]));
+    let f = &plain["components"][0]["fp8"];
+    assert_eq!(
+        (f["tensors"].as_u64(), f["scaled"].as_u64()),
+        (Some(50), Some(0)),
+        "{f}"
+    );
+    let none = json(&ddo(&["inspect", &fixture("flux_transformer"), "--json"]));
+    assert!(none["components"][0]["fp8"].is_null());
+    let text = ok(&ddo(&["inspect", &fixture("flux_transformer_fp8")]));
+    assert!(
+        text.contains("50 fp8 tensors") && text.contains("no scales"),
+        "{text}"
+    );
+}
+
 #[test]
 fn inspect_reads_a_pipeline_folder_from_headers() {
     let v = json(&ddo(&[
