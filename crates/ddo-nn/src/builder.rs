@@ -135,6 +135,19 @@ impl<'w> ModelBuilder<'w> {
         path: String,
         params: Vec<(String, Arc<Param>)>,
     ) -> LoadResult<LeafId> {
+        // fp8 is computed on only in linears (on every backend, so a checkpoint that runs
+        // in CI runs on CUDA): anywhere else it is refused before anything is attached.
+        if kind != LeafKind::Linear
+            && let Some((local, p)) = params.iter().find(|(_, p)| p.dtype().is_fp8())
+        {
+            return Err(LoadError::Fp8OutsideLinear {
+                name: p
+                    .source()
+                    .map_or_else(|| format!("{path}.{local}"), |s| s.tensor.clone()),
+                dtype: p.dtype().to_string(),
+                kind: format!("{kind:?}").to_lowercase(),
+            });
+        }
         let id = LeafId(self.leaf_paths.len());
         self.leaf_paths.push(path);
         if let Some(frame) = self.stack.last_mut() {

@@ -73,6 +73,19 @@ pub enum LoadError {
         /// The dtype found.
         dtype: String,
     },
+    /// An 8-bit float tensor in a layer DDO computes only in 16 or 32 bits (fp8 is read
+    /// by linear layers alone: their weight and bias are upcast for the GEMM).
+    #[error(
+        "tensor `{name}` ({dtype}) belongs to a {kind} layer; DDO computes fp8 weights only in linear layers; give --dtype bf16 to convert the checkpoint on load"
+    )]
+    Fp8OutsideLinear {
+        /// Tensor name.
+        name: String,
+        /// Its dtype.
+        dtype: String,
+        /// The layer kind (`norm`, `conv2d`, `embedding`, ...).
+        kind: String,
+    },
     /// A checkpoint file is truncated or corrupt.
     #[error("{file} is not a valid safetensors file: {message}; re-download or re-export it")]
     CorruptFile {

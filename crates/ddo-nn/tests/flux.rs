@@ -930,3 +930,40 @@ fn comfyui_scaled_fp8_single_files_load_as_stored_and_match_pytorch() {
     );
     assert!(err <= 2e-2, "{err:e}");
 }
+
+/// fp8 outside a linear (a norm's scale stored as fp8) is refused when the model is built,
+/// on every backend, naming the tensor: never a failure in the middle of a phase.
+#[test]
+fn fp8_outside_linear_layers_is_refused_at_load() {
+    struct Fp8Norms(ddo_nn::RandomWeights);
+    impl WeightSource for Fp8Norms {
+        fn param(
+            &mut self,
+            name: &str,
+            shape: &[usize],
+            kind: ParamKind,
+        ) -> LoadResult<Arc<Param>> {
+            if name.contains("norm_q") {
+                let n: usize = shape.iter().product();
+                return Ok(Param::new(
+                    name,
+                    kind,
+                    DType::F8E4M3,
+                    shape.to_vec(),
+                    HostBuffer::pageable_from(&vec![0x38u8; n]).slice_all(),
+                )?);
+            }
+            self.0.param(name, shape, kind)
+        }
+        fn contains(&self, name: &str) -> bool {
+            self.0.contains(name)
+        }
+    }
+    let mut src = Fp8Norms(ddo_nn::RandomWeights::new(1, DType::BF16));
+    let err = FluxTransformer::build(&mut src, tiny_config()).unwrap_err();
+    assert!(
+        matches!(&err, LoadError::Fp8OutsideLinear { name, kind, .. } if name.contains("norm_q") && kind == "norm"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--dtype bf16"), "{err}");
+}
