@@ -36,6 +36,14 @@ pub const FLUX_SKIP_PATTERNS: [&str; 5] = [
     "^proj_out$",
 ];
 
+/// The modules of a T5 encoder (`T5EncoderModel`) kept as stored under `--dtype fp8`: the
+/// token embedding (`shared`, `encoder.embed_tokens`) and the relative attention bias, both
+/// embedding tables, which DDO computes in 16 or 32 bits only (Diffusers'
+/// `apply_layerwise_casting` would cast them: `Embedding` is among its layers), and the norms.
+/// Every linear of the attention and the gated feed-forward is cast.
+pub const T5_SKIP_PATTERNS: [&str; 4] =
+    ["shared", "embed_tokens", "relative_attention_bias", "norm"];
+
 /// Whether module `module` (a dotted name) matches `pattern` as `re.search` matches the
 /// skip patterns: `^name$` the whole name, any other pattern a substring.
 fn matches(pattern: &str, module: &str) -> bool {

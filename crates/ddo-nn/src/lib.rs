@@ -31,7 +31,7 @@ pub mod weights;
 
 pub use builder::ModelBuilder;
 pub use error::{LoadError, LoadResult};
-pub use fp8::{FLUX_SKIP_PATTERNS, Fp8Storage};
+pub use fp8::{FLUX_SKIP_PATTERNS, Fp8Storage, T5_SKIP_PATTERNS};
 pub use weights::{
     CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, UnusedWeights, WeightSource,
     read_f32_tensor, read_text_file,

@@ -32,6 +32,7 @@ use serde::Deserialize;
 
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
+use crate::fp8::{Fp8Storage, T5_SKIP_PATTERNS};
 use crate::layers::{Embedding, Linear, RmsNorm, ops};
 use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
 
@@ -487,9 +488,30 @@ impl T5Encoder {
     ) -> LoadResult<Self> {
         let config = T5Config::from_file(&dir.join("config.json"))?;
         // The tied duplicate of `shared.weight`, when a checkpoint keeps both names.
-        CheckpointWeights::build_in(dir, dtype, &["encoder.embed_tokens.weight"], unused, |w| {
-            Self::build(w, &config)
-        })
+        let tied = ["encoder.embed_tokens.weight"];
+        match dtype {
+            // fp8 storage: the linears' weights as scaled fp8, the rest as stored.
+            Some(f) if f.is_fp8() => CheckpointWeights::build_in(dir, None, &tied, unused, |w| {
+                Self::build(&mut Fp8Storage::new(w, f, &T5_SKIP_PATTERNS)?, &config)
+            }),
+            _ => {
+                CheckpointWeights::build_in(dir, dtype, &tied, unused, |w| Self::build(w, &config))
+            }
+        }
+    }
+
+    /// A model with seeded random weights stored as `dtype` (an 8-bit float: bf16 weights,
+    /// the linears' stored as scaled fp8, as [`T5Encoder::from_dir`] does).
+    pub fn random(config: &T5Config, seed: u64, dtype: DType) -> LoadResult<Self> {
+        let mut w = crate::weights::RandomWeights::new(seed, dtype.compute());
+        if dtype.is_fp8() {
+            Self::build(
+                &mut Fp8Storage::new(&mut w, dtype, &T5_SKIP_PATTERNS)?,
+                config,
+            )
+        } else {
+            Self::build(&mut w, config)
+        }
     }
 
     /// The component (attach routes to it).

@@ -334,8 +334,8 @@ impl FluxPipeline {
 
     /// A pipeline at `config` with seeded random weights stored as `dtype` (component `k`
     /// of text_encoder, text_encoder_2, transformer, vae uses seed `seed + k`). An 8-bit
-    /// float `dtype` stores the transformer's cast layers as scaled fp8 and makes the rest in
-    /// bf16 ([`crate::fp8`]).
+    /// float `dtype` stores the transformer's cast layers and T5's linears as scaled fp8 and
+    /// makes the rest in bf16 ([`crate::fp8`]).
     pub fn random(config: &FluxPipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
         Self::random_with(config, seed, dtype, None)
     }
@@ -354,10 +354,11 @@ impl FluxPipeline {
             &config.transformer,
             &config.vae,
         )?;
-        // fp8 storage is the transformer's; the other components use its compute dtype.
+        // fp8 storage is the transformer's and T5's linears'; CLIP and the VAE use its
+        // compute dtype.
         let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype.compute());
         let clip = ClipTextModel::build(&mut w(0), &config.text_encoder)?;
-        let t5 = T5Encoder::build(&mut w(1), &config.text_encoder_2)?;
+        let t5 = T5Encoder::random(&config.text_encoder_2, seed.wrapping_add(1), dtype)?;
         let transformer = match transformer {
             Some(t) => t,
             None => {
@@ -379,7 +380,7 @@ impl FluxPipeline {
     /// `text_encoder/` and `text_encoder_2/` (when present), `scheduler/scheduler_config.json`
     /// (FLUX.1-dev's scheduler when absent). `dtype` converts weights on load; `None` keeps
     /// the files' dtype, memory-mapped. An 8-bit float `dtype` stores the transformer's
-    /// cast layers as scaled fp8 and converts the other components to bf16
+    /// cast layers and T5's linears as scaled fp8 and converts CLIP and the VAE to bf16
     /// ([`crate::fp8`]).
     pub fn load(dir: &Path, dtype: Option<DType>) -> LoadResult<Self> {
         Self::load_checked(dir, dtype, UnusedWeights::Refuse)
@@ -416,8 +417,9 @@ impl FluxPipeline {
             Some(t) => t,
             None => FluxTransformer::load_checked(&dir.join(TRANSFORMER), dtype, unused)?,
         };
-        // fp8 storage (`dtype` an 8-bit float) is the transformer's; the other components
-        // convert to its compute dtype.
+        // fp8 storage (`dtype` an 8-bit float) is the transformer's and T5's linears'; CLIP
+        // and the VAE convert to its compute dtype.
+        let t5_dtype = dtype;
         let dtype = dtype.map(DType::compute);
         let vae = AutoencoderKL::load_checked(&dir.join(VAE), dtype, unused)?;
         let clip_dir = dir.join(TEXT_ENCODER);
@@ -428,7 +430,7 @@ impl FluxPipeline {
         };
         let t5_dir = dir.join(TEXT_ENCODER_2);
         let t5 = if t5_dir.is_dir() {
-            Some(T5Encoder::from_dir_checked(&t5_dir, dtype, unused)?)
+            Some(T5Encoder::from_dir_checked(&t5_dir, t5_dtype, unused)?)
         } else {
             None
         };
