@@ -74,6 +74,15 @@ impl DType {
         }
     }
 
+    /// [`DType::fp8_max`], or a typed error for quantizing `what` into a dtype that is not
+    /// an 8-bit float.
+    fn fp8_max_for(self, what: &str) -> Result<f32> {
+        self.fp8_max().ok_or_else(|| CoreError::Shape {
+            what: format!("quantizing {what}"),
+            message: format!("{self} is not an 8-bit float"),
+        })
+    }
+
     /// Quantizes `values` into this 8-bit float with one per-tensor scale, as ComfyUI's
     /// scaled fp8 checkpoints store weights: `scale = amax / fp8_max` (1 for an all-zero
     /// tensor), codes `encode(v / scale)` rounded to nearest even, so `decode(code) * scale`
@@ -156,12 +165,7 @@ impl DType {
         out: &mut [u8],
     ) -> Result<f32> {
         const CHUNK: usize = 1 << 18;
-        let Some(max) = self.fp8_max() else {
-            return Err(CoreError::Shape {
-                what: format!("quantizing {what}"),
-                message: format!("{self} is not an 8-bit float"),
-            });
-        };
+        let max = self.fp8_max_for(what)?;
         let exp_mask: u16 = if src == DType::F16 { 0x7c00 } else { 0x7f80 };
         let decode = |w: u16| -> f32 {
             if src == DType::F16 {
@@ -248,12 +252,7 @@ impl DType {
         out: &mut [u8],
     ) -> Result<f32> {
         const CHUNK: usize = 1 << 16;
-        let Some(max) = self.fp8_max() else {
-            return Err(CoreError::Shape {
-                what: format!("quantizing {what}"),
-                message: format!("{self} is not an 8-bit float"),
-            });
-        };
+        let max = self.fp8_max_for(what)?;
         let threads = if n > 16 * CHUNK {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         } else {

@@ -247,14 +247,11 @@ impl HostDevice {
         t: Option<&'a Tensor>,
         len: usize,
     ) -> Result<Option<Input<'a>>> {
-        let Some(t) = t else { return Ok(None) };
-        if t.shape() != [len] {
-            return Err(shape_err(
-                op,
-                format!("{what} has shape {:?}, expected [{len}]", t.shape()),
-            ));
-        }
-        Ok(Some(self.input(op, t)?))
+        t.map(|t| {
+            vector_shape(op, what, t, len)?;
+            self.input(op, t)
+        })
+        .transpose()
     }
 
     /// [`HostDevice::optional_vector`] for a linear's bias, which may be scaled fp8.
@@ -264,14 +261,23 @@ impl HostDevice {
         t: Option<&'a Tensor>,
         len: usize,
     ) -> Result<Option<Input<'a>>> {
-        let Some(t) = t else { return Ok(None) };
-        if t.shape() != [len] {
-            return Err(shape_err(
-                op,
-                format!("bias has shape {:?}, expected [{len}]", t.shape()),
-            ));
-        }
-        Ok(Some(self.dequant_input(op, t)?))
+        t.map(|t| {
+            vector_shape(op, "bias", t, len)?;
+            self.dequant_input(op, t)
+        })
+        .transpose()
+    }
+}
+
+/// Refuses a per-feature vector operand `what` of `op` whose shape is not `[len]`.
+fn vector_shape(op: &str, what: &str, t: &Tensor, len: usize) -> Result<()> {
+    if t.shape() == [len] {
+        Ok(())
+    } else {
+        Err(shape_err(
+            op,
+            format!("{what} has shape {:?}, expected [{len}]", t.shape()),
+        ))
     }
 }
 
