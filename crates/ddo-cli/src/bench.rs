@@ -51,6 +51,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "FILE",
         "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
     ),
+    opt(
+        "text-encoder-2",
+        "FILE",
+        "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
+    ),
     many("route", "ROUTE[:k=v,...]", "a candidate route (repeatable)"),
     many("preset", "NAME", "a candidate preset (repeatable)"),
     opt("repeats", "N", "timed forwards per candidate (default 5)"),
@@ -445,7 +450,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let mut bar = ProgressBar::new();
     let (pipe, model_label) = build_pipeline(
         &source,
-        crate::run::transformer_file(&args)?.as_deref(),
+        &crate::run::component_files(&args)?,
         dtype,
         None,
         crate::run::unused_weights(&args),

@@ -51,6 +51,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
     ),
     opt(
+        "text-encoder-2",
+        "FILE",
+        "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
+    ),
+    opt(
         "vram-budget",
         "SIZE",
         "the budget to plan for (with --config/--weights; default: what the device gives)",
@@ -188,7 +193,7 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
     let mut bar = ProgressBar::new();
     let (pipe, _) = build_pipeline(
         &source,
-        crate::run::transformer_file(args)?.as_deref(),
+        &crate::run::component_files(args)?,
         dtype,
         max_seq,
         crate::run::unused_weights(args),

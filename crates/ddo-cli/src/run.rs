@@ -50,6 +50,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "a single-file transformer in the original Flux layout (flux1-dev.safetensors, ComfyUI's fp8 files) in place of the folder's or the config's",
     ),
     opt(
+        "text-encoder-2",
+        "FILE",
+        "a single-file T5 encoder in the Transformers layout (t5xxl_fp8_e4m3fn.safetensors) in place of the folder's or the config's",
+    ),
+    opt(
         "preset",
         "NAME",
         "auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off",
@@ -217,15 +222,13 @@ pub(crate) fn max_sequence_length(args: &Parsed) -> CliResult<Option<usize>> {
 fn check_host_memory(
     config: &FluxPipelineConfig,
     dtype: DType,
-    random_transformer: bool,
+    files: &ComponentFiles,
 ) -> CliResult<()> {
+    // Components given as files are mapped, not made.
+    let random = |file: &Option<PathBuf>, count: u64| if file.is_some() { 0 } else { count };
     let params = config.text_encoder.param_count()
-        + config.text_encoder_2.param_count()
-        + if random_transformer {
-            config.transformer.param_count()
-        } else {
-            0
-        };
+        + random(&files.text_encoder_2, config.text_encoder_2.param_count())
+        + random(&files.transformer, config.transformer.param_count());
     // fp8 storage builds each transformer weight in bf16 before storing it as fp8, and
     // keeps the modulations and the other components in bf16: counted at bf16, an upper
     // bound.
@@ -244,19 +247,56 @@ fn check_host_memory(
     }
 }
 
-/// `--transformer FILE`: a single-file transformer checkpoint in the original Flux layout.
-pub(crate) fn transformer_file(args: &Parsed) -> CliResult<Option<PathBuf>> {
-    let Some(f) = args.get("transformer") else {
-        return Ok(None);
+/// The components given as single files (`--transformer FILE`, `--text-encoder-2 FILE`),
+/// which take the place of the folder's or the config's.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ComponentFiles {
+    /// A transformer in the original Flux layout.
+    pub transformer: Option<PathBuf>,
+    /// A T5 encoder in the Transformers layout.
+    pub text_encoder_2: Option<PathBuf>,
+}
+
+/// `--transformer FILE` and `--text-encoder-2 FILE` (each must be a file).
+pub(crate) fn component_files(args: &Parsed) -> CliResult<ComponentFiles> {
+    let file = |option: &str, what: &str| -> CliResult<Option<PathBuf>> {
+        let Some(f) = args.get(option) else {
+            return Ok(None);
+        };
+        let path = PathBuf::from(f);
+        if !path.is_file() {
+            return Err(CliError::usage(
+                format!("--{option} {f}: not a file"),
+                format!(
+                    "give one .safetensors file ({what}); a Diffusers folder goes in --weights"
+                ),
+            ));
+        }
+        Ok(Some(path))
     };
-    let path = PathBuf::from(f);
-    if !path.is_file() {
-        return Err(CliError::usage(
-            format!("--transformer {f}: not a file"),
-            "give one .safetensors file in the original Flux layout (e.g. flux1-dev.safetensors or a ComfyUI fp8 file); a Diffusers folder goes in --weights",
-        ));
-    }
-    Ok(Some(path))
+    Ok(ComponentFiles {
+        transformer: file(
+            "transformer",
+            "the original Flux layout, e.g. flux1-dev.safetensors or a ComfyUI fp8 file",
+        )?,
+        text_encoder_2: file(
+            "text-encoder-2",
+            "a T5 encoder in the Transformers layout, e.g. t5xxl_fp8_e4m3fn.safetensors",
+        )?,
+    })
+}
+
+/// The single-file T5 encoder at `path` with `config`.
+fn load_t5_file(
+    path: &Path,
+    config: &ddo_nn::t5::T5Config,
+    dtype: Option<DType>,
+    unused: ddo_nn::UnusedWeights,
+    bar: &mut ProgressBar,
+) -> CliResult<ddo_nn::t5::T5Encoder> {
+    bar.status(&format!("opening {}...", path.display()));
+    ddo_nn::t5::T5Encoder::load_file(path, config, dtype, unused)
+        .map_err(|e| CliError::from(e).context(&format!("--text-encoder-2 {}", path.display())))
 }
 
 /// The single-file transformer at `path`, with `config` (a `config.json` beside the
@@ -273,11 +313,11 @@ fn load_transformer_file(
         .map_err(|e| CliError::from(e).context(&format!("--transformer {}", path.display())))
 }
 
-/// Loads or builds the pipeline; `transformer` (`--transformer FILE`) replaces the
-/// folder's or the config's transformer.
+/// Loads or builds the pipeline; the components of `files` replace the folder's or the
+/// config's.
 pub(crate) fn build_pipeline(
     source: &Source,
-    transformer: Option<&Path>,
+    files: &ComponentFiles,
     dtype: Option<DType>,
     max_seq: Option<usize>,
     unused: ddo_nn::UnusedWeights,
@@ -300,33 +340,64 @@ pub(crate) fn build_pipeline(
             } else {
                 DType::BF16
             });
-            check_host_memory(&config, dtype, transformer.is_none())?;
-            let file = transformer
-                .map(|f| {
-                    load_transformer_file(
-                        f,
-                        Some(config.transformer.clone()),
-                        // The file as stored unless --dtype asks for a conversion.
-                        asked,
-                        unused,
-                        bar,
-                    )
-                })
-                .transpose()?;
-            bar.status(&format!("building {name} with random {dtype} weights..."));
-            let pipe = FluxPipeline::random_with(&config, 0, dtype, file)?;
-            bar.finish();
-            let label = match transformer {
-                Some(f) => format!(
-                    "{name} (random weights, {dtype}; transformer {})",
-                    f.display()
-                ),
-                None => format!("{name} (random weights, {dtype})"),
+            check_host_memory(&config, dtype, files)?;
+            // The files as stored unless --dtype asks for a conversion.
+            let loaded = ddo_nn::pipeline::Loaded {
+                transformer: files
+                    .transformer
+                    .as_deref()
+                    .map(|f| {
+                        load_transformer_file(
+                            f,
+                            Some(config.transformer.clone()),
+                            asked,
+                            unused,
+                            bar,
+                        )
+                    })
+                    .transpose()?,
+                text_encoder_2: files
+                    .text_encoder_2
+                    .as_deref()
+                    .map(|f| load_t5_file(f, &config.text_encoder_2, asked, unused, bar))
+                    .transpose()?,
             };
+            bar.status(&format!("building {name} with random {dtype} weights..."));
+            let pipe = FluxPipeline::random_with(&config, 0, dtype, loaded)?;
+            bar.finish();
+            let mut label = format!("{name} (random weights, {dtype}");
+            for (what, f) in [
+                ("transformer", &files.transformer),
+                ("text_encoder_2", &files.text_encoder_2),
+            ] {
+                if let Some(f) = f {
+                    label += &format!("; {what} {}", f.display());
+                }
+            }
+            label += ")";
             Ok((pipe, label))
         }
         Source::Weights(dir) => {
-            let file = transformer
+            let in_dir = |e: ddo_nn::LoadError| {
+                CliError::from(e).context(&format!("--weights {}", dir.display()))
+            };
+            let text_encoder_2 = files
+                .text_encoder_2
+                .as_deref()
+                .map(|f| {
+                    // The folder's config, else FLUX.1's T5-XXL (the shapes are checked).
+                    let config_file = dir.join("text_encoder_2").join("config.json");
+                    let config = if config_file.is_file() {
+                        ddo_nn::t5::T5Config::from_file(&config_file).map_err(in_dir)?
+                    } else {
+                        FluxPipelineConfig::flux_dev().text_encoder_2
+                    };
+                    load_t5_file(f, &config, dtype, unused, bar)
+                })
+                .transpose()?;
+            let file = files
+                .transformer
+                .as_deref()
                 .map(|f| {
                     let config_file = dir.join("transformer").join("config.json");
                     let config = if config_file.is_file() {
@@ -345,7 +416,11 @@ pub(crate) fn build_pipeline(
                 })
                 .transpose()?;
             bar.status(&format!("opening {}...", dir.display()));
-            let mut pipe = FluxPipeline::load_with(dir, dtype, unused, file)
+            let loaded = ddo_nn::pipeline::Loaded {
+                transformer: file,
+                text_encoder_2,
+            };
+            let mut pipe = FluxPipeline::load_with(dir, dtype, unused, loaded)
                 .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;
             bar.finish();
             if let Some(n) = max_seq {
@@ -599,7 +674,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let mut startup = Stopwatch::new(started);
     let (pipe, model_label) = build_pipeline(
         &source,
-        transformer_file(&args)?.as_deref(),
+        &component_files(&args)?,
         dtype,
         max_seq,
         unused_weights(&args),

@@ -306,6 +306,47 @@ fn a_single_file_transformer_replaces_the_folders_bit_for_bit() {
     ok(&single);
     assert_eq!(tensor(&a, "sample"), tensor(&b, "sample"));
     assert_eq!(tensor(&a, "latents"), tensor(&b, "latents"));
+    // And T5 as one file (the Transformers layout, as ComfyUI's T5 files are), with it.
+    let t5 = fixture("flux_pipeline/text_encoder_2/model.safetensors");
+    let (both, c) = run(
+        &["--transformer", &file, "--text-encoder-2", &t5],
+        "both.safetensors",
+    );
+    ok(&both);
+    assert_eq!(tensor(&a, "sample"), tensor(&c, "sample"));
+    // With a text prompt, T5 runs: the file's encoder gives the folder's image.
+    let pipeline = fixture("flux_pipeline");
+    let prompted = |extra: &[&str], name: &str| {
+        let out = d.join(name);
+        let mut argv = vec![
+            "run",
+            "--weights",
+            &pipeline,
+            "--prompt",
+            "a lighthouse",
+            "--init-latents",
+            &inputs,
+            "--height",
+            "32",
+            "--width",
+            "24",
+            "--steps",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        argv.extend_from_slice(extra);
+        ok(&ddo(&argv));
+        tensor(&out, "sample")
+    };
+    assert_eq!(
+        prompted(&[], "prompt-folder.safetensors"),
+        prompted(&["--text-encoder-2", &t5], "prompt-file.safetensors")
+    );
+    let (bad_t5, _) = run(&["--text-encoder-2", &file], "bad-t5.safetensors");
+    assert!(!bad_t5.status.success());
+    let err = String::from_utf8_lossy(&bad_t5.stderr);
+    assert!(err.contains("--text-encoder-2"), "{err}");
     for (bad, says) in [
         ("no-such-file.safetensors".to_string(), "not a file"),
         (fixture("flux_pipeline"), "not a file"),

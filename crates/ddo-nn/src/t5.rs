@@ -500,6 +500,32 @@ impl T5Encoder {
         }
     }
 
+    /// Loads a single safetensors file in the Transformers layout (`shared.weight`,
+    /// `encoder.block.N...`, as a folder's `model.safetensors` and ComfyUI's
+    /// `t5xxl_fp8_e4m3fn.safetensors` are) with `config`; `dtype` as
+    /// [`T5Encoder::from_dir`]. ComfyUI's `scaled_fp8` marker is left alone.
+    pub fn load_file(
+        path: &Path,
+        config: &T5Config,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
+        let fp8 = dtype.filter(|d| d.is_fp8());
+        let mut w = CheckpointWeights::open_file(path, if fp8.is_some() { None } else { dtype })?;
+        let model = match fp8 {
+            Some(f) => Self::build(&mut Fp8Storage::new(&mut w, f, &T5_SKIP_PATTERNS)?, config)?,
+            None => Self::build(&mut w, config)?,
+        };
+        w.check_unused(
+            &[
+                "encoder.embed_tokens.weight",
+                crate::flux::original::SCALED_FP8_MARKER,
+            ],
+            unused,
+        )?;
+        Ok(model)
+    }
+
     /// A model with seeded random weights stored as `dtype` (an 8-bit float: bf16 weights,
     /// the linears' stored as scaled fp8, as [`T5Encoder::from_dir`] does).
     pub fn random(config: &T5Config, seed: u64, dtype: DType) -> LoadResult<Self> {

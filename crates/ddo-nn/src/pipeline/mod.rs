@@ -305,6 +305,16 @@ impl std::fmt::Debug for FluxPipeline {
     }
 }
 
+/// Components loaded on their own (single files: `ddo run --transformer FILE
+/// --text-encoder-2 FILE`) that take the place of a folder's or a config's.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The transformer.
+    pub transformer: Option<FluxTransformer>,
+    /// The T5 encoder (`text_encoder_2`).
+    pub text_encoder_2: Option<T5Encoder>,
+}
+
 impl FluxPipeline {
     /// A pipeline of these models; checks that they fit together.
     pub fn new(
@@ -337,16 +347,16 @@ impl FluxPipeline {
     /// float `dtype` stores the transformer's cast layers and T5's linears as scaled fp8 and
     /// makes the rest in bf16 ([`crate::fp8`]).
     pub fn random(config: &FluxPipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
-        Self::random_with(config, seed, dtype, None)
+        Self::random_with(config, seed, dtype, Loaded::default())
     }
 
-    /// [`FluxPipeline::random`] with `transformer` (a loaded checkpoint, e.g. a single file)
-    /// in place of the random one when given: the other components are random at `config`.
+    /// [`FluxPipeline::random`] with the components of `loaded` (checkpoints loaded on their
+    /// own, e.g. single files) in place of random ones: the others are random at `config`.
     pub fn random_with(
         config: &FluxPipelineConfig,
         seed: u64,
         dtype: DType,
-        transformer: Option<FluxTransformer>,
+        loaded: Loaded,
     ) -> LoadResult<Self> {
         check_consistency(
             Some(&config.text_encoder),
@@ -358,8 +368,11 @@ impl FluxPipeline {
         // compute dtype.
         let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype.compute());
         let clip = ClipTextModel::build(&mut w(0), &config.text_encoder)?;
-        let t5 = T5Encoder::random(&config.text_encoder_2, seed.wrapping_add(1), dtype)?;
-        let transformer = match transformer {
+        let t5 = match loaded.text_encoder_2 {
+            Some(t) => t,
+            None => T5Encoder::random(&config.text_encoder_2, seed.wrapping_add(1), dtype)?,
+        };
+        let transformer = match loaded.transformer {
             Some(t) => t,
             None => {
                 FluxTransformer::random(config.transformer.clone(), seed.wrapping_add(2), dtype)?
@@ -393,16 +406,16 @@ impl FluxPipeline {
         dtype: Option<DType>,
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
-        Self::load_with(dir, dtype, unused, None)
+        Self::load_with(dir, dtype, unused, Loaded::default())
     }
 
-    /// [`FluxPipeline::load_checked`] with `transformer` (a loaded checkpoint, e.g. a single
-    /// file) in place of the folder's `transformer/` when given (the folder then needs none).
+    /// [`FluxPipeline::load_checked`] with the components of `loaded` (checkpoints loaded on
+    /// their own, e.g. single files) in place of the folder's (which then needs none).
     pub fn load_with(
         dir: &Path,
         dtype: Option<DType>,
         unused: UnusedWeights,
-        transformer: Option<FluxTransformer>,
+        loaded: Loaded,
     ) -> LoadResult<Self> {
         if !dir.is_dir() {
             return Err(LoadError::Io {
@@ -413,7 +426,7 @@ impl FluxPipeline {
                 ),
             });
         }
-        let transformer = match transformer {
+        let transformer = match loaded.transformer {
             Some(t) => t,
             None => FluxTransformer::load_checked(&dir.join(TRANSFORMER), dtype, unused)?,
         };
@@ -429,7 +442,9 @@ impl FluxPipeline {
             None
         };
         let t5_dir = dir.join(TEXT_ENCODER_2);
-        let t5 = if t5_dir.is_dir() {
+        let t5 = if let Some(t) = loaded.text_encoder_2 {
+            Some(t)
+        } else if t5_dir.is_dir() {
             Some(T5Encoder::from_dir_checked(&t5_dir, t5_dtype, unused)?)
         } else {
             None
