@@ -23,6 +23,7 @@ Usage (the venv of tools/README.md):
 
   .venv-fixtures/bin/python tools/gen_fp8_fixture.py
   .venv-fixtures/bin/python tools/gen_fp8_fixture.py --original
+  .venv-fixtures/bin/python tools/gen_fp8_fixture.py --vae      # vae_flux_original/: the VAE in ae.safetensors' layout
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def main():
     json.dumps(names)
 
 
-if __name__ == "__main__" and "--original" not in sys.argv:
+if __name__ == "__main__" and "--original" not in sys.argv and "--vae" not in sys.argv:
     main()
 
 
@@ -312,3 +313,79 @@ def main_original():
 
 if __name__ == "__main__" and "--original" in sys.argv:
     main_original()
+
+
+# --------------------------------------------------------------------------
+# the VAE as one file in the original (LDM / Black Forest Labs `ae.safetensors`) layout
+# --------------------------------------------------------------------------
+
+
+def vae_to_ldm(sd: "dict[str, torch.Tensor]", num_up: int) -> "OrderedDict[str, torch.Tensor]":
+    """The inverse of Diffusers' `convert_ldm_vae_checkpoint`, written from it by hand;
+    `main_vae` checks it by converting back with Diffusers' own function."""
+    o = OrderedDict()
+    for k, v in sd.items():
+        n = k
+        n = re.sub(r"^(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out.", n)
+        n = re.sub(r"encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", n)
+        n = re.sub(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.", r"encoder.down.\1.downsample.conv.", n)
+        m = re.match(r"decoder\.up_blocks\.(\d+)\.(resnets|upsamplers\.0\.conv)\.(.*)", n)
+        if m:
+            block = num_up - 1 - int(m.group(1))
+            part = "block" if m.group(2) == "resnets" else "upsample.conv"
+            n = f"decoder.up.{block}.{part}.{m.group(3)}"
+        n = re.sub(r"mid_block\.resnets\.(\d+)\.", lambda mm: f"mid.block_{int(mm.group(1)) + 1}.", n)
+        n = n.replace("conv_shortcut", "nin_shortcut")
+        if ".mid_block.attentions.0." in n:
+            n = n.replace(".mid_block.attentions.0.", ".mid.attn_1.")
+            n = (
+                n.replace("group_norm.", "norm.")
+                .replace("to_q.", "q.")
+                .replace("to_k.", "k.")
+                .replace("to_v.", "v.")
+                .replace("to_out.0.", "proj_out.")
+            )
+            if n.endswith(("q.weight", "k.weight", "v.weight", "proj_out.weight")):
+                v = v[:, :, None, None]  # LDM keeps them as 1x1 convolutions
+        o[n] = v
+    return o
+
+
+def main_vae():
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    src = g.FIXTURES / "vae_flux"
+    model = AutoencoderKL.from_pretrained(str(src), torch_dtype=torch.float32)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ldm = vae_to_ldm(sd, len(model.config.up_block_types))
+    back = convert_ldm_vae_checkpoint({k: v.clone() for k, v in ldm.items()}, dict(model.config))
+    assert set(back) == set(sd), sorted(set(back) ^ set(sd))[:8]
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    d = g.FIXTURES / "vae_flux_original"
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in ldm.items()}, str(d / "ae-tiny.safetensors"))
+    # The pipeline fixture's VAE the same way (for `ddo run --weights fixtures/flux_pipeline --vae FILE`).
+    pvae = AutoencoderKL.from_pretrained(str(g.FIXTURES / "flux_pipeline" / "vae"), torch_dtype=torch.float32)
+    psd = {k: v.detach().clone() for k, v in pvae.state_dict().items()}
+    pldm = vae_to_ldm(psd, len(pvae.config.up_block_types))
+    pback = convert_ldm_vae_checkpoint({k: v.clone() for k, v in pldm.items()}, dict(pvae.config))
+    assert set(pback) == set(psd) and all(torch.equal(pback[k], psd[k]) for k in psd)
+    save_file({k: v.contiguous() for k, v in pldm.items()}, str(d / "flux_pipeline-vae.safetensors"))
+    (d / "README.md").write_text(
+        "# `vae_flux_original`\n\nWritten by `tools/gen_fp8_fixture.py --vae`: `../vae_flux` (float32) as one file in "
+        "the original layout of Black Forest Labs' `ae.safetensors` (LDM names: `decoder.up.N.block.M`, reversed "
+        "block order, `mid.block_1`, `mid.attn_1.q` as 1x1 convolutions, `nin_shortcut`, `norm_out`), made by "
+        "the inverse of Diffusers' `convert_ldm_vae_checkpoint` and checked by converting back with that function, "
+        f"which gives the fixture's state dict exactly ({len(ldm)} tensors, encoder included). "
+        "`flux_pipeline-vae.safetensors`: `../flux_pipeline/vae` the same way.\n\n"
+        f"Versions: torch {torch.__version__}, diffusers {g.diffusers.__version__}.\n"
+    )
+    print(f"[gen] vae_flux_original: {len(ldm)} tensors")
+
+
+if __name__ == "__main__" and "--vae" in sys.argv:
+    main_vae()

@@ -56,6 +56,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "FILE",
         "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
     ),
+    opt(
+        "vae",
+        "FILE",
+        "a single-file VAE in the original LDM layout, in place of the folder's or the config's (as for run)",
+    ),
     many("route", "ROUTE[:k=v,...]", "a candidate route (repeatable)"),
     many("preset", "NAME", "a candidate preset (repeatable)"),
     opt("repeats", "N", "timed forwards per candidate (default 5)"),

@@ -56,6 +56,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
     ),
     opt(
+        "vae",
+        "FILE",
+        "a single-file VAE in the original LDM layout, in place of the folder's or the config's (as for run)",
+    ),
+    opt(
         "vram-budget",
         "SIZE",
         "the budget to plan for (with --config/--weights; default: what the device gives)",

@@ -55,6 +55,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "a single-file T5 encoder in the Transformers layout (t5xxl_fp8_e4m3fn.safetensors) in place of the folder's or the config's",
     ),
     opt(
+        "vae",
+        "FILE",
+        "a single-file VAE in the original LDM layout (ae.safetensors) in place of the folder's or the config's",
+    ),
+    opt(
         "preset",
         "NAME",
         "auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off",
@@ -255,6 +260,8 @@ pub(crate) struct ComponentFiles {
     pub transformer: Option<PathBuf>,
     /// A T5 encoder in the Transformers layout.
     pub text_encoder_2: Option<PathBuf>,
+    /// A VAE in the original (LDM) layout.
+    pub vae: Option<PathBuf>,
 }
 
 /// `--transformer FILE` and `--text-encoder-2 FILE` (each must be a file).
@@ -283,7 +290,24 @@ pub(crate) fn component_files(args: &Parsed) -> CliResult<ComponentFiles> {
             "text-encoder-2",
             "a T5 encoder in the Transformers layout, e.g. t5xxl_fp8_e4m3fn.safetensors",
         )?,
+        vae: file(
+            "vae",
+            "a VAE in the original LDM layout, e.g. Black Forest Labs' ae.safetensors",
+        )?,
     })
+}
+
+/// The single-file VAE at `path` with `config`; fp8 is not a VAE's storage.
+fn load_vae_file(
+    path: &Path,
+    config: ddo_nn::vae::AutoencoderKLConfig,
+    dtype: Option<DType>,
+    unused: ddo_nn::UnusedWeights,
+    bar: &mut ProgressBar,
+) -> CliResult<ddo_nn::vae::AutoencoderKL> {
+    bar.status(&format!("opening {}...", path.display()));
+    ddo_nn::vae::AutoencoderKL::load_original(path, config, dtype.map(DType::compute), unused)
+        .map_err(|e| CliError::from(e).context(&format!("--vae {}", path.display())))
 }
 
 /// The single-file T5 encoder at `path` with `config`.
@@ -361,6 +385,11 @@ pub(crate) fn build_pipeline(
                     .as_deref()
                     .map(|f| load_t5_file(f, &config.text_encoder_2, asked, unused, bar))
                     .transpose()?,
+                vae: files
+                    .vae
+                    .as_deref()
+                    .map(|f| load_vae_file(f, config.vae.clone(), asked, unused, bar))
+                    .transpose()?,
             };
             bar.status(&format!("building {name} with random {dtype} weights..."));
             let pipe = FluxPipeline::random_with(&config, 0, dtype, loaded)?;
@@ -369,6 +398,7 @@ pub(crate) fn build_pipeline(
             for (what, f) in [
                 ("transformer", &files.transformer),
                 ("text_encoder_2", &files.text_encoder_2),
+                ("vae", &files.vae),
             ] {
                 if let Some(f) = f {
                     label += &format!("; {what} {}", f.display());
@@ -416,9 +446,24 @@ pub(crate) fn build_pipeline(
                 })
                 .transpose()?;
             bar.status(&format!("opening {}...", dir.display()));
+            let vae = files
+                .vae
+                .as_deref()
+                .map(|f| {
+                    // The folder's config, else FLUX.1's VAE (the shapes are checked).
+                    let config_file = dir.join("vae").join("config.json");
+                    let config = if config_file.is_file() {
+                        ddo_nn::vae::AutoencoderKLConfig::from_file(&config_file).map_err(in_dir)?
+                    } else {
+                        FluxPipelineConfig::flux_dev().vae
+                    };
+                    load_vae_file(f, config, dtype, unused, bar)
+                })
+                .transpose()?;
             let loaded = ddo_nn::pipeline::Loaded {
                 transformer: file,
                 text_encoder_2,
+                vae,
             };
             let mut pipe = FluxPipeline::load_with(dir, dtype, unused, loaded)
                 .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;

@@ -263,8 +263,9 @@ fn run_with_fp8_storage_moves_fewer_bytes_and_stays_close_to_bf16() {
     assert!(rel < 0.1, "fp8 image {rel:e} from the bf16 image");
 }
 
-/// `--transformer FILE` (issue 18): the pipeline folder's transformer as one file in the
-/// original Flux layout gives the folder's image bit for bit; a missing file, a folder, or a
+/// `--transformer FILE`, `--text-encoder-2 FILE`, `--vae FILE` (issue 18): the pipeline
+/// folder's components as single files (the original Flux layout, Transformers' T5 layout,
+/// the LDM VAE layout) give the folder's image bit for bit; a missing file, a folder, or a
 /// file in the Diffusers layout is a typed refusal naming the option.
 #[test]
 fn a_single_file_transformer_replaces_the_folders_bit_for_bit() {
@@ -343,6 +344,15 @@ fn a_single_file_transformer_replaces_the_folders_bit_for_bit() {
         prompted(&[], "prompt-folder.safetensors"),
         prompted(&["--text-encoder-2", &t5], "prompt-file.safetensors")
     );
+    // And the VAE as one file in the original LDM layout (as ae.safetensors is).
+    let vae = fixture("vae_flux_original/flux_pipeline-vae.safetensors");
+    let (with_vae, e) = run(&["--vae", &vae], "vae.safetensors");
+    ok(&with_vae);
+    assert_eq!(tensor(&a, "sample"), tensor(&e, "sample"));
+    let (bad_vae, _) = run(&["--vae", &file], "bad-vae.safetensors");
+    assert!(!bad_vae.status.success());
+    let err = String::from_utf8_lossy(&bad_vae.stderr);
+    assert!(err.contains("--vae") && err.contains("LDM"), "{err}");
     let (bad_t5, _) = run(&["--text-encoder-2", &file], "bad-t5.safetensors");
     assert!(!bad_t5.status.success());
     let err = String::from_utf8_lossy(&bad_t5.stderr);

@@ -614,6 +614,9 @@ pub enum ViewKind {
     },
     /// The halves along dim 0 swapped.
     SwapHalves,
+    /// The tensor's bytes under the model's shape, which drops trailing dims of 1 (an LDM
+    /// VAE's attention projections are 1x1 convolutions, Diffusers' are linears).
+    Squeeze,
 }
 
 /// A param name mapped onto a checkpoint tensor ([`CheckpointWeights::with_views`]).
@@ -679,6 +682,11 @@ impl WeightSource for CheckpointWeights {
             ViewKind::SwapHalves => {
                 info.shape == shape && shape.first().is_some_and(|d| d % 2 == 0)
             }
+            ViewKind::Squeeze => {
+                info.shape.len() >= shape.len()
+                    && info.shape[..shape.len()] == *shape
+                    && info.shape[shape.len()..].iter().all(|&d| d == 1)
+            }
             ViewKind::Rows { start, len } => {
                 info.shape.len() == shape.len()
                     && shape.first() == Some(&len)
@@ -717,7 +725,7 @@ impl WeightSource for CheckpointWeights {
         let whole = ckpt.host_buffer(tensor)?;
         let row_bytes = info.len / info.shape.first().copied().unwrap_or(1).max(1);
         let host = match view.kind {
-            ViewKind::Whole => whole.slice_all(),
+            ViewKind::Whole | ViewKind::Squeeze => whole.slice_all(),
             ViewKind::Rows { start, len } => whole.slice(start * row_bytes, len * row_bytes)?,
             ViewKind::SwapHalves => {
                 let half = info.len / 2;

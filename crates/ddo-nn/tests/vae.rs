@@ -578,3 +578,41 @@ fn unscale_latents_follows_the_pipelines() {
     let expected: Vec<f32> = values.iter().map(|v| v / 0.3611f32 + 0.1159f32).collect();
     assert_eq!(d.to_f32_vec(&out).unwrap(), expected);
 }
+
+/// A VAE as one file in the original LDM layout of `ae.safetensors`
+/// (`fixtures/vae_flux_original`, made by the inverse of Diffusers' conversion and checked
+/// with Diffusers' own): the decoder maps as `from_single_file` converts it (reversed up
+/// blocks, `nin_shortcut`, the attention's 1x1 convolutions read as linears without a copy),
+/// so the decode is the Diffusers folder's bit for bit; the encoder is left alone.
+#[test]
+fn ldm_layout_single_files_decode_as_the_folder() {
+    let config = AutoencoderKLConfig::from_file(&fixture("vae_flux").join("config.json")).unwrap();
+    let file = fixture("vae_flux_original").join("ae-tiny.safetensors");
+    let single =
+        AutoencoderKL::load_original(&file, config.clone(), None, ddo_nn::UnusedWeights::Refuse)
+            .expect("load the single file");
+    assert!(
+        single
+            .component()
+            .params()
+            .iter()
+            .all(|p| p.is_checkpoint_backed()),
+        "every param a view of the file"
+    );
+    let (latents, _) = tensor("vae_flux", "inputs.safetensors", "latents");
+    let (d1, a) = decode_resident(&load("vae_flux"), &latents, None);
+    let (d2, b) = decode_resident(&single, &latents, None);
+    assert!(
+        bytes(&d1, &a) == bytes(&d2, &b),
+        "differs from the folder's decode"
+    );
+    // A file that is not in the LDM layout is a typed refusal.
+    let err = AutoencoderKL::load_original(
+        &fixture("vae_flux").join("diffusion_pytorch_model.safetensors"),
+        config,
+        None,
+        ddo_nn::UnusedWeights::Refuse,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("LDM"), "{err}");
+}

@@ -306,13 +306,15 @@ impl std::fmt::Debug for FluxPipeline {
 }
 
 /// Components loaded on their own (single files: `ddo run --transformer FILE
-/// --text-encoder-2 FILE`) that take the place of a folder's or a config's.
+/// --text-encoder-2 FILE --vae FILE`) that take the place of a folder's or a config's.
 #[derive(Debug, Default)]
 pub struct Loaded {
     /// The transformer.
     pub transformer: Option<FluxTransformer>,
     /// The T5 encoder (`text_encoder_2`).
     pub text_encoder_2: Option<T5Encoder>,
+    /// The VAE.
+    pub vae: Option<AutoencoderKL>,
 }
 
 impl FluxPipeline {
@@ -378,7 +380,10 @@ impl FluxPipeline {
                 FluxTransformer::random(config.transformer.clone(), seed.wrapping_add(2), dtype)?
             }
         };
-        let vae = AutoencoderKL::build(&mut w(3), config.vae.clone())?;
+        let vae = match loaded.vae {
+            Some(v) => v,
+            None => AutoencoderKL::build(&mut w(3), config.vae.clone())?,
+        };
         Self::new(
             Some(clip),
             Some(t5),
@@ -434,7 +439,10 @@ impl FluxPipeline {
         // and the VAE convert to its compute dtype.
         let t5_dtype = dtype;
         let dtype = dtype.map(DType::compute);
-        let vae = AutoencoderKL::load_checked(&dir.join(VAE), dtype, unused)?;
+        let vae = match loaded.vae {
+            Some(v) => v,
+            None => AutoencoderKL::load_checked(&dir.join(VAE), dtype, unused)?,
+        };
         let clip_dir = dir.join(TEXT_ENCODER);
         let clip = if clip_dir.is_dir() {
             Some(ClipTextModel::from_dir_checked(&clip_dir, dtype, unused)?)

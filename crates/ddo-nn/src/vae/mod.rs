@@ -38,6 +38,7 @@ mod blocks;
 mod config;
 mod decoder;
 mod estimate;
+pub mod original;
 mod tiling;
 
 pub use config::AutoencoderKLConfig;
