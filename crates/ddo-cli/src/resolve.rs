@@ -51,6 +51,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
     ),
     opt(
+        "text-encoder",
+        "FILE",
+        "a single-file CLIP text encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
+    ),
+    opt(
         "text-encoder-2",
         "FILE",
         "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",

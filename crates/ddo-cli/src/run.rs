@@ -50,6 +50,11 @@ pub const OPTIONS: &[OptSpec] = &[
         "a single-file transformer in the original Flux layout (flux1-dev.safetensors, ComfyUI's fp8 files) in place of the folder's or the config's",
     ),
     opt(
+        "text-encoder",
+        "FILE",
+        "a single-file CLIP text encoder in the Transformers layout (clip_l.safetensors) in place of the folder's or the config's",
+    ),
+    opt(
         "text-encoder-2",
         "FILE",
         "a single-file T5 encoder in the Transformers layout (t5xxl_fp8_e4m3fn.safetensors) in place of the folder's or the config's",
@@ -231,7 +236,7 @@ fn check_host_memory(
 ) -> CliResult<()> {
     // Components given as files are mapped, not made.
     let random = |file: &Option<PathBuf>, count: u64| if file.is_some() { 0 } else { count };
-    let params = config.text_encoder.param_count()
+    let params = random(&files.text_encoder, config.text_encoder.param_count())
         + random(&files.text_encoder_2, config.text_encoder_2.param_count())
         + random(&files.transformer, config.transformer.param_count());
     // fp8 storage builds each transformer weight in bf16 before storing it as fp8, and
@@ -256,6 +261,8 @@ fn check_host_memory(
 /// which take the place of the folder's or the config's.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ComponentFiles {
+    /// A CLIP text encoder in the Transformers layout.
+    pub text_encoder: Option<PathBuf>,
     /// A transformer in the original Flux layout.
     pub transformer: Option<PathBuf>,
     /// A T5 encoder in the Transformers layout.
@@ -282,6 +289,10 @@ pub(crate) fn component_files(args: &Parsed) -> CliResult<ComponentFiles> {
         Ok(Some(path))
     };
     Ok(ComponentFiles {
+        text_encoder: file(
+            "text-encoder",
+            "a CLIP text encoder in the Transformers layout, e.g. clip_l.safetensors",
+        )?,
         transformer: file(
             "transformer",
             "the original Flux layout, e.g. flux1-dev.safetensors or a ComfyUI fp8 file",
@@ -295,6 +306,19 @@ pub(crate) fn component_files(args: &Parsed) -> CliResult<ComponentFiles> {
             "a VAE in the original LDM layout, e.g. Black Forest Labs' ae.safetensors",
         )?,
     })
+}
+
+/// The single-file CLIP text encoder at `path` with `config`.
+fn load_clip_file(
+    path: &Path,
+    config: &ddo_nn::clip::ClipTextConfig,
+    dtype: Option<DType>,
+    unused: ddo_nn::UnusedWeights,
+    bar: &mut ProgressBar,
+) -> CliResult<ddo_nn::clip::ClipTextModel> {
+    bar.status(&format!("opening {}...", path.display()));
+    ddo_nn::clip::ClipTextModel::load_file(path, config, dtype, unused)
+        .map_err(|e| CliError::from(e).context(&format!("--text-encoder {}", path.display())))
 }
 
 /// The single-file VAE at `path` with `config`; fp8 is not a VAE's storage.
@@ -367,6 +391,11 @@ pub(crate) fn build_pipeline(
             check_host_memory(&config, dtype, files)?;
             // The files as stored unless --dtype asks for a conversion.
             let loaded = ddo_nn::pipeline::Loaded {
+                text_encoder: files
+                    .text_encoder
+                    .as_deref()
+                    .map(|f| load_clip_file(f, &config.text_encoder, asked, unused, bar))
+                    .transpose()?,
                 transformer: files
                     .transformer
                     .as_deref()
@@ -396,6 +425,7 @@ pub(crate) fn build_pipeline(
             bar.finish();
             let mut label = format!("{name} (random weights, {dtype}");
             for (what, f) in [
+                ("text_encoder", &files.text_encoder),
                 ("transformer", &files.transformer),
                 ("text_encoder_2", &files.text_encoder_2),
                 ("vae", &files.vae),
@@ -460,7 +490,22 @@ pub(crate) fn build_pipeline(
                     load_vae_file(f, config, dtype, unused, bar)
                 })
                 .transpose()?;
+            let text_encoder = files
+                .text_encoder
+                .as_deref()
+                .map(|f| {
+                    // The folder's config, else FLUX.1's CLIP-L (the shapes are checked).
+                    let config_file = dir.join("text_encoder").join("config.json");
+                    let config = if config_file.is_file() {
+                        ddo_nn::clip::ClipTextConfig::from_file(&config_file).map_err(in_dir)?
+                    } else {
+                        FluxPipelineConfig::flux_dev().text_encoder
+                    };
+                    load_clip_file(f, &config, dtype, unused, bar)
+                })
+                .transpose()?;
             let loaded = ddo_nn::pipeline::Loaded {
+                text_encoder,
                 transformer: file,
                 text_encoder_2,
                 vae,

@@ -340,10 +340,18 @@ fn a_single_file_transformer_replaces_the_folders_bit_for_bit() {
         ok(&ddo(&argv));
         tensor(&out, "sample")
     };
+    let clip = fixture("flux_pipeline/text_encoder/model.safetensors");
     assert_eq!(
         prompted(&[], "prompt-folder.safetensors"),
-        prompted(&["--text-encoder-2", &t5], "prompt-file.safetensors")
+        prompted(
+            &["--text-encoder-2", &t5, "--text-encoder", &clip],
+            "prompt-file.safetensors"
+        )
     );
+    let (bad_clip, _) = run(&["--text-encoder", &t5], "bad-clip.safetensors");
+    assert!(!bad_clip.status.success());
+    let err = String::from_utf8_lossy(&bad_clip.stderr);
+    assert!(err.contains("--text-encoder "), "{err}");
     // And the VAE as one file in the original LDM layout (as ae.safetensors is).
     let vae = fixture("vae_flux_original/flux_pipeline-vae.safetensors");
     let (with_vae, e) = run(&["--vae", &vae], "vae.safetensors");

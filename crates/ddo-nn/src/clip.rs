@@ -410,6 +410,30 @@ impl ClipTextModel {
         )
     }
 
+    /// Loads a single safetensors file in the Transformers layout (`text_model.…`, as a
+    /// folder's `model.safetensors` and ComfyUI's `clip_l.safetensors` are) with `config`;
+    /// `dtype` converts on load (CLIP is never stored as fp8: an 8-bit float `dtype` loads
+    /// it in bf16, as `--dtype fp8` does for a folder).
+    pub fn load_file(
+        path: &Path,
+        config: &ClipTextConfig,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
+        let mut w = CheckpointWeights::open_file(path, dtype.map(DType::compute))?;
+        let model = Self::build(&mut w, config)?;
+        w.check_unused(
+            &[
+                "text_model.embeddings.position_ids",
+                "text_projection.",
+                "logit_scale",
+                crate::flux::original::SCALED_FP8_MARKER,
+            ],
+            unused,
+        )?;
+        Ok(model)
+    }
+
     /// The component (attach routes to it).
     pub fn component(&self) -> &Arc<Component> {
         &self.component

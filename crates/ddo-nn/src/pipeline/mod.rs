@@ -306,9 +306,12 @@ impl std::fmt::Debug for FluxPipeline {
 }
 
 /// Components loaded on their own (single files: `ddo run --transformer FILE
-/// --text-encoder-2 FILE --vae FILE`) that take the place of a folder's or a config's.
+/// --text-encoder FILE --text-encoder-2 FILE --vae FILE`) that take the place of a folder's
+/// or a config's.
 #[derive(Debug, Default)]
 pub struct Loaded {
+    /// The CLIP text encoder (`text_encoder`).
+    pub text_encoder: Option<ClipTextModel>,
     /// The transformer.
     pub transformer: Option<FluxTransformer>,
     /// The T5 encoder (`text_encoder_2`).
@@ -369,7 +372,10 @@ impl FluxPipeline {
         // fp8 storage is the transformer's and T5's linears'; CLIP and the VAE use its
         // compute dtype.
         let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype.compute());
-        let clip = ClipTextModel::build(&mut w(0), &config.text_encoder)?;
+        let clip = match loaded.text_encoder {
+            Some(c) => c,
+            None => ClipTextModel::build(&mut w(0), &config.text_encoder)?,
+        };
         let t5 = match loaded.text_encoder_2 {
             Some(t) => t,
             None => T5Encoder::random(&config.text_encoder_2, seed.wrapping_add(1), dtype)?,
@@ -444,7 +450,9 @@ impl FluxPipeline {
             None => AutoencoderKL::load_checked(&dir.join(VAE), dtype, unused)?,
         };
         let clip_dir = dir.join(TEXT_ENCODER);
-        let clip = if clip_dir.is_dir() {
+        let clip = if let Some(c) = loaded.text_encoder {
+            Some(c)
+        } else if clip_dir.is_dir() {
             Some(ClipTextModel::from_dir_checked(&clip_dir, dtype, unused)?)
         } else {
             None
