@@ -308,57 +308,100 @@ pub(crate) fn component_files(args: &Parsed) -> CliResult<ComponentFiles> {
     })
 }
 
-/// The single-file CLIP text encoder at `path` with `config`.
-fn load_clip_file(
+/// The component given as file `path` to `--option`, loaded by `load`; its errors name
+/// the option and the file.
+fn from_file<T>(
+    option: &str,
     path: &Path,
-    config: &ddo_nn::clip::ClipTextConfig,
-    dtype: Option<DType>,
-    unused: ddo_nn::UnusedWeights,
     bar: &mut ProgressBar,
-) -> CliResult<ddo_nn::clip::ClipTextModel> {
+    load: impl FnOnce(&Path) -> ddo_nn::LoadResult<T>,
+) -> CliResult<T> {
     bar.status(&format!("opening {}...", path.display()));
-    ddo_nn::clip::ClipTextModel::load_file(path, config, dtype, unused)
-        .map_err(|e| CliError::from(e).context(&format!("--text-encoder {}", path.display())))
+    load(path).map_err(|e| CliError::from(e).context(&format!("--{option} {}", path.display())))
 }
 
-/// The single-file VAE at `path` with `config`; fp8 is not a VAE's storage.
-fn load_vae_file(
-    path: &Path,
-    config: ddo_nn::vae::AutoencoderKLConfig,
+/// The components of `files`, each with its config: `folder`'s `<component>/config.json`
+/// when there is one, else `configs`' (the named config, or FLUX.1's for a folder without
+/// one; the shapes are checked on load). A transformer file in a folder without a config
+/// reads its config from its shapes. `dtype` converts as `--dtype` asks; an 8-bit float
+/// stores the transformer's and T5's layers as fp8, CLIP and the VAE in bf16.
+fn load_files(
+    files: &ComponentFiles,
+    configs: &FluxPipelineConfig,
+    folder: Option<&Path>,
     dtype: Option<DType>,
     unused: ddo_nn::UnusedWeights,
     bar: &mut ProgressBar,
-) -> CliResult<ddo_nn::vae::AutoencoderKL> {
-    bar.status(&format!("opening {}...", path.display()));
-    ddo_nn::vae::AutoencoderKL::load_original(path, config, dtype.map(DType::compute), unused)
-        .map_err(|e| CliError::from(e).context(&format!("--vae {}", path.display())))
-}
-
-/// The single-file T5 encoder at `path` with `config`.
-fn load_t5_file(
-    path: &Path,
-    config: &ddo_nn::t5::T5Config,
-    dtype: Option<DType>,
-    unused: ddo_nn::UnusedWeights,
-    bar: &mut ProgressBar,
-) -> CliResult<ddo_nn::t5::T5Encoder> {
-    bar.status(&format!("opening {}...", path.display()));
-    ddo_nn::t5::T5Encoder::load_file(path, config, dtype, unused)
-        .map_err(|e| CliError::from(e).context(&format!("--text-encoder-2 {}", path.display())))
-}
-
-/// The single-file transformer at `path`, with `config` (a `config.json` beside the
-/// pipeline's, or the named config's) when there is one.
-fn load_transformer_file(
-    path: &Path,
-    config: Option<ddo_nn::flux::FluxTransformerConfig>,
-    dtype: Option<DType>,
-    unused: ddo_nn::UnusedWeights,
-    bar: &mut ProgressBar,
-) -> CliResult<ddo_nn::flux::FluxTransformer> {
-    bar.status(&format!("opening {}...", path.display()));
-    ddo_nn::flux::FluxTransformer::load_original(path, config, dtype, unused)
-        .map_err(|e| CliError::from(e).context(&format!("--transformer {}", path.display())))
+) -> CliResult<ddo_nn::pipeline::Loaded> {
+    use ddo_nn::{clip, flux, t5, vae};
+    // `Some(config)` from the folder's config.json, `None` without a folder or a file.
+    fn in_folder<T>(
+        folder: Option<&Path>,
+        component: &str,
+        read: fn(&Path) -> ddo_nn::LoadResult<T>,
+    ) -> CliResult<Option<T>> {
+        let Some(dir) = folder else { return Ok(None) };
+        let file = dir.join(component).join("config.json");
+        if !file.is_file() {
+            return Ok(None);
+        }
+        read(&file)
+            .map(Some)
+            .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))
+    }
+    let text_encoder = match files.text_encoder.as_deref() {
+        Some(f) => {
+            let c = in_folder(folder, "text_encoder", clip::ClipTextConfig::from_file)?
+                .unwrap_or_else(|| configs.text_encoder.clone());
+            Some(from_file("text-encoder", f, bar, |p| {
+                clip::ClipTextModel::load_file(p, &c, dtype, unused)
+            })?)
+        }
+        None => None,
+    };
+    let transformer = match files.transformer.as_deref() {
+        Some(f) => {
+            let c = match folder {
+                Some(_) => in_folder(
+                    folder,
+                    "transformer",
+                    flux::FluxTransformerConfig::from_file,
+                )?,
+                None => Some(configs.transformer.clone()),
+            };
+            Some(from_file("transformer", f, bar, |p| {
+                flux::FluxTransformer::load_original(p, c, dtype, unused)
+            })?)
+        }
+        None => None,
+    };
+    let text_encoder_2 = match files.text_encoder_2.as_deref() {
+        Some(f) => {
+            let c = in_folder(folder, "text_encoder_2", t5::T5Config::from_file)?
+                .unwrap_or_else(|| configs.text_encoder_2.clone());
+            Some(from_file("text-encoder-2", f, bar, |p| {
+                t5::T5Encoder::load_file(p, &c, dtype, unused)
+            })?)
+        }
+        None => None,
+    };
+    let vae = match files.vae.as_deref() {
+        Some(f) => {
+            let c = in_folder(folder, "vae", vae::AutoencoderKLConfig::from_file)?
+                .unwrap_or_else(|| configs.vae.clone());
+            // fp8 is not a VAE's storage.
+            Some(from_file("vae", f, bar, |p| {
+                vae::AutoencoderKL::load_original(p, c, dtype.map(DType::compute), unused)
+            })?)
+        }
+        None => None,
+    };
+    Ok(ddo_nn::pipeline::Loaded {
+        text_encoder,
+        transformer,
+        text_encoder_2,
+        vae,
+    })
 }
 
 /// Loads or builds the pipeline; the components of `files` replace the folder's or the
@@ -390,36 +433,7 @@ pub(crate) fn build_pipeline(
             });
             check_host_memory(&config, dtype, files)?;
             // The files as stored unless --dtype asks for a conversion.
-            let loaded = ddo_nn::pipeline::Loaded {
-                text_encoder: files
-                    .text_encoder
-                    .as_deref()
-                    .map(|f| load_clip_file(f, &config.text_encoder, asked, unused, bar))
-                    .transpose()?,
-                transformer: files
-                    .transformer
-                    .as_deref()
-                    .map(|f| {
-                        load_transformer_file(
-                            f,
-                            Some(config.transformer.clone()),
-                            asked,
-                            unused,
-                            bar,
-                        )
-                    })
-                    .transpose()?,
-                text_encoder_2: files
-                    .text_encoder_2
-                    .as_deref()
-                    .map(|f| load_t5_file(f, &config.text_encoder_2, asked, unused, bar))
-                    .transpose()?,
-                vae: files
-                    .vae
-                    .as_deref()
-                    .map(|f| load_vae_file(f, config.vae.clone(), asked, unused, bar))
-                    .transpose()?,
-            };
+            let loaded = load_files(files, &config, None, asked, unused, bar)?;
             bar.status(&format!("building {name} with random {dtype} weights..."));
             let pipe = FluxPipeline::random_with(&config, 0, dtype, loaded)?;
             bar.finish();
@@ -438,78 +452,15 @@ pub(crate) fn build_pipeline(
             Ok((pipe, label))
         }
         Source::Weights(dir) => {
-            let in_dir = |e: ddo_nn::LoadError| {
-                CliError::from(e).context(&format!("--weights {}", dir.display()))
-            };
-            let text_encoder_2 = files
-                .text_encoder_2
-                .as_deref()
-                .map(|f| {
-                    // The folder's config, else FLUX.1's T5-XXL (the shapes are checked).
-                    let config_file = dir.join("text_encoder_2").join("config.json");
-                    let config = if config_file.is_file() {
-                        ddo_nn::t5::T5Config::from_file(&config_file).map_err(in_dir)?
-                    } else {
-                        FluxPipelineConfig::flux_dev().text_encoder_2
-                    };
-                    load_t5_file(f, &config, dtype, unused, bar)
-                })
-                .transpose()?;
-            let file = files
-                .transformer
-                .as_deref()
-                .map(|f| {
-                    let config_file = dir.join("transformer").join("config.json");
-                    let config = if config_file.is_file() {
-                        Some(
-                            ddo_nn::flux::FluxTransformerConfig::from_file(&config_file).map_err(
-                                |e| {
-                                    CliError::from(e)
-                                        .context(&format!("--weights {}", dir.display()))
-                                },
-                            )?,
-                        )
-                    } else {
-                        None
-                    };
-                    load_transformer_file(f, config, dtype, unused, bar)
-                })
-                .transpose()?;
+            let loaded = load_files(
+                files,
+                &FluxPipelineConfig::flux_dev(),
+                Some(dir),
+                dtype,
+                unused,
+                bar,
+            )?;
             bar.status(&format!("opening {}...", dir.display()));
-            let vae = files
-                .vae
-                .as_deref()
-                .map(|f| {
-                    // The folder's config, else FLUX.1's VAE (the shapes are checked).
-                    let config_file = dir.join("vae").join("config.json");
-                    let config = if config_file.is_file() {
-                        ddo_nn::vae::AutoencoderKLConfig::from_file(&config_file).map_err(in_dir)?
-                    } else {
-                        FluxPipelineConfig::flux_dev().vae
-                    };
-                    load_vae_file(f, config, dtype, unused, bar)
-                })
-                .transpose()?;
-            let text_encoder = files
-                .text_encoder
-                .as_deref()
-                .map(|f| {
-                    // The folder's config, else FLUX.1's CLIP-L (the shapes are checked).
-                    let config_file = dir.join("text_encoder").join("config.json");
-                    let config = if config_file.is_file() {
-                        ddo_nn::clip::ClipTextConfig::from_file(&config_file).map_err(in_dir)?
-                    } else {
-                        FluxPipelineConfig::flux_dev().text_encoder
-                    };
-                    load_clip_file(f, &config, dtype, unused, bar)
-                })
-                .transpose()?;
-            let loaded = ddo_nn::pipeline::Loaded {
-                text_encoder,
-                transformer: file,
-                text_encoder_2,
-                vae,
-            };
             let mut pipe = FluxPipeline::load_with(dir, dtype, unused, loaded)
                 .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;
             bar.finish();

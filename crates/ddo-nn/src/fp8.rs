@@ -102,6 +102,27 @@ impl<'w> Fp8Storage<'w> {
     }
 }
 
+/// What a checkpoint source converts to under a load's `dtype`: nothing for an 8-bit float
+/// (the cast layers are stored as fp8 by [`stored_as`], the rest stays as stored), `dtype`
+/// otherwise.
+pub fn source_target(dtype: Option<DType>) -> Option<DType> {
+    dtype.filter(|d| !d.is_fp8())
+}
+
+/// `build` over `weights`, through an [`Fp8Storage`] skipping `skip` when `dtype` is an 8-bit
+/// float (the one place a loader decides fp8 storage).
+pub fn stored_as<T>(
+    weights: &mut dyn WeightSource,
+    dtype: Option<DType>,
+    skip: &'static [&'static str],
+    build: impl FnOnce(&mut dyn WeightSource) -> LoadResult<T>,
+) -> LoadResult<T> {
+    match dtype.filter(|d| d.is_fp8()) {
+        Some(f) => build(&mut Fp8Storage::new(weights, f, skip)?),
+        None => build(weights),
+    }
+}
+
 impl WeightSource for Fp8Storage<'_> {
     fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
         let p = self.inner.param(name, shape, kind)?;

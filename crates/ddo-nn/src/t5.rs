@@ -32,7 +32,7 @@ use serde::Deserialize;
 
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
-use crate::fp8::{Fp8Storage, T5_SKIP_PATTERNS};
+use crate::fp8::{T5_SKIP_PATTERNS, source_target, stored_as};
 use crate::layers::{Embedding, Linear, RmsNorm, ops};
 use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
 
@@ -489,15 +489,10 @@ impl T5Encoder {
         let config = T5Config::from_file(&dir.join("config.json"))?;
         // The tied duplicate of `shared.weight`, when a checkpoint keeps both names.
         let tied = ["encoder.embed_tokens.weight"];
-        match dtype {
-            // fp8 storage: the linears' weights as scaled fp8, the rest as stored.
-            Some(f) if f.is_fp8() => CheckpointWeights::build_in(dir, None, &tied, unused, |w| {
-                Self::build(&mut Fp8Storage::new(w, f, &T5_SKIP_PATTERNS)?, &config)
-            }),
-            _ => {
-                CheckpointWeights::build_in(dir, dtype, &tied, unused, |w| Self::build(w, &config))
-            }
-        }
+        // fp8 storage: the linears' weights as scaled fp8, the rest as stored.
+        CheckpointWeights::build_in(dir, source_target(dtype), &tied, unused, |w| {
+            stored_as(w, dtype, &T5_SKIP_PATTERNS, |w| Self::build(w, &config))
+        })
     }
 
     /// Loads a single safetensors file in the Transformers layout (`shared.weight`,
@@ -510,12 +505,8 @@ impl T5Encoder {
         dtype: Option<DType>,
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
-        let fp8 = dtype.filter(|d| d.is_fp8());
-        let mut w = CheckpointWeights::open_file(path, if fp8.is_some() { None } else { dtype })?;
-        let model = match fp8 {
-            Some(f) => Self::build(&mut Fp8Storage::new(&mut w, f, &T5_SKIP_PATTERNS)?, config)?,
-            None => Self::build(&mut w, config)?,
-        };
+        let mut w = CheckpointWeights::open_file(path, source_target(dtype))?;
+        let model = stored_as(&mut w, dtype, &T5_SKIP_PATTERNS, |w| Self::build(w, config))?;
         w.check_unused(
             &[
                 "encoder.embed_tokens.weight",
@@ -530,14 +521,9 @@ impl T5Encoder {
     /// the linears' stored as scaled fp8, as [`T5Encoder::from_dir`] does).
     pub fn random(config: &T5Config, seed: u64, dtype: DType) -> LoadResult<Self> {
         let mut w = crate::weights::RandomWeights::new(seed, dtype.compute());
-        if dtype.is_fp8() {
-            Self::build(
-                &mut Fp8Storage::new(&mut w, dtype, &T5_SKIP_PATTERNS)?,
-                config,
-            )
-        } else {
-            Self::build(&mut w, config)
-        }
+        stored_as(&mut w, Some(dtype), &T5_SKIP_PATTERNS, |w| {
+            Self::build(w, config)
+        })
     }
 
     /// The component (attach routes to it).

@@ -29,7 +29,7 @@ use serde::Deserialize;
 
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
-use crate::fp8::{FLUX_SKIP_PATTERNS, Fp8Storage};
+use crate::fp8::{FLUX_SKIP_PATTERNS, source_target, stored_as};
 use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSource};
 
 pub use embeddings::{rope_tables, timestep_embedding};
@@ -347,14 +347,11 @@ impl FluxTransformer {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let config = FluxTransformerConfig::from_file(&dir.join("config.json"))?;
-        match dtype {
-            // fp8 storage: the cast layers' weights stored as fp8 with a per-tensor scale,
-            // the rest as stored ([`Fp8Storage`]); weights already in fp8 load as stored.
-            Some(f) if f.is_fp8() => CheckpointWeights::build_in(dir, None, &[], unused, |w| {
-                Self::build(&mut Fp8Storage::new(w, f, &FLUX_SKIP_PATTERNS)?, config)
-            }),
-            _ => CheckpointWeights::build_in(dir, dtype, &[], unused, |w| Self::build(w, config)),
-        }
+        // fp8 storage: the cast layers' weights stored as fp8 with a per-tensor scale, the
+        // rest as stored ([`crate::fp8::Fp8Storage`]); weights already in fp8 load as stored.
+        CheckpointWeights::build_in(dir, source_target(dtype), &[], unused, |w| {
+            stored_as(w, dtype, &FLUX_SKIP_PATTERNS, |w| Self::build(w, config))
+        })
     }
 
     /// A model with seeded random weights stored as `dtype`; an 8-bit float `dtype` makes
@@ -362,14 +359,9 @@ impl FluxTransformer {
     /// does with a checkpoint.
     pub fn random(config: FluxTransformerConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
         let mut w = RandomWeights::new(seed, dtype.compute());
-        if dtype.is_fp8() {
-            Self::build(
-                &mut Fp8Storage::new(&mut w, dtype, &FLUX_SKIP_PATTERNS)?,
-                config,
-            )
-        } else {
-            Self::build(&mut w, config)
-        }
+        stored_as(&mut w, Some(dtype), &FLUX_SKIP_PATTERNS, |w| {
+            Self::build(w, config)
+        })
     }
 
     /// The component (attach routes to it).

@@ -321,11 +321,8 @@ impl super::FluxTransformer {
         dtype: Option<ddo_core::DType>,
         unused: crate::weights::UnusedWeights,
     ) -> LoadResult<Self> {
-        let fp8 = dtype.filter(|d| d.is_fp8());
-        let weights = crate::weights::CheckpointWeights::open_file(
-            path,
-            if fp8.is_some() { None } else { dtype },
-        )?;
+        let weights =
+            crate::weights::CheckpointWeights::open_file(path, crate::fp8::source_target(dtype))?;
         let (prefix, config, others) = {
             let ckpt = weights
                 .single_file()
@@ -354,13 +351,10 @@ impl super::FluxTransformer {
             (prefix, config, others)
         };
         let mut weights = weights.with_views(original_views(&config, prefix));
-        let model = match fp8 {
-            Some(f) => Self::build(
-                &mut crate::fp8::Fp8Storage::new(&mut weights, f, &crate::fp8::FLUX_SKIP_PATTERNS)?,
-                config,
-            )?,
-            None => Self::build(&mut weights, config)?,
-        };
+        let model =
+            crate::fp8::stored_as(&mut weights, dtype, &crate::fp8::FLUX_SKIP_PATTERNS, |w| {
+                Self::build(w, config)
+            })?;
         let ignored: Vec<&str> = others.iter().map(String::as_str).collect();
         weights.check_unused(&ignored, unused)?;
         Ok(model)
