@@ -67,6 +67,18 @@ pub trait AttachedRoute: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Uploads now, on the route's copy stream, the weights it keeps resident across
+    /// forwards but would otherwise upload during its first forward, and returns the bytes
+    /// queued (0 for a route that has none: the default). The pipeline calls it while the
+    /// phase before the component's runs, where the memory plan leaves room for them
+    /// ([`PipelineOffload::prepare`]); the first forward then waits for the copies instead
+    /// of making them.
+    ///
+    /// [`PipelineOffload::prepare`]: https://docs.rs/ddo-routes
+    fn upload_resident(&self) -> Result<u64> {
+        Ok(0)
+    }
+
     /// Phase boundary: synchronise, and drop transient buffers (prefetched groups, staging),
     /// keeping what the route keeps resident by design.
     fn end_phase(&self) -> Result<()>;

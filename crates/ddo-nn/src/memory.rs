@@ -145,16 +145,19 @@ impl FluxPipeline {
                 phase: PHASES[0].to_string(),
                 components: text,
                 activation_bytes: clip.max(t5).saturating_add(scratch),
+                runs_once: true,
             },
             PhaseDemand {
                 phase: PHASES[1].to_string(),
                 components: vec![TRANSFORMER.to_string()],
                 activation_bytes: transformer.saturating_add(scratch),
+                runs_once: false,
             },
             PhaseDemand {
                 phase: PHASES[2].to_string(),
                 components: vec![VAE.to_string()],
                 activation_bytes: decode.saturating_add(scratch),
+                runs_once: false,
             },
         ])
     }

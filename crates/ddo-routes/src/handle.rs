@@ -206,6 +206,15 @@ impl OffloadHandle {
         Ok(peak)
     }
 
+    /// Queues the route's resident upload now ([`ddo_core::AttachedRoute::upload_resident`]); 0 bytes
+    /// for an unmanaged or detached component.
+    pub(crate) fn upload_resident(&self) -> Result<u64> {
+        match (&self.hooks, self.detached) {
+            (Some(h), false) => h.upload_resident(),
+            _ => Ok(0),
+        }
+    }
+
     pub(crate) fn end_route_phase(&self) -> Result<()> {
         match (&self.hooks, self.detached) {
             (Some(h), false) => h.end_phase(),

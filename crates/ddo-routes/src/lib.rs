@@ -242,6 +242,7 @@ pub fn enable_planned_pipeline_offload(
             Arc::clone(component),
             p.resolution.clone(),
             !p.footprint.attaches_on_device,
+            p.upload_during.is_some(),
         ));
     }
     Ok(PipelineOffload::deferred(device, pending))

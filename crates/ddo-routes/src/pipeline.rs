@@ -5,7 +5,13 @@
 //! hold each other's device memory. A component whose route takes device memory only from
 //! its first forward on (a streamed group offload: its attach builds the pinned home) can be
 //! attached on a background thread while the phase before it runs
-//! ([`PipelineOffload::prepare`]), so that host-side setup costs no wall time.
+//! ([`PipelineOffload::prepare`]), so that host-side setup costs no wall time. Where the
+//! plan leaves room for it in that phase ([`ComponentPlan::upload_during`]), the background
+//! attach also queues the upload of the weights the route keeps resident, so the link
+//! carries them while the phase before runs rather than in the component's first forward;
+//! [`PipelineOffload::finish_early_uploads`] ends that phase with them on the device.
+//!
+//! [`ComponentPlan::upload_during`]: crate::ComponentPlan::upload_during
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -74,12 +80,18 @@ struct Pending {
     resolution: Resolution,
     /// Its route puts nothing on the device at attach ([`ddo_core::Footprint::attaches_on_device`]).
     host_only_attach: bool,
+    /// The plan has room for its resident weights in the phase before its own: a
+    /// background attach uploads them too.
+    upload_early: bool,
 }
 
-/// A background attach: its thread gives the handle (or the error) and the seconds it took.
+/// A background attach: its thread gives the handle (or the error) and the seconds it took,
+/// kept once joined until the component's phase begins.
 #[derive(Debug)]
 struct Preparing {
-    thread: JoinHandle<(Result<OffloadHandle>, f64)>,
+    thread: Option<JoinHandle<(Result<OffloadHandle>, f64)>>,
+    joined: Option<(Result<OffloadHandle>, f64)>,
+    upload_early: bool,
 }
 
 impl PipelineOffload {
@@ -100,21 +112,23 @@ impl PipelineOffload {
     }
 
     /// A pipeline whose components attach when their phase starts.
-    /// `pending` is `(component, resolution, whether its attach is host-only)`.
+    /// `pending` is `(component, resolution, whether its attach is host-only, whether a
+    /// background attach uploads its resident weights)`.
     pub(crate) fn deferred(
         device: Arc<dyn Device>,
-        pending: Vec<(Arc<Component>, Resolution, bool)>,
+        pending: Vec<(Arc<Component>, Resolution, bool, bool)>,
     ) -> Self {
         let mut offload = Self::new(device, Vec::new());
         offload.pending = pending
             .into_iter()
-            .map(|(component, resolution, host_only_attach)| {
+            .map(|(component, resolution, host_only_attach, upload_early)| {
                 (
                     component.name().to_string(),
                     Pending {
                         component,
                         resolution,
                         host_only_attach,
+                        upload_early: host_only_attach && upload_early,
                     },
                 )
             })
@@ -127,7 +141,10 @@ impl PipelineOffload {
     /// attached, or unknown names are skipped); returns the names started. Their phase's
     /// [`PipelineOffload::begin_phase`] waits for the attach and reports its error, if any.
     /// Call it while the phase before theirs runs: their host side (a pinned home, page-locked
-    /// mappings) is then built meanwhile.
+    /// mappings) is then built meanwhile. A component the plan uploads early
+    /// ([`ComponentPlan::upload_during`](crate::ComponentPlan::upload_during)) has its resident
+    /// weights queued for upload as soon as it is attached: the device memory the plan
+    /// counted for them in this phase is taken then.
     pub fn prepare(&mut self, names: &[&str]) -> Vec<String> {
         let mut started = Vec::new();
         for name in names {
@@ -138,6 +155,7 @@ impl PipelineOffload {
                 continue;
             };
             let device = Arc::clone(&self.device);
+            let upload_early = p.upload_early;
             let spawned = std::thread::Builder::new()
                 .name(format!("ddo-prepare-{name}"))
                 .spawn({
@@ -151,13 +169,29 @@ impl PipelineOffload {
                             resolution.decided_by.clone(),
                             Some(resolution.preset),
                         );
+                        let handle = match handle {
+                            Ok(mut h) if upload_early => match h.upload_resident() {
+                                Ok(_) => Ok(h),
+                                Err(e) => {
+                                    h.release();
+                                    Err(e)
+                                }
+                            },
+                            other => other,
+                        };
                         (handle, t.elapsed().as_secs_f64())
                     }
                 });
             match spawned {
                 Ok(thread) => {
-                    self.preparing
-                        .insert(name.to_string(), Preparing { thread });
+                    self.preparing.insert(
+                        name.to_string(),
+                        Preparing {
+                            thread: Some(thread),
+                            joined: None,
+                            upload_early,
+                        },
+                    );
                     started.push(name.to_string());
                 }
                 // No thread to be had: the component attaches when its phase begins.
@@ -172,21 +206,34 @@ impl PipelineOffload {
     /// Waits for the background attach of `name`, if one runs: its handle is kept (or its
     /// error returned) and the time it took recorded.
     fn finish_preparing(&mut self, name: &str) -> Option<Result<OffloadHandle>> {
-        let preparing = self.preparing.remove(name)?;
-        Some(match preparing.thread.join() {
-            Ok((handle, seconds)) => {
-                self.prepared_seconds.insert(name.to_string(), seconds);
-                handle
+        let mut preparing = self.preparing.remove(name)?;
+        let (handle, seconds) = match preparing.joined.take() {
+            Some(joined) => joined,
+            None => join_attach(name, preparing.thread.take()?),
+        };
+        self.prepared_seconds.insert(name.to_string(), seconds);
+        Some(handle)
+    }
+
+    /// Waits for the background attaches that upload resident weights early
+    /// ([`PipelineOffload::prepare`]) and returns the components whose upload is queued, so
+    /// the phase that runs meanwhile can end with those weights on the device (its boundary
+    /// synchronises the device). Their handles wait for their own phase
+    /// ([`PipelineOffload::begin_phase`]); an attach that failed reports its error there.
+    pub fn finish_early_uploads(&mut self) -> Vec<String> {
+        let mut done = Vec::new();
+        for (name, p) in &mut self.preparing {
+            if !p.upload_early {
+                continue;
             }
-            Err(panic) => Err(CoreError::Panicked {
-                context: format!("attaching {name} in the background"),
-                message: panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic payload".into()),
-            }),
-        })
+            if let Some(thread) = p.thread.take() {
+                p.joined = Some(join_attach(name, thread));
+            }
+            if matches!(p.joined, Some((Ok(_), _))) {
+                done.push(name.clone());
+            }
+        }
+        done
     }
 
     /// The device the pipeline runs on.
@@ -331,6 +378,27 @@ impl PipelineOffload {
                 .join(", "),
         }
     }
+}
+
+/// Joins a background attach: its handle (or error, a panic included) and its seconds.
+fn join_attach(
+    name: &str,
+    thread: JoinHandle<(Result<OffloadHandle>, f64)>,
+) -> (Result<OffloadHandle>, f64) {
+    thread.join().unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".into());
+        (
+            Err(CoreError::Panicked {
+                context: format!("attaching {name} in the background"),
+                message,
+            }),
+            0.0,
+        )
+    })
 }
 
 impl Drop for PipelineOffload {

@@ -22,6 +22,17 @@
 //! the smallest budget that works. A plan never exceeds its budget: every phase's peak is
 //! checked before the plan is returned (`tests/plan.rs` proves it on the host backend with
 //! memory counted exactly).
+//!
+//! **Early uploads.** A planned streamed component keeps part of its weights resident; left
+//! alone, its first forward uploads them, and that one-time upload is link time inside its
+//! phase. Where the phase before has room for that part beside its own peak, the plan
+//! uploads it during that phase instead ([`ComponentPlan::upload_during`]; the pipeline's
+//! background attach queues it, [`PipelineOffload::prepare`](crate::PipelineOffload::prepare)),
+//! and the phase before counts it in its peak ([`PhasePlan::early_upload_bytes`]). When the
+//! phase before has no room but runs each of its components once ([`PhaseDemand::runs_once`]:
+//! prompt encoding), it is planned again with that part taken off its budget: streaming a
+//! component that runs one forward moves the same bytes over the link as uploading it, so
+//! this costs that phase nothing and takes the upload out of the next.
 
 use std::sync::Arc;
 
@@ -49,6 +60,10 @@ pub struct PhaseDemand {
     pub components: Vec<String>,
     /// Device bytes its activations and workspaces take at the requested size.
     pub activation_bytes: u64,
+    /// Whether each of its components runs one forward (prompt encoding): streaming one then
+    /// costs no more link bytes than uploading it, so the planner may stream them to make
+    /// room for the next phase's resident weights (see the module docs).
+    pub runs_once: bool,
 }
 
 /// What the planner is asked.
@@ -80,6 +95,10 @@ pub struct ComponentPlan {
     pub footprint: Footprint,
     /// Why, in one line.
     pub reason: String,
+    /// The phase during which the weights its route keeps resident are uploaded, when that
+    /// is the phase before its own (early upload, see the module docs); `None`: its first
+    /// forward uploads them.
+    pub upload_during: Option<String>,
 }
 
 /// The plan of one phase.
@@ -97,9 +116,11 @@ pub struct PhasePlan {
     pub transient_bytes: u64,
     /// Weight bytes streamed per forward, over the phase's components.
     pub streamed_bytes_per_forward: u64,
-    /// Pinned host bytes the phase's routes hold.
+    /// Pinned host bytes the phase's routes hold (with those of a component uploaded early).
     pub pinned_host_bytes: u64,
-    /// `activation + resident + transient`: at most the budget.
+    /// Resident weights of the next phase's components uploaded during this phase.
+    pub early_upload_bytes: u64,
+    /// `activation + resident + transient + early uploads`: at most the budget.
     pub peak_bytes: u64,
 }
 
@@ -130,8 +151,13 @@ impl PipelinePlan {
             self.budget_source
         );
         for p in &self.phases {
+            let early = if p.early_upload_bytes > 0 {
+                format!(" + early uploads {}", format_bytes(p.early_upload_bytes))
+            } else {
+                String::new()
+            };
             out.push_str(&format!(
-                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}; streamed {}/forward, pinned {}\n",
+                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}{early}; streamed {}/forward, pinned {}\n",
                 p.phase,
                 format_bytes(p.peak_bytes),
                 format_bytes(p.activation_bytes),
@@ -141,8 +167,14 @@ impl PipelinePlan {
                 format_bytes(p.pinned_host_bytes),
             ));
             for c in self.components.iter().filter(|c| c.phase == p.phase) {
+                let early = c.upload_during.as_ref().map_or_else(String::new, |during| {
+                    format!(
+                        "; its {} resident part is uploaded during {during}",
+                        format_bytes(c.footprint.resident_bytes)
+                    )
+                });
                 out.push_str(&format!(
-                    "    {}: {} ({}) - {}\n",
+                    "    {}: {} ({}) - {}{early}\n",
                     c.component,
                     c.resolution.spec.describe(),
                     c.footprint.summary,
@@ -167,6 +199,7 @@ impl PipelinePlan {
                 "planned": c.planned,
                 "footprint": c.footprint,
                 "reason": c.reason,
+                "upload_during": c.upload_during,
             })).collect::<Vec<_>>(),
         })
     }
@@ -184,6 +217,7 @@ pub fn footprint(
     }
 }
 
+#[derive(Clone)]
 struct Candidate<'a> {
     component: &'a Arc<Component>,
     resolution: Resolution,
@@ -200,9 +234,9 @@ pub fn plan_pipeline(
     request: &PlanRequest,
 ) -> Result<PipelinePlan> {
     let budget = request.budget_bytes;
-    let mut components = Vec::new();
-    let mut phases = Vec::new();
     let mut seen = Vec::new();
+    // Each phase's candidates: fixed (counted as given) and planned.
+    let mut candidates = Vec::new();
     for demand in &request.phases {
         let mut fixed = Vec::new();
         let mut planned = Vec::new();
@@ -232,7 +266,24 @@ pub fn plan_pipeline(
                 fixed.push(candidate);
             }
         }
-        let (phase, mut plans) = plan_phase(demand, budget, request.context, fixed, planned)?;
+        candidates.push((fixed, planned));
+    }
+    let mut planned_phases = Vec::new();
+    for (demand, (fixed, planned)) in request.phases.iter().zip(&candidates) {
+        planned_phases.push(plan_phase(
+            demand,
+            budget,
+            request.context,
+            fixed.clone(),
+            planned.clone(),
+        )?);
+    }
+    for k in 1..planned_phases.len() {
+        plan_early_upload(request, &candidates, &mut planned_phases, k);
+    }
+    let mut components = Vec::new();
+    let mut phases = Vec::new();
+    for (phase, mut plans) in planned_phases {
         phases.push(phase);
         components.append(&mut plans);
     }
@@ -242,6 +293,76 @@ pub fn plan_pipeline(
         components,
         phases,
     })
+}
+
+/// The early upload into phase `k - 1` of phase `k`'s planned components whose streamed
+/// route keeps a resident part and attaches host-only (see the module docs): counted in
+/// phase `k - 1` as it stands when that fits the budget (and the pinned room, since both
+/// phases' routes then hold their host memory at once), else in phase `k - 1` planned again
+/// with that part off its budget when it runs its components once; otherwise left to the
+/// first forward.
+fn plan_early_upload(
+    request: &PlanRequest,
+    candidates: &[(Vec<Candidate<'_>>, Vec<Candidate<'_>>)],
+    phases: &mut [(PhasePlan, Vec<ComponentPlan>)],
+    k: usize,
+) {
+    let budget = request.budget_bytes;
+    let early: Vec<usize> = phases[k]
+        .1
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| {
+            c.planned
+                && c.footprint.resident_bytes > 0
+                && c.footprint.streamed_bytes_per_forward > 0
+                && !c.footprint.attaches_on_device
+        })
+        .map(|(i, _)| i)
+        .collect();
+    let bytes: u64 = early
+        .iter()
+        .map(|&i| phases[k].1[i].footprint.resident_bytes)
+        .sum();
+    let pinned: u64 = early
+        .iter()
+        .map(|&i| phases[k].1[i].footprint.pinned_host_bytes)
+        .sum();
+    if bytes == 0 {
+        return;
+    }
+    let fits = |phase: &PhasePlan| {
+        phase.peak_bytes.saturating_add(bytes) <= budget
+            && phase.pinned_host_bytes.saturating_add(pinned) <= request.context.pinned_room
+    };
+    if !fits(&phases[k - 1].0) {
+        let demand = &request.phases[k - 1];
+        if !demand.runs_once {
+            return;
+        }
+        let (fixed, planned) = &candidates[k - 1];
+        let Ok(replanned) = plan_phase(
+            demand,
+            budget.saturating_sub(bytes),
+            request.context,
+            fixed.clone(),
+            planned.clone(),
+        ) else {
+            return;
+        };
+        if !fits(&replanned.0) {
+            return;
+        }
+        phases[k - 1] = replanned;
+    }
+    let before = phases[k - 1].0.phase.clone();
+    let prev = &mut phases[k - 1].0;
+    prev.early_upload_bytes = bytes;
+    prev.peak_bytes += bytes;
+    prev.pinned_host_bytes += pinned;
+    for i in early {
+        phases[k].1[i].upload_during = Some(before.clone());
+    }
 }
 
 fn plan_phase(
@@ -272,6 +393,7 @@ fn plan_phase(
             planned: false,
             footprint: f,
             reason,
+            upload_during: None,
         });
     }
     // Planned: smallest first; each one's zero-budget stream footprint is its least need.
@@ -377,6 +499,7 @@ fn plan_phase(
             planned: true,
             footprint: f,
             reason,
+            upload_during: None,
         });
     }
     let resident: u64 = plans.iter().map(|p| p.footprint.resident_bytes).sum();
@@ -411,6 +534,7 @@ fn plan_phase(
             .map(|p| p.footprint.streamed_bytes_per_forward)
             .sum(),
         pinned_host_bytes: plans.iter().map(|p| p.footprint.pinned_host_bytes).sum(),
+        early_upload_bytes: 0,
         peak_bytes: peak,
     };
     Ok((phase, plans))

@@ -45,6 +45,7 @@ fn demands(activation: u64) -> Vec<PhaseDemand> {
         phase: phase.into(),
         components: vec![c.into()],
         activation_bytes: activation,
+        runs_once: phase == "prompt_encoding",
     })
     .collect()
 }
@@ -186,8 +187,12 @@ fn a_streamed_component_is_prepared_in_the_background_and_a_resident_one_is_not(
     let pipeline = pipeline_of(&specs);
     let weights = pipeline.get("transformer").unwrap().param_bytes();
     let d = device(1 << 30);
-    // The transformer streams with a budgeted part; the text encoder stays resident.
-    let p = plan(&pipeline, &d, weights / 2, 4096, &[]).unwrap();
+    // The transformer streams with a budgeted part; the text encoder stays resident. With
+    // prompt encoding planned as a phase of many forwards there is no early upload.
+    let mut p = plan(&pipeline, &d, weights / 2, 4096, &[]).unwrap();
+    for c in &mut p.components {
+        c.upload_during = None;
+    }
     assert!(
         !p.component("transformer")
             .unwrap()
@@ -209,6 +214,10 @@ fn a_streamed_component_is_prepared_in_the_background_and_a_resident_one_is_not(
         started,
         ["transformer", "vae"],
         "text_encoder is attached already"
+    );
+    assert!(
+        offload.finish_early_uploads().is_empty(),
+        "nothing to upload early"
     );
     // A background attach takes pinned host memory, never device memory.
     let out = offload
@@ -254,6 +263,165 @@ fn a_streamed_component_is_prepared_in_the_background_and_a_resident_one_is_not(
     drop(offload);
     assert!(pipeline.get("transformer").unwrap().attached().is_none());
     assert_eq!(d.memory_info().pinned_host, 0);
+}
+
+#[test]
+fn the_resident_part_of_a_streamed_component_is_uploaded_during_the_phase_before() {
+    let specs = flux_like(8);
+    let pipeline = pipeline_of(&specs);
+    let weights = pipeline.get("transformer").unwrap().param_bytes();
+    let d = device(1 << 30);
+    let p = plan(&pipeline, &d, weights / 2, 4096, &[]).unwrap();
+    let t = p.component("transformer").unwrap();
+    assert_eq!(t.upload_during.as_deref(), Some("prompt_encoding"));
+    let early = t.footprint.resident_bytes;
+    assert!(early > 0);
+    let prompt = &p.phases[0];
+    assert_eq!(prompt.early_upload_bytes, early);
+    assert!(prompt.peak_bytes <= weights / 2, "{prompt:?}");
+    assert!(p.format_text().contains("uploaded during prompt_encoding"));
+    assert_eq!(
+        p.to_json()["components"][1]["upload_during"],
+        "prompt_encoding"
+    );
+
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    d.reset_peak();
+    offload.begin_phase(&["text_encoder"]).unwrap();
+    let before = d.memory_info().allocated;
+    assert_eq!(offload.prepare(&["transformer"]), ["transformer"]);
+    drop(
+        offload
+            .handle("text_encoder")
+            .unwrap()
+            .forward(reference::input(&specs[0], 2, 0).unwrap())
+            .unwrap(),
+    );
+    assert_eq!(offload.finish_early_uploads(), ["transformer"]);
+    d.synchronize().unwrap();
+    // The resident part is on the device before the transformer's phase (the plan counts
+    // each param aligned, so at most that).
+    let uploaded = d.memory_info().allocated - before;
+    assert!(
+        uploaded > 0 && uploaded <= early,
+        "{uploaded} B against {early}"
+    );
+    assert!(d.memory_info().peak_allocated <= prompt.peak_bytes);
+    offload.release("text_encoder").unwrap();
+    // The phase boundary leaves a component whose phase has not begun alone.
+    offload.phase_boundary("prompt_encoding").unwrap();
+    assert_eq!(d.memory_info().allocated, uploaded);
+    offload.begin_phase(&["transformer"]).unwrap();
+    let h2d = |o: &ddo_routes::PipelineOffload| {
+        o.handle("transformer")
+            .unwrap()
+            .metrics()
+            .counters()
+            .h2d_bytes
+    };
+    let copies_before = h2d(&offload);
+    assert_eq!(copies_before, uploaded, "the early upload was counted");
+    for step in 0..2 {
+        let out = offload
+            .handle("transformer")
+            .unwrap()
+            .forward(reference::input(&specs[1], 2, step).unwrap())
+            .unwrap();
+        assert_eq!(
+            bytes_of(&*d, &out),
+            baseline(&reference::build(&specs[1]).unwrap(), &specs[1], 2, step),
+            "forward {step} after the early upload"
+        );
+    }
+    let streamed = t.footprint.streamed_bytes_per_forward;
+    assert_eq!(
+        h2d(&offload) - copies_before,
+        2 * streamed,
+        "the forwards copied only their streamed bytes, not the resident part again"
+    );
+    offload.release("transformer").unwrap();
+    offload.phase_boundary("denoise").unwrap();
+    assert_eq!(d.memory_info().allocated, 0);
+    assert_eq!(d.memory_info().pinned_host, 0);
+
+    // A component released before its phase, after its early upload, gives it all back.
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    offload.prepare(&["transformer"]);
+    assert_eq!(offload.finish_early_uploads(), ["transformer"]);
+    offload.release("transformer").unwrap();
+    assert_eq!(d.memory_info().allocated, 0);
+    assert_eq!(d.memory_info().pinned_host, 0);
+}
+
+#[test]
+fn a_phase_run_once_is_planned_again_to_make_room_for_the_next_phases_upload() {
+    // A text encoder a quarter of the transformer: resident on its own under half the
+    // transformer's weights, but not beside the transformer's budgeted part.
+    let specs = vec![
+        ReferenceSpec::small("text_encoder", 11, 16, DType::F32),
+        ReferenceSpec::small("transformer", 8, 32, DType::F32),
+        ReferenceSpec::small("vae", 2, 8, DType::F32),
+    ];
+    let pipeline = pipeline_of(&specs);
+    let weights = pipeline.get("transformer").unwrap().param_bytes();
+    let d = device(1 << 30);
+    let budget = weights / 2;
+    let request = |runs_once: bool| PlanRequest {
+        budget_bytes: budget,
+        budget_source: "test".into(),
+        phases: demands(4096)
+            .into_iter()
+            .map(|mut p| {
+                p.runs_once = runs_once && p.phase == "prompt_encoding";
+                p
+            })
+            .collect(),
+        context: FootprintContext::of(&*d),
+    };
+    let plan_with = |runs_once| {
+        plan_pipeline(
+            &pipeline,
+            &Settings::default(),
+            &[],
+            &MapEnvironment::default(),
+            &request(runs_once),
+        )
+        .unwrap()
+    };
+    let kept = plan_with(false);
+    assert_eq!(
+        kept.component("text_encoder")
+            .unwrap()
+            .resolution
+            .spec
+            .route_id(),
+        Some(RouteId::Resident)
+    );
+    assert_eq!(kept.component("transformer").unwrap().upload_during, None);
+    assert_eq!(kept.phases[0].early_upload_bytes, 0);
+
+    let moved = plan_with(true);
+    let text = moved.component("text_encoder").unwrap();
+    assert_eq!(
+        text.resolution.spec.route_id(),
+        Some(RouteId::DiffusersGroupOffload),
+        "{}",
+        text.resolution.spec.describe()
+    );
+    let t = moved.component("transformer").unwrap();
+    assert_eq!(t.upload_during.as_deref(), Some("prompt_encoding"));
+    assert_eq!(
+        t.footprint,
+        kept.component("transformer").unwrap().footprint,
+        "the transformer's own plan is unchanged"
+    );
+    for p in &moved.phases {
+        assert!(p.peak_bytes <= budget, "{p:?}");
+    }
+    assert_eq!(
+        moved.phases[0].early_upload_bytes,
+        t.footprint.resident_bytes
+    );
 }
 
 #[test]
@@ -346,7 +514,7 @@ proptest! {
         let phases: Vec<PhaseDemand> = [("prompt_encoding", "text_encoder"), ("denoise", "transformer"), ("decode", "vae")]
             .into_iter()
             .zip(&activations)
-            .map(|((phase, c), a)| PhaseDemand { phase: phase.into(), components: vec![c.into()], activation_bytes: *a })
+            .map(|((phase, c), a)| PhaseDemand { phase: phase.into(), components: vec![c.into()], activation_bytes: *a, runs_once: phase == "prompt_encoding" })
             .collect();
         let request = |budget: u64| PlanRequest {
             budget_bytes: budget,
@@ -371,14 +539,21 @@ proptest! {
         }
         let d = device(budget);
         let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &plan).unwrap();
-        for (((name, phase), spec), activation) in ["text_encoder", "transformer", "vae"]
+        let names = ["text_encoder", "transformer", "vae"];
+        for (k, (((name, phase), spec), activation)) in names
             .into_iter()
             .zip(["prompt_encoding", "denoise", "decode"])
             .zip(&specs)
             .zip(&activations)
+            .enumerate()
         {
             d.reset_peak();
             offload.begin_phase(&[name]).unwrap();
+            // The next phase's component attaches in the background meanwhile, with its
+            // early upload where the plan has one.
+            if let Some(next) = names.get(k + 1) {
+                offload.prepare(&[next]);
+            }
             // The activations the demand announced beyond the forward's own.
             let held = (extra_activation > 0).then(|| d.alloc(extra_activation as usize).unwrap());
             let forwards = if phase == "denoise" { 3 } else { 2 };
@@ -387,6 +562,7 @@ proptest! {
                 prop_assert_eq!(bytes_of(&*d, &out), baseline(&reference::build(spec).unwrap(), spec, 2, step));
             }
             drop(held);
+            offload.finish_early_uploads();
             d.synchronize().unwrap();
             let planned = plan.phases.iter().find(|p| p.phase == phase).unwrap();
             let measured = d.memory_info().peak_allocated;

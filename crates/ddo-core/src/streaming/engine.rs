@@ -650,6 +650,31 @@ impl StreamingEngine {
         self.active
     }
 
+    /// Queues the whole upload of the resident params on the copy stream now, before any
+    /// forward, and returns the bytes queued (0 when nothing is resident under the budget,
+    /// the params are resident already, or a forward runs). The next forward waits for each
+    /// batch before the first position that reads it, as it would for its own upload, so
+    /// this moves the one-time upload out of the first forward: the pipeline planner does it
+    /// while the phase before runs, where the link is idle. Takes the resident params'
+    /// device memory at once; on an error nothing stays resident.
+    pub fn upload_resident(&mut self) -> Result<u64> {
+        if self.active || !self.resident.is_empty() || self.resident_params.is_empty() {
+            return Ok(0);
+        }
+        self.upload = Some(FirstUpload {
+            next_queue: 0,
+            next_wait: 0,
+            ready: (0..self.resident_at.len()).map(|_| None).collect(),
+            queued: std::time::Duration::ZERO,
+        });
+        if let Err(e) = self.queue_residents_before(usize::MAX) {
+            // `abort` drops a partly queued upload and its residency.
+            let _ = self.abort();
+            return Err(e);
+        }
+        Ok(self.figures.resident_bytes)
+    }
+
     /// Starts a forward: makes the resident params resident (first forward of a phase),
     /// takes the ring, points the streamed params into it and queues the first units.
     pub fn begin_forward(&mut self) -> Result<()> {

@@ -105,6 +105,9 @@ impl FluxPipeline {
                 // during the attach, 1.12 s after it; denoise waited 0.41 s more).
                 offload.prepare(&[TRANSFORMER]);
                 let e = self.encode_prompt(dev, &clip_ids, &t5_ids)?;
+                // Where the plan uploads the transformer's resident part during this phase,
+                // the phase ends with it on the device (its boundary synchronises).
+                offload.finish_early_uploads();
                 progress("prompt_encoding", 1, 1);
                 // Keep what denoise needs on the host; drop the device copies.
                 let host = PromptEmbeds {

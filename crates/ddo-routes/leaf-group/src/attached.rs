@@ -554,6 +554,16 @@ impl AttachedRoute for AttachedGroupOffload {
         current.and(unmatched).and(streamed)
     }
 
+    /// The streaming engine's resident part (stream mode under a budget), queued on the
+    /// copy stream ([`StreamingEngine::upload_resident`]).
+    fn upload_resident(&self) -> Result<u64> {
+        let mut st = self.live()?;
+        match st.engine.as_mut() {
+            Some(engine) => engine.upload_resident(),
+            None => Ok(0),
+        }
+    }
+
     fn end_phase(&self) -> Result<()> {
         let mut st = self.state.lock();
         if st.detached {
