@@ -52,8 +52,8 @@
 //! cost is under 3%; Flux's large linears are units of their own anyway); a ring of
 //! [`DEFAULT_RING_SLOTS`] (2: one slot in use while the next fills; a streamed Flux step is
 //! link-bound by ~3×, so one unit of lookahead keeps the copy stream busy and the peak at
-//! Diffusers' two-leaf level; a route may default to more under a budget, as the group
-//! offload does); a pinned limit that
+//! Diffusers' two-leaf level; a route may default to more under a budget or for 8-bit
+//! weights, as the group offload does); a pinned limit that
 //! follows the machine ([`default_pinned_limit`]: half the host's available memory, so a
 //! FLUX.1-dev transformer's 22 GiB live in a pinned home on a 128 GiB host;
 //! [`DEFAULT_PINNED_LIMIT`] where that cannot be read), and [`WSL_COMPAT_PINNED_LIMIT`]

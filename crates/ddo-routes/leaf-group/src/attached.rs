@@ -20,7 +20,7 @@ use ddo_core::{
 use ddo_metrics::RouteMetrics;
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::{GroupOffloadRoute, GroupPlan, ROUTE_NAME, streaming_config};
+use crate::{GroupOffloadRoute, GroupPlan, ROUTE_NAME, streaming_config, streaming_config_for};
 
 impl GroupOffloadRoute {
     /// [`Route::attach`], returning the concrete hooks (for callers that want to inspect
@@ -109,7 +109,7 @@ impl GroupOffloadRoute {
             component: component.name().to_string(),
             spec: *spec,
             config,
-            streaming: streaming_config(spec),
+            streaming: streaming_config_for(spec, component),
             compute: device.compute_stream(),
             device,
             metrics,

@@ -266,3 +266,68 @@ fn ring_options_without_a_stream_are_refused() {
     assert_eq!(parsed.options().pinned_limit, Some(256 << 20));
     assert!(parsed.describe().contains("ring_slots=3"));
 }
+
+/// A component of 8-bit weights gets a ring of four slots by default (the bytes of a 16-bit
+/// ring of two), in its footprint and in the engine it attaches; 16-bit weights keep two; a
+/// `ring_slots` given, or a budget, is kept as it is.
+#[test]
+fn eight_bit_weights_get_a_deeper_default_ring_in_footprint_and_attach() {
+    use ddo_core::{FootprintContext, Route};
+    use ddo_route_leaf_group::{EIGHT_BIT_RING_SLOTS, GroupOffloadRoute};
+    let stream = |o: RouteOptions| {
+        RouteSpec::new(
+            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteOptions {
+                offload_type: Some(OffloadType::LeafLevel),
+                use_stream: Some(true),
+                // One leaf a unit, so the ring is not capped by a count of units.
+                unit_bytes: Some(1),
+                ..o
+            },
+        )
+        .unwrap()
+    };
+    let cases = [
+        (DType::F8E4M3, RouteOptions::default(), EIGHT_BIT_RING_SLOTS),
+        (DType::BF16, RouteOptions::default(), 2),
+        (
+            DType::F8E4M3,
+            RouteOptions {
+                ring_slots: Some(2),
+                ..RouteOptions::default()
+            },
+            2,
+        ),
+        (
+            DType::F8E4M3,
+            RouteOptions {
+                // Replaced below by half the weights: some resident, some streamed.
+                budget: Some(Budget::Bytes(0)),
+                ..RouteOptions::default()
+            },
+            ddo_route_leaf_group::BUDGETED_RING_SLOTS,
+        ),
+    ];
+    for (dtype, mut options, slots) in cases {
+        let spec = ReferenceSpec::small("transformer", 8, 32, dtype);
+        let c = build(&spec).unwrap();
+        if options.budget.is_some() {
+            options.budget = Some(Budget::Bytes(c.param_bytes() / 2));
+        }
+        let route = stream(options);
+        let device = HostDevice::with_capacity(1 << 30).unwrap();
+        let f = GroupOffloadRoute
+            .footprint(&c, &route, &FootprintContext::of(&*device))
+            .unwrap();
+        let (hooks, _) = attach(&c, &device, &route);
+        let figures = hooks.streaming_figures().unwrap();
+        assert_eq!(figures.ring_slots, slots, "{dtype:?} {}", route.describe());
+        assert_eq!(
+            f.transient_device_bytes,
+            figures.ring_bytes(),
+            "footprint and attach agree: {dtype:?} {}",
+            route.describe()
+        );
+        detach_and_check_released(&c, &device, hooks, 0);
+    }
+}
