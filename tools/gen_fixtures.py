@@ -43,8 +43,9 @@ from safetensors.torch import load_file, save_file
 import diffusers
 import transformers
 import safetensors
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, QwenImageTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +145,10 @@ class Capture:
     def _flatten(name, out, into: "OrderedDict[str, torch.Tensor]"):
         if out is None:
             return
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) and torch.is_complex(out):
+            # complex (Qwen-Image's rotary frequencies): [..., 2] = (real, imaginary)
+            into[name] = f32c(torch.view_as_real(out))
+        elif isinstance(out, torch.Tensor):
             into[name] = f32c(out)
         elif isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
@@ -233,6 +237,27 @@ FLUX_CONFIG = dict(
     axes_dims_rope=(4, 6, 6),
 )
 
+# qwen_image_transformer: Qwen-Image's layout at tiny widths (DDO's `qwen-tiny` config): 4 latent channels packed
+# 2x2 (in_channels 16, out_channels 4, patch_size 2), two dual-stream blocks of 2 heads x 16, text width 32.
+QWEN_CONFIG = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    guidance_embeds=False,
+    axes_dims_rope=(4, 6, 6),
+)
+# The images of one sample, (frames, rows, cols) of 2x2 patches: one 8x6 latent (odd column count: the centred
+# positions are -2, -1, 0), and for `sample_two_images` that image followed by a 4x4 latent (the edit pipelines'
+# layout: the second image's frame position is 1).
+QWEN_IMG_SHAPES = [(1, 4, 3)]
+QWEN_IMG_SHAPES_TWO = [(1, 4, 3), (1, 2, 2)]
+QWEN_TEXT_TOKENS = 7
+QWEN_TEXT_VALID = [7, 4]  # per sample: the second prompt is 3 tokens shorter (padding mask 0 there)
+
 T5_CONFIG = dict(
     vocab_size=100,
     d_model=32,
@@ -274,6 +299,7 @@ SEEDS = {
     "t5_encoder": 1004,
     "clip_text": 1005,
     "flux_pipeline": 1006,
+    "qwen_image_transformer": 1007,
 }
 
 # flux_pipeline: a whole FluxPipeline from the tiny configs above, made consistent with each other.
@@ -320,6 +346,8 @@ def build_model(name: str):
         model = AutoencoderKL(**VAE_FLUX_CONFIG)
     elif name == "flux_transformer":
         model = FluxTransformer2DModel(**FLUX_CONFIG)
+    elif name == "qwen_image_transformer":
+        model = QwenImageTransformer2DModel(**QWEN_CONFIG)
     elif name == "t5_encoder":
         model = T5EncoderModel(T5Config(**T5_CONFIG))
     elif name == "clip_text":
@@ -336,6 +364,8 @@ def load_saved_model(name: str, d: Path, realign: bool = True):
         model = AutoencoderKL.from_pretrained(str(d), torch_dtype=torch.float32)
     elif name == "flux_transformer":
         model = FluxTransformer2DModel.from_pretrained(str(d), torch_dtype=torch.float32)
+    elif name == "qwen_image_transformer":
+        model = QwenImageTransformer2DModel.from_pretrained(str(d), torch_dtype=torch.float32)
     elif name == "t5_encoder":
         model = T5EncoderModel.from_pretrained(str(d), dtype=torch.float32)
     elif name == "clip_text":
@@ -380,6 +410,25 @@ def make_inputs(name: str) -> "OrderedDict[str, torch.Tensor]":
         ins["guidance"] = torch.tensor([3.5], dtype=torch.float32)  # = guidance_scale, NOT divided
         ins["img_ids"] = FluxPipeline._prepare_latent_image_ids(1, 4, 4, torch.device("cpu"), torch.float32)
         ins["txt_ids"] = torch.zeros(8, 3, dtype=torch.float32)
+    elif name == "qwen_image_transformer":
+        # Two samples of a 4-channel 8x6 latent, packed 2x2 like QwenImagePipeline._pack_latents -> [2, 12, 16]
+        batch, ch = len(QWEN_TEXT_VALID), QWEN_CONFIG["in_channels"] // 4
+        f, h, w = QWEN_IMG_SHAPES[0]
+        latents_unpacked = randn(g, batch, ch, 2 * h, 2 * w)
+        ins["latents_unpacked"] = latents_unpacked
+        ins["hidden_states"] = QwenImagePipeline._pack_latents(latents_unpacked, batch, ch, 2 * h, 2 * w)
+        ins["encoder_hidden_states"] = randn(g, batch, QWEN_TEXT_TOKENS, QWEN_CONFIG["joint_attention_dim"])
+        mask = torch.tensor([[1] * n + [0] * (QWEN_TEXT_TOKENS - n) for n in QWEN_TEXT_VALID], dtype=torch.int64)
+        ins["encoder_hidden_states_mask"] = mask
+        ins["encoder_hidden_states_mask_f32"] = mask.to(torch.float32)
+        ins["timestep"] = torch.tensor([0.75, 0.3], dtype=torch.float32)  # = t / 1000, one per sample
+        ins["img_shapes"] = torch.tensor(QWEN_IMG_SHAPES, dtype=torch.int64)
+        ins["img_shapes_f32"] = ins["img_shapes"].to(torch.float32)
+        second = sum(a * b * c for a, b, c in QWEN_IMG_SHAPES_TWO[1:])
+        extra_tokens = randn(g, batch, second, QWEN_CONFIG["in_channels"])
+        ins["hidden_states_two_images"] = torch.cat([ins["hidden_states"], extra_tokens], dim=1)
+        ins["img_shapes_two_images"] = torch.tensor(QWEN_IMG_SHAPES_TWO, dtype=torch.int64)
+        ins["img_shapes_two_images_f32"] = ins["img_shapes_two_images"].to(torch.float32)
     elif name == "t5_encoder":
         # a few ids, then </s> (eos=1) and padding (pad=0), like a padded T5 tokenizer output
         ids = torch.tensor([[37, 5, 82, 14, 99, 3, 61, 1, 0, 0, 0, 0]], dtype=torch.int64)
@@ -398,7 +447,14 @@ def make_inputs(name: str) -> "OrderedDict[str, torch.Tensor]":
 # running
 # --------------------------------------------------------------------------
 
-CAPTURE_DEPTH = {"vae_sd": 3, "vae_flux": 3, "flux_transformer": 2, "t5_encoder": 3, "clip_text": 3}
+CAPTURE_DEPTH = {
+    "vae_sd": 3,
+    "vae_flux": 3,
+    "flux_transformer": 2,
+    "t5_encoder": 3,
+    "clip_text": 3,
+    "qwen_image_transformer": 2,
+}
 
 
 def tiling_plan(latent_hw: tuple[int, int]) -> dict:
@@ -533,6 +589,33 @@ def run_fixture(name: str, model, ins, capture: bool):
             if cap:
                 cap.remove()
                 inter.update(cap.tensors())
+        elif name == "qwen_image_transformer":
+            batch = ins["hidden_states"].shape[0]
+
+            def call(hidden_states, shapes, mask):
+                # Exactly the QwenImagePipeline.__call__ denoising-loop call (return_dict=False)[0]:
+                # img_shapes = [[(1, h, w)]] * batch, the tokenizer's attention mask (None when it is all ones)
+                img_shapes = [[tuple(int(v) for v in s) for s in shapes.tolist()]] * batch
+                return model(
+                    hidden_states=hidden_states,
+                    timestep=ins["timestep"],
+                    guidance=None,
+                    encoder_hidden_states_mask=mask,
+                    encoder_hidden_states=ins["encoder_hidden_states"],
+                    img_shapes=img_shapes,
+                    attention_kwargs=None,
+                    return_dict=False,
+                )[0]
+
+            cap = Capture(model, depth) if capture else None
+            outs["sample"] = f32c(call(ins["hidden_states"], ins["img_shapes"], ins["encoder_hidden_states_mask"]))
+            if cap:
+                cap.remove()
+                inter.update(cap.tensors())
+            outs["sample_unmasked"] = f32c(call(ins["hidden_states"], ins["img_shapes"], None))
+            outs["sample_two_images"] = f32c(
+                call(ins["hidden_states_two_images"], ins["img_shapes_two_images"], ins["encoder_hidden_states_mask"])
+            )
         elif name == "t5_encoder":
             cap = Capture(model, depth) if capture else None
             o = model(input_ids=ins["input_ids"])
@@ -862,11 +945,20 @@ def verify_pipeline(d: Path) -> bool:
 # generate / verify
 # --------------------------------------------------------------------------
 
-FIXTURE_NAMES = ["vae_sd", "vae_flux", "flux_transformer", "t5_encoder", "clip_text", "flux_pipeline"]
+FIXTURE_NAMES = [
+    "vae_sd",
+    "vae_flux",
+    "flux_transformer",
+    "t5_encoder",
+    "clip_text",
+    "flux_pipeline",
+    "qwen_image_transformer",
+]
+DIFFUSERS_MODELS = ("vae_sd", "vae_flux", "flux_transformer", "qwen_image_transformer")
 
 
 def weights_file(name: str) -> str:
-    return "diffusion_pytorch_model.safetensors" if name in ("vae_sd", "vae_flux", "flux_transformer") else "model.safetensors"
+    return "diffusion_pytorch_model.safetensors" if name in DIFFUSERS_MODELS else "model.safetensors"
 
 
 def check_versions(strict: bool):
@@ -1054,6 +1146,46 @@ Both use the same `time_text_embed.time_proj` module (hence `time_text_embed.tim
 concatenates `[text, image]` along the sequence internally and splits again). RoPE ids are `cat([txt_ids, img_ids])`
 (text first); `pos_embed.0`/`pos_embed.1` are cos/sin [24,16] (repeat-interleaved, `use_real=True`).
 """,
+    "qwen_image_transformer": """\
+`diffusers.QwenImageTransformer2DModel`. Constructor kwargs: `{cfg}` (DDO's `qwen-tiny` config;
+`inner_dim = 2 * 16 = 32`, `proj_out` width `patch_size**2 * out_channels = 16`, RoPE theta 10000,
+`sum(axes_dims_rope) = 16 = attention_head_dim`; `zero_cond_t`, `use_additional_t_cond` and `use_layer3d_rope` are False,
+as in Qwen-Image's own config).
+
+**Inputs:** `latents_unpacked` [2,4,8,6] (randn) is packed exactly like `QwenImagePipeline._pack_latents(latents, 2, 4, 8, 6)`
+into `hidden_states` [2,12,16] (a 4x3 grid of 2x2 patches; token = (row, col) row-major; channel = c*4 + dy*2 + dx).
+`img_shapes` [1,3] = `(frames, rows, cols)` of the images of one sample, `(1, 4, 3)`; the call passes
+`[[(1, 4, 3)]] * 2` as `QwenImagePipeline` does (`[[(1, height // 16, width // 16)]] * batch_size`).
+`encoder_hidden_states` [2,7,32] (randn); `encoder_hidden_states_mask` [2,7] int64 (the tokenizer's attention mask):
+sample 0 has 7 real tokens, sample 1 has 4 and 3 padding tokens (mask 0). `timestep` [2] = `[0.75, 0.3]` (`t / 1000`,
+one per sample). Int64 inputs are also stored as float32 (`..._f32`).
+
+**Calls** (each the `QwenImagePipeline.__call__` denoising-loop call, `guidance=None`, `return_dict=False`, `[0]`):
+* `sample`: `model(hidden_states, timestep=timestep, encoder_hidden_states_mask=mask, encoder_hidden_states=...,
+  img_shapes=[[(1, 4, 3)]] * 2)`; the intermediates are captured from this call.
+* `sample_unmasked`: the same with `encoder_hidden_states_mask=None` (what the pipeline passes when every prompt
+  fills the sequence: `encode_prompt` drops an all-ones mask); padding tokens are attended to.
+* `sample_two_images`: `hidden_states_two_images` [2,16,16] (`hidden_states` followed by 4 more randn tokens) with
+  `img_shapes=[[(1, 4, 3), (1, 2, 2)]] * 2` (the edit pipelines' layout: a second image in the same sequence) and the mask.
+
+**What the model does (diffusers 0.42.1):** `timestep` is cast to the model dtype and `time_proj =
+Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)` computes `[cos, sin](1000 * (t * f_i))`
+(the 1000 is applied *after* the product with the frequencies, in float32, unlike Flux's `timestep * 1000` first);
+`temb = timestep_embedder(time_proj(t))`. The text goes through `txt_norm` (RMSNorm, eps 1e-6) then `txt_in`; the
+image through `img_in`. Rotary positions (`pos_embed`, `QwenEmbedRope(theta=10000, scale_rope=True)`): image `k` of a
+sample (from 0) has frame positions `k .. k + frames - 1`, row positions centred, `-(rows - rows // 2) .. rows // 2 - 1`
+(here -2, -1, 0, 1), column positions likewise (-2, -1, 0); the text tokens follow at `m, m + 1, ...` on all three
+axes with `m = max(rows // 2, cols // 2)` over the sample's images (here 2). Frequencies are float32,
+`1 / 10000 ** (arange(0, d, 2) / d)` per axis width d, angle `position * f`, as complex numbers (`pos_embed.0`: image,
+`pos_embed.1`: text, stored as `view_as_real`: [tokens, 8, 2]). Each `QwenImageTransformerBlock` modulates both streams
+from `img_mod(temb)` / `txt_mod(temb)` (`SiLU` then `Linear(D, 6D)`, chunks shift, scale, gate for the attention then
+the MLP), runs joint attention over `[text, image]` (per-head RMS norms `norm_q`/`norm_k`/`norm_added_q`/`norm_added_k`,
+rotary embedding as complex multiplication of interleaved pairs, key mask `cat([mask, ones(image)])[:, None, None, :]`
+as a boolean SDPA mask), gated residuals, gelu-tanh MLPs, and returns `(encoder_hidden_states, hidden_states)` (text
+first: `transformer_blocks.0.0` is the text stream [2,7,32], `.1` the image stream [2,12,32]); its attention returns
+`(image, text)` (`transformer_blocks.0.attn.0` image). Then `norm_out` (AdaLayerNormContinuous: chunks scale, shift)
+and `proj_out` on the image stream only.
+""",
     "t5_encoder": """\
 `transformers.T5EncoderModel(T5Config(**kwargs))` with kwargs `{cfg}`
 (`gated-gelu` => `dense_act_fn = "gelu_new"` (tanh approximation) and `is_gated_act = True`; see config.json).
@@ -1230,8 +1362,9 @@ def write_manifest(results: dict):
   int64 (`input_ids`) and float32 (`input_ids_f32`).
 * `intermediates.safetensors`: outputs of submodules captured with forward hooks (float32), named by module path
   (`named_modules()` names; a ModuleList index does not count as a level). Submodules up to depth 3 (VAEs, T5, CLIP)
-  or 2 (Flux) are captured. Tuple outputs get `.0`, `.1`, ... (None entries skipped); dict/ModelOutput outputs get
-  `.<key>`; a module that runs several times in one call gets `@<k>` (call order, from 0) on every call.
+  or 2 (Flux, Qwen-Image) are captured. Tuple outputs get `.0`, `.1`, ... (None entries skipped); dict/ModelOutput
+  outputs get `.<key>`; a module that runs several times in one call gets `@<k>` (call order, from 0) on every call;
+  a complex output is stored as `torch.view_as_real` (a last dim of 2: real, imaginary).
   Modules that did not run (e.g. the VAE encoder during decode, dropout in some paths) are absent.
 * Outputs are bit-exact reproducible on the generating machine (`--verify` reloads the saved weights with
   `from_pretrained`, copies them into freshly allocated storage, re-runs, and compares with `torch.equal`).
@@ -1259,6 +1392,7 @@ def write_manifest(results: dict):
             "flux_transformer": FLUX_CONFIG,
             "t5_encoder": T5_CONFIG,
             "clip_text": CLIP_CONFIG,
+            "qwen_image_transformer": QWEN_CONFIG,
         }[name]
         fmt = dict(cfg=json.dumps(cfg))
         if name == "vae_flux" and "tiling_plan" in extra:
