@@ -36,6 +36,13 @@ pub const FLUX_SKIP_PATTERNS: [&str; 5] = [
     "^proj_out$",
 ];
 
+/// Diffusers' `DEFAULT_SKIP_MODULES_PATTERN` with `QwenImageTransformer2DModel`'s
+/// `_skip_layerwise_casting_patterns` (`pos_embed`, `norm`: Flux's list). So in Qwen-Image
+/// the attention, feed-forward, modulation (`img_mod.1`, `txt_mod.1`), timestep embedder and
+/// input projections (`img_in`, `txt_in`) are cast, and `txt_norm`, the q/k norms,
+/// `norm_out.linear` and the final `proj_out` stay as stored.
+pub const QWEN_IMAGE_SKIP_PATTERNS: [&str; 5] = FLUX_SKIP_PATTERNS;
+
 /// The modules of a T5 encoder (`T5EncoderModel`) kept as stored under `--dtype fp8`: the
 /// token embedding (`shared`, `encoder.embed_tokens`) and the relative attention bias, both
 /// embedding tables, which DDO computes in 16 or 32 bits only (Diffusers'

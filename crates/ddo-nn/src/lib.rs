@@ -5,8 +5,8 @@
 //! route crates. It holds Diffusers-format loading ([`weights`]: memory-mapped safetensors,
 //! single or sharded, with typed errors naming the tensor and the file; seeded random
 //! weights at any config), the [`builder`] that turns a model's structure into a component
-//! tree, the shared [`layers`], and the models: `AutoencoderKL`'s decoder, the Flux
-//! transformer, and the T5 and CLIP text encoders.
+//! tree, the shared [`layers`], and the models: `AutoencoderKL`'s decoder, the Flux and
+//! Qwen-Image transformers, and the T5 and CLIP text encoders.
 //!
 //! On top of the models sits Diffusers' `FluxPipeline` ([`pipeline`]): the flow-matching
 //! Euler [`scheduler`] with Flux's resolution-dependent shift, a documented stand-in
@@ -22,6 +22,7 @@ pub mod fp8;
 pub mod layers;
 pub mod memory;
 pub mod pipeline;
+pub mod qwen_image;
 pub mod scheduler;
 pub mod soak;
 pub mod t5;
@@ -31,7 +32,7 @@ pub mod weights;
 
 pub use builder::ModelBuilder;
 pub use error::{LoadError, LoadResult};
-pub use fp8::{FLUX_SKIP_PATTERNS, Fp8Storage, T5_SKIP_PATTERNS};
+pub use fp8::{FLUX_SKIP_PATTERNS, Fp8Storage, QWEN_IMAGE_SKIP_PATTERNS, T5_SKIP_PATTERNS};
 pub use weights::{
     CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, UnusedWeights, WeightSource,
     read_f32_tensor, read_text_file,

@@ -1,5 +1,7 @@
 //! The transformer's layers: the embedder MLP, the feed-forward, `FluxAttention`, the
-//! adaLN-Zero modulation helpers, and the double- and single-stream blocks.
+//! adaLN-Zero modulation helpers, and the double- and single-stream blocks. The embedder
+//! MLP, the feed-forward, the modulation helpers and [`Rope`] are the crate's for
+//! Qwen-Image too ([`crate::qwen_image`]): the same Diffusers modules.
 
 use ddo_core::{BinaryOp, DType, ForwardContext, Ops, Result, Tensor, UnaryOp};
 
@@ -9,20 +11,20 @@ use crate::error::LoadResult;
 use crate::layers::{Linear, RmsNorm};
 
 /// Epsilon of the adaLN layer norms, the FF layer norms and the q/k RMS norms.
-const NORM_EPS: f32 = 1e-6;
+pub(crate) const NORM_EPS: f32 = 1e-6;
 
 /// FeedForward / single-block MLP width multiplier (`mlp_ratio = 4`).
 const MLP_RATIO: usize = 4;
 
 /// `TimestepEmbedding` / `PixArtAlphaTextProjection(act_fn="silu")`: `linear_2(silu(linear_1(x)))`.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct SiluMlp {
+pub(crate) struct SiluMlp {
     linear_1: Linear,
     linear_2: Linear,
 }
 
 impl SiluMlp {
-    pub(super) fn build(
+    pub(crate) fn build(
         b: &mut ModelBuilder<'_>,
         name: &str,
         inp: usize,
@@ -36,7 +38,7 @@ impl SiluMlp {
         })
     }
 
-    pub(super) fn forward(
+    pub(crate) fn forward(
         &self,
         ctx: &mut ForwardContext<'_>,
         ops: &dyn Ops,
@@ -49,13 +51,13 @@ impl SiluMlp {
 
 /// `FeedForward(dim, activation_fn="gelu-approximate")`: `net.2(gelu_tanh(net.0.proj(x)))`.
 #[derive(Debug, Clone, Copy)]
-struct FeedForward {
+pub(crate) struct FeedForward {
     proj: Linear,
     out: Linear,
 }
 
 impl FeedForward {
-    fn build(b: &mut ModelBuilder<'_>, name: &str, dim: usize) -> LoadResult<Self> {
+    pub(crate) fn build(b: &mut ModelBuilder<'_>, name: &str, dim: usize) -> LoadResult<Self> {
         b.scope(name, |b| {
             b.scope("net", |b| {
                 let proj = b.scope("0", |b| {
@@ -67,7 +69,7 @@ impl FeedForward {
         })
     }
 
-    fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
         // The projection and its activation are one op (`linear_gelu_tanh`): in the GEMM's
         // epilogue where the backend can, else in place over the projection — this is the
         // widest tensor of a double block.
@@ -103,9 +105,9 @@ struct FluxAttention {
 }
 
 /// The rotary tables of one forward, on the device: `[tokens, head_dim]` each.
-pub(super) struct Rope {
-    pub(super) cos: Tensor,
-    pub(super) sin: Tensor,
+pub(crate) struct Rope {
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
 }
 
 impl FluxAttention {
@@ -241,7 +243,7 @@ impl FluxAttention {
 }
 
 /// `chunk(n, dim=1)` of a modulation `[b, n·D]`, each viewed as `[b, 1, D]`.
-pub(super) fn chunks(ops: &dyn Ops, emb: &Tensor, n: usize) -> Result<Vec<Tensor>> {
+pub(crate) fn chunks(ops: &dyn Ops, emb: &Tensor, n: usize) -> Result<Vec<Tensor>> {
     let b = emb.shape()[0];
     let d = emb.shape()[1] / n;
     (0..n)
@@ -252,7 +254,7 @@ pub(super) fn chunks(ops: &dyn Ops, emb: &Tensor, n: usize) -> Result<Vec<Tensor
 /// `norm(x) * (1 + scale) + shift` with `norm` a plain layer norm (eps 1e-6), as one op
 /// ([`Ops::layer_norm_modulate`]: one kernel on CUDA; on the host the composition
 /// `layer_norm`, `affine`, `Mul`, `Add`).
-pub(super) fn modulate(
+pub(crate) fn modulate(
     ops: &dyn Ops,
     x: &Tensor,
     scale: &Tensor,
@@ -263,12 +265,12 @@ pub(super) fn modulate(
 
 /// `x + gate * y`, as one op ([`Ops::gated_add`]: one kernel on CUDA; on the host `Mul`
 /// then `Add`).
-fn gated_add(ops: &dyn Ops, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+pub(crate) fn gated_add(ops: &dyn Ops, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
     ops.gated_add(x, gate, y)
 }
 
 /// `x.clip(-65504, 65504)`, as the blocks do for f16 activations.
-fn clip_f16(ops: &dyn Ops, x: Tensor) -> Result<Tensor> {
+pub(crate) fn clip_f16(ops: &dyn Ops, x: Tensor) -> Result<Tensor> {
     if x.dtype() != DType::F16 {
         return Ok(x);
     }

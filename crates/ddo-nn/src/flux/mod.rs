@@ -15,7 +15,7 @@
 //! Also here: FluxPipeline's latent packing helpers ([`pack_latents`], [`unpack_latents`],
 //! [`latent_image_ids`]).
 
-mod blocks;
+pub(crate) mod blocks;
 mod embeddings;
 mod latents;
 pub mod original;
