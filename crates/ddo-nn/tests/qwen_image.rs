@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::{
     AllocatorKind, CoreError, DType, Device, HostBuffer, HostDevice, HostDeviceConfig, Param,
@@ -276,6 +277,76 @@ fn every_route_is_bit_identical_to_resident_execution() {
         );
         drop(handle);
     }
+}
+
+/// A folder of its own under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "ddo-nn-qwen-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn a_sharded_folder_loads_as_the_single_file() {
+    // The fixture's tensors split over two shards (the blocks, and the rest) with the
+    // index Diffusers writes for a sharded save.
+    let single = std::fs::read(fixture_dir().join("diffusion_pytorch_model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&single).unwrap();
+    let dir = TempDir::new();
+    let shard_of = |name: &str| {
+        if name.starts_with("transformer_blocks.") {
+            "diffusion_pytorch_model-00002-of-00002.safetensors"
+        } else {
+            "diffusion_pytorch_model-00001-of-00002.safetensors"
+        }
+    };
+    let mut weight_map = serde_json::Map::new();
+    for shard in [
+        "diffusion_pytorch_model-00001-of-00002.safetensors",
+        "diffusion_pytorch_model-00002-of-00002.safetensors",
+    ] {
+        let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = file
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| shard_of(name) == shard)
+            .collect();
+        for (name, _) in &tensors {
+            weight_map.insert(name.clone(), shard.into());
+        }
+        let out = safetensors::serialize(tensors, None).unwrap();
+        std::fs::write(dir.0.join(shard), out).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+    std::fs::write(
+        dir.0.join("diffusion_pytorch_model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    std::fs::copy(fixture_dir().join("config.json"), dir.0.join("config.json")).unwrap();
+
+    let sharded = QwenImageTransformer::load(&dir.0, None).unwrap();
+    let d = device();
+    sharded
+        .component()
+        .to_device(&*d, &d.compute_stream())
+        .unwrap();
+    let out = sharded.forward(&*d, &inputs()).unwrap();
+    assert_eq!(bytes(&*d, &out), resident(&inputs()).1);
 }
 
 #[test]

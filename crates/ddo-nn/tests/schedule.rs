@@ -1,7 +1,7 @@
 //! The models build their component trees in execution order: a streamed route predicts
 //! the order its groups start from the leaf order, and for the models a preset streams
-//! (transformer, text encoders) that prediction holds, so the first forward already
-//! streams on the engine (one copy per transfer unit, no relearn) and gives the resident
+//! (the Flux and Qwen-Image transformers, the text encoders) that prediction holds, so the
+//! first forward already streams on the engine (one copy per transfer unit, no relearn) and gives the resident
 //! output. The VAE decoder's mid block runs its attention between its two resnets, which
 //! the tree lists first (Diffusers' `resnets` list): a streamed VAE (an explicit choice; the
 //! presets never stream it) learns its order on the first forward, and gives the resident
@@ -12,6 +12,7 @@ use std::sync::Arc;
 use ddo_core::{Component, DType, Device, HostDevice, RouteSpec, Tensor};
 use ddo_nn::flux::FluxInputs;
 use ddo_nn::pipeline::{FluxPipeline, FluxPipelineConfig};
+use ddo_nn::qwen_image::{QwenImageInputs, QwenImageTransformer, QwenImageTransformerConfig};
 use ddo_routes::enable_dynamic_offload;
 
 fn streamed() -> RouteSpec {
@@ -86,5 +87,17 @@ fn every_flux_pipeline_model_runs_its_leaves_in_tree_order() {
     .unwrap();
     check("vae", pipe.vae.component(), false, &|d| {
         pipe.vae.decode(Some(d), &latents, None).unwrap()
+    });
+}
+
+#[test]
+fn the_qwen_image_transformer_runs_its_leaves_in_tree_order() {
+    let model =
+        QwenImageTransformer::random(QwenImageTransformerConfig::tiny(), 0, DType::F32).unwrap();
+    let mut inputs = QwenImageInputs::synthetic(model.config(), 4, 3, 6).unwrap();
+    // A padded prompt: the mask takes no leaf, and changes no order.
+    inputs.encoder_hidden_states_mask = Some(vec![true, true, true, true, false, false]);
+    check("qwen_image transformer", model.component(), true, &|d| {
+        model.forward(d, &inputs).unwrap()
     });
 }
