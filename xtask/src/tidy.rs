@@ -3,7 +3,7 @@
 //! and `cargo xtask tidy` prints them.
 //!
 //! Invariants (also listed in ARCHITECTURE.md):
-//! - ddo-metrics depends on no other DDO crate.
+//! - ddo-metrics and ddo-codec depend on no other DDO crate.
 //! - Only ddo-cuda and ddo-vmm may depend on cudarc; ddo-core never does.
 //! - Route crates depend on ddo-core and ddo-metrics, never on each other, on the registry,
 //!   or on a backend.
@@ -115,9 +115,9 @@ pub fn check_dependencies(root: &Path) -> Vec<String> {
                 "{name} depends on cudarc; only ddo-cuda and ddo-vmm may"
             ));
         }
-        if name == "ddo-metrics" && !ddo.is_empty() {
+        if (name == "ddo-metrics" || name == "ddo-codec") && !ddo.is_empty() {
             problems.push(format!(
-                "ddo-metrics depends on {ddo:?}; it must depend on no DDO crate"
+                "{name} depends on {ddo:?}; it must depend on no DDO crate"
             ));
         }
         if name == "ddo-core" && ddo.iter().any(|d| *d != "ddo-metrics") {
