@@ -86,6 +86,19 @@ pub enum CudaError {
         /// Caching allocations made so far.
         allocations: u64,
     },
+    /// A GPU decode of an encoded unit was refused before its launch: a buffer too small
+    /// or misaligned for the unit's header.
+    #[error(
+        "cannot decode the encoded unit on {device}: {reason}; give the unit's bytes at a \
+         16-byte aligned address, an 8-byte aligned output of at least its decoded length \
+         and `codec::SCRATCH_BYTES` of 8-byte aligned scratch"
+    )]
+    CodecLaunch {
+        /// Device (`cuda:N`).
+        device: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The native allocator is installed already.
     #[error(
         "the native VMM allocator is already installed on {device}; install it once per device"

@@ -14,6 +14,8 @@
 //! - the native allocator wiring ([`vmm_allocator`]): ddo-vmm's pool as the device allocator once
 //!   [`CudaDevice::install_native_vmm`] has run (refused after any caching allocation), with
 //!   stream-ordered frees, same-stream reuse and `release_native_idle_cache`;
+//! - [`codec`]: the GPU decoder of ddo-codec's encoded bf16 units (one warp per chunk,
+//!   queued on any stream of the device, optionally verifying the unit's checksum);
 //! - [`CudaError`], converted into [`ddo_core::CoreError`] at the `Device` boundary.
 //!
 //! Builds need no GPU and no CUDA toolkit: cudarc loads `libcuda` at run time, and
@@ -51,6 +53,7 @@ pub use device::{
     DEFAULT_UPLOAD_STAGING_BYTES, device_count, library_present,
 };
 pub use error::{CudaError, Result};
+pub use ops::codec;
 pub use ops::kernel_cache::KernelCacheStats;
 pub use ops::kernels::{
     forget_kernel_images, kernel_cache_dir, kernel_cache_stats, prepare_kernels,

@@ -39,7 +39,7 @@
 //! - [`compute_stream`]`(dev) -> Result<Arc<CudaStream>, CoreError>`: the device's compute
 //!   stream, where every op is queued.
 //! - [`launch`]`(dev, &f, cfg, &[Arg])`: launches `f` on the compute stream with the
-//!   arguments in order ([`Arg::Ptr`] for a raw device address as `u64`, [`Arg::I64`],
+//!   arguments in order ([`launch_on`] takes another stream of the device) ([`Arg::Ptr`] for a raw device address as `u64`, [`Arg::I64`],
 //!   [`Arg::I32`], [`Arg::F32`], [`Arg::Dims`]); driver errors become `CoreError`. Callers
 //!   may equally use cudarc's `stream.launch_builder(&f)` directly, pushing `&u64` device
 //!   addresses (each `unsafe` launch then needs its own `// SAFETY:` comment).
@@ -92,7 +92,7 @@ use super::kernel_cache::{
     Arch, Compiler, DiskCache, Image, ImageCache, ImageKind, KernelCacheStats, cache_dir_from,
 };
 use super::nvrtc::{self, Failure, NVRTC_HINT, Output};
-use super::{attention, elementwise, gemm, layout, norm};
+use super::{attention, codec, elementwise, gemm, layout, norm};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 
@@ -231,12 +231,13 @@ pub(crate) enum Arg {
 /// Every kernel source the ops use, as `(source_name, text)`: the names are the
 /// `source_name`s the ops pass to [`CudaDevice::kernel`], the texts their modules' `SOURCE`
 /// consts. [`prepare_kernels`] compiles all of them.
-pub(crate) const SOURCES: [(&str, &str); 5] = [
+pub(crate) const SOURCES: [(&str, &str); 6] = [
     (elementwise::SOURCE_NAME, elementwise::SOURCE),
     (norm::SOURCE_NAME, norm::SOURCE),
     (layout::SOURCE_NAME, layout::SOURCE),
     (gemm::SOURCE_NAME, gemm::SOURCE),
     (attention::SOURCE_NAME, attention::SOURCE),
+    (codec::SOURCE_NAME, codec::SOURCE),
 ];
 
 /// NVRTC options besides the architecture: flush-to-zero off, precise square root and
@@ -535,7 +536,18 @@ pub(crate) fn launch(
     cfg: LaunchConfig,
     args: &[Arg],
 ) -> Result<(), CoreError> {
-    let stream = compute_stream(dev)?;
+    launch_on(dev, &compute_stream(dev)?, f, cfg, args)
+}
+
+/// [`launch`] on `stream` (one of `dev`'s streams) instead of the compute stream; the same
+/// contract, with each pointer's allocation marked with `note_use` of that stream.
+pub(crate) fn launch_on(
+    dev: &CudaDevice,
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<(), CoreError> {
     let mut builder = stream.launch_builder(f);
     for a in args {
         match a {
@@ -568,6 +580,7 @@ mod tests {
             layout::SOURCE_NAME,
             gemm::SOURCE_NAME,
             attention::SOURCE_NAME,
+            codec::SOURCE_NAME,
         ];
         for name in names {
             assert_eq!(

@@ -13,8 +13,9 @@
 //! helper), [`kernel_cache`] (compiled images in memory and on disk), [`nvrtc`] (the NVRTC
 //! calls), `elementwise` (unary, binary with broadcasting, affine, cast, rope), `norm`
 //! (group/layer/RMS norm, softmax, reduce), `layout` (upload/download, concat, narrow,
-//! permute, upsample, embedding), and the GEMM/convolution/attention files (`gemm`, `conv`,
-//! `attention`).
+//! permute, upsample, embedding), the GEMM/convolution/attention files (`gemm`, `conv`,
+//! `attention`), and `codec` (the GPU decoder of ddo-codec's units, public as
+//! `ddo_cuda::codec`; not an [`Ops`] op).
 
 pub(crate) use ddo_core::shape::{
     broadcast_shape, broadcast_strides, coalesce, contiguous_strides,
@@ -28,6 +29,7 @@ use ddo_core::{
 use crate::device::{CudaAllocation, CudaDevice};
 
 pub(crate) mod attention;
+pub mod codec;
 pub(crate) mod conv;
 pub(crate) mod cublaslt;
 pub(crate) mod cudnn_attention;
