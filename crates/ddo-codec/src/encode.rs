@@ -38,7 +38,7 @@ use crate::format::{
     unit_meta_hash, write_header,
 };
 use crate::hash;
-use crate::huffman::{CodeTable, MAX_CODE_LEN, code_lengths};
+use crate::huffman::{CodeTable, MAX_CODE_LEN, best_code_lengths};
 use crate::stats::Stats;
 
 /// Words of one step of a chunk (32 lanes × 4).
@@ -442,7 +442,7 @@ pub fn encode_unit_into(words: &[u8], out: &mut Vec<u8>) -> Result<(UnitHeader, 
     let n = (words.len() / 2) as u64;
     let hist = histogram(words);
     let raw_len = Layout::raw(n).ok_or(CodecError::TooLarge { words: n })?.end;
-    let lengths = code_lengths(&hist);
+    let lengths = best_code_lengths(&hist);
     let table = CodeTable::from_lengths(&lengths);
     let max_len = table.max_len();
     let nsym = table.symbols.len() as u64;

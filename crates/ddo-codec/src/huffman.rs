@@ -7,7 +7,8 @@
 //! Bits are written least significant first, so codes are stored bit-reversed and a
 //! decoder indexes the table with the low `max_len` bits of its bit buffer. A table entry
 //! is `len << 8 | symbol` (`u16`); 0 marks a bit pattern no code starts with (only the
-//! one-symbol code, `0`, leaves any).
+//! one-symbol code, `0`, leaves any). Each unit takes the length limit (at most 12) whose
+//! code plus decode table is smallest ([`best_code_lengths`]).
 
 use crate::error::{CodecError, Result};
 
@@ -25,7 +26,38 @@ pub(crate) struct CodeTable {
 
 /// Optimal code lengths (0 for absent symbols) of at most [`MAX_CODE_LEN`] bits for the
 /// symbol frequencies `hist`, by package-merge; a lone symbol gets length 1.
+#[cfg(test)]
 pub(crate) fn code_lengths(hist: &[u64; 256]) -> [u8; 256] {
+    limited_lengths(hist, MAX_CODE_LEN)
+}
+
+/// The code lengths for `hist` that make the smallest unit: the coded exponents plus the
+/// decode table (`2^max_len` entries of 2 bytes), over every length limit from the least
+/// the alphabet allows to [`MAX_CODE_LEN`]. Large units take the 12-bit limit (the table
+/// is nothing beside them); small ones a shorter limit and a small table.
+pub(crate) fn best_code_lengths(hist: &[u64; 256]) -> [u8; 256] {
+    let present = hist.iter().filter(|&&c| c > 0).count() as u32;
+    let least = present.max(2).next_power_of_two().trailing_zeros() as u8;
+    let mut best: Option<(u64, [u8; 256])> = None;
+    for limit in least..=MAX_CODE_LEN {
+        let lengths = limited_lengths(hist, limit);
+        let bits: u64 = hist
+            .iter()
+            .zip(&lengths)
+            .map(|(&c, &l)| c.saturating_mul(u64::from(l)))
+            .fold(0, u64::saturating_add);
+        let max = lengths.iter().copied().max().unwrap_or(0);
+        let cost = bits.div_ceil(8).saturating_add(2 << max);
+        if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+            best = Some((cost, lengths));
+        }
+    }
+    best.map_or([0; 256], |(_, l)| l)
+}
+
+/// Optimal code lengths of at most `limit` bits (`2^limit` at least the number of
+/// symbols present, `limit` at most [`MAX_CODE_LEN`]), by package-merge.
+fn limited_lengths(hist: &[u64; 256], limit: u8) -> [u8; 256] {
     let mut lengths = [0u8; 256];
     // Leaves sorted by (weight, symbol): ties broken the same way on every machine.
     let mut leaves: Vec<(u64, u8)> = hist
@@ -46,7 +78,8 @@ pub(crate) fn code_lengths(hist: &[u64; 256]) -> [u8; 256] {
     let weights: Vec<u64> = leaves.iter().map(|&(w, _)| w).collect();
     // Level lists from the deepest (leaves only) up; each later one merges the leaves with
     // the packages (adjacent pairs) of the one below. `is_leaf[l][i]`: item i of list l.
-    let levels = MAX_CODE_LEN as usize;
+    let levels = usize::from(limit.clamp(1, MAX_CODE_LEN));
+    debug_assert!(n <= 1 << levels);
     let mut is_leaf: Vec<Vec<bool>> = Vec::with_capacity(levels);
     is_leaf.push(vec![true; n]);
     let mut list = weights.clone();
@@ -295,6 +328,24 @@ mod tests {
             100.0 * loss
         );
         assert!(loss <= 1e-2, "{loss}");
+    }
+
+    #[test]
+    fn small_units_take_a_shorter_limit_and_large_ones_twelve_bits() {
+        let mut h = [0u64; 256];
+        for (i, c) in h.iter_mut().enumerate().skip(100).take(40) {
+            *c = 1u64 << (40 - (i - 100)).min(30);
+        }
+        let max = |l: [u8; 256]| l.iter().copied().max().unwrap_or(0);
+        assert_eq!(max(best_code_lengths(&h)), MAX_CODE_LEN);
+        let small: [u64; 256] = std::array::from_fn(|i| h[i].min(3));
+        let l = best_code_lengths(&small);
+        assert!(max(l) < MAX_CODE_LEN && max(l) >= 6, "{}", max(l));
+        assert_eq!(kraft(&l), 1 << MAX_CODE_LEN);
+        let mut one = [0u64; 256];
+        one[5] = 9;
+        assert_eq!(best_code_lengths(&one)[5], 1);
+        assert_eq!(best_code_lengths(&[0; 256]), [0; 256]);
     }
 
     #[test]

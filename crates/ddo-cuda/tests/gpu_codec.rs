@@ -1,7 +1,7 @@
 //! The GPU decoder of ddo-codec's units (`ddo_cuda::codec`, `kernels/codec.cu`) against the
 //! host encoder: N(0, 0.02) weights, edge lengths, all-equal words, every 16-bit pattern
-//! (raw) and every exponent sprinkled into weights (12-bit codes) decode bit for bit on a
-//! copy stream, with and without checksum verification, at offsets into larger buffers;
+//! (raw), every exponent sprinkled into weights and rare exponents (12-bit codes) decode
+//! bit for bit on a copy stream, with and without checksum verification, at offsets into larger buffers;
 //! corrupt units are flagged in the status, never reported clean; misaligned or short
 //! buffers are refused before launch. A throughput measurement decodes 256 MiB of
 //! N(0, 0.02) bf16 in 16 MiB units and prints the decoded GB/s (asserting only that the
@@ -53,6 +53,12 @@ fn cases() -> Vec<(&'static str, Vec<u8>)> {
     for (i, v) in (0..=u16::MAX).enumerate() {
         sprinkled[32 * i..32 * i + 2].copy_from_slice(&v.to_le_bytes());
     }
+    // Every exponent a few times among 2M weights: 12-bit codes.
+    let mut rare = normal_words(1 << 21, 8);
+    for i in 0..1024 {
+        let v = (((i % 256) << 7) | (i % 128)) as u16;
+        rare[4096 * i..4096 * i + 2].copy_from_slice(&v.to_le_bytes());
+    }
     let mut r = SplitMix64::new(3);
     let random: Vec<u8> = (0..20_000).map(|_| r.next_u64() as u8).collect();
     let mut out = vec![
@@ -62,6 +68,7 @@ fn cases() -> Vec<(&'static str, Vec<u8>)> {
             to_bytes(&(0..=u16::MAX).collect::<Vec<_>>()),
         ),
         ("every exponent in weights", sprinkled),
+        ("rare exponents, 12-bit codes", rare),
         ("random bytes (raw)", random),
         (
             "all-equal 0x3c00",
@@ -75,9 +82,12 @@ fn cases() -> Vec<(&'static str, Vec<u8>)> {
         5,
         127,
         129,
+        1000,
         CHUNK_WORDS - 1,
         CHUNK_WORDS,
         CHUNK_WORDS + 1,
+        2 * CHUNK_WORDS - 1,
+        2 * CHUNK_WORDS + 1,
     ] {
         out.push(("N(0, 0.02), edge length", normal[..2 * n].to_vec()));
     }
@@ -157,6 +167,11 @@ fn units_decode_bit_for_bit_on_a_copy_stream() {
         .map(|(_, w)| encode_unit(w).unwrap().header().mode())
         .collect();
     assert!(modes.contains(&Mode::Raw) && modes.contains(&Mode::Huffman));
+    let longest = cases()
+        .iter()
+        .map(|(_, w)| encode_unit(w).unwrap().header().max_code_len())
+        .max();
+    assert_eq!(longest, Some(ddo_codec::MAX_CODE_LEN));
 }
 
 #[test]
