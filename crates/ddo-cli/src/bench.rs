@@ -11,7 +11,6 @@
 //! refused before anything is allocated.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,87 +25,12 @@ use ddo_routes::{
 use serde::Serialize;
 use serde_json::json;
 
-use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
+use crate::cli::BenchArgs;
 use crate::error::{CliError, CliResult};
 use crate::outputs::Outputs;
 use crate::progress::ProgressBar;
-use crate::run::{build_pipeline, parse_dtype, positive, source_from_args};
-use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device, vram_budget};
-
-/// `ddo bench`'s options.
-pub const OPTIONS: &[OptSpec] = &[
-    opt(
-        "component",
-        "NAME",
-        "transformer (default), vae, text_encoder or text_encoder_2",
-    ),
-    opt(
-        "config",
-        "tiny|flux-dev",
-        "random weights at a named config",
-    ),
-    opt("weights", "DIR", "a Diffusers pipeline folder"),
-    opt(
-        "transformer",
-        "FILE",
-        "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "text-encoder",
-        "FILE",
-        "a single-file CLIP text encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "text-encoder-2",
-        "FILE",
-        "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "vae",
-        "FILE",
-        "a single-file VAE in the original LDM layout, in place of the folder's or the config's (as for run)",
-    ),
-    many("route", "ROUTE[:k=v,...]", "a candidate route (repeatable)"),
-    many("preset", "NAME", "a candidate preset (repeatable)"),
-    opt("repeats", "N", "timed forwards per candidate (default 5)"),
-    opt("warmup", "N", "untimed forwards first (default 1)"),
-    opt(
-        "vram-budget",
-        "SIZE",
-        "device memory DDO may use (cpu: each candidate's device capacity)",
-    ),
-    opt("device", "cpu|cuda:N", "execution device (default cpu)"),
-    opt(
-        "height",
-        "PX",
-        "image height of the workload (default 128 for tiny, 1024 otherwise)",
-    ),
-    opt(
-        "width",
-        "PX",
-        "image width of the workload (default 128 for tiny, 1024 otherwise)",
-    ),
-    opt("dtype", "f32|bf16|f16|fp8", "weight dtype (as for run)"),
-    opt("out-json", "FILE.json", "also write the JSON there"),
-    opt(
-        "plot",
-        "PREFIX",
-        "also draw time vs peak memory to PREFIX.svg and PREFIX.png",
-    ),
-    flag("json", "print JSON instead of the table"),
-    flag(
-        "allow-unused-weights",
-        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
-    ),
-    flag(
-        "timeline",
-        "trace streamed candidates (timeline=true) and print where the copy engine sat idle",
-    ),
-    flag(
-        "profile",
-        "after the timed forwards, one more with every op timed: device time per op class",
-    ),
-];
+use crate::run::{ComponentFiles, build_pipeline, source_from_args};
+use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device};
 
 /// The candidates when none are given: every route, group offload in its three shapes.
 const DEFAULT_ROUTES: [&str; 5] = [
@@ -389,9 +313,9 @@ fn forwards(name: &str, n: usize) -> CliResult<usize> {
     Ok(n)
 }
 
-fn candidates(args: &Parsed) -> CliResult<Vec<Candidate>> {
+fn candidates(args: &BenchArgs) -> CliResult<Vec<Candidate>> {
     let mut out = Vec::new();
-    for r in args.all("route") {
+    for r in &args.route {
         let spec: RouteSpec = r.parse().map_err(|e: ddo_core::CoreError| {
             CliError::usage(
                 format!("--route {r}: {e}"),
@@ -400,11 +324,8 @@ fn candidates(args: &Parsed) -> CliResult<Vec<Candidate>> {
         })?;
         out.push(Candidate::Route(r.clone(), spec));
     }
-    for p in args.all("preset") {
-        let preset: Preset = p.parse().map_err(|e: ddo_core::CoreError| {
-            CliError::usage(e.to_string(), "pick one of the presets listed")
-        })?;
-        out.push(Candidate::Preset(preset));
+    for p in &args.preset {
+        out.push(Candidate::Preset(*p));
     }
     if out.is_empty() {
         for r in DEFAULT_ROUTES {
@@ -414,33 +335,22 @@ fn candidates(args: &Parsed) -> CliResult<Vec<Candidate>> {
     Ok(out)
 }
 
-/// Runs `ddo bench` with `argv` (after `bench`).
-pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
-    let args = parse("bench", OPTIONS, argv)?;
-    if let Some(p) = args.positionals.first() {
-        return Err(CliError::usage(
-            format!("unexpected argument `{p}` for `ddo bench`"),
-            "options start with --; see `ddo help bench`",
-        ));
-    }
-    let source = source_from_args(&args)?;
+/// Runs `ddo bench` with its parsed options.
+pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
+    let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
     let tiny = matches!(&source, crate::run::Source::Config(n) if n == "tiny");
-    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    let dtype = args.dtype;
     let side = if tiny { 128 } else { 1024 };
-    let height = positive(&args, "height")?.unwrap_or(side);
-    let width = positive(&args, "width")?.unwrap_or(side);
-    let repeats = forwards("repeats", positive(&args, "repeats")?.unwrap_or(5))?;
-    let warmup = forwards(
-        "warmup",
-        args.parse::<usize>("warmup", "a whole number")?
-            .unwrap_or(1),
-    )?;
-    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
-    let budget = vram_budget(&args)?;
+    let height = args.height.unwrap_or(side);
+    let width = args.width.unwrap_or(side);
+    let repeats = forwards("repeats", args.repeats.unwrap_or(5))?;
+    let warmup = forwards("warmup", args.warmup.unwrap_or(1))?;
+    let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
+    let budget = args.vram_budget;
     device_choice.prepare_kernels();
-    let list = candidates(&args)?;
-    let out_json = args.get("out-json").map(PathBuf::from);
-    let plot_prefix = args.get("plot").map(PathBuf::from);
+    let list = candidates(args)?;
+    let out_json = args.out_json.clone();
+    let plot_prefix = args.plot.clone();
     let plot_paths = plot_prefix.as_deref().map(crate::plot::paths);
     // Outputs are checked against the weights and each other before any work.
     let mut output_paths: Vec<(&'static str, &std::path::Path)> = Vec::new();
@@ -460,15 +370,24 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let mut bar = ProgressBar::new();
     let (pipe, model_label) = build_pipeline(
         &source,
-        &crate::run::component_files(&args)?,
+        &ComponentFiles {
+            text_encoder: args.text_encoder.clone(),
+            transformer: args.transformer.clone(),
+            text_encoder_2: args.text_encoder_2.clone(),
+            vae: args.vae.clone(),
+        }
+        .checked()?,
         dtype,
         None,
-        crate::run::unused_weights(&args),
+        crate::run::unused_weights(args.allow_unused_weights),
         &mut bar,
     )?;
     let workload = Workload {
         pipe: &pipe,
-        component: args.get("component").unwrap_or("transformer").to_string(),
+        component: args
+            .component
+            .clone()
+            .unwrap_or_else(|| "transformer".to_string()),
         height,
         width,
     };
@@ -540,8 +459,8 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
     let context = ddo_core::FootprintContext::of(&*probe);
     drop(probe);
-    let timeline = args.flag("timeline");
-    let profile = args.flag("profile");
+    let timeline = args.timeline;
+    let profile = args.profile;
 
     // Candidates are explicit: the environment is never read (use_environment is false).
     let env = ddo_core::MapEnvironment::default();
@@ -691,7 +610,7 @@ pub fn bench(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
     outputs.commit(&files)?;
     let plotted = plot_paths;
-    let text = if args.flag("json") {
+    let text = if args.json {
         json_text
     } else {
         let mut s = format!(

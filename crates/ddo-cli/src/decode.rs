@@ -13,55 +13,11 @@ use ddo_nn::vae::AutoencoderKL;
 use ddo_routes::{OffloadOptions, enable_offload_with_env};
 use serde_json::json;
 
-use crate::args::{OptSpec, flag, many, opt, parse};
+use crate::cli::DecodeArgs;
 use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor};
 use crate::outputs::{Outputs, image_paths};
-use crate::run::parse_dtype;
-use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device, vram_budget};
-
-/// `ddo decode`'s options.
-pub const OPTIONS: &[OptSpec] = &[
-    opt(
-        "weights",
-        "VAE_DIR",
-        "the VAE folder (config.json + safetensors), or a pipeline folder with vae/",
-    ),
-    opt(
-        "latents",
-        "FILE.safetensors",
-        "tensor `latents` [B, C, h, w] (B images), unscaled as AutoencoderKL.decode takes it",
-    ),
-    opt(
-        "out",
-        "OUT.png|OUT.safetensors",
-        "the image (B > 1: OUT-0.png, OUT-1.png, ...), or the decoded tensor `sample` (f32 NCHW)",
-    ),
-    opt(
-        "preset",
-        "NAME",
-        "preset (the VAE column of the seed's table)",
-    ),
-    many(
-        "route",
-        "vae=ROUTE[:k=v,...]",
-        "an explicit route for the VAE",
-    ),
-    opt("vram-budget", "SIZE", "device memory DDO may use"),
-    opt("device", "cpu|cuda:N", "execution device (default cpu)"),
-    opt("tiled-decode", "on|off|auto", "tiled decode (default auto)"),
-    opt(
-        "dtype",
-        "f32|bf16|f16",
-        "convert the weights on load (default: as stored)",
-    ),
-    flag("json", "print the profile as JSON"),
-    flag("no-env", "do not read DDO_PRESET / DDO_VAE_ROUTE"),
-    flag(
-        "allow-unused-weights",
-        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
-    ),
-];
+use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device};
 
 /// The VAE folder: `dir` itself, or `dir/vae` for a pipeline folder.
 fn vae_dir(dir: &Path) -> PathBuf {
@@ -72,27 +28,20 @@ fn vae_dir(dir: &Path) -> PathBuf {
     }
 }
 
-/// Runs `ddo decode` with `argv` (after `decode`).
-pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
+/// Runs `ddo decode` with its parsed options.
+pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
     let started = Instant::now();
-    let args = parse("decode", OPTIONS, argv)?;
-    if let Some(p) = args.positionals.first() {
-        return Err(CliError::usage(
-            format!("unexpected argument `{p}` for `ddo decode`"),
-            "options start with --; see `ddo help decode`",
-        ));
-    }
-    let need = |name: &str, example: &str| {
-        args.get(name).map(PathBuf::from).ok_or_else(|| {
+    let need = |given: &Option<PathBuf>, name: &str, example: &str| {
+        given.clone().ok_or_else(|| {
             CliError::usage(
                 format!("ddo decode needs --{name}"),
                 format!("add --{name} {example}"),
             )
         })
     };
-    let weights = need("weights", "VAE_DIR")?;
-    let latents_path = need("latents", "FILE.safetensors")?;
-    let out_path = need("out", "OUT.png")?;
+    let weights = need(&args.weights, "weights", "VAE_DIR")?;
+    let latents_path = need(&args.latents, "latents", "FILE.safetensors")?;
+    let out_path = need(&args.out, "out", "OUT.png")?;
     let out_kind = output_kind("--out", &out_path)?;
     // The latents say how many images there are, hence which files to plan.
     let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
@@ -118,23 +67,29 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             .collect::<Vec<_>>(),
         &[("--weights", &weights), ("--latents", &latents_path)],
     )?;
-    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
+    let dtype = args.dtype;
     if let Some(d) = dtype.filter(|d| d.is_fp8()) {
         return Err(CliError::usage(
             format!("--dtype {d}: the VAE is not stored as fp8"),
             "fp8 storage is for the transformer (`ddo run --dtype fp8`); decode with --dtype f32, bf16 or f16",
         ));
     }
-    let tiled = crate::run::tiled_decode(&args)?;
-    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
-    let budget = vram_budget(&args)?;
+    let tiled = args
+        .tiled_decode
+        .unwrap_or(ddo_nn::pipeline::TiledDecode::Auto);
+    let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
+    let budget = args.vram_budget;
     device_choice.prepare_kernels();
-    let routing = Routing::from_args(&args, &["vae".to_string()])?;
+    let routing = Routing::new(args.preset, &args.route, args.no_env, &["vae".to_string()])?;
     let explanation = routing.explain("vae")?;
 
     let dir = vae_dir(&weights);
-    let vae = AutoencoderKL::load_checked(&dir, dtype, crate::run::unused_weights(&args))
-        .map_err(|e| CliError::from(e).context(&format!("--weights {}", weights.display())))?;
+    let vae = AutoencoderKL::load_checked(
+        &dir,
+        dtype,
+        crate::run::unused_weights(args.allow_unused_weights),
+    )
+    .map_err(|e| CliError::from(e).context(&format!("--weights {}", weights.display())))?;
     let c = vae.config().latent_channels;
     if !matches!(latents.shape.as_slice(), [b, cc, h, w] if *b > 0 && *cc == c && *h > 0 && *w > 0)
     {
@@ -226,7 +181,7 @@ pub fn decode(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         }
     }
     let snapshot = handle.metrics_snapshot();
-    let text = if args.flag("json") {
+    let text = if args.json {
         let v = json!({
             "command": "decode",
             "weights": dir.display().to_string(),

@@ -13,19 +13,9 @@ use ddo_core::{Budget, ComponentKind, Preset, RouteId, RouteTarget};
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 
-use crate::args::{OptSpec, flag, opt, parse};
+use crate::cli::InspectArgs;
 use crate::error::{CliError, CliResult};
-use crate::setup::{DEFAULT_HOST_CAPACITY, vram_budget};
-
-/// `ddo inspect`'s options.
-pub const OPTIONS: &[OptSpec] = &[
-    opt(
-        "vram-budget",
-        "SIZE",
-        "the budget the preset table assumes (default 8GiB)",
-    ),
-    flag("json", "print as JSON"),
-];
+use crate::setup::DEFAULT_HOST_CAPACITY;
 
 /// Largest header `inspect` reads (safetensors headers are JSON of a few MB at most).
 const MAX_HEADER: u64 = 100 << 20;
@@ -435,11 +425,10 @@ pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> PresetP
     }
 }
 
-/// Runs `ddo inspect` with `argv` (after `inspect`).
-pub fn inspect(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
-    let args = parse("inspect", OPTIONS, argv)?;
-    let path = match args.positionals.as_slice() {
-        [p] => PathBuf::from(p),
+/// Runs `ddo inspect` with its parsed options.
+pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
+    let path = match args.paths.as_slice() {
+        [p] => p.clone(),
         [] => {
             return Err(CliError::usage(
                 "ddo inspect needs a PATH",
@@ -453,13 +442,13 @@ pub fn inspect(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             ));
         }
     };
-    let budget = vram_budget(&args)?.unwrap_or(DEFAULT_HOST_CAPACITY);
+    let budget = args.vram_budget.unwrap_or(DEFAULT_HOST_CAPACITY);
     let comps = components(&path)?;
     let presets: Vec<(Preset, Vec<PresetPlan>)> = Preset::ALL
         .iter()
         .map(|&p| (p, comps.iter().map(|c| preset_plan(p, c, budget)).collect()))
         .collect();
-    let text = if args.flag("json") {
+    let text = if args.json {
         let v = serde_json::json!({
             "path": path.display().to_string(),
             "components": comps,

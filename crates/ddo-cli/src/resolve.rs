@@ -13,137 +13,43 @@ use std::io::Write;
 
 use ddo_nn::pipeline::{TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE};
 
-use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
+use crate::cli::ResolveArgs;
 use crate::error::{CliError, CliResult};
 use crate::progress::ProgressBar;
 use crate::run::{
-    Source, build_pipeline, parse_dtype, plan_budget, plan_memory, planned_explanations, positive,
+    ComponentFiles, Source, build_pipeline, plan_budget, plan_memory, planned_explanations,
     source_from_args,
 };
-use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device, vram_budget};
-
-/// `ddo resolve`'s options.
-pub const OPTIONS: &[OptSpec] = &[
-    opt(
-        "preset",
-        "NAME",
-        "the preset to explain (default auto, or DDO_PRESET)",
-    ),
-    many(
-        "route",
-        "COMPONENT=ROUTE[:k=v,...]",
-        "an explicit route (repeatable)",
-    ),
-    opt("component", "NAME", "explain one component only"),
-    opt(
-        "config",
-        "tiny|flux-dev",
-        "plan memory for random weights at a named config",
-    ),
-    opt(
-        "weights",
-        "DIR",
-        "plan memory for a Diffusers pipeline folder",
-    ),
-    opt(
-        "transformer",
-        "FILE",
-        "a single-file transformer in the original Flux layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "text-encoder",
-        "FILE",
-        "a single-file CLIP text encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "text-encoder-2",
-        "FILE",
-        "a single-file T5 encoder in the Transformers layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "vae",
-        "FILE",
-        "a single-file VAE in the original LDM layout, in place of the folder's or the config's (as for run)",
-    ),
-    opt(
-        "vram-budget",
-        "SIZE",
-        "the budget to plan for (with --config/--weights; default: what the device gives)",
-    ),
-    opt(
-        "device",
-        "cpu|cuda:N",
-        "the device to plan for (default cpu)",
-    ),
-    opt(
-        "height",
-        "PX",
-        "image height to plan for (default 128 for tiny, 1024 otherwise)",
-    ),
-    opt(
-        "width",
-        "PX",
-        "image width to plan for (default 128 for tiny, 1024 otherwise)",
-    ),
-    opt(
-        "max-sequence-length",
-        "N",
-        "T5 tokens to plan for (default 32 for tiny, 512 otherwise)",
-    ),
-    opt(
-        "num-images",
-        "N",
-        "images to plan for (as `ddo run --num-images`, default 1)",
-    ),
-    opt(
-        "tiled-decode",
-        "on|off|auto",
-        "the decode to plan for (as `ddo run`, default auto)",
-    ),
-    opt("dtype", "f32|bf16|f16|fp8", "weight dtype (as `ddo run`)"),
-    flag("json", "one JSON object per component, in an array"),
-    flag(
-        "allow-unused-weights",
-        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
-    ),
-    flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
-];
+use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device};
 
 /// The components of a Flux pipeline, in phase order.
 pub const COMPONENTS: [&str; 4] = [TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE];
 
-/// Runs `ddo resolve` with `argv` (after `resolve`).
-pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
-    let args = parse("resolve", OPTIONS, argv)?;
-    if let Some(p) = args.positionals.first() {
-        return Err(CliError::usage(
-            format!("unexpected argument `{p}` for `ddo resolve`"),
-            "options start with --; see `ddo help resolve`",
-        ));
-    }
+/// Runs `ddo resolve` with its parsed options.
+pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     let known: Vec<String> = COMPONENTS.iter().map(|s| s.to_string()).collect();
-    let routing = Routing::from_args(&args, &known)?;
-    if args.get("config").is_some() || args.get("weights").is_some() {
-        return resolve_plan(&args, &routing, out);
+    let routing = Routing::new(args.preset, &args.route, args.no_env, &known)?;
+    if args.config.is_some() || args.weights.is_some() {
+        return resolve_plan(args, &routing, out);
     }
-    for o in [
-        "vram-budget",
-        "device",
-        "height",
-        "width",
-        "max-sequence-length",
-        "num-images",
-        "tiled-decode",
-        "dtype",
+    for (o, given) in [
+        ("vram-budget", args.vram_budget.is_some()),
+        ("device", args.device.is_some()),
+        ("height", args.height.is_some()),
+        ("width", args.width.is_some()),
+        ("max-sequence-length", args.max_sequence_length.is_some()),
+        ("num-images", args.num_images.is_some()),
+        ("tiled-decode", args.tiled_decode.is_some()),
+        ("dtype", args.dtype.is_some()),
     ] {
-        if args.get(o).is_some() {
+        if given {
             return Err(CliError::usage(
                 format!("--{o} plans memory, which needs a model"),
                 "add --config tiny|flux-dev or --weights DIR",
             ));
         }
     }
-    let selected: Vec<&str> = match args.get("component") {
+    let selected: Vec<&str> = match args.component.as_deref() {
         Some(c) if COMPONENTS.contains(&c) => vec![c],
         Some(c) => {
             return Err(CliError::usage(
@@ -161,7 +67,7 @@ pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     for e in &explanations {
         ddo_routes::check_route_options(&e.component, &e.spec)?;
     }
-    let text = if args.flag("json") {
+    let text = if args.json {
         serde_json::to_string_pretty(&explanations).unwrap_or_default() + "\n"
     } else {
         let mut s = String::new();
@@ -188,25 +94,31 @@ pub fn resolve(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
 }
 
 /// `ddo resolve --config|--weights ...`: the memory plan.
-fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliResult<()> {
-    let source = source_from_args(args)?;
+fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> CliResult<()> {
+    let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
     let tiny = matches!(&source, Source::Config(n) if n == "tiny");
-    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
     let default_side = if tiny { 128 } else { 1024 };
-    let height = positive(args, "height")?.unwrap_or(default_side);
-    let width = positive(args, "width")?.unwrap_or(default_side);
-    let max_seq = crate::run::max_sequence_length(args)?;
-    let images = positive(args, "num-images")?.unwrap_or(1);
-    let tiled = crate::run::tiled_decode(args)?;
-    let budget = vram_budget(args)?;
-    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
+    let height = args.height.unwrap_or(default_side);
+    let width = args.width.unwrap_or(default_side);
+    let images = args.num_images.unwrap_or(1);
+    let tiled = args
+        .tiled_decode
+        .unwrap_or(ddo_nn::pipeline::TiledDecode::Auto);
+    let budget = args.vram_budget;
+    let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
     let mut bar = ProgressBar::new();
+    let files = ComponentFiles {
+        text_encoder: args.text_encoder.clone(),
+        transformer: args.transformer.clone(),
+        text_encoder_2: args.text_encoder_2.clone(),
+        vae: args.vae.clone(),
+    };
     let (pipe, _) = build_pipeline(
         &source,
-        &crate::run::component_files(args)?,
-        dtype,
-        max_seq,
-        crate::run::unused_weights(args),
+        &files.checked()?,
+        args.dtype,
+        args.max_sequence_length,
+        crate::run::unused_weights(args.allow_unused_weights),
         &mut bar,
     )?;
     let names = pipe.component_names();
@@ -232,7 +144,7 @@ fn resolve_plan(args: &Parsed, routing: &Routing, out: &mut dyn Write) -> CliRes
         ddo_routes::enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
             .map_err(|e| CliError::from(e).context("attaching routes"))?,
     );
-    let text = if args.flag("json") {
+    let text = if args.json {
         let v = serde_json::json!({
             "memory_plan": plan.to_json(),
             "components": explanations,

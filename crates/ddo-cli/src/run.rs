@@ -17,142 +17,18 @@ use ddo_nn::pipeline::{
 use ddo_routes::{PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_pipeline};
 use serde_json::{Value, json};
 
-use crate::args::{OptSpec, Parsed, flag, many, opt, parse};
+use crate::cli::RunArgs;
 use crate::error::{CliError, CliResult};
 use crate::io::{
     HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor, unpack_host,
 };
 use crate::outputs::{Outputs, image_paths};
 use crate::progress::ProgressBar;
-use crate::setup::{
-    DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device, vram_budget,
-};
+use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device};
 use crate::tokenize::PipelineTokenizers;
 
 /// The prompt used when `--prompt` is not given.
 pub const DEFAULT_PROMPT: &str = "a lighthouse on a rocky coast at dawn";
-
-/// `ddo run`'s options.
-pub const OPTIONS: &[OptSpec] = &[
-    opt(
-        "config",
-        "tiny|flux-dev",
-        "random weights at a named config",
-    ),
-    opt(
-        "weights",
-        "DIR",
-        "a Diffusers pipeline folder (transformer/, vae/, text_encoder/, text_encoder_2/)",
-    ),
-    opt(
-        "transformer",
-        "FILE",
-        "a single-file transformer in the original Flux layout (flux1-dev.safetensors, ComfyUI's fp8 files) in place of the folder's or the config's",
-    ),
-    opt(
-        "text-encoder",
-        "FILE",
-        "a single-file CLIP text encoder in the Transformers layout (clip_l.safetensors) in place of the folder's or the config's",
-    ),
-    opt(
-        "text-encoder-2",
-        "FILE",
-        "a single-file T5 encoder in the Transformers layout (t5xxl_fp8_e4m3fn.safetensors) in place of the folder's or the config's",
-    ),
-    opt(
-        "vae",
-        "FILE",
-        "a single-file VAE in the original LDM layout (ae.safetensors) in place of the folder's or the config's",
-    ),
-    opt(
-        "preset",
-        "NAME",
-        "auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off",
-    ),
-    many(
-        "route",
-        "COMPONENT=ROUTE[:k=v,...]",
-        "an explicit route for one component (repeatable; wins over the preset)",
-    ),
-    opt(
-        "vram-budget",
-        "SIZE",
-        "device memory DDO may use, e.g. 12GiB (cpu: the host device's capacity, default 8GiB)",
-    ),
-    opt("device", "cpu|cuda:N", "execution device (default cpu)"),
-    opt(
-        "steps",
-        "N",
-        "denoising steps (default 4 for tiny, 28 otherwise)",
-    ),
-    opt(
-        "height",
-        "PX",
-        "image height (default 128 for tiny, 1024 otherwise)",
-    ),
-    opt(
-        "width",
-        "PX",
-        "image width (default 128 for tiny, 1024 otherwise)",
-    ),
-    opt("seed", "N", "seed of the initial noise (default 0)"),
-    opt(
-        "num-images",
-        "N",
-        "images per prompt (Diffusers' num_images_per_prompt, default 1): --out a.png writes a-0.png, a-1.png, ...",
-    ),
-    opt("guidance", "SCALE", "guidance scale (default 3.5)"),
-    opt(
-        "prompt",
-        "TEXT",
-        "the prompt (stand-in tokenizer; see `ddo help run`)",
-    ),
-    opt(
-        "max-sequence-length",
-        "N",
-        "T5 tokens for a text prompt (default 32 for tiny, 512 otherwise)",
-    ),
-    opt(
-        "tiled-decode",
-        "on|off|auto",
-        "tiled VAE decode (default auto: tiled when the estimate does not fit)",
-    ),
-    opt(
-        "init-latents",
-        "FILE.safetensors",
-        "initial noise (`latents` or `noise`: [N,C,h,w] or packed [N,T,4C], one row per image)",
-    ),
-    opt(
-        "prompt-embeds",
-        "FILE.safetensors",
-        "prompt embeddings (`prompt_embeds` [B,L,D], `pooled_prompt_embeds` [B,P]; B prompts)",
-    ),
-    opt(
-        "dtype",
-        "f32|bf16|f16|fp8",
-        "weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8 (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a per-tensor scale, computes in bf16, and loads the rest as bf16",
-    ),
-    opt(
-        "out",
-        "OUT.png|OUT.safetensors",
-        "where the image goes (default ddo-out.png)",
-    ),
-    opt(
-        "save-latents",
-        "FILE.safetensors",
-        "also write the decoder's input latents (`latents`, NCHW), for `ddo decode`",
-    ),
-    flag(
-        "release-native-idle",
-        "after each phase, return the native VMM pool's idle memory to the driver (native allocator only)",
-    ),
-    flag("json", "print the profile as JSON"),
-    flag("no-env", "do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE"),
-    flag(
-        "allow-unused-weights",
-        "load a checkpoint whose config leaves some of its tensors unused (refused otherwise)",
-    ),
-];
 
 /// Where the models come from.
 #[derive(Debug, Clone)]
@@ -176,19 +52,9 @@ pub fn parse_dtype(text: &str) -> CliResult<DType> {
     }
 }
 
-pub(crate) fn positive(args: &Parsed, name: &str) -> CliResult<Option<usize>> {
-    match args.parse::<usize>(name, "a positive whole number")? {
-        Some(0) => Err(CliError::usage(
-            format!("--{name} 0 is not allowed"),
-            "give a positive whole number",
-        )),
-        v => Ok(v),
-    }
-}
-
 /// `--allow-unused-weights`.
-pub(crate) fn unused_weights(args: &Parsed) -> ddo_nn::UnusedWeights {
-    if args.flag("allow-unused-weights") {
+pub(crate) fn unused_weights(allow: bool) -> ddo_nn::UnusedWeights {
+    if allow {
         ddo_nn::UnusedWeights::Allow
     } else {
         ddo_nn::UnusedWeights::Refuse
@@ -200,32 +66,8 @@ pub(crate) fn unused_weights(args: &Parsed) -> ddo_nn::UnusedWeights {
 /// memory plan refuses much smaller batches at FLUX.1-dev's size).
 pub const MAX_IMAGES: usize = 4096;
 
-/// `--tiled-decode` (default auto).
-pub(crate) fn tiled_decode(args: &Parsed) -> CliResult<TiledDecode> {
-    match args.get("tiled-decode") {
-        Some(t) => t.parse().map_err(|_| {
-            CliError::usage(
-                format!("invalid --tiled-decode `{t}`"),
-                "use on, off or auto",
-            )
-        }),
-        None => Ok(TiledDecode::Auto),
-    }
-}
-
 /// The most T5 tokens FluxPipeline encodes (`max_sequence_length`; Diffusers refuses more).
 pub const MAX_SEQUENCE_LENGTH: usize = 512;
-
-/// `--max-sequence-length`, at most [`MAX_SEQUENCE_LENGTH`] as FluxPipeline allows.
-pub(crate) fn max_sequence_length(args: &Parsed) -> CliResult<Option<usize>> {
-    match positive(args, "max-sequence-length")? {
-        Some(n) if n > MAX_SEQUENCE_LENGTH => Err(CliError::usage(
-            format!("--max-sequence-length {n}: cannot be greater than {MAX_SEQUENCE_LENGTH}"),
-            format!("give at most {MAX_SEQUENCE_LENGTH} (FluxPipeline's limit for T5)"),
-        )),
-        n => Ok(n),
-    }
-}
 
 /// Refuses random weights that would not fit in the host's available memory (building them
 /// would get the process killed instead of failing cleanly).
@@ -271,41 +113,44 @@ pub(crate) struct ComponentFiles {
     pub vae: Option<PathBuf>,
 }
 
-/// `--transformer FILE` and `--text-encoder-2 FILE` (each must be a file).
-pub(crate) fn component_files(args: &Parsed) -> CliResult<ComponentFiles> {
-    let file = |option: &str, what: &str| -> CliResult<Option<PathBuf>> {
-        let Some(f) = args.get(option) else {
-            return Ok(None);
+impl ComponentFiles {
+    /// The files given to `--text-encoder`, `--transformer`, `--text-encoder-2` and `--vae`,
+    /// each checked to be a file.
+    pub(crate) fn checked(self) -> CliResult<Self> {
+        let file = |option: &str, f: Option<PathBuf>, what: &str| -> CliResult<Option<PathBuf>> {
+            match f {
+                Some(path) if !path.is_file() => Err(CliError::usage(
+                    format!("--{option} {}: not a file", path.display()),
+                    format!(
+                        "give one .safetensors file ({what}); a Diffusers folder goes in --weights"
+                    ),
+                )),
+                f => Ok(f),
+            }
         };
-        let path = PathBuf::from(f);
-        if !path.is_file() {
-            return Err(CliError::usage(
-                format!("--{option} {f}: not a file"),
-                format!(
-                    "give one .safetensors file ({what}); a Diffusers folder goes in --weights"
-                ),
-            ));
-        }
-        Ok(Some(path))
-    };
-    Ok(ComponentFiles {
-        text_encoder: file(
-            "text-encoder",
-            "a CLIP text encoder in the Transformers layout, e.g. clip_l.safetensors",
-        )?,
-        transformer: file(
-            "transformer",
-            "the original Flux layout, e.g. flux1-dev.safetensors or a ComfyUI fp8 file",
-        )?,
-        text_encoder_2: file(
-            "text-encoder-2",
-            "a T5 encoder in the Transformers layout, e.g. t5xxl_fp8_e4m3fn.safetensors",
-        )?,
-        vae: file(
-            "vae",
-            "a VAE in the original LDM layout, e.g. Black Forest Labs' ae.safetensors",
-        )?,
-    })
+        Ok(Self {
+            text_encoder: file(
+                "text-encoder",
+                self.text_encoder,
+                "a CLIP text encoder in the Transformers layout, e.g. clip_l.safetensors",
+            )?,
+            transformer: file(
+                "transformer",
+                self.transformer,
+                "the original Flux layout, e.g. flux1-dev.safetensors or a ComfyUI fp8 file",
+            )?,
+            text_encoder_2: file(
+                "text-encoder-2",
+                self.text_encoder_2,
+                "a T5 encoder in the Transformers layout, e.g. t5xxl_fp8_e4m3fn.safetensors",
+            )?,
+            vae: file(
+                "vae",
+                self.vae,
+                "a VAE in the original LDM layout, e.g. Black Forest Labs' ae.safetensors",
+            )?,
+        })
+    }
 }
 
 /// The component given as file `path` to `--option`, loaded by `load`; its errors name
@@ -480,10 +325,10 @@ pub(crate) fn build_pipeline(
 }
 
 /// `--config NAME` or `--weights DIR` (exactly one).
-pub(crate) fn source_from_args(args: &Parsed) -> CliResult<Source> {
-    let source = match (args.get("config"), args.get("weights")) {
+pub(crate) fn source_from_args(config: Option<&str>, weights: Option<&Path>) -> CliResult<Source> {
+    let source = match (config, weights) {
         (Some(c), None) => Source::Config(c.to_string()),
-        (None, Some(w)) => Source::Weights(PathBuf::from(w)),
+        (None, Some(w)) => Source::Weights(w.to_path_buf()),
         (Some(_), Some(_)) => {
             return Err(CliError::usage(
                 "--config and --weights both given",
@@ -568,19 +413,12 @@ pub(crate) fn planned_explanations(
 }
 
 /// Runs `ddo run` with `argv` (after `run`), writing the profile to `out`.
-pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
+pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let started = Instant::now();
-    let args = parse("run", OPTIONS, argv)?;
-    if let Some(p) = args.positionals.first() {
-        return Err(CliError::usage(
-            format!("unexpected argument `{p}` for `ddo run`"),
-            "options start with --; see `ddo help run`",
-        ));
-    }
-    let source = source_from_args(&args)?;
+    let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
     let tiny = matches!(&source, Source::Config(n) if n == "tiny");
-    let dtype = args.get("dtype").map(parse_dtype).transpose()?;
-    let steps = positive(&args, "steps")?.unwrap_or(if tiny { 4 } else { 28 });
+    let dtype = args.dtype;
+    let steps = args.steps.unwrap_or(if tiny { 4 } else { 28 });
     ddo_nn::scheduler::check_schedule_memory(steps).map_err(|e| {
         CliError::usage(
             format!("--steps {steps}: more than this host can schedule"),
@@ -591,33 +429,22 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         )
     })?;
     let default_side = if tiny { 128 } else { 1024 };
-    let height = positive(&args, "height")?.unwrap_or(default_side);
-    let width = positive(&args, "width")?.unwrap_or(default_side);
-    let seed = args.parse::<u64>("seed", "a whole number")?.unwrap_or(0);
-    let num_images = positive(&args, "num-images")?.unwrap_or(1);
-    let guidance = args
-        .parse::<f32>("guidance", "a number, e.g. 3.5")?
-        .unwrap_or(3.5);
-    if !guidance.is_finite() {
-        return Err(CliError::usage("--guidance must be finite", "e.g. 3.5"));
-    }
-    // FluxPipeline embeds guidance x 1000 (as the timestep): past f32's range that is
-    // infinite and every pixel NaN.
-    if !(guidance * 1000.0).is_finite() {
-        return Err(CliError::usage(
-            format!(
-                "--guidance {guidance}: too large: the guidance embedding (x 1000) overflows f32"
-            ),
-            "give a guidance scale such as 3.5 (FLUX.1-dev is distilled around 3.5)",
-        ));
-    }
-    let max_seq = max_sequence_length(&args)?;
-    let tiled_decode = tiled_decode(&args)?;
-    let device_choice = DeviceChoice::parse(args.get("device").unwrap_or("cpu"))?;
-    let budget = vram_budget(&args)?;
-    let out_path = PathBuf::from(args.get("out").unwrap_or("ddo-out.png"));
+    let height = args.height.unwrap_or(default_side);
+    let width = args.width.unwrap_or(default_side);
+    let seed = args.seed.unwrap_or(0);
+    let num_images = args.num_images.unwrap_or(1);
+    // Checked finite, its embedding too, by the parser (`cli::values::guidance`).
+    let guidance = args.guidance.unwrap_or(3.5);
+    let max_seq = args.max_sequence_length;
+    let tiled_decode = args.tiled_decode.unwrap_or(TiledDecode::Auto);
+    let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
+    let budget = args.vram_budget;
+    let out_path = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("ddo-out.png"));
     let out_kind = output_kind("--out", &out_path)?;
-    let save_latents = args.get("save-latents").map(PathBuf::from);
+    let save_latents = args.save_latents.clone();
     if let Some(p) = &save_latents
         && output_kind("--save-latents", p).ok() != Some(OutputKind::Safetensors)
     {
@@ -629,11 +456,10 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
 
     // Inputs given as files are read before anything heavy: the embeddings say how many
     // prompts there are, hence how many images.
-    let prompt_embeds = match args.get("prompt-embeds") {
-        Some(p) => {
-            let path = PathBuf::from(p);
-            let seq = read_tensor(&path, &["prompt_embeds"], "--prompt-embeds")?;
-            let pooled = read_tensor(&path, &["pooled_prompt_embeds"], "--prompt-embeds")?;
+    let prompt_embeds = match &args.prompt_embeds {
+        Some(path) => {
+            let seq = read_tensor(path, &["prompt_embeds"], "--prompt-embeds")?;
+            let pooled = read_tensor(path, &["pooled_prompt_embeds"], "--prompt-embeds")?;
             Some(PromptEmbeds {
                 prompt_embeds: seq.to_tensor()?,
                 pooled_prompt_embeds: pooled.to_tensor()?,
@@ -655,9 +481,9 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
                 ),
             )
         })?;
-    let init = match args.get("init-latents") {
+    let init = match &args.init_latents {
         Some(p) => InitLatents::Given(
-            read_tensor(&PathBuf::from(p), &["latents", "noise"], "--init-latents")?.to_tensor()?,
+            read_tensor(p, &["latents", "noise"], "--init-latents")?.to_tensor()?,
         ),
         None => InitLatents::Seed(seed),
     };
@@ -684,14 +510,8 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     };
     let input_paths: Vec<(&'static str, PathBuf)> = [
         ("--weights", weights_dir),
-        (
-            "--prompt-embeds",
-            args.get("prompt-embeds").map(PathBuf::from),
-        ),
-        (
-            "--init-latents",
-            args.get("init-latents").map(PathBuf::from),
-        ),
+        ("--prompt-embeds", args.prompt_embeds.clone()),
+        ("--init-latents", args.init_latents.clone()),
     ]
     .into_iter()
     .filter_map(|(o, p)| p.map(|p| (o, p)))
@@ -715,15 +535,21 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     let mut startup = Stopwatch::new(started);
     let (pipe, model_label) = build_pipeline(
         &source,
-        &component_files(&args)?,
+        &ComponentFiles {
+            text_encoder: args.text_encoder.clone(),
+            transformer: args.transformer.clone(),
+            text_encoder_2: args.text_encoder_2.clone(),
+            vae: args.vae.clone(),
+        }
+        .checked()?,
         dtype,
         max_seq,
-        unused_weights(&args),
+        unused_weights(args.allow_unused_weights),
         &mut bar,
     )?;
     startup.lap("weights");
     let names = pipe.component_names();
-    let routing = Routing::from_args(&args, &names)?;
+    let routing = Routing::new(args.preset, &args.route, args.no_env, &names)?;
     let explanations = names
         .iter()
         .map(|n| routing.explain(n))
@@ -752,7 +578,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         )
     });
 
-    let (prompt, prompt_label) = match (prompt_embeds, args.get("prompt")) {
+    let (prompt, prompt_label) = match (prompt_embeds, args.prompt.as_deref()) {
         (Some(_), Some(_)) => {
             return Err(CliError::usage(
                 "--prompt and --prompt-embeds both given",
@@ -826,7 +652,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     // whole output.
     let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
         .map_err(|e| CliError::from(e).context("attaching routes"))?;
-    if !args.flag("json") {
+    if !args.json {
         out.write_all(plan.format_text().as_bytes())
             .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))?;
     }
@@ -842,7 +668,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         num_images,
         tiled_decode,
         vram_budget: effective_budget,
-        release_native_idle_cache: args.flag("release-native-idle"),
+        release_native_idle_cache: args.release_native_idle,
     };
     // When each denoising step's host side finished (the streaming engine keeps the host
     // within a ring of the device, so these follow the device's pace).
@@ -934,7 +760,7 @@ pub fn run(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
         step_seconds: &step_seconds,
         total,
     };
-    let text = if args.flag("json") {
+    let text = if args.json {
         serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n"
     } else {
         report.human()

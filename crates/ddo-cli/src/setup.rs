@@ -14,12 +14,11 @@ use std::sync::Arc;
 use ddo_core::resolve::{Environment, resolve};
 use ddo_core::{
     AllocatorKind, Budget, Component, ComponentKind, Device, HostDevice, HostDeviceConfig,
-    OffloadType, Preset, RouteId, RouteSpec, RouteTarget, Settings, config::parse_size,
+    OffloadType, Preset, RouteId, RouteSpec, RouteTarget, Settings,
 };
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 
-use crate::args::Parsed;
 use crate::error::{CliError, CliResult};
 
 /// The host "device" capacity when `--device cpu` has no `--vram-budget`.
@@ -84,17 +83,16 @@ pub struct Explanation {
 }
 
 impl Routing {
-    /// Reads `--preset`, `--route` (checked against `components`) and `--no-env`.
-    pub fn from_args(args: &Parsed, components: &[String]) -> CliResult<Self> {
-        let preset_flag =
-            match args.get("preset") {
-                Some(p) => Some(p.parse::<Preset>().map_err(|e| {
-                    CliError::usage(e.to_string(), "pick one of the presets listed")
-                })?),
-                None => None,
-            };
+    /// The choices of `--preset`, `--route COMPONENT=ROUTE[:k=v,...]` (each checked against
+    /// `components`) and `--no-env`.
+    pub fn new(
+        preset_flag: Option<Preset>,
+        route_flags: &[String],
+        no_env: bool,
+        components: &[String],
+    ) -> CliResult<Self> {
         let mut routes = BTreeMap::new();
-        for r in args.all("route") {
+        for r in route_flags {
             let Some((component, route)) = r.split_once('=') else {
                 return Err(CliError::usage(
                     format!("--route `{r}` has no component"),
@@ -124,7 +122,7 @@ impl Routing {
         Ok(Self {
             preset_flag,
             routes,
-            use_environment: !args.flag("no-env"),
+            use_environment: !no_env,
         })
     }
 
@@ -413,24 +411,6 @@ impl DeviceChoice {
                 .map(Self::Cuda)
                 .ok_or_else(bad),
         }
-    }
-}
-
-/// `--vram-budget`, parsed.
-pub fn vram_budget(args: &Parsed) -> CliResult<Option<u64>> {
-    match args.get("vram-budget") {
-        None => Ok(None),
-        Some(text) => match parse_size("vram-budget", text) {
-            Ok(0) => Err(CliError::usage(
-                "--vram-budget 0 leaves nothing to run on",
-                "give a positive size, e.g. 12GiB",
-            )),
-            Ok(n) => Ok(Some(n)),
-            Err(e) => Err(CliError::usage(
-                e.to_string(),
-                "e.g. --vram-budget 12GiB or --vram-budget 512MiB",
-            )),
-        },
     }
 }
 

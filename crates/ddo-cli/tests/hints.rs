@@ -1,14 +1,14 @@
 //! Error hints name options that exist (the seed's rule, issue 17 point 7): every `--name`
 //! inside a string literal of the crates' library and binary sources (`src/`; tests and
-//! examples have their own flags) is an option of some `ddo` command,
-//! and a literal that names a command (`ddo run ... --name`) names one of that command's
-//! options. A few flags that are not `ddo`'s (NVRTC's, the test files' own deliberate
+//! examples have their own flags) is an option of some `ddo` command (as its clap
+//! declaration lists them: `ddo_cli::cli::options`), and a literal that names a command
+//! (`ddo run ... --name`) names one of that command's options. A few flags that are not `ddo`'s (NVRTC's, the test files' own deliberate
 //! unknowns) are listed by name.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use ddo_cli::args::OptSpec;
+use ddo_cli::cli::{COMMANDS, OptionSpec, options};
 
 /// Flags in string literals that are not `ddo` options: NVRTC's compile options and the
 /// hostile values of the argument fuzzer.
@@ -29,14 +29,8 @@ fn is_source(path: &Path) -> bool {
     path.components().any(|c| c.as_os_str() == "src")
 }
 
-fn commands() -> Vec<(&'static str, &'static [OptSpec])> {
-    vec![
-        ("run", ddo_cli::run::OPTIONS),
-        ("decode", ddo_cli::decode::OPTIONS),
-        ("bench", ddo_cli::bench::OPTIONS),
-        ("resolve", ddo_cli::resolve::OPTIONS),
-        ("inspect", ddo_cli::inspect::OPTIONS),
-    ]
+fn commands() -> Vec<(&'static str, &'static [OptionSpec])> {
+    COMMANDS.iter().map(|c| (*c, options(c))).collect()
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -121,7 +115,7 @@ fn hints_name_options_that_exist() {
     let cmds = commands();
     let mut all: BTreeSet<&str> = ["help", "version"].into_iter().collect();
     for (_, opts) in &cmds {
-        all.extend(opts.iter().map(|o| o.name));
+        all.extend(opts.iter().map(|o| o.name.as_str()));
     }
     let mut bad = Vec::new();
     let mut seen = 0;

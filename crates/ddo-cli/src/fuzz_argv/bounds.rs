@@ -2,8 +2,7 @@
 //! of work and image sides stay small (or are ones the command must refuse), and the
 //! sizes and counts an argv does not give are added small.
 
-use super::vocab::specs;
-use crate::args;
+use super::vocab::{Given, specs};
 use crate::setup::DeviceChoice;
 
 /// The largest `--height`/`--width` a computing command (`run`, `bench`) keeps as given;
@@ -154,7 +153,7 @@ pub fn bounded(mut argv: Vec<String>) -> Vec<String> {
         }
     }
     // What the argv leaves at a default is added small, when the parse is known to hold.
-    if let Ok(parsed) = args::parse(&command, specs(&command), &argv[1..]) {
+    if let Some(parsed) = Given::of(&argv) {
         let defaults: &[(&str, &str)] = if command == "run" {
             &[
                 ("steps", "1"),
@@ -195,7 +194,7 @@ fn within_bounds(argv: &[String]) -> bool {
     let Some(command) = argv.first() else {
         return true;
     };
-    let Ok(parsed) = args::parse(command, specs(command), &argv[1..]) else {
+    let Some(parsed) = Given::of(argv) else {
         return true;
     };
     if parsed

@@ -184,7 +184,7 @@ pub fn argv_from_bytes(data: &[u8]) -> Vec<String> {
             }
             5 => {
                 let spec = &specs[r.byte() as usize % specs.len()];
-                argv.push(misspelled(spec.name, &mut r));
+                argv.push(misspelled(&spec.name, &mut r));
             }
             6 => {
                 let kind = ALL_KINDS[r.byte() as usize % ALL_KINDS.len()];
@@ -256,7 +256,7 @@ pub fn encode(argv: &[&str]) -> Option<Vec<u8>> {
                 None => (body, None),
             };
             let si = specs.iter().position(|s| s.name == name)?;
-            Some((si, specs[si], inline))
+            Some((si, &specs[si], inline))
         });
         match option {
             Some((si, spec, None)) if spec.value.is_none() => {
@@ -266,13 +266,13 @@ pub fn encode(argv: &[&str]) -> Option<Vec<u8>> {
             }
             Some((si, spec, Some(v))) if spec.value.is_some() => {
                 out.extend([0x82, si as u8]);
-                out.extend(value_bytes(kind_of(&spec), v)?);
+                out.extend(value_bytes(kind_of(spec), v)?);
                 i += 1;
                 continue;
             }
             Some((si, spec, None)) if i + 1 < rest.len() => {
                 out.extend([0, si as u8]);
-                out.extend(value_bytes(kind_of(&spec), rest[i + 1])?);
+                out.extend(value_bytes(kind_of(spec), rest[i + 1])?);
                 i += 2;
                 continue;
             }

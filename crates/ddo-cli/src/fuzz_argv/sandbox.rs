@@ -10,8 +10,7 @@ use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::entries::{Entry, Print, entries, fixtures_dir, make, print, scan};
-use super::vocab::{Kind, kind_of, specs};
-use crate::args;
+use super::vocab::{Given, Kind, kind_of, specs};
 
 /// Counts every panic of the process (caught ones too), then calls the hook installed
 /// before (libFuzzer's aborts the process).
@@ -63,7 +62,7 @@ impl Named {
             return named;
         }
         let specs = specs(command);
-        let Ok(parsed) = args::parse(command, specs, &argv[1..]) else {
+        let Some(parsed) = Given::of(argv) else {
             return named;
         };
         let paths = |p: &str| {
@@ -73,8 +72,8 @@ impl Named {
             v
         };
         for spec in specs.iter().filter(|s| kind_of(s) == Kind::Path) {
-            for v in parsed.all(spec.name) {
-                let n = spec.name;
+            for v in parsed.all(&spec.name) {
+                let n = spec.name.as_str();
                 if n == "plot" {
                     named.outputs.push(paths(&format!("{v}.svg")));
                     named.outputs.push(paths(&format!("{v}.png")));

@@ -1,7 +1,10 @@
 //! The argument vocabulary: the dictionaries of values per kind of option, the command
-//! words, and which options each command has ([`specs`]).
+//! words, which options each command has ([`specs`], from the command's own declarations)
+//! and what an argv gives each of them as the command parses it ([`Given`]).
 
-use crate::args::OptSpec;
+use clap::parser::ValueSource;
+
+use crate::cli::{OptionSpec, options};
 
 /// The sandbox entries path options name (relative to the working directory). The first
 /// ones exist in the sandbox ([`Sandbox::create`]); the others are names to write or that
@@ -322,8 +325,8 @@ pub(super) enum Kind {
 
 /// The kind of `spec`'s value: by name, else by placeholder (`FILE`, `DIR`... are paths,
 /// `N`/`PX` counts), else a count.
-pub(super) fn kind_of(spec: &OptSpec) -> Kind {
-    match spec.name {
+pub(super) fn kind_of(spec: &OptionSpec) -> Kind {
+    match spec.name.as_str() {
         "vram-budget" => Kind::Size,
         "seed" => Kind::Seed,
         "guidance" => Kind::Float,
@@ -336,7 +339,7 @@ pub(super) fn kind_of(spec: &OptSpec) -> Kind {
         "tiled-decode" => Kind::Tiled,
         "prompt" => Kind::Prompt,
         _ => {
-            let p = spec.value.unwrap_or("");
+            let p = spec.value.as_deref().unwrap_or("");
             if ["FILE", "DIR", "PATH", "PREFIX", "OUT"]
                 .iter()
                 .any(|w| p.contains(w))
@@ -384,12 +387,62 @@ pub(super) const ALL_KINDS: [Kind; 13] = [
 
 /// The options of `command` (`run`'s for commands that have none: their names are still
 /// worth trying).
-pub(super) fn specs(command: &str) -> &'static [OptSpec] {
-    match command {
-        "decode" => crate::decode::OPTIONS,
-        "resolve" => crate::resolve::OPTIONS,
-        "inspect" => crate::inspect::OPTIONS,
-        "bench" => crate::bench::OPTIONS,
-        _ => crate::run::OPTIONS,
+pub(super) fn specs(command: &str) -> &'static [OptionSpec] {
+    match options(command) {
+        [] => options("run"),
+        specs => specs,
+    }
+}
+
+/// The values an argv gives each option of its command, as the command parses it (clap's
+/// matches, the values as given), and its positional arguments (`inspect`'s PATH).
+#[derive(Debug, Default)]
+pub(super) struct Given {
+    values: Vec<(&'static str, Vec<String>)>,
+    /// The arguments that are not options.
+    pub positionals: Vec<String>,
+}
+
+impl Given {
+    /// What `argv` gives, or `None` when the command refuses it before running (a usage
+    /// error) or only prints text (help, version).
+    pub(super) fn of(argv: &[String]) -> Option<Self> {
+        let command = argv.first()?;
+        let matches = crate::cli::matches(argv).ok()?;
+        let (name, sub) = matches.subcommand()?;
+        if name != command {
+            return None;
+        }
+        let raw = |id: &str| -> Vec<String> {
+            sub.try_get_raw(id)
+                .ok()
+                .flatten()
+                .map(|v| v.map(|s| s.to_string_lossy().into_owned()).collect())
+                .unwrap_or_default()
+        };
+        let mut given = Self::default();
+        for spec in options(name) {
+            if spec.value.is_some() && sub.value_source(&spec.id) == Some(ValueSource::CommandLine)
+            {
+                given.values.push((spec.name.as_str(), raw(&spec.id)));
+            }
+        }
+        if name == "inspect" {
+            given.positionals = raw("paths");
+        }
+        Some(given)
+    }
+
+    /// The value of option `name` (the last one given).
+    pub(super) fn get(&self, name: &str) -> Option<&str> {
+        self.all(name).last().map(String::as_str)
+    }
+
+    /// Every value of option `name`, in order.
+    pub(super) fn all(&self, name: &str) -> &[String] {
+        self.values
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(&[], |(_, v)| v.as_slice())
     }
 }

@@ -1,0 +1,335 @@
+//! One `#[derive(Args)]` struct per subcommand: its options in `ddo help COMMAND`'s order,
+//! each doc comment the option's line of help, each `value_name` its placeholder. `Vec`
+//! fields repeat; every other option may be given once ([`super::command`] makes a
+//! repeated flag harmless and lets every value start with `-`). Values that parse into DDO
+//! types go through [`Checked`] and DDO's own parsers, so their errors keep DDO's messages.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use ddo_core::{DType, Preset};
+use ddo_nn::pipeline::TiledDecode;
+
+use super::values::{self, Checked};
+use crate::setup::DeviceChoice;
+
+const RUN_NOTES: &str =
+    "Prompts are tokenized with the pipeline folder's tokenizer files (tokenizer/: tokenizer.json
+or vocab.json + merges.txt; tokenizer_2/: tokenizer.json). With --config, or a folder without
+them, DDO's documented stand-in tokenizer is used (ddo_nn::tokenizer), whose ids differ from the
+real tokenizers'. To reproduce another implementation exactly, pass --prompt-embeds and
+--init-latents.";
+
+const BENCH_NOTES: &str = "Without --route or --preset every route is a candidate. Each candidate gets a fresh attachment,
+its inputs made once and held on the device, warm-up forwards, then timed forwards.";
+
+/// `ddo run`'s options.
+#[derive(Debug, Clone, Default, Args)]
+#[command(
+    override_usage = "ddo run (--config tiny|flux-dev | --weights DIR) [options]",
+    after_help = RUN_NOTES
+)]
+pub struct RunArgs {
+    /// random weights at a named config
+    #[arg(long, value_name = "tiny|flux-dev")]
+    pub config: Option<String>,
+    /// a Diffusers pipeline folder (transformer/, vae/, text_encoder/, text_encoder_2/)
+    #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
+    pub weights: Option<PathBuf>,
+    /// a single-file transformer in the original Flux layout (flux1-dev.safetensors, ComfyUI's
+    /// fp8 files) in place of the folder's or the config's
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub transformer: Option<PathBuf>,
+    /// a single-file CLIP text encoder in the Transformers layout (clip_l.safetensors) in place
+    /// of the folder's or the config's
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder: Option<PathBuf>,
+    /// a single-file T5 encoder in the Transformers layout (t5xxl_fp8_e4m3fn.safetensors) in
+    /// place of the folder's or the config's
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder_2: Option<PathBuf>,
+    /// a single-file VAE in the original LDM layout (ae.safetensors) in place of the folder's
+    /// or the config's
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub vae: Option<PathBuf>,
+    /// auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off
+    #[arg(long, value_name = "NAME", value_parser = Checked(values::preset))]
+    pub preset: Option<Preset>,
+    /// an explicit route for one component (repeatable; wins over the preset)
+    #[arg(long, value_name = "COMPONENT=ROUTE[:k=v,...]")]
+    pub route: Vec<String>,
+    /// device memory DDO may use, e.g. 12GiB (cpu: the host device's capacity, default 8GiB)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
+    pub vram_budget: Option<u64>,
+    /// execution device (default cpu)
+    #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
+    pub device: Option<DeviceChoice>,
+    /// denoising steps (default 4 for tiny, 28 otherwise)
+    #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
+    pub steps: Option<usize>,
+    /// image height (default 128 for tiny, 1024 otherwise)
+    #[arg(long, value_name = "PX", value_parser = Checked(values::positive))]
+    pub height: Option<usize>,
+    /// image width (default 128 for tiny, 1024 otherwise)
+    #[arg(long, value_name = "PX", value_parser = Checked(values::positive))]
+    pub width: Option<usize>,
+    /// seed of the initial noise (default 0)
+    #[arg(long, value_name = "N", value_parser = Checked(values::seed))]
+    pub seed: Option<u64>,
+    /// images per prompt (Diffusers' num_images_per_prompt, default 1): --out a.png writes
+    /// a-0.png, a-1.png, ...
+    #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
+    pub num_images: Option<usize>,
+    /// guidance scale (default 3.5)
+    #[arg(long, value_name = "SCALE", value_parser = Checked(values::guidance))]
+    pub guidance: Option<f32>,
+    /// the prompt (stand-in tokenizer; see `ddo help run`)
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+    /// T5 tokens for a text prompt (default 32 for tiny, 512 otherwise)
+    #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
+    pub max_sequence_length: Option<usize>,
+    /// tiled VAE decode (default auto: tiled when the estimate does not fit)
+    #[arg(long, value_name = "on|off|auto", value_parser = Checked(values::tiled_decode))]
+    pub tiled_decode: Option<TiledDecode>,
+    /// initial noise (`latents` or `noise`: [N,C,h,w] or packed [N,T,4C], one row per image)
+    #[arg(long, value_name = "FILE.safetensors", value_parser = Checked(values::path))]
+    pub init_latents: Option<PathBuf>,
+    /// prompt embeddings (`prompt_embeds` [B,L,D], `pooled_prompt_embeds` [B,P]; B prompts)
+    #[arg(long, value_name = "FILE.safetensors", value_parser = Checked(values::path))]
+    pub prompt_embeds: Option<PathBuf>,
+    /// weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8
+    /// (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a
+    /// per-tensor scale, computes in bf16, and loads the rest as bf16
+    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
+    pub dtype: Option<DType>,
+    /// where the image goes (default ddo-out.png)
+    #[arg(long, value_name = "OUT.png|OUT.safetensors", value_parser = Checked(values::path))]
+    pub out: Option<PathBuf>,
+    /// also write the decoder's input latents (`latents`, NCHW), for `ddo decode`
+    #[arg(long, value_name = "FILE.safetensors", value_parser = Checked(values::path))]
+    pub save_latents: Option<PathBuf>,
+    /// after each phase, return the native VMM pool's idle memory to the driver (native
+    /// allocator only)
+    #[arg(long)]
+    pub release_native_idle: bool,
+    /// print the profile as JSON
+    #[arg(long)]
+    pub json: bool,
+    /// do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE
+    #[arg(long)]
+    pub no_env: bool,
+    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
+    #[arg(long)]
+    pub allow_unused_weights: bool,
+}
+
+/// `ddo decode`'s options.
+#[derive(Debug, Clone, Default, Args)]
+#[command(
+    override_usage = "ddo decode --weights VAE_DIR --latents FILE.safetensors --out OUT.png|OUT.safetensors"
+)]
+pub struct DecodeArgs {
+    /// the VAE folder (config.json + safetensors), or a pipeline folder with vae/
+    #[arg(long, value_name = "VAE_DIR", value_parser = Checked(values::path))]
+    pub weights: Option<PathBuf>,
+    /// tensor `latents` [B, C, h, w] (B images), unscaled as AutoencoderKL.decode takes it
+    #[arg(long, value_name = "FILE.safetensors", value_parser = Checked(values::path))]
+    pub latents: Option<PathBuf>,
+    /// the image (B > 1: OUT-0.png, OUT-1.png, ...), or the decoded tensor `sample` (f32 NCHW)
+    #[arg(long, value_name = "OUT.png|OUT.safetensors", value_parser = Checked(values::path))]
+    pub out: Option<PathBuf>,
+    /// preset (the VAE column of the seed's table)
+    #[arg(long, value_name = "NAME", value_parser = Checked(values::preset))]
+    pub preset: Option<Preset>,
+    /// an explicit route for the VAE
+    #[arg(long, value_name = "vae=ROUTE[:k=v,...]")]
+    pub route: Vec<String>,
+    /// device memory DDO may use
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
+    pub vram_budget: Option<u64>,
+    /// execution device (default cpu)
+    #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
+    pub device: Option<DeviceChoice>,
+    /// tiled decode (default auto)
+    #[arg(long, value_name = "on|off|auto", value_parser = Checked(values::tiled_decode))]
+    pub tiled_decode: Option<TiledDecode>,
+    /// convert the weights on load (default: as stored)
+    #[arg(long, value_name = "f32|bf16|f16", value_parser = Checked(values::dtype))]
+    pub dtype: Option<DType>,
+    /// print the profile as JSON
+    #[arg(long)]
+    pub json: bool,
+    /// do not read DDO_PRESET / DDO_VAE_ROUTE
+    #[arg(long)]
+    pub no_env: bool,
+    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
+    #[arg(long)]
+    pub allow_unused_weights: bool,
+}
+
+/// `ddo resolve`'s options.
+#[derive(Debug, Clone, Default, Args)]
+#[command(
+    override_usage = "ddo resolve [--preset NAME] [--route COMPONENT=ROUTE]... [--component NAME] [--json]"
+)]
+pub struct ResolveArgs {
+    /// the preset to explain (default auto, or DDO_PRESET)
+    #[arg(long, value_name = "NAME", value_parser = Checked(values::preset))]
+    pub preset: Option<Preset>,
+    /// an explicit route (repeatable)
+    #[arg(long, value_name = "COMPONENT=ROUTE[:k=v,...]")]
+    pub route: Vec<String>,
+    /// explain one component only
+    #[arg(long, value_name = "NAME")]
+    pub component: Option<String>,
+    /// plan memory for random weights at a named config
+    #[arg(long, value_name = "tiny|flux-dev")]
+    pub config: Option<String>,
+    /// plan memory for a Diffusers pipeline folder
+    #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
+    pub weights: Option<PathBuf>,
+    /// a single-file transformer in the original Flux layout, in place of the folder's or the
+    /// config's (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub transformer: Option<PathBuf>,
+    /// a single-file CLIP text encoder in the Transformers layout, in place of the folder's or
+    /// the config's (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder: Option<PathBuf>,
+    /// a single-file T5 encoder in the Transformers layout, in place of the folder's or the
+    /// config's (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder_2: Option<PathBuf>,
+    /// a single-file VAE in the original LDM layout, in place of the folder's or the config's
+    /// (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub vae: Option<PathBuf>,
+    /// the budget to plan for (with --config/--weights; default: what the device gives)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
+    pub vram_budget: Option<u64>,
+    /// the device to plan for (default cpu)
+    #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
+    pub device: Option<DeviceChoice>,
+    /// image height to plan for (default 128 for tiny, 1024 otherwise)
+    #[arg(long, value_name = "PX", value_parser = Checked(values::positive))]
+    pub height: Option<usize>,
+    /// image width to plan for (default 128 for tiny, 1024 otherwise)
+    #[arg(long, value_name = "PX", value_parser = Checked(values::positive))]
+    pub width: Option<usize>,
+    /// T5 tokens to plan for (default 32 for tiny, 512 otherwise)
+    #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
+    pub max_sequence_length: Option<usize>,
+    /// images to plan for (as `ddo run --num-images`, default 1)
+    #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
+    pub num_images: Option<usize>,
+    /// the decode to plan for (as `ddo run`, default auto)
+    #[arg(long, value_name = "on|off|auto", value_parser = Checked(values::tiled_decode))]
+    pub tiled_decode: Option<TiledDecode>,
+    /// weight dtype (as `ddo run`)
+    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
+    pub dtype: Option<DType>,
+    /// one JSON object per component, in an array
+    #[arg(long)]
+    pub json: bool,
+    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
+    #[arg(long)]
+    pub allow_unused_weights: bool,
+    /// do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE
+    #[arg(long)]
+    pub no_env: bool,
+}
+
+/// `ddo inspect`'s options.
+#[derive(Debug, Clone, Default, Args)]
+#[command(override_usage = "ddo inspect PATH [--vram-budget SIZE] [--json]")]
+pub struct InspectArgs {
+    /// a .safetensors file, a model folder or a pipeline folder (one)
+    #[arg(value_name = "PATH", value_parser = Checked(values::path))]
+    pub paths: Vec<PathBuf>,
+    /// the budget the preset table assumes (default 8GiB)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
+    pub vram_budget: Option<u64>,
+    /// print as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `ddo bench`'s options.
+#[derive(Debug, Clone, Default, Args)]
+#[command(
+    override_usage = "ddo bench (--config tiny|flux-dev | --weights DIR) [--component NAME] [--route ROUTE]... [--preset NAME]... [options]",
+    after_help = BENCH_NOTES
+)]
+pub struct BenchArgs {
+    /// transformer (default), vae, text_encoder or text_encoder_2
+    #[arg(long, value_name = "NAME")]
+    pub component: Option<String>,
+    /// random weights at a named config
+    #[arg(long, value_name = "tiny|flux-dev")]
+    pub config: Option<String>,
+    /// a Diffusers pipeline folder
+    #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
+    pub weights: Option<PathBuf>,
+    /// a single-file transformer in the original Flux layout, in place of the folder's or the
+    /// config's (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub transformer: Option<PathBuf>,
+    /// a single-file CLIP text encoder in the Transformers layout, in place of the folder's or
+    /// the config's (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder: Option<PathBuf>,
+    /// a single-file T5 encoder in the Transformers layout, in place of the folder's or the
+    /// config's (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder_2: Option<PathBuf>,
+    /// a single-file VAE in the original LDM layout, in place of the folder's or the config's
+    /// (as for run)
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub vae: Option<PathBuf>,
+    /// a candidate route (repeatable)
+    #[arg(long, value_name = "ROUTE[:k=v,...]")]
+    pub route: Vec<String>,
+    /// a candidate preset (repeatable)
+    #[arg(long, value_name = "NAME", value_parser = Checked(values::preset))]
+    pub preset: Vec<Preset>,
+    /// timed forwards per candidate (default 5)
+    #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
+    pub repeats: Option<usize>,
+    /// untimed forwards first (default 1)
+    #[arg(long, value_name = "N", value_parser = Checked(values::whole))]
+    pub warmup: Option<usize>,
+    /// device memory DDO may use (cpu: each candidate's device capacity)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
+    pub vram_budget: Option<u64>,
+    /// execution device (default cpu)
+    #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
+    pub device: Option<DeviceChoice>,
+    /// image height of the workload (default 128 for tiny, 1024 otherwise)
+    #[arg(long, value_name = "PX", value_parser = Checked(values::positive))]
+    pub height: Option<usize>,
+    /// image width of the workload (default 128 for tiny, 1024 otherwise)
+    #[arg(long, value_name = "PX", value_parser = Checked(values::positive))]
+    pub width: Option<usize>,
+    /// weight dtype (as for run)
+    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
+    pub dtype: Option<DType>,
+    /// also write the JSON there
+    #[arg(long, value_name = "FILE.json", value_parser = Checked(values::path))]
+    pub out_json: Option<PathBuf>,
+    /// also draw time vs peak memory to PREFIX.svg and PREFIX.png
+    #[arg(long, value_name = "PREFIX", value_parser = Checked(values::path))]
+    pub plot: Option<PathBuf>,
+    /// print JSON instead of the table
+    #[arg(long)]
+    pub json: bool,
+    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
+    #[arg(long)]
+    pub allow_unused_weights: bool,
+    /// trace streamed candidates (timeline=true) and print where the copy engine sat idle
+    #[arg(long)]
+    pub timeline: bool,
+    /// after the timed forwards, one more with every op timed: device time per op class
+    #[arg(long)]
+    pub profile: bool,
+}

@@ -1,0 +1,214 @@
+//! The value parsers of the `ddo` options: [`Checked`] hands clap's value of one option to a
+//! DDO parsing function with the option's and the command's names ([`Given`]), so a value
+//! that does not parse is refused with DDO's own one-line message and hint (the existing
+//! parsers of sizes, dtypes, devices, presets; whole numbers with what would be valid).
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+
+use clap::builder::TypedValueParser;
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use ddo_core::{DType, Preset, config::parse_size};
+use ddo_nn::pipeline::TiledDecode;
+
+use crate::error::{CliError, CliResult};
+use crate::run::{MAX_SEQUENCE_LENGTH, parse_dtype};
+use crate::setup::DeviceChoice;
+
+/// One option's value as a value parser sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Given<'a> {
+    /// The subcommand (`run`).
+    pub command: &'a str,
+    /// The option's long name, without `--` (`steps`).
+    pub option: &'a str,
+    /// The value as given.
+    pub text: &'a str,
+}
+
+impl Given<'_> {
+    /// The usage error for a value that is not `what` (`a positive whole number`).
+    pub fn invalid(&self, what: &str) -> CliError {
+        CliError::usage(
+            format!(
+                "invalid value `{}` for --{} of `ddo {}`",
+                self.text, self.option, self.command
+            ),
+            format!("give {what}"),
+        )
+    }
+}
+
+/// A clap value parser that calls a DDO parsing function; its error becomes a clap
+/// [`ErrorKind::ValueValidation`] error carrying the [`CliError`]'s one line (as
+/// [`ContextKind::Custom`]), which [`super::parse`] reports as it is.
+pub struct Checked<T>(pub fn(&Given<'_>) -> CliResult<T>);
+
+impl<T> Clone for Checked<T> {
+    fn clone(&self) -> Self {
+        Self(self.0)
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> TypedValueParser for Checked<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<T, clap::Error> {
+        let option = arg.and_then(clap::Arg::get_long).unwrap_or_default();
+        let lossy = value.to_string_lossy();
+        let given = Given {
+            command: cmd.get_name(),
+            option,
+            text: &lossy,
+        };
+        let parsed = match value.to_str() {
+            Some(_) => (self.0)(&given),
+            None => Err(given.invalid("a value in UTF-8")),
+        };
+        parsed.map_err(|e| {
+            let mut error = clap::Error::new(ErrorKind::ValueValidation).with_cmd(cmd);
+            error.insert(ContextKind::Custom, ContextValue::String(e.message));
+            error
+        })
+    }
+}
+
+/// A path, as given (empty included: the command says what is wrong with it).
+pub fn path(g: &Given<'_>) -> CliResult<PathBuf> {
+    Ok(PathBuf::from(g.text))
+}
+
+/// A whole number, 0 included.
+pub fn whole(g: &Given<'_>) -> CliResult<usize> {
+    g.text.parse().map_err(|_| g.invalid("a whole number"))
+}
+
+/// A seed: a whole number of 64 bits.
+pub fn seed(g: &Given<'_>) -> CliResult<u64> {
+    g.text.parse().map_err(|_| g.invalid("a whole number"))
+}
+
+/// A positive whole number (steps, sides, images, forwards).
+pub fn positive(g: &Given<'_>) -> CliResult<usize> {
+    match g.text.parse::<usize>() {
+        Ok(0) => Err(CliError::usage(
+            format!("--{} 0 is not allowed", g.option),
+            "give a positive whole number",
+        )),
+        Ok(n) => Ok(n),
+        Err(_) => Err(g.invalid("a positive whole number")),
+    }
+}
+
+/// `--max-sequence-length`: positive, at most [`MAX_SEQUENCE_LENGTH`] as FluxPipeline allows.
+pub fn max_sequence_length(g: &Given<'_>) -> CliResult<usize> {
+    match positive(g)? {
+        n if n > MAX_SEQUENCE_LENGTH => Err(CliError::usage(
+            format!("--max-sequence-length {n}: cannot be greater than {MAX_SEQUENCE_LENGTH}"),
+            format!("give at most {MAX_SEQUENCE_LENGTH} (FluxPipeline's limit for T5)"),
+        )),
+        n => Ok(n),
+    }
+}
+
+/// `--guidance`: a finite number whose embedding (x 1000, as FluxPipeline embeds it like the
+/// timestep) stays finite in f32, where past its range every pixel would be NaN.
+pub fn guidance(g: &Given<'_>) -> CliResult<f32> {
+    let guidance: f32 = g
+        .text
+        .parse()
+        .map_err(|_| g.invalid("a number, e.g. 3.5"))?;
+    if !guidance.is_finite() {
+        return Err(CliError::usage("--guidance must be finite", "e.g. 3.5"));
+    }
+    if !(guidance * 1000.0).is_finite() {
+        return Err(CliError::usage(
+            format!(
+                "--guidance {guidance}: too large: the guidance embedding (x 1000) overflows f32"
+            ),
+            "give a guidance scale such as 3.5 (FLUX.1-dev is distilled around 3.5)",
+        ));
+    }
+    Ok(guidance)
+}
+
+/// `--vram-budget`: a positive size (`12GiB`, `512MiB`, bytes).
+pub fn vram_budget(g: &Given<'_>) -> CliResult<u64> {
+    match parse_size("vram-budget", g.text) {
+        Ok(0) => Err(CliError::usage(
+            "--vram-budget 0 leaves nothing to run on",
+            "give a positive size, e.g. 12GiB",
+        )),
+        Ok(n) => Ok(n),
+        Err(e) => Err(CliError::usage(
+            e.to_string(),
+            "e.g. --vram-budget 12GiB or --vram-budget 512MiB",
+        )),
+    }
+}
+
+/// `--device cpu|cuda:N`.
+pub fn device(g: &Given<'_>) -> CliResult<DeviceChoice> {
+    DeviceChoice::parse(g.text)
+}
+
+/// `--dtype`: a weight dtype name ([`parse_dtype`]).
+pub fn dtype(g: &Given<'_>) -> CliResult<DType> {
+    parse_dtype(g.text)
+}
+
+/// `--tiled-decode on|off|auto`.
+pub fn tiled_decode(g: &Given<'_>) -> CliResult<TiledDecode> {
+    g.text.parse().map_err(|_| {
+        CliError::usage(
+            format!("invalid --tiled-decode `{}`", g.text),
+            "use on, off or auto",
+        )
+    })
+}
+
+/// `--preset NAME`: one of [`Preset::ALL`] (the error lists them).
+pub fn preset(g: &Given<'_>) -> CliResult<Preset> {
+    g.text
+        .parse::<Preset>()
+        .map_err(|e| CliError::usage(e.to_string(), "pick one of the presets listed"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn given(text: &str) -> Given<'_> {
+        Given {
+            command: "run",
+            option: "steps",
+            text,
+        }
+    }
+
+    #[test]
+    fn numbers_are_refused_naming_the_option_and_what_is_valid() {
+        assert_eq!(positive(&given("+3")).unwrap(), 3);
+        let e = positive(&given("x")).unwrap_err();
+        assert_eq!(
+            e.message,
+            "invalid value `x` for --steps of `ddo run`; hint: give a positive whole number"
+        );
+        let e = positive(&given("0")).unwrap_err();
+        assert_eq!(
+            e.message,
+            "--steps 0 is not allowed; hint: give a positive whole number"
+        );
+        assert_eq!(e.exit_code(), 2);
+        assert!(guidance(&given("1e38")).is_err());
+        assert!(guidance(&given("NaN")).is_err());
+        assert!(max_sequence_length(&given("513")).is_err());
+        assert_eq!(vram_budget(&given("1KiB")).unwrap(), 1024);
+        assert!(vram_budget(&given("0")).is_err());
+    }
+}
