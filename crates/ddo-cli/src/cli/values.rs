@@ -1,5 +1,5 @@
 //! The value parsers of the `ddo` options: [`Checked`] hands clap's value of one option to a
-//! DDO parsing function with the option's and the command's names ([`Given`]), so a value
+//! DDO parsing function with the option's and the command's names ([`OptionValue`]), so a value
 //! that does not parse is refused with DDO's own one-line message and hint (the existing
 //! parsers of sizes, dtypes, devices, presets; whole numbers with what would be valid).
 
@@ -17,7 +17,7 @@ use crate::setup::DeviceChoice;
 
 /// One option's value as a value parser sees it.
 #[derive(Debug, Clone, Copy)]
-pub struct Given<'a> {
+pub struct OptionValue<'a> {
     /// The subcommand (`run`).
     pub command: &'a str,
     /// The option's long name, without `--` (`steps`).
@@ -26,7 +26,7 @@ pub struct Given<'a> {
     pub text: &'a str,
 }
 
-impl Given<'_> {
+impl OptionValue<'_> {
     /// The usage error for a value that is not `what` (`a positive whole number`).
     pub fn invalid(&self, what: &str) -> CliError {
         CliError::usage(
@@ -42,7 +42,7 @@ impl Given<'_> {
 /// A clap value parser that calls a DDO parsing function; its error becomes a clap
 /// [`ErrorKind::ValueValidation`] error carrying the [`CliError`]'s one line (as
 /// [`ContextKind::Custom`]), which [`super::parse`] reports as it is.
-pub struct Checked<T>(pub fn(&Given<'_>) -> CliResult<T>);
+pub struct Checked<T>(pub fn(&OptionValue<'_>) -> CliResult<T>);
 
 impl<T> Clone for Checked<T> {
     fn clone(&self) -> Self {
@@ -61,7 +61,7 @@ impl<T: Clone + Send + Sync + 'static> TypedValueParser for Checked<T> {
     ) -> Result<T, clap::Error> {
         let option = arg.and_then(clap::Arg::get_long).unwrap_or_default();
         let lossy = value.to_string_lossy();
-        let given = Given {
+        let given = OptionValue {
             command: cmd.get_name(),
             option,
             text: &lossy,
@@ -79,22 +79,22 @@ impl<T: Clone + Send + Sync + 'static> TypedValueParser for Checked<T> {
 }
 
 /// A path, as given (empty included: the command says what is wrong with it).
-pub fn path(g: &Given<'_>) -> CliResult<PathBuf> {
+pub fn path(g: &OptionValue<'_>) -> CliResult<PathBuf> {
     Ok(PathBuf::from(g.text))
 }
 
 /// A whole number, 0 included.
-pub fn whole(g: &Given<'_>) -> CliResult<usize> {
+pub fn whole(g: &OptionValue<'_>) -> CliResult<usize> {
     g.text.parse().map_err(|_| g.invalid("a whole number"))
 }
 
 /// A seed: a whole number of 64 bits.
-pub fn seed(g: &Given<'_>) -> CliResult<u64> {
+pub fn seed(g: &OptionValue<'_>) -> CliResult<u64> {
     g.text.parse().map_err(|_| g.invalid("a whole number"))
 }
 
 /// A positive whole number (steps, sides, images, forwards).
-pub fn positive(g: &Given<'_>) -> CliResult<usize> {
+pub fn positive(g: &OptionValue<'_>) -> CliResult<usize> {
     match g.text.parse::<usize>() {
         Ok(0) => Err(CliError::usage(
             format!("--{} 0 is not allowed", g.option),
@@ -106,7 +106,7 @@ pub fn positive(g: &Given<'_>) -> CliResult<usize> {
 }
 
 /// `--max-sequence-length`: positive, at most [`MAX_SEQUENCE_LENGTH`] as FluxPipeline allows.
-pub fn max_sequence_length(g: &Given<'_>) -> CliResult<usize> {
+pub fn max_sequence_length(g: &OptionValue<'_>) -> CliResult<usize> {
     match positive(g)? {
         n if n > MAX_SEQUENCE_LENGTH => Err(CliError::usage(
             format!("--max-sequence-length {n}: cannot be greater than {MAX_SEQUENCE_LENGTH}"),
@@ -118,7 +118,7 @@ pub fn max_sequence_length(g: &Given<'_>) -> CliResult<usize> {
 
 /// `--guidance`: a finite number whose embedding (x 1000, as FluxPipeline embeds it like the
 /// timestep) stays finite in f32, where past its range every pixel would be NaN.
-pub fn guidance(g: &Given<'_>) -> CliResult<f32> {
+pub fn guidance(g: &OptionValue<'_>) -> CliResult<f32> {
     let guidance: f32 = g
         .text
         .parse()
@@ -138,7 +138,7 @@ pub fn guidance(g: &Given<'_>) -> CliResult<f32> {
 }
 
 /// `--vram-budget`: a positive size (`12GiB`, `512MiB`, bytes).
-pub fn vram_budget(g: &Given<'_>) -> CliResult<u64> {
+pub fn vram_budget(g: &OptionValue<'_>) -> CliResult<u64> {
     match parse_size("vram-budget", g.text) {
         Ok(0) => Err(CliError::usage(
             "--vram-budget 0 leaves nothing to run on",
@@ -153,17 +153,17 @@ pub fn vram_budget(g: &Given<'_>) -> CliResult<u64> {
 }
 
 /// `--device cpu|cuda:N`.
-pub fn device(g: &Given<'_>) -> CliResult<DeviceChoice> {
+pub fn device(g: &OptionValue<'_>) -> CliResult<DeviceChoice> {
     DeviceChoice::parse(g.text)
 }
 
 /// `--dtype`: a weight dtype name ([`parse_dtype`]).
-pub fn dtype(g: &Given<'_>) -> CliResult<DType> {
+pub fn dtype(g: &OptionValue<'_>) -> CliResult<DType> {
     parse_dtype(g.text)
 }
 
 /// `--tiled-decode on|off|auto`.
-pub fn tiled_decode(g: &Given<'_>) -> CliResult<TiledDecode> {
+pub fn tiled_decode(g: &OptionValue<'_>) -> CliResult<TiledDecode> {
     g.text.parse().map_err(|_| {
         CliError::usage(
             format!("invalid --tiled-decode `{}`", g.text),
@@ -173,7 +173,7 @@ pub fn tiled_decode(g: &Given<'_>) -> CliResult<TiledDecode> {
 }
 
 /// `--preset NAME`: one of [`Preset::ALL`] (the error lists them).
-pub fn preset(g: &Given<'_>) -> CliResult<Preset> {
+pub fn preset(g: &OptionValue<'_>) -> CliResult<Preset> {
     g.text
         .parse::<Preset>()
         .map_err(|e| CliError::usage(e.to_string(), "pick one of the presets listed"))
@@ -183,8 +183,8 @@ pub fn preset(g: &Given<'_>) -> CliResult<Preset> {
 mod tests {
     use super::*;
 
-    fn given(text: &str) -> Given<'_> {
-        Given {
+    fn given(text: &str) -> OptionValue<'_> {
+        OptionValue {
             command: "run",
             option: "steps",
             text,
