@@ -401,6 +401,41 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Copies between two device ranges on `stream`.
     fn copy_d2d(&self, src: &DeviceSlice, dst: &DeviceSlice, stream: &Stream) -> Result<()>;
 
+    /// Device bytes of scratch a stream's lossless decodes share
+    /// ([`Device::decode_lossless`]); 0 where the backend needs none.
+    fn lossless_scratch_bytes(&self) -> usize {
+        0
+    }
+
+    /// Queues on `stream` the decode of one unit coded by `ddo_codec` (its validated
+    /// `header`, the coded bytes in `src`) into `dst`, which then holds the unit's words
+    /// exactly. `scratch` ([`Device::lossless_scratch_bytes`], cleared by
+    /// [`Device::check_lossless`] before first use) collects what the decodes find wrong; a
+    /// corrupt unit is reported by the next [`Device::check_lossless`] on `stream`. A
+    /// backend without a decoder refuses (the default).
+    fn decode_lossless(
+        &self,
+        header: &ddo_codec::UnitHeader,
+        src: &DeviceSlice,
+        dst: &DeviceSlice,
+        scratch: &DeviceSlice,
+        stream: &Stream,
+    ) -> Result<()> {
+        let _ = (header, src, dst, scratch, stream);
+        Err(CoreError::Backend {
+            device: self.id().to_string(),
+            message: "this backend has no lossless decoder; stream with compress=none".into(),
+        })
+    }
+
+    /// Waits for `stream`, then reports a unit that the lossless decodes queued on it with
+    /// `scratch` since the last check found corrupt ([`CoreError::LosslessDecode`]), and
+    /// clears `scratch` for the next ones.
+    fn check_lossless(&self, scratch: &DeviceSlice, stream: &Stream) -> Result<()> {
+        let _ = scratch;
+        self.synchronize_stream(stream)
+    }
+
     /// Records an event at the current end of `stream`.
     fn record_event(&self, stream: &Stream) -> Result<Event>;
 
@@ -526,6 +561,38 @@ pub fn download(device: &dyn Device, src: &DeviceSlice, stream: &Stream) -> Resu
     device.copy_d2h(src, &dst.slice_all(), stream)?;
     device.synchronize_stream(stream)?;
     Ok(dst.with_bytes(<[u8]>::to_vec))
+}
+
+/// Status bit of a lossless decode that met an invalid code or a malformed unit.
+pub const LOSSLESS_BAD_CODE: u32 = 1;
+/// Status bit of a lossless decode whose chunk stream was not consumed exactly.
+pub const LOSSLESS_BAD_STREAM: u32 = 2;
+/// Status bit of a lossless decode whose output's checksum is not the unit's.
+pub const LOSSLESS_BAD_CHECKSUM: u32 = 4;
+
+/// The error for the status bits a backend's lossless decodes left
+/// ([`Device::check_lossless`]); `Ok` for none. One reading for every backend.
+pub fn lossless_status(device: &str, bits: u32) -> Result<()> {
+    if bits == 0 {
+        return Ok(());
+    }
+    let mut what = Vec::new();
+    if bits & LOSSLESS_BAD_CODE != 0 {
+        what.push("an invalid code or a malformed unit");
+    }
+    if bits & LOSSLESS_BAD_STREAM != 0 {
+        what.push("a chunk stream not consumed exactly");
+    }
+    if bits & LOSSLESS_BAD_CHECKSUM != 0 {
+        what.push("decoded words whose checksum is not the unit's");
+    }
+    if what.is_empty() {
+        what.push("an unknown status");
+    }
+    Err(CoreError::LosslessDecode {
+        device: device.to_string(),
+        detail: format!("{} (status {bits:#x})", what.join(", ")),
+    })
 }
 
 #[cfg(test)]

@@ -82,6 +82,18 @@ pub enum CoreError {
         /// the driver refused it as unsupported).
         reason: String,
     },
+    /// A lossless-coded transfer unit (route option `compress=lossless`) did not decode to
+    /// the bytes it was coded from: the forward's output is not returned.
+    #[error(
+        "{device}: a lossless-coded weight unit failed to decode ({detail}); the forward's output was \
+         dropped, never used; detach and attach the component again, or stream it with compress=none"
+    )]
+    LosslessDecode {
+        /// Device that decoded it.
+        device: String,
+        /// What was wrong (a bad code, a stream not consumed exactly, a checksum mismatch).
+        detail: String,
+    },
     /// A copy or view reaches outside a buffer.
     #[error(
         "{what}: range {offset}..{offset}+{len} lies outside a buffer of {buffer_len} B; this is a bug in the caller"

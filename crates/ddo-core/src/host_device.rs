@@ -19,7 +19,8 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::device::{
     AllocatorKind, Device, DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice,
-    Event, EventHandle, MemoryInfo, Stream, StreamHandle,
+    Event, EventHandle, LOSSLESS_BAD_CHECKSUM, LOSSLESS_BAD_CODE, LOSSLESS_BAD_STREAM, MemoryInfo,
+    Stream, StreamHandle, lossless_status,
 };
 use crate::error::{CoreError, Result};
 use crate::host_memory::{
@@ -97,6 +98,9 @@ impl Ledger {
         self.allocated.fetch_sub(bytes, Ordering::AcqRel);
     }
 }
+
+/// Bytes of the host decoder's status scratch ([`Device::lossless_scratch_bytes`]).
+const HOST_LOSSLESS_SCRATCH: usize = 16;
 
 /// One allocation of the host backend.
 pub struct HostAllocation {
@@ -677,6 +681,88 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    /// The status word the host decoder leaves for [`Device::check_lossless`], as CUDA's
+    /// kernel does: 16 bytes, the status in bytes 12..16.
+    fn lossless_scratch_bytes(&self) -> usize {
+        HOST_LOSSLESS_SCRATCH
+    }
+
+    /// Decodes on the stream's worker with `ddo_codec`'s host decoder (the format's checks
+    /// and checksum); a unit it refuses sets the scratch's status, as the GPU kernel does.
+    fn decode_lossless(
+        &self,
+        header: &ddo_codec::UnitHeader,
+        src: &DeviceSlice,
+        dst: &DeviceSlice,
+        scratch: &DeviceSlice,
+        stream: &Stream,
+    ) -> Result<()> {
+        check_len(
+            "lossless decode output",
+            dst.len(),
+            header.decoded_len() as usize,
+        )?;
+        if (src.len() as u64) < header.encoded_len() || scratch.len() < HOST_LOSSLESS_SCRATCH {
+            return Err(CoreError::OutOfRange {
+                what: "lossless decode input or scratch",
+                offset: 0,
+                len: header.encoded_len() as usize,
+                buffer_len: src.len(),
+            });
+        }
+        for slice in [src, dst, scratch] {
+            self.allocation(slice.buffer())?;
+        }
+        let s = self.host_stream(stream)?;
+        let (src, dst, scratch) = (src.clone(), dst.clone(), scratch.clone());
+        let encoded_len = header.encoded_len() as usize;
+        s.submit(Box::new(move || {
+            fn alloc(slice: &DeviceSlice) -> std::result::Result<&HostAllocation, String> {
+                slice
+                    .buffer()
+                    .downcast_ref::<HostAllocation>()
+                    .ok_or_else(|| "not a host allocation".to_string())
+            }
+            let coded =
+                alloc(&src)?.with_bytes(|b| b[src.offset()..src.offset() + encoded_len].to_vec());
+            let outcome = {
+                let mut bytes = alloc(&dst)?.bytes.write();
+                ddo_codec::decode_unit(
+                    &coded,
+                    &mut bytes.as_mut_slice()[dst.offset()..dst.offset() + dst.len()],
+                )
+            };
+            if let Err(e) = outcome {
+                let bit: u32 = match e {
+                    ddo_codec::CodecError::ChecksumMismatch { .. } => LOSSLESS_BAD_CHECKSUM,
+                    ddo_codec::CodecError::CorruptStream { .. } => LOSSLESS_BAD_STREAM,
+                    _ => LOSSLESS_BAD_CODE,
+                };
+                let mut bytes = alloc(&scratch)?.bytes.write();
+                let at = scratch.offset() + 12;
+                let word = &mut bytes.as_mut_slice()[at..at + 4];
+                let old = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+                word.copy_from_slice(&(old | bit).to_le_bytes());
+            }
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    fn check_lossless(&self, scratch: &DeviceSlice, stream: &Stream) -> Result<()> {
+        self.synchronize_stream(stream)?;
+        let alloc = self.allocation(scratch.buffer())?;
+        let bits = {
+            let mut bytes = alloc.bytes.write();
+            let at = scratch.offset() + 12;
+            let word = &mut bytes.as_mut_slice()[at..at + 4];
+            let bits = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+            word.copy_from_slice(&[0; 4]);
+            bits
+        };
+        lossless_status(&self.id().to_string(), bits)
+    }
+
     fn record_event(&self, stream: &Stream) -> Result<Event> {
         let s = self.host_stream(stream)?;
         let event = Arc::new(HostEvent {
@@ -859,6 +945,78 @@ mod tests {
 
     fn device(capacity: u64) -> Arc<HostDevice> {
         HostDevice::with_capacity(capacity).unwrap()
+    }
+
+    /// The host decoder reports a corrupt unit through the scratch, as CUDA's kernel does:
+    /// a typed error at the next check, the status then cleared; a good unit decodes to its
+    /// exact bytes.
+    #[test]
+    fn lossless_decode_is_exact_and_a_corrupt_unit_is_a_typed_error_at_the_check() {
+        let d = device(1 << 24);
+        let s = d.compute_stream();
+        let words: Vec<u8> = (0..8192u32)
+            .flat_map(|i| {
+                half::bf16::from_f32(((i * 7919 % 1000) as f32 - 500.0) * 1e-4).to_le_bytes()
+            })
+            .collect();
+        let unit = ddo_codec::encode_unit(&words).unwrap();
+        assert!(
+            unit.len() < words.len(),
+            "{} of {}",
+            unit.len(),
+            words.len()
+        );
+        let upload = |bytes: &[u8]| {
+            let b = d.alloc(bytes.len()).unwrap();
+            d.copy_h2d(
+                &HostBuffer::pageable_from(bytes).slice_all(),
+                &b.slice_all(),
+                &s,
+            )
+            .unwrap();
+            b
+        };
+        let scratch = upload(&[0u8; HOST_LOSSLESS_SCRATCH]);
+        let out = d.alloc(words.len()).unwrap();
+        let good = upload(unit.bytes());
+        d.decode_lossless(
+            unit.header(),
+            &good.slice_all(),
+            &out.slice_all(),
+            &scratch.slice_all(),
+            &s,
+        )
+        .unwrap();
+        d.check_lossless(&scratch.slice_all(), &s).unwrap();
+        assert_eq!(
+            crate::device::download(&*d, &out.slice_all(), &s).unwrap(),
+            words
+        );
+        let mut bad = unit.bytes().to_vec();
+        let last = bad.len() - 1;
+        bad[last] ^= 0x5a;
+        let bad = upload(&bad);
+        d.decode_lossless(
+            unit.header(),
+            &bad.slice_all(),
+            &out.slice_all(),
+            &scratch.slice_all(),
+            &s,
+        )
+        .unwrap();
+        let e = d.check_lossless(&scratch.slice_all(), &s).unwrap_err();
+        assert!(matches!(e, CoreError::LosslessDecode { .. }), "{e}");
+        assert!(e.to_string().contains("compress=none"), "{e}");
+        // Cleared: the good unit checks clean again.
+        d.decode_lossless(
+            unit.header(),
+            &good.slice_all(),
+            &out.slice_all(),
+            &scratch.slice_all(),
+            &s,
+        )
+        .unwrap();
+        d.check_lossless(&scratch.slice_all(), &s).unwrap();
     }
 
     #[test]

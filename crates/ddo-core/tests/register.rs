@@ -275,6 +275,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             .map(|f| (total as f64 * f) as u64 + ring_room),
         pinned_source: PinnedSource::Register,
         timeline: false,
+        compress: ddo_core::Compression::None,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();
@@ -370,6 +371,9 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
                 prop_assert!(reason.contains("pinned room"), "{}", reason);
                 prop_assert!(registered + home > case.pinned_limit);
             }
+        }
+        StagingKind::Coded { .. } => {
+            prop_assert!(false, "coded units without compress: {:?}", f.staging);
         }
     }
     let want = expected(&segs, &case.schedule);
@@ -814,6 +818,7 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
         budget: Some(4 * seg_bytes + 2 * seg_bytes),
         pinned_source: PinnedSource::Register,
         timeline: false,
+        compress: ddo_core::Compression::None,
     };
     let schedule: Vec<usize> = (0..8).collect();
     let dev: Arc<dyn Device> = d.clone();
@@ -939,6 +944,7 @@ fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order
         budget: Some(4 * big + 2 * small),
         pinned_source: PinnedSource::Register,
         timeline: false,
+        compress: ddo_core::Compression::None,
     };
     // The big segments interleaved with the small ones in the schedule.
     let schedule: Vec<usize> = vec![0, 5, 6, 7, 1, 8, 9, 10, 2, 11, 12, 13, 3, 14, 15, 16];

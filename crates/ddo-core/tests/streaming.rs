@@ -142,6 +142,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             .map(|f| (total as f64 * f) as u64 + ring_room),
         pinned_source: case.pinned_source,
         timeline: false,
+        compress: ddo_core::Compression::None,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let copy = d.create_stream().unwrap();
@@ -318,6 +319,7 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
         budget: None,
         pinned_source: PinnedSource::Home,
         timeline: false,
+        compress: ddo_core::Compression::None,
     };
     let dev: Arc<dyn Device> = d.clone();
     let engine = StreamingEngine::new(
@@ -425,6 +427,7 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
         budget: None,
         pinned_source: PinnedSource::Home,
         timeline: false,
+        compress: ddo_core::Compression::None,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();

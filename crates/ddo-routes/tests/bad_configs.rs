@@ -220,3 +220,34 @@ fn zero_or_negative_device_settings_are_typed_errors() {
         hinted(&e);
     }
 }
+
+/// `compress` needs the stream and a pinned home of its own and runs at zero budget; the
+/// routes without a streaming engine of that kind refuse it, and an unknown codec is named.
+#[test]
+fn compress_is_refused_where_it_cannot_run() {
+    for text in [
+        "diffusers_group_offload:compress=lossless",
+        "diffusers_group_offload:use_stream=true,compress=lossless,budget=1GiB",
+        "diffusers_group_offload:use_stream=true,compress=lossless,pinned_source=register",
+        "diffusers_group_offload:use_stream=true,compress=lossless,pinned=false",
+        "diffusers_group_offload:use_stream=true,compress=zstd",
+        "native_vmm:compress=lossless",
+        "linear_convolution:compress=lossless",
+        "none:compress=lossless",
+    ] {
+        let refused = text
+            .parse::<RouteSpec>()
+            .and_then(|spec| ddo_routes::check_route_options("transformer", &spec));
+        let e = refused.expect_err(text);
+        let said = hinted(&e);
+        assert!(said.contains("compress"), "{text}: {said}");
+    }
+    let ok: RouteSpec = "diffusers_group_offload:use_stream=true,compress=lossless"
+        .parse()
+        .unwrap();
+    ddo_routes::check_route_options("transformer", &ok).unwrap();
+    assert_eq!(
+        ok.describe(),
+        "diffusers_group_offload use_stream=true compress=lossless"
+    );
+}

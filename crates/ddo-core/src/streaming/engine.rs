@@ -29,6 +29,15 @@
 //! that lie one after another both in the file and in the unit (the layout orders each
 //! unit by file offset, [`UnitOrder::Source`], so a module's tensors coalesce), and the
 //! params whose bytes are not mapped come from a pinned home of their own.
+//!
+//! Lossless-coded units (`compress=lossless`, [`StagingKind::Coded`]): at build each
+//! unit's slot image is coded with `ddo_codec` on every core into one pinned buffer. Per
+//! unit the copy stream copies the coded bytes into one of [`CODED_SLOTS`] coded slots
+//! (after the decode that last read that slot), and a decode stream of its own waits for
+//! the copy and for the unit's blocker, decodes into the unit's place in the ring and
+//! records the event compute waits for: the link runs ahead through the coded slots while
+//! the decodes run on the SMs. The decoder's status is checked once per forward
+//! ([`Device::check_lossless`]), so a corrupt unit fails the forward with a typed error.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -36,12 +45,13 @@ use std::time::Instant;
 
 use ddo_metrics::RouteMetrics;
 
-use crate::config::PinnedSource;
+use crate::config::{Compression, PinnedSource};
 use crate::device::{Device, DeviceBuffer, Event, Stream};
 use crate::error::{CoreError, Result};
 use crate::host_memory::{HostBuffer, HostSlice};
 use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
+use crate::streaming::CODED_SLOTS;
 use crate::streaming::figures::{StagingKind, StreamingFigures, nanos};
 use crate::streaming::home::PinnedHome;
 use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, UnitOrder, align_up};
@@ -96,6 +106,8 @@ struct Ring {
     entered: usize,
     /// Timed events of this forward (`timeline=true`).
     trace: Option<Trace>,
+    /// Per coded slot: the event after the decode that last read it (coded units).
+    coded_used: Vec<Option<Event>>,
 }
 
 /// The timed events of one traced forward, per unit.
@@ -136,6 +148,12 @@ enum Host {
         buffers: Vec<HostBuffer>,
         last_copy: Vec<Option<Event>>,
         next: usize,
+    },
+    /// Lossless-coded units in one pinned buffer.
+    Coded {
+        home: HostBuffer,
+        /// Per unit: where its coded bytes start in `home`, and its header.
+        units: Vec<(u64, ddo_codec::UnitHeader)>,
     },
     Registered {
         /// Registered views of the mappings (dropping them unregisters).
@@ -201,6 +219,8 @@ pub struct StreamingEngine {
     active: bool,
     /// Record a timeline of each forward.
     timeline: bool,
+    /// The stream coded units decode on (coded units only).
+    decode: Option<Stream>,
     figures: StreamingFigures,
 }
 
@@ -229,6 +249,12 @@ fn resident_source(host: Option<&Host>, p: &Param) -> Result<HostSlice> {
         return Ok(src.with_bytes(HostBuffer::pageable_from).slice_all());
     }
     Ok(src)
+}
+
+/// Where the decoder's status lies in the ring buffer (coded units): the last aligned
+/// block of [`crate::streaming::coded_ring_bytes`].
+fn scratch_offset(figures: &StreamingFigures) -> u64 {
+    figures.ring_bytes().saturating_sub(PARAM_ALIGN)
 }
 
 /// Bytes of one segment for the planner: its params, each aligned.
@@ -319,7 +345,9 @@ impl StreamingEngine {
                 .iter()
                 .any(|p| !resident_ids.contains(&p.id()) && p.host().mapped_range().is_some())
         });
-        let register = config.pinned_source == PinnedSource::Register
+        let coded = config.compress == Compression::Lossless;
+        let register = !coded
+            && config.pinned_source == PinnedSource::Register
             && config.staging != StagingMode::Ring
             && any_mapped;
         let unit_order = if register {
@@ -409,6 +437,19 @@ impl StreamingEngine {
                 0,
                 0,
             )
+        } else if coded {
+            let (host, coded_bytes, stats) = Self::build_coded(&*device, &layout, pinned_room)?;
+            (
+                Some(host),
+                StagingKind::Coded {
+                    coded_bytes,
+                    raw_bytes: home_bytes,
+                    exponent_entropy_millibits: (stats.exponent_entropy() * 1000.0).round() as u64,
+                },
+                coded_bytes,
+                0,
+                units as u64,
+            )
         } else if let Some(r) = registered {
             (
                 Some(r.host),
@@ -486,6 +527,7 @@ impl StreamingEngine {
             resident_bytes: resident_params.iter().map(|p| p.nbytes() as u64).sum(),
             streamed_bytes: match staging {
                 StagingKind::Registered { .. } => copied_bytes,
+                StagingKind::Coded { coded_bytes, .. } => coded_bytes,
                 StagingKind::PinnedHome | StagingKind::Ring { .. } => layout.streamed_bytes(),
             },
             streamed_payload_bytes: layout.payload_bytes(),
@@ -504,8 +546,14 @@ impl StreamingEngine {
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
         let placement = Placement::new(&sizes, slot_bytes * slots as u64);
+        let decode = if coded && units > 0 {
+            Some(device.create_stream()?)
+        } else {
+            None
+        };
         Ok(Self {
             compute: device.compute_stream(),
+            decode,
             device,
             copy,
             metrics,
@@ -522,6 +570,98 @@ impl StreamingEngine {
             timeline: config.timeline,
             figures,
         })
+    }
+
+    /// Codes every unit's slot image (its params at their offsets, zeros between) with
+    /// `ddo_codec` on every core into one pinned buffer, each unit 16-byte aligned (the
+    /// decoders read sections at that alignment); returns it with the coded bytes and the
+    /// units' statistics. The params keep their own host bytes.
+    fn build_coded(
+        device: &dyn Device,
+        layout: &StagingLayout,
+        pinned_room: u64,
+    ) -> Result<(Host, u64, ddo_codec::Stats)> {
+        let units = layout.units();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(units.len().max(1));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        type Coded = (usize, Vec<u8>, ddo_codec::UnitHeader, ddo_codec::Stats);
+        let coded: Vec<Result<Vec<Coded>>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| -> Result<Vec<Coded>> {
+                        let mut done = Vec::new();
+                        let mut image = Vec::new();
+                        loop {
+                            let u = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(unit) = units.get(u) else {
+                                return Ok(done);
+                            };
+                            image.clear();
+                            image.resize(unit.bytes as usize, 0u8);
+                            for e in &unit.entries {
+                                let at = e.offset as usize;
+                                e.param.host().with_bytes(|src| {
+                                    image[at..at + e.len as usize].copy_from_slice(src);
+                                });
+                            }
+                            let mut out = Vec::new();
+                            let (header, stats) = ddo_codec::encode_unit_into(&image, &mut out)
+                                .map_err(|e| CoreError::InvalidOption {
+                                    option: "compress".into(),
+                                    value: "lossless".into(),
+                                    hint: format!("unit {u} could not be coded: {e}"),
+                                })?;
+                            done.push((u, out, header, stats));
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| {
+                    w.join().unwrap_or_else(|_| {
+                        Err(CoreError::Backend {
+                            device: device.id().to_string(),
+                            message: "a coding thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let mut all: Vec<Coded> = Vec::with_capacity(units.len());
+        for part in coded {
+            all.extend(part?);
+        }
+        all.sort_by_key(|c| c.0);
+        let mut offsets = Vec::with_capacity(all.len());
+        let mut total = 0u64;
+        for c in &all {
+            offsets.push(total);
+            total += (c.1.len() as u64).div_ceil(16) * 16;
+        }
+        if total > pinned_room {
+            return Err(CoreError::PinnedLimit {
+                requested: total,
+                pinned: device.memory_info().pinned_host,
+                limit: pinned_room.saturating_add(device.memory_info().pinned_host),
+            });
+        }
+        let home = device.alloc_pinned(total.max(1) as usize)?;
+        home.with_bytes_mut(|dst| {
+            for (c, &at) in all.iter().zip(&offsets) {
+                dst[at as usize..at as usize + c.1.len()].copy_from_slice(&c.1);
+            }
+        })?;
+        let stats = ddo_codec::Stats::total(all.iter().map(|c| &c.3));
+        let coded_bytes = all.iter().map(|c| c.2.encoded_len()).sum();
+        let units = all
+            .into_iter()
+            .zip(offsets)
+            .map(|(c, at)| (at, c.2))
+            .collect();
+        Ok((Host::Coded { home, units }, coded_bytes, stats))
     }
 
     /// Lays every unit out in one pinned buffer and makes it the params' host bytes.
@@ -698,10 +838,17 @@ impl StreamingEngine {
             }
             return Ok(());
         }
-        let slot_bytes = self.figures.slot_bytes;
-        let buffer = self
-            .device
-            .alloc((slot_bytes * self.slots as u64) as usize)?;
+        let buffer = self.device.alloc(self.figures.ring_bytes() as usize)?;
+        if let Some(decode) = &self.decode {
+            // The decoder's status starts clear each forward.
+            let zeros = HostBuffer::pageable_from(&[0u8; 16]);
+            let at = scratch_offset(&self.figures);
+            let scratch = buffer.slice(at as usize, 16)?;
+            if let Err(e) = self.device.copy_h2d(&zeros.slice_all(), &scratch, decode) {
+                self.device.release_after(buffer, &self.compute)?;
+                return Err(e);
+            }
+        }
         for (p, unit, offset) in self.layout.single_location() {
             let at = self.placement.offsets[*unit] + offset;
             p.set_device(Some(buffer.slice(at as usize, p.nbytes())?))?;
@@ -723,6 +870,7 @@ impl StreamingEngine {
             next_issue: 0,
             entered: 0,
             trace,
+            coded_used: vec![None; CODED_SLOTS as usize],
         });
         self.active = true;
         // The link starts now, while the program prepares and uploads its inputs (a
@@ -840,16 +988,49 @@ impl StreamingEngine {
             return Ok(());
         };
         let unit = &self.layout.units()[u];
+        // Coded units: the decode writes the ring, so it is the decode that waits.
+        let writer = self.decode.as_ref().unwrap_or(&self.copy);
         if let Some(b) = self.placement.blockers[u]
             && let Some(ev) = ring.used[b].as_ref()
         {
-            self.device.wait_event(&self.copy, ev)?;
+            self.device.wait_event(writer, ev)?;
         }
         if let Some(t) = ring.trace.as_mut() {
             t.copy_start[u] = Some(self.device.record_timed_event(&self.copy)?);
         }
         let dst_base = self.placement.offsets[u];
+        let coded_base = self.figures.decoded_ring_bytes();
+        let coded_slot = self
+            .figures
+            .ring_bytes()
+            .saturating_sub(coded_base + PARAM_ALIGN)
+            / CODED_SLOTS;
+        let scratch_at = scratch_offset(&self.figures);
         match self.host.as_mut() {
+            Some(Host::Coded { home, units }) => {
+                let (offset, header) = &units[u];
+                let decode = self.decode.as_ref().ok_or_else(|| CoreError::Backend {
+                    device: self.device.id().to_string(),
+                    message: "streaming engine: coded units without a decode stream".into(),
+                })?;
+                let cs = u % CODED_SLOTS as usize;
+                if let Some(ev) = ring.coded_used[cs].take() {
+                    self.device.wait_event(&self.copy, &ev)?;
+                }
+                let len = header.encoded_len();
+                let src = home.slice(*offset as usize, len as usize)?;
+                let at = coded_base + cs as u64 * coded_slot;
+                let coded = ring.buffer.slice(at as usize, len as usize)?;
+                self.device.copy_h2d(&src, &coded, &self.copy)?;
+                self.metrics.record_h2d(len);
+                let copied = self.device.record_event(&self.copy)?;
+                self.device.wait_event(decode, &copied)?;
+                let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
+                let scratch = ring.buffer.slice(scratch_at as usize, 16)?;
+                self.device
+                    .decode_lossless(header, &coded, &dst, &scratch, decode)?;
+                ring.coded_used[cs] = Some(self.device.record_event(decode)?);
+            }
             Some(Host::Home { home, unit_offsets }) => {
                 let src = home.slice(unit_offsets[u], unit.bytes)?;
                 let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
@@ -928,13 +1109,14 @@ impl StreamingEngine {
             }
             None => {}
         }
+        let writer = self.decode.as_ref().unwrap_or(&self.copy);
         let ready = match ring.trace.as_mut() {
             Some(t) => {
-                let e = self.device.record_timed_event(&self.copy)?;
+                let e = self.device.record_timed_event(writer)?;
                 t.copy_end[u] = Some(e.clone());
                 e
             }
-            None => self.device.record_event(&self.copy)?,
+            None => self.device.record_event(writer)?,
         };
         ring.ready[u] = Some(ready);
         Ok(())
@@ -1029,7 +1211,24 @@ impl StreamingEngine {
                 self.metrics.set_timeline(t);
             }
         }
-        self.device.release_after(ring.buffer, &self.compute)
+        let checked = match &self.decode {
+            Some(decode) => {
+                let at = scratch_offset(&self.figures);
+                ring.buffer
+                    .slice(at as usize, 16)
+                    .and_then(|scratch| self.device.check_lossless(&scratch, decode))
+            }
+            None => Ok(()),
+        };
+        let released = self.device.release_after(ring.buffer, &self.compute);
+        checked.and(released)
+    }
+
+    /// Waits for the decode stream, where there is one.
+    fn synchronize_decode(&self) -> Result<()> {
+        self.decode
+            .as_ref()
+            .map_or(Ok(()), |d| self.device.synchronize_stream(d))
     }
 
     /// The timeline of a traced forward that ended at `end` (waits for its events), or
@@ -1088,7 +1287,10 @@ impl StreamingEngine {
             // Part of the first upload may be queued: the next forward uploads them all
             // again, from an empty residency.
             self.upload = None;
-            let copy = self.device.synchronize_stream(&self.copy);
+            let copy = self
+                .device
+                .synchronize_stream(&self.copy)
+                .and(self.synchronize_decode());
             let compute = self.device.synchronize_stream(&self.compute);
             self.resident
                 .release_all(&*self.device, FreeMode::Immediate, &self.compute);
@@ -1102,7 +1304,10 @@ impl StreamingEngine {
         let Some(ring) = self.ring.take() else {
             return Ok(());
         };
-        let copy = self.device.synchronize_stream(&self.copy);
+        let copy = self
+            .device
+            .synchronize_stream(&self.copy)
+            .and(self.synchronize_decode());
         let compute = self.device.synchronize_stream(&self.compute);
         self.clear_streamed_pointers();
         drop(ring);
@@ -1144,7 +1349,7 @@ impl StreamingEngine {
                 }
                 home.map_or(Ok(()), PinnedHome::restore)
             }
-            Some(Host::Staged { .. }) | None => Ok(()),
+            Some(Host::Staged { .. }) | Some(Host::Coded { .. }) | None => Ok(()),
         };
         self.figures.pinned_bytes = 0;
         released.and(staged).and(restored)

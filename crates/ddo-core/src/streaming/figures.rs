@@ -30,6 +30,17 @@ pub enum StagingKind {
         /// Bytes of the pinned home of the params that are not mapped (0: none).
         home_bytes: u64,
     },
+    /// `compress=lossless`: one pinned buffer of the units lossless-coded (`coded_bytes`,
+    /// from `raw_bytes` of units), copied as they are and decoded on the device. The params
+    /// keep their own host bytes.
+    Coded {
+        /// Bytes of the coded units (what crosses the link per forward).
+        coded_bytes: u64,
+        /// Bytes of the units they code.
+        raw_bytes: u64,
+        /// Shannon entropy of the units' exponents, thousandths of a bit per 16-bit word.
+        exponent_entropy_millibits: u64,
+    },
 }
 
 impl StagingKind {
@@ -38,7 +49,9 @@ impl StagingKind {
     pub fn staging_buffers(&self) -> u64 {
         match self {
             StagingKind::Ring { buffers, .. } => *buffers as u64,
-            StagingKind::PinnedHome | StagingKind::Registered { .. } => 0,
+            StagingKind::PinnedHome
+            | StagingKind::Registered { .. }
+            | StagingKind::Coded { .. } => 0,
         }
     }
 
@@ -51,7 +64,9 @@ impl StagingKind {
                 registered_bytes,
                 ..
             } => (*registrations as u64, *registered_bytes),
-            StagingKind::PinnedHome | StagingKind::Ring { .. } => (0, 0),
+            StagingKind::PinnedHome | StagingKind::Ring { .. } | StagingKind::Coded { .. } => {
+                (0, 0)
+            }
         }
     }
 }
@@ -137,8 +152,20 @@ impl StreamingFigures {
         metrics.set_pinned_host_bytes(self.pinned_bytes);
     }
 
-    /// Device bytes of the ring.
+    /// Device bytes of the ring (with its coded slots, [`super::coded_ring_bytes`], when
+    /// the units stream lossless-coded).
     pub fn ring_bytes(&self) -> u64 {
+        let coded = match self.staging {
+            StagingKind::Coded { .. } if self.ring_slots > 0 => {
+                super::coded_ring_bytes(self.slot_bytes)
+            }
+            _ => 0,
+        };
+        self.slot_bytes * self.ring_slots as u64 + coded
+    }
+
+    /// Decoded slots' bytes: where the streamed params point during a forward.
+    pub fn decoded_ring_bytes(&self) -> u64 {
         self.slot_bytes * self.ring_slots as u64
     }
 

@@ -67,7 +67,7 @@ pub mod plan;
 mod register_plan;
 pub mod schedule;
 
-pub use crate::config::PinnedSource;
+pub use crate::config::{Compression, PinnedSource};
 pub use engine::StreamingEngine;
 pub use figures::{StagingKind, StreamingFigures};
 pub use home::PinnedHome;
@@ -143,6 +143,21 @@ pub struct StreamingConfig {
     /// Record a timeline of each forward ([`StreamingEngine`] publishes it to the route's
     /// metrics).
     pub timeline: bool,
+    /// Stream the units lossless-coded ([`Compression::Lossless`]): a pinned home of coded
+    /// units, decoded on the device into the ring ([`coded_ring_bytes`] more device memory).
+    pub compress: Compression,
+}
+
+/// Coded slots of a lossless-coded ring: a unit's coded bytes land in one while the unit
+/// before decodes out of the other.
+pub const CODED_SLOTS: u64 = 2;
+
+/// Device bytes a lossless-coded ring takes beside its decoded slots of `slot_bytes`:
+/// [`CODED_SLOTS`] coded slots, each the coded bound of a slot
+/// ([`ddo_codec::max_encoded_len`]), and one aligned block for the decoder's status.
+pub fn coded_ring_bytes(slot_bytes: u64) -> u64 {
+    let coded = ddo_codec::max_encoded_len(slot_bytes as usize).unwrap_or(slot_bytes);
+    CODED_SLOTS * layout::align_up(coded) + PARAM_ALIGN
 }
 
 impl Default for StreamingConfig {
@@ -155,6 +170,7 @@ impl Default for StreamingConfig {
             budget: None,
             pinned_source: PinnedSource::Register,
             timeline: false,
+            compress: Compression::None,
         }
     }
 }
@@ -187,6 +203,7 @@ impl StreamingConfig {
             budget: None,
             pinned_source: o.pinned_source.unwrap_or_default(),
             timeline: o.timeline.unwrap_or(false),
+            compress: o.compress.unwrap_or_default(),
         }
     }
 }

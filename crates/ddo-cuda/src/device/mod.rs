@@ -382,6 +382,31 @@ impl Device for CudaDevice {
         self.copy_d2h_impl(src, dst, stream)
     }
 
+    fn lossless_scratch_bytes(&self) -> usize {
+        crate::ops::codec::SCRATCH_BYTES
+    }
+
+    /// The NVRTC decoder (`kernels/codec.cu`), verifying each unit's checksum as it writes.
+    fn decode_lossless(
+        &self,
+        header: &ddo_codec::UnitHeader,
+        src: &DeviceSlice,
+        dst: &DeviceSlice,
+        scratch: &DeviceSlice,
+        stream: &Stream,
+    ) -> ddo_core::Result<()> {
+        crate::ops::codec::decode_unit(self, header, src, dst, scratch, stream, true)
+    }
+
+    fn check_lossless(&self, scratch: &DeviceSlice, stream: &Stream) -> ddo_core::Result<()> {
+        let status = crate::ops::codec::read_status(self, scratch, stream)?;
+        if status.is_ok() {
+            return Ok(());
+        }
+        crate::ops::codec::clear_scratch(self, scratch, stream)?;
+        ddo_core::device::lossless_status(&self.id().to_string(), status.bits())
+    }
+
     fn copy_d2d(
         &self,
         src: &DeviceSlice,

@@ -139,7 +139,7 @@ pub const ROUTE_NAME: &str = "diffusers_group_offload";
 const BUDGET_HINT: &str = "diffusers_group_offload keeps budgeted residency only with a stream: \
      set use_stream=true, or use native_vmm with a budget, or none";
 
-const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots, pinned_source and timeline tune the streaming engine: set use_stream=true, or drop them";
+const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots, pinned_source, timeline and compress tune the streaming engine: set use_stream=true, or drop them";
 
 /// Label of the block-level group that holds every leaf outside the root's block lists.
 pub const UNMATCHED_LABEL: &str = "unmatched";
@@ -174,6 +174,7 @@ impl Route for GroupOffloadRoute {
             (o.ring_slots.is_some(), "ring_slots"),
             (o.pinned_source.is_some(), "pinned_source"),
             (o.timeline.is_some(), "timeline"),
+            (o.compress.is_some(), "compress"),
         ] {
             if given && !streamed {
                 return Err(Refusal::UnsupportedOption {
@@ -279,6 +280,14 @@ impl Route for GroupOffloadRoute {
                 let largest = segments.iter().map(|(_, b)| *b).max().unwrap_or(0);
                 (0, total, model.room(largest, total))
             }
+        };
+        // Coded units add their coded slots and the decoder's status to the ring; the coded
+        // bytes are known only once coded, so streamed and pinned bytes stay the raw bytes
+        // (an upper bound: a unit never codes larger than its raw bytes plus a header).
+        let ring = if streaming.compress == ddo_core::Compression::Lossless && ring > 0 {
+            ring + ddo_core::streaming::coded_ring_bytes(ring / model.slots.max(1))
+        } else {
+            ring
         };
         let learning = plan.largest_groups_bytes(2);
         // A home of the streamed bytes when they fit, else two staging buffers of a slot.

@@ -155,6 +155,7 @@ impl Route for LinearConvolutionRoute {
             (o.ring_slots.is_some(), "ring_slots"),
             (o.pinned_source.is_some(), "pinned_source"),
             (o.timeline.is_some(), "timeline"),
+            (o.compress.is_some(), "compress"),
         ] {
             if given {
                 return Err(Refusal::UnsupportedOption {

@@ -331,3 +331,77 @@ fn eight_bit_weights_get_a_deeper_default_ring_in_footprint_and_attach() {
         detach_and_check_released(&c, &device, hooks, 0);
     }
 }
+
+/// `compress=lossless`: the units stream coded and decode on the device into the ring;
+/// every forward is bit-identical to resident, the link carries the coded bytes (fewer than
+/// the raw ones for bf16 weights), footprint and attach agree on the ring, and detach gives
+/// everything back.
+#[test]
+fn lossless_coded_units_stream_bit_identical_and_fewer_bytes() {
+    use ddo_core::streaming::{StagingKind, coded_ring_bytes};
+    use ddo_core::{Compression, FootprintContext, Route};
+    use ddo_route_leaf_group::GroupOffloadRoute;
+    for (dtype, unit_bytes) in [
+        (DType::BF16, None),
+        (DType::BF16, Some(1)),
+        (DType::F32, Some(4096)),
+    ] {
+        let spec = ReferenceSpec::small("transformer", 6, 48, dtype);
+        let c = build(&spec).unwrap();
+        let route = RouteSpec::new(
+            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteOptions {
+                offload_type: Some(OffloadType::LeafLevel),
+                use_stream: Some(true),
+                unit_bytes,
+                compress: Some(Compression::Lossless),
+                ..RouteOptions::default()
+            },
+        )
+        .unwrap();
+        let xs = inputs(&spec, 2, 3);
+        let expected = baseline(&c, &xs);
+        let device = HostDevice::with_capacity(1 << 26).unwrap();
+        let f = GroupOffloadRoute
+            .footprint(&c, &route, &FootprintContext::of(&*device))
+            .unwrap();
+        let (hooks, metrics) = attach(&c, &device, &route);
+        let figures = hooks.streaming_figures().unwrap();
+        let StagingKind::Coded {
+            coded_bytes,
+            raw_bytes,
+            ..
+        } = figures.staging
+        else {
+            panic!("not coded: {figures:?}");
+        };
+        assert_eq!(figures.streamed_bytes, coded_bytes);
+        assert!(figures.pinned_bytes >= coded_bytes);
+        if dtype == DType::BF16 && unit_bytes.is_none() {
+            assert!(
+                coded_bytes < raw_bytes,
+                "{dtype:?}: {coded_bytes} coded of {raw_bytes}"
+            );
+        }
+        assert_eq!(
+            figures.ring_bytes(),
+            figures.decoded_ring_bytes() + coded_ring_bytes(figures.slot_bytes)
+        );
+        assert!(
+            f.transient_device_bytes >= figures.ring_bytes(),
+            "footprint {} below the ring {}",
+            f.transient_device_bytes,
+            figures.ring_bytes()
+        );
+        for (x, want) in xs.iter().zip(&expected) {
+            let before = metrics.counters().h2d_bytes;
+            assert_eq!(&run(&c, &*device, x), want, "{dtype:?} {unit_bytes:?}");
+            assert_eq!(
+                metrics.counters().h2d_bytes - before,
+                coded_bytes,
+                "a forward copies the coded bytes"
+            );
+        }
+        detach_and_check_released(&c, &device, hooks, 0);
+    }
+}
