@@ -43,7 +43,13 @@ from safetensors.torch import load_file, save_file
 import diffusers
 import transformers
 import safetensors
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, QwenImageTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
+)
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
@@ -258,6 +264,32 @@ QWEN_IMG_SHAPES_TWO = [(1, 4, 3), (1, 2, 2)]
 QWEN_TEXT_TOKENS = 7
 QWEN_TEXT_VALID = [7, 4]  # per sample: the second prompt is 3 tokens shorter (padding mask 0 there)
 
+# qwen_vae: Qwen-Image's VAE (the Wan-style AutoencoderKLQwenImage) at tiny widths (DDO's `qwen-tiny`): decoder
+# widths [16, 16, 16, 8] (base_dim 8 x [2] + reversed [1, 2, 2]), two resnets an up block, 4 latent channels, and
+# temperal_downsample [False, True], so the decoder's up_blocks.0 upsamples with `upsample3d` (a time_conv that one
+# frame never runs) and up_blocks.1 with `upsample2d`; 4x spatial compression. latents_mean / latents_std are
+# made-up per-channel values (the real model's are 16 long).
+QWEN_VAE_CONFIG = dict(
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 2, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, True],
+    dropout=0.0,
+    input_channels=3,
+    latents_mean=[0.25, -0.5, 0.125, -0.0625],
+    latents_std=[1.5, 0.75, 2.5, 1.25],
+)
+# enable_tiling(...) arguments of the `sample_tiled` call: 16 px tiles every 12 px (latent tiles of 4 every 3 at 4x
+# compression, 4 px blended). Diffusers' defaults (256 / 192) would not tile a latent this small.
+QWEN_VAE_TILING = OrderedDict(
+    tile_sample_min_height=16,
+    tile_sample_min_width=16,
+    tile_sample_stride_height=12,
+    tile_sample_stride_width=12,
+)
+
 T5_CONFIG = dict(
     vocab_size=100,
     d_model=32,
@@ -300,6 +332,7 @@ SEEDS = {
     "clip_text": 1005,
     "flux_pipeline": 1006,
     "qwen_image_transformer": 1007,
+    "qwen_vae": 1008,
 }
 
 # flux_pipeline: a whole FluxPipeline from the tiny configs above, made consistent with each other.
@@ -348,6 +381,8 @@ def build_model(name: str):
         model = FluxTransformer2DModel(**FLUX_CONFIG)
     elif name == "qwen_image_transformer":
         model = QwenImageTransformer2DModel(**QWEN_CONFIG)
+    elif name == "qwen_vae":
+        model = AutoencoderKLQwenImage(**QWEN_VAE_CONFIG)
     elif name == "t5_encoder":
         model = T5EncoderModel(T5Config(**T5_CONFIG))
     elif name == "clip_text":
@@ -356,6 +391,11 @@ def build_model(name: str):
         raise KeyError(name)
     model = model.to(torch.float32).eval()
     perturbed = perturb_constant_params(model, seed + 7)
+    if name == "qwen_vae":
+        # Its initialisation decodes to about [-0.7, 0.7]; a 3x conv_out makes part of the image leave [-1, 1],
+        # so the untiled decode's clamp shows (and the tiled decode, which does not clamp, differs there).
+        with torch.no_grad():
+            model.decoder.conv_out.weight.mul_(3.0)
     return model, perturbed
 
 
@@ -366,6 +406,8 @@ def load_saved_model(name: str, d: Path, realign: bool = True):
         model = FluxTransformer2DModel.from_pretrained(str(d), torch_dtype=torch.float32)
     elif name == "qwen_image_transformer":
         model = QwenImageTransformer2DModel.from_pretrained(str(d), torch_dtype=torch.float32)
+    elif name == "qwen_vae":
+        model = AutoencoderKLQwenImage.from_pretrained(str(d), torch_dtype=torch.float32)
     elif name == "t5_encoder":
         model = T5EncoderModel.from_pretrained(str(d), dtype=torch.float32)
     elif name == "clip_text":
@@ -429,6 +471,15 @@ def make_inputs(name: str) -> "OrderedDict[str, torch.Tensor]":
         ins["hidden_states_two_images"] = torch.cat([ins["hidden_states"], extra_tokens], dim=1)
         ins["img_shapes_two_images"] = torch.tensor(QWEN_IMG_SHAPES_TWO, dtype=torch.int64)
         ins["img_shapes_two_images_f32"] = ins["img_shapes_two_images"].to(torch.float32)
+    elif name == "qwen_vae":
+        # One frame of a 6x5 latent (odd width), batch 1 and batch 2, as 4-D [B, z, H, W]; the decode gets them
+        # with the frame axis inserted ([B, z, 1, H, W]). `pipeline_latents` stand for the denoised latents the
+        # pipeline unpacks (normalised); the pipeline un-normalises them before decoding (see run_fixture).
+        z = QWEN_VAE_CONFIG["z_dim"]
+        ins["latents"] = randn(g, 1, z, 6, 5)
+        ins["latents_batch2"] = randn(g, 2, z, 6, 5)
+        ins["latents_tiled"] = randn(g, 1, z, 7, 9)
+        ins["pipeline_latents"] = randn(g, 1, z, 6, 5)
     elif name == "t5_encoder":
         # a few ids, then </s> (eos=1) and padding (pad=0), like a padded T5 tokenizer output
         ids = torch.tensor([[37, 5, 82, 14, 99, 3, 61, 1, 0, 0, 0, 0]], dtype=torch.int64)
@@ -454,6 +505,7 @@ CAPTURE_DEPTH = {
     "t5_encoder": 3,
     "clip_text": 3,
     "qwen_image_transformer": 2,
+    "qwen_vae": 3,
 }
 
 
@@ -522,6 +574,50 @@ def reference_stitch(tiles: list[torch.Tensor], plan: dict) -> torch.Tensor:
             row_out.append(b[:, :, :lim, :lim])
         out_rows.append(torch.cat(row_out, dim=3))
     return torch.cat(out_rows, dim=2)
+
+
+def qwen_vae_single_frame(model, latents: torch.Tensor) -> torch.Tensor:
+    """AutoencoderKLQwenImage's decode of one frame `latents` [B, z, H, W] read as a 2-D network (what DDO runs).
+
+    A QwenImageCausalConv3d pads `2 * padding` frames of zeros in front (its cache is None on the first chunk),
+    so on one frame only the kernel's last temporal slice meets data: a Conv2d with `weight[:, :, -1]`. Resample's
+    `upsample3d` marks its cache "Rep" on the first chunk and skips `time_conv`. Independent of DDO's code."""
+    sd = model.state_dict()
+    F = torch.nn.functional
+
+    def conv(x, name):
+        w = sd[name + ".weight"]
+        w = w[:, :, -1] if w.dim() == 5 else w
+        return F.conv2d(x, w, sd[name + ".bias"], padding=w.shape[-1] // 2)
+
+    def rms(x, name):
+        g = sd[name + ".gamma"]
+        return F.normalize(x, dim=1) * x.shape[1] ** 0.5 * g.reshape(g.shape[0], 1, 1)
+
+    def resnet(x, p):
+        h = conv(F.silu(rms(x, p + ".norm1")), p + ".conv1")
+        h = conv(F.silu(rms(h, p + ".norm2")), p + ".conv2")
+        return h + (conv(x, p + ".conv_shortcut") if p + ".conv_shortcut.weight" in sd else x)
+
+    def attention(x, p):
+        b, c, h, w = x.shape
+        qkv = conv(rms(x, p + ".norm"), p + ".to_qkv").reshape(b, 1, 3 * c, h * w).permute(0, 1, 3, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v).squeeze(1).permute(0, 2, 1).reshape(b, c, h, w)
+        return conv(o, p + ".proj") + x
+
+    with torch.no_grad():
+        x = conv(conv(latents, "post_quant_conv"), "decoder.conv_in")
+        x = resnet(x, "decoder.mid_block.resnets.0")
+        x = attention(x, "decoder.mid_block.attentions.0")
+        x = resnet(x, "decoder.mid_block.resnets.1")
+        for i, block in enumerate(model.decoder.up_blocks):
+            for k in range(len(block.resnets)):
+                x = resnet(x, f"decoder.up_blocks.{i}.resnets.{k}")
+            if block.upsamplers is not None:
+                x = conv(F.interpolate(x, scale_factor=2.0, mode="nearest-exact"), f"decoder.up_blocks.{i}.upsamplers.0.resample.1")
+        x = conv(F.silu(rms(x, "decoder.norm_out")), "decoder.conv_out")
+        return x.clamp(-1.0, 1.0)
 
 
 def run_fixture(name: str, model, ins, capture: bool):
@@ -616,6 +712,55 @@ def run_fixture(name: str, model, ins, capture: bool):
             outs["sample_two_images"] = f32c(
                 call(ins["hidden_states_two_images"], ins["img_shapes_two_images"], ins["encoder_hidden_states_mask"])
             )
+        elif name == "qwen_vae":
+            model.disable_tiling()
+            frames = lambda t: t.unsqueeze(2)  # [B, z, H, W] -> [B, z, 1, H, W]: one frame
+            cap = Capture(model, depth) if capture else None
+            outs["sample"] = f32c(model.decode(frames(ins["latents"])).sample[:, :, 0])
+            if cap:
+                cap.remove()
+                inter.update(cap.tensors())
+            outs["sample_batch2"] = f32c(model.decode(frames(ins["latents_batch2"])).sample[:, :, 0])
+            # QwenImagePipeline.__call__'s decode, spelled out (its latents already unpacked to [B, z, 1, H, W]).
+            latents = frames(ins["pipeline_latents"]).to(model.dtype)
+            z = model.config.z_dim
+            latents_mean = torch.tensor(model.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+            latents_std = 1.0 / torch.tensor(model.config.latents_std).view(1, z, 1, 1, 1).to(
+                latents.device, latents.dtype
+            )
+            latents = latents / latents_std + latents_mean
+            outs["pipeline_denormalized"] = f32c(latents[:, :, 0])
+            outs["pipeline_image"] = f32c(model.decode(latents, return_dict=False)[0][:, :, 0])
+            lat = frames(ins["latents_tiled"])
+            outs["sample_tiled_reference_untiled"] = f32c(model.decode(lat).sample[:, :, 0])
+            model.enable_tiling(**QWEN_VAE_TILING)
+            called = []
+            orig = model.tiled_decode
+
+            def spy(*a, **kw):
+                called.append(True)
+                return orig(*a, **kw)
+
+            model.tiled_decode = spy
+            outs["sample_tiled"] = f32c(model.decode(lat).sample[:, :, 0])
+            del model.tiled_decode
+            assert called, "tiled_decode was not called: tiling path not exercised"
+            # Diffusers' default tiles (256 px every 192) leave these latents untiled.
+            model.enable_tiling(
+                tile_sample_min_height=256,
+                tile_sample_min_width=256,
+                tile_sample_stride_height=192,
+                tile_sample_stride_width=192,
+            )
+            assert torch.equal(f32c(model.decode(lat).sample[:, :, 0]), outs["sample_tiled_reference_untiled"])
+            model.disable_tiling()
+            # The frame loop of `_decode` with one frame is one decoder call on the first-chunk path. Check the
+            # reading DDO implements against it: every causal convolution a 2-D one with its kernel's last
+            # temporal slice (the causal padding is zeros), no time_conv, the RMS norms over channels.
+            diff = (qwen_vae_single_frame(model, ins["latents_batch2"]) - outs["sample_batch2"]).abs().max().item()
+            assert diff < 1e-5, f"the single-frame reading differs by {diff}"
+            extra["single_frame_max_abs_diff"] = diff
+            extra["clamped"] = float((outs["sample"].abs() == 1.0).float().mean())
         elif name == "t5_encoder":
             cap = Capture(model, depth) if capture else None
             o = model(input_ids=ins["input_ids"])
@@ -953,8 +1098,9 @@ FIXTURE_NAMES = [
     "clip_text",
     "flux_pipeline",
     "qwen_image_transformer",
+    "qwen_vae",
 ]
-DIFFUSERS_MODELS = ("vae_sd", "vae_flux", "flux_transformer", "qwen_image_transformer")
+DIFFUSERS_MODELS = ("vae_sd", "vae_flux", "flux_transformer", "qwen_image_transformer", "qwen_vae")
 
 
 def weights_file(name: str) -> str:
@@ -1009,6 +1155,20 @@ def generate(names):
                 "(z.shape[-1] > tile_latent_min_size or z.shape[-2] > tile_latent_min_size)",
                 **extra["tiling_plan"],
                 per_tile_decoder_outputs="intermediates.safetensors: tiled.decoder@<call_index>",
+            )
+            (d / "tiling.json").write_text(json.dumps(tiling, indent=2) + "\n")
+        if name == "qwen_vae":
+            tiling = OrderedDict(
+                enable_tiling=OrderedDict(QWEN_VAE_TILING),
+                how="vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, "
+                "tile_sample_stride_height=12, tile_sample_stride_width=12); "
+                "vae.decode(latents_tiled[:, :, None]).sample[:, :, 0]",
+                latents_input="latents_tiled",
+                latents_shape=list(ins["latents_tiled"].shape),
+                output="sample_tiled",
+                output_shape=list(outs["sample_tiled"].shape),
+                trigger="AutoencoderKLQwenImage._decode calls tiled_decode when use_tiling and (z.shape[-1] > "
+                "tile_sample_min_width // 4 or z.shape[-2] > tile_sample_min_height // 4)",
             )
             (d / "tiling.json").write_text(json.dumps(tiling, indent=2) + "\n")
         results[name] = dict(perturbed=perturbed, extra=extra)
@@ -1185,6 +1345,52 @@ as a boolean SDPA mask), gated residuals, gelu-tanh MLPs, and returns `(encoder_
 first: `transformer_blocks.0.0` is the text stream [2,7,32], `.1` the image stream [2,12,32]); its attention returns
 `(image, text)` (`transformer_blocks.0.attn.0` image). Then `norm_out` (AdaLayerNormContinuous: chunks scale, shift)
 and `proj_out` on the image stream only.
+""",
+    "qwen_vae": """\
+`diffusers.AutoencoderKLQwenImage` (Qwen-Image's Wan-style VAE) at tiny widths: constructor kwargs `{cfg}` (DDO's
+`qwen-tiny` VAE config, whose 4 latent channels are the `qwen-tiny` transformer's). Decoder widths
+`[base_dim * dim_mult[-1]] + [base_dim * m for m in reversed(dim_mult)]` = [16, 16, 16, 8]: `conv_in` (4 -> 16), `mid_block` (resnet, single-head attention, resnet at 16), `up_blocks.0`
+(2 resnets at 16, `upsample3d`: nearest-exact 2x + Conv2d 16 -> 8; its `time_conv` is never run on one frame),
+`up_blocks.1` (resnets 8 -> 16 with `conv_shortcut`, 16; `upsample2d`: 2x + Conv2d 16 -> 8), `up_blocks.2` (2 resnets
+at 8), `norm_out`, SiLU, `conv_out` (8 -> 3); `spatial_compression_ratio = 2 ** len(temperal_downsample) = 4`.
+`config.json` and the weights are what `save_pretrained` writes, encoder, `quant_conv` and `time_conv` included.
+After the perturbation of constant params, `decoder.conv_out.weight` is multiplied by 3 so that part of the decoded
+image leaves [-1, 1] and the untiled decode's `clamp(-1, 1)` matters (clamped: {clamped} of `sample`'s values).
+
+**Calls** (latents are 4-D `[B, z, H, W]` in the files; each call inserts the frame axis, `latents[:, :, None]`, and
+keeps the one decoded frame, `[:, :, 0]`, as `QwenImagePipeline` does):
+* `sample` = `vae.decode(latents[:, :, None]).sample[:, :, 0]` (batch 1, tiling off); the intermediates are captured
+  from this call (5-D, one frame: `[1, C, 1, h, w]`). `sample_batch2` likewise from `latents_batch2`.
+* `pipeline_denormalized` / `pipeline_image`: `QwenImagePipeline.__call__`'s decode of `pipeline_latents` (as if
+  unpacked from the transformer): `latents_mean = tensor(config.latents_mean).view(1, z, 1, 1, 1)`,
+  `latents_std = 1.0 / tensor(config.latents_std).view(1, z, 1, 1, 1)` (float32, then the latents' dtype),
+  `latents = latents / latents_std + latents_mean` (so `latents * std + mean`, divided by the reciprocal), then
+  `vae.decode(latents, return_dict=False)[0][:, :, 0]`.
+* `sample_tiled` = `vae.decode(latents_tiled[:, :, None]).sample[:, :, 0]` after
+  `vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=12,
+  tile_sample_stride_width=12)`; `sample_tiled_reference_untiled` is the same latents untiled (also what Diffusers'
+  default tiles, 256 px every 192, give: checked). Parameters in `tiling.json`.
+
+**What decode does (diffusers 0.42.1 `autoencoder_kl_qwenimage.py`):** `post_quant_conv` (a 1x1x1 causal conv) on
+the 5-D latents, then `_decode`'s frame loop: one decoder call per latent frame with a feature cache made by
+`clear_cache()` (all `None`), then `clamp(-1, 1)`. With one frame the first call is all there is: every
+`QwenImageCausalConv3d` pads `(2 * padding)` frames in front with zeros (its cache entry is `None`), so a 3x3x3 kernel
+meets data with its last temporal slice only; `upsample3d` finds its cache entry `None`, stores `"Rep"` and skips
+`time_conv`. `QwenImageRMS_norm` is `F.normalize(x, dim=1) * sqrt(C) * gamma` (`x / max(||x||_2, 1e-12)` over
+channels; `bias=False`, so `+ 0.0`; inputs in 16-bit floats are normalised in float32). The resnet is `h =
+conv_shortcut(x)`, `norm1`, SiLU, `conv1`, `norm2`, SiLU, (dropout), `conv2`, `+ h`; the attention block normalises,
+runs the 1x1 `to_qkv`, reshapes to `[B, 1, 3C, hw]`, permutes to `[B, 1, hw, 3C]`, `chunk(3, -1)` into q, k, v, one
+SDPA head of width C (scale `1/sqrt(C)`), then the 1x1 `proj` and the residual. `QwenImageUpsample` is nearest-exact
+2x in float32 (for a factor of 2 the same pixels as nearest). The generator checks this reading against Diffusers
+(`qwen_vae_single_frame`: each causal conv a Conv2d with `weight[:, :, -1]`, no time_conv): max |diff| {single}.
+
+**Tiled decode** (`tiled_decode`, used when `use_tiling` and a latent side exceeds `tile_sample_min // 4`):
+latent tiles `z[:, :, k:k+1, i:i+4, j:j+4]` every `tile_sample_stride // 4 = 3` latents, each `post_quant_conv` +
+decoder with a fresh cache (no clamp: `tiled_decode` returns before `_decode`'s clamp). Then row-major, each decoded
+tile is blended in place with the (already blended, uncropped) tile above (`blend_v`) and to its left (`blend_h`) over
+`blend = tile_sample_min - tile_sample_stride = 4` px (`b[y] = a[-e + y] * (1 - y / e) + b[y] * (y / e)`, `e = min(a,
+b, blend)`), cropped to `[:12, :12]` (the sample stride), the crops concatenated along W then H, and the result
+cropped to `[:H * 4, :W * 4]`: here 3 x 3 tiles of a 7x9 latent, output [1, 3, 28, 36].
 """,
     "t5_encoder": """\
 `transformers.T5EncoderModel(T5Config(**kwargs))` with kwargs `{cfg}`
@@ -1393,6 +1599,7 @@ def write_manifest(results: dict):
             "t5_encoder": T5_CONFIG,
             "clip_text": CLIP_CONFIG,
             "qwen_image_transformer": QWEN_CONFIG,
+            "qwen_vae": QWEN_VAE_CONFIG,
         }[name]
         fmt = dict(cfg=json.dumps(cfg))
         if name == "vae_flux" and "tiling_plan" in extra:
@@ -1409,6 +1616,11 @@ def write_manifest(results: dict):
                 lastpx=last * 2,
                 outshape=outshape,
                 stitch=extra.get("stitch_selfcheck", "?"),
+            )
+        if name == "qwen_vae":
+            fmt.update(
+                single=f"{extra.get('single_frame_max_abs_diff', float('nan')):.3g}",
+                clamped=f"{100 * extra.get('clamped', float('nan')):.1f} %",
             )
         if name == "clip_text":
             fmt.update(pool=extra.get("pool_index", "?"), argmax=extra.get("argmax_rule_index", "?"))
