@@ -133,6 +133,34 @@ pub fn stored_as<T>(
 impl WeightSource for Fp8Storage<'_> {
     fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
         let p = self.inner.param(name, shape, kind)?;
+        self.store(name, shape, kind, p)
+    }
+
+    fn last_time_slice(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        frames: usize,
+        kind: ParamKind,
+    ) -> LoadResult<Arc<Param>> {
+        let p = self.inner.last_time_slice(name, shape, frames, kind)?;
+        self.store(name, shape, kind, p)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+}
+
+impl Fp8Storage<'_> {
+    /// `p` as stored: quantized to the format when the layer is cast, else as it is.
+    fn store(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        kind: ParamKind,
+        p: Arc<Param>,
+    ) -> LoadResult<Arc<Param>> {
         if !self.casts(name, shape, kind) || p.dtype().is_fp8() {
             return Ok(p);
         }
@@ -154,10 +182,6 @@ impl WeightSource for Fp8Storage<'_> {
         )?;
         self.converted += 1;
         Ok(Param::with_scale(q, scale)?)
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name)
     }
 }
 

@@ -16,6 +16,10 @@ use half::{bf16, f16};
 
 use crate::error::{LoadError, LoadResult};
 
+mod views;
+
+pub use views::{View, ViewKind};
+
 /// A supplier of params by name.
 pub trait WeightSource {
     /// The param `name` with `shape`, stored in the source's dtype.
@@ -23,6 +27,23 @@ pub trait WeightSource {
 
     /// Whether the source has a param named `name`.
     fn contains(&self, name: &str) -> bool;
+
+    /// The param `name` of `shape` `[out, in, kh, kw]`, taken from a causal 3-D convolution's
+    /// weight `[out, in, frames, kh, kw]` at its last temporal slice: what such a convolution
+    /// computes on one frame whose causal padding is zeros (Qwen-Image's VAE). A checkpoint
+    /// reads it through [`ViewKind::LastTimeSlice`]; the default asks [`WeightSource::param`]
+    /// for the 2-D weight itself (sources that make params at any shape, such as
+    /// [`RandomWeights`]).
+    fn last_time_slice(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        frames: usize,
+        kind: ParamKind,
+    ) -> LoadResult<Arc<Param>> {
+        let _ = frames;
+        self.param(name, shape, kind)
+    }
 
     /// The first of `names` the source has (for checkpoints written under older names).
     fn param_any(
@@ -593,189 +614,6 @@ impl CheckpointWeights {
             self.used.insert(input);
         }
         Ok(Some(value))
-    }
-}
-
-/// How a param a model asks for is read from a checkpoint tensor: the whole tensor, a
-/// range of its leading rows (a fused `qkv` split into `to_q`, `to_k`, `to_v`: a zero-copy
-/// slice of the mapping), or the tensor with its two halves along the first dim swapped
-/// (an owned copy: the original Flux layout's final modulation is `shift, scale`, Diffusers'
-/// `scale, shift`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ViewKind {
-    /// The tensor as it is.
-    Whole,
-    /// Rows `start..start + len` along dim 0.
-    Rows {
-        /// First row.
-        start: usize,
-        /// Rows.
-        len: usize,
-    },
-    /// The halves along dim 0 swapped.
-    SwapHalves,
-    /// The tensor's bytes under the model's shape, which drops trailing dims of 1 (an LDM
-    /// VAE's attention projections are 1x1 convolutions, Diffusers' are linears).
-    Squeeze,
-}
-
-/// A param name mapped onto a checkpoint tensor ([`CheckpointWeights::with_views`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct View {
-    /// The checkpoint tensor.
-    pub tensor: String,
-    /// How the param is read from it.
-    pub kind: ViewKind,
-}
-
-impl CheckpointWeights {
-    /// The same checkpoint read through `views`: a model's param names (Diffusers') mapped
-    /// onto the checkpoint's tensors (another layout's). Names outside `views` are missing;
-    /// a checkpoint tensor counts as used when a view of it is read.
-    pub fn with_views(mut self, views: HashMap<String, View>) -> Self {
-        self.views = Some(views);
-        self
-    }
-
-    /// The checkpoint tensor and view for param `name`.
-    fn view_of(&self, name: &str) -> Option<View> {
-        match &self.views {
-            Some(v) => v.get(name).cloned(),
-            None => Some(View {
-                tensor: name.to_string(),
-                kind: ViewKind::Whole,
-            }),
-        }
-    }
-}
-
-impl WeightSource for CheckpointWeights {
-    fn param(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> LoadResult<Arc<Param>> {
-        let missing = || LoadError::MissingTensor {
-            name: name.to_string(),
-            file: self.origin.clone(),
-        };
-        let Some(view) = self.view_of(name) else {
-            return Err(missing());
-        };
-        let tensor = view.tensor.as_str();
-        self.used.insert(tensor.to_string());
-        let Some(&id) = self.location.get(tensor) else {
-            return Err(LoadError::MissingTensor {
-                name: tensor.to_string(),
-                file: self.origin.clone(),
-            });
-        };
-        let ckpt = &self.files[id];
-        let file = ckpt.path().to_path_buf();
-        if let Some((_, dtype)) = ckpt.unsupported().find(|(n, _)| *n == tensor) {
-            return Err(LoadError::UnsupportedDtype {
-                name: tensor.to_string(),
-                file,
-                dtype: dtype.to_string(),
-            });
-        }
-        let info = ckpt.tensor(tensor)?.clone();
-        // The shape the view must find in the checkpoint.
-        let fits = match view.kind {
-            ViewKind::Whole => info.shape == shape,
-            ViewKind::SwapHalves => {
-                info.shape == shape && shape.first().is_some_and(|d| d % 2 == 0)
-            }
-            ViewKind::Squeeze => {
-                info.shape.len() >= shape.len()
-                    && info.shape[..shape.len()] == *shape
-                    && info.shape[shape.len()..].iter().all(|&d| d == 1)
-            }
-            ViewKind::Rows { start, len } => {
-                info.shape.len() == shape.len()
-                    && shape.first() == Some(&len)
-                    && info.shape.first().is_some_and(|&rows| start + len <= rows)
-                    && info.shape[1..] == shape[1..]
-            }
-        };
-        if !fits {
-            let expected = match view.kind {
-                ViewKind::Rows { start, len } => {
-                    let mut e = shape.to_vec();
-                    if let Some(first) = e.first_mut() {
-                        *first = (start + len).max(*first);
-                    }
-                    e
-                }
-                _ => shape.to_vec(),
-            };
-            return Err(LoadError::ShapeMismatch {
-                name: tensor.to_string(),
-                file,
-                expected,
-                found: info.shape,
-            });
-        }
-        if info.dtype.is_quantized() {
-            return Err(LoadError::UnsupportedDtype {
-                name: tensor.to_string(),
-                file,
-                dtype: "u8/i8 (quantized)".into(),
-            });
-        }
-        // A fused tensor's scale is every part's.
-        let scale = self.scale_of(tensor, info.dtype)?;
-        let ckpt = &self.files[id];
-        let whole = ckpt.host_buffer(tensor)?;
-        let row_bytes = info.len / info.shape.first().copied().unwrap_or(1).max(1);
-        let host = match view.kind {
-            ViewKind::Whole | ViewKind::Squeeze => whole.slice_all(),
-            ViewKind::Rows { start, len } => whole.slice(start * row_bytes, len * row_bytes)?,
-            ViewKind::SwapHalves => {
-                let half = info.len / 2;
-                let mut bytes = AlignedBytes::zeroed(info.len);
-                whole.with_bytes(|b| {
-                    let out = bytes.as_mut_slice();
-                    out[..half].copy_from_slice(&b[half..]);
-                    out[half..].copy_from_slice(&b[..half]);
-                });
-                let label = format!("({}, halves swapped) {tensor}", file.display());
-                HostBuffer::frozen(bytes, &label).slice_all()
-            }
-        };
-        let p = match self.target {
-            Some(t) if t != info.dtype => {
-                let mut values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
-                // A scaled fp8 weight converts as its dequantized values.
-                ddo_core::tensor::apply_scale(&mut values, scale);
-                let (bytes, scale) = if t.is_fp8() {
-                    let (codes, s) = t.quantize_scaled(name, &values)?;
-                    (codes, Some(s))
-                } else {
-                    (t.encode_f32(&values)?, None)
-                };
-                // Frozen like a checkpoint's bytes (see `RandomWeights`).
-                let label = format!("({} converted to {t}) {tensor}", file.display());
-                let p = Param::new(
-                    name,
-                    kind,
-                    t,
-                    shape.to_vec(),
-                    HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
-                )?;
-                return Ok(match scale {
-                    Some(s) => Param::with_scale(p, s)?,
-                    None => p,
-                });
-            }
-            _ if view.kind == ViewKind::Whole => Param::from_checkpoint(ckpt, tensor, name, kind)?,
-            _ => Param::new(name, kind, info.dtype, shape.to_vec(), host)?,
-        };
-        Ok(match scale {
-            Some(s) => Param::with_scale(p, s)?,
-            None => p,
-        })
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        self.view_of(name)
-            .is_some_and(|v| self.location.contains_key(&v.tensor))
     }
 }
 
