@@ -6,7 +6,8 @@
 //! single or sharded, with typed errors naming the tensor and the file; seeded random
 //! weights at any config), the [`builder`] that turns a model's structure into a component
 //! tree, the shared [`layers`], and the models: `AutoencoderKL`'s decoder, the Flux and
-//! Qwen-Image transformers, and the T5 and CLIP text encoders.
+//! Qwen-Image transformers, Qwen-Image's VAE decoder (`AutoencoderKLQwenImage` on one
+//! frame), and the T5 and CLIP text encoders.
 //!
 //! On top of the models sits Diffusers' `FluxPipeline` ([`pipeline`]): the flow-matching
 //! Euler [`scheduler`] with Flux's resolution-dependent shift, a documented stand-in
@@ -23,6 +24,7 @@ pub mod layers;
 pub mod memory;
 pub mod pipeline;
 pub mod qwen_image;
+pub mod qwen_vae;
 pub mod scheduler;
 pub mod soak;
 pub mod t5;

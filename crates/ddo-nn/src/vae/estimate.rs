@@ -8,17 +8,19 @@ use super::AutoencoderKL;
 use super::{AutoencoderKLConfig, TilingConfig};
 
 /// Live-byte bookkeeping of a simulated forward; `device` answers what each convolution
-/// allocates besides its output ([`Device::conv2d_scratch_bytes`]; none without one).
-struct PeakSim<'a> {
+/// allocates besides its output ([`Device::conv2d_scratch_bytes`]; none without one). The
+/// Qwen-Image VAE's estimates (`crate::qwen_vae`) run on it too.
+pub(crate) struct PeakSim<'a> {
     elem: u64,
     dtype: DType,
     live: u64,
-    peak: u64,
+    /// The most bytes live at once so far.
+    pub(crate) peak: u64,
     device: Option<&'a dyn Device>,
 }
 
 impl<'a> PeakSim<'a> {
-    fn new(dtype: DType, device: Option<&'a dyn Device>) -> Self {
+    pub(crate) fn new(dtype: DType, device: Option<&'a dyn Device>) -> Self {
         Self {
             elem: dtype.size_in_bytes() as u64,
             dtype,
@@ -30,7 +32,7 @@ impl<'a> PeakSim<'a> {
 
     /// A `k × k` convolution from `cin` to `cout` channels over `hw` elements per channel:
     /// its output, then the backend's scratch on top while it runs; frees `input`.
-    fn conv(&mut self, input: u64, cin: usize, cout: usize, k: usize, hw: usize) -> u64 {
+    pub(crate) fn conv(&mut self, input: u64, cin: usize, cout: usize, k: usize, hw: usize) -> u64 {
         let out = self.alloc(cout * hw);
         let scratch = self
             .device
@@ -40,16 +42,24 @@ impl<'a> PeakSim<'a> {
         out
     }
 
-    fn alloc(&mut self, elems: usize) -> u64 {
+    /// The dtype activations are stored in.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `elems` elements of the dtype; returns their bytes.
+    pub(crate) fn alloc(&mut self, elems: usize) -> u64 {
         let bytes = elems as u64 * self.elem;
         self.live += bytes;
         self.peak = self.peak.max(self.live);
         bytes
     }
-    fn free(&mut self, bytes: u64) {
+    /// Frees `bytes`.
+    pub(crate) fn free(&mut self, bytes: u64) {
         self.live -= bytes;
     }
-    fn alloc_f32(&mut self, elems: usize) -> u64 {
+    /// `elems` f32 elements; returns their bytes.
+    pub(crate) fn alloc_f32(&mut self, elems: usize) -> u64 {
         let bytes = elems as u64 * 4;
         self.live += bytes;
         self.peak = self.peak.max(self.live);
@@ -58,7 +68,14 @@ impl<'a> PeakSim<'a> {
 
     /// `blend` of a decoded tile of `len` along the blended axis and `cross` across it,
     /// `planes = batch × channels`, over `e` lines; returns the blended tile's bytes.
-    fn blend(&mut self, dec: u64, planes: usize, e: usize, len: usize, cross: usize) -> u64 {
+    pub(crate) fn blend(
+        &mut self,
+        dec: u64,
+        planes: usize,
+        e: usize,
+        len: usize,
+        cross: usize,
+    ) -> u64 {
         if e == 0 {
             return dec;
         }
@@ -84,7 +101,7 @@ impl<'a> PeakSim<'a> {
     }
 
     /// An op that reads `input` (freed afterwards) and writes `out` elements.
-    fn step(&mut self, input: u64, out: usize) -> u64 {
+    pub(crate) fn step(&mut self, input: u64, out: usize) -> u64 {
         let b = self.alloc(out);
         self.free(input);
         b

@@ -43,11 +43,13 @@ mod tiling;
 
 pub use config::AutoencoderKLConfig;
 pub use decoder::{AutoencoderKL, DecoderProgram};
+pub(crate) use estimate::PeakSim;
 pub use estimate::{
     estimate_decode_peak_bytes, estimate_decode_peak_bytes_on, estimate_tiled_decode_peak_bytes,
     estimate_tiled_decode_peak_bytes_on,
 };
 pub use tiling::TilingConfig;
+pub(crate) use tiling::{blend, concat};
 
 /// The component name of the VAE in Diffusers pipelines.
 pub const COMPONENT_NAME: &str = "vae";

@@ -148,8 +148,15 @@ impl DecoderProgram {
 
 /// `blend_v` (`dim` 2) or `blend_h` (`dim` 3): the first `e = min(a, b, extent)` rows
 /// (columns) of `b` become `a[-e + y] * (1 - y/e) + b[y] * (y/e)`. The weights are computed
-/// in f64 and applied as f32 scalars, as PyTorch applies Python floats to a tensor.
-fn blend(o: &dyn Ops, a: &Tensor, b: Tensor, extent: usize, dim: usize) -> Result<Tensor> {
+/// in f64 and applied as f32 scalars, as PyTorch applies Python floats to a tensor (the
+/// Qwen-Image VAE's `blend_v`/`blend_h` are the same).
+pub(crate) fn blend(
+    o: &dyn Ops,
+    a: &Tensor,
+    b: Tensor,
+    extent: usize,
+    dim: usize,
+) -> Result<Tensor> {
     let (a_len, b_len) = (a.shape()[dim], b.shape()[dim]);
     let e = extent.min(a_len).min(b_len);
     if e == 0 {
@@ -186,7 +193,8 @@ fn crop(o: &dyn Ops, t: &Tensor, limit: usize) -> Result<Tensor> {
     o.narrow(&rows, 3, 0, limit.min(w))
 }
 
-fn concat(o: &dyn Ops, mut parts: Vec<Tensor>, dim: usize) -> Result<Tensor> {
+/// The concatenation of `parts` along `dim` (the one part itself when there is one).
+pub(crate) fn concat(o: &dyn Ops, mut parts: Vec<Tensor>, dim: usize) -> Result<Tensor> {
     if parts.len() == 1
         && let Some(only) = parts.pop()
     {
