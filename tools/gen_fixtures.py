@@ -54,6 +54,8 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
+import qwen_text_fixture
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "fixtures"
 
@@ -1099,6 +1101,7 @@ FIXTURE_NAMES = [
     "flux_pipeline",
     "qwen_image_transformer",
     "qwen_vae",
+    "qwen_text_encoder",
 ]
 DIFFUSERS_MODELS = ("vae_sd", "vae_flux", "flux_transformer", "qwen_image_transformer", "qwen_vae")
 
@@ -1130,6 +1133,9 @@ def generate(names):
         reset_dir(d)
         if name == "flux_pipeline":
             results[name] = generate_pipeline(d)
+            continue
+        if name == qwen_text_fixture.NAME:
+            results[name] = qwen_text_fixture.generate(helpers(), d)
             continue
         model, perturbed = build_model(name)
         model.save_pretrained(str(d), safe_serialization=True)
@@ -1182,6 +1188,9 @@ def verify(names) -> bool:
         d = FIXTURES / name
         if name == "flux_pipeline":
             ok &= verify_pipeline(d)
+            continue
+        if name == qwen_text_fixture.NAME:
+            ok &= qwen_text_fixture.verify(helpers(), d)
             continue
         model = load_saved_model(name, d)
         ins = OrderedDict(load_file(str(d / "inputs.safetensors")))
@@ -1530,6 +1539,21 @@ schedule (`shift=3.0`, `use_dynamic_shifting=False`, `set_timesteps(28)`: NumPy 
     return "\n".join(lines)
 
 
+def helpers():
+    """The helpers fixtures written in their own modules (`qwen_text_fixture.py`) use."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        Capture=Capture,
+        f32c=f32c,
+        perturb_constant_params=perturb_constant_params,
+        save_tensors=save_tensors,
+        st_listing=st_listing,
+        table=table,
+        human=human,
+    )
+
+
 def write_manifest(results: dict):
     try:
         cpu = platform.processor() or platform.machine()
@@ -1590,6 +1614,9 @@ def write_manifest(results: dict):
             continue
         if name == "flux_pipeline":
             parts.append(pipeline_manifest_section(d, results.get(name, {})))
+            continue
+        if name == qwen_text_fixture.NAME:
+            parts.append(qwen_text_fixture.manifest_section(helpers(), d, results.get(name, {})))
             continue
         extra = results.get(name, {}).get("extra", {})
         cfg = {
