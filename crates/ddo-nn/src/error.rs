@@ -1,5 +1,5 @@
 //! [`LoadError`]: the crate's one error enum, for everything that can go wrong turning files
-//! (weights, configs) into models. Errors while running a model are `CoreError`s.
+//! (weights, configs, tokenizers) into models. Errors while running a model are `CoreError`s.
 
 use std::path::PathBuf;
 
@@ -140,6 +140,27 @@ pub enum LoadError {
         scale: String,
         /// Checkpoint file.
         file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A tokenizer folder has none of the files DDO reads (a missing `tokenizer/`
+    /// folder included).
+    #[error(
+        "no tokenizer in {dir}: expected {expected}; copy the model's tokenizer/ folder, or re-export it with transformers' save_pretrained"
+    )]
+    NoTokenizer {
+        /// The folder looked in.
+        dir: PathBuf,
+        /// The files looked for.
+        expected: String,
+    },
+    /// A tokenizer file is there but cannot be used.
+    #[error(
+        "cannot load the tokenizer {path}: {message}; re-export it with transformers' save_pretrained"
+    )]
+    Tokenizer {
+        /// The file (or folder).
+        path: PathBuf,
         /// What is wrong.
         message: String,
     },

@@ -51,6 +51,12 @@ pub const QWEN_IMAGE_SKIP_PATTERNS: [&str; 5] = FLUX_SKIP_PATTERNS;
 pub const T5_SKIP_PATTERNS: [&str; 4] =
     ["shared", "embed_tokens", "relative_attention_bias", "norm"];
 
+/// The modules of Qwen-Image's text encoder (Qwen2.5-VL's language model) kept as stored
+/// under `--dtype fp8`: the token embedding (`embed_tokens`, which DDO computes in 16 or 32
+/// bits only) and the RMS norms (`input_layernorm`, `post_attention_layernorm`, `norm`).
+/// Every attention and MLP linear is cast.
+pub const QWEN_TEXT_SKIP_PATTERNS: [&str; 2] = ["embed_tokens", "norm"];
+
 /// Whether module `module` (a dotted name) matches `pattern` as `re.search` matches the
 /// skip patterns: `^name$` the whole name, any other pattern a substring.
 fn matches(pattern: &str, module: &str) -> bool {

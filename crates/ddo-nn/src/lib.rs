@@ -7,7 +7,8 @@
 //! weights at any config), the [`builder`] that turns a model's structure into a component
 //! tree, the shared [`layers`], and the models: `AutoencoderKL`'s decoder, the Flux and
 //! Qwen-Image transformers, Qwen-Image's VAE decoder (`AutoencoderKLQwenImage` on one
-//! frame), and the T5 and CLIP text encoders.
+//! frame), the T5 and CLIP text encoders, and Qwen-Image's text encoder (Qwen2.5-VL's
+//! language model, with its tokenizer and the pipeline's prompt encoding: [`qwen_text`]).
 //!
 //! On top of the models sits Diffusers' `FluxPipeline` ([`pipeline`]): the flow-matching
 //! Euler [`scheduler`] with Flux's resolution-dependent shift, a documented stand-in
@@ -24,6 +25,7 @@ pub mod layers;
 pub mod memory;
 pub mod pipeline;
 pub mod qwen_image;
+pub mod qwen_text;
 pub mod qwen_vae;
 pub mod scheduler;
 pub mod soak;
@@ -34,7 +36,10 @@ pub mod weights;
 
 pub use builder::ModelBuilder;
 pub use error::{LoadError, LoadResult};
-pub use fp8::{FLUX_SKIP_PATTERNS, Fp8Storage, QWEN_IMAGE_SKIP_PATTERNS, T5_SKIP_PATTERNS};
+pub use fp8::{
+    FLUX_SKIP_PATTERNS, Fp8Storage, QWEN_IMAGE_SKIP_PATTERNS, QWEN_TEXT_SKIP_PATTERNS,
+    T5_SKIP_PATTERNS,
+};
 pub use weights::{
     CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, UnusedWeights, WeightSource,
     read_f32_tensor, read_text_file,

@@ -1,11 +1,11 @@
 //! The models build their component trees in execution order: a streamed route predicts
 //! the order its groups start from the leaf order, and for the models a preset streams
-//! (the Flux and Qwen-Image transformers, the text encoders) that prediction holds, so the
-//! first forward already streams on the engine (one copy per transfer unit, no relearn) and gives the resident
-//! output. The VAE decoder's mid block runs its attention between its two resnets, which
-//! the tree lists first (Diffusers' `resnets` list): a streamed VAE (an explicit choice; the
-//! presets never stream it) learns its order on the first forward, and gives the resident
-//! output all the same.
+//! (the Flux and Qwen-Image transformers, the text encoders, Qwen-Image's included) that
+//! prediction holds, so the first forward already streams on the engine (one copy per
+//! transfer unit, no relearn) and gives the resident output. The VAE decoder's mid block
+//! runs its attention between its two resnets, which the tree lists first (Diffusers'
+//! `resnets` list): a streamed VAE (an explicit choice; the presets never stream it) learns
+//! its order on the first forward, and gives the resident output all the same.
 
 use std::sync::Arc;
 
@@ -13,6 +13,7 @@ use ddo_core::{Component, DType, Device, HostDevice, RouteSpec, Tensor};
 use ddo_nn::flux::FluxInputs;
 use ddo_nn::pipeline::{FluxPipeline, FluxPipelineConfig};
 use ddo_nn::qwen_image::{QwenImageInputs, QwenImageTransformer, QwenImageTransformerConfig};
+use ddo_nn::qwen_text::{QwenTextEncoder, QwenTextEncoderConfig, QwenTextInputs};
 use ddo_routes::enable_dynamic_offload;
 
 fn streamed() -> RouteSpec {
@@ -98,6 +99,21 @@ fn the_qwen_image_transformer_runs_its_leaves_in_tree_order() {
     // A padded prompt: the mask takes no leaf, and changes no order.
     inputs.encoder_hidden_states_mask = Some(vec![true, true, true, true, false, false]);
     check("qwen_image transformer", model.component(), true, &|d| {
+        model.forward(d, &inputs).unwrap()
+    });
+}
+
+#[test]
+fn the_qwen_text_encoder_runs_its_leaves_in_tree_order() {
+    let model = QwenTextEncoder::random(&QwenTextEncoderConfig::tiny(), 0, DType::F32).unwrap();
+    // Two prompts, the second padded: the causal + padding mask takes no leaf, and changes
+    // no order.
+    let inputs = QwenTextInputs::new(
+        vec![3, 9, 27, 81, 243, 5, 15, 45, 0, 0],
+        Some(vec![1, 1, 1, 1, 1, 1, 1, 1, 0, 0]),
+        2,
+    );
+    check("qwen text_encoder", model.component(), true, &|d| {
         model.forward(d, &inputs).unwrap()
     });
 }
