@@ -139,3 +139,20 @@ fn every_spelling_of_help_lists_the_same_options() {
         assert_eq!(ok(&ddo(&[v])), version);
     }
 }
+
+/// `-h` and `-V` count only as written: clap would read `-hx` as `-h` clustered with `-x`
+/// and print help with exit 0 (the argument fuzzer found `ddo -helpuida`).
+#[test]
+fn help_and_version_are_not_clustered_with_other_letters() {
+    for args in [
+        &["-helpuida"][..],
+        &["-hx"],
+        &["-Vx"],
+        &["run", "-hxyz"],
+        &["run", "--config", "tiny", "-hV"],
+    ] {
+        let line = usage_line(args);
+        assert!(line.contains("unknown option `-"), "{args:?}: {line}");
+        assert!(line.contains("--help"), "{args:?}: {line}");
+    }
+}

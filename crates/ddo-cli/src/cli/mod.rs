@@ -128,6 +128,19 @@ pub fn parse(argv: &[String]) -> CliResult<Invocation> {
                 clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
             ) =>
         {
+            // clap reads `-hx` as `-h` clustered with `-x`: DDO takes `-h`, `--help`, `-V` and
+            // `--version` only as they are written.
+            let exact = ["-h", "--help", "-V", "--version"];
+            if !argv.iter().any(|a| exact.contains(&a.as_str())) {
+                let word = argv
+                    .iter()
+                    .find(|a| a.starts_with("-h") || a.starts_with("-V"))
+                    .map_or("-h", String::as_str);
+                return Err(CliError::usage(
+                    format!("unknown option `{word}`"),
+                    "write -h or --help (or -V, --version) alone, or see `ddo help`",
+                ));
+            }
             Ok(Invocation::Print(e.render().to_string()))
         }
         Err(e) => Err(errors::usage_error(&e, argv)),
