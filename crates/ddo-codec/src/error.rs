@@ -127,4 +127,18 @@ pub enum CodecError {
         /// Checksum of what was decoded.
         computed: u64,
     },
+    /// Reading or writing a cache file of coded units ([`crate::cache`]) failed at the
+    /// file system (not a stale or corrupt cache: those are [`crate::cache::CacheLookup`]s).
+    #[error(
+        "coded-unit cache {path}: {op} failed: {message}; check the directory is writable \
+         and has room, or run without the cache (the units are then coded at every attach)"
+    )]
+    CacheIo {
+        /// The cache file (or its temporary file).
+        path: std::path::PathBuf,
+        /// What was being done: "create", "write", "sync", "rename", "read".
+        op: &'static str,
+        /// The operating system's message.
+        message: String,
+    },
 }

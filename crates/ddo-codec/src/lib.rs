@@ -57,8 +57,12 @@
 //! - [`UnitHeader::parse`]: the validated header with every section's offset — what a GPU
 //!   launch takes;
 //! - [`Stats`]: compressed bytes, ratio, exponent entropy (Shannon) and coded bits,
-//!   mergeable over units.
+//!   mergeable over units;
+//! - [`cache`]: a versioned file of coded units checked against a caller's [`cache::CacheKey`]
+//!   ([`cache::write_cache`], atomic; [`cache::read_cache`], stale or corrupt files reported,
+//!   never used), so weights are coded once rather than at every attach.
 
+pub mod cache;
 pub mod decode;
 pub mod encode;
 pub mod error;

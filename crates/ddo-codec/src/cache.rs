@@ -1,0 +1,663 @@
+//! A file of coded units on disk, so weights are coded once, not at every attach.
+//!
+//! The streaming engine codes every transfer unit of a checkpoint at attach, which takes
+//! seconds for a large model. [`write_cache`] stores the coded units with a caller-built
+//! [`CacheKey`] (what the units were coded from); [`read_cache`] hands them back only when
+//! the key matches and every byte of the file checks out, and otherwise says why
+//! ([`CacheLookup`]), so the caller codes again and rewrites the file.
+//!
+//! # File format (version [`CACHE_VERSION`])
+//!
+//! All integers little-endian.
+//!
+//! | offset | bytes | field |
+//! | --- | --- | --- |
+//! | 0 | 8 | magic `b"DDOCACHE"` |
+//! | 8 | 4 | version ([`CACHE_VERSION`]) |
+//! | 12 | 4 | flags, 0 |
+//! | 16 | 8 | unit count `n` |
+//! | 24 | 8 | key length `k` |
+//! | 32 | 8 | payload offset `p` (16-aligned; `64 + align16(k) + align16(24 n)`) |
+//! | 40 | 8 | payload length (the sum of the units' lengths, each rounded up to 16) |
+//! | 48 | 8 | index hash: [`fast_hash`] of bytes `0..48` followed by bytes `56..p` |
+//! | 56 | 8 | reserved, 0 |
+//! | 64 | `k` | the key's bytes, then zeros to a multiple of 16 |
+//! | | `24 n` | the index: per unit its offset in the payload, its length, and [`fast_hash`] of its bytes (3 × `u64`), then zeros to a multiple of 16 |
+//! | `p` | | the payload: the coded units in order, each starting 16-aligned, zeros between and after |
+//!
+//! The file is exactly `p` + payload length bytes. The index hash covers the header, the
+//! key, the index and their padding; each unit's hash covers its bytes; padding in the
+//! payload must be zero; each unit must parse ([`UnitHeader::parse`], which checks its own
+//! metadata hash) to exactly its indexed length. So a truncated file, an extended one, and
+//! a flipped byte anywhere are all detected before anything is decoded (and the units'
+//! checksums still guard the decoded words).
+//!
+//! # Writing is atomic
+//!
+//! [`write_cache`] writes a temporary file in the destination's directory, syncs it and
+//! renames it over the destination: a reader sees the old file or the new one, never a
+//! partial one, and a failed write removes its temporary file and leaves any old file as
+//! it was.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::error::{CodecError, Result};
+use crate::format::UnitHeader;
+use crate::hash::{P1, P2, P4, P5, fmix64, round};
+
+/// The cache file format version this build reads and writes; a file of another version is
+/// [`CacheLookup::Stale`].
+pub const CACHE_VERSION: u32 = 1;
+
+/// The file's magic.
+const MAGIC: &[u8; 8] = b"DDOCACHE";
+/// Bytes of the fixed header.
+const HEADER: usize = 64;
+/// Bytes of one index entry.
+const ENTRY: usize = 24;
+/// Alignment of the key, the index, the payload and every unit in it.
+const ALIGN: u64 = 16;
+
+/// What a cache's units were coded from, as the caller describes it: the file is used only
+/// when the key given to [`read_cache`] is byte for byte the key it was written with.
+///
+/// Build it from everything that decides the coded bytes, e.g. the source file's size and
+/// modification time, the units' layout (each unit's byte length) and a content hash of
+/// each unit's raw image ([`fast_hash`]). Fields are appended in order with
+/// [`CacheKey::push_u64`] / [`CacheKey::push_bytes`] (length-prefixed, so two different
+/// sequences of fields never give the same key).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheKey {
+    bytes: Vec<u8>,
+}
+
+impl CacheKey {
+    /// An empty key.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a `u64` field.
+    pub fn push_u64(&mut self, v: u64) -> &mut Self {
+        self.bytes.push(b'u');
+        self.bytes.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    /// Appends a byte-string field (length-prefixed).
+    pub fn push_bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.bytes.push(b'b');
+        self.bytes
+            .extend_from_slice(&(b.len() as u64).to_le_bytes());
+        self.bytes.extend_from_slice(b);
+        self
+    }
+
+    /// The key's bytes, as stored in the file.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// A fast 64-bit hash of `bytes` (not cryptographic): four independent xxHash64-style
+/// rounds over the little-endian `u64`s (the tail zero-padded), finished with the length.
+/// It runs at several GB/s per core, so hashing every raw unit costs far less than coding
+/// it. Used for the cache's integrity checks and offered to callers for their keys.
+pub fn fast_hash(bytes: &[u8]) -> u64 {
+    let mut s = [P1.wrapping_add(P2), P2, 0, 0u64.wrapping_sub(P1)];
+    let mut blocks = bytes.chunks_exact(32);
+    for b in &mut blocks {
+        for (j, lane) in s.iter_mut().enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[8 * j..8 * j + 8]);
+            *lane = round(*lane, u64::from_le_bytes(w));
+        }
+    }
+    let mut tail = [0u8; 32];
+    let rest = blocks.remainder();
+    tail[..rest.len()].copy_from_slice(rest);
+    for (j, lane) in s.iter_mut().enumerate() {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&tail[8 * j..8 * j + 8]);
+        *lane = round(*lane, u64::from_le_bytes(w));
+    }
+    let mixed = s.iter().enumerate().fold(P5, |acc, (j, &x)| {
+        acc.rotate_left(17 + j as u32) ^ fmix64(x)
+    });
+    fmix64(mixed ^ (bytes.len() as u64).wrapping_mul(P4))
+}
+
+/// Coded units read back from a cache file: one buffer holding the file, and each unit's
+/// place in it with its validated header.
+#[derive(Debug)]
+pub struct CachedUnits {
+    bytes: Vec<u8>,
+    units: Vec<(usize, UnitHeader)>,
+}
+
+impl CachedUnits {
+    /// Number of units.
+    pub fn len(&self) -> usize {
+        self.units.len()
+    }
+
+    /// Whether there are no units.
+    pub fn is_empty(&self) -> bool {
+        self.units.is_empty()
+    }
+
+    /// Unit `i`'s coded bytes and header, or `None` past the end.
+    pub fn unit(&self, i: usize) -> Option<(&[u8], &UnitHeader)> {
+        let (at, header) = self.units.get(i)?;
+        let end = at + header.encoded_len() as usize;
+        Some((self.bytes.get(*at..end)?, header))
+    }
+
+    /// Every unit in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &UnitHeader)> {
+        (0..self.len()).filter_map(|i| self.unit(i))
+    }
+
+    /// Bytes of the file read.
+    pub fn file_bytes(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+}
+
+/// What [`read_cache`] found. Every case but [`CacheLookup::Hit`] means: code the units and
+/// [`write_cache`] them again.
+#[derive(Debug)]
+pub enum CacheLookup {
+    /// The file matches the key and checks out.
+    Hit(CachedUnits),
+    /// There is no file.
+    Absent,
+    /// The file is intact but was written for another key (or by another format version).
+    Stale(String),
+    /// The file is damaged: the reason says where.
+    Corrupt(String),
+}
+
+impl CacheLookup {
+    /// Why the cache was not used (`None` for a hit).
+    pub fn reason(&self) -> Option<String> {
+        match self {
+            CacheLookup::Hit(_) => None,
+            CacheLookup::Absent => Some("no cache file".into()),
+            CacheLookup::Stale(r) => Some(format!("stale: {r}")),
+            CacheLookup::Corrupt(r) => Some(format!("corrupt: {r}")),
+        }
+    }
+}
+
+fn align(v: u64) -> u64 {
+    v.div_ceil(ALIGN) * ALIGN
+}
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    if let Some(s) = b.get(at..at + 8) {
+        w.copy_from_slice(s);
+    }
+    u64::from_le_bytes(w)
+}
+
+/// The hash of the header (less its hash field), key and index.
+fn index_hash(head: &[u8]) -> u64 {
+    let mut v = Vec::with_capacity(head.len());
+    v.extend_from_slice(&head[..48]);
+    v.extend_from_slice(&head[56..]);
+    fast_hash(&v)
+}
+
+/// Hashes every unit on up to `threads` threads.
+fn hash_units(units: &[&[u8]]) -> Vec<u64> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(units.len().max(1));
+    let per = units.len().div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = units
+            .chunks(per)
+            .map(|part| scope.spawn(move || part.iter().map(|u| fast_hash(u)).collect::<Vec<_>>()))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| {
+                // A hashing thread cannot panic (no indexing out of range); should one, its
+                // units get a hash no unit has, so the file reads as corrupt.
+                h.join().unwrap_or_default()
+            })
+            .collect()
+    })
+}
+
+fn io_err(path: &Path, op: &'static str, e: &std::io::Error) -> CodecError {
+    CodecError::CacheIo {
+        path: path.to_path_buf(),
+        op,
+        message: e.to_string(),
+    }
+}
+
+/// Writes `units` (each one whole coded unit, as the encoder wrote it) with `key` to
+/// `path`, atomically (see the module docs). A unit that does not parse is refused with its
+/// [`CodecError`] before any file is touched; a file system failure is
+/// [`CodecError::CacheIo`], with no temporary file left behind.
+pub fn write_cache(path: &Path, key: &CacheKey, units: &[&[u8]]) -> Result<()> {
+    write_cache_failing_after(path, key, units, None)
+}
+
+/// [`write_cache`], with (for tests) a simulated write failure after `fail_after` bytes.
+fn write_cache_failing_after(
+    path: &Path,
+    key: &CacheKey,
+    units: &[&[u8]],
+    fail_after: Option<u64>,
+) -> Result<()> {
+    for u in units {
+        UnitHeader::parse(u)?;
+    }
+    let n = units.len() as u64;
+    let k = key.bytes.len() as u64;
+    let payload_offset = HEADER as u64 + align(k) + align(ENTRY as u64 * n);
+    let hashes = hash_units(units);
+    let mut head = vec![0u8; payload_offset as usize];
+    head[..8].copy_from_slice(MAGIC);
+    head[8..12].copy_from_slice(&CACHE_VERSION.to_le_bytes());
+    head[16..24].copy_from_slice(&n.to_le_bytes());
+    head[24..32].copy_from_slice(&k.to_le_bytes());
+    head[32..40].copy_from_slice(&payload_offset.to_le_bytes());
+    head[HEADER..HEADER + key.bytes.len()].copy_from_slice(&key.bytes);
+    let index_at = HEADER + align(k) as usize;
+    let mut at = 0u64;
+    for (i, (u, h)) in units.iter().zip(&hashes).enumerate() {
+        let e = index_at + i * ENTRY;
+        head[e..e + 8].copy_from_slice(&at.to_le_bytes());
+        head[e + 8..e + 16].copy_from_slice(&(u.len() as u64).to_le_bytes());
+        head[e + 16..e + 24].copy_from_slice(&h.to_le_bytes());
+        at += align(u.len() as u64);
+    }
+    head[40..48].copy_from_slice(&at.to_le_bytes());
+    let ih = index_hash(&head);
+    head[48..56].copy_from_slice(&ih.to_le_bytes());
+
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .map_or_else(|| "cache".into(), |n| n.to_string_lossy().into_owned());
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = dir.join(format!(".{name}.tmp.{}.{nonce}", std::process::id()));
+    let result = (|| -> Result<()> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(|e| io_err(&tmp, "create", &e))?;
+        let mut out = std::io::BufWriter::with_capacity(
+            1 << 20,
+            Limited {
+                inner: &file,
+                left: fail_after,
+            },
+        );
+        let w = |out: &mut std::io::BufWriter<Limited<'_>>, b: &[u8]| {
+            out.write_all(b).map_err(|e| io_err(&tmp, "write", &e))
+        };
+        w(&mut out, &head)?;
+        let zeros = [0u8; ALIGN as usize];
+        for u in units {
+            w(&mut out, u)?;
+            let pad = (align(u.len() as u64) - u.len() as u64) as usize;
+            w(&mut out, &zeros[..pad])?;
+        }
+        out.flush().map_err(|e| io_err(&tmp, "write", &e))?;
+        drop(out);
+        file.sync_all().map_err(|e| io_err(&tmp, "sync", &e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_err(path, "rename", &e))
+    })();
+    if result.is_err() {
+        // Best effort: the temporary file may not exist (create failed).
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// A writer that fails once `left` bytes are spent (`None`: never).
+struct Limited<'a> {
+    inner: &'a std::fs::File,
+    left: Option<u64>,
+}
+
+impl Write for Limited<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Some(left) = self.left {
+            if left < buf.len() as u64 {
+                return Err(std::io::Error::other("simulated write failure"));
+            }
+            self.left = Some(left - buf.len() as u64);
+        }
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Reads the cache at `path` for `key` (one read into memory, then every check in the
+/// module docs, the units' hashes on every core). Absent, stale and corrupt files are
+/// [`CacheLookup`]s, never errors, so the caller just codes again; only a file that exists
+/// but cannot be read is [`CodecError::CacheIo`].
+pub fn read_cache(path: &Path, key: &CacheKey) -> Result<CacheLookup> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(CacheLookup::Absent),
+        Err(e) => return Err(io_err(path, "read", &e)),
+    };
+    Ok(check(bytes, key))
+}
+
+/// Validates a whole cache file's bytes against `key`.
+fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
+    let corrupt = |r: String| CacheLookup::Corrupt(r);
+    let len = bytes.len() as u64;
+    if bytes.len() < HEADER {
+        return corrupt(format!(
+            "{len} bytes, shorter than the {HEADER}-byte header"
+        ));
+    }
+    if &bytes[..8] != MAGIC {
+        return corrupt("bad magic".into());
+    }
+    let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    let n = le_u64(&bytes, 16);
+    let k = le_u64(&bytes, 24);
+    let payload_offset = le_u64(&bytes, 32);
+    let payload_len = le_u64(&bytes, 40);
+    let stored_hash = le_u64(&bytes, 48);
+    let expect_offset = n
+        .checked_mul(ENTRY as u64)
+        .and_then(|i| align(k).checked_add(align(i)))
+        .and_then(|v| v.checked_add(HEADER as u64));
+    if expect_offset != Some(payload_offset) || payload_offset > len {
+        return corrupt(format!(
+            "payload offset {payload_offset} does not follow from {n} units and a {k}-byte key in a {len}-byte file"
+        ));
+    }
+    let head = &bytes[..payload_offset as usize];
+    let computed = index_hash(head);
+    if computed != stored_hash {
+        return corrupt(format!(
+            "header/key/index hash {computed:#018x} is not the stored {stored_hash:#018x}"
+        ));
+    }
+    if version != CACHE_VERSION {
+        return CacheLookup::Stale(format!(
+            "format version {version}, this build reads {CACHE_VERSION}"
+        ));
+    }
+    if u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) != 0
+        || le_u64(&bytes, 56) != 0
+    {
+        return corrupt("nonzero flags or reserved field".into());
+    }
+    if payload_offset.checked_add(payload_len) != Some(len) {
+        return corrupt(format!(
+            "{len} bytes, but the header says {payload_offset} + {payload_len}"
+        ));
+    }
+    let stored_key = &head[HEADER..HEADER + k as usize];
+    if stored_key != key.as_bytes() {
+        return CacheLookup::Stale("written for another key (the source or layout changed)".into());
+    }
+    let index_at = HEADER + align(k) as usize;
+    let payload = &bytes[payload_offset as usize..];
+    let mut units = Vec::with_capacity(n as usize);
+    let mut slices: Vec<&[u8]> = Vec::with_capacity(n as usize);
+    let mut hashes = Vec::with_capacity(n as usize);
+    let mut at = 0u64;
+    for i in 0..n as usize {
+        let e = index_at + i * ENTRY;
+        let (off, ulen, h) = (le_u64(head, e), le_u64(head, e + 8), le_u64(head, e + 16));
+        if off != at {
+            return corrupt(format!("unit {i} at {off}, expected {at}"));
+        }
+        let Some(end) = off
+            .checked_add(ulen)
+            .filter(|&end| align(end) <= payload_len)
+        else {
+            return corrupt(format!(
+                "unit {i} ({ulen} bytes at {off}) runs past the payload"
+            ));
+        };
+        if payload[end as usize..align(end) as usize]
+            .iter()
+            .any(|&b| b != 0)
+        {
+            return corrupt(format!("nonzero padding after unit {i}"));
+        }
+        let unit = &payload[off as usize..end as usize];
+        match UnitHeader::parse(unit) {
+            Ok(header) => units.push((payload_offset as usize + off as usize, header)),
+            Err(err) => return corrupt(format!("unit {i}: {err}")),
+        }
+        slices.push(unit);
+        hashes.push(h);
+        at = align(end);
+    }
+    if at != payload_len {
+        return corrupt(format!("units end at {at}, the payload at {payload_len}"));
+    }
+    let computed = hash_units(&slices);
+    if let Some(i) = (0..slices.len()).find(|&i| computed.get(i) != hashes.get(i)) {
+        return corrupt(format!("unit {i}'s bytes do not match their hash"));
+    }
+    CacheLookup::Hit(CachedUnits { bytes, units })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::encode::encode_unit;
+    use proptest::prelude::*;
+
+    fn units() -> Vec<Vec<u8>> {
+        // Weight-like bf16 words (a few exponents) and one odd-sized, incompressible unit.
+        let mut v = Vec::new();
+        for (u, words) in [(0u32, 5000usize), (1, 333), (2, 9001)] {
+            let mut b = Vec::with_capacity(words * 2);
+            let mut x = 0x1234_5678u32.wrapping_add(u);
+            for _ in 0..words {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                let w: u16 = if u == 1 {
+                    x as u16
+                } else {
+                    (((x >> 8) as u16) & 0x807f) | (((118 + (x % 5)) as u16) << 7)
+                };
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+            v.push(encode_unit(&b).map(|e| e.into_bytes()).unwrap_or_default());
+        }
+        v
+    }
+
+    fn key(tag: u64) -> CacheKey {
+        let mut k = CacheKey::new();
+        k.push_u64(tag).push_bytes(b"model.safetensors");
+        k
+    }
+
+    fn refs(u: &[Vec<u8>]) -> Vec<&[u8]> {
+        u.iter().map(Vec::as_slice).collect()
+    }
+
+    fn file_of(u: &[Vec<u8>], key: &CacheKey) -> Vec<u8> {
+        let dir = tempdir();
+        let p = dir.join("c.ddo-coded");
+        write_cache(&p, key, &refs(u)).unwrap();
+        let b = std::fs::read(&p).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        b
+    }
+
+    fn tempdir() -> PathBuf {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let d = std::env::temp_dir().join(format!(
+            "ddo-codec-cache-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn only_file(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn round_trip_returns_the_same_units() {
+        let u = units();
+        let dir = tempdir();
+        let p = dir.join("m.safetensors.ddo-coded");
+        assert!(matches!(
+            read_cache(&p, &key(1)).unwrap(),
+            CacheLookup::Absent
+        ));
+        write_cache(&p, &key(1), &refs(&u)).unwrap();
+        let CacheLookup::Hit(c) = read_cache(&p, &key(1)).unwrap() else {
+            panic!("expected a hit");
+        };
+        assert_eq!(c.len(), u.len());
+        for ((bytes, header), want) in c.iter().zip(&u) {
+            assert_eq!(bytes, want.as_slice());
+            assert_eq!(header.encoded_len(), want.len() as u64);
+        }
+        assert_eq!(only_file(&dir), vec!["m.safetensors.ddo-coded".to_string()]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn empty_unit_list_round_trips() {
+        let b = file_of(&[], &key(3));
+        assert!(matches!(check(b, &key(3)), CacheLookup::Hit(c) if c.is_empty()));
+    }
+
+    #[test]
+    fn another_key_is_stale_and_a_rewrite_replaces_it() {
+        let u = units();
+        let dir = tempdir();
+        let p = dir.join("c");
+        write_cache(&p, &key(1), &refs(&u)).unwrap();
+        assert!(matches!(
+            read_cache(&p, &key(2)).unwrap(),
+            CacheLookup::Stale(_)
+        ));
+        write_cache(&p, &key(2), &refs(&u[..2])).unwrap();
+        assert!(matches!(read_cache(&p, &key(2)).unwrap(), CacheLookup::Hit(c) if c.len() == 2));
+        assert!(matches!(
+            read_cache(&p, &key(1)).unwrap(),
+            CacheLookup::Stale(_)
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_corrupt() {
+        let b = file_of(&units(), &key(1));
+        for cut in (0..b.len()).step_by(7).chain([b.len() - 1]) {
+            let r = check(b[..cut].to_vec(), &key(1));
+            assert!(matches!(r, CacheLookup::Corrupt(_)), "cut at {cut}: {r:?}");
+        }
+        let mut longer = b.clone();
+        longer.extend_from_slice(&[0; 16]);
+        assert!(matches!(check(longer, &key(1)), CacheLookup::Corrupt(_)));
+    }
+
+    #[test]
+    fn a_unit_that_is_not_coded_is_refused_before_any_file_is_made() {
+        let u = units();
+        let dir = tempdir();
+        let p = dir.join("c");
+        let bad: Vec<&[u8]> = vec![&u[0], b"not a unit"];
+        assert!(write_cache(&p, &key(1), &bad).is_err());
+        assert!(only_file(&dir).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_leaves_no_file_and_the_old_file_intact() {
+        let u = units();
+        let dir = tempdir();
+        let p = dir.join("c");
+        // No old file: nothing left behind, at every failure point.
+        let whole = file_of(&u, &key(1)).len() as u64;
+        for after in [0u64, 10, 64, 1000, whole / 2, whole - 1] {
+            let r = write_cache_failing_after(&p, &key(1), &refs(&u), Some(after));
+            assert!(
+                matches!(r, Err(CodecError::CacheIo { op: "write", .. })),
+                "{r:?}"
+            );
+            assert!(only_file(&dir).is_empty(), "after {after}");
+        }
+        // An old file: still there and still valid.
+        write_cache(&p, &key(1), &refs(&u)).unwrap();
+        let r = write_cache_failing_after(&p, &key(2), &refs(&u[..1]), Some(100));
+        assert!(r.is_err());
+        assert_eq!(only_file(&dir), vec!["c".to_string()]);
+        assert!(matches!(read_cache(&p, &key(1)).unwrap(), CacheLookup::Hit(c) if c.len() == 3));
+        // A directory that does not exist: a typed error, nothing made.
+        let r = write_cache(&dir.join("missing").join("c"), &key(1), &refs(&u));
+        assert!(
+            matches!(r, Err(CodecError::CacheIo { op: "create", .. })),
+            "{r:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn fast_hash_sees_every_byte_and_the_length() {
+        let b: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let h = fast_hash(&b);
+        for i in 0..b.len() {
+            let mut c = b.clone();
+            c[i] ^= 1;
+            assert_ne!(fast_hash(&c), h, "byte {i}");
+        }
+        assert_ne!(fast_hash(&b[..999]), h);
+        let mut z = b.clone();
+        z.push(0);
+        assert_ne!(fast_hash(&z), h);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn a_flipped_byte_anywhere_is_detected(at in any::<prop::sample::Index>(), bit in 0u8..8) {
+            static FILE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+            let b = FILE.get_or_init(|| file_of(&units(), &key(1)));
+            let mut c = b.clone();
+            let i = at.index(c.len());
+            c[i] ^= 1 << bit;
+            let r = check(c, &key(1));
+            // A flip in the version field is a hashed field too, so corrupt as well.
+            prop_assert!(matches!(r, CacheLookup::Corrupt(_)), "byte {} bit {}: {:?}", i, bit, r);
+        }
+    }
+}
