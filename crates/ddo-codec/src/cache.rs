@@ -17,11 +17,12 @@
 //! | 12 | 4 | flags, 0 |
 //! | 16 | 8 | unit count `n` |
 //! | 24 | 8 | key length `k` |
-//! | 32 | 8 | payload offset `p` (16-aligned; `64 + align16(k) + align16(24 n)`) |
+//! | 32 | 8 | payload offset `p` (16-aligned; `64 + align16(k) + align16(x) + align16(24 n)`) |
 //! | 40 | 8 | payload length (the sum of the units' lengths, each rounded up to 16) |
 //! | 48 | 8 | index hash: [`fast_hash`] of bytes `0..48` followed by bytes `56..p` |
-//! | 56 | 8 | reserved, 0 |
+//! | 56 | 8 | extra length `x` |
 //! | 64 | `k` | the key's bytes, then zeros to a multiple of 16 |
+//! | | `x` | the caller's extra bytes (e.g. figures of the coding), then zeros to a multiple of 16 |
 //! | | `24 n` | the index: per unit its offset in the payload, its length, and [`fast_hash`] of its bytes (3 × `u64`), then zeros to a multiple of 16 |
 //! | `p` | | the payload: the coded units in order, each starting 16-aligned, zeros between and after |
 //!
@@ -133,6 +134,7 @@ pub fn fast_hash(bytes: &[u8]) -> u64 {
 #[derive(Debug)]
 pub struct CachedUnits {
     bytes: Vec<u8>,
+    extra: std::ops::Range<usize>,
     units: Vec<(usize, UnitHeader)>,
 }
 
@@ -157,6 +159,11 @@ impl CachedUnits {
     /// Every unit in order.
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &UnitHeader)> {
         (0..self.len()).filter_map(|i| self.unit(i))
+    }
+
+    /// The extra bytes given to [`write_cache`].
+    pub fn extra(&self) -> &[u8] {
+        self.bytes.get(self.extra.clone()).unwrap_or_default()
     }
 
     /// Bytes of the file read.
@@ -245,14 +252,18 @@ fn io_err(path: &Path, op: &'static str, e: &std::io::Error) -> CodecError {
 /// `path`, atomically (see the module docs). A unit that does not parse is refused with its
 /// [`CodecError`] before any file is touched; a file system failure is
 /// [`CodecError::CacheIo`], with no temporary file left behind.
-pub fn write_cache(path: &Path, key: &CacheKey, units: &[&[u8]]) -> Result<()> {
-    write_cache_failing_after(path, key, units, None)
+///
+/// `extra` is stored as it is and handed back by [`CachedUnits::extra`] (the engine keeps
+/// the units' exponent entropy there, which a hit does not recompute).
+pub fn write_cache(path: &Path, key: &CacheKey, extra: &[u8], units: &[&[u8]]) -> Result<()> {
+    write_cache_failing_after(path, key, extra, units, None)
 }
 
 /// [`write_cache`], with (for tests) a simulated write failure after `fail_after` bytes.
 fn write_cache_failing_after(
     path: &Path,
     key: &CacheKey,
+    extra: &[u8],
     units: &[&[u8]],
     fail_after: Option<u64>,
 ) -> Result<()> {
@@ -261,7 +272,8 @@ fn write_cache_failing_after(
     }
     let n = units.len() as u64;
     let k = key.bytes.len() as u64;
-    let payload_offset = HEADER as u64 + align(k) + align(ENTRY as u64 * n);
+    let x = extra.len() as u64;
+    let payload_offset = HEADER as u64 + align(k) + align(x) + align(ENTRY as u64 * n);
     let hashes = hash_units(units);
     let mut head = vec![0u8; payload_offset as usize];
     head[..8].copy_from_slice(MAGIC);
@@ -269,8 +281,11 @@ fn write_cache_failing_after(
     head[16..24].copy_from_slice(&n.to_le_bytes());
     head[24..32].copy_from_slice(&k.to_le_bytes());
     head[32..40].copy_from_slice(&payload_offset.to_le_bytes());
+    head[56..64].copy_from_slice(&x.to_le_bytes());
     head[HEADER..HEADER + key.bytes.len()].copy_from_slice(&key.bytes);
-    let index_at = HEADER + align(k) as usize;
+    let extra_at = HEADER + align(k) as usize;
+    head[extra_at..extra_at + extra.len()].copy_from_slice(extra);
+    let index_at = extra_at + align(x) as usize;
     let mut at = 0u64;
     for (i, (u, h)) in units.iter().zip(&hashes).enumerate() {
         let e = index_at + i * ENTRY;
@@ -382,13 +397,15 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
     let payload_offset = le_u64(&bytes, 32);
     let payload_len = le_u64(&bytes, 40);
     let stored_hash = le_u64(&bytes, 48);
+    let x = le_u64(&bytes, 56);
     let expect_offset = n
         .checked_mul(ENTRY as u64)
         .and_then(|i| align(k).checked_add(align(i)))
+        .and_then(|v| v.checked_add(align(x)))
         .and_then(|v| v.checked_add(HEADER as u64));
     if expect_offset != Some(payload_offset) || payload_offset > len {
         return corrupt(format!(
-            "payload offset {payload_offset} does not follow from {n} units and a {k}-byte key in a {len}-byte file"
+            "payload offset {payload_offset} does not follow from {n} units, a {k}-byte key and {x} extra bytes in a {len}-byte file"
         ));
     }
     let head = &bytes[..payload_offset as usize];
@@ -403,10 +420,8 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
             "format version {version}, this build reads {CACHE_VERSION}"
         ));
     }
-    if u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) != 0
-        || le_u64(&bytes, 56) != 0
-    {
-        return corrupt("nonzero flags or reserved field".into());
+    if u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) != 0 {
+        return corrupt("nonzero flags".into());
     }
     if payload_offset.checked_add(payload_len) != Some(len) {
         return corrupt(format!(
@@ -417,7 +432,9 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
     if stored_key != key.as_bytes() {
         return CacheLookup::Stale("written for another key (the source or layout changed)".into());
     }
-    let index_at = HEADER + align(k) as usize;
+    let extra_at = HEADER + align(k) as usize;
+    let extra = extra_at..extra_at + x as usize;
+    let index_at = extra_at + align(x) as usize;
     let payload = &bytes[payload_offset as usize..];
     let mut units = Vec::with_capacity(n as usize);
     let mut slices: Vec<&[u8]> = Vec::with_capacity(n as usize);
@@ -459,7 +476,11 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
     if let Some(i) = (0..slices.len()).find(|&i| computed.get(i) != hashes.get(i)) {
         return corrupt(format!("unit {i}'s bytes do not match their hash"));
     }
-    CacheLookup::Hit(CachedUnits { bytes, units })
+    CacheLookup::Hit(CachedUnits {
+        bytes,
+        extra,
+        units,
+    })
 }
 
 #[cfg(test)]
@@ -503,7 +524,7 @@ mod tests {
     fn file_of(u: &[Vec<u8>], key: &CacheKey) -> Vec<u8> {
         let dir = tempdir();
         let p = dir.join("c.ddo-coded");
-        write_cache(&p, key, &refs(u)).unwrap();
+        write_cache(&p, key, b"xtra", &refs(u)).unwrap();
         let b = std::fs::read(&p).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         b
@@ -539,11 +560,12 @@ mod tests {
             read_cache(&p, &key(1)).unwrap(),
             CacheLookup::Absent
         ));
-        write_cache(&p, &key(1), &refs(&u)).unwrap();
+        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
         let CacheLookup::Hit(c) = read_cache(&p, &key(1)).unwrap() else {
             panic!("expected a hit");
         };
         assert_eq!(c.len(), u.len());
+        assert_eq!(c.extra(), b"xtra");
         for ((bytes, header), want) in c.iter().zip(&u) {
             assert_eq!(bytes, want.as_slice());
             assert_eq!(header.encoded_len(), want.len() as u64);
@@ -563,12 +585,12 @@ mod tests {
         let u = units();
         let dir = tempdir();
         let p = dir.join("c");
-        write_cache(&p, &key(1), &refs(&u)).unwrap();
+        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
         assert!(matches!(
             read_cache(&p, &key(2)).unwrap(),
             CacheLookup::Stale(_)
         ));
-        write_cache(&p, &key(2), &refs(&u[..2])).unwrap();
+        write_cache(&p, &key(2), b"xtra", &refs(&u[..2])).unwrap();
         assert!(matches!(read_cache(&p, &key(2)).unwrap(), CacheLookup::Hit(c) if c.len() == 2));
         assert!(matches!(
             read_cache(&p, &key(1)).unwrap(),
@@ -595,7 +617,7 @@ mod tests {
         let dir = tempdir();
         let p = dir.join("c");
         let bad: Vec<&[u8]> = vec![&u[0], b"not a unit"];
-        assert!(write_cache(&p, &key(1), &bad).is_err());
+        assert!(write_cache(&p, &key(1), b"xtra", &bad).is_err());
         assert!(only_file(&dir).is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -608,7 +630,7 @@ mod tests {
         // No old file: nothing left behind, at every failure point.
         let whole = file_of(&u, &key(1)).len() as u64;
         for after in [0u64, 10, 64, 1000, whole / 2, whole - 1] {
-            let r = write_cache_failing_after(&p, &key(1), &refs(&u), Some(after));
+            let r = write_cache_failing_after(&p, &key(1), b"xtra", &refs(&u), Some(after));
             assert!(
                 matches!(r, Err(CodecError::CacheIo { op: "write", .. })),
                 "{r:?}"
@@ -616,13 +638,13 @@ mod tests {
             assert!(only_file(&dir).is_empty(), "after {after}");
         }
         // An old file: still there and still valid.
-        write_cache(&p, &key(1), &refs(&u)).unwrap();
-        let r = write_cache_failing_after(&p, &key(2), &refs(&u[..1]), Some(100));
+        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
+        let r = write_cache_failing_after(&p, &key(2), b"xtra", &refs(&u[..1]), Some(100));
         assert!(r.is_err());
         assert_eq!(only_file(&dir), vec!["c".to_string()]);
         assert!(matches!(read_cache(&p, &key(1)).unwrap(), CacheLookup::Hit(c) if c.len() == 3));
         // A directory that does not exist: a typed error, nothing made.
-        let r = write_cache(&dir.join("missing").join("c"), &key(1), &refs(&u));
+        let r = write_cache(&dir.join("missing").join("c"), &key(1), b"", &refs(&u));
         assert!(
             matches!(r, Err(CodecError::CacheIo { op: "create", .. })),
             "{r:?}"

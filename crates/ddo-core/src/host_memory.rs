@@ -426,6 +426,12 @@ impl CheckpointMap {
         &self.path
     }
 
+    /// Whether this maps a file ([`CheckpointMap::open`]), not bytes made in memory
+    /// ([`CheckpointMap::in_memory`], whose path is only a label).
+    pub fn is_file(&self) -> bool {
+        matches!(self.mmap, MapBytes::File(_))
+    }
+
     /// Size of the mapping in bytes.
     pub fn len(&self) -> usize {
         self.bytes().len()

@@ -40,7 +40,28 @@ pub enum StagingKind {
         raw_bytes: u64,
         /// Shannon entropy of the units' exponents, thousandths of a bit per 16-bit word.
         exponent_entropy_millibits: u64,
+        /// Whether the coded units came from the cache file beside the checkpoint
+        /// (`<checkpoint>.ddo-coded`), were coded and written to it, or were coded with no
+        /// cache; [`StreamingFigures::coded_cache_note`] says why when it was not used.
+        cache: CodedCache,
+        /// Nanoseconds spent getting the coded units: coding them, or reading and checking
+        /// the cache (the content hash of the raw units included either way).
+        coding_ns: u64,
     },
+}
+
+/// What became of the coded-unit cache at attach ([`StagingKind::Coded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum CodedCache {
+    /// A valid cache was read: nothing was coded.
+    Used,
+    /// There was no valid cache (none, stale or corrupt): the units were coded and the
+    /// cache written.
+    Built,
+    /// No cache: the streamed params are not all mapped from one checkpoint file (random
+    /// or converted weights, several files), or the cache could not be read or written
+    /// (a read-only directory); the units were coded as without one.
+    Unavailable,
 }
 
 impl StagingKind {
@@ -120,6 +141,10 @@ pub struct StreamingFigures {
     /// device cannot register the memory, or it does not fit under the pinned limit).
     #[serde(default)]
     pub register_fallback: Option<String>,
+    /// With [`StagingKind::Coded`], why the coded-unit cache was not used (absent, stale,
+    /// corrupt — then rebuilt —, or unavailable); `None` on a cache hit and without coding.
+    #[serde(default)]
+    pub coded_cache_note: Option<String>,
 }
 
 impl StreamingFigures {

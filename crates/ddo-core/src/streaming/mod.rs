@@ -68,8 +68,8 @@ mod register_plan;
 pub mod schedule;
 
 pub use crate::config::{Compression, PinnedSource};
-pub use engine::StreamingEngine;
-pub use figures::{StagingKind, StreamingFigures};
+pub use engine::{StreamingEngine, coded_cache_path};
+pub use figures::{CodedCache, StagingKind, StreamingFigures};
 pub use home::PinnedHome;
 pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry, UnitOrder};
 pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
