@@ -291,3 +291,39 @@ fn weights_not_mapped_from_a_file_never_use_a_cache() {
     let note = f.coded_cache_note.clone().unwrap_or_default();
     assert!(note.contains("not mapped"), "{note}");
 }
+
+#[cfg(unix)]
+#[test]
+fn a_directory_that_is_not_writable_codes_without_a_cache() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new();
+    let ckpt = dir.0.join("model.safetensors");
+    write_checkpoint(&ckpt, 1);
+    let segs = load(&ckpt);
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o555)).unwrap();
+    // A superuser writes anyway: then there is nothing to check here.
+    let probe = dir.0.join("probe");
+    let writable = std::fs::write(&probe, b"").is_ok();
+    let f = attach_and_run(&segs);
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    if writable {
+        eprintln!(
+            "a superuser writes a read-only directory: only the directory-in-the-way case runs"
+        );
+    } else {
+        assert_eq!(cache_state(&f), CodedCache::Unavailable, "{f:?}");
+        let note = f.coded_cache_note.clone().unwrap_or_default();
+        assert!(note.contains("without a cache"), "{note}");
+        assert!(!coded_cache_path(&ckpt).exists());
+    }
+    // A cache path that cannot be read or replaced (a directory in the way), as any user.
+    let _ = std::fs::remove_file(&probe);
+    let _ = std::fs::remove_file(coded_cache_path(&ckpt));
+    std::fs::create_dir(coded_cache_path(&ckpt)).unwrap();
+    std::fs::write(coded_cache_path(&ckpt).join("x"), b"x").unwrap();
+    let f = attach_and_run(&segs);
+    assert_eq!(cache_state(&f), CodedCache::Unavailable, "{f:?}");
+    let note = f.coded_cache_note.clone().unwrap_or_default();
+    assert!(note.contains("without a cache"), "{note}");
+    assert!(coded_cache_path(&ckpt).is_dir());
+}

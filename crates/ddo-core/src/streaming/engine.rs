@@ -38,6 +38,9 @@
 //! records the event compute waits for: the link runs ahead through the coded slots while
 //! the decodes run on the SMs. The decoder's status is checked once per forward
 //! ([`Device::check_lossless`]), so a corrupt unit fails the forward with a typed error.
+//! When every streamed param is mapped from one checkpoint file, the coded units are cached
+//! beside it in `<checkpoint>.ddo-coded` ([`coded_cache_path`], [`ddo_codec::cache`]) and
+//! read back at the next attach instead of being coded ([`CodedCache`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
