@@ -723,6 +723,8 @@ impl Device for HostDevice {
                     .downcast_ref::<HostAllocation>()
                     .ok_or_else(|| "not a host allocation".to_string())
             }
+            // Copied out first: the coded slot and the output may share one allocation (the
+            // engine's ring), whose lock the decode takes for writing.
             let coded =
                 alloc(&src)?.with_bytes(|b| b[src.offset()..src.offset() + encoded_len].to_vec());
             let outcome = {

@@ -1208,15 +1208,11 @@ impl StreamingEngine {
             t.copy_start[u] = Some(self.device.record_timed_event(&self.copy)?);
         }
         let dst_base = self.placement.offsets[u];
-        let coded_base = self.figures.decoded_ring_bytes();
-        let coded_slot = self
-            .figures
-            .ring_bytes()
-            .saturating_sub(coded_base + PARAM_ALIGN)
-            / CODED_SLOTS;
-        let scratch_at = scratch_offset(&self.figures);
         match self.host.as_mut() {
             Some(Host::Coded { home, units }) => {
+                let coded_base = self.figures.decoded_ring_bytes();
+                let coded_slot = crate::streaming::coded_slot_bytes(self.figures.slot_bytes);
+                let scratch_at = scratch_offset(&self.figures);
                 let (offset, header) = &units[u];
                 let decode = self.decode.as_ref().ok_or_else(|| CoreError::Backend {
                     device: self.device.id().to_string(),

@@ -156,8 +156,14 @@ pub const CODED_SLOTS: u64 = 2;
 /// [`CODED_SLOTS`] coded slots, each the coded bound of a slot
 /// ([`ddo_codec::max_encoded_len`]), and one aligned block for the decoder's status.
 pub fn coded_ring_bytes(slot_bytes: u64) -> u64 {
+    CODED_SLOTS * coded_slot_bytes(slot_bytes) + PARAM_ALIGN
+}
+
+/// Device bytes of one coded slot beside decoded slots of `slot_bytes`: the coded bound of
+/// a slot ([`ddo_codec::max_encoded_len`]), aligned.
+pub fn coded_slot_bytes(slot_bytes: u64) -> u64 {
     let coded = ddo_codec::max_encoded_len(slot_bytes as usize).unwrap_or(slot_bytes);
-    CODED_SLOTS * layout::align_up(coded) + PARAM_ALIGN
+    layout::align_up(coded)
 }
 
 impl Default for StreamingConfig {
