@@ -164,6 +164,19 @@ pub enum LoadError {
         /// What is wrong.
         message: String,
     },
+    /// A pipeline folder's class (or a component's) is one DDO does not run, or belongs to
+    /// another pipeline family than the folder's `model_index.json` names.
+    #[error("{file}: field `{field}` = {value}: {hint}")]
+    PipelineClass {
+        /// The file read (`model_index.json`, `transformer/config.json`, ...).
+        file: PathBuf,
+        /// The field (`_class_name`, `architectures`, a component of `model_index.json`).
+        field: String,
+        /// Its value.
+        value: String,
+        /// What DDO runs, and what to do.
+        hint: String,
+    },
     /// The core refused something while building (allocation, a bad module tree).
     #[error(transparent)]
     Core(#[from] CoreError),

@@ -140,6 +140,23 @@ impl FlowMatchEulerConfig {
         }
     }
 
+    /// Qwen-Image's `scheduler/scheduler_config.json` (the `Qwen/Qwen-Image` repository's
+    /// file, which Diffusers' `QwenImagePipeline` loads; its constructor and
+    /// `calculate_shift` defaults differ): shift 1, dynamic shifting between 0.5 at 256 tokens
+    /// and 0.9 at 8192 tokens, exponential, stretched to end at `shift_terminal` 0.02.
+    pub fn qwen_image() -> Self {
+        Self {
+            shift: 1.0,
+            use_dynamic_shifting: true,
+            base_shift: Some(0.5),
+            max_shift: Some(0.9),
+            base_image_seq_len: 256,
+            max_image_seq_len: 8192,
+            shift_terminal: Some(0.02),
+            ..Self::default()
+        }
+    }
+
     /// Reads and validates a Diffusers `scheduler_config.json`.
     pub fn from_file(path: &Path) -> LoadResult<Self> {
         let text = crate::weights::read_text_file(path)?;

@@ -5,6 +5,7 @@ use ddo_core::{CoreError, DType, Device, Result};
 use serde::Serialize;
 
 use super::invalid;
+use crate::qwen_vae::QwenVaeTiling;
 use crate::vae::{
     AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes_on,
     estimate_tiled_decode_peak_bytes_on,
@@ -51,8 +52,12 @@ pub struct DecodePlan {
     pub mode: TiledDecode,
     /// Whether the decode runs tiled.
     pub tiled: bool,
-    /// The tiles, when tiled.
+    /// The tiles, when a Flux-layout VAE decodes tiled.
     pub tiling: Option<TilingConfig>,
+    /// The tiles, when Qwen-Image's VAE decodes tiled
+    /// ([`plan_qwen_decode_on`](super::plan_qwen_decode_on)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qwen_tiling: Option<QwenVaeTiling>,
     /// Estimated activation peak of an untiled decode, bytes.
     pub estimate_untiled_bytes: u64,
     /// Estimated activation peak with `tiling`, bytes.
@@ -107,6 +112,7 @@ pub fn plan_decode_on(
         mode,
         tiled: false,
         tiling: None,
+        qwen_tiling: None,
         estimate_untiled_bytes: untiled,
         estimate_tiled_bytes: None,
         available_bytes: available,
@@ -199,7 +205,7 @@ pub fn plan_decode_on(
 /// The refusal of an auto decode that fits neither untiled nor in Diffusers' default tiles:
 /// what it needs, and the smallest budget that gives it `needed` bytes (`budget` plus the
 /// shortfall, rounded up to a MiB).
-fn decode_does_not_fit(
+pub(super) fn decode_does_not_fit(
     untiled: u64,
     tiled: &str,
     needed: u64,

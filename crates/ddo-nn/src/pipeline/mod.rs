@@ -24,6 +24,7 @@
 
 mod decode_plan;
 mod phases;
+mod qwen;
 mod request;
 
 use std::path::Path;
@@ -49,6 +50,12 @@ use crate::weights::{RandomWeights, UnusedWeights};
 
 use decode_plan::fallback_tiling;
 pub use decode_plan::{DecodePlan, TiledDecode, plan_decode, plan_decode_on};
+pub use qwen::{
+    PipelineKind, QWEN_TEXT_ENCODER, QWEN_TOKENIZER, QWEN_TRANSFORMER, QWEN_VAE, QwenImagePipeline,
+    QwenImagePipelineConfig, QwenImageRequest, QwenPromptInput, STAND_IN_SUFFIX_TOKENS,
+    estimate_qwen_image_activation_bytes, estimate_qwen_text_activation_bytes, plan_qwen_decode_on,
+    stand_in_ids,
+};
 pub use request::{
     InitLatents, PhaseReport, PipelineRequest, PipelineRun, Progress, PromptEmbeds, PromptInput,
 };
@@ -279,6 +286,89 @@ fn to_host(device: &dyn Device, t: &Tensor) -> Result<Tensor> {
         t.host_f32()?
     };
     Tensor::from_f32(t.shape().to_vec(), DType::F32, &values)
+}
+
+/// The packed initial latents `[images, tokens, 4·c]` on `device` in `dtype`, for an image
+/// of `size` (height, width) pixels on the latent `grid` (h, w) with `c` latent channels.
+/// Seeded noise is one draw of `images · c · h · w` values, as `randn_tensor` draws
+/// `[images, c, h, w]` from one generator: image 0 is the batch-1 noise of the same seed.
+/// Given noise is unpacked `[images, c, h, w]` or packed `[images, tokens, 4·c]`.
+pub(crate) fn packed_initial_latents(
+    device: &dyn Device,
+    init: &InitLatents,
+    size: (usize, usize),
+    images: usize,
+    grid: (usize, usize),
+    c: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let ops = ops_of(device)?;
+    let stream = device.compute_stream();
+    let (height, width) = size;
+    let (h, w) = grid;
+    let tokens = (h / 2) * (w / 2);
+    let n = images;
+    let packed = match init {
+        InitLatents::Seed(seed) => {
+            if n == 0 {
+                return Err(invalid("num_images", "0", "give 1 or more images"));
+            }
+            let per_image = c.checked_mul(h).and_then(|k| k.checked_mul(w));
+            let count = per_image.and_then(|k| k.checked_mul(n)).ok_or_else(|| {
+                if per_image.is_none() {
+                    invalid(
+                        "height/width",
+                        format!("{height}x{width}"),
+                        "the initial noise of one image has more values than memory can address: give a smaller --height/--width",
+                    )
+                } else {
+                    invalid(
+                        "num_images",
+                        n.to_string(),
+                        "the images' initial noise has more values than memory can address: give a smaller --num-images or --height/--width",
+                    )
+                }
+            })?;
+            // The noise is made on the host first: refused, not aborted, when it does
+            // not fit in host memory.
+            let mut noise = Vec::new();
+            noise
+                .try_reserve_exact(count.saturating_add(1))
+                .map_err(|_| {
+                    invalid(
+                        "height/width",
+                        format!("{height}x{width}"),
+                        format!(
+                            "the initial noise of {n} image(s) ({count} values) does not fit in host memory: give a smaller --height/--width or --num-images"
+                        ),
+                    )
+                })?;
+            fill_gaussian_noise(*seed, count, &mut noise);
+            let t = ops.tensor_from_f32(&[n, c, h, w], DType::F32, &noise)?;
+            pack_latents(ops, &t)?
+        }
+        InitLatents::Given(t) => match t.shape() {
+            [b, cc, hh, ww] if (*b, *cc, *hh, *ww) == (n, c, h, w) => {
+                pack_latents(ops, &t.to_device(device, &stream)?)?
+            }
+            [b, tt, cc] if (*b, *tt, *cc) == (n, tokens, 4 * c) => t.to_device(device, &stream)?,
+            s => {
+                return Err(invalid(
+                    "initial latents",
+                    format!("{s:?}"),
+                    format!(
+                        "for {n} {height}x{width} image(s) give noise [{n}, {c}, {h}, {w}] (unpacked) or [{n}, {tokens}, {}] (packed), one row per image",
+                        4 * c
+                    ),
+                ));
+            }
+        },
+    };
+    if packed.dtype() == dtype {
+        Ok(packed)
+    } else {
+        ops.cast(&packed, dtype)
+    }
 }
 
 /// Diffusers' `FluxPipeline`: the four models and the scheduler config.
@@ -607,76 +697,17 @@ impl FluxPipeline {
         width: usize,
         images: usize,
     ) -> Result<Tensor> {
-        let ops = ops_of(device)?;
-        let stream = device.compute_stream();
-        let (h, w) = self.latent_grid(height, width)?;
+        let grid = self.latent_grid(height, width)?;
         let c = self.transformer.config().in_channels / 4;
-        let tokens = (h / 2) * (w / 2);
-        let n = images;
-        let packed = match init {
-            InitLatents::Seed(seed) => {
-                if n == 0 {
-                    return Err(invalid("num_images", "0", "give 1 or more images"));
-                }
-                let per_image = c.checked_mul(h).and_then(|k| k.checked_mul(w));
-                let count = per_image.and_then(|k| k.checked_mul(n)).ok_or_else(|| {
-                    if per_image.is_none() {
-                        invalid(
-                            "height/width",
-                            format!("{height}x{width}"),
-                            "the initial noise of one image has more values than memory can address: give a smaller --height/--width",
-                        )
-                    } else {
-                        invalid(
-                            "num_images",
-                            n.to_string(),
-                            "the images' initial noise has more values than memory can address: give a smaller --num-images or --height/--width",
-                        )
-                    }
-                })?;
-                // The noise is made on the host first: refused, not aborted, when it does
-                // not fit in host memory.
-                let mut noise = Vec::new();
-                noise
-                    .try_reserve_exact(count.saturating_add(1))
-                    .map_err(|_| {
-                        invalid(
-                            "height/width",
-                            format!("{height}x{width}"),
-                            format!(
-                                "the initial noise of {n} image(s) ({count} values) does not fit in host memory: give a smaller --height/--width or --num-images"
-                            ),
-                        )
-                    })?;
-                fill_gaussian_noise(*seed, count, &mut noise);
-                let t = ops.tensor_from_f32(&[n, c, h, w], DType::F32, &noise)?;
-                pack_latents(ops, &t)?
-            }
-            InitLatents::Given(t) => match t.shape() {
-                [b, cc, hh, ww] if (*b, *cc, *hh, *ww) == (n, c, h, w) => {
-                    pack_latents(ops, &t.to_device(device, &stream)?)?
-                }
-                [b, tt, cc] if (*b, *tt, *cc) == (n, tokens, 4 * c) => {
-                    t.to_device(device, &stream)?
-                }
-                s => {
-                    return Err(invalid(
-                        "initial latents",
-                        format!("{s:?}"),
-                        format!(
-                            "for {n} {height}x{width} image(s) give noise [{n}, {c}, {h}, {w}] (unpacked) or [{n}, {tokens}, {}] (packed), one row per image",
-                            4 * c
-                        ),
-                    ));
-                }
-            },
-        };
-        let dtype = self.transformer_dtype();
-        if packed.dtype() == dtype {
-            Ok(packed)
-        } else {
-            ops.cast(&packed, dtype)
-        }
+        packed_initial_latents(
+            device,
+            init,
+            (height, width),
+            images,
+            grid,
+            c,
+            self.transformer_dtype(),
+        )
     }
 
     /// The denoising loop on `device`: `steps` Euler steps of the flow-matching scheduler

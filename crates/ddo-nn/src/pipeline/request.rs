@@ -35,7 +35,7 @@ impl PromptEmbeds {
 }
 
 /// Host tensor `t` (`[b, ...]`) with each of its `b` rows repeated `n` times in a row.
-fn repeat_rows(t: &Tensor, n: usize) -> Result<Tensor> {
+pub(crate) fn repeat_rows(t: &Tensor, n: usize) -> Result<Tensor> {
     let values = t.host_f32()?;
     let shape = t.shape();
     let rows = shape.first().copied().unwrap_or(0);

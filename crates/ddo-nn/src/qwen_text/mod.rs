@@ -55,6 +55,7 @@ pub use program::{QwenTextProgram, causal_mask, rope_tables};
 pub use prompt::{
     DEFAULT_MAX_SEQUENCE_LENGTH, MAX_SEQUENCE_LENGTH_LIMIT, PROMPT_TEMPLATE,
     PROMPT_TEMPLATE_START_IDX, QwenPromptEmbeds, QwenPromptEncoder, TOKENIZER_MAX_LENGTH,
+    split_prompt_states, templated,
 };
 pub use tokenizer::{DEFAULT_PAD_TOKEN, QWEN_SPLIT, QwenTokenizer};
 

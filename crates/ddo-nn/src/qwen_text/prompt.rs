@@ -134,100 +134,97 @@ impl QwenPromptEncoder {
         }
         let inputs = self.tokenize(prompts)?;
         let hidden = self.encoder.forward(device, &inputs)?;
-        self.split(device, &inputs, &hidden, max_sequence_length)
+        split_prompt_states(device, &inputs, &hidden, max_sequence_length)
     }
+}
 
-    /// `_extract_masked_hidden`, the dropped template tokens, the zero padding and the cut to
-    /// `max_sequence_length` over the encoder's `hidden [batch, seq, d]`.
-    fn split(
-        &self,
-        device: &dyn Device,
-        inputs: &QwenTextInputs,
-        hidden: &Tensor,
-        max_sequence_length: usize,
-    ) -> Result<QwenPromptEmbeds> {
-        let ops = ddo_core::ops_of(device)?;
-        let (batch, len) = (inputs.batch, inputs.seq_len());
-        let d = self.encoder.config().hidden_size;
-        let all = vec![1u32; batch * len];
-        let mask = inputs.attention_mask.as_deref().unwrap_or(&all);
-        // Each row's kept positions, as runs: its real tokens after the first 34.
-        let kept: Vec<Vec<(usize, usize)>> = mask
-            .chunks(len.max(1))
-            .map(|row| {
-                let mut skip = PROMPT_TEMPLATE_START_IDX;
-                let mut out = Vec::new();
-                for (start, n) in runs(row) {
-                    let dropped = skip.min(n);
-                    skip -= dropped;
-                    if n > dropped {
-                        out.push((start + dropped, n - dropped));
-                    }
+/// The rest of `encode_prompt` after the text encoder: `_extract_masked_hidden`, the dropped
+/// template tokens ([`PROMPT_TEMPLATE_START_IDX`]), the zero padding and the cut to
+/// `max_sequence_length`, over the encoder's `hidden [batch, seq, d]` for `inputs` (the
+/// tokenizer's ids and mask), on `device`.
+pub fn split_prompt_states(
+    device: &dyn Device,
+    inputs: &QwenTextInputs,
+    hidden: &Tensor,
+    max_sequence_length: usize,
+) -> Result<QwenPromptEmbeds> {
+    let ops = ddo_core::ops_of(device)?;
+    let (batch, len) = (inputs.batch, inputs.seq_len());
+    let d = hidden.shape().get(2).copied().unwrap_or(0);
+    let all = vec![1u32; batch * len];
+    let mask = inputs.attention_mask.as_deref().unwrap_or(&all);
+    // Each row's kept positions, as runs: its real tokens after the first 34.
+    let kept: Vec<Vec<(usize, usize)>> = mask
+        .chunks(len.max(1))
+        .map(|row| {
+            let mut skip = PROMPT_TEMPLATE_START_IDX;
+            let mut out = Vec::new();
+            for (start, n) in runs(row) {
+                let dropped = skip.min(n);
+                skip -= dropped;
+                if n > dropped {
+                    out.push((start + dropped, n - dropped));
                 }
-                out
-            })
-            .collect();
-        let full: Vec<usize> = kept
-            .iter()
-            .map(|r| r.iter().map(|&(_, n)| n).sum())
-            .collect();
-        let seq = full
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(0)
-            .min(max_sequence_length);
-        if seq == 0 {
-            return Err(CoreError::InvalidOption {
-                option: "prompt".into(),
-                value: format!("{len} tokens"),
-                hint: format!(
-                    "no token is left after the {PROMPT_TEMPLATE_START_IDX} template tokens: the \
-                     tokenizer does not produce the pipeline's template"
-                ),
-            });
-        }
-        let mut rows = Vec::with_capacity(batch);
-        let mut lengths = Vec::with_capacity(batch);
-        for (b, runs) in kept.iter().enumerate() {
-            let row = ops.narrow(hidden, 0, b, 1)?;
-            let mut parts = Vec::new();
-            let mut left = seq;
-            for &(start, n) in runs {
-                let take = n.min(left);
-                if take == 0 {
-                    break;
-                }
-                parts.push(ops.narrow(&row, 1, start, take)?);
-                left -= take;
             }
-            lengths.push(seq - left);
-            if left > 0 {
-                parts.push(ops.tensor_from_f32(
-                    &[1, left, d],
-                    hidden.dtype(),
-                    &vec![0.0; left * d],
-                )?);
-            }
-            let refs: Vec<&Tensor> = parts.iter().collect();
-            rows.push(match refs.as_slice() {
-                [one] => (*one).clone(),
-                _ => ops.concat(&refs, 1)?,
-            });
-        }
-        let refs: Vec<&Tensor> = rows.iter().collect();
-        let prompt_embeds = match refs.as_slice() {
-            [one] => (*one).clone(),
-            _ => ops.concat(&refs, 0)?,
-        };
-        let flags: Vec<bool> = lengths
-            .iter()
-            .flat_map(|&n| (0..seq).map(move |j| j < n))
-            .collect();
-        Ok(QwenPromptEmbeds {
-            prompt_embeds,
-            prompt_embeds_mask: (!flags.iter().all(|&f| f)).then_some(flags),
-            lengths,
+            out
         })
+        .collect();
+    let full: Vec<usize> = kept
+        .iter()
+        .map(|r| r.iter().map(|&(_, n)| n).sum())
+        .collect();
+    let seq = full
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .min(max_sequence_length);
+    if seq == 0 {
+        return Err(CoreError::InvalidOption {
+            option: "prompt".into(),
+            value: format!("{len} tokens"),
+            hint: format!(
+                "no token is left after the {PROMPT_TEMPLATE_START_IDX} template tokens: the \
+                     tokenizer does not produce the pipeline's template"
+            ),
+        });
     }
+    let mut rows = Vec::with_capacity(batch);
+    let mut lengths = Vec::with_capacity(batch);
+    for (b, runs) in kept.iter().enumerate() {
+        let row = ops.narrow(hidden, 0, b, 1)?;
+        let mut parts = Vec::new();
+        let mut left = seq;
+        for &(start, n) in runs {
+            let take = n.min(left);
+            if take == 0 {
+                break;
+            }
+            parts.push(ops.narrow(&row, 1, start, take)?);
+            left -= take;
+        }
+        lengths.push(seq - left);
+        if left > 0 {
+            parts.push(ops.tensor_from_f32(&[1, left, d], hidden.dtype(), &vec![0.0; left * d])?);
+        }
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        rows.push(match refs.as_slice() {
+            [one] => (*one).clone(),
+            _ => ops.concat(&refs, 1)?,
+        });
+    }
+    let refs: Vec<&Tensor> = rows.iter().collect();
+    let prompt_embeds = match refs.as_slice() {
+        [one] => (*one).clone(),
+        _ => ops.concat(&refs, 0)?,
+    };
+    let flags: Vec<bool> = lengths
+        .iter()
+        .flat_map(|&n| (0..seq).map(move |j| j < n))
+        .collect();
+    Ok(QwenPromptEmbeds {
+        prompt_embeds,
+        prompt_embeds_mask: (!flags.iter().all(|&f| f)).then_some(flags),
+        lengths,
+    })
 }
