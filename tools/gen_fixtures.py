@@ -54,6 +54,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
+import qwen_pipeline_fixture
 import qwen_text_fixture
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -1102,6 +1103,7 @@ FIXTURE_NAMES = [
     "qwen_image_transformer",
     "qwen_vae",
     "qwen_text_encoder",
+    "qwen_pipeline",
 ]
 DIFFUSERS_MODELS = ("vae_sd", "vae_flux", "flux_transformer", "qwen_image_transformer", "qwen_vae")
 
@@ -1136,6 +1138,9 @@ def generate(names):
             continue
         if name == qwen_text_fixture.NAME:
             results[name] = qwen_text_fixture.generate(helpers(), d)
+            continue
+        if name == qwen_pipeline_fixture.NAME:
+            results[name] = qwen_pipeline_fixture.generate(helpers(), d)
             continue
         model, perturbed = build_model(name)
         model.save_pretrained(str(d), safe_serialization=True)
@@ -1191,6 +1196,9 @@ def verify(names) -> bool:
             continue
         if name == qwen_text_fixture.NAME:
             ok &= qwen_text_fixture.verify(helpers(), d)
+            continue
+        if name == qwen_pipeline_fixture.NAME:
+            ok &= qwen_pipeline_fixture.verify(helpers(), d)
             continue
         model = load_saved_model(name, d)
         ins = OrderedDict(load_file(str(d / "inputs.safetensors")))
@@ -1540,7 +1548,7 @@ schedule (`shift=3.0`, `use_dynamic_shifting=False`, `set_timesteps(28)`: NumPy 
 
 
 def helpers():
-    """The helpers fixtures written in their own modules (`qwen_text_fixture.py`) use."""
+    """The helpers fixtures written in their own modules (`qwen_text_fixture.py`, `qwen_pipeline_fixture.py`) use."""
     from types import SimpleNamespace
 
     return SimpleNamespace(
@@ -1548,6 +1556,8 @@ def helpers():
         f32c=f32c,
         perturb_constant_params=perturb_constant_params,
         save_tensors=save_tensors,
+        load_saved_model=load_saved_model,
+        FIXTURES=FIXTURES,
         st_listing=st_listing,
         table=table,
         human=human,
@@ -1617,6 +1627,9 @@ def write_manifest(results: dict):
             continue
         if name == qwen_text_fixture.NAME:
             parts.append(qwen_text_fixture.manifest_section(helpers(), d, results.get(name, {})))
+            continue
+        if name == qwen_pipeline_fixture.NAME:
+            parts.append(qwen_pipeline_fixture.manifest_section(helpers(), d, results.get(name, {})))
             continue
         extra = results.get(name, {}).get("extra", {})
         cfg = {
