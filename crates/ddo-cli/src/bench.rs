@@ -17,7 +17,9 @@ use std::time::Instant;
 use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor, ops_of};
 use ddo_metrics::format_bytes;
 use ddo_nn::flux::{FluxInputs, latent_image_ids};
-use ddo_nn::pipeline::{FluxPipeline, TiledDecode, gaussian_noise};
+use ddo_nn::pipeline::{FluxPipeline, QwenImagePipeline, TiledDecode, gaussian_noise};
+use ddo_nn::qwen_image::QwenImageInputs;
+use ddo_nn::qwen_text::QwenTextInputs;
 use ddo_routes::{
     Pipeline, PlanRequest, enable_pipeline_offload_with_env, enable_planned_pipeline_offload,
     plan_pipeline,
@@ -27,6 +29,7 @@ use serde_json::json;
 
 use crate::cli::BenchArgs;
 use crate::error::{CliError, CliResult};
+use crate::family::AnyPipeline;
 use crate::outputs::Outputs;
 use crate::progress::ProgressBar;
 use crate::run::{ComponentFiles, build_pipeline, source_from_args};
@@ -134,7 +137,7 @@ impl Candidate {
 
 /// The component's forward with a fixed workload.
 struct Workload<'a> {
-    pipe: &'a FluxPipeline,
+    pipe: &'a AnyPipeline,
     component: String,
     height: usize,
     width: usize,
@@ -142,23 +145,91 @@ struct Workload<'a> {
 
 impl Workload<'_> {
     fn component(&self) -> CliResult<Arc<ddo_core::Component>> {
-        self.pipe
-            .components()
-            .into_iter()
-            .find(|c| c.name() == self.component)
-            .ok_or_else(|| {
-                CliError::usage(
-                    format!("this pipeline has no component `{}`", self.component),
-                    format!("components: {}", self.pipe.component_names().join(", ")),
-                )
-            })
+        self.pipe.component(&self.component).ok_or_else(|| {
+            CliError::usage(
+                format!("this pipeline has no component `{}`", self.component),
+                format!("components: {}", self.pipe.component_names().join(", ")),
+            )
+        })
     }
 
     /// The workload's inputs, made once per candidate and held on `device` before the
     /// timed forwards (as the Diffusers side of the peer bench holds them on the GPU), so
     /// a forward times the component, not building noise on the host or uploading it.
     fn prepare(&self, device: &dyn Device) -> ddo_core::Result<Prepared> {
-        let p = self.pipe;
+        match self.pipe {
+            AnyPipeline::Flux(p) => self.prepare_flux(p, device),
+            AnyPipeline::QwenImage(p) => self.prepare_qwen(p, device),
+        }
+    }
+
+    /// [`Workload::prepare`] for a Qwen-Image component: the transformer over one image's
+    /// packed latents and [`QWEN_BENCH_TEXT_TOKENS`] text tokens (one pass of a step; true
+    /// CFG runs two), the text encoder over a prompt's template of as many ids, the VAE over
+    /// one image's latents.
+    fn prepare_qwen(
+        &self,
+        p: &QwenImagePipeline,
+        device: &dyn Device,
+    ) -> ddo_core::Result<Prepared> {
+        let ops = ops_of(device)?;
+        let on_device = |shape: Vec<usize>, dtype: DType, values: &[f32]| {
+            Tensor::from_f32(shape, dtype, values)?.to_device(device, &device.compute_stream())
+        };
+        let text = QWEN_BENCH_TEXT_TOKENS;
+        Ok(match self.component.as_str() {
+            "transformer" => {
+                let c = p.transformer.config();
+                let (h, w) = p.latent_grid(self.height, self.width)?;
+                let (rows, cols) = (h / 2, w / 2);
+                let tokens = rows * cols;
+                Prepared::QwenTransformer(Box::new(QwenImageInputs {
+                    hidden_states: on_device(
+                        vec![1, tokens, c.in_channels],
+                        p.transformer_dtype(),
+                        &gaussian_noise(1, tokens * c.in_channels),
+                    )?,
+                    encoder_hidden_states: on_device(
+                        vec![1, text, c.joint_attention_dim],
+                        p.transformer_dtype(),
+                        &gaussian_noise(2, text * c.joint_attention_dim),
+                    )?,
+                    encoder_hidden_states_mask: None,
+                    timestep: vec![0.5],
+                    img_shapes: vec![[1, rows, cols]],
+                }))
+            }
+            "vae" => {
+                let (h, w) = p.latent_grid(self.height, self.width)?;
+                let c = p.vae.config().z_dim;
+                Prepared::Latents(ops.tensor_from_f32(
+                    &[1, c, h, w],
+                    DType::F32,
+                    &gaussian_noise(4, c * h * w),
+                )?)
+            }
+            "text_encoder" => {
+                let Some(e) = &p.text_encoder else {
+                    return Err(no_text_encoder());
+                };
+                let vocab = e.config().vocab_size.max(1) as u32;
+                let ids = (0..(text + ddo_nn::qwen_text::PROMPT_TEMPLATE_START_IDX) as u32)
+                    .map(|i| i.wrapping_mul(2_654_435_761) % vocab)
+                    .collect();
+                Prepared::QwenTokens(QwenTextInputs::single(ids))
+            }
+            other => {
+                return Err(ddo_core::CoreError::InvalidOption {
+                    option: "component".into(),
+                    value: other.into(),
+                    hint: "use transformer, vae or text_encoder".into(),
+                });
+            }
+        })
+    }
+
+    /// [`Workload::prepare`] for a Flux component.
+    fn prepare_flux(&self, p: &FluxPipeline, device: &dyn Device) -> ddo_core::Result<Prepared> {
         let ops = ops_of(device)?;
         let on_device = |shape: Vec<usize>, dtype: DType, values: &[f32]| {
             Tensor::from_f32(shape, dtype, values)?.to_device(device, &device.compute_stream())
@@ -222,21 +293,37 @@ impl Workload<'_> {
 
     /// One forward of the component on `inputs`, synchronised.
     fn forward(&self, device: &dyn Device, inputs: &Prepared) -> ddo_core::Result<()> {
-        let p = self.pipe;
-        let out: Tensor = match inputs {
-            Prepared::Transformer(inputs) => p.transformer.forward(device, inputs)?,
-            Prepared::Latents(lat) => p.vae.decode(Some(device), lat, None)?,
-            Prepared::Tokens(ids) => match (self.component.as_str(), &p.clip, &p.t5) {
-                ("text_encoder", Some(c), _) => c.forward(device, ids)?.pooler_output,
-                ("text_encoder_2", _, Some(t)) => t.forward(device, ids)?,
-                _ => {
-                    return Err(ddo_core::CoreError::InvalidOption {
-                        option: "component".into(),
-                        value: self.component.clone(),
-                        hint: "this pipeline has no text encoders".into(),
-                    });
-                }
+        let out: Tensor = match (self.pipe, inputs) {
+            (AnyPipeline::Flux(p), Prepared::Transformer(inputs)) => {
+                p.transformer.forward(device, inputs)?
+            }
+            (AnyPipeline::Flux(p), Prepared::Latents(lat)) => {
+                p.vae.decode(Some(device), lat, None)?
+            }
+            (AnyPipeline::QwenImage(p), Prepared::QwenTransformer(inputs)) => {
+                p.transformer.forward(device, inputs)?
+            }
+            (AnyPipeline::QwenImage(p), Prepared::Latents(lat)) => {
+                p.vae.decode(device, lat, None)?
+            }
+            (AnyPipeline::QwenImage(p), Prepared::QwenTokens(ids)) => match &p.text_encoder {
+                Some(e) => e.forward(device, ids)?,
+                None => return Err(no_text_encoder()),
             },
+            (AnyPipeline::Flux(p), Prepared::Tokens(ids)) => {
+                match (self.component.as_str(), &p.clip, &p.t5) {
+                    ("text_encoder", Some(c), _) => c.forward(device, ids)?.pooler_output,
+                    ("text_encoder_2", _, Some(t)) => t.forward(device, ids)?,
+                    _ => return Err(no_text_encoder()),
+                }
+            }
+            _ => {
+                return Err(ddo_core::CoreError::InvalidOption {
+                    option: "component".into(),
+                    value: self.component.clone(),
+                    hint: "inputs prepared for another pipeline family".into(),
+                });
+            }
         };
         drop(out);
         device.synchronize()
@@ -246,8 +333,23 @@ impl Workload<'_> {
 /// A workload's inputs, on the device.
 enum Prepared {
     Transformer(Box<FluxInputs>),
+    QwenTransformer(Box<QwenImageInputs>),
     Latents(Tensor),
     Tokens(Vec<u32>),
+    QwenTokens(QwenTextInputs),
+}
+
+/// Text tokens of a Qwen-Image transformer or text encoder bench forward: a prompt of a
+/// few dozen words after the template's dropped tokens (its length varies with the
+/// prompt; the image's 4,096 tokens at 1024x1024 dominate the transformer's work).
+pub const QWEN_BENCH_TEXT_TOKENS: usize = 64;
+
+fn no_text_encoder() -> ddo_core::CoreError {
+    ddo_core::CoreError::InvalidOption {
+        option: "component".into(),
+        value: "text_encoder".into(),
+        hint: "this pipeline has no text encoders: bench the transformer or the vae".into(),
+    }
 }
 
 /// Host→device bandwidth of `device`, bytes per second, as a streamed forward sees it: the
@@ -338,7 +440,7 @@ fn candidates(args: &BenchArgs) -> CliResult<Vec<Candidate>> {
 /// Runs `ddo bench` with its parsed options.
 pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
-    let tiny = matches!(&source, crate::run::Source::Config(n) if n == "tiny");
+    let tiny = source.is_tiny();
     let dtype = args.dtype;
     let side = if tiny { 128 } else { 1024 };
     let height = args.height.unwrap_or(side);

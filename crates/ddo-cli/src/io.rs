@@ -99,6 +99,20 @@ pub fn read_tensor(path: &Path, names: &[&str], option: &str) -> CliResult<HostT
     }))
 }
 
+/// Tensor `name` of a safetensors file as f32 when the file has it (`None` when it does
+/// not); any other failure, or a NaN or an infinity, is an error as for [`read_tensor`].
+pub fn read_optional_tensor(
+    path: &Path,
+    name: &str,
+    option: &str,
+) -> CliResult<Option<HostTensor>> {
+    match ddo_nn::read_f32_tensor(path, name) {
+        Err(ddo_nn::LoadError::MissingTensor { .. }) => Ok(None),
+        Err(e) => Err(CliError::from(e).context(option)),
+        Ok(_) => read_tensor(path, &[name], option).map(Some),
+    }
+}
+
 /// f32 tensors as the bytes of a safetensors file (written through
 /// [`Outputs`](crate::outputs::Outputs)).
 pub fn encode_safetensors(tensors: &[(&str, &HostTensor)]) -> CliResult<Vec<u8>> {

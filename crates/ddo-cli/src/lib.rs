@@ -26,6 +26,7 @@ pub mod bench;
 pub mod cli;
 pub mod decode;
 pub mod error;
+pub mod family;
 pub mod fuzz_argv;
 pub mod inspect;
 pub mod io;

@@ -17,7 +17,7 @@ use crate::cli::ResolveArgs;
 use crate::error::{CliError, CliResult};
 use crate::progress::ProgressBar;
 use crate::run::{
-    ComponentFiles, Source, build_pipeline, plan_budget, plan_memory, planned_explanations,
+    ComponentFiles, build_pipeline, plan_budget, plan_memory, planned_explanations,
     source_from_args,
 };
 use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device};
@@ -96,7 +96,7 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
 /// `ddo resolve --config|--weights ...`: the memory plan.
 fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> CliResult<()> {
     let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
-    let tiny = matches!(&source, Source::Config(n) if n == "tiny");
+    let tiny = source.is_tiny();
     let default_side = if tiny { 128 } else { 1024 };
     let height = args.height.unwrap_or(default_side);
     let width = args.width.unwrap_or(default_side);

@@ -1353,6 +1353,11 @@ fn sizes_are_rounded_as_diffusers_does_and_non_finite_inputs_are_refused() {
     let out = ddo(&["run", "--config", "tiny", "--max-sequence-length", "100000"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot be greater than 1024"), "{err}");
+    // T5's limit is FluxPipeline's: past it, a Flux run is refused before anything is built.
+    let out = ddo(&["run", "--config", "tiny", "--max-sequence-length", "513"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("cannot be greater than 512"), "{err}");
 }
 

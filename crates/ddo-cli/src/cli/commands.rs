@@ -26,14 +26,14 @@ its inputs made once and held on the device, warm-up forwards, then timed forwar
 /// `ddo run`'s options.
 #[derive(Debug, Clone, Default, Args)]
 #[command(
-    override_usage = "ddo run (--config tiny|flux-dev | --weights DIR) [options]",
+    override_usage = "ddo run (--config tiny|flux-dev|qwen-tiny|qwen-image | --weights DIR) [options]",
     after_help = RUN_NOTES
 )]
 pub struct RunArgs {
     /// random weights at a named config
-    #[arg(long, value_name = "tiny|flux-dev")]
+    #[arg(long, value_name = "tiny|flux-dev|qwen-tiny|qwen-image")]
     pub config: Option<String>,
-    /// a Diffusers pipeline folder (transformer/, vae/, text_encoder/, text_encoder_2/)
+    /// a Diffusers pipeline folder (FluxPipeline or QwenImagePipeline, by its model_index.json)
     #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
     pub weights: Option<PathBuf>,
     /// a single-file transformer in the original Flux layout (flux1-dev.safetensors, ComfyUI's
@@ -64,7 +64,7 @@ pub struct RunArgs {
     /// execution device (default cpu)
     #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
     pub device: Option<DeviceChoice>,
-    /// denoising steps (default 4 for tiny, 28 otherwise)
+    /// denoising steps (default 4 for tiny and qwen-tiny, 28 for Flux, 50 for Qwen-Image)
     #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
     pub steps: Option<usize>,
     /// image height (default 128 for tiny, 1024 otherwise)
@@ -80,13 +80,20 @@ pub struct RunArgs {
     /// a-0.png, a-1.png, ...
     #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
     pub num_images: Option<usize>,
-    /// guidance scale (default 3.5)
+    /// guidance scale (default 3.5; Flux)
     #[arg(long, value_name = "SCALE", value_parser = Checked(values::guidance))]
     pub guidance: Option<f32>,
     /// the prompt (stand-in tokenizer; see `ddo help run`)
     #[arg(long, value_name = "TEXT")]
     pub prompt: Option<String>,
-    /// T5 tokens for a text prompt (default 32 for tiny, 512 otherwise)
+    /// the negative prompt of true CFG (Qwen-Image; e.g. " "; without it true CFG is off)
+    #[arg(long, value_name = "TEXT")]
+    pub negative_prompt: Option<String>,
+    /// true CFG scale (Qwen-Image; default 4.0; true CFG runs when > 1 with a negative prompt)
+    #[arg(long, value_name = "SCALE", value_parser = Checked(values::true_cfg_scale))]
+    pub true_cfg_scale: Option<f32>,
+    /// text tokens for a text prompt (Flux's T5: default 32 for tiny, 512 at most; Qwen-Image:
+    /// default 512, 1024 at most)
     #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
     pub max_sequence_length: Option<usize>,
     /// tiled VAE decode (default auto: tiled when the estimate does not fit)
@@ -184,7 +191,7 @@ pub struct ResolveArgs {
     #[arg(long, value_name = "NAME")]
     pub component: Option<String>,
     /// plan memory for random weights at a named config
-    #[arg(long, value_name = "tiny|flux-dev")]
+    #[arg(long, value_name = "tiny|flux-dev|qwen-tiny|qwen-image")]
     pub config: Option<String>,
     /// plan memory for a Diffusers pipeline folder
     #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
@@ -258,7 +265,7 @@ pub struct InspectArgs {
 /// `ddo bench`'s options.
 #[derive(Debug, Clone, Default, Args)]
 #[command(
-    override_usage = "ddo bench (--config tiny|flux-dev | --weights DIR) [--component NAME] [--route ROUTE]... [--preset NAME]... [options]",
+    override_usage = "ddo bench (--config tiny|flux-dev|qwen-tiny|qwen-image | --weights DIR) [--component NAME] [--route ROUTE]... [--preset NAME]... [options]",
     after_help = BENCH_NOTES
 )]
 pub struct BenchArgs {
@@ -266,7 +273,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "NAME")]
     pub component: Option<String>,
     /// random weights at a named config
-    #[arg(long, value_name = "tiny|flux-dev")]
+    #[arg(long, value_name = "tiny|flux-dev|qwen-tiny|qwen-image")]
     pub config: Option<String>,
     /// a Diffusers pipeline folder
     #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]

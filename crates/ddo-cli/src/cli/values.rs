@@ -105,12 +105,16 @@ pub fn positive(g: &OptionValue<'_>) -> CliResult<usize> {
     }
 }
 
-/// `--max-sequence-length`: positive, at most [`MAX_SEQUENCE_LENGTH`] as FluxPipeline allows.
+/// `--max-sequence-length`: positive, at most QwenImagePipeline's limit (1024); a Flux run
+/// further refuses more than [`MAX_SEQUENCE_LENGTH`] (FluxPipeline's T5 limit).
 pub fn max_sequence_length(g: &OptionValue<'_>) -> CliResult<usize> {
+    let limit = ddo_nn::qwen_text::MAX_SEQUENCE_LENGTH_LIMIT;
     match positive(g)? {
-        n if n > MAX_SEQUENCE_LENGTH => Err(CliError::usage(
-            format!("--max-sequence-length {n}: cannot be greater than {MAX_SEQUENCE_LENGTH}"),
-            format!("give at most {MAX_SEQUENCE_LENGTH} (FluxPipeline's limit for T5)"),
+        n if n > limit => Err(CliError::usage(
+            format!("--max-sequence-length {n}: cannot be greater than {limit}"),
+            format!(
+                "give at most {MAX_SEQUENCE_LENGTH} for a FluxPipeline (T5's limit), {limit} for a QwenImagePipeline"
+            ),
         )),
         n => Ok(n),
     }
@@ -135,6 +139,22 @@ pub fn guidance(g: &OptionValue<'_>) -> CliResult<f32> {
         ));
     }
     Ok(guidance)
+}
+
+/// `--true-cfg-scale`: a finite number (QwenImagePipeline's `true_cfg_scale`; true CFG runs
+/// when it is above 1 and a negative prompt is given).
+pub fn true_cfg_scale(g: &OptionValue<'_>) -> CliResult<f32> {
+    let scale: f32 = g
+        .text
+        .parse()
+        .map_err(|_| g.invalid("a number, e.g. 4.0"))?;
+    if !scale.is_finite() {
+        return Err(CliError::usage(
+            "--true-cfg-scale must be finite",
+            "e.g. 4.0 (QwenImagePipeline's default)",
+        ));
+    }
+    Ok(scale)
 }
 
 /// `--vram-budget`: a positive size (`12GiB`, `512MiB`, bytes).
@@ -207,7 +227,9 @@ mod tests {
         assert_eq!(e.exit_code(), 2);
         assert!(guidance(&given("1e38")).is_err());
         assert!(guidance(&given("NaN")).is_err());
-        assert!(max_sequence_length(&given("513")).is_err());
+        assert!(max_sequence_length(&given("1025")).is_err());
+        // Past T5's 512, a Flux run refuses it, a Qwen-Image run takes it.
+        assert_eq!(max_sequence_length(&given("513")).unwrap(), 513);
         assert_eq!(vram_budget(&given("1KiB")).unwrap(), 1024);
         assert!(vram_budget(&given("0")).is_err());
     }

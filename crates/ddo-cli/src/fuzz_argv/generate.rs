@@ -64,14 +64,17 @@ fn long(n: u8) -> String {
     }
 }
 
-/// Whether `flux-dev`'s random weights (at 2 bytes a parameter) are more than this host has
-/// available, so `ddo` refuses to build them before allocating.
-fn flux_dev_is_refused() -> bool {
-    let Some(c) = ddo_nn::pipeline::FluxPipelineConfig::named("flux-dev") else {
+/// Whether the random weights of full-size config `name` (`flux-dev`, `qwen-image`; at 2
+/// bytes a parameter) are more than this host has available, so `ddo` refuses to build them
+/// before allocating.
+fn full_size_is_refused(name: &str) -> bool {
+    let params = if let Some(c) = ddo_nn::pipeline::FluxPipelineConfig::named(name) {
+        c.text_encoder.param_count() + c.text_encoder_2.param_count() + c.transformer.param_count()
+    } else if let Some(c) = ddo_nn::pipeline::QwenImagePipelineConfig::named(name) {
+        c.text_encoder.param_count() + c.transformer.param_count()
+    } else {
         return true;
     };
-    let params =
-        c.text_encoder.param_count() + c.text_encoder_2.param_count() + c.transformer.param_count();
     ddo_core::host_memory::mem_available().is_some_and(|free| params.saturating_mul(2) > free)
 }
 
@@ -86,8 +89,10 @@ fn value(kind: Kind, r: &mut Reader<'_>) -> String {
         _ => {
             let dict = dictionary(kind);
             let v = dict[sel as usize % dict.len()];
-            if v == "flux-dev" && !flux_dev_is_refused() {
+            if v == "flux-dev" && !full_size_is_refused(v) {
                 "tiny".to_string()
+            } else if v == "qwen-image" && !full_size_is_refused(v) {
+                "qwen-tiny".to_string()
             } else {
                 v.to_string()
             }

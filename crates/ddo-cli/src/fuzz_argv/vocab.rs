@@ -258,7 +258,16 @@ pub(super) const ROUTE_WORDS: &[&str] = &[
     "maybe",
 ];
 
-const CONFIGS: &[&str] = &["tiny", "", "TINY", "tiny ", "small", "flux-dev"];
+const CONFIGS: &[&str] = &[
+    "tiny",
+    "",
+    "TINY",
+    "tiny ",
+    "small",
+    "flux-dev",
+    "qwen-tiny",
+    "qwen-image",
+];
 
 /// Values of `--device`; those naming CUDA are turned into `cpu` by [`bounded`].
 ///
@@ -329,7 +338,7 @@ pub(super) fn kind_of(spec: &OptionSpec) -> Kind {
     match spec.name.as_str() {
         "vram-budget" => Kind::Size,
         "seed" => Kind::Seed,
-        "guidance" => Kind::Float,
+        "guidance" | "true-cfg-scale" => Kind::Float,
         "preset" => Kind::Preset,
         "route" => Kind::Route,
         "component" => Kind::Component,
@@ -337,7 +346,7 @@ pub(super) fn kind_of(spec: &OptionSpec) -> Kind {
         "device" => Kind::Device,
         "dtype" => Kind::Dtype,
         "tiled-decode" => Kind::Tiled,
-        "prompt" => Kind::Prompt,
+        "prompt" | "negative-prompt" => Kind::Prompt,
         _ => {
             let p = spec.value.as_deref().unwrap_or("");
             if ["FILE", "DIR", "PATH", "PREFIX", "OUT"]

@@ -1,0 +1,225 @@
+//! The `ddo` binary on Qwen-Image: `run --config qwen-tiny` (true CFG on and off, the
+//! phase profile, the VAE row of the seed's table), `resolve` and `bench` on its
+//! components, and the options that belong to the other family, each refused in one line
+//! with a hint.
+
+mod common;
+
+use common::{ddo, json, ok, scratch};
+
+fn err_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+#[test]
+fn run_qwen_tiny_writes_an_image_with_and_without_true_cfg() {
+    let d = scratch("qwen-run");
+    let png = d.join("q.png");
+    let base = [
+        "run",
+        "--config",
+        "qwen-tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--steps",
+        "2",
+        "--json",
+    ];
+    let mut argv: Vec<&str> = base.to_vec();
+    argv.extend(["--out", png.to_str().unwrap()]);
+    let off = json(&ddo(&argv));
+    let bytes = std::fs::read(&png).expect("PNG written");
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let phases: Vec<&str> = off["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, ["prompt_encoding", "denoise", "decode"]);
+    assert_eq!(off["true_cfg"]["on"], false, "{off}");
+    assert!(off["guidance"].is_null());
+    let comps: Vec<&str> = off["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["component"].as_str().unwrap())
+        .collect();
+    assert_eq!(comps, ["text_encoder", "transformer", "vae"]);
+    let forwards = |v: &serde_json::Value| {
+        v["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["component"] == "transformer")
+            .unwrap()["metrics"]["counters"]["forwards"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(forwards(&off), 2, "one pass per step without true CFG");
+
+    let png2 = d.join("q2.png");
+    let mut argv: Vec<&str> = base.to_vec();
+    argv.extend(["--out", png2.to_str().unwrap(), "--negative-prompt", " "]);
+    let on = json(&ddo(&argv));
+    assert_eq!(on["true_cfg"]["on"], true, "{on}");
+    assert_eq!(on["true_cfg"]["scale"], 4.0);
+    assert_eq!(forwards(&on), 4, "two passes per step with true CFG");
+    assert_ne!(
+        std::fs::read(&png2).unwrap(),
+        bytes,
+        "true CFG changes the image"
+    );
+}
+
+#[test]
+fn the_other_familys_options_are_refused_before_any_work() {
+    let d = scratch("qwen-refuse");
+    let out_png = d.join("x.png");
+    let out = out_png.to_str().unwrap();
+    for (argv, needle) in [
+        (
+            vec!["run", "--config", "qwen-tiny", "--guidance", "3.5"],
+            "--true-cfg-scale",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "qwen-tiny",
+                "--save-latents",
+                "l.safetensors",
+            ],
+            "--out OUT.safetensors",
+        ),
+        (
+            vec![
+                "run",
+                "--config",
+                "qwen-tiny",
+                "--text-encoder-2",
+                "t5.safetensors",
+            ],
+            "one text encoder",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--negative-prompt", " "],
+            "--guidance",
+        ),
+        (
+            vec!["run", "--config", "tiny", "--true-cfg-scale", "4"],
+            "QwenImagePipeline",
+        ),
+        (
+            vec!["run", "--config", "qwen-tiny", "--true-cfg-scale", "inf"],
+            "finite",
+        ),
+        (vec!["run", "--config", "qwen-small"], "qwen-image"),
+    ] {
+        let mut a = argv.clone();
+        a.extend(["--out", out]);
+        let o = ddo(&a);
+        let err = err_of(&o);
+        assert_eq!(o.status.code(), Some(2), "{argv:?}: {err}");
+        assert!(err.contains(needle), "{argv:?}: `{needle}` not in {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(!out_png.exists(), "{argv:?} wrote an output");
+    }
+}
+
+#[test]
+fn resolve_and_bench_know_the_qwen_components() {
+    let v = json(&ddo(&[
+        "resolve",
+        "--config",
+        "qwen-tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--json",
+    ]));
+    let comps: Vec<(&str, &str)> = v["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["component"].as_str().unwrap(),
+                c["route"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let names: Vec<&str> = comps.iter().map(|c| c.0).collect();
+    assert_eq!(names, ["text_encoder", "transformer", "vae"], "{v}");
+    // The seed's VAE table: auto resolves to one_shot_fast, whose VAE route is Diffusers'
+    // leaf offload without a stream.
+    let vae = comps.iter().find(|c| c.0 == "vae").unwrap().1;
+    assert!(vae.contains("diffusers_group_offload"), "{v}");
+
+    let d = scratch("qwen-bench");
+    let j = d.join("b.json");
+    let text = ok(&ddo(&[
+        "bench",
+        "--config",
+        "qwen-tiny",
+        "--component",
+        "transformer",
+        "--route",
+        "none",
+        "--route",
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--out-json",
+        j.to_str().unwrap(),
+    ]));
+    assert!(text.contains("transformer"), "{text}");
+    let b: serde_json::Value = serde_json::from_slice(&std::fs::read(&j).unwrap()).unwrap();
+    let cands = b["candidates"].as_array().unwrap();
+    assert_eq!(cands.len(), 2, "{b}");
+    assert!(
+        cands[1]["streamed_bytes_per_forward"].as_u64().unwrap() > 0,
+        "{b}"
+    );
+    for component in ["text_encoder", "vae"] {
+        ok(&ddo(&[
+            "bench",
+            "--config",
+            "qwen-tiny",
+            "--component",
+            component,
+            "--route",
+            "none",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+        ]));
+    }
+    let o = ddo(&[
+        "bench",
+        "--config",
+        "qwen-tiny",
+        "--component",
+        "text_encoder_2",
+    ]);
+    let err = err_of(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("text_encoder, transformer, vae"),
+        "names the components: {err}"
+    );
+}
