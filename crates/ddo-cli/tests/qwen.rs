@@ -5,7 +5,58 @@
 
 mod common;
 
-use common::{ddo, json, ok, scratch};
+use common::{ddo, fixture, json, ok, scratch, tensor};
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// `ddo run --weights` on the `qwen_pipeline` fixture (a QwenImagePipeline folder without
+/// a text encoder, found by its `model_index.json`) from the fixture's given embeddings,
+/// masks and noise gives Diffusers' latents and image, with true CFG and without.
+#[test]
+fn run_weights_reproduces_diffusers_qwen_image_pipeline() {
+    let d = scratch("qwen-fixture");
+    let inputs = fixture("qwen_pipeline/inputs.safetensors");
+    let expected = std::path::PathBuf::from(fixture("qwen_pipeline/outputs.safetensors"));
+    for (scale, image_name, latents_name) in [
+        ("4", "image", "latents"),
+        ("1", "image_no_cfg", "latents_no_cfg"),
+    ] {
+        let out = d.join(format!("cfg{scale}.safetensors"));
+        let v = json(&ddo(&[
+            "run",
+            "--weights",
+            &fixture("qwen_pipeline"),
+            "--prompt-embeds",
+            &inputs,
+            "--init-latents",
+            &inputs,
+            "--steps",
+            "3",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--true-cfg-scale",
+            scale,
+            "--out",
+            out.to_str().unwrap(),
+            "--json",
+        ]));
+        assert_eq!(v["true_cfg"]["on"], scale == "4", "{v}");
+        for (ours, theirs) in [("sample", image_name), ("latents", latents_name)] {
+            let (s1, a) = tensor(&out, ours);
+            let (s2, b) = tensor(&expected, theirs);
+            assert_eq!(s1, s2, "{ours} vs {theirs}");
+            let e = rel_l2(&a, &b);
+            assert!(e <= 1e-5, "{ours} vs {theirs}: relative L2 {e}");
+        }
+    }
+}
 
 fn err_of(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).to_string()
