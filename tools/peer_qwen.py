@@ -106,18 +106,18 @@ from peer_pipeline import (
     weight_bytes,
 )
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
 
-import torch  # noqa: E402
+import torch
 
-from bench_peer import bandwidth  # noqa: E402
-from diffusers import (  # noqa: E402
+from bench_peer import bandwidth
+from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     QwenImageTransformer2DModel,
