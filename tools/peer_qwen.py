@@ -14,23 +14,27 @@ The models (configs written here; no hub downloads, no checkpoint files):
                 num_attention_heads 24 (3072 wide), joint_attention_dim 3584 (Qwen2.5-VL-7B's
                 hidden size), guidance_embeds False, axes_dims_rope (16, 56, 56); zero_cond_t,
                 use_additional_t_cond, use_layer3d_rope False (the edit / layered variants' flags).
-                20.4B parameters: 40.9 GB in bf16.
+                20.43B parameters: 40,860,802,176 bytes in bf16 (679.7 MB a block).
   text_encoder  transformers' Qwen2_5_VLForConditionalGeneration at Qwen2.5-VL-7B-Instruct's
                 config.json (Qwen-Image's text_encoder/config.json): text hidden 3584, 28 layers,
                 28 heads, 4 kv heads, intermediate 18944, vocab 152064, rope theta 1e6, rms eps
                 1e-6, mrope_section [16, 24, 24], untied lm_head; the vision tower too (depth 32,
                 1280 wide, 16 heads, intermediate 3420, patch 14, out 3584, window 112, full
                 attention in blocks 7/15/23/31), as the real checkpoint holds it, though a text
-                prompt never runs it. Language model + lm_head 15.2 GB, vision tower 1.35 GB:
-                16.6 GB (OUT.json's text_encoder_parts_bytes has the exact split).
+                prompt never runs it. In bf16: language model 14,141,238,528 bytes + lm_head
+                1,089,994,752 (15.2 GB), vision tower 1,353,100,368 (1.35 GB): 16,584,333,648
+                (16.6 GB = 15.4 GiB; OUT.json's text_encoder_parts_bytes). The values are those
+                of ddo-nn's qwen_text config for Qwen2.5-VL 7B (crates/ddo-nn/src/qwen_text/).
   vae           AutoencoderKLQwenImage(): Diffusers' class defaults are Qwen-Image's
                 vae/config.json (base_dim 96, z_dim 16, dim_mult [1, 2, 4, 4], num_res_blocks 2,
                 attn_scales [], temperal_downsample [False, True, True], dropout 0, the 16
-                latents_mean / latents_std values), 8x spatial compression.
+                latents_mean / latents_std values), 8x spatial compression; 253,785,062 bytes.
   scheduler     FlowMatchEulerDiscreteScheduler with Qwen-Image's scheduler/scheduler_config.json
                 (QWEN_SCHEDULER below: base_shift 0.5 and max_shift 0.9 over image sequence
                 lengths 256..8192, shift 1.0, shift_terminal 0.02, time_shift_type "exponential",
-                dynamic shifting; the ln(3) shifts some snippets show are Qwen-Image-Lightning's).
+                dynamic shifting), as public Qwen-Image training and inference code quotes the
+                file; the ln(3) base and max shifts some snippets show are Qwen-Image-Lightning's
+                distilled-model scheduler, not the base model's.
   tokenizer     a stand-in (no tokenizer files are offline), QwenStandInTokenizer below.
 Random weights: each model is built on the GPU (its library's own initialisation runs there,
 fast), the transformer's weight matrices (every parameter of 2 or more dimensions) are then
