@@ -23,7 +23,7 @@ The models (configs written here; no hub downloads, no checkpoint files):
                 attention in blocks 7/15/23/31), as the real checkpoint holds it, though a text
                 prompt never runs it. In bf16: language model 14,141,238,528 bytes + lm_head
                 1,089,994,752 (15.2 GB), vision tower 1,353,100,368 (1.35 GB): 16,584,333,648
-                (16.6 GB = 15.4 GiB; OUT.json's text_encoder_parts_bytes). The values are those
+                (16.6 GB = 15.4 GiB; OUT.json's text_encoder_parts_bytes). The text values are those
                 of ddo-nn's qwen_text config for Qwen2.5-VL 7B (crates/ddo-nn/src/qwen_text/).
   vae           AutoencoderKLQwenImage(): Diffusers' class defaults are Qwen-Image's
                 vae/config.json (base_dim 96, z_dim 16, dim_mult [1, 2, 4, 4], num_res_blocks 2,
