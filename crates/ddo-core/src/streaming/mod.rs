@@ -54,8 +54,9 @@
 //! link-bound by ~3×, so one unit of lookahead keeps the copy stream busy and the peak at
 //! Diffusers' two-leaf level; a route may default to more under a budget or for 8-bit
 //! weights, as the group offload does); a pinned limit that
-//! follows the machine ([`default_pinned_limit`]: half the host's available memory, so a
-//! FLUX.1-dev transformer's 22 GiB live in a pinned home on a 128 GiB host;
+//! follows the machine ([`default_pinned_limit`]: the host's available memory less a reserve
+//! of an eighth of it, at least 4 GiB, so the Qwen-Image transformer's 38 GiB live in a
+//! pinned home on a 128 GiB host beside its other 14 GiB of weights;
 //! [`DEFAULT_PINNED_LIMIT`] where that cannot be read), and [`WSL_COMPAT_PINNED_LIMIT`]
 //! (256 MiB) under `wsl_compat`.
 
@@ -87,25 +88,33 @@ pub const DEFAULT_RING_SLOTS: usize = 2;
 pub const DEFAULT_PINNED_LIMIT: u64 = 16 << 30;
 
 /// The share of the host's available memory (`MemAvailable`, read when a route attaches)
-/// the engine's default pinned limit takes: one half. A pinned home replaces the weights'
-/// host copy, so once built it costs no host memory beyond the weights; while it is being
-/// built both copies are held, and the other half is left for that and for the rest of
-/// the process.
-pub const PINNED_SHARE_OF_AVAILABLE: (u64, u64) = (1, 2);
+/// the engine's default pinned limit leaves unpinned: one eighth, and at least
+/// [`PINNED_RESERVE_MIN`]. A pinned home replaces the weights' host copy chunk by chunk
+/// (the copy it replaces goes as each chunk is filled), so once built it costs no host
+/// memory beyond the weights, and while it is built only the chunks in flight are held
+/// twice. Half of the available memory, the rule before, left the 38 GiB streamed part of
+/// the Qwen-Image transformer out of a pinned home on a 128 GiB H200 host (70 GB available
+/// after its 55 GB of random weights were made): it staged through pageable memory at 9.96x
+/// the link floor.
+pub const PINNED_RESERVE_SHARE: (u64, u64) = (1, 8);
 
-/// The engine's default pinned limit: [`PINNED_SHARE_OF_AVAILABLE`] of the host's
-/// available memory now, at least [`WSL_COMPAT_PINNED_LIMIT`], or [`DEFAULT_PINNED_LIMIT`]
-/// where `/proc/meminfo` cannot be read. The device's own pinned limit still applies on
-/// top of it.
+/// The least host memory the default pinned limit leaves unpinned: 4 GiB.
+pub const PINNED_RESERVE_MIN: u64 = 4 << 30;
+
+/// The engine's default pinned limit: the host's available memory now less
+/// [`PINNED_RESERVE_SHARE`] of it (at least [`PINNED_RESERVE_MIN`]), at least
+/// [`WSL_COMPAT_PINNED_LIMIT`], or [`DEFAULT_PINNED_LIMIT`] where `/proc/meminfo` cannot be
+/// read. The device's own pinned limit still applies on top of it.
 pub fn default_pinned_limit() -> u64 {
     pinned_limit_for_available(crate::host_memory::mem_available())
 }
 
 /// [`default_pinned_limit`] for a given available-memory reading.
 pub fn pinned_limit_for_available(available: Option<u64>) -> u64 {
-    let (num, den) = PINNED_SHARE_OF_AVAILABLE;
+    let (num, den) = PINNED_RESERVE_SHARE;
     available.map_or(DEFAULT_PINNED_LIMIT, |a| {
-        (a / den).saturating_mul(num).max(WSL_COMPAT_PINNED_LIMIT)
+        let reserve = (a / den).saturating_mul(num).max(PINNED_RESERVE_MIN);
+        a.saturating_sub(reserve).max(WSL_COMPAT_PINNED_LIMIT)
     })
 }
 
@@ -224,5 +233,30 @@ pub fn ring_does_not_fit(budget: u64, ring_bytes: u64, slots: u64) -> crate::Cor
             "the streaming ring needs {ring_bytes} B ({slots} slots of the largest segment or transfer unit) \
              on top of what stays resident; raise the budget, lower ring_slots or unit_bytes, or drop the budget"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_pinned_limit_leaves_a_reserve_and_takes_the_rest() {
+        // The H200 host after Qwen-Image's random weights: its 40.86 GB streamed part fits.
+        let available = 70_000_000_000u64;
+        let limit = pinned_limit_for_available(Some(available));
+        assert_eq!(limit, available - available / 8);
+        assert!(limit >= 40_860_802_304, "{limit}");
+        // A small host keeps at least PINNED_RESERVE_MIN unpinned, and never goes below the
+        // wsl_compat floor.
+        assert_eq!(
+            pinned_limit_for_available(Some(12 << 30)),
+            (12 << 30) - PINNED_RESERVE_MIN
+        );
+        assert_eq!(
+            pinned_limit_for_available(Some(3 << 30)),
+            WSL_COMPAT_PINNED_LIMIT
+        );
+        assert_eq!(pinned_limit_for_available(None), DEFAULT_PINNED_LIMIT);
     }
 }
