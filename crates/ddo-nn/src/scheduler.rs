@@ -364,7 +364,19 @@ impl FlowMatchEulerScheduler {
                 .collect()
         };
         let shifted = match self.config.shift_terminal {
-            Some(terminal) => stretch_to_terminal_f32(&shifted, terminal),
+            Some(terminal) => {
+                // The stretch divides by `1 − σ_last`: a schedule ending at σ = 1 (one step
+                // of `linspace(1, 1/n, n)`) gives 0/0, NaN timesteps in Diffusers too.
+                if shifted.last().is_some_and(|&t| 1.0 - t == 0.0) {
+                    return Err(schedule_error(format!(
+                        "the scheduler config's shift_terminal ({terminal}) stretches the \
+                         schedule by 1 - last sigma, which is 0 for this schedule ({} step(s) \
+                         ending at sigma 1: Diffusers gives NaN timesteps): give 2 or more steps",
+                        sigmas.len()
+                    )));
+                }
+                stretch_to_terminal_f32(&shifted, terminal)
+            }
             None => shifted,
         };
         self.finish(shifted);

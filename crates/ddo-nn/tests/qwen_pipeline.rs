@@ -315,6 +315,77 @@ fn text_prompts_run_through_the_text_encoder_with_the_stand_in_ids() {
 }
 
 #[test]
+fn auto_decode_tiles_when_the_budget_leaves_too_little() {
+    let pipe = QwenImagePipeline::random(&QwenImagePipelineConfig::tiny(), 5, DType::F32).unwrap();
+    let mut request = fixture_request();
+    request.prompt = QwenPromptInput::Text("a lighthouse".into());
+    request.negative_prompt = None;
+    request.height = 384;
+    request.width = 384;
+    request.init = InitLatents::Seed(1);
+    request.steps = 2;
+    request.tiled_decode = TiledDecode::Auto;
+    let roomy = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(!roomy.decode.tiled, "{}", roomy.decode.reason);
+    // The text encoder's demand bounds its phase beside its weights.
+    let d = device();
+    let demands = pipe
+        .phase_demands(384, 384, 1, TiledDecode::Auto, 1 << 30, &*d)
+        .unwrap();
+    assert_eq!(demands[0].components, ["text_encoder"]);
+    let text_weights = pipe
+        .text_encoder
+        .as_ref()
+        .unwrap()
+        .component()
+        .param_bytes();
+    let measured = roomy.phases[0].peak.allocator_peak_bytes;
+    assert!(
+        demands[0].activation_bytes + text_weights >= measured,
+        "text encoder estimate {} + weights {text_weights} < measured {measured}",
+        demands[0].activation_bytes
+    );
+    let untiled = roomy.decode.estimate_untiled_bytes;
+    request.vram_budget = Some(untiled * 3 / 4);
+    let tight = run(&pipe, device(), &settings(Preset::Auto, None), &request);
+    assert!(tight.decode.tiled, "{}", tight.decode.reason);
+    assert!(tight.decode.qwen_tiling.is_some());
+    assert!(tight.phases[2].note.as_deref().unwrap().contains("tiled"));
+    assert!(
+        tight.phases[2].peak.allocator_peak_bytes < roomy.phases[2].peak.allocator_peak_bytes,
+        "tiled {} vs untiled {}",
+        tight.phases[2].peak.allocator_peak_bytes,
+        roomy.phases[2].peak.allocator_peak_bytes
+    );
+    // The same denoise; the tiled image close to the untiled one.
+    assert_eq!(
+        tight.latents.host_f32().unwrap(),
+        roomy.latents.host_f32().unwrap()
+    );
+    let err = rel_l2(
+        &tight.image.host_f32().unwrap(),
+        &roomy.image.host_f32().unwrap(),
+    );
+    eprintln!("qwen tiled vs untiled decode at 384x384: relative L2 {err:.3e}");
+    assert!(err < 0.05, "{err}");
+    // A budget that holds neither is refused naming one that would do.
+    request.vram_budget = Some(1 << 10);
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    let mut offload =
+        enable_pipeline_offload_with_env(&pipeline, d, &settings(Preset::Auto, None), &env)
+            .unwrap();
+    let e = pipe
+        .run_phases(&mut offload, &request, &mut |_, _, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(&e, CoreError::InvalidOption { option, hint, .. }
+            if option == "tiled-decode" && hint.contains("--vram-budget")),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_folder_with_the_fixture_text_encoder_encodes_prompts_as_diffusers() {
     let tmp = TempDir::new();
     copy_tree(&dir(), &tmp.0);
@@ -414,6 +485,19 @@ fn bad_requests_are_typed_errors_and_release_everything() {
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
     assert!(e.to_string().contains("[1, 32, 16]"), "{e}");
+    check_released(&offload);
+
+    // One step: Qwen-Image's shift_terminal stretch would divide 0 by 0.
+    let mut request = fixture_request();
+    request.steps = 1;
+    let e = pipe
+        .run_phases(&mut offload, &request, &mut |_, _, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(&e, CoreError::InvalidOption { option, hint, .. }
+            if option == "scheduler" && hint.contains("shift_terminal") && hint.contains("2 or more steps")),
+        "{e}"
+    );
     check_released(&offload);
 
     // Text without a text encoder.
