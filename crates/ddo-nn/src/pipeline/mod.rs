@@ -21,6 +21,11 @@
 //! Initial noise from a seed is DDO's own (SplitMix64 + Box–Muller, documented at
 //! [`gaussian_noise`]), not PyTorch's generator: to reproduce a Diffusers run exactly,
 //! pass its noise ([`InitLatents::Given`]) and embeddings ([`PromptInput::Embeddings`]).
+//!
+//! Diffusers' `QwenImagePipeline` ([`QwenImagePipeline`], true CFG, the Qwen models) runs on
+//! the same phase driver (`phases.rs`: the error cleanup, the phase beginnings and the seed's
+//! boundary are one piece of code both pipelines call); [`PipelineKind::detect`] tells the two
+//! apart from a folder's `model_index.json`.
 
 mod decode_plan;
 mod phases;
