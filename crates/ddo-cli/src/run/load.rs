@@ -245,7 +245,7 @@ fn build_qwen(
         if f.is_some() {
             return Err(CliError::usage(
                 format!("{option} FILE with a QwenImagePipeline"),
-                "single files load Flux's original layouts; give a QwenImagePipeline folder with --weights DIR",
+                super::qwen::SINGLE_FILES_HINT,
             ));
         }
     }

@@ -12,6 +12,10 @@ use crate::cli::RunArgs;
 use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, read_optional_tensor, read_tensor};
 
+/// Why a Qwen-Image run takes no single component file.
+pub(super) const SINGLE_FILES_HINT: &str =
+    "single files load Flux's original layouts; give a QwenImagePipeline folder with --weights DIR";
+
 /// QwenImagePipeline's `true_cfg_scale` default.
 pub const DEFAULT_TRUE_CFG_SCALE: f32 = 4.0;
 
@@ -26,23 +30,19 @@ pub(super) fn refuse_flux_options(args: &RunArgs) -> CliResult<()> {
         (
             "--transformer",
             args.transformer.is_some(),
-            "single files load Flux's original layouts; give a QwenImagePipeline folder with --weights DIR",
+            SINGLE_FILES_HINT,
         ),
         (
             "--text-encoder",
             args.text_encoder.is_some(),
-            "single files load Flux's original layouts; give a QwenImagePipeline folder with --weights DIR",
+            SINGLE_FILES_HINT,
         ),
         (
             "--text-encoder-2",
             args.text_encoder_2.is_some(),
             "QwenImagePipeline has one text encoder (text_encoder/); T5 is Flux's",
         ),
-        (
-            "--vae",
-            args.vae.is_some(),
-            "single files load Flux's original layouts; give a QwenImagePipeline folder with --weights DIR",
-        ),
+        ("--vae", args.vae.is_some(), SINGLE_FILES_HINT),
         (
             "--save-latents",
             args.save_latents.is_some(),
