@@ -129,13 +129,14 @@ pub fn fast_hash(bytes: &[u8]) -> u64 {
     fmix64(mixed ^ (bytes.len() as u64).wrapping_mul(P4))
 }
 
-/// Coded units read back from a cache file: one buffer holding the file, and each unit's
-/// place in it with its validated header.
+/// Coded units read back from a cache file ([`read_cache`]): the file's payload in one
+/// buffer, and each unit's place in it with its validated header.
 #[derive(Debug)]
 pub struct CachedUnits {
-    bytes: Vec<u8>,
-    extra: std::ops::Range<usize>,
-    units: Vec<(usize, UnitHeader)>,
+    payload: Vec<u8>,
+    extra: Vec<u8>,
+    units: Vec<(u64, UnitHeader)>,
+    file_bytes: u64,
 }
 
 impl CachedUnits {
@@ -152,8 +153,9 @@ impl CachedUnits {
     /// Unit `i`'s coded bytes and header, or `None` past the end.
     pub fn unit(&self, i: usize) -> Option<(&[u8], &UnitHeader)> {
         let (at, header) = self.units.get(i)?;
+        let at = *at as usize;
         let end = at + header.encoded_len() as usize;
-        Some((self.bytes.get(*at..end)?, header))
+        Some((self.payload.get(at..end)?, header))
     }
 
     /// Every unit in order.
@@ -163,21 +165,22 @@ impl CachedUnits {
 
     /// The extra bytes given to [`write_cache`].
     pub fn extra(&self) -> &[u8] {
-        self.bytes.get(self.extra.clone()).unwrap_or_default()
+        &self.extra
     }
 
     /// Bytes of the file read.
     pub fn file_bytes(&self) -> u64 {
-        self.bytes.len() as u64
+        self.file_bytes
     }
 }
 
-/// What [`read_cache`] found. Every case but [`CacheLookup::Hit`] means: code the units and
-/// [`write_cache`] them again.
+/// What a cache lookup found ([`read_cache`]: the units; [`open_cache`]: a file whose
+/// header, key and index check out, its payload still to be read). Every case but
+/// [`Lookup::Hit`] means: code the units and [`write_cache`] them again.
 #[derive(Debug)]
-pub enum CacheLookup {
-    /// The file matches the key and checks out.
-    Hit(CachedUnits),
+pub enum Lookup<T> {
+    /// The file matches the key and checks out (so far as read).
+    Hit(T),
     /// There is no file.
     Absent,
     /// The file is intact but was written for another key (or by another format version).
@@ -186,14 +189,27 @@ pub enum CacheLookup {
     Corrupt(String),
 }
 
-impl CacheLookup {
+/// What [`read_cache`] found.
+pub type CacheLookup = Lookup<CachedUnits>;
+
+impl<T> Lookup<T> {
     /// Why the cache was not used (`None` for a hit).
     pub fn reason(&self) -> Option<String> {
         match self {
-            CacheLookup::Hit(_) => None,
-            CacheLookup::Absent => Some("no cache file".into()),
-            CacheLookup::Stale(r) => Some(format!("stale: {r}")),
-            CacheLookup::Corrupt(r) => Some(format!("corrupt: {r}")),
+            Lookup::Hit(_) => None,
+            Lookup::Absent => Some("no cache file".into()),
+            Lookup::Stale(r) => Some(format!("stale: {r}")),
+            Lookup::Corrupt(r) => Some(format!("corrupt: {r}")),
+        }
+    }
+
+    /// The same miss for another hit type (`None` for a hit).
+    fn miss<U>(self) -> Option<Lookup<U>> {
+        match self {
+            Lookup::Hit(_) => None,
+            Lookup::Absent => Some(Lookup::Absent),
+            Lookup::Stale(r) => Some(Lookup::Stale(r)),
+            Lookup::Corrupt(r) => Some(Lookup::Corrupt(r)),
         }
     }
 }
@@ -366,49 +382,243 @@ impl Write for Limited<'_> {
     }
 }
 
-/// Reads the cache at `path` for `key` (one read into memory, then every check in the
-/// module docs, the units' hashes on every core). Absent, stale and corrupt files are
+/// Reads the cache at `path` for `key` into memory ([`open_cache`], then
+/// [`OpenCache::read_into`] a buffer of its payload). Absent, stale and corrupt files are
 /// [`CacheLookup`]s, never errors, so the caller just codes again; only a file that exists
 /// but cannot be read is [`CodecError::CacheIo`].
 pub fn read_cache(path: &Path, key: &CacheKey) -> Result<CacheLookup> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(CacheLookup::Absent),
-        Err(e) => return Err(io_err(path, "read", &e)),
+    let open = match open_cache(path, key)? {
+        Lookup::Hit(open) => open,
+        miss => return Ok(miss.miss().unwrap_or(Lookup::Absent)),
     };
-    Ok(check(bytes, key))
+    let file_bytes = open.payload_offset + open.payload_len;
+    let extra = open.extra.clone();
+    let mut payload = vec![0u8; open.payload_len as usize];
+    Ok(match open.read_into(&mut payload)? {
+        Ok(units) => Lookup::Hit(CachedUnits {
+            payload,
+            extra,
+            units,
+            file_bytes,
+        }),
+        Err(reason) => Lookup::Corrupt(reason),
+    })
 }
 
-/// Validates a whole cache file's bytes against `key`.
+/// A cache file whose header, key and index checked out ([`open_cache`]); its payload is
+/// read and checked by [`OpenCache::read_into`], straight into the caller's buffer (the
+/// streaming engine reads it into its pinned home: one copy of the coded units in memory,
+/// not two).
+#[derive(Debug)]
+pub struct OpenCache {
+    path: PathBuf,
+    file: std::fs::File,
+    head: Head,
+    extra: Vec<u8>,
+}
+
+impl std::ops::Deref for OpenCache {
+    type Target = Head;
+    fn deref(&self) -> &Head {
+        &self.head
+    }
+}
+
+/// The checked header and index of a cache file.
+#[derive(Debug, Clone)]
+pub struct Head {
+    payload_offset: u64,
+    payload_len: u64,
+    /// Per unit: offset in the payload, length, hash.
+    index: Vec<(u64, u64, u64)>,
+}
+
+impl Head {
+    /// Bytes of the payload (the coded units, each 16-aligned, zeros between).
+    pub fn payload_len(&self) -> u64 {
+        self.payload_len
+    }
+
+    /// Number of units.
+    pub fn units(&self) -> usize {
+        self.index.len()
+    }
+}
+
+impl OpenCache {
+    /// The extra bytes given to [`write_cache`].
+    pub fn extra(&self) -> &[u8] {
+        &self.extra
+    }
+
+    /// Reads the payload into `dst` (exactly [`Head::payload_len`] bytes) on several
+    /// threads and checks every unit (padding zero, header parses to its indexed length,
+    /// bytes match their hash). Returns each unit's offset in the payload and header, or
+    /// why the payload is corrupt (then `dst` holds bytes that must not be used);
+    /// [`CodecError::CacheIo`] when the file cannot be read.
+    pub fn read_into(
+        self,
+        dst: &mut [u8],
+    ) -> Result<std::result::Result<Vec<(u64, UnitHeader)>, String>> {
+        if dst.len() as u64 != self.payload_len {
+            return Err(CodecError::CacheIo {
+                path: self.path.clone(),
+                op: "read",
+                message: format!(
+                    "a {}-byte buffer for a {}-byte payload",
+                    dst.len(),
+                    self.payload_len
+                ),
+            });
+        }
+        read_parallel(&self.file, self.payload_offset, dst)
+            .map_err(|e| io_err(&self.path, "read", &e))?;
+        Ok(check_payload(&self.head, dst))
+    }
+}
+
+/// Reads `dst.len()` bytes of `file` from `offset` on up to [`READ_THREADS`] threads.
+fn read_parallel(file: &std::fs::File, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const CHUNK: usize = 64 << 20;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, READ_THREADS);
+    let chunks: Vec<(u64, &mut [u8])> = dst
+        .chunks_mut(CHUNK)
+        .enumerate()
+        .map(|(i, c)| (offset + (i * CHUNK) as u64, c))
+        .collect();
+    let per = chunks.len().div_ceil(threads).max(1);
+    let mut groups: Vec<Vec<(u64, &mut [u8])>> = Vec::new();
+    let mut it = chunks.into_iter().peekable();
+    while it.peek().is_some() {
+        groups.push(it.by_ref().take(per).collect());
+    }
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = groups
+            .into_iter()
+            .map(|group| {
+                scope.spawn(move || -> std::io::Result<()> {
+                    for (at, c) in group {
+                        file.read_exact_at(c, at)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("a reading thread panicked")))
+        })
+    })
+}
+
+/// Threads that read a cache payload: a handful reach a disk's or the page cache's rate.
+pub const READ_THREADS: usize = 8;
+
+/// Opens the cache at `path` for `key`: reads and checks its header, key and index (the
+/// payload is not read yet: [`OpenCache::read_into`]).
+pub fn open_cache(path: &Path, key: &CacheKey) -> Result<Lookup<OpenCache>> {
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Lookup::Absent),
+        Err(e) => return Err(io_err(path, "open", &e)),
+    };
+    let len = file.metadata().map_err(|e| io_err(path, "read", &e))?.len();
+    let mut fixed = [0u8; HEADER];
+    let got = read_up_to(&file, 0, &mut fixed).map_err(|e| io_err(path, "read", &e))?;
+    let payload_offset = le_u64(&fixed, 32);
+    let mut head = vec![0u8; payload_offset.min(len) as usize];
+    if got < HEADER || payload_offset > len {
+        head = fixed[..got].to_vec();
+    } else {
+        read_up_to(&file, 0, &mut head).map_err(|e| io_err(path, "read", &e))?;
+    }
+    Ok(match check_head(&head, len, key) {
+        Lookup::Hit((head, extra)) => Lookup::Hit(OpenCache {
+            path: path.to_path_buf(),
+            file,
+            head,
+            extra,
+        }),
+        miss => miss.miss().unwrap_or(Lookup::Absent),
+    })
+}
+
+/// Reads up to `dst.len()` bytes at `offset` (fewer only at the end of the file).
+fn read_up_to(file: &std::fs::File, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < dst.len() {
+        match file.read_at(&mut dst[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// Validates a whole cache file's bytes against `key` (the checks [`open_cache`] and
+/// [`OpenCache::read_into`] make, on bytes in memory).
+#[cfg(test)]
 fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
-    let corrupt = |r: String| CacheLookup::Corrupt(r);
-    let len = bytes.len() as u64;
-    if bytes.len() < HEADER {
+    let head_len = (le_u64(&bytes, 32) as usize).min(bytes.len());
+    let head_bytes = if bytes.len() < HEADER {
+        &bytes[..]
+    } else {
+        &bytes[..head_len]
+    };
+    let (head, extra) = match check_head(head_bytes, bytes.len() as u64, key) {
+        Lookup::Hit(h) => h,
+        miss => return miss.miss().unwrap_or(Lookup::Absent),
+    };
+    let payload = &bytes[head.payload_offset as usize..];
+    match check_payload(&head, payload) {
+        Ok(units) => Lookup::Hit(CachedUnits {
+            payload: payload.to_vec(),
+            extra,
+            units,
+            file_bytes: bytes.len() as u64,
+        }),
+        Err(reason) => Lookup::Corrupt(reason),
+    }
+}
+
+/// Checks a cache file's header, key and index (`head`: the file's bytes up to the
+/// payload; `len`: the file's length) against `key`; returns the index and the extra bytes.
+fn check_head(head: &[u8], len: u64, key: &CacheKey) -> Lookup<(Head, Vec<u8>)> {
+    let corrupt = |r: String| Lookup::Corrupt(r);
+    if head.len() < HEADER {
         return corrupt(format!(
             "{len} bytes, shorter than the {HEADER}-byte header"
         ));
     }
-    if &bytes[..8] != MAGIC {
+    if &head[..8] != MAGIC {
         return corrupt("bad magic".into());
     }
-    let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
-    let n = le_u64(&bytes, 16);
-    let k = le_u64(&bytes, 24);
-    let payload_offset = le_u64(&bytes, 32);
-    let payload_len = le_u64(&bytes, 40);
-    let stored_hash = le_u64(&bytes, 48);
-    let x = le_u64(&bytes, 56);
+    let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+    let n = le_u64(head, 16);
+    let k = le_u64(head, 24);
+    let payload_offset = le_u64(head, 32);
+    let payload_len = le_u64(head, 40);
+    let stored_hash = le_u64(head, 48);
+    let x = le_u64(head, 56);
     let expect_offset = n
         .checked_mul(ENTRY as u64)
         .and_then(|i| align(k).checked_add(align(i)))
         .and_then(|v| v.checked_add(align(x)))
         .and_then(|v| v.checked_add(HEADER as u64));
-    if expect_offset != Some(payload_offset) || payload_offset > len {
+    if expect_offset != Some(payload_offset)
+        || payload_offset > len
+        || head.len() as u64 != payload_offset
+    {
         return corrupt(format!(
             "payload offset {payload_offset} does not follow from {n} units, a {k}-byte key and {x} extra bytes in a {len}-byte file"
         ));
     }
-    let head = &bytes[..payload_offset as usize];
     let computed = index_hash(head);
     if computed != stored_hash {
         return corrupt(format!(
@@ -416,11 +626,11 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
         ));
     }
     if version != CACHE_VERSION {
-        return CacheLookup::Stale(format!(
+        return Lookup::Stale(format!(
             "format version {version}, this build reads {CACHE_VERSION}"
         ));
     }
-    if u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]) != 0 {
+    if u32::from_le_bytes([head[12], head[13], head[14], head[15]]) != 0 {
         return corrupt("nonzero flags".into());
     }
     if payload_offset.checked_add(payload_len) != Some(len) {
@@ -430,15 +640,12 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
     }
     let stored_key = &head[HEADER..HEADER + k as usize];
     if stored_key != key.as_bytes() {
-        return CacheLookup::Stale("written for another key (the source or layout changed)".into());
+        return Lookup::Stale("written for another key (the source or layout changed)".into());
     }
     let extra_at = HEADER + align(k) as usize;
-    let extra = extra_at..extra_at + x as usize;
+    let extra = head[extra_at..extra_at + x as usize].to_vec();
     let index_at = extra_at + align(x) as usize;
-    let payload = &bytes[payload_offset as usize..];
-    let mut units = Vec::with_capacity(n as usize);
-    let mut slices: Vec<&[u8]> = Vec::with_capacity(n as usize);
-    let mut hashes = Vec::with_capacity(n as usize);
+    let mut index = Vec::with_capacity(n as usize);
     let mut at = 0u64;
     for i in 0..n as usize {
         let e = index_at + i * ENTRY;
@@ -454,33 +661,64 @@ fn check(bytes: Vec<u8>, key: &CacheKey) -> CacheLookup {
                 "unit {i} ({ulen} bytes at {off}) runs past the payload"
             ));
         };
-        if payload[end as usize..align(end) as usize]
-            .iter()
-            .any(|&b| b != 0)
-        {
-            return corrupt(format!("nonzero padding after unit {i}"));
-        }
-        let unit = &payload[off as usize..end as usize];
-        match UnitHeader::parse(unit) {
-            Ok(header) => units.push((payload_offset as usize + off as usize, header)),
-            Err(err) => return corrupt(format!("unit {i}: {err}")),
-        }
-        slices.push(unit);
-        hashes.push(h);
+        index.push((off, ulen, h));
         at = align(end);
     }
     if at != payload_len {
         return corrupt(format!("units end at {at}, the payload at {payload_len}"));
     }
-    let computed = hash_units(&slices);
-    if let Some(i) = (0..slices.len()).find(|&i| computed.get(i) != hashes.get(i)) {
-        return corrupt(format!("unit {i}'s bytes do not match their hash"));
-    }
-    CacheLookup::Hit(CachedUnits {
-        bytes,
+    Lookup::Hit((
+        Head {
+            payload_offset,
+            payload_len,
+            index,
+        },
         extra,
-        units,
-    })
+    ))
+}
+
+/// Checks a payload against its checked index: padding zero, every unit parses to its
+/// indexed length and matches its hash (hashed on every core).
+fn check_payload(
+    head: &Head,
+    payload: &[u8],
+) -> std::result::Result<Vec<(u64, UnitHeader)>, String> {
+    if payload.len() as u64 != head.payload_len {
+        return Err(format!(
+            "payload of {} bytes, the header says {}",
+            payload.len(),
+            head.payload_len
+        ));
+    }
+    let mut units = Vec::with_capacity(head.index.len());
+    let mut slices: Vec<&[u8]> = Vec::with_capacity(head.index.len());
+    for (i, &(off, ulen, _)) in head.index.iter().enumerate() {
+        let end = off + ulen;
+        if payload[end as usize..align(end) as usize]
+            .iter()
+            .any(|&b| b != 0)
+        {
+            return Err(format!("nonzero padding after unit {i}"));
+        }
+        let unit = &payload[off as usize..end as usize];
+        match UnitHeader::parse(unit) {
+            Ok(header) if header.encoded_len() == ulen => units.push((off, header)),
+            Ok(header) => {
+                return Err(format!(
+                    "unit {i}: its header says {} bytes, the index {ulen}",
+                    header.encoded_len()
+                ));
+            }
+            Err(err) => return Err(format!("unit {i}: {err}")),
+        }
+        slices.push(unit);
+    }
+    let computed = hash_units(&slices);
+    if let Some(i) = (0..slices.len()).find(|&i| computed.get(i) != head.index.get(i).map(|e| &e.2))
+    {
+        return Err(format!("unit {i}'s bytes do not match their hash"));
+    }
+    Ok(units)
 }
 
 #[cfg(test)]
@@ -571,6 +809,49 @@ mod tests {
             assert_eq!(header.encoded_len(), want.len() as u64);
         }
         assert_eq!(only_file(&dir), vec!["m.safetensors.ddo-coded".to_string()]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_open_cache_reads_its_payload_into_the_callers_buffer_and_checks_it() {
+        let u = units();
+        let dir = tempdir();
+        let p = dir.join("c");
+        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
+        let Lookup::Hit(open) = open_cache(&p, &key(1)).unwrap() else {
+            panic!("expected a hit");
+        };
+        assert_eq!(open.units(), u.len());
+        assert_eq!(open.extra(), b"xtra");
+        let mut payload = vec![0xAAu8; open.payload_len() as usize];
+        let units = open.read_into(&mut payload).unwrap().unwrap();
+        for ((at, header), want) in units.iter().zip(&u) {
+            let at = *at as usize;
+            assert_eq!(&payload[at..at + want.len()], want.as_slice());
+            assert_eq!(header.encoded_len(), want.len() as u64);
+        }
+        // A buffer of another size is refused, not partly filled.
+        let Lookup::Hit(open) = open_cache(&p, &key(1)).unwrap() else {
+            panic!("expected a hit");
+        };
+        let mut short = vec![0u8; open.payload_len() as usize - 1];
+        assert!(matches!(
+            open.read_into(&mut short),
+            Err(CodecError::CacheIo { op: "read", .. })
+        ));
+        // A flipped payload byte passes the open (header, key, index) and is caught by the
+        // read.
+        let mut bytes = std::fs::read(&p).unwrap();
+        let last = bytes.len() - 20;
+        bytes[last] ^= 0x10;
+        std::fs::write(&p, &bytes).unwrap();
+        let Lookup::Hit(open) = open_cache(&p, &key(1)).unwrap() else {
+            panic!("the header is intact");
+        };
+        let mut payload = vec![0u8; open.payload_len() as usize];
+        assert!(open.read_into(&mut payload).unwrap().is_err());
+        // Another key is stale before any payload is read.
+        assert!(matches!(open_cache(&p, &key(9)).unwrap(), Lookup::Stale(_)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

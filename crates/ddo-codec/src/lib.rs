@@ -60,7 +60,9 @@
 //!   mergeable over units;
 //! - [`cache`]: a versioned file of coded units checked against a caller's [`cache::CacheKey`]
 //!   ([`cache::write_cache`], atomic; [`cache::read_cache`], stale or corrupt files reported,
-//!   never used), so weights are coded once rather than at every attach.
+//!   never used; [`cache::open_cache`] checks the header, key and index and then reads the
+//!   payload straight into a caller's buffer, checking every unit), so weights are coded
+//!   once rather than at every attach.
 
 pub mod cache;
 pub mod decode;
