@@ -455,6 +455,41 @@ impl CheckpointMap {
     pub fn is_in_memory(&self) -> bool {
         matches!(self.mmap, MapBytes::Memory(_))
     }
+
+    /// Drops this process's resident pages of `range` of a file mapping (the whole pages
+    /// inside it), so they stop counting in its RSS: the bytes stay readable and read the
+    /// same, faulted back in from the page cache or the file when touched. The streaming
+    /// engine calls it for params whose one host copy is elsewhere (lossless-coded units).
+    /// Returns the bytes released: 0 for bytes made in memory (releasing their pages would
+    /// lose them), for a range holding no whole page, and where the system refuses (pages
+    /// page-locked by a registration, say: the advice is then simply not taken).
+    pub fn release_pages(&self, range: std::ops::Range<usize>) -> u64 {
+        let MapBytes::File(map) = &self.mmap else {
+            return 0;
+        };
+        // Linux's base page on the machines DDO runs on; on a system with larger pages an
+        // unaligned range is refused (EINVAL) and nothing is released.
+        let page = 4096;
+        let start = range.start.div_ceil(page) * page;
+        let end = (range.end.min(map.len()) / page) * page;
+        if start >= end {
+            return 0;
+        }
+        // SAFETY: `map` is a read-only shared mapping of a regular file that DDO never
+        // writes through, so it holds no private (copy-on-write) pages: MADV_DONTNEED only
+        // unmaps clean pages of the page cache from this process, and the next access to
+        // them reads the same bytes back from the page cache or the file. No reference to
+        // the bytes is invalidated (the mapping stays), which is what makes the advice
+        // unchecked in memmap2.
+        let advised = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+        if advised.is_ok() {
+            (end - start) as u64
+        } else {
+            0
+        }
+    }
 }
 
 impl fmt::Debug for CheckpointMap {

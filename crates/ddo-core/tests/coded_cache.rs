@@ -65,9 +65,15 @@ fn values(seed: u32, s: usize, i: usize, n: usize) -> Vec<f32> {
 
 /// Writes the checkpoint for `seed` to `path` (same tensors and sizes for every seed).
 fn write_checkpoint(path: &Path, seed: u32) {
+    write_shard(path, seed, 0..SIZES.len());
+}
+
+/// Writes the tensors of `segments` for `seed` to `path`.
+fn write_shard(path: &Path, seed: u32, segments: std::ops::Range<usize>) {
     let bytes: Vec<(String, Vec<u8>, usize)> = SIZES
         .iter()
         .enumerate()
+        .filter(|(s, _)| segments.contains(s))
         .flat_map(|(s, ps)| {
             ps.iter().enumerate().map(move |(i, &n)| {
                 let b = values(seed, s, i, n)
@@ -93,16 +99,24 @@ fn write_checkpoint(path: &Path, seed: u32) {
 
 /// The checkpoint's params, segment by segment.
 fn load(path: &Path) -> Vec<Vec<Arc<Param>>> {
-    let ckpt = Checkpoint::open(path).unwrap();
+    load_shards(&[(path, 0..SIZES.len())])
+}
+
+/// The params of a checkpoint in shards (each file with the segments it holds).
+fn load_shards(shards: &[(&Path, std::ops::Range<usize>)]) -> Vec<Vec<Arc<Param>>> {
+    let files: Vec<(Checkpoint, std::ops::Range<usize>)> = shards
+        .iter()
+        .map(|(p, r)| (Checkpoint::open(p).unwrap(), r.clone()))
+        .collect();
     SIZES
         .iter()
         .enumerate()
         .map(|(s, ps)| {
+            let ckpt = &files.iter().find(|(_, r)| r.contains(&s)).unwrap().0;
             (0..ps.len())
                 .map(|i| {
                     let name = format!("s{s}.p{i}");
-                    Param::from_checkpoint(&ckpt, &name, name.clone(), ParamKind::Parameter)
-                        .unwrap()
+                    Param::from_checkpoint(ckpt, &name, name.clone(), ParamKind::Parameter).unwrap()
                 })
                 .collect()
         })
@@ -326,4 +340,154 @@ fn a_directory_that_is_not_writable_codes_without_a_cache() {
     let note = f.coded_cache_note.clone().unwrap_or_default();
     assert!(note.contains("without a cache"), "{note}");
     assert!(coded_cache_path(&ckpt).is_dir());
+}
+
+#[test]
+fn a_sharded_checkpoint_is_cached_beside_its_first_file_and_each_shard_is_checked() {
+    let dir = TempDir::new();
+    let a = dir
+        .0
+        .join("diffusion_pytorch_model-00001-of-00002.safetensors");
+    let b = dir
+        .0
+        .join("diffusion_pytorch_model-00002-of-00002.safetensors");
+    write_shard(&a, 1, 0..3);
+    write_shard(&b, 1, 3..SIZES.len());
+    // The shards given in reverse order: the cache still goes beside the first file.
+    let shards = [(b.as_path(), 3..SIZES.len()), (a.as_path(), 0..3)];
+    let segs = load_shards(&shards);
+    let first = attach_and_run(&segs);
+    assert_eq!(cache_state(&first), CodedCache::Built, "{first:?}");
+    assert!(coded_cache_path(&a).is_file());
+    assert!(!coded_cache_path(&b).exists());
+    assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
+    drop(segs);
+
+    // The second shard rewritten with other bytes, the same size and modification time.
+    let mtime = std::fs::metadata(&b).unwrap().modified().unwrap();
+    write_shard(&b, 2, 3..SIZES.len());
+    std::fs::File::options()
+        .write(true)
+        .open(&b)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let segs = load_shards(&shards);
+    let f = attach_and_run(&segs);
+    assert_eq!(cache_state(&f), CodedCache::Built, "{f:?}");
+    let note = f.coded_cache_note.clone().unwrap_or_default();
+    assert!(note.contains("stale"), "{note}");
+    assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
+    drop(segs);
+
+    // A shard renamed: another file name, so another key.
+    let renamed = dir
+        .0
+        .join("diffusion_pytorch_model-00002-of-00002.renamed.safetensors");
+    std::fs::rename(&b, &renamed).unwrap();
+    let segs = load_shards(&[(renamed.as_path(), 3..SIZES.len()), (a.as_path(), 0..3)]);
+    let f = attach_and_run(&segs);
+    assert_eq!(cache_state(&f), CodedCache::Built, "{f:?}");
+}
+
+/// Params of `n` f32 elements each, large enough to hold whole pages.
+fn big_checkpoint(path: &Path, n: usize, count: usize) -> Vec<Vec<Arc<Param>>> {
+    let data: Vec<(String, Vec<u8>)> = (0..count)
+        .map(|i| {
+            let b = values(7, i, 0, n)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            (format!("w{i}"), b)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(name, b)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+    let ckpt = Checkpoint::open(path).unwrap();
+    (0..count)
+        .map(|i| {
+            let name = format!("w{i}");
+            vec![Param::from_checkpoint(&ckpt, &name, name.clone(), ParamKind::Parameter).unwrap()]
+        })
+        .collect()
+}
+
+/// Builds a lossless-coded engine with everything streamed and returns its figures.
+fn attach_big(segs: &[Vec<Arc<Param>>]) -> StreamingFigures {
+    let d = HostDevice::with_capacity(1 << 26).unwrap();
+    let schedule: Vec<usize> = (0..segs.len()).collect();
+    let dev: Arc<dyn Device> = d.clone();
+    let mut engine = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        segs,
+        &schedule,
+        &StreamingConfig {
+            compress: Compression::Lossless,
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap();
+    let f = engine.figures().clone();
+    engine.teardown().unwrap();
+    f
+}
+
+#[test]
+fn the_coded_home_is_the_one_host_copy_of_mapped_weights() {
+    let dir = TempDir::new();
+    let ckpt = dir.0.join("model.safetensors");
+    let (n, count) = (64 * 1024, 4);
+    let segs = big_checkpoint(&ckpt, n, count);
+    let sums: Vec<u64> = segs.iter().map(|s| s[0].host_checksum()).collect();
+    let f = attach_big(&segs);
+    // Every whole page of the streamed params is released from the process (at most one
+    // partial page at each end of a param is kept).
+    let payload = (n * 4 * count) as u64;
+    assert!(
+        f.host_bytes_released <= payload
+            && f.host_bytes_released >= payload - 2 * 4096 * count as u64,
+        "released {} of {payload}",
+        f.host_bytes_released
+    );
+    // The params still read the checkpoint's bytes, and point into its mapping.
+    for (s, want) in segs.iter().zip(&sums) {
+        assert!(s[0].is_checkpoint_backed());
+        assert_eq!(s[0].host_checksum(), *want);
+    }
+    // A second attach (from the cache) releases them too.
+    let g = attach_big(&segs);
+    assert_eq!(cache_state(&g), CodedCache::Used);
+    assert_eq!(g.host_bytes_released, f.host_bytes_released);
+
+    // Weights made in memory keep their pages: releasing them would lose them.
+    let owned: Vec<Vec<Arc<Param>>> = (0..count)
+        .map(|i| {
+            vec![
+                Param::from_f32(
+                    format!("w{i}"),
+                    ParamKind::Parameter,
+                    DType::F32,
+                    vec![n],
+                    &values(7, i, 0, n),
+                )
+                .unwrap(),
+            ]
+        })
+        .collect();
+    let sums: Vec<u64> = owned.iter().map(|s| s[0].host_checksum()).collect();
+    let f = attach_big(&owned);
+    assert_eq!(f.host_bytes_released, 0);
+    for (s, want) in owned.iter().zip(&sums) {
+        assert_eq!(s[0].host_checksum(), *want);
+    }
 }

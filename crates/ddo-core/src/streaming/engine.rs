@@ -30,17 +30,15 @@
 //! unit by file offset, [`UnitOrder::Source`], so a module's tensors coalesce), and the
 //! params whose bytes are not mapped come from a pinned home of their own.
 //!
-//! Lossless-coded units (`compress=lossless`, [`StagingKind::Coded`]): at build each
-//! unit's slot image is coded with `ddo_codec` on every core into one pinned buffer. Per
-//! unit the copy stream copies the coded bytes into one of [`CODED_SLOTS`] coded slots
-//! (after the decode that last read that slot), and a decode stream of its own waits for
-//! the copy and for the unit's blocker, decodes into the unit's place in the ring and
-//! records the event compute waits for: the link runs ahead through the coded slots while
-//! the decodes run on the SMs. The decoder's status is checked once per forward
-//! ([`Device::check_lossless`]), so a corrupt unit fails the forward with a typed error.
-//! When every streamed param is mapped from one checkpoint file, the coded units are cached
-//! beside it in `<checkpoint>.ddo-coded` ([`coded_cache_path`], [`ddo_codec::cache`]) and
-//! read back at the next attach instead of being coded ([`CodedCache`]).
+//! Lossless-coded units (`compress=lossless`, [`StagingKind::Coded`]): at build the units
+//! are coded into one pinned home, or read into it from the cache beside the checkpoint
+//! ([`coded`](super::coded)). Per unit the copy stream copies the coded bytes into one of
+//! [`CODED_SLOTS`] coded slots (after the decode that last read that slot), and a decode
+//! stream of its own waits for the copy and for the unit's blocker, decodes into the unit's
+//! place in the ring and records the event compute waits for: the link runs ahead through
+//! the coded slots while the decodes run on the SMs. The decoder's status is checked once
+//! per forward ([`Device::check_lossless`]), so a corrupt unit fails the forward with a
+//! typed error.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -55,7 +53,8 @@ use crate::host_memory::{HostBuffer, HostSlice};
 use crate::param::{Param, ParamId};
 use crate::residency::{FreeMode, ResidencyTable};
 use crate::streaming::CODED_SLOTS;
-use crate::streaming::figures::{CodedCache, StagingKind, StreamingFigures, nanos};
+use crate::streaming::coded;
+use crate::streaming::figures::{StagingKind, StreamingFigures, nanos};
 use crate::streaming::home::PinnedHome;
 use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, UnitOrder, align_up};
 use crate::streaming::plan::plan_residency_with;
@@ -139,130 +138,6 @@ impl Trace {
             compute_end: none(),
         }
     }
-}
-
-/// What [`StreamingEngine::build_coded`] made.
-struct BuiltCoded {
-    host: Host,
-    coded_bytes: u64,
-    entropy_millibits: u64,
-    cache: CodedCache,
-    coding_ns: u64,
-    note: Option<String>,
-}
-
-/// The cache file of a checkpoint's coded units: `<checkpoint>.ddo-coded`, beside it.
-pub fn coded_cache_path(checkpoint: &std::path::Path) -> std::path::PathBuf {
-    let mut name = checkpoint.as_os_str().to_os_string();
-    name.push(".ddo-coded");
-    name.into()
-}
-
-/// A unit's slot image: its params at their offsets, zeros between.
-fn slot_image(unit: &crate::streaming::layout::TransferUnit, image: &mut Vec<u8>) {
-    image.clear();
-    image.resize(unit.bytes as usize, 0u8);
-    for e in &unit.entries {
-        let at = e.offset as usize;
-        e.param.host().with_bytes(|src| {
-            image[at..at + e.len as usize].copy_from_slice(src);
-        });
-    }
-}
-
-/// The one checkpoint file every streamed param is mapped from, or why there is none.
-fn coded_cache_source(layout: &StagingLayout) -> std::result::Result<std::path::PathBuf, String> {
-    let mut file: Option<Arc<crate::host_memory::CheckpointMap>> = None;
-    for unit in layout.units() {
-        for e in &unit.entries {
-            let host = e.param.host();
-            let Some((map, _)) = host.mapped_range() else {
-                return Err(format!(
-                    "param {:?} is not mapped from a checkpoint file",
-                    e.param.id()
-                ));
-            };
-            if !map.is_file() {
-                return Err(
-                    "the weights were made in memory (random or converted), not mapped from a file"
-                        .into(),
-                );
-            }
-            match &file {
-                Some(f) if !Arc::ptr_eq(f, map) => {
-                    return Err(format!(
-                        "the streamed params come from more than one file ({} and {})",
-                        f.path().display(),
-                        map.path().display()
-                    ));
-                }
-                Some(_) => {}
-                None => file = Some(map.clone()),
-            }
-        }
-    }
-    file.map(|f| f.path().to_path_buf())
-        .ok_or_else(|| "no streamed params".to_string())
-}
-
-/// The cache key: the file's size and modification time, then per unit its length and
-/// the fast hash of its raw slot image (hashed on every core).
-fn coded_cache_key(
-    path: &std::path::Path,
-    layout: &StagingLayout,
-) -> std::result::Result<ddo_codec::cache::CacheKey, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mtime = meta
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .ok_or_else(|| format!("{}: no modification time", path.display()))?;
-    let units = layout.units();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(units.len().max(1));
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut hashes = vec![0u64; units.len()];
-    let parts: Vec<Vec<(usize, u64)>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    let mut image = Vec::new();
-                    loop {
-                        let u = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(unit) = units.get(u) else {
-                            return done;
-                        };
-                        slot_image(unit, &mut image);
-                        done.push((u, ddo_codec::cache::fast_hash(&image)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().unwrap_or_default())
-            .collect()
-    });
-    let mut seen = 0;
-    for (u, h) in parts.into_iter().flatten() {
-        hashes[u] = h;
-        seen += 1;
-    }
-    if seen != units.len() {
-        return Err("a hashing thread panicked".into());
-    }
-    let mut key = ddo_codec::cache::CacheKey::new();
-    key.push_bytes(b"ddo-core streaming coded units")
-        .push_u64(meta.len())
-        .push_u64(mtime.as_secs())
-        .push_u64(u64::from(mtime.subsec_nanos()))
-        .push_u64(units.len() as u64);
-    for (unit, h) in units.iter().zip(&hashes) {
-        key.push_u64(unit.bytes).push_u64(*h);
-    }
-    Ok(key)
 }
 
 #[derive(Debug)]
@@ -566,11 +441,14 @@ impl StreamingEngine {
                 0,
             )
         } else if coded {
-            let built = Self::build_coded(&*device, &layout, pinned_room)?;
+            let built = coded::build(&*device, &layout, pinned_room)?;
             let coded_bytes = built.coded_bytes;
             coded_cache_note = built.note;
             (
-                Some(built.host),
+                Some(Host::Coded {
+                    home: built.home.home,
+                    units: built.home.units,
+                }),
                 StagingKind::Coded {
                     coded_bytes,
                     raw_bytes: home_bytes,
@@ -579,7 +457,7 @@ impl StreamingEngine {
                     coding_ns: built.coding_ns,
                 },
                 coded_bytes,
-                0,
+                built.released,
                 units as u64,
             )
         } else if let Some(r) = registered {
@@ -703,174 +581,6 @@ impl StreamingEngine {
             timeline: config.timeline,
             figures,
         })
-    }
-
-    /// Codes every unit's slot image (its params at their offsets, zeros between) with
-    /// `ddo_codec` on every core into one pinned buffer, each unit 16-byte aligned (the
-    /// decoders read sections at that alignment); returns it with the coded bytes and the
-    /// units' statistics. The params keep their own host bytes.
-    ///
-    /// When every streamed param is mapped from one checkpoint file, the coded units are
-    /// cached beside it in `<checkpoint>.ddo-coded` ([`ddo_codec::cache`]), keyed by the
-    /// file's size and modification time and each unit's length and [`fast_hash`] of its
-    /// raw slot image (hashed here, on every core): a valid cache is read instead of
-    /// coding; an absent, stale or corrupt one is coded and rewritten; where it cannot be
-    /// read or written the units are coded with no cache and the note says why.
-    ///
-    /// [`fast_hash`]: ddo_codec::cache::fast_hash
-    fn build_coded(
-        device: &dyn Device,
-        layout: &StagingLayout,
-        pinned_room: u64,
-    ) -> Result<BuiltCoded> {
-        let started = Instant::now();
-        let units = layout.units();
-        let cache = coded_cache_source(layout).and_then(|path| {
-            let key = coded_cache_key(&path, layout)?;
-            Ok((path, key))
-        });
-        let (cache, mut note) = match cache {
-            Ok((path, key)) => match ddo_codec::cache::read_cache(&coded_cache_path(&path), &key) {
-                Ok(ddo_codec::cache::CacheLookup::Hit(hit)) if hit.len() == units.len() => {
-                    let entropy = hit
-                        .extra()
-                        .get(..8)
-                        .and_then(|b| b.try_into().ok())
-                        .map_or(0, u64::from_le_bytes);
-                    let coded: Vec<(&[u8], ddo_codec::UnitHeader)> =
-                        hit.iter().map(|(b, h)| (b, h.clone())).collect();
-                    let (host, coded_bytes) = Self::coded_home(device, &coded, pinned_room)?;
-                    return Ok(BuiltCoded {
-                        host,
-                        coded_bytes,
-                        entropy_millibits: entropy,
-                        cache: CodedCache::Used,
-                        coding_ns: nanos(started.elapsed()),
-                        note: None,
-                    });
-                }
-                Ok(ddo_codec::cache::CacheLookup::Hit(hit)) => (
-                    Some((path, key)),
-                    Some(format!(
-                        "cache holds {} units, the layout {}: rebuilt",
-                        hit.len(),
-                        units.len()
-                    )),
-                ),
-                Ok(miss) => (
-                    Some((path, key)),
-                    miss.reason().map(|r| format!("{r}: rebuilt")),
-                ),
-                Err(e) => (None, Some(format!("coded without a cache: {e}"))),
-            },
-            Err(reason) => (None, Some(format!("coded without a cache: {reason}"))),
-        };
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(units.len().max(1));
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        type Coded = (usize, Vec<u8>, ddo_codec::UnitHeader, ddo_codec::Stats);
-        let coded: Vec<Result<Vec<Coded>>> = std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    scope.spawn(|| -> Result<Vec<Coded>> {
-                        let mut done = Vec::new();
-                        let mut image = Vec::new();
-                        loop {
-                            let u = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            let Some(unit) = units.get(u) else {
-                                return Ok(done);
-                            };
-                            slot_image(unit, &mut image);
-                            let mut out = Vec::new();
-                            let (header, stats) = ddo_codec::encode_unit_into(&image, &mut out)
-                                .map_err(|e| CoreError::InvalidOption {
-                                    option: "compress".into(),
-                                    value: "lossless".into(),
-                                    hint: format!("unit {u} could not be coded: {e}"),
-                                })?;
-                            done.push((u, out, header, stats));
-                        }
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| {
-                    w.join().unwrap_or_else(|_| {
-                        Err(CoreError::Backend {
-                            device: device.id().to_string(),
-                            message: "a coding thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
-        let mut all: Vec<Coded> = Vec::with_capacity(units.len());
-        for part in coded {
-            all.extend(part?);
-        }
-        all.sort_by_key(|c| c.0);
-        let stats = ddo_codec::Stats::total(all.iter().map(|c| &c.3));
-        let entropy_millibits = (stats.exponent_entropy() * 1000.0).round() as u64;
-        let mut state = CodedCache::Unavailable;
-        if let Some((path, key)) = &cache {
-            let bytes: Vec<&[u8]> = all.iter().map(|c| c.1.as_slice()).collect();
-            match ddo_codec::cache::write_cache(
-                &coded_cache_path(path),
-                key,
-                &entropy_millibits.to_le_bytes(),
-                &bytes,
-            ) {
-                Ok(()) => state = CodedCache::Built,
-                Err(e) => note = Some(format!("coded without a cache: {e}")),
-            }
-        }
-        let coded: Vec<(&[u8], ddo_codec::UnitHeader)> =
-            all.iter().map(|c| (c.1.as_slice(), c.2.clone())).collect();
-        let (host, coded_bytes) = Self::coded_home(device, &coded, pinned_room)?;
-        Ok(BuiltCoded {
-            host,
-            coded_bytes,
-            entropy_millibits,
-            cache: state,
-            coding_ns: nanos(started.elapsed()),
-            note,
-        })
-    }
-
-    /// Copies coded units into one pinned buffer, each 16-byte aligned.
-    fn coded_home(
-        device: &dyn Device,
-        coded: &[(&[u8], ddo_codec::UnitHeader)],
-        pinned_room: u64,
-    ) -> Result<(Host, u64)> {
-        let mut offsets = Vec::with_capacity(coded.len());
-        let mut total = 0u64;
-        for c in coded {
-            offsets.push(total);
-            total += (c.0.len() as u64).div_ceil(16) * 16;
-        }
-        if total > pinned_room {
-            return Err(CoreError::PinnedLimit {
-                requested: total,
-                pinned: device.memory_info().pinned_host,
-                limit: pinned_room.saturating_add(device.memory_info().pinned_host),
-            });
-        }
-        let home = device.alloc_pinned(total.max(1) as usize)?;
-        home.with_bytes_mut(|dst| {
-            for (c, &at) in coded.iter().zip(&offsets) {
-                dst[at as usize..at as usize + c.0.len()].copy_from_slice(c.0);
-            }
-        })?;
-        let coded_bytes = coded.iter().map(|c| c.1.encoded_len()).sum();
-        let units = coded
-            .iter()
-            .zip(offsets)
-            .map(|(c, at)| (at, c.1.clone()))
-            .collect();
-        Ok((Host::Coded { home, units }, coded_bytes))
     }
 
     /// Lays every unit out in one pinned buffer and makes it the params' host bytes.

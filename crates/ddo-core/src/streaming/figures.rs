@@ -31,8 +31,10 @@ pub enum StagingKind {
         home_bytes: u64,
     },
     /// `compress=lossless`: one pinned buffer of the units lossless-coded (`coded_bytes`,
-    /// from `raw_bytes` of units), copied as they are and decoded on the device. The params
-    /// keep their own host bytes.
+    /// from `raw_bytes` of units), copied as they are and decoded on the device. It is the
+    /// streamed weights' one host copy: params mapped from a file keep pointing into the
+    /// mapping but their pages are released from the process
+    /// ([`StreamingFigures::host_bytes_released`]); params made in memory keep their bytes.
     Coded {
         /// Bytes of the coded units (what crosses the link per forward).
         coded_bytes: u64,
@@ -120,7 +122,8 @@ pub struct StreamingFigures {
     /// Pinned host bytes the engine holds.
     pub pinned_bytes: u64,
     /// Host bytes of the params' previous sources that the pinned home released (bytes
-    /// this engine held the last handle to); 0 for ring staging.
+    /// this engine held the last handle to), or, with coded units, the streamed params'
+    /// file pages released from the process; 0 for ring staging.
     pub host_bytes_released: u64,
     /// Host→device copies per forward (units for a pinned home, runs for registered
     /// mappings, staging-buffer chunks for a ring).

@@ -60,6 +60,7 @@
 //! [`DEFAULT_PINNED_LIMIT`] where that cannot be read), and [`WSL_COMPAT_PINNED_LIMIT`]
 //! (256 MiB) under `wsl_compat`.
 
+pub mod coded;
 pub mod engine;
 pub mod figures;
 pub mod home;
@@ -69,7 +70,8 @@ mod register_plan;
 pub mod schedule;
 
 pub use crate::config::{Compression, PinnedSource};
-pub use engine::{StreamingEngine, coded_cache_path};
+pub use coded::coded_cache_path;
+pub use engine::StreamingEngine;
 pub use figures::{CodedCache, StagingKind, StreamingFigures};
 pub use home::PinnedHome;
 pub use layout::{PARAM_ALIGN, StagingLayout, TransferUnit, UnitEntry, UnitOrder};

@@ -1,0 +1,383 @@
+//! The host side of lossless-coded streaming (`compress=lossless`,
+//! [`StagingKind::Coded`](super::StagingKind::Coded)): the coded units' pinned home, built
+//! once at attach by coding each transfer unit's slot image with `ddo_codec` on every core,
+//! or read from the cache file beside the checkpoint.
+//!
+//! **One host copy.** The coded home is the streamed weights' host copy. Params mapped from
+//! a checkpoint file keep pointing into the mapping (their bytes read the same), but their
+//! pages are released from the process as soon as their unit is hashed or coded
+//! ([`CheckpointMap::release_pages`]): the process holds the coded units, not the raw
+//! weights beside them. Params made in memory (random or converted weights) keep their
+//! bytes: releasing those pages would lose them.
+//!
+//! **The cache.** When every streamed param is mapped from checkpoint files (one file, or
+//! the shards of a Diffusers folder), the coded units are kept in `<first file>.ddo-coded`
+//! beside the first of those files in path order ([`coded_cache_path`], a file of
+//! [`ddo_codec::cache`]). Its key is each file's name, size and modification time, then per
+//! unit its length and the [`fast_hash`](ddo_codec::cache::fast_hash) of its raw slot image
+//! (hashed on every core), so a file rewritten in place with the same size and time is
+//! still seen as stale. A valid cache is read straight into the pinned home
+//! ([`ddo_codec::cache::OpenCache::read_into`], every unit checked); an absent, stale or
+//! corrupt one is coded again and rewritten; where it cannot be read or written, the units
+//! are coded with no cache and [`StreamingFigures::coded_cache_note`] says why.
+//!
+//! [`StreamingFigures::coded_cache_note`]: super::StreamingFigures::coded_cache_note
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use ddo_codec::UnitHeader;
+use ddo_codec::cache::{CacheKey, Lookup};
+
+use crate::device::Device;
+use crate::error::{CoreError, Result};
+use crate::host_memory::{CheckpointMap, HostBuffer};
+use crate::streaming::figures::{CodedCache, nanos};
+use crate::streaming::layout::{StagingLayout, TransferUnit};
+
+/// The coded units in one pinned buffer: per unit, where its coded bytes start (16-byte
+/// aligned) and its validated header.
+#[derive(Debug)]
+pub(crate) struct CodedHome {
+    pub(crate) home: HostBuffer,
+    pub(crate) units: Vec<(u64, UnitHeader)>,
+}
+
+/// What [`build`] made.
+pub(crate) struct BuiltCoded {
+    pub(crate) home: CodedHome,
+    pub(crate) coded_bytes: u64,
+    pub(crate) entropy_millibits: u64,
+    pub(crate) cache: CodedCache,
+    pub(crate) coding_ns: u64,
+    pub(crate) note: Option<String>,
+    /// Bytes of the streamed params' file pages released from the process.
+    pub(crate) released: u64,
+}
+
+/// The cache file of a checkpoint's coded units: `<checkpoint>.ddo-coded`, beside it (for a
+/// sharded checkpoint, beside its first file in path order).
+pub fn coded_cache_path(checkpoint: &Path) -> PathBuf {
+    let mut name = checkpoint.as_os_str().to_os_string();
+    name.push(".ddo-coded");
+    name.into()
+}
+
+/// A unit's slot image: its params at their offsets, zeros between.
+fn slot_image(unit: &TransferUnit, image: &mut Vec<u8>) {
+    image.clear();
+    image.resize(unit.bytes as usize, 0u8);
+    for e in &unit.entries {
+        let at = e.offset as usize;
+        e.param.host().with_bytes(|src| {
+            image[at..at + e.len as usize].copy_from_slice(src);
+        });
+    }
+}
+
+/// Releases the process's pages of the unit's params that are mapped from a file; returns
+/// the bytes released.
+fn release_unit_pages(unit: &TransferUnit) -> u64 {
+    unit.entries
+        .iter()
+        .map(|e| {
+            let host = e.param.host();
+            host.mapped_range()
+                .map_or(0, |(map, range)| map.release_pages(range))
+        })
+        .sum()
+}
+
+/// Runs `work` over every unit on every core (units handed out one at a time); returns the
+/// results in unit order, or the first error.
+fn per_unit<T: Send>(
+    units: &[TransferUnit],
+    device: &dyn Device,
+    work: impl Fn(usize, &TransferUnit, &mut Vec<u8>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(units.len().max(1));
+    let next = AtomicUsize::new(0);
+    let parts: Vec<Result<Vec<(usize, T)>>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| -> Result<Vec<(usize, T)>> {
+                    let mut done = Vec::new();
+                    let mut image = Vec::new();
+                    loop {
+                        let u = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(unit) = units.get(u) else {
+                            return Ok(done);
+                        };
+                        done.push((u, work(u, unit, &mut image)?));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(CoreError::Backend {
+                        device: device.id().to_string(),
+                        message: "a coding thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut all = Vec::with_capacity(units.len());
+    for part in parts {
+        all.extend(part?);
+    }
+    all.sort_by_key(|(u, _)| *u);
+    Ok(all.into_iter().map(|(_, t)| t).collect())
+}
+
+/// The checkpoint files every streamed param is mapped from, in path order, or why the
+/// units cannot be cached.
+fn cache_sources(layout: &StagingLayout) -> std::result::Result<Vec<Arc<CheckpointMap>>, String> {
+    let mut files: Vec<Arc<CheckpointMap>> = Vec::new();
+    for unit in layout.units() {
+        for e in &unit.entries {
+            let host = e.param.host();
+            let Some((map, _)) = host.mapped_range() else {
+                return Err(format!(
+                    "param `{}` is not mapped from a checkpoint file",
+                    e.param.name()
+                ));
+            };
+            if !map.is_file() {
+                return Err(
+                    "the weights were made in memory (random or converted), not mapped from a file"
+                        .into(),
+                );
+            }
+            if !files.iter().any(|f| Arc::ptr_eq(f, map)) {
+                files.push(Arc::clone(map));
+            }
+        }
+    }
+    if files.is_empty() {
+        return Err("no streamed params".into());
+    }
+    files.sort_by(|a, b| a.path().cmp(b.path()));
+    Ok(files)
+}
+
+/// The cache key: per source file its name, size and modification time, then per unit its
+/// length and the fast hash of its raw slot image (hashed on every core, each unit's pages
+/// released once hashed).
+fn cache_key(
+    files: &[Arc<CheckpointMap>],
+    layout: &StagingLayout,
+    device: &dyn Device,
+    released: &AtomicU64,
+) -> std::result::Result<CacheKey, String> {
+    let mut key = CacheKey::new();
+    key.push_bytes(b"ddo-core streaming coded units, v2")
+        .push_u64(files.len() as u64);
+    for f in files {
+        let path = f.path();
+        let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .ok_or_else(|| format!("{}: no modification time", path.display()))?;
+        let name = path
+            .file_name()
+            .map(|n| n.as_encoded_bytes())
+            .unwrap_or_default();
+        key.push_bytes(name)
+            .push_u64(meta.len())
+            .push_u64(mtime.as_secs())
+            .push_u64(u64::from(mtime.subsec_nanos()));
+    }
+    let units = layout.units();
+    let hashes = per_unit(units, device, |_, unit, image| {
+        slot_image(unit, image);
+        let h = ddo_codec::cache::fast_hash(image);
+        released.fetch_add(release_unit_pages(unit), Ordering::Relaxed);
+        Ok(h)
+    })
+    .map_err(|e| e.to_string())?;
+    key.push_u64(units.len() as u64);
+    for (unit, h) in units.iter().zip(&hashes) {
+        key.push_u64(unit.bytes).push_u64(*h);
+    }
+    Ok(key)
+}
+
+/// Builds the coded home of `layout`'s units (see the [module docs](self)): from a valid
+/// cache, or by coding every unit's slot image on every core (then written to the cache
+/// where there is one). Each unit starts 16-byte aligned (the decoders read sections at
+/// that alignment). Errors: the coded units over `pinned_room`
+/// ([`CoreError::PinnedLimit`]), a unit the codec refuses, a device failure.
+pub(crate) fn build(
+    device: &dyn Device,
+    layout: &StagingLayout,
+    pinned_room: u64,
+) -> Result<BuiltCoded> {
+    let started = Instant::now();
+    let units = layout.units();
+    let released = AtomicU64::new(0);
+    let cache = cache_sources(layout).and_then(|files| {
+        let key = cache_key(&files, layout, device, &released)?;
+        Ok((coded_cache_path(files[0].path()), key))
+    });
+    let (cache, mut note) = match cache {
+        Ok((path, key)) => match ddo_codec::cache::open_cache(&path, &key) {
+            Ok(Lookup::Hit(open)) if open.units() == units.len() => {
+                match home_from_cache(device, open, layout, pinned_room)? {
+                    Ok((home, entropy_millibits)) => {
+                        let coded_bytes = home.units.iter().map(|u| u.1.encoded_len()).sum();
+                        return Ok(BuiltCoded {
+                            home,
+                            coded_bytes,
+                            entropy_millibits,
+                            cache: CodedCache::Used,
+                            coding_ns: nanos(started.elapsed()),
+                            note: None,
+                            released: released.into_inner(),
+                        });
+                    }
+                    Err(reason) => (
+                        Some((path, key)),
+                        Some(format!("corrupt: {reason}: rebuilt")),
+                    ),
+                }
+            }
+            Ok(Lookup::Hit(open)) => (
+                Some((path, key)),
+                Some(format!(
+                    "cache holds {} units, the layout {}: rebuilt",
+                    open.units(),
+                    units.len()
+                )),
+            ),
+            Ok(miss) => (
+                Some((path, key)),
+                miss.reason().map(|r| format!("{r}: rebuilt")),
+            ),
+            Err(e) => (None, Some(format!("coded without a cache: {e}"))),
+        },
+        Err(reason) => (None, Some(format!("coded without a cache: {reason}"))),
+    };
+    // Coding reads every unit again (faulting released pages back in) and releases them
+    // again: count them once.
+    released.store(0, Ordering::Relaxed);
+    let coded = per_unit(units, device, |u, unit, image| {
+        slot_image(unit, image);
+        let mut out = Vec::new();
+        let (header, stats) =
+            ddo_codec::encode_unit_into(image, &mut out).map_err(|e| CoreError::InvalidOption {
+                option: "compress".into(),
+                value: "lossless".into(),
+                hint: format!("unit {u} could not be coded ({e}): stream it with compress=none"),
+            })?;
+        released.fetch_add(release_unit_pages(unit), Ordering::Relaxed);
+        Ok((out, header, stats))
+    })?;
+    let stats = ddo_codec::Stats::total(coded.iter().map(|c| &c.2));
+    let entropy_millibits = (stats.exponent_entropy() * 1000.0).round() as u64;
+    let mut state = CodedCache::Unavailable;
+    if let Some((path, key)) = &cache {
+        let bytes: Vec<&[u8]> = coded.iter().map(|c| c.0.as_slice()).collect();
+        match ddo_codec::cache::write_cache(path, key, &entropy_millibits.to_le_bytes(), &bytes) {
+            Ok(()) => state = CodedCache::Built,
+            Err(e) => note = Some(format!("coded without a cache: {e}")),
+        }
+    }
+    let home = home_from_units(device, &coded, pinned_room)?;
+    let coded_bytes = coded.iter().map(|c| c.1.encoded_len()).sum();
+    Ok(BuiltCoded {
+        home,
+        coded_bytes,
+        entropy_millibits,
+        cache: state,
+        coding_ns: nanos(started.elapsed()),
+        note,
+        released: released.into_inner(),
+    })
+}
+
+/// The typed error for coded units over the pinned room.
+fn over_pinned_room(device: &dyn Device, total: u64, pinned_room: u64) -> CoreError {
+    let pinned = device.memory_info().pinned_host;
+    CoreError::PinnedLimit {
+        requested: total,
+        pinned,
+        limit: pinned_room.saturating_add(pinned),
+    }
+}
+
+/// Copies coded units into one pinned buffer, each 16-byte aligned.
+fn home_from_units(
+    device: &dyn Device,
+    coded: &[(Vec<u8>, UnitHeader, ddo_codec::Stats)],
+    pinned_room: u64,
+) -> Result<CodedHome> {
+    let mut offsets = Vec::with_capacity(coded.len());
+    let mut total = 0u64;
+    for c in coded {
+        offsets.push(total);
+        total += (c.0.len() as u64).div_ceil(16) * 16;
+    }
+    if total > pinned_room {
+        return Err(over_pinned_room(device, total, pinned_room));
+    }
+    let home = device.alloc_pinned(total.max(1) as usize)?;
+    home.with_bytes_mut(|dst| {
+        for (c, &at) in coded.iter().zip(&offsets) {
+            dst[at as usize..at as usize + c.0.len()].copy_from_slice(&c.0);
+        }
+    })?;
+    let units = coded
+        .iter()
+        .zip(offsets)
+        .map(|(c, at)| (at, c.1.clone()))
+        .collect();
+    Ok(CodedHome { home, units })
+}
+
+/// Reads a cache whose header, key and index checked out straight into a pinned buffer
+/// (its payload is laid out as [`home_from_units`] lays units out) and checks every unit,
+/// and that each decodes to its unit's bytes. `Ok(Err(reason))`: the payload is corrupt
+/// (the buffer is dropped, nothing used); `Err`: over the pinned room, or the file or the
+/// device failed.
+fn home_from_cache(
+    device: &dyn Device,
+    open: ddo_codec::cache::OpenCache,
+    layout: &StagingLayout,
+    pinned_room: u64,
+) -> Result<std::result::Result<(CodedHome, u64), String>> {
+    let total = open.payload_len();
+    if total > pinned_room {
+        return Err(over_pinned_room(device, total, pinned_room));
+    }
+    let entropy = open
+        .extra()
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes);
+    let home = device.alloc_pinned(total.max(1) as usize)?;
+    let read = home.with_bytes_mut(|dst| open.read_into(&mut dst[..total as usize]))?;
+    let units = match read {
+        Ok(Ok(units)) => units,
+        Ok(Err(reason)) => return Ok(Err(reason)),
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    if let Some(u) = (0..units.len()).find(|&u| units[u].1.decoded_len() != layout.units()[u].bytes)
+    {
+        return Ok(Err(format!(
+            "unit {u} decodes to {} bytes, the layout's unit is {}",
+            units[u].1.decoded_len(),
+            layout.units()[u].bytes
+        )));
+    }
+    Ok(Ok((CodedHome { home, units }, entropy)))
+}
