@@ -649,13 +649,6 @@ impl RouteSpec {
                      or drop compress",
                 ));
             }
-            if o.budget.is_some() {
-                return Err(clash(
-                    "compress=lossless with a budget",
-                    "coded streaming runs at zero budget for now (its coded ring is not in the residency \
-                     planner yet): drop budget, or drop compress",
-                ));
-            }
             if o.pinned_source == Some(PinnedSource::Register) {
                 return Err(clash(
                     "compress=lossless with pinned_source=register",

@@ -137,8 +137,7 @@ fn attach_and_run(segs: &[Vec<Arc<Param>>]) -> StreamingFigures {
         &schedule,
         &StreamingConfig {
             unit_bytes: 4096,
-            // Room for the ring only: every param is streamed.
-            budget: Some(16384),
+            // No budget: every param is streamed.
             compress: Compression::Lossless,
             ..StreamingConfig::default()
         },

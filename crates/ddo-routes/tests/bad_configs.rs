@@ -221,13 +221,13 @@ fn zero_or_negative_device_settings_are_typed_errors() {
     }
 }
 
-/// `compress` needs the stream and a pinned home of its own and runs at zero budget; the
-/// routes without a streaming engine of that kind refuse it, and an unknown codec is named.
+/// `compress` needs the stream and a pinned home of its own (a budget is fine: the planner
+/// counts the coded ring); the routes without a streaming engine of that kind refuse it,
+/// and an unknown codec is named.
 #[test]
 fn compress_is_refused_where_it_cannot_run() {
     for text in [
         "diffusers_group_offload:compress=lossless",
-        "diffusers_group_offload:use_stream=true,compress=lossless,budget=1GiB",
         "diffusers_group_offload:use_stream=true,compress=lossless,pinned_source=register",
         "diffusers_group_offload:use_stream=true,compress=lossless,pinned=false",
         "diffusers_group_offload:use_stream=true,compress=zstd",
@@ -246,6 +246,11 @@ fn compress_is_refused_where_it_cannot_run() {
         .parse()
         .unwrap();
     ddo_routes::check_route_options("transformer", &ok).unwrap();
+    let budgeted: RouteSpec =
+        "diffusers_group_offload:use_stream=true,compress=lossless,budget=1GiB"
+            .parse()
+            .unwrap();
+    ddo_routes::check_route_options("transformer", &budgeted).unwrap();
     assert_eq!(
         ok.describe(),
         "diffusers_group_offload use_stream=true compress=lossless"

@@ -369,7 +369,12 @@ impl StreamingEngine {
         let slot_bytes = layout.slot_bytes();
         if let Some(budget) = config.budget {
             let resident: u64 = resident_params.iter().map(|p| p.nbytes() as u64).sum();
-            let need = resident + slot_bytes * slots as u64;
+            let coded_slots = if coded && slots > 0 {
+                crate::streaming::coded_ring_bytes(slot_bytes)
+            } else {
+                0
+            };
+            let need = resident + slot_bytes * slots as u64 + coded_slots;
             if need > budget {
                 return Err(CoreError::InvalidOption {
                     option: "budget".into(),

@@ -194,11 +194,13 @@ impl Default for StreamingConfig {
 
 impl StreamingConfig {
     /// How the residency planner counts the ring these settings give: `ring_slots` (at
-    /// least 2) slots of the largest streamed segment or coalesced transfer unit.
+    /// least 2) slots of the largest streamed segment or coalesced transfer unit, and with
+    /// `compress=lossless` the coded slots beside them.
     pub fn slot_model(&self) -> SlotModel {
         SlotModel {
             slots: self.ring_slots.max(2) as u64,
             unit_floor: layout::align_up(self.unit_bytes),
+            coded: self.compress == Compression::Lossless,
         }
     }
 

@@ -78,6 +78,9 @@ pub struct SlotModel {
     pub slots: u64,
     /// Largest coalesced unit (0: no coalescing, a slot holds one leaf).
     pub unit_floor: u64,
+    /// Lossless-coded units (`compress=lossless`): the ring also holds the coded slots and
+    /// the decoder's status ([`coded_ring_bytes`](super::coded_ring_bytes) of a slot).
+    pub coded: bool,
 }
 
 impl SlotModel {
@@ -85,16 +88,23 @@ impl SlotModel {
     pub const ONE_LEAF: SlotModel = SlotModel {
         slots: 1,
         unit_floor: 0,
+        coded: false,
     };
 
     /// The room streamed leaves need: `slots × max(largest streamed, min(unit_floor,
-    /// streamed))`, 0 when nothing is streamed.
+    /// streamed))`, plus the coded slots of such a slot when coded; 0 when nothing is
+    /// streamed.
     pub fn room(self, largest_streamed: u64, streamed: u64) -> u64 {
         if streamed == 0 {
             return 0;
         }
         let slot = largest_streamed.max(self.unit_floor.min(streamed));
-        self.slots.max(1).saturating_mul(slot)
+        let decoded = self.slots.max(1).saturating_mul(slot);
+        if self.coded {
+            decoded.saturating_add(super::coded_ring_bytes(slot))
+        } else {
+            decoded
+        }
     }
 }
 
@@ -318,6 +328,7 @@ mod tests {
         let model = SlotModel {
             slots: 2,
             unit_floor: 15,
+            coded: false,
         };
         let sizes = [100, 10, 10, 10, 10, 10, 10];
         // Keeping 100 and streaming the six 10s (coalesced units of up to 15: slots of 15)

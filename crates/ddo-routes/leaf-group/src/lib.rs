@@ -281,14 +281,10 @@ impl Route for GroupOffloadRoute {
                 (0, total, model.room(largest, total))
             }
         };
-        // Coded units add their coded slots and the decoder's status to the ring; the coded
-        // bytes are known only once coded, so streamed and pinned bytes stay the raw bytes
-        // (an upper bound: a unit never codes larger than its raw bytes plus a header).
-        let ring = if streaming.compress == ddo_core::Compression::Lossless && ring > 0 {
-            ring + ddo_core::streaming::coded_ring_bytes(ring / model.slots.max(1))
-        } else {
-            ring
-        };
+        // Coded units: the slot model counts their coded slots and the decoder's status in
+        // the ring; the coded bytes are known only once coded, so streamed and pinned bytes
+        // stay the raw bytes (an upper bound: a unit never codes larger than its raw bytes
+        // plus a header).
         let learning = plan.largest_groups_bytes(2);
         // A home of the streamed bytes when they fit, else two staging buffers of a slot.
         let staging_buffers = 2 * (ring / model.slots.max(1)).min(limit / 2);

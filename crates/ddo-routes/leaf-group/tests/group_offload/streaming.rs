@@ -405,3 +405,66 @@ fn lossless_coded_units_stream_bit_identical_and_fewer_bytes() {
         detach_and_check_released(&c, &device, hooks, 0);
     }
 }
+
+/// `compress=lossless` under a budget: the planner keeps what the budget holds beside the
+/// decoded and coded ring resident and streams the rest coded; forwards stay bit-identical,
+/// the device holds no more weights than the budget, and a budget below the coded ring is a
+/// typed error naming the budget.
+#[test]
+fn lossless_coded_units_stream_under_a_budget() {
+    use ddo_core::{Compression, CoreError};
+    use ddo_metrics::RouteMetrics;
+    use std::sync::Arc;
+    let spec = ReferenceSpec::small("transformer", 8, 64, DType::BF16);
+    let c = build(&spec).unwrap();
+    let total: u64 = c.params().iter().map(|p| p.nbytes() as u64).sum();
+    let xs = inputs(&spec, 2, 3);
+    let expected = baseline(&c, &xs);
+    let coded = |budget: u64| {
+        RouteSpec::new(
+            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteOptions {
+                offload_type: Some(OffloadType::LeafLevel),
+                use_stream: Some(true),
+                unit_bytes: Some(4096),
+                compress: Some(Compression::Lossless),
+                budget: Some(Budget::Bytes(budget)),
+                ..RouteOptions::default()
+            },
+        )
+        .unwrap()
+    };
+    let device = HostDevice::with_capacity(1 << 26).unwrap();
+    let budget = total * 6 / 10;
+    let (hooks, _) = attach(&c, &device, &coded(budget));
+    for (x, want) in xs.iter().zip(&expected) {
+        assert_eq!(&run(&c, &*device, x), want, "budget {budget}");
+    }
+    let figures = hooks.streaming_figures().unwrap();
+    assert!(
+        matches!(figures.staging, StagingKind::Coded { .. }),
+        "{figures:?}"
+    );
+    assert!(figures.resident_segments > 0, "{figures:?}");
+    assert!(figures.streamed_segments > 0, "{figures:?}");
+    assert!(
+        figures.device_weight_bytes() <= budget,
+        "resident {} + ring {} over the budget {budget}",
+        figures.resident_bytes,
+        figures.ring_bytes()
+    );
+    detach_and_check_released(&c, &device, hooks, 0);
+
+    // A budget that holds two decoded slots of a unit but not the coded ones beside them.
+    let dev: Arc<dyn Device> = device.clone();
+    let e = ddo_route_leaf_group::GroupOffloadRoute
+        .attach_group_offload(&c, dev, &coded(2 * 4096), Arc::new(RouteMetrics::new()))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&e, CoreError::InvalidOption { option, .. } if option == "budget"),
+        "{e:?}"
+    );
+    assert_eq!(device.memory_info().allocated, 0);
+    assert_eq!(device.memory_info().pinned_host, 0);
+}
