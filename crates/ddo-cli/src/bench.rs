@@ -78,6 +78,35 @@ pub struct CandidateResult {
     /// Device time per op class of one more forward (`--profile`, where the device keeps
     /// one).
     pub op_profile: Option<ddo_core::OpProfile>,
+    /// This process's host memory right after the timed forwards, with the candidate still
+    /// attached (`/proc/self/status`; `None` where it cannot be read).
+    pub host_memory: Option<HostMemory>,
+}
+
+/// A process's resident host memory, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HostMemory {
+    /// `VmRSS`: every resident page.
+    pub rss_bytes: u64,
+    /// `RssAnon`: anonymous pages (owned copies, pinned homes).
+    pub anon_bytes: u64,
+    /// `RssFile`: pages of mapped files (checkpoint mappings).
+    pub file_bytes: u64,
+    /// `RssShmem`: shared memory pages.
+    pub shmem_bytes: u64,
+}
+
+impl HostMemory {
+    /// This process's figures now.
+    pub fn now() -> Option<Self> {
+        use ddo_core::host_memory::process_status_bytes as field;
+        Some(Self {
+            rss_bytes: field("VmRSS")?,
+            anon_bytes: field("RssAnon").unwrap_or(0),
+            file_bytes: field("RssFile").unwrap_or(0),
+            shmem_bytes: field("RssShmem").unwrap_or(0),
+        })
+    }
 }
 
 enum Candidate {
@@ -607,6 +636,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             let setup_seconds = attach_started.elapsed().as_secs_f64();
             let route = offload.handle(&name)?.spec().describe();
             let mut op_profile = None;
+            let mut host_memory = None;
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
                 let inputs = workload.prepare(&*device)?;
                 for _ in 0..warmup {
@@ -625,6 +655,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                     seconds.push(t0.elapsed().as_secs_f64());
                 }
                 let peak = device.memory_info().peak_allocated;
+                host_memory = HostMemory::now();
                 let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 if profile && device.begin_op_profile() {
                     let forward = workload.forward(&*device, &inputs);
@@ -660,6 +691,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 setup_seconds,
                 peak_pinned_host_bytes,
                 op_profile,
+                host_memory,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -678,6 +710,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             setup_seconds: 0.0,
             peak_pinned_host_bytes: 0,
             op_profile: None,
+            host_memory: None,
         }));
     }
     bar.finish();

@@ -1008,6 +1008,17 @@ fn bench_compares_routes_in_one_process() {
         assert_eq!(c["seconds"].as_array().unwrap().len(), 2);
         assert!(c["median_seconds"].as_f64().unwrap() > 0.0);
         assert!(c["peak_bytes"].as_u64().unwrap() > 0);
+        // Host memory with the candidate attached (Linux): the process holds at least
+        // its anonymous and file pages.
+        if cfg!(target_os = "linux") {
+            let m = &c["host_memory"];
+            let rss = m["rss_bytes"].as_u64().unwrap();
+            assert!(rss > 0, "{m}");
+            assert!(
+                m["anon_bytes"].as_u64().unwrap() + m["file_bytes"].as_u64().unwrap() <= rss,
+                "{m}"
+            );
+        }
     }
     assert_eq!(
         cands[0]["streamed_bytes_per_forward"], 0,

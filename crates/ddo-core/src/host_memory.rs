@@ -284,7 +284,18 @@ impl fmt::Debug for PinnedRegistration {
 /// A field of the host's `/proc/meminfo` in bytes (`"MemTotal"`, `"MemAvailable"`), or
 /// `None` where the file or the field cannot be read (not Linux, a sandbox).
 pub fn meminfo_bytes(field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    kib_field("/proc/meminfo", field)
+}
+
+/// A field of this process's `/proc/self/status` in bytes (`"VmRSS"`, `"VmHWM"`,
+/// `"RssAnon"`, `"RssFile"`, `"RssShmem"`), or `None` where it cannot be read (not Linux).
+pub fn process_status_bytes(field: &str) -> Option<u64> {
+    kib_field("/proc/self/status", field)
+}
+
+/// The `field: N kB` line of a `/proc` file, in bytes.
+fn kib_field(path: &str, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
     let line = text.lines().find(|l| {
         l.strip_prefix(field)
             .is_some_and(|rest| rest.starts_with(':'))

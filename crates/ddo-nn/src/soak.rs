@@ -183,10 +183,7 @@ impl SoakReport {
 
 /// The process's resident set in bytes, from `/proc/self/status` (Linux only).
 pub fn host_rss() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    ddo_core::host_memory::process_status_bytes("VmRSS")
 }
 
 /// The soak's two models and their inputs (random weights and values, fixed seeds).
