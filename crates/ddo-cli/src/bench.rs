@@ -81,6 +81,9 @@ pub struct CandidateResult {
     /// This process's host memory right after the timed forwards, with the candidate still
     /// attached (`/proc/self/status`; `None` where it cannot be read).
     pub host_memory: Option<HostMemory>,
+    /// FNV-1a of the last timed forward's output bytes (hex): candidates that compute the
+    /// same thing bit for bit (every route of one component, on one device) show the same.
+    pub output_fnv1a: Option<String>,
 }
 
 /// A process's resident host memory, in bytes.
@@ -322,6 +325,13 @@ impl Workload<'_> {
 
     /// One forward of the component on `inputs`, synchronised.
     fn forward(&self, device: &dyn Device, inputs: &Prepared) -> ddo_core::Result<()> {
+        drop(self.output(device, inputs)?);
+        Ok(())
+    }
+
+    /// One forward over `inputs`, its output kept (on the device), after the device is
+    /// synchronised.
+    fn output(&self, device: &dyn Device, inputs: &Prepared) -> ddo_core::Result<Tensor> {
         let out: Tensor = match (self.pipe, inputs) {
             (AnyPipeline::Flux(p), Prepared::Transformer(inputs)) => {
                 p.transformer.forward(device, inputs)?
@@ -354,8 +364,8 @@ impl Workload<'_> {
                 });
             }
         };
-        drop(out);
-        device.synchronize()
+        device.synchronize()?;
+        Ok(out)
     }
 }
 
@@ -637,6 +647,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             let route = offload.handle(&name)?.spec().describe();
             let mut op_profile = None;
             let mut host_memory = None;
+            let mut output_fnv1a = None;
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
                 let inputs = workload.prepare(&*device)?;
                 for _ in 0..warmup {
@@ -649,10 +660,17 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 let before = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 device.reset_peak();
                 let mut seconds = Vec::with_capacity(repeats);
-                for _ in 0..repeats {
+                let mut last = None;
+                for i in 0..repeats {
                     let t0 = Instant::now();
-                    workload.forward(&*device, &inputs)?;
+                    let out = workload.output(&*device, &inputs)?;
                     seconds.push(t0.elapsed().as_secs_f64());
+                    // Only the last forward's output is kept (the others go at once).
+                    last = (i + 1 == repeats).then_some(out);
+                }
+                if let Some(out) = last {
+                    let bytes = out.to_host_bytes(&*device, &device.compute_stream())?;
+                    output_fnv1a = Some(format!("{:016x}", ddo_core::param::fnv1a(&bytes)));
                 }
                 let peak = device.memory_info().peak_allocated;
                 host_memory = HostMemory::now();
@@ -692,6 +710,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 peak_pinned_host_bytes,
                 op_profile,
                 host_memory,
+                output_fnv1a,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -711,6 +730,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             peak_pinned_host_bytes: 0,
             op_profile: None,
             host_memory: None,
+            output_fnv1a: None,
         }));
     }
     bar.finish();

@@ -1020,6 +1020,12 @@ fn bench_compares_routes_in_one_process() {
             );
         }
     }
+    // Every route computes the resident output bit for bit.
+    let sums: Vec<&str> = cands
+        .iter()
+        .map(|c| c["output_fnv1a"].as_str().unwrap())
+        .collect();
+    assert!(sums.iter().all(|s| *s == sums[0]), "{sums:?}");
     assert_eq!(
         cands[0]["streamed_bytes_per_forward"], 0,
         "none streams nothing"
