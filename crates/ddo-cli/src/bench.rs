@@ -84,6 +84,9 @@ pub struct CandidateResult {
     /// FNV-1a of the last timed forward's output bytes (hex): candidates that compute the
     /// same thing bit for bit (every route of one component, on one device) show the same.
     pub output_fnv1a: Option<String>,
+    /// What lossless-coded streaming held (`compress=lossless`): coded size, exponent
+    /// entropy, the cache, host pages released.
+    pub coded: Option<ddo_metrics::CodedFigures>,
 }
 
 /// A process's resident host memory, in bytes.
@@ -688,6 +691,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 .as_ref()
                 .and_then(|m| m.timeline.as_ref())
                 .map(|t| t.summary(5));
+            let coded = snapshot.as_ref().and_then(|m| m.coded.clone());
             let peak_pinned_host_bytes = snapshot.map_or(0, |m| m.counters.peak_pinned_host_bytes);
             let _ = offload.release(&name);
             let (seconds, peak, streamed) = run?;
@@ -711,6 +715,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 op_profile,
                 host_memory,
                 output_fnv1a,
+                coded,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -731,6 +736,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             op_profile: None,
             host_memory: None,
             output_fnv1a: None,
+            coded: None,
         }));
     }
     bar.finish();

@@ -979,6 +979,56 @@ fn run_from_a_text_prompt_uses_the_folders_tokenizers_and_matches_diffusers() {
 }
 
 #[test]
+fn bench_reports_coded_streaming_and_its_output_matches_the_uncompressed_route() {
+    let v = json(&ddo(&[
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--dtype",
+        "bf16",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--route",
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+        "--route",
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,compress=lossless",
+        "--json",
+    ]));
+    let cands = v["candidates"].as_array().unwrap();
+    assert_eq!(cands.len(), 2);
+    for c in cands {
+        assert!(c["error"].is_null(), "{c}");
+    }
+    assert!(cands[0]["coded"].is_null(), "{}", cands[0]);
+    let coded = &cands[1]["coded"];
+    let (bytes, raw) = (
+        coded["coded_bytes"].as_u64().unwrap(),
+        coded["raw_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        bytes > 0 && bytes < raw,
+        "bf16 weights code smaller: {coded}"
+    );
+    assert_eq!(
+        cands[1]["streamed_bytes_per_forward"].as_u64().unwrap(),
+        bytes,
+        "the link carries the coded bytes"
+    );
+    assert!(coded["exponent_entropy_millibits"].as_u64().unwrap() > 0);
+    assert_eq!(
+        coded["cache"], "unavailable",
+        "random weights are not cached"
+    );
+    assert_eq!(cands[0]["output_fnv1a"], cands[1]["output_fnv1a"]);
+}
+
+#[test]
 fn bench_compares_routes_in_one_process() {
     let d = scratch("bench");
     let out_json = d.join("bench.json");

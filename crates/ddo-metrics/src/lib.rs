@@ -52,6 +52,7 @@ pub struct RouteMetrics {
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
     timeline: Mutex<Option<Timeline>>,
+    coded: Mutex<Option<CodedFigures>>,
 }
 
 impl RouteMetrics {
@@ -68,6 +69,16 @@ impl RouteMetrics {
     /// The last streamed forward's timeline, if one was recorded.
     pub fn timeline(&self) -> Option<Timeline> {
         self.timeline.lock().clone()
+    }
+
+    /// Records what lossless-coded streaming holds (`None`: the route streams raw).
+    pub fn set_coded(&self, coded: Option<CodedFigures>) {
+        *self.coded.lock() = coded;
+    }
+
+    /// What lossless-coded streaming holds, when the route streams coded units.
+    pub fn coded(&self) -> Option<CodedFigures> {
+        self.coded.lock().clone()
     }
 
     /// Records one host→device copy of `bytes`.
@@ -235,6 +246,60 @@ impl RouteMetrics {
     /// The detach reports recorded so far.
     pub fn detach_reports(&self) -> Vec<DetachSummary> {
         self.detach_reports.lock().clone()
+    }
+}
+
+/// What a streaming engine with lossless-coded units (`compress=lossless`) holds, for
+/// [`RouteMetrics::set_coded`]: the coded size and exponent entropy of the component's
+/// streamed weights, where the coded units came from, and the host pages released.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodedFigures {
+    /// Bytes of the coded units (what crosses the link per forward).
+    pub coded_bytes: u64,
+    /// Bytes of the raw units they code.
+    pub raw_bytes: u64,
+    /// Shannon entropy of the units' bf16 exponents, thousandths of a bit per word.
+    pub exponent_entropy_millibits: u64,
+    /// `used` (read from the cache beside the checkpoint), `built` (coded, cache written)
+    /// or `unavailable` (coded with no cache).
+    pub cache: String,
+    /// Why the cache was not used, when it was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_note: Option<String>,
+    /// Nanoseconds spent getting the coded units (coding, or reading the cache; the
+    /// content hash of the raw units included).
+    pub coding_ns: u64,
+    /// Bytes of the streamed params' file pages released from the process (the coded
+    /// units are their one host copy).
+    pub host_bytes_released: u64,
+}
+
+impl CodedFigures {
+    /// Coded bytes over raw bytes (1 when there are none).
+    pub fn ratio(&self) -> f64 {
+        if self.raw_bytes == 0 {
+            1.0
+        } else {
+            self.coded_bytes as f64 / self.raw_bytes as f64
+        }
+    }
+
+    /// One line for a profile.
+    pub fn format_line(&self) -> String {
+        format!(
+            "coded: {} of {} ({:.3}), exponent entropy {:.3} bits, cache {}{}, {:.2} s to get them, {} of host pages released",
+            format_bytes(self.coded_bytes),
+            format_bytes(self.raw_bytes),
+            self.ratio(),
+            self.exponent_entropy_millibits as f64 / 1000.0,
+            self.cache,
+            self.cache_note
+                .as_ref()
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default(),
+            self.coding_ns as f64 / 1e9,
+            format_bytes(self.host_bytes_released)
+        )
     }
 }
 
@@ -592,6 +657,9 @@ pub struct MetricsSnapshot {
     /// The last streamed forward's timeline (route option `timeline=true`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Timeline>,
+    /// What lossless-coded streaming holds (`compress=lossless`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coded: Option<CodedFigures>,
 }
 
 impl MetricsSnapshot {
@@ -713,6 +781,9 @@ impl MetricsSnapshot {
                 );
             }
         }
+        if let Some(coded) = &self.coded {
+            let _ = writeln!(s, "  {}", coded.format_line());
+        }
         if !self.resident_leaves.is_empty() {
             const SHOWN: usize = 8;
             let more = self.resident_leaves.len().saturating_sub(SHOWN);
@@ -800,6 +871,7 @@ mod tests {
             detach_reports: vec![],
             resident_leaves: vec![],
             timeline: None,
+            coded: None,
         };
         let text = snap.format_profile();
         assert!(
@@ -834,6 +906,48 @@ mod tests {
     }
 
     #[test]
+    fn coded_figures_show_in_the_snapshot_and_the_profile() {
+        let m = RouteMetrics::new();
+        assert_eq!(m.coded(), None);
+        m.set_streaming_plan(3 << 30, 40, 2, 90 << 20, 0);
+        let coded = CodedFigures {
+            coded_bytes: 650,
+            raw_bytes: 1000,
+            exponent_entropy_millibits: 2545,
+            cache: "used".into(),
+            cache_note: None,
+            coding_ns: 1_500_000_000,
+            host_bytes_released: 4096,
+        };
+        m.set_coded(Some(coded.clone()));
+        assert_eq!(m.coded().as_ref(), Some(&coded));
+        assert!((coded.ratio() - 0.65).abs() < 1e-12);
+        let snap = MetricsSnapshot {
+            component: "transformer".into(),
+            route: "diffusers_group_offload".into(),
+            route_options: "use_stream=true compress=lossless".into(),
+            preset: None,
+            decided_by: "explicit route".into(),
+            device: "host:0".into(),
+            allocator: "caching".into(),
+            counters: m.counters(),
+            memory: DeviceMemoryFigures::default(),
+            phases: vec![],
+            detach_reports: vec![],
+            resident_leaves: vec![],
+            timeline: None,
+            coded: m.coded(),
+        };
+        let back: MetricsSnapshot = serde_json::from_str(&snap.to_json().unwrap()).unwrap();
+        assert_eq!(back.coded, Some(coded));
+        let text = snap.format_profile();
+        assert!(text.contains("coded: 650 B of 1000 B (0.650)"), "{text}");
+        assert!(text.contains("entropy 2.545 bits, cache used"), "{text}");
+        m.set_coded(None);
+        assert_eq!(m.coded(), None);
+    }
+
+    #[test]
     fn snapshot_round_trips_through_json_and_profile_names_phases() {
         let m = RouteMetrics::new();
         m.push_phase(PhasePeak {
@@ -861,6 +975,7 @@ mod tests {
             detach_reports: vec![],
             resident_leaves: (0..10).map(|i| format!("blocks.{i}.linear")).collect(),
             timeline: None,
+            coded: None,
         };
         let json = snap.to_json().expect("serialises");
         let back: MetricsSnapshot = serde_json::from_str(&json).expect("parses");

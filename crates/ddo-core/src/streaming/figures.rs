@@ -178,6 +178,36 @@ impl StreamingFigures {
         );
         metrics.set_streaming_host(self.host_metrics());
         metrics.set_pinned_host_bytes(self.pinned_bytes);
+        metrics.set_coded(self.coded_figures());
+    }
+
+    /// What coded streaming holds, as the route metrics record it (`None` unless the units
+    /// are lossless-coded).
+    pub fn coded_figures(&self) -> Option<ddo_metrics::CodedFigures> {
+        let StagingKind::Coded {
+            coded_bytes,
+            raw_bytes,
+            exponent_entropy_millibits,
+            cache,
+            coding_ns,
+        } = self.staging
+        else {
+            return None;
+        };
+        Some(ddo_metrics::CodedFigures {
+            coded_bytes,
+            raw_bytes,
+            exponent_entropy_millibits,
+            cache: match cache {
+                CodedCache::Used => "used",
+                CodedCache::Built => "built",
+                CodedCache::Unavailable => "unavailable",
+            }
+            .into(),
+            cache_note: self.coded_cache_note.clone(),
+            coding_ns,
+            host_bytes_released: self.host_bytes_released,
+        })
     }
 
     /// Device bytes of the ring (with its coded slots, [`super::coded_ring_bytes`], when

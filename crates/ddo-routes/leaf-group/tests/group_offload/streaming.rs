@@ -377,6 +377,13 @@ fn lossless_coded_units_stream_bit_identical_and_fewer_bytes() {
         };
         assert_eq!(figures.streamed_bytes, coded_bytes);
         assert!(figures.pinned_bytes >= coded_bytes);
+        // The metrics report the coded size per component.
+        let reported = metrics.coded().expect("coded figures in the metrics");
+        assert_eq!(
+            (reported.coded_bytes, reported.raw_bytes),
+            (coded_bytes, raw_bytes)
+        );
+        assert_eq!(reported.cache, "unavailable", "weights made in memory");
         if dtype == DType::BF16 && unit_bytes.is_none() {
             assert!(
                 coded_bytes < raw_bytes,
