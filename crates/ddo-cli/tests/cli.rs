@@ -41,6 +41,46 @@ fn run_tiny_writes_a_png_and_prints_the_phase_profile() {
     );
 }
 
+/// The VAE's default (leaf, no stream) pins nothing by design, as Diffusers' no-stream
+/// calls: `ddo run` prints no "copies from pageable memory ... would avoid it" note for it.
+/// An explicit streamed route whose pinned limit is too small for its weights still gets
+/// the note, naming a limit that would hold them.
+#[test]
+fn the_pageable_note_is_for_limits_that_refused_pinning_not_for_unpinned_defaults() {
+    let d = scratch("pageable-note");
+    let png = d.join("tiny.png");
+    let text = ok(&ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--out",
+        png.to_str().unwrap(),
+    ]));
+    assert!(text.contains("vae: diffusers_group_offload"), "{text}");
+    assert!(
+        !text.contains("copies from pageable memory"),
+        "a note for an unpinned-by-design default:\n{text}"
+    );
+    let text = ok(&ddo(&[
+        "run",
+        "--config",
+        "tiny",
+        "--route",
+        "transformer=diffusers_group_offload:use_stream=true,pinned_limit=1KiB",
+        "--out",
+        png.to_str().unwrap(),
+    ]));
+    let notes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("copies from pageable memory"))
+        .collect();
+    assert_eq!(notes.len(), 1, "{text}");
+    assert!(
+        notes[0].starts_with("note: transformer ") && notes[0].contains(":pinned_limit=1GiB"),
+        "{text}"
+    );
+}
+
 /// The memory plan under the default preset on the host backend: with 8 GiB the tiny
 /// transformer stays fully resident (its weights cross once in four forwards); with a
 /// budget below its weights a part stays resident and the rest streams; the image is the

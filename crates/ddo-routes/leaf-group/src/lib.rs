@@ -247,6 +247,10 @@ impl Route for GroupOffloadRoute {
         let human = ddo_metrics::format_bytes;
         if !config.use_stream {
             let pinned = config.pinned && weight_bytes <= limit;
+            // Pageable by design unless `pinned=true` was asked (Diffusers pins nothing
+            // without a stream, the seed's VAE leaf policy): only a pinned home the limit
+            // refused is pageable staging, with the limit that would have held it.
+            let refused = config.pinned && !pinned;
             return Ok(Footprint {
                 weight_bytes,
                 resident_bytes: 0,
@@ -255,8 +259,8 @@ impl Route for GroupOffloadRoute {
                 pinned_host_bytes: if pinned { weight_bytes } else { 0 },
                 needs_native_allocator: false,
                 attaches_on_device: false,
-                pageable_staging: !pinned,
-                pinned_limit_to_avoid_pageable: if pinned { 0 } else { weight_bytes },
+                pageable_staging: refused,
+                pinned_limit_to_avoid_pageable: if refused { weight_bytes } else { 0 },
                 summary: format!(
                     "{} groups copied per forward, one at a time, from {} host memory",
                     plan.groups.len(),

@@ -126,3 +126,44 @@ fn weights_made_resident_before_attach_are_offloaded_by_it() {
     drop(stray);
     detach_and_check_released(&c, &device, hooks, 0);
 }
+
+/// Without a stream nothing is pinned by default (Diffusers' no-stream calls, the seed's VAE
+/// leaf policy), and the footprint does not call that pageable staging: there is no pinned
+/// limit to raise, so `ddo run` prints no "would avoid it" note for it. Only `pinned=true`
+/// that the limit cannot hold is pageable staging, naming the limit that would hold it.
+#[test]
+fn a_no_stream_default_is_unpinned_by_design_not_pageable_staging() {
+    use ddo_core::{AllocatorKind, FootprintContext, RouteSpec};
+    let spec = ReferenceSpec::small("vae", 3, 8, DType::F16);
+    let c = build(&spec).unwrap();
+    let weights = c.param_bytes();
+    let context = |pinned_room| FootprintContext {
+        free_device_bytes: 1 << 30,
+        pinned_room,
+        supports_streams: true,
+        allocator: AllocatorKind::Caching,
+    };
+    let default = RouteSpec::leaf_group(false, false);
+    for room in [0, 1 << 30] {
+        let f = GroupOffloadRoute
+            .footprint(&c, &default, &context(room))
+            .unwrap();
+        assert_eq!(f.pinned_host_bytes, 0, "room {room}");
+        assert!(!f.pageable_staging, "room {room}: unpinned by design");
+        assert_eq!(f.pinned_limit_to_avoid_pageable, 0, "room {room}");
+    }
+    let asked: RouteSpec = "diffusers_group_offload:use_stream=false,pinned=true"
+        .parse()
+        .unwrap();
+    let fits = GroupOffloadRoute
+        .footprint(&c, &asked, &context(1 << 30))
+        .unwrap();
+    assert_eq!(fits.pinned_host_bytes, weights);
+    assert!(!fits.pageable_staging);
+    let short = GroupOffloadRoute
+        .footprint(&c, &asked, &context(weights - 1))
+        .unwrap();
+    assert_eq!(short.pinned_host_bytes, 0);
+    assert!(short.pageable_staging, "pinned=true the limit refused");
+    assert_eq!(short.pinned_limit_to_avoid_pageable, weights);
+}
