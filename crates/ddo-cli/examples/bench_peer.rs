@@ -15,9 +15,11 @@
 //! transformer runs mark the model exclusively owned at load, call
 //! `detach_auxiliary_cpu_sources` after attaching and before the first forward (the seed's
 //! rule), and record its outcome under `detach_auxiliary_cpu_sources` in the JSON. Under the
-//! default `pinned_source=register` it is refused (seen on an H200): the route keeps the
-//! checkpoint mapping, page-locked in place, as the weights' one host copy, so there is no
-//! mapping to drop.
+//! default `pinned_source=register` it is refused (seen on an H200; on the host backend by
+//! `ddo-routes/tests/detach.rs`): the route keeps the checkpoint mapping, page-locked in
+//! place, as the weights' one host copy, so there is no mapping to drop. With
+//! `pinned_source=home` among `ROUTE_OPTIONS` it succeeds and copies nothing: the pinned
+//! home replaced the mapped bytes at attach.
 //!
 //! The inputs are on the device before the timed forwards, as `tools/bench_peer.py` holds
 //! them for Diffusers: the transformer's as f32 except `hidden_states` in bf16 (the model
@@ -170,8 +172,11 @@ fn main() -> Result<(), BoxError> {
         model.component().set_exclusively_owned(true);
         let weight_bytes = model.component().param_bytes();
         let h = enable_dynamic_offload(model.component(), dev.clone(), spec(&route, &extra)?)?;
-        // Before the first forward, as the seed requires: the checkpoint-backed CPU tensors
-        // the route does not keep on the host itself are detached from the mapping.
+        // Before the first forward, as the seed requires. Under the default
+        // `pinned_source=register` the route streams from the checkpoint mapping itself,
+        // page-locked in place as the weights' one host copy, so the call is refused and
+        // changes nothing; the JSON records the refusal, which is not bypassed
+        // (`ddo-routes/tests/detach.rs` shows both outcomes on the host backend).
         let detach = if route.contains("use_stream=true") {
             match h.detach_auxiliary_cpu_sources(true, 256 << 20) {
                 Ok(summary) => serde_json::to_value(&summary)?,

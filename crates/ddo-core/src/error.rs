@@ -420,10 +420,14 @@ pub enum DetachRefusal {
         /// Forwards run so far.
         forwards: u64,
     },
-    /// A checkpoint mapping is referenced by something DDO did not register.
+    /// A checkpoint mapping is referenced by something DDO did not register: an open
+    /// `Checkpoint`, an escaped tensor, or the attached route itself when it streams from
+    /// the mapping page-locked in place (`pinned_source=register`, the streaming default).
     #[error(
-        "checkpoint mapping {path} has {unknown} reference(s) DDO did not register (an open Checkpoint or an \
-         escaped tensor); drop them first"
+        "checkpoint mapping {path} has {unknown} reference(s) DDO did not register: an open Checkpoint or an \
+         escaped tensor (drop them first), or the attached route streaming from the mapping page-locked in \
+         place (pinned_source=register: the mapping is then the weights' one host copy and there is nothing \
+         to detach; pinned_source=home streams from a pinned home instead)"
     )]
     UnknownOwnership {
         /// Mapped file.

@@ -398,6 +398,61 @@ fn refuses_unsupported_layouts() {
     });
 }
 
+/// `bench_peer`'s streamed transformer runs, on the host backend: an exclusively owned,
+/// checkpoint-backed component under leaf offload with a stream, detached after attach and
+/// before its first forward. Under the default `pinned_source=register` the route holds
+/// the mapping (page-locked in place) as the weights' one host copy, so the detach is
+/// refused and changes nothing; under `pinned_source=home` the pinned home replaced the
+/// mapped bytes at attach, so it succeeds with nothing left to copy.
+#[test]
+fn a_streamed_route_on_the_registered_mapping_refuses_detach_and_a_pinned_home_leaves_nothing_to_copy()
+ {
+    let f = fixture(false);
+    let d = device(1 << 24);
+    let h = enable_dynamic_offload(
+        &f.component,
+        dyn_device(&d),
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true"
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_refused(&h, &f.component, |r| {
+        matches!(r, DetachRefusal::UnknownOwnership { .. })
+    });
+    // The refusal says why and what to use instead, with options that exist.
+    let why = h
+        .detach_auxiliary_cpu_sources(true, 256 << 20)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        why.contains("pinned_source=register") && why.contains("pinned_source=home"),
+        "{why}"
+    );
+    drop(h);
+
+    let f = fixture(false);
+    let d = device(1 << 24);
+    let h = enable_dynamic_offload(
+        &f.component,
+        dyn_device(&d),
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_source=home"
+            .parse()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        f.component
+            .params()
+            .iter()
+            .all(|p| !p.is_checkpoint_backed()),
+        "the home holds every streamed weight"
+    );
+    let report = h.detach_auxiliary_cpu_sources(true, 256 << 20).unwrap();
+    assert_eq!((report.bytes_copied, report.groups_copied), (0, 0));
+    assert!(!report.commit_recovery_proven);
+}
+
 /// Leaf offload without a stream, with the weights left where they are (no pinned home,
 /// which would itself replace the checkpoint-backed sources).
 fn pageable_leaf() -> RouteSpec {
