@@ -230,7 +230,9 @@ impl Route for LinearConvolutionRoute {
             pinned_host_bytes: if pinned { home_bytes } else { 0 },
             needs_native_allocator: false,
             attaches_on_device: false,
-            pageable_staging: !pinned,
+            // `pinned=false` is pageable by choice, not staging a pinned limit forced; over
+            // the device's pinned limit the route refuses to attach instead.
+            pageable_staging: false,
             pinned_limit_to_avoid_pageable: 0,
             summary: format!(
                 "zero residency: each leaf copied before it runs from {} host memory",

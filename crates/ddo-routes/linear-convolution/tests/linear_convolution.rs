@@ -174,6 +174,47 @@ proptest! {
     }
 }
 
+/// The footprint states the pinned home the route makes by default (each param at a multiple
+/// of 256 bytes: the weights' one host copy, no second cache) and, with `pinned=false`,
+/// nothing pinned, which is the caller's choice and not pageable staging forced by a pinned
+/// limit (so no "would avoid it" note); attach holds what the footprint says.
+#[test]
+fn the_footprint_states_the_one_pinned_home_and_pinned_false_is_no_pageable_staging() {
+    use ddo_core::FootprintContext;
+    let spec = ReferenceSpec::small("vae", 2, 8, DType::BF16);
+    for (text, pinned) in [
+        ("linear_convolution", true),
+        ("linear_convolution:pinned=false", false),
+    ] {
+        let c = reference::build(&spec).unwrap();
+        let d = device(1 << 20);
+        let rs = spec_text(text);
+        let f = LinearConvolutionRoute
+            .footprint(&c, &rs, &FootprintContext::of(&*d))
+            .unwrap();
+        let home: u64 = c
+            .params()
+            .iter()
+            .map(|p| (p.nbytes() as u64).next_multiple_of(256))
+            .sum();
+        assert_eq!(f.pinned_host_bytes, if pinned { home } else { 0 }, "{text}");
+        assert!(!f.pageable_staging, "{text}");
+        assert_eq!(f.pinned_limit_to_avoid_pageable, 0, "{text}");
+        let hooks = LinearConvolutionRoute
+            .attach_hooks(
+                &c,
+                Arc::clone(&d) as Arc<dyn Device>,
+                &rs,
+                Arc::new(RouteMetrics::new()),
+            )
+            .unwrap();
+        assert_eq!(hooks.pinned_bytes(), f.pinned_host_bytes, "{text}");
+        assert_eq!(d.memory_info().pinned_host, f.pinned_host_bytes, "{text}");
+        hooks.detach().unwrap();
+        assert_eq!(d.memory_info().pinned_host, 0, "{text}");
+    }
+}
+
 #[test]
 fn attach_through_the_route_trait_pins_by_default_and_is_removable() {
     let spec = ReferenceSpec::small("vae", 2, 8, DType::BF16);
