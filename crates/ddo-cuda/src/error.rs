@@ -74,16 +74,18 @@ pub enum CudaError {
     #[error(transparent)]
     Vmm(#[from] ddo_vmm::VmmError),
     /// Installing the native allocator came too late: the caching allocator has served this
-    /// device already.
+    /// device already (through any `CudaDevice` of its ordinal that is still alive).
     #[error(
         "cannot install the native VMM allocator on {device}: the caching allocator has already served {allocations} \
-         allocation(s) on it; install it first, right after creating the device (CudaDeviceConfig::native_vmm, \
-         `ddo run --preset vmm_fast` or `--route COMPONENT=native_vmm`), before any weight, activation or workspace is allocated"
+         allocation(s) on it in this process (every CudaDevice of {device} still alive counts); install it first, \
+         right after creating the first device of {device} (CudaDeviceConfig::native_vmm, `ddo run --preset vmm_fast` \
+         or `--route COMPONENT=native_vmm`), before any weight, activation or workspace is allocated, or drop every \
+         CudaDevice of {device} and what it allocated first"
     )]
     NativeInstallTooLate {
         /// Device (`cuda:N`).
         device: String,
-        /// Caching allocations made so far.
+        /// Caching allocations made so far by the live devices of the ordinal.
         allocations: u64,
     },
     /// A GPU decode of an encoded unit was refused before its launch: a buffer too small
@@ -99,11 +101,23 @@ pub enum CudaError {
         /// What is wrong.
         reason: String,
     },
-    /// The native allocator is installed already.
+    /// The native allocator is installed already, by this device.
     #[error(
         "the native VMM allocator is already installed on {device}; install it once per device"
     )]
     NativeAlreadyInstalled {
+        /// Device (`cuda:N`).
+        device: String,
+    },
+    /// Another `CudaDevice` of the same ordinal installed the native allocator, which serves
+    /// the ordinal alone: this one may not install a second pool, open beside it or allocate
+    /// from the caching allocator beside it.
+    #[error(
+        "the native VMM allocator is installed on {device} by another CudaDevice of this process, and it alone \
+         serves {device}: share that device (CudaDevice values are Arcs: clone it) instead of opening a second one, \
+         or drop every CudaDevice of {device} and what it allocated first"
+    )]
+    NativeInstalledOnAnotherDevice {
         /// Device (`cuda:N`).
         device: String,
     },

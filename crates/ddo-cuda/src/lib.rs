@@ -12,7 +12,8 @@
 //!   splitting and merging, stream-ordered reuse, an out-of-memory retry, exact
 //!   accounting) over a small raw-memory trait, with a fake so all of it is tested on CPU;
 //! - the native allocator wiring ([`vmm_allocator`]): ddo-vmm's pool as the device allocator once
-//!   [`CudaDevice::install_native_vmm`] has run (refused after any caching allocation), with
+//!   [`CudaDevice::install_native_vmm`] has run (once per device ordinal in a process, whatever
+//!   the number of `CudaDevice` values, and refused after any caching allocation on it), with
 //!   stream-ordered frees, same-stream reuse and `release_native_idle_cache`;
 //! - [`codec`]: the GPU decoder of ddo-codec's encoded bf16 units (one warp per chunk,
 //!   queued on any stream of the device, optionally verifying the unit's checksum);

@@ -72,6 +72,82 @@ fn install_is_refused_after_a_caching_allocation() {
     );
 }
 
+/// Issue 17 point 5: the native allocator is installed once per process per ordinal,
+/// whatever the number of `CudaDevice` values. While one device's pool serves `cuda:0`, a
+/// second device of it neither installs a second pool, nor opens, nor — opened before the
+/// install — allocates from its caching allocator beside the pool; once every device is gone
+/// the ordinal is fresh again.
+#[test]
+fn a_second_device_of_the_ordinal_installs_no_second_allocator() {
+    let Some(first) = open_gpu(false) else { return };
+    // Opened before the install, nothing allocated yet.
+    let early = CudaDevice::new(0).unwrap();
+    first.install_native_vmm().unwrap();
+    assert_eq!(first.allocator(), ddo_core::AllocatorKind::NativeVmm);
+    let again = early.install_native_vmm().unwrap_err();
+    println!("second install: {again}");
+    assert!(
+        matches!(again, CudaError::NativeInstalledOnAnotherDevice { .. }),
+        "{again}"
+    );
+    let beside = early.alloc(1 << 20).unwrap_err();
+    println!("caching allocation beside the pool: {beside}");
+    assert!(beside.to_string().contains("share that device"), "{beside}");
+    assert_eq!(early.allocator_stats().allocated, 0);
+    for native_vmm in [false, true] {
+        let config = ddo_cuda::CudaDeviceConfig {
+            native_vmm,
+            ..ddo_cuda::CudaDeviceConfig::new(0)
+        };
+        let err = CudaDevice::with_config(config).unwrap_err();
+        assert!(
+            matches!(err, CudaError::NativeInstalledOnAnotherDevice { .. }),
+            "native_vmm {native_vmm}: {err}"
+        );
+    }
+    // The one pool serves the device that installed it.
+    let buf = first.alloc(3 << 20).unwrap();
+    assert_eq!(first.native_pool_figures().unwrap().live_bytes, 3 << 20);
+    drop(buf);
+    drop((first, early));
+    let fresh = open_gpu(true).expect("the ordinal is fresh once every device is gone");
+    assert_eq!(fresh.allocator(), ddo_core::AllocatorKind::NativeVmm);
+}
+
+/// Issue 17 point 5: an install after another device of the ordinal allocated is refused
+/// with the typed error that says what to do, counting that device's allocations; the
+/// refused device keeps the caching allocator, and once the device that allocated is gone
+/// (its cuBLAS workspace included) the install goes through.
+#[test]
+fn install_is_refused_after_another_device_of_the_ordinal_allocated() {
+    let Some(first) = open_gpu(false) else { return };
+    let held = first.alloc(1 << 20).unwrap();
+    // A GEMM: the device's cuBLAS handle and workspace outlive it in the process table.
+    let a = ddo_core::Ops::tensor_from_f32(&*first, &[8, 8], DType::F32, &rnd(64, 1)).unwrap();
+    drop(ddo_core::Ops::matmul(&*first, &a, &a).unwrap());
+    drop(a);
+    first.synchronize().unwrap();
+    let second = CudaDevice::new(0).unwrap();
+    let err = second.install_native_vmm().unwrap_err();
+    println!("refusal: {err}");
+    assert!(
+        matches!(err, CudaError::NativeInstallTooLate { allocations, .. } if allocations >= 2),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("CudaDeviceConfig::native_vmm"),
+        "{err}"
+    );
+    assert_eq!(second.allocator(), ddo_core::AllocatorKind::Caching);
+    drop(held);
+    drop((first, second));
+    let fresh = open_gpu(true).expect("installed once the allocating device is gone");
+    assert_eq!(fresh.allocator(), ddo_core::AllocatorKind::NativeVmm);
+    let buf = fresh.alloc(1 << 20).unwrap();
+    assert_eq!(fresh.native_pool_figures().unwrap().live_bytes, 1 << 20);
+    drop(buf);
+}
+
 #[test]
 fn release_is_refused_with_work_in_flight_and_releases_nothing() {
     let Some(d) = open_gpu(true) else { return };
@@ -139,18 +215,18 @@ fn small_flux() -> FluxTransformer {
 
 #[test]
 fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundary() {
-    let Some(cached) = open_gpu(false) else {
-        return;
-    };
+    // One device, one allocator: the resident baseline runs from the native pool too (the
+    // seed compares routes within the same process allocator, and a caching device of the
+    // same GPU may not allocate beside the native allocator).
     let Some(d) = open_gpu(true) else { return };
     let inputs = synthetic_flux_inputs(32, 128);
     let model = small_flux();
     let weights: u64 = model.component().param_bytes();
     let expected = {
-        let _h = enable_dynamic_offload(model.component(), cached.clone(), RouteSpec::resident())
-            .unwrap();
-        let out = model.forward(&*cached, &inputs).unwrap();
-        output_bytes(&cached, &out)
+        let _h =
+            enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let out = model.forward(&*d, &inputs).unwrap();
+        output_bytes(&d, &out)
     };
     for budget in [weights + (64 << 20), weights / 2, weights / 8] {
         let spec: RouteSpec = format!("native_vmm:budget={budget}").parse().unwrap();

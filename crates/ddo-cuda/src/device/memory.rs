@@ -1,7 +1,8 @@
 //! Device memory of a [`CudaDevice`]: the state its allocations share ([`Shared`]), raw
 //! driver memory under the caching allocator ([`DriverMemory`]), [`CudaAllocation`] and its
-//! stream-ordered free, allocation from the caching allocator or the native VMM pool, and
-//! the native pool's install, quiescence check and out-of-memory figures.
+//! stream-ordered free, allocation from the caching allocator or the native VMM pool (as
+//! the ordinal's [`OrdinalLedger`] allows), and the native pool's install, quiescence check
+//! and out-of-memory figures.
 
 use std::any::Any;
 use std::fmt;
@@ -17,6 +18,7 @@ use ddo_vmm::{
 use parking_lot::{Mutex, RwLock};
 
 use super::CudaDevice;
+use super::ledger::{OrdinalLedger, Serve};
 use super::streams::{COMPUTE, CudaStreamHandle, EventPool, PooledEvent};
 use crate::allocator::{Block, CachingAllocator, RawAllocError, RawMemory, StreamKey};
 use crate::driver;
@@ -56,10 +58,14 @@ pub(super) struct Shared {
     pub(super) instance: u64,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) allocator: CachingAllocator<DriverMemory, PooledEvent>,
-    /// The native VMM allocator, once installed; read-locked around every caching
-    /// allocation so an install cannot slip in between the check and the allocation.
+    /// The native VMM allocator, once this device installed it (set under the ledger's
+    /// write lock, which every allocation read-locks, so an install cannot slip in between
+    /// the check and an allocation).
     pub(super) native: RwLock<Option<Arc<NativeAllocator<CudaPhysicalMemory, PooledEvent>>>>,
-    /// Allocations the caching allocator has served (the install refusal's count).
+    /// The process-wide ledger of this device's ordinal, shared by every device of it.
+    pub(super) ledger: Arc<OrdinalLedger>,
+    /// Allocations this device's caching allocator has served (the ledger counts them
+    /// until this state drops).
     pub(super) caching_allocations: AtomicU64,
     pub(super) events: Arc<EventPool>,
     pub(super) total: u64,
@@ -114,6 +120,11 @@ impl Drop for Shared {
         // Errors have nowhere to go at teardown: the context is released next.
         let _ = self.ctx.synchronize();
         let _ = self.allocator.wait_and_empty_cache();
+        // Nothing of this device is left on the ordinal: it leaves the ledger.
+        self.ledger.device_gone(
+            self.instance,
+            self.caching_allocations.load(Ordering::Acquire),
+        );
         // The native pool (if any) tears down when its last handle drops, here.
     }
 }
@@ -219,29 +230,26 @@ impl CudaDevice {
     /// Installs DDO's native VMM allocator ([`ddo_vmm::VmmPool`] over the device's whole
     /// memory as virtual address space) as this device's allocator: every later
     /// [`Device::alloc`] and compute output comes from the pool, and
-    /// [`Device::release_native_idle_cache`] returns its idle chunks. A bootstrap step:
-    /// refused with [`CudaError::NativeInstallTooLate`] once the caching allocator has
-    /// served any allocation on this device (the counterpart of the fresh-process rule), and
-    /// with [`CudaError::NativeAlreadyInstalled`] the second time. The device must support
-    /// virtual memory management ([`ddo_vmm::VmmError::Unsupported`] otherwise).
+    /// [`Device::release_native_idle_cache`] returns its idle chunks. A bootstrap step,
+    /// once per device ordinal in this process whatever the number of `CudaDevice` values
+    /// (the ordinal's ledger, `device/ledger.rs`): refused with
+    /// [`CudaError::NativeInstallTooLate`] once the caching allocator of any live device of
+    /// the ordinal has served an allocation (the counterpart of the fresh-process rule),
+    /// with [`CudaError::NativeAlreadyInstalled`] the second time, and with
+    /// [`CudaError::NativeInstalledOnAnotherDevice`] when another device of the ordinal
+    /// installed it (which then serves the ordinal alone: no other device of it opens or
+    /// allocates). The device must support virtual memory management
+    /// ([`ddo_vmm::VmmError::Unsupported`] otherwise).
     pub fn install_native_vmm(&self) -> Result<()> {
-        let mut native = self.shared.native.write();
-        if native.is_some() {
-            return Err(CudaError::NativeAlreadyInstalled {
-                device: self.id().to_string(),
-            });
-        }
-        let allocations = self.shared.caching_allocations.load(Ordering::Acquire);
-        if allocations > 0 {
-            return Err(CudaError::NativeInstallTooLate {
-                device: self.id().to_string(),
-                allocations,
-            });
-        }
-        let phys = CudaPhysicalMemory::from_context(Arc::clone(&self.shared.ctx))?;
-        let pool = VmmPool::new(phys, VmmPoolConfig::new(self.id().to_string()))?;
-        *native = Some(Arc::new(NativeAllocator::new(pool)));
-        Ok(())
+        // A dropped device's cuBLAS workspace keeps its state (and its caching allocations
+        // in the ledger) alive until its handle is destroyed: destroy those first.
+        crate::ops::gemm::destroy_dead_handles();
+        self.shared.ledger.install(self.shared.instance, || {
+            let phys = CudaPhysicalMemory::from_context(Arc::clone(&self.shared.ctx))?;
+            let pool = VmmPool::new(phys, VmmPoolConfig::new(self.id().to_string()))?;
+            *self.shared.native.write() = Some(Arc::new(NativeAllocator::new(pool)));
+            Ok(())
+        })
     }
 
     /// The native pool's exact figures, when it is installed.
@@ -294,10 +302,16 @@ impl CudaDevice {
         stream: Option<StreamKey>,
     ) -> ddo_core::Result<DeviceBuffer> {
         self.poll()?;
+        // Held across the allocation: no install on the ordinal slips in meanwhile.
+        let (ledger, serve) = self
+            .shared
+            .ledger
+            .serve(self.shared.instance)
+            .map_err(|e| self.core(e))?;
         let native = self.shared.native.read();
         let mut fences = Vec::new();
-        let (ptr, backing) = match native.as_ref() {
-            Some(native) => {
+        let (ptr, backing) = match (serve, native.as_ref()) {
+            (Serve::Native, Some(native)) => {
                 let native = Arc::clone(native);
                 let ctx = Arc::clone(&self.shared.ctx);
                 let grant = native
@@ -309,7 +323,7 @@ impl CudaDevice {
                 fences = grant.fences;
                 (grant.range.va(), Backing::Native(native, grant.range))
             }
-            None => {
+            _ => {
                 self.shared
                     .caching_allocations
                     .fetch_add(1, Ordering::AcqRel);
@@ -322,6 +336,7 @@ impl CudaDevice {
             }
         };
         drop(native);
+        drop(ledger);
         Ok(DeviceBuffer::new(Arc::new(CudaAllocation {
             ptr,
             block: Some(backing),

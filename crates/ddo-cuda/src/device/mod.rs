@@ -25,13 +25,16 @@
 //!
 //! The module is split by purpose: `config.rs` (settings, defaults, the driver probes),
 //! `streams.rs` (streams, events, the event pool, pending copies), `memory.rs` (shared
-//! state, allocations, the caching and native allocators' use), `copies.rs` (the copy
+//! state, allocations, the caching and native allocators' use), `ledger.rs` (the
+//! process-wide ledger of each ordinal: one native allocator per ordinal, installed before
+//! anything is allocated on it, whatever the number of devices), `copies.rs` (the copy
 //! bodies, upload staging) and `registration.rs` (pinned host memory and checkpoint
 //! registrations under the pinned ledger); this file holds [`CudaDevice`] and its
 //! `impl Device`.
 
 mod config;
 mod copies;
+mod ledger;
 mod memory;
 mod registration;
 mod streams;
@@ -171,6 +174,9 @@ impl CudaDevice {
             kind: DeviceKind::Cuda,
             ordinal: u32::try_from(ordinal).map_err(|_| CudaError::NoDevice { ordinal, count })?,
         };
+        // Not beside another device's native allocator, which serves the ordinal alone.
+        let ledger = ledger::ledger_of(ordinal);
+        ledger.check_open()?;
         let ctx = driver::primary_context(ordinal)?;
         let compute = ctx.new_stream().call("cuStreamCreate")?;
         let (_, total) = driver::mem_get_info(&ctx)?;
@@ -185,6 +191,7 @@ impl CudaDevice {
                 id.to_string(),
             ),
             native: RwLock::new(None),
+            ledger,
             caching_allocations: AtomicU64::new(0),
             events: Arc::new(EventPool {
                 ctx: Arc::clone(&ctx),

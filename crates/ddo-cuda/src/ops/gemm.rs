@@ -91,6 +91,23 @@ impl BlasEntry {
 
 static BLAS: Mutex<Vec<BlasEntry>> = Mutex::new(Vec::new());
 
+/// Destroys the cuBLAS state of devices that are gone (their compute stream dropped): the
+/// handles, and the workspaces, which hold the device's shared state (and so its place in
+/// its ordinal's ledger) until then. Runs before every GEMM and every native install.
+pub(crate) fn destroy_dead_handles() {
+    let dead: Vec<BlasEntry> = {
+        let mut table = BLAS.lock();
+        let (live, dead) = std::mem::take(&mut *table)
+            .into_iter()
+            .partition(|e| e.compute.strong_count() > 0);
+        *table = live;
+        dead
+    };
+    for e in dead {
+        e.destroy();
+    }
+}
+
 fn backend(dev: &CudaDevice, message: String) -> CoreError {
     CoreError::Backend {
         device: dev.id().to_string(),
@@ -137,14 +154,8 @@ fn with_entry<R>(dev: &CudaDevice, f: impl FnOnce(&mut BlasEntry) -> Result<R>) 
     let driver = |call: &'static str, e| {
         crate::error::CudaError::driver(call, e).into_core(&dev.id().to_string())
     };
+    destroy_dead_handles();
     let mut table = BLAS.lock();
-    let (live, dead): (Vec<BlasEntry>, Vec<BlasEntry>) = std::mem::take(&mut *table)
-        .into_iter()
-        .partition(|e| e.compute.strong_count() > 0);
-    *table = live;
-    for e in dead {
-        e.destroy();
-    }
     let at = match table
         .iter()
         .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
