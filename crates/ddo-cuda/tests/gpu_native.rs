@@ -206,6 +206,74 @@ fn empty_cache_does_not_report_the_native_pool_as_returned() {
     );
 }
 
+/// Issue 17 point 6, on the GPU: the seed's VAE row for `vmm_fast` on a device whose native
+/// allocator was installed at bootstrap is leaf, no stream, pins nothing, runs from the
+/// native pool (the caching allocator serves nothing), decodes byte for byte what resident
+/// execution on the same device decodes, and leaves no live bytes in the pool once the
+/// output and the cuBLAS workspace are given back.
+#[test]
+fn vmm_fast_vae_on_a_native_device_is_leaf_no_stream_from_the_pool() {
+    let Some(d) = open_gpu(true) else { return };
+    let mut w = RandomWeights::new(3, DType::BF16);
+    let vae = AutoencoderKL::build(&mut w, AutoencoderKLConfig::flux()).unwrap();
+    let latents = Tensor::from_f32(vec![1, 16, 32, 32], DType::F32, &rnd(16 * 32 * 32, 9)).unwrap();
+    let expected = {
+        let _h = enable_dynamic_offload(vae.component(), d.clone(), RouteSpec::resident()).unwrap();
+        let out = vae.decode(Some(&*d), &latents, None).unwrap();
+        output_bytes(&d, &out)
+    };
+    let options = ddo_routes::OffloadOptions {
+        settings: ddo_core::Settings {
+            preset: ddo_core::Preset::VmmFast,
+            ..ddo_core::Settings::default()
+        },
+        ..ddo_routes::OffloadOptions::default()
+    };
+    let h = ddo_routes::enable_offload_with_env(
+        vae.component(),
+        d.clone(),
+        &options,
+        &ddo_core::MapEnvironment::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        h.spec().route_id(),
+        Some(ddo_core::RouteId::DiffusersGroupOffload)
+    );
+    let c = h.spec().group_offload_config();
+    assert_eq!(c.offload_type, ddo_core::OffloadType::LeafLevel);
+    assert!(!c.use_stream && !c.low_cpu_mem_usage, "{:?}", h.spec());
+    assert_eq!(d.memory_info().pinned_host, 0, "nothing pinned");
+    d.synchronize().unwrap();
+    d.reset_peak();
+    let out = vae.decode(Some(&*d), &latents, None).unwrap();
+    assert!(
+        output_bytes(&d, &out) == expected,
+        "vmm_fast's VAE differs from resident on the native device"
+    );
+    let pool = d.native_pool_figures().expect("pool figures");
+    assert!(
+        pool.peak_live_bytes > 0,
+        "the pool served the decode: {pool:?}"
+    );
+    let caching = d.allocator_stats();
+    assert_eq!(
+        (caching.allocated, caching.peak_allocated),
+        (0, 0),
+        "the caching allocator served nothing"
+    );
+    drop(out);
+    d.release_blas_workspaces().unwrap();
+    d.synchronize().unwrap();
+    let pool = d.native_pool_figures().unwrap();
+    assert_eq!(
+        pool.live_bytes, 0,
+        "nothing of the VAE stays live: {pool:?}"
+    );
+    assert_eq!(d.allocator(), ddo_core::AllocatorKind::NativeVmm);
+    drop(h);
+}
+
 fn small_flux() -> FluxTransformer {
     let mut cfg = FluxTransformerConfig::flux_dev();
     cfg.num_layers = 2;
