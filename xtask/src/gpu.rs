@@ -7,8 +7,9 @@
 //! tests that read an environment variable what they need: `DDO_FIXTURES` (the committed
 //! fixtures) and `DDO_PEER_DIR` (Diffusers' reference outputs, written first by
 //! `tools/gpu_peer.py` with the Diffusers wheels of `../shared/wheels/` where Python has
-//! torch; the bundle carries the script and the wheels). Only the benchmarks behind
-//! `DDO_BENCH=1` stay opt-in.
+//! torch; the bundle carries the script and the wheels). Under `DDO_REQUIRE_GPU=1` a test
+//! missing such an input fails (`tests/common`'s `missing`) rather than skips. Only the
+//! benchmarks behind `DDO_BENCH=1` stay opt-in.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -69,7 +70,7 @@ pub fn test_gpu() -> Result<(), String> {
 /// Bash that writes Diffusers' reference outputs with `script` into `scratch/peer` (Diffusers
 /// installed from the wheels in `wheels` into `scratch/site`) and exports `DDO_PEER_DIR`,
 /// unless it is set already; where Python, torch or the wheels are missing it says which and
-/// leaves it unset (the conformance tests then say they skipped).
+/// leaves it unset (the conformance tests, which `DDO_REQUIRE_GPU=1` runs, then fail naming it).
 pub fn peer_script(script: &str, wheels: &str, scratch: &str) -> String {
     format!(
         r#"if [ -z "${{DDO_PEER_DIR:-}}" ]; then
@@ -79,10 +80,10 @@ pub fn peer_script(script: &str, wheels: &str, scratch: &str) -> String {
       && PYTHONPATH="{scratch}/site${{PYTHONPATH:+:$PYTHONPATH}}" python3 "{script}" "{scratch}/peer" >&2; then
       export DDO_PEER_DIR="{scratch}/peer"
     else
-      echo "Diffusers' reference outputs could not be written: the conformance tests will skip" >&2
+      echo "Diffusers' reference outputs could not be written: the conformance tests will fail" >&2
     fi
   else
-    echo "no python3 with torch, no wheels in {wheels} or no {script}: the conformance tests will skip" >&2
+    echo "no python3 with torch, no wheels in {wheels} or no {script}: the conformance tests will fail" >&2
   fi
 fi"#
     )
@@ -152,7 +153,7 @@ pub fn bundle() -> Result<(), String> {
     }
     if copied == 0 {
         eprintln!(
-            "gpu-bundle: no wheels in {}: the Diffusers conformance tests will skip there",
+            "gpu-bundle: no wheels in {}: the Diffusers conformance tests will fail there",
             wheels.display()
         );
     }

@@ -13,6 +13,9 @@
 //!   `ddo-core/tests/safetensors.rs` (test-only), and every `unsafe` block is preceded by a `// SAFETY:` comment.
 //! - Every Rust source file opens with a `//!` comment saying what it is for.
 //! - No `#[ignore]`, `#[should_panic]`, `todo!()` or `unimplemented!()`.
+//! - Every GPU test (the test files of ddo-cuda and ddo-vmm, which `cargo xtask test-gpu`
+//!   and the bundle run) asserts something: its body, or a function of its file or of the
+//!   folder's `common/` it calls, holds an assertion.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -23,6 +26,219 @@ pub fn check_all(root: &Path) -> Vec<String> {
     problems.extend(check_dependencies(root));
     problems.extend(check_sources(root));
     problems.extend(check_architecture_doc(root));
+    problems.extend(check_gpu_tests_assert(root));
+    problems
+}
+
+/// The test folders whose tests the GPU tasks run.
+const GPU_TEST_DIRS: [&str; 2] = ["crates/ddo-cuda/tests", "crates/ddo-vmm/tests"];
+
+/// What counts as asserting: a macro or call that fails the test when its check does not hold.
+const ASSERTIONS: [&str; 5] = [
+    "assert",
+    "panic!(",
+    "unwrap_err(",
+    "expect_err(",
+    "unreachable!(",
+];
+
+/// Helpers of `common/` whose only failure is a missing device or input under
+/// `DDO_REQUIRE_GPU=1`: calling them asserts nothing about the code under test.
+const NOT_ASSERTIONS: [&str; 3] = ["open_gpu", "missing", "gpu_required"];
+
+/// `text` with comments, string literals and char literals blanked (so braces and words in
+/// them are not read as code); lengths kept.
+fn code_only(text: &str) -> String {
+    let b = text.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'/') {
+            while i < b.len() && b[i] != b'\n' {
+                out.push(b' ');
+                i += 1;
+            }
+        } else if b[i] == b'r'
+            && matches!(b.get(i + 1), Some(b'#') | Some(b'"'))
+            && !b[..i]
+                .last()
+                .is_some_and(|c| c.is_ascii_alphanumeric() || *c == b'_')
+        {
+            let hashes = b[i + 1..].iter().take_while(|c| **c == b'#').count();
+            if b.get(i + 1 + hashes) != Some(&b'"') {
+                out.push(b[i]);
+                i += 1;
+                continue;
+            }
+            let close: Vec<u8> = std::iter::once(b'"')
+                .chain(std::iter::repeat_n(b'#', hashes))
+                .collect();
+            let start = i + 2 + hashes;
+            let end = b[start..]
+                .windows(close.len())
+                .position(|w| w == close.as_slice())
+                .map_or(b.len(), |p| start + p + close.len());
+            out.extend(std::iter::repeat_n(b' ', end - i));
+            i = end;
+        } else if b[i] == b'"' {
+            out.push(b' ');
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                let step = if b[i] == b'\\' { 2 } else { 1 };
+                for _ in 0..step.min(b.len() - i) {
+                    out.push(if b[i] == b'\n' { b'\n' } else { b' ' });
+                    i += 1;
+                }
+            }
+            out.push(b' ');
+            i += 1;
+        } else if b[i] == b'\'' && b.get(i + 2) == Some(&b'\'') {
+            out.extend_from_slice(b"   ");
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out.truncate(b.len());
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Every `fn NAME(...) { body }` of `code` (already [`code_only`]), with whether it is a
+/// `#[test]`.
+fn functions(code: &str) -> Vec<(String, String, bool)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(p) = code[at..].find("fn ") {
+        let start = at + p;
+        at = start + 3;
+        if code[..start]
+            .chars()
+            .last()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        let name: String = code[at..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if name.is_empty() {
+            continue;
+        }
+        // The body: the first `{` after the signature outside its parentheses and brackets
+        // (a `;` there first means no body; `[T; 3]` is inside brackets).
+        let mut nesting = 0i32;
+        let Some(open) = code[at..]
+            .char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '(' | '[' => nesting += 1,
+                    ')' | ']' => nesting -= 1,
+                    _ => {}
+                }
+                nesting == 0 && (c == '{' || c == ';')
+            })
+            .map(|(o, _)| at + o)
+        else {
+            break;
+        };
+        if code.as_bytes()[open] == b';' {
+            continue;
+        }
+        let mut depth = 0usize;
+        let mut end = code.len();
+        for (i, c) in code[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = open + i + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        // A test: `#[test]` among the attribute lines right above the `fn`.
+        let line_start = code[..start].rfind('\n').map_or(0, |n| n + 1);
+        let is_test = code[..line_start]
+            .lines()
+            .rev()
+            .map(str::trim)
+            .take_while(|l| l.starts_with("#[") || l.is_empty())
+            .any(|l| l == "#[test]");
+        out.push((name, code[open..end].to_string(), is_test));
+        at = open + 1;
+    }
+    out
+}
+
+/// GPU tests that assert nothing: no assertion in the body, nor in any function of the file
+/// or of `common/` that it calls, directly or through others.
+pub fn check_gpu_tests_assert(root: &Path) -> Vec<String> {
+    let mut problems = Vec::new();
+    for dir in GPU_TEST_DIRS {
+        let dir = root.join(dir);
+        let mut shared = Vec::new();
+        let mut common = Vec::new();
+        rust_files(&dir.join("common"), &mut common);
+        for f in &common {
+            if let Ok(text) = fs::read_to_string(f) {
+                shared.extend(functions(&code_only(&text)));
+            }
+        }
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+            .collect();
+        files.sort();
+        for f in files {
+            let Ok(text) = fs::read_to_string(&f) else {
+                continue;
+            };
+            let mut fns = functions(&code_only(&text));
+            fns.extend(shared.iter().cloned());
+            // Functions that assert, directly or through a function that does.
+            let mut asserting: Vec<bool> = fns
+                .iter()
+                .map(|(name, body, _)| {
+                    !NOT_ASSERTIONS.contains(&name.as_str())
+                        && ASSERTIONS.iter().any(|a| body.contains(a))
+                })
+                .collect();
+            loop {
+                let mut changed = false;
+                for i in 0..fns.len() {
+                    if asserting[i] || NOT_ASSERTIONS.contains(&fns[i].0.as_str()) {
+                        continue;
+                    }
+                    let calls = fns.iter().zip(&asserting).any(|((name, _, _), a)| {
+                        *a && (fns[i].1.contains(&format!("{name}("))
+                            || fns[i].1.contains(&format!("{name}::<")))
+                    });
+                    if calls {
+                        asserting[i] = true;
+                        changed = true;
+                    }
+                }
+                if !changed {
+                    break;
+                }
+            }
+            let rel = f.strip_prefix(root).unwrap_or(&f).display().to_string();
+            for ((name, _, is_test), a) in fns.iter().zip(&asserting) {
+                if *is_test && !a {
+                    problems.push(format!("{rel}: GPU test `{name}` asserts nothing"));
+                }
+            }
+        }
+    }
     problems
 }
 
@@ -247,6 +463,62 @@ mod tests {
     fn architecture_doc_names_every_crate() {
         let problems = check_architecture_doc(&root());
         assert!(problems.is_empty(), "{problems:#?}");
+    }
+
+    #[test]
+    fn every_gpu_test_asserts_something() {
+        let problems = check_gpu_tests_assert(&root());
+        assert!(problems.is_empty(), "{problems:#?}");
+    }
+
+    #[test]
+    fn the_assertion_check_sees_through_helpers_strings_and_comments() {
+        let dir = std::env::temp_dir().join(format!("ddo-tidy-gpu-{}", std::process::id()));
+        let tests = dir.join("crates/ddo-cuda/tests");
+        fs::create_dir_all(tests.join("common")).unwrap();
+        fs::write(
+            tests.join("common/mod.rs"),
+            "//! shared\npub fn shared_check(x: u32) { assert_eq!(x, 1); }\n\
+             pub fn open_gpu(n: bool) -> Option<u32> { if n { panic!(\"no GPU\") } None }\n",
+        )
+        .unwrap();
+        let file = [
+            "//! gpu tests",
+            "fn helper() { let s = \"} assert!(x)\"; checked(); }",
+            "fn checked() { assert!(true); }",
+            "fn arrays(a: [u8; 3]) -> [u8; 2] { assert!(a[0] == 1); [0; 2] }",
+            "#[test]",
+            "fn through_arrays() { arrays([1; 3]); }",
+            "fn prints() { println!(\"{}\", 1); } // assert! in a comment",
+            "#[test]",
+            "fn through_a_helper() { helper(); }",
+            "#[test]",
+            "fn through_common() { common::shared_check(1); }",
+            "#[test]",
+            "fn only_prints() { prints(); let c = '{'; let r = r#\"assert!()\"#; }",
+            "#[test]",
+            "fn refuses() { f().unwrap_err(); }",
+            "#[test]",
+            "fn nested() {",
+            "    fn inner() {}",
+            "    inner();",
+            "    assert!(true);",
+            "}",
+            "#[test]",
+            "fn only_opens() { let d = open_gpu(false); }",
+        ]
+        .join("\n");
+        fs::write(tests.join("gpu_x.rs"), file).unwrap();
+        let problems = check_gpu_tests_assert(&dir);
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            problems,
+            vec![
+                "crates/ddo-cuda/tests/gpu_x.rs: GPU test `only_prints` asserts nothing"
+                    .to_string(),
+                "crates/ddo-cuda/tests/gpu_x.rs: GPU test `only_opens` asserts nothing".to_string(),
+            ]
+        );
     }
 
     #[test]

@@ -947,10 +947,15 @@ fn heavy_ops_timings() {
         let v = random(&mut rng, shape.iter().product(), scale);
         up(&gd, shape, DType::BF16, &v)
     };
+    // Each timing is of work that ran: positive, and no faster than an H200's dense bf16
+    // peak (about 990 TFLOP/s) allows; a time below that means the op was not waited for.
     let report = |what: &str, ms: f64, flops: f64| {
-        println!(
-            "timing {what}: {ms:.3} ms ({:.1} TFLOP/s)",
-            flops / ms / 1e9
+        let tflops = flops / ms / 1e9;
+        println!("timing {what}: {ms:.3} ms ({tflops:.1} TFLOP/s)");
+        assert!(ms > 0.0 && ms.is_finite(), "{what}: {ms} ms");
+        assert!(
+            tflops < 1500.0,
+            "{what}: {tflops:.0} TFLOP/s is beyond the GPU"
         );
     };
 
@@ -984,7 +989,13 @@ fn heavy_ops_timings() {
         ms,
         2.0 * 4608.0 * 3072.0 * 3072.0,
     );
+    // The two paths timed compute the same linear.
+    let on_cublas = down(&gd, &gd.linear(&x, &w, Some(&b)).unwrap());
     gd.set_cublaslt(true);
+    let on_cublaslt = down(&gd, &gd.linear(&x, &w, Some(&b)).unwrap());
+    let e = rel_l2(&on_cublaslt, &on_cublas);
+    println!("linear on cuBLASLt against cuBLAS: relative L2 {e:.2e}");
+    assert!(e <= tol(DType::BF16), "cuBLASLt and cuBLAS differ: {e:e}");
     drop((w, b));
     // Flux's MLP projection: 3072 -> 12288 with bias and GELU.
     let (w, b) = (t(&[12288, 3072], 0.02), t(&[12288], 1.0));

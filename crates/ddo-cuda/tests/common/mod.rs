@@ -18,7 +18,7 @@ pub fn open_gpu(native_vmm: bool) -> Option<Arc<CudaDevice>> {
     match CudaDevice::with_config(config) {
         Ok(d) => Some(d),
         Err(e @ (CudaError::NoLibrary { .. } | CudaError::NoDevice { .. })) => {
-            if std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1") {
+            if gpu_required() {
                 panic!("DDO_REQUIRE_GPU=1 but there is no usable CUDA device: {e}");
             }
             println!("skipped: no CUDA device");
@@ -26,6 +26,24 @@ pub fn open_gpu(native_vmm: bool) -> Option<Arc<CudaDevice>> {
         }
         Err(e) => panic!("a CUDA driver is present but device 0 failed to open: {e}"),
     }
+}
+
+/// Whether this run requires the GPU and what its tests read from the environment
+/// (`DDO_REQUIRE_GPU=1`, as `cargo xtask test-gpu` and the bundle's `run-all.sh` set).
+pub fn gpu_required() -> bool {
+    std::env::var_os("DDO_REQUIRE_GPU").is_some_and(|v| v == "1")
+}
+
+/// A test's input that the environment names is missing (`why`, and `fix`: what to set or
+/// run): the test prints "skipped: ..." and returns `None`, or, under `DDO_REQUIRE_GPU=1`,
+/// fails — `cargo xtask test-gpu` and the bundle provide every such input, so a run there
+/// that lacks one is broken, not skipped.
+pub fn missing<T>(why: &str, fix: &str) -> Option<T> {
+    if gpu_required() {
+        panic!("DDO_REQUIRE_GPU=1 but {why}: {fix}");
+    }
+    println!("skipped: {why} ({fix})");
+    None
 }
 
 /// `len` deterministic values in [-1, 1).
