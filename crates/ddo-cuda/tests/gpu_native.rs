@@ -109,6 +109,12 @@ fn a_second_device_of_the_ordinal_installs_no_second_allocator() {
     let buf = first.alloc(3 << 20).unwrap();
     assert_eq!(first.native_pool_figures().unwrap().live_bytes, 3 << 20);
     drop(buf);
+    // A GEMM: the device's cuBLAS workspace (from its pool) outlives it in the process
+    // table, which must not keep the ordinal taken once the device is gone.
+    let a = ddo_core::Ops::tensor_from_f32(&*first, &[8, 8], DType::F32, &rnd(64, 2)).unwrap();
+    drop(ddo_core::Ops::matmul(&*first, &a, &a).unwrap());
+    drop(a);
+    first.synchronize().unwrap();
     drop((first, early));
     let fresh = open_gpu(true).expect("the ordinal is fresh once every device is gone");
     assert_eq!(fresh.allocator(), ddo_core::AllocatorKind::NativeVmm);

@@ -302,12 +302,19 @@ impl CudaDevice {
         stream: Option<StreamKey>,
     ) -> ddo_core::Result<DeviceBuffer> {
         self.poll()?;
-        // Held across the allocation: no install on the ordinal slips in meanwhile.
-        let (ledger, serve) = self
-            .shared
-            .ledger
-            .serve(self.shared.instance)
-            .map_err(|e| self.core(e))?;
+        // Held across the allocation: no install on the ordinal slips in meanwhile. Refused
+        // beside another device's native allocator, unless that device is gone and only its
+        // cuBLAS workspace kept it in the ledger (destroyed, then asked again).
+        let (ledger, serve) = match self.shared.ledger.serve(self.shared.instance) {
+            Ok(granted) => granted,
+            Err(_) => {
+                crate::ops::gemm::try_destroy_dead_handles();
+                self.shared
+                    .ledger
+                    .serve(self.shared.instance)
+                    .map_err(|e| self.core(e))?
+            }
+        };
         let native = self.shared.native.read();
         let mut fences = Vec::new();
         let (ptr, backing) = match (serve, native.as_ref()) {

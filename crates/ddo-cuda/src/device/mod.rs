@@ -174,7 +174,10 @@ impl CudaDevice {
             kind: DeviceKind::Cuda,
             ordinal: u32::try_from(ordinal).map_err(|_| CudaError::NoDevice { ordinal, count })?,
         };
-        // Not beside another device's native allocator, which serves the ordinal alone.
+        // Not beside another device's native allocator, which serves the ordinal alone (a
+        // dropped device's cuBLAS workspace keeps it in the ledger until its handle is
+        // destroyed: destroy those first).
+        crate::ops::gemm::destroy_dead_handles();
         let ledger = ledger::ledger_of(ordinal);
         ledger.check_open()?;
         let ctx = driver::primary_context(ordinal)?;

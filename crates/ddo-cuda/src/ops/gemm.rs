@@ -93,19 +93,30 @@ static BLAS: Mutex<Vec<BlasEntry>> = Mutex::new(Vec::new());
 
 /// Destroys the cuBLAS state of devices that are gone (their compute stream dropped): the
 /// handles, and the workspaces, which hold the device's shared state (and so its place in
-/// its ordinal's ledger) until then. Runs before every GEMM and every native install.
+/// its ordinal's ledger) until then. Runs before every GEMM, device creation and native
+/// install.
 pub(crate) fn destroy_dead_handles() {
-    let dead: Vec<BlasEntry> = {
-        let mut table = BLAS.lock();
-        let (live, dead) = std::mem::take(&mut *table)
-            .into_iter()
-            .partition(|e| e.compute.strong_count() > 0);
-        *table = live;
-        dead
-    };
-    for e in dead {
-        e.destroy();
+    destroy_dead(&mut BLAS.lock());
+}
+
+/// [`destroy_dead_handles`] unless the table is locked (an allocation inside a GEMM's set-up
+/// holds it): for paths that may run under the lock.
+pub(crate) fn try_destroy_dead_handles() {
+    if let Some(mut table) = BLAS.try_lock() {
+        destroy_dead(&mut table);
     }
+}
+
+fn destroy_dead(table: &mut parking_lot::MutexGuard<'_, Vec<BlasEntry>>) {
+    let (live, dead): (Vec<BlasEntry>, Vec<BlasEntry>) = std::mem::take(&mut **table)
+        .into_iter()
+        .partition(|e| e.compute.strong_count() > 0);
+    **table = live;
+    parking_lot::MutexGuard::unlocked(table, || {
+        for e in dead {
+            e.destroy();
+        }
+    });
 }
 
 fn backend(dev: &CudaDevice, message: String) -> CoreError {
