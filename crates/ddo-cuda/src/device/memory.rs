@@ -120,12 +120,14 @@ impl Drop for Shared {
         // Errors have nowhere to go at teardown: the context is released next.
         let _ = self.ctx.synchronize();
         let _ = self.allocator.wait_and_empty_cache();
+        // The native pool (if any) tears down with its last handle, this one: before the
+        // ordinal is free for another install.
+        drop(self.native.get_mut().take());
         // Nothing of this device is left on the ordinal: it leaves the ledger.
         self.ledger.device_gone(
             self.instance,
             self.caching_allocations.load(Ordering::Acquire),
         );
-        // The native pool (if any) tears down when its last handle drops, here.
     }
 }
 
