@@ -269,19 +269,25 @@ pub(crate) fn build(
     };
     // Coding reads every unit again (faulting released pages back in) and releases them
     // again: count them once.
-    released.store(0, Ordering::Relaxed);
-    let coded = per_unit(units, device, |u, unit, image| {
-        slot_image(unit, image);
-        let mut out = Vec::new();
-        let (header, stats) =
-            ddo_codec::encode_unit_into(image, &mut out).map_err(|e| CoreError::InvalidOption {
-                option: "compress".into(),
-                value: "lossless".into(),
-                hint: format!("unit {u} could not be coded ({e}): stream it with compress=none"),
+    let code_all = || {
+        released.store(0, Ordering::Relaxed);
+        per_unit(units, device, |u, unit, image| {
+            slot_image(unit, image);
+            let mut out = Vec::new();
+            let (header, stats) = ddo_codec::encode_unit_into(image, &mut out).map_err(|e| {
+                CoreError::InvalidOption {
+                    option: "compress".into(),
+                    value: "lossless".into(),
+                    hint: format!(
+                        "unit {u} could not be coded ({e}): stream it with compress=none"
+                    ),
+                }
             })?;
-        released.fetch_add(release_unit_pages(unit), Ordering::Relaxed);
-        Ok((out, header, stats))
-    })?;
+            released.fetch_add(release_unit_pages(unit), Ordering::Relaxed);
+            Ok((out, header, stats))
+        })
+    };
+    let coded = code_all()?;
     let stats = ddo_codec::Stats::total(coded.iter().map(|c| &c.2));
     let entropy_millibits = (stats.exponent_entropy() * 1000.0).round() as u64;
     let mut state = CodedCache::Unavailable;
@@ -292,16 +298,83 @@ pub(crate) fn build(
             Err(e) => note = Some(format!("coded without a cache: {e}")),
         }
     }
+    // With the cache written, the coded units go first and the home is read back from the
+    // file (from the page cache, checked as any hit is): the process never holds the coded
+    // units twice.
+    if let (CodedCache::Built, Some((path, key))) = (state, &cache) {
+        drop(coded);
+        let back = match ddo_codec::cache::open_cache(path, key) {
+            Ok(Lookup::Hit(open)) => home_from_cache(device, open, layout, pinned_room)?,
+            Ok(miss) => Err(miss.reason().unwrap_or_default()),
+            Err(e) => Err(e.to_string()),
+        };
+        match back {
+            Ok((home, _)) => {
+                let coded_bytes = home.units.iter().map(|u| u.1.encoded_len()).sum();
+                return Ok(BuiltCoded {
+                    home,
+                    coded_bytes,
+                    entropy_millibits,
+                    cache: state,
+                    coding_ns: nanos(started.elapsed()),
+                    note,
+                    released: released.into_inner(),
+                });
+            }
+            Err(reason) => {
+                // Not seen in practice (the file was just written and synced); code again.
+                note = Some(format!(
+                    "coded without a cache: the cache just written did not read back ({reason})"
+                ));
+                state = CodedCache::Unavailable;
+                let coded = code_all()?;
+                return finish(
+                    device,
+                    coded,
+                    pinned_room,
+                    entropy_millibits,
+                    state,
+                    note,
+                    started,
+                    &released,
+                );
+            }
+        }
+    }
+    finish(
+        device,
+        coded,
+        pinned_room,
+        entropy_millibits,
+        state,
+        note,
+        started,
+        &released,
+    )
+}
+
+/// The coded home of units coded in memory.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    device: &dyn Device,
+    coded: Vec<(Vec<u8>, UnitHeader, ddo_codec::Stats)>,
+    pinned_room: u64,
+    entropy_millibits: u64,
+    cache: CodedCache,
+    note: Option<String>,
+    started: Instant,
+    released: &AtomicU64,
+) -> Result<BuiltCoded> {
     let home = home_from_units(device, &coded, pinned_room)?;
     let coded_bytes = coded.iter().map(|c| c.1.encoded_len()).sum();
     Ok(BuiltCoded {
         home,
         coded_bytes,
         entropy_millibits,
-        cache: state,
+        cache,
         coding_ns: nanos(started.elapsed()),
         note,
-        released: released.into_inner(),
+        released: released.load(Ordering::Relaxed),
     })
 }
 
