@@ -235,6 +235,10 @@ fn vmm_fast_vae_on_a_native_device_is_leaf_no_stream_from_the_pool() {
         },
         ..ddo_routes::OffloadOptions::default()
     };
+    // What the device keeps pinned of its own (its upload staging, from the resident run
+    // above) is not the route's: the route adds nothing.
+    d.synchronize().unwrap();
+    let pinned_before = d.memory_info().pinned_host;
     let h = ddo_routes::enable_offload_with_env(
         vae.component(),
         d.clone(),
@@ -249,10 +253,19 @@ fn vmm_fast_vae_on_a_native_device_is_leaf_no_stream_from_the_pool() {
     let c = h.spec().group_offload_config();
     assert_eq!(c.offload_type, ddo_core::OffloadType::LeafLevel);
     assert!(!c.use_stream && !c.low_cpu_mem_usage, "{:?}", h.spec());
-    assert_eq!(d.memory_info().pinned_host, 0, "nothing pinned");
+    assert_eq!(
+        d.memory_info().pinned_host,
+        pinned_before,
+        "the route pins nothing"
+    );
     d.synchronize().unwrap();
     d.reset_peak();
     let out = vae.decode(Some(&*d), &latents, None).unwrap();
+    assert_eq!(
+        d.memory_info().pinned_host,
+        pinned_before,
+        "a decode pins nothing of the weights"
+    );
     assert!(
         output_bytes(&d, &out) == expected,
         "vmm_fast's VAE differs from resident on the native device"

@@ -57,43 +57,11 @@ use crate::streaming::coded;
 use crate::streaming::figures::{StagingKind, StreamingFigures, nanos};
 use crate::streaming::home::PinnedHome;
 use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, UnitOrder, align_up};
+use crate::streaming::placement::Placement;
 use crate::streaming::plan::plan_residency_with;
 use crate::streaming::register_plan::{CopyRun, RegisterPlan, RunSource};
+use crate::streaming::trace::Trace;
 use crate::streaming::{StagingMode, StreamingConfig, ring_does_not_fit};
-
-/// Where each unit lands in the ring and which earlier unit it waits for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Placement {
-    /// Byte offset of each unit in the ring.
-    offsets: Vec<u64>,
-    /// The last earlier unit whose bytes each unit overwrites.
-    blockers: Vec<Option<usize>>,
-}
-
-impl Placement {
-    /// Places `sizes` one after another in a circular buffer of `ring_bytes`, wrapping to
-    /// the start when a unit does not fit before the end.
-    fn new(sizes: &[u64], ring_bytes: u64) -> Self {
-        let mut offsets = Vec::with_capacity(sizes.len());
-        let mut at = 0u64;
-        for &size in sizes {
-            if at + size > ring_bytes {
-                at = 0;
-            }
-            offsets.push(at);
-            at += size;
-        }
-        let blockers = (0..sizes.len())
-            .map(|v| {
-                let (a, b) = (offsets[v], offsets[v] + sizes[v]);
-                (0..v)
-                    .rev()
-                    .find(|&w| offsets[w] < b && a < offsets[w] + sizes[w])
-            })
-            .collect();
-        Self { offsets, blockers }
-    }
-}
 
 #[derive(Debug)]
 struct Ring {
@@ -110,34 +78,6 @@ struct Ring {
     trace: Option<Trace>,
     /// Per coded slot: the event after the decode that last read it (coded units).
     coded_used: Vec<Option<Event>>,
-}
-
-/// The timed events of one traced forward, per unit.
-#[derive(Debug)]
-struct Trace {
-    start: Event,
-    /// Host time at `begin_forward`'s entry, and until the start event was recorded.
-    host_entry: Instant,
-    host_begin: std::time::Duration,
-    copy_start: Vec<Option<Event>>,
-    copy_end: Vec<Option<Event>>,
-    compute_start: Vec<Option<Event>>,
-    compute_end: Vec<Option<Event>>,
-}
-
-impl Trace {
-    fn new(start: Event, host_entry: Instant, units: usize) -> Self {
-        let none = || (0..units).map(|_| None).collect::<Vec<_>>();
-        Self {
-            start,
-            host_begin: host_entry.elapsed(),
-            host_entry,
-            copy_start: none(),
-            copy_end: none(),
-            compute_start: none(),
-            compute_end: none(),
-        }
-    }
 }
 
 #[derive(Debug)]
@@ -1125,7 +1065,9 @@ impl StreamingEngine {
         if let Some(trace) = &ring.trace {
             let end = self.device.record_timed_event(&self.compute)?;
             let host_forward = trace.host_entry.elapsed();
-            if let Some(mut t) = self.timeline_of(trace, &end)? {
+            if let Some(mut t) =
+                trace.timeline(&*self.device, &self.layout, &self.placement.blockers, &end)?
+            {
                 t.host_begin_ns = i64::try_from(trace.host_begin.as_nanos()).unwrap_or(i64::MAX);
                 t.host_forward_ns = i64::try_from(host_forward.as_nanos()).unwrap_or(i64::MAX);
                 self.metrics.set_timeline(t);
@@ -1153,40 +1095,6 @@ impl StreamingEngine {
 
     /// The timeline of a traced forward that ended at `end` (waits for its events), or
     /// `None` where the device keeps no timestamps.
-    fn timeline_of(&self, trace: &Trace, end: &Event) -> Result<Option<ddo_metrics::Timeline>> {
-        let at = |e: &Option<Event>| -> Result<Option<i64>> {
-            match e {
-                Some(e) => self.device.event_elapsed_ns(&trace.start, e),
-                None => Ok(None),
-            }
-        };
-        let Some(forward_ns) = self.device.event_elapsed_ns(&trace.start, end)? else {
-            return Ok(None);
-        };
-        let mut units = Vec::with_capacity(self.layout.units().len());
-        for (u, unit) in self.layout.units().iter().enumerate() {
-            units.push(ddo_metrics::UnitTiming {
-                unit: u,
-                label: unit
-                    .entries
-                    .first()
-                    .map_or_else(String::new, |e| e.param.name().to_string()),
-                bytes: unit.bytes,
-                blocker: self.placement.blockers[u],
-                copy_start_ns: at(&trace.copy_start[u])?.unwrap_or(0),
-                copy_end_ns: at(&trace.copy_end[u])?.unwrap_or(0),
-                compute_start_ns: at(&trace.compute_start[u])?.unwrap_or(0),
-                compute_end_ns: at(&trace.compute_end[u])?.unwrap_or(0),
-            });
-        }
-        Ok(Some(ddo_metrics::Timeline {
-            units,
-            forward_ns,
-            host_begin_ns: 0,
-            host_forward_ns: 0,
-        }))
-    }
-
     fn clear_streamed_pointers(&self) {
         for (p, _, _) in self.layout.single_location() {
             // Clearing a device copy cannot fail.
@@ -1280,36 +1188,5 @@ impl Drop for StreamingEngine {
     fn drop(&mut self) {
         // Errors are not reportable from drop; teardown still releases what it holds.
         let _ = self.teardown();
-    }
-}
-
-#[cfg(test)]
-mod placement_tests {
-    use super::Placement;
-
-    #[test]
-    fn units_wrap_and_wait_for_the_last_unit_they_overwrite() {
-        let p = Placement::new(&[4, 4, 4, 6, 2], 10);
-        assert_eq!(p.offsets, [0, 4, 0, 4, 0]);
-        assert_eq!(p.blockers, [None, None, Some(0), Some(1), Some(2)]);
-    }
-
-    #[test]
-    fn a_ring_of_two_largest_units_holds_any_two_consecutive_units() {
-        let sizes = [3u64, 9, 1, 1, 1, 9, 2, 9, 9, 5];
-        let ring = 2 * 9;
-        let p = Placement::new(&sizes, ring);
-        for (u, (&o, &s)) in p.offsets.iter().zip(&sizes).enumerate() {
-            assert!(o + s <= ring, "unit {u} overruns the ring");
-            // The unit before never overlaps it: a unit only waits for older ones.
-            if u > 0 {
-                let (po, ps) = (p.offsets[u - 1], sizes[u - 1]);
-                assert!(
-                    po + ps <= o || o + s <= po,
-                    "units {} and {u} overlap",
-                    u - 1
-                );
-            }
-        }
     }
 }

@@ -65,9 +65,11 @@ pub mod engine;
 pub mod figures;
 pub mod home;
 pub mod layout;
+mod placement;
 pub mod plan;
 mod register_plan;
 pub mod schedule;
+mod trace;
 
 pub use crate::config::{Compression, PinnedSource};
 pub use coded::coded_cache_path;
