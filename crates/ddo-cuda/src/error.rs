@@ -124,16 +124,10 @@ pub enum CudaError {
 }
 
 impl CudaError {
-    /// A driver error from `call`.
+    /// A driver error from `call`, its name and description read as ddo-vmm reads them
+    /// ([`ddo_vmm::error::driver_error_text`]).
     pub(crate) fn driver(call: &'static str, err: DriverError) -> Self {
-        let code = err
-            .error_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| format!("CUresult {}", err.0 as u32));
-        let message = err
-            .error_string()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| "no description".to_string());
+        let (code, message) = ddo_vmm::error::driver_error_text(&err);
         CudaError::Driver {
             call,
             code,

@@ -195,17 +195,26 @@ pub enum VmmError {
     },
 }
 
+/// The driver's name of `err` (`CUDA_ERROR_...`, or `CUresult N` for a code it cannot
+/// name) and its description, as [`VmmError::Driver`] holds them. The one place the
+/// workspace reads them: `ddo-cuda`'s driver errors are named through it too. The driver
+/// library must be present (cudarc asks the driver for both strings).
+pub fn driver_error_text(err: &DriverError) -> (String, String) {
+    let code = err
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("CUresult {}", err.0 as u32));
+    let message = err
+        .error_string()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "no description".to_string());
+    (code, message)
+}
+
 impl VmmError {
     /// A driver error from `call`.
     pub(crate) fn driver(call: &'static str, err: DriverError) -> Self {
-        let code = err
-            .error_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| format!("CUresult {}", err.0 as u32));
-        let message = err
-            .error_string()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| "no description".to_string());
+        let (code, message) = driver_error_text(&err);
         VmmError::Driver {
             call,
             code,
