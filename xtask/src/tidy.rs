@@ -342,6 +342,14 @@ pub fn check_dependencies(root: &Path) -> Vec<String> {
                 "ddo-core depends on {ddo:?}; it may depend on the leaf crates ddo-metrics and ddo-codec only"
             ));
         }
+        // Only the registry links route crates: everything else asks it.
+        if name != "ddo-routes" && !name.starts_with("ddo-route-") {
+            for d in ddo.iter().filter(|d| d.starts_with("ddo-route-")) {
+                problems.push(format!(
+                    "{name} depends on the route crate {d}; only the registry (ddo-routes) links routes: ask it"
+                ));
+            }
+        }
         if name.starts_with("ddo-route-") {
             for d in &ddo {
                 if *d != "ddo-core" && *d != "ddo-metrics" {
@@ -533,8 +541,22 @@ mod tests {
         .unwrap();
         let bad = ["fn f() {", "    let x = unsafe { 1 };", "}"].join("\n");
         fs::write(src.join("lib.rs"), bad).unwrap();
+        // A crate beside the registry that links a route crate itself.
+        let cli = dir.join("crates/ddo-cli");
+        fs::create_dir_all(cli.join("src")).unwrap();
+        fs::write(
+            cli.join("Cargo.toml"),
+            "[package]\nname = \"ddo-cli\"\n\n[dependencies]\nddo-routes.workspace = true\nddo-route-x.workspace = true\n",
+        )
+        .unwrap();
+        fs::write(cli.join("src/lib.rs"), "//! The command.\n").unwrap();
         let deps = check_dependencies(&dir);
-        assert_eq!(deps.len(), 2, "{deps:#?}");
+        assert_eq!(deps.len(), 3, "{deps:#?}");
+        assert!(
+            deps.iter()
+                .any(|d| d.contains("ddo-cli depends on the route crate ddo-route-x")),
+            "{deps:#?}"
+        );
         let sources = check_sources(&dir);
         assert_eq!(sources.len(), 3, "{sources:#?}");
         assert_eq!(check_architecture_doc(&dir).len(), 1);

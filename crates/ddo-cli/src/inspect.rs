@@ -397,10 +397,7 @@ pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> PresetP
             (0, c.bytes, leaf, "zero residency".to_string())
         }
         RouteTarget::Route(RouteId::NativeVmm) => {
-            let b = spec
-                .options()
-                .budget
-                .unwrap_or(ddo_route_native_vmm::DEFAULT_BUDGET);
+            let b = ddo_routes::effective_budget(&spec).unwrap_or(Budget::FreeMinus(0));
             let room = match b {
                 Budget::Bytes(n) => n.min(budget),
                 Budget::FreeMinus(m) => budget.saturating_sub(m),

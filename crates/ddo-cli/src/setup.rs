@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, resolve};
 use ddo_core::{
-    AllocatorKind, Budget, Component, ComponentKind, Device, HostDevice, HostDeviceConfig,
-    OffloadType, Preset, RouteId, RouteSpec, RouteTarget, Settings,
+    AllocatorKind, Component, ComponentKind, Device, HostDevice, HostDeviceConfig, Preset, RouteId,
+    RouteSpec, RouteTarget, Settings,
 };
 use ddo_metrics::format_bytes;
 use serde::Serialize;
@@ -248,7 +248,6 @@ fn effective_options(
     BTreeMap<String, String>,
 ) {
     use serde_json::Value;
-    let o = spec.options();
     let mut values = BTreeMap::new();
     let mut sources = BTreeMap::new();
     let mut put = |name: &str, value: Value, given: bool| {
@@ -262,116 +261,15 @@ fn effective_options(
             },
         );
     };
-    match spec.route_id() {
-        Some(RouteId::DiffusersGroupOffload) => {
-            let c = spec.group_offload_config();
-            put(
-                "offload_type",
-                Value::from(c.offload_type.as_str()),
-                o.offload_type.is_some(),
-            );
-            if c.offload_type == OffloadType::BlockLevel {
-                put(
-                    "num_blocks_per_group",
-                    Value::from(c.num_blocks_per_group),
-                    o.num_blocks_per_group.is_some(),
-                );
-            }
-            put(
-                "use_stream",
-                Value::from(c.use_stream),
-                o.use_stream.is_some(),
-            );
-            put(
-                "record_stream",
-                Value::from(c.record_stream),
-                o.record_stream.is_some(),
-            );
-            put(
-                "low_cpu_mem_usage",
-                Value::from(c.low_cpu_mem_usage),
-                o.low_cpu_mem_usage.is_some(),
-            );
-            put("pinned", Value::from(c.pinned), o.pinned.is_some());
-            // The route's own answer (a budget changes its ring's default).
-            let streaming = ddo_route_leaf_group::streaming_config(spec);
-            put(
-                "pinned_limit",
-                Value::from(format_bytes(streaming.pinned_limit)),
-                o.pinned_limit.is_some(),
-            );
-            if c.use_stream {
-                put_streaming(&mut put, o, &streaming);
-                if let Some(b) = o.budget {
-                    put("budget", Value::from(describe_budget(b)), true);
-                }
-            }
-        }
-        Some(RouteId::LinearConvolution) => {
-            put(
-                "pinned",
-                Value::from(
-                    o.pinned
-                        .unwrap_or(ddo_route_linear_convolution::PINNED_BY_DEFAULT),
-                ),
-                o.pinned.is_some(),
-            );
-        }
-        Some(RouteId::NativeVmm) => {
-            let budget = o.budget.unwrap_or(ddo_route_native_vmm::DEFAULT_BUDGET);
-            put(
-                "budget",
-                Value::from(describe_budget(budget)),
-                o.budget.is_some(),
-            );
-            put(
-                "pinned",
-                Value::from(o.pinned.unwrap_or(ddo_route_native_vmm::PINNED_BY_DEFAULT)),
-                o.pinned.is_some(),
-            );
-            let streaming = ddo_core::streaming::StreamingConfig::from_options(o);
-            put(
-                "pinned_limit",
-                Value::from(format_bytes(streaming.pinned_limit)),
-                o.pinned_limit.is_some(),
-            );
-            put_streaming(&mut put, o, &streaming);
-        }
-        Some(RouteId::Resident) | None => {}
+    for e in ddo_routes::effective_options(spec) {
+        let value = match e.value {
+            ddo_core::OptionValue::Flag(b) => Value::from(b),
+            ddo_core::OptionValue::Count(n) => Value::from(n),
+            ddo_core::OptionValue::Text(t) => Value::from(t),
+        };
+        put(e.name, value, e.given);
     }
     (values, sources)
-}
-
-/// The streaming engine's transfer unit, ring and pinned source (`home`: a pinned copy of
-/// the weights; `register`: the checkpoint mapping page-locked in place), with where each
-/// came from.
-fn put_streaming(
-    put: &mut impl FnMut(&str, serde_json::Value, bool),
-    o: &ddo_core::RouteOptions,
-    streaming: &ddo_core::streaming::StreamingConfig,
-) {
-    put(
-        "unit_bytes",
-        serde_json::Value::from(format_bytes(streaming.unit_bytes)),
-        o.unit_bytes.is_some(),
-    );
-    put(
-        "ring_slots",
-        serde_json::Value::from(streaming.ring_slots),
-        o.ring_slots.is_some(),
-    );
-    put(
-        "pinned_source",
-        serde_json::Value::from(streaming.pinned_source.as_str()),
-        o.pinned_source.is_some(),
-    );
-}
-
-fn describe_budget(b: Budget) -> String {
-    match b {
-        Budget::Bytes(n) => format_bytes(n),
-        Budget::FreeMinus(m) => format!("free - {}", format_bytes(m)),
-    }
 }
 
 /// `--device`.

@@ -72,5 +72,8 @@ pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use profile::{ComputeDevice, OpClassTime, OpProfile, OpProfiler, ProfiledOps};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
-pub use route::{AttachedRoute, ComponentProgram, ForwardContext, LeafWeights, Route};
+pub use route::{
+    AttachedRoute, ComponentProgram, EffectiveOption, ForwardContext, LeafWeights, OptionValue,
+    Route, describe_budget,
+};
 pub use tensor::{Tensor, TensorStorage};

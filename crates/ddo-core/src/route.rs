@@ -88,10 +88,64 @@ pub trait AttachedRoute: Send + Sync + fmt::Debug {
     fn detach(&self) -> Result<()>;
 }
 
+/// A route option's effective value, as `ddo resolve` and `ddo inspect` print it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OptionValue {
+    /// A yes/no option.
+    Flag(bool),
+    /// A count (slots, blocks).
+    Count(u64),
+    /// Anything else, in words (sizes as `16 MiB`, budgets as `free - 2 GiB`, names).
+    Text(String),
+}
+
+/// One of a route's options with the value it runs with, and whether the spec gave it
+/// (`false`: the route's default).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectiveOption {
+    /// The option's name, as route specs spell it.
+    pub name: &'static str,
+    /// Its effective value.
+    pub value: OptionValue,
+    /// Whether the spec gave it.
+    pub given: bool,
+}
+
+impl EffectiveOption {
+    /// An option with its value and whether it was given.
+    pub fn new(name: &'static str, value: OptionValue, given: bool) -> Self {
+        Self { name, value, given }
+    }
+}
+
+/// A budget in words: `16 GiB`, or `free - 2 GiB` for the device's free memory less a
+/// margin.
+pub fn describe_budget(b: crate::config::Budget) -> String {
+    use ddo_metrics::format_bytes;
+    match b {
+        crate::config::Budget::Bytes(n) => format_bytes(n),
+        crate::config::Budget::FreeMinus(m) => format!("free - {}", format_bytes(m)),
+    }
+}
+
 /// A route implementation: checks, then attaches.
 pub trait Route: Send + Sync {
     /// Which route this is.
     fn id(&self) -> RouteId;
+
+    /// The options this route runs `spec` with: each option it takes, with the value given
+    /// or its own default, so `ddo resolve` and `ddo inspect` print what the route says
+    /// instead of restating its defaults. None by default (a route with no options).
+    fn effective_options(&self, spec: &RouteSpec) -> Vec<EffectiveOption> {
+        let _ = spec;
+        Vec::new()
+    }
+
+    /// The device budget this route runs `spec` under: the one given, or the route's
+    /// default (`None`: no budget, everything resident or everything streamed).
+    fn effective_budget(&self, spec: &RouteSpec) -> Option<crate::config::Budget> {
+        spec.options().budget
+    }
 
     /// The part of [`Route::preflight`] that reads only `spec` and the component's name:
     /// the options this route cannot honour whatever the weights and the device. `ddo

@@ -87,6 +87,21 @@ pub fn route(id: RouteId) -> &'static dyn Route {
         .unwrap_or(&ddo_route_resident::ResidentRoute)
 }
 
+/// The options `spec`'s route runs with, each with its effective value and whether the
+/// spec gave it, as the route describes them ([`Route::effective_options`]); none for
+/// leaving a component unmanaged.
+pub fn effective_options(spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
+    spec.route_id()
+        .map_or_else(Vec::new, |id| route(id).effective_options(spec))
+}
+
+/// The device budget `spec`'s route runs under, given or its default
+/// ([`Route::effective_budget`]).
+pub fn effective_budget(spec: &RouteSpec) -> Option<ddo_core::Budget> {
+    spec.route_id()
+        .and_then(|id| route(id).effective_budget(spec))
+}
+
 /// Options of [`enable_offload`].
 #[derive(Debug, Clone, Default)]
 pub struct OffloadOptions {

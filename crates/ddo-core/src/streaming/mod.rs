@@ -229,6 +229,39 @@ impl StreamingConfig {
     }
 }
 
+/// The streaming engine's options with their effective values (for a route's
+/// [`Route::effective_options`](crate::Route::effective_options)): transfer unit, ring
+/// slots, pinned source (`home`: a pinned copy of the weights; `register`: the checkpoint
+/// mapping page-locked in place) and compression.
+pub fn effective_options(
+    o: &RouteOptions,
+    streaming: &StreamingConfig,
+) -> Vec<crate::route::EffectiveOption> {
+    use crate::route::{EffectiveOption, OptionValue};
+    vec![
+        EffectiveOption::new(
+            "unit_bytes",
+            OptionValue::Text(ddo_metrics::format_bytes(streaming.unit_bytes)),
+            o.unit_bytes.is_some(),
+        ),
+        EffectiveOption::new(
+            "ring_slots",
+            OptionValue::Count(streaming.ring_slots as u64),
+            o.ring_slots.is_some(),
+        ),
+        EffectiveOption::new(
+            "pinned_source",
+            OptionValue::Text(streaming.pinned_source.as_str().into()),
+            o.pinned_source.is_some(),
+        ),
+        EffectiveOption::new(
+            "compress",
+            OptionValue::Text(streaming.compress.as_str().into()),
+            o.compress.is_some(),
+        ),
+    ]
+}
+
 /// The typed error for a budget that cannot hold the streaming ring (`ring_bytes` for
 /// `slots` slots) beside what stays resident.
 pub fn ring_does_not_fit(budget: u64, ring_bytes: u64, slots: u64) -> crate::CoreError {

@@ -155,6 +155,59 @@ impl Route for GroupOffloadRoute {
         RouteId::DiffusersGroupOffload
     }
 
+    /// Diffusers' options (offload type, blocks per group, stream, record_stream,
+    /// low_cpu_mem_usage, pinned), the pinned limit, and with a stream the engine's options
+    /// and the budget.
+    fn effective_options(&self, spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
+        use ddo_core::{EffectiveOption as E, OptionValue as V};
+        let o = spec.options();
+        let c = spec.group_offload_config();
+        let mut v = vec![E::new(
+            "offload_type",
+            V::Text(c.offload_type.as_str().into()),
+            o.offload_type.is_some(),
+        )];
+        if c.offload_type == ddo_core::OffloadType::BlockLevel {
+            v.push(E::new(
+                "num_blocks_per_group",
+                V::Count(c.num_blocks_per_group as u64),
+                o.num_blocks_per_group.is_some(),
+            ));
+        }
+        v.extend([
+            E::new("use_stream", V::Flag(c.use_stream), o.use_stream.is_some()),
+            E::new(
+                "record_stream",
+                V::Flag(c.record_stream),
+                o.record_stream.is_some(),
+            ),
+            E::new(
+                "low_cpu_mem_usage",
+                V::Flag(c.low_cpu_mem_usage),
+                o.low_cpu_mem_usage.is_some(),
+            ),
+            E::new("pinned", V::Flag(c.pinned), o.pinned.is_some()),
+        ]);
+        // A budget changes the ring's default.
+        let streaming = streaming_config(spec);
+        v.push(E::new(
+            "pinned_limit",
+            V::Text(ddo_metrics::format_bytes(streaming.pinned_limit)),
+            o.pinned_limit.is_some(),
+        ));
+        if c.use_stream {
+            v.extend(ddo_core::streaming::effective_options(o, &streaming));
+            if let Some(b) = o.budget {
+                v.push(E::new(
+                    "budget",
+                    V::Text(ddo_core::describe_budget(b)),
+                    true,
+                ));
+            }
+        }
+        v
+    }
+
     /// A budget and the streaming engine's options need `use_stream=true`.
     fn check_options(
         &self,

@@ -128,6 +128,16 @@ impl Route for LinearConvolutionRoute {
         RouteId::LinearConvolution
     }
 
+    /// Whether the weights get a pinned home.
+    fn effective_options(&self, spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
+        let o = spec.options();
+        vec![ddo_core::EffectiveOption::new(
+            "pinned",
+            ddo_core::OptionValue::Flag(o.pinned.unwrap_or(PINNED_BY_DEFAULT)),
+            o.pinned.is_some(),
+        )]
+    }
+
     /// No budget and none of the group-offload options: the route has neither.
     fn check_options(
         &self,

@@ -356,6 +356,33 @@ impl Route for NativeVmmRoute {
         RouteId::NativeVmm
     }
 
+    /// The budget, pinned staging, the pinned limit and the streaming engine's options.
+    fn effective_options(&self, spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
+        use ddo_core::{EffectiveOption as E, OptionValue as V};
+        let o = spec.options();
+        let c = NativeVmmConfig::from_spec(spec);
+        let mut v = vec![
+            E::new(
+                "budget",
+                V::Text(ddo_core::describe_budget(c.budget)),
+                c.explicit_budget,
+            ),
+            E::new("pinned", V::Flag(c.pinned), o.pinned.is_some()),
+            E::new(
+                "pinned_limit",
+                V::Text(ddo_metrics::format_bytes(c.streaming.pinned_limit)),
+                o.pinned_limit.is_some(),
+            ),
+        ];
+        v.extend(ddo_core::streaming::effective_options(o, &c.streaming));
+        v
+    }
+
+    /// The budget given, or [`DEFAULT_BUDGET`].
+    fn effective_budget(&self, spec: &RouteSpec) -> Option<Budget> {
+        Some(NativeVmmConfig::from_spec(spec).budget)
+    }
+
     /// The streaming options only, and the VAE only with an explicit budget.
     fn check_options(&self, component: &str, spec: &RouteSpec) -> std::result::Result<(), Refusal> {
         if let Some(option) = spec.options().given().into_iter().find(|o| {

@@ -1,0 +1,103 @@
+//! Routes describe their own options (issue 17): `ddo_routes::effective_options` lists, for
+//! each route, the options it runs a spec with, marks exactly the ones the spec gave, never
+//! names one twice or one the option parser does not know, and `effective_budget` is the
+//! route's own default where the spec gives none.
+
+use ddo_core::{Budget, OptionValue, RouteSpec};
+
+/// Option names route specs accept (`RouteOptions` parses them).
+fn known(name: &str) -> bool {
+    // A known option with a bad value is a value error; an unknown one lists the known ones.
+    let text = format!("diffusers_group_offload:{name}=?");
+    match text.parse::<RouteSpec>() {
+        Ok(_) => true,
+        Err(e) => !e.to_string().contains("known options:"),
+    }
+}
+
+#[test]
+fn each_route_lists_its_options_once_and_marks_the_given_ones() {
+    assert!(
+        !known("ring_slot"),
+        "the check tells a misspelt option from a known one"
+    );
+    assert!(known("ring_slots"));
+    for (text, given) in [
+        ("none", &[][..]),
+        ("diffusers_group_offload", &[][..]),
+        (
+            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=2",
+            &["offload_type", "num_blocks_per_group"][..],
+        ),
+        (
+            "diffusers_group_offload:use_stream=true,compress=lossless,budget=4GiB",
+            &["use_stream", "compress", "budget"][..],
+        ),
+        ("linear_convolution:pinned=false", &["pinned"][..]),
+        ("native_vmm", &[][..]),
+        (
+            "native_vmm:budget=10GiB,ring_slots=3",
+            &["budget", "ring_slots"][..],
+        ),
+    ] {
+        let spec: RouteSpec = text.parse().unwrap();
+        let options = ddo_routes::effective_options(&spec);
+        let names: Vec<&str> = options.iter().map(|e| e.name).collect();
+        let mut unique = names.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "{text}: {names:?}");
+        for e in &options {
+            assert!(known(e.name), "{text}: {} is no option", e.name);
+            assert_eq!(e.given, given.contains(&e.name), "{text}: {e:?}");
+        }
+        for g in given {
+            assert!(names.contains(g), "{text}: {g} not listed in {names:?}");
+        }
+        if text == "none" {
+            assert!(options.is_empty());
+        }
+    }
+}
+
+#[test]
+fn values_are_the_routes_defaults_where_the_spec_is_silent() {
+    let value = |text: &str, name: &str| {
+        let spec: RouteSpec = text.parse().unwrap();
+        ddo_routes::effective_options(&spec)
+            .into_iter()
+            .find(|e| e.name == name)
+            .map(|e| e.value)
+    };
+    let stream = "diffusers_group_offload:use_stream=true";
+    assert_eq!(value(stream, "use_stream"), Some(OptionValue::Flag(true)));
+    assert_eq!(
+        value(stream, "compress"),
+        Some(OptionValue::Text("none".into()))
+    );
+    assert_eq!(
+        value(&format!("{stream},compress=lossless"), "compress"),
+        Some(OptionValue::Text("lossless".into()))
+    );
+    assert_eq!(value(stream, "ring_slots"), Some(OptionValue::Count(2)));
+    // Without a stream the engine's options are not the route's.
+    assert_eq!(value("diffusers_group_offload", "ring_slots"), None);
+    assert_eq!(
+        value("linear_convolution", "pinned"),
+        Some(OptionValue::Flag(
+            ddo_route_linear_convolution::PINNED_BY_DEFAULT
+        ))
+    );
+    let vmm: RouteSpec = "native_vmm".parse().unwrap();
+    assert_eq!(
+        ddo_routes::effective_budget(&vmm),
+        Some(ddo_route_native_vmm::DEFAULT_BUDGET)
+    );
+    let given: RouteSpec = "native_vmm:budget=10GiB".parse().unwrap();
+    assert_eq!(
+        ddo_routes::effective_budget(&given),
+        Some(Budget::Bytes(10 << 30))
+    );
+    let none: RouteSpec = "none".parse().unwrap();
+    assert_eq!(ddo_routes::effective_budget(&none), None);
+}
