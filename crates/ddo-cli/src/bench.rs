@@ -134,8 +134,7 @@ impl Candidate {
         match self {
             Candidate::Route(_, spec) => {
                 let mut s = Settings::default();
-                let streams = spec.options().use_stream == Some(true)
-                    || spec.route_id() == Some(ddo_core::RouteId::NativeVmm);
+                let streams = ddo_routes::streams(spec);
                 let spec = if timeline && streams && spec.options().timeline.is_none() {
                     RouteSpec::new(
                         spec.target(),
@@ -166,7 +165,7 @@ impl Candidate {
                 &ddo_core::ComponentKind::from_name(component),
             ),
         };
-        spec.route_id() == Some(ddo_core::RouteId::NativeVmm)
+        ddo_routes::needs_native_allocator(&spec)
     }
 }
 

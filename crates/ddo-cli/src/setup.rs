@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, resolve};
 use ddo_core::{
-    AllocatorKind, Component, ComponentKind, Device, HostDevice, HostDeviceConfig, Preset, RouteId,
-    RouteSpec, RouteTarget, Settings,
+    AllocatorKind, Component, ComponentKind, Device, HostDevice, HostDeviceConfig, Preset,
+    RouteSpec, Settings,
 };
 use ddo_metrics::format_bytes;
 use serde::Serialize;
@@ -400,7 +400,7 @@ pub fn check_budget(budget: u64, components: &[Arc<Component>]) -> CliResult<()>
 pub fn needs_native_allocator(explanations: &[Explanation]) -> bool {
     explanations
         .iter()
-        .any(|e| e.spec.target() == RouteTarget::Route(RouteId::NativeVmm))
+        .any(|e| ddo_routes::needs_native_allocator(&e.spec))
 }
 
 /// Whether pinned memory is scarce for these resolutions (a component resolved under

@@ -147,6 +147,21 @@ pub trait Route: Send + Sync {
         spec.options().budget
     }
 
+    /// Whether the route streams weights through its streaming engine under `spec` (its
+    /// `timeline` and engine options then apply).
+    fn streams(&self, spec: &RouteSpec) -> bool {
+        let _ = spec;
+        false
+    }
+
+    /// Whether the route needs the native VMM allocator installed on the device under
+    /// `spec` (known from the spec alone, before any component: a device is opened with or
+    /// without it). [`Footprint::needs_native_allocator`](crate::Footprint::needs_native_allocator) agrees.
+    fn needs_native_allocator(&self, spec: &RouteSpec) -> bool {
+        let _ = spec;
+        false
+    }
+
     /// The part of [`Route::preflight`] that reads only `spec` and the component's name:
     /// the options this route cannot honour whatever the weights and the device. `ddo
     /// resolve` asks it without a model; `preflight` runs it too, so both refuse alike.

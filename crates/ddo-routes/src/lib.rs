@@ -102,6 +102,19 @@ pub fn effective_budget(spec: &RouteSpec) -> Option<ddo_core::Budget> {
         .and_then(|id| route(id).effective_budget(spec))
 }
 
+/// Whether `spec`'s route streams weights through its streaming engine
+/// ([`Route::streams`]).
+pub fn streams(spec: &RouteSpec) -> bool {
+    spec.route_id().is_some_and(|id| route(id).streams(spec))
+}
+
+/// Whether `spec`'s route needs the native VMM allocator on its device
+/// ([`Route::needs_native_allocator`]).
+pub fn needs_native_allocator(spec: &RouteSpec) -> bool {
+    spec.route_id()
+        .is_some_and(|id| route(id).needs_native_allocator(spec))
+}
+
 /// Options of [`enable_offload`].
 #[derive(Debug, Clone, Default)]
 pub struct OffloadOptions {

@@ -101,3 +101,23 @@ fn values_are_the_routes_defaults_where_the_spec_is_silent() {
     let none: RouteSpec = "none".parse().unwrap();
     assert_eq!(ddo_routes::effective_budget(&none), None);
 }
+
+#[test]
+fn the_registry_says_which_routes_stream_and_which_need_the_native_allocator() {
+    for (text, streams, native) in [
+        ("none", false, false),
+        ("diffusers_group_offload", false, false),
+        ("diffusers_group_offload:use_stream=true", true, false),
+        (
+            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true",
+            true,
+            false,
+        ),
+        ("linear_convolution", false, false),
+        ("native_vmm", true, true),
+    ] {
+        let spec: RouteSpec = text.parse().unwrap();
+        assert_eq!(ddo_routes::streams(&spec), streams, "{text}");
+        assert_eq!(ddo_routes::needs_native_allocator(&spec), native, "{text}");
+    }
+}

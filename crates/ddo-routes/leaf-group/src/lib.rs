@@ -155,6 +155,11 @@ impl Route for GroupOffloadRoute {
         RouteId::DiffusersGroupOffload
     }
 
+    /// With `use_stream=true`.
+    fn streams(&self, spec: &RouteSpec) -> bool {
+        spec.group_offload_config().use_stream
+    }
+
     /// Diffusers' options (offload type, blocks per group, stream, record_stream,
     /// low_cpu_mem_usage, pinned), the pinned limit, and with a stream the engine's options
     /// and the budget.

@@ -378,6 +378,16 @@ impl Route for NativeVmmRoute {
         v
     }
 
+    /// Always: what the budget does not hold streams through the engine.
+    fn streams(&self, _spec: &RouteSpec) -> bool {
+        true
+    }
+
+    /// Always: the route's weights live in the native pool.
+    fn needs_native_allocator(&self, _spec: &RouteSpec) -> bool {
+        true
+    }
+
     /// The budget given, or [`DEFAULT_BUDGET`].
     fn effective_budget(&self, spec: &RouteSpec) -> Option<Budget> {
         Some(NativeVmmConfig::from_spec(spec).budget)
