@@ -10,7 +10,7 @@ use std::time::Instant;
 use ddo_metrics::format_bytes;
 use ddo_nn::pipeline::plan_decode_on;
 use ddo_nn::vae::AutoencoderKL;
-use ddo_routes::{OffloadOptions, enable_offload_with_env};
+use ddo_routes::enable_resolved_offload;
 use serde_json::json;
 
 use crate::cli::DecodeArgs;
@@ -106,25 +106,17 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
     let device = open_device(
         device_choice,
         budget,
-        DeviceNeeds::of(std::slice::from_ref(&explanation)),
+        DeviceNeeds::of([&explanation.resolution]),
     )?;
     let capacity = device.memory_info().capacity;
     let effective_budget = budget.or((capacity > 0).then_some(capacity));
     if let Some(b) = effective_budget {
         check_budget(b, std::slice::from_ref(vae.component()))?;
     }
-    let options = OffloadOptions {
-        component_name: Some("vae".into()),
-        route: routing.routes.get("vae").copied(),
-        settings: routing.settings(),
-    };
-    let mut handle = enable_offload_with_env(
-        vae.component(),
-        device.clone(),
-        &options,
-        &routing.environment(),
-    )
-    .map_err(|e| CliError::from(e).context("attaching the VAE's route"))?;
+    // The VAE was resolved once, above: its handle carries that resolution.
+    let mut handle =
+        enable_resolved_offload(vae.component(), device.clone(), &explanation.resolution)
+            .map_err(|e| CliError::from(e).context("attaching the VAE's route"))?;
     let weights_on_device = match handle.target() {
         ddo_core::RouteTarget::Unmanaged
         | ddo_core::RouteTarget::Route(ddo_core::RouteId::Resident) => {
@@ -207,7 +199,7 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
             device.id(),
             effective_budget.map_or("none".into(), format_bytes),
             snapshot.route_options,
-            explanation.source.route,
+            explanation.resolution.decided_by,
             latents.shape,
             decoded.shape,
             seconds * 1e3,

@@ -11,6 +11,8 @@
 
 use std::io::Write;
 
+use ddo_core::{ComponentKind, DecidedBy};
+
 use ddo_nn::pipeline::{TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE};
 
 use crate::cli::ResolveArgs;
@@ -20,7 +22,7 @@ use crate::run::{
     ComponentFiles, build_pipeline, plan_budget, plan_memory, planned_explanations,
     source_from_args,
 };
-use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device};
+use crate::setup::{DeviceChoice, DeviceNeeds, Routing, open_device};
 
 /// The components of a Flux pipeline, in phase order.
 pub const COMPONENTS: [&str; 4] = [TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE];
@@ -65,7 +67,7 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         .collect::<CliResult<Vec<_>>>()?;
     // What the route refuses from the options alone, `ddo run` refuses too: say so here.
     for e in &explanations {
-        ddo_routes::check_route_options(&e.component, &e.spec)?;
+        ddo_routes::check_route_options(&e.component, &e.resolution.spec)?;
     }
     let text = if args.json {
         serde_json::to_string_pretty(&explanations).unwrap_or_default() + "\n"
@@ -81,7 +83,11 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         }
         for e in &explanations {
             s += &format!("\n{}: {}\n", e.component, e.route);
-            s += &format!("  route from {}\n", e.source.route);
+            s += &format!(
+                "  route from {}{}\n",
+                e.source.route,
+                preset_column(&e.resolution.decided_by, &e.component)
+            );
             for (k, v) in &e.options {
                 let from = e.source.options.get(k).map_or("", String::as_str);
                 s += &format!("  {k} = {v}  ({from})\n");
@@ -91,6 +97,20 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     };
     out.write_all(text.as_bytes())
         .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))
+}
+
+/// Which column of the preset table gave a preset default (the table in
+/// `ddo_core::resolve`'s docs), as words after the label; nothing for other deciders.
+fn preset_column(decided_by: &DecidedBy, component: &str) -> &'static str {
+    if !decided_by.is_preset_default() {
+        return "";
+    }
+    match ComponentKind::from_name(component) {
+        ComponentKind::Vae => ": the vae column (the seed's VAE table)",
+        ComponentKind::TextEncoder => ": the text-encoder column (DDO's default)",
+        ComponentKind::Transformer => ": the transformer column (DDO's default)",
+        ComponentKind::Other(_) => ": the transformer column (DDO's default for other names)",
+    }
 }
 
 /// `ddo resolve --config|--weights ...`: the memory plan.
@@ -122,22 +142,24 @@ fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> C
         &mut bar,
     )?;
     let names = pipe.component_names();
-    let resolved = names
-        .iter()
-        .map(|n| routing.explain(n))
-        .collect::<CliResult<Vec<Explanation>>>()?;
-    let device = open_device(device_choice, budget, DeviceNeeds::of(&resolved))?;
+    // Each component resolved once, as `ddo run` does.
+    let resolutions = routing.resolve_all(&names)?;
+    let device = open_device(
+        device_choice,
+        budget,
+        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)),
+    )?;
     let pipeline = pipe.offload_pipeline()?;
     let plan = plan_memory(
         &pipe,
         &pipeline,
-        routing,
+        &resolutions,
         &*device,
         plan_budget(&*device, budget),
         (height, width, images),
         tiled,
     )?;
-    let explanations = planned_explanations(routing, &names, &plan)?;
+    let explanations = planned_explanations(routing, &names, &plan);
     // Every route's preflight, as `ddo run` runs it before the first phase (touching
     // nothing: the routes attach only when a phase begins, which never happens here).
     drop(

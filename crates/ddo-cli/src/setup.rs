@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, resolve};
 use ddo_core::{
-    AllocatorKind, Component, ComponentKind, Device, HostDevice, HostDeviceConfig, Preset,
-    RouteSpec, Settings,
+    AllocatorKind, Component, Device, HostDevice, HostDeviceConfig, Preset, Resolution, RouteSpec,
+    Settings,
 };
 use ddo_metrics::format_bytes;
 use serde::Serialize;
@@ -54,11 +54,14 @@ impl Environment for CliEnvironment {
 /// Where one resolved value came from.
 #[derive(Debug, Clone, Serialize)]
 pub struct Sources {
-    /// The preset: `--preset`, `environment (DDO_PRESET)` or `default`.
+    /// The preset: `--preset`, `environment (DDO_PRESET)` or `default (auto)`.
     pub preset: String,
-    /// The route: `--route`, `environment (DDO_X_ROUTE)` or `preset table (...)`.
+    /// The route: the resolution's [`ddo_core::DecidedBy`] label (`explicit route`,
+    /// `environment (DDO_X_ROUTE)`, `preset default (one_shot_fast)`, `memory plan
+    /// (one_shot_fast)`, ...), the same the metrics' `decided_by` says.
     pub route: String,
-    /// Each option: where its value came from (`route default` when nobody gave it).
+    /// Each option: the same label when the route's decider gave it, `route default` when
+    /// nobody did.
     pub options: BTreeMap<String, String>,
 }
 
@@ -77,9 +80,10 @@ pub struct Explanation {
     pub options: BTreeMap<String, serde_json::Value>,
     /// Where each value came from.
     pub source: Sources,
-    /// The resolved spec.
+    /// The resolution explained, as the resolver (or the memory plan) made it: what the
+    /// route's handle carries.
     #[serde(skip)]
-    pub spec: RouteSpec,
+    pub resolution: Resolution,
 }
 
 impl Routing {
@@ -133,24 +137,13 @@ impl Routing {
         }
     }
 
-    /// Settings for `enable_pipeline_offload`: the preset, and the `--route`s as component
-    /// policies (the pipeline entry point takes no per-component explicit routes; a policy
-    /// outranks the environment and the preset exactly as an explicit route does).
-    pub fn settings(&self) -> Settings {
-        Settings {
-            preset: self.preset_flag.unwrap_or_default(),
-            component_policies: self.routes.clone(),
-            use_environment: self.use_environment,
-        }
-    }
-
     /// The `--route`s, by component.
     pub fn explicit_routes(&self) -> Vec<(String, RouteSpec)> {
         self.routes.iter().map(|(c, s)| (c.clone(), *s)).collect()
     }
 
-    /// Settings for the memory planner: the preset, the environment switch, and no
-    /// policies (the `--route`s go to the planner as explicit routes).
+    /// Settings for the resolver: the preset, the environment switch, and no policies (the
+    /// `--route`s go to the resolver as explicit routes).
     pub fn plan_settings(&self) -> Settings {
         Settings {
             preset: self.preset_flag.unwrap_or_default(),
@@ -159,27 +152,42 @@ impl Routing {
         }
     }
 
+    /// Resolves `component` (its `--route` explicit, then the environment, then the preset
+    /// table). A command resolves each component once and carries the answer on: to the
+    /// memory plan (`ddo_routes::plan_resolved`), the route's handle
+    /// (`ddo_routes::enable_resolved_offload`) and its explanation.
+    pub fn resolve(&self, component: &str) -> CliResult<Resolution> {
+        let explicit = self.routes.get(component);
+        Ok(resolve(
+            &self.plan_settings(),
+            component,
+            explicit,
+            &self.environment(),
+        )?)
+    }
+
+    /// [`Routing::resolve`] for each of `names`, in order.
+    pub fn resolve_all(&self, names: &[String]) -> CliResult<Vec<(String, Resolution)>> {
+        names
+            .iter()
+            .map(|n| Ok((n.clone(), self.resolve(n)?)))
+            .collect()
+    }
+
     /// Resolves `component` and says where each value came from.
     pub fn explain(&self, component: &str) -> CliResult<Explanation> {
-        let env = self.environment();
-        let settings = self.plan_settings();
-        let explicit = self.routes.get(component);
-        let r = resolve(&settings, component, explicit, &env)?;
-        self.explain_resolution(component, &r, None)
+        let r = self.resolve(component)?;
+        Ok(self.explain_resolution(component, r))
     }
 
     /// [`Routing::explain`] for the route the memory plan chose for `component`.
-    pub fn explain_planned(&self, plan: &ddo_routes::ComponentPlan) -> CliResult<Explanation> {
-        let reason = plan.planned.then_some(plan.reason.as_str());
-        self.explain_resolution(&plan.component, &plan.resolution, reason)
+    pub fn explain_planned(&self, plan: &ddo_routes::ComponentPlan) -> Explanation {
+        self.explain_resolution(&plan.component, plan.resolution.clone())
     }
 
-    fn explain_resolution(
-        &self,
-        component: &str,
-        r: &ddo_core::Resolution,
-        planned: Option<&str>,
-    ) -> CliResult<Explanation> {
+    /// `r` explained: the route, its options, and where each came from — the route and the
+    /// options it gave from `r.decided_by`, as it is.
+    pub fn explain_resolution(&self, component: &str, r: Resolution) -> Explanation {
         let env = self.environment();
         let settings = self.plan_settings();
         let preset_source = if self.preset_flag.is_some() {
@@ -195,34 +203,9 @@ impl Routing {
         } else {
             settings.preset.to_string()
         };
-        let kind = ComponentKind::from_name(component);
-        let route_source = match &r.decided_by {
-            ddo_core::DecidedBy::ExplicitRoute => "--route".to_string(),
-            ddo_core::DecidedBy::EnvironmentRoute(var) => format!("environment ({var})"),
-            ddo_core::DecidedBy::ComponentPolicy => "component policy".to_string(),
-            ddo_core::DecidedBy::LowLevelConfig => "low-level config".to_string(),
-            ddo_core::DecidedBy::PresetDefault | ddo_core::DecidedBy::MemoryPlan => {
-                let column = match kind {
-                    ComponentKind::Vae => "vae column (the seed's VAE table)",
-                    ComponentKind::TextEncoder => "text-encoder column (DDO's default)",
-                    ComponentKind::Transformer => "transformer column (DDO's default)",
-                    ComponentKind::Other(_) => "transformer column (DDO's default for other names)",
-                };
-                match planned {
-                    Some(reason) => {
-                        format!("memory plan ({}, {column}: {reason})", r.preset)
-                    }
-                    None => format!("preset table ({}, {column})", r.preset),
-                }
-            }
-        };
-        let given_by = match (&r.decided_by, planned) {
-            (ddo_core::DecidedBy::PresetDefault, _) => "preset table".to_string(),
-            (ddo_core::DecidedBy::MemoryPlan, Some(_)) => "memory plan".to_string(),
-            _ => route_source.clone(),
-        };
-        let (options, option_sources) = effective_options(&r.spec, &given_by);
-        Ok(Explanation {
+        let decided_by = r.decided_by.to_string();
+        let (options, option_sources) = effective_options(&r.spec, &decided_by);
+        Explanation {
             component: component.to_string(),
             preset: given_preset,
             resolved_preset: r.preset.to_string(),
@@ -230,11 +213,11 @@ impl Routing {
             options,
             source: Sources {
                 preset: preset_source,
-                route: route_source,
+                route: decided_by,
                 options: option_sources,
             },
-            spec: r.spec,
-        })
+            resolution: r,
+        }
     }
 }
 
@@ -396,20 +379,20 @@ pub fn check_budget(budget: u64, components: &[Arc<Component>]) -> CliResult<()>
     Ok(())
 }
 
-/// Whether any of `explanations` routes to `native_vmm`.
-pub fn needs_native_allocator(explanations: &[Explanation]) -> bool {
-    explanations
-        .iter()
-        .any(|e| ddo_routes::needs_native_allocator(&e.spec))
+/// Whether any of `resolutions` needs the native VMM allocator (asks the registry).
+pub fn needs_native_allocator<'a>(resolutions: impl IntoIterator<Item = &'a Resolution>) -> bool {
+    resolutions
+        .into_iter()
+        .any(|r| ddo_routes::needs_native_allocator(&r.spec))
 }
 
 /// Whether pinned memory is scarce for these resolutions (a component resolved under
 /// `wsl_compat`): the device then keeps no pinned upload buffers, so the pinned bytes stay
 /// within what the routes' `pinned_limit` allows.
-pub fn pinned_is_scarce(explanations: &[Explanation]) -> bool {
-    explanations
-        .iter()
-        .any(|e| e.resolved_preset == Preset::WslCompat.to_string())
+pub fn pinned_is_scarce<'a>(resolutions: impl IntoIterator<Item = &'a Resolution>) -> bool {
+    resolutions
+        .into_iter()
+        .any(|r| r.preset == Preset::WslCompat)
 }
 
 /// What the execution device must provide, from the routes resolved for it.
@@ -422,11 +405,11 @@ pub struct DeviceNeeds {
 }
 
 impl DeviceNeeds {
-    /// The needs of `explanations`' routes.
-    pub fn of(explanations: &[Explanation]) -> Self {
+    /// The needs of `resolutions`' routes.
+    pub fn of<'a>(resolutions: impl IntoIterator<Item = &'a Resolution> + Clone) -> Self {
         Self {
-            native_allocator: needs_native_allocator(explanations),
-            scarce_pinned: pinned_is_scarce(explanations),
+            native_allocator: needs_native_allocator(resolutions.clone()),
+            scarce_pinned: pinned_is_scarce(resolutions),
         }
     }
 }
@@ -435,28 +418,23 @@ impl DeviceNeeds {
 mod tests {
     use super::*;
 
-    fn explanation(resolved_preset: &str, spec: &str) -> Explanation {
-        Explanation {
-            component: "transformer".into(),
-            preset: resolved_preset.into(),
-            resolved_preset: resolved_preset.into(),
-            route: String::new(),
-            options: BTreeMap::new(),
-            source: Sources {
-                preset: "--preset".into(),
-                route: "--route".into(),
-                options: BTreeMap::new(),
-            },
-            spec: spec.parse().unwrap(),
+    fn resolution(preset: Preset, spec: &str) -> Resolution {
+        let spec: RouteSpec = spec.parse().unwrap();
+        Resolution {
+            needs_native_allocator: ddo_routes::needs_native_allocator(&spec),
+            spec,
+            preset,
+            preset_from_environment: false,
+            decided_by: ddo_core::DecidedBy::ExplicitRoute,
         }
     }
 
     #[test]
     fn the_device_needs_follow_the_resolved_routes_and_presets() {
-        let fast = explanation("one_shot_fast", "none");
-        let native = explanation("vmm_fast", "native_vmm:budget=1GiB");
-        let wsl = explanation(
-            "wsl_compat",
+        let fast = resolution(Preset::OneShotFast, "none");
+        let native = resolution(Preset::VmmFast, "native_vmm:budget=1GiB");
+        let wsl = resolution(
+            Preset::WslCompat,
             "diffusers_group_offload:offload_type=leaf_level,use_stream=false",
         );
         assert_eq!(DeviceNeeds::of(&[]), DeviceNeeds::default());
@@ -479,5 +457,30 @@ mod tests {
                 scarce_pinned: true,
             }
         );
+    }
+
+    #[test]
+    fn an_explanation_names_its_resolution_s_decider_for_the_route_and_what_it_gave() {
+        let routing = Routing::new(
+            None,
+            &["vae=linear_convolution:pinned=false".to_string()],
+            true,
+            &["vae".to_string(), "transformer".to_string()],
+        )
+        .unwrap();
+        let vae = routing.explain("vae").unwrap();
+        assert_eq!(
+            vae.resolution.decided_by,
+            ddo_core::DecidedBy::ExplicitRoute
+        );
+        assert_eq!(vae.source.route, "explicit route");
+        assert_eq!(vae.source.options["pinned"], "explicit route");
+        let t = routing.explain("transformer").unwrap();
+        assert_eq!(
+            t.source.route,
+            ddo_core::DecidedBy::PresetDefault(Preset::OneShotFast).to_string()
+        );
+        assert_eq!(t.source.options["use_stream"], t.source.route);
+        assert_eq!(t.source.options["ring_slots"], "route default");
     }
 }

@@ -479,7 +479,7 @@ fn run_json_has_phases_components_and_the_decode_choice() {
         );
     }
     assert_eq!(comps[3]["route"], "linear_convolution");
-    assert_eq!(comps[3]["source"]["route"], "--route");
+    assert_eq!(comps[3]["source"]["route"], "explicit route");
     assert_eq!(comps[2]["metrics"]["counters"]["forwards"], 2);
     assert_eq!(v["decode"]["mode"], "auto");
     assert_eq!(v["decode"]["tiled"], false);
@@ -603,11 +603,9 @@ fn resolve_json_shape_and_sources() {
         assert_eq!(keys, RESOLVE_KEYS, "{e}");
         assert_eq!(e["preset"], "auto");
         assert_eq!(e["resolved_preset"], "one_shot_fast");
-        assert!(
-            e["source"]["route"]
-                .as_str()
-                .unwrap()
-                .starts_with("preset table")
+        assert_eq!(
+            e["source"]["route"], "preset default (one_shot_fast)",
+            "{e}"
         );
         assert_eq!(e["source"]["preset"], "default (auto)");
         for k in e["options"].as_object().unwrap().keys() {
@@ -636,8 +634,8 @@ fn resolve_json_shape_and_sources() {
     assert_eq!(v.as_array().unwrap().len(), 1);
     assert_eq!(vae["route"], "linear_convolution");
     assert_eq!(vae["options"]["pinned"], false);
-    assert_eq!(vae["source"]["route"], "--route");
-    assert_eq!(vae["source"]["options"]["pinned"], "--route");
+    assert_eq!(vae["source"]["route"], "explicit route");
+    assert_eq!(vae["source"]["options"]["pinned"], "explicit route");
     assert_eq!(vae["source"]["preset"], "--preset");
 
     // The environment: DDO_PRESET applies without --preset, --preset hides it, --no-env
@@ -672,7 +670,7 @@ fn resolve_json_shape_and_sources() {
     ]));
     let t = &v[0];
     assert_eq!(t["options"]["ring_slots"], 3);
-    assert_eq!(t["source"]["options"]["ring_slots"], "--route");
+    assert_eq!(t["source"]["options"]["ring_slots"], "explicit route");
     assert_eq!(t["options"]["unit_bytes"], "16.00 MiB");
     assert_eq!(t["source"]["options"]["unit_bytes"], "route default");
     assert_eq!(t["options"]["pinned_source"], "register");
@@ -686,7 +684,10 @@ fn resolve_json_shape_and_sources() {
         "transformer",
     ]));
     assert_eq!(v[0]["options"]["pinned_source"], "register", "{v}");
-    assert_eq!(v[0]["source"]["options"]["pinned_source"], "--route", "{v}");
+    assert_eq!(
+        v[0]["source"]["options"]["pinned_source"], "explicit route",
+        "{v}"
+    );
     let v = json(&ddo(&[
         "resolve",
         "--json",
@@ -699,7 +700,7 @@ fn resolve_json_shape_and_sources() {
     ]));
     // An explicit route keeps what it gives: the preset adds no pinned limit to it.
     assert_ne!(v[0]["options"]["pinned_limit"], "256.00 MiB", "{v}");
-    assert_eq!(v[0]["source"]["route"], "--route", "{v}");
+    assert_eq!(v[0]["source"]["route"], "explicit route", "{v}");
 }
 
 /// `ddo inspect` on fp8 checkpoints (issue 18): the fp8 tensors and their bytes, and how

@@ -87,23 +87,44 @@ impl Environment for MapEnvironment {
     }
 }
 
-/// What decided a component's route.
+/// What decided a component's route: the one label a component carries from the resolver
+/// to the memory plan, the route's handle (`OffloadHandle::decided_by`), its metrics
+/// (`MetricsSnapshot::decided_by`) and the command's tables and JSON, unchanged. Its
+/// [`Display`](fmt::Display) is that label:
+///
+/// | value | label |
+/// | --- | --- |
+/// | [`ExplicitRoute`](DecidedBy::ExplicitRoute) | `explicit route` |
+/// | [`ComponentPolicy`](DecidedBy::ComponentPolicy) | `component policy` |
+/// | [`EnvironmentRoute`](DecidedBy::EnvironmentRoute) | `environment (DDO_VAE_ROUTE)` |
+/// | [`PresetDefault`](DecidedBy::PresetDefault) | `preset default (one_shot_fast)` |
+/// | [`MemoryPlan`](DecidedBy::MemoryPlan) | `memory plan (one_shot_fast)` |
+/// | [`LowLevelConfig`](DecidedBy::LowLevelConfig) | `low-level config` |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecidedBy {
-    /// The route passed explicitly to `enable_offload`.
+    /// The route passed explicitly (`enable_offload`'s route, `ddo --route`).
     ExplicitRoute,
     /// The settings' `component_policies` entry for the component.
     ComponentPolicy,
     /// `DDO_<COMPONENT>_ROUTE` (named).
     EnvironmentRoute(String),
-    /// The preset's default for the component's kind.
-    PresetDefault,
-    /// The preset's default, sized by the pipeline memory planner (`ddo_routes::plan`):
-    /// resident when the component fits its phase's budget, else the preset's streamed
-    /// route with a `budget` for what fits ([`preset_is_planned`]).
-    MemoryPlan,
+    /// The default of the preset (resolved: `auto` is `one_shot_fast`) for the
+    /// component's kind.
+    PresetDefault(Preset),
+    /// The preset's default (resolved), sized by the pipeline memory planner
+    /// (`ddo_routes::plan`): resident when the component fits its phase's budget, else the
+    /// preset's streamed route with a `budget` for what fits ([`preset_is_planned`]).
+    MemoryPlan(Preset),
     /// The low-level `enable_dynamic_offload` config, applied as given.
     LowLevelConfig,
+}
+
+impl DecidedBy {
+    /// Whether the route is a preset's default as the table gives it (not yet sized by a
+    /// memory plan).
+    pub fn is_preset_default(&self) -> bool {
+        matches!(self, DecidedBy::PresetDefault(_))
+    }
 }
 
 impl fmt::Display for DecidedBy {
@@ -112,8 +133,8 @@ impl fmt::Display for DecidedBy {
             DecidedBy::ExplicitRoute => f.write_str("explicit route"),
             DecidedBy::ComponentPolicy => f.write_str("component policy"),
             DecidedBy::EnvironmentRoute(var) => write!(f, "environment ({var})"),
-            DecidedBy::PresetDefault => f.write_str("preset default"),
-            DecidedBy::MemoryPlan => f.write_str("preset default, sized by the memory plan"),
+            DecidedBy::PresetDefault(preset) => write!(f, "preset default ({preset})"),
+            DecidedBy::MemoryPlan(preset) => write!(f, "memory plan ({preset})"),
             DecidedBy::LowLevelConfig => f.write_str("low-level config"),
         }
     }
@@ -301,10 +322,10 @@ pub fn resolve(
     } else {
         (
             preset_default(preset, &ComponentKind::from_name(component)),
-            DecidedBy::PresetDefault,
+            DecidedBy::PresetDefault(preset),
         )
     };
-    let spec = if decided_by == DecidedBy::PresetDefault {
+    let spec = if decided_by.is_preset_default() {
         with_preset_pinned_limit(spec, preset)
     } else {
         spec
@@ -363,7 +384,7 @@ mod tests {
         let c = r.spec.group_offload_config();
         assert_eq!(c.offload_type, OffloadType::LeafLevel);
         assert!(!c.use_stream && !c.low_cpu_mem_usage);
-        assert_eq!(r.decided_by, DecidedBy::PresetDefault);
+        assert_eq!(r.decided_by, DecidedBy::PresetDefault(Preset::OneShotFast));
     }
 
     #[test]
@@ -564,6 +585,38 @@ mod tests {
     }
 
     #[test]
+    fn each_decider_has_one_label_naming_what_decided() {
+        // The label the resolver gives is the one every report prints: it names the
+        // resolved preset, and no two deciders share one.
+        let r = resolve(
+            &settings(Preset::Auto),
+            "vae",
+            None,
+            &MapEnvironment::default(),
+        )
+        .unwrap();
+        assert_eq!(r.decided_by.to_string(), "preset default (one_shot_fast)");
+        let mut s = settings(Preset::Auto);
+        s.use_environment = true;
+        let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "none")]);
+        let r = resolve(&s, "vae", None, &env).unwrap();
+        assert_eq!(r.decided_by.to_string(), "environment (DDO_VAE_ROUTE)");
+        let all = [
+            DecidedBy::ExplicitRoute,
+            DecidedBy::ComponentPolicy,
+            DecidedBy::EnvironmentRoute("DDO_VAE_ROUTE".into()),
+            DecidedBy::PresetDefault(Preset::OneShotFast),
+            DecidedBy::PresetDefault(Preset::WarmProcess),
+            DecidedBy::MemoryPlan(Preset::OneShotFast),
+            DecidedBy::LowLevelConfig,
+        ];
+        let labels: std::collections::BTreeSet<String> =
+            all.iter().map(ToString::to_string).collect();
+        assert_eq!(labels.len(), all.len(), "{labels:?}");
+        assert!(labels.iter().all(|l| !l.contains("  ")), "{labels:?}");
+    }
+
+    #[test]
     fn env_var_names_are_derived_from_component_names() {
         assert_eq!(route_env_var("vae"), "DDO_VAE_ROUTE");
         assert_eq!(route_env_var("text_encoder_2"), "DDO_TEXT_ENCODER_2_ROUTE");
@@ -604,7 +657,7 @@ mod tests {
         // wsl_compat's own defaults stream nothing; its cap stays for the engine's callers.
         let r = resolve(&settings, "text_encoder", None, &MapEnvironment::default()).unwrap();
         assert_eq!(r.spec.options().pinned_limit, None);
-        assert!(matches!(r.decided_by, DecidedBy::PresetDefault));
+        assert_eq!(r.decided_by, DecidedBy::PresetDefault(Preset::WslCompat));
         assert!(preset_pinned_limit(Preset::WslCompat) <= 256 << 20);
     }
 }

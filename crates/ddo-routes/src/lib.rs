@@ -6,6 +6,7 @@
 //!
 //! - the closed, static route table ([`ROUTES`]): one descriptor per [`RouteId`];
 //! - [`enable_offload`] (named component, preset defaults, the seed's VAE table),
+//!   [`enable_resolved_offload`] (a resolution made once, carried as it is),
 //!   [`enable_pipeline_offload`] (every component of a [`Pipeline`] by policy), and the
 //!   low-level [`enable_dynamic_offload`] (exactly the config given, no defaults);
 //! - [`OffloadHandle`]: `metrics_snapshot()`, the managed error boundary
@@ -26,8 +27,8 @@ use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, ProcessEnvironment, resolve};
 use ddo_core::{
-    Component, CoreError, DecidedBy, Device, Refusal, Result, Route, RouteId, RouteSpec,
-    RouteTarget, Settings,
+    Component, CoreError, DecidedBy, Device, Refusal, Resolution, Result, Route, RouteId,
+    RouteSpec, RouteTarget, Settings,
 };
 use ddo_metrics::RouteMetrics;
 
@@ -35,6 +36,7 @@ pub use handle::OffloadHandle;
 pub use pipeline::{Pipeline, PipelineOffload};
 pub use plan::{
     ComponentPlan, PhaseDemand, PhasePlan, PipelinePlan, PlanRequest, footprint, plan_pipeline,
+    plan_resolved, resolve_pipeline,
 };
 
 /// One entry of the route table.
@@ -150,6 +152,17 @@ pub fn enable_offload_with_env(
         .as_deref()
         .unwrap_or_else(|| component.name());
     let resolution = resolve(&options.settings, name, options.route.as_ref(), env)?;
+    enable_resolved_offload(component, device, &resolution)
+}
+
+/// Attaches `resolution` (the resolver's answer for `component`, made once by the caller)
+/// as it is: its spec, its [`DecidedBy`] and its preset go to the handle unchanged, and
+/// nothing is resolved again.
+pub fn enable_resolved_offload(
+    component: &Arc<Component>,
+    device: Arc<dyn Device>,
+    resolution: &Resolution,
+) -> Result<OffloadHandle> {
     attach(
         component,
         device,

@@ -162,13 +162,8 @@ impl PipelineOffload {
                     let (component, resolution) = (Arc::clone(&p.component), p.resolution.clone());
                     move || {
                         let t = Instant::now();
-                        let handle = crate::attach(
-                            &component,
-                            device,
-                            resolution.spec,
-                            resolution.decided_by.clone(),
-                            Some(resolution.preset),
-                        );
+                        let handle =
+                            crate::enable_resolved_offload(&component, device, &resolution);
                         let handle = match handle {
                             Ok(mut h) if upload_early => match h.upload_resident() {
                                 Ok(_) => Ok(h),
@@ -251,12 +246,10 @@ impl PipelineOffload {
             let attached = if let Some(prepared) = self.finish_preparing(name) {
                 prepared
             } else if let Some(p) = self.pending.remove(*name) {
-                crate::attach(
+                crate::enable_resolved_offload(
                     &p.component,
                     Arc::clone(&self.device),
-                    p.resolution.spec,
-                    p.resolution.decided_by.clone(),
-                    Some(p.resolution.preset),
+                    &p.resolution,
                 )
             } else {
                 continue;

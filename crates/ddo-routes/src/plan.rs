@@ -225,12 +225,51 @@ struct Candidate<'a> {
 
 /// Plans `pipeline` under `settings` (presets, policies; explicit routes in `explicit`,
 /// by component name) for `request`. Pure: reads the environment only through `env` (and
-/// only with `settings.use_environment`), and attaches nothing.
+/// only with `settings.use_environment`), and attaches nothing. [`resolve_pipeline`] then
+/// [`plan_resolved`]: each component is resolved once.
 pub fn plan_pipeline(
     pipeline: &Pipeline,
     settings: &Settings,
     explicit: &[(String, RouteSpec)],
     env: &dyn Environment,
+    request: &PlanRequest,
+) -> Result<PipelinePlan> {
+    let names: Vec<&str> = request
+        .phases
+        .iter()
+        .flat_map(|d| d.components.iter().map(String::as_str))
+        .filter(|n| pipeline.get(n).is_some())
+        .collect();
+    let resolutions = resolve_pipeline(&names, settings, explicit, env)?;
+    plan_resolved(pipeline, &resolutions, request)
+}
+
+/// Resolves each of `names` once (explicit routes in `explicit`, by component name), in
+/// order: what [`plan_resolved`] takes. Pure, as [`resolve`].
+pub fn resolve_pipeline(
+    names: &[&str],
+    settings: &Settings,
+    explicit: &[(String, RouteSpec)],
+    env: &dyn Environment,
+) -> Result<Vec<(String, Resolution)>> {
+    names
+        .iter()
+        .map(|name| {
+            let given = explicit.iter().find(|(n, _)| n == name).map(|(_, s)| s);
+            Ok((name.to_string(), resolve(settings, name, given, env)?))
+        })
+        .collect()
+}
+
+/// Plans `pipeline` for `request` from resolutions already made (`resolutions`, by
+/// component name: [`resolve_pipeline`], or the caller's own), resolving nothing: a fixed
+/// component's plan carries its resolution unchanged, a planned one (a preset default the
+/// planner sizes, [`preset_is_planned`]) its resolution with the planner's spec and
+/// [`DecidedBy::MemoryPlan`] of the same preset. A component that a phase runs and
+/// `resolutions` lacks is refused.
+pub fn plan_resolved(
+    pipeline: &Pipeline,
+    resolutions: &[(String, Resolution)],
     request: &PlanRequest,
 ) -> Result<PipelinePlan> {
     let budget = request.budget_bytes;
@@ -252,13 +291,18 @@ pub fn plan_pipeline(
                 });
             }
             seen.push(name.clone());
-            let given = explicit.iter().find(|(n, _)| n == name).map(|(_, s)| s);
-            let resolution = resolve(settings, name, given, env)?;
+            let Some((_, resolution)) = resolutions.iter().find(|(n, _)| n == name) else {
+                return Err(CoreError::InvalidOption {
+                    option: "resolutions".into(),
+                    value: name.clone(),
+                    hint: "resolve every component the phases run (resolve_pipeline)".into(),
+                });
+            };
             let candidate = Candidate {
                 component,
-                resolution,
+                resolution: resolution.clone(),
             };
-            if candidate.resolution.decided_by == DecidedBy::PresetDefault
+            if candidate.resolution.decided_by.is_preset_default()
                 && preset_is_planned(candidate.resolution.preset, &ComponentKind::from_name(name))
             {
                 planned.push(candidate);
@@ -488,7 +532,7 @@ fn plan_phase(
         };
         let resolution = Resolution {
             spec,
-            decided_by: DecidedBy::MemoryPlan,
+            decided_by: DecidedBy::MemoryPlan(c.resolution.preset),
             needs_native_allocator: f.needs_native_allocator,
             ..c.resolution
         };

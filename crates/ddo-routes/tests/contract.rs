@@ -404,7 +404,7 @@ fn metrics_snapshot_reports_route_preset_and_memory() {
     let snap = h.metrics_snapshot();
     assert_eq!(snap.route, "diffusers_group_offload");
     assert_eq!(snap.preset.as_deref(), Some("one_shot_fast"));
-    assert_eq!(snap.decided_by, "preset default");
+    assert_eq!(snap.decided_by, "preset default (one_shot_fast)");
     assert_eq!(snap.counters.forwards, 1);
     assert!(snap.counters.h2d_bytes >= c.param_bytes());
     assert_eq!(snap.phases.len(), 1);

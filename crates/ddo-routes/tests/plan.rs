@@ -1,22 +1,25 @@
 //! The pipeline memory planner (`plan_pipeline`) and per-phase attachment
 //! (`enable_planned_pipeline_offload`): what fits stays resident, what does not streams
 //! with a budget for what fits, explicit routes are never replaced, a budget too small is
-//! refused with the smallest that works, and — the proptest — a plan never exceeds its
-//! budget when it runs on the host backend with memory counted exactly.
+//! refused with the smallest that works, each component is resolved once and keeps its
+//! decided-by value from the plan to its handle's metrics, and — the proptest — a plan never
+//! exceeds its budget when it runs on the host backend with memory counted exactly.
 
 mod common;
 
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
-    Budget, Component, CoreError, DType, DecidedBy, Device, FootprintContext, MapEnvironment,
-    Preset, RouteId, RouteSpec, Settings,
+    Budget, Component, CoreError, DType, DecidedBy, Device, Environment, FootprintContext,
+    MapEnvironment, Preset, RouteId, RouteSpec, Settings,
 };
 use ddo_routes::{
     PhaseDemand, Pipeline, PipelinePlan, PlanRequest, enable_planned_pipeline_offload,
-    plan_pipeline,
+    plan_pipeline, plan_resolved,
 };
 use proptest::prelude::*;
 
@@ -81,7 +84,10 @@ fn a_component_that_fits_stays_resident_and_one_that_does_not_keeps_a_part() {
     let roomy = plan(&pipeline, &d, 1 << 30, 4096, &[]).unwrap();
     let t = roomy.component("transformer").unwrap();
     assert_eq!(t.resolution.spec.route_id(), Some(RouteId::Resident));
-    assert_eq!(t.resolution.decided_by, DecidedBy::MemoryPlan);
+    assert_eq!(
+        t.resolution.decided_by,
+        DecidedBy::MemoryPlan(Preset::OneShotFast)
+    );
     assert_eq!(t.footprint.streamed_bytes_per_forward, 0);
     // The seed's VAE table is not planned: leaf level, no stream, under auto.
     let vae = roomy.component("vae").unwrap();
@@ -124,6 +130,97 @@ fn explicit_routes_are_counted_never_replaced() {
     assert!(!t.planned);
     assert_eq!(t.resolution.decided_by, DecidedBy::ExplicitRoute);
     assert_eq!(t.resolution.spec, explicit[0].1);
+}
+
+/// An environment that counts the reads of each variable.
+struct CountingEnv<'a> {
+    inner: MapEnvironment,
+    reads: &'a RefCell<BTreeMap<String, usize>>,
+}
+
+impl Environment for CountingEnv<'_> {
+    fn var(&self, name: &str) -> Option<String> {
+        *self.reads.borrow_mut().entry(name.to_string()).or_default() += 1;
+        self.inner.var(name)
+    }
+}
+
+/// A component is resolved once: planning, preflighting and attaching every phase read
+/// each component's variables once (the explicit route's never), and each handle carries
+/// the plan's decided-by value unchanged to its metrics. A plan made from resolutions
+/// resolves nothing and refuses a component it was given none for.
+#[test]
+fn each_component_is_resolved_once_and_keeps_its_decided_by_to_the_metrics() {
+    let specs = flux_like(4);
+    let pipeline = pipeline_of(&specs);
+    let d = device(1 << 30);
+    let reads = RefCell::new(BTreeMap::new());
+    let env = CountingEnv {
+        inner: MapEnvironment::from_pairs([("DDO_TEXT_ENCODER_ROUTE", "none")]),
+        reads: &reads,
+    };
+    let settings = Settings {
+        use_environment: true,
+        ..Settings::default()
+    };
+    let explicit = vec![(
+        "transformer".to_string(),
+        "diffusers_group_offload:use_stream=true"
+            .parse::<RouteSpec>()
+            .unwrap(),
+    )];
+    let request = PlanRequest {
+        budget_bytes: 1 << 30,
+        budget_source: "test".into(),
+        phases: demands(0),
+        context: FootprintContext::of(&*d),
+    };
+    let p = plan_pipeline(&pipeline, &settings, &explicit, &env, &request).unwrap();
+    let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
+    for name in ["text_encoder", "transformer", "vae"] {
+        offload.begin_phase(&[name]).unwrap();
+    }
+    let expected: BTreeMap<String, usize> = [
+        ("DDO_PRESET", 3),
+        ("DDO_TEXT_ENCODER_ROUTE", 1),
+        ("DDO_VAE_ROUTE", 1),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k.to_string(), n))
+    .collect();
+    assert_eq!(*reads.borrow(), expected);
+    for (name, decided_by) in [
+        (
+            "text_encoder",
+            DecidedBy::EnvironmentRoute("DDO_TEXT_ENCODER_ROUTE".into()),
+        ),
+        ("transformer", DecidedBy::ExplicitRoute),
+        ("vae", DecidedBy::PresetDefault(Preset::OneShotFast)),
+    ] {
+        let planned = &p.component(name).unwrap().resolution;
+        let h = offload.handle(name).unwrap();
+        assert_eq!(planned.decided_by, decided_by, "{name}");
+        assert_eq!(h.decided_by(), &decided_by, "{name}");
+        assert_eq!(h.metrics_snapshot().decided_by, decided_by.to_string());
+    }
+    drop(offload);
+
+    // From resolutions: the same plan, nothing read; one missing is refused.
+    let resolutions: Vec<(String, ddo_core::Resolution)> = ["text_encoder", "transformer", "vae"]
+        .into_iter()
+        .map(|n| (n.to_string(), p.component(n).unwrap().resolution.clone()))
+        .collect();
+    reads.borrow_mut().clear();
+    let again = plan_resolved(&pipeline, &resolutions, &request).unwrap();
+    for (name, r) in &resolutions {
+        assert_eq!(&again.component(name).unwrap().resolution, r, "{name}");
+    }
+    assert!(reads.borrow().is_empty());
+    let e = plan_resolved(&pipeline, &resolutions[..2], &request).unwrap_err();
+    assert!(
+        matches!(&e, CoreError::InvalidOption { value, .. } if value == "vae"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -16,12 +16,13 @@ use std::time::Instant;
 
 use ddo_core::DType;
 use ddo_core::FootprintContext;
+use ddo_core::Resolution;
 use ddo_metrics::format_bytes;
 use ddo_nn::pipeline::{
     FluxPipeline, InitLatents, PipelineRequest, PromptEmbeds, PromptInput, QwenImageRequest,
     TiledDecode,
 };
-use ddo_routes::{PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_pipeline};
+use ddo_routes::{PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_resolved};
 use serde_json::Value;
 
 use crate::cli::RunArgs;
@@ -145,22 +146,22 @@ pub(crate) fn plan_budget(device: &dyn ddo_core::Device, given: Option<u64>) -> 
     }
 }
 
-/// The pipeline's memory plan at `height × width` under `budget` on `device`.
+/// The pipeline's memory plan at `height × width` under `budget` on `device`, from the
+/// components' `resolutions` (made once, by [`Routing::resolve_all`]: the plan resolves
+/// nothing again).
 pub(crate) fn plan_memory(
     pipe: &AnyPipeline,
     pipeline: &ddo_routes::Pipeline,
-    routing: &Routing,
+    resolutions: &[(String, Resolution)],
     device: &dyn ddo_core::Device,
     budget: (u64, String),
     image: (usize, usize, usize),
     tiled: TiledDecode,
 ) -> CliResult<PipelinePlan> {
     let (height, width, images) = image;
-    plan_pipeline(
+    plan_resolved(
         pipeline,
-        &routing.plan_settings(),
-        &routing.explicit_routes(),
-        &routing.environment(),
+        resolutions,
         &PlanRequest {
             budget_bytes: budget.0,
             budget_source: budget.1,
@@ -176,7 +177,7 @@ pub(crate) fn planned_explanations(
     routing: &Routing,
     names: &[String],
     plan: &PipelinePlan,
-) -> CliResult<Vec<Explanation>> {
+) -> Vec<Explanation> {
     names
         .iter()
         .filter_map(|n| plan.component(n))
@@ -329,11 +330,14 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     startup.lap("weights");
     let names = pipe.component_names();
     let routing = Routing::new(args.preset, &args.route, args.no_env, &names)?;
-    let explanations = names
-        .iter()
-        .map(|n| routing.explain(n))
-        .collect::<CliResult<Vec<Explanation>>>()?;
-    let device = open_device(device_choice, budget, DeviceNeeds::of(&explanations))?;
+    // Each component is resolved here, once: the device's needs, the memory plan, the
+    // routes' handles and the report all carry these resolutions (ARCHITECTURE.md).
+    let resolutions = routing.resolve_all(&names)?;
+    let device = open_device(
+        device_choice,
+        budget,
+        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)),
+    )?;
     // The backend may prepare per-shape work (cuDNN plans) while the routes attach and the
     // prompt is encoded.
     pipe.prepare_attention(&*device, height, width, images)?;
@@ -382,13 +386,13 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let plan = plan_memory(
         &pipe,
         &pipeline,
-        &routing,
+        &resolutions,
         &*device,
         (plan_budget, budget_source),
         (height, width, images),
         tiled_decode,
     )?;
-    let explanations = planned_explanations(&routing, &names, &plan)?;
+    let explanations = planned_explanations(&routing, &names, &plan);
     // Every route's preflight runs here, before the plan is printed: a refusal is the
     // whole output.
     let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)

@@ -265,15 +265,8 @@ impl Report<'_> {
             let c = &snap["counters"];
             let num = |k: &str| c[k].as_u64().unwrap_or(0);
             let planned = self.plan.component(&e.component);
-            let decided = match e.source.route.split_once(" (") {
-                Some(("preset table", rest)) => {
-                    format!("preset {}", rest.split(',').next().unwrap_or(rest))
-                }
-                Some(("memory plan", rest)) => {
-                    format!("memory plan, {}", rest.split(',').next().unwrap_or(rest))
-                }
-                _ => e.source.route.clone(),
-            };
+            // The resolution's own value, as the JSON's `source.route` and the metrics say.
+            let decided = &e.resolution.decided_by;
             s += &format!(
                 "{:<16} {:<24} {:>8}  {:>26} {:>12} {:>12} {:>12}  {}\n",
                 e.component,
