@@ -301,46 +301,40 @@ pub(crate) fn build(
     // With the cache written, the coded units go first and the home is read back from the
     // file (from the page cache, checked as any hit is): the process never holds the coded
     // units twice.
-    if let (CodedCache::Built, Some((path, key))) = (state, &cache) {
-        drop(coded);
-        let back = match ddo_codec::cache::open_cache(path, key) {
-            Ok(Lookup::Hit(open)) => home_from_cache(device, open, layout, pinned_room)?,
-            Ok(miss) => Err(miss.reason().unwrap_or_default()),
-            Err(e) => Err(e.to_string()),
-        };
-        match back {
-            Ok((home, _)) => {
-                let coded_bytes = home.units.iter().map(|u| u.1.encoded_len()).sum();
-                return Ok(BuiltCoded {
-                    home,
-                    coded_bytes,
-                    entropy_millibits,
-                    cache: state,
-                    coding_ns: nanos(started.elapsed()),
-                    note,
-                    released: released.into_inner(),
-                });
-            }
-            Err(reason) => {
-                // Not seen in practice (the file was just written and synced); code again.
-                note = Some(format!(
-                    "coded without a cache: the cache just written did not read back ({reason})"
-                ));
-                state = CodedCache::Unavailable;
-                let coded = code_all()?;
-                return finish(
-                    device,
-                    coded,
-                    pinned_room,
-                    entropy_millibits,
-                    state,
-                    note,
-                    started,
-                    &released,
-                );
+    let coded = match (state, &cache) {
+        (CodedCache::Built, Some((path, key))) => {
+            drop(coded);
+            let back = match ddo_codec::cache::open_cache(path, key) {
+                Ok(Lookup::Hit(open)) => home_from_cache(device, open, layout, pinned_room)?,
+                Ok(miss) => Err(miss.reason().unwrap_or_default()),
+                Err(e) => Err(e.to_string()),
+            };
+            match back {
+                Ok((home, _)) => {
+                    let coded_bytes = home.units.iter().map(|u| u.1.encoded_len()).sum();
+                    return Ok(BuiltCoded {
+                        home,
+                        coded_bytes,
+                        entropy_millibits,
+                        cache: state,
+                        coding_ns: nanos(started.elapsed()),
+                        note,
+                        released: released.into_inner(),
+                    });
+                }
+                Err(reason) => {
+                    // Not seen in practice (the file was just written and synced): code
+                    // again.
+                    note = Some(format!(
+                        "coded without a cache: the cache just written did not read back ({reason})"
+                    ));
+                    state = CodedCache::Unavailable;
+                    code_all()?
+                }
             }
         }
-    }
+        _ => coded,
+    };
     finish(
         device,
         coded,
