@@ -117,19 +117,16 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
     let mut handle =
         enable_resolved_offload(vae.component(), device.clone(), &explanation.resolution)
             .map_err(|e| CliError::from(e).context("attaching the VAE's route"))?;
-    let weights_on_device = match handle.target() {
-        ddo_core::RouteTarget::Unmanaged
-        | ddo_core::RouteTarget::Route(ddo_core::RouteId::Resident) => {
-            if handle.target() == ddo_core::RouteTarget::Unmanaged {
-                vae.component()
-                    .to_device(&*device, &device.compute_stream())?;
-            }
-            0
+    let weights_on_device = if ddo_routes::keeps_weights_resident(handle.spec()) {
+        if handle.target() == ddo_core::RouteTarget::Unmanaged {
+            vae.component()
+                .to_device(&*device, &device.compute_stream())?;
         }
-        _ => vae
-            .component()
+        0
+    } else {
+        vae.component()
             .largest_leaf()
-            .map_or(0, |l| l.param_bytes()),
+            .map_or(0, |l| l.param_bytes())
     };
     let available = effective_budget.map(|b| {
         b.saturating_sub(device.memory_info().allocated)

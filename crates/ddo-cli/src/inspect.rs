@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use ddo_core::resolve::preset_default;
-use ddo_core::{Budget, ComponentKind, Preset, RouteId, RouteTarget};
+use ddo_core::{ComponentKind, HeaderEstimate, Preset};
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 
@@ -365,53 +365,18 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
 pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> PresetPlan {
     let spec = preset_default(preset, &ComponentKind::from_name(&c.component));
     let leaf = c.largest_leaf.as_ref().map_or(0, |(_, b)| *b);
-    let (resident, streamed, peak, note) = match spec.target() {
-        RouteTarget::Unmanaged => (
-            c.bytes,
-            0,
-            c.bytes,
-            "unmanaged: the caller places the weights".to_string(),
-        ),
-        RouteTarget::Route(RouteId::Resident) => {
-            let note = if c.bytes > budget {
-                format!(
-                    "does not fit the {} budget: preflight refuses",
-                    format_bytes(budget)
-                )
-            } else {
-                String::new()
-            };
-            (c.bytes, 0, c.bytes, note)
-        }
-        RouteTarget::Route(RouteId::DiffusersGroupOffload) => {
-            let cfg = spec.group_offload_config();
-            let at_once = if cfg.use_stream { 2 * leaf } else { leaf };
-            let note = if cfg.use_stream {
-                "one leaf on the device, the next prefetched"
-            } else {
-                "one leaf on the device at a time"
-            };
-            (0, c.bytes, at_once, note.to_string())
-        }
-        RouteTarget::Route(RouteId::LinearConvolution) => {
-            (0, c.bytes, leaf, "zero residency".to_string())
-        }
-        RouteTarget::Route(RouteId::NativeVmm) => {
-            let b = ddo_routes::effective_budget(&spec).unwrap_or(Budget::FreeMinus(0));
-            let room = match b {
-                Budget::Bytes(n) => n.min(budget),
-                Budget::FreeMinus(m) => budget.saturating_sub(m),
-            };
-            let resident = c.bytes.min(room);
-            let streamed = c.bytes - resident;
-            (
-                resident,
-                streamed,
-                resident + if streamed > 0 { 2 * leaf } else { 0 },
-                "needs the native allocator installed at start-up".to_string(),
-            )
-        }
-    };
+    let e = ddo_routes::estimate(&spec, c.bytes, leaf, budget).unwrap_or(HeaderEstimate {
+        resident_bytes: c.bytes,
+        streamed_bytes_per_forward: 0,
+        peak_weight_bytes: c.bytes,
+        note: "unmanaged: the caller places the weights".to_string(),
+    });
+    let (resident, streamed, peak, note) = (
+        e.resident_bytes,
+        e.streamed_bytes_per_forward,
+        e.peak_weight_bytes,
+        e.note,
+    );
     PresetPlan {
         component: c.component.clone(),
         route: spec.describe(),

@@ -73,7 +73,7 @@ pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use profile::{ComputeDevice, OpClassTime, OpProfile, OpProfiler, ProfiledOps};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
 pub use route::{
-    AttachedRoute, ComponentProgram, EffectiveOption, ForwardContext, LeafWeights, OptionValue,
-    Route, describe_budget,
+    AttachedRoute, ComponentProgram, EffectiveOption, ForwardContext, HeaderEstimate, LeafWeights,
+    OptionValue, Route, describe_budget,
 };
 pub use tensor::{Tensor, TensorStorage};

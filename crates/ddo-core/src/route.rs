@@ -128,6 +128,20 @@ pub fn describe_budget(b: crate::config::Budget) -> String {
     }
 }
 
+/// What a route would hold of a component known only by its checkpoint headers (`ddo
+/// inspect`): an estimate, not a [`Footprint`](crate::Footprint) (no component is built).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderEstimate {
+    /// Weight bytes kept on the device.
+    pub resident_bytes: u64,
+    /// Weight bytes copied to the device per forward.
+    pub streamed_bytes_per_forward: u64,
+    /// Most weight bytes on the device at once.
+    pub peak_weight_bytes: u64,
+    /// What the route does, or why it would refuse, in words.
+    pub note: String,
+}
+
 /// A route implementation: checks, then attaches.
 pub trait Route: Send + Sync {
     /// Which route this is.
@@ -146,6 +160,23 @@ pub trait Route: Send + Sync {
     fn effective_budget(&self, spec: &RouteSpec) -> Option<crate::config::Budget> {
         spec.options().budget
     }
+
+    /// Whether the route keeps every weight on the device for the whole attachment under
+    /// `spec` (so a phase's room for activations is what is left beside all of them).
+    fn keeps_weights_resident(&self, spec: &RouteSpec) -> bool {
+        let _ = spec;
+        false
+    }
+
+    /// `ddo inspect`'s estimate for a component of `weight_bytes` whose largest leaf holds
+    /// `largest_leaf_bytes`, under a device budget of `budget_bytes`.
+    fn estimate(
+        &self,
+        spec: &RouteSpec,
+        weight_bytes: u64,
+        largest_leaf_bytes: u64,
+        budget_bytes: u64,
+    ) -> HeaderEstimate;
 
     /// Whether the route streams weights through its streaming engine under `spec` (its
     /// `timeline` and engine options then apply).

@@ -110,6 +110,25 @@ pub fn streams(spec: &RouteSpec) -> bool {
     spec.route_id().is_some_and(|id| route(id).streams(spec))
 }
 
+/// Whether every weight stays on the device under `spec`: a resident route, or none (the
+/// caller places the weights) ([`Route::keeps_weights_resident`]).
+pub fn keeps_weights_resident(spec: &RouteSpec) -> bool {
+    spec.route_id()
+        .is_none_or(|id| route(id).keeps_weights_resident(spec))
+}
+
+/// `ddo inspect`'s estimate of what `spec`'s route holds for a component known by its
+/// headers ([`Route::estimate`]); `None` when the component is left unmanaged.
+pub fn estimate(
+    spec: &RouteSpec,
+    weight_bytes: u64,
+    largest_leaf_bytes: u64,
+    budget_bytes: u64,
+) -> Option<ddo_core::HeaderEstimate> {
+    spec.route_id()
+        .map(|id| route(id).estimate(spec, weight_bytes, largest_leaf_bytes, budget_bytes))
+}
+
 /// Whether `spec`'s route needs the native VMM allocator on its device
 /// ([`Route::needs_native_allocator`]).
 pub fn needs_native_allocator(spec: &RouteSpec) -> bool {

@@ -121,3 +121,51 @@ fn the_registry_says_which_routes_stream_and_which_need_the_native_allocator() {
         assert_eq!(ddo_routes::needs_native_allocator(&spec), native, "{text}");
     }
 }
+
+#[test]
+fn the_registry_estimates_from_headers_and_says_which_routes_keep_every_weight() {
+    let gib = 1u64 << 30;
+    let (weights, leaf, budget) = (10 * gib, gib / 4, 4 * gib);
+    let est = |text: &str| {
+        let spec: RouteSpec = text.parse().unwrap();
+        ddo_routes::estimate(&spec, weights, leaf, budget)
+    };
+    assert_eq!(
+        ddo_routes::estimate(&RouteSpec::unmanaged(), weights, leaf, budget),
+        None,
+        "unmanaged: the caller places the weights"
+    );
+    assert!(ddo_routes::keeps_weights_resident(&RouteSpec::unmanaged()));
+    let resident = est("none").unwrap();
+    assert_eq!(
+        (resident.resident_bytes, resident.peak_weight_bytes),
+        (weights, weights)
+    );
+    assert!(resident.note.contains("preflight refuses"), "{resident:?}");
+    let leaf_only = est("diffusers_group_offload").unwrap();
+    assert_eq!(
+        (
+            leaf_only.streamed_bytes_per_forward,
+            leaf_only.peak_weight_bytes
+        ),
+        (weights, leaf)
+    );
+    let streamed = est("diffusers_group_offload:use_stream=true").unwrap();
+    assert_eq!(streamed.peak_weight_bytes, 2 * leaf);
+    assert_eq!(est("linear_convolution").unwrap().peak_weight_bytes, leaf);
+    let vmm = est("native_vmm:budget=3GiB").unwrap();
+    assert_eq!(
+        (vmm.resident_bytes, vmm.streamed_bytes_per_forward),
+        (3 * gib, 7 * gib)
+    );
+    assert_eq!(vmm.peak_weight_bytes, 3 * gib + 2 * leaf);
+    for (text, keeps) in [
+        ("none", true),
+        ("diffusers_group_offload", false),
+        ("linear_convolution", false),
+        ("native_vmm", false),
+    ] {
+        let spec: RouteSpec = text.parse().unwrap();
+        assert_eq!(ddo_routes::keeps_weights_resident(&spec), keeps, "{text}");
+    }
+}

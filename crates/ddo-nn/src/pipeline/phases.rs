@@ -11,7 +11,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ddo_core::{AllocatorKind, CoreError, Device, Result, RouteId, RouteTarget};
+use ddo_core::{AllocatorKind, CoreError, Device, Result, RouteTarget};
 use ddo_routes::PipelineOffload;
 
 use super::{
@@ -303,15 +303,14 @@ pub(crate) fn decode_headroom(
         (None, 0) => return Ok(None),
         (None, c) => c,
     };
-    let weights = match offload.handle(name)?.target() {
-        RouteTarget::Unmanaged | RouteTarget::Route(RouteId::Resident) => {
-            if component.params().iter().all(|p| p.device().is_some()) {
-                0 // already counted in `allocated`
-            } else {
-                component.param_bytes()
-            }
+    let weights = if ddo_routes::keeps_weights_resident(offload.handle(name)?.spec()) {
+        if component.params().iter().all(|p| p.device().is_some()) {
+            0 // already counted in `allocated`
+        } else {
+            component.param_bytes()
         }
-        RouteTarget::Route(_) => component.largest_leaf().map_or(0, |l| l.param_bytes()),
+    } else {
+        component.largest_leaf().map_or(0, |l| l.param_bytes())
     };
     Ok(Some(
         limit.saturating_sub(info.allocated).saturating_sub(weights),

@@ -160,6 +160,28 @@ impl Route for GroupOffloadRoute {
         spec.group_offload_config().use_stream
     }
 
+    /// One leaf on the device, two with a stream (the next prefetched).
+    fn estimate(
+        &self,
+        spec: &RouteSpec,
+        weight_bytes: u64,
+        largest_leaf_bytes: u64,
+        _budget_bytes: u64,
+    ) -> ddo_core::HeaderEstimate {
+        let stream = spec.group_offload_config().use_stream;
+        ddo_core::HeaderEstimate {
+            resident_bytes: 0,
+            streamed_bytes_per_forward: weight_bytes,
+            peak_weight_bytes: if stream { 2 } else { 1 } * largest_leaf_bytes,
+            note: if stream {
+                "one leaf on the device, the next prefetched"
+            } else {
+                "one leaf on the device at a time"
+            }
+            .into(),
+        }
+    }
+
     /// Diffusers' options (offload type, blocks per group, stream, record_stream,
     /// low_cpu_mem_usage, pinned), the pinned limit, and with a stream the engine's options
     /// and the budget.

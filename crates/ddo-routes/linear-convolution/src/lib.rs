@@ -138,6 +138,22 @@ impl Route for LinearConvolutionRoute {
         )]
     }
 
+    /// Zero residency: one leaf's weights at a time.
+    fn estimate(
+        &self,
+        _spec: &RouteSpec,
+        weight_bytes: u64,
+        largest_leaf_bytes: u64,
+        _budget_bytes: u64,
+    ) -> ddo_core::HeaderEstimate {
+        ddo_core::HeaderEstimate {
+            resident_bytes: 0,
+            streamed_bytes_per_forward: weight_bytes,
+            peak_weight_bytes: largest_leaf_bytes,
+            note: "zero residency".into(),
+        }
+    }
+
     /// No budget and none of the group-offload options: the route has neither.
     fn check_options(
         &self,

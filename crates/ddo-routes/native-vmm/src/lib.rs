@@ -388,6 +388,34 @@ impl Route for NativeVmmRoute {
         true
     }
 
+    /// What the budget holds stays in the pool; the rest streams through a ring of two
+    /// leaves.
+    fn estimate(
+        &self,
+        spec: &RouteSpec,
+        weight_bytes: u64,
+        largest_leaf_bytes: u64,
+        budget_bytes: u64,
+    ) -> ddo_core::HeaderEstimate {
+        let room = match NativeVmmConfig::from_spec(spec).budget {
+            Budget::Bytes(n) => n.min(budget_bytes),
+            Budget::FreeMinus(m) => budget_bytes.saturating_sub(m),
+        };
+        let resident = weight_bytes.min(room);
+        let streamed = weight_bytes - resident;
+        ddo_core::HeaderEstimate {
+            resident_bytes: resident,
+            streamed_bytes_per_forward: streamed,
+            peak_weight_bytes: resident
+                + if streamed > 0 {
+                    2 * largest_leaf_bytes
+                } else {
+                    0
+                },
+            note: "needs the native allocator installed at start-up".into(),
+        }
+    }
+
     /// The budget given, or [`DEFAULT_BUDGET`].
     fn effective_budget(&self, spec: &RouteSpec) -> Option<Budget> {
         Some(NativeVmmConfig::from_spec(spec).budget)

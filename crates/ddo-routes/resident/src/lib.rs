@@ -24,6 +24,33 @@ impl Route for ResidentRoute {
         RouteId::Resident
     }
 
+    fn keeps_weights_resident(&self, _spec: &RouteSpec) -> bool {
+        true
+    }
+
+    /// Every weight on the device; over the budget preflight refuses.
+    fn estimate(
+        &self,
+        _spec: &RouteSpec,
+        weight_bytes: u64,
+        _largest_leaf_bytes: u64,
+        budget_bytes: u64,
+    ) -> ddo_core::HeaderEstimate {
+        ddo_core::HeaderEstimate {
+            resident_bytes: weight_bytes,
+            streamed_bytes_per_forward: 0,
+            peak_weight_bytes: weight_bytes,
+            note: if weight_bytes > budget_bytes {
+                format!(
+                    "does not fit the {} budget: preflight refuses",
+                    ddo_metrics::format_bytes(budget_bytes)
+                )
+            } else {
+                String::new()
+            },
+        }
+    }
+
     /// `none` takes no options.
     fn check_options(
         &self,
