@@ -42,16 +42,12 @@ type BoxError = Box<dyn std::error::Error>;
 
 /// `(VmRSS, RssAnon, RssFile)` of this process in bytes, from `/proc/self/status`.
 fn rss() -> (u64, u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
-    };
-    (field("VmRSS:"), field("RssAnon:"), field("RssFile:"))
+    use ddo_core::host_memory::process_status_bytes as field;
+    (
+        field("VmRSS").unwrap_or(0),
+        field("RssAnon").unwrap_or(0),
+        field("RssFile").unwrap_or(0),
+    )
 }
 
 fn tensor(path: &Path, name: &str) -> Result<(Tensor, Vec<f32>), BoxError> {

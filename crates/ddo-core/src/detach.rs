@@ -25,17 +25,11 @@ use crate::param::Param;
 
 /// `RssAnon` and `RssFile` of this process, in bytes, from `/proc/self/status` (Linux).
 pub fn rss_anon_file() -> (Option<u64>, Option<u64>) {
-    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
-        return (None, None);
-    };
-    let field = |key: &str| {
-        status.lines().find_map(|l| {
-            let rest = l.strip_prefix(key)?;
-            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            Some(kb * 1024)
-        })
-    };
-    (field("RssAnon:"), field("RssFile:"))
+    use crate::host_memory::process_status_bytes;
+    (
+        process_status_bytes("RssAnon"),
+        process_status_bytes("RssFile"),
+    )
 }
 
 /// The process's commit charge (bytes), where the OS reports one per process: `None` on

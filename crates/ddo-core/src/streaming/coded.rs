@@ -16,7 +16,8 @@
 //! [`ddo_codec::cache`]). Its key is each file's name, size and modification time, then per
 //! unit its length and the [`fast_hash`](ddo_codec::cache::fast_hash) of its raw slot image
 //! (hashed on every core), so a file rewritten in place with the same size and time is
-//! still seen as stale. A valid cache is read straight into the pinned home
+//! still seen as stale (where no cache file exists yet, the units are hashed while they are
+//! coded: one pass over the weights). A valid cache is read straight into the pinned home
 //! ([`ddo_codec::cache::OpenCache::read_into`], every unit checked); an absent, stale or
 //! corrupt one is coded again and rewritten; where it cannot be read or written, the units
 //! are coded with no cache and [`StreamingFigures::coded_cache_note`] says why.
@@ -168,15 +169,8 @@ fn cache_sources(layout: &StagingLayout) -> std::result::Result<Vec<Arc<Checkpoi
     Ok(files)
 }
 
-/// The cache key: per source file its name, size and modification time, then per unit its
-/// length and the fast hash of its raw slot image (hashed on every core, each unit's pages
-/// released once hashed).
-fn cache_key(
-    files: &[Arc<CheckpointMap>],
-    layout: &StagingLayout,
-    device: &dyn Device,
-    released: &AtomicU64,
-) -> std::result::Result<CacheKey, String> {
+/// The cache key's first part: per source file its name, size and modification time.
+fn files_key(files: &[Arc<CheckpointMap>]) -> std::result::Result<CacheKey, String> {
     let mut key = CacheKey::new();
     key.push_bytes(b"ddo-core streaming coded units, v2")
         .push_u64(files.len() as u64);
@@ -197,19 +191,32 @@ fn cache_key(
             .push_u64(mtime.as_secs())
             .push_u64(u64::from(mtime.subsec_nanos()));
     }
-    let units = layout.units();
-    let hashes = per_unit(units, device, |_, unit, image| {
+    Ok(key)
+}
+
+/// The cache key's second part: per unit its length and the fast hash of its raw slot
+/// image.
+fn push_units(key: &mut CacheKey, layout: &StagingLayout, hashes: &[u64]) {
+    key.push_u64(layout.units().len() as u64);
+    for (unit, h) in layout.units().iter().zip(hashes) {
+        key.push_u64(unit.bytes).push_u64(*h);
+    }
+}
+
+/// Hashes every unit's raw slot image on every core, each unit's pages released once
+/// hashed.
+fn hash_units(
+    layout: &StagingLayout,
+    device: &dyn Device,
+    released: &AtomicU64,
+) -> std::result::Result<Vec<u64>, String> {
+    per_unit(layout.units(), device, |_, unit, image| {
         slot_image(unit, image);
         let h = ddo_codec::cache::fast_hash(image);
         released.fetch_add(release_unit_pages(unit), Ordering::Relaxed);
         Ok(h)
     })
-    .map_err(|e| e.to_string())?;
-    key.push_u64(units.len() as u64);
-    for (unit, h) in units.iter().zip(&hashes) {
-        key.push_u64(unit.bytes).push_u64(*h);
-    }
-    Ok(key)
+    .map_err(|e| e.to_string())
 }
 
 /// Builds the coded home of `layout`'s units (see the [module docs](self)): from a valid
@@ -225,11 +232,25 @@ pub(crate) fn build(
     let started = Instant::now();
     let units = layout.units();
     let released = AtomicU64::new(0);
-    let cache = cache_sources(layout).and_then(|files| {
-        let key = cache_key(&files, layout, device, &released)?;
-        Ok((coded_cache_path(files[0].path()), key))
+    // Where there is no cache file at all, the units are hashed while they are coded (one
+    // pass over the weights instead of two); otherwise they are hashed first, for the key
+    // the file is checked against.
+    let sources = cache_sources(layout).and_then(|files| {
+        let path = coded_cache_path(files[0].path());
+        Ok((path, files_key(&files)?))
     });
-    let (cache, mut note) = match cache {
+    let absent = matches!(&sources, Ok((path, _)) if std::fs::symlink_metadata(path)
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound));
+    let cache = match sources {
+        Ok((path, mut key)) if !absent => hash_units(layout, device, &released).map(|hashes| {
+            push_units(&mut key, layout, &hashes);
+            (path, key)
+        }),
+        Ok((path, key)) => Ok((path, key)),
+        Err(reason) => Err(reason),
+    };
+    let (mut cache, mut note) = match cache {
+        Ok((path, key)) if absent => (Some((path, key)), Some("no cache file: rebuilt".into())),
         Ok((path, key)) => match ddo_codec::cache::open_cache(&path, &key) {
             Ok(Lookup::Hit(open)) if open.units() == units.len() => {
                 match home_from_cache(device, open, layout, pinned_room)? {
@@ -274,6 +295,7 @@ pub(crate) fn build(
         per_unit(units, device, |u, unit, image| {
             slot_image(unit, image);
             let mut out = Vec::new();
+            let hash = absent.then(|| ddo_codec::cache::fast_hash(image));
             let (header, stats) = ddo_codec::encode_unit_into(image, &mut out).map_err(|e| {
                 CoreError::InvalidOption {
                     option: "compress".into(),
@@ -284,10 +306,14 @@ pub(crate) fn build(
                 }
             })?;
             released.fetch_add(release_unit_pages(unit), Ordering::Relaxed);
-            Ok((out, header, stats))
+            Ok((out, header, stats, hash))
         })
     };
     let coded = code_all()?;
+    if absent && let Some((_, key)) = &mut cache {
+        let hashes: Vec<u64> = coded.iter().map(|c| c.3.unwrap_or_default()).collect();
+        push_units(key, layout, &hashes);
+    }
     let stats = ddo_codec::Stats::total(coded.iter().map(|c| &c.2));
     let entropy_millibits = (stats.exponent_entropy() * 1000.0).round() as u64;
     let mut state = CodedCache::Unavailable;
@@ -351,7 +377,7 @@ pub(crate) fn build(
 #[allow(clippy::too_many_arguments)]
 fn finish(
     device: &dyn Device,
-    coded: Vec<(Vec<u8>, UnitHeader, ddo_codec::Stats)>,
+    coded: Vec<Coded>,
     pinned_room: u64,
     entropy_millibits: u64,
     cache: CodedCache,
@@ -372,6 +398,10 @@ fn finish(
     })
 }
 
+/// A unit coded in memory: its bytes, header, statistics, and the hash of its raw slot
+/// image when it was taken while coding.
+type Coded = (Vec<u8>, UnitHeader, ddo_codec::Stats, Option<u64>);
+
 /// The typed error for coded units over the pinned room.
 fn over_pinned_room(device: &dyn Device, total: u64, pinned_room: u64) -> CoreError {
     let pinned = device.memory_info().pinned_host;
@@ -383,11 +413,7 @@ fn over_pinned_room(device: &dyn Device, total: u64, pinned_room: u64) -> CoreEr
 }
 
 /// Copies coded units into one pinned buffer, each 16-byte aligned.
-fn home_from_units(
-    device: &dyn Device,
-    coded: &[(Vec<u8>, UnitHeader, ddo_codec::Stats)],
-    pinned_room: u64,
-) -> Result<CodedHome> {
+fn home_from_units(device: &dyn Device, coded: &[Coded], pinned_room: u64) -> Result<CodedHome> {
     let mut offsets = Vec::with_capacity(coded.len());
     let mut total = 0u64;
     for c in coded {
