@@ -551,26 +551,6 @@ impl fmt::Display for RouteTarget {
     }
 }
 
-/// Diffusers-style group offload settings with Diffusers' defaults applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GroupOffloadConfig {
-    /// Leaf or block level.
-    pub offload_type: OffloadType,
-    /// Blocks per group (block level).
-    pub num_blocks_per_group: usize,
-    /// Prefetch on a copy stream.
-    pub use_stream: bool,
-    /// Stream-ordered frees instead of a synchronisation.
-    pub record_stream: bool,
-    /// Pin on the fly instead of keeping pinned copies.
-    pub low_cpu_mem_usage: bool,
-    /// Page-lock the weights' one host copy: without a stream a pinned home made at attach,
-    /// with one the streaming engine's staging. Default: with a stream unless
-    /// `low_cpu_mem_usage`; without one never, as Diffusers pins only for a stream
-    /// (`ModuleGroup._init_cpu_param_dict`), the seed's VAE leaf calls included.
-    pub pinned: bool,
-}
-
 /// A validated route choice: a target plus options that do not contradict each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RouteSpec {
@@ -731,21 +711,6 @@ impl RouteSpec {
     /// The options as given.
     pub fn options(&self) -> &RouteOptions {
         &self.options
-    }
-
-    /// Group offload settings with Diffusers' defaults (leaf level, no stream).
-    pub fn group_offload_config(&self) -> GroupOffloadConfig {
-        let o = &self.options;
-        let use_stream = o.use_stream.unwrap_or(false);
-        let low_cpu_mem_usage = o.low_cpu_mem_usage.unwrap_or(false);
-        GroupOffloadConfig {
-            offload_type: o.offload_type.unwrap_or(OffloadType::LeafLevel),
-            num_blocks_per_group: o.num_blocks_per_group.unwrap_or(1),
-            use_stream,
-            record_stream: o.record_stream.unwrap_or(false),
-            low_cpu_mem_usage,
-            pinned: o.pinned.unwrap_or(use_stream && !low_cpu_mem_usage),
-        }
     }
 
     /// The spec in words (`diffusers_group_offload leaf_level use_stream=false`).
@@ -953,23 +918,7 @@ mod tests {
     }
 
     #[test]
-    fn valid_specs_parse_and_apply_diffusers_defaults() {
-        let s: RouteSpec = "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,record_stream=true"
-            .parse()
-            .unwrap();
-        let c = s.group_offload_config();
-        assert_eq!(c.offload_type, OffloadType::BlockLevel);
-        assert!(c.use_stream && c.record_stream && c.pinned && !c.low_cpu_mem_usage);
-        let leaf: RouteSpec = "diffusers_group_offload".parse().unwrap();
-        let c = leaf.group_offload_config();
-        assert_eq!(c.offload_type, OffloadType::LeafLevel);
-        // Without a stream nothing is page-locked by default: Diffusers pins only for a
-        // stream. `pinned=true` asks for it.
-        assert!(!c.use_stream && !c.pinned);
-        let pinned: RouteSpec = "diffusers_group_offload:pinned=true".parse().unwrap();
-        assert!(pinned.group_offload_config().pinned);
-        let low = RouteSpec::leaf_group(true, true).group_offload_config();
-        assert!(low.use_stream && !low.pinned);
+    fn valid_specs_parse() {
         let registered: RouteSpec = "native_vmm:pinned_source=register".parse().unwrap();
         assert_eq!(
             registered.options().pinned_source,

@@ -381,9 +381,12 @@ mod tests {
         .unwrap();
         assert_eq!(r.preset, Preset::OneShotFast);
         assert_eq!(r.spec, vae_leaf_no_stream());
-        let c = r.spec.group_offload_config();
-        assert_eq!(c.offload_type, OffloadType::LeafLevel);
-        assert!(!c.use_stream && !c.low_cpu_mem_usage);
+        let o = r.spec.options();
+        assert_eq!(o.offload_type, Some(OffloadType::LeafLevel));
+        assert_eq!(
+            (o.use_stream, o.low_cpu_mem_usage),
+            (Some(false), Some(false))
+        );
         assert_eq!(r.decided_by, DecidedBy::PresetDefault(Preset::OneShotFast));
     }
 

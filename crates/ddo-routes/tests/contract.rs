@@ -4,6 +4,7 @@
 
 mod common;
 
+use ddo_route_leaf_group::GroupOffloadConfig;
 use std::sync::Arc;
 
 use common::*;
@@ -40,7 +41,7 @@ fn no_env() -> MapEnvironment {
 
 fn assert_vae_leaf_no_stream(spec: &RouteSpec) {
     assert_eq!(spec.route_id(), Some(RouteId::DiffusersGroupOffload));
-    let c = spec.group_offload_config();
+    let c = GroupOffloadConfig::from_spec(spec);
     assert_eq!(c.offload_type, OffloadType::LeafLevel);
     assert!(!c.use_stream, "VAE default must not use a stream");
     assert!(
@@ -164,7 +165,7 @@ fn vae_defaults_never_come_from_the_class_name() {
     let d = device(1 << 24);
     let h = enable_offload_with_env(&c, dyn_device(&d), &options(Preset::Auto), &no_env()).unwrap();
     assert!(
-        h.spec().group_offload_config().use_stream,
+        GroupOffloadConfig::from_spec(h.spec()).use_stream,
         "decoder got the VAE row"
     );
 

@@ -7,6 +7,7 @@
 
 mod common;
 
+use ddo_route_leaf_group::GroupOffloadConfig;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -93,7 +94,7 @@ fn a_component_that_fits_stays_resident_and_one_that_does_not_keeps_a_part() {
     let vae = roomy.component("vae").unwrap();
     assert!(!vae.planned);
     assert!(
-        !vae.resolution.spec.group_offload_config().use_stream,
+        !GroupOffloadConfig::from_spec(&vae.resolution.spec).use_stream,
         "{}",
         vae.resolution.spec.describe()
     );

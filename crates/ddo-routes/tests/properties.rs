@@ -10,6 +10,7 @@ use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
     Budget, Component, DType, LeafKind, OffloadType, RouteId, RouteOptions, RouteSpec, RouteTarget,
 };
+use ddo_route_leaf_group::GroupOffloadConfig;
 use ddo_routes::enable_dynamic_offload;
 use proptest::prelude::*;
 
@@ -133,7 +134,7 @@ fn activation_bound(spec: &ReferenceSpec, batch: usize) -> u64 {
 fn largest_group(component: &Component, route: &RouteSpec) -> (u64, u64) {
     let leaves = component.leaves();
     let largest_leaf = leaves.iter().map(|l| l.param_bytes()).max().unwrap_or(0);
-    let c = route.group_offload_config();
+    let c = GroupOffloadConfig::from_spec(route);
     if c.offload_type == OffloadType::LeafLevel {
         return (largest_leaf, 0);
     }
@@ -188,7 +189,7 @@ proptest! {
                 },
                 Some(RouteId::DiffusersGroupOffload) => {
                     let (group, unmatched) = largest_group(&c, &route);
-                    let cfg = route.group_offload_config();
+                    let cfg = GroupOffloadConfig::from_spec(&route);
                     // Direct onloads: the group in use; record_stream frees in stream
                     // order, so one more may still be queued for release. With a stream,
                     // later forwards hold the engine's ring (and its resident weights).

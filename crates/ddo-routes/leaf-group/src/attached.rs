@@ -14,12 +14,13 @@ use ddo_core::streaming::{
     ring_does_not_fit,
 };
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, GroupOffloadConfig, HostSlice, Leaf,
-    OffloadType, Param, ParamId, Result, Route, RouteId, RouteSpec, Stream,
+    AttachedRoute, Component, CoreError, Device, DeviceId, HostSlice, Leaf, OffloadType, Param,
+    ParamId, Result, Route, RouteId, RouteSpec, Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::config::GroupOffloadConfig;
 use crate::{GroupOffloadRoute, GroupPlan, ROUTE_NAME, streaming_config, streaming_config_for};
 
 impl GroupOffloadRoute {
@@ -39,7 +40,7 @@ impl GroupOffloadRoute {
                 route: existing.route_name(),
             });
         }
-        let config = spec.group_offload_config();
+        let config = GroupOffloadConfig::from_spec(spec);
         let plan = GroupPlan::new(component, &config);
         let params = component.params();
         // A stream-mode budget must hold the streaming engine's ring beside whatever it

@@ -59,6 +59,7 @@
 //! [`StreamingEngine`]: ddo_core::streaming::StreamingEngine
 
 mod attached;
+mod config;
 mod plan;
 
 use std::sync::Arc;
@@ -72,6 +73,7 @@ use ddo_core::{
 use ddo_metrics::RouteMetrics;
 
 pub use attached::AttachedGroupOffload;
+pub use config::GroupOffloadConfig;
 pub use plan::{Group, GroupPlan};
 
 /// Ring slots of the streaming engine when a `budget` keeps part of the model resident and
@@ -157,7 +159,7 @@ impl Route for GroupOffloadRoute {
 
     /// With `use_stream=true`.
     fn streams(&self, spec: &RouteSpec) -> bool {
-        spec.group_offload_config().use_stream
+        GroupOffloadConfig::from_spec(spec).use_stream
     }
 
     /// One leaf on the device, two with a stream (the next prefetched).
@@ -168,7 +170,7 @@ impl Route for GroupOffloadRoute {
         largest_leaf_bytes: u64,
         _budget_bytes: u64,
     ) -> ddo_core::HeaderEstimate {
-        let stream = spec.group_offload_config().use_stream;
+        let stream = GroupOffloadConfig::from_spec(spec).use_stream;
         ddo_core::HeaderEstimate {
             resident_bytes: 0,
             streamed_bytes_per_forward: weight_bytes,
@@ -188,7 +190,7 @@ impl Route for GroupOffloadRoute {
     fn effective_options(&self, spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
         use ddo_core::{EffectiveOption as E, OptionValue as V};
         let o = spec.options();
-        let c = spec.group_offload_config();
+        let c = GroupOffloadConfig::from_spec(spec);
         let mut v = vec![E::new(
             "offload_type",
             V::Text(c.offload_type.as_str().into()),
@@ -242,7 +244,7 @@ impl Route for GroupOffloadRoute {
         spec: &RouteSpec,
     ) -> std::result::Result<(), Refusal> {
         let o = spec.options();
-        let streamed = spec.group_offload_config().use_stream;
+        let streamed = GroupOffloadConfig::from_spec(spec).use_stream;
         if o.budget.is_some() && !streamed {
             return Err(Refusal::UnsupportedOption {
                 option: "budget",
@@ -285,7 +287,7 @@ impl Route for GroupOffloadRoute {
             refusal,
         };
         self.check_options(component.name(), spec).map_err(refuse)?;
-        if spec.group_offload_config().use_stream && !device.supports_streams() {
+        if GroupOffloadConfig::from_spec(spec).use_stream && !device.supports_streams() {
             return Err(refuse(Refusal::NoStreams));
         }
         Ok(())
@@ -318,7 +320,7 @@ impl Route for GroupOffloadRoute {
         spec: &RouteSpec,
         context: &FootprintContext,
     ) -> Result<Footprint> {
-        let config = spec.group_offload_config();
+        let config = GroupOffloadConfig::from_spec(spec);
         let plan = GroupPlan::new(component, &config);
         let weight_bytes = component.param_bytes();
         let unmatched = plan.unmatched_bytes();

@@ -5,7 +5,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ddo_core::streaming::layout::align_up;
-use ddo_core::{Component, GroupOffloadConfig, LeafId, OffloadType, Param, ParamId, Placement};
+use ddo_core::{Component, LeafId, OffloadType, Param, ParamId, Placement};
+
+use crate::config::GroupOffloadConfig;
 
 use crate::UNMATCHED_LABEL;
 
@@ -218,7 +220,7 @@ mod tests {
     use ddo_core::{Result, RouteId, RouteSpec};
 
     fn config(offload_type: OffloadType, n: Option<usize>) -> GroupOffloadConfig {
-        RouteSpec::new(
+        let spec = RouteSpec::new(
             RouteTarget::Route(RouteId::DiffusersGroupOffload),
             RouteOptions {
                 offload_type: Some(offload_type),
@@ -226,8 +228,8 @@ mod tests {
                 ..RouteOptions::default()
             },
         )
-        .unwrap()
-        .group_offload_config()
+        .unwrap();
+        GroupOffloadConfig::from_spec(&spec)
     }
 
     #[test]

@@ -119,7 +119,10 @@ fn a_device_just_large_enough_for_the_promise_runs_every_mode() {
         let c = build(&spec).unwrap();
         let xs = inputs(&spec, batch, 3);
         let expected = baseline(&c, &xs);
-        let plan = GroupPlan::new(&c, &case.spec().group_offload_config());
+        let plan = GroupPlan::new(
+            &c,
+            &ddo_route_leaf_group::GroupOffloadConfig::from_spec(&case.spec()),
+        );
         let capacity = promise(&case, &plan, activations);
         let device = slow_device(capacity, 4e6);
         let (hooks, _metrics) = attach(&c, &device, &case.spec());

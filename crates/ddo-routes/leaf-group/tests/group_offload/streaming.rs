@@ -80,7 +80,10 @@ fn check(spec: &ReferenceSpec, t: Tuning, batch: usize) -> Result<(), TestCaseEr
     let activations = activation_allowance(spec, batch);
     // A budget of a fraction of the weights plus room for a ring of the largest groups
     // (leaves, or whole blocks at block level), with room for each param's alignment.
-    let plan = ddo_route_leaf_group::GroupPlan::new(&c, &spec_for(&t, None).group_offload_config());
+    let plan = ddo_route_leaf_group::GroupPlan::new(
+        &c,
+        &ddo_route_leaf_group::GroupOffloadConfig::from_spec(&spec_for(&t, None)),
+    );
     // The ring the engine's planner counts with everything streamed: slots of the largest
     // group or coalesced unit, every param 256-byte aligned (SlotModel::room).
     let aligned = |bytes: usize| (bytes as u64).next_multiple_of(256);
