@@ -443,49 +443,54 @@ pub struct RouteOptions {
 }
 
 impl RouteOptions {
+    /// Every option name route specs know, in the order specs describe them: the
+    /// vocabulary each route's [`OptionTable`](crate::OptionTable) takes its names from.
+    pub const NAMES: [&'static str; 13] = [
+        "offload_type",
+        "num_blocks_per_group",
+        "use_stream",
+        "record_stream",
+        "low_cpu_mem_usage",
+        "pinned",
+        "budget",
+        "pinned_limit",
+        "unit_bytes",
+        "ring_slots",
+        "pinned_source",
+        "timeline",
+        "compress",
+    ];
+
     /// Names of the options that were given.
     pub fn given(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.offload_type.is_some() {
-            v.push("offload_type");
+        Self::NAMES
+            .into_iter()
+            .filter(|n| self.value_text(n).is_some())
+            .collect()
+    }
+
+    /// The value of option `name` as a spec writes it (`true`, `block_level`, `16777216`,
+    /// `free-1GiB`), if it was given.
+    pub fn value_text(&self, name: &str) -> Option<String> {
+        fn text<T: ToString>(v: Option<T>) -> Option<String> {
+            v.map(|v| v.to_string())
         }
-        if self.num_blocks_per_group.is_some() {
-            v.push("num_blocks_per_group");
+        match name {
+            "offload_type" => self.offload_type.map(|t| t.as_str().to_string()),
+            "num_blocks_per_group" => text(self.num_blocks_per_group),
+            "use_stream" => text(self.use_stream),
+            "record_stream" => text(self.record_stream),
+            "low_cpu_mem_usage" => text(self.low_cpu_mem_usage),
+            "pinned" => text(self.pinned),
+            "budget" => text(self.budget),
+            "pinned_limit" => text(self.pinned_limit),
+            "unit_bytes" => text(self.unit_bytes),
+            "ring_slots" => text(self.ring_slots),
+            "pinned_source" => text(self.pinned_source),
+            "timeline" => text(self.timeline),
+            "compress" => text(self.compress),
+            _ => None,
         }
-        if self.use_stream.is_some() {
-            v.push("use_stream");
-        }
-        if self.record_stream.is_some() {
-            v.push("record_stream");
-        }
-        if self.low_cpu_mem_usage.is_some() {
-            v.push("low_cpu_mem_usage");
-        }
-        if self.pinned.is_some() {
-            v.push("pinned");
-        }
-        if self.budget.is_some() {
-            v.push("budget");
-        }
-        if self.pinned_limit.is_some() {
-            v.push("pinned_limit");
-        }
-        if self.unit_bytes.is_some() {
-            v.push("unit_bytes");
-        }
-        if self.ring_slots.is_some() {
-            v.push("ring_slots");
-        }
-        if self.pinned_source.is_some() {
-            v.push("pinned_source");
-        }
-        if self.timeline.is_some() {
-            v.push("timeline");
-        }
-        if self.compress.is_some() {
-            v.push("compress");
-        }
-        v
     }
 
     /// Sets one option from its text form (`use_stream=true`).
@@ -522,10 +527,7 @@ impl RouteOptions {
                 return Err(CoreError::InvalidOption {
                     option: key.into(),
                     value: value.into(),
-                    hint: "known options: offload_type, num_blocks_per_group, use_stream, record_stream, \
-                           low_cpu_mem_usage, pinned, budget, pinned_limit, unit_bytes, ring_slots, \
-                           pinned_source, timeline, compress"
-                        .into(),
+                    hint: format!("known options: {}", Self::NAMES.join(", ")),
                 });
             }
         }

@@ -74,6 +74,7 @@ pub use profile::{ComputeDevice, OpClassTime, OpProfile, OpProfiler, ProfiledOps
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
 pub use route::{
     AttachedRoute, ComponentProgram, EffectiveOption, ForwardContext, HeaderEstimate, LeafWeights,
-    OptionValue, Route, describe_budget,
+    OptionDecl, OptionKind, OptionRequirement, OptionTable, OptionValue, RefusedOption, Route,
+    describe_budget,
 };
 pub use tensor::{Tensor, TensorStorage};

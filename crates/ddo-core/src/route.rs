@@ -118,6 +118,175 @@ impl EffectiveOption {
     }
 }
 
+/// The type of a route option's value, as route specs write it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptionKind {
+    /// `true` or `false`.
+    Flag,
+    /// A whole number (slots, blocks).
+    Count,
+    /// A size in bytes (`16MiB`, `2GB`, `4096`).
+    Size,
+    /// A device budget: a size, or `free-<size>`.
+    Budget,
+    /// One of these names.
+    Choice(&'static [&'static str]),
+}
+
+impl OptionKind {
+    /// The values it takes, in words (`true|false`, `<size>`, `leaf_level|block_level`).
+    pub fn describe(self) -> String {
+        match self {
+            OptionKind::Flag => "true|false".into(),
+            OptionKind::Count => "<n>".into(),
+            OptionKind::Size => "<size>".into(),
+            OptionKind::Budget => "<size>|free-<size>".into(),
+            OptionKind::Choice(names) => names.join("|"),
+        }
+    }
+}
+
+/// An option that applies only beside another option's value (`ring_slots` needs
+/// `use_stream=true`): given without it, the registry refuses it with `hint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionRequirement {
+    /// The option it needs.
+    pub option: &'static str,
+    /// The value that option must have (given, or its default in the same table).
+    pub value: &'static str,
+    /// What to do when it does not.
+    pub hint: &'static str,
+}
+
+/// One option a route takes: data the registry parses and refuses by, and `ddo resolve`
+/// and `ddo inspect` print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionDecl {
+    /// Its name, as route specs spell it (one of [`RouteOptions::NAMES`](crate::RouteOptions::NAMES)).
+    pub name: &'static str,
+    /// Its type.
+    pub kind: OptionKind,
+    /// Its default, in words.
+    pub default: &'static str,
+    /// What it does, in one line.
+    pub doc: &'static str,
+    /// The option value it needs beside it, if any.
+    pub requires: Option<OptionRequirement>,
+}
+
+impl OptionDecl {
+    /// An option with no requirement.
+    pub const fn new(
+        name: &'static str,
+        kind: OptionKind,
+        default: &'static str,
+        doc: &'static str,
+    ) -> Self {
+        Self {
+            name,
+            kind,
+            default,
+            doc,
+            requires: None,
+        }
+    }
+
+    /// The same option, applying only where `option` has `value`.
+    pub const fn requires(
+        self,
+        option: &'static str,
+        value: &'static str,
+        hint: &'static str,
+    ) -> Self {
+        Self {
+            requires: Some(OptionRequirement {
+                option,
+                value,
+                hint,
+            }),
+            ..self
+        }
+    }
+}
+
+/// An option a route refuses by name, with what to do instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RefusedOption {
+    /// The option.
+    pub name: &'static str,
+    /// What to do instead.
+    pub hint: &'static str,
+}
+
+/// Options that only travel with another (`num_blocks_per_group` with `offload_type`,
+/// `record_stream` with `use_stream`): checked first, so a refusal names the one the caller
+/// added last rather than the one it needs.
+const DEPENDENT_OPTIONS: [&str; 2] = ["num_blocks_per_group", "record_stream"];
+
+/// A route's options as data, declared beside its [`Route`] impl: the options it takes
+/// (name, type, default, doc, requirement), the ones it refuses with a hint of their own,
+/// and the hint for any other option of the vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionTable {
+    /// The options the route takes, in the order `ddo resolve` prints them.
+    pub options: &'static [OptionDecl],
+    /// Options it refuses with their own hint.
+    pub refused: &'static [RefusedOption],
+    /// The hint for every other option it does not take.
+    pub others_hint: &'static str,
+}
+
+impl OptionTable {
+    /// The declaration of `name`, if the route takes it.
+    pub fn get(&self, name: &str) -> Option<&'static OptionDecl> {
+        self.options.iter().find(|d| d.name == name)
+    }
+
+    /// The names of the options the route takes.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.options.iter().map(|d| d.name).collect()
+    }
+
+    /// Refuses, from the table alone, each option `spec` gives that the route does not
+    /// take (with the table's hint for it) or gives without the value it requires beside
+    /// it. The registry runs it once before every attach and for `ddo resolve`.
+    pub fn check(&self, spec: &RouteSpec) -> std::result::Result<(), Refusal> {
+        let o = spec.options();
+        let given = o.given();
+        let (dependent, rest): (Vec<&'static str>, Vec<&'static str>) = given
+            .into_iter()
+            .partition(|name| DEPENDENT_OPTIONS.contains(name));
+        for name in dependent.into_iter().chain(rest) {
+            let Some(decl) = self.get(name) else {
+                return Err(Refusal::UnsupportedOption {
+                    option: name,
+                    hint: self.refusal_hint(name),
+                });
+            };
+            if let Some(req) = decl.requires {
+                let value = o
+                    .value_text(req.option)
+                    .or_else(|| self.get(req.option).map(|d| d.default.to_string()));
+                if value.as_deref() != Some(req.value) {
+                    return Err(Refusal::UnsupportedOption {
+                        option: name,
+                        hint: req.hint,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Why the route refuses `name`, when it does not take it.
+    pub fn refusal_hint(&self, name: &str) -> &'static str {
+        self.refused
+            .iter()
+            .find(|r| r.name == name)
+            .map_or(self.others_hint, |r| r.hint)
+    }
+}
+
 /// A budget in words: `16 GiB`, or `free - 2 GiB` for the device's free memory less a
 /// margin.
 pub fn describe_budget(b: crate::config::Budget) -> String {
@@ -146,6 +315,11 @@ pub struct HeaderEstimate {
 pub trait Route: Send + Sync {
     /// Which route this is.
     fn id(&self) -> RouteId;
+
+    /// The route's options as data ([`OptionTable`]): the registry refuses, from it alone,
+    /// any option the route does not take and any option given without the value it
+    /// requires, before [`Route::check_options`] and [`Route::preflight`] run.
+    fn option_table(&self) -> &'static OptionTable;
 
     /// The options this route runs `spec` with: each option it takes, with the value given
     /// or its own default, so `ddo resolve` and `ddo inspect` print what the route says
@@ -193,13 +367,19 @@ pub trait Route: Send + Sync {
         false
     }
 
-    /// The part of [`Route::preflight`] that reads only `spec` and the component's name:
-    /// the options this route cannot honour whatever the weights and the device. `ddo
-    /// resolve` asks it without a model; `preflight` runs it too, so both refuse alike.
-    fn check_options(&self, component: &str, spec: &RouteSpec) -> std::result::Result<(), Refusal>;
+    /// The rules on `spec` and the component's name that [`Route::option_table`] cannot
+    /// say (native_vmm: a VAE needs an explicit budget); the registry runs it after the
+    /// table, for `ddo resolve` without a model and before every preflight. None by
+    /// default.
+    fn check_options(&self, component: &str, spec: &RouteSpec) -> std::result::Result<(), Refusal> {
+        let _ = (component, spec);
+        Ok(())
+    }
 
-    /// Checks that the route can run `component` on `device` with `spec`, touching
-    /// nothing; a refusal says what to change.
+    /// Checks that the route can run `component` on `device` with `spec` (a spec of this
+    /// route whose options the registry has checked, for a component with nothing
+    /// attached), touching nothing: what depends on the device and the weights. A refusal
+    /// says what to change.
     fn preflight(&self, component: &Component, device: &dyn Device, spec: &RouteSpec)
     -> Result<()>;
 
@@ -215,7 +395,9 @@ pub trait Route: Send + Sync {
         context: &FootprintContext,
     ) -> Result<Footprint>;
 
-    /// Attaches to `component`. On error nothing is left allocated or changed.
+    /// Attaches to `component`, after the registry's checks and [`Route::preflight`]
+    /// passed (attach does not repeat them). On error nothing is left allocated or
+    /// changed.
     fn attach(
         &self,
         component: &Arc<Component>,
@@ -223,6 +405,61 @@ pub trait Route: Send + Sync {
         spec: &RouteSpec,
         metrics: Arc<RouteMetrics>,
     ) -> Result<Arc<dyn AttachedRoute>>;
+}
+
+/// What `route` refuses of `spec` for a component named `component` from the spec alone:
+/// first its [`OptionTable`] ([`OptionTable::check`]), then its own
+/// [`Route::check_options`]. The registry's `check_route_options` and [`checked_preflight`]
+/// both run it, so `ddo resolve` without a model and every attach refuse alike.
+pub fn check_spec(route: &dyn Route, component: &str, spec: &RouteSpec) -> Result<()> {
+    if spec.route_id() != Some(route.id()) {
+        return Err(CoreError::InvalidOption {
+            option: "route".into(),
+            value: spec.target().to_string(),
+            hint: format!(
+                "this spec is not for {}; pass it to the route it names",
+                route.id()
+            ),
+        });
+    }
+    route
+        .option_table()
+        .check(spec)
+        .and_then(|()| route.check_options(component, spec))
+        .map_err(|refusal| CoreError::Refused {
+            route: route.id().as_str(),
+            component: component.to_string(),
+            refusal,
+        })
+}
+
+/// Every check before `route` attaches to `component` on `device` with `spec`, in one
+/// place (the registry runs it once per attach; routes do not repeat it): nothing attached
+/// yet, no weight already on a device, the spec ([`check_spec`]), then the route's own
+/// [`Route::preflight`] (what depends on the device and the weights). Touches nothing.
+pub fn checked_preflight(
+    route: &dyn Route,
+    component: &Component,
+    device: &dyn Device,
+    spec: &RouteSpec,
+) -> Result<()> {
+    if let Some(existing) = component.attached() {
+        return Err(CoreError::AlreadyAttached {
+            component: component.name().to_string(),
+            route: existing.route_name(),
+        });
+    }
+    if let Some(p) = component.params().iter().find(|p| p.device().is_some()) {
+        return Err(CoreError::Refused {
+            route: route.id().as_str(),
+            component: component.name().to_string(),
+            refusal: Refusal::WeightsAlreadyOnDevice {
+                param: p.name().to_string(),
+            },
+        });
+    }
+    check_spec(route, component.name(), spec)?;
+    route.preflight(component, device, spec)
 }
 
 /// The device tensors of one leaf's params, valid while the leaf runs.
@@ -315,5 +552,64 @@ impl<'a> ForwardContext<'a> {
             h.after_leaf(leaf)?;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static TABLE: OptionTable = OptionTable {
+        options: &[
+            OptionDecl::new("use_stream", OptionKind::Flag, "false", "stream"),
+            OptionDecl::new("ring_slots", OptionKind::Count, "2", "slots").requires(
+                "use_stream",
+                "true",
+                "set use_stream=true",
+            ),
+        ],
+        refused: &[RefusedOption {
+            name: "budget",
+            hint: "no budget here",
+        }],
+        others_hint: "only use_stream and ring_slots",
+    };
+
+    fn check(text: &str) -> Result<(), Refusal> {
+        TABLE.check(&text.parse().unwrap())
+    }
+
+    fn refused(text: &str) -> (&'static str, &'static str) {
+        match check(text).unwrap_err() {
+            Refusal::UnsupportedOption { option, hint } => (option, hint),
+            other => panic!("{text}: {other}"),
+        }
+    }
+
+    #[test]
+    fn a_table_refuses_what_it_does_not_take_and_what_lacks_its_requirement() {
+        assert!(check("diffusers_group_offload").is_ok());
+        assert!(check("diffusers_group_offload:use_stream=true,ring_slots=3").is_ok());
+        assert_eq!(
+            refused("diffusers_group_offload:ring_slots=3"),
+            ("ring_slots", "set use_stream=true")
+        );
+        assert_eq!(
+            refused("diffusers_group_offload:use_stream=false,ring_slots=3"),
+            ("ring_slots", "set use_stream=true")
+        );
+        assert_eq!(
+            refused("diffusers_group_offload:budget=1GiB"),
+            ("budget", "no budget here")
+        );
+        assert_eq!(
+            refused("diffusers_group_offload:pinned=true"),
+            ("pinned", "only use_stream and ring_slots")
+        );
+        // The option that travels with another is named, not the one it needs.
+        assert_eq!(
+            refused("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1").0,
+            "num_blocks_per_group"
+        );
     }
 }

@@ -250,9 +250,14 @@ fn vmm_fast_vae_on_a_native_device_is_leaf_no_stream_from_the_pool() {
         h.spec().route_id(),
         Some(ddo_core::RouteId::DiffusersGroupOffload)
     );
-    let c = h.spec().group_offload_config();
-    assert_eq!(c.offload_type, ddo_core::OffloadType::LeafLevel);
-    assert!(!c.use_stream && !c.low_cpu_mem_usage, "{:?}", h.spec());
+    let o = h.spec().options();
+    assert_eq!(o.offload_type, Some(ddo_core::OffloadType::LeafLevel));
+    assert_eq!(
+        (o.use_stream, o.low_cpu_mem_usage),
+        (Some(false), Some(false)),
+        "{:?}",
+        h.spec()
+    );
     assert_eq!(
         d.memory_info().pinned_host,
         pinned_before,

@@ -27,8 +27,8 @@ use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, ProcessEnvironment, resolve};
 use ddo_core::{
-    Component, CoreError, DecidedBy, Device, Refusal, Resolution, Result, Route, RouteId,
-    RouteSpec, RouteTarget, Settings,
+    Component, CoreError, DecidedBy, Device, Resolution, Result, Route, RouteId, RouteSpec,
+    RouteTarget, Settings,
 };
 use ddo_metrics::RouteMetrics;
 
@@ -267,18 +267,27 @@ pub fn enable_pipeline_offload_with_env(
 }
 
 /// What `spec`'s route refuses for a component named `component` from the spec alone,
-/// without weights or a device ([`Route::check_options`]; every preflight runs the same
-/// check): what `ddo resolve` refuses without a model. Unmanaged specs pass.
+/// without weights or a device: first what its [`OptionTable`](ddo_core::OptionTable)
+/// refuses ([`OptionTable::check`](ddo_core::OptionTable::check)), then its own
+/// [`Route::check_options`]. `ddo
+/// resolve` refuses this without a model; [`preflight`] runs it before every attach.
+/// Unmanaged specs pass.
 pub fn check_route_options(component: &str, spec: &RouteSpec) -> Result<()> {
     match spec.target() {
+        RouteTarget::Route(id) => ddo_core::route::check_spec(route(id), component, spec),
+        RouteTarget::Unmanaged => Ok(()),
+    }
+}
+
+/// Every check before `spec`'s route attaches to `component` on `device`, run once here
+/// for every route ([`ddo_core::route::checked_preflight`]): nothing attached yet, no
+/// weight already on a device, the options ([`check_route_options`]), then the route's own
+/// [`Route::preflight`] (what depends on the device and the weights). Touches nothing.
+/// Unmanaged specs pass.
+pub fn preflight(component: &Component, device: &dyn Device, spec: &RouteSpec) -> Result<()> {
+    match spec.target() {
         RouteTarget::Route(id) => {
-            route(id)
-                .check_options(component, spec)
-                .map_err(|refusal| CoreError::Refused {
-                    route: id.as_str(),
-                    component: component.to_string(),
-                    refusal,
-                })
+            ddo_core::route::checked_preflight(route(id), component, device, spec)
         }
         RouteTarget::Unmanaged => Ok(()),
     }
@@ -303,9 +312,7 @@ pub fn enable_planned_pipeline_offload(
                     .into(),
             });
         };
-        if let RouteTarget::Route(id) = p.resolution.spec.target() {
-            route(id).preflight(component, &*device, &p.resolution.spec)?;
-        }
+        preflight(component, &*device, &p.resolution.spec)?;
         pending.push((
             Arc::clone(component),
             p.resolution.clone(),
@@ -338,23 +345,8 @@ pub(crate) fn attach(
         }
         RouteTarget::Route(id) => id,
     };
-    if let Some(existing) = component.attached() {
-        return Err(CoreError::AlreadyAttached {
-            component: component.name().to_string(),
-            route: existing.route_name(),
-        });
-    }
-    if let Some(p) = component.params().iter().find(|p| p.device().is_some()) {
-        return Err(CoreError::Refused {
-            route: id.as_str(),
-            component: component.name().to_string(),
-            refusal: Refusal::WeightsAlreadyOnDevice {
-                param: p.name().to_string(),
-            },
-        });
-    }
+    preflight(component, &*device, &spec)?;
     let implementation = route(id);
-    implementation.preflight(component, &*device, &spec)?;
     let hooks =
         implementation.attach(component, Arc::clone(&device), &spec, Arc::clone(&metrics))?;
     if let Err(e) = component.install_hooks(Arc::clone(&hooks)) {

@@ -81,6 +81,7 @@ pub use plan::{ResidencyPlan, SlotModel, plan_residency, plan_residency_with};
 pub use schedule::{Schedule, ScheduleOutcome};
 
 use crate::config::RouteOptions;
+use crate::route::{OptionDecl, OptionKind};
 
 /// Default transfer unit target: 16 MiB.
 pub const DEFAULT_UNIT_BYTES: u64 = 16 << 20;
@@ -262,6 +263,55 @@ pub fn effective_options(
     ]
 }
 
+/// `pinned_limit`, as route option tables declare it (leaf-group and native_vmm take it).
+pub const PINNED_LIMIT_OPTION: OptionDecl = OptionDecl::new(
+    "pinned_limit",
+    OptionKind::Size,
+    "available host memory less an eighth (at least 4 GiB left)",
+    "most pinned host bytes the streaming engine may hold",
+);
+
+/// `unit_bytes`, as route option tables declare it.
+pub const UNIT_BYTES_OPTION: OptionDecl = OptionDecl::new(
+    "unit_bytes",
+    OptionKind::Size,
+    "16MiB",
+    "target size of one streaming transfer unit",
+);
+
+/// `ring_slots`, as route option tables declare it (a route whose default differs says so
+/// in its own declaration).
+pub const RING_SLOTS_OPTION: OptionDecl = OptionDecl::new(
+    "ring_slots",
+    OptionKind::Count,
+    "2",
+    "device slots of the streaming ring, at least 2",
+);
+
+/// `pinned_source`, as route option tables declare it.
+pub const PINNED_SOURCE_OPTION: OptionDecl = OptionDecl::new(
+    "pinned_source",
+    OptionKind::Choice(&["register", "home"]),
+    "register",
+    "copy from the checkpoint mapping page-locked in place, or from a pinned home",
+);
+
+/// `timeline`, as route option tables declare it.
+pub const TIMELINE_OPTION: OptionDecl = OptionDecl::new(
+    "timeline",
+    OptionKind::Flag,
+    "false",
+    "record each streamed forward's timeline (synchronises at the end of each forward)",
+);
+
+/// `compress`, as route option tables declare it.
+pub const COMPRESS_OPTION: OptionDecl = OptionDecl::new(
+    "compress",
+    OptionKind::Choice(&["none", "lossless"]),
+    "none",
+    "store and send streamed bf16 weights entropy-coded, decoded on the device bit for bit",
+);
+
 /// The typed error for a budget that cannot hold the streaming ring (`ring_bytes` for
 /// `slots` slots) beside what stays resident.
 pub fn ring_does_not_fit(budget: u64, ring_bytes: u64, slots: u64) -> crate::CoreError {
@@ -297,5 +347,30 @@ mod tests {
             WSL_COMPAT_PINNED_LIMIT
         );
         assert_eq!(pinned_limit_for_available(None), DEFAULT_PINNED_LIMIT);
+    }
+
+    #[test]
+    fn the_option_declarations_state_the_engine_defaults() {
+        use crate::config::{Compression, PinnedSource};
+        assert_eq!(
+            crate::config::parse_size("unit_bytes", UNIT_BYTES_OPTION.default).unwrap(),
+            DEFAULT_UNIT_BYTES
+        );
+        assert_eq!(RING_SLOTS_OPTION.default, DEFAULT_RING_SLOTS.to_string());
+        assert_eq!(
+            PINNED_SOURCE_OPTION.default,
+            PinnedSource::default().as_str()
+        );
+        assert_eq!(COMPRESS_OPTION.default, Compression::default().as_str());
+        assert_eq!(
+            TIMELINE_OPTION.default,
+            StreamingConfig::default().timeline.to_string()
+        );
+        for d in [PINNED_SOURCE_OPTION, COMPRESS_OPTION] {
+            let OptionKind::Choice(names) = d.kind else {
+                panic!("{} is a choice", d.name)
+            };
+            assert!(names.contains(&d.default), "{}", d.name);
+        }
     }
 }

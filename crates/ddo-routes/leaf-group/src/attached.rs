@@ -15,7 +15,7 @@ use ddo_core::streaming::{
 };
 use ddo_core::{
     AttachedRoute, Component, CoreError, Device, DeviceId, HostSlice, Leaf, OffloadType, Param,
-    ParamId, Result, Route, RouteId, RouteSpec, Stream,
+    ParamId, Result, RouteId, RouteSpec, Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::{Mutex, MutexGuard};
@@ -33,13 +33,6 @@ impl GroupOffloadRoute {
         spec: &RouteSpec,
         metrics: Arc<RouteMetrics>,
     ) -> Result<Arc<AttachedGroupOffload>> {
-        self.preflight(component, &*device, spec)?;
-        if let Some(existing) = component.attached() {
-            return Err(CoreError::AlreadyAttached {
-                component: component.name().to_string(),
-                route: existing.route_name(),
-            });
-        }
         let config = GroupOffloadConfig::from_spec(spec);
         let plan = GroupPlan::new(component, &config);
         let params = component.params();

@@ -67,8 +67,8 @@ use std::sync::Arc;
 use ddo_core::streaming::plan::plan_residency_with;
 use ddo_core::streaming::{StagingMode, StreamingConfig};
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, Footprint, FootprintContext, Refusal, Result,
-    Route, RouteId, RouteSpec,
+    AttachedRoute, Component, CoreError, Device, Footprint, FootprintContext, OptionDecl,
+    OptionKind, OptionTable, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 
@@ -142,6 +142,69 @@ const BUDGET_HINT: &str = "diffusers_group_offload keeps budgeted residency only
      set use_stream=true, or use native_vmm with a budget, or none";
 
 const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots, pinned_source, timeline and compress tune the streaming engine: set use_stream=true, or drop them";
+
+/// The options of `diffusers_group_offload`: Diffusers' (offload type, blocks per group,
+/// stream, record_stream, low_cpu_mem_usage), the pinned home and its limit, and with
+/// `use_stream=true` a budget and the streaming engine's options.
+pub static OPTIONS: OptionTable = OptionTable {
+    options: &[
+        OptionDecl::new(
+            "offload_type",
+            OptionKind::Choice(&["leaf_level", "block_level"]),
+            "leaf_level",
+            "a group per leaf, or runs of num_blocks_per_group blocks (Diffusers' offload_type)",
+        ),
+        OptionDecl::new(
+            "num_blocks_per_group",
+            OptionKind::Count,
+            "1",
+            "blocks per group (block_level only)",
+        ),
+        OptionDecl::new(
+            "use_stream",
+            OptionKind::Flag,
+            "false",
+            "prefetch the next group on a copy stream (the streaming engine from the second forward)",
+        ),
+        OptionDecl::new(
+            "record_stream",
+            OptionKind::Flag,
+            "false",
+            "free device copies in stream order instead of synchronising (needs use_stream)",
+        ),
+        OptionDecl::new(
+            "low_cpu_mem_usage",
+            OptionKind::Flag,
+            "false",
+            "pin on the fly instead of keeping pinned copies",
+        ),
+        OptionDecl::new(
+            "pinned",
+            OptionKind::Flag,
+            "false without a stream; with use_stream=true, true unless low_cpu_mem_usage",
+            "page-lock the weights' one host copy",
+        ),
+        ddo_core::streaming::PINNED_LIMIT_OPTION,
+        OptionDecl::new(
+            "budget",
+            OptionKind::Budget,
+            "none",
+            "keep the groups that cost most to stream resident within the budget",
+        )
+        .requires("use_stream", "true", BUDGET_HINT),
+        ddo_core::streaming::UNIT_BYTES_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
+        OptionDecl {
+            default: "2; 3 under a budget; 4 when the largest leaf is mostly 8-bit",
+            ..ddo_core::streaming::RING_SLOTS_OPTION
+        }
+        .requires("use_stream", "true", STREAM_ONLY_HINT),
+        ddo_core::streaming::PINNED_SOURCE_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
+        ddo_core::streaming::TIMELINE_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
+        ddo_core::streaming::COMPRESS_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
+    ],
+    refused: &[],
+    others_hint: "diffusers_group_offload takes Diffusers' group offload options",
+};
 
 /// Label of the block-level group that holds every leaf outside the root's block lists.
 pub const UNMATCHED_LABEL: &str = "unmatched";
@@ -237,35 +300,9 @@ impl Route for GroupOffloadRoute {
         v
     }
 
-    /// A budget and the streaming engine's options need `use_stream=true`.
-    fn check_options(
-        &self,
-        _component: &str,
-        spec: &RouteSpec,
-    ) -> std::result::Result<(), Refusal> {
-        let o = spec.options();
-        let streamed = GroupOffloadConfig::from_spec(spec).use_stream;
-        if o.budget.is_some() && !streamed {
-            return Err(Refusal::UnsupportedOption {
-                option: "budget",
-                hint: BUDGET_HINT,
-            });
-        }
-        for (given, option) in [
-            (o.unit_bytes.is_some(), "unit_bytes"),
-            (o.ring_slots.is_some(), "ring_slots"),
-            (o.pinned_source.is_some(), "pinned_source"),
-            (o.timeline.is_some(), "timeline"),
-            (o.compress.is_some(), "compress"),
-        ] {
-            if given && !streamed {
-                return Err(Refusal::UnsupportedOption {
-                    option,
-                    hint: STREAM_ONLY_HINT,
-                });
-            }
-        }
-        Ok(())
+    /// Diffusers' options; a budget and the streaming engine's need `use_stream=true`.
+    fn option_table(&self) -> &'static OptionTable {
+        &OPTIONS
     }
 
     fn preflight(
@@ -274,19 +311,11 @@ impl Route for GroupOffloadRoute {
         device: &dyn Device,
         spec: &RouteSpec,
     ) -> Result<()> {
-        if spec.route_id() != Some(RouteId::DiffusersGroupOffload) {
-            return Err(CoreError::InvalidOption {
-                option: "route".into(),
-                value: spec.target().to_string(),
-                hint: format!("the {ROUTE_NAME} route attaches {ROUTE_NAME} specs only"),
-            });
-        }
         let refuse = |refusal| CoreError::Refused {
             route: ROUTE_NAME,
             component: component.name().to_string(),
             refusal,
         };
-        self.check_options(component.name(), spec).map_err(refuse)?;
         if GroupOffloadConfig::from_spec(spec).use_stream && !device.supports_streams() {
             return Err(refuse(Refusal::NoStreams));
         }

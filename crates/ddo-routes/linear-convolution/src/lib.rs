@@ -26,7 +26,8 @@ use ddo_core::residency::{EagerLeafStreamer, ResidencyTable};
 use ddo_core::streaming::PinnedHome;
 use ddo_core::{
     AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, Footprint,
-    FootprintContext, Leaf, Param, Refusal, Result, Route, RouteId, RouteSpec,
+    FootprintContext, Leaf, OptionDecl, OptionKind, OptionTable, Param, Refusal, RefusedOption,
+    Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -40,6 +41,22 @@ pub const GROUP_OFFLOAD_HINT: &str = "use diffusers_group_offload for grouped or
 
 /// Whether weights are pinned when the spec does not say (this route enables them).
 pub const PINNED_BY_DEFAULT: bool = true;
+
+/// The options of `linear_convolution`: `pinned`; a budget and Diffusers' group-offload
+/// and streaming options are refused.
+pub static OPTIONS: OptionTable = OptionTable {
+    options: &[OptionDecl::new(
+        "pinned",
+        OptionKind::Flag,
+        "true",
+        "page-lock the weights' one host copy (a pinned home replacing their host bytes)",
+    )],
+    refused: &[RefusedOption {
+        name: "budget",
+        hint: BUDGET_HINT,
+    }],
+    others_hint: GROUP_OFFLOAD_HINT,
+};
 
 /// The `linear_convolution` route (registered as [`RouteId::LinearConvolution`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -94,7 +111,6 @@ impl LinearConvolutionRoute {
         spec: &RouteSpec,
         metrics: Arc<RouteMetrics>,
     ) -> Result<Arc<LinearConvolutionAttachment>> {
-        self.preflight(component, &*device, spec)?;
         let config = LinearConvolutionConfig::from_spec(spec);
         let params = component.params();
         // The only allocation of attach: the weights' host bytes replaced by one pinned home
@@ -154,63 +170,20 @@ impl Route for LinearConvolutionRoute {
         }
     }
 
-    /// No budget and none of the group-offload options: the route has neither.
-    fn check_options(
-        &self,
-        _component: &str,
-        spec: &RouteSpec,
-    ) -> std::result::Result<(), Refusal> {
-        let o = spec.options();
-        if o.budget.is_some() {
-            return Err(Refusal::UnsupportedOption {
-                option: "budget",
-                hint: BUDGET_HINT,
-            });
-        }
-        // Options that only travel together (num_blocks_per_group needs offload_type,
-        // record_stream needs use_stream) are checked first, so the refusal names the
-        // one the caller added last.
-        for (given, option) in [
-            (o.num_blocks_per_group.is_some(), "num_blocks_per_group"),
-            (o.record_stream.is_some(), "record_stream"),
-            (o.offload_type.is_some(), "offload_type"),
-            (o.use_stream.is_some(), "use_stream"),
-            (o.low_cpu_mem_usage.is_some(), "low_cpu_mem_usage"),
-            (o.pinned_limit.is_some(), "pinned_limit"),
-            (o.unit_bytes.is_some(), "unit_bytes"),
-            (o.ring_slots.is_some(), "ring_slots"),
-            (o.pinned_source.is_some(), "pinned_source"),
-            (o.timeline.is_some(), "timeline"),
-            (o.compress.is_some(), "compress"),
-        ] {
-            if given {
-                return Err(Refusal::UnsupportedOption {
-                    option,
-                    hint: GROUP_OFFLOAD_HINT,
-                });
-            }
-        }
-        Ok(())
+    /// `pinned` only.
+    fn option_table(&self) -> &'static OptionTable {
+        &OPTIONS
     }
 
     fn preflight(
         &self,
         component: &Component,
         device: &dyn Device,
-        spec: &RouteSpec,
+        _spec: &RouteSpec,
     ) -> Result<()> {
-        if let Some(other) = spec.route_id().filter(|r| *r != RouteId::LinearConvolution) {
-            return Err(CoreError::InvalidOption {
-                option: "route".into(),
-                value: other.as_str().into(),
-                hint: "this spec names another route; pass it to that route".into(),
-            });
-        }
         if device.allocator() == AllocatorKind::NativeVmm {
             return Err(refused(component, Refusal::NativeAllocatorInstalled));
         }
-        self.check_options(component.name(), spec)
-            .map_err(|r| refused(component, r))?;
         if let Some((name, _)) = component
             .named_params()
             .into_iter()

@@ -2,6 +2,7 @@
 //! zero residency between leaves, a peak of one leaf plus activations, nothing left after
 //! detach, one test per preflight refusal, and out-of-memory as a typed error.
 
+use ddo_core::route::checked_preflight;
 use std::sync::Arc;
 
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
@@ -24,12 +25,13 @@ fn spec_text(text: &str) -> RouteSpec {
     text.parse().unwrap()
 }
 
-/// Attaches and installs the hooks.
+/// Runs the registry's checks ([`checked_preflight`]), attaches and installs the hooks.
 fn attach(
     c: &Arc<Component>,
     d: &Arc<HostDevice>,
     spec: &RouteSpec,
 ) -> ddo_core::Result<Arc<LinearConvolutionAttachment>> {
+    checked_preflight(&LinearConvolutionRoute, c, &**d, spec)?;
     let hooks = LinearConvolutionRoute.attach_hooks(
         c,
         Arc::clone(d) as Arc<dyn Device>,
@@ -316,11 +318,12 @@ fn refusal(err: CoreError) -> Refusal {
     }
 }
 
-/// Preflight and attach both refuse with the same refusal, and nothing is allocated,
+/// The registry's checks and attach both refuse with the same refusal, and nothing is allocated,
 /// pinned or moved.
 fn refused(c: &Arc<Component>, d: &Arc<HostDevice>, spec: &RouteSpec) -> Refusal {
     let before = checksums(c);
-    let from_preflight = refusal(LinearConvolutionRoute.preflight(c, &**d, spec).unwrap_err());
+    let from_preflight =
+        refusal(checked_preflight(&LinearConvolutionRoute, c, &**d, spec).unwrap_err());
     let from_attach = refusal(attach(c, d, spec).unwrap_err());
     assert_eq!(from_preflight, from_attach);
     let m = d.memory_info();

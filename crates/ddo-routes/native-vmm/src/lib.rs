@@ -43,8 +43,8 @@ use ddo_core::streaming::{
 };
 use ddo_core::{
     AllocatorKind, AttachedRoute, Budget, Component, CoreError, Device, DeviceId, Footprint,
-    FootprintContext, HostSlice, Leaf, Param, ParamId, Refusal, Result, Route, RouteId, RouteSpec,
-    Stream,
+    FootprintContext, HostSlice, Leaf, OptionDecl, OptionKind, OptionTable, Param, ParamId,
+    Refusal, Result, Route, RouteId, RouteSpec, Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -62,6 +62,32 @@ pub const DEFAULT_BUDGET: Budget = Budget::FreeMinus(DEFAULT_FREE_MARGIN);
 /// The hint given for an option `native_vmm` does not take.
 pub const OPTION_HINT: &str = "native_vmm takes budget, pinned and the streaming engine's pinned_limit, \
      unit_bytes, ring_slots, pinned_source and timeline; use diffusers_group_offload for grouped offload options";
+
+/// The options of `native_vmm`: the budget, pinned staging and the streaming engine's
+/// options (everything else, [`OPTION_HINT`]).
+pub static OPTIONS: OptionTable = OptionTable {
+    options: &[
+        OptionDecl::new(
+            "budget",
+            OptionKind::Budget,
+            "free-1GiB",
+            "weights kept in the native pool; the rest streamed (a VAE needs it given)",
+        ),
+        OptionDecl::new(
+            "pinned",
+            OptionKind::Flag,
+            "true",
+            "stage streamed weights in a pinned home that replaces their host bytes",
+        ),
+        ddo_core::streaming::PINNED_LIMIT_OPTION,
+        ddo_core::streaming::UNIT_BYTES_OPTION,
+        ddo_core::streaming::RING_SLOTS_OPTION,
+        ddo_core::streaming::PINNED_SOURCE_OPTION,
+        ddo_core::streaming::TIMELINE_OPTION,
+    ],
+    refused: &[],
+    others_hint: OPTION_HINT,
+};
 
 /// Whether streamed weights are page-locked when the spec does not say: yes, in a pinned
 /// home that replaces their host bytes (one host copy), when it fits under `pinned_limit`.
@@ -232,7 +258,6 @@ impl NativeVmmRoute {
         spec: &RouteSpec,
         metrics: Arc<RouteMetrics>,
     ) -> Result<Arc<NativeVmmAttachment>> {
-        self.preflight(component, &*device, spec)?;
         let config = NativeVmmConfig::from_spec(spec);
         let (plan, mode) = plan_with_mode(component, &*device, spec);
         let resident: HashSet<&str> = plan.resident.iter().map(String::as_str).collect();
@@ -374,7 +399,13 @@ impl Route for NativeVmmRoute {
                 o.pinned_limit.is_some(),
             ),
         ];
-        v.extend(ddo_core::streaming::effective_options(o, &c.streaming));
+        // The engine's options this route takes (not `compress`: coded streaming is
+        // leaf-group's, and this route refuses it).
+        v.extend(
+            ddo_core::streaming::effective_options(o, &c.streaming)
+                .into_iter()
+                .filter(|e| OPTIONS.get(e.name).is_some()),
+        );
         v
     }
 
@@ -421,25 +452,13 @@ impl Route for NativeVmmRoute {
         Some(NativeVmmConfig::from_spec(spec).budget)
     }
 
-    /// The streaming options only, and the VAE only with an explicit budget.
+    /// The budget, pinned staging and the streaming engine's options.
+    fn option_table(&self) -> &'static OptionTable {
+        &OPTIONS
+    }
+
+    /// The VAE only with an explicit budget.
     fn check_options(&self, component: &str, spec: &RouteSpec) -> std::result::Result<(), Refusal> {
-        if let Some(option) = spec.options().given().into_iter().find(|o| {
-            !matches!(
-                *o,
-                "budget"
-                    | "pinned"
-                    | "pinned_limit"
-                    | "unit_bytes"
-                    | "ring_slots"
-                    | "pinned_source"
-                    | "timeline"
-            )
-        }) {
-            return Err(Refusal::UnsupportedOption {
-                option,
-                hint: OPTION_HINT,
-            });
-        }
         let config = NativeVmmConfig::from_spec(spec);
         // By name only: the explicit opt-in is for the component named `vae`.
         if component == "vae" && !config.explicit_budget {
@@ -454,18 +473,9 @@ impl Route for NativeVmmRoute {
         device: &dyn Device,
         spec: &RouteSpec,
     ) -> Result<()> {
-        if let Some(other) = spec.route_id().filter(|r| *r != RouteId::NativeVmm) {
-            return Err(CoreError::InvalidOption {
-                option: "route".into(),
-                value: other.as_str().into(),
-                hint: "this spec names another route; pass it to that route".into(),
-            });
-        }
         if device.allocator() != AllocatorKind::NativeVmm {
             return Err(refused(component, Refusal::NativeAllocatorRequired));
         }
-        self.check_options(component.name(), spec)
-            .map_err(|r| refused(component, r))?;
         if let Some(leaf) = component.largest_leaf() {
             let budget = budget_bytes(device, spec);
             let leaf_bytes = leaf.param_bytes();

@@ -3,6 +3,7 @@
 //! the budget, nothing left after detach, one test per preflight refusal, out-of-memory
 //! during attach as a typed error, and the planner's properties.
 
+use ddo_core::route::checked_preflight;
 use std::sync::Arc;
 
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
@@ -35,12 +36,13 @@ fn budget_spec(bytes: u64, pinned: bool) -> RouteSpec {
     spec_text(&format!("native_vmm:budget={bytes},pinned={pinned}"))
 }
 
-/// Attaches and installs the hooks.
+/// Runs the registry's checks ([`checked_preflight`]), attaches and installs the hooks.
 fn attach(
     c: &Arc<Component>,
     d: &Arc<HostDevice>,
     spec: &RouteSpec,
 ) -> ddo_core::Result<Arc<NativeVmmAttachment>> {
+    checked_preflight(&NativeVmmRoute, c, &**d, spec)?;
     let hooks = NativeVmmRoute.attach_hooks(
         c,
         Arc::clone(d) as Arc<dyn Device>,
@@ -436,12 +438,12 @@ fn refusal(err: CoreError) -> Refusal {
     }
 }
 
-/// Preflight and attach both refuse with the same refusal, and nothing is allocated,
+/// The registry's checks and attach both refuse with the same refusal, and nothing is allocated,
 /// pinned or moved.
 fn refused(c: &Arc<Component>, d: &Arc<HostDevice>, spec: &RouteSpec) -> Refusal {
     let before = checksums(c);
     let allocated = d.memory_info().allocated;
-    let from_preflight = refusal(NativeVmmRoute.preflight(c, &**d, spec).unwrap_err());
+    let from_preflight = refusal(checked_preflight(&NativeVmmRoute, c, &**d, spec).unwrap_err());
     let from_attach = refusal(attach(c, d, spec).unwrap_err());
     assert_eq!(from_preflight, from_attach);
     let m = d.memory_info();
@@ -492,8 +494,9 @@ fn refuses_options_other_than_budget_and_pinned() {
         ("native_vmm:use_stream=true", "use_stream"),
         ("native_vmm:low_cpu_mem_usage=false", "low_cpu_mem_usage"),
         (
+            // One rule for every route: the option that travels with another is named.
             "native_vmm:budget=64KiB,offload_type=block_level,num_blocks_per_group=1",
-            "offload_type",
+            "num_blocks_per_group",
         ),
     ] {
         let r = refused(&c, &d, &spec_text(text));

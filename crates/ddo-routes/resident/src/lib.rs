@@ -10,10 +10,18 @@ use std::sync::Arc;
 use ddo_core::residency::{FreeMode, ResidencyTable, UploadRegistrations};
 use ddo_core::{
     AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext, Leaf,
-    Refusal, Result, Route, RouteId, RouteSpec,
+    OptionTable, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
+
+/// The options of `none`: none.
+pub static OPTIONS: OptionTable = OptionTable {
+    options: &[],
+    refused: &[],
+    others_hint: "route none keeps every weight resident and takes no options; \
+                  use diffusers_group_offload or native_vmm to tune offloading",
+};
 
 /// The resident route (`none`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -52,33 +60,21 @@ impl Route for ResidentRoute {
     }
 
     /// `none` takes no options.
-    fn check_options(
-        &self,
-        _component: &str,
-        spec: &RouteSpec,
-    ) -> std::result::Result<(), Refusal> {
-        match spec.options().given().first() {
-            Some(option) => Err(Refusal::UnsupportedOption {
-                option,
-                hint: "route none keeps every weight resident and takes no options; \
-                       use diffusers_group_offload or native_vmm to tune offloading",
-            }),
-            None => Ok(()),
-        }
+    fn option_table(&self) -> &'static OptionTable {
+        &OPTIONS
     }
 
     fn preflight(
         &self,
         component: &Component,
         device: &dyn Device,
-        spec: &RouteSpec,
+        _spec: &RouteSpec,
     ) -> Result<()> {
         let refuse = |refusal| CoreError::Refused {
             route: RouteId::Resident.as_str(),
             component: component.name().to_string(),
             refusal,
         };
-        self.check_options(component.name(), spec).map_err(refuse)?;
         let info = device.memory_info();
         let available = info
             .driver_free
@@ -230,7 +226,7 @@ mod tests {
     }
 
     #[test]
-    fn preflight_refuses_options_and_weights_that_do_not_fit() {
+    fn preflight_refuses_weights_that_do_not_fit() {
         let spec = ReferenceSpec::small("vae", 2, 16, DType::F32);
         let c = reference::build(&spec).unwrap();
         let small = HostDevice::with_capacity(64).unwrap();
@@ -247,31 +243,6 @@ mod tests {
             ),
             "{err}"
         );
-        let big = HostDevice::with_capacity(1 << 20).unwrap();
-        let with_budget = RouteSpec::new(
-            ddo_core::RouteTarget::Route(RouteId::Resident),
-            ddo_core::RouteOptions {
-                budget: Some(ddo_core::Budget::Bytes(10)),
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let err = ResidentRoute
-            .preflight(&c, &*big, &with_budget)
-            .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                CoreError::Refused {
-                    refusal: Refusal::UnsupportedOption {
-                        option: "budget",
-                        ..
-                    },
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert_eq!(big.memory_info().allocated, 0);
+        assert_eq!(small.memory_info().allocated, 0);
     }
 }

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use ddo_core::reference::{self, ReferenceSpec};
+use ddo_core::route::checked_preflight;
 use ddo_core::{
-    Component, Device, HostDevice, HostDeviceConfig, OffloadType, RouteId, RouteOptions, RouteSpec,
-    RouteTarget, Tensor,
+    AttachedRoute, Component, Device, HostDevice, HostDeviceConfig, OffloadType, Route, RouteId,
+    RouteOptions, RouteSpec, RouteTarget, Tensor,
 };
 use ddo_metrics::RouteMetrics;
 use ddo_route_leaf_group::{AttachedGroupOffload, GroupOffloadRoute};
@@ -134,7 +135,18 @@ pub fn run(c: &Component, device: &dyn Device, input: &Tensor) -> Vec<u8> {
         .unwrap()
 }
 
-/// Attaches the route and installs its hooks in the component.
+/// What the registry does before every attach ([`checked_preflight`]), then attach.
+pub fn checked_attach(
+    c: &Arc<Component>,
+    device: Arc<dyn Device>,
+    spec: &RouteSpec,
+    metrics: Arc<RouteMetrics>,
+) -> ddo_core::Result<Arc<dyn AttachedRoute>> {
+    checked_preflight(&GroupOffloadRoute, c, &*device, spec)?;
+    GroupOffloadRoute.attach(c, device, spec, metrics)
+}
+
+/// Runs the registry's checks, attaches the route and installs its hooks in the component.
 pub fn attach(
     c: &Arc<Component>,
     device: &Arc<HostDevice>,
@@ -142,6 +154,7 @@ pub fn attach(
 ) -> (Arc<AttachedGroupOffload>, Arc<RouteMetrics>) {
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = device.clone();
+    checked_preflight(&GroupOffloadRoute, c, &*dev, spec).unwrap();
     let hooks = GroupOffloadRoute
         .attach_group_offload(c, dev, spec, Arc::clone(&metrics))
         .unwrap();

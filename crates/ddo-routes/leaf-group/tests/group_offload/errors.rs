@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use ddo_core::reference::{ReferenceSpec, build};
+use ddo_core::route::checked_preflight;
 use ddo_core::{
-    Budget, CoreError, DType, Device, HostDevice, HostDeviceConfig, OffloadType, Refusal, Route,
-    RouteId, RouteOptions, RouteSpec, RouteTarget,
+    Budget, CoreError, DType, Device, HostDevice, HostDeviceConfig, OffloadType, Refusal, RouteId,
+    RouteOptions, RouteSpec, RouteTarget,
 };
 use ddo_metrics::RouteMetrics;
 use ddo_route_leaf_group::GroupOffloadRoute;
@@ -111,9 +112,7 @@ fn pinned_copies_over_the_pinned_limit_fail_the_attach_and_leave_nothing() {
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = device.clone();
-    let err = GroupOffloadRoute
-        .attach(&c, dev, &case.spec(), metrics.clone())
-        .unwrap_err();
+    let err = checked_attach(&c, dev, &case.spec(), metrics.clone()).unwrap_err();
     assert!(matches!(err, CoreError::PinnedLimit { .. }), "{err}");
     assert_eq!(device.memory_info().pinned_host, 0);
     assert_eq!(metrics.counters(), Default::default());
@@ -161,23 +160,14 @@ fn a_budget_without_a_stream_is_refused_before_anything_is_touched() {
         }
         other => panic!("{other}"),
     };
-    check(
-        GroupOffloadRoute
-            .preflight(&c, &*device, &route_spec)
-            .unwrap_err(),
-    );
+    check(checked_preflight(&GroupOffloadRoute, &c, &*device, &route_spec).unwrap_err());
     let dev: Arc<dyn Device> = device.clone();
     let metrics = Arc::new(RouteMetrics::new());
-    check(
-        GroupOffloadRoute
-            .attach(&c, dev, &route_spec, metrics.clone())
-            .unwrap_err(),
-    );
+    check(checked_attach(&c, dev, &route_spec, metrics.clone()).unwrap_err());
     assert_eq!(device.memory_info().pinned_host, 0);
     assert_eq!(metrics.counters(), Default::default());
-    let e = GroupOffloadRoute
-        .preflight(&c, &*device, &RouteSpec::resident())
-        .unwrap_err();
+    let e =
+        checked_preflight(&GroupOffloadRoute, &c, &*device, &RouteSpec::resident()).unwrap_err();
     assert!(matches!(e, CoreError::InvalidOption { .. }), "{e}");
 }
 
@@ -200,14 +190,13 @@ fn a_stream_budget_below_the_ring_is_refused_at_attach_and_one_above_it_runs() {
     let expected = baseline(&c, &xs);
     let dev: Arc<dyn Device> = device.clone();
     // Room for one leaf, not for a ring of two.
-    let err = GroupOffloadRoute
-        .attach(
-            &c,
-            dev.clone(),
-            &with_budget(largest + 512),
-            Arc::new(RouteMetrics::new()),
-        )
-        .unwrap_err();
+    let err = checked_attach(
+        &c,
+        dev.clone(),
+        &with_budget(largest + 512),
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap_err();
     match &err {
         CoreError::InvalidOption { option, hint, .. } => {
             assert_eq!(option, "budget");
@@ -220,9 +209,8 @@ fn a_stream_budget_below_the_ring_is_refused_at_attach_and_one_above_it_runs() {
     assert_eq!(checksums(&c), before);
     // A ring's worth more attaches and streams every forward within the budget.
     let budget = 2 * (largest + 1024) + 4096;
-    let hooks = GroupOffloadRoute
-        .attach(&c, dev, &with_budget(budget), Arc::new(RouteMetrics::new()))
-        .unwrap();
+    let hooks =
+        checked_attach(&c, dev, &with_budget(budget), Arc::new(RouteMetrics::new())).unwrap();
     c.install_hooks(hooks).unwrap();
     for (x, want) in xs.iter().zip(&expected) {
         device.reset_peak();
@@ -331,9 +319,7 @@ fn use_stream_on_a_device_without_streams_is_refused_and_no_stream_runs() {
         use_stream: Some(true),
         ..RouteOptions::default()
     });
-    let err = GroupOffloadRoute
-        .attach(&c, device.clone(), &streamed, metrics.clone())
-        .unwrap_err();
+    let err = checked_attach(&c, device.clone(), &streamed, metrics.clone()).unwrap_err();
     assert!(
         matches!(
             err,
@@ -347,14 +333,13 @@ fn use_stream_on_a_device_without_streams_is_refused_and_no_stream_runs() {
     assert_eq!(host.memory_info().pinned_host, 0);
     let xs = inputs(&spec, 1, 2);
     let expected = resident_outputs(&c, &*device, &xs);
-    let hooks = GroupOffloadRoute
-        .attach(
-            &c,
-            device.clone(),
-            &RouteSpec::leaf_group(false, false),
-            metrics,
-        )
-        .unwrap();
+    let hooks = checked_attach(
+        &c,
+        device.clone(),
+        &RouteSpec::leaf_group(false, false),
+        metrics,
+    )
+    .unwrap();
     c.install_hooks(hooks.clone()).unwrap();
     for (x, want) in xs.iter().zip(&expected) {
         assert_eq!(&run(&c, &*device, x), want);

@@ -84,9 +84,7 @@ fn the_hooks_describe_themselves_and_are_owned_by_handle_and_component() {
     assert_eq!(GroupOffloadRoute.id(), RouteId::DiffusersGroupOffload);
     let dev: Arc<dyn Device> = device.clone();
     let metrics = Arc::new(RouteMetrics::new());
-    let hooks = GroupOffloadRoute
-        .attach(&c, dev.clone(), &route_spec, metrics.clone())
-        .unwrap();
+    let hooks = checked_attach(&c, dev.clone(), &route_spec, metrics.clone()).unwrap();
     assert_eq!(hooks.route(), RouteId::DiffusersGroupOffload);
     assert_eq!(hooks.route_name(), "diffusers_group_offload");
     assert_eq!(hooks.describe(), route_spec.describe());
@@ -101,9 +99,7 @@ fn the_hooks_describe_themselves_and_are_owned_by_handle_and_component() {
     // before it touches anything.
     assert!(c.attached().is_none());
     c.install_hooks(hooks.clone()).unwrap();
-    let err = GroupOffloadRoute
-        .attach(&c, dev, &route_spec, Arc::new(RouteMetrics::new()))
-        .unwrap_err();
+    let err = checked_attach(&c, dev, &route_spec, Arc::new(RouteMetrics::new())).unwrap_err();
     assert!(matches!(err, CoreError::AlreadyAttached { .. }), "{err}");
     hooks.detach().unwrap();
     assert!(c.remove_hooks(&hooks));
@@ -116,7 +112,18 @@ fn weights_made_resident_before_attach_are_offloaded_by_it() {
     let device = slow_device(1 << 20, 4e6);
     c.to_device(&*device, &device.compute_stream()).unwrap();
     assert_eq!(device.memory_info().allocated, c.param_bytes());
-    let (hooks, _metrics) = attach(&c, &device, &ddo_core::RouteSpec::leaf_group(false, false));
+    // The route itself, below the registry (whose checks refuse weights already on a
+    // device): it offloads them.
+    let dev: Arc<dyn Device> = device.clone();
+    let hooks = GroupOffloadRoute
+        .attach_group_offload(
+            &c,
+            dev,
+            &ddo_core::RouteSpec::leaf_group(false, false),
+            Arc::new(RouteMetrics::new()),
+        )
+        .unwrap();
+    c.install_hooks(hooks.clone()).unwrap();
     assert_eq!(device.memory_info().allocated, 0);
     // A device copy installed behind the route's back is dropped on detach too: every
     // param ends host-only.

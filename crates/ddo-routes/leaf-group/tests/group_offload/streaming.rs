@@ -5,6 +5,7 @@
 //! plan shows in the metrics.
 
 use ddo_core::reference::{ReferenceSpec, build};
+use ddo_core::route::checked_preflight;
 use ddo_core::streaming::StagingKind;
 use ddo_core::{
     Budget, DType, Device, HostDevice, HostDeviceConfig, OffloadType, RouteId, RouteOptions,
@@ -219,7 +220,7 @@ fn a_budget_keeps_weights_resident_across_forwards_and_streams_fewer_bytes() {
 
 #[test]
 fn ring_options_without_a_stream_are_refused() {
-    use ddo_core::{CoreError, Refusal, Route};
+    use ddo_core::{CoreError, Refusal};
     use ddo_route_leaf_group::GroupOffloadRoute;
     let spec = ReferenceSpec::small("transformer", 2, 4, DType::F32);
     let c = build(&spec).unwrap();
@@ -240,9 +241,7 @@ fn ring_options_without_a_stream_are_refused() {
             ..o
         };
         let spec = RouteSpec::new(RouteTarget::Route(RouteId::DiffusersGroupOffload), o).unwrap();
-        let err = GroupOffloadRoute
-            .preflight(&c, &*device, &spec)
-            .unwrap_err();
+        let err = checked_preflight(&GroupOffloadRoute, &c, &*device, &spec).unwrap_err();
         assert!(
             matches!(
                 &err,
