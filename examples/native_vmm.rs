@@ -4,7 +4,7 @@
 //! `cargo run -p ddo-examples --example native_vmm`
 
 fn main() -> ddo_core::Result<()> {
-    let snapshot = ddo_examples::run_route("native_vmm:budget=1MiB".parse()?)?;
+    let snapshot = ddo_examples::run_route(ddo_routes::parse_spec("native_vmm:budget=1MiB")?)?;
     println!("{}", snapshot.format_profile());
     Ok(())
 }

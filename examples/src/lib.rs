@@ -52,7 +52,7 @@ fn resident_output(spec: &ReferenceSpec) -> Result<Vec<u8>> {
 pub fn run_route(route: RouteSpec) -> Result<MetricsSnapshot> {
     let spec = demo_spec("vae");
     let expected = resident_output(&spec)?;
-    let native = route.route_id() == Some(ddo_core::RouteId::NativeVmm);
+    let native = route.route_id() == Some(ddo_core::RouteId::NATIVE_VMM);
     let device = demo_device(native)?;
     let component = reference::build(&spec)?;
     let mut handle = enable_dynamic_offload(&component, device.clone(), route)?;
@@ -80,15 +80,25 @@ pub fn run_route(route: RouteSpec) -> Result<MetricsSnapshot> {
 pub fn all_routes() -> Result<Vec<(&'static str, RouteSpec)>> {
     Ok(vec![
         ("resident", RouteSpec::resident()),
-        ("leaf, no stream (the VAE default)", RouteSpec::leaf_group(false, false)),
+        (
+            "leaf, no stream (the VAE default)",
+            RouteSpec::leaf_group(false, false),
+        ),
         ("leaf, stream", RouteSpec::leaf_group(true, false)),
         (
             "block level, stream",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
-                .parse()?,
+            ddo_routes::parse_spec(
+                "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true",
+            )?,
         ),
-        ("linear_convolution", "linear_convolution".parse()?),
-        ("native_vmm, 1 MiB budget", "native_vmm:budget=1MiB".parse()?),
+        (
+            "linear_convolution",
+            ddo_routes::parse_spec("linear_convolution")?,
+        ),
+        (
+            "native_vmm, 1 MiB budget",
+            ddo_routes::parse_spec("native_vmm:budget=1MiB")?,
+        ),
     ])
 }
 

@@ -130,7 +130,7 @@ fn spec(text: &str, extra: &str) -> Result<RouteSpec, BoxError> {
     } else {
         format!("{text},{extra}")
     };
-    Ok(full.parse()?)
+    Ok(ddo_routes::parse_spec(&full)?)
 }
 
 fn main() -> Result<(), BoxError> {

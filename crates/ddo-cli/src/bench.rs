@@ -459,7 +459,7 @@ fn forwards(name: &str, n: usize) -> CliResult<usize> {
 fn candidates(args: &BenchArgs) -> CliResult<Vec<Candidate>> {
     let mut out = Vec::new();
     for r in &args.route {
-        let spec: RouteSpec = r.parse().map_err(|e: ddo_core::CoreError| {
+        let spec: RouteSpec = ddo_routes::parse_spec(r).map_err(|e: ddo_core::CoreError| {
             CliError::usage(
                 format!("--route {r}: {e}"),
                 "write ROUTE or ROUTE:key=value,...",
@@ -472,7 +472,7 @@ fn candidates(args: &BenchArgs) -> CliResult<Vec<Candidate>> {
     }
     if out.is_empty() {
         for r in DEFAULT_ROUTES {
-            out.push(Candidate::Route(r.to_string(), r.parse()?));
+            out.push(Candidate::Route(r.to_string(), ddo_routes::parse_spec(r)?));
         }
     }
     Ok(out)

@@ -364,8 +364,14 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
 /// What `preset` does with `c` under `budget` (estimate from the headers).
 pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> PresetPlan {
     let spec = preset_default(preset, &ComponentKind::from_name(&c.component));
+    route_plan(&spec, c, budget)
+}
+
+/// What the route of `spec` does with `c` under `budget`, as the route estimates it from
+/// the headers ([`ddo_routes::estimate`]).
+pub fn route_plan(spec: &ddo_core::RouteSpec, c: &ComponentSummary, budget: u64) -> PresetPlan {
     let leaf = c.largest_leaf.as_ref().map_or(0, |(_, b)| *b);
-    let e = ddo_routes::estimate(&spec, c.bytes, leaf, budget).unwrap_or(HeaderEstimate {
+    let e = ddo_routes::estimate(spec, c.bytes, leaf, budget).unwrap_or(HeaderEstimate {
         resident_bytes: c.bytes,
         streamed_bytes_per_forward: 0,
         peak_weight_bytes: c.bytes,
@@ -406,6 +412,16 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
     };
     let budget = args.vram_budget.unwrap_or(DEFAULT_HOST_CAPACITY);
     let comps = components(&path)?;
+    let names: Vec<String> = comps.iter().map(|c| c.component.clone()).collect();
+    // `--route COMPONENT=ROUTE`: parsed and checked as `ddo run` does, then estimated.
+    let routing = crate::setup::Routing::new(None, &args.route, true, &names)?;
+    let mut given = Vec::new();
+    for (name, spec) in &routing.routes {
+        ddo_routes::check_route_options(name, spec)?;
+        if let Some(c) = comps.iter().find(|c| &c.component == name) {
+            given.push(route_plan(spec, c, budget));
+        }
+    }
     let presets: Vec<(Preset, Vec<PresetPlan>)> = Preset::ALL
         .iter()
         .map(|&p| (p, comps.iter().map(|c| preset_plan(p, c, budget)).collect()))
@@ -415,6 +431,7 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
             "path": path.display().to_string(),
             "components": comps,
             "vram_budget_bytes": budget,
+            "routes": given,
             "presets": presets.iter().map(|(p, plans)| serde_json::json!({
                 "preset": p.as_str(),
                 "resolved_preset": p.resolved().as_str(),
@@ -484,6 +501,24 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
                 s += &format!(
                     "{:<14} {:<16} {:>11} {:>13}  {}{note}\n",
                     if i == 0 { p.as_str() } else { "" },
+                    plan.component,
+                    format_bytes(plan.resident_bytes),
+                    format_bytes(plan.streamed_bytes_per_forward),
+                    plan.route,
+                );
+            }
+        }
+        if !given.is_empty() {
+            s += "\nper --route:\n";
+            for plan in &given {
+                let note = if plan.note.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", plan.note)
+                };
+                s += &format!(
+                    "{:<14} {:<16} {:>11} {:>13}  {}{note}\n",
+                    "",
                     plan.component,
                     format_bytes(plan.resident_bytes),
                     format_bytes(plan.streamed_bytes_per_forward),

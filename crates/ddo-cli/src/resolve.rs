@@ -29,6 +29,9 @@ pub const COMPONENTS: [&str; 4] = [TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VA
 
 /// Runs `ddo resolve` with its parsed options.
 pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
+    if args.routes {
+        return list_routes(args, out);
+    }
     let known: Vec<String> = COMPONENTS.iter().map(|s| s.to_string()).collect();
     let routing = Routing::new(args.preset, &args.route, args.no_env, &known)?;
     if args.config.is_some() || args.weights.is_some() {
@@ -92,6 +95,80 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
                 let from = e.source.options.get(k).map_or("", String::as_str);
                 s += &format!("  {k} = {v}  ({from})\n");
             }
+        }
+        s
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))
+}
+
+/// `ddo resolve --routes`: every route the registry knows, each with what its option table
+/// declares (the routes' own words; nothing here restates them). `--json`: an array of
+/// `{"route", "summary", "options": [{"name", "values", "default", "doc", "requires"}]}`.
+fn list_routes(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
+    for (o, given) in [
+        ("route", !args.route.is_empty()),
+        ("component", args.component.is_some()),
+        ("preset", args.preset.is_some()),
+        ("config", args.config.is_some()),
+        ("weights", args.weights.is_some()),
+    ] {
+        if given {
+            return Err(CliError::usage(
+                format!("--routes lists the routes; --{o} explains a choice"),
+                format!("drop --routes, or drop --{o}"),
+            ));
+        }
+    }
+    let routes = ddo_routes::descriptors();
+    let text = if args.json {
+        let v: Vec<serde_json::Value> = routes
+            .iter()
+            .map(|d| {
+                let options: Vec<serde_json::Value> = d
+                    .route
+                    .option_table()
+                    .options
+                    .iter()
+                    .map(|o| {
+                        serde_json::json!({
+                            "name": o.name,
+                            "values": o.kind.describe(),
+                            "default": o.default,
+                            "doc": o.doc,
+                            "requires": o.requires.map(|r| format!("{}={}", r.option, r.value)),
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "route": d.id.as_str(),
+                    "summary": d.summary,
+                    "options": options,
+                })
+            })
+            .collect();
+        serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
+    } else {
+        let mut s = String::new();
+        for d in &routes {
+            s += &format!("{}: {}\n", d.id, d.summary);
+            let table = d.route.option_table();
+            if table.options.is_empty() {
+                s += "  (no options)\n";
+            }
+            for o in table.options {
+                let needs = o.requires.map_or(String::new(), |r| {
+                    format!("; with {}={}", r.option, r.value)
+                });
+                s += &format!(
+                    "  {}={}  default {}{needs}\n      {}\n",
+                    o.name,
+                    o.kind.describe(),
+                    o.default,
+                    o.doc
+                );
+            }
+            s += "\n";
         }
         s
     };

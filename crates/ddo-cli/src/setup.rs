@@ -110,12 +110,13 @@ impl Routing {
                     format!("components: {}", components.join(", ")),
                 ));
             }
-            let spec: RouteSpec = route.parse().map_err(|e: ddo_core::CoreError| {
-                CliError::usage(
-                    format!("--route {r}: {e}"),
-                    "write ROUTE or ROUTE:key=value,... with a route listed above",
-                )
-            })?;
+            let spec: RouteSpec =
+                ddo_routes::parse_spec(route).map_err(|e: ddo_core::CoreError| {
+                    CliError::usage(
+                        format!("--route {r}: {e}"),
+                        "write ROUTE or ROUTE:key=value,... with a route listed above",
+                    )
+                })?;
             if routes.insert(component.to_string(), spec).is_some() {
                 return Err(CliError::usage(
                     format!("two --route options for `{component}`"),
@@ -163,6 +164,7 @@ impl Routing {
             component,
             explicit,
             &self.environment(),
+            &ddo_routes::Catalog,
         )?)
     }
 
@@ -419,9 +421,8 @@ mod tests {
     use super::*;
 
     fn resolution(preset: Preset, spec: &str) -> Resolution {
-        let spec: RouteSpec = spec.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(spec).unwrap();
         Resolution {
-            needs_native_allocator: ddo_routes::needs_native_allocator(&spec),
             spec,
             preset,
             preset_from_environment: false,

@@ -12,7 +12,7 @@ use ddo_cli::cli::{COMMANDS, OptionSpec, options};
 use ddo_cli::family::Family;
 use ddo_cli::run::parse_dtype;
 use ddo_cli::setup::DeviceChoice;
-use ddo_core::{Preset, RouteOptions, RouteSpec};
+use ddo_core::{Preset, RouteOptions};
 use ddo_nn::pipeline::TiledDecode;
 
 /// Flags in string literals that are not `ddo` options: NVRTC's compile options and the
@@ -240,7 +240,7 @@ fn bad_route(value: &str) -> Option<String> {
         _ => value,
     };
     let (route, options) = spec.split_once(':').unwrap_or((spec, ""));
-    if word(route) && route.parse::<RouteSpec>().is_err() {
+    if word(route) && ddo_routes::parse_spec(route).is_err() {
         return Some(format!("--route {value}: there is no route `{route}`"));
     }
     for item in options.split(',') {

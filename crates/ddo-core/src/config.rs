@@ -10,36 +10,50 @@ use std::str::FromStr;
 
 use crate::error::{CoreError, Result};
 
-/// The routes DDO implements.
+/// A route's id: its name, as route specs, errors and profiles spell it. Open: a route
+/// crate names its own ([`RouteId::new`]) and the registry (`ddo_routes`) lists it beside
+/// the routes DDO builds in, whose ids are the constants here (presets name them). Names
+/// are looked up through a [`RouteCatalog`], the registry's being the one that knows every
+/// route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum RouteId {
-    /// `none`: resident; weights moved to the device once and kept.
-    Resident,
-    /// `diffusers_group_offload`: leaf- or block-level groups, with or without a copy stream.
-    DiffusersGroupOffload,
-    /// `linear_convolution`: eager CPU offload of each leaf, optional pinned weights.
-    LinearConvolution,
-    /// `native_vmm`: weights in a pool on CUDA virtual memory, with a budget.
-    NativeVmm,
-}
+pub struct RouteId(&'static str);
 
 impl RouteId {
-    /// Every route, once.
-    pub const ALL: [RouteId; 4] = [
-        RouteId::Resident,
-        RouteId::DiffusersGroupOffload,
-        RouteId::LinearConvolution,
-        RouteId::NativeVmm,
+    /// `none`: resident; weights moved to the device once and kept.
+    pub const RESIDENT: RouteId = RouteId("none");
+    /// `diffusers_group_offload`: leaf- or block-level groups, with or without a copy stream.
+    pub const DIFFUSERS_GROUP_OFFLOAD: RouteId = RouteId("diffusers_group_offload");
+    /// `linear_convolution`: eager CPU offload of each leaf, optional pinned weights.
+    pub const LINEAR_CONVOLUTION: RouteId = RouteId("linear_convolution");
+    /// `native_vmm`: weights in a pool on CUDA virtual memory, with a budget.
+    pub const NATIVE_VMM: RouteId = RouteId("native_vmm");
+
+    /// The routes DDO builds in (the ones presets name); the registry lists these and any
+    /// other route it links.
+    pub const BUILT_IN: [RouteId; 4] = [
+        RouteId::RESIDENT,
+        RouteId::DIFFUSERS_GROUP_OFFLOAD,
+        RouteId::LINEAR_CONVOLUTION,
+        RouteId::NATIVE_VMM,
     ];
+
+    /// The id of a route named `name` (lowercase letters, digits and `_`, as specs write
+    /// it; the registry refuses a name that is not, or that another route has).
+    pub const fn new(name: &'static str) -> Self {
+        RouteId(name)
+    }
 
     /// The route's name.
     pub const fn as_str(self) -> &'static str {
-        match self {
-            RouteId::Resident => "none",
-            RouteId::DiffusersGroupOffload => "diffusers_group_offload",
-            RouteId::LinearConvolution => "linear_convolution",
-            RouteId::NativeVmm => "native_vmm",
-        }
+        self.0
+    }
+
+    /// Whether `name` may name a route: non-empty, lowercase ASCII letters, digits and `_`.
+    pub fn is_valid_name(name: &str) -> bool {
+        !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
     }
 }
 
@@ -49,16 +63,39 @@ impl fmt::Display for RouteId {
     }
 }
 
-impl FromStr for RouteId {
-    type Err = CoreError;
-    fn from_str(s: &str) -> Result<Self> {
-        RouteId::ALL
-            .into_iter()
-            .find(|r| r.as_str() == s)
+/// Where route names are looked up when specs are parsed: the registry's catalog
+/// (`ddo_routes::catalog()`) knows every route linked; an array or `Vec` of ids
+/// (such as [`RouteId::BUILT_IN`]) is a catalog of just those.
+pub trait RouteCatalog {
+    /// Every route's id, in the registry's order.
+    fn ids(&self) -> Vec<RouteId>;
+
+    /// The route named `name`, or the typed error listing the names there are.
+    fn find(&self, name: &str) -> Result<RouteId> {
+        let ids = self.ids();
+        ids.iter()
+            .copied()
+            .find(|r| r.as_str() == name)
             .ok_or_else(|| CoreError::UnknownRoute {
-                name: s.to_string(),
-                valid: RouteId::ALL.map(RouteId::as_str).join(", "),
+                name: name.to_string(),
+                valid: ids
+                    .iter()
+                    .map(|r| r.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
             })
+    }
+}
+
+impl<const N: usize> RouteCatalog for [RouteId; N] {
+    fn ids(&self) -> Vec<RouteId> {
+        self.to_vec()
+    }
+}
+
+impl RouteCatalog for Vec<RouteId> {
+    fn ids(&self) -> Vec<RouteId> {
+        self.clone()
     }
 }
 
@@ -673,7 +710,7 @@ impl RouteSpec {
 
     /// Resident (`none`).
     pub fn resident() -> Self {
-        Self::route(RouteId::Resident)
+        Self::route(RouteId::RESIDENT)
     }
 
     /// Unmanaged.
@@ -687,7 +724,7 @@ impl RouteSpec {
     /// Diffusers-style leaf-level group offload.
     pub fn leaf_group(use_stream: bool, low_cpu_mem_usage: bool) -> Self {
         Self {
-            target: RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            target: RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
             options: RouteOptions {
                 offload_type: Some(OffloadType::LeafLevel),
                 use_stream: Some(use_stream),
@@ -762,16 +799,16 @@ impl RouteSpec {
     }
 }
 
-impl FromStr for RouteSpec {
-    type Err = CoreError;
+impl RouteSpec {
     /// Parses `route` or `route:key=value,key=value` (e.g.
-    /// `diffusers_group_offload:offload_type=leaf_level,use_stream=false`).
-    fn from_str(s: &str) -> Result<Self> {
+    /// `diffusers_group_offload:offload_type=leaf_level,use_stream=false`), the route's
+    /// name looked up in `routes` (the registry's catalog, `ddo_routes::parse_spec`).
+    pub fn parse(s: &str, routes: &dyn RouteCatalog) -> Result<Self> {
         let (name, rest) = match s.split_once(':') {
             Some((n, r)) => (n.trim(), Some(r)),
             None => (s.trim(), None),
         };
-        let route: RouteId = name.parse()?;
+        let route = routes.find(name)?;
         let mut options = RouteOptions::default();
         for pair in rest
             .into_iter()
@@ -816,17 +853,26 @@ pub struct Settings {
 mod tests {
     use super::*;
 
+    fn spec(text: &str) -> Result<RouteSpec> {
+        RouteSpec::parse(text, &RouteId::BUILT_IN)
+    }
+
     #[test]
     fn names_round_trip_and_unknown_names_list_the_valid_ones() {
-        for r in RouteId::ALL {
-            assert_eq!(r.as_str().parse::<RouteId>().unwrap(), r);
+        let built_in = &RouteId::BUILT_IN;
+        for r in RouteId::BUILT_IN {
+            assert_eq!(built_in.find(r.as_str()).unwrap(), r);
+            assert!(RouteId::is_valid_name(r.as_str()), "{r}");
+        }
+        for bad in ["", "Native", "a-b", "x y", "é"] {
+            assert!(!RouteId::is_valid_name(bad), "{bad}");
         }
         for p in Preset::ALL {
             assert_eq!(p.as_str().parse::<Preset>().unwrap(), p);
         }
         let e = "fastest".parse::<Preset>().unwrap_err();
         assert!(e.to_string().contains("one_shot_fast"), "{e}");
-        let e = "group".parse::<RouteId>().unwrap_err();
+        let e = built_in.find("group").unwrap_err();
         assert!(e.to_string().contains("diffusers_group_offload"), "{e}");
     }
 
@@ -889,7 +935,7 @@ mod tests {
             "native_vmm:low_cpu_mem_usage=true,pinned_source=register",
         ];
         for text in bad {
-            let e = text.parse::<RouteSpec>().unwrap_err();
+            let e = spec(text).unwrap_err();
             assert!(
                 matches!(e, CoreError::ContradictoryOptions { .. }),
                 "{text}: {e}"
@@ -904,7 +950,7 @@ mod tests {
             "native_vmm:pinned_source=mapped",
         ];
         for text in invalid {
-            let e = text.parse::<RouteSpec>().unwrap_err();
+            let e = spec(text).unwrap_err();
             assert!(matches!(e, CoreError::InvalidOption { .. }), "{text}: {e}");
         }
         assert!(
@@ -921,18 +967,14 @@ mod tests {
 
     #[test]
     fn valid_specs_parse() {
-        let registered: RouteSpec = "native_vmm:pinned_source=register".parse().unwrap();
+        let registered = spec("native_vmm:pinned_source=register").unwrap();
         assert_eq!(
             registered.options().pinned_source,
             Some(PinnedSource::Register)
         );
         assert_eq!(registered.describe(), "native_vmm pinned_source=register");
         assert_eq!(
-            "native_vmm:budget=8GiB"
-                .parse::<RouteSpec>()
-                .unwrap()
-                .options()
-                .budget,
+            spec("native_vmm:budget=8GiB").unwrap().options().budget,
             Some(Budget::Bytes(8 << 30))
         );
     }

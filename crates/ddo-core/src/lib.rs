@@ -54,8 +54,8 @@ pub mod tensor;
 pub use checkpoint::{Checkpoint, UniqueMap};
 pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};
 pub use config::{
-    Budget, ComponentKind, Compression, OffloadType, PinnedSource, Preset, RouteId, RouteOptions,
-    RouteSpec, RouteTarget, Settings,
+    Budget, ComponentKind, Compression, OffloadType, PinnedSource, Preset, RouteCatalog, RouteId,
+    RouteOptions, RouteSpec, RouteTarget, Settings,
 };
 pub use device::{
     AllocatorKind, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event, MemoryInfo,

@@ -450,7 +450,7 @@ mod tests {
 
     impl crate::route::AttachedRoute for CopyStreamRoute {
         fn route(&self) -> crate::config::RouteId {
-            crate::config::RouteId::DiffusersGroupOffload
+            crate::config::RouteId::DIFFUSERS_GROUP_OFFLOAD
         }
         fn describe(&self) -> String {
             "test".into()

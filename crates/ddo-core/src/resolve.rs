@@ -44,8 +44,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::config::{
-    Budget, ComponentKind, OffloadType, Preset, RouteId, RouteOptions, RouteSpec, RouteTarget,
-    Settings,
+    Budget, ComponentKind, OffloadType, Preset, RouteCatalog, RouteId, RouteOptions, RouteSpec,
+    RouteTarget, Settings,
 };
 use crate::error::{CoreError, Result};
 
@@ -151,9 +151,6 @@ pub struct Resolution {
     pub preset_from_environment: bool,
     /// What decided the route.
     pub decided_by: DecidedBy,
-    /// Whether the route needs the native VMM allocator installed (resolving never
-    /// installs it).
-    pub needs_native_allocator: bool,
 }
 
 /// The environment variable that can override a component's route.
@@ -228,16 +225,16 @@ pub fn preset_default(preset: Preset, kind: &ComponentKind) -> RouteSpec {
         (Preset::LowRamSafe, _) => leaf(true, true),
         (Preset::VmmFast, ComponentKind::TextEncoder) => leaf(true, false),
         (Preset::VmmFast, _) => RouteSpec::new(
-            RouteTarget::Route(RouteId::NativeVmm),
+            RouteTarget::Route(RouteId::NATIVE_VMM),
             RouteOptions {
                 budget: Some(Budget::FreeMinus(1 << 30)),
                 ..RouteOptions::default()
             },
         )
-        .unwrap_or_else(|_| RouteSpec::route(RouteId::NativeVmm)),
+        .unwrap_or_else(|_| RouteSpec::route(RouteId::NATIVE_VMM)),
         (Preset::WslCompat, ComponentKind::TextEncoder) => leaf(false, false),
         (Preset::WslCompat, _) => RouteSpec::new(
-            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
             RouteOptions {
                 offload_type: Some(OffloadType::LeafLevel),
                 use_stream: Some(false),
@@ -265,12 +262,14 @@ pub fn preset_is_planned(preset: Preset, kind: &ComponentKind) -> bool {
 /// Resolves the route of the component named `component`.
 ///
 /// `explicit` is the route the caller passed for this component, if any. The environment
-/// is read only when `settings.use_environment` is true.
+/// is read only when `settings.use_environment` is true; a route it names is looked up in
+/// `routes` (the registry's catalog, so every route linked can be named there).
 pub fn resolve(
     settings: &Settings,
     component: &str,
     explicit: Option<&RouteSpec>,
     env: &dyn Environment,
+    routes: &dyn RouteCatalog,
 ) -> Result<Resolution> {
     let (preset, preset_from_environment) = if settings.use_environment {
         match env.var("DDO_PRESET") {
@@ -300,13 +299,11 @@ pub fn resolve(
         let var = route_env_var(component);
         match env.var(&var) {
             Some(v) => Ok(Some((
-                v.trim()
-                    .parse::<RouteSpec>()
-                    .map_err(|e| CoreError::InvalidEnvironment {
-                        var: var.clone(),
-                        value: v.clone(),
-                        message: e.to_string(),
-                    })?,
+                RouteSpec::parse(v.trim(), routes).map_err(|e| CoreError::InvalidEnvironment {
+                    var: var.clone(),
+                    value: v.clone(),
+                    message: e.to_string(),
+                })?,
                 var,
             ))),
             None => Ok(None),
@@ -331,7 +328,6 @@ pub fn resolve(
         spec
     };
     Ok(Resolution {
-        needs_native_allocator: spec.route_id() == Some(RouteId::NativeVmm),
         spec,
         preset,
         preset_from_environment,
@@ -342,6 +338,8 @@ pub fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const BUILT_IN: &[RouteId; 4] = &RouteId::BUILT_IN;
     use std::cell::Cell;
 
     /// An environment that counts every read.
@@ -377,6 +375,7 @@ mod tests {
             "vae",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
         assert_eq!(r.preset, Preset::OneShotFast);
@@ -393,7 +392,14 @@ mod tests {
     #[test]
     fn vae_one_shot_fast_and_low_ram_safe_are_leaf_no_stream() {
         for p in [Preset::OneShotFast, Preset::LowRamSafe] {
-            let r = resolve(&settings(p), "vae", None, &MapEnvironment::default()).unwrap();
+            let r = resolve(
+                &settings(p),
+                "vae",
+                None,
+                &MapEnvironment::default(),
+                BUILT_IN,
+            )
+            .unwrap();
             assert_eq!(r.spec, vae_leaf_no_stream(), "{p}");
             assert_eq!(r.spec.options().low_cpu_mem_usage, Some(false));
         }
@@ -406,16 +412,24 @@ mod tests {
             "vae",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
         assert_eq!(r.spec, vae_leaf_no_stream());
-        assert!(!r.needs_native_allocator);
+        assert_ne!(r.spec.route_id(), Some(RouteId::NATIVE_VMM));
     }
 
     #[test]
     fn vae_warm_process_wsl_compat_nvme_baseline_are_resident() {
         for p in [Preset::WarmProcess, Preset::WslCompat, Preset::NvmeBaseline] {
-            let r = resolve(&settings(p), "vae", None, &MapEnvironment::default()).unwrap();
+            let r = resolve(
+                &settings(p),
+                "vae",
+                None,
+                &MapEnvironment::default(),
+                BUILT_IN,
+            )
+            .unwrap();
             assert_eq!(r.spec, RouteSpec::resident(), "{p}");
         }
     }
@@ -427,6 +441,7 @@ mod tests {
             "vae",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
         assert_eq!(r.spec.target(), RouteTarget::Unmanaged);
@@ -442,7 +457,14 @@ mod tests {
                 "text_encoder_2",
                 "controlnet",
             ] {
-                let r = resolve(&settings(p), name, None, &MapEnvironment::default()).unwrap();
+                let r = resolve(
+                    &settings(p),
+                    name,
+                    None,
+                    &MapEnvironment::default(),
+                    BUILT_IN,
+                )
+                .unwrap();
                 // Re-validating the default gives the same spec: defaults are never contradictory.
                 assert_eq!(
                     RouteSpec::new(r.spec.target(), *r.spec.options()).unwrap(),
@@ -460,15 +482,15 @@ mod tests {
             "transformer",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
-        assert_eq!(r.spec.route_id(), Some(RouteId::NativeVmm));
-        assert!(r.needs_native_allocator);
+        assert_eq!(r.spec.route_id(), Some(RouteId::NATIVE_VMM));
     }
 
     #[test]
     fn explicit_route_always_wins() {
-        let explicit: RouteSpec = "linear_convolution".parse().unwrap();
+        let explicit: RouteSpec = RouteSpec::parse("linear_convolution", BUILT_IN).unwrap();
         let mut s = settings(Preset::WarmProcess);
         s.component_policies
             .insert("vae".into(), RouteSpec::resident());
@@ -476,7 +498,7 @@ mod tests {
         let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "none"), ("DDO_PRESET", "off")]);
         for p in Preset::ALL {
             s.preset = p;
-            let r = resolve(&s, "vae", Some(&explicit), &env).unwrap();
+            let r = resolve(&s, "vae", Some(&explicit), &env, BUILT_IN).unwrap();
             assert_eq!(r.spec, explicit, "{p}");
             assert_eq!(r.decided_by, DecidedBy::ExplicitRoute);
         }
@@ -485,13 +507,29 @@ mod tests {
     #[test]
     fn a_vae_policy_does_not_change_the_transformer() {
         let mut s = settings(Preset::Auto);
-        let before = resolve(&s, "transformer", None, &MapEnvironment::default()).unwrap();
-        s.component_policies
-            .insert("vae".into(), "linear_convolution".parse().unwrap());
-        let vae = resolve(&s, "vae", None, &MapEnvironment::default()).unwrap();
-        assert_eq!(vae.spec.route_id(), Some(RouteId::LinearConvolution));
+        let before = resolve(
+            &s,
+            "transformer",
+            None,
+            &MapEnvironment::default(),
+            BUILT_IN,
+        )
+        .unwrap();
+        s.component_policies.insert(
+            "vae".into(),
+            RouteSpec::parse("linear_convolution", BUILT_IN).unwrap(),
+        );
+        let vae = resolve(&s, "vae", None, &MapEnvironment::default(), BUILT_IN).unwrap();
+        assert_eq!(vae.spec.route_id(), Some(RouteId::LINEAR_CONVOLUTION));
         assert_eq!(vae.decided_by, DecidedBy::ComponentPolicy);
-        let after = resolve(&s, "transformer", None, &MapEnvironment::default()).unwrap();
+        let after = resolve(
+            &s,
+            "transformer",
+            None,
+            &MapEnvironment::default(),
+            BUILT_IN,
+        )
+        .unwrap();
         assert_eq!(before, after);
     }
 
@@ -503,6 +541,7 @@ mod tests {
             "decoder",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
         assert_eq!(r.spec, RouteSpec::resident());
@@ -511,6 +550,7 @@ mod tests {
             "decoder",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
         assert_eq!(r.spec, RouteSpec::leaf_group(true, false));
@@ -523,7 +563,7 @@ mod tests {
             inner: MapEnvironment::from_pairs([("DDO_PRESET", "off"), ("DDO_VAE_ROUTE", "none")]),
             reads: &reads,
         };
-        let r = resolve(&settings(Preset::Auto), "vae", None, &env).unwrap();
+        let r = resolve(&settings(Preset::Auto), "vae", None, &env, BUILT_IN).unwrap();
         assert_eq!(reads.get(), 0);
         assert_eq!(r.spec, vae_leaf_no_stream());
         assert!(!r.preset_from_environment);
@@ -534,7 +574,7 @@ mod tests {
         let mut s = settings(Preset::Auto);
         s.use_environment = true;
         let env = MapEnvironment::from_pairs([("DDO_PRESET", "warm_process")]);
-        let r = resolve(&s, "vae", None, &env).unwrap();
+        let r = resolve(&s, "vae", None, &env, BUILT_IN).unwrap();
         assert_eq!(
             (r.preset, r.spec),
             (Preset::WarmProcess, RouteSpec::resident())
@@ -542,8 +582,8 @@ mod tests {
         assert!(r.preset_from_environment);
 
         let env = MapEnvironment::from_pairs([("DDO_TEXT_ENCODER_2_ROUTE", "linear_convolution")]);
-        let r = resolve(&s, "text_encoder_2", None, &env).unwrap();
-        assert_eq!(r.spec.route_id(), Some(RouteId::LinearConvolution));
+        let r = resolve(&s, "text_encoder_2", None, &env, BUILT_IN).unwrap();
+        assert_eq!(r.spec.route_id(), Some(RouteId::LINEAR_CONVOLUTION));
         assert_eq!(
             r.decided_by,
             DecidedBy::EnvironmentRoute("DDO_TEXT_ENCODER_2_ROUTE".into())
@@ -553,7 +593,7 @@ mod tests {
         s.component_policies
             .insert("vae".into(), RouteSpec::resident());
         let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "linear_convolution")]);
-        let r = resolve(&s, "vae", None, &env).unwrap();
+        let r = resolve(&s, "vae", None, &env, BUILT_IN).unwrap();
         assert_eq!(r.spec, RouteSpec::resident());
     }
 
@@ -570,7 +610,7 @@ mod tests {
             ),
         ] {
             let env = MapEnvironment::from_pairs([(var, value)]);
-            let e = resolve(&s, "vae", None, &env).unwrap_err();
+            let e = resolve(&s, "vae", None, &env, BUILT_IN).unwrap_err();
             assert!(
                 matches!(e, CoreError::InvalidEnvironment { .. }),
                 "{var}={value}: {e}"
@@ -579,11 +619,11 @@ mod tests {
         // A bad route variable that an explicit route or a policy overrides is never read.
         let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "teleport")]);
         let explicit = RouteSpec::resident();
-        let r = resolve(&s, "vae", Some(&explicit), &env).unwrap();
+        let r = resolve(&s, "vae", Some(&explicit), &env, BUILT_IN).unwrap();
         assert_eq!(r.decided_by, DecidedBy::ExplicitRoute);
         s.component_policies
             .insert("vae".into(), RouteSpec::resident());
-        let r = resolve(&s, "vae", None, &env).unwrap();
+        let r = resolve(&s, "vae", None, &env, BUILT_IN).unwrap();
         assert_eq!(r.decided_by, DecidedBy::ComponentPolicy);
     }
 
@@ -596,13 +636,14 @@ mod tests {
             "vae",
             None,
             &MapEnvironment::default(),
+            BUILT_IN,
         )
         .unwrap();
         assert_eq!(r.decided_by.to_string(), "preset default (one_shot_fast)");
         let mut s = settings(Preset::Auto);
         s.use_environment = true;
         let env = MapEnvironment::from_pairs([("DDO_VAE_ROUTE", "none")]);
-        let r = resolve(&s, "vae", None, &env).unwrap();
+        let r = resolve(&s, "vae", None, &env, BUILT_IN).unwrap();
         assert_eq!(r.decided_by.to_string(), "environment (DDO_VAE_ROUTE)");
         let all = [
             DecidedBy::ExplicitRoute,
@@ -633,14 +674,14 @@ mod tests {
         let explicit = RouteSpec::leaf_group(true, false);
         let mut settings = settings(Preset::WslCompat);
         let env = MapEnvironment::default();
-        let r = resolve(&settings, "transformer", Some(&explicit), &env).unwrap();
+        let r = resolve(&settings, "transformer", Some(&explicit), &env, BUILT_IN).unwrap();
         assert_eq!(r.decided_by, DecidedBy::ExplicitRoute);
         assert_eq!(r.spec, explicit);
         // Nor to a component policy or an environment route.
         settings
             .component_policies
             .insert("transformer".into(), explicit);
-        let r = resolve(&settings, "transformer", None, &env).unwrap();
+        let r = resolve(&settings, "transformer", None, &env, BUILT_IN).unwrap();
         assert_eq!(
             (r.decided_by, r.spec),
             (DecidedBy::ComponentPolicy, explicit)
@@ -651,14 +692,21 @@ mod tests {
             "diffusers_group_offload:use_stream=true",
         )]);
         settings.use_environment = true;
-        let r = resolve(&settings, "transformer", None, &env).unwrap();
+        let r = resolve(&settings, "transformer", None, &env, BUILT_IN).unwrap();
         assert_eq!(
             r.decided_by,
             DecidedBy::EnvironmentRoute("DDO_TRANSFORMER_ROUTE".into())
         );
         assert_eq!(r.spec.options().pinned_limit, None);
         // wsl_compat's own defaults stream nothing; its cap stays for the engine's callers.
-        let r = resolve(&settings, "text_encoder", None, &MapEnvironment::default()).unwrap();
+        let r = resolve(
+            &settings,
+            "text_encoder",
+            None,
+            &MapEnvironment::default(),
+            BUILT_IN,
+        )
+        .unwrap();
         assert_eq!(r.spec.options().pinned_limit, None);
         assert_eq!(r.decided_by, DecidedBy::PresetDefault(Preset::WslCompat));
         assert!(preset_pinned_limit(Preset::WslCompat) <= 256 << 20);

@@ -86,11 +86,9 @@ fn routes() -> Vec<(&'static str, RouteSpec)> {
         ("leaf, stream", RouteSpec::leaf_group(true, false)),
         (
             "block, stream",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
-                .parse()
-                .unwrap(),
+            ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true").unwrap(),
         ),
-        ("linear_convolution", "linear_convolution".parse().unwrap()),
+        ("linear_convolution", ddo_routes::parse_spec("linear_convolution").unwrap()),
     ]
 }
 
@@ -510,10 +508,10 @@ fn flux_stream_pipeline_against_its_copies() {
             inputs.encoder_hidden_states = inputs.encoder_hidden_states.to_device(&*d, &s).unwrap();
             inputs.pooled_projections = inputs.pooled_projections.to_device(&*d, &s).unwrap();
         }
-        let spec: RouteSpec =
-            format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true{extra}")
-                .parse()
-                .unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(format!(
+            "diffusers_group_offload:offload_type=leaf_level,use_stream=true{extra}"
+        ))
+        .unwrap();
         let h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
         model.forward(&*d, &inputs).unwrap();
         let before = h.metrics_snapshot().counters;

@@ -248,7 +248,7 @@ fn vmm_fast_vae_on_a_native_device_is_leaf_no_stream_from_the_pool() {
     .unwrap();
     assert_eq!(
         h.spec().route_id(),
-        Some(ddo_core::RouteId::DiffusersGroupOffload)
+        Some(ddo_core::RouteId::DIFFUSERS_GROUP_OFFLOAD)
     );
     let o = h.spec().options();
     assert_eq!(o.offload_type, Some(ddo_core::OffloadType::LeafLevel));
@@ -321,7 +321,8 @@ fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundar
         output_bytes(&d, &out)
     };
     for budget in [weights + (64 << 20), weights / 2, weights / 8] {
-        let spec: RouteSpec = format!("native_vmm:budget={budget}").parse().unwrap();
+        let spec: RouteSpec =
+            ddo_routes::parse_spec(format!("native_vmm:budget={budget}")).unwrap();
         let mut h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
         // The first forward learns the schedule; the next ones stream through the engine.
         for round in 0..3 {
@@ -368,9 +369,9 @@ fn flux_transformer_under_native_vmm_equals_resident_and_releases_at_the_boundar
     }
     // A copy stream writing into bytes the compute stream freed moments ago: group offload
     // with a stream under the native allocator (its fences order the copies) equals resident.
-    let spec: RouteSpec = "diffusers_group_offload:offload_type=leaf_level,use_stream=true"
-        .parse()
-        .unwrap();
+    let spec: RouteSpec =
+        ddo_routes::parse_spec("diffusers_group_offload:offload_type=leaf_level,use_stream=true")
+            .unwrap();
     let _h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();
     for round in 0..2 {
         let out = model.forward(&*d, &inputs).unwrap();

@@ -312,10 +312,9 @@ fn flux_streams_bit_identically_from_a_pinned_home_and_from_the_registered_mappi
                 .iter()
                 .all(|p| p.is_checkpoint_backed())
         );
-        let spec: RouteSpec = format!(
+        let spec: RouteSpec = ddo_routes::parse_spec(format!(
             "diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_source={source}"
-        )
-        .parse()
+        ))
         .unwrap();
         let t = Instant::now();
         let mut h = enable_dynamic_offload(model.component(), d.clone(), spec).unwrap();

@@ -82,8 +82,7 @@ pub fn soak_routes() -> Vec<SoakRoute> {
     .into_iter()
     .map(|(label, spec, native)| SoakRoute {
         label: label.to_string(),
-        spec: spec
-            .parse()
+        spec: ddo_routes::parse_spec(&spec)
             .unwrap_or_else(|e| unreachable!("soak route `{spec}` does not parse: {e}")),
         native,
     })

@@ -232,7 +232,7 @@ fn routes_give_bit_identical_outputs() {
     for spec in [
         RouteSpec::leaf_group(false, false),
         RouteSpec::leaf_group(true, false),
-        RouteSpec::route(RouteId::LinearConvolution),
+        RouteSpec::route(RouteId::LINEAR_CONVOLUTION),
     ] {
         let (h, p) = run_with(&load(), spec, &ids);
         assert_eq!(bits(&h), bits(&h0), "{}", spec.describe());

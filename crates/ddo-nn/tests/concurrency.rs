@@ -81,7 +81,7 @@ fn bytes(d: &dyn Device, t: &Tensor) -> Vec<u8> {
 }
 
 fn spec(s: &str) -> RouteSpec {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+    ddo_routes::parse_spec(s).unwrap_or_else(|e| panic!("{s}: {e}"))
 }
 
 /// A seeded jitter of 0..400 µs.

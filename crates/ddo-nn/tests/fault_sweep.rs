@@ -115,7 +115,8 @@ fn flux() -> Flux {
 
 /// Every route configuration the issue names: (label, spec, needs the native allocator).
 fn routes(budget: &str) -> Vec<(String, RouteSpec, bool)> {
-    let parse = |s: &str| -> RouteSpec { s.parse().unwrap_or_else(|e| panic!("{s}: {e}")) };
+    let parse =
+        |s: &str| -> RouteSpec { ddo_routes::parse_spec(s).unwrap_or_else(|e| panic!("{s}: {e}")) };
     let g = "diffusers_group_offload";
     vec![
         ("none".into(), RouteSpec::resident(), false),
@@ -434,7 +435,7 @@ fn sweep(model: &dyn Model) -> Vec<(String, u64)> {
         let other = if native {
             RouteSpec::leaf_group(true, false)
         } else {
-            "linear_convolution".parse().unwrap()
+            ddo_routes::parse_spec("linear_convolution").unwrap()
         };
         let other_native = false;
         assert_eq!(

@@ -149,13 +149,12 @@ fn every_route_is_bit_identical_to_resident_execution() {
         ("leaf_group(stream)", RouteSpec::leaf_group(true, false), false),
         (
             "block_level(stream)",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
-                .parse()
+            ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true")
                 .unwrap(),
             false,
         ),
-        ("linear_convolution", "linear_convolution".parse().unwrap(), false),
-        ("native_vmm", "native_vmm:budget=64KiB".parse().unwrap(), true),
+        ("linear_convolution", ddo_routes::parse_spec("linear_convolution").unwrap(), false),
+        ("native_vmm", ddo_routes::parse_spec("native_vmm:budget=64KiB").unwrap(), true),
     ];
     for (label, spec, native) in specs {
         let model = load();
@@ -729,15 +728,14 @@ fn fp8_storage_casts_the_diffusers_layers_and_streams_bit_identically() {
     for spec in [
         RouteSpec::resident(),
         RouteSpec::leaf_group(true, false),
-        "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
-            .parse()
+        ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true")
             .unwrap(),
     ] {
         let label = spec.describe();
         let (out, _) = run(Some(spec)).unwrap_or_else(|e| panic!("{label}: {e}"));
         assert!(out == resident, "{label}: differs from resident");
     }
-    let err = run(Some("linear_convolution".parse().unwrap())).unwrap_err();
+    let err = run(Some(ddo_routes::parse_spec("linear_convolution").unwrap())).unwrap_err();
     assert!(err.to_string().contains("quantized"), "{err}");
 }
 

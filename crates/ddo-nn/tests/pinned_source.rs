@@ -90,8 +90,9 @@ fn flux_fixture_streams_from_its_registered_mapping_bit_identically() {
     for route in routes {
         let mut per_source = Vec::new();
         for source in ["home", "register"] {
-            let spec: RouteSpec = format!("{route},pinned_source={source}").parse().unwrap();
-            let native = spec.route_id() == Some(ddo_core::RouteId::NativeVmm);
+            let spec: RouteSpec =
+                ddo_routes::parse_spec(format!("{route},pinned_source={source}")).unwrap();
+            let native = spec.route_id() == Some(ddo_core::RouteId::NATIVE_VMM);
             // A fresh load per run: the home replaces the params' host bytes.
             let model = FluxTransformer::load(&fixture_dir(), None).unwrap();
             let total_params = model.component().params().len() as u64;
@@ -164,8 +165,7 @@ fn tensors_adjacent_in_the_file_coalesce_into_fewer_copies() {
     let d = device(false);
     let dyn_d: Arc<dyn Device> = d.clone();
     let spec: RouteSpec =
-        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=1MiB,pinned_source=register"
-            .parse()
+        ddo_routes::parse_spec("diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=1MiB,pinned_source=register")
             .unwrap();
     let h = enable_dynamic_offload(model.component(), dyn_d, spec).unwrap();
     let input = inputs();

@@ -101,7 +101,7 @@ fn settings(preset: Preset, route: Option<&str>) -> Settings {
         ..Settings::default()
     };
     if let Some(r) = route {
-        let spec: RouteSpec = r.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(r).unwrap();
         for name in ["text_encoder", "text_encoder_2", "transformer", "vae"] {
             s.component_policies.insert(name.into(), spec);
         }
@@ -514,7 +514,7 @@ fn resident_vae(
         pipe.vae.component(),
         d.clone(),
         &ddo_routes::OffloadOptions {
-            route: Some("none".parse().unwrap()),
+            route: Some(ddo_routes::parse_spec("none").unwrap()),
             ..ddo_routes::OffloadOptions::default()
         },
     )

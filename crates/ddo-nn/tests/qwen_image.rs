@@ -225,13 +225,12 @@ fn every_route_is_bit_identical_to_resident_execution() {
         ("leaf_group(stream)", RouteSpec::leaf_group(true, false), false),
         (
             "block_level(stream)",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
-                .parse()
+            ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true")
                 .unwrap(),
             false,
         ),
-        ("linear_convolution", "linear_convolution".parse().unwrap(), false),
-        ("native_vmm", "native_vmm:budget=64KiB".parse().unwrap(), true),
+        ("linear_convolution", ddo_routes::parse_spec("linear_convolution").unwrap(), false),
+        ("native_vmm", ddo_routes::parse_spec("native_vmm:budget=64KiB").unwrap(), true),
     ];
     for (label, spec, native) in specs {
         let model = load();

@@ -58,7 +58,7 @@ fn settings(preset: Preset, route: Option<&str>) -> Settings {
         ..Settings::default()
     };
     if let Some(r) = route {
-        let spec: RouteSpec = r.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(r).unwrap();
         for name in ["text_encoder", "transformer", "vae"] {
             s.component_policies.insert(name.into(), spec);
         }

@@ -293,24 +293,25 @@ fn every_route_decodes_bit_identically_to_resident() {
         ),
         (
             "block_level",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1"
-                .parse()
-                .unwrap(),
+            ddo_routes::parse_spec(
+                "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1",
+            )
+            .unwrap(),
             false,
         ),
         (
             "linear_convolution",
-            "linear_convolution".parse().unwrap(),
+            ddo_routes::parse_spec("linear_convolution").unwrap(),
             false,
         ),
         (
             "linear_convolution+pinned",
-            "linear_convolution:pinned=true".parse().unwrap(),
+            ddo_routes::parse_spec("linear_convolution:pinned=true").unwrap(),
             false,
         ),
         (
             "native_vmm",
-            "native_vmm:budget=64KiB".parse().unwrap(),
+            ddo_routes::parse_spec("native_vmm:budget=64KiB").unwrap(),
             true,
         ),
     ];
@@ -402,10 +403,10 @@ fn the_tree_runs_in_execution_order() {
             .unwrap();
         bytes(&*dev, &forward(&*dev))
     };
-    let streamed: RouteSpec =
-        "diffusers_group_offload:use_stream=true,unit_bytes=4KiB,pinned_source=home"
-            .parse()
-            .unwrap();
+    let streamed: RouteSpec = ddo_routes::parse_spec(
+        "diffusers_group_offload:use_stream=true,unit_bytes=4KiB,pinned_source=home",
+    )
+    .unwrap();
     let h = enable_dynamic_offload(vae.component(), Arc::clone(&dev), streamed).unwrap();
     assert_eq!(bytes(&*dev, &forward(&*dev)), resident);
     let c = h.metrics_snapshot().counters;

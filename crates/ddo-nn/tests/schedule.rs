@@ -17,9 +17,7 @@ use ddo_nn::qwen_text::{QwenTextEncoder, QwenTextEncoderConfig, QwenTextInputs};
 use ddo_routes::enable_dynamic_offload;
 
 fn streamed() -> RouteSpec {
-    "diffusers_group_offload:use_stream=true,unit_bytes=4KiB"
-        .parse()
-        .unwrap()
+    ddo_routes::parse_spec("diffusers_group_offload:use_stream=true,unit_bytes=4KiB").unwrap()
 }
 
 /// Runs `forward` resident and then under the streamed route, and checks whether the

@@ -252,7 +252,7 @@ fn routes_give_bit_identical_outputs() {
     for spec in [
         RouteSpec::leaf_group(false, false),
         RouteSpec::leaf_group(true, false),
-        RouteSpec::route(RouteId::LinearConvolution),
+        RouteSpec::route(RouteId::LINEAR_CONVOLUTION),
     ] {
         let got = run_with(&load(&fixture()), spec, &ids);
         assert_eq!(got.len(), resident.len());

@@ -194,19 +194,20 @@ fn every_route_decodes_bit_identically_to_resident() {
         ),
         (
             "block_level",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1"
-                .parse()
-                .expect("spec"),
+            ddo_routes::parse_spec(
+                "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1",
+            )
+            .expect("spec"),
             false,
         ),
         (
             "linear_convolution",
-            "linear_convolution".parse().expect("spec"),
+            ddo_routes::parse_spec("linear_convolution").expect("spec"),
             false,
         ),
         (
             "native_vmm",
-            "native_vmm:budget=1MiB".parse().expect("spec"),
+            ddo_routes::parse_spec("native_vmm:budget=1MiB").expect("spec"),
             true,
         ),
     ];

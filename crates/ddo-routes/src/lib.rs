@@ -4,7 +4,9 @@
 //! `ddo-route-leaf-group`, `ddo-route-linear-convolution`, `ddo-route-native-vmm`), and
 //! below applications and the `ddo` command. It holds:
 //!
-//! - the closed, static route table ([`ROUTES`]): one descriptor per [`RouteId`];
+//! - the route table ([`ROUTES`]: one descriptor per route DDO links, and any route an
+//!   application adds with [`register`]), looked up by [`route`], named through
+//!   [`Catalog`] and [`parse_spec`];
 //! - [`enable_offload`] (named component, preset defaults, the seed's VAE table),
 //!   [`enable_resolved_offload`] (a resolution made once, carried as it is),
 //!   [`enable_pipeline_offload`] (every component of a [`Pipeline`] by policy), and the
@@ -25,10 +27,12 @@ pub mod plan;
 
 use std::sync::Arc;
 
+use parking_lot::RwLock;
+
 use ddo_core::resolve::{Environment, ProcessEnvironment, resolve};
 use ddo_core::{
-    Component, CoreError, DecidedBy, Device, Resolution, Result, Route, RouteId, RouteSpec,
-    RouteTarget, Settings,
+    Component, CoreError, DecidedBy, Device, Resolution, Result, Route, RouteCatalog, RouteId,
+    RouteSpec, RouteTarget, Settings,
 };
 use ddo_metrics::RouteMetrics;
 
@@ -59,42 +63,126 @@ impl std::fmt::Debug for RouteDescriptor {
 /// Every route DDO implements, once.
 pub static ROUTES: &[RouteDescriptor] = &[
     RouteDescriptor {
-        id: RouteId::Resident,
+        id: RouteId::RESIDENT,
         summary: "resident: weights copied to the device once and kept",
         route: &ddo_route_resident::ResidentRoute,
     },
     RouteDescriptor {
-        id: RouteId::DiffusersGroupOffload,
+        id: RouteId::DIFFUSERS_GROUP_OFFLOAD,
         summary: "Diffusers-style leaf/block group offload, with or without a copy stream",
         route: &ddo_route_leaf_group::GroupOffloadRoute,
     },
     RouteDescriptor {
-        id: RouteId::LinearConvolution,
+        id: RouteId::LINEAR_CONVOLUTION,
         summary: "eager CPU offload of each leaf, optional pinned weights, zero residency",
         route: &ddo_route_linear_convolution::LinearConvolutionRoute,
     },
     RouteDescriptor {
-        id: RouteId::NativeVmm,
+        id: RouteId::NATIVE_VMM,
         summary: "weights in the native VMM pool with a budget; the rest streamed",
         route: &ddo_route_native_vmm::NativeVmmRoute,
     },
 ];
 
-/// The row of `id` in [`ROUTES`]: an exhaustive match, so a new [`RouteId`] does not build
-/// until it has a row, and a lookup never falls back to another route
-/// (`every_route_id_appears_once_in_the_table` checks the rows are in this order).
-const fn row(id: RouteId) -> usize {
-    match id {
-        RouteId::Resident => 0,
-        RouteId::DiffusersGroupOffload => 1,
-        RouteId::LinearConvolution => 2,
-        RouteId::NativeVmm => 3,
+/// Routes added at run time ([`register`]), after [`ROUTES`].
+static REGISTERED: RwLock<Vec<RouteDescriptor>> = RwLock::new(Vec::new());
+
+/// Every route the registry knows: [`ROUTES`], then the ones [`register`]ed, in that
+/// order.
+pub fn descriptors() -> Vec<RouteDescriptor> {
+    let registered = REGISTERED.read();
+    ROUTES.iter().chain(registered.iter()).copied().collect()
+}
+
+/// Adds a route the registry does not link (a route crate of an application's own, or a
+/// test's): from then on it is named in specs, `DDO_<COMPONENT>_ROUTE` and `ddo resolve`,
+/// its options are checked from its table, and it attaches like the routes in
+/// [`ROUTES`]. Refused, leaving the registry as it was, when the descriptor's id is not its
+/// route's, its name is not a valid route name or is taken, or its table names an option
+/// route specs do not know.
+pub fn register(descriptor: RouteDescriptor) -> Result<()> {
+    let name = descriptor.id.as_str();
+    let refuse = |hint: String| CoreError::InvalidOption {
+        option: "route".into(),
+        value: name.to_string(),
+        hint,
+    };
+    if descriptor.route.id() != descriptor.id {
+        return Err(refuse(format!(
+            "the descriptor names {name} but its route is {}: give the route's own id",
+            descriptor.route.id()
+        )));
+    }
+    if !RouteId::is_valid_name(name) {
+        return Err(refuse(
+            "a route name is lowercase letters, digits and `_`".into(),
+        ));
+    }
+    if let Some(o) = descriptor
+        .route
+        .option_table()
+        .options
+        .iter()
+        .find(|o| !ddo_core::RouteOptions::NAMES.contains(&o.name))
+    {
+        return Err(refuse(format!(
+            "its option table names `{}`, which route specs do not know; options: {}",
+            o.name,
+            ddo_core::RouteOptions::NAMES.join(", ")
+        )));
+    }
+    let mut registered = REGISTERED.write();
+    if ROUTES
+        .iter()
+        .chain(registered.iter())
+        .any(|d| d.id == descriptor.id)
+    {
+        return Err(refuse(
+            "a route of that name is already registered: give yours another name".into(),
+        ));
+    }
+    registered.push(descriptor);
+    Ok(())
+}
+
+/// The registry's descriptor of `id`, if it knows the route.
+pub fn descriptor(id: RouteId) -> Option<RouteDescriptor> {
+    descriptors().into_iter().find(|d| d.id == id)
+}
+
+/// The implementation of `id`; a route the registry does not know is a typed error, never
+/// another route.
+pub fn route(id: RouteId) -> Result<&'static dyn Route> {
+    descriptor(id)
+        .map(|d| d.route)
+        .ok_or_else(|| CoreError::UnknownRoute {
+            name: id.as_str().to_string(),
+            valid: catalog_names(),
+        })
+}
+
+fn catalog_names() -> String {
+    descriptors()
+        .iter()
+        .map(|d| d.id.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The registry as a [`RouteCatalog`]: every route it knows, by name.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Catalog;
+
+impl RouteCatalog for Catalog {
+    fn ids(&self) -> Vec<RouteId> {
+        descriptors().iter().map(|d| d.id).collect()
     }
 }
 
-/// The implementation of `id`.
-pub fn route(id: RouteId) -> &'static dyn Route {
-    ROUTES[row(id)].route
+/// Parses a route spec (`route` or `route:key=value,...`), the route named from the
+/// registry ([`Catalog`]).
+pub fn parse_spec(text: impl AsRef<str>) -> Result<RouteSpec> {
+    RouteSpec::parse(text.as_ref(), &Catalog)
 }
 
 /// The options `spec`'s route runs with, each with its effective value and whether the
@@ -102,27 +190,31 @@ pub fn route(id: RouteId) -> &'static dyn Route {
 /// leaving a component unmanaged.
 pub fn effective_options(spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
     spec.route_id()
-        .map_or_else(Vec::new, |id| route(id).effective_options(spec))
+        .and_then(|id| route(id).ok())
+        .map_or_else(Vec::new, |r| r.effective_options(spec))
 }
 
 /// The device budget `spec`'s route runs under, given or its default
 /// ([`Route::effective_budget`]).
 pub fn effective_budget(spec: &RouteSpec) -> Option<ddo_core::Budget> {
     spec.route_id()
-        .and_then(|id| route(id).effective_budget(spec))
+        .and_then(|id| route(id).ok())
+        .and_then(|r| r.effective_budget(spec))
 }
 
 /// Whether `spec`'s route streams weights through its streaming engine
 /// ([`Route::streams`]).
 pub fn streams(spec: &RouteSpec) -> bool {
-    spec.route_id().is_some_and(|id| route(id).streams(spec))
+    spec.route_id()
+        .and_then(|id| route(id).ok())
+        .is_some_and(|r| r.streams(spec))
 }
 
 /// Whether every weight stays on the device under `spec`: a resident route, or none (the
 /// caller places the weights) ([`Route::keeps_weights_resident`]).
 pub fn keeps_weights_resident(spec: &RouteSpec) -> bool {
     spec.route_id()
-        .is_none_or(|id| route(id).keeps_weights_resident(spec))
+        .is_none_or(|id| route(id).is_ok_and(|r| r.keeps_weights_resident(spec)))
 }
 
 /// `ddo inspect`'s estimate of what `spec`'s route holds for a component known by its
@@ -134,14 +226,16 @@ pub fn estimate(
     budget_bytes: u64,
 ) -> Option<ddo_core::HeaderEstimate> {
     spec.route_id()
-        .map(|id| route(id).estimate(spec, weight_bytes, largest_leaf_bytes, budget_bytes))
+        .and_then(|id| route(id).ok())
+        .map(|r| r.estimate(spec, weight_bytes, largest_leaf_bytes, budget_bytes))
 }
 
 /// Whether `spec`'s route needs the native VMM allocator on its device
 /// ([`Route::needs_native_allocator`]).
 pub fn needs_native_allocator(spec: &RouteSpec) -> bool {
     spec.route_id()
-        .is_some_and(|id| route(id).needs_native_allocator(spec))
+        .and_then(|id| route(id).ok())
+        .is_some_and(|r| r.needs_native_allocator(spec))
 }
 
 /// Options of [`enable_offload`].
@@ -178,7 +272,13 @@ pub fn enable_offload_with_env(
         .component_name
         .as_deref()
         .unwrap_or_else(|| component.name());
-    let resolution = resolve(&options.settings, name, options.route.as_ref(), env)?;
+    let resolution = resolve(
+        &options.settings,
+        name,
+        options.route.as_ref(),
+        env,
+        &Catalog,
+    )?;
     enable_resolved_offload(component, device, &resolution)
 }
 
@@ -274,7 +374,7 @@ pub fn enable_pipeline_offload_with_env(
 /// Unmanaged specs pass.
 pub fn check_route_options(component: &str, spec: &RouteSpec) -> Result<()> {
     match spec.target() {
-        RouteTarget::Route(id) => ddo_core::route::check_spec(route(id), component, spec),
+        RouteTarget::Route(id) => ddo_core::route::check_spec(route(id)?, component, spec),
         RouteTarget::Unmanaged => Ok(()),
     }
 }
@@ -287,7 +387,7 @@ pub fn check_route_options(component: &str, spec: &RouteSpec) -> Result<()> {
 pub fn preflight(component: &Component, device: &dyn Device, spec: &RouteSpec) -> Result<()> {
     match spec.target() {
         RouteTarget::Route(id) => {
-            ddo_core::route::checked_preflight(route(id), component, device, spec)
+            ddo_core::route::checked_preflight(route(id)?, component, device, spec)
         }
         RouteTarget::Unmanaged => Ok(()),
     }
@@ -346,7 +446,7 @@ pub(crate) fn attach(
         RouteTarget::Route(id) => id,
     };
     preflight(component, &*device, &spec)?;
-    let implementation = route(id);
+    let implementation = route(id)?;
     let hooks =
         implementation.attach(component, Arc::clone(&device), &spec, Arc::clone(&metrics))?;
     if let Err(e) = component.install_hooks(Arc::clone(&hooks)) {
@@ -374,7 +474,10 @@ mod tests {
         let ids: Vec<RouteId> = ROUTES.iter().map(|d| d.id).collect();
         let unique: HashSet<RouteId> = ids.iter().copied().collect();
         assert_eq!(ids.len(), unique.len());
-        assert_eq!(unique, RouteId::ALL.into_iter().collect::<HashSet<_>>());
+        // Every route presets name is in the table.
+        for id in RouteId::BUILT_IN {
+            assert!(unique.contains(&id), "{id} has no row");
+        }
         for d in ROUTES {
             assert_eq!(
                 d.route.id(),
@@ -382,8 +485,13 @@ mod tests {
                 "descriptor {} points at another route",
                 d.id
             );
-            assert_eq!(route(d.id).id(), d.id);
-            assert_eq!(ROUTES[row(d.id)].id, d.id, "row({}) is another row", d.id);
+            assert!(RouteId::is_valid_name(d.id.as_str()), "{}", d.id);
+            assert_eq!(route(d.id).unwrap().id(), d.id);
+            assert_eq!(Catalog.find(d.id.as_str()).unwrap(), d.id);
         }
+        // A route the registry does not know is an error, never another route.
+        let e = route(RouteId::new("not_a_route")).err().unwrap();
+        assert!(matches!(e, CoreError::UnknownRoute { .. }), "{e}");
+        assert!(e.to_string().contains("native_vmm"), "{e}");
     }
 }

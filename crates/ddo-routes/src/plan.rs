@@ -213,7 +213,7 @@ pub fn footprint(
 ) -> Result<Footprint> {
     match spec.target() {
         RouteTarget::Unmanaged => Ok(Footprint::resident(component.param_bytes())),
-        RouteTarget::Route(id) => crate::route(id).footprint(component, spec, context),
+        RouteTarget::Route(id) => crate::route(id)?.footprint(component, spec, context),
     }
 }
 
@@ -256,7 +256,10 @@ pub fn resolve_pipeline(
         .iter()
         .map(|name| {
             let given = explicit.iter().find(|(n, _)| n == name).map(|(_, s)| s);
-            Ok((name.to_string(), resolve(settings, name, given, env)?))
+            Ok((
+                name.to_string(),
+                resolve(settings, name, given, env, &crate::Catalog)?,
+            ))
         })
         .collect()
 }
@@ -533,7 +536,6 @@ fn plan_phase(
         let resolution = Resolution {
             spec,
             decided_by: DecidedBy::MemoryPlan(c.resolution.preset),
-            needs_native_allocator: f.needs_native_allocator,
             ..c.resolution
         };
         plans.push(ComponentPlan {

@@ -75,9 +75,7 @@ fn bad_route_options_are_typed_errors_with_hints() {
         ("native_vmm:budget=99999999999TiB".into(), "budget"),
     ];
     for (text, needle) in cases {
-        let e = text
-            .parse::<RouteSpec>()
-            .expect_err(&format!("`{text}` parsed"));
+        let e = ddo_routes::parse_spec(&text).expect_err(&format!("`{text}` parsed"));
         assert!(
             matches!(
                 e,
@@ -111,7 +109,7 @@ fn unknown_presets_and_bad_environment_values_are_typed_errors() {
         ),
     ] {
         let env = MapEnvironment::from_pairs([(var, value)]);
-        let e = resolve(&settings(true), "vae", None, &env).unwrap_err();
+        let e = resolve(&settings(true), "vae", None, &env, &ddo_routes::Catalog).unwrap_err();
         assert!(
             matches!(e, CoreError::InvalidEnvironment { .. }),
             "{var}={value}: {e:?}"
@@ -119,7 +117,8 @@ fn unknown_presets_and_bad_environment_values_are_typed_errors() {
         let shown = hinted(&e);
         assert!(shown.contains(var), "{shown}");
         // With use_environment=false the same environment is never read.
-        resolve(&settings(false), "vae", None, &env).expect("environment ignored");
+        resolve(&settings(false), "vae", None, &env, &ddo_routes::Catalog)
+            .expect("environment ignored");
     }
 }
 
@@ -129,9 +128,8 @@ fn a_budget_below_the_largest_leaf_is_refused_before_anything_is_allocated() {
     let c = reference::build(&spec).unwrap();
     let largest = c.largest_leaf().unwrap().param_bytes();
     let d = native_device(1 << 24);
-    let route: RouteSpec = format!("native_vmm:budget={}", largest - 1)
-        .parse()
-        .unwrap();
+    let route: RouteSpec =
+        ddo_routes::parse_spec(format!("native_vmm:budget={}", largest - 1)).unwrap();
     let e = enable_dynamic_offload(&c, dyn_device(&d), route).unwrap_err();
     match &e {
         CoreError::Refused {
@@ -147,7 +145,7 @@ fn a_budget_below_the_largest_leaf_is_refused_before_anything_is_allocated() {
     assert_eq!(d.memory_info().allocated, 0);
     assert!(c.attached().is_none());
     // Exactly the largest leaf is enough.
-    let route: RouteSpec = format!("native_vmm:budget={largest}").parse().unwrap();
+    let route: RouteSpec = ddo_routes::parse_spec(format!("native_vmm:budget={largest}")).unwrap();
     enable_dynamic_offload(&c, dyn_device(&d), route).expect("budget = largest leaf");
 }
 
@@ -159,7 +157,7 @@ fn an_explicit_route_that_cannot_run_is_refused_not_replaced() {
     let env = MapEnvironment::default();
     // native_vmm without the native allocator; linear_convolution under it.
     let options = OffloadOptions {
-        route: Some("native_vmm:budget=1MiB".parse().unwrap()),
+        route: Some(ddo_routes::parse_spec("native_vmm:budget=1MiB").unwrap()),
         ..OffloadOptions::default()
     };
     let e = enable_offload_with_env(&c, dyn_device(&d), &options, &env).unwrap_err();
@@ -176,7 +174,7 @@ fn an_explicit_route_that_cannot_run_is_refused_not_replaced() {
     hinted(&e);
     let n = native_device(1 << 24);
     let options = OffloadOptions {
-        route: Some("linear_convolution".parse().unwrap()),
+        route: Some(ddo_routes::parse_spec("linear_convolution").unwrap()),
         ..OffloadOptions::default()
     };
     let e = enable_offload_with_env(&c, dyn_device(&n), &options, &env).unwrap_err();
@@ -235,21 +233,20 @@ fn compress_is_refused_where_it_cannot_run() {
         "linear_convolution:compress=lossless",
         "none:compress=lossless",
     ] {
-        let refused = text
-            .parse::<RouteSpec>()
+        let refused = ddo_routes::parse_spec(text)
             .and_then(|spec| ddo_routes::check_route_options("transformer", &spec));
         let e = refused.expect_err(text);
         let said = hinted(&e);
         assert!(said.contains("compress"), "{text}: {said}");
     }
-    let ok: RouteSpec = "diffusers_group_offload:use_stream=true,compress=lossless"
-        .parse()
-        .unwrap();
-    ddo_routes::check_route_options("transformer", &ok).unwrap();
-    let budgeted: RouteSpec =
-        "diffusers_group_offload:use_stream=true,compress=lossless,budget=1GiB"
-            .parse()
+    let ok: RouteSpec =
+        ddo_routes::parse_spec("diffusers_group_offload:use_stream=true,compress=lossless")
             .unwrap();
+    ddo_routes::check_route_options("transformer", &ok).unwrap();
+    let budgeted: RouteSpec = ddo_routes::parse_spec(
+        "diffusers_group_offload:use_stream=true,compress=lossless,budget=1GiB",
+    )
+    .unwrap();
     ddo_routes::check_route_options("transformer", &budgeted).unwrap();
     assert_eq!(
         ok.describe(),

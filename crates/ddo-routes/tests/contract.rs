@@ -40,7 +40,7 @@ fn no_env() -> MapEnvironment {
 }
 
 fn assert_vae_leaf_no_stream(spec: &RouteSpec) {
-    assert_eq!(spec.route_id(), Some(RouteId::DiffusersGroupOffload));
+    assert_eq!(spec.route_id(), Some(RouteId::DIFFUSERS_GROUP_OFFLOAD));
     let c = GroupOffloadConfig::from_spec(spec);
     assert_eq!(c.offload_type, OffloadType::LeafLevel);
     assert!(!c.use_stream, "VAE default must not use a stream");
@@ -59,7 +59,7 @@ fn vae_row_auto_attaches_leaf_no_stream_as_one_shot_fast() {
     assert_eq!(h.preset(), Some(Preset::OneShotFast));
     assert_eq!(
         c.attached().unwrap().route(),
-        RouteId::DiffusersGroupOffload
+        RouteId::DIFFUSERS_GROUP_OFFLOAD
     );
     let out = h.forward(reference::input(&spec, 2, 1).unwrap()).unwrap();
     assert_eq!(
@@ -134,7 +134,7 @@ fn vae_rows_warm_process_wsl_compat_nvme_baseline_attach_resident() {
         let (c, _) = vae();
         let d = device(1 << 24);
         let h = enable_offload_with_env(&c, dyn_device(&d), &options(preset), &no_env()).unwrap();
-        assert_eq!(h.spec().route_id(), Some(RouteId::Resident), "{preset}");
+        assert_eq!(h.spec().route_id(), Some(RouteId::RESIDENT), "{preset}");
         assert_eq!(d.memory_info().allocated, c.param_bytes(), "{preset}");
     }
 }
@@ -183,11 +183,11 @@ fn an_explicit_route_is_never_replaced() {
         let (c, _) = vae();
         let d = device(1 << 24);
         let mut o = options(preset);
-        o.route = Some("linear_convolution".parse().unwrap());
+        o.route = Some(ddo_routes::parse_spec("linear_convolution").unwrap());
         let h = enable_offload_with_env(&c, dyn_device(&d), &o, &no_env()).unwrap();
         assert_eq!(
             h.spec().route_id(),
-            Some(RouteId::LinearConvolution),
+            Some(RouteId::LINEAR_CONVOLUTION),
             "{preset}"
         );
         assert_eq!(h.decided_by(), &DecidedBy::ExplicitRoute);
@@ -196,7 +196,7 @@ fn an_explicit_route_is_never_replaced() {
     let (c, _) = vae();
     let d = device(1 << 24);
     let mut o = options(Preset::Auto);
-    o.route = Some("native_vmm:budget=1MiB".parse().unwrap());
+    o.route = Some(ddo_routes::parse_spec("native_vmm:budget=1MiB").unwrap());
     let err = enable_offload_with_env(&c, dyn_device(&d), &o, &no_env()).unwrap_err();
     assert!(
         matches!(
@@ -225,9 +225,10 @@ fn a_vae_policy_does_not_change_the_transformer_policy() {
         .unwrap()
         .spec()
         .to_owned();
-    settings
-        .component_policies
-        .insert("vae".into(), "linear_convolution".parse().unwrap());
+    settings.component_policies.insert(
+        "vae".into(),
+        ddo_routes::parse_spec("linear_convolution").unwrap(),
+    );
     let p = enable_pipeline_offload_with_env(&pipeline, dyn_device(&d), &settings, &no_env());
     // The first PipelineOffload's group-offload hooks stay on the components until they are
     // dropped (the seed's ownership rule), so the second attach is refused.
@@ -241,7 +242,7 @@ fn a_vae_policy_does_not_change_the_transformer_policy() {
         enable_pipeline_offload_with_env(&pipeline, dyn_device(&d), &settings, &no_env()).unwrap();
     assert_eq!(
         p.handle("vae").unwrap().spec().route_id(),
-        Some(RouteId::LinearConvolution)
+        Some(RouteId::LINEAR_CONVOLUTION)
     );
     assert_eq!(
         p.handle("vae").unwrap().decided_by(),
@@ -318,8 +319,12 @@ fn group_offload_hooks_end_when_handle_and_component_are_dropped() {
 fn dropping_a_managed_handle_removes_its_route() {
     let d = device(1 << 24);
     let c = reference::build(&ReferenceSpec::small("vae", 2, 8, DType::F32)).unwrap();
-    let h =
-        enable_dynamic_offload(&c, dyn_device(&d), "linear_convolution".parse().unwrap()).unwrap();
+    let h = enable_dynamic_offload(
+        &c,
+        dyn_device(&d),
+        ddo_routes::parse_spec("linear_convolution").unwrap(),
+    )
+    .unwrap();
     assert!(d.memory_info().pinned_host > 0);
     drop(h);
     assert!(c.attached().is_none());
@@ -334,8 +339,12 @@ fn a_second_route_or_weights_placed_by_hand_are_refused() {
     let d = device(1 << 24);
     let c = reference::build(&ReferenceSpec::small("vae", 2, 8, DType::F32)).unwrap();
     let _h = enable_dynamic_offload(&c, dyn_device(&d), RouteSpec::resident()).unwrap();
-    let err = enable_dynamic_offload(&c, dyn_device(&d), "linear_convolution".parse().unwrap())
-        .unwrap_err();
+    let err = enable_dynamic_offload(
+        &c,
+        dyn_device(&d),
+        ddo_routes::parse_spec("linear_convolution").unwrap(),
+    )
+    .unwrap_err();
     assert!(matches!(err, CoreError::AlreadyAttached { .. }), "{err}");
 
     let c2 = reference::build(&ReferenceSpec::small("vae", 2, 8, DType::F32)).unwrap();
@@ -392,7 +401,7 @@ fn vmm_fast_never_installs_the_native_allocator() {
     let n = native_device(2 << 30);
     let h =
         enable_offload_with_env(&t, dyn_device(&n), &options(Preset::VmmFast), &no_env()).unwrap();
-    assert_eq!(h.spec().route_id(), Some(RouteId::NativeVmm));
+    assert_eq!(h.spec().route_id(), Some(RouteId::NATIVE_VMM));
 }
 
 #[test]

@@ -45,7 +45,7 @@ fn attach(f: &Fixture) -> (OffloadHandle, Arc<ddo_core::HostDevice>) {
     let h = enable_dynamic_offload(
         &f.component,
         dyn_device(&d),
-        "native_vmm:budget=1MiB".parse().unwrap(),
+        ddo_routes::parse_spec("native_vmm:budget=1MiB").unwrap(),
     )
     .unwrap();
     (h, d)
@@ -412,8 +412,7 @@ fn a_streamed_route_on_the_registered_mapping_refuses_detach_and_a_pinned_home_l
     let h = enable_dynamic_offload(
         &f.component,
         dyn_device(&d),
-        "diffusers_group_offload:offload_type=leaf_level,use_stream=true"
-            .parse()
+        ddo_routes::parse_spec("diffusers_group_offload:offload_type=leaf_level,use_stream=true")
             .unwrap(),
     )
     .unwrap();
@@ -436,9 +435,10 @@ fn a_streamed_route_on_the_registered_mapping_refuses_detach_and_a_pinned_home_l
     let h = enable_dynamic_offload(
         &f.component,
         dyn_device(&d),
-        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_source=home"
-            .parse()
-            .unwrap(),
+        ddo_routes::parse_spec(
+            "diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_source=home",
+        )
+        .unwrap(),
     )
     .unwrap();
     assert!(
@@ -456,9 +456,10 @@ fn a_streamed_route_on_the_registered_mapping_refuses_detach_and_a_pinned_home_l
 /// Leaf offload without a stream, with the weights left where they are (no pinned home,
 /// which would itself replace the checkpoint-backed sources).
 fn pageable_leaf() -> RouteSpec {
-    "diffusers_group_offload:offload_type=leaf_level,use_stream=false,pinned=false"
-        .parse()
-        .unwrap()
+    ddo_routes::parse_spec(
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=false,pinned=false",
+    )
+    .unwrap()
 }
 
 fn write_u8_checkpoint(path: &std::path::Path, data: &[u8]) {

@@ -9,7 +9,7 @@ use ddo_core::{Budget, OptionValue, RouteSpec};
 fn known(name: &str) -> bool {
     // A known option with a bad value is a value error; an unknown one lists the known ones.
     let text = format!("diffusers_group_offload:{name}=?");
-    match text.parse::<RouteSpec>() {
+    match ddo_routes::parse_spec(text) {
         Ok(_) => true,
         Err(e) => !e.to_string().contains("known options:"),
     }
@@ -40,7 +40,7 @@ fn each_route_lists_its_options_once_and_marks_the_given_ones() {
             &["budget", "ring_slots"][..],
         ),
     ] {
-        let spec: RouteSpec = text.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(text).unwrap();
         let options = ddo_routes::effective_options(&spec);
         let names: Vec<&str> = options.iter().map(|e| e.name).collect();
         let mut unique = names.clone();
@@ -63,7 +63,7 @@ fn each_route_lists_its_options_once_and_marks_the_given_ones() {
 #[test]
 fn values_are_the_routes_defaults_where_the_spec_is_silent() {
     let value = |text: &str, name: &str| {
-        let spec: RouteSpec = text.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(text).unwrap();
         ddo_routes::effective_options(&spec)
             .into_iter()
             .find(|e| e.name == name)
@@ -88,17 +88,17 @@ fn values_are_the_routes_defaults_where_the_spec_is_silent() {
             ddo_route_linear_convolution::PINNED_BY_DEFAULT
         ))
     );
-    let vmm: RouteSpec = "native_vmm".parse().unwrap();
+    let vmm: RouteSpec = ddo_routes::parse_spec("native_vmm").unwrap();
     assert_eq!(
         ddo_routes::effective_budget(&vmm),
         Some(ddo_route_native_vmm::DEFAULT_BUDGET)
     );
-    let given: RouteSpec = "native_vmm:budget=10GiB".parse().unwrap();
+    let given: RouteSpec = ddo_routes::parse_spec("native_vmm:budget=10GiB").unwrap();
     assert_eq!(
         ddo_routes::effective_budget(&given),
         Some(Budget::Bytes(10 << 30))
     );
-    let none: RouteSpec = "none".parse().unwrap();
+    let none: RouteSpec = ddo_routes::parse_spec("none").unwrap();
     assert_eq!(ddo_routes::effective_budget(&none), None);
 }
 
@@ -116,7 +116,7 @@ fn the_registry_says_which_routes_stream_and_which_need_the_native_allocator() {
         ("linear_convolution", false, false),
         ("native_vmm", true, true),
     ] {
-        let spec: RouteSpec = text.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(text).unwrap();
         assert_eq!(ddo_routes::streams(&spec), streams, "{text}");
         assert_eq!(ddo_routes::needs_native_allocator(&spec), native, "{text}");
     }
@@ -127,7 +127,7 @@ fn the_registry_estimates_from_headers_and_says_which_routes_keep_every_weight()
     let gib = 1u64 << 30;
     let (weights, leaf, budget) = (10 * gib, gib / 4, 4 * gib);
     let est = |text: &str| {
-        let spec: RouteSpec = text.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(text).unwrap();
         ddo_routes::estimate(&spec, weights, leaf, budget)
     };
     assert_eq!(
@@ -165,7 +165,7 @@ fn the_registry_estimates_from_headers_and_says_which_routes_keep_every_weight()
         ("linear_convolution", false),
         ("native_vmm", false),
     ] {
-        let spec: RouteSpec = text.parse().unwrap();
+        let spec: RouteSpec = ddo_routes::parse_spec(text).unwrap();
         assert_eq!(ddo_routes::keeps_weights_resident(&spec), keeps, "{text}");
     }
 }

@@ -22,24 +22,23 @@ fn routes() -> Vec<(&'static str, RouteSpec, bool)> {
         ("leaf+stream", RouteSpec::leaf_group(true, false), false),
         (
             "leaf+stream+record",
-            "diffusers_group_offload:use_stream=true,record_stream=true".parse().unwrap(),
+            ddo_routes::parse_spec("diffusers_group_offload:use_stream=true,record_stream=true").unwrap(),
             false,
         ),
         ("leaf+stream+low_cpu", RouteSpec::leaf_group(true, true), false),
         (
             "block+stream",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true"
-                .parse()
+            ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true")
                 .unwrap(),
             false,
         ),
         (
             "block2",
-            "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=2".parse().unwrap(),
+            ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=2").unwrap(),
             false,
         ),
-        ("linear_convolution", "linear_convolution".parse().unwrap(), false),
-        ("native_vmm", "native_vmm:budget=1MiB".parse().unwrap(), true),
+        ("linear_convolution", ddo_routes::parse_spec("linear_convolution").unwrap(), false),
+        ("native_vmm", ddo_routes::parse_spec("native_vmm:budget=1MiB").unwrap(), true),
     ]
 }
 
@@ -82,7 +81,7 @@ fn out_of_memory_mid_forward_is_cleaned_up_and_the_component_runs_elsewhere() {
         let other = if native {
             RouteSpec::leaf_group(false, false)
         } else {
-            "linear_convolution".parse().unwrap()
+            ddo_routes::parse_spec("linear_convolution").unwrap()
         };
         let h2 = enable_dynamic_offload(&c, dyn_device(&d), other).unwrap();
         let out = h2.forward(reference::input(&spec, 3, 9).unwrap()).unwrap();

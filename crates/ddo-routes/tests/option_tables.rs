@@ -47,8 +47,7 @@ fn spec_giving(route: &str, decl: &OptionDecl) -> RouteSpec {
     {
         pairs.insert(0, c.to_string());
     }
-    format!("{route}:{}", pairs.join(","))
-        .parse()
+    ddo_routes::parse_spec(format!("{route}:{}", pairs.join(",")))
         .unwrap_or_else(|e| panic!("{route} {}: {e}", decl.name))
 }
 
@@ -155,7 +154,7 @@ fn an_option_without_its_requirement_is_refused_with_the_requirement_hint() {
                 decl.name,
                 sample(decl)
             );
-            let spec: RouteSpec = text.parse().unwrap();
+            let spec: RouteSpec = ddo_routes::parse_spec(&text).unwrap();
             match check_route_options("transformer", &spec) {
                 Err(CoreError::Refused {
                     refusal: Refusal::UnsupportedOption { option, hint },
@@ -218,7 +217,8 @@ fn what_a_route_reports_is_what_its_table_declares() {
         } else {
             format!("{}:{}", d.id, all.join(","))
         };
-        let spec: RouteSpec = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+        let spec: RouteSpec =
+            ddo_routes::parse_spec(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
         check_route_options("transformer", &spec).unwrap_or_else(|e| panic!("{text}: {e}"));
         for e in effective_options(&spec) {
             assert!(table.get(e.name).is_some(), "{}: {}", d.id, e.name);

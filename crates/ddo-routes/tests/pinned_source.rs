@@ -54,21 +54,20 @@ fn spec(blocks: usize, width: usize, dtype: DType) -> ReferenceSpec {
 }
 
 fn leaf_stream(extra: &str) -> RouteSpec {
-    format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_source=register{extra}")
-        .parse()
+    ddo_routes::parse_spec(format!("diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_source=register{extra}"))
         .unwrap()
 }
 
 fn block_stream() -> RouteSpec {
-    "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,pinned_source=register"
-        .parse()
+    ddo_routes::parse_spec("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,pinned_source=register")
         .unwrap()
 }
 
 fn native(budget: u64, extra: &str) -> RouteSpec {
-    format!("native_vmm:budget={budget},pinned_source=register{extra}")
-        .parse()
-        .unwrap()
+    ddo_routes::parse_spec(format!(
+        "native_vmm:budget={budget},pinned_source=register{extra}"
+    ))
+    .unwrap()
 }
 
 /// Releases the route whatever it is (group offload is not removable): DDO's managed
@@ -88,7 +87,7 @@ fn host_state(c: &Component) -> Vec<(u64, bool)> {
 /// the handle and the device.
 fn run(m: &Mapped, route: RouteSpec, forwards: usize) -> (OffloadHandle, Arc<HostDevice>) {
     let expected = baseline(&reference::build(&m.spec).unwrap(), &m.spec, 2, 9);
-    let d = if route.route_id() == Some(RouteId::NativeVmm) {
+    let d = if route.route_id() == Some(RouteId::NATIVE_VMM) {
         native_device(1 << 26)
     } else {
         device(1 << 26)
@@ -206,7 +205,7 @@ fn owned_params_fall_back_to_a_home_of_their_own() {
             if name.ends_with(".bias") {
                 // Streamed owned params live in the home (one host copy) while attached.
                 if p.host().kind() != HostMemoryKind::Pinned {
-                    assert_eq!(route.route_id(), Some(RouteId::NativeVmm), "{name}");
+                    assert_eq!(route.route_id(), Some(RouteId::NATIVE_VMM), "{name}");
                 }
             } else {
                 assert!(p.is_checkpoint_backed(), "{name}");
@@ -258,7 +257,7 @@ fn pinned_source_is_refused_where_nothing_streams_through_the_engine() {
         ("linear_convolution:pinned_source=home", "pinned_source"),
         ("none:pinned_source=register", "pinned_source"),
     ] {
-        let route: RouteSpec = text.parse().unwrap();
+        let route: RouteSpec = ddo_routes::parse_spec(text).unwrap();
         let err = enable_dynamic_offload(&m.component, dyn_device(&d), route).unwrap_err();
         assert!(
             matches!(
@@ -269,9 +268,7 @@ fn pinned_source_is_refused_where_nothing_streams_through_the_engine() {
         );
     }
     // Registering without pinned staging contradicts itself.
-    let err = "native_vmm:pinned=false,pinned_source=register"
-        .parse::<RouteSpec>()
-        .unwrap_err();
+    let err = ddo_routes::parse_spec("native_vmm:pinned=false,pinned_source=register").unwrap_err();
     assert!(
         matches!(err, CoreError::ContradictoryOptions { .. }),
         "{err}"
@@ -334,11 +331,11 @@ proptest! {
             options.budget = Some(Budget::Bytes(ring + resident));
             // Small units, so that the ring fits beside what stays resident.
             options.unit_bytes = Some(1024);
-            RouteSpec::new(RouteTarget::Route(RouteId::NativeVmm), options).unwrap()
+            RouteSpec::new(RouteTarget::Route(RouteId::NATIVE_VMM), options).unwrap()
         } else {
             options.offload_type = Some(ddo_core::OffloadType::LeafLevel);
             options.use_stream = Some(true);
-            RouteSpec::new(RouteTarget::Route(RouteId::DiffusersGroupOffload), options).unwrap()
+            RouteSpec::new(RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD), options).unwrap()
         };
         let (mut h, d) = run(&m, route, 3);
         let c = h.metrics().counters();

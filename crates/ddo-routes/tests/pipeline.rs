@@ -81,7 +81,7 @@ fn a_refused_component_leaves_no_other_component_attached() {
     )
     .unwrap_err();
     assert!(
-        matches!(err, CoreError::Refused { route, refusal: Refusal::NativeAllocatorRequired, .. } if route == RouteId::NativeVmm.as_str()),
+        matches!(err, CoreError::Refused { route, refusal: Refusal::NativeAllocatorRequired, .. } if route == RouteId::NATIVE_VMM.as_str()),
         "{err}"
     );
     for c in pipeline.components() {

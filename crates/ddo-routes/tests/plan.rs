@@ -84,7 +84,7 @@ fn a_component_that_fits_stays_resident_and_one_that_does_not_keeps_a_part() {
 
     let roomy = plan(&pipeline, &d, 1 << 30, 4096, &[]).unwrap();
     let t = roomy.component("transformer").unwrap();
-    assert_eq!(t.resolution.spec.route_id(), Some(RouteId::Resident));
+    assert_eq!(t.resolution.spec.route_id(), Some(RouteId::RESIDENT));
     assert_eq!(
         t.resolution.decided_by,
         DecidedBy::MemoryPlan(Preset::OneShotFast)
@@ -103,7 +103,7 @@ fn a_component_that_fits_stays_resident_and_one_that_does_not_keeps_a_part() {
     let t = tight.component("transformer").unwrap();
     assert_eq!(
         t.resolution.spec.route_id(),
-        Some(RouteId::DiffusersGroupOffload)
+        Some(RouteId::DIFFUSERS_GROUP_OFFLOAD)
     );
     assert!(matches!(
         t.resolution.spec.options().budget,
@@ -122,9 +122,7 @@ fn explicit_routes_are_counted_never_replaced() {
     let d = device(1 << 30);
     let explicit = vec![(
         "transformer".to_string(),
-        "diffusers_group_offload:use_stream=true"
-            .parse::<RouteSpec>()
-            .unwrap(),
+        ddo_routes::parse_spec("diffusers_group_offload:use_stream=true").unwrap(),
     )];
     let p = plan(&pipeline, &d, 1 << 30, 0, &explicit).unwrap();
     let t = p.component("transformer").unwrap();
@@ -166,9 +164,7 @@ fn each_component_is_resolved_once_and_keeps_its_decided_by_to_the_metrics() {
     };
     let explicit = vec![(
         "transformer".to_string(),
-        "diffusers_group_offload:use_stream=true"
-            .parse::<RouteSpec>()
-            .unwrap(),
+        ddo_routes::parse_spec("diffusers_group_offload:use_stream=true").unwrap(),
     )];
     let request = PlanRequest {
         budget_bytes: 1 << 30,
@@ -493,7 +489,7 @@ fn a_phase_run_once_is_planned_again_to_make_room_for_the_next_phases_upload() {
             .resolution
             .spec
             .route_id(),
-        Some(RouteId::Resident)
+        Some(RouteId::RESIDENT)
     );
     assert_eq!(kept.component("transformer").unwrap().upload_during, None);
     assert_eq!(kept.phases[0].early_upload_bytes, 0);
@@ -502,7 +498,7 @@ fn a_phase_run_once_is_planned_again_to_make_room_for_the_next_phases_upload() {
     let text = moved.component("text_encoder").unwrap();
     assert_eq!(
         text.resolution.spec.route_id(),
-        Some(RouteId::DiffusersGroupOffload),
+        Some(RouteId::DIFFUSERS_GROUP_OFFLOAD),
         "{}",
         text.resolution.spec.describe()
     );
@@ -535,7 +531,7 @@ fn a_background_attach_that_fails_reports_at_its_phase() {
         pipeline.get("transformer").unwrap(),
         dyn_device(&d),
         &ddo_routes::OffloadOptions {
-            route: Some("none".parse().unwrap()),
+            route: Some(ddo_routes::parse_spec("none").unwrap()),
             ..Default::default()
         },
     )

@@ -66,7 +66,7 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
         Just(RouteSpec::resident()),
         (any::<bool>(), any::<bool>(), any::<bool>()).prop_map(|(stream, record, low)| {
             RouteSpec::new(
-                RouteTarget::Route(RouteId::DiffusersGroupOffload),
+                RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
                 RouteOptions {
                     offload_type: Some(OffloadType::LeafLevel),
                     use_stream: Some(stream),
@@ -79,7 +79,7 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
         }),
         (any::<bool>(), 1usize..3).prop_map(|(stream, n)| {
             RouteSpec::new(
-                RouteTarget::Route(RouteId::DiffusersGroupOffload),
+                RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
                 RouteOptions {
                     offload_type: Some(OffloadType::BlockLevel),
                     num_blocks_per_group: Some(if stream { 1 } else { n }),
@@ -91,7 +91,7 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
         }),
         any::<bool>().prop_map(|pinned| {
             RouteSpec::new(
-                RouteTarget::Route(RouteId::LinearConvolution),
+                RouteTarget::Route(RouteId::LINEAR_CONVOLUTION),
                 RouteOptions {
                     pinned: Some(pinned),
                     ..RouteOptions::default()
@@ -101,7 +101,7 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
         }),
         (0u64..4096).prop_map(|extra| {
             RouteSpec::new(
-                RouteTarget::Route(RouteId::NativeVmm),
+                RouteTarget::Route(RouteId::NATIVE_VMM),
                 RouteOptions {
                     // Resolved against the component below: largest leaf + `extra`.
                     budget: Some(Budget::Bytes(extra + 1)),
@@ -164,13 +164,13 @@ proptest! {
         let c = reference::build(&spec).unwrap();
         let largest_leaf = c.leaves().iter().map(|l| l.param_bytes()).max().unwrap_or(0);
         let route = match (route.route_id(), route.options().budget) {
-            (Some(RouteId::NativeVmm), Some(Budget::Bytes(extra))) => RouteSpec::new(
+            (Some(RouteId::NATIVE_VMM), Some(Budget::Bytes(extra))) => RouteSpec::new(
                 route.target(),
                 RouteOptions { budget: Some(Budget::Bytes(largest_leaf + extra)), ..*route.options() },
             ).unwrap(),
             _ => route,
         };
-        let native = route.route_id() == Some(RouteId::NativeVmm);
+        let native = route.route_id() == Some(RouteId::NATIVE_VMM);
         let d = if native { native_device(1 << 26) } else { device(1 << 26) };
         let h = enable_dynamic_offload(&c, dyn_device(&d), route).unwrap();
         let attached = d.memory_info().allocated;
@@ -181,13 +181,13 @@ proptest! {
             prop_assert_eq!(bytes_of(&*d, &out), expected.clone(), "{}", route.describe());
             let peak = d.memory_info().peak_allocated;
             let weights_bound = match route.route_id() {
-                Some(RouteId::Resident) => c.param_bytes(),
-                Some(RouteId::LinearConvolution) => largest_leaf,
-                Some(RouteId::NativeVmm) => match route.options().budget {
+                Some(RouteId::RESIDENT) => c.param_bytes(),
+                Some(RouteId::LINEAR_CONVOLUTION) => largest_leaf,
+                Some(RouteId::NATIVE_VMM) => match route.options().budget {
                     Some(Budget::Bytes(b)) => b,
                     _ => unreachable!(),
                 },
-                Some(RouteId::DiffusersGroupOffload) => {
+                Some(RouteId::DIFFUSERS_GROUP_OFFLOAD) => {
                     let (group, unmatched) = largest_group(&c, &route);
                     let cfg = GroupOffloadConfig::from_spec(&route);
                     // Direct onloads: the group in use; record_stream frees in stream
@@ -198,7 +198,7 @@ proptest! {
                     let engine = k.ring_slots * k.ring_slot_bytes + k.resident_weight_bytes;
                     (groups * group).max(engine) + unmatched
                 }
-                None => unreachable!(),
+                other => unreachable!("the strategy makes no {other:?} spec"),
             };
             prop_assert!(
                 peak <= weights_bound + acts,

@@ -14,9 +14,10 @@ fn a_streamed_forward_publishes_an_ordered_timeline() {
     let spec = ReferenceSpec::small("transformer", 6, 32, DType::F32);
     let c = reference::build(&spec).unwrap();
     let d = device(1 << 24);
-    let route: RouteSpec = "diffusers_group_offload:use_stream=true,unit_bytes=4KiB,timeline=true"
-        .parse()
-        .unwrap();
+    let route: RouteSpec = ddo_routes::parse_spec(
+        "diffusers_group_offload:use_stream=true,unit_bytes=4KiB,timeline=true",
+    )
+    .unwrap();
     let h = enable_dynamic_offload(&c, dyn_device(&d), route).unwrap();
     // The first forward learns the schedule; the second streams and is traced.
     for step in 0..2 {
@@ -60,7 +61,7 @@ fn a_streamed_forward_publishes_an_ordered_timeline() {
     let h = enable_dynamic_offload(
         &c,
         dyn_device(&d),
-        "diffusers_group_offload:use_stream=true".parse().unwrap(),
+        ddo_routes::parse_spec("diffusers_group_offload:use_stream=true").unwrap(),
     )
     .unwrap();
     for step in 0..2 {

@@ -239,6 +239,9 @@ pub struct ResolveArgs {
     /// one JSON object per component, in an array
     #[arg(long)]
     pub json: bool,
+    /// list every route and the options it takes (type, default, what each does), then stop
+    #[arg(long)]
+    pub routes: bool,
     /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
     #[arg(long)]
     pub allow_unused_weights: bool,
@@ -249,7 +252,9 @@ pub struct ResolveArgs {
 
 /// `ddo inspect`'s options.
 #[derive(Debug, Clone, Default, Args)]
-#[command(override_usage = "ddo inspect PATH [--vram-budget SIZE] [--json]")]
+#[command(
+    override_usage = "ddo inspect PATH [--vram-budget SIZE] [--route COMPONENT=ROUTE[:k=v,...]]... [--json]"
+)]
 pub struct InspectArgs {
     /// a .safetensors file, a model folder or a pipeline folder (one)
     #[arg(value_name = "PATH", value_parser = Checked(values::path))]
@@ -257,6 +262,9 @@ pub struct InspectArgs {
     /// the budget the preset table assumes (default 8GiB)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
     pub vram_budget: Option<u64>,
+    /// also estimate this route for a component of PATH (repeatable)
+    #[arg(long, value_name = "COMPONENT=ROUTE[:k=v,...]")]
+    pub route: Vec<String>,
     /// print as JSON
     #[arg(long)]
     pub json: bool,

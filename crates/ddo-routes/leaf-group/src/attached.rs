@@ -444,7 +444,7 @@ impl AttachedGroupOffload {
 
 impl AttachedRoute for AttachedGroupOffload {
     fn route(&self) -> RouteId {
-        RouteId::DiffusersGroupOffload
+        RouteId::DIFFUSERS_GROUP_OFFLOAD
     }
 
     fn describe(&self) -> String {

@@ -46,19 +46,24 @@ mod tests {
 
     #[test]
     fn specs_get_diffusers_defaults() {
-        let s: RouteSpec = "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,record_stream=true"
-            .parse()
+        let s: RouteSpec = ddo_core::RouteSpec::parse("diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,record_stream=true", &ddo_core::RouteId::BUILT_IN)
             .unwrap();
         let c = GroupOffloadConfig::from_spec(&s);
         assert_eq!(c.offload_type, OffloadType::BlockLevel);
         assert!(c.use_stream && c.record_stream && c.pinned && !c.low_cpu_mem_usage);
-        let leaf: RouteSpec = "diffusers_group_offload".parse().unwrap();
+        let leaf: RouteSpec =
+            ddo_core::RouteSpec::parse("diffusers_group_offload", &ddo_core::RouteId::BUILT_IN)
+                .unwrap();
         let c = GroupOffloadConfig::from_spec(&leaf);
         assert_eq!(c.offload_type, OffloadType::LeafLevel);
         // Without a stream nothing is page-locked by default: Diffusers pins only for a
         // stream. `pinned=true` asks for it.
         assert!(!c.use_stream && !c.pinned);
-        let pinned: RouteSpec = "diffusers_group_offload:pinned=true".parse().unwrap();
+        let pinned: RouteSpec = ddo_core::RouteSpec::parse(
+            "diffusers_group_offload:pinned=true",
+            &ddo_core::RouteId::BUILT_IN,
+        )
+        .unwrap();
         assert!(GroupOffloadConfig::from_spec(&pinned).pinned);
         let low = GroupOffloadConfig::from_spec(&RouteSpec::leaf_group(true, true));
         assert!(low.use_stream && !low.pinned);

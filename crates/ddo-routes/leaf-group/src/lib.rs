@@ -4,7 +4,7 @@
 //! This is a route crate: it sits above `ddo-core` (and `ddo-metrics`) and talks only to the
 //! [`Device`] trait, so it runs unchanged on the host backend in CI and on CUDA. The route
 //! registry in `ddo-routes` lists [`GroupOffloadRoute`] under
-//! [`RouteId::DiffusersGroupOffload`], runs its preflight, calls [`Route::attach`] and
+//! [`RouteId::DIFFUSERS_GROUP_OFFLOAD`], runs its preflight, calls [`Route::attach`] and
 //! installs the returned hooks in the component; nothing in this crate installs hooks.
 //!
 //! What it does, following Diffusers' documented behaviour:
@@ -217,7 +217,7 @@ pub struct GroupOffloadRoute;
 
 impl Route for GroupOffloadRoute {
     fn id(&self) -> RouteId {
-        RouteId::DiffusersGroupOffload
+        RouteId::DIFFUSERS_GROUP_OFFLOAD
     }
 
     /// With `use_stream=true`.

@@ -221,7 +221,7 @@ mod tests {
 
     fn config(offload_type: OffloadType, n: Option<usize>) -> GroupOffloadConfig {
         let spec = RouteSpec::new(
-            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
             RouteOptions {
                 offload_type: Some(offload_type),
                 num_blocks_per_group: n,

@@ -58,7 +58,7 @@ pub static OPTIONS: OptionTable = OptionTable {
     others_hint: GROUP_OFFLOAD_HINT,
 };
 
-/// The `linear_convolution` route (registered as [`RouteId::LinearConvolution`]).
+/// The `linear_convolution` route (registered as [`RouteId::LINEAR_CONVOLUTION`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LinearConvolutionRoute;
 
@@ -80,7 +80,7 @@ impl LinearConvolutionConfig {
 
 fn refused(component: &Component, refusal: Refusal) -> CoreError {
     CoreError::Refused {
-        route: RouteId::LinearConvolution.as_str(),
+        route: RouteId::LINEAR_CONVOLUTION.as_str(),
         component: component.name().to_string(),
         refusal,
     }
@@ -141,7 +141,7 @@ impl LinearConvolutionRoute {
 
 impl Route for LinearConvolutionRoute {
     fn id(&self) -> RouteId {
-        RouteId::LinearConvolution
+        RouteId::LINEAR_CONVOLUTION
     }
 
     /// Whether the weights get a pinned home.
@@ -299,7 +299,7 @@ impl LinearConvolutionAttachment {
 
 impl AttachedRoute for LinearConvolutionAttachment {
     fn route(&self) -> RouteId {
-        RouteId::LinearConvolution
+        RouteId::LINEAR_CONVOLUTION
     }
 
     fn describe(&self) -> String {

@@ -22,7 +22,7 @@ fn device(capacity: u64) -> Arc<HostDevice> {
 }
 
 fn spec_text(text: &str) -> RouteSpec {
-    text.parse().unwrap()
+    RouteSpec::parse(text, &ddo_core::RouteId::BUILT_IN).unwrap()
 }
 
 /// Runs the registry's checks ([`checked_preflight`]), attaches and installs the hooks.
@@ -129,7 +129,7 @@ proptest! {
         let d = device(1 << 24);
         let s = d.compute_stream();
         let route_spec = if pinned {
-            RouteSpec::route(RouteId::LinearConvolution)
+            RouteSpec::route(RouteId::LINEAR_CONVOLUTION)
         } else {
             spec_text("linear_convolution:pinned=false")
         };
@@ -224,8 +224,8 @@ fn attach_through_the_route_trait_pins_by_default_and_is_removable() {
     let d = device(1 << 20);
     let metrics = Arc::new(RouteMetrics::new());
     let route: &dyn Route = &LinearConvolutionRoute;
-    assert_eq!(route.id(), RouteId::LinearConvolution);
-    let rs = RouteSpec::route(RouteId::LinearConvolution);
+    assert_eq!(route.id(), RouteId::LINEAR_CONVOLUTION);
+    let rs = RouteSpec::route(RouteId::LINEAR_CONVOLUTION);
     route.preflight(&c, &*d, &rs).unwrap();
     let hooks = route
         .attach(
@@ -235,7 +235,7 @@ fn attach_through_the_route_trait_pins_by_default_and_is_removable() {
             Arc::clone(&metrics),
         )
         .unwrap();
-    assert_eq!(hooks.route(), RouteId::LinearConvolution);
+    assert_eq!(hooks.route(), RouteId::LINEAR_CONVOLUTION);
     assert_eq!(hooks.route_name(), "linear_convolution");
     assert!(hooks.removable());
     assert_eq!(hooks.device_id(), d.id());
@@ -278,7 +278,7 @@ fn dropping_the_attachment_detaches() {
     let spec = ReferenceSpec::small("vae", 2, 8, DType::F16);
     let c = reference::build(&spec).unwrap();
     let d = device(1 << 20);
-    let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LinearConvolution)).unwrap();
+    let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION)).unwrap();
     let y = c
         .forward(&*d, reference::input(&spec, 1, 1).unwrap())
         .unwrap();
@@ -298,7 +298,7 @@ fn a_forward_after_detach_is_refused_and_allocates_nothing() {
     let spec = ReferenceSpec::small("vae", 1, 4, DType::F32);
     let c = reference::build(&spec).unwrap();
     let d = device(1 << 20);
-    let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LinearConvolution)).unwrap();
+    let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION)).unwrap();
     hooks.detach().unwrap();
     let err = c
         .forward(&*d, reference::input(&spec, 1, 1).unwrap())
@@ -343,7 +343,7 @@ fn refuses_the_installed_native_allocator() {
         ..HostDeviceConfig::default()
     })
     .unwrap();
-    let r = refused(&c, &d, &RouteSpec::route(RouteId::LinearConvolution));
+    let r = refused(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION));
     assert_eq!(r, Refusal::NativeAllocatorInstalled);
 }
 
@@ -382,7 +382,7 @@ fn refuses_quantized_params() {
     );
     let c = Component::new("vae", "Quantized", root, Arc::new(Identity)).unwrap();
     let d = device(1 << 20);
-    let r = refused(&c, &d, &RouteSpec::route(RouteId::LinearConvolution));
+    let r = refused(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION));
     assert_eq!(
         r,
         Refusal::Quantized {
@@ -414,7 +414,7 @@ fn refuses_fp8_params() {
         );
         let c = Component::new("transformer", "Fp8", root, Arc::new(Identity)).unwrap();
         let d = device(1 << 20);
-        let r = refused(&c, &d, &RouteSpec::route(RouteId::LinearConvolution));
+        let r = refused(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION));
         assert_eq!(
             r,
             Refusal::Quantized {
@@ -497,7 +497,7 @@ fn out_of_memory_in_a_forward_is_typed_and_leaves_nothing_behind() {
     let c = reference::build(&spec).unwrap();
     let before = checksums(&c);
     let d = device(700);
-    let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LinearConvolution)).unwrap();
+    let hooks = attach(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION)).unwrap();
     for _ in 0..2 {
         let err = c
             .forward(&*d, reference::input(&spec, 2, 1).unwrap())
@@ -524,7 +524,7 @@ fn the_pinned_limit_fails_attach_and_pins_nothing() {
         ..HostDeviceConfig::default()
     })
     .unwrap();
-    let err = attach(&c, &d, &RouteSpec::route(RouteId::LinearConvolution)).unwrap_err();
+    let err = attach(&c, &d, &RouteSpec::route(RouteId::LINEAR_CONVOLUTION)).unwrap_err();
     assert!(matches!(err, CoreError::PinnedLimit { .. }), "{err}");
     assert_eq!(d.memory_info().pinned_host, 0);
     // Without pinned weights the same device runs it.

@@ -93,7 +93,7 @@ pub static OPTIONS: OptionTable = OptionTable {
 /// home that replaces their host bytes (one host copy), when it fits under `pinned_limit`.
 pub const PINNED_BY_DEFAULT: bool = true;
 
-/// The `native_vmm` route (registered as [`RouteId::NativeVmm`]).
+/// The `native_vmm` route (registered as [`RouteId::NATIVE_VMM`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NativeVmmRoute;
 
@@ -235,7 +235,7 @@ pub fn plan_for(component: &Component, device: &dyn Device, spec: &RouteSpec) ->
 
 fn refused(component: &Component, refusal: Refusal) -> CoreError {
     CoreError::Refused {
-        route: RouteId::NativeVmm.as_str(),
+        route: RouteId::NATIVE_VMM.as_str(),
         component: component.name().to_string(),
         refusal,
     }
@@ -378,7 +378,7 @@ impl NativeVmmRoute {
 
 impl Route for NativeVmmRoute {
     fn id(&self) -> RouteId {
-        RouteId::NativeVmm
+        RouteId::NATIVE_VMM
     }
 
     /// The budget, pinned staging, the pinned limit and the streaming engine's options.
@@ -740,7 +740,7 @@ impl NativeVmmAttachment {
 
 impl AttachedRoute for NativeVmmAttachment {
     fn route(&self) -> RouteId {
-        RouteId::NativeVmm
+        RouteId::NATIVE_VMM
     }
 
     fn describe(&self) -> String {

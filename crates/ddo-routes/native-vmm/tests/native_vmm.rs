@@ -29,7 +29,7 @@ fn native_device(capacity: u64) -> Arc<HostDevice> {
 }
 
 fn spec_text(text: &str) -> RouteSpec {
-    text.parse().unwrap()
+    RouteSpec::parse(text, &ddo_core::RouteId::BUILT_IN).unwrap()
 }
 
 fn budget_spec(bytes: u64, pinned: bool) -> RouteSpec {
@@ -363,7 +363,7 @@ fn without_a_budget_it_fits_what_is_free_minus_the_margin() {
     let c = reference::build(&spec).unwrap();
     let spare = c.param_bytes() / 2;
     let d = native_device(DEFAULT_FREE_MARGIN + spare);
-    let rs = RouteSpec::route(RouteId::NativeVmm);
+    let rs = RouteSpec::route(RouteId::NATIVE_VMM);
     assert_eq!(budget_bytes(&*d, &rs), spare);
     let hooks = attach(&c, &d, &rs).unwrap();
     assert_eq!(hooks.plan().budget_bytes, spare);
@@ -387,7 +387,7 @@ fn attach_through_the_route_trait_is_removable_and_drop_detaches() {
     let c = reference::build(&spec).unwrap();
     let d = native_device(1 << 20);
     let route: &dyn Route = &NativeVmmRoute;
-    assert_eq!(route.id(), RouteId::NativeVmm);
+    assert_eq!(route.id(), RouteId::NATIVE_VMM);
     let rs = budget_spec(c.param_bytes() / 2, false);
     route.preflight(&c, &*d, &rs).unwrap();
     let metrics = Arc::new(RouteMetrics::new());
@@ -468,7 +468,7 @@ fn refuses_a_vae_without_an_explicit_budget() {
     let spec = ReferenceSpec::small("vae", 1, 4, DType::F32);
     let c = reference::build(&spec).unwrap();
     let d = native_device(DEFAULT_FREE_MARGIN + (1 << 20));
-    let r = refused(&c, &d, &RouteSpec::route(RouteId::NativeVmm));
+    let r = refused(&c, &d, &RouteSpec::route(RouteId::NATIVE_VMM));
     assert_eq!(r, Refusal::VaeNeedsExplicitCapacity);
     // An explicit capacity is the opt-in; the class name plays no part.
     let hooks = attach(&c, &d, &budget_spec(1 << 16, false)).unwrap();
@@ -477,7 +477,7 @@ fn refuses_a_vae_without_an_explicit_budget() {
     other.name = "decoder".into();
     other.class_name = "AutoencoderKL".into();
     let c2 = reference::build(&other).unwrap();
-    attach(&c2, &d, &RouteSpec::route(RouteId::NativeVmm))
+    attach(&c2, &d, &RouteSpec::route(RouteId::NATIVE_VMM))
         .unwrap()
         .detach()
         .unwrap();
@@ -529,7 +529,7 @@ fn refuses_a_budget_below_the_largest_leaf() {
     );
     // Without a budget, what is free minus the margin is the budget.
     let small = native_device(DEFAULT_FREE_MARGIN + bytes / 2);
-    let r = refused(&c, &small, &RouteSpec::route(RouteId::NativeVmm));
+    let r = refused(&c, &small, &RouteSpec::route(RouteId::NATIVE_VMM));
     assert_eq!(
         r,
         Refusal::BudgetBelowLargestLeaf {

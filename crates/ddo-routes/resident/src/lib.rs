@@ -29,7 +29,7 @@ pub struct ResidentRoute;
 
 impl Route for ResidentRoute {
     fn id(&self) -> RouteId {
-        RouteId::Resident
+        RouteId::RESIDENT
     }
 
     fn keeps_weights_resident(&self, _spec: &RouteSpec) -> bool {
@@ -71,7 +71,7 @@ impl Route for ResidentRoute {
         _spec: &RouteSpec,
     ) -> Result<()> {
         let refuse = |refusal| CoreError::Refused {
-            route: RouteId::Resident.as_str(),
+            route: RouteId::RESIDENT.as_str(),
             component: component.name().to_string(),
             refusal,
         };
@@ -146,7 +146,7 @@ impl fmt::Debug for AttachedResident {
 
 impl AttachedRoute for AttachedResident {
     fn route(&self) -> RouteId {
-        RouteId::Resident
+        RouteId::RESIDENT
     }
 
     fn describe(&self) -> String {

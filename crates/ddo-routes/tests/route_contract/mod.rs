@@ -119,9 +119,7 @@ pub fn case(name: &str) -> Case {
 }
 
 fn spec(case: &Case) -> RouteSpec {
-    case.spec
-        .parse()
-        .unwrap_or_else(|e| panic!("{}: {e}", case.spec))
+    ddo_routes::parse_spec(case.spec).unwrap_or_else(|e| panic!("{}: {e}", case.spec))
 }
 
 /// The reference component every contract runs on (three blocks, f32).
@@ -269,7 +267,7 @@ pub fn bad_options_refused(open: Open, case: &Case) {
     let host = host_state(&c);
     let start = held(&*d);
     for (bad, word) in case.bad {
-        let err = match bad.parse::<RouteSpec>() {
+        let err = match ddo_routes::parse_spec(bad) {
             Err(e) => e,
             Ok(s) => enable_dynamic_offload(&c, Arc::clone(&d), s).unwrap_err(),
         };

@@ -54,7 +54,7 @@ impl Case {
             HostChoice::LowCpu => o.low_cpu_mem_usage = Some(true),
             HostChoice::Unpinned => o.pinned = Some(false),
         }
-        RouteSpec::new(RouteTarget::Route(RouteId::DiffusersGroupOffload), o)
+        RouteSpec::new(RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD), o)
             .unwrap_or_else(|e| panic!("{self:?}: {e}"))
     }
 }

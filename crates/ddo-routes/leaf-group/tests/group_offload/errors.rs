@@ -134,7 +134,11 @@ fn pinned_copies_over_the_pinned_limit_fail_the_attach_and_leave_nothing() {
 }
 
 fn spec_with(options: RouteOptions) -> RouteSpec {
-    RouteSpec::new(RouteTarget::Route(RouteId::DiffusersGroupOffload), options).unwrap()
+    RouteSpec::new(
+        RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
+        options,
+    )
+    .unwrap()
 }
 
 #[test]

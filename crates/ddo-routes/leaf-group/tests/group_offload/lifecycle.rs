@@ -77,15 +77,16 @@ fn the_hooks_describe_themselves_and_are_owned_by_handle_and_component() {
     let spec = ReferenceSpec::small("vae", 2, 4, DType::F32);
     let c = build(&spec).unwrap();
     let device = slow_device(1 << 20, 4e6);
-    let route_spec: ddo_core::RouteSpec =
-        "diffusers_group_offload:offload_type=leaf_level,use_stream=false"
-            .parse()
-            .unwrap();
-    assert_eq!(GroupOffloadRoute.id(), RouteId::DiffusersGroupOffload);
+    let route_spec: ddo_core::RouteSpec = ddo_core::RouteSpec::parse(
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=false",
+        &ddo_core::RouteId::BUILT_IN,
+    )
+    .unwrap();
+    assert_eq!(GroupOffloadRoute.id(), RouteId::DIFFUSERS_GROUP_OFFLOAD);
     let dev: Arc<dyn Device> = device.clone();
     let metrics = Arc::new(RouteMetrics::new());
     let hooks = checked_attach(&c, dev.clone(), &route_spec, metrics.clone()).unwrap();
-    assert_eq!(hooks.route(), RouteId::DiffusersGroupOffload);
+    assert_eq!(hooks.route(), RouteId::DIFFUSERS_GROUP_OFFLOAD);
     assert_eq!(hooks.route_name(), "diffusers_group_offload");
     assert_eq!(hooks.describe(), route_spec.describe());
     assert_eq!(hooks.device_id(), device.id());
@@ -159,9 +160,11 @@ fn a_no_stream_default_is_unpinned_by_design_not_pageable_staging() {
         assert!(!f.pageable_staging, "room {room}: unpinned by design");
         assert_eq!(f.pinned_limit_to_avoid_pageable, 0, "room {room}");
     }
-    let asked: RouteSpec = "diffusers_group_offload:use_stream=false,pinned=true"
-        .parse()
-        .unwrap();
+    let asked: RouteSpec = ddo_core::RouteSpec::parse(
+        "diffusers_group_offload:use_stream=false,pinned=true",
+        &ddo_core::RouteId::BUILT_IN,
+    )
+    .unwrap();
     let fits = GroupOffloadRoute
         .footprint(&c, &asked, &context(1 << 30))
         .unwrap();

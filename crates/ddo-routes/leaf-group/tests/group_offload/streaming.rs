@@ -27,7 +27,7 @@ struct Tuning {
 
 fn spec_for(t: &Tuning, budget: Option<u64>) -> RouteSpec {
     RouteSpec::new(
-        RouteTarget::Route(RouteId::DiffusersGroupOffload),
+        RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
         RouteOptions {
             offload_type: Some(if t.block {
                 OffloadType::BlockLevel
@@ -240,7 +240,7 @@ fn ring_options_without_a_stream_are_refused() {
             use_stream: Some(false),
             ..o
         };
-        let spec = RouteSpec::new(RouteTarget::Route(RouteId::DiffusersGroupOffload), o).unwrap();
+        let spec = RouteSpec::new(RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD), o).unwrap();
         let err = checked_preflight(&GroupOffloadRoute, &c, &*device, &spec).unwrap_err();
         assert!(
             matches!(
@@ -255,13 +255,14 @@ fn ring_options_without_a_stream_are_refused() {
     }
     // Ring slots below 2 are refused when the spec is made.
     assert!(
-        "diffusers_group_offload:use_stream=true,ring_slots=1"
-            .parse::<RouteSpec>()
-            .is_err()
+        ddo_core::RouteSpec::parse(
+            "diffusers_group_offload:use_stream=true,ring_slots=1",
+            &ddo_core::RouteId::BUILT_IN
+        )
+        .is_err()
     );
     let parsed: RouteSpec =
-        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=8MiB,ring_slots=3,pinned_limit=256MiB"
-            .parse()
+        ddo_core::RouteSpec::parse("diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=8MiB,ring_slots=3,pinned_limit=256MiB", &ddo_core::RouteId::BUILT_IN)
             .unwrap();
     assert_eq!(parsed.options().unit_bytes, Some(8 << 20));
     assert_eq!(parsed.options().ring_slots, Some(3));
@@ -278,7 +279,7 @@ fn eight_bit_weights_get_a_deeper_default_ring_in_footprint_and_attach() {
     use ddo_route_leaf_group::{EIGHT_BIT_RING_SLOTS, GroupOffloadRoute};
     let stream = |o: RouteOptions| {
         RouteSpec::new(
-            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
             RouteOptions {
                 offload_type: Some(OffloadType::LeafLevel),
                 use_stream: Some(true),
@@ -351,7 +352,7 @@ fn lossless_coded_units_stream_bit_identical_and_fewer_bytes() {
         let spec = ReferenceSpec::small("transformer", 6, 48, dtype);
         let c = build(&spec).unwrap();
         let route = RouteSpec::new(
-            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
             RouteOptions {
                 offload_type: Some(OffloadType::LeafLevel),
                 use_stream: Some(true),
@@ -431,7 +432,7 @@ fn lossless_coded_units_stream_under_a_budget() {
     let expected = baseline(&c, &xs);
     let coded = |budget: u64| {
         RouteSpec::new(
-            RouteTarget::Route(RouteId::DiffusersGroupOffload),
+            RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
             RouteOptions {
                 offload_type: Some(OffloadType::LeafLevel),
                 use_stream: Some(true),
