@@ -393,6 +393,23 @@ pub fn route_plan(spec: &ddo_core::RouteSpec, c: &ComponentSummary, budget: u64)
     }
 }
 
+/// One row of the estimates table: `label`, then the component, its resident and streamed
+/// bytes, and the route with its note.
+fn plan_row(label: &str, plan: &PresetPlan) -> String {
+    let note = if plan.note.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", plan.note)
+    };
+    format!(
+        "{label:<14} {:<16} {:>11} {:>13}  {}{note}\n",
+        plan.component,
+        format_bytes(plan.resident_bytes),
+        format_bytes(plan.streamed_bytes_per_forward),
+        plan.route,
+    )
+}
+
 /// Runs `ddo inspect` with its parsed options.
 pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
     let path = match args.paths.as_slice() {
@@ -493,37 +510,13 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
         );
         for (p, plans) in &presets {
             for (i, plan) in plans.iter().enumerate() {
-                let note = if plan.note.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", plan.note)
-                };
-                s += &format!(
-                    "{:<14} {:<16} {:>11} {:>13}  {}{note}\n",
-                    if i == 0 { p.as_str() } else { "" },
-                    plan.component,
-                    format_bytes(plan.resident_bytes),
-                    format_bytes(plan.streamed_bytes_per_forward),
-                    plan.route,
-                );
+                s += &plan_row(if i == 0 { p.as_str() } else { "" }, plan);
             }
         }
         if !given.is_empty() {
             s += "\nper --route:\n";
             for plan in &given {
-                let note = if plan.note.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", plan.note)
-                };
-                s += &format!(
-                    "{:<14} {:<16} {:>11} {:>13}  {}{note}\n",
-                    "",
-                    plan.component,
-                    format_bytes(plan.resident_bytes),
-                    format_bytes(plan.streamed_bytes_per_forward),
-                    plan.route,
-                );
+                s += &plan_row("", plan);
             }
         }
         s

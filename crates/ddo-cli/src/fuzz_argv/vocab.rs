@@ -242,6 +242,7 @@ pub(super) const ROUTE_KEYS: &[&str] = &[
     "ring_slots",
     "pinned_source",
     "timeline",
+    "compress",
     "nope",
     "",
 ];
