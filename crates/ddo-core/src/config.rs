@@ -70,6 +70,13 @@ pub trait RouteCatalog {
     /// Every route's id, in the registry's order.
     fn ids(&self) -> Vec<RouteId>;
 
+    /// The names of the options route `id` takes (its option table), where the catalog
+    /// knows them: the hint for an option a spec misspells names them. None by default.
+    fn options_of(&self, id: RouteId) -> Option<Vec<&'static str>> {
+        let _ = id;
+        None
+    }
+
     /// The route named `name`, or the typed error listing the names there are.
     fn find(&self, name: &str) -> Result<RouteId> {
         let ids = self.ids();
@@ -827,6 +834,18 @@ impl RouteSpec {
                 return Err(CoreError::ContradictoryOptions {
                     message: format!("`{key}` given twice"),
                     hint: "give each option once".into(),
+                });
+            }
+            if !RouteOptions::NAMES.contains(&key) {
+                let takes = match routes.options_of(route).as_deref() {
+                    Some([]) => format!("{route} takes no options; "),
+                    Some(names) => format!("{route} takes {}; ", names.join(", ")),
+                    None => String::new(),
+                };
+                return Err(CoreError::InvalidOption {
+                    option: key.into(),
+                    value: v.trim().into(),
+                    hint: format!("{takes}known options: {}", RouteOptions::NAMES.join(", ")),
                 });
             }
             options.set(key, v.trim())?;

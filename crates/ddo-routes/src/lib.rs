@@ -177,6 +177,11 @@ impl RouteCatalog for Catalog {
     fn ids(&self) -> Vec<RouteId> {
         descriptors().iter().map(|d| d.id).collect()
     }
+
+    /// From the route's own option table.
+    fn options_of(&self, id: RouteId) -> Option<Vec<&'static str>> {
+        descriptor(id).map(|d| d.route.option_table().names())
+    }
 }
 
 /// Parses a route spec (`route` or `route:key=value,...`), the route named from the

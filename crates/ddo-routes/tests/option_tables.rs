@@ -267,3 +267,26 @@ fn attach_refuses_what_the_table_refuses_before_touching_anything() {
         assert!(c.attached().is_none());
     }
 }
+
+#[test]
+fn a_misspelt_option_is_answered_with_what_the_route_takes() {
+    for (text, takes) in [
+        (
+            "linear_convolution:speed=1",
+            "linear_convolution takes pinned; ",
+        ),
+        ("none:ring_slot=3", "none takes no options; "),
+        (
+            "native_vmm:budgte=1GiB",
+            "native_vmm takes budget, pinned, pinned_limit, unit_bytes, ring_slots, pinned_source, timeline; ",
+        ),
+    ] {
+        match ddo_routes::parse_spec(text) {
+            Err(CoreError::InvalidOption { hint, .. }) => {
+                assert!(hint.starts_with(takes), "{text}: {hint}");
+                assert!(hint.contains("known options: offload_type"), "{hint}");
+            }
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+}
