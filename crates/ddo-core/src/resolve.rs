@@ -340,6 +340,11 @@ mod tests {
     use super::*;
 
     const BUILT_IN: &[RouteId; 4] = &RouteId::BUILT_IN;
+
+    /// `component` resolved under `s` with no explicit route and an empty environment.
+    fn quiet(s: &Settings, component: &str) -> Resolution {
+        resolve(s, component, None, &MapEnvironment::default(), BUILT_IN).unwrap()
+    }
     use std::cell::Cell;
 
     /// An environment that counts every read.
@@ -370,14 +375,7 @@ mod tests {
 
     #[test]
     fn vae_auto_resolves_to_one_shot_fast_and_leaf_no_stream() {
-        let r = resolve(
-            &settings(Preset::Auto),
-            "vae",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::Auto), "vae");
         assert_eq!(r.preset, Preset::OneShotFast);
         assert_eq!(r.spec, vae_leaf_no_stream());
         let o = r.spec.options();
@@ -392,14 +390,7 @@ mod tests {
     #[test]
     fn vae_one_shot_fast_and_low_ram_safe_are_leaf_no_stream() {
         for p in [Preset::OneShotFast, Preset::LowRamSafe] {
-            let r = resolve(
-                &settings(p),
-                "vae",
-                None,
-                &MapEnvironment::default(),
-                BUILT_IN,
-            )
-            .unwrap();
+            let r = quiet(&settings(p), "vae");
             assert_eq!(r.spec, vae_leaf_no_stream(), "{p}");
             assert_eq!(r.spec.options().low_cpu_mem_usage, Some(false));
         }
@@ -407,14 +398,7 @@ mod tests {
 
     #[test]
     fn vae_vmm_fast_is_leaf_no_stream_and_installs_nothing() {
-        let r = resolve(
-            &settings(Preset::VmmFast),
-            "vae",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::VmmFast), "vae");
         assert_eq!(r.spec, vae_leaf_no_stream());
         assert_ne!(r.spec.route_id(), Some(RouteId::NATIVE_VMM));
     }
@@ -422,28 +406,14 @@ mod tests {
     #[test]
     fn vae_warm_process_wsl_compat_nvme_baseline_are_resident() {
         for p in [Preset::WarmProcess, Preset::WslCompat, Preset::NvmeBaseline] {
-            let r = resolve(
-                &settings(p),
-                "vae",
-                None,
-                &MapEnvironment::default(),
-                BUILT_IN,
-            )
-            .unwrap();
+            let r = quiet(&settings(p), "vae");
             assert_eq!(r.spec, RouteSpec::resident(), "{p}");
         }
     }
 
     #[test]
     fn vae_off_is_unmanaged() {
-        let r = resolve(
-            &settings(Preset::Off),
-            "vae",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::Off), "vae");
         assert_eq!(r.spec.target(), RouteTarget::Unmanaged);
     }
 
@@ -457,14 +427,7 @@ mod tests {
                 "text_encoder_2",
                 "controlnet",
             ] {
-                let r = resolve(
-                    &settings(p),
-                    name,
-                    None,
-                    &MapEnvironment::default(),
-                    BUILT_IN,
-                )
-                .unwrap();
+                let r = quiet(&settings(p), name);
                 // Re-validating the default gives the same spec: defaults are never contradictory.
                 assert_eq!(
                     RouteSpec::new(r.spec.target(), *r.spec.options()).unwrap(),
@@ -477,14 +440,7 @@ mod tests {
 
     #[test]
     fn vmm_fast_transformer_needs_the_native_allocator_but_resolving_installs_nothing() {
-        let r = resolve(
-            &settings(Preset::VmmFast),
-            "transformer",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::VmmFast), "transformer");
         assert_eq!(r.spec.route_id(), Some(RouteId::NATIVE_VMM));
     }
 
@@ -507,52 +463,24 @@ mod tests {
     #[test]
     fn a_vae_policy_does_not_change_the_transformer() {
         let mut s = settings(Preset::Auto);
-        let before = resolve(
-            &s,
-            "transformer",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let before = quiet(&s, "transformer");
         s.component_policies.insert(
             "vae".into(),
             RouteSpec::parse("linear_convolution", BUILT_IN).unwrap(),
         );
-        let vae = resolve(&s, "vae", None, &MapEnvironment::default(), BUILT_IN).unwrap();
+        let vae = quiet(&s, "vae");
         assert_eq!(vae.spec.route_id(), Some(RouteId::LINEAR_CONVOLUTION));
         assert_eq!(vae.decided_by, DecidedBy::ComponentPolicy);
-        let after = resolve(
-            &s,
-            "transformer",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let after = quiet(&s, "transformer");
         assert_eq!(before, after);
     }
 
     #[test]
     fn vae_defaults_follow_the_name_not_the_class() {
         // A VAE registered under another name gets that name's row, not the VAE row.
-        let r = resolve(
-            &settings(Preset::WarmProcess),
-            "decoder",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::WarmProcess), "decoder");
         assert_eq!(r.spec, RouteSpec::resident());
-        let r = resolve(
-            &settings(Preset::OneShotFast),
-            "decoder",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::OneShotFast), "decoder");
         assert_eq!(r.spec, RouteSpec::leaf_group(true, false));
     }
 
@@ -631,14 +559,7 @@ mod tests {
     fn each_decider_has_one_label_naming_what_decided() {
         // The label the resolver gives is the one every report prints: it names the
         // resolved preset, and no two deciders share one.
-        let r = resolve(
-            &settings(Preset::Auto),
-            "vae",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings(Preset::Auto), "vae");
         assert_eq!(r.decided_by.to_string(), "preset default (one_shot_fast)");
         let mut s = settings(Preset::Auto);
         s.use_environment = true;
@@ -699,14 +620,7 @@ mod tests {
         );
         assert_eq!(r.spec.options().pinned_limit, None);
         // wsl_compat's own defaults stream nothing; its cap stays for the engine's callers.
-        let r = resolve(
-            &settings,
-            "text_encoder",
-            None,
-            &MapEnvironment::default(),
-            BUILT_IN,
-        )
-        .unwrap();
+        let r = quiet(&settings, "text_encoder");
         assert_eq!(r.spec.options().pinned_limit, None);
         assert_eq!(r.decided_by, DecidedBy::PresetDefault(Preset::WslCompat));
         assert!(preset_pinned_limit(Preset::WslCompat) <= 256 << 20);
