@@ -6,9 +6,8 @@
 use std::sync::Arc;
 
 use ddo_core::reference::{self, ReferenceSpec};
-use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostDevice, HostDeviceConfig, Result, RouteSpec,
-};
+use ddo_core::{AllocatorKind, CoreError, DType, Device, Result, RouteSpec};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::MetricsSnapshot;
 use ddo_routes::{
     Pipeline, enable_dynamic_offload, enable_pipeline_offload, remove_dynamic_offload,

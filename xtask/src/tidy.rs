@@ -5,11 +5,13 @@
 //! Invariants (also listed in ARCHITECTURE.md):
 //! - ddo-metrics and ddo-codec depend on no other DDO crate.
 //! - ddo-core depends only on the leaf crates ddo-metrics and ddo-codec.
+//! - The host backend, ddo-host, depends only on ddo-core and those leaf crates; only the
+//!   programs (ddo-cli, ddo-examples) link it, every library takes it as a dev-dependency.
 //! - Only ddo-cuda and ddo-vmm may depend on cudarc; ddo-core never does.
 //! - Route crates depend on ddo-core and ddo-metrics, never on each other, on the registry,
 //!   or on a backend.
-//! - `unsafe` appears only in ddo-core's host memory module (one mmap), its host ops (one
-//!   sgemm call), in ddo-cuda / ddo-vmm, and in the allocation-watching global allocator of
+//! - `unsafe` appears only in ddo-core's host memory module (one mmap), ddo-host's host ops
+//!   (one sgemm call), in ddo-cuda / ddo-vmm, and in the allocation-watching global allocator of
 //!   `ddo-core/tests/safetensors.rs` (test-only), and every `unsafe` block is preceded by a `// SAFETY:` comment.
 //! - Every Rust source file opens with a `//!` comment saying what it is for.
 //! - No `#[ignore]`, `#[should_panic]`, `todo!()` or `unimplemented!()`.
@@ -342,6 +344,21 @@ pub fn check_dependencies(root: &Path) -> Vec<String> {
                 "ddo-core depends on {ddo:?}; it may depend on the leaf crates ddo-metrics and ddo-codec only"
             ));
         }
+        if name == "ddo-host"
+            && ddo
+                .iter()
+                .any(|d| !["ddo-core", "ddo-metrics", "ddo-codec"].contains(&d.as_str()))
+        {
+            problems.push(format!(
+                "ddo-host depends on {ddo:?}; the host backend sits just above ddo-core and may depend on ddo-core, ddo-metrics and ddo-codec only"
+            ));
+        }
+        // A backend is chosen by a program; libraries run on whatever device they are given.
+        if !HOST_BACKEND_USERS.contains(&name.as_str()) && ddo.iter().any(|d| *d == "ddo-host") {
+            problems.push(format!(
+                "{name} depends on the host backend ddo-host; only the programs {HOST_BACKEND_USERS:?} link it, a library takes it as a dev-dependency for its tests"
+            ));
+        }
         // Only the registry links route crates: everything else asks it.
         if name != "ddo-routes" && !name.starts_with("ddo-route-") {
             for d in ddo.iter().filter(|d| d.starts_with("ddo-route-")) {
@@ -363,12 +380,15 @@ pub fn check_dependencies(root: &Path) -> Vec<String> {
     problems
 }
 
+/// The crates that may link the host backend in `[dependencies]`: the programs.
+const HOST_BACKEND_USERS: [&str; 2] = ["ddo-cli", "ddo-examples"];
+
 fn may_hold_unsafe(path: &Path) -> bool {
     let p = path.to_string_lossy();
     p.contains("crates/ddo-cuda/")
         || p.contains("crates/ddo-vmm/")
         || p.ends_with("ddo-core/src/host_memory.rs")
-        || p.ends_with("ddo-core/src/host_ops/gemm.rs")
+        || p.ends_with("ddo-host/src/ops/gemm.rs")
         || p.ends_with("ddo-core/tests/safetensors.rs")
 }
 
@@ -452,6 +472,7 @@ mod tests {
         // The check itself sees the crates it is about.
         let names: Vec<String> = crates(&root()).into_iter().map(|(n, _)| n).collect();
         assert!(names.contains(&"ddo-core".to_string()), "{names:?}");
+        assert!(names.contains(&"ddo-host".to_string()), "{names:?}");
     }
 
     #[test]
@@ -550,8 +571,29 @@ mod tests {
         )
         .unwrap();
         fs::write(cli.join("src/lib.rs"), "//! The command.\n").unwrap();
+        // A library that links the host backend, and a host backend that climbs the layers.
+        for (name, dep) in [("ddo-nn", "ddo-host"), ("ddo-host", "ddo-routes")] {
+            let c = dir.join("crates").join(name);
+            fs::create_dir_all(c.join("src")).unwrap();
+            fs::write(
+                c.join("Cargo.toml"),
+                format!("[package]\nname = \"{name}\"\n\n[dependencies]\nddo-core.workspace = true\n{dep}.workspace = true\n\n[dev-dependencies]\nddo-host.workspace = true\n"),
+            )
+            .unwrap();
+            fs::write(c.join("src/lib.rs"), "//! A crate.\n").unwrap();
+        }
         let deps = check_dependencies(&dir);
-        assert_eq!(deps.len(), 3, "{deps:#?}");
+        assert_eq!(deps.len(), 5, "{deps:#?}");
+        assert!(
+            deps.iter()
+                .any(|d| d.contains("ddo-nn depends on the host backend ddo-host")),
+            "{deps:#?}"
+        );
+        assert!(
+            deps.iter()
+                .any(|d| d.starts_with("ddo-host depends on") && d.contains("ddo-routes")),
+            "{deps:#?}"
+        );
         assert!(
             deps.iter()
                 .any(|d| d.contains("ddo-cli depends on the route crate ddo-route-x")),

@@ -12,10 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, resolve};
-use ddo_core::{
-    AllocatorKind, Component, Device, HostDevice, HostDeviceConfig, Preset, Resolution, RouteSpec,
-    Settings,
-};
+use ddo_core::{AllocatorKind, Component, Device, Preset, Resolution, RouteSpec, Settings};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 

@@ -1,11 +1,13 @@
-//! DDO's core contract, and the host backend that implements it without a GPU.
+//! DDO's core contract: what every backend implements and every route and model builds on.
 //!
-//! `ddo-core` sits just above `ddo-metrics` and below everything else: the route crates
-//! (`ddo-routes/*`), the CUDA backend (`ddo-cuda`), the VMM pool (`ddo-vmm`) and the models
-//! (`ddo-nn`) all build on the types defined here and never on each other's internals.
+//! `ddo-core` sits just above `ddo-metrics` and `ddo-codec` and below everything else: the
+//! two backends (`ddo-host` and `ddo-cuda`, side by side), the route crates
+//! (`ddo-routes/*`), the VMM pool (`ddo-vmm`) and the models (`ddo-nn`) all build on the
+//! types defined here and never on each other's internals.
 //! It holds:
 //!
-//! - the memory and transfer plane, [`Device`], with backend-neutral handles
+//! - the memory and transfer plane, [`Device`], and the compute plane, [`Ops`], with
+//!   backend-neutral handles
 //!   ([`DeviceBuffer`], [`Stream`], [`Event`]) and host memory of three kinds
 //!   ([`HostBuffer`]: pageable, pinned, checkpoint-mapped);
 //! - the safetensors checkpoint reader ([`Checkpoint`]);
@@ -20,8 +22,12 @@
 //! - per-op device-time [`profile`]s that both backends record;
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
-//! - the host backend ([`HostDevice`]): host memory with a capacity, exact accounting and
-//!   an asynchronous copy engine, so CI exercises the same routes a GPU runs.
+//! - one set of shape rules for every backend's ops ([`shape`]);
+//! - test support behind the `test-support` feature: the fault-injecting device and
+//!   seeded reference components, over any `Device`.
+//!
+//! The host backend (`HostDevice`, the CPU implementation of `Device` and `Ops`) is the
+//! crate `ddo-host`; this crate's tests that need a device run on it from `tests/`.
 //!
 //! Architecture invariant: this crate never depends on cudarc or any GPU library.
 
@@ -35,9 +41,7 @@ pub mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
 pub mod footprint;
-pub mod host_device;
 pub mod host_memory;
-pub mod host_ops;
 pub mod ops;
 pub mod param;
 pub mod profile;
@@ -66,7 +70,6 @@ pub use error::{CoreError, DetachRefusal, Refusal, Result};
 #[cfg(any(test, feature = "test-support"))]
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
-pub use host_device::{HostDevice, HostDeviceConfig};
 pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};

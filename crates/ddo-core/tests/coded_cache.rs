@@ -13,9 +13,8 @@ use ddo_core::device::download;
 use ddo_core::streaming::{
     CodedCache, StagingKind, StreamingConfig, StreamingEngine, StreamingFigures, coded_cache_path,
 };
-use ddo_core::{
-    Checkpoint, Compression, CoreError, DType, Device, DeviceBuffer, HostDevice, Param, ParamKind,
-};
+use ddo_core::{Checkpoint, Compression, CoreError, DType, Device, DeviceBuffer, Param, ParamKind};
+use ddo_host::HostDevice;
 use ddo_metrics::RouteMetrics;
 
 /// A fresh temporary directory, removed on drop.

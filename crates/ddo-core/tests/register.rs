@@ -18,9 +18,10 @@ use ddo_core::streaming::{
     PinnedSource, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
 };
 use ddo_core::{
-    Checkpoint, CoreError, DType, Device, DeviceBuffer, HostBuffer, HostDevice, HostDeviceConfig,
-    HostMemoryKind, Param, ParamKind,
+    Checkpoint, CoreError, DType, Device, DeviceBuffer, HostBuffer, HostMemoryKind, Param,
+    ParamKind,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
 use proptest::prelude::*;
 

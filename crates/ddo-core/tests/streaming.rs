@@ -16,9 +16,8 @@ use ddo_core::device::download;
 use ddo_core::streaming::{
     PinnedSource, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
 };
-use ddo_core::{
-    CoreError, DType, Device, DeviceBuffer, HostDevice, HostDeviceConfig, Param, ParamKind,
-};
+use ddo_core::{CoreError, DType, Device, DeviceBuffer, Param, ParamKind};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
 use proptest::prelude::*;
 

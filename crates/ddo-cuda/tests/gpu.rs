@@ -8,8 +8,9 @@ use std::time::Instant;
 
 use ddo_core::device::{download, upload};
 use ddo_core::reference::{self, ReferenceSpec};
-use ddo_core::{CoreError, DType, Device, HostBuffer, HostDevice, RouteSpec};
+use ddo_core::{CoreError, DType, Device, HostBuffer, RouteSpec};
 use ddo_cuda::{CudaDevice, CudaError, device_count, library_present};
+use ddo_host::HostDevice;
 use ddo_routes::enable_dynamic_offload;
 
 const MIB: usize = 1 << 20;

@@ -323,7 +323,7 @@ fn misaligned_and_short_buffers_are_refused_before_launch() {
     );
     assert!(download(&*dev, &dst.slice(0, n).unwrap(), &stream).unwrap() == words);
     // Another device's handles are refused too (a host buffer is not a CUDA allocation).
-    let host = ddo_core::HostDevice::new(ddo_core::HostDeviceConfig::default()).unwrap();
+    let host = ddo_host::HostDevice::new(ddo_host::HostDeviceConfig::default()).unwrap();
     let foreign = upload(&*host, unit.bytes(), &host.compute_stream()).unwrap();
     assert!(try_decode(foreign.slice_all(), dst.slice(0, n).unwrap(), s.slice_all()).is_err());
 }

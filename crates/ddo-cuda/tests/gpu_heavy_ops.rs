@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddo_core::rng::SplitMix64;
-use ddo_core::{Conv2dParams, DType, Device, HostDevice, Ops, Tensor};
+use ddo_core::{Conv2dParams, DType, Device, Ops, Tensor};
 use ddo_cuda::CudaDevice;
+use ddo_host::HostDevice;
 
 mod common;
 

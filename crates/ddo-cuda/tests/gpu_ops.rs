@@ -14,10 +14,10 @@ use std::sync::Arc;
 
 use ddo_core::rng::SplitMix64;
 use ddo_core::{
-    BinaryOp, CoreError, DType, Device, HostBuffer, HostDevice, Ops, ReduceOp, Tensor,
-    TensorStorage, UnaryOp,
+    BinaryOp, CoreError, DType, Device, HostBuffer, Ops, ReduceOp, Tensor, TensorStorage, UnaryOp,
 };
 use ddo_cuda::CudaDevice;
+use ddo_host::HostDevice;
 
 mod common;
 
@@ -1724,7 +1724,7 @@ fn fp8_decodes_exactly_and_linears_upcast_their_fp8_operands() {
             want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             "{fp8} scaled cast"
         );
-        let host = ddo_core::HostDevice::with_capacity(1 << 24).unwrap();
+        let host = ddo_host::HostDevice::with_capacity(1 << 24).unwrap();
         let host_w = host
             .cast(
                 &host

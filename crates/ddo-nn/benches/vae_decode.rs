@@ -9,7 +9,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use ddo_core::{DType, Device, HostDevice, HostDeviceConfig, Tensor};
+use ddo_core::{DType, Device, Tensor};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::RandomWeights;
 use ddo_nn::vae::{AutoencoderKL, AutoencoderKLConfig, estimate_decode_peak_bytes};
 

@@ -7,7 +7,8 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use ddo_core::{AllocatorKind, DType, Device, HostDevice, HostDeviceConfig};
+use ddo_core::{AllocatorKind, DType, Device};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::soak::{run_soak, soak_routes};
 
 fn device(allocator: AllocatorKind) -> Result<Arc<dyn Device>, String> {

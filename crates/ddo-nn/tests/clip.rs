@@ -5,9 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ddo_core::{
-    CoreError, DType, Device, HostDevice, Param, ParamKind, RouteId, RouteSpec, Tensor,
-};
+use ddo_core::{CoreError, DType, Device, Param, ParamKind, RouteId, RouteSpec, Tensor};
+use ddo_host::HostDevice;
 use ddo_nn::clip::{ClipOutput, ClipTextConfig, ClipTextModel};
 use ddo_nn::{CheckpointWeights, LoadError, LoadResult, WeightSource, read_f32_tensor};
 use ddo_routes::enable_dynamic_offload;

@@ -20,7 +20,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use ddo_core::{Component, DType, Device, HostDevice, HostDeviceConfig, RouteSpec, Tensor};
+use ddo_core::{Component, DType, Device, RouteSpec, Tensor};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::flux::{FluxInputs, FluxTransformer};
 use ddo_nn::read_f32_tensor;
 use ddo_nn::vae::AutoencoderKL;

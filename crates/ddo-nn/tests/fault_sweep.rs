@@ -19,8 +19,9 @@ use std::time::Instant;
 
 use ddo_core::{
     AllocatorKind, Component, CoreError, DType, Device, FaultAction, FaultCounts,
-    FaultInjectingDevice, FaultKind, HostDevice, HostDeviceConfig, RouteSpec, Tensor,
+    FaultInjectingDevice, FaultKind, RouteSpec, Tensor,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::flux::{FluxInputs, FluxTransformer};
 use ddo_nn::read_f32_tensor;
 use ddo_nn::vae::AutoencoderKL;

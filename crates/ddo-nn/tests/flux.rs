@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostBuffer, HostDevice, HostDeviceConfig, Param,
-    ParamKind, Placement, RouteSpec, Tensor, ops_of,
+    AllocatorKind, CoreError, DType, Device, HostBuffer, Param, ParamKind, Placement, RouteSpec,
+    Tensor, ops_of,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::flux::{
     FluxInputs, FluxTransformer, FluxTransformerConfig, ROPE_THETA, TIMESTEP_CHANNELS,
     latent_image_ids, pack_latents, rope_tables, timestep_embedding, unpack_latents,

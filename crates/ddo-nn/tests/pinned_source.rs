@@ -9,9 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostDevice, HostDeviceConfig, RouteSpec, Tensor,
-};
+use ddo_core::{AllocatorKind, CoreError, DType, Device, RouteSpec, Tensor};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::flux::{FluxInputs, FluxTransformer};
 use ddo_nn::read_f32_tensor;
 use ddo_routes::enable_dynamic_offload;

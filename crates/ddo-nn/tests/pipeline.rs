@@ -8,7 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ddo_core::{DType, Device, HostDevice, Preset, RouteSpec, Settings, Tensor};
+use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor};
+use ddo_host::HostDevice;
 use ddo_nn::pipeline::{
     FluxPipeline, FluxPipelineConfig, InitLatents, PipelineRequest, PipelineRun, PromptEmbeds,
     PromptInput, TiledDecode,

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostBuffer, HostDevice, HostDeviceConfig, Param,
-    ParamKind, Placement, RouteSpec, Tensor, ops_of,
+    AllocatorKind, CoreError, DType, Device, HostBuffer, Param, ParamKind, Placement, RouteSpec,
+    Tensor, ops_of,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::qwen_image::{
     QwenImageInputs, QwenImageTransformer, QwenImageTransformerConfig, ROPE_THETA,
     TIMESTEP_CHANNELS, TIMESTEP_SCALE, image_positions, rope_tables, text_positions,

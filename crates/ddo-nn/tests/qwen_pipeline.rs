@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ddo_core::{CoreError, DType, Device, HostDevice, Preset, RouteSpec, Settings, Tensor};
+use ddo_core::{CoreError, DType, Device, Preset, RouteSpec, Settings, Tensor};
+use ddo_host::HostDevice;
 use ddo_nn::pipeline::{
     InitLatents, PipelineKind, PipelineRun, QwenImagePipeline, QwenImagePipelineConfig,
     QwenImageRequest, QwenPromptInput, TiledDecode, stand_in_ids,

@@ -11,10 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostDevice, HostDeviceConfig, RouteSpec, Tensor,
-    ops_of,
-};
+use ddo_core::{AllocatorKind, CoreError, DType, Device, RouteSpec, Tensor, ops_of};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::qwen_vae::{
     QwenVae, QwenVaeConfig, QwenVaeTiling, Upsampler, estimate_decode_peak_bytes,
     estimate_tiled_decode_peak_bytes,

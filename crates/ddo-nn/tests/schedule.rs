@@ -9,7 +9,8 @@
 
 use std::sync::Arc;
 
-use ddo_core::{Component, DType, Device, HostDevice, RouteSpec, Tensor};
+use ddo_core::{Component, DType, Device, RouteSpec, Tensor};
+use ddo_host::HostDevice;
 use ddo_nn::flux::FluxInputs;
 use ddo_nn::pipeline::{FluxPipeline, FluxPipelineConfig};
 use ddo_nn::qwen_image::{QwenImageInputs, QwenImageTransformer, QwenImageTransformerConfig};

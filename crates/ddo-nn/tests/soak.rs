@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use ddo_core::{AllocatorKind, CoreError, DType, Device, HostDevice, HostDeviceConfig};
+use ddo_core::{AllocatorKind, CoreError, DType, Device};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::soak::{run_soak, soak_routes};
 
 fn device(allocator: AllocatorKind) -> Arc<dyn Device> {

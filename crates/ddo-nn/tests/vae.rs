@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostDevice, HostDeviceConfig, Ops, RouteSpec, Tensor,
-};
+use ddo_core::{AllocatorKind, CoreError, DType, Device, Ops, RouteSpec, Tensor};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_nn::vae::{
     AutoencoderKL, AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes,
     estimate_tiled_decode_peak_bytes,

@@ -11,9 +11,10 @@ use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::resolve::resolve;
 use ddo_core::{
     AttachedRoute, Component, CoreError, DType, DecidedBy, Device, Footprint, FootprintContext,
-    HeaderEstimate, HostDevice, MapEnvironment, OptionDecl, OptionKind, OptionTable, Refusal,
-    Result, Route, RouteId, RouteSpec, Settings,
+    HeaderEstimate, MapEnvironment, OptionDecl, OptionKind, OptionTable, Refusal, Result, Route,
+    RouteId, RouteSpec, Settings,
 };
+use ddo_host::HostDevice;
 use ddo_metrics::RouteMetrics;
 use ddo_route_resident::ResidentRoute;
 use ddo_routes::{RouteDescriptor, check_route_options, parse_spec, register};

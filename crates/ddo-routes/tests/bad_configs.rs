@@ -8,10 +8,8 @@ mod common;
 use common::*;
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::resolve::resolve;
-use ddo_core::{
-    CoreError, DType, Device, HostDevice, HostDeviceConfig, MapEnvironment, Preset, Refusal,
-    RouteSpec, Settings,
-};
+use ddo_core::{CoreError, DType, Device, MapEnvironment, Preset, Refusal, RouteSpec, Settings};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_routes::{OffloadOptions, enable_dynamic_offload, enable_offload_with_env};
 
 /// The error's text, after checking it carries a hint: a `;` or `:` followed by advice.

@@ -40,7 +40,7 @@ fn fixture(tie: bool) -> Fixture {
     }
 }
 
-fn attach(f: &Fixture) -> (OffloadHandle, Arc<ddo_core::HostDevice>) {
+fn attach(f: &Fixture) -> (OffloadHandle, Arc<ddo_host::HostDevice>) {
     let d = native_device(1 << 24);
     let h = enable_dynamic_offload(
         &f.component,

@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::{
-    AllocatorKind, CoreError, DType, Device, HostDevice, HostDeviceConfig, OptionDecl, OptionKind,
-    OptionValue, Refusal, RouteOptions, RouteSpec,
+    AllocatorKind, CoreError, DType, Device, OptionDecl, OptionKind, OptionValue, Refusal,
+    RouteOptions, RouteSpec,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_routes::{ROUTES, check_route_options, effective_options, enable_dynamic_offload};
 
 /// Options that only travel with a companion (RouteSpec::new refuses them alone).

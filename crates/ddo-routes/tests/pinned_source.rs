@@ -13,9 +13,10 @@ use std::sync::Arc;
 use common::*;
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
-    Budget, Checkpoint, Component, CoreError, DType, Device, HostDevice, HostMemoryKind, LeafKind,
-    Param, Refusal, RouteId, RouteOptions, RouteSpec, RouteTarget,
+    Budget, Checkpoint, Component, CoreError, DType, Device, HostMemoryKind, LeafKind, Param,
+    Refusal, RouteId, RouteOptions, RouteSpec, RouteTarget,
 };
+use ddo_host::HostDevice;
 use ddo_routes::{OffloadHandle, enable_dynamic_offload};
 use proptest::prelude::*;
 

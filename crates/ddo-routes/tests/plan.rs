@@ -56,7 +56,7 @@ fn demands(activation: u64) -> Vec<PhaseDemand> {
 
 fn plan(
     pipeline: &Pipeline,
-    device: &Arc<ddo_core::HostDevice>,
+    device: &Arc<ddo_host::HostDevice>,
     budget: u64,
     activation: u64,
     explicit: &[(String, RouteSpec)],

@@ -8,7 +8,8 @@ mod route_contract;
 
 use std::sync::Arc;
 
-use ddo_core::{AllocatorKind, Device, HostDevice, HostDeviceConfig};
+use ddo_core::{AllocatorKind, Device};
+use ddo_host::{HostDevice, HostDeviceConfig};
 
 fn host(native: bool) -> Option<Arc<dyn Device>> {
     let d = HostDevice::new(HostDeviceConfig {

@@ -1,7 +1,7 @@
 //! [`CudaDevice`]: ddo-core's [`Device`] on one NVIDIA GPU — allocations from the caching
 //! allocator, pinned host memory, streams, events, asynchronous copies, exact accounting.
 //!
-//! Semantics follow the host backend ([`ddo_core::HostDevice`]):
+//! Semantics follow the host backend (`ddo_host::HostDevice`):
 //! - copies run in order on the stream they are queued on; from and to pinned host memory
 //!   they are asynchronous, from and to pageable or checkpoint-mapped memory they return
 //!   only once done, except a host→device copy from pageable memory of at most half

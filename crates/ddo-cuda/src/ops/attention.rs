@@ -2,7 +2,7 @@
 //! `q [b, h, lq, d]`, `k [b, h, lk, d]`, `v [b, h, lk, dv]` and an optional additive mask
 //! broadcastable to `[b, h, lq, lk]` (read through its strides, 0 where it broadcasts, in its
 //! own dtype). Shape checks and results follow the host reference
-//! ([`ddo_core::host_ops`]), including NaN for a query whose keys are all masked out.
+//! (`ddo_host::ops`), including NaN for a query whose keys are all masked out.
 //!
 //! Three paths (`kernels/attention.cu` has the kernels), chosen by dtype and head size:
 //!

@@ -1,6 +1,6 @@
 //! The CUDA backend's compute plane: [`Ops`] for [`CudaDevice`].
 //!
-//! Semantics are the host backend's ([`ddo_core::host_ops`], the reference): the same shape
+//! Semantics are the host backend's (`ddo_host::ops`, the reference): the same shape
 //! checks and typed errors, compute in f32, results rounded once into the output dtype.
 //! Every op checks that its inputs are device tensors of this device ([`input`]), checks
 //! shapes, allocates its output on the compute stream ([`Out::new`], `alloc_on`), queues

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
     AllocatorKind, AttachedRoute, Component, ComponentProgram, CoreError, DType, Device,
-    ForwardContext, HostBuffer, HostDevice, HostDeviceConfig, LeafKind, Module, Param, ParamKind,
-    Refusal, Route, RouteId, RouteSpec, Tensor,
+    ForwardContext, HostBuffer, LeafKind, Module, Param, ParamKind, Refusal, Route, RouteId,
+    RouteSpec, Tensor,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
 use ddo_route_linear_convolution::{
     BUDGET_HINT, GROUP_OFFLOAD_HINT, LinearConvolutionAttachment, LinearConvolutionRoute,

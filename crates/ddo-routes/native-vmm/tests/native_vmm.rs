@@ -9,9 +9,10 @@ use std::sync::Arc;
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::streaming::StagingKind;
 use ddo_core::{
-    AllocatorKind, AttachedRoute, Budget, Component, CoreError, DType, Device, HostDevice,
-    HostDeviceConfig, Refusal, Route, RouteId, RouteSpec,
+    AllocatorKind, AttachedRoute, Budget, Component, CoreError, DType, Device, Refusal, Route,
+    RouteId, RouteSpec,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
 use ddo_route_native_vmm::{
     DEFAULT_FREE_MARGIN, NativeVmmAttachment, NativeVmmRoute, OPTION_HINT, ResidencyPlan,

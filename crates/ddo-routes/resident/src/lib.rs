@@ -195,8 +195,9 @@ impl Drop for AttachedResident {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ddo_core::DType;
     use ddo_core::reference::{self, ReferenceSpec};
-    use ddo_core::{DType, HostDevice};
+    use ddo_host::HostDevice;
 
     #[test]
     fn resident_weights_are_copied_once_and_released_on_detach() {

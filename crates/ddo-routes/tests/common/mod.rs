@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::reference::{self, ReferenceSpec};
-use ddo_core::{AllocatorKind, Component, Device, HostDevice, HostDeviceConfig, Tensor};
+use ddo_core::{AllocatorKind, Component, Device, Tensor};
+use ddo_host::{HostDevice, HostDeviceConfig};
 
 /// A host device with `capacity` bytes and the caching allocator.
 pub fn device(capacity: u64) -> Arc<HostDevice> {

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::route::checked_preflight;
 use ddo_core::{
-    AttachedRoute, Component, Device, HostDevice, HostDeviceConfig, OffloadType, Route, RouteId,
-    RouteOptions, RouteSpec, RouteTarget, Tensor,
+    AttachedRoute, Component, Device, OffloadType, Route, RouteId, RouteOptions, RouteSpec,
+    RouteTarget, Tensor,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
 use ddo_route_leaf_group::{AttachedGroupOffload, GroupOffloadRoute};
 

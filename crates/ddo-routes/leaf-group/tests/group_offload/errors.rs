@@ -7,9 +7,10 @@ use std::sync::Arc;
 use ddo_core::reference::{ReferenceSpec, build};
 use ddo_core::route::checked_preflight;
 use ddo_core::{
-    Budget, CoreError, DType, Device, HostDevice, HostDeviceConfig, OffloadType, Refusal, RouteId,
-    RouteOptions, RouteSpec, RouteTarget,
+    Budget, CoreError, DType, Device, OffloadType, Refusal, RouteId, RouteOptions, RouteSpec,
+    RouteTarget,
 };
+use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
 use ddo_route_leaf_group::GroupOffloadRoute;
 

@@ -7,10 +7,8 @@
 use ddo_core::reference::{ReferenceSpec, build};
 use ddo_core::route::checked_preflight;
 use ddo_core::streaming::StagingKind;
-use ddo_core::{
-    Budget, DType, Device, HostDevice, HostDeviceConfig, OffloadType, RouteId, RouteOptions,
-    RouteSpec, RouteTarget,
-};
+use ddo_core::{Budget, DType, Device, OffloadType, RouteId, RouteOptions, RouteSpec, RouteTarget};
+use ddo_host::{HostDevice, HostDeviceConfig};
 use proptest::prelude::*;
 
 use crate::common::*;

@@ -2,10 +2,10 @@
 //! softmax over the last dim and reductions over one dim.
 
 use super::{product, read_opt, shape_err};
-use crate::error::Result;
-use crate::host_device::HostDevice;
-use crate::ops::ReduceOp;
-use crate::tensor::Tensor;
+use crate::device::HostDevice;
+use ddo_core::error::Result;
+use ddo_core::ops::ReduceOp;
+use ddo_core::tensor::Tensor;
 
 pub(super) fn group_norm(
     dev: &HostDevice,
@@ -208,10 +208,10 @@ fn mean_inv_std(values: &[f32], eps: f32) -> (f64, f64) {
 
 #[cfg(test)]
 mod tests {
-    use crate::dtype::DType;
-    use crate::host_ops::test_support::*;
-    use crate::ops::Ops;
-    use crate::rng::SplitMix64;
+    use crate::ops::test_support::*;
+    use ddo_core::dtype::DType;
+    use ddo_core::ops::Ops;
+    use ddo_core::rng::SplitMix64;
     fn ref_norm_rows(x: &[f32], d: usize, eps: f64, rms: bool) -> Vec<f64> {
         let mut y = Vec::with_capacity(x.len());
         for row in x.chunks(d) {

@@ -2,11 +2,11 @@
 //! through a precise `erfc`), broadcasting binary ops, `affine` and rotary embedding.
 
 use super::{product, shape_err, walk};
-use crate::error::Result;
-use crate::host_device::HostDevice;
-use crate::ops::{BinaryOp, UnaryOp};
-use crate::shape::{broadcast_shape, broadcast_strides, coalesce};
-use crate::tensor::Tensor;
+use crate::device::HostDevice;
+use ddo_core::error::Result;
+use ddo_core::ops::{BinaryOp, UnaryOp};
+use ddo_core::shape::{broadcast_shape, broadcast_strides, coalesce};
+use ddo_core::tensor::Tensor;
 
 fn binary_kernel(
     a: &[f32],
@@ -233,12 +233,12 @@ pub(super) fn rope(dev: &HostDevice, x: &Tensor, cos: &Tensor, sin: &Tensor) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::Device;
-    use crate::dtype::DType;
-    use crate::error::CoreError;
-    use crate::host_ops::test_support::*;
-    use crate::ops::Ops;
-    use crate::rng::SplitMix64;
+    use crate::ops::test_support::*;
+    use ddo_core::device::Device;
+    use ddo_core::dtype::DType;
+    use ddo_core::error::CoreError;
+    use ddo_core::ops::Ops;
+    use ddo_core::rng::SplitMix64;
     fn ref_unary(x: f64, op: UnaryOp) -> f64 {
         let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
         match op {

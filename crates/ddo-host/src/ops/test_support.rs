@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use crate::dtype::DType;
-use crate::host_device::HostDevice;
-use crate::ops::Ops;
-use crate::rng::SplitMix64;
-use crate::tensor::Tensor;
+use crate::device::HostDevice;
+use ddo_core::dtype::DType;
+use ddo_core::ops::Ops;
+use ddo_core::rng::SplitMix64;
+use ddo_core::tensor::Tensor;
 
 pub(super) fn dev() -> Arc<HostDevice> {
     HostDevice::with_capacity(1 << 28).unwrap()

@@ -3,10 +3,10 @@
 
 use super::gemm::{Mat, gemm};
 use super::read_opt;
-use crate::error::Result;
-use crate::host_device::HostDevice;
-use crate::ops::Conv2dParams;
-use crate::tensor::Tensor;
+use crate::device::HostDevice;
+use ddo_core::error::Result;
+use ddo_core::ops::Conv2dParams;
+use ddo_core::tensor::Tensor;
 
 /// Largest im2col scratch of a convolution, in f32 elements (16 MiB).
 const IM2COL_CHUNK: usize = 1 << 22;
@@ -23,7 +23,7 @@ pub(super) fn conv2d(
         stride: (sh, sw),
         padding: (ph, pw),
     } = params;
-    let crate::shape::Conv2dGeometry {
+    let ddo_core::shape::Conv2dGeometry {
         n,
         c,
         h,
@@ -33,7 +33,7 @@ pub(super) fn conv2d(
         kw,
         oh,
         ow,
-    } = crate::shape::conv2d_geometry(OP, x.shape(), w.shape(), params)?;
+    } = ddo_core::shape::conv2d_geometry(OP, x.shape(), w.shape(), params)?;
     let xi = dev.input(OP, x)?;
     let wi = dev.input(OP, w)?;
     let bi = dev.optional_vector(OP, "bias", bias, o)?;
@@ -146,10 +146,10 @@ fn im2col(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
-    use crate::host_ops::test_support::*;
-    use crate::ops::Ops;
-    use crate::rng::SplitMix64;
+    use crate::ops::test_support::*;
+    use ddo_core::dtype::DType;
+    use ddo_core::ops::Ops;
+    use ddo_core::rng::SplitMix64;
     #[allow(clippy::too_many_arguments)]
     fn ref_conv(
         x: &[f32],

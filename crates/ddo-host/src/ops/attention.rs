@@ -4,9 +4,9 @@
 
 use super::gemm::{Mat, gemm};
 use super::read_opt;
-use crate::error::Result;
-use crate::host_device::HostDevice;
-use crate::tensor::Tensor;
+use crate::device::HostDevice;
+use ddo_core::error::Result;
+use ddo_core::tensor::Tensor;
 
 /// Queries per attention block.
 const ATTN_BLOCK_Q: usize = 64;
@@ -132,7 +132,7 @@ pub(super) fn attention(
     scale: f32,
 ) -> Result<Tensor> {
     const OP: &str = "attention";
-    let crate::shape::AttentionGeometry {
+    let ddo_core::shape::AttentionGeometry {
         b,
         h,
         lq,
@@ -140,7 +140,7 @@ pub(super) fn attention(
         d,
         dv,
         mask_strides,
-    } = crate::shape::attention_geometry(
+    } = ddo_core::shape::attention_geometry(
         OP,
         q.shape(),
         k.shape(),
@@ -229,10 +229,10 @@ pub(super) fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
-    use crate::host_ops::test_support::*;
-    use crate::ops::Ops;
-    use crate::rng::SplitMix64;
+    use crate::ops::test_support::*;
+    use ddo_core::dtype::DType;
+    use ddo_core::ops::Ops;
+    use ddo_core::rng::SplitMix64;
     #[allow(clippy::too_many_arguments)]
     fn ref_attention(
         q: &[f32],

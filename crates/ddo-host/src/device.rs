@@ -1,6 +1,7 @@
-//! The host backend, [`HostDevice`]: a [`Device`] whose "device memory" is host memory
-//! with a capacity, so out-of-memory is real; exact current/peak accounting; and an
-//! asynchronous copy engine with one worker thread per stream, so copy/compute overlap and
+//! The host backend's device, [`HostDevice`]: a [`Device`] whose "device memory" is host
+//! memory with a capacity, so out-of-memory is real; exact current/peak accounting; pinned
+//! host memory and registrations; and copies queued on the asynchronous copy engine
+//! ([`crate::copy_engine`], one worker thread per stream), so copy/compute overlap and
 //! missing waits behave as they would on a GPU.
 //!
 //! Compute on this backend runs on the calling thread after the compute stream has drained
@@ -14,20 +15,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crossbeam_channel::{Sender, unbounded};
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
-use crate::device::{
+use ddo_core::device::{
     AllocatorKind, Device, DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice,
-    Event, EventHandle, LOSSLESS_BAD_CHECKSUM, LOSSLESS_BAD_CODE, LOSSLESS_BAD_STREAM, MemoryInfo,
-    Stream, StreamHandle, lossless_status,
+    Event, LOSSLESS_BAD_CHECKSUM, LOSSLESS_BAD_CODE, LOSSLESS_BAD_STREAM, MemoryInfo, Stream,
+    lossless_status,
 };
-use crate::error::{CoreError, Result};
-use crate::host_memory::{
+use ddo_core::error::{CoreError, Result};
+use ddo_core::host_memory::{
     AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger, register_target,
 };
-use crate::ops::Ops;
+use ddo_core::ops::Ops;
 use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
+
+use crate::copy_engine::{HostEvent, HostStream, Job};
 
 /// Settings of a [`HostDevice`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -147,166 +149,6 @@ impl DeviceAllocation for HostAllocation {
     }
 }
 
-#[derive(Default)]
-struct EventState {
-    done: bool,
-    error: Option<String>,
-    /// When the stream reached the event.
-    at: Option<std::time::Instant>,
-}
-
-/// An event of the host backend.
-pub struct HostEvent {
-    device: DeviceId,
-    instance: u64,
-    state: Mutex<EventState>,
-    cv: Condvar,
-}
-
-impl HostEvent {
-    fn complete(&self, error: Option<String>) {
-        let mut st = self.state.lock();
-        st.done = true;
-        st.error = error;
-        st.at = Some(std::time::Instant::now());
-        self.cv.notify_all();
-    }
-
-    fn wait(&self) -> Option<String> {
-        let mut st = self.state.lock();
-        while !st.done {
-            self.cv.wait(&mut st);
-        }
-        st.error.clone()
-    }
-}
-
-impl fmt::Debug for HostEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HostEvent(done={})", self.state.lock().done)
-    }
-}
-
-impl EventHandle for HostEvent {
-    fn device(&self) -> DeviceId {
-        self.device
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-type Job = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
-
-struct Progress {
-    submitted: u64,
-    completed: u64,
-    error: Option<String>,
-}
-
-struct StreamShared {
-    progress: Mutex<Progress>,
-    cv: Condvar,
-}
-
-/// A stream of the host backend: a worker thread that runs queued work in order.
-pub struct HostStream {
-    device: DeviceId,
-    instance: u64,
-    ordinal: u64,
-    sender: Sender<Job>,
-    shared: Arc<StreamShared>,
-}
-
-impl HostStream {
-    fn spawn(device: DeviceId, instance: u64, ordinal: u64) -> Result<Self> {
-        let (sender, receiver) = unbounded::<Job>();
-        let shared = Arc::new(StreamShared {
-            progress: Mutex::new(Progress {
-                submitted: 0,
-                completed: 0,
-                error: None,
-            }),
-            cv: Condvar::new(),
-        });
-        let worker = Arc::clone(&shared);
-        std::thread::Builder::new()
-            .name(format!("ddo-{device}-stream-{ordinal}"))
-            .spawn(move || {
-                for job in receiver {
-                    let outcome = job();
-                    let mut p = worker.progress.lock();
-                    p.completed += 1;
-                    if let Err(e) = outcome {
-                        p.error.get_or_insert(e);
-                    }
-                    worker.cv.notify_all();
-                }
-            })
-            .map_err(|e| CoreError::Backend {
-                device: device.to_string(),
-                message: format!("cannot start a stream worker thread: {e}"),
-            })?;
-        Ok(Self {
-            device,
-            instance,
-            ordinal,
-            sender,
-            shared,
-        })
-    }
-
-    /// Queues `job`; returns its ticket.
-    fn submit(&self, job: Job) -> Result<u64> {
-        let ticket = {
-            let mut p = self.shared.progress.lock();
-            p.submitted += 1;
-            p.submitted
-        };
-        self.sender.send(job).map_err(|_| CoreError::Backend {
-            device: self.device.to_string(),
-            message: format!("stream {} worker has stopped", self.ordinal),
-        })?;
-        Ok(ticket)
-    }
-
-    /// Blocks until the job with `ticket` (and everything before it) has run; reports the
-    /// stream's sticky error, if any.
-    fn wait_for(&self, ticket: u64) -> Result<()> {
-        let mut p = self.shared.progress.lock();
-        while p.completed < ticket {
-            self.shared.cv.wait(&mut p);
-        }
-        match &p.error {
-            Some(e) => Err(CoreError::Backend {
-                device: self.device.to_string(),
-                message: format!("stream {}: {e}", self.ordinal),
-            }),
-            None => Ok(()),
-        }
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        let ticket = self.shared.progress.lock().submitted;
-        self.wait_for(ticket)
-    }
-}
-
-impl fmt::Debug for HostStream {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "HostStream({} #{})", self.device, self.ordinal)
-    }
-}
-
-impl StreamHandle for HostStream {
-    fn device(&self) -> DeviceId {
-        self.device
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
 /// The address ranges of a device's live host registrations
 /// ([`Device::register_host`]): a second registration overlapping one of them is refused
 /// ([`CoreError::HostRegisterUnsupported`]), as CUDA refuses it
@@ -333,7 +175,7 @@ impl Drop for RegistrationToken {
 /// The host backend's device.
 pub struct HostDevice {
     /// The ops [`Device::ops`] hands out: this device's, each through a per-op profiler.
-    profiled: crate::ProfiledOps,
+    profiled: ddo_core::ProfiledOps,
     config: HostDeviceConfig,
     ledger: Arc<Ledger>,
     pinned: Arc<PinnedLedger>,
@@ -372,7 +214,7 @@ impl HostDevice {
         let compute = Arc::new(HostStream::spawn(id, instance, 0)?);
         let streams = Mutex::new(vec![Arc::downgrade(&compute)]);
         Ok(Arc::new_cyclic(|me: &std::sync::Weak<Self>| Self {
-            profiled: crate::ProfiledOps::new(me.clone()),
+            profiled: ddo_core::ProfiledOps::new(me.clone()),
             ledger: Arc::new(Ledger {
                 id,
                 instance,
@@ -767,19 +609,8 @@ impl Device for HostDevice {
 
     fn record_event(&self, stream: &Stream) -> Result<Event> {
         let s = self.host_stream(stream)?;
-        let event = Arc::new(HostEvent {
-            device: self.id(),
-            instance: self.ledger.instance,
-            state: Mutex::new(EventState::default()),
-            cv: Condvar::new(),
-        });
-        let marker = Arc::clone(&event);
-        let shared = Arc::clone(&s.shared);
-        s.submit(Box::new(move || {
-            let error = shared.progress.lock().error.clone();
-            marker.complete(error);
-            Ok(())
-        }))?;
+        let event = Arc::new(HostEvent::new(self.id(), self.ledger.instance));
+        s.record(Arc::clone(&event))?;
         Ok(Event::new(event))
     }
 
@@ -800,7 +631,7 @@ impl Device for HostDevice {
     }
 
     fn event_complete(&self, event: &Event) -> Result<bool> {
-        Ok(self.host_event(event)?.state.lock().done)
+        Ok(self.host_event(event)?.is_done())
     }
 
     /// Every host event is timed: the instant its stream's worker reached it.
@@ -808,7 +639,7 @@ impl Device for HostDevice {
         self.synchronize_event(start)?;
         self.synchronize_event(end)?;
         let at = |e: &Event| -> Result<Option<std::time::Instant>> {
-            Ok(self.host_event(e)?.state.lock().at)
+            Ok(self.host_event(e)?.reached_at())
         };
         Ok(match (at(start)?, at(end)?) {
             (Some(a), Some(b)) if b >= a => Some(b.duration_since(a).as_nanos() as i64),
@@ -899,16 +730,7 @@ impl Device for HostDevice {
             .lock()
             .iter()
             .filter_map(std::sync::Weak::upgrade)
-            .filter_map(|s| {
-                let p = s.shared.progress.lock();
-                (p.completed < p.submitted).then(|| {
-                    format!(
-                        "stream {} has {} job(s) queued",
-                        s.ordinal,
-                        p.submitted - p.completed
-                    )
-                })
-            })
+            .filter_map(|s| s.pending())
             .collect();
         if !busy.is_empty() {
             return Err(CoreError::NotQuiescent {
@@ -923,7 +745,7 @@ impl Device for HostDevice {
         })
     }
 
-    /// This device's ops, each through its per-op profiler ([`crate::ProfiledOps`]).
+    /// This device's ops, each through its per-op profiler ([`ddo_core::ProfiledOps`]).
     fn ops(&self) -> Option<&dyn Ops> {
         Some(&self.profiled)
     }
@@ -935,7 +757,7 @@ impl Device for HostDevice {
         true
     }
 
-    fn end_op_profile(&self) -> Result<Option<crate::profile::OpProfile>> {
+    fn end_op_profile(&self) -> Result<Option<ddo_core::profile::OpProfile>> {
         self.profiled.profiler().finish(self)
     }
 }
@@ -943,7 +765,7 @@ impl Device for HostDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::download;
+    use ddo_core::device::download;
 
     fn device(capacity: u64) -> Arc<HostDevice> {
         HostDevice::with_capacity(capacity).unwrap()
@@ -991,7 +813,7 @@ mod tests {
         .unwrap();
         d.check_lossless(&scratch.slice_all(), &s).unwrap();
         assert_eq!(
-            crate::device::download(&*d, &out.slice_all(), &s).unwrap(),
+            ddo_core::device::download(&*d, &out.slice_all(), &s).unwrap(),
             words
         );
         let mut bad = unit.bytes().to_vec();

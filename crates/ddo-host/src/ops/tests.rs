@@ -2,10 +2,10 @@
 //! families, fp8, output accounting, stream ordering and exclusive buffers.
 
 use super::*;
-use crate::device::ops_of;
-use crate::host_device::HostDeviceConfig;
-use crate::host_ops::test_support::*;
-use crate::rng::SplitMix64;
+use crate::device::HostDeviceConfig;
+use crate::ops::test_support::*;
+use ddo_core::device::ops_of;
+use ddo_core::rng::SplitMix64;
 
 #[test]
 fn host_device_exposes_its_ops() {

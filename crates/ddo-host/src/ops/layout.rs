@@ -2,11 +2,11 @@
 //! `concat`, `narrow`, `permute`, nearest 2× upsampling, `cast` and `embedding`.
 
 use super::{encode_into, product, shape_err, walk};
-use crate::dtype::DType;
-use crate::error::Result;
-use crate::host_device::HostDevice;
-use crate::shape::{coalesce, contiguous_strides};
-use crate::tensor::{Tensor, numel};
+use crate::device::HostDevice;
+use ddo_core::dtype::DType;
+use ddo_core::error::Result;
+use ddo_core::shape::{coalesce, contiguous_strides};
+use ddo_core::tensor::{Tensor, numel};
 
 pub(super) fn tensor_from_f32(
     dev: &HostDevice,
@@ -56,7 +56,7 @@ pub(super) fn upsample_nearest2x(dev: &HostDevice, x: &Tensor) -> Result<Tensor>
 pub(super) fn concat(dev: &HostDevice, xs: &[&Tensor], dim: usize) -> Result<Tensor> {
     const OP: &str = "concat";
     let shapes: Vec<&[usize]> = xs.iter().map(|t| t.shape()).collect();
-    let shape = crate::shape::concat_shape(OP, &shapes, dim)?;
+    let shape = ddo_core::shape::concat_shape(OP, &shapes, dim)?;
     let total = shape[dim];
     let first = xs[0];
     let fs = first.shape();
@@ -232,10 +232,10 @@ pub(super) fn embedding(dev: &HostDevice, table: &Tensor, ids: &[u32]) -> Result
 mod tests {
     use half::bf16;
 
-    use crate::dtype::DType;
-    use crate::host_ops::test_support::*;
-    use crate::ops::Ops;
-    use crate::rng::SplitMix64;
+    use crate::ops::test_support::*;
+    use ddo_core::dtype::DType;
+    use ddo_core::ops::Ops;
+    use ddo_core::rng::SplitMix64;
     #[test]
     fn layout_ops_cast_and_embedding() {
         let d = dev();

@@ -4,10 +4,10 @@
 //! memory) and `matmul` with broadcast batch dims.
 
 use super::{product, shape_err, walk};
-use crate::error::Result;
-use crate::host_device::HostDevice;
-use crate::shape::{broadcast_shape, broadcast_strides};
-use crate::tensor::Tensor;
+use crate::device::HostDevice;
+use ddo_core::error::Result;
+use ddo_core::shape::{broadcast_shape, broadcast_strides};
+use ddo_core::tensor::Tensor;
 
 /// A strided read-only matrix view.
 #[derive(Clone, Copy)]
@@ -100,7 +100,7 @@ impl HostDevice {
         op: &str,
     ) -> Result<Tensor> {
         let shapes: Vec<&[usize]> = xs.iter().map(|x| x.shape()).collect();
-        let g = crate::shape::linear_geometry(op, &shapes, w.shape())?;
+        let g = ddo_core::shape::linear_geometry(op, &shapes, w.shape())?;
         let (out_f, in_f, m) = (g.out_features, g.in_features, g.rows);
         let inputs = xs
             .iter()
@@ -176,7 +176,7 @@ pub(super) fn linear_concat(
 ) -> Result<Tensor> {
     let same_dtype = xs.iter().all(|t| t.dtype() == xs[0].dtype());
     if xs.len() < 2 || !same_dtype {
-        return crate::ops::linear_concat_by_concat(dev, xs, w, bias);
+        return ddo_core::ops::linear_concat_by_concat(dev, xs, w, bias);
     }
     dev.linear_parts(xs, w, bias, "linear_concat")
 }
@@ -248,12 +248,12 @@ pub(super) fn matmul(dev: &HostDevice, a: &Tensor, b: &Tensor) -> Result<Tensor>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::Device;
-    use crate::dtype::DType;
-    use crate::error::CoreError;
-    use crate::host_ops::test_support::*;
-    use crate::ops::Ops;
-    use crate::rng::SplitMix64;
+    use crate::ops::test_support::*;
+    use ddo_core::device::Device;
+    use ddo_core::dtype::DType;
+    use ddo_core::error::CoreError;
+    use ddo_core::ops::Ops;
+    use ddo_core::rng::SplitMix64;
     fn ref_matmul(a: &[f32], ash: &[usize], b: &[f32], bsh: &[usize], osh: &[usize]) -> Vec<f64> {
         let r = osh.len();
         let (m, k, n) = (osh[r - 2], ash[ash.len() - 1], osh[r - 1]);

@@ -24,12 +24,12 @@
 
 use half::{bf16, f16};
 
-use crate::device::{Device, DeviceBuffer};
-use crate::dtype::DType;
-use crate::error::{CoreError, Result};
-use crate::host_device::{HostAllocation, HostDevice};
-use crate::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
-use crate::tensor::{Tensor, TensorStorage, byte_len, numel};
+use crate::device::{HostAllocation, HostDevice};
+use ddo_core::device::{Device, DeviceBuffer};
+use ddo_core::dtype::DType;
+use ddo_core::error::{CoreError, Result};
+use ddo_core::ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
+use ddo_core::tensor::{Tensor, TensorStorage, byte_len, numel};
 
 mod attention;
 mod conv;
@@ -66,7 +66,7 @@ impl Input<'_> {
         let mut values = self
             .alloc
             .with_bytes(|b| self.dtype.decode_f32(&b[self.range.clone()]))?;
-        crate::tensor::apply_scale(&mut values, self.scale);
+        ddo_core::tensor::apply_scale(&mut values, self.scale);
         Ok(values)
     }
 
@@ -100,7 +100,7 @@ impl Input<'_> {
                 return Ok(f(values));
             }
             let mut values = self.dtype.decode_f32(bytes)?;
-            crate::tensor::apply_scale(&mut values, self.scale);
+            ddo_core::tensor::apply_scale(&mut values, self.scale);
             Ok(f(&values))
         })
     }
@@ -124,16 +124,17 @@ fn encode_into(dtype: DType, values: &[f32], out: &mut [u8]) {
                 c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
             }
         }
-        DType::F8E4M3 | DType::F8E5M2 => {
-            // One byte per element: the dtype's own encoding (saturating, see `DType`), zipped
-            // as the other arms are (never past `out`).
+        // Refused by `float_dtype` before anything is allocated.
+        DType::Quantized => {}
+        // fp8 (and any float dtype `ddo-core` adds later, its enum being non-exhaustive
+        // here): the dtype's own encoding (saturating for fp8, see `DType`), zipped as the
+        // other arms are (never past `out`).
+        _ => {
             let bytes = dtype.encode_f32(values).unwrap_or_default();
             for (o, b) in out.iter_mut().zip(bytes) {
                 *o = b;
             }
         }
-        // Refused by `float_dtype` before anything is allocated.
-        DType::Quantized => {}
     }
 }
 

@@ -1,0 +1,106 @@
+//! `detach_auxiliary_cpu_sources` with the component resident on a host device: the seed's
+//! "does not change GPU residency or cache capacities".
+
+use std::sync::Arc;
+
+use ddo_core::component::{LeafKind, Module};
+use ddo_core::detach::detach_auxiliary_cpu_sources;
+use ddo_core::{
+    CheckpointMap, Component, ComponentProgram, DType, Device, ForwardContext, HostBuffer,
+    HostSlice, Param, ParamKind, Result, Tensor,
+};
+use ddo_host::HostDevice;
+
+struct Identity;
+impl ComponentProgram for Identity {
+    fn forward(&self, _: &mut ForwardContext<'_>, input: Tensor) -> Result<Tensor> {
+        Ok(input)
+    }
+}
+
+/// 64 bytes made in memory and treated as a checkpoint mapping (`CheckpointMap::in_memory`).
+fn mapping() -> Arc<CheckpointMap> {
+    let mut bytes = memmap2::MmapMut::map_anon(64).unwrap();
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    CheckpointMap::in_memory("detach-test", bytes)
+}
+
+/// A bf16 param over `slice` (its whole length).
+fn param(name: &str, slice: HostSlice) -> Arc<Param> {
+    let elems = slice.len() / 2;
+    Param::new(name, ParamKind::Parameter, DType::BF16, vec![elems], slice).unwrap()
+}
+
+/// An exclusively owned component of one leaf per param, in eval mode.
+fn component(params: Vec<Arc<Param>>) -> Arc<Component> {
+    let leaves = params
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            Module::leaf(
+                format!("l{i}"),
+                LeafKind::Linear,
+                vec![("weight".into(), p)],
+            )
+        })
+        .collect();
+    let c = Component::new(
+        "transformer",
+        "Handmade",
+        Module::container("", leaves),
+        Arc::new(Identity),
+    )
+    .unwrap();
+    c.set_exclusively_owned(true);
+    c
+}
+
+/// The seed: detaching CPU sources "does not change GPU residency or cache capacities":
+/// device copies stay the same buffers, and the device's allocated, reserved, capacity
+/// and pinned figures are what they were.
+#[test]
+fn detach_leaves_device_residency_and_cache_capacities_alone() {
+    let map = mapping();
+    let a = HostBuffer::mapped(Arc::clone(&map), 0, 32).unwrap();
+    let b = HostBuffer::mapped(Arc::clone(&map), 32, 32).unwrap();
+    drop(map);
+    let c = component(vec![
+        param("a.weight", a.slice_all()),
+        param("b.weight", b.slice_all()),
+    ]);
+    drop((a, b));
+    let d = HostDevice::with_capacity(1 << 20).unwrap();
+    c.to_device(&*d, &d.compute_stream()).unwrap();
+    let before: Vec<_> = c.params().iter().map(|p| p.device().unwrap()).collect();
+    let bytes = |d: &HostDevice, s: &ddo_core::DeviceSlice| {
+        ddo_core::device::download(d, s, &d.compute_stream()).unwrap()
+    };
+    let m = d.memory_info();
+    let report = detach_auxiliary_cpu_sources(&c, 0, true, u64::MAX).unwrap();
+    assert_eq!(report.tensors_copied, 2);
+    for (p, was) in c.params().iter().zip(&before) {
+        let now = p.device().expect("still resident");
+        assert!(now.buffer().same_buffer(was.buffer()), "{}", p.name());
+        assert_eq!((now.offset(), now.len()), (was.offset(), was.len()));
+        assert_eq!(bytes(&d, &now), p.host().to_vec());
+    }
+    let after = d.memory_info();
+    assert_eq!(
+        (
+            after.allocated,
+            after.reserved,
+            after.capacity,
+            after.pinned_host,
+            after.pinned_limit
+        ),
+        (
+            m.allocated,
+            m.reserved,
+            m.capacity,
+            m.pinned_host,
+            m.pinned_limit
+        )
+    );
+}
