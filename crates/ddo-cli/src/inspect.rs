@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use ddo_core::resolve::preset_default;
-use ddo_core::{ComponentKind, HeaderEstimate, Preset};
+use ddo_core::{ComponentKind, DType, HeaderEstimate, Preset};
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 
@@ -68,6 +68,9 @@ pub struct Fp8Summary {
     pub scaled: u64,
     /// The scale tensors' names found (`scale_weight`, `weight_scale`).
     pub scale_names: Vec<String>,
+    /// The routes that refuse these weights, as the registry's routes say
+    /// (`ddo_routes::routes_refusing_weight_dtype`).
+    pub refused_by: Vec<String>,
 }
 
 /// What one preset does with one component under the budget.
@@ -251,6 +254,13 @@ fn summarize(
     for f in files {
         for t in read_header(f)? {
             if t.dtype == "F8_E4M3" || t.dtype == "F8_E5M2" {
+                if let Some(dtype) = DType::from_header_name(&t.dtype) {
+                    for id in ddo_routes::routes_refusing_weight_dtype(dtype) {
+                        if !fp8.refused_by.iter().any(|r| r == id.as_str()) {
+                            fp8.refused_by.push(id.as_str().to_string());
+                        }
+                    }
+                }
                 fp8.tensors += 1;
                 fp8.bytes += t.bytes;
                 if let Some(layer) = t.name.strip_suffix(".weight") {
@@ -492,8 +502,13 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
                 } else {
                     "no scales".to_string()
                 };
+                let refused = if f.refused_by.is_empty() {
+                    "every route takes them".to_string()
+                } else {
+                    format!("refused by {}", f.refused_by.join(", "))
+                };
                 s += &format!(
-                    "{}: {} fp8 tensors ({}), {scales}; they stream as stored and compute in bf16 (linear_convolution refuses them)\n",
+                    "{}: {} fp8 tensors ({}), {scales}; they stream as stored and compute in bf16 ({refused})\n",
                     c.component,
                     f.tensors,
                     format_bytes(f.bytes)

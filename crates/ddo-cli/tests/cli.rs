@@ -719,6 +719,8 @@ fn inspect_shows_fp8_tensors_and_their_scales() {
         "{f}"
     );
     assert_eq!(f["scale_names"], serde_json::json!(["scale_weight"]));
+    // The routes that refuse them, as the registry's routes say.
+    assert_eq!(f["refused_by"], serde_json::json!(["linear_convolution"]));
     let plain = json(&ddo(&[
         "inspect",
         &fixture("flux_transformer_fp8"),
@@ -734,7 +736,9 @@ fn inspect_shows_fp8_tensors_and_their_scales() {
     assert!(none["components"][0]["fp8"].is_null());
     let text = ok(&ddo(&["inspect", &fixture("flux_transformer_fp8")]));
     assert!(
-        text.contains("50 fp8 tensors") && text.contains("no scales"),
+        text.contains("50 fp8 tensors")
+            && text.contains("no scales")
+            && text.contains("(refused by linear_convolution)"),
         "{text}"
     );
 }

@@ -10,6 +10,7 @@ use ddo_metrics::RouteMetrics;
 use crate::component::{Component, Leaf, LeafId};
 use crate::config::{RouteId, RouteSpec};
 use crate::device::{Device, DeviceId};
+use crate::dtype::DType;
 use crate::error::{CoreError, Refusal, Result};
 use crate::footprint::{Footprint, FootprintContext};
 use crate::tensor::Tensor;
@@ -357,6 +358,14 @@ pub trait Route: Send + Sync {
     fn streams(&self, spec: &RouteSpec) -> bool {
         let _ = spec;
         false
+    }
+
+    /// Whether the route runs weights stored as `dtype`: its preflight refuses a component
+    /// holding one it does not ([`Refusal::Quantized`]), and `ddo inspect` asks it from the
+    /// headers alone, through the registry. Every dtype by default.
+    fn takes_weight_dtype(&self, dtype: DType) -> bool {
+        let _ = dtype;
+        true
     }
 
     /// Whether the route needs the native VMM allocator installed on the device under

@@ -91,7 +91,7 @@ fn flux_fixture_streams_from_its_registered_mapping_bit_identically() {
         for source in ["home", "register"] {
             let spec: RouteSpec =
                 ddo_routes::parse_spec(format!("{route},pinned_source={source}")).unwrap();
-            let native = spec.route_id() == Some(ddo_core::RouteId::NATIVE_VMM);
+            let native = route.starts_with("native_vmm:");
             // A fresh load per run: the home replaces the params' host bytes.
             let model = FluxTransformer::load(&fixture_dir(), None).unwrap();
             let total_params = model.component().params().len() as u64;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ddo_core::{CoreError, DType, Device, LeafKind, Param, ParamKind, RouteId, RouteSpec, Tensor};
+use ddo_core::{CoreError, DType, Device, LeafKind, Param, ParamKind, RouteSpec, Tensor};
 use ddo_host::HostDevice;
 use ddo_nn::t5::{T5Config, T5Encoder, relative_position_bucket};
 use ddo_nn::{CheckpointWeights, LoadError, LoadResult, WeightSource, read_f32_tensor};
@@ -251,7 +251,7 @@ fn routes_give_bit_identical_outputs() {
     for spec in [
         RouteSpec::leaf_group(false, false),
         RouteSpec::leaf_group(true, false),
-        RouteSpec::route(RouteId::LINEAR_CONVOLUTION),
+        ddo_routes::parse_spec("linear_convolution").unwrap(),
     ] {
         let got = run_with(&load(&fixture()), spec, &ids);
         assert_eq!(got.len(), resident.len());

@@ -31,8 +31,8 @@ use parking_lot::RwLock;
 
 use ddo_core::resolve::{Environment, ProcessEnvironment, resolve};
 use ddo_core::{
-    Component, CoreError, DecidedBy, Device, Resolution, Result, Route, RouteCatalog, RouteId,
-    RouteSpec, RouteTarget, Settings,
+    Component, CoreError, DType, DecidedBy, Device, Resolution, Result, Route, RouteCatalog,
+    RouteId, RouteSpec, RouteTarget, Settings,
 };
 use ddo_metrics::RouteMetrics;
 
@@ -233,6 +233,16 @@ pub fn estimate(
     spec.route_id()
         .and_then(|id| route(id).ok())
         .map(|r| r.estimate(spec, weight_bytes, largest_leaf_bytes, budget_bytes))
+}
+
+/// The routes the registry knows that refuse weights stored as `dtype`
+/// ([`Route::takes_weight_dtype`]), in the registry's order.
+pub fn routes_refusing_weight_dtype(dtype: DType) -> Vec<RouteId> {
+    descriptors()
+        .into_iter()
+        .filter(|d| !d.route.takes_weight_dtype(dtype))
+        .map(|d| d.id)
+        .collect()
 }
 
 /// Whether `spec`'s route needs the native VMM allocator on its device

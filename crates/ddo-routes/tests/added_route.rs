@@ -2,8 +2,9 @@
 //! worth of code, defined here) is registered at run time ([`ddo_routes::register`]) and
 //! from then on is named by the option parser, checked from its own option table, resolved
 //! from the environment, attached, listed by `ddo resolve --routes`, explained by `ddo
-//! resolve --route` and estimated by `ddo inspect --route` — with nothing in ddo-cli,
-//! ddo-core or the registry written for it.
+//! resolve --route`, estimated by `ddo inspect --route` and named by `ddo inspect` among
+//! the routes that refuse an fp8 checkpoint — with nothing in ddo-cli, ddo-core or the
+//! registry written for it.
 
 use std::sync::Arc;
 
@@ -60,6 +61,12 @@ impl Route for AddedRoute {
 
     fn keeps_weights_resident(&self, _spec: &RouteSpec) -> bool {
         true
+    }
+
+    /// It refuses fp8 weights, in its own words only: `ddo inspect` names it beside
+    /// linear_convolution for an fp8 checkpoint.
+    fn takes_weight_dtype(&self, dtype: DType) -> bool {
+        !dtype.is_fp8()
     }
 
     fn estimate(
@@ -260,10 +267,23 @@ fn ddo_resolve_and_inspect_show_the_added_route_in_its_own_words() {
     std::fs::write(&file, bytes).unwrap();
     let path = file.to_string_lossy().to_string();
     let inspected = cli(&["inspect", &path, "--route", "transformer=test_added_route"]);
+    // And a one-tensor fp8 checkpoint: the routes that refuse it, the added one among them.
+    let fp8 = dir.join("fp8.safetensors");
+    let header = br#"{"w.weight":{"dtype":"F8_E4M3","shape":[4,4],"data_offsets":[0,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0x38u8; 16]);
+    std::fs::write(&fp8, bytes).unwrap();
+    let fp8_inspected = cli(&["inspect", &fp8.to_string_lossy()]);
     std::fs::remove_dir_all(&dir).unwrap();
     let inspected = inspected.unwrap();
     assert!(
         inspected.contains("test_added_route (the added route's own estimate)"),
         "{inspected}"
+    );
+    let fp8_inspected = fp8_inspected.unwrap();
+    assert!(
+        fp8_inspected.contains("(refused by linear_convolution, test_added_route)"),
+        "{fp8_inspected}"
     );
 }

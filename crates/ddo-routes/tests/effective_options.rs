@@ -122,6 +122,27 @@ fn the_registry_says_which_routes_stream_and_which_need_the_native_allocator() {
     }
 }
 
+/// The routes that refuse weights of a dtype, as each route says (`ddo inspect`'s fp8
+/// line): linear_convolution, for quantized and fp8 weights (the seed: not supported with
+/// quantized modules); every route takes the dense float dtypes.
+#[test]
+fn the_registry_says_which_routes_refuse_which_weight_dtypes() {
+    use ddo_core::{DType, RouteId};
+    for dtype in [DType::F8E4M3, DType::F8E5M2, DType::Quantized] {
+        assert_eq!(
+            ddo_routes::routes_refusing_weight_dtype(dtype),
+            [RouteId::LINEAR_CONVOLUTION],
+            "{dtype}"
+        );
+    }
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        assert!(
+            ddo_routes::routes_refusing_weight_dtype(dtype).is_empty(),
+            "{dtype}"
+        );
+    }
+}
+
 #[test]
 fn the_registry_estimates_from_headers_and_says_which_routes_keep_every_weight() {
     let gib = 1u64 << 30;

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use ddo_core::residency::{EagerLeafStreamer, ResidencyTable};
 use ddo_core::streaming::PinnedHome;
 use ddo_core::{
-    AllocatorKind, AttachedRoute, Component, CoreError, Device, DeviceId, Footprint,
+    AllocatorKind, AttachedRoute, Component, CoreError, DType, Device, DeviceId, Footprint,
     FootprintContext, Leaf, OptionDecl, OptionKind, OptionTable, Param, Refusal, RefusedOption,
     Result, Route, RouteId, RouteSpec,
 };
@@ -175,6 +175,12 @@ impl Route for LinearConvolutionRoute {
         &OPTIONS
     }
 
+    /// Quantized and fp8 weights are refused: the seed contract does not support this route
+    /// with quantized modules.
+    fn takes_weight_dtype(&self, dtype: DType) -> bool {
+        !(dtype.is_quantized() || dtype.is_fp8())
+    }
+
     fn preflight(
         &self,
         component: &Component,
@@ -187,7 +193,7 @@ impl Route for LinearConvolutionRoute {
         if let Some((name, _)) = component
             .named_params()
             .into_iter()
-            .find(|(_, p)| p.dtype().is_quantized() || p.dtype().is_fp8())
+            .find(|(_, p)| !self.takes_weight_dtype(p.dtype()))
         {
             return Err(refused(component, Refusal::Quantized { param: name }));
         }

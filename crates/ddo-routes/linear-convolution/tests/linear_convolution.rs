@@ -424,6 +424,11 @@ fn refuses_fp8_params() {
             "{dtype}"
         );
         assert!(r.to_string().contains("diffusers_group_offload"), "{r}");
+        // What `ddo inspect` is told from the headers is what the preflight refuses.
+        assert!(!LinearConvolutionRoute.takes_weight_dtype(dtype), "{dtype}");
+    }
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        assert!(LinearConvolutionRoute.takes_weight_dtype(dtype), "{dtype}");
     }
 }
 
