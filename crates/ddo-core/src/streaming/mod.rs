@@ -1,5 +1,5 @@
 //! The streaming engine: DESIGN.md's execution model for routes that stream weights
-//! (`diffusers_group_offload` with a stream; `native_vmm` next).
+//! (`diffusers_group_offload` with a stream, and `native_vmm`'s streamed part).
 //!
 //! A route hands the engine its *segments* (params that must be on the device together: a
 //! leaf, or a Diffusers block group) and the order the first forward started them in (a

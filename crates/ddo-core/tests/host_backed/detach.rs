@@ -1,13 +1,14 @@
-//! `detach_auxiliary_cpu_sources` with the component resident on a host device: the seed's
-//! "does not change GPU residency or cache capacities".
+//! `detach_auxiliary_cpu_sources` on components over checkpoint mappings: partial aliases
+//! and views refused with nothing changed, and, with the component resident on a host
+//! device, the seed's "does not change GPU residency or cache capacities".
 
 use std::sync::Arc;
 
 use ddo_core::component::{LeafKind, Module};
 use ddo_core::detach::detach_auxiliary_cpu_sources;
 use ddo_core::{
-    CheckpointMap, Component, ComponentProgram, DType, Device, ForwardContext, HostBuffer,
-    HostSlice, Param, ParamKind, Result, Tensor,
+    CheckpointMap, Component, ComponentProgram, CoreError, DType, DetachRefusal, Device,
+    ForwardContext, HostBuffer, HostSlice, Param, ParamKind, Result, Tensor,
 };
 use ddo_host::HostDevice;
 
@@ -103,4 +104,80 @@ fn detach_leaves_device_residency_and_cache_capacities_alone() {
             m.pinned_limit
         )
     );
+}
+
+/// Each param's host bytes and whether they are still the mapping's.
+fn sources(c: &Component) -> Vec<(Vec<u8>, bool)> {
+    c.params()
+        .iter()
+        .map(|p| (p.host().to_vec(), p.host().buffer().mapping().is_some()))
+        .collect()
+}
+
+fn refusal(c: &Component) -> DetachRefusal {
+    let before = sources(c);
+    let err = detach_auxiliary_cpu_sources(c, 0, true, u64::MAX).unwrap_err();
+    assert_eq!(sources(c), before, "a refusal changed the sources");
+    match err {
+        CoreError::DetachRefused { refusal, .. } => refusal,
+        other => panic!("expected a refusal, got {other}"),
+    }
+}
+
+/// A partial alias made of whole buffers (neither param a view of its own buffer): two
+/// ranges of one mapping that overlap without being one registered param are refused,
+/// changing nothing (the seed: "refuses ... overlapping native sources, partial aliases").
+#[test]
+fn partial_aliases_over_whole_buffers_are_refused() {
+    let map = mapping();
+    let a = HostBuffer::mapped(Arc::clone(&map), 0, 32).unwrap();
+    let b = HostBuffer::mapped(Arc::clone(&map), 16, 32).unwrap();
+    drop(map);
+    let c = component(vec![
+        param("a.weight", a.slice_all()),
+        param("b.weight", b.slice_all()),
+    ]);
+    drop((a, b));
+    let r = refusal(&c);
+    assert!(
+        matches!(&r, DetachRefusal::OverlappingSources { first, second, .. }
+            if first == "a.weight" && second == "b.weight"),
+        "{r:?}"
+    );
+    // Apart, the same two ranges are copied and the mapping is released.
+    let map = mapping();
+    let a = HostBuffer::mapped(Arc::clone(&map), 0, 16).unwrap();
+    let b = HostBuffer::mapped(Arc::clone(&map), 16, 32).unwrap();
+    let weak = Arc::downgrade(&map);
+    drop(map);
+    let c = component(vec![
+        param("a.weight", a.slice_all()),
+        param("b.weight", b.slice_all()),
+    ]);
+    drop((a, b));
+    let report = detach_auxiliary_cpu_sources(&c, 0, true, u64::MAX).unwrap();
+    assert_eq!((report.tensors_copied, report.mappings_released), (2, 1));
+    assert!(weak.upgrade().is_none());
+    assert_eq!(
+        c.params()[1].host().to_vec(),
+        (16u8..48).collect::<Vec<_>>()
+    );
+}
+
+/// Views are refused wherever they sit in their buffer: a prefix (offset 0, shorter than
+/// the buffer), an interior range and a suffix.
+#[test]
+fn views_of_a_mapped_tensor_are_refused_at_any_offset() {
+    for (offset, len) in [(0, 16), (8, 16), (16, 16)] {
+        let map = mapping();
+        let tensor = HostBuffer::mapped(map, 0, 32).unwrap();
+        let c = component(vec![param("v.weight", tensor.slice(offset, len).unwrap())]);
+        drop(tensor);
+        let r = refusal(&c);
+        assert!(
+            matches!(&r, DetachRefusal::UnsupportedLayout { param, why }
+                if param == "v.weight" && why.contains("view")),
+            "view at {offset}+{len}: {r:?}"
+        );
+    }
 }
