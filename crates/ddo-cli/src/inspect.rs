@@ -251,15 +251,13 @@ fn summarize(
     let mut fp8_weights: std::collections::BTreeSet<String> = Default::default();
     let mut scales: BTreeMap<String, String> = BTreeMap::new();
     let mut fp8 = Fp8Summary::default();
+    // The fp8 dtypes seen, for asking the registry once each which routes refuse them.
+    let mut fp8_dtypes: Vec<DType> = Vec::new();
     for f in files {
         for t in read_header(f)? {
-            if t.dtype == "F8_E4M3" || t.dtype == "F8_E5M2" {
-                if let Some(dtype) = DType::from_header_name(&t.dtype) {
-                    for id in ddo_routes::routes_refusing_weight_dtype(dtype) {
-                        if !fp8.refused_by.iter().any(|r| r == id.as_str()) {
-                            fp8.refused_by.push(id.as_str().to_string());
-                        }
-                    }
+            if let Some(dtype) = DType::from_header_name(&t.dtype).filter(|d| d.is_fp8()) {
+                if !fp8_dtypes.contains(&dtype) {
+                    fp8_dtypes.push(dtype);
                 }
                 fp8.tensors += 1;
                 fp8.bytes += t.bytes;
@@ -296,6 +294,13 @@ fn summarize(
             }
         }
         fp8.scale_names = names;
+        for dtype in fp8_dtypes {
+            for id in ddo_routes::routes_refusing_weight_dtype(dtype) {
+                if !fp8.refused_by.iter().any(|r| r == id.as_str()) {
+                    fp8.refused_by.push(id.as_str().to_string());
+                }
+            }
+        }
         s.fp8 = Some(fp8);
     }
     Ok(s)
