@@ -30,7 +30,7 @@ use serde_json::json;
 use crate::cli::BenchArgs;
 use crate::error::{CliError, CliResult};
 use crate::family::AnyPipeline;
-use crate::outputs::Outputs;
+use crate::outputs::{Inputs, Outputs};
 use crate::progress::ProgressBar;
 use crate::run::{ComponentFiles, build_pipeline, source_from_args};
 use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device};
@@ -494,7 +494,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let list = candidates(args)?;
     let out_json = args.out_json.clone();
     let plot_prefix = args.plot.clone();
-    let plot_paths = plot_prefix.as_deref().map(crate::plot::paths);
+    let plot_paths = plot_prefix.as_deref().map(crate::plot::paths).transpose()?;
     // Outputs are checked against the weights and each other before any work.
     let mut output_paths: Vec<(&'static str, &std::path::Path)> = Vec::new();
     if let Some(p) = &out_json {
@@ -504,11 +504,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         output_paths.push(("--plot", svg));
         output_paths.push(("--plot", png));
     }
-    let inputs: Vec<(&'static str, &std::path::Path)> = match &source {
-        crate::run::Source::Weights(dir) => vec![("--weights", dir.as_path())],
-        crate::run::Source::Config(_) => Vec::new(),
-    };
-    let outputs = Outputs::plan(&output_paths, &inputs)?;
+    let outputs = Outputs::plan(&output_paths, &Inputs::of(&args.paths_read()))?;
 
     let mut bar = ProgressBar::new();
     let (pipe, model_label) = build_pipeline(

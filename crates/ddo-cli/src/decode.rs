@@ -16,7 +16,7 @@ use serde_json::json;
 use crate::cli::DecodeArgs;
 use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor};
-use crate::outputs::{Outputs, image_paths};
+use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device};
 
 /// The VAE folder: `dir` itself, or `dir/vae` for a pipeline folder.
@@ -65,7 +65,7 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
             .iter()
             .map(|p| ("--out", p.as_path()))
             .collect::<Vec<_>>(),
-        &[("--weights", &weights), ("--latents", &latents_path)],
+        &Inputs::of(&args.paths_read()),
     )?;
     let dtype = args.dtype;
     if let Some(d) = dtype.filter(|d| d.is_fp8()) {

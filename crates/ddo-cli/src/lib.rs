@@ -29,6 +29,7 @@ pub mod error;
 pub mod family;
 pub mod fuzz_argv;
 pub mod inspect;
+pub mod interrupt;
 pub mod io;
 pub mod outputs;
 pub mod plot;

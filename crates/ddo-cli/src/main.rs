@@ -17,5 +17,11 @@ fn main() {
             }
         }
     }
+    // An interrupt waits until the outputs are all in place or none was written.
+    if let Err(e) = ddo_cli::interrupt::install() {
+        eprintln!(
+            "ddo: warning: cannot handle interrupts ({e}); an interrupt may leave a partial set of outputs"
+        );
+    }
     std::process::exit(ddo_cli::main_with_args(argv));
 }

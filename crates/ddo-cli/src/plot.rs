@@ -104,9 +104,27 @@ fn draw<DB: DrawingBackend>(
     root.present()
 }
 
-/// The files `--plot PREFIX` names: `PREFIX.svg` and `PREFIX.png`.
-pub fn paths(prefix: &Path) -> (PathBuf, PathBuf) {
-    (with_ext(prefix, "svg"), with_ext(prefix, "png"))
+/// The files `--plot PREFIX` names: `PREFIX.svg` and `PREFIX.png`. A prefix that names a
+/// folder (empty, ending in a separator, `.` or `..`) would give hidden files named `.svg`
+/// and `.png` in it: refused.
+pub fn paths(prefix: &Path) -> CliResult<(PathBuf, PathBuf)> {
+    let text = prefix.as_os_str().as_encoded_bytes();
+    let names_file = !text.is_empty()
+        && !text.ends_with(b"/")
+        && matches!(
+            prefix.components().next_back(),
+            Some(std::path::Component::Normal(_))
+        );
+    if !names_file {
+        return Err(CliError::usage(
+            format!(
+                "--plot {:?}: names a folder, not the start of a file name",
+                prefix.display().to_string()
+            ),
+            "give a prefix such as out/plot (writes out/plot.svg and out/plot.png)",
+        ));
+    }
+    Ok((with_ext(prefix, "svg"), with_ext(prefix, "png")))
 }
 
 /// Draws the chart in memory: the SVG text and the PNG bytes, for the caller to write

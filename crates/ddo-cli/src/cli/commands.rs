@@ -4,7 +4,7 @@
 //! repeated flag harmless and lets every value start with `-`). Values that parse into DDO
 //! types go through [`Checked`] and DDO's own parsers, so their errors keep DDO's messages.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 use ddo_core::{DType, Preset};
@@ -348,3 +348,70 @@ pub struct BenchArgs {
     #[arg(long)]
     pub profile: bool,
 }
+
+/// `(option, path)` for each option given.
+fn given<'a>(options: &[(&'static str, &'a Option<PathBuf>)]) -> Vec<(&'static str, &'a Path)> {
+    options
+        .iter()
+        .filter_map(|(o, p)| p.as_deref().map(|p| (*o, p)))
+        .collect()
+}
+
+impl RunArgs {
+    /// Every path `ddo run` reads, by option: the one list its outputs are checked against
+    /// ([`crate::outputs::Inputs`]). An option that reads a file is added here.
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        given(&[
+            ("--weights", &self.weights),
+            ("--transformer", &self.transformer),
+            ("--text-encoder", &self.text_encoder),
+            ("--text-encoder-2", &self.text_encoder_2),
+            ("--vae", &self.vae),
+            ("--init-latents", &self.init_latents),
+            ("--prompt-embeds", &self.prompt_embeds),
+        ])
+    }
+}
+
+impl DecodeArgs {
+    /// Every path `ddo decode` reads, by option (see [`RunArgs::paths_read`]).
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        given(&[("--weights", &self.weights), ("--latents", &self.latents)])
+    }
+}
+
+impl ResolveArgs {
+    /// Every path `ddo resolve` reads, by option (see [`RunArgs::paths_read`]).
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        given(&[
+            ("--weights", &self.weights),
+            ("--transformer", &self.transformer),
+            ("--text-encoder", &self.text_encoder),
+            ("--text-encoder-2", &self.text_encoder_2),
+            ("--vae", &self.vae),
+        ])
+    }
+}
+
+impl InspectArgs {
+    /// Every path `ddo inspect` reads (see [`RunArgs::paths_read`]).
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        self.paths.iter().map(|p| ("PATH", p.as_path())).collect()
+    }
+}
+
+impl BenchArgs {
+    /// Every path `ddo bench` reads, by option (see [`RunArgs::paths_read`]).
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        given(&[
+            ("--weights", &self.weights),
+            ("--transformer", &self.transformer),
+            ("--text-encoder", &self.text_encoder),
+            ("--text-encoder-2", &self.text_encoder_2),
+            ("--vae", &self.vae),
+        ])
+    }
+}
+
+/// The options that name what a command writes; every other path option is read.
+pub const OUTPUT_OPTIONS: [&str; 4] = ["out", "save-latents", "out-json", "plot"];

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-pub use commands::{BenchArgs, DecodeArgs, InspectArgs, ResolveArgs, RunArgs};
+pub use commands::{BenchArgs, DecodeArgs, InspectArgs, OUTPUT_OPTIONS, ResolveArgs, RunArgs};
 pub use values::{Checked, OptionValue};
 
 use crate::error::{CliError, CliResult};
@@ -277,5 +277,53 @@ mod tests {
             run.iter()
                 .any(|s| s.name == "text-encoder-2" && s.value.as_deref() == Some("FILE"))
         );
+    }
+
+    /// The paths a command reads, as its `paths_read` lists them for the output check.
+    fn read_by(argv: &[String]) -> Vec<(String, std::path::PathBuf)> {
+        let Ok(Invocation::Run(command)) = parse(argv) else {
+            panic!("{argv:?} does not parse");
+        };
+        let list = match &*command {
+            Command::Run(a) => a.paths_read(),
+            Command::Decode(a) => a.paths_read(),
+            Command::Resolve(a) => a.paths_read(),
+            Command::Inspect(a) => a.paths_read(),
+            Command::Bench(a) => a.paths_read(),
+            _ => Vec::new(),
+        };
+        list.into_iter()
+            .map(|(o, p)| (o.to_string(), p.to_path_buf()))
+            .collect()
+    }
+
+    /// Issue 34, item 1: every option that takes a path is an output or is in the command's
+    /// one list of inputs, so a new file option cannot be forgotten by the output check.
+    #[test]
+    fn every_path_option_is_read_or_written() {
+        let pathlike = |v: &str| {
+            v.split(|c: char| !c.is_ascii_alphanumeric())
+                .any(|w| ["FILE", "DIR", "PATH", "PREFIX", "OUT"].contains(&w))
+        };
+        for c in COMMANDS {
+            for s in options(c) {
+                let Some(v) = &s.value else { continue };
+                if !pathlike(v) || OUTPUT_OPTIONS.contains(&s.name.as_str()) {
+                    continue;
+                }
+                let path = format!("/nonexistent/{c}-{}", s.name);
+                let argv = vec![c.to_string(), format!("--{}", s.name), path.clone()];
+                let read = read_by(&argv);
+                assert!(
+                    read.iter()
+                        .any(|(o, p)| *o == format!("--{}", s.name)
+                            && p.to_str() == Some(path.as_str())),
+                    "ddo {c} --{} {v}: not in {c}'s paths_read ({read:?})",
+                    s.name
+                );
+            }
+        }
+        let read = read_by(&["inspect".into(), "a.safetensors".into()]);
+        assert_eq!(read, [("PATH".to_string(), "a.safetensors".into())]);
     }
 }

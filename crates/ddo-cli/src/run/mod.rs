@@ -31,7 +31,7 @@ use crate::family::{AnyPipeline, Family};
 use crate::io::{
     HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor, unpack_host,
 };
-use crate::outputs::{Outputs, image_paths};
+use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::progress::ProgressBar;
 use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device};
 use crate::tokenize::PipelineTokenizers;
@@ -282,33 +282,15 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         ));
     }
 
-    // Outputs are checked against the inputs and each other, and for a writable
-    // directory, before anything heavy is read or computed.
-    let weights_dir = match &source {
-        Source::Weights(dir) => Some(dir.clone()),
-        Source::Config(_) => None,
-    };
-    let input_paths: Vec<(&'static str, PathBuf)> = [
-        ("--weights", weights_dir),
-        ("--prompt-embeds", args.prompt_embeds.clone()),
-        ("--init-latents", args.init_latents.clone()),
-    ]
-    .into_iter()
-    .filter_map(|(o, p)| p.map(|p| (o, p)))
-    .collect();
+    // Outputs are checked against every path the command reads and each other, and for a
+    // writable directory, before anything heavy is read or computed.
     let image_files = image_paths(&out_path, images);
     let mut output_paths: Vec<(&'static str, &std::path::Path)> =
         image_files.iter().map(|p| ("--out", p.as_path())).collect();
     if let Some(p) = &save_latents {
         output_paths.push(("--save-latents", p));
     }
-    let outputs = Outputs::plan(
-        &output_paths,
-        &input_paths
-            .iter()
-            .map(|(o, p)| (*o, p.as_path()))
-            .collect::<Vec<_>>(),
-    )?;
+    let outputs = Outputs::plan(&output_paths, &Inputs::of(&args.paths_read()))?;
 
     device_choice.prepare_kernels();
     let mut bar = ProgressBar::new();
