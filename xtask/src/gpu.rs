@@ -89,14 +89,15 @@ fi"#
     )
 }
 
-/// Builds the GPU test binaries in release and writes `gpu-bundle/` with `run-all.sh`.
-pub fn bundle() -> Result<(), String> {
-    let root = workspace_root();
+/// The `ddo` command's GPU tests (they run the `ddo` binary, which the bundle carries).
+const CLI_GPU_TESTS: [&str; 1] = ["gpu_exit"];
+
+/// Runs `cargo` with `args` (plus JSON messages) in release and returns its stdout.
+fn cargo_json(args: &[&str]) -> Result<String, String> {
     let mut cmd = cargo();
-    cmd.args(["test", "--release", "--no-run"])
-        .args(package_args())
+    cmd.args(args)
         .args(["--message-format=json-render-diagnostics"])
-        .current_dir(&root)
+        .current_dir(workspace_root())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     eprintln!("$ {cmd:?}");
@@ -106,11 +107,32 @@ pub fn bundle() -> Result<(), String> {
     if !output.status.success() {
         return Err(format!("{cmd:?} failed with {}", output.status));
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let executables = test_executables(&stdout);
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Builds the GPU test binaries in release and writes `gpu-bundle/` with `run-all.sh`.
+pub fn bundle() -> Result<(), String> {
+    let root = workspace_root();
+    let mut args = vec!["test", "--release", "--no-run"];
+    args.extend(package_args());
+    let mut executables = test_executables(&cargo_json(&args)?);
     if executables.is_empty() {
         return Err("cargo built no test executables for the GPU packages".into());
     }
+    let mut cli = vec!["test", "--release", "--no-run", "-p", "ddo-cli"];
+    for t in CLI_GPU_TESTS {
+        cli.extend(["--test", t]);
+    }
+    executables.extend(test_executables(&cargo_json(&cli)?));
+    let ddo = binary_executable(&cargo_json(&[
+        "build",
+        "--release",
+        "-p",
+        "ddo-cli",
+        "--bin",
+        "ddo",
+    ])?)
+    .ok_or("cargo built no `ddo` binary")?;
     let dir = root.join(BUNDLE_DIR);
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
@@ -132,6 +154,8 @@ pub fn bundle() -> Result<(), String> {
         eprintln!("gpu-bundle: {name} <- {}", exe.display());
         names.push(name);
     }
+    // The binary the command's GPU tests run (`DDO_BIN` in run-all.sh).
+    fs::copy(&ddo, dir.join("ddo")).map_err(|e| format!("cannot copy {}: {e}", ddo.display()))?;
     // The conformance tests' Diffusers side: the script and the wheels.
     let peer = root.join(PEER_SCRIPT);
     fs::copy(&peer, dir.join("gpu_peer.py"))
@@ -197,6 +221,17 @@ pub fn test_executables(json_lines: &str) -> Vec<PathBuf> {
     out
 }
 
+/// The `ddo` executable in cargo's JSON messages of a build: the `compiler-artifact` line
+/// of the `ddo` bin target.
+pub fn binary_executable(json_lines: &str) -> Option<PathBuf> {
+    json_lines
+        .lines()
+        .filter(|l| l.contains(r#""reason":"compiler-artifact""#))
+        .filter(|l| l.contains(r#""kind":["bin"]"#) && l.contains(r#""name":"ddo""#))
+        .find_map(|l| string_field(l, "executable"))
+        .map(PathBuf::from)
+}
+
 /// The string value of `"key":"..."` in one JSON line (JSON escapes of `\\` and `\"` undone).
 fn string_field(line: &str, key: &str) -> Option<String> {
     let start = line.find(&format!(r#""{key}":""#))? + key.len() + 4;
@@ -249,6 +284,10 @@ if [ -z "${{DDO_FIXTURES:-}}" ] && [ -d "$here/../fixtures" ]; then
   export DDO_FIXTURES="$(cd "$here/../fixtures" && pwd)"
 fi
 {peer}
+# The `ddo` binary the command's GPU tests run.
+if [ -x "$here/ddo" ]; then
+  export DDO_BIN="$here/ddo"
+fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$log_dir/nvidia-smi.log"
 fi
@@ -293,6 +332,12 @@ mod tests {
             ]
         );
         assert_eq!(bundle_name(&exes[1]), "gpu");
+        let build = r#"{"reason":"compiler-artifact","target":{"kind":["bin"],"crate_types":["bin"],"name":"ddo","src_path":"/w/crates/ddo-cli/src/main.rs"},"profile":{"test":false},"executable":"/w/target/release/ddo","fresh":true}"#;
+        assert_eq!(
+            binary_executable(&format!("{lines}\n{build}")),
+            Some(PathBuf::from("/w/target/release/ddo"))
+        );
+        assert_eq!(binary_executable(&lines), None);
         assert_eq!(bundle_name(Path::new("plain")), "plain");
     }
 
@@ -305,6 +350,7 @@ mod tests {
         assert!(script.contains("PIPESTATUS[0]"));
         assert!(script.contains("exit 1"));
         assert!(script.contains("DDO_REQUIRE_GPU=1"));
+        assert!(script.contains(r#"export DDO_BIN="$here/ddo""#));
         // The tests that read the environment get it: fixtures, and Diffusers' outputs.
         assert!(script.contains("export DDO_FIXTURES="));
         assert!(script.contains(r#"export DDO_PEER_DIR="${TMPDIR:-/tmp}/ddo-gpu-peer/peer""#));

@@ -63,6 +63,10 @@ pub fn execute(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
     }
 }
 
+/// How long [`main_with_args`] waits for ddo-cuda's background work before the process
+/// exits (a cuDNN plan takes seconds; a compile of every kernel source about ten).
+pub const BACKGROUND_WORK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// The binary's entry point: runs `argv`, prints an error as one line on stderr, and
 /// returns the exit status. A panic anywhere below is caught and reported as one line too.
 pub fn main_with_args(argv: Vec<String>) -> i32 {
@@ -72,6 +76,15 @@ pub fn main_with_args(argv: Vec<String>) -> i32 {
         let mut lock = stdout.lock();
         execute(&argv, &mut lock)
     });
+    // The process must not exit while a kernel compile or a cuDNN plan build runs in the
+    // background (an error can come back long before they end): exit would tear their
+    // libraries down beside them (SIGSEGV). Nothing waits when CUDA was never used.
+    if !ddo_cuda::join_background_work(BACKGROUND_WORK_TIMEOUT) {
+        eprintln!(
+            "ddo: warning: background GPU work (kernel compiles, cuDNN plans) still runs after {} s; exiting anyway",
+            BACKGROUND_WORK_TIMEOUT.as_secs()
+        );
+    }
     match outcome {
         Ok(Ok(())) => 0,
         Ok(Err(e)) => {

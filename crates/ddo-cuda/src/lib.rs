@@ -42,6 +42,7 @@
 //! finds them done at its first GPU forward.
 
 pub mod allocator;
+mod background;
 pub mod device;
 mod driver;
 pub mod error;
@@ -49,6 +50,7 @@ mod ops;
 pub mod vmm_allocator;
 
 pub use allocator::{AllocatorStats, CachingAllocator, StreamKey};
+pub use background::{background_work_pending, join_background_work};
 pub use device::{
     CudaAllocation, CudaDevice, CudaDeviceConfig, CudaEventHandle, CudaStreamHandle,
     DEFAULT_UPLOAD_STAGING_BYTES, device_count, library_present,

@@ -654,21 +654,19 @@ fn entry_of<'t>(
 /// Builds `key`'s plan on a thread of its own (up to seconds: cuDNN compiles its fused
 /// kernel at runtime) and records it, or the refusal, in the table.
 fn spawn_build(stream: Arc<CudaStream>, ctx: Arc<CudaContext>, key: Key) {
-    let spawned = std::thread::Builder::new()
-        .name("ddo-cudnn-plan".into())
-        .spawn(move || {
-            let outcome = build_on_new_handle(&ctx, &stream, &key);
-            let mut table = DNN.lock();
-            let state = match outcome {
-                Ok(plan) => State::Ready(plan),
-                Err(why) => {
-                    *LAST_REFUSAL.lock() = Some(why);
-                    State::Refused
-                }
-            };
-            let entry = entry_of(&mut table, &stream, &ctx);
-            entry.plans.insert(key, state);
-        });
+    let spawned = crate::background::spawn("ddo-cudnn-plan".into(), move || {
+        let outcome = build_on_new_handle(&ctx, &stream, &key);
+        let mut table = DNN.lock();
+        let state = match outcome {
+            Ok(plan) => State::Ready(plan),
+            Err(why) => {
+                *LAST_REFUSAL.lock() = Some(why);
+                State::Refused
+            }
+        };
+        let entry = entry_of(&mut table, &stream, &ctx);
+        entry.plans.insert(key, state);
+    });
     if spawned.is_err() {
         let mut table = DNN.lock();
         *LAST_REFUSAL.lock() = Some("no thread for building a cuDNN plan".into());

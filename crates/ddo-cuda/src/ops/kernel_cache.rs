@@ -209,11 +209,9 @@ impl<C: Compiler> ImageCache<C> {
                 continue;
             }
             let cache = Arc::clone(self);
-            let spawned = std::thread::Builder::new()
-                .name(format!("ddo-kernels-{name}"))
-                .spawn(move || {
-                    slot.get_or_init(|| cache.produce(arch, name, source));
-                });
+            let spawned = crate::background::spawn(format!("ddo-kernels-{name}"), move || {
+                slot.get_or_init(|| cache.produce(arch, name, source));
+            });
             if spawned.is_ok() {
                 started += 1;
             }
