@@ -884,8 +884,8 @@ fn bad_inputs_exit_non_zero_with_one_line_and_a_hint() {
         (vec!["inspect", &junk], 1, "junk.safetensors"),
         (
             vec!["run", "--config", "tiny", "--vram-budget", "1KiB"],
-            2,
-            "largest leaf",
+            1,
+            "too small",
         ),
         (
             vec![
@@ -1503,28 +1503,32 @@ fn counts_and_arguments_that_would_abort_are_refused_in_one_line() {
     // A budget hint names a size the parser takes.
     let d = scratch("hint");
     let out_png = d.join("h.png");
-    let out = ddo(&["run", "--config", "tiny", "--vram-budget", "1KiB"]);
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    let size = err
-        .split("give --vram-budget ")
-        .nth(1)
-        .and_then(|t| t.split_whitespace().next())
-        .unwrap_or_else(|| panic!("{err}"));
-    let again = ddo(&[
-        "run",
-        "--config",
-        "tiny",
-        "--vram-budget",
-        size,
-        "--out",
-        out_png.to_str().unwrap(),
-    ]);
-    let err2 = String::from_utf8_lossy(&again.stderr);
-    assert!(!err2.contains("invalid --vram-budget"), "{size}: {err2}");
-    assert!(
-        !err2.contains("smaller than the largest leaf"),
-        "{size}: {err2}"
-    );
+    // Issue 34, item 10: the budget named is one the whole plan fits, also where a later
+    // phase needs more than prompt encoding (256x384: denoise's activations).
+    for (h, w) in [("128", "128"), ("256", "384")] {
+        let base = [
+            "run", "--config", "tiny", "--steps", "1", "--height", h, "--width", w,
+        ];
+        let mut args = base.to_vec();
+        args.extend(["--vram-budget", "1KiB"]);
+        let out = ddo(&args);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        let size = err
+            .split("give --vram-budget ")
+            .nth(1)
+            .and_then(|t| t.split([' ', ',']).next())
+            .unwrap_or_else(|| panic!("{err}"))
+            .to_string();
+        let mut args = base.to_vec();
+        args.extend(["--vram-budget", &size, "--out", out_png.to_str().unwrap()]);
+        let again = ddo(&args);
+        let err2 = String::from_utf8_lossy(&again.stderr);
+        assert!(!err2.contains("invalid --vram-budget"), "{size}: {err2}");
+        assert!(
+            again.status.success(),
+            "{h}x{w} at {size} (from: {err}): {err2}"
+        );
+    }
 }
 
 /// Files that are not files: a FIFO `config.json` or checkpoint, and a `config.json` that

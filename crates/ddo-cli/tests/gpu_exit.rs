@@ -67,7 +67,7 @@ fn error_exits_on_cuda_return_their_status_not_a_signal() {
                 "--out",
                 out,
             ],
-            2,
+            1,
         ),
         // A route option refused while the kernels compile in the background.
         (

@@ -16,6 +16,24 @@ pub fn budget_arg(bytes: u64) -> String {
     }
 }
 
+/// The most a `--vram-budget` can name and still be read back (the parser refuses a size
+/// past 2^64 bytes); a need past it is no budget at all.
+pub const LARGEST_BUDGET: u64 = 1 << 60;
+
+/// A [`CoreError::BudgetTooSmall`]'s hint: the budget that works when one can be given,
+/// then `others` (what else helps), or that no budget holds the work.
+pub fn budget_advice(needed: u64, others: &str) -> String {
+    match (needed <= LARGEST_BUDGET, others.is_empty()) {
+        (true, true) => format!("give --vram-budget {} or more", budget_arg(needed)),
+        (true, false) => format!(
+            "give --vram-budget {} or more, or {others}",
+            budget_arg(needed)
+        ),
+        (false, true) => "no budget holds this work; ask for less".to_string(),
+        (false, false) => format!("no budget holds this work: {others}"),
+    }
+}
+
 /// Result alias for the core crate.
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
@@ -41,9 +59,8 @@ pub enum CoreError {
     /// A VRAM budget below what any plan of a pipeline phase needs.
     #[error(
         "a VRAM budget of {} is too small for the {phase} phase, which needs at least {} ({detail}); \
-         give --vram-budget {} or more, or ask for less: a smaller --height/--width, or routes that hold \
-         less (e.g. --route {component}=diffusers_group_offload:use_stream=true)",
-        ddo_metrics::format_bytes(*.budget), budget_arg(*.needed), budget_arg(*.needed)
+         {}",
+        ddo_metrics::format_bytes(*.budget), budget_arg(*.needed), budget_advice(*.needed, advice)
     )]
     BudgetTooSmall {
         /// The phase.
@@ -56,6 +73,9 @@ pub enum CoreError {
         needed: u64,
         /// What the needed bytes are made of.
         detail: String,
+        /// What else to do besides a larger budget (less work, another route), as far as
+        /// each can help; may be empty.
+        advice: String,
     },
     /// Pinned host memory would exceed the device's pinned limit.
     #[error(

@@ -316,14 +316,33 @@ pub fn plan_resolved(
         candidates.push((fixed, planned));
     }
     let mut planned_phases = Vec::new();
+    // Every phase is planned, so that a refusal names the budget the whole plan needs: the
+    // largest of the phases' least needs (each phase is planned on its own against the
+    // budget), not the first phase's.
+    let mut refusal: Option<CoreError> = None;
     for (demand, (fixed, planned)) in request.phases.iter().zip(&candidates) {
-        planned_phases.push(plan_phase(
+        match plan_phase(
             demand,
             budget,
             request.context,
             fixed.clone(),
             planned.clone(),
-        )?);
+        ) {
+            Ok(p) => planned_phases.push(p),
+            Err(e @ CoreError::BudgetTooSmall { .. }) => {
+                let need = |e: &CoreError| match e {
+                    CoreError::BudgetTooSmall { needed, .. } => *needed,
+                    _ => 0,
+                };
+                if refusal.as_ref().is_none_or(|r| need(&e) > need(r)) {
+                    refusal = Some(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(e) = refusal {
+        return Err(e);
     }
     for k in 1..planned_phases.len() {
         plan_early_upload(request, &candidates, &mut planned_phases, k);
@@ -658,13 +677,15 @@ fn too_small(
 ) -> CoreError {
     // Round the figure up to a MiB so that giving it back as a budget works.
     let needed = needed.div_ceil(1 << 20).saturating_mul(1 << 20);
+    let component = if component.is_empty() {
+        demand.components.first().cloned().unwrap_or_default()
+    } else {
+        component.to_string()
+    };
     CoreError::BudgetTooSmall {
         phase: demand.phase.clone(),
-        component: if component.is_empty() {
-            demand.components.first().cloned().unwrap_or_default()
-        } else {
-            component.to_string()
-        },
+        advice: budget_advice(&component, activation, resident),
+        component,
         budget,
         needed,
         detail: format!(
@@ -674,4 +695,17 @@ fn too_small(
             format_bytes(transient)
         ),
     }
+}
+
+fn budget_advice(component: &str, activation: u64, resident: u64) -> String {
+    let mut ways = Vec::new();
+    if activation > 0 {
+        ways.push("ask for less: a smaller --height/--width or fewer --num-images".to_string());
+    }
+    if resident > 0 && !component.is_empty() {
+        ways.push(format!(
+            "use routes that hold less (e.g. --route {component}=diffusers_group_offload:use_stream=true)"
+        ));
+    }
+    ways.join(", or ")
 }

@@ -238,6 +238,49 @@ fn a_budget_too_small_names_the_smallest_that_works() {
     }
 }
 
+/// Issue 34, item 10: when a later phase needs more than the first, the refusal names the
+/// later phase's need (the whole plan's least), not the first phase's, and that budget plans.
+#[test]
+fn a_refusal_names_the_budget_of_the_whole_plan_not_the_first_phase() {
+    let specs = flux_like(4);
+    let pipeline = pipeline_of(&specs);
+    let d = device(1 << 30);
+    let mut phases = demands(0);
+    phases[1].activation_bytes = 8 << 20;
+    let request = |budget: u64| PlanRequest {
+        budget_bytes: budget,
+        budget_source: "test".into(),
+        phases: phases.clone(),
+        context: FootprintContext::of(&*d),
+    };
+    let settings = Settings::default();
+    let env = MapEnvironment::default();
+    let err = plan_pipeline(&pipeline, &settings, &[], &env, &request(4096)).unwrap_err();
+    let CoreError::BudgetTooSmall { needed, phase, .. } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(phase, "denoise", "{err}");
+    assert!(*needed > 8 << 20, "{err}");
+    plan_pipeline(&pipeline, &settings, &[], &env, &request(*needed)).unwrap();
+    // Nothing resident at that budget's refusal: no route advice names an empty component,
+    // and a size hint only where activations take room.
+    let text = err.to_string();
+    assert!(!text.contains("--route ="), "{text}");
+}
+
+/// A need no `--vram-budget` can name is not offered as one.
+#[test]
+fn a_need_past_any_budget_names_no_budget() {
+    let specs = flux_like(4);
+    let pipeline = pipeline_of(&specs);
+    let d = device(1 << 30);
+    let err = plan(&pipeline, &d, 1 << 20, u64::MAX / 2, &[]).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, CoreError::BudgetTooSmall { .. }), "{text}");
+    assert!(!text.contains("give --vram-budget"), "{text}");
+    assert!(text.contains("no budget holds this work"), "{text}");
+}
+
 #[test]
 fn planned_components_attach_when_their_phase_begins_and_release_at_its_end() {
     let specs = flux_like(4);

@@ -33,7 +33,7 @@ use crate::io::{
 };
 use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::progress::ProgressBar;
-use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, check_budget, open_device};
+use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device};
 use crate::tokenize::PipelineTokenizers;
 
 /// The prompt used when `--prompt` is not given.
@@ -148,7 +148,9 @@ pub(crate) fn plan_budget(device: &dyn ddo_core::Device, given: Option<u64>) -> 
 
 /// The pipeline's memory plan at `height × width` under `budget` on `device`, from the
 /// components' `resolutions` (made once, by [`Routing::resolve_all`]: the plan resolves
-/// nothing again).
+/// nothing again). A budget no plan fits is refused naming the smallest budget that plans
+/// the whole pipeline — checked by planning with it, the phases' demands made again for it
+/// (the decode's tiling follows the budget).
 pub(crate) fn plan_memory(
     pipe: &AnyPipeline,
     pipeline: &ddo_routes::Pipeline,
@@ -159,18 +161,63 @@ pub(crate) fn plan_memory(
     tiled: TiledDecode,
 ) -> CliResult<PipelinePlan> {
     let (height, width, images) = image;
-    plan_resolved(
-        pipeline,
-        resolutions,
-        &PlanRequest {
-            budget_bytes: budget.0,
-            budget_source: budget.1,
-            phases: pipe.phase_demands(height, width, images, tiled, budget.0, device)?,
-            context: FootprintContext::of(device),
-        },
-    )
-    .map_err(|e| CliError::from(e).context("planning memory"))
+    let plan_at = |bytes: u64| -> CliResult<Result<PipelinePlan, ddo_core::CoreError>> {
+        Ok(plan_resolved(
+            pipeline,
+            resolutions,
+            &PlanRequest {
+                budget_bytes: bytes,
+                budget_source: budget.1.clone(),
+                phases: pipe.phase_demands(height, width, images, tiled, bytes, device)?,
+                context: FootprintContext::of(device),
+            },
+        ))
+    };
+    let planning = |e: ddo_core::CoreError| CliError::from(e).context("planning memory");
+    let refusal = match plan_at(budget.0)? {
+        Ok(plan) => return Ok(plan),
+        Err(e @ ddo_core::CoreError::BudgetTooSmall { .. }) => e,
+        Err(e) => return Err(planning(e)),
+    };
+    Err(planning(smallest_working_budget(refusal, |b| {
+        plan_at(b).map(|r| r.map(|_| ()))
+    })?))
 }
+
+/// The refusal of a budget, its `needed` made the smallest budget that plans: each phase's
+/// least need, then planning with it, and again with what that refusal names (the phases'
+/// demands may grow with the budget), at most [`BUDGET_SEARCH_ROUNDS`] times. A need no
+/// round confirms is reported as the planner named it.
+pub(crate) fn smallest_working_budget(
+    refusal: ddo_core::CoreError,
+    mut plans: impl FnMut(u64) -> CliResult<Result<(), ddo_core::CoreError>>,
+) -> CliResult<ddo_core::CoreError> {
+    fn needed_of(e: &ddo_core::CoreError) -> Option<u64> {
+        match e {
+            ddo_core::CoreError::BudgetTooSmall { needed, .. } => Some(*needed),
+            _ => None,
+        }
+    }
+    let Some(mut candidate) = needed_of(&refusal) else {
+        return Ok(refusal);
+    };
+    for _ in 0..BUDGET_SEARCH_ROUNDS {
+        match plans(candidate)? {
+            Err(e) if needed_of(&e).is_some_and(|n| n > candidate) => {
+                candidate = needed_of(&e).unwrap_or(candidate);
+            }
+            _ => break,
+        }
+    }
+    let mut refusal = refusal;
+    if let ddo_core::CoreError::BudgetTooSmall { needed, .. } = &mut refusal {
+        *needed = candidate;
+    }
+    Ok(refusal)
+}
+
+/// How many times [`smallest_working_budget`] plans again.
+const BUDGET_SEARCH_ROUNDS: usize = 8;
 
 /// How `routing` explains the routes the plan chose for `names`, in that order.
 pub(crate) fn planned_explanations(
@@ -326,7 +373,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     startup.lap("device");
     let (plan_budget, budget_source) = plan_budget(&*device, budget);
     let effective_budget = Some(plan_budget);
-    check_budget(plan_budget, &pipe.components())?;
+    // A budget below the largest leaf, or any other no plan fits, is refused by the plan,
+    // naming the smallest budget that plans the whole pipeline.
     // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does this,
     // and the profile says so.
     let (latent_h, latent_w) = pipe.latent_grid(height, width)?;
