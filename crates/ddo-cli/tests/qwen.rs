@@ -274,3 +274,162 @@ fn resolve_and_bench_know_the_qwen_components() {
         "names the components: {err}"
     );
 }
+
+/// The fixture's embeddings with the masks stored as `dtype` (values `mask(v)`), the other
+/// tensors as they are, plus `extra` f32 tensors; `drop` names tensors left out.
+fn embeds_with_masks(
+    to: &std::path::Path,
+    dtype: safetensors::Dtype,
+    mask: impl Fn(f32) -> Vec<u8>,
+    extra: &[(&str, Vec<usize>, Vec<f32>)],
+    drop: &[&str],
+) {
+    let src = std::path::PathBuf::from(fixture("qwen_pipeline/inputs.safetensors"));
+    let names = [
+        "prompt_embeds",
+        "prompt_embeds_mask",
+        "negative_prompt_embeds",
+        "negative_prompt_embeds_mask",
+        "latents",
+    ];
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for n in names.into_iter().filter(|n| !drop.contains(n)) {
+        let (shape, values) = tensor(&src, n);
+        if n.ends_with("_mask") {
+            owned.push((
+                n.into(),
+                dtype,
+                shape,
+                values.iter().flat_map(|&v| mask(v)).collect(),
+            ));
+        } else {
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            owned.push((n.into(), safetensors::Dtype::F32, shape, bytes));
+        }
+    }
+    for (n, shape, values) in extra {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        owned.push((n.to_string(), safetensors::Dtype::F32, shape.clone(), bytes));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, to).unwrap();
+}
+
+/// Issue 34, item 8: the masks `QwenImagePipeline.encode_prompt` returns (int64), and
+/// int32, bool and uint8 ones, give the float masks' image bit for bit; a mask value that is
+/// neither 0 nor 1, a lone negative mask, Flux's pooled embeddings and a negative of the
+/// wrong width are refused, each by its own name.
+#[test]
+fn integer_and_boolean_masks_are_taken_and_bad_embeddings_files_refused() {
+    use safetensors::Dtype;
+    let d = scratch("qwen-masks");
+    let run = |embeds: &std::path::Path, out: &std::path::Path| {
+        ddo(&[
+            "run",
+            "--weights",
+            &fixture("qwen_pipeline"),
+            "--prompt-embeds",
+            embeds.to_str().unwrap(),
+            "--init-latents",
+            embeds.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let float = d.join("f32.safetensors");
+    embeds_with_masks(&float, Dtype::F32, |v| v.to_le_bytes().to_vec(), &[], &[]);
+    let reference = d.join("ref.safetensors");
+    ok(&run(&float, &reference));
+    let (_, want) = tensor(&reference, "sample");
+    let as_int = |v: f32| v as i64;
+    let cases: [(Dtype, Box<dyn Fn(f32) -> Vec<u8>>); 4] = [
+        (
+            Dtype::I64,
+            Box::new(move |v| as_int(v).to_le_bytes().to_vec()),
+        ),
+        (Dtype::I32, Box::new(|v| (v as i32).to_le_bytes().to_vec())),
+        (Dtype::BOOL, Box::new(|v| vec![v as u8])),
+        (Dtype::U8, Box::new(|v| vec![v as u8])),
+    ];
+    for (dtype, mask) in cases {
+        let file = d.join(format!("{dtype:?}.safetensors"));
+        embeds_with_masks(&file, dtype, mask, &[], &[]);
+        let out = d.join(format!("{dtype:?}-out.safetensors"));
+        ok(&run(&file, &out));
+        assert_eq!(tensor(&out, "sample").1, want, "{dtype:?}");
+    }
+    let refusals: [(&str, std::path::PathBuf, &str); 4] = [
+        ("two", d.join("two.safetensors"), "is not a mask: value"),
+        (
+            "lone",
+            d.join("lone.safetensors"),
+            "without `negative_prompt_embeds`",
+        ),
+        (
+            "pooled",
+            d.join("pooled.safetensors"),
+            "`pooled_prompt_embeds` is FluxPipeline's",
+        ),
+        (
+            "narrow",
+            d.join("narrow.safetensors"),
+            "`negative_prompt_embeds` [1, 5, 16]",
+        ),
+    ];
+    embeds_with_masks(
+        &refusals[0].1,
+        Dtype::I64,
+        |v| ((v as i64) * 2).to_le_bytes().to_vec(),
+        &[],
+        &[],
+    );
+    embeds_with_masks(
+        &refusals[1].1,
+        Dtype::I64,
+        |v| (v as i64).to_le_bytes().to_vec(),
+        &[],
+        &["negative_prompt_embeds"],
+    );
+    embeds_with_masks(
+        &refusals[2].1,
+        Dtype::I64,
+        |v| (v as i64).to_le_bytes().to_vec(),
+        &[("pooled_prompt_embeds", vec![1, 8], vec![0.5; 8])],
+        &[],
+    );
+    {
+        // A negative of the wrong width: 16 instead of the transformer's 32.
+        let file = &refusals[3].1;
+        let src = std::path::PathBuf::from(fixture("qwen_pipeline/inputs.safetensors"));
+        let (_, neg) = tensor(&src, "negative_prompt_embeds");
+        embeds_with_masks(
+            file,
+            Dtype::F32,
+            |v| v.to_le_bytes().to_vec(),
+            &[("negative_prompt_embeds", vec![1, 5, 16], neg[..80].to_vec())],
+            &["negative_prompt_embeds"],
+        );
+    }
+    for (what, file, words) in &refusals {
+        let out = d.join(format!("{what}-out.safetensors"));
+        let o = run(file, &out);
+        let err = err_of(&o);
+        assert!(matches!(o.status.code(), Some(1 | 2)), "{what}: {err}");
+        assert!(err.contains(words), "{what}: {err}");
+        assert!(!out.exists(), "{what}");
+    }
+}

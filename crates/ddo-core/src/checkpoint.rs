@@ -33,7 +33,29 @@ pub struct CheckpointTensor {
 pub struct Checkpoint {
     map: Arc<CheckpointMap>,
     tensors: BTreeMap<String, CheckpointTensor>,
-    unsupported: BTreeMap<String, String>,
+    unsupported: BTreeMap<String, Unsupported>,
+}
+
+/// A tensor of a dtype DDO does not load as weights: its header dtype name, shape and
+/// bytes (absolute offset and length), for [`Checkpoint::raw`].
+#[derive(Debug, Clone)]
+struct Unsupported {
+    dtype: String,
+    shape: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+/// One tensor's bytes as stored, whatever its dtype ([`Checkpoint::raw`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RawTensor<'a> {
+    /// The header's dtype name (`I64`, `BOOL`, `F32`, ...); tensors DDO loads give their
+    /// [`DType`]'s name.
+    pub dtype: &'a str,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// The little-endian bytes, checked against the shape and the data.
+    pub bytes: &'a [u8],
 }
 
 /// A JSON object read with its keys in file order, refusing a key that appears twice (a
@@ -100,7 +122,10 @@ impl Checkpoint {
     fn parse(
         bytes: &[u8],
         path: &Path,
-    ) -> Result<(BTreeMap<String, CheckpointTensor>, BTreeMap<String, String>)> {
+    ) -> Result<(
+        BTreeMap<String, CheckpointTensor>,
+        BTreeMap<String, Unsupported>,
+    )> {
         let bad = |message: String| CoreError::Checkpoint {
             path: path.to_path_buf(),
             message,
@@ -194,7 +219,15 @@ impl Checkpoint {
                     );
                 }
                 None => {
-                    unsupported.insert(name.clone(), dtype_name.to_string());
+                    unsupported.insert(
+                        name.clone(),
+                        Unsupported {
+                            dtype: dtype_name.to_string(),
+                            shape,
+                            offset: header_end + start,
+                            len: end - start,
+                        },
+                    );
                 }
             }
         }
@@ -226,7 +259,7 @@ impl Checkpoint {
     /// A tensor's header entry. A tensor of a dtype DDO does not load is a typed error
     /// naming it and its dtype.
     pub fn tensor(&self, name: &str) -> Result<&CheckpointTensor> {
-        if let Some(dtype) = self.unsupported.get(name) {
+        if let Some(Unsupported { dtype, .. }) = self.unsupported.get(name) {
             return Err(CoreError::Checkpoint {
                 path: self.path().to_path_buf(),
                 message: format!(
@@ -246,7 +279,34 @@ impl Checkpoint {
     pub fn unsupported(&self) -> impl Iterator<Item = (&str, &str)> {
         self.unsupported
             .iter()
-            .map(|(n, d)| (n.as_str(), d.as_str()))
+            .map(|(n, u)| (n.as_str(), u.dtype.as_str()))
+    }
+
+    /// A tensor's bytes as stored with its dtype name and shape, whatever its dtype (masks
+    /// of integers or booleans, say, which are data, not weights); `None` when the file has
+    /// no tensor of that name.
+    pub fn raw(&self, name: &str) -> Option<RawTensor<'_>> {
+        let bytes = self.map.bytes();
+        if let Some(u) = self.unsupported.get(name) {
+            return Some(RawTensor {
+                dtype: &u.dtype,
+                shape: &u.shape,
+                bytes: bytes.get(u.offset..u.offset + u.len)?,
+            });
+        }
+        let t = self.tensors.get(name)?;
+        Some(RawTensor {
+            dtype: match t.dtype {
+                DType::F32 => "F32",
+                DType::F16 => "F16",
+                DType::BF16 => "BF16",
+                DType::F8E4M3 => "F8_E4M3",
+                DType::F8E5M2 => "F8_E5M2",
+                DType::Quantized => "U8",
+            },
+            shape: &t.shape,
+            bytes: bytes.get(t.offset..t.offset + t.len)?,
+        })
     }
 
     /// A new checkpoint-backed host buffer over one tensor's bytes.

@@ -86,6 +86,19 @@ pub enum LoadError {
         /// The layer kind (`norm`, `conv2d`, `embedding`, ...).
         kind: String,
     },
+    /// An attention mask that is not 0/1 values of a dtype masks come in.
+    #[error(
+        "tensor `{name}` in {file} is not a mask: {why}; give 0/1 values as int64, int32, bool, \
+         uint8 or a float dtype (Diffusers' prompt_embeds_mask)"
+    )]
+    BadMask {
+        /// Tensor name.
+        name: String,
+        /// File.
+        file: PathBuf,
+        /// What is wrong (the dtype, or the first value that is neither 0 nor 1).
+        why: String,
+    },
     /// A checkpoint file is truncated or corrupt.
     #[error("{file} is not a valid safetensors file: {message}; re-download or re-export it")]
     CorruptFile {

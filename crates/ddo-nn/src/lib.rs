@@ -42,5 +42,5 @@ pub use fp8::{
 };
 pub use weights::{
     CheckpointWeights, MAX_TEXT_FILE_BYTES, RandomWeights, UnusedWeights, WeightSource,
-    read_f32_tensor, read_text_file,
+    read_f32_tensor, read_mask_tensor, read_text_file,
 };

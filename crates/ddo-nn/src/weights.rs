@@ -645,6 +645,55 @@ pub fn read_f32_tensor(path: &Path, name: &str) -> LoadResult<(Vec<usize>, Vec<f
     Ok((info.shape.clone(), values))
 }
 
+/// Reads attention mask `name` of a safetensors file as booleans (`None` when the file has
+/// no such tensor): masks come as Diffusers saves them — int64 (`QwenImagePipeline.
+/// encode_prompt`'s `prompt_embeds_mask`), int32, bool, uint8 — or as floats; every value
+/// must be 0 or 1 (anything else is [`LoadError::BadMask`], naming the first).
+pub fn read_mask_tensor(path: &Path, name: &str) -> LoadResult<Option<(Vec<usize>, Vec<bool>)>> {
+    let ckpt = open_checkpoint(path)?;
+    let Some(raw) = ckpt.raw(name) else {
+        return Ok(None);
+    };
+    let bad = |why: String| LoadError::BadMask {
+        name: name.to_string(),
+        file: path.to_path_buf(),
+        why,
+    };
+    let values: Vec<f64> = match raw.dtype {
+        "I64" => raw
+            .bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f64)
+            .collect(),
+        "I32" => raw
+            .bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as f64)
+            .collect(),
+        "BOOL" | "U8" | "I8" => raw.bytes.iter().map(|&b| b as f64).collect(),
+        "F32" | "F16" | "BF16" => {
+            let dtype = DType::from_header_name(raw.dtype).unwrap_or(DType::F32);
+            dtype
+                .decode_f32(raw.bytes)?
+                .into_iter()
+                .map(f64::from)
+                .collect()
+        }
+        other => return Err(bad(format!("its dtype is {other}"))),
+    };
+    if let Some((i, v)) = values
+        .iter()
+        .enumerate()
+        .find(|(_, v)| **v != 0.0 && **v != 1.0)
+    {
+        return Err(bad(format!("value {i} is {v}")));
+    }
+    Ok(Some((
+        raw.shape.to_vec(),
+        values.iter().map(|&v| v == 1.0).collect(),
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

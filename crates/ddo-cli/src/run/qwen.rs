@@ -123,18 +123,20 @@ fn read_embeds(path: &Path, prefix: &str) -> CliResult<Option<QwenPromptEmbeds>>
             ));
         }
     };
-    let mask: Option<Vec<bool>> = match read_optional_tensor(path, &mask_name, "--prompt-embeds")? {
+    // Diffusers' masks are int64; int32, bool, uint8 and floats are taken too, 0/1 only.
+    let mask: Option<Vec<bool>> = match ddo_nn::read_mask_tensor(path, &mask_name)
+        .map_err(|e| CliError::from(e).context("--prompt-embeds"))?
+    {
         None => None,
-        Some(m) if m.shape == [b, l] => Some(m.values.iter().map(|&v| v != 0.0).collect()),
-        Some(m) => {
+        Some((shape, values)) if shape == [b, l] => Some(values),
+        Some((shape, _)) => {
             return Err(CliError::usage(
                 format!(
-                    "--prompt-embeds {}: `{mask_name}` has shape {:?}, `{name}` {:?}",
+                    "--prompt-embeds {}: `{mask_name}` has shape {shape:?}, `{name}` {:?}",
                     path.display(),
-                    m.shape,
                     seq.shape
                 ),
-                format!("give a [{b}, {l}] mask, nonzero on the tokens kept"),
+                format!("give a [{b}, {l}] mask, 1 on the tokens kept"),
             ));
         }
     };
@@ -166,6 +168,20 @@ fn read_embeds(path: &Path, prefix: &str) -> CliResult<Option<QwenPromptEmbeds>>
 /// has them, the negative prompts' (`negative_prompt_embeds`, `negative_prompt_embeds_mask`),
 /// one row per prompt.
 pub(super) fn read_embeds_file(path: &Path) -> CliResult<QwenEmbedsFile> {
+    // Tensors a Qwen-Image run would not read are refused, not ignored: Flux's pooled
+    // embeddings (a Flux file given to a Qwen run), and a negative mask without its
+    // negative embeddings.
+    for flux in ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"] {
+        if read_optional_tensor(path, flux, "--prompt-embeds")?.is_some() {
+            return Err(CliError::usage(
+                format!(
+                    "--prompt-embeds {}: `{flux}` is FluxPipeline's (CLIP's pooled output), which a QwenImagePipeline run does not use",
+                    path.display()
+                ),
+                "give the embeddings QwenImagePipeline.encode_prompt returns (prompt_embeds, prompt_embeds_mask), or run a Flux pipeline",
+            ));
+        }
+    }
     let positive = read_embeds(path, "")?.ok_or_else(|| {
         CliError::usage(
             format!("--prompt-embeds {}: no prompt_embeds", path.display()),
@@ -173,6 +189,19 @@ pub(super) fn read_embeds_file(path: &Path) -> CliResult<QwenEmbedsFile> {
         )
     })?;
     let negative = read_embeds(path, "negative_")?;
+    if negative.is_none()
+        && ddo_nn::read_mask_tensor(path, "negative_prompt_embeds_mask")
+            .map_err(|e| CliError::from(e).context("--prompt-embeds"))?
+            .is_some()
+    {
+        return Err(CliError::usage(
+            format!(
+                "--prompt-embeds {}: `negative_prompt_embeds_mask` without `negative_prompt_embeds`",
+                path.display()
+            ),
+            "save negative_prompt_embeds beside its mask (true CFG), or leave the mask out",
+        ));
+    }
     if let Some(n) = &negative {
         let (pb, nb) = (
             positive.prompt_embeds.shape()[0],
@@ -213,8 +242,22 @@ pub(super) fn prompts(
         if args.prompt.is_some() || args.negative_prompt.is_some() {
             return Err(CliError::usage(
                 "--prompt-embeds with --prompt or --negative-prompt",
-                "give text, or embeddings from a file (negative_prompt_embeds for the negative prompt)",
+                "give both prompts as text (--prompt, --negative-prompt), or both as embeddings in the --prompt-embeds file (prompt_embeds, and negative_prompt_embeds for true CFG)",
             ));
+        }
+        // Each set checked under its own name against the transformer's text width.
+        for (prefix, set) in [("", Some(&e.positive)), ("negative_", e.negative.as_ref())] {
+            if let Some(set) = set {
+                pipe.check_embeds(set).map_err(|err| {
+                    CliError::usage(
+                        format!(
+                            "--prompt-embeds: `{prefix}prompt_embeds` {:?} does not fit this pipeline",
+                            set.prompt_embeds.shape()
+                        ),
+                        err.to_string(),
+                    )
+                })?;
+            }
         }
         let label = format!(
             "embeddings from --prompt-embeds{}",
