@@ -356,7 +356,8 @@ fn integer_and_boolean_masks_are_taken_and_bad_embeddings_files_refused() {
     ok(&run(&float, &reference));
     let (_, want) = tensor(&reference, "sample");
     let as_int = |v: f32| v as i64;
-    let cases: [(Dtype, Box<dyn Fn(f32) -> Vec<u8>>); 4] = [
+    type MaskBytes = Box<dyn Fn(f32) -> Vec<u8>>;
+    let cases: [(Dtype, MaskBytes); 4] = [
         (
             Dtype::I64,
             Box::new(move |v| as_int(v).to_le_bytes().to_vec()),
