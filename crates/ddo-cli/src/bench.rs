@@ -802,6 +802,13 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}"))
             );
         }
+        // The coded-unit cache's state (and why it was not used) in the text too, not only
+        // in the JSON.
+        for r in &results {
+            if let Some(c) = &r.coded {
+                s += &format!("{}: {}\n", r.label, c.format_line());
+            }
+        }
         for r in &results {
             if let Some(t) = &r.timeline {
                 s += &format!(

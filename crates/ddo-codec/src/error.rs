@@ -130,15 +130,28 @@ pub enum CodecError {
     /// Reading or writing a cache file of coded units ([`crate::cache`]) failed at the
     /// file system (not a stale or corrupt cache: those are [`crate::cache::CacheLookup`]s).
     #[error(
-        "coded-unit cache {path}: {op} failed: {message}; check the directory is writable \
-         and has room, or run without the cache (the units are then coded at every attach)"
+        "coded-unit cache {path}: {op} failed: {message}; make its directory writable or free \
+         room on its disk (until then the units are coded at every attach, with no cache)"
     )]
     CacheIo {
         /// The cache file (or its temporary file).
         path: std::path::PathBuf,
-        /// What was being done: "create", "write", "sync", "rename", "read".
+        /// What was being done: "open", "create", "write", "sync", "rename", "read".
         op: &'static str,
         /// The operating system's message.
         message: String,
+    },
+    /// Something that DDO does not replace is at the cache's path: a file that is not a DDO
+    /// cache (no `DDOCACHE` magic), a read-only file, a directory, a FIFO, a device, a
+    /// symbolic link. Nothing was written and it is left as it is.
+    #[error(
+        "coded-unit cache {path}: {reason}; DDO leaves it as it is (the units are coded at \
+         every attach, with no cache): remove or rename it to let DDO keep its cache there"
+    )]
+    CacheRefused {
+        /// The cache's path.
+        path: std::path::PathBuf,
+        /// What is there.
+        reason: String,
     },
 }

@@ -90,6 +90,22 @@ pub enum CoreError {
         /// The limit.
         limit: u64,
     },
+    /// The lossless-coded units (`compress=lossless`) would exceed the pinned limit: they
+    /// live in a pinned home of their own, so staging without pinned copies
+    /// (`low_cpu_mem_usage`, `pinned=false`) is no way out for them.
+    #[error(
+        "pinned host memory limit reached: the lossless-coded units need {requested} B with {pinned} B of \
+         {limit} B pinned; raise `pinned_limit`, give the route a `budget` so that fewer units stream, \
+         or stream them uncoded (compress=none)"
+    )]
+    CodedPinnedLimit {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes pinned at the time.
+        pinned: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// The device cannot page-lock this host memory where it is.
     #[error(
         "{device} cannot register host memory in place: {reason}; stage the weights in a pinned home \

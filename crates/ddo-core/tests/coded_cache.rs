@@ -3,7 +3,9 @@
 //! (the figures say so), a corrupted cache is detected and rebuilt, a checkpoint changed in
 //! place (same size, same modification time, other bytes) is detected as stale, weights
 //! that are not mapped from a file never use a cache, and every forward reads exactly the
-//! checkpoint's bytes.
+//! checkpoint's bytes. What is at the cache path and is not a DDO cache (a shard of the
+//! checkpoint, a link to it, a user's or read-only file, a FIFO) is left as it is, without
+//! blocking (issue 34).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -203,6 +205,7 @@ fn the_second_attach_reads_the_cache_and_a_corrupt_one_is_rebuilt() {
     let first = attach_and_run(&segs);
     assert_eq!(cache_state(&first), CodedCache::Built, "{first:?}");
     assert!(cache.is_file());
+    assert_eq!(first.coded_cache_path.as_deref(), Some(cache.as_path()));
     let note = first.coded_cache_note.clone().unwrap_or_default();
     assert!(note.contains("no cache file"), "{note}");
 
@@ -488,4 +491,204 @@ fn the_coded_home_is_the_one_host_copy_of_mapped_weights() {
     for (s, want) in owned.iter().zip(&sums) {
         assert_eq!(s[0].host_checksum(), *want);
     }
+}
+
+/// [`attach_and_run`] on a thread of its own: fails, instead of hanging the test run, when
+/// the attach has not returned within a minute (a FIFO opened for reading waits for a
+/// writer forever).
+fn attach_within_a_minute(segs: &[Vec<Arc<Param>>]) -> StreamingFigures {
+    let segs = segs.to_vec();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(attach_and_run(&segs));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(f) => f,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("the attach blocked on what is at the cache path")
+        }
+        Err(e) => panic!("the attach failed (its panic is printed above): {e}"),
+    }
+}
+
+fn note(f: &StreamingFigures) -> String {
+    f.coded_cache_note.clone().unwrap_or_default()
+}
+
+fn is_link(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
+}
+
+/// Issue 34: a shard of the checkpoint named `<first shard>.ddo-coded` (the cache's name)
+/// was coded over, destroying the checkpoint. The cache path is never an input.
+#[test]
+fn a_shard_at_the_cache_name_is_never_written() {
+    let dir = TempDir::new();
+    let a = dir.0.join("w.safetensors");
+    let b = coded_cache_path(&a);
+    assert_eq!(b, dir.0.join("w.safetensors.ddo-coded"));
+    write_shard(&a, 1, 0..3);
+    write_shard(&b, 1, 3..SIZES.len());
+    let (bytes_a, bytes_b) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let segs = load_shards(&[(a.as_path(), 0..3), (b.as_path(), 3..SIZES.len())]);
+    for _ in 0..2 {
+        let f = attach_and_run(&segs);
+        assert_eq!(cache_state(&f), CodedCache::Unavailable, "{f:?}");
+        assert!(note(&f).contains("is the checkpoint file"), "{}", note(&f));
+        assert_eq!(std::fs::read(&b).unwrap(), bytes_b, "the shard was written");
+        assert_eq!(std::fs::read(&a).unwrap(), bytes_a);
+    }
+    assert_eq!(std::fs::read_dir(&dir.0).unwrap().count(), 2);
+}
+
+/// A symbolic or hard link to the checkpoint at the cache name is the checkpoint: left as
+/// it is, never replaced by a cache.
+#[cfg(unix)]
+#[test]
+fn a_link_to_the_checkpoint_at_the_cache_name_is_left_alone() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new();
+    let ckpt = dir.0.join("model.safetensors");
+    write_checkpoint(&ckpt, 1);
+    let bytes = std::fs::read(&ckpt).unwrap();
+    let cache = coded_cache_path(&ckpt);
+    let segs = load(&ckpt);
+    for hard in [false, true] {
+        let _ = std::fs::remove_file(&cache);
+        if hard {
+            std::fs::hard_link(&ckpt, &cache).unwrap();
+        } else {
+            std::os::unix::fs::symlink(&ckpt, &cache).unwrap();
+        }
+        let f = attach_and_run(&segs);
+        assert_eq!(
+            cache_state(&f),
+            CodedCache::Unavailable,
+            "hard {hard}: {f:?}"
+        );
+        assert!(note(&f).contains("is the checkpoint file"), "{}", note(&f));
+        assert_eq!(is_link(&cache), !hard);
+        assert_eq!(
+            std::fs::metadata(&cache).unwrap().ino(),
+            std::fs::metadata(&ckpt).unwrap().ino()
+        );
+        assert_eq!(std::fs::read(&ckpt).unwrap(), bytes);
+    }
+}
+
+/// A user's file (writable or read-only) at the cache name is not a DDO cache: left as it
+/// is, the units coded without the cache; a DDO cache made read-only is used while it
+/// matches and never replaced once stale.
+#[cfg(unix)]
+#[test]
+fn a_file_that_is_not_a_cache_or_is_read_only_is_left_as_it_is() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new();
+    let ckpt = dir.0.join("model.safetensors");
+    write_checkpoint(&ckpt, 1);
+    let cache = coded_cache_path(&ckpt);
+    let segs = load(&ckpt);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for m in [0o644, 0o444] {
+        let _ = std::fs::remove_file(&cache);
+        std::fs::write(&cache, b"my own notes").unwrap();
+        std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(m)).unwrap();
+        let f = attach_and_run(&segs);
+        assert_eq!(
+            cache_state(&f),
+            CodedCache::Unavailable,
+            "mode {m:o}: {f:?}"
+        );
+        assert!(note(&f).contains("not a DDO cache"), "{}", note(&f));
+        assert_eq!(std::fs::read(&cache).unwrap(), b"my own notes");
+        assert_eq!(mode(&cache), m);
+    }
+    std::fs::remove_file(&cache).unwrap();
+    assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Built);
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o444)).unwrap();
+    assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
+    drop(segs);
+    write_checkpoint(&ckpt, 2);
+    let segs = load(&ckpt);
+    let before = std::fs::read(&cache).unwrap();
+    let f = attach_and_run(&segs);
+    assert_eq!(cache_state(&f), CodedCache::Unavailable, "{f:?}");
+    assert!(note(&f).contains("read-only"), "{}", note(&f));
+    assert_eq!(std::fs::read(&cache).unwrap(), before);
+    // Made writable again, the stale cache is replaced as any stale cache is.
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let f = attach_and_run(&segs);
+    assert_eq!(cache_state(&f), CodedCache::Built, "{f:?}");
+    assert!(note(&f).contains("stale"), "{}", note(&f));
+    assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
+}
+
+/// Issue 34: a FIFO at the cache name (or a symbolic link to one) hung the attach for
+/// ever. It is neither opened for a blocking read nor replaced.
+#[cfg(unix)]
+#[test]
+fn a_fifo_at_the_cache_name_does_not_block_the_attach() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = TempDir::new();
+    let ckpt = dir.0.join("model.safetensors");
+    write_checkpoint(&ckpt, 1);
+    let cache = coded_cache_path(&ckpt);
+    let segs = load(&ckpt);
+    let pipe = dir.0.join("pipe");
+    for (fifo, link) in [(cache.clone(), false), (pipe.clone(), true)] {
+        let _ = std::fs::remove_file(&cache);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        if link {
+            std::os::unix::fs::symlink(&pipe, &cache).unwrap();
+        }
+        let f = attach_within_a_minute(&segs);
+        assert_eq!(cache_state(&f), CodedCache::Unavailable, "{f:?}");
+        assert!(note(&f).contains("FIFO"), "{}", note(&f));
+        assert_eq!(is_link(&cache), link);
+        assert!(std::fs::metadata(&cache).unwrap().file_type().is_fifo());
+    }
+}
+
+/// Coded units over the pinned limit: the hint names what works with them (a pinned home
+/// is what they are, so `low_cpu_mem_usage=true` or `pinned=false`, which compress=lossless
+/// refuses, is not offered).
+#[test]
+fn coded_units_over_the_pinned_limit_get_a_hint_that_works() {
+    let dir = TempDir::new();
+    let ckpt = dir.0.join("model.safetensors");
+    write_checkpoint(&ckpt, 1);
+    let segs = load(&ckpt);
+    let d = HostDevice::with_capacity(1 << 24).unwrap();
+    let dev: Arc<dyn Device> = d.clone();
+    let schedule: Vec<usize> = (0..segs.len()).collect();
+    let made = StreamingEngine::new(
+        dev,
+        d.create_stream().unwrap(),
+        &segs,
+        &schedule,
+        &StreamingConfig {
+            unit_bytes: 4096,
+            pinned_limit: 4096,
+            compress: Compression::Lossless,
+            ..StreamingConfig::default()
+        },
+        Arc::new(RouteMetrics::new()),
+    );
+    let Err(e) = made else {
+        panic!("the coded units fit under a 4 KiB pinned limit");
+    };
+    let said = e.to_string();
+    assert!(
+        said.contains("pinned_limit") && said.contains("compress=none"),
+        "{said}"
+    );
+    assert!(
+        !said.contains("low_cpu_mem_usage") && !said.contains("pinned=false"),
+        "{said}"
+    );
+    assert_eq!(d.memory_info().pinned_host, 0);
 }

@@ -266,6 +266,10 @@ pub struct CodedFigures {
     /// Why the cache was not used, when it was not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_note: Option<String>,
+    /// The cache file's path, where the weights are mapped from checkpoint files (used or
+    /// not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_path: Option<String>,
     /// Nanoseconds spent getting the coded units (coding, or reading the cache; the
     /// content hash of the raw units included).
     pub coding_ns: u64,
@@ -284,19 +288,32 @@ impl CodedFigures {
         }
     }
 
-    /// One line for a profile.
+    /// One line for a profile: `coded: ` and [`CodedFigures::summary`].
     pub fn format_line(&self) -> String {
+        format!("coded: {}", self.summary())
+    }
+
+    /// The figures in words: sizes, entropy, the cache's state, path and note, the time
+    /// and the pages released (a report that names the component puts `coded: NAME`
+    /// before it).
+    pub fn summary(&self) -> String {
+        let at = self
+            .cache_path
+            .as_ref()
+            .map(|p| format!(" at {p}"))
+            .unwrap_or_default();
+        let note = self
+            .cache_note
+            .as_ref()
+            .map(|n| format!(" ({n})"))
+            .unwrap_or_default();
         format!(
-            "coded: {} of {} ({:.3}), exponent entropy {:.3} bits, cache {}{}, {:.2} s to get them, {} of host pages released",
+            "{} of {} ({:.3}), exponent entropy {:.3} bits, cache {}{at}{note}, {:.2} s to get them, {} of host pages released",
             format_bytes(self.coded_bytes),
             format_bytes(self.raw_bytes),
             self.ratio(),
             self.exponent_entropy_millibits as f64 / 1000.0,
             self.cache,
-            self.cache_note
-                .as_ref()
-                .map(|n| format!(" ({n})"))
-                .unwrap_or_default(),
             self.coding_ns as f64 / 1e9,
             format_bytes(self.host_bytes_released)
         )
@@ -916,6 +933,7 @@ mod tests {
             exponent_entropy_millibits: 2545,
             cache: "used".into(),
             cache_note: None,
+            cache_path: Some("/w/m.safetensors.ddo-coded".into()),
             coding_ns: 1_500_000_000,
             host_bytes_released: 4096,
         };
@@ -939,10 +957,27 @@ mod tests {
             coded: m.coded(),
         };
         let back: MetricsSnapshot = serde_json::from_str(&snap.to_json().unwrap()).unwrap();
-        assert_eq!(back.coded, Some(coded));
+        assert_eq!(back.coded.as_ref(), Some(&coded));
         let text = snap.format_profile();
         assert!(text.contains("coded: 650 B of 1000 B (0.650)"), "{text}");
-        assert!(text.contains("entropy 2.545 bits, cache used"), "{text}");
+        assert!(
+            text.contains("entropy 2.545 bits, cache used at /w/m.safetensors.ddo-coded, 1.50 s"),
+            "{text}"
+        );
+        // A cache not used says why, on the same line.
+        let unused = CodedFigures {
+            cache: "unavailable".into(),
+            cache_note: Some("coded without a cache: /w/x is a FIFO, not a DDO cache".into()),
+            ..coded.clone()
+        };
+        assert!(
+            unused.summary().contains(
+                "cache unavailable at /w/m.safetensors.ddo-coded (coded without a cache: /w/x is a FIFO"
+            ),
+            "{}",
+            unused.summary()
+        );
+        assert_eq!(unused.format_line(), format!("coded: {}", unused.summary()));
         m.set_coded(None);
         assert_eq!(m.coded(), None);
     }

@@ -93,6 +93,20 @@ impl Stopwatch {
     }
 }
 
+/// One `coded:` line per component whose route streams lossless-coded units (its metrics
+/// snapshot's `coded`): the component, the coded and raw bytes, and the coded-unit cache's
+/// state, path and, when it was not used, why.
+fn coded_lines<'a>(components: impl IntoIterator<Item = (&'a str, &'a Value)>) -> String {
+    components
+        .into_iter()
+        .filter_map(|(name, snapshot)| {
+            let coded: ddo_metrics::CodedFigures =
+                serde_json::from_value(snapshot.get("coded")?.clone()).ok()?;
+            Some(format!("coded: {name} {}\n", coded.summary()))
+        })
+        .collect()
+}
+
 fn ms(seconds: f64) -> String {
     if seconds < 1.0 {
         format!("{:.1} ms", seconds * 1e3)
@@ -284,6 +298,12 @@ impl Report<'_> {
             );
         }
         s += "* as planned (the route's footprint)\n";
+        s += &coded_lines(
+            self.explanations
+                .iter()
+                .map(|e| e.component.as_str())
+                .zip(self.snapshots),
+        );
         for c in &self.plan.components {
             if c.footprint.pageable_staging && c.footprint.pinned_limit_to_avoid_pageable > 0 {
                 s += &format!(
@@ -328,5 +348,47 @@ impl Report<'_> {
             ms(Stopwatch::before_phases(self.laps))
         );
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_coded_component_gets_a_coded_line_with_its_cache_state() {
+        let figures = ddo_metrics::CodedFigures {
+            coded_bytes: 650,
+            raw_bytes: 1000,
+            cache: "unavailable".into(),
+            cache_note: Some(
+                "coded without a cache: /m/w.safetensors.ddo-coded is a FIFO, not a DDO cache"
+                    .into(),
+            ),
+            cache_path: Some("/m/w.safetensors.ddo-coded".into()),
+            ..Default::default()
+        };
+        let snapshots = [
+            json!({ "coded": figures }),
+            json!({ "counters": {} }),
+            Value::Null,
+        ];
+        let text = coded_lines([
+            ("transformer", &snapshots[0]),
+            ("vae", &snapshots[1]),
+            ("text_encoder", &snapshots[2]),
+        ]);
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(
+            text.starts_with("coded: transformer 650 B of 1000 B (0.650)"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "cache unavailable at /m/w.safetensors.ddo-coded (coded without a cache: \
+                 /m/w.safetensors.ddo-coded is a FIFO"
+            ),
+            "{text}"
+        );
     }
 }

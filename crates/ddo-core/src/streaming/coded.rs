@@ -22,6 +22,14 @@
 //! corrupt one is coded again and rewritten; where it cannot be read or written, the units
 //! are coded with no cache and [`StreamingFigures::coded_cache_note`] says why.
 //!
+//! **What the cache never touches.** The cache path is never one of the checkpoint files
+//! the units are coded from (compared by name, canonical path, and device and inode, so a
+//! hard or symbolic link to a shard is caught): then there is no cache. Anything at the
+//! path that is not a DDO cache (no `DDOCACHE` magic: a user's file, a shard; a read-only
+//! file; a directory, a FIFO, a device, a symbolic link other than to a regular file) is
+//! neither read further nor replaced, and opening never blocks (`ddo_codec::cache`'s
+//! module docs): the units are coded without the cache and the note says what is there.
+//!
 //! [`StreamingFigures::coded_cache_note`]: super::StreamingFigures::coded_cache_note
 
 use std::path::{Path, PathBuf};
@@ -54,6 +62,8 @@ pub(crate) struct BuiltCoded {
     pub(crate) cache: CodedCache,
     pub(crate) coding_ns: u64,
     pub(crate) note: Option<String>,
+    /// The cache file's path, where the params are mapped from files (used or not).
+    pub(crate) cache_path: Option<PathBuf>,
     /// Bytes of the streamed params' file pages released from the process.
     pub(crate) released: u64,
 }
@@ -169,6 +179,28 @@ fn cache_sources(layout: &StagingLayout) -> std::result::Result<Vec<Arc<Checkpoi
     Ok(files)
 }
 
+/// Why `path` may not hold the cache: it is one of the checkpoint `files` the units are
+/// coded from, by name, by canonical path (a symbolic link to one) or by device and inode
+/// (a hard link to one). DDO never writes the files it reads weights from.
+fn is_an_input(path: &Path, files: &[Arc<CheckpointMap>]) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let canonical = |p: &Path| std::fs::canonicalize(p).ok();
+    let (cache_id, cache_canonical) = (id(path), canonical(path));
+    files.iter().find_map(|f| {
+        let same = f.path() == path
+            || cache_canonical.is_some() && canonical(f.path()) == cache_canonical
+            || cache_id.is_some() && id(f.path()) == cache_id;
+        same.then(|| {
+            format!(
+                "the cache path {} is the checkpoint file {} (the same file), which DDO only reads",
+                path.display(),
+                f.path().display()
+            )
+        })
+    })
+}
+
 /// The cache key's first part: per source file its name, size and modification time.
 fn files_key(files: &[Arc<CheckpointMap>]) -> std::result::Result<CacheKey, String> {
     let mut key = CacheKey::new();
@@ -223,7 +255,7 @@ fn hash_units(
 /// cache, or by coding every unit's slot image on every core (then written to the cache
 /// where there is one). Each unit starts 16-byte aligned (the decoders read sections at
 /// that alignment). Errors: the coded units over `pinned_room`
-/// ([`CoreError::PinnedLimit`]), a unit the codec refuses, a device failure.
+/// ([`CoreError::CodedPinnedLimit`]), a unit the codec refuses, a device failure.
 pub(crate) fn build(
     device: &dyn Device,
     layout: &StagingLayout,
@@ -235,8 +267,16 @@ pub(crate) fn build(
     // Where there is no cache file at all, the units are hashed while they are coded (one
     // pass over the weights instead of two); otherwise they are hashed first, for the key
     // the file is checked against.
-    let sources = cache_sources(layout).and_then(|files| {
+    let sources = cache_sources(layout);
+    let cache_path = sources
+        .as_ref()
+        .ok()
+        .map(|files| coded_cache_path(files[0].path()));
+    let sources = sources.and_then(|files| {
         let path = coded_cache_path(files[0].path());
+        if let Some(why) = is_an_input(&path, &files) {
+            return Err(why);
+        }
         Ok((path, files_key(&files)?))
     });
     let absent = matches!(&sources, Ok((path, _)) if std::fs::symlink_metadata(path)
@@ -263,6 +303,7 @@ pub(crate) fn build(
                             cache: CodedCache::Used,
                             coding_ns: nanos(started.elapsed()),
                             note: None,
+                            cache_path,
                             released: released.into_inner(),
                         });
                     }
@@ -278,6 +319,14 @@ pub(crate) fn build(
                     "cache holds {} units, the layout {}: rebuilt",
                     open.units(),
                     units.len()
+                )),
+            ),
+            Ok(Lookup::NotACache(what)) => (
+                None,
+                Some(format!(
+                    "coded without a cache: {} is {what}, not a DDO cache; DDO leaves it as it is: \
+                     remove or rename it to let DDO keep its cache there",
+                    path.display()
                 )),
             ),
             Ok(miss) => (
@@ -345,6 +394,7 @@ pub(crate) fn build(
                         cache: state,
                         coding_ns: nanos(started.elapsed()),
                         note,
+                        cache_path,
                         released: released.into_inner(),
                     });
                 }
@@ -361,7 +411,7 @@ pub(crate) fn build(
         }
         _ => coded,
     };
-    finish(
+    let mut built = finish(
         device,
         coded,
         pinned_room,
@@ -370,7 +420,9 @@ pub(crate) fn build(
         note,
         started,
         &released,
-    )
+    )?;
+    built.cache_path = cache_path;
+    Ok(built)
 }
 
 /// The coded home of units coded in memory.
@@ -394,6 +446,7 @@ fn finish(
         cache,
         coding_ns: nanos(started.elapsed()),
         note,
+        cache_path: None,
         released: released.load(Ordering::Relaxed),
     })
 }
@@ -402,14 +455,34 @@ fn finish(
 /// image when it was taken while coding.
 type Coded = (Vec<u8>, UnitHeader, ddo_codec::Stats, Option<u64>);
 
-/// The typed error for coded units over the pinned room.
+/// The typed error for coded units over the pinned room (its hint names what works with
+/// coded units: they need a pinned home, so staging without one is no way out).
 fn over_pinned_room(device: &dyn Device, total: u64, pinned_room: u64) -> CoreError {
     let pinned = device.memory_info().pinned_host;
-    CoreError::PinnedLimit {
+    CoreError::CodedPinnedLimit {
         requested: total,
         pinned,
         limit: pinned_room.saturating_add(pinned),
     }
+}
+
+/// The coded home's pinned buffer; the device's own refusal over its pinned limit is the
+/// coded one ([`over_pinned_room`]'s hint).
+fn alloc_coded_home(device: &dyn Device, bytes: u64) -> Result<HostBuffer> {
+    device
+        .alloc_pinned(bytes.max(1) as usize)
+        .map_err(|e| match e {
+            CoreError::PinnedLimit {
+                requested,
+                pinned,
+                limit,
+            } => CoreError::CodedPinnedLimit {
+                requested,
+                pinned,
+                limit,
+            },
+            e => e,
+        })
 }
 
 /// Copies coded units into one pinned buffer, each 16-byte aligned.
@@ -423,7 +496,7 @@ fn home_from_units(device: &dyn Device, coded: &[Coded], pinned_room: u64) -> Re
     if total > pinned_room {
         return Err(over_pinned_room(device, total, pinned_room));
     }
-    let home = device.alloc_pinned(total.max(1) as usize)?;
+    let home = alloc_coded_home(device, total)?;
     home.with_bytes_mut(|dst| {
         for (c, &at) in coded.iter().zip(&offsets) {
             dst[at as usize..at as usize + c.0.len()].copy_from_slice(&c.0);
@@ -457,7 +530,7 @@ fn home_from_cache(
         .get(..8)
         .and_then(|b| b.try_into().ok())
         .map_or(0, u64::from_le_bytes);
-    let home = device.alloc_pinned(total.max(1) as usize)?;
+    let home = alloc_coded_home(device, total)?;
     let read = home.with_bytes_mut(|dst| open.read_into(&mut dst[..total as usize]))?;
     let units = match read {
         Ok(Ok(units)) => units,

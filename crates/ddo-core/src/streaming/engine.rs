@@ -216,7 +216,8 @@ impl StreamingEngine {
     ///
     /// Errors: a budget too small for the ring ([`CoreError::Refused`]-style typed
     /// [`CoreError::InvalidOption`] with a hint), a pinned limit below one staging buffer,
-    /// or below a required home ([`CoreError::PinnedLimit`]), or a device failure while
+    /// or below a required home ([`CoreError::PinnedLimit`]; below the lossless-coded units'
+    /// home, [`CoreError::CodedPinnedLimit`]), or a device failure while
     /// registering (a registration the device refuses as unsupported falls back instead,
     /// [`StreamingFigures::register_fallback`]). On error nothing is changed and nothing
     /// stays pinned.
@@ -333,6 +334,7 @@ impl StreamingEngine {
         // device cannot register the memory) the engine stages as it does for a home.
         let mut register_fallback = None;
         let mut coded_cache_note = None;
+        let mut coded_cache_path = None;
         let mut registered = None;
         if register && units > 0 {
             // The resident params' ranges too, for their one upload, where that fits.
@@ -389,6 +391,7 @@ impl StreamingEngine {
             let built = coded::build(&*device, &layout, pinned_room)?;
             let coded_bytes = built.coded_bytes;
             coded_cache_note = built.note;
+            coded_cache_path = built.cache_path;
             (
                 Some(Host::Coded {
                     home: built.home.home,
@@ -499,6 +502,7 @@ impl StreamingEngine {
             resident_registered_bytes,
             register_fallback,
             coded_cache_note,
+            coded_cache_path,
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
         let placement = Placement::new(&sizes, slot_bytes * slots as u64);

@@ -60,9 +60,11 @@ pub enum CodedCache {
     /// There was no valid cache (none, stale or corrupt): the units were coded and the
     /// cache written.
     Built,
-    /// No cache: the streamed params are not all mapped from one checkpoint file (random
-    /// or converted weights, several files), or the cache could not be read or written
-    /// (a read-only directory); the units were coded as without one.
+    /// No cache: the streamed params are not all mapped from checkpoint files (random or
+    /// converted weights), the cache path is one of those files, something that is not a
+    /// DDO cache is at the path (left as it is: a user's file, a read-only file, a
+    /// directory, a FIFO, a symbolic link), or the cache could not be read or written (a
+    /// read-only directory); the units were coded as without one.
     Unavailable,
 }
 
@@ -148,6 +150,11 @@ pub struct StreamingFigures {
     /// corrupt — then rebuilt —, or unavailable); `None` on a cache hit and without coding.
     #[serde(default)]
     pub coded_cache_note: Option<String>,
+    /// With [`StagingKind::Coded`], the coded-unit cache's path (`<checkpoint>.ddo-coded`)
+    /// when the streamed params are mapped from checkpoint files, whether it was used or
+    /// not; `None` otherwise.
+    #[serde(default)]
+    pub coded_cache_path: Option<std::path::PathBuf>,
 }
 
 impl StreamingFigures {
@@ -205,6 +212,10 @@ impl StreamingFigures {
             }
             .into(),
             cache_note: self.coded_cache_note.clone(),
+            cache_path: self
+                .coded_cache_path
+                .as_ref()
+                .map(|p| p.display().to_string()),
             coding_ns,
             host_bytes_released: self.host_bytes_released,
         })

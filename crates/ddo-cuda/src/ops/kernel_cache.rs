@@ -15,7 +15,10 @@
 //!   kind. The file is a [`HEADER_LEN`]-byte header — magic `DDOKIMG\0`, format version,
 //!   image kind, the key's hash, the image's length and its FNV-1a-64 checksum, little
 //!   endian — then the image. A file that fails any check is ignored (and replaced by the
-//!   next write). Writes go to a temporary file in the same directory, then `rename`, so a
+//!   next write); only a regular file is read, opened with `O_NONBLOCK` and checked by
+//!   `fstat`, so a FIFO or device at an image's name never blocks a lookup. Writes go to a
+//!   temporary file created with `O_CREAT|O_EXCL` under a random name in the same directory
+//!   (`tempfile`: a link planted at any name is never opened), synced, then `rename`d, so a
 //!   final name never shows a partial file; every IO error only means "compile instead".
 //!
 //! The checks catch corruption (a truncated or garbled file), not tampering: the cache
@@ -24,7 +27,7 @@
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -342,37 +345,40 @@ impl DiskCache {
         self.dir.join(key.file_name())
     }
 
-    /// The image stored under `key`, when its file exists and passes every check.
+    /// The image stored under `key`, when its file is a regular file (a link is followed
+    /// to one) that passes every check. Never blocks: the file is opened with `O_NONBLOCK`
+    /// and read only when `fstat` says it is a regular file of at most [`MAX_FILE`] bytes.
     pub fn read(&self, key: &DiskKey) -> Option<Image> {
-        let path = self.path(key);
-        if fs::metadata(&path).ok()?.len() > MAX_FILE {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(self.path(key))
+            .ok()?;
+        let meta = file.metadata().ok()?;
+        if !meta.is_file() || meta.len() > MAX_FILE {
             return None;
         }
-        decode(&fs::read(&path).ok()?, key)
+        let mut bytes = Vec::with_capacity(meta.len() as usize);
+        file.take(MAX_FILE + 1).read_to_end(&mut bytes).ok()?;
+        decode(&bytes, key)
     }
 
-    /// Stores `image` under `key`: a temporary file in the directory, renamed over the
-    /// final name, so the final name shows a whole file or none. On error nothing is left.
+    /// Stores `image` under `key`: a temporary file created exclusively under a random
+    /// name in the directory, synced, renamed over the final name, so the final name shows
+    /// a whole file or none. On error nothing is left (the temporary file is removed when
+    /// dropped).
     pub fn write(&self, key: &DiskKey, image: &Image) -> io::Result<()> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
+        use std::os::unix::fs::PermissionsExt;
         fs::create_dir_all(&self.dir)?;
-        let tmp = self.dir.join(format!(
-            ".{}.{}-{}.tmp",
-            key.file_name(),
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let result = (|| {
-            let mut f = fs::File::create_new(&tmp)?;
-            f.write_all(&encode(key, image))?;
-            f.sync_data()?;
-            drop(f);
-            fs::rename(&tmp, self.path(key))
-        })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        result
+        let mut tmp = tempfile::Builder::new()
+            .prefix(&format!(".{}.", key.file_name()))
+            .suffix(".tmp")
+            .permissions(fs::Permissions::from_mode(0o644))
+            .tempfile_in(&self.dir)?;
+        tmp.write_all(&encode(key, image))?;
+        tmp.as_file().sync_data()?;
+        tmp.persist(self.path(key)).map(drop).map_err(|e| e.error)
     }
 }
 
@@ -667,6 +673,60 @@ mod tests {
         assert_eq!(compiler2.calls.load(Ordering::SeqCst), 1);
         assert_eq!(other_id.calls.load(Ordering::SeqCst), 1);
         assert_eq!(dir.files().len(), 3);
+    }
+
+    /// A FIFO at an image's name (or a link to one) is no image, and looking it up does not
+    /// wait for a writer: the lookup runs on a thread of its own and must answer in time.
+    #[test]
+    fn a_fifo_at_an_image_name_is_not_read_and_does_not_block() {
+        let dir = TempDir::new("fifo");
+        let disk = DiskCache::new(&dir.0);
+        let fifo = dir.0.join("pipe");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let direct = DiskKey::new("id", "src", ARCH, ImageKind::Cubin);
+        let linked = DiskKey::new("id", "src", ARCH, ImageKind::Ptx);
+        fs::rename(&fifo, disk.path(&direct)).unwrap();
+        std::os::unix::fs::symlink(disk.path(&direct), disk.path(&linked)).unwrap();
+        for key in [direct, linked] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let d = disk.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(d.read(&key));
+            });
+            let got = rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("the lookup blocked on a FIFO");
+            assert_eq!(got, None);
+        }
+        // A write replaces the name (DDO's own folder), never opening the FIFO.
+        let image = cubin(b"\x7fELF fifo");
+        disk.write(&direct, &image).unwrap();
+        assert_eq!(disk.read(&direct), Some(image));
+    }
+
+    /// Temporary files get random names, created exclusively: links planted at every name
+    /// of the old `.NAME.PID-N.tmp` scheme (N counted from 0 in each process) neither make
+    /// a write fail nor get their target written.
+    #[test]
+    fn links_planted_at_temporary_names_neither_block_nor_redirect_a_write() {
+        let dir = TempDir::new("planted");
+        let disk = DiskCache::new(&dir.0);
+        let key = DiskKey::new("id", "src", ARCH, ImageKind::Cubin);
+        let victim = dir.0.join("victim");
+        fs::write(&victim, b"precious").unwrap();
+        for n in 0..512 {
+            let name = format!(".{}.{}-{n}.tmp", key.file_name(), std::process::id());
+            std::os::unix::fs::symlink(&victim, dir.0.join(name)).unwrap();
+        }
+        let image = cubin(b"\x7fELF planted");
+        disk.write(&key, &image).unwrap();
+        assert_eq!(disk.read(&key), Some(image));
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(dir.files().len(), 512 + 2);
     }
 
     #[test]

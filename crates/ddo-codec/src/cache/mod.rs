@@ -33,12 +33,30 @@
 //! a flipped byte anywhere are all detected before anything is decoded (and the units'
 //! checksums still guard the decoded words).
 //!
-//! # Writing is atomic
+//! # Writing is atomic and replaces only a DDO cache
 //!
-//! [`write_cache`] writes a temporary file in the destination's directory, syncs it and
+//! [`write_cache`] writes a temporary file in the destination's directory (created with
+//! `O_CREAT|O_EXCL` under a random name by the `tempfile` crate, so a name planted in
+//! advance, a symbolic link included, is never opened, let alone truncated), syncs it and
 //! renames it over the destination: a reader sees the old file or the new one, never a
 //! partial one, and a failed write removes its temporary file and leaves any old file as
 //! it was.
+//!
+//! The destination is replaced only when it is absent or is a regular, writable file that
+//! starts with the cache's magic (`DDOCACHE`: a cache, valid, stale or corrupt). Anything
+//! else at that name (a file of the user's, a checkpoint shard, a read-only file, a
+//! directory, a FIFO, a device, a symbolic link of any kind) is left as it is:
+//! [`write_cache`] refuses it ([`CodecError::CacheRefused`]) and [`open_cache`] answers
+//! [`Lookup::NotACache`].
+//!
+//! # Opening never blocks
+//!
+//! What is at the path is looked at with `lstat` first; only a regular file is opened, with
+//! `O_NONBLOCK` (and `O_NOFOLLOW` unless the name is a symbolic link), and the opened file
+//! must be the regular file looked at (its `fstat` device and inode): a FIFO or device put
+//! there in between is not read and nothing waits on it. A symbolic link is *read* through
+//! when it points to a regular file (a cache kept on another disk is used when its key
+//! matches), but never written through nor replaced.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -46,6 +64,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{CodecError, Result};
 use crate::format::UnitHeader;
 use crate::hash::{P1, P2, P4, P5, fmix64, round};
+
+mod path;
+use path::{AtPath, Dest, NO_MAGIC, open_at, replaceable};
 
 /// The cache file format version this build reads and writes; a file of another version is
 /// [`CacheLookup::Stale`].
@@ -175,8 +196,9 @@ impl CachedUnits {
 }
 
 /// What a cache lookup found ([`read_cache`]: the units; [`open_cache`]: a file whose
-/// header, key and index check out, its payload still to be read). Every case but
-/// [`Lookup::Hit`] means: code the units and [`write_cache`] them again.
+/// header, key and index check out, its payload still to be read). [`Lookup::Absent`],
+/// [`Lookup::Stale`] and [`Lookup::Corrupt`] mean: code the units and [`write_cache`]
+/// them again; [`Lookup::NotACache`]: code them, and leave the path alone.
 #[derive(Debug)]
 pub enum Lookup<T> {
     /// The file matches the key and checks out (so far as read).
@@ -187,6 +209,10 @@ pub enum Lookup<T> {
     Stale(String),
     /// The file is damaged: the reason says where.
     Corrupt(String),
+    /// Something that is not a DDO cache is at the path (what it is): a file without the
+    /// `DDOCACHE` magic, a directory, a FIFO, a device, a link to one of those. It is not
+    /// read further, and [`write_cache`] does not replace it.
+    NotACache(String),
 }
 
 /// What [`read_cache`] found.
@@ -200,6 +226,7 @@ impl<T> Lookup<T> {
             Lookup::Absent => Some("no cache file".into()),
             Lookup::Stale(r) => Some(format!("stale: {r}")),
             Lookup::Corrupt(r) => Some(format!("corrupt: {r}")),
+            Lookup::NotACache(r) => Some(format!("not a DDO cache: {r}")),
         }
     }
 
@@ -210,6 +237,7 @@ impl<T> Lookup<T> {
             Lookup::Absent => Some(Lookup::Absent),
             Lookup::Stale(r) => Some(Lookup::Stale(r)),
             Lookup::Corrupt(r) => Some(Lookup::Corrupt(r)),
+            Lookup::NotACache(r) => Some(Lookup::NotACache(r)),
         }
     }
 }
@@ -266,8 +294,10 @@ fn io_err(path: &Path, op: &'static str, e: &std::io::Error) -> CodecError {
 
 /// Writes `units` (each one whole coded unit, as the encoder wrote it) with `key` to
 /// `path`, atomically (see the module docs). A unit that does not parse is refused with its
-/// [`CodecError`] before any file is touched; a file system failure is
-/// [`CodecError::CacheIo`], with no temporary file left behind.
+/// [`CodecError`] before any file is touched; something at `path` that is not a DDO cache
+/// (or is read-only, or a symbolic link) is refused with [`CodecError::CacheRefused`] and
+/// left as it is; a file system failure is [`CodecError::CacheIo`], with no temporary file
+/// left behind.
 ///
 /// `extra` is stored as it is and handed back by [`CachedUnits::extra`] (the engine keeps
 /// the units' exponent entropy there, which a hit does not recompute).
@@ -314,50 +344,80 @@ fn write_cache_failing_after(
     let ih = index_hash(&head);
     head[48..56].copy_from_slice(&ih.to_le_bytes());
 
+    // Refused before anything is written: the destination is not DDO's to replace.
+    replaceable(path)?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let name = path
-        .file_name()
-        .map_or_else(|| "cache".into(), |n| n.to_string_lossy().into_owned());
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let tmp = dir.join(format!(".{name}.tmp.{}.{nonce}", std::process::id()));
-    let result = (|| -> Result<()> {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| io_err(&tmp, "create", &e))?;
-        let mut out = std::io::BufWriter::with_capacity(
-            1 << 20,
-            Limited {
-                inner: &file,
-                left: fail_after,
-            },
-        );
-        let w = |out: &mut std::io::BufWriter<Limited<'_>>, b: &[u8]| {
-            out.write_all(b).map_err(|e| io_err(&tmp, "write", &e))
-        };
-        w(&mut out, &head)?;
-        let zeros = [0u8; ALIGN as usize];
-        for u in units {
-            w(&mut out, u)?;
-            let pad = (align(u.len() as u64) - u.len() as u64) as usize;
-            w(&mut out, &zeros[..pad])?;
-        }
-        out.flush().map_err(|e| io_err(&tmp, "write", &e))?;
-        drop(out);
-        file.sync_all().map_err(|e| io_err(&tmp, "sync", &e))?;
-        std::fs::rename(&tmp, path).map_err(|e| io_err(path, "rename", &e))
-    })();
-    if result.is_err() {
-        // Best effort: the temporary file may not exist (create failed).
-        let _ = std::fs::remove_file(&tmp);
+    let prefix = format!(
+        ".{}.",
+        path.file_name()
+            .map_or_else(|| "cache".into(), |n| n.to_string_lossy().into_owned())
+    );
+    // O_CREAT|O_EXCL under a random name (retried on a clash), never opened again by name;
+    // dropped (on any error below) it is removed.
+    let tmp = {
+        use std::os::unix::fs::PermissionsExt;
+        tempfile::Builder::new()
+            .prefix(&prefix)
+            .suffix(".tmp")
+            .permissions(std::fs::Permissions::from_mode(0o644))
+            .tempfile_in(&dir)
+            .map_err(|e| io_err(path, "create", &e))?
+    };
+    let mut out = std::io::BufWriter::with_capacity(
+        1 << 20,
+        Limited {
+            inner: tmp.as_file(),
+            left: fail_after,
+        },
+    );
+    let w = |out: &mut std::io::BufWriter<Limited<'_>>, b: &[u8]| {
+        out.write_all(b)
+            .map_err(|e| io_err(tmp.path(), "write", &e))
+    };
+    w(&mut out, &head)?;
+    let zeros = [0u8; ALIGN as usize];
+    for u in units {
+        w(&mut out, u)?;
+        let pad = (align(u.len() as u64) - u.len() as u64) as usize;
+        w(&mut out, &zeros[..pad])?;
     }
-    result
+    out.flush().map_err(|e| io_err(tmp.path(), "write", &e))?;
+    drop(out);
+    tmp.as_file()
+        .sync_all()
+        .map_err(|e| io_err(tmp.path(), "sync", &e))?;
+    // Looked at again right before the rename (the coding took a while). What remains is
+    // a window of two system calls: something put at `path` after this check and before
+    // the rename is replaced by it (its name, never its contents: rename(2) writes no
+    // file). Where nothing was there, the rename refuses to replace anything
+    // (RENAME_NOREPLACE, or a hard link where the file system lacks it), so that case has
+    // no window.
+    match replaceable(path)? {
+        Dest::Cache => persist(tmp, path),
+        Dest::Absent => match tmp.persist_noclobber(path) {
+            Ok(_) => Ok(()),
+            Err(tempfile::PersistError { error, file }) => match replaceable(path)? {
+                // A cache written meanwhile (another process coding the same weights).
+                Dest::Cache => persist(file, path),
+                // Still nothing there: the file system renames only by replacing (no
+                // RENAME_NOREPLACE, no hard links); the window above applies.
+                Dest::Absent if error.kind() != std::io::ErrorKind::AlreadyExists => {
+                    persist(file, path)
+                }
+                Dest::Absent => Err(io_err(path, "rename", &error)),
+            },
+        },
+    }
+}
+
+/// Renames the synced temporary file to `path` (replacing what is there).
+fn persist(tmp: tempfile::NamedTempFile, path: &Path) -> Result<()> {
+    tmp.persist(path)
+        .map(drop)
+        .map_err(|e| io_err(path, "rename", &e.error))
 }
 
 /// A writer that fails once `left` bytes are spent (`None`: never).
@@ -518,16 +578,21 @@ fn read_parallel(file: &std::fs::File, offset: u64, dst: &mut [u8]) -> std::io::
 pub const READ_THREADS: usize = 8;
 
 /// Opens the cache at `path` for `key`: reads and checks its header, key and index (the
-/// payload is not read yet: [`OpenCache::read_into`]).
+/// payload is not read yet: [`OpenCache::read_into`]). Never blocks (see the module docs):
+/// anything but a regular file (or a symbolic link to one), and a file without the
+/// `DDOCACHE` magic, is [`Lookup::NotACache`], not read further.
 pub fn open_cache(path: &Path, key: &CacheKey) -> Result<Lookup<OpenCache>> {
-    let file = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Lookup::Absent),
-        Err(e) => return Err(io_err(path, "open", &e)),
+    let (file, meta) = match open_at(path).map_err(|e| io_err(path, "open", &e))? {
+        AtPath::Absent => return Ok(Lookup::Absent),
+        AtPath::Other(what) => return Ok(Lookup::NotACache(what)),
+        AtPath::File { file, meta, .. } => (file, meta),
     };
-    let len = file.metadata().map_err(|e| io_err(path, "read", &e))?.len();
+    let len = meta.len();
     let mut fixed = [0u8; HEADER];
     let got = read_up_to(&file, 0, &mut fixed).map_err(|e| io_err(path, "read", &e))?;
+    if got < MAGIC.len() || &fixed[..MAGIC.len()] != MAGIC {
+        return Ok(Lookup::NotACache(NO_MAGIC.into()));
+    }
     let payload_offset = le_u64(&fixed, 32);
     let mut head = vec![0u8; payload_offset.min(len) as usize];
     if got < HEADER || payload_offset > len {
@@ -722,245 +787,4 @@ fn check_payload(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::encode::encode_unit;
-    use proptest::prelude::*;
-
-    fn units() -> Vec<Vec<u8>> {
-        // Weight-like bf16 words (a few exponents) and one odd-sized, incompressible unit.
-        let mut v = Vec::new();
-        for (u, words) in [(0u32, 5000usize), (1, 333), (2, 9001)] {
-            let mut b = Vec::with_capacity(words * 2);
-            let mut x = 0x1234_5678u32.wrapping_add(u);
-            for _ in 0..words {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                let w: u16 = if u == 1 {
-                    x as u16
-                } else {
-                    (((x >> 8) as u16) & 0x807f) | (((118 + (x % 5)) as u16) << 7)
-                };
-                b.extend_from_slice(&w.to_le_bytes());
-            }
-            v.push(encode_unit(&b).map(|e| e.into_bytes()).unwrap_or_default());
-        }
-        v
-    }
-
-    fn key(tag: u64) -> CacheKey {
-        let mut k = CacheKey::new();
-        k.push_u64(tag).push_bytes(b"model.safetensors");
-        k
-    }
-
-    fn refs(u: &[Vec<u8>]) -> Vec<&[u8]> {
-        u.iter().map(Vec::as_slice).collect()
-    }
-
-    fn file_of(u: &[Vec<u8>], key: &CacheKey) -> Vec<u8> {
-        let dir = tempdir();
-        let p = dir.join("c.ddo-coded");
-        write_cache(&p, key, b"xtra", &refs(u)).unwrap();
-        let b = std::fs::read(&p).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        b
-    }
-
-    fn tempdir() -> PathBuf {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static N: AtomicU64 = AtomicU64::new(0);
-        let d = std::env::temp_dir().join(format!(
-            "ddo-codec-cache-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    fn only_file(dir: &Path) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-
-    #[test]
-    fn round_trip_returns_the_same_units() {
-        let u = units();
-        let dir = tempdir();
-        let p = dir.join("m.safetensors.ddo-coded");
-        assert!(matches!(
-            read_cache(&p, &key(1)).unwrap(),
-            CacheLookup::Absent
-        ));
-        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
-        let CacheLookup::Hit(c) = read_cache(&p, &key(1)).unwrap() else {
-            panic!("expected a hit");
-        };
-        assert_eq!(c.len(), u.len());
-        assert_eq!(c.extra(), b"xtra");
-        for ((bytes, header), want) in c.iter().zip(&u) {
-            assert_eq!(bytes, want.as_slice());
-            assert_eq!(header.encoded_len(), want.len() as u64);
-        }
-        assert_eq!(only_file(&dir), vec!["m.safetensors.ddo-coded".to_string()]);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn an_open_cache_reads_its_payload_into_the_callers_buffer_and_checks_it() {
-        let u = units();
-        let dir = tempdir();
-        let p = dir.join("c");
-        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
-        let Lookup::Hit(open) = open_cache(&p, &key(1)).unwrap() else {
-            panic!("expected a hit");
-        };
-        assert_eq!(open.units(), u.len());
-        assert_eq!(open.extra(), b"xtra");
-        let mut payload = vec![0xAAu8; open.payload_len() as usize];
-        let units = open.read_into(&mut payload).unwrap().unwrap();
-        for ((at, header), want) in units.iter().zip(&u) {
-            let at = *at as usize;
-            assert_eq!(&payload[at..at + want.len()], want.as_slice());
-            assert_eq!(header.encoded_len(), want.len() as u64);
-        }
-        // A buffer of another size is refused, not partly filled.
-        let Lookup::Hit(open) = open_cache(&p, &key(1)).unwrap() else {
-            panic!("expected a hit");
-        };
-        let mut short = vec![0u8; open.payload_len() as usize - 1];
-        assert!(matches!(
-            open.read_into(&mut short),
-            Err(CodecError::CacheIo { op: "read", .. })
-        ));
-        // A flipped payload byte passes the open (header, key, index) and is caught by the
-        // read.
-        let mut bytes = std::fs::read(&p).unwrap();
-        let last = bytes.len() - 20;
-        bytes[last] ^= 0x10;
-        std::fs::write(&p, &bytes).unwrap();
-        let Lookup::Hit(open) = open_cache(&p, &key(1)).unwrap() else {
-            panic!("the header is intact");
-        };
-        let mut payload = vec![0u8; open.payload_len() as usize];
-        assert!(open.read_into(&mut payload).unwrap().is_err());
-        // Another key is stale before any payload is read.
-        assert!(matches!(open_cache(&p, &key(9)).unwrap(), Lookup::Stale(_)));
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn empty_unit_list_round_trips() {
-        let b = file_of(&[], &key(3));
-        assert!(matches!(check(b, &key(3)), CacheLookup::Hit(c) if c.is_empty()));
-    }
-
-    #[test]
-    fn another_key_is_stale_and_a_rewrite_replaces_it() {
-        let u = units();
-        let dir = tempdir();
-        let p = dir.join("c");
-        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
-        assert!(matches!(
-            read_cache(&p, &key(2)).unwrap(),
-            CacheLookup::Stale(_)
-        ));
-        write_cache(&p, &key(2), b"xtra", &refs(&u[..2])).unwrap();
-        assert!(matches!(read_cache(&p, &key(2)).unwrap(), CacheLookup::Hit(c) if c.len() == 2));
-        assert!(matches!(
-            read_cache(&p, &key(1)).unwrap(),
-            CacheLookup::Stale(_)
-        ));
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn every_truncation_and_extension_is_corrupt() {
-        let b = file_of(&units(), &key(1));
-        for cut in (0..b.len()).step_by(7).chain([b.len() - 1]) {
-            let r = check(b[..cut].to_vec(), &key(1));
-            assert!(matches!(r, CacheLookup::Corrupt(_)), "cut at {cut}: {r:?}");
-        }
-        let mut longer = b.clone();
-        longer.extend_from_slice(&[0; 16]);
-        assert!(matches!(check(longer, &key(1)), CacheLookup::Corrupt(_)));
-    }
-
-    #[test]
-    fn a_unit_that_is_not_coded_is_refused_before_any_file_is_made() {
-        let u = units();
-        let dir = tempdir();
-        let p = dir.join("c");
-        let bad: Vec<&[u8]> = vec![&u[0], b"not a unit"];
-        assert!(write_cache(&p, &key(1), b"xtra", &bad).is_err());
-        assert!(only_file(&dir).is_empty());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn a_failed_write_leaves_no_file_and_the_old_file_intact() {
-        let u = units();
-        let dir = tempdir();
-        let p = dir.join("c");
-        // No old file: nothing left behind, at every failure point.
-        let whole = file_of(&u, &key(1)).len() as u64;
-        for after in [0u64, 10, 64, 1000, whole / 2, whole - 1] {
-            let r = write_cache_failing_after(&p, &key(1), b"xtra", &refs(&u), Some(after));
-            assert!(
-                matches!(r, Err(CodecError::CacheIo { op: "write", .. })),
-                "{r:?}"
-            );
-            assert!(only_file(&dir).is_empty(), "after {after}");
-        }
-        // An old file: still there and still valid.
-        write_cache(&p, &key(1), b"xtra", &refs(&u)).unwrap();
-        let r = write_cache_failing_after(&p, &key(2), b"xtra", &refs(&u[..1]), Some(100));
-        assert!(r.is_err());
-        assert_eq!(only_file(&dir), vec!["c".to_string()]);
-        assert!(matches!(read_cache(&p, &key(1)).unwrap(), CacheLookup::Hit(c) if c.len() == 3));
-        // A directory that does not exist: a typed error, nothing made.
-        let r = write_cache(&dir.join("missing").join("c"), &key(1), b"", &refs(&u));
-        assert!(
-            matches!(r, Err(CodecError::CacheIo { op: "create", .. })),
-            "{r:?}"
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn fast_hash_sees_every_byte_and_the_length() {
-        let b: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-        let h = fast_hash(&b);
-        for i in 0..b.len() {
-            let mut c = b.clone();
-            c[i] ^= 1;
-            assert_ne!(fast_hash(&c), h, "byte {i}");
-        }
-        assert_ne!(fast_hash(&b[..999]), h);
-        let mut z = b.clone();
-        z.push(0);
-        assert_ne!(fast_hash(&z), h);
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
-        #[test]
-        fn a_flipped_byte_anywhere_is_detected(at in any::<prop::sample::Index>(), bit in 0u8..8) {
-            static FILE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-            let b = FILE.get_or_init(|| file_of(&units(), &key(1)));
-            let mut c = b.clone();
-            let i = at.index(c.len());
-            c[i] ^= 1 << bit;
-            let r = check(c, &key(1));
-            // A flip in the version field is a hashed field too, so corrupt as well.
-            prop_assert!(matches!(r, CacheLookup::Corrupt(_)), "byte {} bit {}: {:?}", i, bit, r);
-        }
-    }
-}
+mod tests;
