@@ -7,6 +7,13 @@
 //! computes in f32 on the host in a fixed order (so outputs are bit-identical whatever the
 //! route), and writes its output activation to a new device buffer (so activations count
 //! in the device's peak, as they do on a GPU).
+//!
+//! [`build_on_ops`] makes the same tree whose leaves compute with the device's
+//! [`Ops`](crate::Ops) instead: nothing is read back to the host during a forward, so a
+//! route's copies are ordered against compute only by its events, as a model's are, and a
+//! copy that does not wait for the compute still reading its destination gives wrong
+//! output on a device whose compute runs behind the host (a GPU, or ddo-host's
+//! `DeferredComputeDevice`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,6 +23,7 @@ use crate::component::{Component, LeafId, LeafKind, Module};
 use crate::device::{Device, Stream, download, upload};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
+use crate::ops::{BinaryOp, UnaryOp};
 use crate::param::{Param, ParamKind};
 use crate::rng::SplitMix64;
 use crate::route::{ComponentProgram, ForwardContext};
@@ -103,6 +111,8 @@ enum Op {
 pub struct ReferenceProgram {
     ops: Vec<(LeafId, Op)>,
     in_features: usize,
+    /// Compute with the device's `Ops` ([`build_on_ops`]) instead of on the host.
+    on_ops: bool,
 }
 
 /// How a reference component gets each param: `(name, kind, dtype, shape, values)`.
@@ -116,8 +126,29 @@ pub fn build(spec: &ReferenceSpec) -> Result<Arc<Component>> {
     })
 }
 
+/// Builds `spec` with pageable host weights (as [`build`]) whose leaves compute with the
+/// device's [`Ops`](crate::Ops): an affine leaf is `tanh(linear(x, weight, bias))`, a
+/// per-feature leaf `x * weight + bias`, in the weights' dtype (the input is cast to it),
+/// all queued on the compute stream with nothing read back until the caller reads the
+/// output. Its outputs are those of the device's ops, not [`build`]'s.
+pub fn build_on_ops(spec: &ReferenceSpec) -> Result<Arc<Component>> {
+    build_program(
+        spec,
+        &mut |name, kind, dtype, shape, values| Param::from_f32(name, kind, dtype, shape, values),
+        true,
+    )
+}
+
 /// Builds a reference component whose params come from `source` (e.g. a checkpoint).
 pub fn build_with(spec: &ReferenceSpec, source: &mut ParamSource<'_>) -> Result<Arc<Component>> {
+    build_program(spec, source, false)
+}
+
+fn build_program(
+    spec: &ReferenceSpec,
+    source: &mut ParamSource<'_>,
+    on_ops: bool,
+) -> Result<Arc<Component>> {
     if spec.in_features == 0 {
         return Err(CoreError::InvalidOption {
             option: "in_features".into(),
@@ -273,6 +304,7 @@ pub fn build_with(spec: &ReferenceSpec, source: &mut ParamSource<'_>) -> Result<
             .map(|(i, op)| (LeafId(i), op))
             .collect(),
         in_features: spec.in_features,
+        on_ops,
     };
     Component::new(
         spec.name.clone(),
@@ -361,6 +393,9 @@ impl ComponentProgram for ReferenceProgram {
         }
         let batch = input.shape()[0];
         let mut x = input.to_device(device, &stream)?;
+        if self.on_ops {
+            return self.forward_on_ops(ctx, x);
+        }
         for (leaf, op) in &self.ops {
             let next = ctx.run_leaf(*leaf, |w| {
                 let xs = read_f32(device, &x, &stream)?;
@@ -398,6 +433,34 @@ impl ComponentProgram for ReferenceProgram {
                 )
             })?;
             x = next;
+        }
+        Ok(x)
+    }
+}
+
+impl ReferenceProgram {
+    /// [`build_on_ops`]'s forward: every leaf on the device's ops.
+    fn forward_on_ops(&self, ctx: &mut ForwardContext<'_>, mut x: Tensor) -> Result<Tensor> {
+        let ops = crate::device::ops_of(ctx.device())?;
+        for (leaf, op) in &self.ops {
+            x = ctx.run_leaf(*leaf, |w| {
+                let (weight, bias) = (w.get("weight")?, w.get("bias")?);
+                let x = if x.dtype() == weight.dtype() {
+                    x.clone()
+                } else {
+                    ops.cast(&x, weight.dtype())?
+                };
+                match *op {
+                    Op::Affine { .. } => {
+                        let y = ops.linear(&x, weight, Some(bias))?;
+                        ops.unary_owned(y, UnaryOp::Tanh)
+                    }
+                    Op::Scale { .. } => {
+                        let y = ops.binary(&x, weight, BinaryOp::Mul)?;
+                        ops.binary(&y, bias, BinaryOp::Add)
+                    }
+                }
+            })?;
         }
         Ok(x)
     }

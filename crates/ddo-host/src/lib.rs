@@ -18,13 +18,20 @@
 //! - the host compute plane ([`ops`]): every [`Ops`](ddo_core::Ops) op in f32 on the
 //!   calling thread after the compute stream drains (matrixmultiply GEMM, im2col
 //!   convolution, blocked online-softmax attention), behind `ddo-core`'s one set of shape
-//!   rules (`ddo_core::shape`).
+//!   rules (`ddo_core::shape`);
+//! - test support, behind the `test-support` feature (which only other crates' tests
+//!   enable): `deferred::DeferredComputeDevice`, a host device whose compute runs as
+//!   late as the host allows, so a missing `wait_event` before a copy gives wrong output.
 //!
 //! Architecture invariant: this crate never depends on cudarc or any GPU library, and holds
 //! `unsafe` in one place only (the sgemm call in `ops/gemm.rs`).
 
 pub mod copy_engine;
+#[cfg(any(test, feature = "test-support"))]
+pub mod deferred;
 pub mod device;
 pub mod ops;
 
+#[cfg(any(test, feature = "test-support"))]
+pub use deferred::DeferredComputeDevice;
 pub use device::{HostAllocation, HostDevice, HostDeviceConfig};

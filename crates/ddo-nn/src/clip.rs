@@ -41,6 +41,10 @@ pub const CLASS_NAME: &str = "CLIPTextModel";
 /// The prefix of transformers 4.x checkpoint names.
 pub const LEGACY_PREFIX: &str = "text_model";
 
+/// The prefixes a checkpoint may put the text model under: a tensor both under
+/// `text_model.` and bare is refused when loaded (`LoadError::DuplicateTensor`).
+const LAYOUT_PREFIXES: [&str; 2] = ["text_model.", ""];
+
 fn default_vocab_size() -> usize {
     49408
 }
@@ -406,7 +410,10 @@ impl ClipTextModel {
             dtype,
             &["text_model.embeddings.position_ids", "text_projection."],
             unused,
-            |w| Self::build(w, &config),
+            |w| {
+                w.set_layout_prefixes(&LAYOUT_PREFIXES);
+                Self::build(w, &config)
+            },
         )
     }
 
@@ -421,6 +428,7 @@ impl ClipTextModel {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let mut w = CheckpointWeights::open_file(path, dtype.map(DType::compute))?;
+        w.set_layout_prefixes(&LAYOUT_PREFIXES);
         let model = Self::build(&mut w, config)?;
         w.check_unused(
             &[

@@ -156,6 +156,37 @@ pub enum LoadError {
         /// What is wrong.
         message: String,
     },
+    /// A checkpoint that declares ComfyUI's scaled fp8 (its `scaled_fp8` marker) holds an
+    /// 8-bit float tensor without a per-tensor scale: read at scale 1, its values would be
+    /// off by the missing factor.
+    #[error(
+        "{file} declares scaled fp8 (`{marker}`), but its 8-bit float tensor `{tensor}` has no scale (expected {expected}); read at scale 1 its values would be wrong: re-download or re-export the checkpoint with every scale, or use the model's bf16 checkpoint"
+    )]
+    MissingScale {
+        /// The fp8 tensor.
+        tensor: String,
+        /// Checkpoint file.
+        file: PathBuf,
+        /// The marker tensor found.
+        marker: String,
+        /// The scale tensor(s) looked for.
+        expected: String,
+    },
+    /// One tensor under two of the name prefixes a checkpoint layout may put it under
+    /// (`model.diffusion_model.X` and `X`): DDO does not pick one.
+    #[error(
+        "{file} holds both `{first}` and `{second}`: one tensor under two of the layout's prefixes ({prefixes}), and DDO does not pick one; keep one copy (re-export the checkpoint under one prefix)"
+    )]
+    DuplicateTensor {
+        /// Checkpoint file.
+        file: PathBuf,
+        /// The name a model read.
+        first: String,
+        /// The same tensor under another prefix.
+        second: String,
+        /// The layout's prefixes.
+        prefixes: String,
+    },
     /// A tokenizer folder has none of the files DDO reads (a missing `tokenizer/`
     /// folder included).
     #[error(

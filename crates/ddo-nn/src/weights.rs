@@ -16,6 +16,7 @@ use half::{bf16, f16};
 
 use crate::error::{LoadError, LoadResult};
 
+mod guards;
 mod views;
 
 pub use views::{View, ViewKind};
@@ -325,6 +326,10 @@ pub struct CheckpointWeights {
     /// Param names mapped onto the checkpoint's tensors, for a checkpoint in another
     /// layout ([`CheckpointWeights::with_views`]); `None`: names are the tensors'.
     views: Option<HashMap<String, View>>,
+    /// The name prefixes the checkpoint's layout may put a tensor under
+    /// ([`CheckpointWeights::set_layout_prefixes`]); a read tensor also present under
+    /// another is refused.
+    layout_prefixes: Vec<String>,
 }
 
 /// File names a Diffusers or Transformers model folder keeps its weights under.
@@ -364,6 +369,7 @@ impl CheckpointWeights {
             origin: path.to_path_buf(),
             used: Default::default(),
             views: None,
+            layout_prefixes: Vec::new(),
         })
     }
 
@@ -495,6 +501,7 @@ impl CheckpointWeights {
             origin: index.to_path_buf(),
             used: Default::default(),
             views: None,
+            layout_prefixes: Vec::new(),
         })
     }
 
@@ -541,6 +548,11 @@ impl CheckpointWeights {
 /// `<layer>.weight_scale`. Values are `decode(byte) * scale` in both.
 pub const SCALE_NAMES: [&str; 2] = ["scale_weight", "weight_scale"];
 
+/// ComfyUI's marker tensor of a scaled fp8 checkpoint (an empty tensor, nothing to load):
+/// every 8-bit float weight of such a checkpoint has a per-tensor scale ([`SCALE_NAMES`]),
+/// and one that has none is refused ([`LoadError::MissingScale`]).
+pub const SCALED_FP8_MARKER: &str = "scaled_fp8";
+
 /// The activation scale ComfyUI stores beside a scaled fp8 weight (`<layer>.scale_input`),
 /// for fp8 matrix products. DDO computes in the input's dtype, so it reads no input scale;
 /// the tensor counts as used.
@@ -563,6 +575,7 @@ impl CheckpointWeights {
         let Some(scale_name) = found.first().cloned() else {
             return Ok(None);
         };
+        self.refuse_alias(&scale_name)?;
         let id = self.location[&scale_name];
         let file = self.files[id].path().to_path_buf();
         let bad = |message: String| LoadError::BadScale {

@@ -60,30 +60,40 @@ fn reference_spec() -> impl Strategy<Value = ReferenceSpec> {
         })
 }
 
+/// Transfer units for the streaming engine: the default (16 MiB: one unit for these
+/// components) or a few hundred bytes, so a forward refills the ring's slots.
+fn unit_bytes() -> impl Strategy<Value = Option<u64>> {
+    prop::option::of(prop::sample::select(vec![256u64, 512, 1024]))
+}
+
 /// Route specs to try, each with whether it needs the native allocator.
 fn route_spec() -> impl Strategy<Value = RouteSpec> {
     prop_oneof![
         Just(RouteSpec::resident()),
-        (any::<bool>(), any::<bool>(), any::<bool>()).prop_map(|(stream, record, low)| {
-            RouteSpec::new(
-                RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
-                RouteOptions {
-                    offload_type: Some(OffloadType::LeafLevel),
-                    use_stream: Some(stream),
-                    record_stream: Some(stream && record),
-                    low_cpu_mem_usage: Some(low),
-                    ..RouteOptions::default()
-                },
-            )
-            .unwrap()
-        }),
-        (any::<bool>(), 1usize..3).prop_map(|(stream, n)| {
+        (any::<bool>(), any::<bool>(), any::<bool>(), unit_bytes()).prop_map(
+            |(stream, record, low, units)| {
+                RouteSpec::new(
+                    RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
+                    RouteOptions {
+                        offload_type: Some(OffloadType::LeafLevel),
+                        use_stream: Some(stream),
+                        record_stream: Some(stream && record),
+                        low_cpu_mem_usage: Some(low),
+                        unit_bytes: units.filter(|_| stream),
+                        ..RouteOptions::default()
+                    },
+                )
+                .unwrap()
+            }
+        ),
+        (any::<bool>(), 1usize..3, unit_bytes()).prop_map(|(stream, n, units)| {
             RouteSpec::new(
                 RouteTarget::Route(RouteId::DIFFUSERS_GROUP_OFFLOAD),
                 RouteOptions {
                     offload_type: Some(OffloadType::BlockLevel),
                     num_blocks_per_group: Some(if stream { 1 } else { n }),
                     use_stream: Some(stream),
+                    unit_bytes: units.filter(|_| stream),
                     ..RouteOptions::default()
                 },
             )
@@ -99,12 +109,13 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
             )
             .unwrap()
         }),
-        (0u64..4096).prop_map(|extra| {
+        (0u64..4096, unit_bytes()).prop_map(|(extra, units)| {
             RouteSpec::new(
                 RouteTarget::Route(RouteId::NATIVE_VMM),
                 RouteOptions {
                     // Resolved against the component below: largest leaf + `extra`.
                     budget: Some(Budget::Bytes(extra + 1)),
+                    unit_bytes: units,
                     ..RouteOptions::default()
                 },
             )

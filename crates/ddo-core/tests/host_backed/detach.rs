@@ -126,24 +126,28 @@ fn refusal(c: &Component) -> DetachRefusal {
 
 /// A partial alias made of whole buffers (neither param a view of its own buffer): two
 /// ranges of one mapping that overlap without being one registered param are refused,
-/// changing nothing (the seed: "refuses ... overlapping native sources, partial aliases").
+/// changing nothing (the seed: "refuses ... overlapping native sources, partial aliases"),
+/// however little they share: half of each, or exactly one byte (`0..32` and `31..63`,
+/// `2..32` and `31..33`: the second range's first byte is the first range's last).
 #[test]
 fn partial_aliases_over_whole_buffers_are_refused() {
-    let map = mapping();
-    let a = HostBuffer::mapped(Arc::clone(&map), 0, 32).unwrap();
-    let b = HostBuffer::mapped(Arc::clone(&map), 16, 32).unwrap();
-    drop(map);
-    let c = component(vec![
-        param("a.weight", a.slice_all()),
-        param("b.weight", b.slice_all()),
-    ]);
-    drop((a, b));
-    let r = refusal(&c);
-    assert!(
-        matches!(&r, DetachRefusal::OverlappingSources { first, second, .. }
-            if first == "a.weight" && second == "b.weight"),
-        "{r:?}"
-    );
+    for (a_at, a_len, b_at, b_len) in [(0, 32, 16, 32), (0, 32, 31, 32), (2, 30, 31, 2)] {
+        let map = mapping();
+        let a = HostBuffer::mapped(Arc::clone(&map), a_at, a_len).unwrap();
+        let b = HostBuffer::mapped(Arc::clone(&map), b_at, b_len).unwrap();
+        drop(map);
+        let c = component(vec![
+            param("a.weight", a.slice_all()),
+            param("b.weight", b.slice_all()),
+        ]);
+        drop((a, b));
+        let r = refusal(&c);
+        assert!(
+            matches!(&r, DetachRefusal::OverlappingSources { first, second, .. }
+                if first == "a.weight" && second == "b.weight"),
+            "{a_at}+{a_len} and {b_at}+{b_len}: {r:?}"
+        );
+    }
     // Apart, the same two ranges are copied and the mapping is released.
     let map = mapping();
     let a = HostBuffer::mapped(Arc::clone(&map), 0, 16).unwrap();

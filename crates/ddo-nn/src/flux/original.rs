@@ -303,8 +303,7 @@ pub fn original_views(config: &FluxTransformerConfig, prefix: &str) -> HashMap<S
     v
 }
 
-/// ComfyUI's marker tensor of a scaled fp8 checkpoint (an empty tensor, nothing to load).
-pub const SCALED_FP8_MARKER: &str = "scaled_fp8";
+pub use crate::weights::SCALED_FP8_MARKER;
 
 impl super::FluxTransformer {
     /// Loads a single-file checkpoint in the original Flux layout (see the [module
@@ -314,7 +313,10 @@ impl super::FluxTransformer {
     /// the layerwise-cast layers as scaled fp8); `None` keeps the file's dtypes, the params
     /// slices of the file's mapping. Tensors outside the transformer (a full checkpoint's
     /// VAE and text encoders, ComfyUI's `scaled_fp8` marker) are left alone; other tensors
-    /// no param reads are refused unless `unused` allows them.
+    /// no param reads are refused unless `unused` allows them, and so is a tensor read under
+    /// `model.diffusion_model.` that the file also holds bare, or the other way round
+    /// ([`LoadError::DuplicateTensor`]), and, in a file with the `scaled_fp8` marker, an fp8
+    /// weight without its `scale_weight` ([`LoadError::MissingScale`]).
     pub fn load_original(
         path: &Path,
         config: Option<FluxTransformerConfig>,
@@ -351,6 +353,8 @@ impl super::FluxTransformer {
             (prefix, config, others)
         };
         let mut weights = weights.with_views(original_views(&config, prefix));
+        // A tensor both under the prefix and bare is refused, not resolved by the prefix.
+        weights.set_layout_prefixes(&[PREFIX, ""]);
         let model =
             crate::fp8::stored_as(&mut weights, dtype, &crate::fp8::FLUX_SKIP_PATTERNS, |w| {
                 Self::build(w, config)

@@ -133,6 +133,8 @@ impl QwenTextEncoder {
     ) -> LoadResult<Self> {
         let config = QwenTextEncoderConfig::from_file(&dir.join("config.json"))?;
         CheckpointWeights::build_in(dir, source_target(dtype), &SKIPPED_PREFIXES, unused, |w| {
+            // A tensor under two of the layouts is refused (`LoadError::DuplicateTensor`).
+            w.set_layout_prefixes(&["model.", "model.language_model.", ""]);
             stored_as(w, dtype, &QWEN_TEXT_SKIP_PATTERNS, |w| {
                 Self::build(w, &config)
             })

@@ -100,7 +100,9 @@ impl AutoencoderKL {
     /// docs](self)) with `config` (the file has none: a folder's `vae/config.json`, or a
     /// named config). `dtype` converts as [`AutoencoderKL::load`] does; `None` keeps the
     /// file's dtypes, the params the file's mapping. The encoder, `quant_conv` and whatever
-    /// else the file holds besides the VAE are left alone.
+    /// else the file holds besides the VAE are left alone; a decoder tensor the file holds
+    /// under two of `first_stage_model.`, `vae.` and no prefix is refused
+    /// ([`LoadError::DuplicateTensor`]).
     pub fn load_original(
         path: &Path,
         config: AutoencoderKLConfig,
@@ -134,6 +136,8 @@ impl AutoencoderKL {
             (views, ignored)
         };
         let mut weights = weights.with_views(views);
+        // A tensor under two of the prefixes is refused, not resolved by their order.
+        weights.set_layout_prefixes(&PREFIXES);
         let model = Self::build(&mut weights, config)?;
         let ignored: Vec<&str> = ignored.iter().map(String::as_str).collect();
         weights.check_unused(&ignored, unused)?;

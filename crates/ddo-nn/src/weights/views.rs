@@ -202,8 +202,12 @@ impl CheckpointWeights {
                 dtype: "u8/i8 (quantized)".into(),
             });
         }
+        self.refuse_alias(tensor)?;
         // A fused tensor's scale is every part's.
         let scale = self.scale_of(tensor, info.dtype)?;
+        if scale.is_none() && info.dtype.is_fp8() {
+            self.refuse_unscaled_fp8(tensor, id)?;
+        }
         let ckpt = &self.files[id];
         let whole = ckpt.host_buffer(tensor)?;
         let row_bytes = info.len / info.shape.first().copied().unwrap_or(1).max(1);

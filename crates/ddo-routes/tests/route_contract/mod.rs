@@ -5,7 +5,12 @@
 //! backend; `ddo-cuda/tests/gpu_route_contracts.rs` includes this file (`#[path]`) and
 //! invokes it for CUDA, so the GPU bundle runs the same bodies on a GPU.
 //!
-//! The contracts, for every route configuration ([`case`]):
+//! The contracts, for every route configuration ([`case`]); the `*_units` cases stream the
+//! component in many small transfer units (`unit_bytes=1KiB`: 4 or more units through a
+//! ring of 2 slots, so every slot is refilled within a forward) and run the reference
+//! component whose leaves compute with the device's ops (`reference::build_on_ops`), so a
+//! unit copied into the wrong slot, or a refill that does not wait for the compute still
+//! reading its slot, changes the output on a device whose compute runs behind the host:
 //! - `attaches`: an explicit route attaches as given (the component reports it, the handle
 //!   holds the spec unchanged) and is never replaced: a second attach is refused;
 //! - `forward_matches_resident`: forwards are byte-identical to resident execution on the
@@ -41,6 +46,11 @@ pub struct Case {
     pub native: bool,
     /// Specs the route refuses, each with a word its refusal names.
     pub bad: &'static [(&'static str, &'static str)],
+    /// The component computes with the device's ops (`reference::build_on_ops`) instead of
+    /// reading its weights back to the host.
+    pub on_ops: bool,
+    /// Transfer units the streaming engine must use per forward (0: not checked).
+    pub min_units: u64,
 }
 
 /// The route configuration a test module is named after.
@@ -113,19 +123,67 @@ pub fn case(name: &str) -> Case {
                 ("native_vmm:budget=plenty", "budget"),
             ],
         ),
+        "leaf_stream_units" | "block_stream_units" | "native_vmm_units" => {
+            let (spec, native, bad): (&str, bool, &[(&str, &str)]) = match name {
+                "leaf_stream_units" => (
+                    "diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=1KiB",
+                    false,
+                    &[(
+                        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=0",
+                        "unit_bytes",
+                    )],
+                ),
+                "block_stream_units" => (
+                    "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,unit_bytes=1KiB",
+                    false,
+                    &[(
+                        "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true,unit_bytes=1KiB,ring_slots=1",
+                        "ring_slots",
+                    )],
+                ),
+                _ => (
+                    // A ring of two slots of the largest unit (1,280 B) and no room for
+                    // any resident leaf: everything streams.
+                    "native_vmm:budget=2560,unit_bytes=1KiB",
+                    true,
+                    &[("native_vmm:budget=2560,unit_bytes=0", "unit_bytes")],
+                ),
+            };
+            return Case {
+                spec,
+                native,
+                bad,
+                on_ops: true,
+                min_units: 4,
+            };
+        }
         other => panic!("no route case `{other}`"),
     };
-    Case { spec, native, bad }
+    Case {
+        spec,
+        native,
+        bad,
+        on_ops: false,
+        min_units: 0,
+    }
 }
 
 fn spec(case: &Case) -> RouteSpec {
     ddo_routes::parse_spec(case.spec).unwrap_or_else(|e| panic!("{}: {e}", case.spec))
 }
 
-/// The reference component every contract runs on (three blocks, f32).
-fn component() -> (Arc<Component>, ReferenceSpec) {
-    let spec = ReferenceSpec::small("transformer", 3, 16, DType::F32);
-    let c = reference::build(&spec).unwrap();
+/// The reference component every contract runs on (three blocks, f32), computing on the
+/// host or, for the `*_units` cases, with the device's ops (six blocks: as many units at
+/// block level).
+fn component(case: &Case) -> (Arc<Component>, ReferenceSpec) {
+    let blocks = if case.on_ops { 6 } else { 3 };
+    let spec = ReferenceSpec::small("transformer", blocks, 16, DType::F32);
+    let c = if case.on_ops {
+        reference::build_on_ops(&spec)
+    } else {
+        reference::build(&spec)
+    }
+    .unwrap();
     (c, spec)
 }
 
@@ -165,7 +223,7 @@ fn attach(c: &Arc<Component>, d: &Arc<dyn Device>, case: &Case) -> OffloadHandle
 /// An explicit route attaches as given and is never replaced: a second attach is refused.
 pub fn attaches(open: Open, case: &Case) {
     let Some(d) = open(case.native) else { return };
-    let (c, _) = component();
+    let (c, _) = component(case);
     let want = spec(case);
     let h = attach(&c, &d, case);
     assert_eq!(h.spec(), &want, "{}: the spec was changed", case.spec);
@@ -188,7 +246,7 @@ pub fn attaches(open: Open, case: &Case) {
 /// Forwards are byte-identical to resident execution on the same device.
 pub fn forward_matches_resident(open: Open, case: &Case) {
     let Some(d) = open(case.native) else { return };
-    let (c, rs) = component();
+    let (c, rs) = component(case);
     let expected: Vec<Vec<u8>> = (0..3).map(|seed| resident(&c, &rs, &d, seed)).collect();
     let h = attach(&c, &d, case);
     // The first forward learns what a streamed route streams; the later ones follow it.
@@ -202,7 +260,17 @@ pub fn forward_matches_resident(open: Open, case: &Case) {
             case.spec
         );
     }
-    assert_eq!(h.metrics_snapshot().counters.forwards, 3, "{}", case.spec);
+    let counters = h.metrics_snapshot().counters;
+    assert_eq!(counters.forwards, 3, "{}", case.spec);
+    // The small-unit cases refill each slot of the ring within a forward.
+    assert!(
+        counters.transfer_units >= case.min_units
+            && (case.min_units == 0 || counters.ring_slots == 2),
+        "{}: {} units through {} slots",
+        case.spec,
+        counters.transfer_units,
+        counters.ring_slots
+    );
 }
 
 /// Removing the route restores the component and the device: `remove_dynamic_offload`,
@@ -210,7 +278,7 @@ pub fn forward_matches_resident(open: Open, case: &Case) {
 /// the component (`NotOwned`), dropping both.
 pub fn detach_restores(open: Open, case: &Case) {
     let Some(d) = open(case.native) else { return };
-    let (c, rs) = component();
+    let (c, rs) = component(case);
     // A resident run first: what a backend allocates once and keeps (CUDA's cuBLAS
     // workspace, pinned upload buffers) is then in the starting figures.
     let want = resident(&c, &rs, &d, 5);
@@ -235,7 +303,7 @@ pub fn detach_restores(open: Open, case: &Case) {
                 case.spec
             );
             drop((h, c));
-            component().0
+            component(case).0
         }
         Err(e) => panic!("{}: remove: {e}", case.spec),
     };
@@ -263,7 +331,7 @@ pub fn detach_restores(open: Open, case: &Case) {
 /// with a typed error that names what is wrong, changing nothing.
 pub fn bad_options_refused(open: Open, case: &Case) {
     let Some(d) = open(case.native) else { return };
-    let (c, _) = component();
+    let (c, _) = component(case);
     let host = host_state(&c);
     let start = held(&*d);
     for (bad, word) in case.bad {
@@ -313,7 +381,8 @@ macro_rules! route_contract_tests {
                 open(native)
             }
             route_contract_tests!(@routes
-                none, leaf, leaf_stream, block, block_stream, linear_convolution, native_vmm);
+                none, leaf, leaf_stream, block, block_stream, linear_convolution, native_vmm,
+                leaf_stream_units, block_stream_units, native_vmm_units);
         }
     };
     (@routes $($case:ident),*) => {
