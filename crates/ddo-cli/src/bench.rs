@@ -490,6 +490,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let warmup = forwards("warmup", args.warmup.unwrap_or(1))?;
     let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
     let budget = args.vram_budget;
+    crate::setup::check_host_budget(device_choice, budget)?;
     device_choice.prepare_kernels();
     let list = candidates(args)?;
     let out_json = args.out_json.clone();

@@ -78,6 +78,7 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
         .tiled_decode
         .unwrap_or(ddo_nn::pipeline::TiledDecode::Auto);
     let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
+    crate::setup::check_host_budget(device_choice, args.vram_budget)?;
     let budget = args.vram_budget;
     device_choice.prepare_kernels();
     let routing = Routing::new(args.preset, &args.route, args.no_env, &["vae".to_string()])?;

@@ -315,7 +315,11 @@ pub fn open_device(
     match choice {
         DeviceChoice::Cpu => {
             let device = HostDevice::new(HostDeviceConfig {
-                capacity: budget.unwrap_or(DEFAULT_HOST_CAPACITY),
+                // The default never claims more than the machine holds.
+                capacity: budget.unwrap_or_else(|| {
+                    host_device_limit()
+                        .map_or(DEFAULT_HOST_CAPACITY, |l| DEFAULT_HOST_CAPACITY.min(l))
+                }),
                 pinned_limit: pinned_limit(),
                 allocator: if native_allocator {
                     AllocatorKind::NativeVmm
@@ -377,6 +381,44 @@ pub fn check_budget(budget: u64, components: &[Arc<Component>]) -> CliResult<()>
         ));
     }
     Ok(())
+}
+
+/// The most device memory the host backend can be given on this machine: its physical
+/// memory (`MemTotal`), and no more than the process's address-space limit (`ulimit -v`);
+/// `None` where neither can be read.
+pub fn host_device_limit() -> Option<u64> {
+    match (
+        ddo_core::host_memory::mem_total(),
+        ddo_core::host_memory::address_space_limit(),
+    ) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Refuses a `--vram-budget` for the host device (`--device cpu`) that this machine
+/// cannot hold: its "device" memory is host memory, so a budget past the machine's memory
+/// or the process's address-space limit would be planned against and then fail (or abort)
+/// mid-run.
+pub fn check_host_budget(choice: DeviceChoice, budget: Option<u64>) -> CliResult<()> {
+    let (DeviceChoice::Cpu, Some(budget), Some(limit)) = (choice, budget, host_device_limit())
+    else {
+        return Ok(());
+    };
+    if budget <= limit {
+        return Ok(());
+    }
+    Err(CliError::usage(
+        format!(
+            "--vram-budget {} on --device cpu: the host device's memory is this machine's, which holds at most {} (physical memory, or the process's address-space limit)",
+            format_bytes(budget),
+            format_bytes(limit)
+        ),
+        format!(
+            "give --vram-budget {}MiB or less, or run on a GPU with --device cuda:N",
+            limit >> 20
+        ),
+    ))
 }
 
 /// Whether any of `resolutions` needs the native VMM allocator (asks the registry).

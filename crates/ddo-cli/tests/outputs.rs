@@ -140,3 +140,44 @@ fn a_link_at_the_old_temporary_name_is_never_followed() {
     assert!(s.join("o.png").is_file());
     let _ = std::fs::remove_dir_all(&s);
 }
+
+/// Issue 34, item 7: under an address-space limit, a host-device budget the process cannot
+/// hold is refused before any work, and work past what the host can allocate ends in a
+/// typed error; never an abort (134) or a panic.
+#[cfg(target_os = "linux")]
+#[test]
+fn host_memory_limits_give_typed_errors_not_aborts() {
+    let s = scratch("host-oom");
+    let bin = env!("CARGO_BIN_EXE_ddo");
+    for (args, words) in [
+        (
+            "run --config qwen-tiny --vram-budget 1TiB --height 16384 --width 16384 --steps 1",
+            "holds at most",
+        ),
+        (
+            "run --config tiny --vram-budget 1TiB --height 16384 --width 16384 --steps 1",
+            "holds at most",
+        ),
+        (
+            "run --config tiny --vram-budget 7GiB --height 16384 --width 16384 --steps 1",
+            "too small",
+        ),
+    ] {
+        let script = format!("ulimit -v 8000000 && exec '{bin}' {args} --out o.png");
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .current_dir(&s)
+            .env_remove("DDO_PRESET")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            matches!(out.status.code(), Some(1 | 2)),
+            "{args}: {:?}: {err}",
+            out.status
+        );
+        assert!(err.contains(words), "{args}: {err}");
+        assert!(!s.join("o.png").exists());
+    }
+    let _ = std::fs::remove_dir_all(&s);
+}

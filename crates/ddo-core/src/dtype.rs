@@ -383,27 +383,28 @@ impl DType {
                 actual: bytes.len(),
             });
         }
-        Ok(match self {
-            DType::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::F8E4M3 => bytes
-                .iter()
-                .map(|&b| F8E4M3::from_bits(b).to_f32())
-                .collect(),
-            DType::F8E5M2 => bytes
-                .iter()
-                .map(|&b| F8E5M2::from_bits(b).to_f32())
-                .collect(),
+        // The host backend decodes every input of every op here: a failed allocation is a
+        // typed error, not an abort.
+        let mut out =
+            crate::host_memory::try_with_capacity::<f32>(bytes.len() / size, "decoded values")?;
+        match self {
+            DType::F32 => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
+            DType::F16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+            ),
+            DType::BF16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+            ),
+            DType::F8E4M3 => out.extend(bytes.iter().map(|&b| F8E4M3::from_bits(b).to_f32())),
+            DType::F8E5M2 => out.extend(bytes.iter().map(|&b| F8E5M2::from_bits(b).to_f32())),
             DType::Quantized => {
                 return Err(CoreError::Shape {
                     what: "decode".into(),
@@ -412,7 +413,8 @@ impl DType {
                             .into(),
                 });
             }
-        })
+        }
+        Ok(out)
     }
 
     /// Encodes f32 values as little-endian bytes of this dtype (round to nearest even; the

@@ -56,6 +56,19 @@ pub enum CoreError {
         /// Device capacity.
         capacity: u64,
     },
+    /// The host could not give memory DDO asked for (the allocator or the kernel refused:
+    /// the process's address-space limit, or no memory left).
+    #[error(
+        "out of host memory: {requested} B for {what} could not be allocated; free memory, raise the \
+         process's memory limit (ulimit -v), or ask for less work (a smaller --height/--width, \
+         fewer --num-images, a smaller --vram-budget on the host device)"
+    )]
+    HostOutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// What they were for.
+        what: String,
+    },
     /// A VRAM budget below what any plan of a pipeline phase needs.
     #[error(
         "a VRAM budget of {} is too small for the {phase} phase, which needs at least {} ({detail}); \

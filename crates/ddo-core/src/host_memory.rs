@@ -62,22 +62,38 @@ impl AlignedBytes {
     /// ([`HUGE_PAGE`] or more) are mapped on their own and advised for huge pages; where the
     /// system refuses a mapping they fall back to the allocator.
     pub fn zeroed(len: usize) -> Self {
+        match Self::try_zeroed(len) {
+            Ok(bytes) => bytes,
+            Err(_) => std::alloc::handle_alloc_error(
+                std::alloc::Layout::from_size_align(len.max(1), 64)
+                    .unwrap_or(std::alloc::Layout::new::<CacheLine>()),
+            ),
+        }
+    }
+
+    /// [`AlignedBytes::zeroed`], or [`CoreError::HostOutOfMemory`] where the system has no
+    /// memory for them (an address-space limit, an exhausted heap) instead of aborting.
+    pub fn try_zeroed(len: usize) -> Result<Self> {
         if len >= HUGE_PAGE
             && let Ok(map) = memmap2::MmapMut::map_anon(len.next_multiple_of(HUGE_PAGE))
         {
             // Advice only: a kernel without THP (or with it off) keeps 4 KiB pages.
             #[cfg(target_os = "linux")]
             let _ = map.advise(memmap2::Advice::HugePage);
-            return Self {
+            return Ok(Self {
                 storage: Storage::Mapped(map),
                 len,
-            };
+            });
         }
-        let lines = bytemuck::zeroed_slice_box::<CacheLine>(len.div_ceil(64));
-        Self {
+        let lines = bytemuck::allocation::try_zeroed_slice_box::<CacheLine>(len.div_ceil(64))
+            .map_err(|()| CoreError::HostOutOfMemory {
+                requested: len as u64,
+                what: "a host buffer".into(),
+            })?;
+        Ok(Self {
             storage: Storage::Lines(lines),
             len,
-        }
+        })
     }
 
     /// Whether the bytes live in a mapping of their own (page-aligned, see
@@ -279,6 +295,40 @@ impl fmt::Debug for PinnedRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "PinnedRegistration({} B)", self.bytes)
     }
+}
+
+/// `len` copies of `value` in a new `Vec`, or [`CoreError::HostOutOfMemory`] (naming
+/// `what`) where the allocator refuses, instead of aborting the process: the host backend's
+/// large temporaries (decoded inputs, op outputs) are allocated through it.
+pub fn try_vec<T: Clone>(len: usize, value: T, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| CoreError::HostOutOfMemory {
+            requested: (len as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+            what: what.to_string(),
+        })?;
+    v.resize(len, value);
+    Ok(v)
+}
+
+/// An empty `Vec` with room for `len` values, or [`CoreError::HostOutOfMemory`] (see
+/// [`try_vec`]).
+pub fn try_with_capacity<T>(len: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len)
+        .map_err(|_| CoreError::HostOutOfMemory {
+            requested: (len as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+            what: what.to_string(),
+        })?;
+    Ok(v)
+}
+
+/// The process's address-space limit in bytes (`ulimit -v`, `RLIMIT_AS`, from
+/// `/proc/self/limits`), or `None` where it is unlimited or cannot be read.
+pub fn address_space_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max address space"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
 }
 
 /// A field of the host's `/proc/meminfo` in bytes (`"MemTotal"`, `"MemAvailable"`), or

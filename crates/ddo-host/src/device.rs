@@ -338,7 +338,9 @@ impl Device for HostDevice {
     fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         self.ledger.reserve(bytes as u64)?;
         Ok(DeviceBuffer::new(Arc::new(HostAllocation {
-            bytes: RwLock::new(AlignedBytes::zeroed(bytes)),
+            bytes: RwLock::new(AlignedBytes::try_zeroed(bytes).inspect_err(|_| {
+                self.ledger.release(bytes as u64);
+            })?),
             len: bytes,
             ledger: Arc::clone(&self.ledger),
         })))
@@ -841,6 +843,25 @@ mod tests {
         )
         .unwrap();
         d.check_lossless(&scratch.slice_all(), &s).unwrap();
+    }
+
+    /// Issue 34, item 7: memory the host cannot give is a typed error with the ledger put
+    /// back, not an abort of the process.
+    #[test]
+    fn an_allocation_the_host_cannot_give_is_a_typed_error() {
+        let d = device(u64::MAX);
+        let huge = usize::MAX / 2;
+        assert!(
+            matches!(d.alloc(huge), Err(CoreError::HostOutOfMemory { .. })),
+            "an allocation past the address space"
+        );
+        assert_eq!(d.memory_info().allocated, 0, "the ledger is put back");
+        let small = d.alloc(4096).unwrap();
+        assert_eq!(d.memory_info().allocated, 4096);
+        drop(small);
+        let err = ddo_core::host_memory::try_vec(usize::MAX / 4, 0.0f32, "a test").unwrap_err();
+        assert!(err.to_string().contains("out of host memory"), "{err}");
+        assert!(err.to_string().contains("a test"), "{err}");
     }
 
     #[test]

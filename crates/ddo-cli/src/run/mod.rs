@@ -33,7 +33,9 @@ use crate::io::{
 };
 use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::progress::ProgressBar;
-use crate::setup::{DeviceChoice, DeviceNeeds, Explanation, Routing, open_device};
+use crate::setup::{
+    DeviceChoice, DeviceNeeds, Explanation, Routing, check_host_budget, open_device,
+};
 use crate::tokenize::PipelineTokenizers;
 
 /// The prompt used when `--prompt` is not given.
@@ -265,6 +267,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let tiled_decode = args.tiled_decode.unwrap_or(TiledDecode::Auto);
     let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
     let budget = args.vram_budget;
+    check_host_budget(device_choice, budget)?;
     let out_path = args
         .out
         .clone()

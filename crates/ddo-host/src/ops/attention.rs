@@ -6,6 +6,7 @@ use super::gemm::{Mat, gemm};
 use super::read_opt;
 use crate::device::HostDevice;
 use ddo_core::error::Result;
+use ddo_core::host_memory::try_vec;
 use ddo_core::tensor::Tensor;
 
 /// Queries per attention block.
@@ -165,7 +166,7 @@ pub(super) fn attention(
         scale,
     };
     let heads = b * h;
-    let mut out = vec![0.0f32; heads * lq * dv];
+    let mut out = try_vec(heads * lq * dv, 0.0f32, "attention's output")?;
     // Work units: one block of queries of one (batch, head), each with its own rows of
     // the output, so a single long head spreads over threads too.
     let run = |head: usize, q0: usize, o: &mut [f32]| {

@@ -5,6 +5,7 @@ use super::gemm::{Mat, gemm};
 use super::read_opt;
 use crate::device::HostDevice;
 use ddo_core::error::Result;
+use ddo_core::host_memory::try_vec;
 use ddo_core::ops::Conv2dParams;
 use ddo_core::tensor::Tensor;
 
@@ -43,7 +44,7 @@ pub(super) fn conv2d(
     let bv = read_opt(bi.as_ref())?;
     let kdim = c * kh * kw;
     let plane = oh * ow;
-    let mut out = vec![0.0f32; n * o * plane];
+    let mut out = try_vec(n * o * plane, 0.0f32, "a convolution's output")?;
     if let Some(b) = &bv {
         for img in out.chunks_mut((o * plane).max(1)) {
             for (ch, &bias) in img.chunks_mut(plane.max(1)).zip(b) {
@@ -57,7 +58,11 @@ pub(super) fn conv2d(
     let mut cols = if direct {
         Vec::new()
     } else {
-        vec![0.0f32; kdim * rows_per_chunk * ow]
+        try_vec(
+            kdim * rows_per_chunk * ow,
+            0.0f32,
+            "a convolution's im2col columns",
+        )?
     };
     wi.with_f32(|wv| {
         let wm = Mat::new(wv, kdim, 1);

@@ -4,6 +4,7 @@
 use super::{product, shape_err, walk};
 use crate::device::HostDevice;
 use ddo_core::error::Result;
+use ddo_core::host_memory::try_vec;
 use ddo_core::ops::{BinaryOp, UnaryOp};
 use ddo_core::shape::{broadcast_shape, broadcast_strides, coalesce};
 use ddo_core::tensor::Tensor;
@@ -215,7 +216,7 @@ pub(super) fn rope(dev: &HostDevice, x: &Tensor, cos: &Tensor, sin: &Tensor) -> 
     let cv = ci.f32()?;
     let sv = si.f32()?;
     let table = cv.len().max(1);
-    let mut out = vec![0.0f32; xv.len()];
+    let mut out = try_vec(xv.len(), 0.0f32, "rope's output")?;
     for (orows, xrows) in out.chunks_exact_mut(table).zip(xv.chunks_exact(table)) {
         for (((o, xp), c), s) in orows
             .chunks_exact_mut(2)

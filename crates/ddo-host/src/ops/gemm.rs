@@ -6,6 +6,7 @@
 use super::{product, shape_err, walk};
 use crate::device::HostDevice;
 use ddo_core::error::Result;
+use ddo_core::host_memory::try_vec;
 use ddo_core::shape::{broadcast_shape, broadcast_strides};
 use ddo_core::tensor::Tensor;
 
@@ -116,7 +117,7 @@ impl HostDevice {
         let xv = if let [one] = inputs.as_slice() {
             one.f32()?
         } else {
-            let mut joined = vec![0.0f32; m * in_f];
+            let mut joined = try_vec(m * in_f, 0.0f32, "a linear's joined input")?;
             let mut col = 0;
             for (xi, &width) in inputs.iter().zip(&g.widths) {
                 let part = xi.f32()?;
@@ -132,7 +133,7 @@ impl HostDevice {
         };
         let (mut out, beta) = match bi.as_ref().map(|b| b.dequantized(compute)).transpose()? {
             Some(b) => (b.repeat(m), 1.0),
-            None => (vec![0.0; m * out_f], 0.0),
+            None => (try_vec(m * out_f, 0.0, "a linear's output")?, 0.0),
         };
         let mut run = |wv: &[f32]| {
             gemm(
@@ -202,7 +203,7 @@ pub(super) fn matmul(dev: &HostDevice, a: &Tensor, b: &Tensor) -> Result<Tensor>
     let av = ai.f32()?;
     let bv = bi.f32()?;
     let nb = product(&batch);
-    let mut out = vec![0.0f32; nb * m * n];
+    let mut out = try_vec(nb * m * n, 0.0f32, "a matmul's output")?;
     if product(bb) == 1 {
         // One shared right-hand matrix: fold a's batch into its rows.
         gemm(

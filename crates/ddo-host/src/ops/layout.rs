@@ -5,6 +5,7 @@ use super::{encode_into, product, shape_err, walk};
 use crate::device::HostDevice;
 use ddo_core::dtype::DType;
 use ddo_core::error::Result;
+use ddo_core::host_memory::try_with_capacity;
 use ddo_core::shape::{coalesce, contiguous_strides};
 use ddo_core::tensor::{Tensor, numel};
 
@@ -44,7 +45,7 @@ pub(super) fn upsample_nearest2x(dev: &HostDevice, x: &Tensor) -> Result<Tensor>
     let output = dev.new_output(OP, vec![xs[0], xs[1], h2, w2], x.dtype())?;
     dev.fence()?;
     let xv = xi.f32()?;
-    let mut out = Vec::with_capacity(xv.len() * 4);
+    let mut out = try_with_capacity(xv.len() * 4, "an upsampled output")?;
     for row in xv.chunks_exact(w.max(1)) {
         let start = out.len();
         out.extend(row.iter().flat_map(|&v| [v, v]));

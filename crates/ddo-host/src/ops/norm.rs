@@ -4,6 +4,7 @@
 use super::{product, read_opt, shape_err};
 use crate::device::HostDevice;
 use ddo_core::error::Result;
+use ddo_core::host_memory::try_vec;
 use ddo_core::ops::ReduceOp;
 use ddo_core::tensor::Tensor;
 
@@ -38,7 +39,7 @@ pub(super) fn group_norm(
     let bv = read_opt(bi.as_ref())?;
     let cg = c / groups;
     let group_len = cg * spatial;
-    let mut out = vec![0.0f32; xv.len()];
+    let mut out = try_vec(xv.len(), 0.0f32, "a norm's output")?;
     for ni in 0..n {
         for g in 0..groups {
             let start = (ni * c + g * cg) * spatial;
@@ -78,7 +79,7 @@ pub(super) fn layer_norm(
     let xv = xi.f32()?;
     let wv = read_opt(wi.as_ref())?;
     let bv = read_opt(bi.as_ref())?;
-    let mut out = vec![0.0f32; xv.len()];
+    let mut out = try_vec(xv.len(), 0.0f32, "a norm's output")?;
     for (orow, row) in out
         .chunks_exact_mut(d.max(1))
         .zip(xv.chunks_exact(d.max(1)))
@@ -110,7 +111,7 @@ pub(super) fn rms_norm(
     dev.fence()?;
     let xv = xi.f32()?;
     let wv = read_opt(wi.as_ref())?;
-    let mut out = vec![0.0f32; xv.len()];
+    let mut out = try_vec(xv.len(), 0.0f32, "a norm's output")?;
     for (orow, row) in out
         .chunks_exact_mut(d.max(1))
         .zip(xv.chunks_exact(d.max(1)))
