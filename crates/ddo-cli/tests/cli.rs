@@ -209,8 +209,8 @@ fn the_default_preset_keeps_what_fits_resident_and_streams_the_rest() {
             "{command}: {err}"
         );
     }
-    // With a budget no device has the plan passes, and the noise is refused, blamed on the
-    // size that overflows it.
+    // A budget no host has is refused on the host device before any plan (issue 34, item
+    // 7: it used to plan, then abort on the first allocation past the machine).
     let out = ddo(&[
         "run",
         "--config",
@@ -224,7 +224,7 @@ fn the_default_preset_keeps_what_fits_resident_and_streams_the_rest() {
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("height/width"), "{err}");
+    assert!(err.contains("holds at most"), "{err}");
     // The fixture's 2x VAE at 2^31 latent rows, 178 million tiles of Diffusers' tiling: the
     // plan bounds the tiled decode without walking the tiles, and refuses the budget.
     let out = ddo(&[
