@@ -17,6 +17,25 @@ use crate::dtype::DType;
 /// value beyond it (3e38, 1e30) is a corrupt or badly converted checkpoint.
 pub const HUGE_VALUE: f32 = 1.844_674_3e19;
 
+/// What is wrong with `scale`, the per-tensor scale of an fp8 weight of dtype `weight`
+/// (`<layer>.scale_weight` / `<layer>.weight_scale`; its values are `decode(byte) * scale`):
+/// not finite, not above 0, or so large that the weight's largest value (`fp8_max * scale`:
+/// 448 for e4m3, 57344 for e5m2; 448 for a weight that is not fp8) is above [`HUGE_VALUE`].
+/// `None` for a usable scale.
+pub fn fp8_scale_problem(scale: f32, weight: DType) -> Option<String> {
+    if !scale.is_finite() || scale <= 0.0 {
+        return Some(format!("its value {scale} is not a finite positive number"));
+    }
+    let max = weight.fp8_max().unwrap_or(448.0);
+    let largest = f64::from(max) * f64::from(scale);
+    (largest > f64::from(HUGE_VALUE)).then(|| {
+        format!(
+            "its value {scale:e} makes the weight's largest value {max} x {scale:e} = {largest:e}, \
+             above {HUGE_VALUE:e} (sqrt of f32's largest: it overflows once squared)"
+        )
+    })
+}
+
 /// What [`scan`] found in one tensor.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ValueScan {
@@ -235,6 +254,20 @@ mod tests {
             HUGE_VALUE,
         );
         assert_eq!((s.non_finite, s.huge), (0, 1));
+    }
+
+    #[test]
+    fn fp8_scales_must_be_finite_positive_and_keep_the_weight_in_range() {
+        for ok in [1.0f32, 0.02, 1e-30, 4e16] {
+            assert_eq!(fp8_scale_problem(ok, DType::F8E4M3), None, "{ok}");
+        }
+        for bad in [0.0f32, -1.0, f32::NAN, f32::INFINITY, 1e38, 1e17] {
+            let p = fp8_scale_problem(bad, DType::F8E4M3);
+            assert!(p.is_some(), "{bad}");
+        }
+        // e5m2 reaches 57344, so a smaller scale already overflows.
+        assert!(fp8_scale_problem(1e15, DType::F8E5M2).is_some());
+        assert!(fp8_scale_problem(1e15, DType::F8E4M3).is_none());
     }
 
     #[test]

@@ -476,10 +476,19 @@ fn invalid_field(
     edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
 ) -> (String, String) {
     let dir = config_with(edit);
-    match QwenVaeConfig::from_file(&dir.0.join("config.json")) {
+    let file = dir.0.join("config.json");
+    match QwenVaeConfig::from_file(&file) {
         Err(LoadError::InvalidConfig { field, value, hint }) => {
             assert!(!hint.is_empty());
-            (field, value)
+            // Read from a file, the field is named with it.
+            let prefix = format!("{}: ", file.display());
+            let field = field.strip_prefix(&prefix).unwrap_or_else(|| {
+                panic!(
+                    "the field `{field}` does not name the file {}",
+                    file.display()
+                )
+            });
+            (field.to_string(), value)
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
