@@ -31,7 +31,7 @@ pub fn fp8_scale_problem(scale: f32, weight: DType) -> Option<String> {
     (largest > f64::from(HUGE_VALUE)).then(|| {
         format!(
             "its value {scale:e} makes the weight's largest value {max} x {scale:e} = {largest:e}, \
-             above {HUGE_VALUE:e} (sqrt of f32's largest: it overflows once squared)"
+             above {HUGE_VALUE:.1e} (sqrt of f32's largest: it overflows once squared)"
         )
     })
 }
