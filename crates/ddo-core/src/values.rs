@@ -7,6 +7,7 @@
 //! tests on the stored bytes, no decode); [`scan`] is `ddo inspect --check-values`'s, over a
 //! checkpoint's mapped bytes in chunks on every core, never a copy of the tensor.
 
+use float8::{F8E4M3, F8E5M2};
 use half::bf16;
 
 use crate::dtype::DType;
@@ -80,12 +81,11 @@ fn classify(dtype: DType, bytes: &[u8]) -> Option<Class> {
         DType::F32 => f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]),
         DType::F16 => half::f16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
         DType::BF16 => bf16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
-        DType::F8E4M3 | DType::F8E5M2 => {
-            if fp8_non_finite(dtype, bytes[0]) {
-                return Some(Class::NonFinite);
-            }
-            dtype.decode_f32(&bytes[..1]).ok()?.first().copied()?
+        DType::F8E4M3 | DType::F8E5M2 if fp8_non_finite(dtype, bytes[0]) => {
+            return Some(Class::NonFinite);
         }
+        DType::F8E4M3 => F8E4M3::from_bits(bytes[0]).to_f32(),
+        DType::F8E5M2 => F8E5M2::from_bits(bytes[0]).to_f32(),
         _ => return None,
     };
     Some(if value.is_finite() {
@@ -109,16 +109,19 @@ fn fp8_non_finite(dtype: DType, b: u8) -> bool {
 /// bit tests on the stored bits (exponent all ones; an fp8's NaN and Inf bytes). Quantized
 /// storage has no values: 0. A trailing partial element is not counted.
 pub fn count_non_finite(dtype: DType, bytes: &[u8]) -> u64 {
-    let count = |size: usize, bad: &dyn Fn(&[u8]) -> bool| {
-        bytes.chunks_exact(size).filter(|e| bad(e)).count() as u64
-    };
+    fn count<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> u64 {
+        bytes
+            .chunks_exact(N)
+            .filter(|e| <[u8; N]>::try_from(*e).is_ok_and(&bad))
+            .count() as u64
+    }
     match dtype {
-        DType::F32 => count(4, &|e| {
-            u32::from_le_bytes([e[0], e[1], e[2], e[3]]) & 0x7f80_0000 == 0x7f80_0000
+        DType::F32 => count(bytes, |e: [u8; 4]| {
+            u32::from_le_bytes(e) & 0x7f80_0000 == 0x7f80_0000
         }),
-        DType::F16 => count(2, &|e| u16::from_le_bytes([e[0], e[1]]) & 0x7c00 == 0x7c00),
-        DType::BF16 => count(2, &|e| u16::from_le_bytes([e[0], e[1]]) & 0x7f80 == 0x7f80),
-        DType::F8E4M3 | DType::F8E5M2 => count(1, &|e| fp8_non_finite(dtype, e[0])),
+        DType::F16 => count(bytes, |e: [u8; 2]| u16::from_le_bytes(e) & 0x7c00 == 0x7c00),
+        DType::BF16 => count(bytes, |e: [u8; 2]| u16::from_le_bytes(e) & 0x7f80 == 0x7f80),
+        DType::F8E4M3 | DType::F8E5M2 => count(bytes, |[b]: [u8; 1]| fp8_non_finite(dtype, b)),
         _ => 0,
     }
 }
@@ -152,9 +155,9 @@ pub fn scan(dtype: DType, bytes: &[u8], huge_above: f32) -> ValueScan {
             .collect();
         handles
             .into_iter()
-            // A scan cannot panic (bounds are checked above); count a lost part as nothing
-            // rather than unwinding through the caller.
-            .map(|h| h.join().unwrap_or_default())
+            // A part's panic (none is expected: every index is within its part) goes on in
+            // the caller: a part counted as clean would hide its values.
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
     parts
