@@ -2,6 +2,14 @@
 //! component folder or a Diffusers pipeline folder (sharded indexes included), each
 //! component's tensors, parameter count and bytes by dtype, its largest leaf, and what each
 //! preset would keep resident and stream per forward under a `--vram-budget`.
+//!
+//! `--check-values` also reads every tensor's values ([`check_values`], issue 34) through the
+//! checkpoint reader's memory mapping, each large tensor on every core
+//! ([`ddo_core::values::scan`]), its pages released once scanned: NaN and ±Inf (fp8 NaN and
+//! Inf bytes included) and finite values above [`HUGE_VALUE`] (`sqrt(f32::MAX)`, 1.8e19,
+//! which overflows once squared), and fp8 scale tensors that are not finite and positive or
+//! that push their weight above that bound. Any such tensor makes the command exit 1 naming
+//! the first (components, files and tensor names in order) and its file.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -9,7 +17,8 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use ddo_core::resolve::preset_default;
-use ddo_core::{ComponentKind, DType, HeaderEstimate, Preset};
+use ddo_core::values::{HUGE_VALUE, fp8_scale_problem, scan};
+use ddo_core::{Checkpoint, ComponentKind, DType, HeaderEstimate, Preset};
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 
@@ -40,6 +49,9 @@ pub struct ComponentSummary {
     pub class: Option<String>,
     /// Weight files read.
     pub files: Vec<String>,
+    /// The same files as paths (for `--check-values`).
+    #[serde(skip)]
+    pub paths: Vec<PathBuf>,
     /// Tensors.
     pub tensors: u64,
     /// Elements.
@@ -71,6 +83,214 @@ pub struct Fp8Summary {
     /// The routes that refuse these weights, as the registry's routes say
     /// (`ddo_routes::routes_refusing_weight_dtype`).
     pub refused_by: Vec<String>,
+}
+
+/// A tensor `--check-values` found bad values in.
+#[derive(Debug, Clone, Serialize)]
+pub struct BadTensor {
+    /// Its component.
+    pub component: String,
+    /// Its file.
+    pub file: String,
+    /// Its name.
+    pub tensor: String,
+    /// Its dtype (`F32`, `F8_E4M3`, ...).
+    pub dtype: String,
+    /// Its elements.
+    pub elements: u64,
+    /// NaN or ±Inf elements.
+    pub non_finite: u64,
+    /// Finite elements above [`HUGE_VALUE`] (or, for an fp8 scale, values that overflow
+    /// their weight).
+    pub huge: u64,
+    /// Index of the first bad element (row-major, from 0).
+    pub first_bad_element: u64,
+    /// Its value (`NaN`, `inf`, `3e38`).
+    pub first_bad_value: String,
+    /// What is wrong, in words.
+    pub problem: String,
+}
+
+/// What `--check-values` found.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ValuesReport {
+    /// Tensors read.
+    pub tensors_checked: u64,
+    /// Elements read.
+    pub elements_checked: u64,
+    /// The magnitude above which a finite value counts as bad ([`HUGE_VALUE`]).
+    pub huge_above: f32,
+    /// Whether every value is finite and within the bound (no bad tensor).
+    pub all_finite: bool,
+    /// The bad tensors, in the order read (components, files, names); the first is the
+    /// one the error names.
+    pub bad: Vec<BadTensor>,
+}
+
+/// A value as the report prints it.
+fn value_text(v: f32) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "inf" } else { "-inf" }.into()
+    } else {
+        format!("{v:e}")
+    }
+}
+
+/// Whether `name` is an fp8 weight's per-tensor scale (`<layer>.scale_weight`,
+/// `<layer>.weight_scale`); returns the layer.
+fn scale_layer(name: &str) -> Option<&str> {
+    ddo_nn::weights::SCALE_NAMES.iter().find_map(|s| {
+        name.strip_suffix(&format!(".{s}"))
+            .map(|l| &name[..l.len()])
+    })
+}
+
+/// Most elements a tensor read as an fp8 scale may have (one per tensor; a few per channel
+/// in some files): a larger one is scanned as any other tensor.
+const MAX_SCALE_ELEMENTS: usize = 4096;
+
+/// The values of one tensor of `ckpt`: a [`BadTensor`] when any is bad.
+fn check_tensor(
+    ckpt: &Checkpoint,
+    name: &str,
+    component: &str,
+) -> CliResult<(u64, Option<BadTensor>)> {
+    let t = ckpt.tensor(name).map_err(CliError::from)?;
+    let bytes = &ckpt.map().bytes()[t.offset..t.offset + t.len];
+    let size = t.dtype.size_in_bytes();
+    let elements = (bytes.len() / size) as u64;
+    let bad = |non_finite: u64, huge: u64, first: u64, problem: String| {
+        let at = first as usize * size;
+        let value = t
+            .dtype
+            .decode_f32(&bytes[at..at + size])
+            .ok()
+            .and_then(|v| v.first().copied())
+            .map_or_else(|| "?".to_string(), value_text);
+        BadTensor {
+            component: component.to_string(),
+            file: ckpt.path().display().to_string(),
+            tensor: name.to_string(),
+            dtype: format!("{:?}", t.dtype.to_safetensors()),
+            elements,
+            non_finite,
+            huge,
+            first_bad_element: first,
+            first_bad_value: value,
+            problem,
+        }
+    };
+    if let Some(layer) = scale_layer(name)
+        && matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16)
+        && (elements as usize) <= MAX_SCALE_ELEMENTS
+    {
+        let weight = ckpt
+            .tensor(&format!("{layer}.weight"))
+            .map_or(DType::F8E4M3, |w| w.dtype);
+        let values = t.dtype.decode_f32(bytes).map_err(CliError::from)?;
+        let problems: Vec<(usize, String)> = values
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &v)| fp8_scale_problem(v, weight).map(|p| (i, p)))
+            .collect();
+        let found = problems.first().map(|(first, problem)| {
+            let non_finite = values.iter().filter(|v| !v.is_finite()).count() as u64;
+            bad(
+                non_finite,
+                problems.len() as u64 - non_finite,
+                *first as u64,
+                format!("the fp8 scale of `{layer}.weight`: {problem}"),
+            )
+        });
+        return Ok((elements, found));
+    }
+    let found = scan(t.dtype, bytes, HUGE_VALUE);
+    ckpt.map().release_pages(t.offset..t.offset + t.len);
+    let report = found.first_bad.map(|first| {
+        let mut what = Vec::new();
+        if found.non_finite > 0 {
+            what.push(format!("{} NaN/Inf value(s)", found.non_finite));
+        }
+        if found.huge > 0 {
+            what.push(format!("{} value(s) above {HUGE_VALUE:.1e}", found.huge));
+        }
+        bad(
+            found.non_finite,
+            found.huge,
+            first,
+            format!("{} of {elements}", what.join(" and ")),
+        )
+    });
+    Ok((elements, report))
+}
+
+/// `--check-values`: every tensor of every file of `comps`, in order.
+pub fn check_values(comps: &[ComponentSummary]) -> CliResult<ValuesReport> {
+    let mut report = ValuesReport {
+        huge_above: HUGE_VALUE,
+        ..ValuesReport::default()
+    };
+    for c in comps {
+        for path in &c.paths {
+            let ckpt = Checkpoint::open(path).map_err(CliError::from)?;
+            let names: Vec<String> = ckpt.names().map(str::to_string).collect();
+            for name in names {
+                let (elements, bad) = check_tensor(&ckpt, &name, &c.component)?;
+                report.tensors_checked += 1;
+                report.elements_checked += elements;
+                report.bad.extend(bad);
+            }
+        }
+    }
+    report.all_finite = report.bad.is_empty();
+    Ok(report)
+}
+
+/// The report's line of text: `values: N tensors checked, all finite`, or how many are bad
+/// and the first.
+fn values_line(r: &ValuesReport) -> String {
+    match r.bad.first() {
+        None => format!(
+            "values: {} tensors checked, all finite (none above {:.1e})\n",
+            r.tensors_checked, r.huge_above
+        ),
+        Some(b) => format!(
+            "values: {} tensors checked, {} with NaN/Inf or values above {:.1e}; first: `{}` in {}: {} (element {} is {})\n",
+            r.tensors_checked,
+            r.bad.len(),
+            r.huge_above,
+            b.tensor,
+            b.file,
+            b.problem,
+            b.first_bad_element,
+            b.first_bad_value
+        ),
+    }
+}
+
+/// The error for a report with bad tensors: the first, its file, and what to do.
+fn values_error(r: &ValuesReport) -> Option<CliError> {
+    let b = r.bad.first()?;
+    let more = match r.bad.len() {
+        1 => String::new(),
+        n => format!(
+            "; {} more tensor(s) hold bad values (ddo inspect --check-values --json lists them)",
+            n - 1
+        ),
+    };
+    Some(CliError::runtime(
+        format!(
+            "tensor `{}` ({}) in {} holds bad values: {}; element {} is {}{more}",
+            b.tensor, b.component, b.file, b.problem, b.first_bad_element, b.first_bad_value
+        ),
+        format!(
+            "a run on these weights gives NaN latents (an all-black image before issue 34): \
+             re-download or re-convert {} (or fix the tensor), then run ddo inspect --check-values again",
+            b.file
+        ),
+    ))
 }
 
 /// What one preset does with one component under the budget.
@@ -239,6 +459,7 @@ fn summarize(
         component,
         class,
         files: files.iter().map(|f| f.display().to_string()).collect(),
+        paths: files.to_vec(),
         tensors: 0,
         params: 0,
         bytes: 0,
@@ -454,12 +675,17 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
             given.push(route_plan(spec, c, budget));
         }
     }
+    let values = if args.check_values {
+        Some(check_values(&comps)?)
+    } else {
+        None
+    };
     let presets: Vec<(Preset, Vec<PresetPlan>)> = Preset::ALL
         .iter()
         .map(|&p| (p, comps.iter().map(|c| preset_plan(p, c, budget)).collect()))
         .collect();
     let text = if args.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "path": path.display().to_string(),
             "components": comps,
             "vram_budget_bytes": budget,
@@ -470,9 +696,17 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
                 "components": plans,
             })).collect::<Vec<_>>(),
         });
+        if let Some(r) = &values {
+            v["values"] = serde_json::to_value(r).unwrap_or_default();
+        }
         serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
     } else {
-        let mut s = format!("{} (headers only)\n\n", path.display());
+        let read = if values.is_some() {
+            "headers and values"
+        } else {
+            "headers only"
+        };
+        let mut s = format!("{} ({read})\n\n", path.display());
         s += &format!(
             "{:<16} {:<26} {:>8} {:>14} {:>12}  {}\n",
             "component", "class", "tensors", "params", "bytes", "by dtype; largest leaf"
@@ -520,6 +754,9 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
                 );
             }
         }
+        if let Some(r) = &values {
+            s += &values_line(r);
+        }
         s += &format!(
             "\nper preset, with a {} budget (estimates from the headers):\n",
             format_bytes(budget)
@@ -542,5 +779,9 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
         s
     };
     out.write_all(text.as_bytes())
-        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))
+        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))?;
+    match values.as_ref().and_then(values_error) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }

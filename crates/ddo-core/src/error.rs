@@ -366,9 +366,37 @@ pub enum CoreError {
         /// What is still pending.
         pending: String,
     },
+    /// A pipeline's latents, prompt embeddings or decoded image hold NaN or Inf values: a
+    /// weight or a config value is NaN, Inf or overflows. The run stops there, before
+    /// anything is returned (issue 34: such a run used to end as an all-black image).
+    #[error(
+        "{count} NaN/Inf value(s) in {what} after {}: the run stopped. A weight or a config value is \
+         NaN/Inf or overflows: run `ddo inspect --check-values PATH` on the pipeline folder (or each \
+         checkpoint file) to find the tensor, and check the configs' numbers (scheduler shift, VAE \
+         scaling_factor and shift_factor)",
+        non_finite_at(phase, *step)
+    )]
+    NonFinite {
+        /// The phase (`prompt encoding`, `denoise`, `decode`).
+        phase: String,
+        /// The step, from 1, and the steps of the phase, when the phase has steps.
+        step: Option<(usize, usize)>,
+        /// What was checked (`the latents`, `the decoded image`, ...).
+        what: String,
+        /// Non-finite elements found.
+        count: u64,
+    },
     /// A fault injected on purpose by a test wrapper.
     #[error("injected fault: {0}")]
     Injected(String),
+}
+
+/// Where [`CoreError::NonFinite`] was found: `denoise step 3 of 28`, or the phase alone.
+fn non_finite_at(phase: &str, step: Option<(usize, usize)>) -> String {
+    match step {
+        Some((i, n)) => format!("{phase} step {i} of {n}"),
+        None => phase.to_string(),
+    }
 }
 
 /// Why a route's preflight refused. Each says what to do instead.

@@ -487,6 +487,10 @@ impl Ops for FaultInjectingDevice {
         self.inner_ops()?.to_f32_vec(x)
     }
 
+    fn count_non_finite(&self, x: &Tensor) -> Result<u64> {
+        self.inner_ops()?.count_non_finite(x)
+    }
+
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op("linear", |o| o.linear(x, w, bias))
     }

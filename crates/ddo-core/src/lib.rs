@@ -23,6 +23,7 @@
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
 //! - one set of shape rules for every backend's ops ([`shape`]);
+//! - scans of stored values for NaN, Inf and overflowing magnitudes ([`values`]);
 //! - test support behind the `test-support` feature: the fault-injecting device and
 //!   seeded reference components, over any `Device`.
 //!
@@ -54,6 +55,7 @@ pub mod route;
 pub mod shape;
 pub mod streaming;
 pub mod tensor;
+pub mod values;
 
 pub use checkpoint::{Checkpoint, UniqueMap};
 pub use component::{Component, Leaf, LeafId, LeafKind, Mode, Module, ModuleKind, Placement};
@@ -71,7 +73,7 @@ pub use error::{CoreError, DetachRefusal, Refusal, Result};
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
 pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
-pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp};
+pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp, check_finite};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use profile::{ComputeDevice, OpClassTime, OpProfile, OpProfiler, ProfiledOps};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};

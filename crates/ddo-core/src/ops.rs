@@ -257,6 +257,18 @@ pub trait Ops: Send + Sync {
         layer_norm_modulate_composed(self, x, eps, scale, shift)
     }
 
+    /// The number of NaN and ±Inf elements of `x` (f32, f16 or bf16; the host backend also
+    /// reads the 8-bit floats): one reduction over the whole tensor, read back as one
+    /// integer, so it waits for the work queued on the compute stream before it, as
+    /// [`Ops::to_f32_vec`] does, and for nothing else. A pipeline checks its latents after
+    /// each step and its decoded image with it ([`check_finite`]). The default downloads
+    /// the values ([`Ops::to_f32_vec`]) and counts them on the host; both backends count on
+    /// the device (CUDA: one kernel pass and an 8-byte read).
+    fn count_non_finite(&self, x: &Tensor) -> Result<u64> {
+        let values = self.to_f32_vec(x)?;
+        Ok(values.iter().filter(|v| !v.is_finite()).count() as u64)
+    }
+
     /// `x + gate * y`, broadcasting (NumPy rules; a DiT block's gated residual: `gate`
     /// `[b, 1, d]` over `x, y [b, t, d]`). The result has `x`'s dtype. The default is exactly
     /// [`gated_add_composed`] ([`Ops::binary`] `Mul`, rounded into `gate`'s dtype, then
@@ -264,6 +276,27 @@ pub trait Ops: Send + Sync {
     /// group of rows) computes it in f32 and rounds once.
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         gated_add_composed(self, x, gate, y)
+    }
+}
+
+/// Stops a run on non-finite values: [`CoreError::NonFinite`](crate::CoreError) naming
+/// `what`, the `phase` and the `step` (from 1, of the phase's steps) when `x` holds a NaN
+/// or an Inf. One [`Ops::count_non_finite`]: one device reduction and one scalar read.
+pub fn check_finite<O: Ops + ?Sized>(
+    ops: &O,
+    x: &Tensor,
+    phase: &str,
+    step: Option<(usize, usize)>,
+    what: &str,
+) -> Result<()> {
+    match ops.count_non_finite(x)? {
+        0 => Ok(()),
+        count => Err(crate::CoreError::NonFinite {
+            phase: phase.to_string(),
+            step,
+            what: what.to_string(),
+            count,
+        }),
     }
 }
 

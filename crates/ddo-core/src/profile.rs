@@ -342,6 +342,12 @@ impl Ops for ProfiledOps {
         self.device()?.to_f32_vec(x)
     }
 
+    /// The backend's own count (not profiled: it reads a scalar back, as `to_f32_vec`
+    /// reads values).
+    fn count_non_finite(&self, x: &Tensor) -> Result<u64> {
+        self.device()?.count_non_finite(x)
+    }
+
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op(
             "linear",

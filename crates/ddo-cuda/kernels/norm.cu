@@ -1,6 +1,6 @@
 // Row-wise kernels of DDO's CUDA backend: layer and RMS normalisation, group normalisation
 // (chunked statistics, then an element-wise apply), softmax over the last dim, reductions
-// over one dim. Compiled by NVRTC with ops/kernels.rs's PRELUDE in front. Accumulation is
+// over one dim, the count of non-finite elements. Compiled by NVRTC with ops/kernels.rs's PRELUDE in front. Accumulation is
 // f32 with block (tree) reductions and two-pass variances, so large rows stay accurate;
 // sequential loops accumulate in f64.
 
@@ -670,4 +670,49 @@ extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, con
         }
         store8(y, r * d + col, ydt, v);
     }
+}
+
+// Sum of a u64 over the block (every thread calls it; `scratch` is __shared__ u64[32]);
+// thread 0 gets the result.
+__device__ __forceinline__ u64 block_sum_u64(u64 v, u64* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int warps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    u64 r = lane < warps ? scratch[lane] : 0ull;
+    for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+    __syncthreads();
+    return r;
+}
+
+// First pass of the non-finite count: each block counts the NaN and +-Inf elements (exponent
+// bits all ones, tested on the stored bits: no conversion) of its grid-stride share of the
+// n elements of x and writes the count to partial[blockIdx.x].
+extern "C" __global__ void ddo_count_non_finite(const void* x, int xdt, i64 n, u64* partial) {
+    __shared__ u64 scratch[32];
+    u64 c = 0;
+    i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        bool bad;
+        if (xdt == DTYPE_F32) {
+            bad = (((const u32*)x)[i] & 0x7f800000u) == 0x7f800000u;
+        } else if (xdt == DTYPE_F16) {
+            bad = (((const u16*)x)[i] & 0x7c00u) == 0x7c00u;
+        } else {
+            bad = (((const u16*)x)[i] & 0x7f80u) == 0x7f80u;
+        }
+        c += bad ? 1ull : 0ull;
+    }
+    c = block_sum_u64(c, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = c;
+}
+
+// Second pass: one block sums the `blocks` partial counts into *out.
+extern "C" __global__ void ddo_sum_counts(const u64* partial, i64 blocks, u64* out) {
+    __shared__ u64 scratch[32];
+    u64 c = 0;
+    for (i64 i = threadIdx.x; i < blocks; i += blockDim.x) c += partial[i];
+    c = block_sum_u64(c, scratch);
+    if (threadIdx.x == 0) *out = c;
 }

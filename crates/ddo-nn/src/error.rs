@@ -142,9 +142,10 @@ pub enum LoadError {
         hint: String,
     },
     /// An fp8 weight's scale tensor (`<layer>.scale_weight` or `<layer>.weight_scale`) is
-    /// unusable: not one finite positive number, or beside a weight that is not fp8.
+    /// unusable: not one finite positive number, so large that the weight's values
+    /// overflow, or beside a weight that is not fp8.
     #[error(
-        "{file}: scale `{scale}` of `{tensor}`: {message}; fix or remove the scale tensor (a scaled fp8 weight takes one f32, f16 or bf16 value above 0)"
+        "{file}: scale `{scale}` of `{tensor}`: {message}; fix or remove the scale tensor (a scaled fp8 weight takes one f32, f16 or bf16 value above 0 whose product with the format's largest value stays below 1.8e19; `ddo inspect --check-values` lists every bad value)"
     )]
     BadScale {
         /// The weight it scales.
@@ -224,4 +225,20 @@ pub enum LoadError {
     /// The core refused something while building (allocation, a bad module tree).
     #[error(transparent)]
     Core(#[from] CoreError),
+}
+
+impl LoadError {
+    /// This error as read from config file `file`: an [`LoadError::InvalidConfig`]'s field
+    /// is named with the file (`<file>: shift`, as the pipeline loaders name fields of
+    /// `model_index.json`); any other error is returned as it is.
+    pub fn in_config_file(self, file: &std::path::Path) -> Self {
+        match self {
+            LoadError::InvalidConfig { field, value, hint } => LoadError::InvalidConfig {
+                field: format!("{}: {field}", file.display()),
+                value,
+                hint,
+            },
+            other => other,
+        }
+    }
 }

@@ -21,6 +21,13 @@
 //!
 //! Karras/exponential/beta sigmas, stochastic sampling and inverted sigmas are not
 //! implemented: a config that asks for them is refused with a typed error, never ignored.
+//!
+//! Numbers that make the schedule degenerate are refused too (issue 34: `shift` 1e-38 or
+//! `max_shift` 1e30 gave NaN sigmas, an all-black image): at load, `shift` must lie in
+//! [`SHIFT_RANGE`], `base_shift` and `max_shift` in [`DYNAMIC_SHIFT_RANGE`], the sequence
+//! lengths be at most [`MAX_SEQ_LEN`], `shift_terminal` in [0, 1); when a schedule is set,
+//! `exp(mu)` must be finite and every sigma finite, in [0, 1] and non-increasing
+//! ([`FlowMatchEulerScheduler::set_sigmas`], [`FlowMatchEulerScheduler::set_timesteps`]).
 
 use std::path::Path;
 
@@ -28,6 +35,23 @@ use ddo_core::{BinaryOp, CoreError, DType, Ops, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{LoadError, LoadResult};
+
+/// The accepted fixed `shift` (Diffusers' schedulers use 1 to 7: Flux 3, SD3 3, Qwen-Image
+/// 1): a shift near 0 collapses every sigma to 0, a huge one every sigma to 1.
+pub const SHIFT_RANGE: (f64, f64) = (1e-3, 1e3);
+
+/// The accepted `base_shift` and `max_shift` (Flux 0.5 and 1.15, Qwen-Image 0.5 and 0.9):
+/// `mu` interpolates between them and the schedule uses `exp(mu)`, which f32 holds up to
+/// `mu` = 88, so shifts of a few units already mean sigmas pinned at 0 or 1.
+pub const DYNAMIC_SHIFT_RANGE: (f64, f64) = (-20.0, 20.0);
+
+/// The largest `base_image_seq_len` / `max_image_seq_len` accepted (Flux 256 and 4096,
+/// Qwen-Image 256 and 8192): 2^20 packed tokens is a 16384x16384 image.
+pub const MAX_SEQ_LEN: usize = 1 << 20;
+
+/// How far a sigma may stray above 1, or above the sigma before it, by f32 rounding
+/// (`shift·σ / (1 + (shift−1)·σ)` at σ = 1 is 1 within an ulp or two).
+const SIGMA_SLACK: f32 = 1e-5;
 
 /// How the dynamic (resolution-dependent) shift is applied (`time_shift_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -157,7 +181,8 @@ impl FlowMatchEulerConfig {
         }
     }
 
-    /// Reads and validates a Diffusers `scheduler_config.json`.
+    /// Reads and validates a Diffusers `scheduler_config.json`; a refused field is named
+    /// with the file (`<path>: shift`).
     pub fn from_file(path: &Path) -> LoadResult<Self> {
         let text = crate::weights::read_text_file(path)?;
         let config: Self = serde_json::from_str(&text).map_err(|e| LoadError::Config {
@@ -166,11 +191,14 @@ impl FlowMatchEulerConfig {
                 "{e}; expected a FlowMatchEulerDiscreteScheduler scheduler_config.json"
             ),
         })?;
-        config.validate()?;
+        config.validate().map_err(|e| e.in_config_file(path))?;
         Ok(config)
     }
 
-    /// Refuses what this port does not implement and values that cannot work.
+    /// Refuses what this port does not implement and values that cannot work: the options
+    /// it does not implement, and numbers outside the documented ranges ([`SHIFT_RANGE`],
+    /// [`DYNAMIC_SHIFT_RANGE`], [`MAX_SEQ_LEN`], `shift_terminal` in [0, 1)), each error
+    /// naming the field and the range.
     pub fn validate(&self) -> LoadResult<()> {
         let invalid = |field: &str, value: String, hint: &str| {
             Err(LoadError::InvalidConfig {
@@ -197,8 +225,50 @@ impl FlowMatchEulerConfig {
         if self.num_train_timesteps == 0 {
             return invalid("num_train_timesteps", "0".into(), "must be positive");
         }
-        if !self.shift.is_finite() || self.shift <= 0.0 {
-            return invalid("shift", self.shift.to_string(), "must be a positive number");
+        let in_range = |v: f64, (lo, hi): (f64, f64)| v.is_finite() && (lo..=hi).contains(&v);
+        if !in_range(self.shift, SHIFT_RANGE) {
+            return invalid(
+                "shift",
+                self.shift.to_string(),
+                &format!(
+                    "must be a number in [{:e}, {:e}] (Flux: 3.0, Qwen-Image: 1.0); outside it the \
+                     shifted sigmas collapse to 0 or 1 or become NaN",
+                    SHIFT_RANGE.0, SHIFT_RANGE.1
+                ),
+            );
+        }
+        for (field, value, default) in [
+            ("base_shift", self.base_shift, 0.5),
+            ("max_shift", self.max_shift, 1.15),
+        ] {
+            let v = value.unwrap_or(default);
+            if !in_range(v, DYNAMIC_SHIFT_RANGE) {
+                return invalid(
+                    field,
+                    v.to_string(),
+                    &format!(
+                        "must be a number in [{}, {}] (Flux: base_shift 0.5, max_shift 1.15); the \
+                         schedule uses exp(mu), mu interpolated between the two, which overflows or \
+                         pins every sigma at 0 or 1 outside it",
+                        DYNAMIC_SHIFT_RANGE.0, DYNAMIC_SHIFT_RANGE.1
+                    ),
+                );
+            }
+        }
+        for (field, v) in [
+            ("base_image_seq_len", self.base_image_seq_len),
+            ("max_image_seq_len", self.max_image_seq_len),
+        ] {
+            if v > MAX_SEQ_LEN {
+                return invalid(
+                    field,
+                    v.to_string(),
+                    &format!(
+                        "must be at most {MAX_SEQ_LEN} packed image tokens (Flux: base_image_seq_len \
+                         256, max_image_seq_len 4096)"
+                    ),
+                );
+            }
         }
         if self.max_image_seq_len == self.base_image_seq_len {
             return invalid(
@@ -208,9 +278,13 @@ impl FlowMatchEulerConfig {
             );
         }
         if let Some(t) = self.shift_terminal
-            && !(t.is_finite() && t < 1.0)
+            && !(t.is_finite() && (0.0..1.0).contains(&t))
         {
-            return invalid("shift_terminal", t.to_string(), "must be below 1 (or null)");
+            return invalid(
+                "shift_terminal",
+                t.to_string(),
+                "must be in [0, 1) (Qwen-Image: 0.02), or null",
+            );
         }
         Ok(())
     }
@@ -349,6 +423,16 @@ impl FlowMatchEulerScheduler {
             match self.config.time_shift_type {
                 TimeShiftType::Exponential => {
                     let e = mu.exp() as f32;
+                    if !e.is_finite() {
+                        return Err(self.degenerate(format!(
+                            "exp(mu) = exp({mu}) overflows f32 (mu from base_shift {:?}, max_shift \
+                             {:?}, base_image_seq_len {} and max_image_seq_len {})",
+                            self.config.base_shift,
+                            self.config.max_shift,
+                            self.config.base_image_seq_len,
+                            self.config.max_image_seq_len
+                        )));
+                    }
                     s.iter().map(|&t| e / (e + (1.0f32 / t - 1.0))).collect()
                 }
                 TimeShiftType::Linear => {
@@ -379,8 +463,7 @@ impl FlowMatchEulerScheduler {
             }
             None => shifted,
         };
-        self.finish(shifted);
-        Ok(())
+        self.finish(shifted)
     }
 
     /// `set_timesteps(num_inference_steps, mu=mu)` without given sigmas (the path of
@@ -428,8 +511,7 @@ impl FlowMatchEulerScheduler {
             }
             None => shifted,
         };
-        self.finish(shifted.into_iter().map(|x| x as f32).collect());
-        Ok(())
+        self.finish(shifted.into_iter().map(|x| x as f32).collect())
     }
 
     /// `sigma_max`, `sigma_min` of the training schedule as the constructor leaves them
@@ -457,11 +539,42 @@ impl FlowMatchEulerScheduler {
         }
     }
 
-    fn finish(&mut self, sigmas: Vec<f32>) {
+    /// Sets the schedule to `sigmas` (a final 0 appended), or refuses sigmas that are not
+    /// finite, not in [0, 1] or not non-increasing (each within [`SIGMA_SLACK`] of f32
+    /// rounding): what a degenerate config makes of them, changing nothing.
+    fn finish(&mut self, sigmas: Vec<f32>) -> Result<()> {
+        if let Some((i, &s)) = sigmas
+            .iter()
+            .enumerate()
+            .find(|&(_, &s)| !(s.is_finite() && (0.0..=1.0 + SIGMA_SLACK).contains(&s)))
+        {
+            return Err(self.degenerate(format!("sigma {i} of {} is {s}", sigmas.len())));
+        }
+        if let Some(i) = (1..sigmas.len()).find(|&i| sigmas[i] > sigmas[i - 1] + SIGMA_SLACK) {
+            return Err(self.degenerate(format!(
+                "sigma {i} ({}) is above sigma {} ({}): the schedule must not increase",
+                sigmas[i],
+                i - 1,
+                sigmas[i - 1]
+            )));
+        }
         let n = self.config.num_train_timesteps as f32;
         self.timesteps = sigmas.iter().map(|&s| s * n).collect();
         self.sigmas = sigmas;
         self.sigmas.push(0.0);
+        Ok(())
+    }
+
+    /// A schedule the config's numbers make degenerate: `what` went wrong, with the fields
+    /// that decide it.
+    fn degenerate(&self, what: String) -> CoreError {
+        let c = &self.config;
+        schedule_error(format!(
+            "{what}: the scheduler config makes the schedule degenerate (shift {}, \
+             use_dynamic_shifting {}, base_shift {:?}, max_shift {:?}, shift_terminal {:?}); fix \
+             scheduler/scheduler_config.json (Flux: shift 3.0, base_shift 0.5, max_shift 1.15)",
+            c.shift, c.use_dynamic_shifting, c.base_shift, c.max_shift, c.shift_terminal
+        ))
     }
 
     /// The Euler step of step `index`: `sample + (σ[index+1] − σ[index]) · model_output`,

@@ -561,8 +561,9 @@ pub const INPUT_SCALE_NAME: &str = "scale_input";
 impl CheckpointWeights {
     /// The per-tensor scale of weight `name` of `dtype` when the checkpoint has one
     /// ([`SCALE_NAMES`]); marks the scale (and [`INPUT_SCALE_NAME`]) used. A scale that is
-    /// not one finite positive number, or beside a weight that is not fp8, is a
-    /// [`LoadError::BadScale`].
+    /// not one finite positive number, so large that the weight's values overflow
+    /// ([`ddo_core::values::fp8_scale_problem`]: 1e38 is), or beside a weight that is not
+    /// fp8, is a [`LoadError::BadScale`].
     fn scale_of(&mut self, name: &str, dtype: DType) -> LoadResult<Option<f32>> {
         let Some(layer) = name.strip_suffix(".weight") else {
             return Ok(None);
@@ -616,10 +617,8 @@ impl CheckpointWeights {
             .first()
             .copied()
             .unwrap_or(f32::NAN);
-        if !value.is_finite() || value <= 0.0 {
-            return Err(bad(format!(
-                "its value {value} is not a finite positive number"
-            )));
+        if let Some(problem) = ddo_core::values::fp8_scale_problem(value, dtype) {
+            return Err(bad(problem));
         }
         self.used.insert(scale_name);
         let input = format!("{layer}.{INPUT_SCALE_NAME}");

@@ -208,9 +208,9 @@ fn fp8_scale_tensors_are_read_applied_on_conversion_and_count_as_used() {
     }
 }
 
-/// A scale that is zero, negative, NaN, infinite, not one element, not a float, doubled,
-/// or beside a weight that is not fp8 is a typed error naming the weight, the scale and
-/// the file; nothing is loaded.
+/// A scale that is zero, negative, NaN, infinite, so large the weight overflows (1e38),
+/// not one element, not a float, doubled, or beside a weight that is not fp8 is a typed
+/// error naming the weight, the scale and the file; nothing is loaded.
 #[test]
 fn bad_fp8_scales_are_typed_errors_naming_the_tensor() {
     let dir = TempDir::new();
@@ -248,6 +248,13 @@ fn bad_fp8_scales_are_typed_errors_naming_the_tensor() {
             f32_scale(f32::INFINITY).0,
             f32_scale(f32::INFINITY).1,
             "not a finite positive",
+        ),
+        (
+            "huge",
+            "F8_E4M3".into(),
+            f32_scale(1e38).0,
+            f32_scale(1e38).1,
+            "above",
         ),
         (
             "per-channel",

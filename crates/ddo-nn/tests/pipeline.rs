@@ -3,7 +3,7 @@
 //! the latents after a 4-step loop and the decoded image from the same weights, embeddings
 //! and noise, run through `run_phases` on resident and offloaded routes; the phase
 //! boundaries (three phases, nothing left on the device after each cleanup); prompts from
-//! text; and the automatic tiled-decode choice.
+//! text; the automatic tiled-decode choice; and a run stopped by NaN latents.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -307,6 +307,49 @@ fn bad_requests_are_typed_errors_and_release_everything() {
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
     assert!(e.to_string().contains("[1, 4, 32, 12]"), "{e}");
+    assert_eq!(d.memory_info().allocated, 0);
+    for name in ["text_encoder", "transformer", "vae"] {
+        assert!(offload.handle(name).unwrap().is_detached(), "{name}");
+    }
+}
+
+/// Latents that turn NaN (here: a NaN in the given noise) stop the run after the first
+/// denoise step with `CoreError::NonFinite` naming the phase and the step, and every
+/// component is released as after any error (issue 34: the run used to go on to an
+/// all-black image).
+#[test]
+fn non_finite_latents_stop_the_run_at_their_step_and_release_everything() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let d = device();
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    let mut offload =
+        enable_pipeline_offload_with_env(&pipeline, d.clone(), &settings(Preset::Auto, None), &env)
+            .unwrap();
+    let mut request = fixture_request(TiledDecode::Off);
+    let (shape, mut noise) = fixture("inputs.safetensors", "noise");
+    noise[5] = f32::NAN;
+    request.init = InitLatents::Given(Tensor::from_f32(shape, DType::F32, &noise).unwrap());
+    let mut progress = Vec::new();
+    let e = pipe
+        .run_phases(&mut offload, &request, &mut |phase, i, _| {
+            progress.push((phase.to_string(), i))
+        })
+        .unwrap_err();
+    match &e {
+        ddo_core::CoreError::NonFinite {
+            phase, step, what, ..
+        } => {
+            assert_eq!((phase.as_str(), *step), ("denoise", Some((1, 4))), "{e}");
+            assert_eq!(what, "the latents");
+        }
+        other => panic!("expected NonFinite, got {other:?}"),
+    }
+    assert!(e.to_string().contains("denoise step 1 of 4"), "{e}");
+    assert!(
+        !progress.iter().any(|(p, _)| p == "denoise"),
+        "no step reported done: {progress:?}"
+    );
     assert_eq!(d.memory_info().allocated, 0);
     for name in ["text_encoder", "transformer", "vae"] {
         assert!(offload.handle(name).unwrap().is_detached(), "{name}");

@@ -3,8 +3,9 @@
 //! `CheckpointWeights`: conformance of the decode (batch 1 and 2), of every block, of the
 //! pipeline's un-normalisation and of the tiled decode; bit-identical output on every route,
 //! the seed's VAE default included; the tree in execution order; typed config, checkpoint
-//! and input errors; the causal convolutions' temporal slices; the param count at Qwen-Image's
-//! widths; and the activation-peak estimates against the host backend's exact accounting.
+//! and input errors (NaN/Inf decodes refused before the clamp); the causal convolutions'
+//! temporal slices; the param count at Qwen-Image's widths; and the activation-peak
+//! estimates against the host backend's exact accounting.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -441,6 +442,34 @@ fn bad_latents_are_shape_errors() {
     }
 }
 
+/// Latents holding a NaN or an Inf decode to `CoreError::NonFinite` naming the decode, both
+/// untiled — checked before the clamp, which would turn NaN into -1 and Inf into 1 — and
+/// tiled (issue 34).
+#[test]
+fn non_finite_decodes_are_refused_before_the_clamp() {
+    let vae = load();
+    let d = resident(&vae);
+    let (shape, clean) = fixture("inputs.safetensors", "latents_tiled");
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut v = clean.clone();
+        v[3] = bad;
+        let t = Tensor::from_f32(shape.clone(), DType::F32, &v).unwrap();
+        for tiling in [None, Some(fixture_tiling())] {
+            match vae.decode(&*d, &t, tiling) {
+                Err(CoreError::NonFinite {
+                    phase, step, what, ..
+                }) => {
+                    assert_eq!((phase.as_str(), step), ("decode", None));
+                    assert_eq!(what, "the decoded image");
+                }
+                other => panic!("{bad} {tiling:?}: expected NonFinite, got {other:?}"),
+            }
+        }
+    }
+    let t = Tensor::from_f32(shape, DType::F32, &clean).unwrap();
+    vae.decode(&*d, &t, None).unwrap();
+}
+
 /// A fresh temporary directory, removed on drop.
 struct TempDir(PathBuf);
 
@@ -476,10 +505,19 @@ fn invalid_field(
     edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
 ) -> (String, String) {
     let dir = config_with(edit);
-    match QwenVaeConfig::from_file(&dir.0.join("config.json")) {
+    let file = dir.0.join("config.json");
+    match QwenVaeConfig::from_file(&file) {
         Err(LoadError::InvalidConfig { field, value, hint }) => {
             assert!(!hint.is_empty());
-            (field, value)
+            // Read from a file, the field is named with it.
+            let prefix = format!("{}: ", file.display());
+            let field = field.strip_prefix(&prefix).unwrap_or_else(|| {
+                panic!(
+                    "the field `{field}` does not name the file {}",
+                    file.display()
+                )
+            });
+            (field.to_string(), value)
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }

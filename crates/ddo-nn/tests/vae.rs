@@ -347,9 +347,12 @@ fn config_errors_are_typed() {
     let dir = config_with(|m| {
         m.insert("act_fn".into(), "gelu".into());
     });
+    // Read from a file, a refused field is named with it (`<file>: act_fn`).
+    let named =
+        |dir: &TempDir, field: &str| format!("{}: {field}", dir.0.join("config.json").display());
     match AutoencoderKLConfig::from_file(&dir.0.join("config.json")) {
         Err(LoadError::InvalidConfig { field, value, .. }) => {
-            assert_eq!((field.as_str(), value.as_str()), ("act_fn", "gelu"));
+            assert_eq!((field, value.as_str()), (named(&dir, "act_fn"), "gelu"));
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
@@ -359,7 +362,7 @@ fn config_errors_are_typed() {
     });
     assert!(matches!(
         AutoencoderKLConfig::from_file(&dir.0.join("config.json")),
-        Err(LoadError::InvalidConfig { field, .. }) if field == "block_out_channels"
+        Err(LoadError::InvalidConfig { field, .. }) if field == named(&dir, "block_out_channels")
     ));
 
     let dir = config_with(|m| {
@@ -367,7 +370,7 @@ fn config_errors_are_typed() {
     });
     assert!(matches!(
         AutoencoderKLConfig::from_file(&dir.0.join("config.json")),
-        Err(LoadError::InvalidConfig { field, .. }) if field == "latent_channels"
+        Err(LoadError::InvalidConfig { field, .. }) if field == named(&dir, "latent_channels")
     ));
 
     let dir = config_with(|m| {
@@ -378,7 +381,7 @@ fn config_errors_are_typed() {
     });
     assert!(matches!(
         AutoencoderKLConfig::from_file(&dir.0.join("config.json")),
-        Err(LoadError::InvalidConfig { field, .. }) if field == "up_block_types"
+        Err(LoadError::InvalidConfig { field, .. }) if field == named(&dir, "up_block_types")
     ));
 
     // Unknown fields are ignored; Diffusers' defaults fill optional ones.

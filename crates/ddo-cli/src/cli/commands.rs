@@ -253,7 +253,7 @@ pub struct ResolveArgs {
 /// `ddo inspect`'s options.
 #[derive(Debug, Clone, Default, Args)]
 #[command(
-    override_usage = "ddo inspect PATH [--vram-budget SIZE] [--route COMPONENT=ROUTE[:k=v,...]]... [--json]"
+    override_usage = "ddo inspect PATH [--vram-budget SIZE] [--route COMPONENT=ROUTE[:k=v,...]]... [--check-values] [--json]"
 )]
 pub struct InspectArgs {
     /// a .safetensors file, a model folder or a pipeline folder (one)
@@ -265,6 +265,10 @@ pub struct InspectArgs {
     /// also estimate this route for a component of PATH (repeatable)
     #[arg(long, value_name = "COMPONENT=ROUTE[:k=v,...]")]
     pub route: Vec<String>,
+    /// also read every tensor's values: exit 1 naming the first tensor that holds a NaN, an
+    /// Inf, a value above 1.8e19 or an fp8 scale that overflows its weight
+    #[arg(long)]
+    pub check_values: bool,
     /// print as JSON
     #[arg(long)]
     pub json: bool,

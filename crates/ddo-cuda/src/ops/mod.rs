@@ -12,9 +12,9 @@
 //! Files: [`kernels`] (the sources, prelude, per-device module cache, warm-up, launch
 //! helper), [`kernel_cache`] (compiled images in memory and on disk), [`nvrtc`] (the NVRTC
 //! calls), `elementwise` (unary, binary with broadcasting, affine, cast, rope), `norm`
-//! (group/layer/RMS norm, softmax, reduce), `layout` (upload/download, concat, narrow,
-//! permute, upsample, embedding), the GEMM/convolution/attention files (`gemm`, `conv`,
-//! `attention`), and `codec` (the GPU decoder of ddo-codec's units, public as
+//! (group/layer/RMS norm, softmax, reduce, the non-finite count), `layout`
+//! (upload/download, concat, narrow, permute, upsample, embedding), the
+//! GEMM/convolution/attention files (`gemm`, `conv`, `attention`), and `codec` (the GPU decoder of ddo-codec's units, public as
 //! `ddo_cuda::codec`; not an [`Ops`] op).
 
 pub(crate) use ddo_core::shape::{
@@ -367,6 +367,10 @@ impl Ops for CudaDevice {
 
     fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         norm::reduce(self, x, dim, op)
+    }
+
+    fn count_non_finite(&self, x: &Tensor) -> Result<u64> {
+        norm::count_non_finite(self, x)
     }
 
     fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {

@@ -1,9 +1,9 @@
 //! Row-wise ops on the GPU: layer, RMS and group normalisation, the fused layer norm +
-//! AdaLN modulation, softmax over the last dim, reductions over one dim (kernels in
-//! `kernels/norm.cu`).
+//! AdaLN modulation, softmax over the last dim, reductions over one dim, the count of
+//! non-finite elements (kernels in `kernels/norm.cu`).
 
 use cudarc::driver::LaunchConfig;
-use ddo_core::{ReduceOp, Result, Tensor};
+use ddo_core::{Device, ReduceOp, Result, Tensor};
 
 use super::kernels::{self, Arg, grid_1d, launch};
 use super::{Out, input, opt_ptr, optional_vector, scratch, shape_err};
@@ -499,6 +499,64 @@ pub(crate) fn reduce(dev: &CudaDevice, x: &Tensor, dim: usize, op: ReduceOp) -> 
         }
     }
     out.finish(dev, &[&xi])
+}
+
+/// Threads per block of the non-finite count's first pass.
+const COUNT_BLOCK: u32 = 256;
+/// Most blocks of the non-finite count's first pass (each writes one partial count; the
+/// second pass, one block, sums them).
+const COUNT_MAX_BLOCKS: u64 = 1024;
+
+/// [`ddo_core::Ops::count_non_finite`]: two kernels on the compute stream
+/// (`ddo_count_non_finite`, a grid-stride bit test per element with one partial count per
+/// block, then `ddo_sum_counts`, one block) into a scratch of `8 · (blocks + 1)` bytes,
+/// then an 8-byte read of the total, which waits for the compute stream (the one
+/// synchronisation; nothing else is waited for).
+pub(crate) fn count_non_finite(dev: &CudaDevice, x: &Tensor) -> Result<u64> {
+    const OP: &str = "count_non_finite";
+    let xi = input(dev, OP, x)?;
+    let n = xi.numel as u64;
+    if n == 0 {
+        return Ok(0);
+    }
+    let blocks = n
+        .div_ceil(u64::from(COUNT_BLOCK) * 4)
+        .clamp(1, COUNT_MAX_BLOCKS);
+    let (buffer, ptr) = scratch(dev, 8 * (blocks as usize + 1))?;
+    let total = ptr + 8 * blocks;
+    let count = dev.kernel(SOURCE_NAME, SOURCE, "ddo_count_non_finite")?;
+    launch(
+        dev,
+        &count,
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (COUNT_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        &[
+            Arg::Ptr(xi.ptr),
+            Arg::I32(xi.code),
+            Arg::I64(n as i64),
+            Arg::Ptr(ptr),
+        ],
+    )?;
+    let sum = dev.kernel(SOURCE_NAME, SOURCE, "ddo_sum_counts")?;
+    launch(
+        dev,
+        &sum,
+        LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (COUNT_MAX_BLOCKS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        &[Arg::Ptr(ptr), Arg::I64(blocks as i64), Arg::Ptr(total)],
+    )?;
+    super::mark_used(dev, &[&xi])?;
+    let head = buffer.slice(8 * blocks as usize, 8)?;
+    let bytes = ddo_core::device::download(dev, &head, &dev.compute_stream())?;
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&bytes[..8]);
+    Ok(u64::from_le_bytes(word))
 }
 
 /// [`ddo_core::Ops::layer_norm_modulate`]: `layer_norm(x) * (1 + scale) + shift` in one

@@ -17,7 +17,7 @@
 //! plumbing shared by every op, the strided walk, and the [`Ops`] impl that dispatches to
 //! the families: `gemm` (the sgemm wrapper, linear, `linear_concat`, matmul), `conv`
 //! (im2col convolution), `attention` (blocked online-softmax attention), `norm`
-//! (group/layer/RMS norm, softmax, reduce), `elementwise` (unary, binary with
+//! (group/layer/RMS norm, softmax, reduce, the non-finite count), `elementwise` (unary, binary with
 //! broadcasting, affine, rope) and `layout` (upload/download, concat, narrow, permute,
 //! upsample, cast, embedding); `tests` holds the tests of the plane as a whole
 //! (dtypes, bad input, fp8, accounting, stream order) and `test_support` their helpers.
@@ -402,6 +402,10 @@ impl Ops for HostDevice {
 
     fn reduce(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         norm::reduce(self, x, dim, op)
+    }
+
+    fn count_non_finite(&self, x: &Tensor) -> Result<u64> {
+        norm::count_non_finite(self, x)
     }
 
     fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {

@@ -1,5 +1,5 @@
 //! Row-wise ops on the host: group, layer and RMS normalisation (statistics in f64),
-//! softmax over the last dim and reductions over one dim.
+//! softmax over the last dim, reductions over one dim, and the count of non-finite values.
 
 use super::{product, read_opt, shape_err};
 use crate::device::HostDevice;
@@ -190,6 +190,15 @@ pub(super) fn reduce(dev: &HostDevice, x: &Tensor, dim: usize, op: ReduceOp) -> 
         }
     }
     output.write_f32(&out)
+}
+
+/// [`ddo_core::Ops::count_non_finite`]: bit tests on the stored bytes after the fence
+/// ([`ddo_core::values::count_non_finite`]; fp8 read as stored, a scaled tensor refused as
+/// by every op but cast and the linears).
+pub(super) fn count_non_finite(dev: &HostDevice, x: &Tensor) -> Result<u64> {
+    let xi = dev.input("count_non_finite", x)?;
+    dev.fence()?;
+    Ok(xi.bytes(|b| ddo_core::values::count_non_finite(xi.dtype, b)))
 }
 
 /// Mean and `1 / sqrt(var + eps)` (biased variance) of `values`, two-pass in f64.

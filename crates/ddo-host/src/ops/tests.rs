@@ -217,6 +217,51 @@ fn bad_shapes_wrong_devices_and_ids_are_typed_errors() {
     assert!(d.to_f32_vec(&host).is_err());
 }
 
+/// `count_non_finite` counts NaN and ±Inf in every dtype, fp8 bytes included, after the
+/// work queued before it, through the device's (profiled) ops handle too; quantized
+/// storage and host tensors are typed errors.
+#[test]
+fn count_non_finite_counts_nan_and_inf_of_every_dtype() {
+    let d = dev();
+    let values = [0.5, f32::NAN, -1.0, f32::INFINITY, f32::NEG_INFINITY, 7.0];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let t = put(&d, &[2, 3], dtype, &values);
+        assert_eq!(d.count_non_finite(&t).unwrap(), 3, "{dtype}");
+        let clean = put(&d, &[2, 3], dtype, &[0.0, 1.0, -2.0, 1e4, -1e-4, 3.0]);
+        assert_eq!(d.count_non_finite(&clean).unwrap(), 0, "{dtype}");
+    }
+    // f32 values beyond f16's range become Inf there; bf16 keeps them finite.
+    let big = [1e5f32, -7e4, 3e38];
+    assert_eq!(
+        d.count_non_finite(&put(&d, &[3], DType::F16, &big))
+            .unwrap(),
+        3
+    );
+    assert_eq!(
+        d.count_non_finite(&put(&d, &[3], DType::BF16, &big))
+            .unwrap(),
+        0
+    );
+    let ops = ops_of(&*d).unwrap();
+    let t = put(&d, &[6], DType::BF16, &values);
+    assert_eq!(ops.count_non_finite(&t).unwrap(), 3);
+    // fp8: e4m3's NaN byte (0x7f), e5m2's Inf byte (0x7c) written as stored.
+    let x = put(&d, &[4], DType::F32, &[1.0, 2.0, 3.0, 4.0]);
+    for (dtype, byte) in [(DType::F8E4M3, 0x7fu8), (DType::F8E5M2, 0x7c)] {
+        let q = d.cast(&x, dtype).unwrap();
+        assert_eq!(d.count_non_finite(&q).unwrap(), 0, "{dtype}");
+        let TensorStorage::Device(slice) = q.storage() else {
+            panic!("a device tensor")
+        };
+        d.allocation(slice.buffer())
+            .unwrap()
+            .with_bytes_mut(|b| b[slice.offset() + 2] = byte);
+        assert_eq!(d.count_non_finite(&q).unwrap(), 1, "{dtype}");
+    }
+    let host = Tensor::from_f32(vec![2], DType::F32, &[1.0, f32::NAN]).unwrap();
+    assert!(d.count_non_finite(&host).is_err());
+}
+
 /// The host backend computes on 8-bit float tensors by decoding them (exactly) to f32:
 /// a cast round trip gives the dtype's own encoding, and a linear over an fp8 weight
 /// equals the linear over that weight's decoded values.

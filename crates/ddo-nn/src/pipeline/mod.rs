@@ -35,7 +35,7 @@ mod request;
 use std::path::Path;
 use std::sync::Arc;
 
-use ddo_core::{Component, CoreError, DType, Device, Result, Tensor, ops_of};
+use ddo_core::{Component, CoreError, DType, Device, Result, Tensor, check_finite, ops_of};
 use ddo_routes::Pipeline;
 use half::{bf16, f16};
 
@@ -67,6 +67,9 @@ pub use request::{
 
 /// Phase names, in order (the names `phase_boundary` records).
 pub const PHASES: [&str; 3] = ["prompt_encoding", "denoise", "decode"];
+
+/// The prompt-encoding phase as [`CoreError::NonFinite`] names it.
+const PHASE_PROMPT: &str = "prompt encoding";
 
 /// Component names of a Flux pipeline, as Diffusers names its folders.
 pub const TEXT_ENCODER: &str = clip::COMPONENT_NAME;
@@ -652,7 +655,8 @@ impl FluxPipeline {
     }
 
     /// Prompt encoding: CLIP's `pooler_output` and T5's `last_hidden_state`, on `device`,
-    /// each through its component's route.
+    /// each through its component's route. Embeddings holding a NaN or an Inf are
+    /// [`CoreError::NonFinite`] (one count each).
     pub fn encode_prompt(
         &self,
         device: &dyn Device,
@@ -660,8 +664,23 @@ impl FluxPipeline {
         t5_ids: &[u32],
     ) -> Result<PromptEmbeds> {
         let (clip, t5) = self.text_encoders()?;
+        let ops = ops_of(device)?;
         let pooled = clip.forward(device, clip_ids)?.pooler_output;
+        check_finite(
+            ops,
+            &pooled,
+            PHASE_PROMPT,
+            None,
+            "the CLIP pooled embeddings (text_encoder)",
+        )?;
         let seq = t5.forward(device, t5_ids)?;
+        check_finite(
+            ops,
+            &seq,
+            PHASE_PROMPT,
+            None,
+            "the T5 prompt embeddings (text_encoder_2)",
+        )?;
         Ok(PromptEmbeds {
             prompt_embeds: seq,
             pooled_prompt_embeds: pooled,
@@ -718,7 +737,8 @@ impl FluxPipeline {
     /// The denoising loop on `device`: `steps` Euler steps of the flow-matching scheduler
     /// (FluxPipeline's sigmas and shift for this resolution) from packed `latents`, each
     /// calling the transformer through its route. Returns the packed latents on `device`
-    /// and the schedule's timesteps.
+    /// and the schedule's timesteps. Latents holding a NaN or an Inf after a step stop the
+    /// loop with [`CoreError::NonFinite`] naming the step (one count per step).
     #[allow(clippy::too_many_arguments)]
     pub fn denoise(
         &self,
@@ -784,6 +804,13 @@ impl FluxPipeline {
             let noise_pred = self.transformer.forward(device, &inputs)?;
             drop(inputs);
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
+            check_finite(
+                ops,
+                &latents,
+                PHASES[1],
+                Some((i + 1, steps)),
+                "the latents",
+            )?;
             progress("denoise", i + 1, steps);
         }
         Ok((latents, timesteps))
@@ -791,7 +818,8 @@ impl FluxPipeline {
 
     /// FluxPipeline's decode on `device`: unpack, `latents / scaling_factor + shift_factor`,
     /// `vae.decode` (tiled with `tiling` when the latents exceed a tile), through the VAE's
-    /// route. Returns the images `[b, 3, H, W]` on `device`, one per row of `packed`.
+    /// route. Returns the images `[b, 3, H, W]` on `device`, one per row of `packed`; an
+    /// image holding a NaN or an Inf is [`CoreError::NonFinite`] (one count).
     pub fn decode(
         &self,
         device: &dyn Device,
@@ -806,7 +834,9 @@ impl FluxPipeline {
         drop(lat);
         let unscaled = self.vae.config().unscale_latents(ops, &unpacked)?;
         drop(unpacked);
-        self.vae.decode(Some(device), &unscaled, tiling)
+        let image = self.vae.decode(Some(device), &unscaled, tiling)?;
+        check_finite(ops, &image, PHASES[2], None, "the decoded image")?;
+        Ok(image)
     }
 
     /// [`FluxPipeline::decode`] as `plan` says; in auto mode, an untiled decode that runs out

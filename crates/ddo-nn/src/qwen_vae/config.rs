@@ -10,6 +10,14 @@ use serde::{Deserialize, Serialize};
 use super::CLASS_NAME;
 use crate::error::{LoadError, LoadResult};
 
+/// The accepted magnitude of each `latents_std` (Qwen-Image's are 1.1 to 3.3): the
+/// pipeline divides the latents by `1 / std` computed in f32 (issue 34).
+pub const LATENTS_STD_RANGE: (f64, f64) = (1e-6, 1e6);
+
+/// The largest `latents_mean` magnitude accepted (Qwen-Image's are within 1.6): it is added
+/// to every latent before the decode.
+pub const MAX_LATENTS_MEAN: f64 = 1e4;
+
 /// Qwen-Image's `latents_mean` (Diffusers' default), one per latent channel.
 pub const QWEN_IMAGE_LATENTS_MEAN: [f64; 16] = [
     -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
@@ -160,10 +168,11 @@ impl QwenVaeConfig {
     /// The names [`QwenVaeConfig::named`] knows.
     pub const NAMES: [&'static str; 2] = ["qwen-image", "qwen-tiny"];
 
-    /// Reads and validates a Diffusers `config.json`.
+    /// Reads and validates a Diffusers `config.json`; a refused field is named with the
+    /// file (`<path>: latents_std`).
     pub fn from_file(path: &Path) -> LoadResult<Self> {
         let text = crate::weights::read_text_file(path)?;
-        Self::from_json(&text, path)
+        Self::from_json(&text, path).map_err(|e| e.in_config_file(path))
     }
 
     /// Parses and validates config JSON; `origin` names the file in errors.
@@ -277,6 +286,36 @@ impl QwenVaeConfig {
                 "latents_std",
                 v.to_string(),
                 "a standard deviation of 0 makes the pipeline's 1 / std infinite",
+            );
+        }
+        let (lo, hi) = LATENTS_STD_RANGE;
+        if let Some(v) = self
+            .latents_std
+            .iter()
+            .find(|v| !(lo..=hi).contains(&v.abs()))
+        {
+            return invalid(
+                "latents_std",
+                v.to_string(),
+                &format!(
+                    "every standard deviation must have a magnitude in [{lo:e}, {hi:e}] \
+                     (Qwen-Image: 1.1 to 3.3); the pipeline computes 1 / std in f32 and divides \
+                     the latents by it"
+                ),
+            );
+        }
+        if let Some(v) = self
+            .latents_mean
+            .iter()
+            .find(|v| v.abs() > MAX_LATENTS_MEAN)
+        {
+            return invalid(
+                "latents_mean",
+                v.to_string(),
+                &format!(
+                    "every mean must be in [-{MAX_LATENTS_MEAN:e}, {MAX_LATENTS_MEAN:e}] \
+                     (Qwen-Image: -0.95 to 1.55); it is added to every latent before the decode"
+                ),
             );
         }
         let widths = self.dim_mult.iter().try_fold(Vec::new(), |mut acc, &m| {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ddo_core::{
     BinaryOp, Component, ComponentProgram, CoreError, DType, Device, ForwardContext, Ops, Result,
-    Tensor, UnaryOp,
+    Tensor, UnaryOp, check_finite,
 };
 
 use super::blocks::{CausalConv, MidBlock, RmsNorm, UpBlock, consume, dims4};
@@ -146,7 +146,10 @@ impl QwenVaeProgram {
         }
     }
 
-    /// `_decode` untiled: the decoder on the one frame, then `clamp(-1, 1)`.
+    /// `_decode` untiled: the decoder on the one frame, then `clamp(-1, 1)`. The decoder's
+    /// output is checked before the clamp, which would turn a NaN into -1 and an Inf into
+    /// ±1 (DDO's `Max`/`Min` keep the number, as `f32::max` does): a NaN or an Inf is
+    /// [`ddo_core::CoreError::NonFinite`] (one count).
     pub(super) fn decode_untiled(
         &self,
         ctx: &mut ForwardContext<'_>,
@@ -155,6 +158,7 @@ impl QwenVaeProgram {
     ) -> Result<Tensor> {
         let z = self.prepare(ctx, latents)?;
         let x = self.decode_tile(ctx, &z, tap)?;
+        check_finite(ops(ctx)?, &x, "decode", None, "the decoded image")?;
         consume(x, |x| clamp_unit(ops(ctx)?, x))
     }
 }
@@ -280,7 +284,8 @@ impl QwenVae {
     /// route's hooks: Diffusers' `vae.decode(latents[:, :, None]).sample[:, :, 0]`. With
     /// `tiling`, latents larger than a tile are decoded as `tiled_decode` does (not clamped,
     /// as there); others untiled and clamped to [-1, 1], as `_decode` decides. The result
-    /// stays on the device, in the weights' dtype.
+    /// stays on the device, in the weights' dtype. A decoded image holding a NaN or an Inf
+    /// (before the clamp) is [`ddo_core::CoreError::NonFinite`].
     pub fn decode(
         &self,
         device: &dyn Device,
@@ -294,7 +299,11 @@ impl QwenVae {
             _ => None,
         };
         self.component.run(device, |ctx| match &tiled {
-            Some(t) => program.decode_tiled(ctx, latents, t),
+            Some(t) => {
+                let image = program.decode_tiled(ctx, latents, t)?;
+                check_finite(ops(ctx)?, &image, "decode", None, "the decoded image")?;
+                Ok(image)
+            }
             None => program.decode_untiled(ctx, latents, &mut |_, _| Ok(())),
         })
     }

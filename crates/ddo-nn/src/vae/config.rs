@@ -9,6 +9,15 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::UP_DECODER_BLOCK;
 use crate::error::{LoadError, LoadResult};
 
+/// The accepted `scaling_factor` (Diffusers' VAEs use 0.13 to 1.53: SD 0.18215, FLUX.1
+/// 0.3611, SD3 1.5305): the latents are divided by it in the latents' dtype, so it and its
+/// reciprocal must stay far from f32's and bf16's limits (issue 34: 1e-45 gave Inf latents).
+pub const SCALING_FACTOR_RANGE: (f64, f64) = (1e-6, 1e6);
+
+/// The largest `shift_factor` magnitude accepted (FLUX.1 0.1159, SD3 0.0609): it is added to
+/// latents of magnitude about 1-10 (issue 34: 3e38 gave Inf latents).
+pub const MAX_SHIFT_FACTOR: f64 = 1e4;
+
 fn default_in_channels() -> usize {
     3
 }
@@ -132,10 +141,11 @@ impl AutoencoderKLConfig {
         }
     }
 
-    /// Reads and validates a Diffusers `config.json`.
+    /// Reads and validates a Diffusers `config.json`; a refused field is named with the
+    /// file (`<path>: scaling_factor`).
     pub fn from_file(path: &Path) -> LoadResult<Self> {
         let text = crate::weights::read_text_file(path)?;
-        Self::from_json(&text, path)
+        Self::from_json(&text, path).map_err(|e| e.in_config_file(path))
     }
 
     /// Parses and validates config JSON; `origin` names the file in errors.
@@ -215,20 +225,28 @@ impl AutoencoderKLConfig {
                 ),
             ));
         }
-        if !self.scaling_factor.is_finite() || self.scaling_factor == 0.0 {
+        let (lo, hi) = SCALING_FACTOR_RANGE;
+        if !(self.scaling_factor.is_finite() && (lo..=hi).contains(&self.scaling_factor)) {
             return Err(invalid(
                 "scaling_factor",
                 self.scaling_factor.to_string(),
-                "must be finite and non-zero",
+                &format!(
+                    "must be a number in [{lo:e}, {hi:e}] (FLUX.1: 0.3611, SD: 0.18215); the \
+                     latents are divided by it before the decode, so a tiny or huge one makes \
+                     them overflow or vanish"
+                ),
             ));
         }
         if let Some(s) = self.shift_factor
-            && !s.is_finite()
+            && !(s.is_finite() && s.abs() <= MAX_SHIFT_FACTOR)
         {
             return Err(invalid(
                 "shift_factor",
                 s.to_string(),
-                "must be finite (or null)",
+                &format!(
+                    "must be a number in [-{MAX_SHIFT_FACTOR:e}, {MAX_SHIFT_FACTOR:e}] (FLUX.1: \
+                     0.1159), or null; it is added to every latent before the decode"
+                ),
             ));
         }
         Ok(())

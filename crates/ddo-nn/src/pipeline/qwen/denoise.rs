@@ -3,7 +3,9 @@
 //! given embeddings ([`QwenImagePipeline::prepare_embeds`]), the initial latents, and the
 //! loop with true CFG ([`QwenImagePipeline::denoise`]).
 
-use ddo_core::{BinaryOp, DType, Device, Ops, ReduceOp, Result, Tensor, UnaryOp, ops_of};
+use ddo_core::{
+    BinaryOp, DType, Device, Ops, ReduceOp, Result, Tensor, UnaryOp, check_finite, ops_of,
+};
 
 use super::{QwenImagePipeline, core_error};
 use crate::pipeline::request::repeat_rows;
@@ -105,7 +107,8 @@ impl QwenImagePipeline {
     /// `encode_prompt(prompt, max_sequence_length=self.max_sequence_length)` for one text
     /// prompt on `device`, through the text encoder's route: the template, the folder's
     /// tokenizer (or [`stand_in_ids`]), the encoder's last hidden state, the template's
-    /// system tokens dropped, the cut to `max_sequence_length`.
+    /// system tokens dropped, the cut to `max_sequence_length`. Embeddings holding a NaN or
+    /// an Inf are [`ddo_core::CoreError::NonFinite`] (one count).
     pub fn encode_prompt(&self, device: &dyn Device, prompt: &str) -> Result<QwenPromptEmbeds> {
         let encoder = self.text_encoder()?;
         let inputs = match &self.tokenizer {
@@ -116,7 +119,15 @@ impl QwenImagePipeline {
             None => QwenTextInputs::single(stand_in_ids(encoder.config(), prompt)),
         };
         let hidden = encoder.forward(device, &inputs)?;
-        split_prompt_states(device, &inputs, &hidden, self.max_sequence_length)
+        let embeds = split_prompt_states(device, &inputs, &hidden, self.max_sequence_length)?;
+        check_finite(
+            ops_of(device)?,
+            &embeds.prompt_embeds,
+            "prompt encoding",
+            None,
+            "the prompt embeddings (text_encoder)",
+        )?;
+        Ok(embeds)
     }
 
     /// Checks embeddings against the transformer's text width: `prompt_embeds [b, L,
@@ -228,7 +239,9 @@ impl QwenImagePipeline {
     /// calling the transformer through its route once on `positive`, and, when `negative`
     /// is given (`(embeddings, true_cfg_scale)`), once more on the negative embeddings, the
     /// two combined by [`true_cfg_combine`]. Returns the packed latents on `device`, the
-    /// schedule's timesteps and the transformer passes run.
+    /// schedule's timesteps and the transformer passes run. Latents holding a NaN or an Inf
+    /// after a step stop the loop with [`ddo_core::CoreError::NonFinite`] naming the step
+    /// (one count per step).
     #[allow(clippy::too_many_arguments)] // the loop's inputs, as Diffusers' __call__ takes them
     pub(super) fn denoise(
         &self,
@@ -306,6 +319,13 @@ impl QwenImagePipeline {
                 noise_pred = true_cfg_combine(ops, &noise_pred, &neg_pred, scale)?;
             }
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
+            check_finite(
+                ops,
+                &latents,
+                "denoise",
+                Some((i + 1, steps)),
+                "the latents",
+            )?;
             progress("denoise", i + 1, steps);
         }
         Ok((latents, timesteps, passes))
