@@ -53,12 +53,28 @@ impl HostTensor {
     }
 }
 
+/// Why `path` cannot be read as a file, in words — `no such file`, `is a directory, not a
+/// file`, `is a FIFO, not a file`, `is a device, not a file`, `cannot be read: ...` — or
+/// `None` when it is a readable regular file. Looks and opens without blocking
+/// (`ddo_core::host_memory::open_regular`).
+pub fn not_a_readable_file(path: &Path) -> Option<String> {
+    use ddo_core::host_memory::NotRegular;
+    match ddo_core::host_memory::open_regular(path) {
+        Ok(_) => None,
+        Err(NotRegular::Is(what)) => Some(format!("is {what}, not a file")),
+        Err(NotRegular::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            Some("no such file".to_string())
+        }
+        Err(NotRegular::Io(e)) => Some(format!("cannot be read: {e}")),
+    }
+}
+
 /// Reads tensor `name` (or the first of `names` present) of a safetensors file as f32;
 /// a tensor with a NaN or an infinity is refused.
 pub fn read_tensor(path: &Path, names: &[&str], option: &str) -> CliResult<HostTensor> {
-    if !path.is_file() {
+    if let Some(what) = not_a_readable_file(path) {
         return Err(CliError::runtime(
-            format!("{option} {}: no such file", path.display()),
+            format!("{option} {}: {what}", path.display()),
             "give the path of a .safetensors file",
         ));
     }

@@ -68,6 +68,7 @@ pub mod cache;
 pub mod decode;
 pub mod encode;
 pub mod error;
+pub mod files;
 pub mod format;
 pub mod hash;
 mod huffman;

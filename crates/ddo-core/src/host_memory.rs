@@ -323,6 +323,31 @@ pub fn try_with_capacity<T>(len: usize, what: &str) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// Why [`open_regular`] did not open a file.
+#[derive(Debug)]
+pub enum NotRegular {
+    /// The file system refused (missing, no permission, ...).
+    Io(std::io::Error),
+    /// Something that is not a regular file is there: what it is, in words (`a directory`,
+    /// `a FIFO`, `a device`, `a symbolic link to nothing`, ...).
+    Is(String),
+}
+
+/// Opens `path` for reading only when it is a regular file (through links), never blocking
+/// on a FIFO and checked as opened (`ddo_codec::files::open_at`): every file DDO reads as
+/// data goes through it — checkpoints, configs, the command's inputs.
+pub fn open_regular(path: &Path) -> std::result::Result<File, NotRegular> {
+    match ddo_codec::files::open_at(path) {
+        Ok(ddo_codec::files::AtPath::File { file, .. }) => Ok(file),
+        Ok(ddo_codec::files::AtPath::Other(what)) => Err(NotRegular::Is(what)),
+        Ok(ddo_codec::files::AtPath::Absent) => Err(NotRegular::Io(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "no such file",
+        ))),
+        Err(e) => Err(NotRegular::Io(e)),
+    }
+}
+
 /// The process's address-space limit in bytes (`ulimit -v`, `RLIMIT_AS`, from
 /// `/proc/self/limits`), or `None` where it is unlimited or cannot be read.
 pub fn address_space_limit() -> Option<u64> {
@@ -462,15 +487,14 @@ impl CheckpointMap {
             source,
         };
         // Only regular files: opening a FIFO would wait for a writer, a device would map
-        // without end.
-        let meta = std::fs::metadata(path).map_err(io)?;
-        if !meta.is_file() {
-            return Err(CoreError::Checkpoint {
+        // without end. Looked at and opened without blocking, checked as opened.
+        let file = open_regular(path).map_err(|e| match e {
+            NotRegular::Io(source) => io(source),
+            NotRegular::Is(what) => CoreError::Checkpoint {
                 path: path.to_path_buf(),
-                message: "not a regular file (a FIFO, device or directory is not read)".into(),
-            });
-        }
-        let file = File::open(path).map_err(io)?;
+                message: format!("is {what}, not a regular file; give a .safetensors file"),
+            },
+        })?;
         // SAFETY: the map is read-only and DDO never hands out mutable access. Another
         // process truncating or rewriting the file while it is mapped is outside what DDO
         // can guard against (SECURITY.md: checkpoint files are read, not trusted to stay

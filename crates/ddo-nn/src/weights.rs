@@ -277,12 +277,13 @@ pub fn read_text_file(path: &Path) -> LoadResult<String> {
             message,
         ))
     };
-    let meta = std::fs::metadata(path).map_err(io)?;
-    if !meta.is_file() {
-        return Err(invalid(
-            "not a regular file (a FIFO, device or directory is not read)".into(),
-        ));
-    }
+    let file = ddo_core::host_memory::open_regular(path).map_err(|e| match e {
+        ddo_core::host_memory::NotRegular::Io(source) => io(source),
+        ddo_core::host_memory::NotRegular::Is(what) => {
+            invalid(format!("is {what}, not a regular file"))
+        }
+    })?;
+    let meta = file.metadata().map_err(io)?;
     if meta.len() > MAX_TEXT_FILE_BYTES {
         return Err(invalid(format!(
             "{} B, over the {MAX_TEXT_FILE_BYTES} B a config or tokenizer file may have",
@@ -290,9 +291,7 @@ pub fn read_text_file(path: &Path) -> LoadResult<String> {
         )));
     }
     let mut text = String::new();
-    std::fs::File::open(path)
-        .map_err(io)?
-        .take(MAX_TEXT_FILE_BYTES + 1)
+    file.take(MAX_TEXT_FILE_BYTES + 1)
         .read_to_string(&mut text)
         .map_err(io)?;
     if text.len() as u64 > MAX_TEXT_FILE_BYTES {
@@ -505,17 +504,20 @@ impl CheckpointWeights {
         })
     }
 
-    /// Opens a model folder: a sharded index if there is one, else a single weight file.
+    /// Opens a model folder: a sharded index if there is one, else a single weight file. An
+    /// entry of one of those names that is not a regular file (a FIFO, a folder, a link to
+    /// nothing) is opened anyway, so the refusal says what it is instead of "no weights".
     pub fn open_dir(dir: &Path, target: Option<DType>) -> LoadResult<Self> {
+        let present = |p: &Path| std::fs::symlink_metadata(p).is_ok();
         for index in INDEX_FILES {
             let p = dir.join(index);
-            if p.is_file() {
+            if present(&p) {
                 return Self::open_index(&p, target);
             }
         }
         for file in WEIGHT_FILES {
             let p = dir.join(file);
-            if p.is_file() {
+            if present(&p) {
                 return Self::open_file(&p, target);
             }
         }

@@ -68,13 +68,16 @@ impl ComponentFiles {
     pub(crate) fn checked(self) -> CliResult<Self> {
         let file = |option: &str, f: Option<PathBuf>, what: &str| -> CliResult<Option<PathBuf>> {
             match f {
-                Some(path) if !path.is_file() => Err(CliError::usage(
-                    format!("--{option} {}: not a file", path.display()),
-                    format!(
-                        "give one .safetensors file ({what}); a Diffusers folder goes in --weights"
-                    ),
-                )),
-                f => Ok(f),
+                Some(path) => match crate::io::not_a_readable_file(&path) {
+                    Some(why) => Err(CliError::usage(
+                        format!("--{option} {}: {why}", path.display()),
+                        format!(
+                            "give one .safetensors file ({what}); a Diffusers folder goes in --weights"
+                        ),
+                    )),
+                    None => Ok(Some(path)),
+                },
+                None => Ok(None),
             }
         };
         Ok(Self {

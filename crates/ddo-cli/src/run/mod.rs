@@ -29,7 +29,8 @@ use crate::cli::RunArgs;
 use crate::error::{CliError, CliResult};
 use crate::family::{AnyPipeline, Family};
 use crate::io::{
-    HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_tensor, unpack_host,
+    HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_optional_tensor,
+    read_tensor, unpack_host,
 };
 use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::progress::ProgressBar;
@@ -311,10 +312,35 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
                 ),
             )
         })?;
+    if args.prompt_embeds.is_some() && max_seq.is_some() {
+        return Err(CliError::usage(
+            "--max-sequence-length with --prompt-embeds",
+            "--max-sequence-length sets how many tokens a text prompt is encoded to; given embeddings keep their own length: leave it out, or give --prompt",
+        ));
+    }
     let init = match &args.init_latents {
-        Some(p) => InitLatents::Given(
-            read_tensor(p, &["latents", "noise"], "--init-latents")?.to_tensor()?,
-        ),
+        Some(p) => {
+            // Both names in one file are taken only when they hold the same noise (packed
+            // and unpacked, as the fixtures keep it); otherwise which to use is a guess.
+            if let (Some(latents), Some(noise)) = (
+                read_optional_tensor(p, "latents", "--init-latents")?,
+                read_optional_tensor(p, "noise", "--init-latents")?,
+            ) && !same_noise(&latents, &noise)
+            {
+                return Err(CliError::usage(
+                    format!(
+                        "--init-latents {}: holds both `latents` {:?} and `noise` {:?}, which differ",
+                        p.display(),
+                        latents.shape,
+                        noise.shape
+                    ),
+                    "keep one of them in the file (the initial noise, one row per image)",
+                ));
+            }
+            InitLatents::Given(
+                read_tensor(p, &["latents", "noise"], "--init-latents")?.to_tensor()?,
+            )
+        }
         None => InitLatents::Seed(seed),
     };
     // One noise per image; the pipeline checks the rest of the shape.
@@ -584,6 +610,20 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     };
     out.write_all(text.as_bytes())
         .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
+}
+
+/// Whether `latents` and `noise` of an `--init-latents` file are the same noise: equal, or
+/// one the packed form (`[n, (h/2)(w/2), 4c]`) of the other (`[n, c, h, w]`).
+fn same_noise(latents: &HostTensor, noise: &HostTensor) -> bool {
+    if latents.shape == noise.shape {
+        return latents.values == noise.values;
+    }
+    let unpacked = |packed: &HostTensor, other: &HostTensor| match other.shape.as_slice() {
+        &[_, _, h, w] => unpack_host(packed, h, w)
+            .is_ok_and(|u| u.shape == other.shape && u.values == other.values),
+        _ => false,
+    };
+    unpacked(latents, noise) || unpacked(noise, latents)
 }
 
 /// Prompt embeddings given with `--prompt-embeds`, read as the family takes them.

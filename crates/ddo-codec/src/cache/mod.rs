@@ -66,7 +66,8 @@ use crate::format::UnitHeader;
 use crate::hash::{P1, P2, P4, P5, fmix64, round};
 
 mod path;
-use path::{AtPath, Dest, NO_MAGIC, open_at, replaceable};
+use crate::files::{AtPath, open_at};
+use path::{Dest, NO_MAGIC, replaceable};
 
 /// The cache file format version this build reads and writes; a file of another version is
 /// [`CacheLookup::Stale`].
