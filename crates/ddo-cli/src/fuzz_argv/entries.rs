@@ -19,13 +19,32 @@ pub(super) enum Entry {
     Fifo,
 }
 
-/// What identifies an entry's state cheaply: its type, and for files size, mtime and inode.
+/// What identifies an entry's state: its type, and for files size, mtime, inode and a
+/// digest of every byte, so a write that keeps the size and the time (or sets the time
+/// back) is seen after the execution that made it, not only by the periodic full compare.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Print {
     kind: u8,
     len: u64,
     modified: Option<SystemTime>,
     inode: u64,
+    digest: u64,
+}
+
+/// A fast digest of a file's bytes (8 bytes at a time, multiply-xor-rotate); not
+/// cryptographic, only a change detector. 0 when the file cannot be read.
+fn digest(path: &Path) -> u64 {
+    let Ok(bytes) = fs::read(path) else { return 0 };
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15 ^ bytes.len() as u64;
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let v = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
+    }
+    for &b in chunks.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 pub(super) fn print(path: &Path) -> Option<Print> {
@@ -51,11 +70,14 @@ pub(super) fn print(path: &Path) -> Option<Print> {
     } else {
         (m.len(), m.modified().ok())
     };
+    // Regular files only: a FIFO would block, a link is followed by its target's entry.
+    let digest = if kind == 0 { digest(path) } else { 0 };
     Some(Print {
         kind,
         len,
         modified,
         inode,
+        digest,
     })
 }
 
@@ -153,6 +175,17 @@ pub(super) fn entries(fixtures: &Path) -> io::Result<Vec<(PathBuf, Entry)>> {
     out.push((
         "emb.safetensors".into(),
         Entry::Copy(pipe.join("inputs.safetensors")),
+    ));
+    // Single-file components (--transformer, --vae): inputs an output must never replace.
+    out.push((
+        "tr.safetensors".into(),
+        Entry::Copy(
+            fixtures.join("flux_transformer_original/flux_pipeline-transformer.safetensors"),
+        ),
+    ));
+    out.push((
+        "ae.safetensors".into(),
+        Entry::Copy(fixtures.join("vae_flux_original/flux_pipeline-vae.safetensors")),
     ));
     out.push(("empty.safetensors".into(), Entry::File(Vec::new())));
     let mut garbage = u64::MAX.to_le_bytes().to_vec();

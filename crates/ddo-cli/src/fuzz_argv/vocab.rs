@@ -57,6 +57,9 @@ pub const PATHS: &[&str] = &[
     "dir/x.png",
     "./out.png",
     "dir/../out.png",
+    // Single-file components (--transformer, --vae, ...).
+    "tr.safetensors",
+    "ae.safetensors",
 ];
 
 pub(super) const SIZES: &[&str] = &[
