@@ -258,7 +258,7 @@ pub enum CoreError {
     },
     /// An environment variable read under `use_environment=true` is invalid.
     #[error(
-        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or do not read the environment (`ddo --no-env`, Settings::use_environment = false)"
+        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or do not read the environment (`ddo run|decode|resolve ... --no-env`, Settings::use_environment = false)"
     )]
     InvalidEnvironment {
         /// Variable.
