@@ -463,6 +463,19 @@ pub enum Refusal {
         /// Its bytes.
         leaf_bytes: u64,
     },
+    /// A budget of what the device has free less a margin (`budget=free-SIZE`, or a
+    /// route's default of that form) leaves nothing: the margin is not below what is free.
+    #[error(
+        "budget free-{} leaves 0 B: the device has {} free; give a smaller margin (budget=free-SIZE) or a size (budget=SIZE)",
+        ddo_metrics::format_bytes(*margin),
+        ddo_metrics::format_bytes(*free)
+    )]
+    NoBudgetLeft {
+        /// The margin.
+        margin: u64,
+        /// What the device has free.
+        free: u64,
+    },
     /// Some of the component's weights are already on a device, outside any route.
     #[error(
         "`{param}` is already on a device outside any route; call Component::to_host() before attaching a route"
