@@ -14,7 +14,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor, ops_of};
+use ddo_core::{DType, Device, Preset, RouteSpec, RouteTarget, Settings, Tensor, ops_of};
 use ddo_metrics::format_bytes;
 use ddo_nn::flux::{FluxInputs, latent_image_ids};
 use ddo_nn::pipeline::{FluxPipeline, QwenImagePipeline, TiledDecode, gaussian_noise};
@@ -34,6 +34,7 @@ use crate::outputs::{Inputs, Outputs};
 use crate::progress::ProgressBar;
 use crate::run::{ComponentFiles, build_pipeline, source_from_args};
 use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device};
+use crate::size::ImageSize;
 
 /// The candidates when none are given: every route, group offload in its three shapes.
 const DEFAULT_ROUTES: [&str; 5] = [
@@ -484,8 +485,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let tiny = source.is_tiny();
     let dtype = args.dtype;
     let side = if tiny { 128 } else { 1024 };
-    let height = args.height.unwrap_or(side);
-    let width = args.width.unwrap_or(side);
+    let asked = (args.height.unwrap_or(side), args.width.unwrap_or(side));
     let repeats = forwards("repeats", args.repeats.unwrap_or(5))?;
     let warmup = forwards("warmup", args.warmup.unwrap_or(1))?;
     let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
@@ -522,6 +522,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         crate::run::unused_weights(args.allow_unused_weights),
         &mut bar,
     )?;
+    // Rounded to whole latent patches as `ddo run` rounds it, and said so.
+    let size = ImageSize::of(&pipe, asked.0, asked.1)?;
+    let (height, width) = (size.height, size.width);
     let workload = Workload {
         pipe: &pipe,
         component: args
@@ -532,7 +535,6 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         width,
     };
     let component = workload.component()?;
-    pipe.latent_grid(height, width)?;
 
     // A CUDA device is opened once and shared; the host backend gets a fresh one per
     // candidate (its allocator kind is fixed at creation).
@@ -644,10 +646,18 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             };
             let setup_seconds = attach_started.elapsed().as_secs_f64();
             let route = offload.handle(&name)?.spec().describe();
+            // Left unmanaged (preset `off`: DDO attaches nothing), the component runs as
+            // `pipe.to(device)` leaves it and as `ddo run` runs it: its weights moved to the
+            // device first, and back to the host after (the next candidate starts from the
+            // host).
+            let unmanaged = offload.handle(&name)?.target() == RouteTarget::Unmanaged;
             let mut op_profile = None;
             let mut host_memory = None;
             let mut output_fnv1a = None;
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
+                if unmanaged {
+                    component.to_device(&*device, &device.compute_stream())?;
+                }
                 let inputs = workload.prepare(&*device)?;
                 for _ in 0..warmup {
                     workload.forward(&*device, &inputs)?;
@@ -689,8 +699,14 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 .map(|t| t.summary(5));
             let coded = snapshot.as_ref().and_then(|m| m.coded.clone());
             let peak_pinned_host_bytes = snapshot.map_or(0, |m| m.counters.peak_pinned_host_bytes);
+            let back = if unmanaged {
+                component.to_host()
+            } else {
+                Ok(())
+            };
             let _ = offload.release(&name);
             let (seconds, peak, streamed) = run?;
+            back?;
             let med = median(&seconds);
             let floor = streamed as f64 / bandwidth;
             Ok(CandidateResult {
@@ -748,6 +764,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         "device": device_label,
         "height": height,
         "width": width,
+        "size_note": size.note,
         "repeats": repeats,
         "warmup": warmup,
         "link_bytes_per_sec": bandwidth,
@@ -771,8 +788,13 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         json_text
     } else {
         let mut s = format!(
-            "ddo bench: {name} of {model_label} on {device_label}, {width}x{height} px, {repeats} timed forwards ({warmup} warm-up)\n\
-             link floor: host->device {:.2} GB/s measured in this process\n\n",
+            "ddo bench: {name} of {model_label} on {device_label}, {width}x{height} px, {repeats} timed forwards ({warmup} warm-up)\n"
+        );
+        if let Some(n) = &size.note {
+            s += &format!("  note: {n}\n");
+        }
+        s += &format!(
+            "link floor: host->device {:.2} GB/s measured in this process\n\n",
             bandwidth / 1e9
         );
         let lw = results

@@ -37,6 +37,7 @@ pub mod progress;
 pub mod resolve;
 pub mod run;
 pub mod setup;
+pub mod size;
 pub mod tokenize;
 
 use std::io::Write;

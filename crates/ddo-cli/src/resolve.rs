@@ -5,24 +5,36 @@
 //!
 //! With a model (`--config` or `--weights`) it prints the pipeline's memory plan instead:
 //! the budget (`--vram-budget`, else what the device gives), each phase's peak at
-//! `--height × --width`, and each component's planned route with its footprint and the
-//! reason; `--json` is then `{"memory_plan": {...}, "components": [...]}`, the components
-//! in the shape above.
+//! `--height × --width` (rounded as `run` rounds it), and each component's planned route
+//! with its footprint and the reason; `--json` is then `{"memory_plan": {...},
+//! "components": [...]}`, the components in the shape above. A named config is planned
+//! from its shapes, its weights never written, so `--config flux-dev` needs no memory for
+//! them.
+//!
+//! Either way it refuses what `ddo run` would: without a model, every route option
+//! refused from the spec alone and every budget that leaves nothing on run's default
+//! device; with one, the `--route`s checked against its components, the plan, and every
+//! route's preflight.
 
 use std::io::Write;
 
-use ddo_core::{ComponentKind, DecidedBy};
+use ddo_core::{ComponentKind, DType, DecidedBy};
 
-use ddo_nn::pipeline::{TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE};
+use ddo_nn::pipeline::{
+    FluxPipeline, FluxPipelineConfig, Loaded, QwenImagePipeline, QwenImagePipelineConfig,
+    TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE,
+};
 
 use crate::cli::ResolveArgs;
 use crate::error::{CliError, CliResult};
+use crate::family::{AnyPipeline, Family};
 use crate::progress::ProgressBar;
 use crate::run::{
-    ComponentFiles, build_pipeline, plan_budget, plan_memory, planned_explanations,
-    source_from_args,
+    ComponentFiles, MAX_SEQUENCE_LENGTH, Source, build_pipeline, plan_budget, plan_memory,
+    planned_explanations, source_from_args,
 };
 use crate::setup::{DeviceChoice, DeviceNeeds, Routing, open_device};
+use crate::size::ImageSize;
 
 /// The components of a Flux pipeline, in phase order.
 pub const COMPONENTS: [&str; 4] = [TEXT_ENCODER, TEXT_ENCODER_2, TRANSFORMER, VAE];
@@ -32,11 +44,11 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     if args.routes {
         return list_routes(args, out);
     }
+    if args.config.is_some() || args.weights.is_some() {
+        return resolve_plan(args, out);
+    }
     let known: Vec<String> = COMPONENTS.iter().map(|s| s.to_string()).collect();
     let routing = Routing::new(args.preset, &args.route, args.no_env, &known)?;
-    if args.config.is_some() || args.weights.is_some() {
-        return resolve_plan(args, &routing, out);
-    }
     for (o, given) in [
         ("vram-budget", args.vram_budget.is_some()),
         ("device", args.device.is_some()),
@@ -71,6 +83,17 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     // What the route refuses from the options alone, `ddo run` refuses too: say so here.
     for e in &explanations {
         ddo_routes::check_route_options(&e.component, &e.resolution.spec)?;
+    }
+    // And what it refuses on its default device (`--device cpu`, no `--vram-budget`)
+    // whatever the model: a budget of the free bytes less a margin that leaves nothing.
+    let device = open_device(
+        DeviceChoice::Cpu,
+        None,
+        DeviceNeeds::of(explanations.iter().map(|e| &e.resolution)),
+    )?;
+    let free = device.memory_info().free_bytes();
+    for e in &explanations {
+        ddo_routes::check_route_budget(&e.component, &e.resolution.spec, free)?;
     }
     let text = if args.json {
         serde_json::to_string_pretty(&explanations).unwrap_or_default() + "\n"
@@ -190,13 +213,100 @@ fn preset_column(decided_by: &DecidedBy, component: &str) -> &'static str {
     }
 }
 
+/// The pipeline `resolve` plans. A named config without component files is built at the
+/// config's shapes with weights never written (`FluxPipeline::unwritten_with`,
+/// `QwenImagePipeline::unwritten`): every param has its shape, dtype and bytes — under
+/// `--dtype fp8` one byte per cast weight — and no host memory behind it, so
+/// `--config flux-dev` plans on any machine. A folder, or a config with single files, is
+/// loaded as `ddo run` loads it (files memory-mapped).
+fn planned_pipeline(
+    args: &ResolveArgs,
+    source: &Source,
+    bar: &mut ProgressBar,
+) -> CliResult<AnyPipeline> {
+    let files = ComponentFiles {
+        text_encoder: args.text_encoder.clone(),
+        transformer: args.transformer.clone(),
+        text_encoder_2: args.text_encoder_2.clone(),
+        vae: args.vae.clone(),
+    }
+    .checked()?;
+    let no_files = [
+        &files.text_encoder,
+        &files.transformer,
+        &files.text_encoder_2,
+        &files.vae,
+    ]
+    .iter()
+    .all(|f| f.is_none());
+    let name = match source {
+        Source::Config(name) if no_files => name,
+        _ => {
+            return Ok(build_pipeline(
+                source,
+                &files,
+                args.dtype,
+                args.max_sequence_length,
+                crate::run::unused_weights(args.allow_unused_weights),
+                bar,
+            )?
+            .0);
+        }
+    };
+    // `source_from_args` knows every config name; a name without a config is refused as
+    // it refuses one.
+    let unknown = || {
+        CliError::usage(
+            format!("unknown config `{name}`"),
+            format!("use one of: {}", Family::config_names().join(", ")),
+        )
+    };
+    // The random weights `ddo run` makes: f32 for the tiny configs, else bf16.
+    let dtype = args.dtype.unwrap_or(if source.is_tiny() {
+        DType::F32
+    } else {
+        DType::BF16
+    });
+    let max_seq = args.max_sequence_length;
+    bar.status(&format!("building {name}'s shapes ({dtype})..."));
+    let pipe = match source.family()? {
+        Family::Flux => {
+            let mut config = FluxPipelineConfig::named(name).ok_or_else(unknown)?;
+            if let Some(n) = max_seq.filter(|&n| n > MAX_SEQUENCE_LENGTH) {
+                return Err(CliError::usage(
+                    format!(
+                        "--max-sequence-length {n}: cannot be greater than {MAX_SEQUENCE_LENGTH} for a FluxPipeline"
+                    ),
+                    format!("give at most {MAX_SEQUENCE_LENGTH} (FluxPipeline's limit for T5)"),
+                ));
+            }
+            if let Some(n) = max_seq {
+                config.max_sequence_length = n;
+            }
+            AnyPipeline::Flux(Box::new(FluxPipeline::unwritten_with(
+                &config,
+                dtype,
+                Loaded::default(),
+            )?))
+        }
+        Family::QwenImage => {
+            let config = QwenImagePipelineConfig::named(name).ok_or_else(unknown)?;
+            let mut pipe = QwenImagePipeline::unwritten(&config, dtype)?;
+            if let Some(n) = max_seq {
+                pipe.max_sequence_length = n;
+            }
+            AnyPipeline::QwenImage(Box::new(pipe))
+        }
+    };
+    bar.finish();
+    Ok(pipe)
+}
+
 /// `ddo resolve --config|--weights ...`: the memory plan.
-fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> CliResult<()> {
+fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
     let tiny = source.is_tiny();
     let default_side = if tiny { 128 } else { 1024 };
-    let height = args.height.unwrap_or(default_side);
-    let width = args.width.unwrap_or(default_side);
     let images = args.num_images.unwrap_or(1);
     let tiled = args
         .tiled_decode
@@ -204,21 +314,18 @@ fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> C
     let budget = args.vram_budget;
     let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
     let mut bar = ProgressBar::new();
-    let files = ComponentFiles {
-        text_encoder: args.text_encoder.clone(),
-        transformer: args.transformer.clone(),
-        text_encoder_2: args.text_encoder_2.clone(),
-        vae: args.vae.clone(),
-    };
-    let (pipe, _) = build_pipeline(
-        &source,
-        &files.checked()?,
-        args.dtype,
-        args.max_sequence_length,
-        crate::run::unused_weights(args.allow_unused_weights),
-        &mut bar,
-    )?;
+    let pipe = planned_pipeline(args, &source, &mut bar)?;
     let names = pipe.component_names();
+    // The `--route`s are checked against this pipeline's components, as `ddo run` checks
+    // them (a Qwen-Image pipeline has no `text_encoder_2`).
+    let routing = Routing::new(args.preset, &args.route, args.no_env, &names)?;
+    // The size rounded as `ddo run` rounds it.
+    let size = ImageSize::of(
+        &pipe,
+        args.height.unwrap_or(default_side),
+        args.width.unwrap_or(default_side),
+    )?;
+    let (height, width) = (size.height, size.width);
     // Each component resolved once, as `ddo run` does.
     let resolutions = routing.resolve_all(&names)?;
     let device = open_device(
@@ -236,7 +343,7 @@ fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> C
         (height, width, images),
         tiled,
     )?;
-    let explanations = planned_explanations(routing, &names, &plan);
+    let explanations = planned_explanations(&routing, &names, &plan);
     // Every route's preflight, as `ddo run` runs it before the first phase (touching
     // nothing: the routes attach only when a phase begins, which never happens here).
     drop(
@@ -250,7 +357,10 @@ fn resolve_plan(args: &ResolveArgs, routing: &Routing, out: &mut dyn Write) -> C
         });
         serde_json::to_string_pretty(&v).unwrap_or_default() + "\n"
     } else {
-        format!("{height}x{width} px\n{}", plan.format_text())
+        let note = size
+            .note
+            .map_or(String::new(), |n| format!("  note: {n}\n"));
+        format!("{width}x{height} px\n{note}{}", plan.format_text())
     };
     out.write_all(text.as_bytes())
         .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))

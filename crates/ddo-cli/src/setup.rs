@@ -41,11 +41,11 @@ pub struct CliEnvironment {
 }
 
 impl Environment for CliEnvironment {
-    fn var(&self, name: &str) -> Option<String> {
+    fn var(&self, name: &str) -> ddo_core::Result<Option<String>> {
         if self.hide_preset && name == "DDO_PRESET" {
-            return None;
+            return Ok(None);
         }
-        std::env::var(name).ok()
+        ddo_core::resolve::process_var(name)
     }
 }
 
@@ -198,7 +198,10 @@ impl Routing {
             "default (auto)".to_string()
         };
         let given_preset = if r.preset_from_environment {
+            // Read (and found valid) by the resolution this explains.
             env.var("DDO_PRESET")
+                .ok()
+                .flatten()
                 .map_or_else(|| r.preset.to_string(), |v| v.trim().to_string())
         } else {
             settings.preset.to_string()

@@ -1,8 +1,9 @@
 //! `ddo resolve` refuses what `ddo run` refuses: over a table of route options, `resolve
 //! --config tiny` (the memory plan, every route's preflight) exits as `run --config tiny`
 //! does with the same error; `resolve` without a model refuses every option a route
-//! refuses from the spec alone (`Route::check_options`), and accepts only what depends on
-//! the weights.
+//! refuses from the spec alone (`Route::check_options`) or on run's default device
+//! whatever the model (a `free-MARGIN` budget that leaves nothing), and accepts only what
+//! depends on the weights. A `--route` for a component the model lacks is refused by both.
 
 mod common;
 
@@ -11,10 +12,11 @@ use common::{ddo, scratch};
 fn outcome(args: &[&str]) -> (Option<i32>, String) {
     let o = ddo(args);
     let err = String::from_utf8_lossy(&o.stderr).to_string();
-    // The message after the context both commands add ("attaching routes: ").
-    let message = err
-        .trim()
-        .rsplit_once("attaching routes: ")
+    // The message after the context both commands add ("attaching routes: ", "planning
+    // memory: ").
+    let message = ["attaching routes: ", "planning memory: "]
+        .iter()
+        .find_map(|c| err.trim().rsplit_once(c))
         .map_or(err.trim().to_string(), |(_, m)| m.to_string());
     (o.status.code(), message)
 }
@@ -37,6 +39,13 @@ fn resolve_and_run_accept_and_refuse_the_same_route_options() {
         ("transformer=native_vmm:offload_type=leaf_level", false),
         ("vae=native_vmm", false),
         ("transformer=native_vmm:budget=1KiB", true),
+        // Issue 34: run's default device (`--device cpu`) has at most 8 GiB free, so a
+        // 9 GiB margin leaves nothing, whatever the model.
+        ("transformer=native_vmm:budget=free-9GiB", false),
+        (
+            "transformer=diffusers_group_offload:use_stream=true,budget=free-9GiB",
+            false,
+        ),
         // Accepted by all three.
         (
             "transformer=diffusers_group_offload:use_stream=true,budget=1MiB",
@@ -71,5 +80,40 @@ fn resolve_and_run_accept_and_refuse_the_same_route_options() {
             );
         }
         let _ = std::fs::remove_file(&out);
+    }
+}
+
+/// Issue 34: a `--route` for a component the model does not have is refused by `resolve`
+/// with a model as `run` refuses it (a Qwen-Image pipeline has no `text_encoder_2`; the
+/// plan used to drop it silently).
+#[test]
+fn resolve_and_run_refuse_a_route_for_a_component_the_model_lacks() {
+    let d = scratch("agree-components");
+    let out = d.join("x.png");
+    for (config, route) in [
+        ("qwen-tiny", "text_encoder_2=none"),
+        ("tiny", "unet=linear_convolution"),
+    ] {
+        let run = outcome(&[
+            "run",
+            "--config",
+            config,
+            "--steps",
+            "1",
+            "--route",
+            route,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(
+            run.0,
+            Some(2),
+            "run --config {config} --route {route}: {}",
+            run.1
+        );
+        assert!(run.1.contains("unknown component"), "{}", run.1);
+        let planned = outcome(&["resolve", "--config", config, "--route", route]);
+        assert_eq!(planned, run, "resolve --config {config} --route {route}");
+        assert!(!out.exists());
     }
 }

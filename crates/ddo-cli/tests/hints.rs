@@ -276,6 +276,14 @@ fn problems(literal: &str, cmds: &[(&str, &[OptionSpec])], all: &BTreeSet<&str>)
             bad.push(format!("--{flag} is no option of `ddo`"));
             continue;
         }
+        // `ddo` itself takes only --help and --version; the rest are its commands' options.
+        if literal.contains(&format!("ddo --{flag}"))
+            && !["help", "version"].contains(&flag.as_str())
+        {
+            bad.push(format!(
+                "`ddo --{flag}`: --{flag} is an option of a command (`ddo CMD --{flag}`)"
+            ));
+        }
         // A literal that names exactly one command holds that command's options.
         let named: Vec<_> = cmds
             .iter()
@@ -374,6 +382,7 @@ fn the_checker_refuses_flags_and_values_that_do_not_exist() {
         "use --route vae=diffusers_group_offload:use_stram=true",
         "use --route transformer=native_vmm:budget=lots",
         "--route {}=...:pinned_limt={} would avoid it",
+        "or do not read the environment (`ddo --no-env`)",
     ] {
         assert_eq!(bad(lit).len(), 1, "{lit}: {:?}", bad(lit));
     }
@@ -388,6 +397,8 @@ fn the_checker_refuses_flags_and_values_that_do_not_exist() {
         "use --tiled-decode off to decode untiled, --dtype bf16, --preset NAME",
         "without --route or --preset every route is a candidate",
         "ddo bench --config tiny [--route ROUTE]...",
+        "or do not read the environment (`ddo run|decode|resolve ... --no-env`)",
+        "see `ddo --help`",
     ] {
         assert!(bad(lit).is_empty(), "{lit}: {:?}", bad(lit));
     }

@@ -140,6 +140,21 @@ fn every_spelling_of_help_lists_the_same_options() {
     }
 }
 
+/// Issue 34: `ddo help help` is help's own usage, as `ddo help --help` prints it (it said
+/// "unknown command `help`").
+#[test]
+fn help_on_help_prints_its_usage() {
+    let own = ok(&ddo(&["help", "--help"]));
+    assert!(own.contains("Usage: ddo help "), "{own}");
+    for args in [
+        &["help", "help"][..],
+        &["--help", "help"],
+        &["help", "help", "run"],
+    ] {
+        assert_eq!(ok(&ddo(args)), own, "ddo {args:?}");
+    }
+}
+
 /// `-h` and `-V` count only as written: clap would read `-hx` as `-h` clustered with `-x`
 /// and print help with exit 0 (the argument fuzzer found `ddo -helpuida`).
 #[test]

@@ -258,7 +258,7 @@ pub enum CoreError {
     },
     /// An environment variable read under `use_environment=true` is invalid.
     #[error(
-        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or do not read the environment (`ddo --no-env`, Settings::use_environment = false)"
+        "environment variable {var}=`{value}` is invalid: {message}; fix or unset it, or do not read the environment (`ddo run|decode|resolve ... --no-env`, Settings::use_environment = false)"
     )]
     InvalidEnvironment {
         /// Variable.
@@ -462,6 +462,19 @@ pub enum Refusal {
         leaf: String,
         /// Its bytes.
         leaf_bytes: u64,
+    },
+    /// A budget of what the device has free less a margin (`budget=free-SIZE`, or a
+    /// route's default of that form) leaves nothing: the margin is not below what is free.
+    #[error(
+        "budget free-{} leaves 0 B: the device has {} free; give a smaller margin (budget=free-SIZE) or a size (budget=SIZE)",
+        ddo_metrics::format_bytes(*margin),
+        ddo_metrics::format_bytes(*free)
+    )]
+    NoBudgetLeft {
+        /// The margin.
+        margin: u64,
+        /// What the device has free.
+        free: u64,
     },
     /// Some of the component's weights are already on a device, outside any route.
     #[error(

@@ -51,8 +51,9 @@ use crate::error::{CoreError, Result};
 
 /// Where environment variables come from.
 pub trait Environment {
-    /// The variable's value, if set.
-    fn var(&self, name: &str) -> Option<String>;
+    /// The variable's value, `None` if unset; a value the source cannot give as text (not
+    /// UTF-8) is [`CoreError::InvalidEnvironment`] naming the variable, never "unset".
+    fn var(&self, name: &str) -> Result<Option<String>>;
 }
 
 /// The process environment.
@@ -60,8 +61,23 @@ pub trait Environment {
 pub struct ProcessEnvironment;
 
 impl Environment for ProcessEnvironment {
-    fn var(&self, name: &str) -> Option<String> {
-        std::env::var(name).ok()
+    fn var(&self, name: &str) -> Result<Option<String>> {
+        process_var(name)
+    }
+}
+
+/// The process's variable `name`: `None` if unset, [`CoreError::InvalidEnvironment`]
+/// naming it if its value is not UTF-8 (`std::env::var`'s `NotUnicode`: set, so never
+/// read as unset).
+pub fn process_var(name: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(raw)) => Err(CoreError::InvalidEnvironment {
+            var: name.to_string(),
+            value: raw.to_string_lossy().into_owned(),
+            message: "the value is not valid UTF-8".into(),
+        }),
     }
 }
 
@@ -82,8 +98,8 @@ impl MapEnvironment {
 }
 
 impl Environment for MapEnvironment {
-    fn var(&self, name: &str) -> Option<String> {
-        self.0.get(name).cloned()
+    fn var(&self, name: &str) -> Result<Option<String>> {
+        Ok(self.0.get(name).cloned())
     }
 }
 
@@ -272,7 +288,7 @@ pub fn resolve(
     routes: &dyn RouteCatalog,
 ) -> Result<Resolution> {
     let (preset, preset_from_environment) = if settings.use_environment {
-        match env.var("DDO_PRESET") {
+        match env.var("DDO_PRESET")? {
             Some(v) => (
                 v.trim()
                     .parse::<Preset>()
@@ -297,7 +313,7 @@ pub fn resolve(
             return Ok(None);
         }
         let var = route_env_var(component);
-        match env.var(&var) {
+        match env.var(&var)? {
             Some(v) => Ok(Some((
                 RouteSpec::parse(v.trim(), routes).map_err(|e| CoreError::InvalidEnvironment {
                     var: var.clone(),
@@ -354,7 +370,7 @@ mod tests {
     }
 
     impl Environment for CountingEnv<'_> {
-        fn var(&self, name: &str) -> Option<String> {
+        fn var(&self, name: &str) -> Result<Option<String>> {
             self.reads.set(self.reads.get() + 1);
             self.inner.var(name)
         }

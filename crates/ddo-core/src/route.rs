@@ -442,6 +442,31 @@ pub fn check_spec(route: &dyn Route, component: &str, spec: &RouteSpec) -> Resul
         })
 }
 
+/// What `route` refuses of `spec` on a device with `free` bytes free, whatever the
+/// component: a budget of the free bytes less a margin ([`Route::effective_budget`], given
+/// or the route's default) that leaves nothing ([`Refusal::NoBudgetLeft`]). The planner
+/// runs it with the footprint context's free bytes, a budgeted route's
+/// [`Route::preflight`] with the device's (after what it refuses first, such as a missing
+/// allocator), and `ddo resolve` without a model with the default device's, so all three
+/// refuse alike.
+pub fn check_budget_left(
+    route: &dyn Route,
+    component: &str,
+    spec: &RouteSpec,
+    free: u64,
+) -> Result<()> {
+    match route.effective_budget(spec) {
+        Some(b @ crate::config::Budget::FreeMinus(margin)) if b.bytes_given_free(free) == 0 => {
+            Err(CoreError::Refused {
+                route: route.id().as_str(),
+                component: component.to_string(),
+                refusal: Refusal::NoBudgetLeft { margin, free },
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Every check before `route` attaches to `component` on `device` with `spec`, in one
 /// place (the registry runs it once per attach; routes do not repeat it): nothing attached
 /// yet, no weight already on a device, the spec ([`check_spec`]), then the route's own

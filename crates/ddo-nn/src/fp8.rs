@@ -156,6 +156,10 @@ impl WeightSource for Fp8Storage<'_> {
     fn contains(&self, name: &str) -> bool {
         self.inner.contains(name)
     }
+
+    fn writes_values(&self) -> bool {
+        self.inner.writes_values()
+    }
 }
 
 impl Fp8Storage<'_> {
@@ -170,12 +174,17 @@ impl Fp8Storage<'_> {
         if !self.casts(name, shape, kind) || p.dtype().is_fp8() {
             return Ok(p);
         }
-        // Quantized straight from the source bytes into the param's own (on all cores).
-        let mut codes = AlignedBytes::zeroed(p.nbytes() / p.dtype().size_in_bytes());
-        let scale = p.host().with_bytes(|b| {
-            self.format
-                .quantize_scaled_bytes(name, p.dtype(), b, codes.as_mut_slice())
-        })?;
+        let mut codes = AlignedBytes::try_zeroed(p.nbytes() / p.dtype().size_in_bytes())?;
+        let scale = if self.inner.writes_values() {
+            // Quantized straight from the source bytes into the param's own (on all cores).
+            p.host().with_bytes(|b| {
+                self.format
+                    .quantize_scaled_bytes(name, p.dtype(), b, codes.as_mut_slice())
+            })?
+        } else {
+            // A planning shape: its codes are as unwritten as the source's bytes.
+            1.0
+        };
         drop(p);
         // Frozen like a checkpoint's bytes: read and page-locked in place, never written.
         let label = format!("(stored as {}) {name}", self.format);

@@ -520,8 +520,21 @@ impl T5Encoder {
     /// A model with seeded random weights stored as `dtype` (an 8-bit float: bf16 weights,
     /// the linears' stored as scaled fp8, as [`T5Encoder::from_dir`] does).
     pub fn random(config: &T5Config, seed: u64, dtype: DType) -> LoadResult<Self> {
-        let mut w = crate::weights::RandomWeights::new(seed, dtype.compute());
-        stored_as(&mut w, Some(dtype), &T5_SKIP_PATTERNS, |w| {
+        Self::build_as(
+            &mut crate::weights::RandomWeights::new(seed, dtype.compute()),
+            config,
+            Some(dtype),
+        )
+    }
+
+    /// [`T5Encoder::build`] with the weights stored as `dtype` asks: an 8-bit float stores
+    /// the linears' as scaled fp8 ([`crate::fp8`]), the rest as `weights` gives them.
+    pub fn build_as(
+        weights: &mut dyn WeightSource,
+        config: &T5Config,
+        dtype: Option<DType>,
+    ) -> LoadResult<Self> {
+        stored_as(weights, dtype, &T5_SKIP_PATTERNS, |w| {
             Self::build(w, config)
         })
     }

@@ -29,6 +29,13 @@ pub trait WeightSource {
     /// Whether the source has a param named `name`.
     fn contains(&self, name: &str) -> bool;
 
+    /// Whether the params' bytes hold the source's values: false for
+    /// [`RandomWeights::unwritten`], whose params are planning shapes, so a wrapper such as
+    /// [`crate::fp8::Fp8Storage`] reads none of them and writes none of its own.
+    fn writes_values(&self) -> bool {
+        true
+    }
+
     /// The param `name` of `shape` `[out, in, kh, kw]`, taken from a causal 3-D convolution's
     /// weight `[out, in, frames, kh, kw]` at its last temporal slice: what such a convolution
     /// computes on one frame whose causal padding is zeros (Qwen-Image's VAE). A checkpoint
@@ -73,11 +80,15 @@ pub trait WeightSource {
 /// nearest even as [`DType::encode_f32`] rounds). Params larger than a chunk are filled on
 /// all available cores; the values depend only on the seed, the dtype and the sequence of
 /// params asked for, never on the number of threads.
+///
+/// [`RandomWeights::unwritten`] makes the same params without values, for planning.
 #[derive(Debug, Clone)]
 pub struct RandomWeights {
     rng: SplitMix64,
     dtype: DType,
     made: u64,
+    /// False for [`RandomWeights::unwritten`].
+    values: bool,
 }
 
 /// Elements per independently seeded chunk of a [`RandomWeights`] param (1 Mi).
@@ -90,6 +101,19 @@ impl RandomWeights {
             rng: SplitMix64::new(seed),
             dtype,
             made: 0,
+            values: true,
+        }
+    }
+
+    /// A source of params as `dtype` whose bytes are never written: each param has its
+    /// shape, dtype and size, over zero pages no one touches (a large one is a mapping of
+    /// its own, [`AlignedBytes::zeroed`]), so a model of any size costs address space, not
+    /// memory. For planning (what routes and the memory plan read: shapes and bytes); a
+    /// model built from it computes on zeros.
+    pub fn unwritten(dtype: DType) -> Self {
+        Self {
+            values: false,
+            ..Self::new(0, dtype)
         }
     }
 
@@ -108,6 +132,20 @@ impl RandomWeights {
     ) -> LoadResult<Arc<Param>> {
         let encoding = Encoding::of(self.dtype)?;
         let len = byte_len(shape, self.dtype)?;
+        if !self.values {
+            // Never written: the pages stay the kernel's zero pages until someone writes.
+            let bytes = AlignedBytes::try_zeroed(len)?;
+            let p = Param::new(
+                name,
+                kind,
+                self.dtype,
+                shape.to_vec(),
+                HostBuffer::frozen(bytes, &format!("(unwritten random weights) {name}"))
+                    .slice_all(),
+            )?;
+            self.made += p.nbytes() as u64;
+            return Ok(p);
+        }
         let seed = self.rng.next_u64();
         let spread = Spread::of(name, shape);
         let mut bytes = AlignedBytes::zeroed(len);
@@ -140,6 +178,10 @@ impl WeightSource for RandomWeights {
 
     fn contains(&self, _name: &str) -> bool {
         true
+    }
+
+    fn writes_values(&self) -> bool {
+        self.values
     }
 }
 

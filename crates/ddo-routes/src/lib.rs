@@ -394,6 +394,19 @@ pub fn check_route_options(component: &str, spec: &RouteSpec) -> Result<()> {
     }
 }
 
+/// What `spec`'s route refuses for `component` on a device with `free` bytes free, whatever
+/// the weights: a budget of the free bytes less a margin that leaves nothing
+/// ([`ddo_core::route::check_budget_left`], which the planner and [`preflight`] run too).
+/// Unmanaged specs pass.
+pub fn check_route_budget(component: &str, spec: &RouteSpec, free: u64) -> Result<()> {
+    match spec.target() {
+        RouteTarget::Route(id) => {
+            ddo_core::route::check_budget_left(route(id)?, component, spec, free)
+        }
+        RouteTarget::Unmanaged => Ok(()),
+    }
+}
+
 /// Every check before `spec`'s route attaches to `component` on `device`, run once here
 /// for every route ([`ddo_core::route::checked_preflight`]): nothing attached yet, no
 /// weight already on a device, the options ([`check_route_options`]), then the route's own

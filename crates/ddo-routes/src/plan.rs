@@ -301,6 +301,9 @@ pub fn plan_resolved(
                     hint: "resolve every component the phases run (resolve_pipeline)".into(),
                 });
             };
+            // A budget that leaves nothing of what is free is refused before any
+            // footprint, as the attach would refuse it.
+            crate::check_route_budget(name, &resolution.spec, request.context.free_device_bytes)?;
             let candidate = Candidate {
                 component,
                 resolution: resolution.clone(),

@@ -147,6 +147,44 @@ fn a_budget_below_the_largest_leaf_is_refused_before_anything_is_allocated() {
     enable_dynamic_offload(&c, dyn_device(&d), route).expect("budget = largest leaf");
 }
 
+/// Issue 34: a budget of what is free less a margin that leaves nothing is refused as such,
+/// whatever the weights, by the attach (each budgeted route's preflight) and by the planner,
+/// before anything is allocated.
+#[test]
+fn a_free_margin_that_leaves_nothing_is_refused_before_anything_is_allocated() {
+    let spec = ReferenceSpec::small("transformer", 4, 64, DType::F32);
+    let c = reference::build(&spec).unwrap();
+    let capacity = 1u64 << 24;
+    let margin = capacity + (1 << 20);
+    for (route, d) in [
+        (
+            format!("native_vmm:budget=free-{margin}"),
+            native_device(capacity),
+        ),
+        (
+            format!("diffusers_group_offload:use_stream=true,budget=free-{margin}"),
+            device(capacity),
+        ),
+    ] {
+        let spec: RouteSpec = ddo_routes::parse_spec(&route).unwrap();
+        let e = enable_dynamic_offload(&c, dyn_device(&d), spec).unwrap_err();
+        match &e {
+            CoreError::Refused {
+                refusal: Refusal::NoBudgetLeft { margin: m, free },
+                ..
+            } => assert_eq!((*m, *free), (margin, capacity), "{route}"),
+            other => panic!("{route}: expected NoBudgetLeft, got {other:?}"),
+        }
+        hinted(&e);
+        assert_eq!(d.memory_info().allocated, 0, "{route}");
+        assert!(c.attached().is_none(), "{route}");
+        // The registry's check without a component, as `ddo resolve` runs it.
+        let again = ddo_routes::check_route_budget("transformer", &spec, capacity).unwrap_err();
+        assert_eq!(again.to_string(), e.to_string(), "{route}");
+        ddo_routes::check_route_budget("transformer", &spec, margin + 1).expect("1 B left");
+    }
+}
+
 #[test]
 fn an_explicit_route_that_cannot_run_is_refused_not_replaced() {
     let spec = ReferenceSpec::small("vae", 2, 16, DType::F32);

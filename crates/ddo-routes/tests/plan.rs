@@ -138,7 +138,7 @@ struct CountingEnv<'a> {
 }
 
 impl Environment for CountingEnv<'_> {
-    fn var(&self, name: &str) -> Option<String> {
+    fn var(&self, name: &str) -> ddo_core::Result<Option<String>> {
         *self.reads.borrow_mut().entry(name.to_string()).or_default() += 1;
         self.inner.var(name)
     }

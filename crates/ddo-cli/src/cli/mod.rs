@@ -176,12 +176,15 @@ fn version() -> String {
     format!("ddo {}\n", env!("CARGO_PKG_VERSION"))
 }
 
-/// `ddo help` (no `name`) or `ddo help NAME`; an unknown NAME is a usage error.
+/// `ddo help` (no `name`) or `ddo help NAME`: a command's options, or for `help` itself its
+/// own usage (as `ddo help --help` prints it); an unknown NAME is a usage error.
 pub fn help(name: Option<&String>) -> CliResult<String> {
     BUILT.with_borrow_mut(|cmd| match name {
         None => Ok(cmd.render_help().to_string()),
         Some(n) => match cmd.find_subcommand_mut(n) {
-            Some(sub) if COMMANDS.contains(&n.as_str()) => Ok(sub.render_help().to_string()),
+            Some(sub) if COMMANDS.contains(&n.as_str()) || n == "help" => {
+                Ok(sub.render_help().to_string())
+            }
             _ => Err(unknown_command(n)),
         },
     })

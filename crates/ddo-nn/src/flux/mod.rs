@@ -358,8 +358,22 @@ impl FluxTransformer {
     /// bf16 weights and stores the cast layers' as scaled fp8, as [`FluxTransformer::load`]
     /// does with a checkpoint.
     pub fn random(config: FluxTransformerConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
-        let mut w = RandomWeights::new(seed, dtype.compute());
-        stored_as(&mut w, Some(dtype), &FLUX_SKIP_PATTERNS, |w| {
+        Self::build_as(
+            &mut RandomWeights::new(seed, dtype.compute()),
+            config,
+            Some(dtype),
+        )
+    }
+
+    /// [`FluxTransformer::build`] with the weights stored as `dtype` asks: an 8-bit float
+    /// stores the cast layers' as scaled fp8 ([`crate::fp8`]), the rest as `weights` gives
+    /// them.
+    pub fn build_as(
+        weights: &mut dyn WeightSource,
+        config: FluxTransformerConfig,
+        dtype: Option<DType>,
+    ) -> LoadResult<Self> {
+        stored_as(weights, dtype, &FLUX_SKIP_PATTERNS, |w| {
             Self::build(w, config)
         })
     }

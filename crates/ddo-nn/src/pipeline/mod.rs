@@ -461,32 +461,59 @@ impl FluxPipeline {
         dtype: DType,
         loaded: Loaded,
     ) -> LoadResult<Self> {
+        Self::built_from(config, dtype, loaded, |k| {
+            RandomWeights::new(seed.wrapping_add(k), dtype.compute())
+        })
+    }
+
+    /// [`FluxPipeline::random_with`] with weights never written
+    /// ([`RandomWeights::unwritten`]): every param of the random components has its shape,
+    /// dtype and bytes (fp8 storage's one byte per cast weight too) and no memory behind
+    /// it, so FLUX.1-dev's plan (`ddo resolve`) costs no host memory for its weights. For
+    /// planning and preflight only: running it computes on zeros.
+    pub fn unwritten_with(
+        config: &FluxPipelineConfig,
+        dtype: DType,
+        loaded: Loaded,
+    ) -> LoadResult<Self> {
+        Self::built_from(config, dtype, loaded, |_| {
+            RandomWeights::unwritten(dtype.compute())
+        })
+    }
+
+    /// The pipeline at `config`, component `k` (text_encoder, text_encoder_2, transformer,
+    /// vae) from `weights(k)` where `loaded` has none, stored as `dtype` asks.
+    fn built_from(
+        config: &FluxPipelineConfig,
+        dtype: DType,
+        loaded: Loaded,
+        weights: impl Fn(u64) -> RandomWeights,
+    ) -> LoadResult<Self> {
         check_consistency(
             Some(&config.text_encoder),
             Some(&config.text_encoder_2),
             &config.transformer,
             &config.vae,
         )?;
-        // fp8 storage is the transformer's and T5's linears'; CLIP and the VAE use its
-        // compute dtype.
-        let w = |k: u64| RandomWeights::new(seed.wrapping_add(k), dtype.compute());
+        // fp8 storage is the transformer's and T5's linears'; CLIP and the VAE are made in
+        // its compute dtype (`weights`').
         let clip = match loaded.text_encoder {
             Some(c) => c,
-            None => ClipTextModel::build(&mut w(0), &config.text_encoder)?,
+            None => ClipTextModel::build(&mut weights(0), &config.text_encoder)?,
         };
         let t5 = match loaded.text_encoder_2 {
             Some(t) => t,
-            None => T5Encoder::random(&config.text_encoder_2, seed.wrapping_add(1), dtype)?,
+            None => T5Encoder::build_as(&mut weights(1), &config.text_encoder_2, Some(dtype))?,
         };
         let transformer = match loaded.transformer {
             Some(t) => t,
             None => {
-                FluxTransformer::random(config.transformer.clone(), seed.wrapping_add(2), dtype)?
+                FluxTransformer::build_as(&mut weights(2), config.transformer.clone(), Some(dtype))?
             }
         };
         let vae = match loaded.vae {
             Some(v) => v,
-            None => AutoencoderKL::build(&mut w(3), config.vae.clone())?,
+            None => AutoencoderKL::build(&mut weights(3), config.vae.clone())?,
         };
         Self::new(
             Some(clip),

@@ -431,8 +431,22 @@ impl QwenImageTransformer {
     /// an 8-bit float `dtype` makes bf16 weights and stores the
     /// cast layers' as scaled fp8, as [`QwenImageTransformer::load`] does with a checkpoint.
     pub fn random(config: QwenImageTransformerConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
-        let mut w = RandomWeights::new(seed, dtype.compute());
-        stored_as(&mut w, Some(dtype), &QWEN_IMAGE_SKIP_PATTERNS, |w| {
+        Self::build_as(
+            &mut RandomWeights::new(seed, dtype.compute()),
+            config,
+            Some(dtype),
+        )
+    }
+
+    /// [`QwenImageTransformer::build`] with the weights stored as `dtype` asks: an 8-bit
+    /// float stores the cast layers' as scaled fp8 ([`crate::fp8`]), the rest as `weights`
+    /// gives them.
+    pub fn build_as(
+        weights: &mut dyn WeightSource,
+        config: QwenImageTransformerConfig,
+        dtype: Option<DType>,
+    ) -> LoadResult<Self> {
+        stored_as(weights, dtype, &QWEN_IMAGE_SKIP_PATTERNS, |w| {
             Self::build(w, config)
         })
     }

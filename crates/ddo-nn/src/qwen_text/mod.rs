@@ -144,8 +144,21 @@ impl QwenTextEncoder {
     /// A model with seeded random weights stored as `dtype` (large params filled on all
     /// cores, [`RandomWeights`]; an 8-bit float as [`QwenTextEncoder::load`] stores it).
     pub fn random(config: &QwenTextEncoderConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
-        let mut w = RandomWeights::new(seed, dtype.compute());
-        stored_as(&mut w, Some(dtype), &QWEN_TEXT_SKIP_PATTERNS, |w| {
+        Self::build_as(
+            &mut RandomWeights::new(seed, dtype.compute()),
+            config,
+            Some(dtype),
+        )
+    }
+
+    /// [`QwenTextEncoder::build`] with the weights stored as `dtype` asks: an 8-bit float
+    /// stores the linears' as scaled fp8 ([`crate::fp8`]), the rest as `weights` gives them.
+    pub fn build_as(
+        weights: &mut dyn WeightSource,
+        config: &QwenTextEncoderConfig,
+        dtype: Option<DType>,
+    ) -> LoadResult<Self> {
+        stored_as(weights, dtype, &QWEN_TEXT_SKIP_PATTERNS, |w| {
             Self::build(w, config)
         })
     }

@@ -319,7 +319,12 @@ impl Route for GroupOffloadRoute {
         if GroupOffloadConfig::from_spec(spec).use_stream && !device.supports_streams() {
             return Err(refuse(Refusal::NoStreams));
         }
-        Ok(())
+        ddo_core::route::check_budget_left(
+            self,
+            component.name(),
+            spec,
+            device.memory_info().free_bytes(),
+        )
     }
 
     fn attach(

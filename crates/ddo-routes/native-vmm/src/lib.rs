@@ -476,6 +476,7 @@ impl Route for NativeVmmRoute {
         if device.allocator() != AllocatorKind::NativeVmm {
             return Err(refused(component, Refusal::NativeAllocatorRequired));
         }
+        ddo_core::route::check_budget_left(self, component.name(), spec, free_bytes(device))?;
         if let Some(leaf) = component.largest_leaf() {
             let budget = budget_bytes(device, spec);
             let leaf_bytes = leaf.param_bytes();

@@ -49,7 +49,7 @@ use crate::qwen_text::{
 };
 use crate::qwen_vae::{QwenVae, QwenVaeConfig};
 use crate::scheduler::FlowMatchEulerConfig;
-use crate::weights::UnusedWeights;
+use crate::weights::{RandomWeights, UnusedWeights};
 
 use super::invalid;
 
@@ -250,11 +250,34 @@ impl QwenImagePipeline {
     /// transformer's and the text encoder's linears as scaled fp8 and makes the VAE in bf16
     /// ([`crate::fp8`]).
     pub fn random(config: &QwenImagePipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
+        Self::built_from(config, dtype, |k| {
+            RandomWeights::new(seed.wrapping_add(k), dtype.compute())
+        })
+    }
+
+    /// [`QwenImagePipeline::random`] with weights never written
+    /// ([`RandomWeights::unwritten`]): every param has its shape, dtype and bytes (fp8
+    /// storage's one byte per cast weight too) and no memory behind it. For planning and
+    /// preflight only: running it computes on zeros.
+    pub fn unwritten(config: &QwenImagePipelineConfig, dtype: DType) -> LoadResult<Self> {
+        Self::built_from(config, dtype, |_| RandomWeights::unwritten(dtype.compute()))
+    }
+
+    /// The pipeline at `config`, component `k` (text_encoder, transformer, vae) from
+    /// `weights(k)`, stored as `dtype` asks (the VAE in `weights`' compute dtype).
+    fn built_from(
+        config: &QwenImagePipelineConfig,
+        dtype: DType,
+        weights: impl Fn(u64) -> RandomWeights,
+    ) -> LoadResult<Self> {
         check_consistency(Some(&config.text_encoder), &config.transformer, &config.vae)?;
-        let text = QwenTextEncoder::random(&config.text_encoder, seed, dtype)?;
-        let transformer =
-            QwenImageTransformer::random(config.transformer.clone(), seed.wrapping_add(1), dtype)?;
-        let vae = QwenVae::random(config.vae.clone(), seed.wrapping_add(2), dtype.compute())?;
+        let text = QwenTextEncoder::build_as(&mut weights(0), &config.text_encoder, Some(dtype))?;
+        let transformer = QwenImageTransformer::build_as(
+            &mut weights(1),
+            config.transformer.clone(),
+            Some(dtype),
+        )?;
+        let vae = QwenVae::build(&mut weights(2), config.vae.clone())?;
         Self::new(
             Some(text),
             None,
