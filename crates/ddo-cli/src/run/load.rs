@@ -25,8 +25,13 @@ fn check_random_fits(params: u64, dtype: DType, tiny: &str) -> CliResult<()> {
     match available {
         Some(free) if needed > free => Err(CliError::runtime(
             format!(
-                "the random {dtype} weights of this config need about {} of host memory; {} is available",
+                "the random {dtype} weights of this config need up to {} of host memory while they are made{}; {} is available",
                 format_bytes(needed),
+                if dtype.is_fp8() {
+                    " (each fp8 weight is made in bf16, then stored)"
+                } else {
+                    ""
+                },
                 format_bytes(free)
             ),
             format!("run it on a machine with more memory, or use --config {tiny}"),

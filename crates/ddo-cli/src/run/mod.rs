@@ -405,20 +405,12 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     // A budget below the largest leaf, or any other no plan fits, is refused by the plan,
     // naming the smallest budget that plans the whole pipeline.
     // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does this,
-    // and the profile says so.
-    let (latent_h, latent_w) = pipe.latent_grid(height, width)?;
-    let (asked_h, asked_w) = (height, width);
-    let (height, width) = (
-        latent_h * pipe.vae_scale_factor(),
-        latent_w * pipe.vae_scale_factor(),
-    );
-    let size_note = ((height, width) != (asked_h, asked_w)).then(|| {
-        format!(
-            "{asked_w}x{asked_h} rounded down to {width}x{height}: height and width must be multiples of {} (whole 2x2 patches of the {}x VAE's latents), as Diffusers resizes them",
-            2 * pipe.vae_scale_factor(),
-            pipe.vae_scale_factor()
-        )
-    });
+    // and the profile says so (one rule for run, bench and resolve).
+    let crate::size::ImageSize {
+        height,
+        width,
+        note: size_note,
+    } = crate::size::ImageSize::of(&pipe, height, width)?;
 
     let (prompt, prompt_label) = match (&pipe, given) {
         (AnyPipeline::QwenImage(q), GivenEmbeds::Qwen(e)) => {
