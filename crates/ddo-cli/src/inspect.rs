@@ -562,7 +562,7 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
     }
     // A model folder (config.json beside the weights) is one component; a pipeline folder
     // (model_index.json, or sub-folders with weights) is one component per sub-folder.
-    let pipeline = path.join("model_index.json").is_file();
+    let pipeline = ddo_nn::weights::is_present(&path.join("model_index.json"));
     if !pipeline && path.join("config.json").is_file() {
         let own = weight_files(path)?;
         if !own.is_empty() {

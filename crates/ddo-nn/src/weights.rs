@@ -262,6 +262,40 @@ fn encode_each<const N: usize>(
 /// have: 64 MiB (a T5 `tokenizer.json` is about 2.4 MB).
 pub const MAX_TEXT_FILE_BYTES: u64 = 64 << 20;
 
+/// Whether anything is at `path`, a link (even a dangling one) included: the test for an
+/// optional file (`model_index.json`, `scheduler/scheduler_config.json`, a component's
+/// `config.json`). Something there is then read with [`read_text_file`], which refuses what
+/// is not a regular file, so a directory or a FIFO in its place is an error naming it, never
+/// taken as absent.
+pub fn is_present(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// What a file that is not regular is, in words (`a directory`, `a FIFO`, ...).
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else {
+        "not a file"
+    }
+}
+
 /// Reads a config, index or tokenizer file as text: only a regular file (a link is followed
 /// to one; a FIFO, a device such as `/dev/zero` or a directory is refused, so nothing hangs
 /// or reads without end) of at most [`MAX_TEXT_FILE_BYTES`].
@@ -279,9 +313,10 @@ pub fn read_text_file(path: &Path) -> LoadResult<String> {
     };
     let meta = std::fs::metadata(path).map_err(io)?;
     if !meta.is_file() {
-        return Err(invalid(
-            "not a regular file (a FIFO, device or directory is not read)".into(),
-        ));
+        return Err(invalid(format!(
+            "{}, not a regular file (a FIFO, device or directory is not read)",
+            file_kind(&meta.file_type())
+        )));
     }
     if meta.len() > MAX_TEXT_FILE_BYTES {
         return Err(invalid(format!(

@@ -590,7 +590,36 @@ fn detect_reads_model_index_and_refuses_unknown_and_mixed_folders() {
     )
     .unwrap();
     let (file, field, _, _) = field_of(PipelineKind::detect(&tmp.0).unwrap_err());
-    assert_eq!((file, field.as_str()), (te, "architectures"));
+    assert_eq!((file, field.as_str()), (te.clone(), "architectures"));
+
+    // Without model_index.json the same folder is told the file is missing (issue 34), and
+    // a model_index.json that is a directory is refused, not taken as absent.
+    std::fs::remove_file(&index).unwrap();
+    match PipelineKind::detect(&tmp.0).unwrap_err() {
+        LoadError::NoModelIndex {
+            file,
+            class,
+            pipeline,
+            ..
+        } => assert_eq!(
+            (file, class.as_str(), pipeline),
+            (
+                te,
+                "Qwen2_5_VLForConditionalGeneration",
+                "QwenImagePipeline"
+            )
+        ),
+        other => panic!("expected NoModelIndex, got {other}"),
+    }
+    std::fs::create_dir(&index).unwrap();
+    match PipelineKind::detect(&tmp.0).unwrap_err() {
+        LoadError::Io { path, source } => {
+            assert_eq!(path, index);
+            assert!(source.to_string().contains("a directory"), "{source}");
+        }
+        other => panic!("expected Io, got {other}"),
+    }
+    std::fs::remove_dir(&index).unwrap();
 
     // Loading a Flux folder as Qwen-Image is refused naming model_index.json.
     match QwenImagePipeline::load_checked(
