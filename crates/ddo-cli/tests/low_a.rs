@@ -214,3 +214,147 @@ fn a_qwen_folder_without_model_index_is_told_the_file_is_missing() {
         assert!(err.contains(s), "`{s}` missing: {err}");
     }
 }
+
+/// The presets `ddo inspect --json` reports: every preset, in ddo-core's order.
+fn presets(inspect: &serde_json::Value) -> Vec<String> {
+    let names: Vec<String> = inspect["presets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["preset"].as_str().unwrap().to_string())
+        .collect();
+    let all: Vec<&str> = ddo_core::Preset::ALL.iter().map(|p| p.as_str()).collect();
+    assert_eq!(names, all);
+    names
+}
+
+/// Item 2: a single-model folder is named by its class (AutoencoderKL → `vae`), so the
+/// route `ddo inspect` shows for it under each preset is the one `ddo resolve --component
+/// vae --preset P` resolves (the seed's VAE table: leaf level without a stream, or
+/// resident), option for option; and `--route vae=...` is taken.
+#[test]
+fn inspect_names_a_vae_folder_vae_and_shows_the_resolver_routes() {
+    let v = json(&ddo(&["inspect", &fixture("vae_sd"), "--json"]));
+    assert_eq!(v["components"][0]["component"], "vae", "{v}");
+    for p in presets(&v) {
+        let plan = v["presets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["preset"] == p.as_str())
+            .unwrap();
+        let shown = plan["components"][0]["route"].as_str().unwrap();
+        let r = json(&ddo(&[
+            "resolve",
+            "--component",
+            "vae",
+            "--preset",
+            &p,
+            "--no-env",
+            "--json",
+        ]));
+        let mut words = shown.split(' ');
+        assert_eq!(words.next(), r[0]["route"].as_str(), "{p}: {shown} vs {r}");
+        for kv in words {
+            let (k, val) = kv.split_once('=').unwrap();
+            let resolved = &r[0]["options"][k];
+            let resolved = resolved
+                .as_str()
+                .map_or_else(|| resolved.to_string(), str::to_string);
+            assert_eq!(resolved, val, "{p}: `{k}` in {shown} vs {r}");
+        }
+    }
+    // The VAE table itself: no stream under auto, resident under warm_process.
+    let route_of = |p: &str| {
+        v["presets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["preset"] == p)
+            .unwrap()["components"][0]["route"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert!(route_of("auto").contains("use_stream=false"), "{v}");
+    assert_eq!(route_of("warm_process"), "none");
+
+    let out = ddo(&[
+        "inspect",
+        &fixture("vae_sd"),
+        "--route",
+        "vae=none",
+        "--json",
+    ]);
+    let v = json(&out);
+    assert_eq!(v["routes"][0]["component"], "vae");
+    assert_eq!(v["routes"][0]["route"], "none");
+    // The other single-model folders by their classes.
+    for (f, component) in [
+        ("flux_transformer", "transformer"),
+        ("qwen_image_transformer", "transformer"),
+        ("clip_text", "text_encoder"),
+        ("t5_encoder", "text_encoder_2"),
+        ("qwen_vae", "vae"),
+        ("vae_flux/diffusion_pytorch_model.safetensors", "vae"),
+    ] {
+        let v = json(&ddo(&["inspect", &fixture(f), "--json"]));
+        assert_eq!(v["components"][0]["component"], component, "{f}");
+    }
+}
+
+/// Item 3: `--route transformer=linear_convolution` on fp8 weights says the route refuses
+/// them (as `ddo run`'s preflight does), and a route's `budget` option changes the
+/// estimate (diffusers_group_offload with a stream: resident what the budget holds).
+#[test]
+fn inspect_route_says_when_it_refuses_fp8_and_honours_the_budget() {
+    for f in ["flux_transformer_fp8", "flux_transformer_fp8_scaled"] {
+        let v = json(&ddo(&[
+            "inspect",
+            &fixture(f),
+            "--route",
+            "transformer=linear_convolution",
+            "--json",
+        ]));
+        let r = &v["routes"][0];
+        assert_eq!(r["refused"], true, "{f}: {r}");
+        let note = r["note"].as_str().unwrap();
+        assert!(note.contains("refused"), "{note}");
+        assert!(note.contains("F8_E4M3"), "{note}");
+        assert!(note.contains("diffusers_group_offload"), "{note}");
+        let text = ok(&ddo(&[
+            "inspect",
+            &fixture(f),
+            "--route",
+            "transformer=linear_convolution",
+        ]));
+        assert!(text.contains("refused: linear_convolution"), "{text}");
+    }
+    // An f32 folder is taken.
+    let v = json(&ddo(&[
+        "inspect",
+        &fixture("flux_transformer"),
+        "--route",
+        "transformer=linear_convolution",
+        "--json",
+    ]));
+    assert_eq!(v["routes"][0]["refused"], false, "{v}");
+
+    let resident = |route: &str| {
+        let v = json(&ddo(&[
+            "inspect",
+            &fixture("flux_transformer_fp8"),
+            "--route",
+            &format!("transformer={route}"),
+            "--json",
+        ]));
+        let bytes = v["components"][0]["bytes"].as_u64().unwrap();
+        (v["routes"][0]["resident_bytes"].as_u64().unwrap(), bytes)
+    };
+    let (without, bytes) = resident("diffusers_group_offload:use_stream=true");
+    let (with, _) = resident("diffusers_group_offload:use_stream=true,budget=1MiB");
+    assert_eq!(without, 0);
+    assert_eq!(with, bytes, "a 1 MiB budget holds the whole fixture");
+    let (free, _) = resident("diffusers_group_offload:use_stream=true,budget=free");
+    assert_eq!(free, bytes, "free of the 8 GiB default budget holds it");
+}
