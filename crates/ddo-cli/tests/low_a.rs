@@ -358,3 +358,101 @@ fn inspect_route_says_when_it_refuses_fp8_and_honours_the_budget() {
     let (free, _) = resident("diffusers_group_offload:use_stream=true,budget=free");
     assert_eq!(free, bytes, "free of the 8 GiB default budget holds it");
 }
+
+/// stderr and the exit status of `ddo ARGS`.
+fn fails(args: &[&str]) -> (Option<i32>, String) {
+    let o = ddo(args);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).to_string(),
+    )
+}
+
+/// Item 5: a refusal names what the user gave and why, never a computed value as the user's
+/// invalid value: `--steps 1` on Qwen-Image (was an empty `scheduler` value), a `free-9GiB`
+/// budget on native_vmm and on diffusers_group_offload (was a budget of `0`), and a decode
+/// that does not fit under `--tiled-decode auto` when it was not given (was an invalid
+/// value `auto`).
+#[test]
+fn refusals_name_what_the_user_gave_not_a_computed_value() {
+    let d = scratch("given");
+    let out = d.join("out.png");
+    let out = out.to_str().unwrap();
+
+    let (code, err) = fails(&[
+        "run",
+        "--config",
+        "qwen-tiny",
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--out",
+        out,
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("invalid value `1` for `steps`"), "{err}");
+    assert!(err.contains("2 or more steps"), "{err}");
+    assert!(!err.contains("``"), "{err}");
+
+    let (code, err) = fails(&[
+        "run",
+        "--config",
+        "tiny",
+        "--route",
+        "transformer=native_vmm:budget=free-9GiB",
+        "--out",
+        out,
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("budget=free-9.00 GiB leaves 0 B on this device ("),
+        "{err}"
+    );
+    assert!(!err.contains("budget of 0 B"), "{err}");
+
+    let (code, err) = fails(&[
+        "run",
+        "--config",
+        "tiny",
+        "--route",
+        "transformer=diffusers_group_offload:use_stream=true,budget=free-9GiB",
+        "--out",
+        out,
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("invalid value `free-9.00 GiB` for `budget`: it leaves 0 B on this device ("),
+        "{err}"
+    );
+    assert!(!err.contains("invalid value `0`"), "{err}");
+
+    // 64x64 latents with a 1 MiB budget: neither untiled nor the default tiles fit.
+    let lat = d.join("lat64.safetensors");
+    let data = vec![0u8; 4 * 64 * 64 * 4];
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 4, 64, 64], &data)
+            .unwrap();
+    safetensors::serialize_to_file([("latents".to_string(), view)], None, &lat).unwrap();
+    let (code, err) = fails(&[
+        "decode",
+        "--weights",
+        &fixture("vae_sd"),
+        "--latents",
+        lat.to_str().unwrap(),
+        "--out",
+        out,
+        "--vram-budget",
+        "1MiB",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("--tiled-decode auto (the default) found no decode that fits"),
+        "{err}"
+    );
+    assert!(err.contains("--vram-budget 2MiB"), "{err}");
+    assert!(!err.contains("invalid value `auto`"), "{err}");
+    assert!(!Path::new(out).exists(), "nothing written");
+}

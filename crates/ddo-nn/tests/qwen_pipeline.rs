@@ -380,8 +380,7 @@ fn auto_decode_tiles_when_the_budget_leaves_too_little() {
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
     assert!(
-        matches!(&e, CoreError::InvalidOption { option, hint, .. }
-            if option == "tiled-decode" && hint.contains("--vram-budget")),
+        matches!(&e, CoreError::DecodeDoesNotFit { hint, .. } if hint.contains("--vram-budget")),
         "{e}"
     );
 }
@@ -495,8 +494,8 @@ fn bad_requests_are_typed_errors_and_release_everything() {
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
     assert!(
-        matches!(&e, CoreError::InvalidOption { option, hint, .. }
-            if option == "scheduler" && hint.contains("shift_terminal") && hint.contains("2 or more steps")),
+        matches!(&e, CoreError::InvalidOption { option, value, hint }
+            if option == "steps" && value == "1" && hint.contains("shift_terminal") && hint.contains("2 or more steps")),
         "{e}"
     );
     check_released(&offload);
