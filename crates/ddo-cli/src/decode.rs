@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use ddo_metrics::format_bytes;
-use ddo_nn::pipeline::plan_decode_on;
+use ddo_nn::pipeline::{PipelineKind, plan_decode_on};
 use ddo_nn::vae::AutoencoderKL;
 use ddo_routes::enable_resolved_offload;
 use serde_json::json;
@@ -21,11 +21,65 @@ use crate::setup::{DeviceChoice, DeviceNeeds, Routing, check_budget, open_device
 
 /// The VAE folder: `dir` itself, or `dir/vae` for a pipeline folder.
 fn vae_dir(dir: &Path) -> PathBuf {
-    if !dir.join("config.json").is_file() && dir.join("vae").join("config.json").is_file() {
+    if !ddo_nn::weights::is_present(&dir.join("config.json"))
+        && ddo_nn::weights::is_present(&dir.join("vae").join("config.json"))
+    {
         dir.join("vae")
     } else {
         dir.to_path_buf()
     }
+}
+
+/// Refuses a VAE folder whose `config.json` names a class other than `AutoencoderKL` (its
+/// `_class_name`, or a Transformers model's `architectures`), before anything is parsed as
+/// an AutoencoderKL: what it found, and the folder to give instead. A config naming no
+/// class is left to the loader.
+fn check_vae_class(weights: &Path, dir: &Path) -> CliResult<()> {
+    let file = dir.join("config.json");
+    if !ddo_nn::weights::is_present(&file) {
+        return Ok(());
+    }
+    let class = ddo_nn::pipeline::config_class(&file)
+        .map_err(|e| CliError::from(e).context(&format!("--weights {}", weights.display())))?;
+    let Some(class) = class.filter(|c| c != ddo_nn::vae::CLASS_NAME) else {
+        return Ok(());
+    };
+    let (what, instead) = match PipelineKind::component_of_class(&class) {
+        Some((PipelineKind::QwenImage, "vae")) => (
+            "QwenImagePipeline's VAE, which ddo decode does not take".to_string(),
+            "Qwen-Image latents are decoded by `ddo run --weights QWEN_PIPELINE_DIR` (a \
+             QwenImagePipeline folder); ddo decode takes an AutoencoderKL folder (FLUX.1's or \
+             SD's vae/)"
+                .to_string(),
+        ),
+        Some((PipelineKind::Flux, component)) => (
+            format!("FluxPipeline's {component}, not a VAE"),
+            "give the pipeline's vae/ folder (an AutoencoderKL), or the pipeline folder itself"
+                .to_string(),
+        ),
+        Some((kind, component)) => (
+            format!("{}'s {component}, not a VAE", kind.class_name()),
+            format!(
+                "{} latents are decoded by `ddo run` of the pipeline folder; ddo decode takes \
+                 an AutoencoderKL folder (FLUX.1's or SD's vae/)",
+                kind.class_name()
+            ),
+        ),
+        None => (
+            "not a VAE ddo decode takes".to_string(),
+            "ddo decode takes an AutoencoderKL folder (FLUX.1's or SD's vae/, or the pipeline \
+             folder holding it)"
+                .to_string(),
+        ),
+    };
+    Err(CliError::usage(
+        format!(
+            "--weights {}: {} names {class}, {what}",
+            weights.display(),
+            file.display()
+        ),
+        instead,
+    ))
 }
 
 /// Runs `ddo decode` with its parsed options.
@@ -43,6 +97,9 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
     let latents_path = need(&args.latents, "latents", "FILE.safetensors")?;
     let out_path = need(&args.out, "out", "OUT.png")?;
     let out_kind = output_kind("--out", &out_path)?;
+    // The folder's class first: another model's config is never parsed as a VAE's.
+    let dir = vae_dir(&weights);
+    check_vae_class(&weights, &dir)?;
     // The latents say how many images there are, hence which files to plan.
     let latents = read_tensor(&latents_path, &["latents"], "--latents")?;
     let images = match latents.shape.as_slice() {
@@ -84,7 +141,6 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
     let routing = Routing::new(args.preset, &args.route, args.no_env, &["vae".to_string()])?;
     let explanation = routing.explain("vae")?;
 
-    let dir = vae_dir(&weights);
     let vae = AutoencoderKL::load_checked(
         &dir,
         dtype,

@@ -92,6 +92,9 @@ impl From<CoreError> for CliError {
             | CoreError::InvalidOption { .. }
             | CoreError::ContradictoryOptions { .. }
             | CoreError::InvalidEnvironment { .. }
+            // A decode the budget does not hold under `--tiled-decode auto`: the options
+            // (budget, size, tiling) are the command line's to change.
+            | CoreError::DecodeDoesNotFit { .. }
             // An option the chosen route does not take is the command line's to change.
             | CoreError::Refused {
                 refusal: ddo_core::Refusal::UnsupportedOption { .. },

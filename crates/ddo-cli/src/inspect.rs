@@ -16,15 +16,15 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use ddo_core::resolve::preset_default;
 use ddo_core::values::{HUGE_VALUE, fp8_scale_problem, scan};
-use ddo_core::{Checkpoint, ComponentKind, DType, HeaderEstimate, Preset};
+use ddo_core::{Checkpoint, DType, HeaderEstimate, Preset};
 use ddo_metrics::format_bytes;
+use ddo_nn::pipeline::PipelineKind;
 use serde::Serialize;
 
 use crate::cli::InspectArgs;
 use crate::error::{CliError, CliResult};
-use crate::setup::DEFAULT_HOST_CAPACITY;
+use crate::setup::{DEFAULT_HOST_CAPACITY, Routing};
 
 /// Largest header `inspect` reads (safetensors headers are JSON of a few MB at most).
 const MAX_HEADER: u64 = 100 << 20;
@@ -43,7 +43,8 @@ pub struct DtypeTotals {
 /// One component, from its headers.
 #[derive(Debug, Clone, Serialize)]
 pub struct ComponentSummary {
-    /// Name (the folder's, or the file's).
+    /// Name: a pipeline's sub-folder; a single model's component by its class (`vae`,
+    /// `transformer`, `text_encoder`, `text_encoder_2`), else the folder's or the file's.
     pub component: String,
     /// `_class_name` or `architectures[0]` of config.json, when there is one.
     pub class: Option<String>,
@@ -306,8 +307,10 @@ pub struct PresetPlan {
     pub streamed_bytes_per_forward: u64,
     /// Weight bytes on the device at once during a forward (estimate).
     pub peak_weight_bytes: u64,
-    /// A remark (does not fit, allocator needed, ...).
+    /// A remark (does not fit, allocator needed, ...; for a refused route, why).
     pub note: String,
+    /// Whether the route refuses these weights (their dtype), as `ddo run`'s preflight would.
+    pub refused: bool,
 }
 
 struct TensorInfo {
@@ -442,12 +445,22 @@ fn index_shards(index: &Path) -> CliResult<Vec<PathBuf>> {
 }
 
 fn class_of(dir: &Path) -> Option<String> {
-    let text = ddo_nn::read_text_file(&dir.join("config.json")).ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    json["_class_name"]
-        .as_str()
-        .or_else(|| json["architectures"][0].as_str())
-        .map(str::to_string)
+    let file = dir.join("config.json");
+    if !ddo_nn::weights::is_present(&file) {
+        return None;
+    }
+    ddo_nn::pipeline::config_class(&file).ok().flatten()
+}
+
+/// A single model's component name: the component its class is in DDO's pipelines
+/// (`AutoencoderKL` → `vae`, `FluxTransformer2DModel` → `transformer`, `T5EncoderModel` →
+/// `text_encoder_2`; [`PipelineKind::component_of_class`]), so that its preset rows and
+/// `--route` name are those `ddo resolve --component` and `ddo run` use; else `fallback`
+/// (the folder's or the file's name).
+fn component_name(class: Option<&str>, fallback: String) -> String {
+    class
+        .and_then(PipelineKind::component_of_class)
+        .map_or(fallback, |(_, component)| component.to_string())
 }
 
 fn summarize(
@@ -547,12 +560,13 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
         let generic = stem.starts_with("diffusion_pytorch_model") || stem.starts_with("model.");
+        let class = class_of(parent);
         let name = if generic && parent.file_name().is_some() {
-            name_of(parent)
+            component_name(class.as_deref(), name_of(parent))
         } else {
             stem.trim_end_matches(".safetensors").to_string()
         };
-        return Ok(vec![summarize(name, class_of(parent), &files)?]);
+        return Ok(vec![summarize(name, class, &files)?]);
     }
     if !path.is_dir() {
         return Err(CliError::runtime(
@@ -562,11 +576,15 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
     }
     // A model folder (config.json beside the weights) is one component; a pipeline folder
     // (model_index.json, or sub-folders with weights) is one component per sub-folder.
-    let pipeline = path.join("model_index.json").is_file();
+    let pipeline = ddo_nn::weights::is_present(&path.join("model_index.json"));
+    let single = |own: &[PathBuf]| {
+        let class = class_of(path);
+        summarize(component_name(class.as_deref(), name_of(path)), class, own)
+    };
     if !pipeline && path.join("config.json").is_file() {
         let own = weight_files(path)?;
         if !own.is_empty() {
-            return Ok(vec![summarize(name_of(path), class_of(path), &own)?]);
+            return Ok(vec![single(&own)?]);
         }
     }
     let mut subdirs: Vec<PathBuf> = std::fs::read_dir(path)
@@ -585,7 +603,7 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
     if out.is_empty() && !pipeline {
         let own = weight_files(path)?;
         if !own.is_empty() {
-            return Ok(vec![summarize(name_of(path), class_of(path), &own)?]);
+            return Ok(vec![single(&own)?]);
         }
     }
     if out.is_empty() {
@@ -597,14 +615,40 @@ pub fn components(path: &Path) -> CliResult<Vec<ComponentSummary>> {
     Ok(out)
 }
 
-/// What `preset` does with `c` under `budget` (estimate from the headers).
-pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> PresetPlan {
-    let spec = preset_default(preset, &ComponentKind::from_name(&c.component));
-    route_plan(&spec, c, budget)
+/// What `preset` does with `c` under `budget`: the route the resolver gives `c` under the
+/// preset (the row `ddo resolve --component NAME --preset P --no-env` prints), estimated
+/// from the headers.
+pub fn preset_plan(preset: Preset, c: &ComponentSummary, budget: u64) -> CliResult<PresetPlan> {
+    let routing = Routing::new(Some(preset), &[], true, std::slice::from_ref(&c.component))?;
+    Ok(route_plan(&routing.resolve(&c.component)?.spec, c, budget))
+}
+
+/// Why the route of `spec` refuses `c`'s weights, as its preflight would: a weight dtype of
+/// the headers it does not take (`linear_convolution` on fp8 weights), as the registry says
+/// ([`ddo_routes::routes_refusing_weight_dtype`]); `None` when it takes them all.
+fn refusal(spec: &ddo_core::RouteSpec, c: &ComponentSummary) -> Option<String> {
+    let id = spec.route_id()?;
+    let (name, totals) = c.by_dtype.iter().find(|(name, _)| {
+        DType::from_header_name(name)
+            .is_some_and(|d| ddo_routes::routes_refusing_weight_dtype(d).contains(&id))
+    })?;
+    let dtype = DType::from_header_name(name)?;
+    let takes: Vec<&str> = ddo_routes::descriptors()
+        .iter()
+        .filter(|d| d.route.takes_weight_dtype(dtype))
+        .map(|d| d.id.as_str())
+        .collect();
+    Some(format!(
+        "refused: {id} does not take {name} weights ({} tensors), its preflight refuses them; \
+         routes that take them: {}",
+        totals.tensors,
+        takes.join(", ")
+    ))
 }
 
 /// What the route of `spec` does with `c` under `budget`, as the route estimates it from
-/// the headers ([`ddo_routes::estimate`]).
+/// the headers ([`ddo_routes::estimate`]; a `budget` option of the spec is the route's to
+/// honour), or that it refuses the weights' dtype ([`refusal`]).
 pub fn route_plan(spec: &ddo_core::RouteSpec, c: &ComponentSummary, budget: u64) -> PresetPlan {
     let leaf = c.largest_leaf.as_ref().map_or(0, |(_, b)| *b);
     let e = ddo_routes::estimate(spec, c.bytes, leaf, budget).unwrap_or(HeaderEstimate {
@@ -613,19 +657,15 @@ pub fn route_plan(spec: &ddo_core::RouteSpec, c: &ComponentSummary, budget: u64)
         peak_weight_bytes: c.bytes,
         note: "unmanaged: the caller places the weights".to_string(),
     });
-    let (resident, streamed, peak, note) = (
-        e.resident_bytes,
-        e.streamed_bytes_per_forward,
-        e.peak_weight_bytes,
-        e.note,
-    );
+    let refused = refusal(spec, c);
     PresetPlan {
         component: c.component.clone(),
         route: spec.describe(),
-        resident_bytes: resident,
-        streamed_bytes_per_forward: streamed,
-        peak_weight_bytes: peak,
-        note,
+        resident_bytes: e.resident_bytes,
+        streamed_bytes_per_forward: e.streamed_bytes_per_forward,
+        peak_weight_bytes: e.peak_weight_bytes,
+        note: refused.clone().unwrap_or(e.note),
+        refused: refused.is_some(),
     }
 }
 
@@ -667,7 +707,7 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
     let comps = components(&path)?;
     let names: Vec<String> = comps.iter().map(|c| c.component.clone()).collect();
     // `--route COMPONENT=ROUTE`: parsed and checked as `ddo run` does, then estimated.
-    let routing = crate::setup::Routing::new(None, &args.route, true, &names)?;
+    let routing = Routing::new(None, &args.route, true, &names)?;
     let mut given = Vec::new();
     for (name, spec) in &routing.routes {
         ddo_routes::check_route_options(name, spec)?;
@@ -682,8 +722,11 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
     };
     let presets: Vec<(Preset, Vec<PresetPlan>)> = Preset::ALL
         .iter()
-        .map(|&p| (p, comps.iter().map(|c| preset_plan(p, c, budget)).collect()))
-        .collect();
+        .map(|&p| {
+            let plans = comps.iter().map(|c| preset_plan(p, c, budget));
+            Ok((p, plans.collect::<CliResult<Vec<_>>>()?))
+        })
+        .collect::<CliResult<_>>()?;
     let text = if args.json {
         let mut v = serde_json::json!({
             "path": path.display().to_string(),

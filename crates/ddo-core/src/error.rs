@@ -90,6 +90,24 @@ pub enum CoreError {
         /// each can help; may be empty.
         advice: String,
     },
+    /// A VAE decode under `--tiled-decode auto` (the default) that fits what the budget
+    /// leaves it neither untiled nor in Diffusers' default tiles (auto never tiles smaller:
+    /// small tiles ruin the image). Issue 34: this was an invalid value `auto` of
+    /// `tiled-decode`, which the user had not given.
+    #[error(
+        "--tiled-decode auto (the default) found no decode that fits in the {} the budget leaves \
+         free: {needs}; {hint}",
+        ddo_metrics::format_bytes(*.free)
+    )]
+    DecodeDoesNotFit {
+        /// Device bytes the budget leaves the decode.
+        free: u64,
+        /// What the decode needs, in words (untiled, and in the default tiles).
+        needs: String,
+        /// What to do: the smallest `--vram-budget` that would do, `--tiled-decode off`, a
+        /// smaller `--height`/`--width`.
+        hint: String,
+    },
     /// Pinned host memory would exceed the device's pinned limit.
     #[error(
         "pinned host memory limit reached: requested {requested} B with {pinned} B of {limit} B pinned; \
@@ -452,12 +470,14 @@ pub enum Refusal {
         available: u64,
     },
     /// A budget is smaller than the largest leaf the route must hold at once.
-    #[error(
-        "budget of {budget} B is below the largest leaf `{leaf}` ({leaf_bytes} B); raise the budget"
-    )]
+    #[error("{given}: below the largest leaf `{leaf}` ({leaf_bytes} B); raise the budget")]
     BudgetBelowLargestLeaf {
-        /// Budget.
+        /// Budget, bytes.
         budget: u64,
+        /// The budget as the spec gives it, in words (`budget=1048576 B`; for a margin,
+        /// what it leaves: `budget=free-9.00 GiB leaves 0 B on this device (8.00 GiB
+        /// free)`), never the computed bytes alone.
+        given: String,
         /// Largest leaf.
         leaf: String,
         /// Its bytes.

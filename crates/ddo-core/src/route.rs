@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ddo_metrics::RouteMetrics;
 
 use crate::component::{Component, Leaf, LeafId};
-use crate::config::{RouteId, RouteSpec};
+use crate::config::{Budget, RouteId, RouteSpec};
 use crate::device::{Device, DeviceId};
 use crate::dtype::DType;
 use crate::error::{CoreError, Refusal, Result};
@@ -285,6 +285,44 @@ impl OptionTable {
             .iter()
             .find(|r| r.name == name)
             .map_or(self.others_hint, |r| r.hint)
+    }
+}
+
+/// How messages name a budget (issue 34): as given, and for a margin what it leaves,
+/// never the bytes it came to as if the user had written them.
+impl Budget {
+    /// The budget as given, for the value a message names: the bytes (`1048576`), or the
+    /// margin (`free-9.00 GiB`, `free`), never the bytes a margin leaves, which the user did
+    /// not write.
+    pub fn given_text(self) -> String {
+        match self {
+            Budget::Bytes(b) => b.to_string(),
+            Budget::FreeMinus(0) => "free".into(),
+            Budget::FreeMinus(m) => format!("free-{}", ddo_metrics::format_bytes(m)),
+        }
+    }
+
+    /// For a margin, what it leaves on a device with `free` bytes free: `leaves 0 B on this
+    /// device (8.00 GiB free)`; `None` for bytes.
+    pub fn leaves_given_free(self, free: u64) -> Option<String> {
+        let human = ddo_metrics::format_bytes;
+        match self {
+            Budget::Bytes(_) => None,
+            Budget::FreeMinus(_) => Some(format!(
+                "leaves {} on this device ({} free)",
+                human(self.bytes_given_free(free)),
+                human(free)
+            )),
+        }
+    }
+
+    /// The budget as given and, for a margin, what it leaves on a device with `free` bytes
+    /// free: `1048576 B`, `free-9.00 GiB leaves 0 B on this device (8.00 GiB free)`.
+    pub fn explain_given_free(self, free: u64) -> String {
+        match (self, self.leaves_given_free(free)) {
+            (_, Some(leaves)) => format!("{} {leaves}", self.given_text()),
+            (Budget::Bytes(b), None) | (Budget::FreeMinus(b), None) => format!("{b} B"),
+        }
     }
 }
 
@@ -618,6 +656,21 @@ mod tests {
             Refusal::UnsupportedOption { option, hint } => (option, hint),
             other => panic!("{text}: {other}"),
         }
+    }
+
+    /// Messages name the budget as given, and what a margin leaves (issue 34).
+    #[test]
+    fn a_budget_is_named_as_given() {
+        use crate::config::Budget;
+        assert_eq!(Budget::FreeMinus(9 << 30).given_text(), "free-9.00 GiB");
+        assert_eq!(Budget::FreeMinus(0).given_text(), "free");
+        assert_eq!(Budget::Bytes(1 << 20).given_text(), "1048576");
+        assert_eq!(
+            Budget::FreeMinus(9 << 30).explain_given_free(8 << 30),
+            "free-9.00 GiB leaves 0 B on this device (8.00 GiB free)"
+        );
+        assert_eq!(Budget::Bytes(5).explain_given_free(8 << 30), "5 B");
+        assert_eq!(Budget::Bytes(5).leaves_given_free(8 << 30), None);
     }
 
     #[test]

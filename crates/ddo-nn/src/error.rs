@@ -222,6 +222,25 @@ pub enum LoadError {
         /// What DDO runs, and what to do.
         hint: String,
     },
+    /// A folder without `model_index.json`, read as a `FluxPipeline` folder (what DDO ran
+    /// before it read the file), whose component `file` names a class of another pipeline.
+    #[error(
+        "{dir} has no model_index.json, so it was read as a FluxPipeline folder, but {file} \
+         names {class}, a {pipeline} component; a pipeline folder needs the model_index.json \
+         Diffusers' save_pretrained writes beside its component folders (`_class_name`: \
+         {pipeline} here, or FluxPipeline): copy it from where the folder came from, or \
+         download the pipeline again"
+    )]
+    NoModelIndex {
+        /// The folder.
+        dir: PathBuf,
+        /// The component config read (`transformer/config.json`, ...).
+        file: PathBuf,
+        /// The class it names.
+        class: String,
+        /// The pipeline that class belongs to (`QwenImagePipeline`).
+        pipeline: &'static str,
+    },
     /// The core refused something while building (allocation, a bad module tree).
     #[error(transparent)]
     Core(#[from] CoreError),

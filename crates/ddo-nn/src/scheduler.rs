@@ -356,19 +356,29 @@ pub const SCHEDULE_BYTES_PER_STEP: u64 = 64;
 pub fn check_schedule_memory(steps: usize) -> Result<()> {
     let need = (steps as u64).saturating_mul(SCHEDULE_BYTES_PER_STEP);
     match ddo_core::host_memory::mem_available() {
-        Some(free) if need > free => Err(schedule_error(format!(
-            "{steps} steps need about {need} B of host memory for the schedule; {free} B are available: give fewer steps (at most {})",
-            free / SCHEDULE_BYTES_PER_STEP
-        ))),
+        Some(free) if need > free => Err(steps_error(
+            steps,
+            format!(
+                "{steps} steps need about {need} B of host memory for the schedule; {free} B are available: give fewer steps (at most {})",
+                free / SCHEDULE_BYTES_PER_STEP
+            ),
+        )),
         _ => Ok(()),
     }
 }
 
-fn schedule_error(message: impl Into<String>) -> CoreError {
+/// A step count the schedule cannot take: the steps given, and why (issue 34: the value was
+/// reported as an empty `scheduler` value).
+fn steps_error(steps: usize, why: impl Into<String>) -> CoreError {
+    invalid("steps", steps.to_string(), why)
+}
+
+/// An argument or config value the schedule cannot take, as given.
+fn invalid(option: &str, value: impl Into<String>, hint: impl Into<String>) -> CoreError {
     CoreError::InvalidOption {
-        option: "scheduler".into(),
-        value: String::new(),
-        hint: message.into(),
+        option: option.into(),
+        value: value.into(),
+        hint: hint.into(),
     }
 }
 
@@ -415,7 +425,7 @@ impl FlowMatchEulerScheduler {
     /// float32 arithmetic. `mu` is required exactly when `use_dynamic_shifting` is on.
     pub fn set_sigmas(&mut self, sigmas: &[f64], mu: Option<f64>) -> Result<()> {
         if sigmas.is_empty() {
-            return Err(schedule_error("give at least one step"));
+            return Err(steps_error(0, "give at least one step"));
         }
         let s: Vec<f32> = sigmas.iter().map(|&x| x as f32).collect();
         let shifted: Vec<f32> = if self.config.use_dynamic_shifting {
@@ -452,12 +462,16 @@ impl FlowMatchEulerScheduler {
                 // The stretch divides by `1 − σ_last`: a schedule ending at σ = 1 (one step
                 // of `linspace(1, 1/n, n)`) gives 0/0, NaN timesteps in Diffusers too.
                 if shifted.last().is_some_and(|&t| 1.0 - t == 0.0) {
-                    return Err(schedule_error(format!(
-                        "the scheduler config's shift_terminal ({terminal}) stretches the \
-                         schedule by 1 - last sigma, which is 0 for this schedule ({} step(s) \
-                         ending at sigma 1: Diffusers gives NaN timesteps): give 2 or more steps",
-                        sigmas.len()
-                    )));
+                    let n = sigmas.len();
+                    return Err(steps_error(
+                        n,
+                        format!(
+                            "a {n}-step schedule ends at sigma 1, which the scheduler \
+                             config's shift_terminal ({terminal}; Qwen-Image's config has one) \
+                             cannot stretch: it divides by 1 - last sigma = 0 (Diffusers gives \
+                             NaN timesteps); give 2 or more steps"
+                        ),
+                    ));
                 }
                 stretch_to_terminal_f32(&shifted, terminal)
             }
@@ -471,7 +485,7 @@ impl FlowMatchEulerScheduler {
     /// shifted in float64, rounded to float32 once.
     pub fn set_timesteps(&mut self, steps: usize, mu: Option<f64>) -> Result<()> {
         if steps == 0 {
-            return Err(schedule_error("give at least one step"));
+            return Err(steps_error(0, "give at least one step"));
         }
         check_schedule_memory(steps)?;
         let n_train = self.config.num_train_timesteps;
@@ -532,8 +546,14 @@ impl FlowMatchEulerScheduler {
     fn require_mu(&self, mu: Option<f64>) -> Result<f64> {
         match mu {
             Some(m) if m.is_finite() => Ok(m),
-            Some(m) => Err(schedule_error(format!("mu = {m} is not finite"))),
-            None => Err(schedule_error(
+            Some(m) => Err(invalid(
+                "mu",
+                m.to_string(),
+                "mu must be finite (FluxPipeline: calculate_shift(image_seq_len, ...))",
+            )),
+            None => Err(invalid(
+                "mu",
+                "none",
                 "use_dynamic_shifting is on: pass mu (FluxPipeline: calculate_shift(image_seq_len, ...))",
             )),
         }
@@ -569,12 +589,18 @@ impl FlowMatchEulerScheduler {
     /// that decide it.
     fn degenerate(&self, what: String) -> CoreError {
         let c = &self.config;
-        schedule_error(format!(
-            "{what}: the scheduler config makes the schedule degenerate (shift {}, \
-             use_dynamic_shifting {}, base_shift {:?}, max_shift {:?}, shift_terminal {:?}); fix \
-             scheduler/scheduler_config.json (Flux: shift 3.0, base_shift 0.5, max_shift 1.15)",
-            c.shift, c.use_dynamic_shifting, c.base_shift, c.max_shift, c.shift_terminal
-        ))
+        invalid(
+            "scheduler_config.json",
+            format!(
+                "shift {}, use_dynamic_shifting {}, base_shift {:?}, max_shift {:?}, \
+                 shift_terminal {:?}",
+                c.shift, c.use_dynamic_shifting, c.base_shift, c.max_shift, c.shift_terminal
+            ),
+            format!(
+                "{what}: these numbers make the schedule degenerate; fix \
+                 scheduler/scheduler_config.json (Flux: shift 3.0, base_shift 0.5, max_shift 1.15)"
+            ),
+        )
     }
 
     /// The Euler step of step `index`: `sample + (σ[index+1] − σ[index]) · model_output`,
@@ -587,10 +613,14 @@ impl FlowMatchEulerScheduler {
         index: usize,
     ) -> Result<Tensor> {
         if index + 1 >= self.sigmas.len() {
-            return Err(schedule_error(format!(
-                "step {index} is past the schedule's {} steps",
-                self.num_steps()
-            )));
+            return Err(invalid(
+                "step index",
+                index.to_string(),
+                format!(
+                    "past the schedule's {n} steps (indices 0..{n}; set a schedule first)",
+                    n = self.num_steps()
+                ),
+            ));
         }
         let dt = self.sigmas[index + 1] - self.sigmas[index];
         let to_f32 = |t: &Tensor| -> Result<Tensor> {
@@ -629,6 +659,48 @@ mod tests {
         assert_eq!(linspace(1.0, 1.0, 1), vec![1.0]);
         assert!(linspace(0.0, 1.0, 0).is_empty());
         assert_eq!(*flux_sigmas(3).last().unwrap(), 1.0 / 3.0);
+    }
+
+    /// Issue 34: a refused schedule names what was given (`--steps 1`, the config's
+    /// numbers, `mu`), never an empty `scheduler` value.
+    #[test]
+    fn refusals_name_the_value_given() {
+        let named = |e: CoreError| match e {
+            CoreError::InvalidOption {
+                option,
+                value,
+                hint,
+            } => (option, value, hint),
+            other => panic!("expected InvalidOption, got {other}"),
+        };
+        let mut s = FlowMatchEulerScheduler::new(FlowMatchEulerConfig::qwen_image()).unwrap();
+        let (option, value, hint) = named(s.set_flux_schedule(1, 64).unwrap_err());
+        assert_eq!((option.as_str(), value.as_str()), ("steps", "1"));
+        assert!(
+            hint.contains("shift_terminal") && hint.contains("2 or more"),
+            "{hint}"
+        );
+        s.set_flux_schedule(2, 64).expect("two steps");
+        let (option, value, _) = named(s.set_timesteps(0, Some(0.5)).unwrap_err());
+        assert_eq!((option.as_str(), value.as_str()), ("steps", "0"));
+        let (option, value, _) = named(s.set_sigmas(&flux_sigmas(2), None).unwrap_err());
+        assert_eq!((option.as_str(), value.as_str()), ("mu", "none"));
+        let (option, value, _) = named(s.set_sigmas(&flux_sigmas(2), Some(f64::NAN)).unwrap_err());
+        assert_eq!((option.as_str(), value.as_str()), ("mu", "NaN"));
+        let linear = FlowMatchEulerConfig {
+            time_shift_type: TimeShiftType::Linear,
+            base_shift: Some(-0.5),
+            max_shift: Some(-0.4),
+            ..FlowMatchEulerConfig::flux()
+        };
+        let mut s = FlowMatchEulerScheduler::new(linear).unwrap();
+        let (option, value, hint) = named(s.set_sigmas(&flux_sigmas(4), Some(-0.5)).unwrap_err());
+        assert_eq!(option, "scheduler_config.json");
+        assert!(
+            value.contains("shift") && value.contains("base_shift Some(-0.5)"),
+            "{value}"
+        );
+        assert!(hint.contains("degenerate"), "{hint}");
     }
 
     #[test]

@@ -304,6 +304,15 @@ fn encode_each<const N: usize>(
 /// have: 64 MiB (a T5 `tokenizer.json` is about 2.4 MB).
 pub const MAX_TEXT_FILE_BYTES: u64 = 64 << 20;
 
+/// Whether anything is at `path`, a link (even a dangling one) included: the test for an
+/// optional file (`model_index.json`, `scheduler/scheduler_config.json`, a component's
+/// `config.json`). Something there is then read with [`read_text_file`], which refuses what
+/// is not a regular file, so a directory or a FIFO in its place is an error naming it, never
+/// taken as absent.
+pub fn is_present(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
 /// Reads a config, index or tokenizer file as text: only a regular file (a link is followed
 /// to one; a FIFO, a device such as `/dev/zero` or a directory is refused, so nothing hangs
 /// or reads without end) of at most [`MAX_TEXT_FILE_BYTES`].

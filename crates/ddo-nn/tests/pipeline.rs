@@ -466,10 +466,9 @@ fn auto_decode_refuses_a_budget_too_small_for_the_default_tiles_and_names_one_th
     let e = pipe
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
-    let ddo_core::CoreError::InvalidOption { option, hint, .. } = &e else {
+    let ddo_core::CoreError::DecodeDoesNotFit { hint, .. } = &e else {
         panic!("{e}");
     };
-    assert_eq!(option, "tiled-decode");
     assert!(hint.contains("--tiled-decode off"), "{hint}");
     assert!(hint.contains("--height/--width"), "{hint}");
     assert_eq!(d.memory_info().allocated, 0);

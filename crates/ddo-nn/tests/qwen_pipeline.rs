@@ -380,8 +380,7 @@ fn auto_decode_tiles_when_the_budget_leaves_too_little() {
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
     assert!(
-        matches!(&e, CoreError::InvalidOption { option, hint, .. }
-            if option == "tiled-decode" && hint.contains("--vram-budget")),
+        matches!(&e, CoreError::DecodeDoesNotFit { hint, .. } if hint.contains("--vram-budget")),
         "{e}"
     );
 }
@@ -495,8 +494,8 @@ fn bad_requests_are_typed_errors_and_release_everything() {
         .run_phases(&mut offload, &request, &mut |_, _, _| {})
         .unwrap_err();
     assert!(
-        matches!(&e, CoreError::InvalidOption { option, hint, .. }
-            if option == "scheduler" && hint.contains("shift_terminal") && hint.contains("2 or more steps")),
+        matches!(&e, CoreError::InvalidOption { option, value, hint }
+            if option == "steps" && value == "1" && hint.contains("shift_terminal") && hint.contains("2 or more steps")),
         "{e}"
     );
     check_released(&offload);
@@ -590,7 +589,36 @@ fn detect_reads_model_index_and_refuses_unknown_and_mixed_folders() {
     )
     .unwrap();
     let (file, field, _, _) = field_of(PipelineKind::detect(&tmp.0).unwrap_err());
-    assert_eq!((file, field.as_str()), (te, "architectures"));
+    assert_eq!((file, field.as_str()), (te.clone(), "architectures"));
+
+    // Without model_index.json the same folder is told the file is missing (issue 34), and
+    // a model_index.json that is a directory is refused, not taken as absent.
+    std::fs::remove_file(&index).unwrap();
+    match PipelineKind::detect(&tmp.0).unwrap_err() {
+        LoadError::NoModelIndex {
+            file,
+            class,
+            pipeline,
+            ..
+        } => assert_eq!(
+            (file, class.as_str(), pipeline),
+            (
+                te,
+                "Qwen2_5_VLForConditionalGeneration",
+                "QwenImagePipeline"
+            )
+        ),
+        other => panic!("expected NoModelIndex, got {other}"),
+    }
+    std::fs::create_dir(&index).unwrap();
+    match PipelineKind::detect(&tmp.0).unwrap_err() {
+        LoadError::Io { path, source } => {
+            assert_eq!(path, index);
+            assert!(source.to_string().contains("a directory"), "{source}");
+        }
+        other => panic!("expected Io, got {other}"),
+    }
+    std::fs::remove_dir(&index).unwrap();
 
     // Loading a Flux folder as Qwen-Image is refused naming model_index.json.
     match QwenImagePipeline::load_checked(

@@ -404,6 +404,38 @@ fn config_errors_are_typed() {
     }
 }
 
+/// Issue 34: a config of another class (a UNet with the VAE's numbers, Qwen-Image's VAE, a
+/// transformer) is refused by its `_class_name`, before any field is read; a config
+/// without one is read as before.
+#[test]
+fn a_config_of_another_class_is_refused_by_its_class_name() {
+    for (class, says) in [
+        ("UNet2DConditionModel", "another class is another network"),
+        ("AutoencoderKLQwenImage", "QwenImagePipeline's VAE"),
+        (
+            "FluxTransformer2DModel",
+            "FluxPipeline's transformer, not a VAE",
+        ),
+    ] {
+        let dir = config_with(|m| {
+            m.insert("_class_name".into(), class.into());
+        });
+        match AutoencoderKLConfig::from_file(&dir.0.join("config.json")) {
+            Err(LoadError::InvalidConfig { field, value, hint }) => {
+                assert!(field.ends_with("config.json: _class_name"), "{field}");
+                assert_eq!(value, format!("\"{class}\""));
+                assert!(hint.contains(says), "{class}: {hint}");
+                assert!(hint.contains("AutoencoderKL"), "{hint}");
+            }
+            other => panic!("{class}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    let dir = config_with(|m| {
+        m.remove("_class_name");
+    });
+    AutoencoderKLConfig::from_file(&dir.0.join("config.json")).expect("no class: read as before");
+}
+
 /// Writes the fixture's weights to a temp folder after `edit` (name → (shape, bytes)).
 fn checkpoint_with(
     edit: impl FnOnce(&mut std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)>),

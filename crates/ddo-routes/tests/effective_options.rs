@@ -180,6 +180,34 @@ fn the_registry_estimates_from_headers_and_says_which_routes_keep_every_weight()
         (3 * gib, 7 * gib)
     );
     assert_eq!(vmm.peak_weight_bytes, 3 * gib + 2 * leaf);
+    // diffusers_group_offload's `budget` (with a stream) keeps what it holds beside the
+    // engine's ring resident (issue 34: it was ignored); a budget above the device's is
+    // capped by it, `free-M` is the device budget less M.
+    let budgeted = est("diffusers_group_offload:use_stream=true,budget=3GiB").unwrap();
+    assert!(
+        budgeted.resident_bytes > 0 && budgeted.resident_bytes < 3 * gib,
+        "{budgeted:?}"
+    );
+    assert_eq!(
+        budgeted.resident_bytes + budgeted.streamed_bytes_per_forward,
+        weights
+    );
+    assert!(budgeted.peak_weight_bytes <= 3 * gib, "{budgeted:?}");
+    let capped = est("diffusers_group_offload:use_stream=true,budget=100GiB").unwrap();
+    let margin = est("diffusers_group_offload:use_stream=true,budget=free").unwrap();
+    assert_eq!(capped, margin, "both are the 4 GiB device budget");
+    assert!(capped.resident_bytes > budgeted.resident_bytes);
+    let small = ddo_routes::estimate(
+        &ddo_routes::parse_spec("diffusers_group_offload:use_stream=true,budget=1GiB").unwrap(),
+        gib / 2,
+        leaf,
+        budget,
+    )
+    .unwrap();
+    assert_eq!(
+        (small.resident_bytes, small.streamed_bytes_per_forward),
+        (gib / 2, 0)
+    );
     for (text, keeps) in [
         ("none", true),
         ("diffusers_group_offload", false),

@@ -249,7 +249,12 @@ impl StreamingEngine {
             let model = config.slot_model();
             let plan = plan_residency_with(&weighted, budget, model);
             if !plan.fits() {
-                return Err(ring_does_not_fit(budget, plan.slot_bytes, model.slots));
+                return Err(ring_does_not_fit(
+                    crate::Budget::Bytes(budget),
+                    0,
+                    plan.slot_bytes,
+                    model.slots,
+                ));
             }
             for path in &plan.resident {
                 let s: usize = path.parse().unwrap_or(usize::MAX);

@@ -313,13 +313,23 @@ pub const COMPRESS_OPTION: OptionDecl = OptionDecl::new(
 );
 
 /// The typed error for a budget that cannot hold the streaming ring (`ring_bytes` for
-/// `slots` slots) beside what stays resident.
-pub fn ring_does_not_fit(budget: u64, ring_bytes: u64, slots: u64) -> crate::CoreError {
+/// `slots` slots) beside what stays resident: `given` as given (a `free-M` margin is named
+/// as such, with what it leaves of the `free` bytes the device has free, never as the bytes
+/// it came to).
+pub fn ring_does_not_fit(
+    given: crate::Budget,
+    free: u64,
+    ring_bytes: u64,
+    slots: u64,
+) -> crate::CoreError {
+    let leaves = given
+        .leaves_given_free(free)
+        .map_or_else(String::new, |l| format!("it {l}; "));
     crate::CoreError::InvalidOption {
         option: "budget".into(),
-        value: budget.to_string(),
+        value: given.given_text(),
         hint: format!(
-            "the streaming ring needs {ring_bytes} B ({slots} slots of the largest segment or transfer unit) \
+            "{leaves}the streaming ring needs {ring_bytes} B ({slots} slots of the largest segment or transfer unit) \
              on top of what stays resident; raise the budget, lower ring_slots or unit_bytes, or drop the budget"
         ),
     }

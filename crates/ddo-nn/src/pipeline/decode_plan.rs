@@ -4,7 +4,6 @@
 use ddo_core::{CoreError, DType, Device, Result};
 use serde::Serialize;
 
-use super::invalid;
 use crate::qwen_vae::QwenVaeTiling;
 use crate::vae::{
     AutoencoderKLConfig, TilingConfig, estimate_decode_peak_bytes_on,
@@ -76,8 +75,8 @@ pub struct DecodePlan {
 ///
 /// Under [`TiledDecode::Auto`] the decode is untiled when the untiled estimate fits in
 /// `available`, else tiled with Diffusers' default tiles when they split the latents and
-/// their estimate fits; otherwise it is refused with [`CoreError::InvalidOption`] (option
-/// `tiled-decode`) whose hint names the smallest `--vram-budget` that would fit (the budget
+/// their estimate fits; otherwise it is refused with [`CoreError::DecodeDoesNotFit`],
+/// whose hint names the smallest `--vram-budget` that would fit (the budget
 /// plus the shortfall, rounded up to a MiB), `--tiled-decode off` and `--height`/`--width`.
 /// Auto never picks tiles smaller than the default.
 pub fn plan_decode(
@@ -228,18 +227,18 @@ pub(super) fn decode_does_not_fit(
             human(shortfall)
         ),
     };
-    invalid(
-        "tiled-decode",
-        "auto",
-        format!(
-            "the decode does not fit in the {} the budget leaves free: untiled it needs an \
-             estimated {}{tiled}, and auto never tiles smaller than Diffusers' default (smaller \
-             tiles ruin the image); {raise}, use --tiled-decode off to decode untiled anyway, \
-             or a smaller --height/--width",
-            human(free),
+    CoreError::DecodeDoesNotFit {
+        free,
+        needs: format!(
+            "untiled it needs an estimated {}{tiled}, and auto never tiles smaller than \
+             Diffusers' default (smaller tiles ruin the image)",
             human(untiled),
         ),
-    )
+        hint: format!(
+            "{raise}, use --tiled-decode off to decode untiled anyway, or a smaller \
+             --height/--width"
+        ),
+    }
 }
 
 /// The only tiles auto mode uses, in its plan and in the out-of-memory retry: Diffusers'
@@ -281,10 +280,15 @@ mod tests {
 
     /// The smallest budget an auto refusal names, in MiB.
     fn named_budget_mib(e: &CoreError) -> u64 {
-        let CoreError::InvalidOption { option, hint, .. } = e else {
-            panic!("not an invalid option: {e}");
+        let CoreError::DecodeDoesNotFit { hint, .. } = e else {
+            panic!("not a decode that does not fit: {e}");
         };
-        assert_eq!(option, "tiled-decode");
+        assert!(
+            e.to_string()
+                .starts_with("--tiled-decode auto (the default) found no decode that fits"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("invalid value"), "{e}");
         for o in ["--tiled-decode off", "--height/--width"] {
             assert!(hint.contains(o), "{o} missing: {hint}");
         }

@@ -58,8 +58,8 @@ pub use decode_plan::{DecodePlan, TiledDecode, plan_decode, plan_decode_on};
 pub use qwen::{
     PipelineKind, QWEN_TEXT_ENCODER, QWEN_TOKENIZER, QWEN_TRANSFORMER, QWEN_VAE, QwenImagePipeline,
     QwenImagePipelineConfig, QwenImageRequest, QwenPromptInput, STAND_IN_SUFFIX_TOKENS,
-    estimate_qwen_image_activation_bytes, estimate_qwen_text_activation_bytes, plan_qwen_decode_on,
-    stand_in_ids,
+    config_class, estimate_qwen_image_activation_bytes, estimate_qwen_text_activation_bytes,
+    plan_qwen_decode_on, stand_in_ids,
 };
 pub use request::{
     InitLatents, PhaseReport, PipelineRequest, PipelineRun, Progress, PromptEmbeds, PromptInput,
@@ -591,7 +591,7 @@ impl FluxPipeline {
             None
         };
         let sched_file = dir.join("scheduler").join("scheduler_config.json");
-        let scheduler = if sched_file.is_file() {
+        let scheduler = if crate::weights::is_present(&sched_file) {
             FlowMatchEulerConfig::from_file(&sched_file)?
         } else {
             FlowMatchEulerConfig::flux()

@@ -34,6 +34,26 @@ fn default_sample_size() -> usize {
     32
 }
 
+/// What a config of another class than `AutoencoderKL` is, for the refusal's hint.
+fn other_class_hint(class: Option<&str>) -> String {
+    use crate::pipeline::PipelineKind;
+    let what = match class.and_then(PipelineKind::component_of_class) {
+        Some((kind, "vae")) => format!(
+            "it is {}'s VAE, a different network, loaded with that pipeline",
+            kind.class_name()
+        ),
+        Some((kind, component)) => format!(
+            "it is {}'s {component}, not a VAE; the VAE is the pipeline's vae/ folder",
+            kind.class_name()
+        ),
+        None => "another class is another network".to_string(),
+    };
+    format!(
+        "DDO's AutoencoderKL decoder takes Diffusers' {} (FLUX.1's and SD's VAE): {what}",
+        super::CLASS_NAME
+    )
+}
+
 /// `sample_size` is an int or, in some configs, `[height, width]`; Diffusers uses the
 /// first entry for tiling.
 fn sample_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<usize, D::Error> {
@@ -148,8 +168,20 @@ impl AutoencoderKLConfig {
         Self::from_json(&text, path).map_err(|e| e.in_config_file(path))
     }
 
-    /// Parses and validates config JSON; `origin` names the file in errors.
+    /// Parses and validates config JSON; `origin` names the file in errors. A `_class_name`
+    /// other than `AutoencoderKL` (a UNet, a transformer, Qwen-Image's VAE) is refused
+    /// before any field is read: its numbers are another network's.
     pub fn from_json(text: &str, origin: &Path) -> LoadResult<Self> {
+        if let Ok(serde_json::Value::Object(raw)) = serde_json::from_str(text)
+            && let Some(class) = raw.get("_class_name")
+            && class.as_str() != Some(super::CLASS_NAME)
+        {
+            return Err(LoadError::InvalidConfig {
+                field: "_class_name".into(),
+                value: class.to_string(),
+                hint: other_class_hint(class.as_str()),
+            });
+        }
         let mut config: Self = serde_json::from_str(text).map_err(|e| LoadError::Config {
             file: origin.to_path_buf(),
             message: format!("{e}; expected a Diffusers AutoencoderKL config.json"),

@@ -14,14 +14,34 @@ use ddo_core::streaming::{
     ring_does_not_fit,
 };
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, HostSlice, Leaf, OffloadType, Param,
-    ParamId, Result, RouteId, RouteSpec, Stream,
+    AttachedRoute, Budget, Component, CoreError, Device, DeviceId, HostSlice, Leaf, OffloadType,
+    Param, ParamId, Result, RouteId, RouteSpec, Stream,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::config::GroupOffloadConfig;
 use crate::{GroupOffloadRoute, GroupPlan, ROUTE_NAME, streaming_config, streaming_config_for};
+
+/// The engine's refusal of the bytes a `free-M` budget left, restated as the budget given
+/// (the margin and what it leaves): the user never wrote those bytes.
+fn budget_as_given(e: CoreError, given: Option<Budget>, free: u64) -> CoreError {
+    match (e, given) {
+        (CoreError::InvalidOption { option, hint, .. }, Some(b @ Budget::FreeMinus(_)))
+            if option == "budget" =>
+        {
+            CoreError::InvalidOption {
+                option,
+                value: b.given_text(),
+                hint: match b.leaves_given_free(free) {
+                    Some(leaves) => format!("it {leaves}; {hint}"),
+                    None => hint,
+                },
+            }
+        }
+        (e, _) => e,
+    }
+}
 
 impl GroupOffloadRoute {
     /// [`Route::attach`], returning the concrete hooks (for callers that want to inspect
@@ -38,14 +58,19 @@ impl GroupOffloadRoute {
         let params = component.params();
         // A stream-mode budget must hold the streaming engine's ring beside whatever it
         // keeps resident: refuse now rather than after the learning forward.
-        if let (true, Some(budget)) = (config.use_stream, spec.options().budget) {
+        if let (true, Some(given)) = (config.use_stream, spec.options().budget) {
             let streaming = streaming_config(spec);
-            let budget = budget.bytes_given_free(device.memory_info().free_bytes());
+            let free = device.memory_info().free_bytes();
             let weighted = plan.engine_segments();
             let model = streaming.slot_model();
-            let ring_plan = plan_residency_with(&weighted, budget, model);
+            let ring_plan = plan_residency_with(&weighted, given.bytes_given_free(free), model);
             if !ring_plan.fits() {
-                return Err(ring_does_not_fit(budget, ring_plan.slot_bytes, model.slots));
+                return Err(ring_does_not_fit(
+                    given,
+                    free,
+                    ring_plan.slot_bytes,
+                    model.slots,
+                ));
             }
         }
         // With a stream the engine owns pinning (one host copy, bounded staging); pinned
@@ -404,11 +429,9 @@ impl AttachedGroupOffload {
         let segments: Vec<Vec<Arc<Param>>> =
             self.plan.groups.iter().map(|g| g.params.clone()).collect();
         let mut config = self.streaming;
-        config.budget = self
-            .spec
-            .options()
-            .budget
-            .map(|b| b.bytes_given_free(self.device.memory_info().free_bytes()));
+        let given = self.spec.options().budget;
+        let free = self.device.memory_info().free_bytes();
+        config.budget = given.map(|b| b.bytes_given_free(free));
         let engine = StreamingEngine::new(
             Arc::clone(&self.device),
             copy,
@@ -416,7 +439,8 @@ impl AttachedGroupOffload {
             order,
             &config,
             Arc::clone(&self.metrics),
-        )?;
+        )
+        .map_err(|e| budget_as_given(e, given, free))?;
         let f = engine.figures();
         let resident: HashSet<ParamId> = engine.resident_params().iter().map(|p| p.id()).collect();
         let resident_groups: Vec<_> = self

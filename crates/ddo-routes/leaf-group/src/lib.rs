@@ -67,7 +67,7 @@ use std::sync::Arc;
 use ddo_core::streaming::plan::plan_residency_with;
 use ddo_core::streaming::{StagingMode, StreamingConfig};
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, Footprint, FootprintContext, OptionDecl,
+    AttachedRoute, Budget, Component, CoreError, Device, Footprint, FootprintContext, OptionDecl,
     OptionKind, OptionTable, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
@@ -225,15 +225,57 @@ impl Route for GroupOffloadRoute {
         GroupOffloadConfig::from_spec(spec).use_stream
     }
 
-    /// One leaf on the device, two with a stream (the next prefetched).
+    /// One leaf on the device, two with a stream (the next prefetched). With a stream and a
+    /// `budget` (bytes, at most the device budget `budget_bytes`; or `free-M`: the device
+    /// budget less M), what it holds stays resident: everything when it holds the weights,
+    /// else what it holds beside the engine's ring of the largest leaf, the rest streamed.
     fn estimate(
         &self,
         spec: &RouteSpec,
         weight_bytes: u64,
         largest_leaf_bytes: u64,
-        _budget_bytes: u64,
+        budget_bytes: u64,
     ) -> ddo_core::HeaderEstimate {
         let stream = GroupOffloadConfig::from_spec(spec).use_stream;
+        if let (true, Some(budget)) = (stream, spec.options().budget) {
+            let room = match budget {
+                Budget::Bytes(n) => n.min(budget_bytes),
+                Budget::FreeMinus(m) => budget_bytes.saturating_sub(m),
+            };
+            let human = ddo_metrics::format_bytes;
+            if weight_bytes <= room {
+                return ddo_core::HeaderEstimate {
+                    resident_bytes: weight_bytes,
+                    streamed_bytes_per_forward: 0,
+                    peak_weight_bytes: weight_bytes,
+                    note: format!(
+                        "the {} budget holds every group: nothing streams",
+                        human(room)
+                    ),
+                };
+            }
+            let model = streaming_config(spec).slot_model();
+            let ring = model.room(largest_leaf_bytes, weight_bytes - room);
+            let resident = room.saturating_sub(ring).min(weight_bytes);
+            return ddo_core::HeaderEstimate {
+                resident_bytes: resident,
+                streamed_bytes_per_forward: weight_bytes - resident,
+                peak_weight_bytes: resident + ring,
+                note: if room < ring {
+                    format!(
+                        "the {} budget is below the engine's ring ({}): attach refuses",
+                        human(room),
+                        human(ring)
+                    )
+                } else {
+                    format!(
+                        "the {} budget keeps the costliest groups resident beside a ring of {}",
+                        human(room),
+                        human(ring)
+                    )
+                },
+            };
+        }
         ddo_core::HeaderEstimate {
             resident_bytes: 0,
             streamed_bytes_per_forward: weight_bytes,

@@ -478,13 +478,21 @@ impl Route for NativeVmmRoute {
         }
         ddo_core::route::check_budget_left(self, component.name(), spec, free_bytes(device))?;
         if let Some(leaf) = component.largest_leaf() {
-            let budget = budget_bytes(device, spec);
+            let free = free_bytes(device);
+            let config = NativeVmmConfig::from_spec(spec);
+            let budget = config.budget.bytes_given_free(free);
             let leaf_bytes = leaf.param_bytes();
             if budget < leaf_bytes {
+                let explained = config.budget.explain_given_free(free);
                 return Err(refused(
                     component,
                     Refusal::BudgetBelowLargestLeaf {
                         budget,
+                        given: if config.explicit_budget {
+                            format!("budget={explained}")
+                        } else {
+                            format!("the default budget, {explained}")
+                        },
                         leaf: leaf.path().to_string(),
                         leaf_bytes,
                     },

@@ -524,20 +524,33 @@ fn refuses_a_budget_below_the_largest_leaf() {
         r,
         Refusal::BudgetBelowLargestLeaf {
             budget: bytes - 1,
+            given: format!("budget={} B", bytes - 1),
             leaf: path.clone(),
             leaf_bytes: bytes,
         }
     );
-    // Without a budget, what is free minus the margin is the budget.
+    // Without a budget, what is free minus the margin is the budget; the refusal names the
+    // default margin and what it leaves, not the bytes alone (issue 34).
     let small = native_device(DEFAULT_FREE_MARGIN + bytes / 2);
     let r = refused(&c, &small, &RouteSpec::route(RouteId::NATIVE_VMM));
+    let free = DEFAULT_FREE_MARGIN + bytes / 2;
     assert_eq!(
         r,
         Refusal::BudgetBelowLargestLeaf {
             budget: bytes / 2,
+            given: format!(
+                "the default budget, free-1.00 GiB leaves {} on this device ({} free)",
+                ddo_metrics::format_bytes(bytes / 2),
+                ddo_metrics::format_bytes(free)
+            ),
             leaf: path,
             leaf_bytes: bytes,
         }
+    );
+    assert!(
+        r.to_string()
+            .starts_with("the default budget, free-1.00 GiB leaves"),
+        "{r}"
     );
 }
 

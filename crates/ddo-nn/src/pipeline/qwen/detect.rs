@@ -1,5 +1,7 @@
 //! [`PipelineKind`]: which pipeline a Diffusers folder holds, from its `model_index.json`,
-//! and a check that its components belong to that pipeline's family.
+//! and a check that its components belong to that pipeline's family; the component a model
+//! class is in DDO's pipelines ([`PipelineKind::component_of_class`]) and the class a
+//! `config.json` names ([`config_class`]).
 
 use std::path::Path;
 
@@ -50,6 +52,20 @@ impl PipelineKind {
         Self::ALL.into_iter().find(|k| k.class_name() == class)
     }
 
+    /// The pipeline and the component (its folder's name: `vae`, `transformer`,
+    /// `text_encoder`, `text_encoder_2`) a model class is in DDO's pipelines
+    /// (`AutoencoderKL` → Flux's `vae`, `T5EncoderModel` → Flux's `text_encoder_2`,
+    /// `Qwen2_5_VLForConditionalGeneration` → Qwen-Image's `text_encoder`); `None` for a class
+    /// no pipeline DDO runs has.
+    pub fn component_of_class(class: &str) -> Option<(Self, &'static str)> {
+        Self::ALL.into_iter().find_map(|k| {
+            k.classes()
+                .iter()
+                .find(|(_, c)| *c == class)
+                .map(|(component, _)| (k, *component))
+        })
+    }
+
     fn classes(self) -> &'static [(&'static str, &'static str)] {
         match self {
             Self::Flux => &FLUX_CLASSES,
@@ -66,15 +82,20 @@ impl PipelineKind {
 
     /// Reads `dir/model_index.json`'s `_class_name` (`FluxPipeline` or
     /// `QwenImagePipeline`); a folder without `model_index.json` is Flux (what DDO ran before
-    /// it read the file). An unknown class, or a `model_index.json` without one, is a
-    /// [`LoadError::PipelineClass`] naming the file and the field and the classes DDO runs.
-    /// A folder that mixes the families — `model_index.json` names one pipeline, but one of
-    /// its components (there, or in the component's `config.json`: Diffusers'
-    /// `_class_name`, Transformers' `architectures`) is a class of the other — is a
-    /// [`LoadError::PipelineClass`] naming that file and field.
+    /// it read the file). A `model_index.json` (or component `config.json`) that is there but
+    /// is no regular file (a directory, a FIFO, a link to a device) is refused by
+    /// [`read_text_file`](crate::weights::read_text_file), never taken as absent. An unknown
+    /// class, or a `model_index.json` without one, is a [`LoadError::PipelineClass`] naming
+    /// the file and the field and the classes DDO runs. A folder that mixes the families —
+    /// `model_index.json` names one pipeline, but one of its components (there, or in the
+    /// component's `config.json`: Diffusers' `_class_name`, Transformers' `architectures`) is
+    /// a class of the other — is a [`LoadError::PipelineClass`] naming that file and field. A
+    /// folder without `model_index.json` whose components are Qwen-Image's is
+    /// [`LoadError::NoModelIndex`]: the file is missing, not the families mixed.
     pub fn detect(dir: &Path) -> LoadResult<PipelineKind> {
         let index = dir.join(MODEL_INDEX);
-        let kind = if index.is_file() {
+        let has_index = crate::weights::is_present(&index);
+        let kind = if has_index {
             let json = read_json(&index)?;
             let runs = Self::ALL.map(Self::class_name).join(", ");
             let class = match json.get("_class_name") {
@@ -119,17 +140,33 @@ impl PipelineKind {
         // The components' own configs.
         for (component, _) in kind.other().classes() {
             let file = dir.join(component).join("config.json");
-            if !file.is_file() {
+            if !crate::weights::is_present(&file) {
                 continue;
             }
             let json = read_json(&file)?;
-            if let Some(class) = json.get("_class_name").and_then(Value::as_str) {
-                kind.check_class(&file, "_class_name", class)?;
-            }
-            if let Some(archs) = json.get("architectures").and_then(Value::as_array) {
-                for class in archs.iter().filter_map(Value::as_str) {
-                    kind.check_class(&file, "architectures", class)?;
+            let classes = json
+                .get("_class_name")
+                .and_then(Value::as_str)
+                .map(|c| ("_class_name", c))
+                .into_iter()
+                .chain(
+                    json.get("architectures")
+                        .and_then(Value::as_array)
+                        .into_iter()
+                        .flatten()
+                        .filter_map(Value::as_str)
+                        .map(|c| ("architectures", c)),
+                );
+            for (field, class) in classes {
+                if !has_index && kind.other().classes().iter().any(|(_, c)| *c == class) {
+                    return Err(LoadError::NoModelIndex {
+                        dir: dir.to_path_buf(),
+                        file,
+                        class: class.to_string(),
+                        pipeline: kind.other().class_name(),
+                    });
                 }
+                kind.check_class(&file, field, class)?;
             }
         }
         Ok(kind)
@@ -160,6 +197,24 @@ impl PipelineKind {
             }
         }
     }
+}
+
+/// The class `file` (a `config.json`) names: Diffusers' `_class_name`, else Transformers'
+/// `architectures[0]`; `None` when it names none. The file is read as every config is
+/// ([`read_text_file`](crate::weights::read_text_file): a regular file, bounded), and must be
+/// JSON.
+pub fn config_class(file: &Path) -> LoadResult<Option<String>> {
+    let json = read_json(file)?;
+    Ok(json
+        .get("_class_name")
+        .and_then(Value::as_str)
+        .or_else(|| {
+            json.get("architectures")
+                .and_then(Value::as_array)
+                .and_then(|a| a.first())
+                .and_then(Value::as_str)
+        })
+        .map(str::to_string))
 }
 
 fn read_json(path: &Path) -> LoadResult<Value> {

@@ -55,7 +55,7 @@ use super::invalid;
 
 pub use decode::plan_qwen_decode_on;
 pub use denoise::{STAND_IN_SUFFIX_TOKENS, stand_in_ids};
-pub use detect::PipelineKind;
+pub use detect::{PipelineKind, config_class};
 pub use memory::{estimate_qwen_image_activation_bytes, estimate_qwen_text_activation_bytes};
 pub use request::{QwenImageRequest, QwenPromptInput};
 
@@ -312,7 +312,7 @@ impl QwenImagePipeline {
                 ),
             });
         }
-        if dir.join(detect::MODEL_INDEX).is_file() {
+        if crate::weights::is_present(&dir.join(detect::MODEL_INDEX)) {
             let kind = PipelineKind::detect(dir)?;
             if kind != PipelineKind::QwenImage {
                 return Err(LoadError::InvalidConfig {
@@ -337,7 +337,7 @@ impl QwenImagePipeline {
             (None, None)
         };
         let sched_file = dir.join("scheduler").join("scheduler_config.json");
-        let scheduler = if sched_file.is_file() {
+        let scheduler = if crate::weights::is_present(&sched_file) {
             FlowMatchEulerConfig::from_file(&sched_file)?
         } else {
             FlowMatchEulerConfig::qwen_image()

@@ -212,6 +212,34 @@ fn a_stream_budget_below_the_ring_is_refused_at_attach_and_one_above_it_runs() {
     assert_eq!(device.memory_info().allocated, 0);
     assert_eq!(device.memory_info().pinned_host, 0);
     assert_eq!(checksums(&c), before);
+    // A margin larger than what is free: the refusal names the margin given and what it
+    // leaves, not the 0 B it came to as the value (issue 34).
+    let free = device.memory_info().free_bytes();
+    let err = checked_attach(
+        &c,
+        dev.clone(),
+        &spec_with(RouteOptions {
+            budget: Some(Budget::FreeMinus(free + (1 << 20))),
+            use_stream: Some(true),
+            unit_bytes: Some(256),
+            ..RouteOptions::default()
+        }),
+        Arc::new(RouteMetrics::new()),
+    )
+    .unwrap_err();
+    match &err {
+        CoreError::InvalidOption {
+            option,
+            value,
+            hint,
+        } => {
+            assert_eq!(option, "budget");
+            assert!(value.starts_with("free-"), "{value}");
+            assert!(hint.starts_with("it leaves 0 B on this device ("), "{hint}");
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(device.memory_info().allocated, 0);
     // A ring's worth more attaches and streams every forward within the budget.
     let budget = 2 * (largest + 1024) + 4096;
     let hooks =
