@@ -203,6 +203,15 @@ pub fn decode(args: &DecodeArgs, out: &mut dyn Write) -> CliResult<()> {
     let dev = device.clone();
     let decoded = handle.cleanup_on_error(|_| {
         let image = vae.decode(Some(&*dev), &input, plan.tiling)?;
+        // NaN weights give a NaN image, which a PNG would write as black: refused instead,
+        // as `ddo run` refuses it, before anything is written.
+        ddo_core::check_finite(
+            ddo_core::ops_of(&*dev)?,
+            &image,
+            "decode",
+            None,
+            "the decoded image",
+        )?;
         let values = image.to_f32_vec(&*dev, &dev.compute_stream())?;
         Ok(HostTensor {
             shape: image.shape().to_vec(),

@@ -344,3 +344,45 @@ fn degenerate_config_numbers_are_refused_at_load() {
         assert!(stderr.contains("must be a number in"), "{what}: {stderr}");
     }
 }
+
+/// `ddo decode` on a VAE with a NaN weight exits 1 naming the decoded image (it wrote an
+/// all-black PNG and exited 0), writing nothing; the unchanged copy decodes.
+#[test]
+fn decode_with_a_nan_vae_weight_is_refused_and_writes_nothing() {
+    let d = scratch("nonfinite-decode");
+    let latents = d.join("z.safetensors");
+    let data = vec![0u8; 4 * 8 * 8 * 4];
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 4, 8, 8], &data)
+            .unwrap();
+    safetensors::serialize_to_file([("latents".to_string(), view)], None, &latents).unwrap();
+    let clean = copy_fixture(&d.join("clean"), "vae_sd");
+    let bad = copy_fixture(&d.join("bad"), "vae_sd");
+    set_element(
+        &bad.join("diffusion_pytorch_model.safetensors"),
+        "decoder.conv_out.weight",
+        0,
+        &f32_element(f32::NAN),
+    );
+    let decode = |weights: &Path, out: &Path| {
+        ddo(&[
+            "decode",
+            "--weights",
+            weights.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let out = d.join("bad.png");
+    let o = decode(&bad, &out);
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("NaN/Inf value(s)"), "{stderr}");
+    assert!(stderr.contains("the decoded image"), "{stderr}");
+    assert!(!out.exists(), "nothing written: {stderr}");
+    let out = d.join("clean.png");
+    ok(&decode(&clean, &out));
+    assert!(out.is_file());
+}
