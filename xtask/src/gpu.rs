@@ -212,13 +212,23 @@ pub fn make_executable(_path: &Path) -> Result<(), String> {
 pub fn test_executables(json_lines: &str) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = json_lines
         .lines()
-        .filter(|l| l.contains(r#""reason":"compiler-artifact""#) && l.contains(r#""test":true"#))
+        .filter(|l| l.contains(r#""reason":"compiler-artifact""#) && profile_is_test(l))
         .filter_map(|l| string_field(l, "executable"))
         .map(PathBuf::from)
         .collect();
     out.sort();
     out.dedup();
     out
+}
+
+/// Whether a `compiler-artifact` line's `"profile"` object says `"test":true` (its target
+/// object has a `"test"` field of its own, true for a bin that has tests: the `ddo` binary
+/// built for the command's integration tests is no test executable).
+fn profile_is_test(line: &str) -> bool {
+    line.find(r#""profile":{"#)
+        .map(|start| &line[start..])
+        .and_then(|profile| profile.find('}').map(|end| &profile[..end]))
+        .is_some_and(|profile| profile.contains(r#""test":true"#))
 }
 
 /// The `ddo` executable in cargo's JSON messages of a build: the `compiler-artifact` line
@@ -339,6 +349,9 @@ mod tests {
         );
         assert_eq!(binary_executable(&lines), None);
         assert_eq!(bundle_name(Path::new("plain")), "plain");
+        // A bin built for integration tests: its target says "test":true, its profile not.
+        let bin = r#"{"reason":"compiler-artifact","target":{"name":"ddo","kind":["bin"],"doctest":false,"test":true},"profile":{"opt_level":"3","test":false},"executable":"/w/target/release/ddo","fresh":true}"#;
+        assert_eq!(test_executables(&format!("{lines}\n{bin}")), exes);
     }
 
     #[test]
