@@ -406,8 +406,8 @@ fn a_single_file_transformer_replaces_the_folders_bit_for_bit() {
     let err = String::from_utf8_lossy(&bad_t5.stderr);
     assert!(err.contains("--text-encoder-2"), "{err}");
     for (bad, says) in [
-        ("no-such-file.safetensors".to_string(), "not a file"),
-        (fixture("flux_pipeline"), "not a file"),
+        ("no-such-file.safetensors".to_string(), "no such file"),
+        (fixture("flux_pipeline"), "is a directory, not a file"),
         (
             fixture("flux_transformer/diffusion_pytorch_model.safetensors"),
             "original layout",

@@ -212,22 +212,36 @@ fn a_stream_budget_below_the_ring_is_refused_at_attach_and_one_above_it_runs() {
     assert_eq!(device.memory_info().allocated, 0);
     assert_eq!(device.memory_info().pinned_host, 0);
     assert_eq!(checksums(&c), before);
-    // A margin larger than what is free: the refusal names the margin given and what it
-    // leaves, not the 0 B it came to as the value (issue 34).
+    // A margin larger than what is free is refused before the route looks at the ring,
+    // naming the margin given and what is free, not the 0 B it came to (issue 34).
     let free = device.memory_info().free_bytes();
-    let err = checked_attach(
-        &c,
-        dev.clone(),
-        &spec_with(RouteOptions {
-            budget: Some(Budget::FreeMinus(free + (1 << 20))),
-            use_stream: Some(true),
-            unit_bytes: Some(256),
-            ..RouteOptions::default()
-        }),
-        Arc::new(RouteMetrics::new()),
-    )
-    .unwrap_err();
-    match &err {
+    let attach_with_margin = |margin: u64| {
+        checked_attach(
+            &c,
+            dev.clone(),
+            &spec_with(RouteOptions {
+                budget: Some(Budget::FreeMinus(margin)),
+                use_stream: Some(true),
+                unit_bytes: Some(256),
+                ..RouteOptions::default()
+            }),
+            Arc::new(RouteMetrics::new()),
+        )
+        .unwrap_err()
+    };
+    match attach_with_margin(free + (1 << 20)) {
+        CoreError::Refused {
+            refusal: ddo_core::Refusal::NoBudgetLeft { margin, free: seen },
+            ..
+        } => {
+            assert_eq!(margin, free + (1 << 20));
+            assert_eq!(seen, free);
+        }
+        other => panic!("{other}"),
+    }
+    // A margin that leaves less than the ring: the route names the margin and what it
+    // leaves, never those bytes as the value given.
+    match attach_with_margin(free - 100) {
         CoreError::InvalidOption {
             option,
             value,
@@ -235,7 +249,10 @@ fn a_stream_budget_below_the_ring_is_refused_at_attach_and_one_above_it_runs() {
         } => {
             assert_eq!(option, "budget");
             assert!(value.starts_with("free-"), "{value}");
-            assert!(hint.starts_with("it leaves 0 B on this device ("), "{hint}");
+            assert!(
+                hint.starts_with("it leaves 100 B on this device ("),
+                "{hint}"
+            );
         }
         other => panic!("{other}"),
     }
