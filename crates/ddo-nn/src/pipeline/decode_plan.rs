@@ -235,8 +235,8 @@ pub(super) fn decode_does_not_fit(
             human(untiled),
         ),
         hint: format!(
-            "{raise}, use --tiled-decode off to decode untiled anyway, or a smaller \
-             --height/--width"
+            "{raise}, use --tiled-decode off to decode untiled anyway, or make a smaller \
+             image (ddo run's --height/--width; ddo decode's size is its latents')"
         ),
     }
 }
