@@ -165,6 +165,9 @@ fn help_and_version_are_not_clustered_with_other_letters() {
         &["-Vx"],
         &["run", "-hxyz"],
         &["run", "--config", "tiny", "-hV"],
+        // The first help word decides: an exact one later does not make it help.
+        &["-helpuida", "--guidance", "9", "--help"],
+        &["run", "-hx", "-h"],
     ] {
         let line = usage_line(args);
         assert!(line.contains("unknown option `-"), "{args:?}: {line}");

@@ -129,13 +129,14 @@ pub fn parse(argv: &[String]) -> CliResult<Invocation> {
             ) =>
         {
             // clap reads `-hx` as `-h` clustered with `-x`: DDO takes `-h`, `--help`, `-V` and
-            // `--version` only as they are written.
+            // `--version` only as they are written. clap stops at the first such word, so
+            // that one must be exact (`-hx --help` is refused, as `-hx` is).
             let exact = ["-h", "--help", "-V", "--version"];
-            if !argv.iter().any(|a| exact.contains(&a.as_str())) {
-                let word = argv
-                    .iter()
-                    .find(|a| a.starts_with("-h") || a.starts_with("-V"))
-                    .map_or("-h", String::as_str);
+            let first = argv.iter().find(|a| {
+                a.starts_with("-h") || a.starts_with("-V") || exact.contains(&a.as_str())
+            });
+            if !first.is_some_and(|a| exact.contains(&a.as_str())) {
+                let word = first.map_or("-h", String::as_str);
                 return Err(CliError::usage(
                     format!("unknown option `{word}`"),
                     "write -h or --help (or -V, --version) alone, or see `ddo help`",
