@@ -41,7 +41,9 @@ struct Profile {
 /// dictionaries, not from matching compared bytes; a fifth of its time went to the traced
 /// comparisons of matrix packing) and slow inputs are mutated less often
 /// (`-entropic_scale_per_exec_time`): with the limits of `ddo_cli::fuzz_argv`, about 1,200
-/// executions per second on two cores instead of 500. Its largest single allocation stays
+/// executions per second on two cores instead of 500 when that was measured; since the
+/// sandbox digests every input file after each execution (issue 34), 370-390 per second
+/// (two 1,000-second runs on 2026-12-05): a million executions take about 45 minutes. Its largest single allocation stays
 /// well under the shared 64 MB malloc limit. libFuzzer's leak check after an input is off
 /// for it: the host backend's stream workers are detached threads that free their queue
 /// and state after the device that owned them is dropped, so that check races with them (one
