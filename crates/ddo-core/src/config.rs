@@ -373,11 +373,23 @@ impl Budget {
     }
 }
 
+/// `n` bytes as [`parse_size`] reads them, in the largest binary unit that divides them
+/// exactly (`1GiB`, `1536MiB`, `2560`): a plan line shows `budget=free-9GiB`, as given,
+/// not `free-9663676416`, and the text parses back to the same bytes.
+pub fn exact_size(n: u64) -> String {
+    for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if n != 0 && n % (1u64 << shift) == 0 {
+            return format!("{}{unit}", n >> shift);
+        }
+    }
+    n.to_string()
+}
+
 impl fmt::Display for Budget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Budget::Bytes(b) => write!(f, "{b}"),
-            Budget::FreeMinus(m) => write!(f, "free-{m}"),
+            Budget::Bytes(b) => write!(f, "{}", exact_size(*b)),
+            Budget::FreeMinus(m) => write!(f, "free-{}", exact_size(*m)),
         }
     }
 }
@@ -874,6 +886,23 @@ mod tests {
 
     fn spec(text: &str) -> Result<RouteSpec> {
         RouteSpec::parse(text, &RouteId::BUILT_IN)
+    }
+
+    #[test]
+    fn budgets_print_in_exact_units_and_parse_back_to_the_same_bytes() {
+        for (budget, text) in [
+            (Budget::FreeMinus(9 << 30), "free-9GiB"),
+            (Budget::FreeMinus(0), "free-0"),
+            (Budget::FreeMinus(1536 << 20), "free-1536MiB"),
+            (Budget::Bytes(2560), "2560"),
+            (Budget::Bytes(3 << 10), "3KiB"),
+            (Budget::Bytes(1 << 40), "1TiB"),
+            (Budget::Bytes((1 << 30) + 1), "1073741825"),
+            (Budget::Bytes(u64::MAX), "18446744073709551615"),
+        ] {
+            assert_eq!(budget.to_string(), text);
+            assert_eq!(text.parse::<Budget>().unwrap(), budget, "{text}");
+        }
     }
 
     #[test]
