@@ -378,7 +378,7 @@ impl Budget {
 /// not `free-9663676416`, and the text parses back to the same bytes.
 pub fn exact_size(n: u64) -> String {
     for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if n != 0 && n % (1u64 << shift) == 0 {
+        if n != 0 && n.is_multiple_of(1u64 << shift) {
             return format!("{}{unit}", n >> shift);
         }
     }
