@@ -9,7 +9,6 @@
 use std::path::Path;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_nn::LoadError;
 use ddo_nn::flux::FluxTransformerConfig;
@@ -17,26 +16,12 @@ use ddo_nn::qwen_vae::QwenVaeConfig;
 use ddo_nn::scheduler::{FlowMatchEulerConfig, FlowMatchEulerScheduler, flux_sigmas};
 use ddo_nn::vae::AutoencoderKLConfig;
 
-/// A scratch folder, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "ddo-nn-bad-configs-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A scratch folder (removed on drop), made exclusively under a random name.
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ddo-nn-bad-configs-")
+        .tempdir()
+        .expect("scratch folder")
 }
 
 fn fixture_path(rel: &str) -> PathBuf {
@@ -53,13 +38,13 @@ fn fixture_object(rel: &str) -> serde_json::Map<String, serde_json::Value> {
 
 /// `base` with `field` set to `value`, written to `dir/name`.
 fn write_with(
-    dir: &TempDir,
+    dir: &tempfile::TempDir,
     name: &str,
     base: &serde_json::Map<String, serde_json::Value>,
     field: &str,
     value: serde_json::Value,
 ) -> PathBuf {
-    let path = dir.0.join(name);
+    let path = dir.path().join(name);
     std::fs::write(&path, with(base, field, value)).unwrap();
     path
 }
@@ -185,7 +170,7 @@ fn bad_flux_configs_are_typed_errors() {
 #[test]
 fn degenerate_vae_scaling_is_refused_and_diffusers_values_load() {
     use serde_json::json;
-    let dir = TempDir::new();
+    let dir = scratch();
     let base = fixture_object("vae_flux/config.json");
     for (field, value, says) in [
         ("scaling_factor", json!(1e-45), "[1e-6, 1e6]"),
@@ -214,7 +199,7 @@ fn degenerate_vae_scaling_is_refused_and_diffusers_values_load() {
 #[test]
 fn degenerate_qwen_vae_statistics_are_refused() {
     use serde_json::json;
-    let dir = TempDir::new();
+    let dir = scratch();
     let base = fixture_object("qwen_vae/config.json");
     let z = base["z_dim"].as_u64().unwrap() as usize;
     let mut std = vec![json!(1.5); z];
@@ -238,7 +223,7 @@ fn degenerate_qwen_vae_statistics_are_refused() {
 #[test]
 fn degenerate_scheduler_numbers_are_refused_and_diffusers_values_load() {
     use serde_json::json;
-    let dir = TempDir::new();
+    let dir = scratch();
     let base = fixture_object("flux_pipeline/scheduler/scheduler_config.json");
     for (field, value, says) in [
         ("shift", json!(1e-38), "[1e-3, 1e3]"),

@@ -9,7 +9,6 @@
 //! `tools/write_flux_original.py` documents the layout) rewritten.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use ddo_core::DType;
 use ddo_nn::clip::{ClipTextConfig, ClipTextModel};
@@ -19,25 +18,12 @@ use ddo_nn::vae::{AutoencoderKL, AutoencoderKLConfig};
 use ddo_nn::{LoadError, UnusedWeights};
 use safetensors::Dtype;
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "ddo-nn-single-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A scratch folder (removed on drop), made exclusively under a random name.
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ddo-nn-single-")
+        .tempdir()
+        .expect("scratch folder")
 }
 
 fn fixture(path: &str) -> PathBuf {
@@ -100,7 +86,7 @@ const P: &str = "model.diffusion_model.";
 /// checkpoint (layerwise casting's) and load.
 #[test]
 fn a_scaled_fp8_file_missing_a_scale_is_refused_naming_the_weight() {
-    let dir = TempDir::new();
+    let dir = scratch();
     let all = tensors(&fixture(SCALED));
     assert!(all.iter().any(|e| e.0 == "scaled_fp8"));
     for layer in [
@@ -110,7 +96,7 @@ fn a_scaled_fp8_file_missing_a_scale_is_refused_naming_the_weight() {
         let weight = format!("{P}{layer}.weight");
         assert!(all.iter().any(|e| e.0 == weight && e.1 == Dtype::F8_E4M3));
         let scale = format!("{P}{layer}.scale_weight");
-        let file = dir.0.join("missing-scale.safetensors");
+        let file = dir.path().join("missing-scale.safetensors");
         let kept: Vec<Entry> = all.iter().filter(|e| e.0 != scale).cloned().collect();
         write(&file, &kept);
         for dtype in [None, Some(DType::BF16)] {
@@ -142,7 +128,7 @@ fn a_scaled_fp8_file_missing_a_scale_is_refused_naming_the_weight() {
             .filter(|e| e.0 != "scaled_fp8")
             .cloned()
             .collect();
-        let plain = dir.0.join("unscaled.safetensors");
+        let plain = dir.path().join("unscaled.safetensors");
         write(&plain, &unmarked);
         flux(&plain, None, UnusedWeights::Refuse).expect("an fp8 file without the marker");
     }
@@ -153,7 +139,7 @@ fn a_scaled_fp8_file_missing_a_scale_is_refused_naming_the_weight() {
 /// even with unused tensors allowed (where one copy would otherwise be dropped unseen).
 #[test]
 fn a_flux_tensor_under_the_prefix_and_bare_is_refused_naming_both() {
-    let dir = TempDir::new();
+    let dir = scratch();
     let scaled = tensors(&fixture(SCALED));
     let bare = tensors(&fixture("flux_transformer_original/flux1-tiny.safetensors"));
     let cases = [
@@ -170,7 +156,7 @@ fn a_flux_tensor_under_the_prefix_and_bare_is_refused_naming_both() {
         };
         let mut with_copy = entries.clone();
         with_copy.push(copy_named(entries, &read, &copy));
-        let file = dir.0.join("both.safetensors");
+        let file = dir.path().join("both.safetensors");
         write(&file, &with_copy);
         for unused in [UnusedWeights::Refuse, UnusedWeights::Allow] {
             match flux(&file, None, unused).unwrap_err() {
@@ -193,7 +179,7 @@ fn a_flux_tensor_under_the_prefix_and_bare_is_refused_naming_both() {
 /// naming both, with unused tensors allowed or not; under one prefix alone the file loads.
 #[test]
 fn an_ldm_vae_tensor_under_two_prefixes_is_refused_naming_both() {
-    let dir = TempDir::new();
+    let dir = scratch();
     let config = AutoencoderKLConfig::from_file(&fixture("vae_flux/config.json")).unwrap();
     let bare = tensors(&fixture("vae_flux_original/ae-tiny.safetensors"));
     let under = |prefix: &str| -> Vec<Entry> {
@@ -204,7 +190,7 @@ fn an_ldm_vae_tensor_under_two_prefixes_is_refused_naming_both() {
     let load = |file: &Path, unused| {
         AutoencoderKL::load_original(file, config.clone(), None, unused).map(|_| ())
     };
-    let file = dir.0.join("ae.safetensors");
+    let file = dir.path().join("ae.safetensors");
     write(&file, &under("first_stage_model."));
     load(&file, UnusedWeights::Refuse).expect("one prefix");
     for (read, copy) in [
@@ -238,7 +224,7 @@ fn an_ldm_vae_tensor_under_two_prefixes_is_refused_naming_both() {
 /// tensors allowed (the loader reads the bare names when it has both).
 #[test]
 fn a_clip_tensor_under_text_model_and_bare_is_refused_naming_both() {
-    let dir = TempDir::new();
+    let dir = scratch();
     let config = ClipTextConfig::from_file(&fixture("clip_text/config.json")).unwrap();
     let mut entries = tensors(&fixture("clip_text/model.safetensors"));
     entries.push(copy_named(
@@ -246,7 +232,7 @@ fn a_clip_tensor_under_text_model_and_bare_is_refused_naming_both() {
         "final_layer_norm.weight",
         "text_model.final_layer_norm.weight",
     ));
-    let file = dir.0.join("clip_l.safetensors");
+    let file = dir.path().join("clip_l.safetensors");
     write(&file, &entries);
     match ClipTextModel::load_file(&file, &config, None, UnusedWeights::Allow).unwrap_err() {
         LoadError::DuplicateTensor { first, second, .. } => assert_eq!(
@@ -265,17 +251,21 @@ fn a_clip_tensor_under_text_model_and_bare_is_refused_naming_both() {
 /// unused tensors allowed.
 #[test]
 fn a_qwen_text_tensor_under_two_layouts_is_refused_naming_both() {
-    let dir = TempDir::new();
+    let dir = scratch();
     let fixture_dir = fixture("qwen_text_encoder/text_encoder");
-    std::fs::copy(fixture_dir.join("config.json"), dir.0.join("config.json")).unwrap();
+    std::fs::copy(
+        fixture_dir.join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
     let mut entries = tensors(&fixture_dir.join("model.safetensors"));
     entries.push(copy_named(
         &entries,
         "model.norm.weight",
         "model.language_model.norm.weight",
     ));
-    write(&dir.0.join("model.safetensors"), &entries);
-    match QwenTextEncoder::load_checked(&dir.0, None, UnusedWeights::Allow).unwrap_err() {
+    write(&dir.path().join("model.safetensors"), &entries);
+    match QwenTextEncoder::load_checked(dir.path(), None, UnusedWeights::Allow).unwrap_err() {
         LoadError::DuplicateTensor { first, second, .. } => assert_eq!(
             (first.as_str(), second.as_str()),
             ("model.norm.weight", "model.language_model.norm.weight")
