@@ -33,7 +33,7 @@ use crate::family::AnyPipeline;
 use crate::outputs::{Inputs, Outputs};
 use crate::progress::ProgressBar;
 use crate::run::{ComponentFiles, build_pipeline, source_from_args};
-use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, open_device};
+use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, host_budget, open_device};
 use crate::size::ImageSize;
 
 /// The candidates when none are given: every route, group offload in its three shapes.
@@ -104,14 +104,18 @@ pub struct HostMemory {
 }
 
 impl HostMemory {
-    /// This process's figures now.
+    /// This process's figures now, from one read of `/proc/self/status` (read field by
+    /// field, another thread's pages made the parts add up to more than the whole: the
+    /// `bench_compares_routes_in_one_process` flake).
     pub fn now() -> Option<Self> {
-        use ddo_core::host_memory::process_status_bytes as field;
+        let [rss, anon, file, shmem] = ddo_core::host_memory::process_status_snapshot([
+            "VmRSS", "RssAnon", "RssFile", "RssShmem",
+        ]);
         Some(Self {
-            rss_bytes: field("VmRSS")?,
-            anon_bytes: field("RssAnon").unwrap_or(0),
-            file_bytes: field("RssFile").unwrap_or(0),
-            shmem_bytes: field("RssShmem").unwrap_or(0),
+            rss_bytes: rss?,
+            anon_bytes: anon.unwrap_or(0),
+            file_bytes: file.unwrap_or(0),
+            shmem_bytes: shmem.unwrap_or(0),
         })
     }
 }
@@ -539,6 +543,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     // A CUDA device is opened once and shared; the host backend gets a fresh one per
     // candidate (its allocator kind is fixed at creation).
     // Pinned memory is scarce for the whole run when a candidate is `wsl_compat`.
+    let host = host_budget(args.host_budget);
     let scarce_pinned = list
         .iter()
         .any(|c| matches!(c, Candidate::Preset(p) if p.resolved() == Preset::WslCompat));
@@ -549,6 +554,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             DeviceNeeds {
                 native_allocator: false,
                 scarce_pinned,
+                pinned_limit: Some(host.pinned_room()),
             },
         )?),
         DeviceChoice::Cpu => None,
@@ -562,6 +568,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 DeviceNeeds {
                     native_allocator: native,
                     scarce_pinned,
+                    pinned_limit: Some(host.pinned_room()),
                 },
             ),
         }
@@ -630,6 +637,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                             budget_source: budget_source.clone(),
                             phases: vec![demand.clone()],
                             context,
+                            host_budget: Some(host),
                         },
                     )?;
                     let mut offload =

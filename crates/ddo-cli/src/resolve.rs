@@ -33,7 +33,7 @@ use crate::run::{
     ComponentFiles, MAX_SEQUENCE_LENGTH, Source, build_pipeline, plan_budget, plan_memory,
     planned_explanations, source_from_args,
 };
-use crate::setup::{DeviceChoice, DeviceNeeds, Routing, open_device};
+use crate::setup::{DeviceChoice, DeviceNeeds, Routing, host_budget, open_device};
 use crate::size::ImageSize;
 
 /// The components of a Flux pipeline, in phase order.
@@ -328,10 +328,11 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     let (height, width) = (size.height, size.width);
     // Each component resolved once, as `ddo run` does.
     let resolutions = routing.resolve_all(&names)?;
+    let host = host_budget(args.host_budget);
     let device = open_device(
         device_choice,
         budget,
-        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)),
+        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)).within(&host),
     )?;
     let pipeline = pipe.offload_pipeline()?;
     let plan = plan_memory(
@@ -340,6 +341,7 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         &resolutions,
         &*device,
         plan_budget(&*device, budget),
+        host,
         (height, width, images),
         tiled,
     )?;

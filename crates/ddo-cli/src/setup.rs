@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ddo_core::resolve::{Environment, resolve};
-use ddo_core::{AllocatorKind, Component, Device, Preset, Resolution, RouteSpec, Settings};
+use ddo_core::{
+    AllocatorKind, Component, Device, HostBudget, Preset, Resolution, RouteSpec, Settings,
+};
 use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::format_bytes;
 use serde::Serialize;
@@ -323,7 +325,9 @@ pub fn open_device(
                     host_device_limit()
                         .map_or(DEFAULT_HOST_CAPACITY, |l| DEFAULT_HOST_CAPACITY.min(l))
                 }),
-                pinned_limit: pinned_limit(),
+                pinned_limit: needs
+                    .pinned_limit
+                    .map_or_else(pinned_limit, |l| l.min(pinned_limit())),
                 allocator: if native_allocator {
                     AllocatorKind::NativeVmm
                 } else {
@@ -338,6 +342,7 @@ pub fn open_device(
             // (the fresh-process rule).
             let config = ddo_cuda::CudaDeviceConfig {
                 native_vmm: native_allocator,
+                pinned_limit: needs.pinned_limit,
                 upload_staging_bytes: if needs.scarce_pinned {
                     0
                 } else {
@@ -447,6 +452,9 @@ pub struct DeviceNeeds {
     pub native_allocator: bool,
     /// Keep no pinned upload buffers on CUDA ([`pinned_is_scarce`]).
     pub scarce_pinned: bool,
+    /// The most pinned host memory the device hands out: the run's host budget less its
+    /// working memory ([`HostBudget::pinned_room`]); `None`: the backend's default.
+    pub pinned_limit: Option<u64>,
 }
 
 impl DeviceNeeds {
@@ -455,8 +463,23 @@ impl DeviceNeeds {
         Self {
             native_allocator: needs_native_allocator(resolutions.clone()),
             scarce_pinned: pinned_is_scarce(resolutions),
+            pinned_limit: None,
         }
     }
+
+    /// These needs with the device's pinned memory held within `host`'s room for it.
+    pub fn within(self, host: &HostBudget) -> Self {
+        Self {
+            pinned_limit: Some(host.pinned_room()),
+            ..self
+        }
+    }
+}
+
+/// The run's host budget: `--host-budget` when given, else the host's `MemAvailable` now
+/// less a reserve ([`HostBudget::default_now`]).
+pub fn host_budget(given: Option<u64>) -> HostBudget {
+    given.map_or_else(HostBudget::default_now, HostBudget::given)
 }
 
 #[cfg(test)]
@@ -491,6 +514,7 @@ mod tests {
             DeviceNeeds {
                 native_allocator: true,
                 scarce_pinned: false,
+                pinned_limit: None,
             }
         );
         // One component under wsl_compat makes pinned memory scarce for the whole device.
@@ -499,6 +523,7 @@ mod tests {
             DeviceNeeds {
                 native_allocator: false,
                 scarce_pinned: true,
+                pinned_limit: None,
             }
         );
     }

@@ -90,6 +90,30 @@ pub enum CoreError {
         /// each can help; may be empty.
         advice: String,
     },
+    /// A host budget (`--host-budget`, or the default: `MemAvailable` less a reserve) below
+    /// what any plan of a pipeline phase needs: the phase's least pinned memory (staging
+    /// buffers, the pinned homes of routes given explicitly) plus the process's working
+    /// memory. `needed` was found by planning with it.
+    #[error(
+        "a host budget of {} ({from}) is too small for the {phase} phase, which needs at least {} \
+         ({detail}); give --host-budget {} or more, or free host memory, or use routes that pin \
+         less (e.g. --route {component}=diffusers_group_offload:use_stream=true,pinned=false)",
+        ddo_metrics::format_bytes(*.budget), budget_arg(*.needed), budget_arg(*.needed)
+    )]
+    HostBudgetTooSmall {
+        /// The phase.
+        phase: String,
+        /// The component that pins the most in that phase.
+        component: String,
+        /// The budget, bytes.
+        budget: u64,
+        /// Where the budget came from (`--host-budget`, `MemAvailable 31 GiB less ...`).
+        from: String,
+        /// The smallest budget that works, bytes (a whole number of MiB).
+        needed: u64,
+        /// What the needed bytes are made of.
+        detail: String,
+    },
     /// A VAE decode under `--tiled-decode auto` (the default) that fits what the budget
     /// leaves it neither untiled nor in Diffusers' default tiles (auto never tiles smaller:
     /// small tiles ruin the image). Issue 34: this was an invalid value `auto` of

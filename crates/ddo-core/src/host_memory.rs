@@ -368,9 +368,21 @@ pub fn process_status_bytes(field: &str) -> Option<u64> {
     kib_field("/proc/self/status", field)
 }
 
+/// Several fields of this process's `/proc/self/status` in bytes, from one read of it, so
+/// that figures which add up (`RssAnon + RssFile + RssShmem = VmRSS`) are of one instant
+/// (`None` for a field it lacks; all `None` where it cannot be read).
+pub fn process_status_snapshot<const N: usize>(fields: [&str; N]) -> [Option<u64>; N] {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    fields.map(|f| kib_in(&text, f))
+}
+
 /// The `field: N kB` line of a `/proc` file, in bytes.
 fn kib_field(path: &str, field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(path).ok()?;
+    kib_in(&std::fs::read_to_string(path).ok()?, field)
+}
+
+/// The `field: N kB` line of `text`, in bytes.
+fn kib_in(text: &str, field: &str) -> Option<u64> {
     let line = text.lines().find(|l| {
         l.strip_prefix(field)
             .is_some_and(|rest| rest.starts_with(':'))
@@ -910,6 +922,35 @@ impl HostSlice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One read of `/proc/self/status`: the parts of `VmRSS` add up to it exactly, while
+    /// other threads touch pages (read field by field they did not, now and then).
+    #[test]
+    fn a_status_snapshot_is_of_one_instant() {
+        if !cfg!(target_os = "linux") {
+            return;
+        }
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let toucher = {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let v = vec![1u8; 1 << 20];
+                    std::hint::black_box(&v);
+                }
+            })
+        };
+        for _ in 0..200 {
+            let [rss, anon, file, shmem, missing] =
+                process_status_snapshot(["VmRSS", "RssAnon", "RssFile", "RssShmem", "NoSuchField"]);
+            let (rss, anon, file, shmem) =
+                (rss.unwrap(), anon.unwrap(), file.unwrap(), shmem.unwrap());
+            assert_eq!(anon + file + shmem, rss);
+            assert_eq!(missing, None);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        toucher.join().unwrap();
+    }
 
     #[test]
     fn large_aligned_bytes_get_a_page_aligned_mapping_of_their_own() {

@@ -18,7 +18,8 @@
 //! - configuration ([`Preset`], [`RouteSpec`], [`Settings`]) and the pure
 //!   [`resolve`](resolve::resolve)r that encodes the seed's VAE table;
 //! - `detach_auxiliary_cpu_sources` ([`detach`]);
-//! - what a route will hold before it attaches ([`Footprint`]);
+//! - what a route will hold before it attaches ([`Footprint`]) and the host budget a run
+//!   plans under ([`HostBudget`]);
 //! - per-op device-time [`profile`]s that both backends record;
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
@@ -42,6 +43,7 @@ pub mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
 pub mod footprint;
+pub mod host_budget;
 pub mod host_memory;
 pub mod ops;
 pub mod param;
@@ -72,6 +74,7 @@ pub use error::{CoreError, DetachRefusal, Refusal, Result};
 #[cfg(any(test, feature = "test-support"))]
 pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
+pub use host_budget::{HostBudget, HostBudgetSource};
 pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp, check_finite};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};

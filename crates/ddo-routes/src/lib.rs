@@ -446,9 +446,14 @@ pub fn enable_planned_pipeline_offload(
             p.resolution.clone(),
             !p.footprint.attaches_on_device,
             p.upload_during.is_some(),
+            p.prepare_during.is_some(),
         ));
     }
-    Ok(PipelineOffload::deferred(device, pending))
+    Ok(PipelineOffload::deferred(
+        device,
+        pending,
+        plan.gives_host_back(),
+    ))
 }
 
 pub(crate) fn attach(

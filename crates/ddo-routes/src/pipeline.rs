@@ -71,6 +71,10 @@ pub struct PipelineOffload {
     /// Seconds a prepared component's background attach took.
     prepared_seconds: BTreeMap<String, f64>,
     phases: Vec<PhasePeak>,
+    /// Give a released component's host memory back at once (unpin its released
+    /// registrations, drop its mapped pages from the process): the plan's host budget holds
+    /// no two phases' pinned memory together ([`PipelinePlan::gives_host_back`](crate::PipelinePlan::gives_host_back)).
+    give_host_back: bool,
 }
 
 /// A component waiting for its phase.
@@ -78,11 +82,12 @@ pub struct PipelineOffload {
 struct Pending {
     component: Arc<Component>,
     resolution: Resolution,
-    /// Its route puts nothing on the device at attach ([`ddo_core::Footprint::attaches_on_device`]).
-    host_only_attach: bool,
     /// The plan has room for its resident weights in the phase before its own: a
     /// background attach uploads them too.
     upload_early: bool,
+    /// The plan attaches it in the background during the phase before
+    /// ([`ComponentPlan::prepare_during`](crate::ComponentPlan::prepare_during)).
+    prepare: bool,
 }
 
 /// A background attach: its thread gives the handle (or the error) and the seconds it took,
@@ -108,37 +113,44 @@ impl PipelineOffload {
             setup_seconds: BTreeMap::new(),
             prepared_seconds: BTreeMap::new(),
             phases: Vec::new(),
+            give_host_back: false,
         }
     }
 
     /// A pipeline whose components attach when their phase starts.
     /// `pending` is `(component, resolution, whether its attach is host-only, whether a
-    /// background attach uploads its resident weights)`.
+    /// background attach uploads its resident weights, whether the plan attaches it in the
+    /// background)`; `give_host_back` as [`PipelinePlan::gives_host_back`](crate::PipelinePlan::gives_host_back).
     pub(crate) fn deferred(
         device: Arc<dyn Device>,
-        pending: Vec<(Arc<Component>, Resolution, bool, bool)>,
+        pending: Vec<(Arc<Component>, Resolution, bool, bool, bool)>,
+        give_host_back: bool,
     ) -> Self {
         let mut offload = Self::new(device, Vec::new());
+        offload.give_host_back = give_host_back;
         offload.pending = pending
             .into_iter()
-            .map(|(component, resolution, host_only_attach, upload_early)| {
-                (
-                    component.name().to_string(),
-                    Pending {
-                        component,
-                        resolution,
-                        host_only_attach,
-                        upload_early: host_only_attach && upload_early,
-                    },
-                )
-            })
+            .map(
+                |(component, resolution, host_only_attach, upload_early, prepare)| {
+                    (
+                        component.name().to_string(),
+                        Pending {
+                            component,
+                            resolution,
+                            upload_early: host_only_attach && upload_early,
+                            prepare: host_only_attach && prepare,
+                        },
+                    )
+                },
+            )
             .collect();
         offload
     }
 
     /// Starts attaching, each on a background thread, the components of `names` that wait
-    /// for their phase and whose route puts nothing on the device at attach (the others,
-    /// attached, or unknown names are skipped); returns the names started. Their phase's
+    /// for their phase, whose route puts nothing on the device at attach and which the plan
+    /// attaches in the background (the others, attached, or unknown names are skipped);
+    /// returns the names started. Their phase's
     /// [`PipelineOffload::begin_phase`] waits for the attach and reports its error, if any.
     /// Call it while the phase before theirs runs: their host side (a pinned home, page-locked
     /// mappings) is then built meanwhile. A component the plan uploads early
@@ -148,7 +160,7 @@ impl PipelineOffload {
     pub fn prepare(&mut self, names: &[&str]) -> Vec<String> {
         let mut started = Vec::new();
         for name in names {
-            if !self.pending.get(*name).is_some_and(|p| p.host_only_attach) {
+            if !self.pending.get(*name).is_some_and(|p| p.prepare) {
                 continue;
             }
             let Some(p) = self.pending.remove(*name) else {
@@ -342,7 +354,30 @@ impl PipelineOffload {
         }
         let h = self.handle_mut(name)?;
         h.release();
+        let component = Arc::clone(h.component());
+        if self.give_host_back {
+            self.give_back_host(&component);
+        }
         Ok(())
+    }
+
+    /// Gives `component`'s host memory back after its release: the registrations the
+    /// device kept pinned for reuse are unpinned (the device is idle at a phase boundary,
+    /// so unregistering waits for nothing), and the pages of its checkpoint mappings leave
+    /// the process ([`CheckpointMap::release_pages`](ddo_core::CheckpointMap::release_pages):
+    /// the bytes stay readable, from the page cache or the file). Returns the mapped bytes
+    /// released.
+    fn give_back_host(&self, component: &Component) -> u64 {
+        self.device.unpin_released();
+        component
+            .params()
+            .iter()
+            .map(|p| {
+                let host = p.host();
+                host.mapped_range()
+                    .map_or(0, |(map, range)| map.release_pages(range))
+            })
+            .sum()
     }
 
     /// Phases recorded so far.

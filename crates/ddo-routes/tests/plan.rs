@@ -71,6 +71,7 @@ fn plan(
             budget_source: "test".into(),
             phases: demands(activation),
             context: FootprintContext::of(&**device),
+            host_budget: None,
         },
     )
 }
@@ -171,6 +172,7 @@ fn each_component_is_resolved_once_and_keeps_its_decided_by_to_the_metrics() {
         budget_source: "test".into(),
         phases: demands(0),
         context: FootprintContext::of(&*d),
+        host_budget: None,
     };
     let p = plan_pipeline(&pipeline, &settings, &explicit, &env, &request).unwrap();
     let mut offload = enable_planned_pipeline_offload(&pipeline, dyn_device(&d), &p).unwrap();
@@ -252,6 +254,7 @@ fn a_refusal_names_the_budget_of_the_whole_plan_not_the_first_phase() {
         budget_source: "test".into(),
         phases: phases.clone(),
         context: FootprintContext::of(&*d),
+        host_budget: None,
     };
     let settings = Settings::default();
     let env = MapEnvironment::default();
@@ -514,6 +517,7 @@ fn a_phase_run_once_is_planned_again_to_make_room_for_the_next_phases_upload() {
             })
             .collect(),
         context: FootprintContext::of(&*d),
+        host_budget: None,
     };
     let plan_with = |runs_once| {
         plan_pipeline(
@@ -658,6 +662,7 @@ proptest! {
             budget_source: "proptest".into(),
             phases: phases.clone(),
             context: FootprintContext::of(&*device(budget)),
+            host_budget: None,
         };
         let env = MapEnvironment::default();
         let settings = Settings { preset: Preset::Auto, ..Settings::default() };

@@ -61,6 +61,9 @@ pub struct RunArgs {
     /// device memory DDO may use, e.g. 12GiB (cpu: the host device's capacity, default 8GiB)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
     pub vram_budget: Option<u64>,
+    /// host memory DDO may make this machine hold: pinned memory plus its working memory, e.g. 24GiB (default: MemAvailable less an eighth, at least 4 GiB)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::host_budget))]
+    pub host_budget: Option<u64>,
     /// execution device (default cpu)
     #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
     pub device: Option<DeviceChoice>,
@@ -215,6 +218,9 @@ pub struct ResolveArgs {
     /// the budget to plan for (with --config/--weights; default: what the device gives)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
     pub vram_budget: Option<u64>,
+    /// host memory DDO may make this machine hold: pinned memory plus its working memory, e.g. 24GiB (default: MemAvailable less an eighth, at least 4 GiB)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::host_budget))]
+    pub host_budget: Option<u64>,
     /// the device to plan for (default cpu)
     #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
     pub device: Option<DeviceChoice>,
@@ -321,6 +327,9 @@ pub struct BenchArgs {
     /// device memory DDO may use (cpu: each candidate's device capacity)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
     pub vram_budget: Option<u64>,
+    /// host memory DDO may make this machine hold: pinned memory plus its working memory, e.g. 24GiB (default: MemAvailable less an eighth, at least 4 GiB)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::host_budget))]
+    pub host_budget: Option<u64>,
     /// execution device (default cpu)
     #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
     pub device: Option<DeviceChoice>,

@@ -172,6 +172,21 @@ pub fn vram_budget(g: &OptionValue<'_>) -> CliResult<u64> {
     }
 }
 
+/// `--host-budget SIZE`: a positive size.
+pub fn host_budget(g: &OptionValue<'_>) -> CliResult<u64> {
+    match parse_size("host-budget", g.text) {
+        Ok(0) => Err(CliError::usage(
+            "--host-budget 0 leaves nothing to run with",
+            "give a positive size, e.g. 24GiB, or leave it out for MemAvailable less a reserve",
+        )),
+        Ok(n) => Ok(n),
+        Err(e) => Err(CliError::usage(
+            e.to_string(),
+            "e.g. --host-budget 24GiB or --host-budget 16384MiB",
+        )),
+    }
+}
+
 /// `--device cpu|cuda:N`.
 pub fn device(g: &OptionValue<'_>) -> CliResult<DeviceChoice> {
     DeviceChoice::parse(g.text)

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use ddo_core::DType;
 use ddo_core::FootprintContext;
+use ddo_core::HostBudget;
 use ddo_core::Resolution;
 use ddo_metrics::format_bytes;
 use ddo_nn::pipeline::{
@@ -35,7 +36,7 @@ use crate::io::{
 use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::progress::ProgressBar;
 use crate::setup::{
-    DeviceChoice, DeviceNeeds, Explanation, Routing, check_host_budget, open_device,
+    DeviceChoice, DeviceNeeds, Explanation, Routing, check_host_budget, host_budget, open_device,
 };
 use crate::tokenize::PipelineTokenizers;
 
@@ -149,58 +150,69 @@ pub(crate) fn plan_budget(device: &dyn ddo_core::Device, given: Option<u64>) -> 
     }
 }
 
-/// The pipeline's memory plan at `height × width` under `budget` on `device`, from the
-/// components' `resolutions` (made once, by [`Routing::resolve_all`]: the plan resolves
-/// nothing again). A budget no plan fits is refused naming the smallest budget that plans
-/// the whole pipeline — checked by planning with it, the phases' demands made again for it
-/// (the decode's tiling follows the budget).
+/// The pipeline's memory plan at `height × width` under `budget` on `device` and within
+/// the host budget `host`, from the components' `resolutions` (made once, by
+/// [`Routing::resolve_all`]: the plan resolves nothing again). A budget no plan fits is
+/// refused naming the smallest budget that plans the whole pipeline — checked by planning
+/// with it, the phases' demands made again for it (the decode's tiling follows the
+/// budget); a host budget no plan fits, the smallest host budget, found the same way.
 pub(crate) fn plan_memory(
     pipe: &AnyPipeline,
     pipeline: &ddo_routes::Pipeline,
     resolutions: &[(String, Resolution)],
     device: &dyn ddo_core::Device,
     budget: (u64, String),
+    host: HostBudget,
     image: (usize, usize, usize),
     tiled: TiledDecode,
 ) -> CliResult<PipelinePlan> {
     let (height, width, images) = image;
-    let plan_at = |bytes: u64| -> CliResult<Result<PipelinePlan, ddo_core::CoreError>> {
-        Ok(plan_resolved(
-            pipeline,
-            resolutions,
-            &PlanRequest {
-                budget_bytes: bytes,
-                budget_source: budget.1.clone(),
-                phases: pipe.phase_demands(height, width, images, tiled, bytes, device)?,
-                context: FootprintContext::of(device),
-            },
-        ))
-    };
+    let plan_at =
+        |bytes: u64, host: HostBudget| -> CliResult<Result<PipelinePlan, ddo_core::CoreError>> {
+            Ok(plan_resolved(
+                pipeline,
+                resolutions,
+                &PlanRequest {
+                    budget_bytes: bytes,
+                    budget_source: budget.1.clone(),
+                    phases: pipe.phase_demands(height, width, images, tiled, bytes, device)?,
+                    context: FootprintContext::of(device),
+                    host_budget: Some(host),
+                },
+            ))
+        };
     let planning = |e: ddo_core::CoreError| CliError::from(e).context("planning memory");
-    let refusal = match plan_at(budget.0)? {
+    let refusal = match plan_at(budget.0, host)? {
         Ok(plan) => return Ok(plan),
         Err(e @ ddo_core::CoreError::BudgetTooSmall { .. }) => e,
+        Err(e @ ddo_core::CoreError::HostBudgetTooSmall { .. }) => {
+            return Err(planning(smallest_working_budget(e, |b| {
+                plan_at(budget.0, HostBudget { bytes: b, ..host }).map(|r| r.map(|_| ()))
+            })?));
+        }
         Err(e) => return Err(planning(e)),
     };
     Err(planning(smallest_working_budget(refusal, |b| {
-        plan_at(b).map(|r| r.map(|_| ()))
+        plan_at(b, host).map(|r| r.map(|_| ()))
     })?))
 }
 
-/// The refusal of a budget, its `needed` made the smallest budget that plans: each phase's
-/// least need, then planning with it, and again with what that refusal names (the phases'
-/// demands may grow with the budget), at most [`BUDGET_SEARCH_ROUNDS`] times. A need no
-/// round confirms is reported as the planner named it.
+/// The refusal of a budget (device or host), its `needed` made the smallest budget that
+/// plans: each phase's least need, then planning with it, and again with what that refusal
+/// names (the phases' demands may grow with the budget), at most [`BUDGET_SEARCH_ROUNDS`]
+/// times. A need no round confirms is reported as the planner named it.
 pub(crate) fn smallest_working_budget(
     refusal: ddo_core::CoreError,
     mut plans: impl FnMut(u64) -> CliResult<Result<(), ddo_core::CoreError>>,
 ) -> CliResult<ddo_core::CoreError> {
-    fn needed_of(e: &ddo_core::CoreError) -> Option<u64> {
-        match e {
-            ddo_core::CoreError::BudgetTooSmall { needed, .. } => Some(*needed),
-            _ => None,
-        }
-    }
+    // The need of a refusal of the same budget as `refusal` (device or host): planning
+    // with a device budget may meet a host refusal, which says nothing of the device's.
+    let host = matches!(refusal, ddo_core::CoreError::HostBudgetTooSmall { .. });
+    let needed_of = |e: &ddo_core::CoreError| match e {
+        ddo_core::CoreError::BudgetTooSmall { needed, .. } if !host => Some(*needed),
+        ddo_core::CoreError::HostBudgetTooSmall { needed, .. } if host => Some(*needed),
+        _ => None,
+    };
     let Some(mut candidate) = needed_of(&refusal) else {
         return Ok(refusal);
     };
@@ -213,7 +225,9 @@ pub(crate) fn smallest_working_budget(
         }
     }
     let mut refusal = refusal;
-    if let ddo_core::CoreError::BudgetTooSmall { needed, .. } = &mut refusal {
+    if let ddo_core::CoreError::BudgetTooSmall { needed, .. }
+    | ddo_core::CoreError::HostBudgetTooSmall { needed, .. } = &mut refusal
+    {
         *needed = candidate;
     }
     Ok(refusal)
@@ -391,10 +405,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     // Each component is resolved here, once: the device's needs, the memory plan, the
     // routes' handles and the report all carry these resolutions (ARCHITECTURE.md).
     let resolutions = routing.resolve_all(&names)?;
+    let host = host_budget(args.host_budget);
     let device = open_device(
         device_choice,
         budget,
-        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)),
+        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)).within(&host),
     )?;
     // The backend may prepare per-shape work (cuDNN plans) while the routes attach and the
     // prompt is encoded.
@@ -440,6 +455,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         &resolutions,
         &*device,
         (plan_budget, budget_source),
+        host,
         (height, width, images),
         tiled_decode,
     )?;

@@ -89,38 +89,28 @@ pub const DEFAULT_UNIT_BYTES: u64 = 16 << 20;
 /// Default number of ring slots.
 pub const DEFAULT_RING_SLOTS: usize = 2;
 
-/// The pinned limit where the host's available memory cannot be read: 16 GiB.
-pub const DEFAULT_PINNED_LIMIT: u64 = 16 << 30;
+/// The pinned limit where the host's available memory cannot be read: 16 GiB
+/// ([`HOST_BUDGET_UNKNOWN`](crate::host_budget::HOST_BUDGET_UNKNOWN)).
+pub const DEFAULT_PINNED_LIMIT: u64 = crate::host_budget::HOST_BUDGET_UNKNOWN;
 
-/// The share of the host's available memory (`MemAvailable`, read when a route attaches)
-/// the engine's default pinned limit leaves unpinned: one eighth, and at least
-/// [`PINNED_RESERVE_MIN`]. A pinned home replaces the weights' host copy chunk by chunk
-/// (the copy it replaces goes as each chunk is filled), so once built it costs no host
-/// memory beyond the weights, and while it is built only the chunks in flight are held
-/// twice. Half of the available memory, the rule before, left the 38 GiB streamed part of
-/// the Qwen-Image transformer out of a pinned home on a 128 GiB H200 host (70 GB available
-/// after its 55 GB of random weights were made): it staged through pageable memory at 9.96x
-/// the link floor.
-pub const PINNED_RESERVE_SHARE: (u64, u64) = (1, 8);
-
-/// The least host memory the default pinned limit leaves unpinned: 4 GiB.
-pub const PINNED_RESERVE_MIN: u64 = 4 << 30;
-
-/// The engine's default pinned limit: the host's available memory now less
-/// [`PINNED_RESERVE_SHARE`] of it (at least [`PINNED_RESERVE_MIN`]), at least
+/// The engine's default pinned limit: the default host budget
+/// ([`HostBudget::default_now`](crate::host_budget::HostBudget::default_now): the host's
+/// available memory now less an eighth of it, at least 4 GiB, at least
 /// [`WSL_COMPAT_PINNED_LIMIT`], or [`DEFAULT_PINNED_LIMIT`] where `/proc/meminfo` cannot be
-/// read. The device's own pinned limit still applies on top of it.
+/// read). A pinned home replaces the weights' host copy chunk by chunk (the copy it
+/// replaces goes as each chunk is filled), so once built it costs no host memory beyond the
+/// weights, and while it is built only the chunks in flight are held twice. Half of the
+/// available memory, the rule before, left the 38 GiB streamed part of the Qwen-Image
+/// transformer out of a pinned home on a 128 GiB H200 host (70 GB available after its 55 GB
+/// of random weights were made): it staged through pageable memory at 9.96x the link floor.
+/// The device's own pinned limit (the run's host budget) still applies on top of it.
 pub fn default_pinned_limit() -> u64 {
     pinned_limit_for_available(crate::host_memory::mem_available())
 }
 
 /// [`default_pinned_limit`] for a given available-memory reading.
 pub fn pinned_limit_for_available(available: Option<u64>) -> u64 {
-    let (num, den) = PINNED_RESERVE_SHARE;
-    available.map_or(DEFAULT_PINNED_LIMIT, |a| {
-        let reserve = (a / den).saturating_mul(num).max(PINNED_RESERVE_MIN);
-        a.saturating_sub(reserve).max(WSL_COMPAT_PINNED_LIMIT)
-    })
+    crate::host_budget::HostBudget::for_available(available).bytes
 }
 
 /// The pinned limit the `wsl_compat` preset sets: 256 MiB (WSL rations pinned memory).
@@ -346,11 +336,11 @@ mod tests {
         let limit = pinned_limit_for_available(Some(available));
         assert_eq!(limit, available - available / 8);
         assert!(limit >= 40_860_802_304, "{limit}");
-        // A small host keeps at least PINNED_RESERVE_MIN unpinned, and never goes below the
+        // A small host keeps at least crate::host_budget::HOST_RESERVE_MIN unpinned, and never goes below the
         // wsl_compat floor.
         assert_eq!(
             pinned_limit_for_available(Some(12 << 30)),
-            (12 << 30) - PINNED_RESERVE_MIN
+            (12 << 30) - crate::host_budget::HOST_RESERVE_MIN
         );
         assert_eq!(
             pinned_limit_for_available(Some(3 << 30)),

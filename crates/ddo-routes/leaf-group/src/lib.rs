@@ -385,8 +385,9 @@ impl Route for GroupOffloadRoute {
     /// the device at a time (block level: plus the unmatched group), the weights' one host
     /// copy pinned when `pinned` and it fits under the pinned limit. With a stream: the
     /// engine's residency plan under `budget` (resident + ring within it), the rest
-    /// streamed; pinned host bytes are the pinned home of the streamed bytes when they fit
-    /// under the limit, else two staging buffers (then copies go through pageable reads,
+    /// streamed; pinned host bytes are the registered ranges (or pinned home) of the
+    /// streamed bytes when they fit under the limit — with the resident params' ranges,
+    /// registered for their upload, when those fit too —, else two staging buffers (then copies go through pageable reads,
     /// and the footprint names the limit that would avoid it). The learning forward holds
     /// two groups at most and nothing resident yet: the transient bytes cover what it holds
     /// beyond the resident set.
@@ -450,8 +451,15 @@ impl Route for GroupOffloadRoute {
         let learning = plan.largest_groups_bytes(2);
         // A home of the streamed bytes when they fit, else two staging buffers of a slot.
         let staging_buffers = 2 * (ring / model.slots.max(1)).min(limit / 2);
+        // Registering (the default source) page-locks the resident params' ranges too, for
+        // their one upload, where streamed and resident fit under the limit together; they
+        // stay pinned (the device's cache of released registrations) until the phase ends.
+        let registers = streaming.pinned_source == ddo_core::PinnedSource::Register
+            && streaming.compress != ddo_core::Compression::Lossless;
         let (pinned, pageable) = if streaming.staging == StagingMode::Ring {
             (staging_buffers, false)
+        } else if registers && streamed + resident <= limit {
+            (streamed + resident, false)
         } else if streamed <= limit {
             (streamed, false)
         } else {

@@ -39,12 +39,14 @@ use std::sync::Arc;
 use ddo_core::resolve::{Environment, preset_is_planned, resolve};
 use ddo_core::{
     Budget, Component, ComponentKind, CoreError, DecidedBy, Footprint, FootprintContext,
-    Resolution, Result, RouteOptions, RouteSpec, RouteTarget, Settings,
+    HostBudget, Resolution, Result, RouteOptions, RouteSpec, RouteTarget, Settings,
 };
 use ddo_metrics::format_bytes;
 use serde::Serialize;
 
 use crate::pipeline::Pipeline;
+
+pub mod host;
 
 /// What a budget taken from the device's free memory leaves free: 1 GiB, for what other
 /// processes and the CUDA context take after the figure is read, and the caching of other
@@ -78,6 +80,9 @@ pub struct PlanRequest {
     /// The device's pinned room, streams and allocator (free bytes are taken from the
     /// budget).
     pub context: FootprintContext,
+    /// The host budget each phase's pinned and working memory stays within ([`host`]);
+    /// `None` plans the device only (pinned memory is then bounded by the pinned room).
+    pub host_budget: Option<HostBudget>,
 }
 
 /// The plan of one component.
@@ -99,6 +104,12 @@ pub struct ComponentPlan {
     /// is the phase before its own (early upload, see the module docs); `None`: its first
     /// forward uploads them.
     pub upload_during: Option<String>,
+    /// The phase during which it may be attached in the background
+    /// ([`PipelineOffload::prepare`](crate::PipelineOffload::prepare), which the pipeline
+    /// calls for the phase after prompt encoding): the phase before its own when its route
+    /// takes no device memory at attach; its pinned memory is counted in that phase too.
+    /// `None`: attached when its phase begins (the host plan may take it back, [`host`]).
+    pub prepare_during: Option<String>,
 }
 
 /// The plan of one phase.
@@ -122,6 +133,11 @@ pub struct PhasePlan {
     pub early_upload_bytes: u64,
     /// `activation + resident + transient + early uploads`: at most the budget.
     pub peak_bytes: u64,
+    /// Host memory the phase makes the machine hold: the process's working memory
+    /// ([`HOST_WORKING_BYTES`](ddo_core::host_budget::HOST_WORKING_BYTES)) plus the pinned
+    /// bytes of its routes and of the components attached in the background meanwhile; at
+    /// most the host budget when one was planned for.
+    pub host_bytes: u64,
 }
 
 /// One memory plan for a pipeline.
@@ -135,12 +151,25 @@ pub struct PipelinePlan {
     pub components: Vec<ComponentPlan>,
     /// Every phase.
     pub phases: Vec<PhasePlan>,
+    /// The host budget planned for, if any.
+    pub host_budget: Option<HostBudget>,
 }
 
 impl PipelinePlan {
     /// The plan of component `name`.
     pub fn component(&self, name: &str) -> Option<&ComponentPlan> {
         self.components.iter().find(|c| c.component == name)
+    }
+
+    /// Whether a released component's host memory goes back at once (its registrations
+    /// unpinned, its mapped pages dropped from the process) rather than staying pinned for
+    /// reuse: when a host budget was planned for and it cannot hold every phase's pinned
+    /// memory at once.
+    pub fn gives_host_back(&self) -> bool {
+        self.host_budget.is_some_and(|h| {
+            let all: u64 = self.phases.iter().map(|p| p.pinned_host_bytes).sum();
+            all > h.pinned_room()
+        })
     }
 
     /// The plan as text: one line for the budget, one per phase, one per component.
@@ -150,6 +179,14 @@ impl PipelinePlan {
             format_bytes(self.budget_bytes),
             self.budget_source
         );
+        if let Some(h) = &self.host_budget {
+            out.push_str(&format!(
+                "  host budget {} ({}): pinned memory and {} of working memory per phase\n",
+                format_bytes(h.bytes),
+                h.source,
+                format_bytes(ddo_core::host_budget::HOST_WORKING_BYTES)
+            ));
+        }
         for p in &self.phases {
             let early = if p.early_upload_bytes > 0 {
                 format!(" + early uploads {}", format_bytes(p.early_upload_bytes))
@@ -157,7 +194,7 @@ impl PipelinePlan {
                 String::new()
             };
             out.push_str(&format!(
-                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}{early}; streamed {}/forward, pinned {}\n",
+                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}{early}; streamed {}/forward, pinned {}, host {}\n",
                 p.phase,
                 format_bytes(p.peak_bytes),
                 format_bytes(p.activation_bytes),
@@ -165,6 +202,7 @@ impl PipelinePlan {
                 format_bytes(p.transient_bytes),
                 format_bytes(p.streamed_bytes_per_forward),
                 format_bytes(p.pinned_host_bytes),
+                format_bytes(p.host_bytes),
             ));
             for c in self.components.iter().filter(|c| c.phase == p.phase) {
                 let early = c.upload_during.as_ref().map_or_else(String::new, |during| {
@@ -190,6 +228,8 @@ impl PipelinePlan {
         serde_json::json!({
             "budget_bytes": self.budget_bytes,
             "budget_source": self.budget_source,
+            "host_budget_bytes": self.host_budget.map(|h| h.bytes),
+            "host_budget_source": self.host_budget.map(|h| h.source.to_string()),
             "phases": self.phases,
             "components": self.components.iter().map(|c| serde_json::json!({
                 "component": c.component,
@@ -200,6 +240,7 @@ impl PipelinePlan {
                 "footprint": c.footprint,
                 "reason": c.reason,
                 "upload_during": c.upload_during,
+                "prepare_during": c.prepare_during,
             })).collect::<Vec<_>>(),
         })
     }
@@ -349,6 +390,16 @@ pub fn plan_resolved(
     }
     for k in 1..planned_phases.len() {
         plan_early_upload(request, &candidates, &mut planned_phases, k);
+        let before = planned_phases[k - 1].0.phase.clone();
+        for c in &mut planned_phases[k].1 {
+            if !c.footprint.attaches_on_device {
+                c.prepare_during = Some(before.clone());
+            }
+        }
+    }
+    host::count_host(&mut planned_phases);
+    if let Some(h) = request.host_budget {
+        host::plan_host(pipeline, &h, &request.context, &mut planned_phases)?;
     }
     let mut components = Vec::new();
     let mut phases = Vec::new();
@@ -361,6 +412,7 @@ pub fn plan_resolved(
         budget_source: request.budget_source.clone(),
         components,
         phases,
+        host_budget: request.host_budget,
     })
 }
 
@@ -463,6 +515,7 @@ fn plan_phase(
             footprint: f,
             reason,
             upload_during: None,
+            prepare_during: None,
         });
     }
     // Planned: smallest first; each one's zero-budget stream footprint is its least need.
@@ -568,6 +621,7 @@ fn plan_phase(
             footprint: f,
             reason,
             upload_during: None,
+            prepare_during: None,
         });
     }
     let resident: u64 = plans.iter().map(|p| p.footprint.resident_bytes).sum();
@@ -604,6 +658,7 @@ fn plan_phase(
         pinned_host_bytes: plans.iter().map(|p| p.footprint.pinned_host_bytes).sum(),
         early_upload_bytes: 0,
         peak_bytes: peak,
+        host_bytes: 0,
     };
     Ok((phase, plans))
 }

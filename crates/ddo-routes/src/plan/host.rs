@@ -1,0 +1,212 @@
+//! The host side of the memory plan (issue 35): every phase's pinned memory plus the
+//! process's working memory within a [`HostBudget`].
+//!
+//! A phase makes the machine hold, beyond the pages of the checkpoint mappings it reads
+//! (clean file pages the kernel takes back under pressure, never counted against anyone):
+//!
+//! ```text
+//! host = HOST_WORKING_BYTES + Σ pinned bytes of its routes
+//!                           + Σ pinned bytes of the next phase's components attached meanwhile
+//! ```
+//!
+//! where a streamed route's pinned bytes are its registered ranges or pinned home (with the
+//! resident part's ranges, registered for their one upload, when they fit beside it) or its
+//! two staging buffers ([`Footprint::pinned_host_bytes`]). When a phase's host bytes pass
+//! the budget the planner gives memory back in the order that costs least time:
+//!
+//! 1. the next phase's background attach (and with it the early upload of its resident
+//!    part) is left to that phase's own start: a few hundred milliseconds of link time
+//!    moved, no step slower;
+//! 2. the phase's planned streamed routes, the one pinning the most first, get a
+//!    `pinned_limit` of what the others leave: the streamed part stays page-locked and the
+//!    resident part is uploaded from pageable memory; where the streamed part does not fit
+//!    either, `pinned=false`, two staging buffers filled from the mapping (the page cache,
+//!    or the disk when the kernel has let the pages go) for every forward.
+//!
+//! A phase that still does not fit, each planned route at its least (staging buffers) and the
+//! fixed ones counted as given, is refused with [`CoreError::HostBudgetTooSmall`] naming that
+//! least: planning with it fits (`tests/plan_host.rs`).
+
+use ddo_core::host_budget::HOST_WORKING_BYTES;
+use ddo_core::{CoreError, FootprintContext, HostBudget, Result, RouteOptions, RouteSpec};
+use ddo_metrics::format_bytes;
+
+use super::{ComponentPlan, PhasePlan, footprint};
+use crate::Pipeline;
+
+/// One phase of a plan being made: the phase and its components.
+pub(super) type Planned = (PhasePlan, Vec<ComponentPlan>);
+
+/// Sets every phase's pinned and host bytes from its components and the next phase's
+/// components attached in the background during it.
+pub(super) fn count_host(phases: &mut [Planned]) {
+    for k in 0..phases.len() {
+        let own: u64 = phases[k]
+            .1
+            .iter()
+            .map(|c| c.footprint.pinned_host_bytes)
+            .sum();
+        let prepared: u64 = phases.get(k + 1).map_or(0, |(_, next)| {
+            next.iter()
+                .filter(|c| c.prepare_during.as_deref() == Some(phases[k].0.phase.as_str()))
+                .map(|c| c.footprint.pinned_host_bytes)
+                .sum()
+        });
+        let phase = &mut phases[k].0;
+        phase.pinned_host_bytes = own + prepared;
+        phase.host_bytes = HOST_WORKING_BYTES + own + prepared;
+    }
+}
+
+/// Fits every phase within `budget` (see the module docs), or refuses naming the least
+/// budget that plans.
+pub(super) fn plan_host(
+    pipeline: &Pipeline,
+    budget: &HostBudget,
+    context: &FootprintContext,
+    phases: &mut [Planned],
+) -> Result<()> {
+    // 1. Background attaches that do not fit beside the phase they would run in.
+    for k in 0..phases.len().saturating_sub(1) {
+        if phases[k].0.host_bytes > budget.bytes {
+            attach_in_own_phase(phases, k);
+            count_host(phases);
+        }
+    }
+    // 2. The phase's planned streamed routes pin less.
+    for k in 0..phases.len() {
+        if phases[k].0.host_bytes <= budget.bytes {
+            continue;
+        }
+        let least = pin_less(pipeline, budget, context, &mut phases[k])?;
+        count_host(phases);
+        if phases[k].0.host_bytes > budget.bytes {
+            let (phase, components) = &phases[k];
+            let largest = components
+                .iter()
+                .max_by_key(|c| c.footprint.pinned_host_bytes)
+                .map_or_else(String::new, |c| c.component.clone());
+            let needed = HOST_WORKING_BYTES.saturating_add(least);
+            return Err(CoreError::HostBudgetTooSmall {
+                phase: phase.phase.clone(),
+                component: largest,
+                budget: budget.bytes,
+                from: budget.source.to_string(),
+                needed: needed.div_ceil(1 << 20).saturating_mul(1 << 20),
+                detail: format!(
+                    "working memory {} + the least pinned memory of its routes {}",
+                    format_bytes(HOST_WORKING_BYTES),
+                    format_bytes(least)
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Phase `k + 1`'s components attached in the background during phase `k` attach when their
+/// own phase begins instead, and their early upload (counted in phase `k`'s device peak)
+/// moves to their first forward.
+fn attach_in_own_phase(phases: &mut [Planned], k: usize) {
+    let phase = phases[k].0.phase.clone();
+    let mut moved = 0u64;
+    for c in &mut phases[k + 1].1 {
+        if c.prepare_during.as_deref() != Some(phase.as_str()) {
+            continue;
+        }
+        c.prepare_during = None;
+        if c.upload_during.take().is_some() {
+            moved += c.footprint.resident_bytes;
+        }
+        c.reason.push_str(&format!(
+            "; attached when its phase begins: the host budget has no room for it during {phase}"
+        ));
+    }
+    let p = &mut phases[k].0;
+    p.early_upload_bytes = p.early_upload_bytes.saturating_sub(moved);
+    p.peak_bytes = p.peak_bytes.saturating_sub(moved);
+}
+
+/// Lowers the pinned memory of `phase`'s planned streamed routes, the one pinning the most
+/// first, until the phase fits or each is at its least; returns the phase's least pinned
+/// bytes (fixed routes as given, planned ones at their least).
+fn pin_less(
+    pipeline: &Pipeline,
+    budget: &HostBudget,
+    context: &FootprintContext,
+    (_, components): &mut Planned,
+) -> Result<u64> {
+    let mut order: Vec<usize> = (0..components.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(components[i].footprint.pinned_host_bytes));
+    let mut least_total = 0u64;
+    // Least pinned bytes of each component, for the refusal.
+    let mut leasts = vec![None; components.len()];
+    for &i in &order {
+        let c = &components[i];
+        let Some(component) = pipeline.get(&c.component) else {
+            continue;
+        };
+        let streamed_planned = c.planned
+            && c.footprint.streamed_bytes_per_forward > 0
+            && c.resolution.spec.options().use_stream == Some(true);
+        if !streamed_planned {
+            continue;
+        }
+        // Planned streamed routes carry a budget in bytes: the free figure plays no part.
+        let ctx = *context;
+        let staged = with_options(&c.resolution.spec, |o| {
+            o.pinned = Some(false);
+            o.pinned_limit = None;
+        })?;
+        let least = footprint(component, &staged, &ctx)?;
+        leasts[i] = Some(least.pinned_host_bytes);
+        let others: u64 = components
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, o)| o.footprint.pinned_host_bytes)
+            .sum();
+        let room = budget
+            .bytes
+            .saturating_sub(HOST_WORKING_BYTES)
+            .saturating_sub(others);
+        if components[i].footprint.pinned_host_bytes <= room {
+            continue;
+        }
+        // The streamed part page-locked, the resident part uploaded from pageable memory.
+        let limited = with_options(&c.resolution.spec, |o| o.pinned_limit = Some(room))?;
+        let f = footprint(component, &limited, &ctx)?;
+        let (spec, f, how) = if !f.pageable_staging && f.pinned_host_bytes <= room {
+            (
+                limited,
+                f,
+                format!(
+                    "pinned_limit {} (what the host budget leaves)",
+                    format_bytes(room)
+                ),
+            )
+        } else {
+            let how = format!(
+                "pinned=false: staged through two {} buffers, the host budget leaving {} pinned",
+                format_bytes(least.pinned_host_bytes / 2),
+                format_bytes(room)
+            );
+            (staged, least, how)
+        };
+        let c = &mut components[i];
+        c.reason.push_str(&format!("; host: {how}"));
+        c.resolution.spec = spec;
+        c.footprint = f;
+    }
+    for (c, least) in components.iter().zip(leasts) {
+        least_total += least.unwrap_or(c.footprint.pinned_host_bytes);
+    }
+    Ok(least_total)
+}
+
+/// `spec` with `change` made to its options.
+fn with_options(spec: &RouteSpec, change: impl FnOnce(&mut RouteOptions)) -> Result<RouteSpec> {
+    let mut options = *spec.options();
+    change(&mut options);
+    RouteSpec::new(spec.target(), options)
+}
