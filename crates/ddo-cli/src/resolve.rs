@@ -340,8 +340,7 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         &pipeline,
         &resolutions,
         &*device,
-        plan_budget(&*device, budget),
-        host,
+        (plan_budget(&*device, budget), host),
         (height, width, images),
         tiled,
     )?;

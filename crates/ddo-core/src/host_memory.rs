@@ -220,6 +220,11 @@ impl PinnedLedger {
         self.peak.load(Ordering::Acquire)
     }
 
+    /// Starts the peak again from what is pinned now.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.pinned(), Ordering::Release);
+    }
+
     /// The limit.
     pub fn limit(&self) -> u64 {
         self.limit

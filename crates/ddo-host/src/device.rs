@@ -244,6 +244,17 @@ impl HostDevice {
         &self.config
     }
 
+    /// Most pinned bytes held at once since the device was made or
+    /// [`HostDevice::reset_pinned_peak`] (registrations included), counted exactly.
+    pub fn pinned_peak(&self) -> u64 {
+        self.pinned.peak()
+    }
+
+    /// Starts [`HostDevice::pinned_peak`] again from what is pinned now.
+    pub fn reset_pinned_peak(&self) {
+        self.pinned.reset_peak();
+    }
+
     /// Makes host-side compute safe to run "on" `stream`: blocks until all work queued on
     /// it so far (copies, event waits) has run. Host compute is launched synchronously, so
     /// this is the host counterpart of enqueuing a kernel behind that work.

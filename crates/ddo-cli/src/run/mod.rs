@@ -161,8 +161,7 @@ pub(crate) fn plan_memory(
     pipeline: &ddo_routes::Pipeline,
     resolutions: &[(String, Resolution)],
     device: &dyn ddo_core::Device,
-    budget: (u64, String),
-    host: HostBudget,
+    (budget, host): ((u64, String), HostBudget),
     image: (usize, usize, usize),
     tiled: TiledDecode,
 ) -> CliResult<PipelinePlan> {
@@ -454,8 +453,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         &pipeline,
         &resolutions,
         &*device,
-        (plan_budget, budget_source),
-        host,
+        ((plan_budget, budget_source), host),
         (height, width, images),
         tiled_decode,
     )?;

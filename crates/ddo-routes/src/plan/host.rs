@@ -73,26 +73,36 @@ pub(super) fn plan_host(
             count_host(phases);
         }
     }
-    // 2. The phase's planned streamed routes pin less.
+    // 2. The phase's planned streamed routes pin less. Every phase is planned, so that a
+    // refusal names what the whole plan needs: the largest of the phases' least needs.
+    let mut refusal: Option<CoreError> = None;
     for k in 0..phases.len() {
         if phases[k].0.host_bytes <= budget.bytes {
             continue;
         }
         let least = pin_less(pipeline, budget, context, &mut phases[k])?;
         count_host(phases);
-        if phases[k].0.host_bytes > budget.bytes {
-            let (phase, components) = &phases[k];
-            let largest = components
-                .iter()
-                .max_by_key(|c| c.footprint.pinned_host_bytes)
-                .map_or_else(String::new, |c| c.component.clone());
-            let needed = HOST_WORKING_BYTES.saturating_add(least);
-            return Err(CoreError::HostBudgetTooSmall {
+        if phases[k].0.host_bytes <= budget.bytes {
+            continue;
+        }
+        let (phase, components) = &phases[k];
+        let largest = components
+            .iter()
+            .max_by_key(|c| c.footprint.pinned_host_bytes)
+            .map_or_else(String::new, |c| c.component.clone());
+        let needed = HOST_WORKING_BYTES
+            .saturating_add(least)
+            .div_ceil(1 << 20)
+            .saturating_mul(1 << 20);
+        if refusal.as_ref().is_none_or(
+            |r| matches!(r, CoreError::HostBudgetTooSmall { needed: n, .. } if needed > *n),
+        ) {
+            refusal = Some(CoreError::HostBudgetTooSmall {
                 phase: phase.phase.clone(),
                 component: largest,
                 budget: budget.bytes,
                 from: budget.source.to_string(),
-                needed: needed.div_ceil(1 << 20).saturating_mul(1 << 20),
+                needed,
                 detail: format!(
                     "working memory {} + the least pinned memory of its routes {}",
                     format_bytes(HOST_WORKING_BYTES),
@@ -101,7 +111,7 @@ pub(super) fn plan_host(
             });
         }
     }
-    Ok(())
+    refusal.map_or(Ok(()), Err)
 }
 
 /// Phase `k + 1`'s components attached in the background during phase `k` attach when their
