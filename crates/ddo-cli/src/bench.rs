@@ -429,6 +429,42 @@ pub fn link_bandwidth(device: &dyn Device, bytes: usize) -> ddo_core::Result<f64
     Ok((bytes * LINK_PASSES) as f64 / best.max(1e-9))
 }
 
+/// The most bytes a disk probe reads: 2 GiB (about a second at a consumer NVMe's rate).
+const DISK_PROBE_BYTES: u64 = 2 << 30;
+
+/// Threads of the second disk probe (an NVMe serves several reads at once).
+const DISK_READERS: usize = 4;
+
+/// The files `component`'s weights are read from: its single file when given, else the
+/// `*.safetensors` of its folder in `--weights DIR`, by name; none for random weights.
+fn component_files(args: &BenchArgs, component: &str) -> Vec<std::path::PathBuf> {
+    let single = match component {
+        "transformer" => &args.transformer,
+        "text_encoder" => &args.text_encoder,
+        "text_encoder_2" => &args.text_encoder_2,
+        "vae" => &args.vae,
+        _ => &None,
+    };
+    if let Some(f) = single {
+        return vec![f.clone()];
+    }
+    let Some(dir) = &args.weights else {
+        return Vec::new();
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir.join(component))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "safetensors")
+                && p.metadata().is_ok_and(|m| m.is_file())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
 /// Trials of [`link_bandwidth`]; the best counts.
 const LINK_TRIALS: usize = 3;
 /// Passes over the buffer per trial (2 GiB per trial at the largest buffer).
@@ -580,6 +616,20 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     }
     let link_bytes = (component.param_bytes() as usize).clamp(1 << 20, 256 << 20);
     let bandwidth = link_bandwidth(&*probe, link_bytes)?;
+    // The disk's read rate for the component's files, cold, as the link's: one reader and
+    // DISK_READERS (none for weights made in memory).
+    let disk_files = component_files(args, component.name());
+    let disk = if disk_files.is_empty() {
+        Vec::new()
+    } else {
+        [1, DISK_READERS]
+            .into_iter()
+            .map(|readers| {
+                ddo_core::disk::probe_read_rate(&disk_files, DISK_PROBE_BYTES, readers)
+                    .map_err(|e| CliError::from(e).context("measuring the disk"))
+            })
+            .collect::<CliResult<Vec<_>>>()?
+    };
     // Preset candidates run as the memory plan sizes them for this component's phase.
     let (plan_budget, budget_source) = crate::run::plan_budget(&*probe, budget);
     // The VAE workload decodes untiled (`Workload::forward`).
@@ -776,6 +826,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         "repeats": repeats,
         "warmup": warmup,
         "link_bytes_per_sec": bandwidth,
+        "disk": disk,
         "candidates": results,
     });
     let json_text = serde_json::to_string_pretty(&value).unwrap_or_default() + "\n";
@@ -802,9 +853,24 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             s += &format!("  note: {n}\n");
         }
         s += &format!(
-            "link floor: host->device {:.2} GB/s measured in this process\n\n",
+            "link floor: host->device {:.2} GB/s measured in this process\n",
             bandwidth / 1e9
         );
+        for d in &disk {
+            s += &format!(
+                "disk: {:.2} GB/s cold, {} of {} file(s) read by {} thread(s){}\n",
+                d.bytes_per_sec / 1e9,
+                format_bytes(d.bytes),
+                d.files,
+                d.readers,
+                if d.direct {
+                    " with O_DIRECT"
+                } else {
+                    " through the page cache after dropping the files' cached pages"
+                }
+            );
+        }
+        s += "\n";
         let lw = results
             .iter()
             .map(|r| r.label.len())

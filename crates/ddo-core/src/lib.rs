@@ -24,6 +24,7 @@
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
 //! - one set of shape rules for every backend's ops ([`shape`]);
+//! - the disk's read rate for the weights' files ([`disk`]);
 //! - scans of stored values for NaN, Inf and overflowing magnitudes ([`values`]);
 //! - test support behind the `test-support` feature: the fault-injecting device and
 //!   seeded reference components, over any `Device`.
@@ -38,6 +39,7 @@ pub mod component;
 pub mod config;
 pub mod detach;
 pub mod device;
+pub mod disk;
 pub mod dtype;
 pub mod error;
 #[cfg(any(test, feature = "test-support"))]

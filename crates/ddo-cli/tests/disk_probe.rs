@@ -1,0 +1,58 @@
+//! `ddo bench` measures the disk's read rate for the benched component's files (issue 35),
+//! as it measures the link: one reader and four, every planned byte read, the files of the
+//! folder's component (or its single file); weights made in memory have no disk figure.
+
+mod common;
+
+use common::{ddo, fixture, json};
+
+fn bench_json(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "bench",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        "--route",
+        "none",
+    ];
+    args.extend_from_slice(extra);
+    json(&ddo(&args))
+}
+
+#[test]
+fn bench_reads_the_components_files_once_per_reader_count() {
+    let folder = fixture("flux_pipeline");
+    let v = bench_json(&["--weights", &folder, "--component", "vae"]);
+    let disk = v["disk"].as_array().expect("a disk array");
+    assert_eq!(disk.len(), 2, "{v}");
+    let files: Vec<std::path::PathBuf> = std::fs::read_dir(format!("{folder}/vae"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    let size: u64 = files.iter().map(|p| p.metadata().unwrap().len()).sum();
+    for (d, readers) in disk.iter().zip([1, 4]) {
+        assert_eq!(d["bytes"].as_u64(), Some(size), "{d}");
+        assert_eq!(d["readers"].as_u64(), Some(readers));
+        assert_eq!(d["files"].as_u64(), Some(files.len() as u64));
+        assert!(d["bytes_per_sec"].as_f64().unwrap() > 0.0);
+    }
+    // A single file given for the component is the one read.
+    let single = fixture("vae_flux_original/flux_pipeline-vae.safetensors");
+    let v = bench_json(&["--weights", &folder, "--component", "vae", "--vae", &single]);
+    let len = std::fs::metadata(&single).unwrap().len();
+    assert_eq!(v["disk"][0]["bytes"].as_u64(), Some(len), "{v}");
+    assert_eq!(v["disk"][0]["files"].as_u64(), Some(1));
+}
+
+#[test]
+fn random_weights_have_no_disk_figure() {
+    let v = bench_json(&["--config", "tiny"]);
+    assert_eq!(v["disk"], serde_json::json!([]));
+}
