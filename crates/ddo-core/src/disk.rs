@@ -151,16 +151,8 @@ fn open_cold(path: &Path) -> Result<(File, bool)> {
         return Ok((f, true));
     }
     let f = File::open(path).map_err(|e| io_error(path, &e))?;
-    drop_cached_pages(&f);
+    crate::host_memory::drop_file_cache(&f);
     Ok((f, false))
-}
-
-/// Asks the kernel to drop `file`'s clean cached pages (advice: failure changes nothing).
-fn drop_cached_pages(file: &File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: `posix_fadvise` reads no memory of ours; the descriptor is open for the call's
-    // duration (borrowed from `file`), and the advice only affects the page cache.
-    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
 /// Reads `len` bytes at `offset` into `buf` (a [`DISK_CHUNK`] buffer; fewer only at the end

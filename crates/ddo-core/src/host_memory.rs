@@ -396,6 +396,17 @@ fn kib_in(text: &str, field: &str) -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// Asks the kernel to drop `file`'s clean pages from the page cache
+/// (`POSIX_FADV_DONTNEED`), so the next read of them comes from the disk (the disk probe,
+/// [`crate::disk`]). Advice: a failure changes nothing, and pages another process holds
+/// mapped stay cached.
+pub fn drop_file_cache(file: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `posix_fadvise` reads no memory of ours; the descriptor is open for the
+    // call's duration (borrowed from `file`), and the advice only affects the page cache.
+    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+}
+
 /// The host's physical memory (`MemTotal`), where it can be read.
 pub fn mem_total() -> Option<u64> {
     meminfo_bytes("MemTotal")

@@ -322,9 +322,28 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
     let home = expected_home(&engine);
     match f.staging {
         StagingKind::Registered {
+            registered_bytes,
+            home_bytes,
+            staged_bytes,
+            ..
+        } if staged_bytes > 0 => {
+            // Neither every range nor a home fits under Auto: the first units registered,
+            // the rest staged through two buffers, all within the limit.
+            prop_assert_eq!(case.staging, StagingMode::Auto);
+            prop_assert!(registered + home > case.pinned_limit);
+            prop_assert!(registered_bytes < registered);
+            prop_assert!(
+                f.pinned_bytes > registered_bytes + home_bytes,
+                "staging buffers"
+            );
+            prop_assert!(staged_bytes < f.streamed_bytes);
+            prop_assert_eq!(f.staging.staging_buffers(), 2);
+        }
+        StagingKind::Registered {
             registrations,
             registered_bytes,
             home_bytes,
+            staged_bytes: _,
         } => {
             prop_assert!(case.staging != StagingMode::Ring);
             prop_assert!(f.register_fallback.is_none());
@@ -371,6 +390,8 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
                 let reason = f.register_fallback.clone().unwrap_or_default();
                 prop_assert!(reason.contains("pinned room"), "{}", reason);
                 prop_assert!(registered + home > case.pinned_limit);
+                // Staging every unit only when a home fits (it is the better copy) or
+                // not one unit's ranges fit beside the staging buffers.
             }
         }
         StagingKind::Coded { .. } => {
@@ -717,6 +738,7 @@ fn over_the_limit_registration_falls_back_like_the_home_does() {
         registrations,
         registered_bytes,
         home_bytes: 0,
+        staged_bytes: 0,
     } = f.staging
     else {
         panic!("{:?}", f.staging)
@@ -982,4 +1004,64 @@ fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order
     engine.teardown().unwrap();
     drop((engine, outputs, lag));
     assert_eq!(pinned(), 0);
+}
+
+/// Issue 35: a pinned limit under both every registered range and a pinned home registers
+/// the first units (file order) and copies the rest through two staging buffers: all within
+/// the limit, the outputs those of a full registration, every streamed byte copied each
+/// forward, and at teardown nothing stays pinned.
+#[test]
+fn a_limit_under_the_home_registers_the_first_units_and_stages_the_rest() {
+    let dir = TempDir::new();
+    // Six params of 150,000 B in six units, one after another in the file.
+    let sizes: Vec<Vec<(usize, bool)>> = (0..6).map(|_| vec![(37_500, true)]).collect();
+    let schedule: Vec<usize> = (0..6).collect();
+    let (segs, _) = segments(&dir.0, &sizes, &schedule);
+    let limit = 600_000u64;
+    let d = device(limit + (1 << 16), 1e9);
+    let metrics = Arc::new(RouteMetrics::new());
+    let mut engine = StreamingEngine::new(
+        d.clone(),
+        d.create_stream().unwrap(),
+        &segs,
+        &schedule,
+        &StreamingConfig {
+            unit_bytes: 150_016,
+            pinned_limit: limit,
+            pinned_source: PinnedSource::Register,
+            ..StreamingConfig::default()
+        },
+        metrics.clone(),
+    )
+    .unwrap();
+    let f = engine.figures().clone();
+    let StagingKind::Registered {
+        registrations,
+        registered_bytes,
+        home_bytes: 0,
+        staged_bytes,
+    } = f.staging
+    else {
+        panic!("{:?}", f.staging)
+    };
+    assert_eq!(registrations, 1, "{f:?}");
+    assert!((150_000..300_000).contains(&registered_bytes), "{f:?}");
+    assert_eq!(staged_bytes, 5 * 150_016, "{f:?}");
+    assert_eq!(f.staging.staging_buffers(), 2);
+    assert!(f.pinned_bytes <= limit, "{f:?}");
+    assert_eq!(d.memory_info().pinned_host, f.pinned_bytes);
+    let want = expected(&segs, &schedule);
+    let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
+    let lag = (d.alloc_pinned(1 << 16).unwrap(), d.alloc(1 << 16).unwrap());
+    for i in 0..3 {
+        let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+        assert_eq!(got, want, "forward {i}");
+    }
+    assert_eq!(metrics.counters().h2d_bytes, 3 * f.streamed_bytes);
+    assert_eq!(f.streamed_bytes, 150_000 + 5 * 150_016);
+    assert_eq!(metrics.counters().h2d_copies, 3 * f.copies_per_forward);
+    engine.teardown().unwrap();
+    drop(lag);
+    assert_eq!(d.memory_info().pinned_host, 0);
+    assert!(segs.iter().flatten().all(|p| p.is_checkpoint_backed()));
 }

@@ -178,8 +178,9 @@ proptest! {
     }
 }
 
-/// The transformer's tier at three host budgets: everything page-locked (streamed and the
-/// resident part for its upload), the streamed part only (`pinned_limit`), and staged
+/// The transformer's tier at four host budgets: everything page-locked (streamed and the
+/// resident part for its upload), the streamed part only (`pinned_limit`), the first units
+/// page-locked and the rest staged (`pinned_limit` under the streamed bytes), and staged
 /// through two buffers (`pinned=false`); and a background attach left to its own phase when
 /// the prompt phase cannot hold it. Outputs are the same bytes in every tier.
 #[test]
@@ -219,20 +220,45 @@ fn the_plan_falls_back_tier_by_tier_and_the_outputs_stay_the_same() {
     );
     assert!(t.reason.contains("host: pinned_limit"), "{}", t.reason);
 
-    // Not even the streamed part: staged.
-    let staged_budget = HostBudget::given(HOST_WORKING_BYTES + streamed / 2);
-    let staged = plan_with(&pipeline, &d, budget, staged_budget).unwrap();
+    // Not even the streamed part: the first units page-locked, the rest staged.
+    let partial_budget = HostBudget::given(HOST_WORKING_BYTES + streamed / 2);
+    let partial = plan_with(&pipeline, &d, budget, partial_budget).unwrap();
+    let t = partial.component("transformer").unwrap();
+    assert!(
+        t.resolution.spec.describe().contains("pinned_limit="),
+        "{}",
+        partial.format_text()
+    );
+    assert!(t.reason.contains("the rest staged"), "{}", t.reason);
+    assert!(t.footprint.pinned_host_bytes <= streamed / 2);
+
+    // Room for the two staging buffers only: staged. The least budget that plans, searched
+    // down from the partial tier's, pins the transformer through its staging buffers alone.
+    let mut room = streamed / 2;
+    let mut last = None;
+    while let Ok(p) = plan_with(
+        &pipeline,
+        &d,
+        budget,
+        HostBudget::given(HOST_WORKING_BYTES + room),
+    ) {
+        last = Some((p, room));
+        room -= 256;
+    }
+    let (staged, room) = last.expect("a budget that plans");
+    let staged_budget = HostBudget::given(HOST_WORKING_BYTES + room);
     let t = staged.component("transformer").unwrap();
     assert!(
         t.resolution.spec.describe().contains("pinned=false"),
         "{}",
         staged.format_text()
     );
-    assert!(t.footprint.pinned_host_bytes < streamed);
+    assert!(t.footprint.pinned_host_bytes < streamed / 2);
 
     for (plan, host) in [
         (&full, roomy),
         (&limited, limited_budget),
+        (&partial, partial_budget),
         (&staged, staged_budget),
     ] {
         let d = device_within(1 << 30, &host);

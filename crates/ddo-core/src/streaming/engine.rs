@@ -105,9 +105,22 @@ enum Host {
         resident_only: Vec<usize>,
         /// The pinned home of the streamed params that are not mapped.
         home: Option<PinnedHome>,
-        /// Per unit, its copies.
+        /// Per unit, its copies (none for a staged unit).
         runs: Vec<Vec<CopyRun>>,
+        /// The units past the pinned room, copied through staging buffers.
+        staged: Option<StagedUnits>,
     },
+}
+
+/// The units of a registered host side that did not fit under the pinned limit: from unit
+/// `from` on, each is copied through two pinned staging buffers filled from the params' own
+/// bytes, as [`Host::Staged`] copies every unit.
+#[derive(Debug)]
+struct StagedUnits {
+    from: usize,
+    buffers: Vec<HostBuffer>,
+    last_copy: Vec<Option<Event>>,
+    next: usize,
 }
 
 /// Host staging built from a [`RegisterPlan`].
@@ -341,32 +354,50 @@ impl StreamingEngine {
         let mut coded_cache_note = None;
         let mut coded_cache_path = None;
         let mut registered = None;
+        // Two staging buffers of a slot each, or what the room allows.
+        let staging_buffer_bytes =
+            ((pinned_room / STAGING_BUFFERS as u64) / PARAM_ALIGN * PARAM_ALIGN).min(slot_bytes);
         if register && units > 0 {
-            // The resident params' ranges too, for their one upload, where that fits.
-            let with_resident = RegisterPlan::new(&layout, &resident_params);
-            let plan = if with_resident.registered_bytes
-                + with_resident.resident_registered_bytes
-                + with_resident.home_bytes
-                <= pinned_room
-            {
-                with_resident
-            } else {
-                RegisterPlan::new(&layout, &[])
-            };
-            let need = plan.registered_bytes + plan.home_bytes;
-            if need > pinned_room {
-                register_fallback = Some(format!(
-                    "the registered ranges ({} B) and the pinned home of the params that are not mapped \
-                     ({} B) need {need} B, over the {pinned_room} B of pinned room left under the limit",
-                    plan.registered_bytes, plan.home_bytes
-                ));
-            } else {
-                match Self::build_registered(&*device, plan) {
-                    Ok(built) => registered = Some(built),
-                    Err(CoreError::HostRegisterUnsupported { reason, .. }) => {
-                        register_fallback = Some(reason);
+            // Everything registered, the resident params' ranges too (for their one upload)
+            // where that fits; else the streamed ranges; else, where a pinned home does not
+            // fit either and none is required, as many units as fit beside two staging
+            // buffers, the rest staged through them (better than staging every unit).
+            let partial = config.staging == StagingMode::Auto && home_bytes > pinned_room;
+            match RegisterPlan::within(
+                &layout,
+                &resident_params,
+                pinned_room,
+                partial.then_some(STAGING_BUFFERS as u64 * staging_buffer_bytes),
+            ) {
+                None => {
+                    let all = RegisterPlan::new(&layout, &[]);
+                    register_fallback = Some(format!(
+                        "the registered ranges ({} B) and the pinned home of the params that are not mapped \
+                         ({} B) need {} B, and not one unit's fits beside the staging buffers in the \
+                         {pinned_room} B of pinned room left under the limit",
+                        all.registered_bytes,
+                        all.home_bytes,
+                        all.pinned_bytes()
+                    ));
+                }
+                Some(plan) => {
+                    // Each staged unit is copied in chunks of a staging buffer.
+                    let staged_copies = layout.units()[plan.staged_from..]
+                        .iter()
+                        .map(|u| u.bytes.div_ceil(staging_buffer_bytes.max(1)))
+                        .sum();
+                    match Self::build_registered(
+                        &*device,
+                        plan,
+                        staging_buffer_bytes,
+                        staged_copies,
+                    ) {
+                        Ok(built) => registered = Some(built),
+                        Err(CoreError::HostRegisterUnsupported { reason, .. }) => {
+                            register_fallback = Some(reason);
+                        }
+                        Err(e) => return Err(e),
                     }
-                    Err(e) => return Err(e),
                 }
             }
         }
@@ -438,9 +469,8 @@ impl StreamingEngine {
                 units as u64,
             )
         } else {
-            const BUFFERS: usize = 2;
-            let per = (pinned_room / BUFFERS as u64) / PARAM_ALIGN * PARAM_ALIGN;
-            let buffer_bytes = per.min(slot_bytes);
+            const BUFFERS: usize = STAGING_BUFFERS;
+            let buffer_bytes = staging_buffer_bytes;
             if buffer_bytes == 0 {
                 return Err(CoreError::PinnedLimit {
                     requested: BUFFERS as u64 * PARAM_ALIGN,
@@ -562,7 +592,12 @@ impl StreamingEngine {
     /// Registers the plan's ranges of the checkpoint mappings in place and builds the
     /// pinned home of the params that are not mapped. On error everything made so far is
     /// dropped (registrations undone, no param changed).
-    fn build_registered(device: &dyn Device, plan: RegisterPlan) -> Result<Registered> {
+    fn build_registered(
+        device: &dyn Device,
+        plan: RegisterPlan,
+        staging_buffer_bytes: u64,
+        staged_copies: u64,
+    ) -> Result<Registered> {
         let mut sources = Vec::with_capacity(plan.spans.len());
         let mut registered_bytes = 0u64;
         for (i, (map, range)) in plan.spans.iter().enumerate() {
@@ -573,7 +608,11 @@ impl StreamingEngine {
             }
             sources.push(registered);
         }
-        let (copies, copied_bytes) = (plan.copies(), plan.copied_bytes());
+        // Registered runs copy their params' bytes; staged units copy whole units.
+        let (copies, copied_bytes) = (
+            plan.copies() + staged_copies,
+            plan.copied_bytes() + plan.staged_bytes,
+        );
         let (home, released) = if plan.home_bytes > 0 {
             let home = PinnedHome::build(
                 device,
@@ -585,10 +624,29 @@ impl StreamingEngine {
         } else {
             (None, 0)
         };
+        let staged_bytes = plan.staged_bytes;
+        let staged = if plan.staged_from < plan.runs.len() {
+            let mut buffers = Vec::with_capacity(STAGING_BUFFERS);
+            for _ in 0..STAGING_BUFFERS {
+                buffers.push(device.alloc_pinned(staging_buffer_bytes as usize)?);
+            }
+            Some(StagedUnits {
+                from: plan.staged_from,
+                buffers,
+                last_copy: vec![None; STAGING_BUFFERS],
+                next: 0,
+            })
+        } else {
+            None
+        };
+        let staging_pinned = staged
+            .as_ref()
+            .map_or(0, |s| s.buffers.len() as u64 * staging_buffer_bytes);
         let staging = StagingKind::Registered {
             registrations: sources.len() - plan.resident_only.len(),
             registered_bytes,
             home_bytes: plan.home_bytes,
+            staged_bytes,
         };
         Ok(Registered {
             host: Host::Registered {
@@ -596,9 +654,10 @@ impl StreamingEngine {
                 resident_only: plan.resident_only,
                 home,
                 runs: plan.runs,
+                staged,
             },
             staging,
-            pinned_bytes: registered_bytes + plan.home_bytes,
+            pinned_bytes: registered_bytes + plan.home_bytes + staging_pinned,
             resident_registered_bytes: plan.resident_registered_bytes,
             released,
             copies,
@@ -911,41 +970,29 @@ impl StreamingEngine {
                 last_copy,
                 next,
             }) => {
-                let chunk = buffers[0].len() as u64;
-                let mut at = 0u64;
-                while at < unit.bytes {
-                    let n = chunk.min(unit.bytes - at);
-                    let b = *next;
-                    *next = (*next + 1) % buffers.len();
-                    if let Some(ev) = last_copy[b].take() {
-                        // The copy that last read this staging buffer must be done before
-                        // the host writes it again.
-                        let started = Instant::now();
-                        self.device.synchronize_event(&ev)?;
-                        self.metrics.record_copy_wait(started.elapsed());
-                    }
-                    let staging = &buffers[b];
-                    staging.with_bytes_mut(|dst| {
-                        for e in &unit.entries {
-                            let (lo, hi) = (e.offset.max(at), (e.offset + e.len).min(at + n));
-                            if lo >= hi {
-                                continue;
-                            }
-                            e.param.host().with_bytes(|src| {
-                                let s0 = (lo - e.offset) as usize;
-                                let d0 = (lo - at) as usize;
-                                let len = (hi - lo) as usize;
-                                dst[d0..d0 + len].copy_from_slice(&src[s0..s0 + len]);
-                            });
-                        }
-                    })?;
-                    let src = staging.slice(0, n as usize)?;
-                    let dst = ring.buffer.slice((dst_base + at) as usize, n as usize)?;
-                    self.device.copy_h2d(&src, &dst, &self.copy)?;
-                    self.metrics.record_h2d(n);
-                    last_copy[b] = Some(self.device.record_event(&self.copy)?);
-                    at += n;
-                }
+                copy_staged(
+                    &*self.device,
+                    &self.metrics,
+                    &self.copy,
+                    unit,
+                    (buffers, last_copy, next),
+                    &ring.buffer,
+                    dst_base,
+                )?;
+            }
+            Some(Host::Registered {
+                staged: Some(staged),
+                ..
+            }) if u >= staged.from => {
+                copy_staged(
+                    &*self.device,
+                    &self.metrics,
+                    &self.copy,
+                    unit,
+                    (&staged.buffers, &mut staged.last_copy, &mut staged.next),
+                    &ring.buffer,
+                    dst_base,
+                )?;
             }
             Some(Host::Registered {
                 sources,
@@ -1198,4 +1245,57 @@ impl Drop for StreamingEngine {
         // Errors are not reportable from drop; teardown still releases what it holds.
         let _ = self.teardown();
     }
+}
+
+/// Staging buffers a staged host side copies through.
+const STAGING_BUFFERS: usize = 2;
+
+/// Copies `unit` into the ring at `dst_base` through the staging buffers: each chunk is
+/// written by the host from the params' own bytes into the next buffer, once the copy that
+/// last read that buffer is done, then copied on `copy`.
+fn copy_staged(
+    device: &dyn Device,
+    metrics: &RouteMetrics,
+    copy: &Stream,
+    unit: &crate::streaming::TransferUnit,
+    (buffers, last_copy, next): (&[HostBuffer], &mut [Option<Event>], &mut usize),
+    ring: &DeviceBuffer,
+    dst_base: u64,
+) -> Result<()> {
+    let chunk = buffers[0].len() as u64;
+    let mut at = 0u64;
+    while at < unit.bytes {
+        let n = chunk.min(unit.bytes - at);
+        let b = *next;
+        *next = (*next + 1) % buffers.len();
+        if let Some(ev) = last_copy[b].take() {
+            // The copy that last read this staging buffer must be done before the host
+            // writes it again.
+            let started = Instant::now();
+            device.synchronize_event(&ev)?;
+            metrics.record_copy_wait(started.elapsed());
+        }
+        let staging = &buffers[b];
+        staging.with_bytes_mut(|dst| {
+            for e in &unit.entries {
+                let (lo, hi) = (e.offset.max(at), (e.offset + e.len).min(at + n));
+                if lo >= hi {
+                    continue;
+                }
+                e.param.host().with_bytes(|src| {
+                    let s0 = (lo - e.offset) as usize;
+                    let d0 = (lo - at) as usize;
+                    let len = (hi - lo) as usize;
+                    dst[d0..d0 + len].copy_from_slice(&src[s0..s0 + len]);
+                });
+            }
+        })?;
+        let src = staging.slice(0, n as usize)?;
+        let dst = ring.slice((dst_base + at) as usize, n as usize)?;
+        device.copy_h2d(&src, &dst, copy)?;
+        metrics.record_h2d(n);
+        last_copy[b] = Some(device.record_event(copy)?);
+        at += n;
+    }
+    Ok(())
 }

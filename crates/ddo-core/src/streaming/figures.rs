@@ -29,6 +29,10 @@ pub enum StagingKind {
         registered_bytes: u64,
         /// Bytes of the pinned home of the params that are not mapped (0: none).
         home_bytes: u64,
+        /// Bytes of the units past the pinned limit, copied through two staging buffers
+        /// from the params' own bytes as [`StagingKind::Ring`] copies every unit (0: every
+        /// unit registered).
+        staged_bytes: u64,
     },
     /// `compress=lossless`: one pinned buffer of the units lossless-coded (`coded_bytes`,
     /// from `raw_bytes` of units), copied as they are and decoded on the device. It is the
@@ -74,6 +78,7 @@ impl StagingKind {
     pub fn staging_buffers(&self) -> u64 {
         match self {
             StagingKind::Ring { buffers, .. } => *buffers as u64,
+            StagingKind::Registered { staged_bytes, .. } if *staged_bytes > 0 => 2,
             StagingKind::PinnedHome
             | StagingKind::Registered { .. }
             | StagingKind::Coded { .. } => 0,

@@ -46,6 +46,11 @@ pub(super) struct RegisterPlan {
     pub(super) registered_bytes: u64,
     /// Bytes of the `resident_only` spans.
     pub(super) resident_registered_bytes: u64,
+    /// The first unit copied through staging buffers rather than from registered ranges
+    /// (`runs.len()`: none). Units before it are registered; their runs are planned.
+    pub(super) staged_from: usize,
+    /// Bytes of the staged units.
+    pub(super) staged_bytes: u64,
 }
 
 impl RegisterPlan {
@@ -54,10 +59,59 @@ impl RegisterPlan {
     /// share a block with a streamed range widen it (and stay registered with it), the others
     /// get ranges of their own that go after the upload.
     pub(super) fn new(layout: &StagingLayout, resident: &[Arc<Param>]) -> Self {
+        Self::registering(layout, resident, layout.units().len())
+    }
+
+    /// The plan that fits `room` pinned bytes, trying in turn: everything registered with
+    /// the resident params' ranges; the streamed params' ranges only; and, with
+    /// `staging_bytes` given (`None`: no partial plan), the first units (in layout order)
+    /// registered, as many as fit beside that many bytes of staging buffers, the rest
+    /// staged. `None` when nothing fits.
+    pub(super) fn within(
+        layout: &StagingLayout,
+        resident: &[Arc<Param>],
+        room: u64,
+        staging_bytes: Option<u64>,
+    ) -> Option<Self> {
+        let with_resident = Self::new(layout, resident);
+        if with_resident.pinned_bytes() + with_resident.resident_registered_bytes <= room {
+            return Some(with_resident);
+        }
+        let plain = Self::new(layout, &[]);
+        if plain.pinned_bytes() <= room {
+            return Some(plain);
+        }
+        let room = room.checked_sub(staging_bytes?)?;
+        // The registered bytes grow with the units registered: the most that fit.
+        let (mut lo, mut hi) = (0usize, layout.units().len());
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if Self::registering(layout, &[], mid).pinned_bytes() <= room {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        (lo > 0).then(|| Self::registering(layout, &[], lo))
+    }
+
+    /// Pinned bytes the plan holds for the streamed units: registered ranges and the home.
+    pub(super) fn pinned_bytes(&self) -> u64 {
+        self.registered_bytes + self.home_bytes
+    }
+
+    /// The plan with the first `registered_units` units registered and the rest staged.
+    fn registering(
+        layout: &StagingLayout,
+        resident: &[Arc<Param>],
+        registered_units: usize,
+    ) -> Self {
+        let registered_units = registered_units.min(layout.units().len());
+        let units = &layout.units()[..registered_units];
         // Each mapping once, in the order the layout first uses it.
         let mut maps: Vec<(Arc<CheckpointMap>, Vec<Range<usize>>)> = Vec::new();
         let mut map_index: HashMap<usize, usize> = HashMap::new();
-        for e in layout.units().iter().flat_map(|u| &u.entries) {
+        for e in units.iter().flat_map(|u| &u.entries) {
             if let Some((map, range)) = e.param.host().mapped_range() {
                 let m = *map_index
                     .entry(Arc::as_ptr(map) as usize)
@@ -136,7 +190,7 @@ impl RegisterPlan {
         let mut runs = Vec::with_capacity(layout.units().len());
         let mut home = Vec::new();
         let mut home_at = 0u64;
-        for unit in layout.units() {
+        for unit in units {
             let mut unit_runs: Vec<CopyRun> = Vec::new();
             for e in unit.entries.iter().filter(|e| e.len > 0) {
                 let mapped = e
@@ -183,6 +237,8 @@ impl RegisterPlan {
             }
             runs.push(unit_runs);
         }
+        // The staged units have no runs: the engine copies them through staging buffers.
+        runs.resize_with(layout.units().len(), Vec::new);
         let span_bytes = |i: usize| spans[i].1.len() as u64;
         let resident_registered_bytes: u64 = resident_only.iter().map(|&i| span_bytes(i)).sum();
         let registered_bytes =
@@ -195,6 +251,11 @@ impl RegisterPlan {
             home_bytes: home_at,
             registered_bytes,
             resident_registered_bytes,
+            staged_from: registered_units,
+            staged_bytes: layout.units()[registered_units..]
+                .iter()
+                .map(|u| u.bytes)
+                .sum(),
         }
     }
 

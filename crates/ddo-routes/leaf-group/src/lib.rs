@@ -462,6 +462,10 @@ impl Route for GroupOffloadRoute {
             (streamed + resident, false)
         } else if streamed <= limit {
             (streamed, false)
+        } else if registers && limit > staging_buffers {
+            // The first units registered, as many as the limit holds beside the two
+            // staging buffers the rest go through: at most the limit.
+            (limit, true)
         } else {
             (staging_buffers, true)
         };

@@ -186,12 +186,19 @@ fn pin_less(
         // The streamed part page-locked, the resident part uploaded from pageable memory.
         let limited = with_options(&c.resolution.spec, |o| o.pinned_limit = Some(room))?;
         let f = footprint(component, &limited, &ctx)?;
-        let (spec, f, how) = if !f.pageable_staging && f.pinned_host_bytes <= room {
+        let (spec, f, how) = if f.pinned_host_bytes <= room
+            && f.pinned_host_bytes > least.pinned_host_bytes
+        {
+            let part = if f.pageable_staging {
+                "the first units page-locked, the rest staged"
+            } else {
+                "the streamed part page-locked"
+            };
             (
                 limited,
                 f,
                 format!(
-                    "pinned_limit {} (what the host budget leaves)",
+                    "pinned_limit {} (what the host budget leaves): {part}",
                     format_bytes(room)
                 ),
             )
