@@ -1,7 +1,8 @@
 //! The coded-unit cache beside a checkpoint (`compress=lossless`, issue 20) on the host
 //! backend: the first attach codes and writes `<checkpoint>.ddo-coded`, the second reads it
-//! (the figures say so), a corrupted cache is detected and rebuilt, a checkpoint changed in
-//! place (same size, same modification time, other bytes) is detected as stale, weights
+//! (the figures say so), a corrupted cache is detected and rebuilt, a hit reads no raw byte
+//! and trusts the files by size, modification time and inode (issue 35: a file replaced or
+//! touched is stale, one rewritten in place keeping all three is served from the cache), weights
 //! that are not mapped from a file never use a cache, and every forward reads exactly the
 //! checkpoint's bytes. What is at the cache path and is not a DDO cache (a shard of the
 //! checkpoint, a link to it, a user's or read-only file, a FIFO) is left as it is, without
@@ -128,6 +129,15 @@ fn load_shards(shards: &[(&Path, std::ops::Range<usize>)]) -> Vec<Vec<Arc<Param>
 /// forwards checking every position reads exactly its params' bytes, and returns the
 /// figures.
 fn attach_and_run(segs: &[Vec<Arc<Param>>]) -> StreamingFigures {
+    let want: Vec<Vec<u8>> = segs
+        .iter()
+        .map(|seg| seg.iter().flat_map(|p| p.host().to_vec()).collect())
+        .collect();
+    attach_and_expect(segs, &want)
+}
+
+/// [`attach_and_run`] with the bytes each position's forward must read given.
+fn attach_and_expect(segs: &[Vec<Arc<Param>>], want: &[Vec<u8>]) -> StreamingFigures {
     let d = HostDevice::with_capacity(1 << 24).unwrap();
     let schedule: Vec<usize> = (0..segs.len()).collect();
     let dev: Arc<dyn Device> = d.clone();
@@ -145,10 +155,6 @@ fn attach_and_run(segs: &[Vec<Arc<Param>>]) -> StreamingFigures {
         Arc::new(RouteMetrics::new()),
     )
     .unwrap();
-    let want: Vec<Vec<u8>> = schedule
-        .iter()
-        .map(|&s| segs[s].iter().flat_map(|p| p.host().to_vec()).collect())
-        .collect();
     let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
     let compute = d.compute_stream();
     for _ in 0..2 {
@@ -250,34 +256,88 @@ fn the_second_attach_reads_the_cache_and_a_corrupt_one_is_rebuilt() {
     assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
 }
 
+/// The bytes each segment's params hold now.
+fn bytes_now(segs: &[Vec<Arc<Param>>]) -> Vec<Vec<u8>> {
+    segs.iter()
+        .map(|seg| seg.iter().flat_map(|p| p.host().to_vec()).collect())
+        .collect()
+}
+
+/// Writes `seed`'s checkpoint as a new file renamed over `path` (a new inode), keeping
+/// `mtime`.
+fn replace_keeping_time(path: &Path, seed: u32, mtime: std::time::SystemTime) {
+    let tmp = path.with_extension("tmp");
+    write_checkpoint(&tmp, seed);
+    std::fs::File::options()
+        .write(true)
+        .open(&tmp)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Issue 35: a cache hit reads no raw byte. The checkpoint is trusted by size, modification
+/// time and inode: rewritten in place keeping all three, the hit still serves the coded
+/// units of the bytes it was built from (which shows the raw bytes were not read); replaced
+/// by another file (a new inode) or touched, it is stale and rebuilt.
 #[test]
-fn a_checkpoint_changed_in_place_is_stale() {
+fn a_hit_trusts_size_time_and_inode_and_reads_no_raw_byte() {
+    use std::os::unix::fs::MetadataExt;
     let dir = TempDir::new();
     let ckpt = dir.0.join("model.safetensors");
     write_checkpoint(&ckpt, 1);
     let segs = load(&ckpt);
     assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Built);
     assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
-    let size = std::fs::metadata(&ckpt).unwrap().len();
-    let mtime = std::fs::metadata(&ckpt).unwrap().modified().unwrap();
+    let first = bytes_now(&segs);
+    let meta = std::fs::metadata(&ckpt).unwrap();
+    let (size, mtime, inode) = (meta.len(), meta.modified().unwrap(), meta.ino());
     drop(segs);
 
-    // Other bytes, the same size, the same modification time: only the content hash sees it.
-    write_checkpoint(&ckpt, 2);
-    std::fs::File::options()
-        .write(true)
-        .open(&ckpt)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
-    assert_eq!(std::fs::metadata(&ckpt).unwrap().len(), size);
-    assert_eq!(std::fs::metadata(&ckpt).unwrap().modified().unwrap(), mtime);
+    // Other bytes in place: the same size, time and inode. Trusted: the forward reads the
+    // bytes the cache was built from, not the file's.
+    let other = dir.0.join("other.safetensors");
+    write_checkpoint(&other, 2);
+    let bytes = std::fs::read(&other).unwrap();
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::options().write(true).open(&ckpt).unwrap();
+        f.write_all(&bytes).unwrap();
+        f.set_modified(mtime).unwrap();
+    }
+    let meta = std::fs::metadata(&ckpt).unwrap();
+    assert_eq!(
+        (meta.len(), meta.modified().unwrap(), meta.ino()),
+        (size, mtime, inode)
+    );
+    let segs = load(&ckpt);
+    assert_ne!(bytes_now(&segs), first);
+    let f = attach_and_expect(&segs, &first);
+    assert_eq!(cache_state(&f), CodedCache::Used, "{f:?}");
+    drop(segs);
+
+    // Replaced by another file with the same size and time: a new inode, stale.
+    replace_keeping_time(&ckpt, 3, mtime);
+    assert_ne!(std::fs::metadata(&ckpt).unwrap().ino(), inode);
     let segs = load(&ckpt);
     let f = attach_and_run(&segs);
     assert_eq!(cache_state(&f), CodedCache::Built, "{f:?}");
     let note = f.coded_cache_note.clone().unwrap_or_default();
     assert!(note.contains("stale"), "{note}");
     assert_eq!(cache_state(&attach_and_run(&segs)), CodedCache::Used);
+    drop(segs);
+
+    // Touched (another modification time): stale.
+    std::fs::File::options()
+        .write(true)
+        .open(&ckpt)
+        .unwrap()
+        .set_modified(mtime + std::time::Duration::from_secs(5))
+        .unwrap();
+    let segs = load(&ckpt);
+    let f = attach_and_run(&segs);
+    assert_eq!(cache_state(&f), CodedCache::Built, "{f:?}");
 }
 
 #[test]
@@ -465,7 +525,7 @@ fn the_coded_home_is_the_one_host_copy_of_mapped_weights() {
         assert!(s[0].is_checkpoint_backed());
         assert_eq!(s[0].host_checksum(), *want);
     }
-    // A second attach (from the cache) releases them too.
+    // A second attach (from the cache) reads none of them and leaves none in the process.
     let g = attach_big(&segs);
     assert_eq!(cache_state(&g), CodedCache::Used);
     assert_eq!(g.host_bytes_released, f.host_bytes_released);
