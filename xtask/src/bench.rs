@@ -30,6 +30,7 @@ use crate::gpu::make_executable;
 use crate::{cargo, run, workspace_root};
 
 mod full;
+mod host_ram;
 
 /// The bench bundle's folder, relative to the workspace root (ignored by git).
 pub const BENCH_DIR: &str = "gpu-bundle/bench";
@@ -37,12 +38,43 @@ pub const BENCH_DIR: &str = "gpu-bundle/bench";
 /// Python files the job needs, from `tools/`.
 const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
 
-const USAGE: &str =
-    "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS]";
+const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--run]";
+
+/// `--host-ram SIZES [--steps N] [--run]` ([`host_ram`]).
+fn bench_host_ram(args: &[String]) -> Result<(), String> {
+    let (mut sizes, mut steps, mut run_here) = (None, 28u32, false);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--host-ram" => {
+                let text = it
+                    .next()
+                    .ok_or("--host-ram needs sizes, e.g. 32GiB,16GiB,8GiB")?;
+                sizes = Some(host_ram::parse_sizes(text)?);
+            }
+            "--steps" => {
+                steps = it
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .filter(|&n| n > 0)
+                    .ok_or("--steps needs a positive whole number, e.g. 28")?;
+            }
+            "--run" => run_here = true,
+            other => {
+                return Err(format!("unknown bench argument `{other}`; usage: {USAGE}"));
+            }
+        }
+    }
+    let sizes = sizes.ok_or("--host-ram needs sizes, e.g. 32GiB,16GiB,8GiB")?;
+    host_ram::bench_host_ram(&sizes, steps, run_here)
+}
 
 /// Parses `--peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS]` and builds (and
 /// maybe runs) the bench: the quick one, or with `--full` the one at FLUX.1-dev's size.
 pub fn bench(args: &[String]) -> Result<(), String> {
+    if args.iter().any(|a| a == "--host-ram") {
+        return bench_host_ram(args);
+    }
     let mut peer = None;
     let mut run_here = false;
     let mut options = String::new();

@@ -149,25 +149,25 @@ pub fn bench_full(opts: &FullOptions) -> Result<(), String> {
     Ok(())
 }
 
-fn file_name(p: &Path) -> String {
+pub(super) fn file_name(p: &Path) -> String {
     p.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default()
 }
 
-fn copy(from: &Path, to: &Path) -> Result<(), String> {
+pub(super) fn copy(from: &Path, to: &Path) -> Result<(), String> {
     fs::copy(from, to)
         .map(|_| ())
         .map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))
 }
 
-fn write(path: &Path, text: &str) -> Result<(), String> {
+pub(super) fn write(path: &Path, text: &str) -> Result<(), String> {
     fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Where the Diffusers wheels are: `--wheels`, else `$DDO_WHEELS`, else `wheels/` at the root
 /// when it holds a Diffusers wheel, else `../shared/wheels`.
-fn wheels_dir(root: &Path, given: Option<&Path>) -> PathBuf {
+pub(super) fn wheels_dir(root: &Path, given: Option<&Path>) -> PathBuf {
     if let Some(d) = given {
         return d.to_path_buf();
     }
@@ -239,7 +239,7 @@ pub fn wheel_fits(name: &str) -> bool {
 }
 
 /// The wheels of [`FALLBACK_WHEELS`] in `cache`, downloading with pip the ones it lacks.
-fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
+pub(super) fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
     fs::create_dir_all(cache).map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
     let list = |dir: &Path| -> Vec<String> {
         fs::read_dir(dir)
@@ -282,7 +282,7 @@ fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
         .collect()
 }
 
-fn dir_bytes(dir: &Path) -> u64 {
+pub(super) fn dir_bytes(dir: &Path) -> u64 {
     fs::read_dir(dir)
         .map(|rd| {
             rd.flatten()

@@ -1,0 +1,233 @@
+//! `cargo xtask bench --host-ram 32GiB,16GiB,8GiB` (issue 35): DDO on a FLUX.1-dev Diffusers
+//! folder (random bf16 weights, 33.7 GB) as it runs on machines with less RAM, simulated on
+//! the GPU machine in one job.
+//!
+//! Builds `gpu-bundle/bench-host-ram/` (ignored by git): the `ddo` binary, the scripts that
+//! write the folder (`tools/save_random_pipeline.py` with `peer_pipeline.py`) and make the
+//! report (`tools/bench_host_ram_report.py`), the Diffusers wheels and the fallback wheels of
+//! `--full`, and `run-bench-host-ram.sh`, which on the GPU machine:
+//!
+//! 1. writes the folder once (`$DDO_FOLDER`, default `/tmp/ddo-host-ram/flux`);
+//! 2. measures the disk (`dd` with 16 MiB `O_DIRECT` reads, page cache dropped);
+//! 3. runs `ddo run --weights FOLDER --device cuda:0 --vram-budget 12GiB` with all RAM free,
+//!    then for each size: a helper process allocates, touches and holds what leaves that
+//!    much `MemAvailable`, the page cache is dropped (`sync; echo 3 >
+//!    /proc/sys/vm/drop_caches`: the job runs as root there), and the run goes under
+//!    `/usr/bin/time -v`, its lowest `MemAvailable` sampled, then whether the helper
+//!    survived is recorded (the kernel's OOM killer takes the largest process);
+//! 4. writes `$OUT/host_ram.json` and `$OUT/host_ram.md`: per case the time to the image,
+//!    the phases, the steady step and its ratio to the all-free run's, the peak RSS, the
+//!    plan's host budget, whether an image came and no other process was killed.
+
+use std::fs;
+use std::process::Command;
+
+use super::full;
+use crate::gpu::make_executable;
+use crate::{run, workspace_root};
+
+/// The bundle's folder, relative to the workspace root (ignored by git).
+pub const HOST_RAM_DIR: &str = "gpu-bundle/bench-host-ram";
+
+/// Python files the job needs, from `tools/`.
+const SCRIPTS: [&str; 3] = [
+    "peer_pipeline.py",
+    "save_random_pipeline.py",
+    "bench_host_ram_report.py",
+];
+
+/// The sizes of `32GiB,16GiB,8GiB` in whole GiB, largest first; an error names a bad one.
+pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
+    let mut sizes = Vec::new();
+    for part in text.split(',') {
+        let t = part.trim();
+        let gib = t
+            .strip_suffix("GiB")
+            .and_then(|n| n.parse::<u64>().ok())
+            .filter(|&n| (1..=1024).contains(&n))
+            .ok_or_else(|| {
+                format!(
+                    "--host-ram `{t}`: give whole GiB from 1GiB to 1024GiB, e.g. 32GiB,16GiB,8GiB"
+                )
+            })?;
+        if sizes.contains(&gib) {
+            return Err(format!("--host-ram: {gib}GiB given twice"));
+        }
+        sizes.push(gib);
+    }
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(sizes)
+}
+
+/// Builds the bundle for `sizes` (GiB of `MemAvailable` to leave) with `steps` denoising
+/// steps, and runs it here with `run_here`.
+pub fn bench_host_ram(sizes: &[u64], steps: u32, run_here: bool) -> Result<(), String> {
+    let root = workspace_root();
+    let diffusers = full::diffusers_wheels(&full::wheels_dir(&root, None))?;
+    let (exe, target) = super::build_release(&root, "--bin", "ddo", "release/ddo")?;
+    let fallback = full::fallback_wheels(&target.join("bench-full-wheels"))?;
+    let dir = root.join(HOST_RAM_DIR);
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
+    }
+    for sub in ["wheels", "pywheels"] {
+        let d = dir.join(sub);
+        fs::create_dir_all(&d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+    }
+    full::copy(&exe, &dir.join("ddo"))?;
+    for s in SCRIPTS {
+        full::copy(&root.join("tools").join(s), &dir.join(s))?;
+    }
+    for w in &diffusers {
+        full::copy(w, &dir.join("wheels").join(full::file_name(w)))?;
+    }
+    let mut modules = String::new();
+    for (path, w) in &fallback {
+        full::copy(path, &dir.join("pywheels").join(full::file_name(path)))?;
+        modules += &format!("{} {}\n", full::file_name(path), w.module);
+    }
+    full::write(&dir.join("pywheels/MODULES"), &modules)?;
+    let script = dir.join("run-bench-host-ram.sh");
+    full::write(&script, &host_ram_script(sizes, steps))?;
+    make_executable(&script)?;
+    run(Command::new("bash").arg("-n").arg(&script))?;
+    full::check_size(full::dir_bytes(&dir))?;
+    eprintln!(
+        "bench --host-ram: {} ({} MiB); on the GPU machine: ./{HOST_RAM_DIR}/run-bench-host-ram.sh (results in $OUT)",
+        dir.display(),
+        full::dir_bytes(&dir) >> 20
+    );
+    if run_here {
+        run(Command::new("bash").arg(&script))?;
+    }
+    Ok(())
+}
+
+/// The job's script for `sizes` (GiB, largest first) and `steps`.
+pub fn host_ram_script(sizes: &[u64], steps: u32) -> String {
+    let sizes: Vec<String> = sizes.iter().map(u64::to_string).collect();
+    format!(
+        r#"#!/usr/bin/env bash
+# DDO on a FLUX.1-dev Diffusers folder under smaller machines (issue 35), in one job (built by
+# `cargo xtask bench --host-ram ...`). Run as root from the repository root, carrying
+# gpu-bundle/bench-host-ram. Cases: all RAM free, then MemAvailable of {sizes_text} GiB, each
+# with the page cache dropped; results in $OUT (default ./bench-host-ram-out).
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${{OUT:-$PWD/bench-host-ram-out}}"
+work="${{DDO_BENCH_WORK:-/tmp/ddo-host-ram}}"
+folder="${{DDO_FOLDER:-$work/flux}}"
+steps="${{DDO_STEPS:-{steps}}}"
+sizes="${{DDO_HOST_RAM:-{sizes_list}}}"
+site="$work/site"
+mkdir -p "$out" "$work"
+log="$out/logs.txt"
+: > "$log"
+: > "$out/cases.tsv"
+say() {{ echo "$(date +%T) $*" | tee -a "$log"; }}
+avail_kib() {{ awk '/^MemAvailable:/ {{print $2}}' /proc/meminfo; }}
+drop_caches() {{ sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || say "cannot drop the page cache (not root?)"; }}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
+if [ ! -f "$folder/model_index.json" ]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/wheels/*.whl >> "$log" 2>&1
+  export PYTHONPATH="$site${{PYTHONPATH:+:$PYTHONPATH}}"
+  if ! python3 -c "from transformers import CLIPTextModel, T5EncoderModel" >> "$log" 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/pywheels/*.whl >> "$log" 2>&1
+  fi
+  say "writing the folder $folder"
+  python3 "$here/save_random_pipeline.py" "$folder" > "$out/folder.json" 2>> "$log" || {{ say "the folder could not be written"; exit 1; }}
+fi
+drop_caches
+first=$(ls "$folder"/transformer/*.safetensors | head -n 1)
+dd if="$first" of=/dev/null bs=16M count=300 iflag=direct 2> "$out/disk.txt" > /dev/null
+say "disk: $(tail -n 1 "$out/disk.txt")"
+
+# case NAME AVAILABLE_GIB (0: all free)
+case_run() {{
+  local name="$1" gib="$2" holder="" held=0
+  if [ "$gib" -gt 0 ]; then
+    held=$(( $(avail_kib) / 1024 - gib * 1024 ))
+    if [ "$held" -gt 0 ]; then
+      rm -f "$work/held"
+      python3 -c "import numpy as np, time; a = np.ones($held << 20, dtype=np.uint8); open('$work/held', 'w').write('1'); time.sleep(3600)" &
+      holder=$!
+      for _ in $(seq 300); do [ -f "$work/held" ] && break; sleep 1; done
+      sleep 2
+    fi
+  fi
+  drop_caches
+  local before; before=$(avail_kib)
+  say "=== $name: MemAvailable $(( before / 1024 )) MiB (a helper holds $held MiB)"
+  : > "$work/$name.avail"
+  ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
+  local sampler=$!
+  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "$here/ddo" run --weights "$folder" \
+    --device cuda:0 --vram-budget 12GiB --steps "$steps" --json --out "$work/$name.png" \
+    > "$out/$name.json" 2>> "$log"
+  local rc=$?
+  kill "$sampler" 2>/dev/null
+  local alive=none
+  if [ -n "$holder" ]; then
+    if kill -0 "$holder" 2>/dev/null; then alive=yes; else alive=no; fi
+    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+  fi
+  local rss wall min
+  rss=$(awk -F': ' '/Maximum resident set size/ {{print $2}}' "$work/$name.time")
+  wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {{print $2}}' "$work/$name.time")
+  min=$(sort -n "$work/$name.avail" | head -n 1)
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$gib" "$rc" "$(( before / 1024 ))" "${{min:-0}}" "${{rss:-0}}" "$wall" "$alive" >> "$out/cases.tsv"
+  say "=== $name: exit $rc, wall $wall, max RSS ${{rss:-?}} KiB, lowest MemAvailable $(( ${{min:-0}} / 1024 )) MiB, helper alive: $alive"
+  dmesg 2>/dev/null | grep -i 'killed process' | tail -n 2 >> "$log"
+}}
+
+case_run free 0
+for gib in $sizes; do
+  case_run "avail${{gib}}" "$gib"
+done
+python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
+"#,
+        sizes_text = sizes.join(", "),
+        sizes_list = sizes.join(" "),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_whole_gib_largest_first_and_bad_ones_are_named() {
+        assert_eq!(parse_sizes("8GiB,32GiB,16GiB").unwrap(), [32, 16, 8]);
+        for bad in ["32", "0GiB", "1.5GiB", "16GB", "8GiB,8GiB", ""] {
+            let e = parse_sizes(bad).unwrap_err();
+            assert!(e.contains("--host-ram"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_script_runs_every_case_after_the_free_one_and_reports() {
+        let s = host_ram_script(&[32, 16, 8], 28);
+        assert!(s.starts_with("#!/usr/bin/env bash"));
+        assert!(s.contains(r#"sizes="${DDO_HOST_RAM:-32 16 8}""#));
+        assert!(s.contains(r#"steps="${DDO_STEPS:-28}""#));
+        let free = s.find("case_run free 0").unwrap();
+        let sized = s.find(r#"case_run "avail${gib}" "$gib""#).unwrap();
+        let report = s.find("bench_host_ram_report.py\" \"$out\"").unwrap();
+        assert!(free < sized && sized < report);
+        assert!(s.contains("drop_caches"));
+        assert!(s.contains("--vram-budget 12GiB"));
+        let checked = Command::new("bash")
+            .arg("-n")
+            .arg("/dev/stdin")
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(s.as_bytes())?;
+                c.wait()
+            })
+            .unwrap();
+        assert!(checked.success(), "bash -n refused the script");
+    }
+}
