@@ -388,6 +388,7 @@ fn may_hold_unsafe(path: &Path) -> bool {
     p.contains("crates/ddo-cuda/")
         || p.contains("crates/ddo-vmm/")
         || p.ends_with("ddo-core/src/host_memory.rs")
+        || p.ends_with("ddo-core/src/file_guard.rs")
         || p.ends_with("ddo-host/src/ops/gemm.rs")
         || p.ends_with("ddo-core/tests/safetensors.rs")
 }

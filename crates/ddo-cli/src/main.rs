@@ -23,5 +23,11 @@ fn main() {
             "ddo: warning: cannot handle interrupts ({e}); an interrupt may leave a partial set of outputs"
         );
     }
+    // A weight file truncated while mapped ends the run with one line naming it (SIGBUS).
+    if let Err(e) = ddo_core::file_guard::install_truncation_handler() {
+        eprintln!(
+            "ddo: warning: cannot catch a weight file truncated during the run ({e}); that would end the run with SIGBUS"
+        );
+    }
     std::process::exit(ddo_cli::main_with_args(argv));
 }

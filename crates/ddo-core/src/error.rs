@@ -238,6 +238,18 @@ pub enum CoreError {
         #[source]
         source: std::io::Error,
     },
+    /// A weight file changed (replaced, removed, truncated, rewritten) while a run read it
+    /// ([`crate::file_guard`]).
+    #[error(
+        "the weight file {path} was {change} while DDO read it; nothing was written; leave weight \
+         files unchanged while ddo runs, and run again"
+    )]
+    CheckpointChanged {
+        /// File.
+        path: PathBuf,
+        /// What changed, in words.
+        change: String,
+    },
     /// A checkpoint file is malformed.
     #[error("checkpoint {path} is not a valid safetensors file: {message}")]
     Checkpoint {

@@ -484,6 +484,11 @@ pub fn register_target(
 /// A read-only memory map of a checkpoint file, shared by every tensor that points into it.
 pub struct CheckpointMap {
     path: PathBuf,
+    /// The file's identity when mapped (`None`: bytes made in memory).
+    identity: Option<crate::file_guard::FileIdentity>,
+    /// The mapping's entry in the `SIGBUS` handler's table; declared before `mmap`, so it
+    /// leaves the table before the range is unmapped.
+    _entry: Option<crate::file_guard::MappedEntry>,
     mmap: MapBytes,
 }
 
@@ -504,6 +509,8 @@ impl CheckpointMap {
     pub fn in_memory(label: impl Into<PathBuf>, bytes: memmap2::MmapMut) -> Arc<Self> {
         Arc::new(Self {
             path: label.into(),
+            identity: None,
+            _entry: None,
             mmap: MapBytes::Memory(bytes),
         })
     }
@@ -528,10 +535,30 @@ impl CheckpointMap {
         // can guard against (SECURITY.md: checkpoint files are read, not trusted to stay
         // put); memmap2 documents the same caveat.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let identity = file
+            .metadata()
+            .map(|m| crate::file_guard::FileIdentity::of(&m))
+            .map_err(io)?;
+        let entry = crate::file_guard::enter_mapping(mmap.as_ptr() as usize, mmap.len(), path);
         Ok(Arc::new(Self {
             path: path.to_path_buf(),
+            identity: Some(identity),
+            _entry: Some(entry),
             mmap: MapBytes::File(mmap),
         }))
+    }
+
+    /// Whether the file at this map's path is still the one mapped, unchanged (device,
+    /// inode, size, modification time): [`CoreError::CheckpointChanged`] naming the file
+    /// and the change otherwise. Bytes made in memory never change.
+    pub fn check_unchanged(&self) -> Result<()> {
+        match self.identity.and_then(|id| id.change_at(&self.path)) {
+            None => Ok(()),
+            Some(change) => Err(CoreError::CheckpointChanged {
+                path: self.path.clone(),
+                change,
+            }),
+        }
     }
 
     /// The mapped file.

@@ -44,6 +44,7 @@ pub mod dtype;
 pub mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
+pub mod file_guard;
 pub mod footprint;
 pub mod host_budget;
 pub mod host_memory;

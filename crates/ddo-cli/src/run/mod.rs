@@ -232,6 +232,28 @@ pub(crate) fn smallest_working_budget(
     Ok(refusal)
 }
 
+/// Refuses the run's result when a weight file it read changed meanwhile (replaced, removed,
+/// rewritten or truncated: [`ddo_core::CoreError::CheckpointChanged`] names the first), each
+/// mapped file checked once.
+pub(crate) fn check_weights_unchanged(pipeline: &ddo_routes::Pipeline) -> CliResult<()> {
+    let mut seen: Vec<*const ddo_core::CheckpointMap> = Vec::new();
+    for component in pipeline.components() {
+        for p in component.params() {
+            let host = p.host();
+            let Some((map, _)) = host.mapped_range() else {
+                continue;
+            };
+            let key = std::sync::Arc::as_ptr(map);
+            if seen.contains(&key) {
+                continue;
+            }
+            seen.push(key);
+            map.check_unchanged()?;
+        }
+    }
+    Ok(())
+}
+
 /// How many times [`smallest_working_budget`] plans again.
 const BUDGET_SEARCH_ROUNDS: usize = 8;
 
@@ -532,6 +554,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let step_seconds = step_seconds(denoise_began, &step_ends);
     bar.finish();
     let run = result?;
+    // No image from weight files that changed while they were read (issue 35).
+    check_weights_unchanged(&pipeline)?;
     startup.lap("phases");
     // Host memory the routes handed back (`Device::release_host`) is unpinned now that the
     // device is idle, beside the output's encoding.
@@ -724,5 +748,83 @@ fn flux_prompt(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies the `flux_pipeline` fixture folder into `dir` (the weights a test may change).
+    fn copy_fixture(dir: &Path) {
+        let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/flux_pipeline");
+        for entry in walk(&from) {
+            let rel = entry.strip_prefix(&from).unwrap();
+            let to = dir.join(rel);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(&entry, &to).unwrap();
+        }
+    }
+
+    fn walk(d: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// Issue 35: a weight file replaced, rewritten or removed after the pipeline mapped it is
+    /// refused before any output, naming the file; unchanged files pass.
+    #[test]
+    fn a_weight_file_changed_under_the_run_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        copy_fixture(dir.path());
+        let load = || {
+            let (pipe, _) = build_pipeline(
+                &Source::Weights(dir.path().to_path_buf()),
+                &ComponentFiles::default(),
+                None,
+                None,
+                unused_weights(true),
+                &mut ProgressBar::new(),
+            )
+            .unwrap();
+            pipe.offload_pipeline().unwrap()
+        };
+        let pipeline = load();
+        check_weights_unchanged(&pipeline).unwrap();
+        let vae = walk(&dir.path().join("vae"))
+            .into_iter()
+            .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .unwrap();
+        // Replaced by a copy of itself: another inode.
+        let copy = dir.path().join("copy.safetensors");
+        std::fs::copy(&vae, &copy).unwrap();
+        std::fs::rename(&copy, &vae).unwrap();
+        let e = check_weights_unchanged(&pipeline).unwrap_err().to_string();
+        assert!(
+            e.contains(&vae.display().to_string()) && e.contains("replaced"),
+            "{e}"
+        );
+        drop(pipeline);
+        // Touched in place, then removed.
+        let pipeline = load();
+        std::fs::File::options()
+            .write(true)
+            .open(&vae)
+            .unwrap()
+            .set_modified(std::time::SystemTime::UNIX_EPOCH)
+            .unwrap();
+        let e = check_weights_unchanged(&pipeline).unwrap_err().to_string();
+        assert!(e.contains("was modified while DDO read it"), "{e}");
+        std::fs::remove_file(&vae).unwrap();
+        let e = check_weights_unchanged(&pipeline).unwrap_err().to_string();
+        assert!(e.contains("was removed"), "{e}");
     }
 }
