@@ -29,8 +29,11 @@ use crate::{run, workspace_root};
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const HOST_RAM_DIR: &str = "gpu-bundle/bench-host-ram";
 
-/// Python files the job needs, from `tools/`.
-const SCRIPTS: [&str; 3] = [
+/// Python files the job needs, from `tools/` (`save_random_pipeline.py` builds the weights
+/// through `peer_pipeline.py`, which imports `bench_peer.py` and `gpu_peer.py`).
+const SCRIPTS: [&str; 5] = [
+    "gpu_peer.py",
+    "bench_peer.py",
     "peer_pipeline.py",
     "save_random_pipeline.py",
     "bench_host_ram_report.py",
@@ -202,6 +205,29 @@ mod tests {
         for bad in ["32", "0GiB", "1.5GiB", "16GB", "8GiB,8GiB", ""] {
             let e = parse_sizes(bad).unwrap_err();
             assert!(e.contains("--host-ram"), "{bad}: {e}");
+        }
+    }
+
+    /// Every `tools/` module the carried scripts import is carried (the first GPU run of
+    /// this bench failed on a missing `bench_peer`).
+    #[test]
+    fn the_carried_scripts_import_only_carried_modules() {
+        let tools = workspace_root().join("tools");
+        for script in SCRIPTS {
+            let text = fs::read_to_string(tools.join(script)).unwrap();
+            for line in text.lines() {
+                let module = line
+                    .strip_prefix("import ")
+                    .or_else(|| line.strip_prefix("from "))
+                    .and_then(|rest| rest.split([' ', '.']).next())
+                    .unwrap_or("");
+                if tools.join(format!("{module}.py")).is_file() {
+                    assert!(
+                        SCRIPTS.contains(&format!("{module}.py").as_str()),
+                        "{script} imports {module}, which the bundle does not carry"
+                    );
+                }
+            }
         }
     }
 
