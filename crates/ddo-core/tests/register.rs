@@ -892,6 +892,19 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
         f.resident_bytes + 2 * f.streamed_bytes,
         "resident params crossed once"
     );
+    // Issue 35: once uploaded, the resident params' file pages left the process: their
+    // whole pages (a partial page at each end of a param stays).
+    assert_eq!(
+        f.host_bytes_released, 0,
+        "nothing released before the upload"
+    );
+    let released = engine.figures().host_bytes_released;
+    let resident_params = engine.resident_params().len() as u64;
+    assert!(
+        released <= f.resident_bytes && released >= f.resident_bytes - 2 * 4096 * resident_params,
+        "released {released} of {}",
+        f.resident_bytes
+    );
     for p in segs.iter().flatten() {
         assert!(p.is_checkpoint_backed(), "{}", p.name());
     }

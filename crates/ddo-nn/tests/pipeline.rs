@@ -709,3 +709,53 @@ fn num_images_repeats_the_prompt_as_diffusers_num_images_per_prompt() {
             .is_err()
     );
 }
+
+/// Issue 35: a component that ran needs no host copy: at its release the pages of its
+/// checkpoint mappings leave the process (every whole page of the fixture's files), and the
+/// run's outputs are those of a run that keeps them.
+#[test]
+fn released_components_drop_their_file_pages() {
+    let pipe = FluxPipeline::load(&dir(), None).unwrap();
+    let d = device();
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    let mut offload =
+        enable_pipeline_offload_with_env(&pipeline, d.clone(), &settings(Preset::Auto, None), &env)
+            .unwrap();
+    assert_eq!(offload.host_bytes_released("text_encoder"), None);
+    let run = pipe
+        .run_phases(
+            &mut offload,
+            &fixture_request(TiledDecode::Off),
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+    for name in ["text_encoder", "transformer", "vae"] {
+        let component = pipeline.get(name).unwrap();
+        let mapped: u64 = component
+            .params()
+            .iter()
+            .filter(|p| p.host().mapped_range().is_some())
+            .map(|p| p.nbytes() as u64)
+            .sum();
+        let released = offload.host_bytes_released(name).unwrap();
+        assert!(mapped > 0, "{name}: the fixture's weights are mapped");
+        assert!(
+            released > 0 && released <= mapped,
+            "{name}: released {released} of {mapped}"
+        );
+    }
+    // The pages come back from the file when read again: a second run gives the same image.
+    let mut again =
+        enable_pipeline_offload_with_env(&pipeline, d.clone(), &settings(Preset::Auto, None), &env)
+            .unwrap();
+    let second = pipe
+        .run_phases(
+            &mut again,
+            &fixture_request(TiledDecode::Off),
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+    let bytes = |t: &ddo_core::Tensor| t.to_host_bytes(&*d, &d.compute_stream()).unwrap();
+    assert_eq!(bytes(&run.image), bytes(&second.image));
+}

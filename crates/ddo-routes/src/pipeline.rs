@@ -75,6 +75,8 @@ pub struct PipelineOffload {
     /// registrations, drop its mapped pages from the process): the plan's host budget holds
     /// no two phases' pinned memory together ([`PipelinePlan::gives_host_back`](crate::PipelinePlan::gives_host_back)).
     give_host_back: bool,
+    /// Bytes of each released component's file pages dropped from the process.
+    host_bytes_released: BTreeMap<String, u64>,
 }
 
 /// A component waiting for its phase.
@@ -114,6 +116,7 @@ impl PipelineOffload {
             prepared_seconds: BTreeMap::new(),
             phases: Vec::new(),
             give_host_back: false,
+            host_bytes_released: BTreeMap::new(),
         }
     }
 
@@ -355,20 +358,29 @@ impl PipelineOffload {
         let h = self.handle_mut(name)?;
         h.release();
         let component = Arc::clone(h.component());
-        if self.give_host_back {
-            self.give_back_host(&component);
-        }
+        let released = self.give_back_host(&component);
+        self.host_bytes_released.insert(name.to_string(), released);
         Ok(())
     }
 
-    /// Gives `component`'s host memory back after its release: the registrations the
-    /// device kept pinned for reuse are unpinned (the device is idle at a phase boundary,
-    /// so unregistering waits for nothing), and the pages of its checkpoint mappings leave
-    /// the process ([`CheckpointMap::release_pages`](ddo_core::CheckpointMap::release_pages):
+    /// Bytes of component `name`'s file pages dropped from the process at its release
+    /// (`None` before it).
+    pub fn host_bytes_released(&self, name: &str) -> Option<u64> {
+        self.host_bytes_released.get(name).copied()
+    }
+
+    /// Gives `component`'s host memory back after its release: where the plan's host budget
+    /// cannot hold two phases' pinned memory ([`PipelinePlan::gives_host_back`](crate::PipelinePlan::gives_host_back)),
+    /// the registrations the device kept pinned for reuse are unpinned (the device is idle at
+    /// a phase boundary, so unregistering waits for nothing); always, the pages of its
+    /// checkpoint mappings leave the process (issue 35: a component that ran, T5 say, needs
+    /// no host copy; [`CheckpointMap::release_pages`](ddo_core::CheckpointMap::release_pages):
     /// the bytes stay readable, from the page cache or the file). Returns the mapped bytes
     /// released.
     fn give_back_host(&self, component: &Component) -> u64 {
-        self.device.unpin_released();
+        if self.give_host_back {
+            self.device.unpin_released();
+        }
         component
             .params()
             .iter()

@@ -699,6 +699,19 @@ impl StreamingEngine {
         &self.layout
     }
 
+    /// Drops the process's pages of the resident params mapped from files (advice only;
+    /// copies still reading page-locked ranges keep their pages); returns the bytes.
+    fn release_resident_pages(&self) -> u64 {
+        self.resident_params
+            .iter()
+            .map(|p| {
+                let host = p.host();
+                host.mapped_range()
+                    .map_or(0, |(map, range)| map.release_pages(range))
+            })
+            .sum()
+    }
+
     /// Params kept resident under the budget.
     pub fn resident_params(&self) -> &[Arc<Param>] {
         &self.resident_params
@@ -1107,7 +1120,12 @@ impl StreamingEngine {
             // A forward that did not reach every resident position: start over next time.
             return self.abort();
         }
-        self.upload = None;
+        if self.upload.take().is_some() {
+            // The resident params are on the device now: their file pages leave the process
+            // (issue 35: a resident part needs no host copy; the bytes stay readable, from
+            // the page cache or the file, if a later attach needs them).
+            self.figures.host_bytes_released += self.release_resident_pages();
+        }
         let Some(ring) = self.ring.take() else {
             self.active = false;
             return Ok(());
