@@ -700,6 +700,7 @@ impl Device for HostDevice {
             pinned_host: self.pinned.pinned(),
             pinned_cached: 0,
             pinned_limit: self.pinned.limit(),
+            pinned_peak: self.pinned.peak(),
         }
     }
 

@@ -632,6 +632,11 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         laps: &startup.laps,
         step_seconds: &step_seconds,
         total,
+        host: report::HostUse {
+            budget: host,
+            peak_pinned: device.memory_info().pinned_peak,
+            peak_rss: ddo_core::host_memory::process_status_bytes("VmHWM"),
+        },
     };
     let text = if args.json {
         serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n"

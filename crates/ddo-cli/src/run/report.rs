@@ -50,6 +50,48 @@ pub(super) struct Report<'a> {
     /// (see [`step_seconds`]).
     pub(super) step_seconds: &'a [f64],
     pub(super) total: f64,
+    /// What the run made the host hold.
+    pub(super) host: HostUse,
+}
+
+/// What a run made the host hold, against its host budget (issue 35).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HostUse {
+    /// The budget the plan was made within.
+    pub(super) budget: ddo_core::HostBudget,
+    /// Most pinned bytes at once (the device's pinned ledger, exact).
+    pub(super) peak_pinned: u64,
+    /// The process's peak resident set (`VmHWM`), touched file pages included.
+    pub(super) peak_rss: Option<u64>,
+}
+
+impl HostUse {
+    fn json(&self) -> Value {
+        json!({
+            "budget_bytes": self.budget.bytes,
+            "budget_source": self.budget.source.to_string(),
+            "peak_pinned_bytes": self.peak_pinned,
+            "peak_rss_bytes": self.peak_rss,
+        })
+    }
+
+    fn line(&self) -> String {
+        let rss = self.peak_rss.map_or_else(
+            || "peak RSS unknown".to_string(),
+            |r| {
+                format!(
+                    "peak RSS {} (file pages the kernel can take back included)",
+                    format_bytes(r)
+                )
+            },
+        );
+        format!(
+            "host: budget {} ({}); peak pinned {}; {rss}\n",
+            format_bytes(self.budget.bytes),
+            self.budget.source,
+            format_bytes(self.peak_pinned)
+        )
+    }
 }
 
 /// The time between consecutive denoising steps' ends; the first counts from `began` and
@@ -171,6 +213,7 @@ impl Report<'_> {
             "seconds_before_first_phase": Stopwatch::before_phases(self.laps),
             "denoise_step_seconds": self.step_seconds,
             "total_seconds": self.total,
+            "host": self.host.json(),
         })
     }
 
@@ -347,6 +390,7 @@ impl Report<'_> {
             laps.join(", "),
             ms(Stopwatch::before_phases(self.laps))
         );
+        s += &self.host.line();
         s
     }
 }

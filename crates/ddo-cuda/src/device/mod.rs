@@ -521,6 +521,7 @@ impl Device for CudaDevice {
             pinned_host: self.pinned.pinned(),
             pinned_cached: self.upload_staging_bytes() + self.released_host_bytes(),
             pinned_limit: self.pinned.limit(),
+            pinned_peak: self.pinned.peak(),
         }
     }
 

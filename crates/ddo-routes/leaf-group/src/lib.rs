@@ -485,7 +485,13 @@ impl Route for GroupOffloadRoute {
                 human(resident),
                 human(streamed + unmatched),
                 human(ring),
-                if pageable {
+                if pageable && pinned > staging_buffers {
+                    format!(
+                        "; the first units page-locked, the rest staged from pageable memory: pinned_limit {} < {} streamed",
+                        human(limit),
+                        human(streamed)
+                    )
+                } else if pageable {
                     format!(
                         "; staged from pageable memory: pinned_limit {} < {} streamed",
                         human(limit),
