@@ -51,6 +51,7 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     let routing = Routing::new(args.preset, &args.route, args.no_env, &known)?;
     for (o, given) in [
         ("vram-budget", args.vram_budget.is_some()),
+        ("host-budget", args.host_budget.is_some()),
         ("device", args.device.is_some()),
         ("height", args.height.is_some()),
         ("width", args.width.is_some()),
