@@ -340,7 +340,7 @@ pub(super) enum Kind {
 /// `N`/`PX` counts), else a count.
 pub(super) fn kind_of(spec: &OptionSpec) -> Kind {
     match spec.name.as_str() {
-        "vram-budget" => Kind::Size,
+        "vram-budget" | "host-budget" => Kind::Size,
         "seed" => Kind::Seed,
         "guidance" | "true-cfg-scale" => Kind::Float,
         "preset" => Kind::Preset,
