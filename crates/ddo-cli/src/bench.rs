@@ -435,36 +435,6 @@ const DISK_PROBE_BYTES: u64 = 2 << 30;
 /// Threads of the second disk probe (an NVMe serves several reads at once).
 const DISK_READERS: usize = 4;
 
-/// The files `component`'s weights are read from: its single file when given, else the
-/// `*.safetensors` of its folder in `--weights DIR`, by name; none for random weights.
-fn component_files(args: &BenchArgs, component: &str) -> Vec<std::path::PathBuf> {
-    let single = match component {
-        "transformer" => &args.transformer,
-        "text_encoder" => &args.text_encoder,
-        "text_encoder_2" => &args.text_encoder_2,
-        "vae" => &args.vae,
-        _ => &None,
-    };
-    if let Some(f) = single {
-        return vec![f.clone()];
-    }
-    let Some(dir) = &args.weights else {
-        return Vec::new();
-    };
-    let mut files: Vec<_> = std::fs::read_dir(dir.join(component))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.extension().is_some_and(|e| e == "safetensors")
-                && p.metadata().is_ok_and(|m| m.is_file())
-        })
-        .collect();
-    files.sort();
-    files
-}
-
 /// Trials of [`link_bandwidth`]; the best counts.
 const LINK_TRIALS: usize = 3;
 /// Passes over the buffer per trial (2 GiB per trial at the largest buffer).
@@ -618,7 +588,11 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let bandwidth = link_bandwidth(&*probe, link_bytes)?;
     // The disk's read rate for the component's files, cold, as the link's: one reader and
     // DISK_READERS (none for weights made in memory).
-    let disk_files = component_files(args, component.name());
+    let disk_files: Vec<std::path::PathBuf> = component
+        .mapped_files()
+        .iter()
+        .map(|m| m.path().to_path_buf())
+        .collect();
     let disk = if disk_files.is_empty() {
         Vec::new()
     } else {

@@ -282,6 +282,23 @@ impl Component {
             .collect()
     }
 
+    /// The checkpoint files its params are mapped from (file mappings only, not weights made
+    /// in memory), each once, in path order: what its weights are read from.
+    pub fn mapped_files(&self) -> Vec<Arc<crate::host_memory::CheckpointMap>> {
+        let mut files: Vec<Arc<crate::host_memory::CheckpointMap>> = Vec::new();
+        for p in self.params() {
+            let host = p.host();
+            if let Some((map, _)) = host.mapped_range()
+                && map.is_file()
+                && !files.iter().any(|f| Arc::ptr_eq(f, map))
+            {
+                files.push(Arc::clone(map));
+            }
+        }
+        files.sort_by(|a, b| a.path().cmp(b.path()));
+        files
+    }
+
     /// Every registered name of every param (`leaf.path` + `.` + local name).
     pub fn named_params(&self) -> Vec<(String, Arc<Param>)> {
         self.leaves

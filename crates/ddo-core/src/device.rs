@@ -274,8 +274,9 @@ pub struct MemoryInfo {
     pub pinned_cached: u64,
     /// Limit on pinned host bytes.
     pub pinned_limit: u64,
-    /// Most pinned host bytes held at once since the device was made (registrations and
-    /// its cache included; exact, from its pinned ledger).
+    /// Most pinned host bytes held at once since the device was made, or since the host
+    /// backend's `reset_pinned_peak` (registrations and its cache included; exact, from its
+    /// pinned ledger).
     pub pinned_peak: u64,
 }
 

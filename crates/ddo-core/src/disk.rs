@@ -58,7 +58,7 @@ pub fn probe_read_rate(files: &[PathBuf], max_bytes: u64, readers: usize) -> Res
     for path in files {
         let (file, is_direct) = open_cold(path)?;
         direct &= is_direct;
-        let len = file.metadata().map_err(|e| io_error(path, &e))?.len();
+        let len = file.metadata().map_err(|e| io_error(path, e))?.len();
         opened.push((path.clone(), file, len));
     }
     let chunks = plan_chunks(
@@ -150,7 +150,7 @@ fn open_cold(path: &Path) -> Result<(File, bool)> {
     {
         return Ok((f, true));
     }
-    let f = File::open(path).map_err(|e| io_error(path, &e))?;
+    let f = File::open(path).map_err(|e| io_error(path, e))?;
     crate::host_memory::drop_file_cache(&f);
     Ok((f, false))
 }
@@ -167,17 +167,17 @@ fn read_fully(file: &File, path: &Path, offset: u64, len: usize, buf: &mut [u8])
             Ok(0) => break,
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(path, &e)),
+            Err(e) => return Err(io_error(path, e)),
         }
     }
     Ok(done.min(len) as u64)
 }
 
-fn io_error(path: &Path, e: &std::io::Error) -> CoreError {
-    CoreError::InvalidOption {
-        option: "disk probe".into(),
-        value: path.display().to_string(),
-        hint: format!("cannot read it: {e}"),
+/// The crate's one error for a file that cannot be read ([`CoreError::Io`]).
+fn io_error(path: &Path, source: std::io::Error) -> CoreError {
+    CoreError::Io {
+        path: path.to_path_buf(),
+        source,
     }
 }
 

@@ -960,6 +960,14 @@ impl HostSlice {
             (map, start..start + self.len)
         })
     }
+
+    /// Drops the process's pages of this slice where it is mapped from a file
+    /// ([`CheckpointMap::release_pages`]: the bytes stay readable); returns the bytes released
+    /// (0 for memory that is not a file mapping).
+    pub fn release_pages(&self) -> u64 {
+        self.mapped_range()
+            .map_or(0, |(map, range)| map.release_pages(range))
+    }
 }
 
 #[cfg(test)]

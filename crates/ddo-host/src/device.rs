@@ -244,13 +244,7 @@ impl HostDevice {
         &self.config
     }
 
-    /// Most pinned bytes held at once since the device was made or
-    /// [`HostDevice::reset_pinned_peak`] (registrations included), counted exactly.
-    pub fn pinned_peak(&self) -> u64 {
-        self.pinned.peak()
-    }
-
-    /// Starts [`HostDevice::pinned_peak`] again from what is pinned now.
+    /// Starts [`MemoryInfo::pinned_peak`] again from what is pinned now.
     pub fn reset_pinned_peak(&self) {
         self.pinned.reset_peak();
     }

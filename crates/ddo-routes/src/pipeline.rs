@@ -384,11 +384,7 @@ impl PipelineOffload {
         component
             .params()
             .iter()
-            .map(|p| {
-                let host = p.host();
-                host.mapped_range()
-                    .map_or(0, |(map, range)| map.release_pages(range))
-            })
+            .map(|p| p.host().release_pages())
             .sum()
     }
 

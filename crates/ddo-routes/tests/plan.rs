@@ -15,8 +15,8 @@ use std::sync::Arc;
 use common::*;
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
-    Budget, Component, CoreError, DType, DecidedBy, Device, Environment, FootprintContext,
-    MapEnvironment, Preset, RouteId, RouteSpec, Settings,
+    Budget, CoreError, DType, DecidedBy, Device, Environment, FootprintContext, MapEnvironment,
+    Preset, RouteId, RouteSpec, Settings,
 };
 use ddo_routes::{
     PhaseDemand, Pipeline, PipelinePlan, PlanRequest, enable_planned_pipeline_offload,
@@ -24,34 +24,12 @@ use ddo_routes::{
 };
 use proptest::prelude::*;
 
-fn pipeline_of(specs: &[ReferenceSpec]) -> Pipeline {
-    let components: Vec<Arc<Component>> =
-        specs.iter().map(|s| reference::build(s).unwrap()).collect();
-    Pipeline::new(components).unwrap()
-}
-
 fn flux_like(transformer_blocks: usize) -> Vec<ReferenceSpec> {
     vec![
         ReferenceSpec::small("text_encoder", 2, 8, DType::F32),
         ReferenceSpec::small("transformer", transformer_blocks, 32, DType::F32),
         ReferenceSpec::small("vae", 2, 8, DType::F32),
     ]
-}
-
-fn demands(activation: u64) -> Vec<PhaseDemand> {
-    [
-        ("prompt_encoding", "text_encoder"),
-        ("denoise", "transformer"),
-        ("decode", "vae"),
-    ]
-    .into_iter()
-    .map(|(phase, c)| PhaseDemand {
-        phase: phase.into(),
-        components: vec![c.into()],
-        activation_bytes: activation,
-        runs_once: phase == "prompt_encoding",
-    })
-    .collect()
 }
 
 fn plan(

@@ -13,13 +13,11 @@ use common::*;
 use ddo_core::host_budget::HOST_WORKING_BYTES;
 use ddo_core::reference::{self, ReferenceSpec};
 use ddo_core::{
-    Component, CoreError, DType, Device, FootprintContext, HostBudget, MapEnvironment, Preset,
-    Settings,
+    CoreError, DType, Device, FootprintContext, HostBudget, MapEnvironment, Preset, Settings,
 };
 use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_routes::{
-    PhaseDemand, Pipeline, PipelinePlan, PlanRequest, enable_planned_pipeline_offload,
-    plan_pipeline,
+    Pipeline, PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_pipeline,
 };
 use proptest::prelude::*;
 
@@ -34,25 +32,6 @@ fn specs(blocks: usize, width: usize, seed: u64) -> Vec<ReferenceSpec> {
         t,
         ReferenceSpec::small("vae", 2, 8, DType::F32),
     ]
-}
-
-fn pipeline_of(specs: &[ReferenceSpec]) -> Pipeline {
-    let components: Vec<Arc<Component>> =
-        specs.iter().map(|s| reference::build(s).unwrap()).collect();
-    Pipeline::new(components).unwrap()
-}
-
-fn demands(activation: u64) -> Vec<PhaseDemand> {
-    PHASES
-        .into_iter()
-        .zip(NAMES)
-        .map(|(phase, c)| PhaseDemand {
-            phase: phase.into(),
-            components: vec![c.into()],
-            activation_bytes: activation,
-            runs_once: phase == "prompt_encoding",
-        })
-        .collect()
 }
 
 /// A host device whose pinned memory is held to `host`'s room for it, as `ddo` opens one.
@@ -123,10 +102,10 @@ fn run_plan(
         d.synchronize().unwrap();
         let planned = plan.phases.iter().find(|p| p.phase == phase).unwrap();
         prop_assert!(
-            d.pinned_peak() <= planned.pinned_host_bytes,
+            d.memory_info().pinned_peak <= planned.pinned_host_bytes,
             "{}: {} B pinned, the plan said {} B\n{}",
             phase,
-            d.pinned_peak(),
+            d.memory_info().pinned_peak,
             planned.pinned_host_bytes,
             plan.format_text()
         );

@@ -105,38 +105,15 @@ pub struct FullOptions {
 /// Builds `gpu-bundle/bench-full/` (and runs it with `run_here`).
 pub fn bench_full(opts: &FullOptions) -> Result<(), String> {
     let root = workspace_root();
-    // Everything that can be refused without building is checked first.
-    let diffusers = diffusers_wheels(&wheels_dir(&root, opts.wheels.as_deref()))?;
-    let (exe, target) = super::build_release(&root, "--bin", "ddo", "release/ddo")?;
-    let fallback = fallback_wheels(&target.join("bench-full-wheels"))?;
-
+    let (script, size) = build_bundle(
+        &root,
+        FULL_DIR,
+        opts.wheels.as_deref(),
+        &SCRIPTS,
+        "run-bench-full.sh",
+        &run_full_script(&opts.route_options),
+    )?;
     let dir = root.join(FULL_DIR);
-    if dir.exists() {
-        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
-    }
-    for sub in ["wheels", "pywheels"] {
-        let d = dir.join(sub);
-        fs::create_dir_all(&d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
-    }
-    copy(&exe, &dir.join("ddo"))?;
-    for s in SCRIPTS {
-        copy(&root.join("tools").join(s), &dir.join(s))?;
-    }
-    for w in &diffusers {
-        copy(w, &dir.join("wheels").join(file_name(w)))?;
-    }
-    let mut modules = String::new();
-    for (path, w) in &fallback {
-        copy(path, &dir.join("pywheels").join(file_name(path)))?;
-        modules += &format!("{} {}\n", file_name(path), w.module);
-    }
-    write(&dir.join("pywheels/MODULES"), &modules)?;
-    let script = dir.join("run-bench-full.sh");
-    write(&script, &run_full_script(&opts.route_options))?;
-    make_executable(&script)?;
-    run(Command::new("bash").arg("-n").arg(&script))?;
-    let size = dir_bytes(&dir);
-    check_size(size)?;
     eprintln!(
         "bench: {} ready ({:.1} MiB); on the GPU machine, from the repository root, carrying {FULL_DIR}: \
          ./{FULL_DIR}/run-bench-full.sh [ROUTE_OPTIONS]   (results in $OUT, else ./bench-full-out)",
@@ -149,25 +126,71 @@ pub fn bench_full(opts: &FullOptions) -> Result<(), String> {
     Ok(())
 }
 
-pub(super) fn file_name(p: &Path) -> String {
+/// Builds a GPU job's bundle in `dir_rel` (cleared first): the release `ddo`, `scripts` from
+/// `tools/`, the Diffusers wheels (`wheels/`, from [`wheels_dir`]), the fallback wheels
+/// (`pywheels/` with `MODULES`), and the job's `script_name` holding `script_text`, checked by
+/// `bash -n`. Everything that can be refused without building is checked first. Returns the
+/// script's path and the bundle's bytes (at most [`MAX_BUNDLE_BYTES`]).
+pub(super) fn build_bundle(
+    root: &Path,
+    dir_rel: &str,
+    wheels: Option<&Path>,
+    scripts: &[&str],
+    script_name: &str,
+    script_text: &str,
+) -> Result<(PathBuf, u64), String> {
+    let diffusers = diffusers_wheels(&wheels_dir(root, wheels))?;
+    let (exe, target) = super::build_release(root, "--bin", "ddo", "release/ddo")?;
+    let fallback = fallback_wheels(&target.join("bench-full-wheels"))?;
+    let dir = root.join(dir_rel);
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
+    }
+    for sub in ["wheels", "pywheels"] {
+        let d = dir.join(sub);
+        fs::create_dir_all(&d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+    }
+    copy(&exe, &dir.join("ddo"))?;
+    for s in scripts {
+        copy(&root.join("tools").join(s), &dir.join(s))?;
+    }
+    for w in &diffusers {
+        copy(w, &dir.join("wheels").join(file_name(w)))?;
+    }
+    let mut modules = String::new();
+    for (path, w) in &fallback {
+        copy(path, &dir.join("pywheels").join(file_name(path)))?;
+        modules += &format!("{} {}\n", file_name(path), w.module);
+    }
+    write(&dir.join("pywheels/MODULES"), &modules)?;
+    let script = dir.join(script_name);
+    write(&script, script_text)?;
+    make_executable(&script)?;
+    run(Command::new("bash").arg("-n").arg(&script))?;
+    let size = dir_bytes(&dir);
+    check_size(size)?;
+    Ok((script, size))
+}
+
+fn file_name(p: &Path) -> String {
     p.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default()
 }
 
-pub(super) fn copy(from: &Path, to: &Path) -> Result<(), String> {
+fn copy(from: &Path, to: &Path) -> Result<(), String> {
     fs::copy(from, to)
         .map(|_| ())
         .map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))
 }
 
-pub(super) fn write(path: &Path, text: &str) -> Result<(), String> {
+fn write(path: &Path, text: &str) -> Result<(), String> {
     fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Where the Diffusers wheels are: `--wheels`, else `$DDO_WHEELS`, else `wheels/` at the root
 /// when it holds a Diffusers wheel, else `../shared/wheels`.
-pub(super) fn wheels_dir(root: &Path, given: Option<&Path>) -> PathBuf {
+fn wheels_dir(root: &Path, given: Option<&Path>) -> PathBuf {
     if let Some(d) = given {
         return d.to_path_buf();
     }
@@ -239,7 +262,7 @@ pub fn wheel_fits(name: &str) -> bool {
 }
 
 /// The wheels of [`FALLBACK_WHEELS`] in `cache`, downloading with pip the ones it lacks.
-pub(super) fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
+fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
     fs::create_dir_all(cache).map_err(|e| format!("cannot create {}: {e}", cache.display()))?;
     let list = |dir: &Path| -> Vec<String> {
         fs::read_dir(dir)
@@ -282,7 +305,7 @@ pub(super) fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, S
         .collect()
 }
 
-pub(super) fn dir_bytes(dir: &Path) -> u64 {
+fn dir_bytes(dir: &Path) -> u64 {
     fs::read_dir(dir)
         .map(|rd| {
             rd.flatten()

@@ -19,11 +19,9 @@
 //!    the phases, the steady step and its ratio to the all-free run's, the peak RSS, the
 //!    plan's host budget, whether an image came and no other process was killed.
 
-use std::fs;
 use std::process::Command;
 
 use super::full;
-use crate::gpu::make_executable;
 use crate::{run, workspace_root};
 
 /// The bundle's folder, relative to the workspace root (ignored by git).
@@ -66,39 +64,19 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
 /// steps, and runs it here with `run_here`.
 pub fn bench_host_ram(sizes: &[u64], steps: u32, run_here: bool) -> Result<(), String> {
     let root = workspace_root();
-    let diffusers = full::diffusers_wheels(&full::wheels_dir(&root, None))?;
-    let (exe, target) = super::build_release(&root, "--bin", "ddo", "release/ddo")?;
-    let fallback = full::fallback_wheels(&target.join("bench-full-wheels"))?;
+    let (script, size) = full::build_bundle(
+        &root,
+        HOST_RAM_DIR,
+        None,
+        &SCRIPTS,
+        "run-bench-host-ram.sh",
+        &host_ram_script(sizes, steps),
+    )?;
     let dir = root.join(HOST_RAM_DIR);
-    if dir.exists() {
-        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
-    }
-    for sub in ["wheels", "pywheels"] {
-        let d = dir.join(sub);
-        fs::create_dir_all(&d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
-    }
-    full::copy(&exe, &dir.join("ddo"))?;
-    for s in SCRIPTS {
-        full::copy(&root.join("tools").join(s), &dir.join(s))?;
-    }
-    for w in &diffusers {
-        full::copy(w, &dir.join("wheels").join(full::file_name(w)))?;
-    }
-    let mut modules = String::new();
-    for (path, w) in &fallback {
-        full::copy(path, &dir.join("pywheels").join(full::file_name(path)))?;
-        modules += &format!("{} {}\n", full::file_name(path), w.module);
-    }
-    full::write(&dir.join("pywheels/MODULES"), &modules)?;
-    let script = dir.join("run-bench-host-ram.sh");
-    full::write(&script, &host_ram_script(sizes, steps))?;
-    make_executable(&script)?;
-    run(Command::new("bash").arg("-n").arg(&script))?;
-    full::check_size(full::dir_bytes(&dir))?;
     eprintln!(
         "bench --host-ram: {} ({} MiB); on the GPU machine: ./{HOST_RAM_DIR}/run-bench-host-ram.sh (results in $OUT)",
         dir.display(),
-        full::dir_bytes(&dir) >> 20
+        size >> 20
     );
     if run_here {
         run(Command::new("bash").arg(&script))?;
@@ -197,6 +175,8 @@ python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     #[test]

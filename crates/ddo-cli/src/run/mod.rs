@@ -233,21 +233,10 @@ pub(crate) fn smallest_working_budget(
 }
 
 /// Refuses the run's result when a weight file it read changed meanwhile (replaced, removed,
-/// rewritten or truncated: [`ddo_core::CoreError::CheckpointChanged`] names the first), each
-/// mapped file checked once.
+/// rewritten or truncated: [`ddo_core::CoreError::CheckpointChanged`] names the first).
 pub(crate) fn check_weights_unchanged(pipeline: &ddo_routes::Pipeline) -> CliResult<()> {
-    let mut seen: Vec<*const ddo_core::CheckpointMap> = Vec::new();
     for component in pipeline.components() {
-        for p in component.params() {
-            let host = p.host();
-            let Some((map, _)) = host.mapped_range() else {
-                continue;
-            };
-            let key = std::sync::Arc::as_ptr(map);
-            if seen.contains(&key) {
-                continue;
-            }
-            seen.push(key);
+        for map in component.mapped_files() {
             map.check_unchanged()?;
         }
     }

@@ -97,11 +97,7 @@ fn slot_image(unit: &TransferUnit, image: &mut Vec<u8>) {
 fn release_unit_pages(unit: &TransferUnit) -> u64 {
     unit.entries
         .iter()
-        .map(|e| {
-            let host = e.param.host();
-            host.mapped_range()
-                .map_or(0, |(map, range)| map.release_pages(range))
-        })
+        .map(|e| e.param.host().release_pages())
         .sum()
 }
 

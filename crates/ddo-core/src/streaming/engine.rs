@@ -704,11 +704,7 @@ impl StreamingEngine {
     fn release_resident_pages(&self) -> u64 {
         self.resident_params
             .iter()
-            .map(|p| {
-                let host = p.host();
-                host.mapped_range()
-                    .map_or(0, |(map, range)| map.release_pages(range))
-            })
+            .map(|p| p.host().release_pages())
             .sum()
     }
 

@@ -480,7 +480,7 @@ fn plan_early_upload(
     let prev = &mut phases[k - 1].0;
     prev.early_upload_bytes = bytes;
     prev.peak_bytes += bytes;
-    prev.pinned_host_bytes += pinned;
+    // Its pinned bytes are counted with the phase's background attaches (`host::count_host`).
     for i in early {
         phases[k].1[i].upload_during = Some(before.clone());
     }

@@ -78,3 +78,28 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// A pipeline of the reference components `specs` builds.
+pub fn pipeline_of(specs: &[ReferenceSpec]) -> ddo_routes::Pipeline {
+    let components: Vec<Arc<Component>> =
+        specs.iter().map(|s| reference::build(s).unwrap()).collect();
+    ddo_routes::Pipeline::new(components).unwrap()
+}
+
+/// Flux's three phases over components named as Flux's (`text_encoder`, `transformer`,
+/// `vae`), each with `activation` bytes; prompt encoding runs its component once.
+pub fn demands(activation: u64) -> Vec<ddo_routes::PhaseDemand> {
+    [
+        ("prompt_encoding", "text_encoder"),
+        ("denoise", "transformer"),
+        ("decode", "vae"),
+    ]
+    .into_iter()
+    .map(|(phase, c)| ddo_routes::PhaseDemand {
+        phase: phase.into(),
+        components: vec![c.into()],
+        activation_bytes: activation,
+        runs_once: phase == "prompt_encoding",
+    })
+    .collect()
+}
