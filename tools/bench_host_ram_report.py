@@ -3,7 +3,9 @@ case: name, GiB of MemAvailable asked for (0: all free), exit status, MemAvailab
 MiB, lowest MemAvailable in KiB, maximum RSS in KiB, wall time, whether the helper process
 survived) and each case's `ddo run --json` output (OUT/NAME.json), and writes OUT/host_ram.json
 and OUT/host_ram.md. The steady step is the median denoise step after the first two; its
-ratio is to the all-free case's of the same job.
+ratio is to the all-free case's of the same job. A case's step bound is the largest of the
+all-free case's steady step (compute and the link, at 1.0x the link floor there) and the
+bytes its plan reads from the disk each step over the disk rate `dd` measured in the job.
 
 Usage: python3 bench_host_ram_report.py OUT
 """
@@ -19,6 +21,15 @@ def load(path):
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError):
+        return None
+
+
+def disk_rate(line):
+    """Bytes per second from dd's last line (`N bytes (...) copied, S s, R GB/s`), or None."""
+    try:
+        head, tail = line.split(" copied, ")
+        return int(head.split()[0]) / float(tail.split()[0])
+    except (ValueError, IndexError):
         return None
 
 
@@ -38,6 +49,7 @@ def main():
             steady = statistics.median(steps[2:]) if len(steps) > 2 else None
             phases = {p.get("phase"): p.get("seconds") for p in run.get("phases", [])}
             plan = run.get("memory_plan") or {}
+            denoise_plan = next((p for p in plan.get("phases", []) if p.get("phase") == "denoise"), {})
             cases.append({
                 "case": name,
                 "available_gib_asked": int(gib),
@@ -54,18 +66,39 @@ def main():
                 "host_budget_bytes": plan.get("host_budget_bytes"),
                 "host_budget_source": plan.get("host_budget_source"),
                 "plan_host_bytes": {p.get("phase"): p.get("host_bytes") for p in plan.get("phases", [])},
+                "plan_disk_bytes_per_step": denoise_plan.get("disk_bytes_per_forward", 0),
+                "plan_page_cache_bytes": denoise_plan.get("page_cache_bytes", 0),
+                "steps": len(steps),
             })
-    free = next((c for c in cases if c["case"] == "free"), None)
-    for c in cases:
-        base = free and free["steady_step_seconds"]
-        c["steady_vs_free"] = (c["steady_step_seconds"] / base) if base and c["steady_step_seconds"] else None
     disk = ""
     try:
         with open(os.path.join(out, "disk.txt")) as f:
             disk = f.read().strip().splitlines()[-1]
     except (OSError, IndexError):
         pass
-    doc = {"disk": disk, "cases": cases}
+    rate = disk_rate(disk)
+    free = next((c for c in cases if c["case"] == "free"), None)
+    for c in cases:
+        base = free and free["steady_step_seconds"]
+        c["steady_vs_free"] = (c["steady_step_seconds"] / base) if base and c["steady_step_seconds"] else None
+        disk_floor = c["plan_disk_bytes_per_step"] / rate if rate else None
+        bound = max(x for x in (base, disk_floor, 0.0) if x is not None)
+        c["disk_floor_seconds"] = disk_floor
+        c["step_bound_seconds"] = bound or None
+        c["steady_vs_bound"] = (c["steady_step_seconds"] / bound) if bound and c["steady_step_seconds"] else None
+    folder = load(os.path.join(out, "folder.json")) or {}
+    folder_bytes = folder.get("bytes")
+    for c in cases:
+        # Issue 35's time-to-image bound: every byte of the folder read once from the disk,
+        # plus the run's steps at its steady step.
+        steps = c.pop("steps", 0)
+        if folder_bytes and rate and c["steady_step_seconds"]:
+            c["image_bound_seconds"] = folder_bytes / rate + steps * c["steady_step_seconds"]
+        else:
+            c["image_bound_seconds"] = None
+        t = c["total_seconds"]
+        c["image_vs_bound"] = (t / c["image_bound_seconds"]) if t and c["image_bound_seconds"] else None
+    doc = {"disk": disk, "disk_bytes_per_second": rate, "folder_bytes": folder_bytes, "cases": cases}
     with open(os.path.join(out, "host_ram.json"), "w") as f:
         json.dump(doc, f, indent=2)
     gib = lambda b: "-" if b is None else "%.2f" % (b / 2**30)
@@ -75,16 +108,18 @@ def main():
         "",
         "disk: " + disk,
         "",
-        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | prompt (s) | denoise (s) | steady step (s) | x free | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    ratio = lambda x: "-" if x is None else "%.3f" % x
     for c in cases:
         p = c["phases_seconds"]
-        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f |" % (
+        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f |" % (
             c["case"], c["available_mib_at_start"] / 1024, "yes" if c["image"] else "no (exit %d)" % c["exit"],
-            c["other_process_survived"], sec(c["total_seconds"]), sec(p.get("prompt_encoding")),
-            sec(p.get("denoise")), sec(c["steady_step_seconds"]),
-            "-" if c["steady_vs_free"] is None else "%.3f" % c["steady_vs_free"],
+            c["other_process_survived"], sec(c["total_seconds"]), ratio(c["image_vs_bound"]),
+            sec(p.get("prompt_encoding")),
+            sec(p.get("denoise")), sec(c["steady_step_seconds"]), ratio(c["steady_vs_free"]),
+            gib(c["plan_disk_bytes_per_step"]), sec(c["step_bound_seconds"]), ratio(c["steady_vs_bound"]),
             gib(c["max_rss_bytes"]), gib(c["host_budget_bytes"]), c["lowest_available_mib"] / 1024))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "host_ram.md"), "w") as f:

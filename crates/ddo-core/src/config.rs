@@ -496,12 +496,16 @@ pub struct RouteOptions {
     pub timeline: Option<bool>,
     /// How the streaming engine stores and sends streamed weights ([`Compression`]).
     pub compress: Option<Compression>,
+    /// Bytes of staged units whose file pages may stay in memory between forwards; the
+    /// pages of the units past it are given back once copied and read again from the disk
+    /// for the next forward (the disk tier, [`crate::streaming::staged_read`]).
+    pub page_cache_limit: Option<u64>,
 }
 
 impl RouteOptions {
     /// Every option name route specs know, in the order specs describe them: the
     /// vocabulary each route's [`OptionTable`](crate::OptionTable) takes its names from.
-    pub const NAMES: [&'static str; 13] = [
+    pub const NAMES: [&'static str; 14] = [
         "offload_type",
         "num_blocks_per_group",
         "use_stream",
@@ -515,6 +519,7 @@ impl RouteOptions {
         "pinned_source",
         "timeline",
         "compress",
+        "page_cache_limit",
     ];
 
     /// Names of the options that were given.
@@ -545,6 +550,7 @@ impl RouteOptions {
             "pinned_source" => text(self.pinned_source),
             "timeline" => text(self.timeline),
             "compress" => text(self.compress),
+            "page_cache_limit" => text(self.page_cache_limit),
             _ => None,
         }
     }
@@ -579,6 +585,7 @@ impl RouteOptions {
             "pinned_source" => self.pinned_source = Some(value.parse()?),
             "timeline" => self.timeline = Some(parse_bool(key, value)?),
             "compress" => self.compress = Some(value.parse()?),
+            "page_cache_limit" => self.page_cache_limit = Some(parse_size(key, value)?),
             _ => {
                 return Err(CoreError::InvalidOption {
                     option: key.into(),
@@ -797,6 +804,7 @@ impl RouteSpec {
         for (name, v) in [
             ("pinned_limit", o.pinned_limit),
             ("unit_bytes", o.unit_bytes),
+            ("page_cache_limit", o.page_cache_limit),
         ] {
             if let Some(v) = v {
                 s.push_str(&format!(" {name}={v}"));

@@ -80,11 +80,25 @@ pub struct Footprint {
     /// The pinned limit that would let the streamed weights live in a pinned home, when
     /// `pageable_staging` is set (0 otherwise).
     pub pinned_limit_to_avoid_pageable: u64,
+    /// Weight bytes copied per forward from pageable memory (the page cache or the disk),
+    /// not from pinned memory: what a forward makes the kernel keep in (or read into) the
+    /// page cache.
+    pub staged_bytes_per_forward: u64,
+    /// Of those, the bytes read from the disk again every forward: the staged bytes past
+    /// the streaming engine's `page_cache_limit`, whose pages go back after each copy.
+    pub disk_bytes_per_forward: u64,
     /// One line on how the route holds the weights.
     pub summary: String,
 }
 
 impl Footprint {
+    /// Staged bytes whose pages stay in memory between forwards (in the page cache):
+    /// `staged_bytes_per_forward` less what is read from the disk again.
+    pub fn cached_staged_bytes(&self) -> u64 {
+        self.staged_bytes_per_forward
+            .saturating_sub(self.disk_bytes_per_forward)
+    }
+
     /// Most weight bytes on the device during a forward: resident plus transient.
     pub fn peak_device_bytes(&self) -> u64 {
         self.resident_bytes

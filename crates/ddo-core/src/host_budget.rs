@@ -36,7 +36,9 @@ pub const HOST_BUDGET_FLOOR: u64 = crate::streaming::WSL_COMPAT_PINNED_LIMIT;
 
 /// The process's own host memory besides weights that the planner counts in every phase:
 /// 2 GiB. The CUDA context and its libraries (cuBLAS, cuDNN, NVRTC), the tokenizers,
-/// host copies of embeddings, latents and the image, and the bounded upload buffers.
+/// host copies of embeddings, latents and the image, the bounded upload buffers, and the
+/// staged units read ahead
+/// ([`READ_AHEAD_BYTES`](crate::streaming::staged_read::READ_AHEAD_BYTES)).
 pub const HOST_WORKING_BYTES: u64 = 2 << 30;
 
 /// Where a host budget came from.

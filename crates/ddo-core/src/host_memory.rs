@@ -401,10 +401,20 @@ fn kib_in(text: &str, field: &str) -> Option<u64> {
 /// [`crate::disk`]). Advice: a failure changes nothing, and pages another process holds
 /// mapped stay cached.
 pub fn drop_file_cache(file: &std::fs::File) {
+    drop_file_range(file, 0, 0);
+}
+
+/// Drops the page cache's clean pages of `len` bytes of `file` from `offset` (`len` 0: to
+/// the end), as [`drop_file_cache`] does for the whole file.
+fn drop_file_range(file: &std::fs::File, offset: u64, len: u64) {
     use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return;
+    };
+    let (fd, advice) = (file.as_raw_fd(), libc::POSIX_FADV_DONTNEED);
     // SAFETY: `posix_fadvise` reads no memory of ours; the descriptor is open for the
     // call's duration (borrowed from `file`), and the advice only affects the page cache.
-    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    let _ = unsafe { libc::posix_fadvise(fd, offset, len, advice) };
 }
 
 /// The host's physical memory (`MemTotal`), where it can be read.
@@ -489,6 +499,9 @@ pub struct CheckpointMap {
     /// The mapping's entry in the `SIGBUS` handler's table; declared before `mmap`, so it
     /// leaves the table before the range is unmapped.
     _entry: Option<crate::file_guard::MappedEntry>,
+    /// The mapped file, kept open to advise the page cache about ranges of it
+    /// ([`CheckpointMap::evict`]); `None` for bytes made in memory.
+    file: Option<std::fs::File>,
     mmap: MapBytes,
 }
 
@@ -511,6 +524,7 @@ impl CheckpointMap {
             path: label.into(),
             identity: None,
             _entry: None,
+            file: None,
             mmap: MapBytes::Memory(bytes),
         })
     }
@@ -544,6 +558,7 @@ impl CheckpointMap {
             path: path.to_path_buf(),
             identity: Some(identity),
             _entry: Some(entry),
+            file: Some(file),
             mmap: MapBytes::File(mmap),
         }))
     }
@@ -629,6 +644,76 @@ impl CheckpointMap {
         } else {
             0
         }
+    }
+}
+
+impl CheckpointMap {
+    /// Asks the kernel to start reading `range` of a file mapping into the page cache
+    /// (`MADV_WILLNEED`: read-ahead queued, not waited for), so that a copy from it soon
+    /// after finds the pages there. Nothing for bytes made in memory or an empty or
+    /// out-of-bounds range; advice the system refuses is simply not taken.
+    pub fn prefetch(&self, range: std::ops::Range<usize>) {
+        let MapBytes::File(map) = &self.mmap else {
+            return;
+        };
+        let end = range.end.min(map.len());
+        if range.start >= end {
+            return;
+        }
+        let _ = map.advise_range(memmap2::Advice::WillNeed, range.start, end - range.start);
+    }
+
+    /// Reads `dst.len()` bytes at `offset` of the mapped bytes into `dst`: for a file with
+    /// `pread` on the file as mapped (no page of the mapping is touched, so none is mapped
+    /// into the process), for bytes made in memory by a copy. A read the file cannot give
+    /// (it was truncated or replaced meanwhile) is [`CoreError::CheckpointChanged`] naming
+    /// it, else [`CoreError::Io`].
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(dst.len()).filter(|&e| e <= self.len());
+        let Some(end) = end else {
+            return Err(CoreError::Checkpoint {
+                path: self.path.clone(),
+                message: format!(
+                    "a read of {} B at {offset} passes the end of the {} B mapping",
+                    dst.len(),
+                    self.len()
+                ),
+            });
+        };
+        match (&self.mmap, &self.file) {
+            (MapBytes::File(_), Some(file)) => {
+                use std::os::unix::fs::FileExt;
+                file.read_exact_at(dst, offset as u64).map_err(|source| {
+                    match self.check_unchanged() {
+                        Err(changed) => changed,
+                        Ok(()) => CoreError::Io {
+                            path: self.path.clone(),
+                            source,
+                        },
+                    }
+                })
+            }
+            _ => {
+                dst.copy_from_slice(&self.bytes()[offset..end]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Gives back the memory `range` of a file mapping holds: this process's pages of it
+    /// ([`CheckpointMap::release_pages`]) and then the page cache's
+    /// (`POSIX_FADV_DONTNEED`, which leaves pages that someone still maps or has
+    /// page-locked). The bytes stay readable: the next access reads them from the file.
+    /// Returns the bytes whose pages this process released (0 for bytes made in memory).
+    pub fn evict(&self, range: std::ops::Range<usize>) -> u64 {
+        let released = self.release_pages(range.clone());
+        if let Some(file) = &self.file {
+            let end = range.end.min(self.len());
+            if range.start < end {
+                drop_file_range(file, range.start as u64, (end - range.start) as u64);
+            }
+        }
+        released
     }
 }
 

@@ -236,6 +236,7 @@ struct Case {
     staging: StagingMode,
     pinned_limit: u64,
     budget_fraction: Option<f64>,
+    page_cache_limit: Option<u64>,
 }
 
 fn run_case(case: &Case) -> Result<(), TestCaseError> {
@@ -277,6 +278,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         pinned_source: PinnedSource::Register,
         timeline: false,
         compress: ddo_core::Compression::None,
+        page_cache_limit: case.page_cache_limit,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();
@@ -414,6 +416,27 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             i
         );
     }
+    // The disk tier: the staged units past the page cache limit gave their pages back
+    // after each forward's copy (and still read exactly, above); nothing else did.
+    prop_assert_eq!(engine.pages_evicted(), 3 * f.disk_bytes_per_forward);
+    let staged_mapped: u64 = engine
+        .layout()
+        .units()
+        .iter()
+        .flat_map(|u| &u.entries)
+        .filter(|e| e.param.source().is_some())
+        .map(|e| e.len)
+        .sum();
+    match (case.page_cache_limit, f.staging) {
+        (None, _) | (_, StagingKind::PinnedHome) => prop_assert_eq!(f.disk_bytes_per_forward, 0),
+        (Some(0), StagingKind::Ring { .. }) => {
+            prop_assert_eq!(f.disk_bytes_per_forward, staged_mapped)
+        }
+        (Some(_), StagingKind::Registered { staged_bytes, .. }) => {
+            prop_assert!(f.disk_bytes_per_forward <= staged_bytes)
+        }
+        _ => prop_assert!(f.disk_bytes_per_forward <= staged_mapped),
+    }
     let c = metrics.counters();
     prop_assert_eq!(c.h2d_bytes, f.resident_bytes + 3 * f.streamed_bytes);
     prop_assert_eq!(
@@ -463,9 +486,21 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         prop::sample::select(vec![4096u64, 48 << 10, 96 << 10, 1 << 20]),
         // Mostly everything streamed; sometimes a budget that keeps part resident.
         prop::option::weighted(0.3, 0.0f64..0.7),
+        // Staged pages kept, none kept, or some.
+        prop::option::of(prop::sample::select(vec![0u64, 512, 4096])),
     )
         .prop_map(
-            |(sizes, file_order_seed, picks, unit_bytes, slots, staging, pinned_limit, budget)| {
+            |(
+                sizes,
+                file_order_seed,
+                picks,
+                unit_bytes,
+                slots,
+                staging,
+                pinned_limit,
+                budget,
+                page_cache_limit,
+            )| {
                 let n = sizes.len();
                 let mut schedule: Vec<usize> = (0..n).collect();
                 for (i, p) in picks.iter().enumerate() {
@@ -484,6 +519,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     staging,
                     pinned_limit,
                     budget_fraction: budget,
+                    page_cache_limit,
                 }
             },
         )
@@ -842,6 +878,7 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
         pinned_source: PinnedSource::Register,
         timeline: false,
         compress: ddo_core::Compression::None,
+        page_cache_limit: None,
     };
     let schedule: Vec<usize> = (0..8).collect();
     let dev: Arc<dyn Device> = d.clone();
@@ -981,6 +1018,7 @@ fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order
         pinned_source: PinnedSource::Register,
         timeline: false,
         compress: ddo_core::Compression::None,
+        page_cache_limit: None,
     };
     // The big segments interleaved with the small ones in the schedule.
     let schedule: Vec<usize> = vec![0, 5, 6, 7, 1, 8, 9, 10, 2, 11, 12, 13, 3, 14, 15, 16];

@@ -142,6 +142,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         pinned_source: case.pinned_source,
         timeline: false,
         compress: ddo_core::Compression::None,
+        page_cache_limit: None,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let copy = d.create_stream().unwrap();
@@ -319,6 +320,7 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
         pinned_source: PinnedSource::Home,
         timeline: false,
         compress: ddo_core::Compression::None,
+        page_cache_limit: None,
     };
     let dev: Arc<dyn Device> = d.clone();
     let engine = StreamingEngine::new(
@@ -427,6 +429,7 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
         pinned_source: PinnedSource::Home,
         timeline: false,
         compress: ddo_core::Compression::None,
+        page_cache_limit: None,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();

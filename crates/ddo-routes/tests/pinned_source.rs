@@ -359,3 +359,62 @@ proptest! {
         prop_assert_eq!(after, sums);
     }
 }
+
+/// This process's resident bytes of the mappings of `path` (`Rss` in /proc/self/smaps), or
+/// `None` where smaps cannot be read.
+fn mapped_rss(path: &std::path::Path) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let name = path.to_string_lossy();
+    let mut inside = false;
+    let mut kib = 0u64;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = line.ends_with(name.as_ref());
+        } else if inside && let Some(v) = line.strip_prefix("Rss:") {
+            kib += v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()?;
+        }
+    }
+    Some(kib << 10)
+}
+
+/// Issue 35: what a route reads once or past its page cache limit does not stay in the
+/// process. A resident upload leaves none of the weights' file pages mapped, and a staged
+/// stream with `page_cache_limit=0` gives each unit's pages back after its copy, while both
+/// stay bit-identical to resident (the bytes read again from the page cache or the file).
+#[test]
+fn one_time_reads_and_the_disk_tier_leave_no_file_pages_in_the_process() {
+    let m = mapped(spec(6, 256, DType::F32), |_| false);
+    let params = m.component.params();
+    let path = params[0].source().unwrap().file.clone();
+    let Some(_) = mapped_rss(&path) else {
+        return; // no /proc (not Linux)
+    };
+    // Whole pages only: each param may keep a partial page at each end.
+    let slack = 2 * 4096 * params.len() as u64;
+    let total = m.component.param_bytes();
+    for route in [
+        ddo_routes::parse_spec("none").unwrap(),
+        ddo_routes::parse_spec(
+            "diffusers_group_offload:use_stream=true,pinned=false,page_cache_limit=0,unit_bytes=64KiB",
+        )
+        .unwrap(),
+        // The first units registered (their pages stay, page-locked), the rest staged.
+        leaf_stream(",pinned_limit=600KiB,page_cache_limit=0,unit_bytes=64KiB"),
+    ] {
+        // Every page touched: the whole mapping is resident in the process.
+        let sums = params.iter().fold(0u64, |a, p| a ^ p.host_checksum());
+        assert!(sums != 0);
+        let before = mapped_rss(&path).unwrap();
+        assert!(before + slack >= total, "{before} of {total} B mapped before");
+        let (mut h, _d) = run(&m, route, 3);
+        let c = h.metrics().counters();
+        let after = mapped_rss(&path).unwrap();
+        assert!(
+            after <= slack + c.registered_host_bytes,
+            "{}: {after} B of the file still mapped after the forwards (slack {slack})",
+            route.describe()
+        );
+        release(&mut h);
+    }
+}

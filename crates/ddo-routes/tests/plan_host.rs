@@ -151,7 +151,10 @@ proptest! {
         };
         for p in &plan.phases {
             prop_assert!(p.host_bytes <= host.bytes, "{:?} above {}", p, host.bytes);
-            prop_assert_eq!(p.host_bytes, HOST_WORKING_BYTES + p.pinned_host_bytes);
+            prop_assert_eq!(
+                p.host_bytes,
+                HOST_WORKING_BYTES + p.pinned_host_bytes + p.page_cache_bytes
+            );
         }
         run_plan(&pipeline, &specs, &d, &plan)?;
     }
@@ -160,7 +163,8 @@ proptest! {
 /// The transformer's tier at four host budgets: everything page-locked (streamed and the
 /// resident part for its upload), the streamed part only (`pinned_limit`), the first units
 /// page-locked and the rest staged (`pinned_limit` under the streamed bytes), and staged
-/// through two buffers (`pinned=false`); and a background attach left to its own phase when
+/// through two buffers (`pinned=false`), the staged pages past what the budget leaves read
+/// from the disk each forward (`page_cache_limit`); and a background attach left to its own phase when
 /// the prompt phase cannot hold it. Outputs are the same bytes in every tier.
 #[test]
 fn the_plan_falls_back_tier_by_tier_and_the_outputs_stay_the_same() {
@@ -233,6 +237,35 @@ fn the_plan_falls_back_tier_by_tier_and_the_outputs_stay_the_same() {
         staged.format_text()
     );
     assert!(t.footprint.pinned_host_bytes < streamed / 2);
+
+    // Below the streamed bytes, the staged pages do not fit beside the pinned ones either:
+    // a page cache limit of what is left, the rest read from the disk each forward (and
+    // counted apart from the host bytes). With the streamed part pinned nothing is.
+    for plan in [&partial, &staged] {
+        let t = plan.component("transformer").unwrap();
+        let text = plan.format_text();
+        assert!(t.footprint.disk_bytes_per_forward > 0, "{text}");
+        assert!(
+            t.resolution.spec.describe().contains("page_cache_limit="),
+            "{text}"
+        );
+        assert!(
+            t.reason.contains("read from the disk each forward"),
+            "{}",
+            t.reason
+        );
+        let denoise = plan.phases.iter().find(|p| p.phase == "denoise").unwrap();
+        assert_eq!(
+            denoise.disk_bytes_per_forward,
+            t.footprint.disk_bytes_per_forward
+        );
+        assert!(text.contains("/forward, host"), "{text}");
+    }
+    for plan in [&full, &limited] {
+        let t = plan.component("transformer").unwrap();
+        assert_eq!(t.footprint.disk_bytes_per_forward, 0);
+        assert_eq!(t.footprint.staged_bytes_per_forward, 0);
+    }
 
     for (plan, host) in [
         (&full, roomy),

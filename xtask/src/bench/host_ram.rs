@@ -92,7 +92,8 @@ pub fn host_ram_script(sizes: &[u64], steps: u32) -> String {
 # DDO on a FLUX.1-dev Diffusers folder under smaller machines (issue 35), in one job (built by
 # `cargo xtask bench --host-ram ...`). Run as root from the repository root, carrying
 # gpu-bundle/bench-host-ram. Cases: all RAM free, then MemAvailable of {sizes_text} GiB, each
-# with the page cache dropped; results in $OUT (default ./bench-host-ram-out).
+# with the page cache dropped; results in $OUT (default ./bench-host-ram-out). DDO_BIN runs
+# another ddo binary (a baseline) in the same job.
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${{OUT:-$PWD/bench-host-ram-out}}"
@@ -143,7 +144,7 @@ case_run() {{
   : > "$work/$name.avail"
   ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
   local sampler=$!
-  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "$here/ddo" run --weights "$folder" \
+  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "${{DDO_BIN:-$here/ddo}}" run --weights "$folder" \
     --device cuda:0 --vram-budget 12GiB --steps "$steps" --json --out "$work/$name.png" \
     > "$out/$name.json" 2>> "$log"
   local rc=$?
@@ -162,7 +163,7 @@ case_run() {{
   dmesg 2>/dev/null | grep -i 'killed process' | tail -n 2 >> "$log"
 }}
 
-case_run free 0
+[ "${{DDO_FREE:-1}}" = 1 ] && case_run free 0
 for gib in $sizes; do
   case_run "avail${{gib}}" "$gib"
 done

@@ -60,6 +60,7 @@ use crate::streaming::layout::{PARAM_ALIGN, StagingLayout, UnitOrder, align_up};
 use crate::streaming::placement::Placement;
 use crate::streaming::plan::plan_residency_with;
 use crate::streaming::register_plan::{CopyRun, RegisterPlan, RunSource};
+use crate::streaming::staged_read::StagedReader;
 use crate::streaming::trace::Trace;
 use crate::streaming::{StagingMode, StreamingConfig, ring_does_not_fit};
 
@@ -90,6 +91,7 @@ enum Host {
         buffers: Vec<HostBuffer>,
         last_copy: Vec<Option<Event>>,
         next: usize,
+        reader: Box<StagedReader>,
     },
     /// Lossless-coded units in one pinned buffer.
     Coded {
@@ -121,6 +123,7 @@ struct StagedUnits {
     buffers: Vec<HostBuffer>,
     last_copy: Vec<Option<Event>>,
     next: usize,
+    reader: Box<StagedReader>,
 }
 
 /// Host staging built from a [`RegisterPlan`].
@@ -149,6 +152,9 @@ struct FirstUpload {
     ready: Vec<Option<Event>>,
     /// Host time spent queueing the batches.
     queued: std::time::Duration,
+    /// The queued params whose file pages the system kept when asked (page-locked for
+    /// their copy): asked again when the upload is done.
+    pages_kept: Vec<Arc<Param>>,
 }
 
 /// The streaming engine of one component (see the [module docs](self)).
@@ -391,6 +397,7 @@ impl StreamingEngine {
                         plan,
                         staging_buffer_bytes,
                         staged_copies,
+                        (&layout, config.page_cache_limit),
                     ) {
                         Ok(built) => registered = Some(built),
                         Err(CoreError::HostRegisterUnsupported { reason, .. }) => {
@@ -492,6 +499,11 @@ impl StreamingEngine {
                     buffers,
                     last_copy: vec![None; BUFFERS],
                     next: 0,
+                    reader: Box::new(StagedReader::new(
+                        layout.units(),
+                        0,
+                        config.page_cache_limit,
+                    )),
                 }),
                 StagingKind::Ring {
                     buffers: BUFFERS,
@@ -538,6 +550,14 @@ impl StreamingEngine {
             register_fallback,
             coded_cache_note,
             coded_cache_path,
+            disk_bytes_per_forward: match &host {
+                Some(Host::Staged { reader, .. })
+                | Some(Host::Registered {
+                    staged: Some(StagedUnits { reader, .. }),
+                    ..
+                }) => reader.evicted_per_forward(),
+                _ => 0,
+            },
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
         let placement = Placement::new(&sizes, slot_bytes * slots as u64);
@@ -597,6 +617,7 @@ impl StreamingEngine {
         plan: RegisterPlan,
         staging_buffer_bytes: u64,
         staged_copies: u64,
+        (layout, page_cache_limit): (&StagingLayout, Option<u64>),
     ) -> Result<Registered> {
         let mut sources = Vec::with_capacity(plan.spans.len());
         let mut registered_bytes = 0u64;
@@ -635,6 +656,11 @@ impl StreamingEngine {
                 buffers,
                 last_copy: vec![None; STAGING_BUFFERS],
                 next: 0,
+                reader: Box::new(StagedReader::new(
+                    layout.units(),
+                    plan.staged_from,
+                    page_cache_limit,
+                )),
             })
         } else {
             None
@@ -694,18 +720,22 @@ impl StreamingEngine {
         &self.figures
     }
 
+    /// Bytes of staged units whose pages were given back after their copies so far (past
+    /// `page_cache_limit`, [`StreamingFigures::disk_bytes_per_forward`] per forward).
+    pub fn pages_evicted(&self) -> u64 {
+        match &self.host {
+            Some(Host::Staged { reader, .. })
+            | Some(Host::Registered {
+                staged: Some(StagedUnits { reader, .. }),
+                ..
+            }) => reader.evicted(),
+            _ => 0,
+        }
+    }
+
     /// The layout.
     pub fn layout(&self) -> &StagingLayout {
         &self.layout
-    }
-
-    /// Drops the process's pages of the resident params mapped from files (advice only;
-    /// copies still reading page-locked ranges keep their pages); returns the bytes.
-    fn release_resident_pages(&self) -> u64 {
-        self.resident_params
-            .iter()
-            .map(|p| p.host().release_pages())
-            .sum()
     }
 
     /// Params kept resident under the budget.
@@ -747,6 +777,7 @@ impl StreamingEngine {
             next_wait: 0,
             ready: (0..self.resident_at.len()).map(|_| None).collect(),
             queued: std::time::Duration::ZERO,
+            pages_kept: Vec::new(),
         });
         if let Err(e) = self.queue_residents_before(usize::MAX) {
             // `abort` drops a partly queued upload and its residency.
@@ -769,6 +800,7 @@ impl StreamingEngine {
                 next_wait: 0,
                 ready: (0..self.resident_at.len()).map(|_| None).collect(),
                 queued: std::time::Duration::ZERO,
+                pages_kept: Vec::new(),
             });
         }
         if self.slots == 0 {
@@ -778,6 +810,14 @@ impl StreamingEngine {
                 return Err(e);
             }
             return Ok(());
+        }
+        match self.host.as_mut() {
+            Some(Host::Staged { reader, .. })
+            | Some(Host::Registered {
+                staged: Some(StagedUnits { reader, .. }),
+                ..
+            }) => reader.begin_forward(),
+            _ => {}
         }
         let buffer = self.device.alloc(self.figures.ring_bytes() as usize)?;
         if let Some(decode) = &self.decode {
@@ -886,6 +926,16 @@ impl StreamingEngine {
             )?;
             upload.ready[i] = Some(self.device.record_event(&self.copy)?);
             upload.next_queue = i + 1;
+            // Issue 35: the batch's file pages leave the process as soon as its copies are
+            // queued, so an upload holds one batch's pages at a time, not the resident
+            // part's. Advice only: a copy that has yet to read them faults them back in
+            // from the page cache or the file (the bytes stay readable).
+            for p in &self.resident_at[i].1 {
+                match p.host().release_pages() {
+                    0 if p.host().mapped_range().is_some() => upload.pages_kept.push(Arc::clone(p)),
+                    n => self.figures.host_bytes_released += n,
+                }
+            }
         }
         upload.queued += started.elapsed();
         if upload.next_queue == total {
@@ -978,13 +1028,14 @@ impl StreamingEngine {
                 buffers,
                 last_copy,
                 next,
+                reader,
             }) => {
                 copy_staged(
                     &*self.device,
                     &self.metrics,
                     &self.copy,
-                    unit,
-                    (buffers, last_copy, next),
+                    (u, unit),
+                    (buffers, last_copy, next, reader),
                     &ring.buffer,
                     dst_base,
                 )?;
@@ -997,8 +1048,13 @@ impl StreamingEngine {
                     &*self.device,
                     &self.metrics,
                     &self.copy,
-                    unit,
-                    (&staged.buffers, &mut staged.last_copy, &mut staged.next),
+                    (u, unit),
+                    (
+                        &staged.buffers,
+                        &mut staged.last_copy,
+                        &mut staged.next,
+                        &mut staged.reader,
+                    ),
                     &ring.buffer,
                     dst_base,
                 )?;
@@ -1116,11 +1172,16 @@ impl StreamingEngine {
             // A forward that did not reach every resident position: start over next time.
             return self.abort();
         }
-        if self.upload.take().is_some() {
-            // The resident params are on the device now: their file pages leave the process
-            // (issue 35: a resident part needs no host copy; the bytes stay readable, from
-            // the page cache or the file, if a later attach needs them).
-            self.figures.host_bytes_released += self.release_resident_pages();
+        if let Some(upload) = self.upload.take() {
+            // The resident params are on the device now: the file pages kept while their
+            // copies were queued leave the process too (issue 35: a resident part needs no
+            // host copy; the bytes stay readable, from the page cache or the file, if a
+            // later attach needs them).
+            self.figures.host_bytes_released += upload
+                .pages_kept
+                .iter()
+                .map(|p| p.host().release_pages())
+                .sum::<u64>();
         }
         let Some(ring) = self.ring.take() else {
             self.active = false;
@@ -1264,18 +1325,26 @@ impl Drop for StreamingEngine {
 /// Staging buffers a staged host side copies through.
 const STAGING_BUFFERS: usize = 2;
 
-/// Copies `unit` into the ring at `dst_base` through the staging buffers: each chunk is
-/// written by the host from the params' own bytes into the next buffer, once the copy that
-/// last read that buffer is done, then copied on `copy`.
+/// Copies unit `u` into the ring at `dst_base` through the staging buffers: each chunk is
+/// written by the host from the params' own bytes into the next buffer
+/// ([`StagedReader::fill`], the units after it read ahead), once the copy that last read
+/// that buffer is done, then copied on `copy`; past the page cache limit the unit's pages
+/// go back once written.
 fn copy_staged(
     device: &dyn Device,
     metrics: &RouteMetrics,
     copy: &Stream,
-    unit: &crate::streaming::TransferUnit,
-    (buffers, last_copy, next): (&[HostBuffer], &mut [Option<Event>], &mut usize),
+    (u, unit): (usize, &crate::streaming::TransferUnit),
+    (buffers, last_copy, next, reader): (
+        &[HostBuffer],
+        &mut [Option<Event>],
+        &mut usize,
+        &mut StagedReader,
+    ),
     ring: &DeviceBuffer,
     dst_base: u64,
 ) -> Result<()> {
+    reader.read_ahead(u);
     let chunk = buffers[0].len() as u64;
     let mut at = 0u64;
     while at < unit.bytes {
@@ -1290,20 +1359,7 @@ fn copy_staged(
             metrics.record_copy_wait(started.elapsed());
         }
         let staging = &buffers[b];
-        staging.with_bytes_mut(|dst| {
-            for e in &unit.entries {
-                let (lo, hi) = (e.offset.max(at), (e.offset + e.len).min(at + n));
-                if lo >= hi {
-                    continue;
-                }
-                e.param.host().with_bytes(|src| {
-                    let s0 = (lo - e.offset) as usize;
-                    let d0 = (lo - at) as usize;
-                    let len = (hi - lo) as usize;
-                    dst[d0..d0 + len].copy_from_slice(&src[s0..s0 + len]);
-                });
-            }
-        })?;
+        staging.with_bytes_mut(|dst| reader.fill(u, &mut dst[..n as usize], unit, at))??;
         let src = staging.slice(0, n as usize)?;
         let dst = ring.slice((dst_base + at) as usize, n as usize)?;
         device.copy_h2d(&src, &dst, copy)?;
@@ -1311,5 +1367,6 @@ fn copy_staged(
         last_copy[b] = Some(device.record_event(copy)?);
         at += n;
     }
+    reader.done(u);
     Ok(())
 }

@@ -160,6 +160,12 @@ pub struct StreamingFigures {
     /// not; `None` otherwise.
     #[serde(default)]
     pub coded_cache_path: Option<std::path::PathBuf>,
+    /// Bytes of staged units past `page_cache_limit` whose file pages are given back after
+    /// each copy, so that every forward reads them from the disk again (the disk tier,
+    /// [`staged_read`](crate::streaming::staged_read)); 0 when nothing is staged or all
+    /// staged pages may stay cached.
+    #[serde(default)]
+    pub disk_bytes_per_forward: u64,
 }
 
 impl StreamingFigures {

@@ -69,6 +69,7 @@ mod placement;
 pub mod plan;
 mod register_plan;
 pub mod schedule;
+pub mod staged_read;
 mod trace;
 
 pub use crate::config::{Compression, PinnedSource};
@@ -150,6 +151,9 @@ pub struct StreamingConfig {
     /// Stream the units lossless-coded ([`Compression::Lossless`]): a pinned home of coded
     /// units, decoded on the device into the ring ([`coded_ring_bytes`] more device memory).
     pub compress: Compression,
+    /// Bytes of staged units whose file pages stay in memory between forwards (`None`:
+    /// all); the rest are given back once copied ([`staged_read`]).
+    pub page_cache_limit: Option<u64>,
 }
 
 /// Coded slots of a lossless-coded ring: a unit's coded bytes land in one while the unit
@@ -181,6 +185,7 @@ impl Default for StreamingConfig {
             pinned_source: PinnedSource::Register,
             timeline: false,
             compress: Compression::None,
+            page_cache_limit: None,
         }
     }
 }
@@ -216,6 +221,7 @@ impl StreamingConfig {
             pinned_source: o.pinned_source.unwrap_or_default(),
             timeline: o.timeline.unwrap_or(false),
             compress: o.compress.unwrap_or_default(),
+            page_cache_limit: o.page_cache_limit,
         }
     }
 }
@@ -259,6 +265,15 @@ pub const PINNED_LIMIT_OPTION: OptionDecl = OptionDecl::new(
     OptionKind::Size,
     "available host memory less an eighth (at least 4 GiB left)",
     "most pinned host bytes the streaming engine may hold",
+);
+
+/// `page_cache_limit`, as route option tables declare it (the memory plan sets it from
+/// the host budget, [`staged_read`]).
+pub const PAGE_CACHE_LIMIT_OPTION: OptionDecl = OptionDecl::new(
+    "page_cache_limit",
+    OptionKind::Size,
+    "no limit",
+    "staged bytes whose file pages stay in memory between forwards; the rest are read from the disk each forward",
 );
 
 /// `unit_bytes`, as route option tables declare it.
@@ -362,6 +377,8 @@ mod tests {
             PinnedSource::default().as_str()
         );
         assert_eq!(COMPRESS_OPTION.default, Compression::default().as_str());
+        assert_eq!(StreamingConfig::default().page_cache_limit, None);
+        assert_eq!(PAGE_CACHE_LIMIT_OPTION.default, "no limit");
         assert_eq!(
             TIMELINE_OPTION.default,
             StreamingConfig::default().timeline.to_string()

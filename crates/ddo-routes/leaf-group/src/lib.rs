@@ -201,6 +201,11 @@ pub static OPTIONS: OptionTable = OptionTable {
         ddo_core::streaming::PINNED_SOURCE_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
         ddo_core::streaming::TIMELINE_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
         ddo_core::streaming::COMPRESS_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
+        ddo_core::streaming::PAGE_CACHE_LIMIT_OPTION.requires(
+            "use_stream",
+            "true",
+            STREAM_ONLY_HINT,
+        ),
     ],
     refused: &[],
     others_hint: "diffusers_group_offload takes Diffusers' group offload options",
@@ -420,6 +425,8 @@ impl Route for GroupOffloadRoute {
                 attaches_on_device: false,
                 pageable_staging: refused,
                 pinned_limit_to_avoid_pageable: if refused { weight_bytes } else { 0 },
+                staged_bytes_per_forward: if pinned { 0 } else { weight_bytes },
+                disk_bytes_per_forward: 0,
                 summary: format!(
                     "{} groups copied per forward, one at a time, from {} host memory",
                     plan.groups.len(),
@@ -469,6 +476,19 @@ impl Route for GroupOffloadRoute {
         } else {
             (staging_buffers, true)
         };
+        // What goes through the staging buffers: every streamed byte, or what the
+        // registered first units leave. Past `page_cache_limit` it is read from the disk.
+        let staged =
+            if streaming.staging == StagingMode::Ring || (pageable && pinned <= staging_buffers) {
+                streamed
+            } else if pageable {
+                streamed.saturating_sub(pinned - staging_buffers)
+            } else {
+                0
+            };
+        let disk = streaming
+            .page_cache_limit
+            .map_or(0, |l| staged.saturating_sub(l));
         Ok(Footprint {
             weight_bytes,
             resident_bytes: resident,
@@ -480,11 +500,22 @@ impl Route for GroupOffloadRoute {
             attaches_on_device: false,
             pageable_staging: pageable,
             pinned_limit_to_avoid_pageable: if pageable { streamed } else { 0 },
+            staged_bytes_per_forward: staged,
+            disk_bytes_per_forward: disk,
             summary: format!(
-                "{} resident, {} streamed per forward through a {} ring{}",
+                "{} resident, {} streamed per forward through a {} ring{}{}",
                 human(resident),
                 human(streamed + unmatched),
                 human(ring),
+                if disk > 0 {
+                    format!(
+                        "; {} read from the disk each forward (page_cache_limit {})",
+                        human(disk),
+                        human(staged - disk)
+                    )
+                } else {
+                    String::new()
+                },
                 if pageable && pinned > staging_buffers {
                     format!(
                         "; the first units page-locked, the rest staged from pageable memory: pinned_limit {} < {} streamed",

@@ -239,6 +239,8 @@ impl Route for LinearConvolutionRoute {
             // the device's pinned limit the route refuses to attach instead.
             pageable_staging: false,
             pinned_limit_to_avoid_pageable: 0,
+            staged_bytes_per_forward: if pinned { 0 } else { weight_bytes },
+            disk_bytes_per_forward: 0,
             summary: format!(
                 "zero residency: each leaf copied before it runs from {} host memory",
                 if pinned { "pinned" } else { "pageable" }

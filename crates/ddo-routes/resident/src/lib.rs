@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use ddo_core::residency::{FreeMode, ResidencyTable, UploadRegistrations};
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext, Leaf,
-    OptionTable, Refusal, Result, Route, RouteId, RouteSpec,
+    AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext,
+    HostMemoryKind, Leaf, OptionTable, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
 use parking_lot::Mutex;
@@ -22,6 +22,10 @@ pub static OPTIONS: OptionTable = OptionTable {
     others_hint: "route none keeps every weight resident and takes no options; \
                   use diffusers_group_offload or native_vmm to tune offloading",
 };
+
+/// Params whose copies are queued before their file pages are released during the
+/// upload at attach (a few hundred MiB of a large model's pages at a time).
+const UPLOAD_CHUNK_PARAMS: usize = 16;
 
 /// The resident route (`none`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -108,12 +112,30 @@ impl Route for ResidentRoute {
         let params = component.params();
         // Checkpoint-mapped weights are page-locked where they are for this one upload.
         let uploads = UploadRegistrations::register(&*device, &params)?;
-        table.acquire(&*device, &params, &|p| uploads.source(p), &stream, &metrics)?;
-        if let Err(e) = device.synchronize_stream(&stream) {
+        // A one-time read (issue 35): the file pages of weights copied from pageable
+        // mappings leave the process as soon as their copies are queued, so the upload holds
+        // one chunk's pages at a time instead of the component's (advice only: a copy that
+        // has yet to read them faults them back in; the bytes stay readable).
+        let upload = |table: &mut ResidencyTable| -> Result<()> {
+            for chunk in params.chunks(UPLOAD_CHUNK_PARAMS) {
+                table.acquire(&*device, chunk, &|p| uploads.source(p), &stream, &metrics)?;
+                for p in chunk {
+                    if uploads.source(p)?.kind() != HostMemoryKind::Pinned {
+                        p.host().release_pages();
+                    }
+                }
+            }
+            device.synchronize_stream(&stream)
+        };
+        if let Err(e) = upload(&mut table) {
             table.release_all(&*device, FreeMode::Immediate, &stream);
             return Err(e);
         }
         uploads.release(&*device);
+        // The page-locked ones' pages, now that their copies are done.
+        for p in &params {
+            p.host().release_pages();
+        }
         let leaves_with_params = component
             .leaves()
             .iter()

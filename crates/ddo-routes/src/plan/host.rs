@@ -1,11 +1,12 @@
 //! The host side of the memory plan (issue 35): every phase's pinned memory plus the
 //! process's working memory within a [`HostBudget`].
 //!
-//! A phase makes the machine hold, beyond the pages of the checkpoint mappings it reads
-//! (clean file pages the kernel takes back under pressure, never counted against anyone):
+//! A phase makes the machine hold (the transient pages of a one-time read, an upload or the
+//! read-ahead window, aside):
 //!
 //! ```text
 //! host = HOST_WORKING_BYTES + Σ pinned bytes of its routes
+//!                           + Σ staged bytes of its routes whose pages stay cached
 //!                           + Σ pinned bytes of the next phase's components attached meanwhile
 //! ```
 //!
@@ -20,8 +21,13 @@
 //! 2. the phase's planned streamed routes, the one pinning the most first, get a
 //!    `pinned_limit` of what the others leave: the streamed part stays page-locked and the
 //!    resident part is uploaded from pageable memory; where the streamed part does not fit
-//!    either, `pinned=false`, two staging buffers filled from the mapping (the page cache,
-//!    or the disk when the kernel has let the pages go) for every forward.
+//!    either, `pinned=false`, two staging buffers filled from the mapping for every
+//!    forward;
+//! 3. the staged bytes whose pages do not fit beside the pinned ones get a
+//!    `page_cache_limit` of what is left: the pages past it go back after each copy and
+//!    are read from the disk again for every forward (the disk tier,
+//!    [`ddo_core::streaming::staged_read`]), so that the process never makes the machine
+//!    hold them all.
 //!
 //! A phase that still does not fit, each planned route at its least (staging buffers) and the
 //! fixed ones counted as given, is refused with [`CoreError::HostBudgetTooSmall`] naming that
@@ -41,10 +47,20 @@ pub(super) type Planned = (PhasePlan, Vec<ComponentPlan>);
 /// components attached in the background during it.
 pub(super) fn count_host(phases: &mut [Planned]) {
     for k in 0..phases.len() {
-        let own: u64 = phases[k]
+        let pinned: u64 = phases[k]
             .1
             .iter()
             .map(|c| c.footprint.pinned_host_bytes)
+            .sum();
+        let cached: u64 = phases[k]
+            .1
+            .iter()
+            .map(|c| c.footprint.cached_staged_bytes())
+            .sum();
+        let phases_disk: u64 = phases[k]
+            .1
+            .iter()
+            .map(|c| c.footprint.disk_bytes_per_forward)
             .sum();
         let prepared: u64 = phases.get(k + 1).map_or(0, |(_, next)| {
             next.iter()
@@ -53,8 +69,10 @@ pub(super) fn count_host(phases: &mut [Planned]) {
                 .sum()
         });
         let phase = &mut phases[k].0;
-        phase.pinned_host_bytes = own + prepared;
-        phase.host_bytes = HOST_WORKING_BYTES + own + prepared;
+        phase.pinned_host_bytes = pinned + prepared;
+        phase.page_cache_bytes = cached;
+        phase.disk_bytes_per_forward = phases_disk;
+        phase.host_bytes = HOST_WORKING_BYTES + pinned + cached + prepared;
     }
 }
 
@@ -104,7 +122,7 @@ pub(super) fn plan_host(
                 from: budget.source.to_string(),
                 needed,
                 detail: format!(
-                    "working memory {} + the least pinned memory of its routes {}",
+                    "working memory {} + the least pinned and cached memory of its routes {}",
                     format_bytes(HOST_WORKING_BYTES),
                     format_bytes(least)
                 ),
@@ -174,13 +192,24 @@ fn pin_less(
             .iter()
             .enumerate()
             .filter(|&(j, _)| j != i)
-            .map(|(_, o)| o.footprint.pinned_host_bytes)
+            .map(|(_, o)| o.footprint.pinned_host_bytes + o.footprint.cached_staged_bytes())
             .sum();
         let room = budget
             .bytes
             .saturating_sub(HOST_WORKING_BYTES)
             .saturating_sub(others);
-        if components[i].footprint.pinned_host_bytes <= room {
+        let own = &components[i].footprint;
+        if own.pinned_host_bytes + own.cached_staged_bytes() <= room {
+            continue;
+        }
+        if own.pinned_host_bytes <= room && own.staged_bytes_per_forward > 0 {
+            // Pinned as it is; the staged part past what is left goes to the disk tier.
+            let (spec, f) = page_cache_within(component, &c.resolution.spec, &ctx, room)?;
+            let c = &mut components[i];
+            c.reason
+                .push_str(&format!("; host: {}", disk_tier_note(&f)));
+            c.resolution.spec = spec;
+            c.footprint = f;
             continue;
         }
         // The streamed part page-locked, the resident part uploaded from pageable memory.
@@ -210,15 +239,51 @@ fn pin_less(
             );
             (staged, least, how)
         };
+        // The staged part's pages within what the pinned part leaves; past it, the disk.
+        let (spec, f, how) = if f.pinned_host_bytes + f.cached_staged_bytes() > room {
+            let (spec, f) = page_cache_within(component, &spec, &ctx, room)?;
+            let how = format!("{how}; {}", disk_tier_note(&f));
+            (spec, f, how)
+        } else {
+            (spec, f, how)
+        };
         let c = &mut components[i];
         c.reason.push_str(&format!("; host: {how}"));
         c.resolution.spec = spec;
         c.footprint = f;
     }
     for (c, least) in components.iter().zip(leasts) {
-        least_total += least.unwrap_or(c.footprint.pinned_host_bytes);
+        // A route the plan does not set keeps its staged pages cached as well.
+        least_total +=
+            least.unwrap_or(c.footprint.pinned_host_bytes + c.footprint.cached_staged_bytes());
     }
     Ok(least_total)
+}
+
+/// `spec` with a `page_cache_limit` of what `room` leaves beside its pinned bytes, and its
+/// footprint: the staged pages past it are given back after each copy and read from the
+/// disk for every forward.
+fn page_cache_within(
+    component: &ddo_core::Component,
+    spec: &RouteSpec,
+    context: &FootprintContext,
+    room: u64,
+) -> Result<(RouteSpec, ddo_core::Footprint)> {
+    let pinned = footprint(component, spec, context)?.pinned_host_bytes;
+    let keep = room.saturating_sub(pinned);
+    let spec = with_options(spec, |o| o.page_cache_limit = Some(keep))?;
+    let f = footprint(component, &spec, context)?;
+    Ok((spec, f))
+}
+
+/// How a component's staged bytes split between the page cache and the disk.
+fn disk_tier_note(f: &ddo_core::Footprint) -> String {
+    format!(
+        "page_cache_limit {}: {} of the {} staged per forward read from the disk each forward",
+        format_bytes(f.cached_staged_bytes()),
+        format_bytes(f.disk_bytes_per_forward),
+        format_bytes(f.staged_bytes_per_forward)
+    )
 }
 
 /// `spec` with `change` made to its options.

@@ -133,10 +133,17 @@ pub struct PhasePlan {
     pub early_upload_bytes: u64,
     /// `activation + resident + transient + early uploads`: at most the budget.
     pub peak_bytes: u64,
+    /// Staged weight bytes whose pages the phase keeps in the page cache between forwards
+    /// ([`Footprint::cached_staged_bytes`](ddo_core::Footprint::cached_staged_bytes)).
+    pub page_cache_bytes: u64,
+    /// Weight bytes read from the disk again every forward (the staged bytes past each
+    /// route's `page_cache_limit`).
+    pub disk_bytes_per_forward: u64,
     /// Host memory the phase makes the machine hold: the process's working memory
     /// ([`HOST_WORKING_BYTES`](ddo_core::host_budget::HOST_WORKING_BYTES)) plus the pinned
-    /// bytes of its routes and of the components attached in the background meanwhile; at
-    /// most the host budget when one was planned for.
+    /// bytes of its routes and of the components attached in the background meanwhile,
+    /// plus the staged pages it keeps cached; at most the host budget when one was planned
+    /// for.
     pub host_bytes: u64,
 }
 
@@ -193,8 +200,21 @@ impl PipelinePlan {
             } else {
                 String::new()
             };
+            let mut tiers = String::new();
+            if p.page_cache_bytes > 0 {
+                tiers.push_str(&format!(
+                    ", page cache {}",
+                    format_bytes(p.page_cache_bytes)
+                ));
+            }
+            if p.disk_bytes_per_forward > 0 {
+                tiers.push_str(&format!(
+                    ", disk {}/forward",
+                    format_bytes(p.disk_bytes_per_forward)
+                ));
+            }
             out.push_str(&format!(
-                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}{early}; streamed {}/forward, pinned {}, host {}\n",
+                "  {:<16} peak {:>10} = activations {} + resident {} + transient {}{early}; streamed {}/forward, pinned {}{tiers}, host {}\n",
                 p.phase,
                 format_bytes(p.peak_bytes),
                 format_bytes(p.activation_bytes),
@@ -658,6 +678,8 @@ fn plan_phase(
         pinned_host_bytes: plans.iter().map(|p| p.footprint.pinned_host_bytes).sum(),
         early_upload_bytes: 0,
         peak_bytes: peak,
+        page_cache_bytes: 0,
+        disk_bytes_per_forward: 0,
         host_bytes: 0,
     };
     Ok((phase, plans))
