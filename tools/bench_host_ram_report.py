@@ -5,7 +5,9 @@ survived) and each case's `ddo run --json` output (OUT/NAME.json), and writes OU
 and OUT/host_ram.md. The steady step is the median denoise step after the first two; its
 ratio is to the all-free case's of the same job. A case's step bound is the largest of the
 all-free case's steady step (compute and the link, at 1.0x the link floor there) and the
-bytes its plan reads from the disk each step over the disk rate `dd` measured in the job.
+bytes its plan reads from the disk each step over the disk rate `dd` measured next to the
+case (the mean of OUT/NAME.disk and OUT/NAME.disk-after, before and after it; else the job's
+first measure, OUT/disk.txt).
 
 Usage: python3 bench_host_ram_report.py OUT
 """
@@ -30,6 +32,15 @@ def disk_rate(line):
         head, tail = line.split(" copied, ")
         return int(head.split()[0]) / float(tail.split()[0])
     except (ValueError, IndexError):
+        return None
+
+
+def read_rate(path):
+    """The rate in a dd output file, or None."""
+    try:
+        with open(path) as f:
+            return disk_rate(f.read().strip().splitlines()[-1])
+    except (OSError, IndexError):
         return None
 
 
@@ -81,7 +92,11 @@ def main():
     for c in cases:
         base = free and free["steady_step_seconds"]
         c["steady_vs_free"] = (c["steady_step_seconds"] / base) if base and c["steady_step_seconds"] else None
-        disk_floor = c["plan_disk_bytes_per_step"] / rate if rate else None
+        # The rate measured next to the case where there is one (a cloud volume drifts).
+        near = [r for r in (read_rate(os.path.join(out, c["case"] + suffix)) for suffix in (".disk", ".disk-after")) if r]
+        case_rate = sum(near) / len(near) if near else rate
+        c["disk_bytes_per_second"] = case_rate
+        disk_floor = c["plan_disk_bytes_per_step"] / case_rate if case_rate else None
         bound = max(x for x in (base, disk_floor, 0.0) if x is not None)
         c["disk_floor_seconds"] = disk_floor
         c["step_bound_seconds"] = bound or None
@@ -92,8 +107,9 @@ def main():
         # Issue 35's time-to-image bound: every byte of the folder read once from the disk,
         # plus the run's steps at its steady step.
         steps = c.pop("steps", 0)
-        if folder_bytes and rate and c["steady_step_seconds"]:
-            c["image_bound_seconds"] = folder_bytes / rate + steps * c["steady_step_seconds"]
+        case_rate = c["disk_bytes_per_second"]
+        if folder_bytes and case_rate and c["steady_step_seconds"]:
+            c["image_bound_seconds"] = folder_bytes / case_rate + steps * c["steady_step_seconds"]
         else:
             c["image_bound_seconds"] = None
         t = c["total_seconds"]
@@ -108,18 +124,20 @@ def main():
         "",
         "disk: " + disk,
         "",
-        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratio = lambda x: "-" if x is None else "%.3f" % x
     for c in cases:
         p = c["phases_seconds"]
-        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f |" % (
+        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f |" % (
             c["case"], c["available_mib_at_start"] / 1024, "yes" if c["image"] else "no (exit %d)" % c["exit"],
             c["other_process_survived"], sec(c["total_seconds"]), ratio(c["image_vs_bound"]),
             sec(p.get("prompt_encoding")),
             sec(p.get("denoise")), sec(c["steady_step_seconds"]), ratio(c["steady_vs_free"]),
-            gib(c["plan_disk_bytes_per_step"]), sec(c["step_bound_seconds"]), ratio(c["steady_vs_bound"]),
+            gib(c["plan_disk_bytes_per_step"]),
+            "-" if not c["disk_bytes_per_second"] else "%.2f" % (c["disk_bytes_per_second"] / 1e9),
+            sec(c["step_bound_seconds"]), ratio(c["steady_vs_bound"]),
             gib(c["max_rss_bytes"]), gib(c["host_budget_bytes"]), c["lowest_available_mib"] / 1024))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "host_ram.md"), "w") as f:

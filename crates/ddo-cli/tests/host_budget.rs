@@ -38,10 +38,27 @@ fn the_run_reports_its_host_budget_and_its_peak_pinned_memory_within_it() {
     let pinned = host["peak_pinned_bytes"].as_u64().unwrap();
     assert!(pinned > 0 && pinned <= budget, "{host}");
     assert!(host["peak_rss_bytes"].as_u64().unwrap() > 0);
+    // What it read from storage (`/proc/self/io`, where the kernel accounts it).
+    if std::path::Path::new("/proc/self/io").exists() {
+        assert!(host["read_bytes"].as_u64().is_some(), "{host}");
+    }
     let plan = &v["memory_plan"];
     assert_eq!(plan["host_budget_bytes"].as_u64(), Some(budget));
     for phase in plan["phases"].as_array().unwrap() {
-        assert!(phase["host_bytes"].as_u64().unwrap() <= budget, "{phase}");
+        let host_bytes = phase["host_bytes"].as_u64().unwrap();
+        assert!(host_bytes <= budget, "{phase}");
+        // Working memory, pinned memory and the staged pages kept cached.
+        assert_eq!(
+            host_bytes,
+            ddo_core::host_budget::HOST_WORKING_BYTES
+                + phase["pinned_host_bytes"].as_u64().unwrap()
+                + phase["page_cache_bytes"].as_u64().unwrap(),
+            "{phase}"
+        );
+        assert!(
+            phase["disk_bytes_per_forward"].as_u64().is_some(),
+            "{phase}"
+        );
     }
     // Without the option: MemAvailable less the reserve.
     let v = run_json(&[]);

@@ -373,6 +373,16 @@ pub fn process_status_bytes(field: &str) -> Option<u64> {
     kib_field("/proc/self/status", field)
 }
 
+/// Bytes this process has caused to be read from storage so far (`read_bytes` of
+/// `/proc/self/io`: reads served by the page cache do not count), or `None` where it cannot
+/// be read (not Linux, no task accounting). `ddo run` reports it, so a cold run shows what
+/// it read from the disk (a coded-cache hit reads no raw checkpoint byte).
+pub fn process_read_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    let line = text.lines().find(|l| l.starts_with("read_bytes:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Several fields of this process's `/proc/self/status` in bytes, from one read of it, so
 /// that figures which add up (`RssAnon + RssFile + RssShmem = VmRSS`) are of one instant
 /// (`None` for a field it lacks; all `None` where it cannot be read).

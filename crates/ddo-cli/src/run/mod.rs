@@ -625,6 +625,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
             budget: host,
             peak_pinned: device.memory_info().pinned_peak,
             peak_rss: ddo_core::host_memory::process_status_bytes("VmHWM"),
+            read_bytes: ddo_core::host_memory::process_read_bytes(),
         },
     };
     let text = if args.json {

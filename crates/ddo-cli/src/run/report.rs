@@ -63,6 +63,10 @@ pub(super) struct HostUse {
     pub(super) peak_pinned: u64,
     /// The process's peak resident set (`VmHWM`), touched file pages included.
     pub(super) peak_rss: Option<u64>,
+    /// Bytes the process read from storage ([`process_read_bytes`]).
+    ///
+    /// [`process_read_bytes`]: ddo_core::host_memory::process_read_bytes
+    pub(super) read_bytes: Option<u64>,
 }
 
 impl HostUse {
@@ -72,6 +76,7 @@ impl HostUse {
             "budget_source": self.budget.source.to_string(),
             "peak_pinned_bytes": self.peak_pinned,
             "peak_rss_bytes": self.peak_rss,
+            "read_bytes": self.read_bytes,
         })
     }
 
@@ -85,8 +90,11 @@ impl HostUse {
                 )
             },
         );
+        let read = self.read_bytes.map_or_else(String::new, |r| {
+            format!("; read from storage {}", format_bytes(r))
+        });
         format!(
-            "host: budget {} ({}); peak pinned {}; {rss}\n",
+            "host: budget {} ({}); peak pinned {}; {rss}{read}\n",
             format_bytes(self.budget.bytes),
             self.budget.source,
             format_bytes(self.peak_pinned)
