@@ -64,7 +64,11 @@ pub struct CandidateResult {
     pub peak_bytes: u64,
     /// Host→device bytes per timed forward.
     pub streamed_bytes_per_forward: u64,
-    /// `streamed / link bandwidth`, seconds.
+    /// Bytes read from the disk per timed forward (the staged units past the route's
+    /// `page_cache_limit`).
+    pub disk_bytes_per_forward: u64,
+    /// The floor: the larger of `streamed / link bandwidth` and, where the disk was
+    /// measured (`--weights`), `disk bytes / the disk's best measured rate`, seconds.
     pub floor_seconds: f64,
     /// `median / floor` (none when nothing streams).
     pub ratio_to_floor: Option<f64>,
@@ -429,6 +433,17 @@ pub fn link_bandwidth(device: &dyn Device, bytes: usize) -> ddo_core::Result<f64
     Ok((bytes * LINK_PASSES) as f64 / best.max(1e-9))
 }
 
+/// Seconds `disk_bytes` take at the best rate the disk probes measured (0 without a probe
+/// or without disk bytes): the disk term of a candidate's floor.
+fn disk_floor(disk_bytes: u64, probes: &[ddo_core::disk::DiskRate]) -> f64 {
+    let rate = probes.iter().map(|d| d.bytes_per_sec).fold(0.0, f64::max);
+    if disk_bytes == 0 || rate <= 0.0 {
+        0.0
+    } else {
+        disk_bytes as f64 / rate
+    }
+}
+
 /// The most bytes a disk probe reads: 2 GiB (about a second at a consumer NVMe's rate).
 const DISK_PROBE_BYTES: u64 = 2 << 30;
 
@@ -730,6 +745,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 .and_then(|m| m.timeline.as_ref())
                 .map(|t| t.summary(5));
             let coded = snapshot.as_ref().and_then(|m| m.coded.clone());
+            let disk_bytes = snapshot
+                .as_ref()
+                .map_or(0, |m| m.counters.disk_bytes_per_forward);
             let peak_pinned_host_bytes = snapshot.map_or(0, |m| m.counters.peak_pinned_host_bytes);
             let back = if unmanaged {
                 component.to_host()
@@ -740,7 +758,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             let (seconds, peak, streamed) = run?;
             back?;
             let med = median(&seconds);
-            let floor = streamed as f64 / bandwidth;
+            let floor = (streamed as f64 / bandwidth).max(disk_floor(disk_bytes, &disk));
             Ok(CandidateResult {
                 label: label.clone(),
                 route,
@@ -750,6 +768,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 seconds,
                 peak_bytes: peak,
                 streamed_bytes_per_forward: streamed,
+                disk_bytes_per_forward: disk_bytes,
                 floor_seconds: floor,
                 ratio_to_floor: (streamed > 0).then(|| med / floor.max(1e-12)),
                 error: None,
@@ -771,6 +790,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             max_seconds: 0.0,
             peak_bytes: 0,
             streamed_bytes_per_forward: 0,
+            disk_bytes_per_forward: 0,
             floor_seconds: 0.0,
             ratio_to_floor: None,
             error: Some(e.message),
@@ -827,8 +847,13 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             s += &format!("  note: {n}\n");
         }
         s += &format!(
-            "link floor: host->device {:.2} GB/s measured in this process\n",
-            bandwidth / 1e9
+            "link floor: host->device {:.2} GB/s measured in this process{}\n",
+            bandwidth / 1e9,
+            if disk.is_empty() {
+                ""
+            } else {
+                "; a candidate reading from the disk each forward: the larger of that and its disk bytes at the disk's best rate below"
+            }
         );
         for d in &disk {
             s += &format!(

@@ -56,3 +56,55 @@ fn random_weights_have_no_disk_figure() {
     let v = bench_json(&["--config", "tiny"]);
     assert_eq!(v["disk"], serde_json::json!([]));
 }
+
+/// A candidate that reads staged weights from the disk each forward (`page_cache_limit=0`)
+/// reports those bytes, and its floor is at least them at the disk's best measured rate; a
+/// candidate that keeps them cached reads none from the disk.
+#[test]
+fn a_disk_tier_candidate_has_a_disk_floor() {
+    let folder = fixture("flux_pipeline");
+    let v = bench_json(&[
+        "--weights",
+        &folder,
+        "--component",
+        "transformer",
+        "--route",
+        "diffusers_group_offload:use_stream=true,pinned=false,page_cache_limit=0",
+        "--route",
+        "diffusers_group_offload:use_stream=true,pinned=false",
+    ]);
+    let rate = v["disk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["bytes_per_sec"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(rate > 0.0, "{v}");
+    let results = v["candidates"].as_array().expect("candidates");
+    let by = |needle: &str, cached: bool| {
+        results
+            .iter()
+            .find(|r| {
+                let label = r["label"].as_str().unwrap();
+                label.contains(needle) && label.contains("page_cache_limit") != cached
+            })
+            .unwrap_or_else(|| panic!("no {needle} candidate in {v}"))
+    };
+    let disk = by("pinned=false", false);
+    let bytes = disk["disk_bytes_per_forward"].as_u64().unwrap();
+    assert!(bytes > 0, "{disk}");
+    assert!(
+        bytes <= disk["streamed_bytes_per_forward"].as_u64().unwrap(),
+        "{disk}"
+    );
+    let floor = disk["floor_seconds"].as_f64().unwrap();
+    assert!(floor >= bytes as f64 / rate * 0.999, "{disk}");
+    let cached = by("pinned=false", true);
+    assert_eq!(
+        cached["disk_bytes_per_forward"].as_u64(),
+        Some(0),
+        "{cached}"
+    );
+    // Same weights, same outputs, whichever tier they came from.
+    assert_eq!(disk["output_fnv1a"], cached["output_fnv1a"]);
+}

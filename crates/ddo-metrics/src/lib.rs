@@ -36,6 +36,7 @@ pub struct RouteMetrics {
     leaves_resident: AtomicU64,
     schedule_relearned: AtomicU64,
     streamed_bytes_per_forward: AtomicU64,
+    disk_bytes_per_forward: AtomicU64,
     transfer_units: AtomicU64,
     ring_slots: AtomicU64,
     ring_slot_bytes: AtomicU64,
@@ -179,6 +180,12 @@ impl RouteMetrics {
             .store(staging_buffers, Ordering::Relaxed);
     }
 
+    /// Sets the bytes the streaming engine reads from the disk per forward (the staged units
+    /// past its page cache limit).
+    pub fn set_disk_bytes_per_forward(&self, bytes: u64) {
+        self.disk_bytes_per_forward.store(bytes, Ordering::Relaxed);
+    }
+
     /// Sets where the streaming engine's copies read from (see [`StreamingHost`]); a build
     /// that fell back from registered mappings is counted.
     pub fn set_streaming_host(&self, host: StreamingHost) {
@@ -223,6 +230,7 @@ impl RouteMetrics {
             leaves_resident: self.leaves_resident.load(Ordering::Relaxed),
             schedule_relearned: self.schedule_relearned.load(Ordering::Relaxed),
             streamed_bytes_per_forward: self.streamed_bytes_per_forward.load(Ordering::Relaxed),
+            disk_bytes_per_forward: self.disk_bytes_per_forward.load(Ordering::Relaxed),
             transfer_units: self.transfer_units.load(Ordering::Relaxed),
             ring_slots: self.ring_slots.load(Ordering::Relaxed),
             ring_slot_bytes: self.ring_slot_bytes.load(Ordering::Relaxed),
@@ -373,6 +381,10 @@ pub struct RouteCounters {
     /// Bytes the streaming engine copies to the device per forward (0 without the engine).
     #[serde(default)]
     pub streamed_bytes_per_forward: u64,
+    /// Of the bytes staged per forward, those read from the disk again every forward (past
+    /// the engine's `page_cache_limit`; 0 when every staged page stays cached).
+    #[serde(default)]
+    pub disk_bytes_per_forward: u64,
     /// Transfer units per forward (one copy each).
     #[serde(default)]
     pub transfer_units: u64,
@@ -755,6 +767,13 @@ impl MetricsSnapshot {
             if let Some(pool) = &p.native_pool {
                 let _ = writeln!(s, "    phase {}: {}", p.phase, pool.format_line());
             }
+        }
+        if c.disk_bytes_per_forward > 0 {
+            let _ = writeln!(
+                s,
+                "  disk tier: {} of the staged weights read from the disk each forward (past page_cache_limit)",
+                format_bytes(c.disk_bytes_per_forward)
+            );
         }
         if c.transfer_units > 0 {
             let _ = writeln!(

@@ -195,6 +195,7 @@ impl StreamingFigures {
             self.staging.staging_buffers(),
         );
         metrics.set_streaming_host(self.host_metrics());
+        metrics.set_disk_bytes_per_forward(self.disk_bytes_per_forward);
         metrics.set_pinned_host_bytes(self.pinned_bytes);
         metrics.set_coded(self.coded_figures());
     }
