@@ -703,6 +703,12 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
             ));
         }
     };
+    // A LoRA file: its format, family, ranks and modules (issue 36).
+    if let Some(text) = crate::lora::inspect_lora(&path, args.json)? {
+        return out
+            .write_all(text.as_bytes())
+            .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""));
+    }
     let budget = args.vram_budget.unwrap_or(DEFAULT_HOST_CAPACITY);
     let comps = components(&path)?;
     let names: Vec<String> = comps.iter().map(|c| c.component.clone()).collect();

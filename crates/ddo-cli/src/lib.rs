@@ -31,6 +31,7 @@ pub mod fuzz_argv;
 pub mod inspect;
 pub mod interrupt;
 pub mod io;
+pub mod lora;
 pub mod outputs;
 pub mod plot;
 pub mod progress;

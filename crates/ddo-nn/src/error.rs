@@ -241,6 +241,16 @@ pub enum LoadError {
         /// The pipeline that class belongs to (`QwenImagePipeline`).
         pipeline: &'static str,
     },
+    /// A LoRA file DDO cannot read or apply: what is wrong, or the format it holds.
+    #[error(
+        "{file} is not a LoRA DDO applies: {problem}; DDO reads Diffusers/PEFT, AI-toolkit,          kohya/sd-scripts, ComfyUI, original-layout and XLabs LoRA files (`ddo inspect FILE`          names a file's format)"
+    )]
+    Lora {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
     /// The core refused something while building (allocation, a bad module tree).
     #[error(transparent)]
     Core(#[from] CoreError),

@@ -22,6 +22,7 @@ pub mod error;
 pub mod flux;
 pub mod fp8;
 pub mod layers;
+pub mod lora;
 pub mod memory;
 pub mod pipeline;
 pub mod qwen_image;
