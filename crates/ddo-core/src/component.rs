@@ -187,6 +187,9 @@ pub struct Component {
     exclusive: AtomicBool,
     attached: Mutex<Option<Arc<dyn AttachedRoute>>>,
     forward_lock: Mutex<()>,
+    /// Low-rank adapters by leaf ([`crate::adapter`]): resident beside the route's weights,
+    /// never part of them.
+    adapters: RwLock<crate::adapter::AdapterSet>,
 }
 
 impl Component {
@@ -235,6 +238,7 @@ impl Component {
             exclusive: AtomicBool::new(false),
             attached: Mutex::new(None),
             forward_lock: Mutex::new(()),
+            adapters: RwLock::new(Default::default()),
         }))
     }
 
@@ -269,6 +273,33 @@ impl Component {
     /// A leaf by path.
     pub fn leaf_by_path(&self, path: &str) -> Option<&Leaf> {
         self.leaves.iter().find(|l| l.path == path)
+    }
+
+    /// Replaces the component's low-rank adapters ([`crate::adapter`]): from the next
+    /// forward on, each linear leaf in `adapters` adds them to its output. An empty set
+    /// removes every adapter. The leaves' params are not touched, so the route attached
+    /// (whatever it streams, pins or keeps resident) needs no change.
+    pub fn set_adapters(&self, adapters: crate::adapter::AdapterSet) -> Result<()> {
+        for id in adapters.keys() {
+            self.leaf(*id)?;
+        }
+        *self.adapters.write() = adapters;
+        Ok(())
+    }
+
+    /// The adapters of leaf `id` (`None`: none).
+    pub fn adapters_of(&self, id: LeafId) -> Option<Arc<[crate::adapter::Adapter]>> {
+        self.adapters.read().get(&id).cloned()
+    }
+
+    /// Device bytes of the component's adapters.
+    pub fn adapter_bytes(&self) -> u64 {
+        self.adapters
+            .read()
+            .values()
+            .flat_map(|a| a.iter())
+            .map(crate::adapter::Adapter::nbytes)
+            .sum()
     }
 
     /// Every param once (tied weights once), in first-use order.

@@ -34,6 +34,7 @@
 //!
 //! Architecture invariant: this crate never depends on cudarc or any GPU library.
 
+pub mod adapter;
 pub mod checkpoint;
 pub mod component;
 pub mod config;

@@ -538,9 +538,17 @@ pub fn checked_preflight(
 pub struct LeafWeights<'a> {
     leaf: &'a Leaf,
     tensors: Vec<Tensor>,
+    adapters: Option<Arc<[crate::adapter::Adapter]>>,
 }
 
 impl LeafWeights<'_> {
+    /// The leaf's low-rank adapters ([`Component::set_adapters`]), empty without any.
+    ///
+    /// [`Component::set_adapters`]: crate::Component::set_adapters
+    pub fn adapters(&self) -> &[crate::adapter::Adapter] {
+        self.adapters.as_deref().unwrap_or(&[])
+    }
+
     /// The device tensor of the param with local name `name`.
     pub fn get(&self, name: &str) -> Result<&Tensor> {
         self.leaf
@@ -617,7 +625,11 @@ impl<'a> ForwardContext<'a> {
                 })?;
                 tensors.push(t);
             }
-            let weights = LeafWeights { leaf, tensors };
+            let weights = LeafWeights {
+                leaf,
+                tensors,
+                adapters: self.component.adapters_of(id),
+            };
             f(&weights)?
         };
         if let Some(h) = self.hooks {

@@ -2,6 +2,7 @@
 //! through [`ForwardContext::run_leaf`], so whatever route is attached moves its weights.
 //! Parameter names follow Diffusers/PyTorch (`weight`, `bias`).
 
+use ddo_core::adapter::add_adapters;
 use ddo_core::{
     Conv2dParams, ForwardContext, LeafId, LeafKind, Ops, Result, Tensor, UnaryOp, ops_of,
 };
@@ -56,7 +57,8 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
-            ops.linear(x, w.get("weight")?, b)
+            let y = ops.linear(x, w.get("weight")?, b)?;
+            add_adapters(ops, &[x], y, w.adapters())
         })
     }
 
@@ -68,7 +70,13 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
-            ops.linear_gelu_tanh(x, w.get("weight")?, b)
+            if w.adapters().is_empty() {
+                return ops.linear_gelu_tanh(x, w.get("weight")?, b);
+            }
+            // The adapters go in before the activation.
+            let y = ops.linear(x, w.get("weight")?, b)?;
+            let y = add_adapters(ops, &[x], y, w.adapters())?;
+            ops.unary_owned(y, ddo_core::UnaryOp::GeluTanh)
         })
     }
 
@@ -80,7 +88,8 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
-            ops.linear_concat(xs, w.get("weight")?, b)
+            let y = ops.linear_concat(xs, w.get("weight")?, b)?;
+            add_adapters(ops, xs, y, w.adapters())
         })
     }
 

@@ -32,7 +32,10 @@
 //! fal Kontext LoRAs, "mixture" files, DoRA and LoRA biases are refused with a typed error
 //! naming what the file holds.
 
+pub mod apply;
 pub mod names;
+
+pub use apply::apply_loras;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

@@ -1,0 +1,107 @@
+//! Putting LoRA modules on a component: each module's `A` and `B` uploaded to the device
+//! in the adapted weight's compute dtype (bf16 for fp8 weights) and set as the linear
+//! leaf's adapters ([`ddo_core::adapter`]), several files' adapters of one leaf side by
+//! side. The leaf's own params are never read or written.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ddo_core::adapter::{Adapter, AdapterSet};
+use ddo_core::{Component, DType, Device, LeafKind, Tensor};
+
+use super::{LoraFile, LoraModule};
+use crate::error::{LoadError, LoadResult};
+
+/// The dtype an adapter computes in beside a weight of `dtype`: its own for f32, f16 and
+/// bf16; bf16 for 8-bit weights (computed in bf16).
+fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => dtype,
+        _ => DType::BF16,
+    }
+}
+
+/// Sets `component`'s adapters to the modules of `loras` (each with its strength) that
+/// adapt it, uploaded to `device`; returns their device bytes. With no module for it, its
+/// adapters are cleared. A module naming no linear leaf of the component, or whose shapes
+/// do not fit the leaf's weight, is [`LoadError::Lora`] naming the file and the module;
+/// nothing is changed then.
+pub fn apply_loras(
+    component: &Component,
+    loras: &[(&LoraFile, f32)],
+    device: &dyn Device,
+) -> LoadResult<u64> {
+    let mut by_leaf: HashMap<ddo_core::LeafId, Vec<Adapter>> = HashMap::new();
+    let stream = device.compute_stream();
+    for (file, strength) in loras {
+        let bad = |m: &LoraModule, problem: String| LoadError::Lora {
+            file: file.path.clone(),
+            problem: format!("module `{}` of the {}: {problem}", m.module, m.component),
+        };
+        for m in file
+            .modules
+            .iter()
+            .filter(|m| m.component == component.name())
+        {
+            let (id, leaf) = component
+                .leaves()
+                .iter()
+                .enumerate()
+                .find(|(_, l)| l.path() == m.module)
+                .ok_or_else(|| {
+                    bad(
+                        m,
+                        format!(
+                            "the {} has no such layer; the LoRA was made for another model",
+                            component.class_name()
+                        ),
+                    )
+                })?;
+            if leaf.kind() != LeafKind::Linear {
+                return Err(bad(m, "the layer is not a linear".into()));
+            }
+            let weight = leaf
+                .params()
+                .iter()
+                .find(|(n, _)| n == "weight")
+                .map(|(_, p)| Arc::clone(p))
+                .ok_or_else(|| bad(m, "the layer has no weight".into()))?;
+            if weight.shape() != [m.out_features(), m.in_features()] {
+                return Err(bad(
+                    m,
+                    format!(
+                        "it adapts {} → {}, the layer's weight is {:?}",
+                        m.in_features(),
+                        m.out_features(),
+                        weight.shape()
+                    ),
+                ));
+            }
+            let dtype = compute_dtype(weight.dtype());
+            let upload = |t: &super::LoraTensor| -> LoadResult<Tensor> {
+                let values = t.to_f32()?;
+                let host = Tensor::from_f32(vec![t.rows, t.cols], dtype, &values)?;
+                Ok(host.to_device(device, &stream)?)
+            };
+            let adapter = Adapter {
+                down: upload(&m.down)?,
+                up: upload(&m.up)?,
+                scale: m.scale * strength,
+            };
+            adapter
+                .check(leaf.path(), m.in_features(), m.out_features())
+                .map_err(|e| bad(m, e.to_string()))?;
+            by_leaf
+                .entry(ddo_core::LeafId(id))
+                .or_default()
+                .push(adapter);
+        }
+    }
+    let set: AdapterSet = by_leaf
+        .into_iter()
+        .map(|(id, a)| (id, Arc::from(a)))
+        .collect();
+    component.set_adapters(set)?;
+    device.synchronize_stream(&stream)?;
+    Ok(component.adapter_bytes())
+}

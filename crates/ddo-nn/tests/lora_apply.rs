@@ -1,0 +1,253 @@
+//! LoRA applied at run time (issue 36) on the Diffusers Flux transformer fixture: the
+//! output with a kohya LoRA's adapters (fused qkv and `linear1` split, the final
+//! modulation's halves swapped, an MLP input before its GELU, the single block's
+//! concatenated `proj_out`) equals the output of the same model whose weights had
+//! `strength · alpha/rank · B A` merged in, on the resident route and a streamed one (bit for
+//! bit between routes); clearing the adapters gives the plain output back bit for bit, and a
+//! LoRA for another model is refused with nothing changed.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ddo_core::{DType, Device, RouteSpec, Tensor, ops_of};
+use ddo_host::HostDevice;
+use ddo_nn::flux::{FluxInputs, FluxTransformer};
+use ddo_nn::lora::{LoraFile, apply_loras};
+use ddo_nn::{LoadError, read_f32_tensor};
+use ddo_routes::enable_dynamic_offload;
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use tempfile::TempDir;
+
+fn fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/flux_transformer")
+}
+
+fn tensor(file: &str, name: &str) -> (Vec<usize>, Vec<f32>) {
+    read_f32_tensor(&fixture_dir().join(file), name).unwrap()
+}
+
+fn inputs() -> FluxInputs {
+    let f = "inputs.safetensors";
+    let t = |n: &str| {
+        let (s, v) = tensor(f, n);
+        Tensor::from_f32(s, DType::F32, &v).unwrap()
+    };
+    let ids = |n: &str| {
+        tensor(f, n)
+            .1
+            .chunks(3)
+            .map(|c| [c[0], c[1], c[2]])
+            .collect()
+    };
+    FluxInputs {
+        hidden_states: t("hidden_states"),
+        encoder_hidden_states: t("encoder_hidden_states"),
+        pooled_projections: t("pooled_projections"),
+        timestep: tensor(f, "timestep").1,
+        guidance: Some(tensor(f, "guidance").1),
+        img_ids: ids("img_ids"),
+        txt_ids: ids("txt_ids"),
+    }
+}
+
+fn write(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| {
+            (
+                n.clone(),
+                s.clone(),
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// A kohya LoRA on the tiny transformer (hidden 32, MLP 128): `(module, out, in)`.
+fn kohya(path: &Path, modules: &[(&str, usize, usize)]) {
+    let rank = 4;
+    let mut t = Vec::new();
+    for (k, (m, out, inp)) in modules.iter().enumerate() {
+        let v = |n: usize, seed: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as f32 * 0.61 + seed).sin()) * 0.3)
+                .collect()
+        };
+        t.push((
+            format!("lora_unet_{m}.lora_down.weight"),
+            vec![rank, *inp],
+            v(rank * inp, k as f32),
+        ));
+        t.push((
+            format!("lora_unet_{m}.lora_up.weight"),
+            vec![*out, rank],
+            v(out * rank, 7.0 + k as f32),
+        ));
+        t.push((format!("lora_unet_{m}.alpha"), vec![], vec![2.0]));
+    }
+    write(path, &t);
+}
+
+const MODULES: [(&str, usize, usize); 5] = [
+    ("double_blocks_0_img_attn_qkv", 96, 32),
+    ("double_blocks_0_txt_mlp_0", 128, 32),
+    ("single_blocks_0_linear1", 224, 32),
+    ("single_blocks_0_linear2", 32, 160),
+    ("final_layer_adaLN_modulation_1", 64, 32),
+];
+
+/// The fixture folder with `strength · scale · B A` added to each adapted weight.
+fn merged(dir: &Path, lora: &LoraFile, strength: f32) -> PathBuf {
+    let out = dir.join("merged");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::copy(fixture_dir().join("config.json"), out.join("config.json")).unwrap();
+    let src = fixture_dir().join("diffusion_pytorch_model.safetensors");
+    let bytes = std::fs::read(&src).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut deltas: HashMap<String, Vec<f32>> = HashMap::new();
+    for m in &lora.modules {
+        let (a, b) = (m.down.to_f32().unwrap(), m.up.to_f32().unwrap());
+        let (o, r, i) = (m.out_features(), m.rank(), m.in_features());
+        let mut d = vec![0.0f32; o * i];
+        for row in 0..o {
+            for col in 0..i {
+                let dot: f32 = (0..r).map(|k| b[row * r + k] * a[k * i + col]).sum();
+                d[row * i + col] = strength * m.scale * dot;
+            }
+        }
+        deltas.insert(format!("{}.weight", m.module), d);
+    }
+    let mut tensors = Vec::new();
+    for (name, view) in st.tensors() {
+        assert_eq!(view.dtype(), Dtype::F32);
+        let mut v: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if let Some(d) = deltas.remove(&name) {
+            v.iter_mut().zip(d).for_each(|(w, d)| *w += d);
+        }
+        tensors.push((name, view.shape().to_vec(), v));
+    }
+    assert!(deltas.is_empty(), "not in the fixture: {:?}", deltas.keys());
+    write(&out.join("diffusion_pytorch_model.safetensors"), &tensors);
+    out
+}
+
+/// `(bytes, values)` of a forward of `model` on `route` (`None`: placed by `to_device`).
+fn run(
+    model: &FluxTransformer,
+    d: &Arc<HostDevice>,
+    route: Option<RouteSpec>,
+) -> (Vec<u8>, Vec<f32>) {
+    let handle = match route {
+        Some(spec) => Some(enable_dynamic_offload(model.component(), d.clone(), spec).unwrap()),
+        None => {
+            model
+                .component()
+                .to_device(&**d, &d.compute_stream())
+                .unwrap();
+            None
+        }
+    };
+    let out = model.forward(&**d, &inputs()).unwrap();
+    let values = ops_of(&**d).unwrap().to_f32_vec(&out).unwrap();
+    let bytes = out.to_host_bytes(&**d, &d.compute_stream()).unwrap();
+    drop(handle);
+    (bytes, values)
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn adapters_equal_merged_weights_on_every_route() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("lora.safetensors");
+    kohya(&path, &MODULES);
+    let lora = LoraFile::open(&path).unwrap();
+    // qkv 3 + the MLP input 1 + linear1 4 + linear2 1 + norm_out 1.
+    assert_eq!(lora.modules.len(), 10);
+    let strength = 0.7;
+    let d = HostDevice::with_capacity(1 << 30).unwrap();
+
+    let plain = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    let (plain_bytes, plain_values) = run(&plain, &d, None);
+
+    let model = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    let bytes = apply_loras(model.component(), &[(&lora, strength)], &*d).unwrap();
+    assert!(bytes > 0 && bytes == model.component().adapter_bytes());
+    let (adapted_bytes, adapted) = run(&model, &d, None);
+
+    let merged_model = FluxTransformer::load(&merged(dir.path(), &lora, strength), None).unwrap();
+    let (_, merged_values) = run(&merged_model, &d, None);
+    let err = rel_l2(&adapted, &merged_values);
+    let moved = rel_l2(&adapted, &plain_values);
+    eprintln!("lora: rel L2 against merged weights {err:.3e}; against no LoRA {moved:.3e}");
+    assert!(err <= 1e-5, "adapters vs merged: {err:e}");
+    assert!(moved > 1e-3, "the LoRA changed nothing: {moved:e}");
+
+    // The same adapters on a streamed route: bit for bit the resident output.
+    let streamed = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    apply_loras(streamed.component(), &[(&lora, strength)], &*d).unwrap();
+    let (streamed_bytes, _) = run(&streamed, &d, Some(RouteSpec::leaf_group(true, false)));
+    assert_eq!(
+        streamed_bytes, adapted_bytes,
+        "streamed vs resident with the LoRA"
+    );
+
+    // Cleared: the plain output, bit for bit.
+    let cleared = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    apply_loras(cleared.component(), &[(&lora, strength)], &*d).unwrap();
+    assert_eq!(apply_loras(cleared.component(), &[], &*d).unwrap(), 0);
+    assert_eq!(run(&cleared, &d, None).0, plain_bytes);
+}
+
+#[test]
+fn a_lora_for_another_model_is_refused_and_changes_nothing() {
+    let dir = TempDir::new().unwrap();
+    let d = HostDevice::with_capacity(1 << 30).unwrap();
+    let model = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    let good = dir.path().join("good.safetensors");
+    kohya(&good, &MODULES[..1]);
+    let good = LoraFile::open(&good).unwrap();
+    apply_loras(model.component(), &[(&good, 1.0)], &*d).unwrap();
+    let before = model.component().adapter_bytes();
+    // Block 5 does not exist in a one-block model; a wider layer does not fit.
+    for (name, modules) in [
+        ("deep", vec![("double_blocks_5_img_mlp_0", 128, 32)]),
+        ("wide", vec![("double_blocks_0_img_mlp_0", 128, 3072)]),
+    ] {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        kohya(&path, &modules);
+        let lora = LoraFile::open(&path).unwrap();
+        let e = apply_loras(model.component(), &[(&lora, 1.0)], &*d).unwrap_err();
+        assert!(matches!(e, LoadError::Lora { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains("transformer_blocks") && text.contains(name),
+            "{text}"
+        );
+        assert_eq!(
+            model.component().adapter_bytes(),
+            before,
+            "{name}: adapters changed"
+        );
+    }
+}
