@@ -1,6 +1,8 @@
-//! `ddo inspect FILE` on a LoRA file (issue 36): its format, the family it fits, its ranks
-//! and scales, and the modules it adapts per component ([`ddo_nn::lora::LoraFile`]). A file
-//! whose keys look like a LoRA but that DDO cannot apply is the loader's typed error.
+//! LoRA files in the CLI (issue 36): `ddo inspect FILE` on one (its format, the family it
+//! fits, its ranks and scales, and the modules it adapts per component,
+//! [`ddo_nn::lora::LoraFile`]; a file whose keys look like a LoRA but that DDO cannot apply
+//! is the loader's typed error), and `ddo run --lora FILE[:STRENGTH]`
+//! ([`apply_run_loras`]).
 
 use std::path::Path;
 
@@ -8,7 +10,62 @@ use ddo_core::Checkpoint;
 use ddo_nn::lora::LoraFile;
 use serde_json::json;
 
-use crate::error::CliResult;
+use crate::cli::LoraArg;
+use crate::error::{CliError, CliResult};
+
+/// Reads every `--lora` file and puts its modules on the pipeline's components (each
+/// file's strength on its scales; [`ddo_nn::lora::apply_loras`]); returns the factors'
+/// device bytes, and says per file what it adapts (on `out`, unless `json`). A file with
+/// modules for a component the pipeline lacks, or that fits none of its layers, is an error
+/// before anything runs.
+pub fn apply_run_loras(
+    loras: &[LoraArg],
+    pipeline: &ddo_routes::Pipeline,
+    device: &dyn ddo_core::Device,
+    out: &mut dyn std::io::Write,
+    json: bool,
+) -> CliResult<u64> {
+    if loras.is_empty() {
+        return Ok(0);
+    }
+    let files: Vec<(LoraFile, f32)> = loras
+        .iter()
+        .map(|l| Ok((LoraFile::open(&l.path)?, l.strength)))
+        .collect::<CliResult<_>>()?;
+    for (f, _) in &files {
+        if let Some(m) = f
+            .modules
+            .iter()
+            .find(|m| pipeline.get(m.component).is_none())
+        {
+            return Err(CliError::from(ddo_nn::LoadError::Lora {
+                file: f.path.clone(),
+                problem: format!(
+                    "it adapts the {}, which this pipeline does not have",
+                    m.component
+                ),
+            }));
+        }
+    }
+    let refs: Vec<(&LoraFile, f32)> = files.iter().map(|(f, s)| (f, *s)).collect();
+    let mut bytes = 0;
+    for component in pipeline.components() {
+        bytes += ddo_nn::lora::apply_loras(component, &refs, device)?;
+    }
+    if !json {
+        for (f, strength) in &files {
+            let line = format!(
+                "lora: {} ({}, {} modules, strength {strength})\n",
+                f.path.display(),
+                f.format,
+                f.modules.len()
+            );
+            out.write_all(line.as_bytes())
+                .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))?;
+        }
+    }
+    Ok(bytes)
+}
 
 /// The report for `path` when it is a LoRA file (`None`: not one, inspect it as weights).
 pub fn inspect_lora(path: &Path, as_json: bool) -> CliResult<Option<String>> {

@@ -108,6 +108,10 @@ pub struct RunArgs {
     /// prompt embeddings (`prompt_embeds` [B,L,D], `pooled_prompt_embeds` [B,P]; B prompts)
     #[arg(long, value_name = "FILE.safetensors", value_parser = Checked(values::path))]
     pub prompt_embeds: Option<PathBuf>,
+    /// a LoRA applied at run time (Diffusers/PEFT, kohya, ComfyUI, original or XLabs
+    /// layout), its scale times STRENGTH (default 1); repeatable
+    #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
+    pub lora: Vec<values::LoraArg>,
     /// weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8
     /// (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a
     /// per-tensor scale, computes in bf16, and loads the rest as bf16
@@ -383,6 +387,9 @@ impl RunArgs {
             ("--init-latents", &self.init_latents),
             ("--prompt-embeds", &self.prompt_embeds),
         ])
+        .into_iter()
+        .chain(self.lora.iter().map(|l| ("--lora", l.path.as_path())))
+        .collect()
     }
 }
 

@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 pub use commands::{BenchArgs, DecodeArgs, InspectArgs, OUTPUT_OPTIONS, ResolveArgs, RunArgs};
-pub use values::{Checked, OptionValue};
+pub use values::{Checked, LoraArg, OptionValue};
 
 use crate::error::{CliError, CliResult};
 

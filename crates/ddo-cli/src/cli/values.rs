@@ -157,6 +157,40 @@ pub fn true_cfg_scale(g: &OptionValue<'_>) -> CliResult<f32> {
     Ok(scale)
 }
 
+/// A `--lora FILE[:STRENGTH]` value: the file and the strength its scale is multiplied by
+/// (1 when none is given).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraArg {
+    /// The LoRA file.
+    pub path: PathBuf,
+    /// Its strength.
+    pub strength: f32,
+}
+
+/// `--lora FILE[:STRENGTH]`: a strength is the text after the last `:` when it is a
+/// number (a finite one: `0.8`, `-0.5`), else the whole text is the file.
+pub fn lora(g: &OptionValue<'_>) -> CliResult<LoraArg> {
+    let (path, strength) = match g.text.rsplit_once(':') {
+        Some((path, s)) if !path.is_empty() => match s.parse::<f32>() {
+            Ok(v) if v.is_finite() => (path, v),
+            Ok(_) => {
+                return Err(g.invalid(
+                    "FILE or FILE:STRENGTH with a finite strength, e.g. style.safetensors:0.8",
+                ));
+            }
+            Err(_) => (g.text, 1.0),
+        },
+        _ => (g.text, 1.0),
+    };
+    if path.is_empty() {
+        return Err(g.invalid("a LoRA file, e.g. --lora style.safetensors:0.8"));
+    }
+    Ok(LoraArg {
+        path: PathBuf::from(path),
+        strength,
+    })
+}
+
 /// `--vram-budget`: a positive size (`12GiB`, `512MiB`, bytes).
 pub fn vram_budget(g: &OptionValue<'_>) -> CliResult<u64> {
     match parse_size("vram-budget", g.text) {

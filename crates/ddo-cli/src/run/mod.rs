@@ -459,6 +459,21 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     };
 
     let pipeline = pipe.offload_pipeline()?;
+    // LoRAs (issue 36): their factors go on the device now, resident for the whole run, and
+    // the memory plan gets the budget less them.
+    let lora_bytes =
+        crate::lora::apply_run_loras(&args.lora, &pipeline, &*device, &mut *out, args.json)?;
+    let (plan_budget, budget_source) = if lora_bytes > 0 {
+        (
+            plan_budget.saturating_sub(lora_bytes),
+            format!(
+                "{budget_source}, less {} of LoRA factors",
+                ddo_metrics::format_bytes(lora_bytes)
+            ),
+        )
+    } else {
+        (plan_budget, budget_source)
+    };
     let plan = plan_memory(
         &pipe,
         &pipeline,
@@ -621,6 +636,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         laps: &startup.laps,
         step_seconds: &step_seconds,
         total,
+        loras: (&args.lora, lora_bytes),
         host: report::HostUse {
             budget: host,
             peak_pinned: device.memory_info().pinned_peak,

@@ -52,6 +52,8 @@ pub(super) struct Report<'a> {
     pub(super) total: f64,
     /// What the run made the host hold.
     pub(super) host: HostUse,
+    /// The `--lora` files and the device bytes of their factors.
+    pub(super) loras: (&'a [crate::cli::LoraArg], u64),
 }
 
 /// What a run made the host hold, against its host budget (issue 35).
@@ -222,6 +224,11 @@ impl Report<'_> {
             "denoise_step_seconds": self.step_seconds,
             "total_seconds": self.total,
             "host": self.host.json(),
+            "loras": self.loras.0.iter().map(|l| json!({
+                "path": l.path.display().to_string(),
+                "strength": l.strength,
+            })).collect::<Vec<_>>(),
+            "lora_device_bytes": self.loras.1,
         })
     }
 

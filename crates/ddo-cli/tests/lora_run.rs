@@ -1,0 +1,150 @@
+//! `ddo run --lora FILE[:STRENGTH]` (issue 36) on the fixture Flux pipeline folder: a LoRA
+//! changes the image, strength 0 gives the image without it byte for byte, two files apply
+//! together, the report names them, and a LoRA for another model or a bad strength is
+//! refused before anything runs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{ddo, fixture, json, scratch};
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+
+/// A kohya LoRA on the fixture transformer (hidden 32): the img qkv of double block 0
+/// and `linear1` of single block 0 (or `modules` given), alpha 4, rank 4.
+fn write_lora(path: &Path, modules: &[(&str, usize, usize)]) {
+    let rank = 4;
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (k, (m, out, inp)) in modules.iter().enumerate() {
+        let v = |n: usize, seed: f32| -> Vec<u8> {
+            (0..n)
+                .flat_map(|i| (((i as f32) * 0.37 + seed).sin() * 0.5).to_le_bytes())
+                .collect()
+        };
+        data.push((
+            format!("lora_unet_{m}.lora_down.weight"),
+            vec![rank, *inp],
+            v(rank * inp, k as f32),
+        ));
+        data.push((
+            format!("lora_unet_{m}.lora_up.weight"),
+            vec![*out, rank],
+            v(out * rank, 3.0 + k as f32),
+        ));
+        data.push((
+            format!("lora_unet_{m}.alpha"),
+            vec![],
+            4.0f32.to_le_bytes().to_vec(),
+        ));
+    }
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// Runs the fixture pipeline with `extra`, returning the PNG bytes and the JSON report.
+fn run(dir: &Path, name: &str, extra: &[&str]) -> (Vec<u8>, serde_json::Value) {
+    let out = dir.join(format!("{name}.png"));
+    let folder = fixture("flux_pipeline");
+    let mut args = vec![
+        "run",
+        "--weights",
+        &folder,
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let v = json(&ddo(&args));
+    (std::fs::read(&out).unwrap(), v)
+}
+
+#[test]
+fn a_lora_changes_the_image_and_strength_zero_does_not() {
+    let dir = scratch("lora-run");
+    let style = dir.join("style.safetensors");
+    write_lora(
+        &style,
+        &[
+            ("double_blocks_0_img_attn_qkv", 96, 32),
+            ("single_blocks_0_linear1", 224, 32),
+        ],
+    );
+    let detail = dir.join("detail.safetensors");
+    write_lora(&detail, &[("double_blocks_0_img_mlp_0", 128, 32)]);
+    let s = |p: &PathBuf, strength: &str| format!("{}{strength}", p.display());
+
+    let (plain, _) = run(&dir, "plain", &[]);
+    let (styled, v) = run(&dir, "styled", &["--lora", &s(&style, "")]);
+    assert_ne!(plain, styled, "the LoRA changed nothing");
+    assert_eq!(v["loras"][0]["strength"], 1.0);
+    assert!(
+        v["lora_device_bytes"].as_u64().unwrap() > 0,
+        "{}",
+        v["loras"]
+    );
+    assert!(
+        v["memory_plan"]["budget_source"]
+            .as_str()
+            .unwrap()
+            .contains("less"),
+        "{}",
+        v["memory_plan"]["budget_source"]
+    );
+    let (zero, _) = run(&dir, "zero", &["--lora", &s(&style, ":0")]);
+    assert_eq!(zero, plain, "strength 0 is the plain image");
+    let (both, v) = run(
+        &dir,
+        "both",
+        &["--lora", &s(&style, ":0.8"), "--lora", &s(&detail, ":-0.5")],
+    );
+    assert_ne!(both, styled);
+    assert_eq!(v["loras"].as_array().unwrap().len(), 2);
+    assert_eq!(v["loras"][1]["strength"], -0.5);
+
+    // A LoRA for a deeper model: refused by name before any phase, nothing written.
+    let deep = dir.join("deep.safetensors");
+    write_lora(&deep, &[("double_blocks_7_img_mlp_0", 128, 32)]);
+    let out = dir.join("deep.png");
+    let folder = fixture("flux_pipeline");
+    let o = ddo(&[
+        "run",
+        "--weights",
+        &folder,
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+        "--lora",
+        deep.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("transformer_blocks.7") && err.contains("deep.safetensors"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    // A strength that is not finite is a usage error.
+    let o = ddo(&["run", "--config", "tiny", "--lora", &s(&style, ":inf")]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
