@@ -653,12 +653,23 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     // Candidates are explicit: the environment is never read (use_environment is false).
     let env = ddo_core::MapEnvironment::default();
     let name = component.name().to_string();
+    // `--lora`: read once, applied to the component on each candidate's device.
+    let loras: Vec<(ddo_nn::lora::LoraFile, f32)> = args
+        .lora
+        .iter()
+        .map(|l| Ok((ddo_nn::lora::LoraFile::open(&l.path)?, l.strength)))
+        .collect::<CliResult<_>>()?;
+    let lora_refs: Vec<(&ddo_nn::lora::LoraFile, f32)> =
+        loras.iter().map(|(f, s)| (f, *s)).collect();
     let mut results = Vec::new();
     for (k, cand) in list.iter().enumerate() {
         bar.update("bench", k, list.len());
         let label = cand.label();
         let outcome = (|| -> CliResult<CandidateResult> {
             let device = device_for(cand.native(&name))?;
+            if !lora_refs.is_empty() {
+                ddo_nn::lora::apply_loras(&component, &lora_refs, &*device)?;
+            }
             let pipeline = Pipeline::new(vec![Arc::clone(&component)])?;
             let attach_started = std::time::Instant::now();
             let mut offload = match (cand, &demand) {
@@ -804,6 +815,10 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         }));
     }
     bar.finish();
+    // The last candidate's adapters go with its device.
+    if !lora_refs.is_empty() {
+        component.set_adapters(Default::default())?;
+    }
 
     let device_label = match device_choice {
         DeviceChoice::Cpu => "host (a fresh host device per candidate)".to_string(),

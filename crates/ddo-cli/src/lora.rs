@@ -104,3 +104,18 @@ pub fn inspect_lora(path: &Path, as_json: bool) -> CliResult<Option<String>> {
         serde_json::to_string_pretty(&v).unwrap_or_default() + "\n",
     ))
 }
+
+/// The memory plan's budget and its source once `lora_bytes` of LoRA factors sit on the
+/// device for the whole run (unchanged without any).
+pub fn budget_less_loras(budget: u64, source: String, lora_bytes: u64) -> (u64, String) {
+    if lora_bytes == 0 {
+        return (budget, source);
+    }
+    (
+        budget.saturating_sub(lora_bytes),
+        format!(
+            "{source}, less {} of LoRA factors",
+            ddo_metrics::format_bytes(lora_bytes)
+        ),
+    )
+}

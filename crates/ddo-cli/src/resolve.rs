@@ -59,6 +59,7 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         ("num-images", args.num_images.is_some()),
         ("tiled-decode", args.tiled_decode.is_some()),
         ("dtype", args.dtype.is_some()),
+        ("lora", !args.lora.is_empty()),
     ] {
         if given {
             return Err(CliError::usage(
@@ -336,12 +337,20 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)).within(&host),
     )?;
     let pipeline = pipe.offload_pipeline()?;
+    // `--lora`: checked against the pipeline's layers as `ddo run` checks them, and the
+    // plan made with the budget less their factors.
+    let lora_bytes =
+        crate::lora::apply_run_loras(&args.lora, &pipeline, &*device, &mut *out, args.json)?;
+    let (planned_budget, budget_source) = plan_budget(&*device, budget);
     let plan = plan_memory(
         &pipe,
         &pipeline,
         &resolutions,
         &*device,
-        (plan_budget(&*device, budget), host),
+        (
+            crate::lora::budget_less_loras(planned_budget, budget_source, lora_bytes),
+            host,
+        ),
         (height, width, images),
         tiled,
     )?;

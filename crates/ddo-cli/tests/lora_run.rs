@@ -148,3 +148,101 @@ fn a_lora_changes_the_image_and_strength_zero_does_not() {
     assert_eq!(o.status.code(), Some(2), "{o:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `ddo resolve --lora`: the plan makes room for the factors, a LoRA that does not fit the
+/// pipeline is refused as `ddo run` refuses it, and without a model `--lora` is a usage error.
+#[test]
+fn resolve_plans_with_the_loras_factors() {
+    let dir = scratch("lora-resolve");
+    let style = dir.join("style.safetensors");
+    write_lora(&style, &[("double_blocks_0_img_attn_qkv", 96, 32)]);
+    let folder = fixture("flux_pipeline");
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "resolve",
+            "--weights",
+            &folder,
+            "--vram-budget",
+            "1GiB",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        json(&ddo(&args))
+    };
+    let plain = plan(&[]);
+    let with = plan(&["--lora", style.to_str().unwrap()]);
+    let budget = |v: &serde_json::Value| v["memory_plan"]["budget_bytes"].as_u64().unwrap();
+    // 3 adapters of A [4, 32] and B [32, 4] in f32.
+    assert_eq!(
+        budget(&plain) - budget(&with),
+        3 * 2 * 4 * 32 * 4,
+        "{}",
+        with["memory_plan"]
+    );
+    let deep = dir.join("deep.safetensors");
+    write_lora(&deep, &[("double_blocks_3_img_mlp_0", 128, 32)]);
+    let o = ddo(&[
+        "resolve",
+        "--weights",
+        &folder,
+        "--lora",
+        deep.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("transformer_blocks.3"));
+    let o = ddo(&["resolve", "--lora", style.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--lora plans memory"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `ddo bench --lora`: every candidate runs the adapted component, so routes still agree
+/// bit for bit with each other, and differ from the candidates without the LoRA.
+#[test]
+fn bench_runs_every_candidate_with_the_lora() {
+    let dir = scratch("lora-bench");
+    let style = dir.join("style.safetensors");
+    write_lora(&style, &[("double_blocks_0_img_attn_qkv", 96, 32)]);
+    let folder = fixture("flux_pipeline");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--weights",
+            &folder,
+            "--component",
+            "transformer",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            "--route",
+            "none",
+            "--route",
+            "diffusers_group_offload:use_stream=true",
+        ];
+        args.extend_from_slice(extra);
+        json(&ddo(&args))
+    };
+    let hashes = |v: &serde_json::Value| -> Vec<String> {
+        v["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["output_fnv1a"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let plain = hashes(&bench(&[]));
+    let adapted = hashes(&bench(&["--lora", style.to_str().unwrap()]));
+    assert_eq!(adapted[0], adapted[1], "routes disagree with the LoRA");
+    assert_ne!(adapted[0], plain[0], "the LoRA changed nothing");
+    let _ = std::fs::remove_dir_all(&dir);
+}

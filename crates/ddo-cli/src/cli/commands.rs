@@ -219,6 +219,10 @@ pub struct ResolveArgs {
     /// (as for run)
     #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
     pub vae: Option<PathBuf>,
+    /// a LoRA the plan makes room for (checked against the pipeline's layers as `ddo run`
+    /// checks it); repeatable
+    #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
+    pub lora: Vec<values::LoraArg>,
     /// the budget to plan for (with --config/--weights; default: what the device gives)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
     pub vram_budget: Option<u64>,
@@ -316,6 +320,9 @@ pub struct BenchArgs {
     /// (as for run)
     #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
     pub vae: Option<PathBuf>,
+    /// a LoRA applied to the benched component in every candidate (as for run); repeatable
+    #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
+    pub lora: Vec<values::LoraArg>,
     /// a candidate route (repeatable)
     #[arg(long, value_name = "ROUTE[:k=v,...]")]
     pub route: Vec<String>,
@@ -410,6 +417,9 @@ impl ResolveArgs {
             ("--text-encoder-2", &self.text_encoder_2),
             ("--vae", &self.vae),
         ])
+        .into_iter()
+        .chain(self.lora.iter().map(|l| ("--lora", l.path.as_path())))
+        .collect()
     }
 }
 
@@ -430,6 +440,9 @@ impl BenchArgs {
             ("--text-encoder-2", &self.text_encoder_2),
             ("--vae", &self.vae),
         ])
+        .into_iter()
+        .chain(self.lora.iter().map(|l| ("--lora", l.path.as_path())))
+        .collect()
     }
 }
 

@@ -463,17 +463,8 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     // the memory plan gets the budget less them.
     let lora_bytes =
         crate::lora::apply_run_loras(&args.lora, &pipeline, &*device, &mut *out, args.json)?;
-    let (plan_budget, budget_source) = if lora_bytes > 0 {
-        (
-            plan_budget.saturating_sub(lora_bytes),
-            format!(
-                "{budget_source}, less {} of LoRA factors",
-                ddo_metrics::format_bytes(lora_bytes)
-            ),
-        )
-    } else {
-        (plan_budget, budget_source)
-    };
+    let (plan_budget, budget_source) =
+        crate::lora::budget_less_loras(plan_budget, budget_source, lora_bytes);
     let plan = plan_memory(
         &pipe,
         &pipeline,
