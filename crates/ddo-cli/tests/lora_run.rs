@@ -11,7 +11,8 @@ use common::{ddo, fixture, json, scratch};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-/// A kohya LoRA on the fixture transformer (hidden 32): the img qkv of double block 0
+/// A kohya LoRA on the fixture pipeline (hidden 32): transformer modules by their kohya
+/// names, text-encoder ones as `te1_…` (CLIP) or `te2_…` (T5); e.g. the img qkv of double block 0
 /// and `linear1` of single block 0 (or `modules` given), alpha 4, rank 4.
 fn write_lora(path: &Path, modules: &[(&str, usize, usize)]) {
     let rank = 4;
@@ -22,21 +23,23 @@ fn write_lora(path: &Path, modules: &[(&str, usize, usize)]) {
                 .flat_map(|i| (((i as f32) * 0.37 + seed).sin() * 0.5).to_le_bytes())
                 .collect()
         };
+        // `te1_…`/`te2_…` name text-encoder modules (`lora_te1_…`), the rest the transformer's.
+        let m = if m.starts_with("te") {
+            format!("lora_{m}")
+        } else {
+            format!("lora_unet_{m}")
+        };
         data.push((
-            format!("lora_unet_{m}.lora_down.weight"),
+            format!("{m}.lora_down.weight"),
             vec![rank, *inp],
             v(rank * inp, k as f32),
         ));
         data.push((
-            format!("lora_unet_{m}.lora_up.weight"),
+            format!("{m}.lora_up.weight"),
             vec![*out, rank],
             v(out * rank, 3.0 + k as f32),
         ));
-        data.push((
-            format!("lora_unet_{m}.alpha"),
-            vec![],
-            4.0f32.to_le_bytes().to_vec(),
-        ));
+        data.push((format!("{m}.alpha"), vec![], 4.0f32.to_le_bytes().to_vec()));
     }
     let views: Vec<(String, TensorView<'_>)> = data
         .iter()
@@ -115,6 +118,20 @@ fn a_lora_changes_the_image_and_strength_zero_does_not() {
     assert_ne!(both, styled);
     assert_eq!(v["loras"].as_array().unwrap().len(), 2);
     assert_eq!(v["loras"][1]["strength"], -0.5);
+
+    // Text encoders: a CLIP (`lora_te1_`, the fixture's CLIP saved without `text_model.`)
+    // and a T5 (`lora_te2_`) module change the image too.
+    let text = dir.join("text.safetensors");
+    write_lora(
+        &text,
+        &[
+            ("te1_text_model_encoder_layers_0_self_attn_q_proj", 32, 32),
+            ("te2_encoder_block_1_layer_1_DenseReluDense_wo", 32, 64),
+        ],
+    );
+    let (texted, v) = run(&dir, "text", &["--lora", &s(&text, "")]);
+    assert_ne!(texted, plain, "the text encoder LoRA changed nothing");
+    assert!(v["lora_device_bytes"].as_u64().unwrap() > 0);
 
     // A LoRA for a deeper model: refused by name before any phase, nothing written.
     let deep = dir.join("deep.safetensors");

@@ -21,6 +21,17 @@ fn compute_dtype(dtype: DType) -> DType {
     }
 }
 
+/// The leaf a LoRA module adapts: its path as named, or with CLIP's `text_model.` prefix
+/// dropped or added (transformers 4 saved CLIP under it, 5 does not; LoRA files name it).
+fn find_leaf<'a>(component: &'a Component, module: &str) -> Option<(usize, &'a ddo_core::Leaf)> {
+    let leaves = component.leaves();
+    let at = |path: &str| leaves.iter().position(|l| l.path() == path);
+    let i = at(module)
+        .or_else(|| module.strip_prefix("text_model.").and_then(at))
+        .or_else(|| at(&format!("text_model.{module}")))?;
+    Some((i, &leaves[i]))
+}
+
 /// Sets `component`'s adapters to the modules of `loras` (each with its strength) that
 /// adapt it, uploaded to `device`; returns their device bytes. With no module for it, its
 /// adapters are cleared. A module naming no linear leaf of the component, or whose shapes
@@ -43,20 +54,15 @@ pub fn apply_loras(
             .iter()
             .filter(|m| m.component == component.name())
         {
-            let (id, leaf) = component
-                .leaves()
-                .iter()
-                .enumerate()
-                .find(|(_, l)| l.path() == m.module)
-                .ok_or_else(|| {
-                    bad(
-                        m,
-                        format!(
-                            "the {} has no such layer; the LoRA was made for another model",
-                            component.class_name()
-                        ),
-                    )
-                })?;
+            let (id, leaf) = find_leaf(component, &m.module).ok_or_else(|| {
+                bad(
+                    m,
+                    format!(
+                        "the {} has no such layer; the LoRA was made for another model",
+                        component.class_name()
+                    ),
+                )
+            })?;
             if leaf.kind() != LeafKind::Linear {
                 return Err(bad(m, "the layer is not a linear".into()));
             }
