@@ -263,3 +263,77 @@ fn bench_runs_every_candidate_with_the_lora() {
     assert_ne!(adapted[0], plain[0], "the LoRA changed nothing");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Qwen-Image: a Diffusers/PEFT-format LoRA (`transformer.` keys, an alpha) on the tiny
+/// random Qwen-Image pipeline changes the image; at strength 0 it is the plain image.
+#[test]
+fn a_qwen_image_lora_applies() {
+    let dir = scratch("lora-qwen");
+    let lora = dir.join("qwen.safetensors");
+    let rank = 4usize;
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (k, (m, out, inp)) in [
+        ("transformer_blocks.0.img_mlp.net.0.proj", 128usize, 32usize),
+        ("transformer_blocks.1.attn.to_add_out", 32, 32),
+        ("transformer_blocks.1.img_mod.1", 192, 32),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v = |n: usize, seed: f32| -> Vec<u8> {
+            (0..n)
+                .flat_map(|i| (((i as f32) * 0.29 + seed).cos() * 0.5).to_le_bytes())
+                .collect()
+        };
+        let n = format!("transformer.{m}");
+        data.push((
+            format!("{n}.lora_A.weight"),
+            vec![rank, inp],
+            v(rank * inp, k as f32),
+        ));
+        data.push((
+            format!("{n}.lora_B.weight"),
+            vec![out, rank],
+            v(out * rank, 5.0 + k as f32),
+        ));
+        data.push((format!("{n}.alpha"), vec![], 8.0f32.to_le_bytes().to_vec()));
+    }
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &lora).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let png = dir.join(format!("{name}.png"));
+        let mut args = vec![
+            "run",
+            "--config",
+            "qwen-tiny",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--steps",
+            "2",
+            "--json",
+            "--out",
+            png.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let v = json(&ddo(&args));
+        (std::fs::read(&png).unwrap(), v)
+    };
+    let (plain, _) = run("plain", &[]);
+    let path = lora.to_str().unwrap().to_string();
+    let (adapted, v) = run("adapted", &["--lora", &path]);
+    assert_ne!(adapted, plain);
+    assert!(v["lora_device_bytes"].as_u64().unwrap() > 0);
+    let (zero, _) = run("zero", &["--lora", &format!("{path}:0")]);
+    assert_eq!(zero, plain);
+    let _ = std::fs::remove_dir_all(&dir);
+}
