@@ -703,8 +703,14 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
             ));
         }
     };
-    // A LoRA file: its format, family, ranks and modules (issue 36).
-    if let Some(text) = crate::lora::inspect_lora(&path, args.json)? {
+    // A LoRA file: its format, family, ranks and modules (issue 36). `--check-values` and
+    // `--route` read it as the weights file it also is.
+    let as_lora = !args.check_values && args.route.is_empty();
+    if let Some(text) = as_lora
+        .then(|| crate::lora::inspect_lora(&path, args.json))
+        .transpose()?
+        .flatten()
+    {
         return out
             .write_all(text.as_bytes())
             .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""));

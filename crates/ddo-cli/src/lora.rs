@@ -14,10 +14,10 @@ use crate::cli::LoraArg;
 use crate::error::{CliError, CliResult};
 
 /// Reads every `--lora` file and puts its modules on the pipeline's components (each
-/// file's strength on its scales; [`ddo_nn::lora::apply_loras`]); returns the factors'
-/// device bytes, and says per file what it adapts (on `out`, unless `json`). A file with
-/// modules for a component the pipeline lacks, or that fits none of its layers, is an error
-/// before anything runs.
+/// file's strength on its scales; [`ddo_nn::lora::set_pipeline_loras`]); returns the
+/// factors' device bytes, and says per file what it adapts (on `out`, unless `json`). A file
+/// with modules for a component the pipeline lacks, or that fits none of its layers, is an
+/// error before anything runs.
 pub fn apply_run_loras(
     loras: &[LoraArg],
     pipeline: &ddo_routes::Pipeline,
@@ -32,26 +32,8 @@ pub fn apply_run_loras(
         .iter()
         .map(|l| Ok((LoraFile::open(&l.path)?, l.strength)))
         .collect::<CliResult<_>>()?;
-    for (f, _) in &files {
-        if let Some(m) = f
-            .modules
-            .iter()
-            .find(|m| pipeline.get(m.component).is_none())
-        {
-            return Err(CliError::from(ddo_nn::LoadError::Lora {
-                file: f.path.clone(),
-                problem: format!(
-                    "it adapts the {}, which this pipeline does not have",
-                    m.component
-                ),
-            }));
-        }
-    }
     let refs: Vec<(&LoraFile, f32)> = files.iter().map(|(f, s)| (f, *s)).collect();
-    let mut bytes = 0;
-    for component in pipeline.components() {
-        bytes += ddo_nn::lora::apply_loras(component, &refs, device)?;
-    }
+    let bytes = ddo_nn::lora::set_pipeline_loras(pipeline, &refs, device)?;
     if !json {
         for (f, strength) in &files {
             let line = format!(

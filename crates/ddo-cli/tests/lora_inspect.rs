@@ -97,6 +97,11 @@ fn inspect_names_a_loras_format_family_rank_and_modules() {
     assert_eq!(mlp["in_features"], 16);
     assert_eq!(mlp["scale"], 2.0);
 
+    // `--check-values` reads it as the weights file it also is.
+    let checked = ok(&ddo(&["inspect", &path, "--check-values"]));
+    assert!(!checked.contains("LoRA, "), "{checked}");
+    assert!(checked.contains("values"), "{checked}");
+
     // Ranks that disagree: the loader's typed error, exit 1, nothing on stdout.
     let bad = dir.join("bad.safetensors");
     write_kohya(&bad, 5);

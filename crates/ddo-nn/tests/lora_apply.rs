@@ -251,3 +251,66 @@ fn a_lora_for_another_model_is_refused_and_changes_nothing() {
         );
     }
 }
+
+/// `set_pipeline_loras`, what a warm process calls between requests: every component's
+/// modules are checked before any is changed (a file that fits the transformer but not the
+/// text encoder leaves both as they were), a good file adapts both, and an empty list
+/// clears them.
+#[test]
+fn pipeline_loras_change_together_or_not_at_all() {
+    let dir = TempDir::new().unwrap();
+    let d = HostDevice::with_capacity(1 << 30).unwrap();
+    let transformer = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    let clip_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/clip_text");
+    let clip = ddo_nn::clip::ClipTextModel::from_dir(&clip_dir, None).unwrap();
+    // The transformer first: without the check up front it would be adapted before the
+    // text encoder's module fails.
+    let pipeline = ddo_routes::Pipeline::new(vec![
+        Arc::clone(transformer.component()),
+        Arc::clone(clip.component()),
+    ])
+    .unwrap();
+    let with_te = |path: &Path, layer: usize| {
+        kohya(path, &[("double_blocks_0_img_mlp_0", 128, 32)]);
+        // Add a CLIP module to the same file.
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut t: Vec<(String, Vec<usize>, Vec<f32>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                let f: Vec<f32> = v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                (n, v.shape().to_vec(), f)
+            })
+            .collect();
+        let m = format!("lora_te1_text_model_encoder_layers_{layer}_self_attn_q_proj");
+        t.push((format!("{m}.lora_down.weight"), vec![4, 32], vec![0.1; 128]));
+        t.push((format!("{m}.lora_up.weight"), vec![32, 4], vec![0.1; 128]));
+        write(path, &t);
+        LoraFile::open(path).unwrap()
+    };
+    let bad = with_te(&dir.path().join("bad.safetensors"), 9);
+    let e = ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&bad, 1.0)], &*d).unwrap_err();
+    assert!(e.to_string().contains("layers.9"), "{e}");
+    assert_eq!(transformer.component().adapter_bytes(), 0, "half applied");
+    assert_eq!(clip.component().adapter_bytes(), 0);
+    let good = with_te(&dir.path().join("good.safetensors"), 1);
+    let bytes = ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&good, 0.5)], &*d).unwrap();
+    let (t, c) = (
+        transformer.component().adapter_bytes(),
+        clip.component().adapter_bytes(),
+    );
+    assert!(t > 0 && c > 0 && bytes == t + c);
+    assert_eq!(
+        ddo_nn::lora::set_pipeline_loras(&pipeline, &[], &*d).unwrap(),
+        0
+    );
+    assert_eq!(
+        transformer.component().adapter_bytes() + clip.component().adapter_bytes(),
+        0
+    );
+}

@@ -32,6 +32,54 @@ fn find_leaf<'a>(component: &'a Component, module: &str) -> Option<(usize, &'a d
     Some((i, &leaves[i]))
 }
 
+/// [`LoadError::Lora`] for module `m` of `file`.
+fn bad(file: &LoraFile, m: &LoraModule, problem: String) -> LoadError {
+    LoadError::Lora {
+        file: file.path.clone(),
+        problem: format!("module `{}` of the {}: {problem}", m.module, m.component),
+    }
+}
+
+/// The linear leaf of `component` module `m` adapts and its weight, or why it fits none.
+fn fit(
+    component: &Component,
+    file: &LoraFile,
+    m: &LoraModule,
+) -> LoadResult<(usize, Arc<ddo_core::Param>)> {
+    let (id, leaf) = find_leaf(component, &m.module).ok_or_else(|| {
+        bad(
+            file,
+            m,
+            format!(
+                "the {} has no such layer; the LoRA was made for another model",
+                component.class_name()
+            ),
+        )
+    })?;
+    if leaf.kind() != LeafKind::Linear {
+        return Err(bad(file, m, "the layer is not a linear".into()));
+    }
+    let weight = leaf
+        .params()
+        .iter()
+        .find(|(n, _)| n == "weight")
+        .map(|(_, p)| Arc::clone(p))
+        .ok_or_else(|| bad(file, m, "the layer has no weight".into()))?;
+    if weight.shape() != [m.out_features(), m.in_features()] {
+        return Err(bad(
+            file,
+            m,
+            format!(
+                "it adapts {} → {}, the layer's weight is {:?}",
+                m.in_features(),
+                m.out_features(),
+                weight.shape()
+            ),
+        ));
+    }
+    Ok((id, weight))
+}
+
 /// Sets `component`'s adapters to the modules of `loras` (each with its strength) that
 /// adapt it, uploaded to `device`; returns their device bytes. With no module for it, its
 /// adapters are cleared. A module naming no linear leaf of the component, or whose shapes
@@ -45,44 +93,12 @@ pub fn apply_loras(
     let mut by_leaf: HashMap<ddo_core::LeafId, Vec<Adapter>> = HashMap::new();
     let stream = device.compute_stream();
     for (file, strength) in loras {
-        let bad = |m: &LoraModule, problem: String| LoadError::Lora {
-            file: file.path.clone(),
-            problem: format!("module `{}` of the {}: {problem}", m.module, m.component),
-        };
         for m in file
             .modules
             .iter()
             .filter(|m| m.component == component.name())
         {
-            let (id, leaf) = find_leaf(component, &m.module).ok_or_else(|| {
-                bad(
-                    m,
-                    format!(
-                        "the {} has no such layer; the LoRA was made for another model",
-                        component.class_name()
-                    ),
-                )
-            })?;
-            if leaf.kind() != LeafKind::Linear {
-                return Err(bad(m, "the layer is not a linear".into()));
-            }
-            let weight = leaf
-                .params()
-                .iter()
-                .find(|(n, _)| n == "weight")
-                .map(|(_, p)| Arc::clone(p))
-                .ok_or_else(|| bad(m, "the layer has no weight".into()))?;
-            if weight.shape() != [m.out_features(), m.in_features()] {
-                return Err(bad(
-                    m,
-                    format!(
-                        "it adapts {} → {}, the layer's weight is {:?}",
-                        m.in_features(),
-                        m.out_features(),
-                        weight.shape()
-                    ),
-                ));
-            }
+            let (id, weight) = fit(component, file, m)?;
             let dtype = compute_dtype(weight.dtype());
             let upload = |t: &super::LoraTensor| -> LoadResult<Tensor> {
                 let values = t.to_f32()?;
@@ -95,8 +111,8 @@ pub fn apply_loras(
                 scale: m.scale * strength,
             };
             adapter
-                .check(leaf.path(), m.in_features(), m.out_features())
-                .map_err(|e| bad(m, e.to_string()))?;
+                .check(&m.module, m.in_features(), m.out_features())
+                .map_err(|e| bad(file, m, e.to_string()))?;
             by_leaf
                 .entry(ddo_core::LeafId(id))
                 .or_default()
@@ -110,4 +126,45 @@ pub fn apply_loras(
     component.set_adapters(set)?;
     device.synchronize_stream(&stream)?;
     Ok(component.adapter_bytes())
+}
+
+/// Sets every component of `pipeline` to the adapters `loras` give it (clearing those of a
+/// component they do not adapt) and returns the factors' device bytes: what a warm process
+/// calls between requests to change LoRAs, the base weights and their routes left as they
+/// are. A file with modules for a component the pipeline lacks, or that fits none of its
+/// layers, is [`LoadError::Lora`] before any component is changed.
+pub fn set_pipeline_loras(
+    pipeline: &ddo_routes::Pipeline,
+    loras: &[(&LoraFile, f32)],
+    device: &dyn Device,
+) -> LoadResult<u64> {
+    for (f, _) in loras {
+        if let Some(m) = f
+            .modules
+            .iter()
+            .find(|m| pipeline.get(m.component).is_none())
+        {
+            return Err(LoadError::Lora {
+                file: f.path.clone(),
+                problem: format!(
+                    "it adapts the {}, which this pipeline does not have",
+                    m.component
+                ),
+            });
+        }
+    }
+    // Every component checked before any is changed: a module that fits no layer of a
+    // later component must not leave the earlier ones adapted.
+    for component in pipeline.components() {
+        for (f, _) in loras {
+            for m in f.modules.iter().filter(|m| m.component == component.name()) {
+                fit(component, f, m)?;
+            }
+        }
+    }
+    let mut bytes = 0;
+    for component in pipeline.components() {
+        bytes += apply_loras(component, loras, device)?;
+    }
+    Ok(bytes)
 }

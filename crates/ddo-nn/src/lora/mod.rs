@@ -35,7 +35,7 @@
 pub mod apply;
 pub mod names;
 
-pub use apply::apply_loras;
+pub use apply::{apply_loras, set_pipeline_loras};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
