@@ -1,7 +1,8 @@
-//! Putting LoRA modules on a component: each module's `A` and `B` uploaded to the device
-//! in the adapted weight's compute dtype (bf16 for fp8 weights) and set as the linear
-//! leaf's adapters ([`ddo_core::adapter`]), several files' adapters of one leaf side by
-//! side. The leaf's own params are never read or written.
+//! Putting LoRA modules on a component: each module's `A` and `B` (the latter times its
+//! scale and strength) uploaded to the device in the adapted weight's compute dtype (bf16
+//! for fp8 weights) and set as the linear leaf's adapters ([`ddo_core::adapter`]), several
+//! files' adapters of one leaf side by side. The leaf's own params are never read or
+//! written.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -100,15 +101,21 @@ pub fn apply_loras(
         {
             let (id, weight) = fit(component, file, m)?;
             let dtype = compute_dtype(weight.dtype());
-            let upload = |t: &super::LoraTensor| -> LoadResult<Tensor> {
-                let values = t.to_f32()?;
+            let upload = |t: &super::LoraTensor, times: f32| -> LoadResult<Tensor> {
+                let mut values = t.to_f32()?;
+                if times != 1.0 {
+                    values.iter_mut().for_each(|v| *v *= times);
+                }
                 let host = Tensor::from_f32(vec![t.rows, t.cols], dtype, &values)?;
                 Ok(host.to_device(device, &stream)?)
             };
+            // The scale and the strength go into B (in f32, before it is encoded), as
+            // Diffusers folds a kohya alpha into the weights: one elementwise pass fewer per
+            // adapter and forward.
             let adapter = Adapter {
-                down: upload(&m.down)?,
-                up: upload(&m.up)?,
-                scale: m.scale * strength,
+                down: upload(&m.down, 1.0)?,
+                up: upload(&m.up, m.scale * strength)?,
+                scale: 1.0,
             };
             adapter
                 .check(&m.module, m.in_features(), m.out_features())
