@@ -335,5 +335,13 @@ fn a_qwen_image_lora_applies() {
     assert!(v["lora_device_bytes"].as_u64().unwrap() > 0);
     let (zero, _) = run("zero", &["--lora", &format!("{path}:0")]);
     assert_eq!(zero, plain);
+    // On a Flux pipeline it is refused as a Qwen-Image LoRA.
+    let o = ddo(&["run", "--config", "tiny", "--steps", "1", "--lora", &path]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("it is a Qwen-Image LoRA and this is a Flux pipeline"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

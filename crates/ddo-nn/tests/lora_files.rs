@@ -452,6 +452,15 @@ fn files_ddo_does_not_apply_are_named_errors() {
             "finite positive",
         ),
         (
+            "nan",
+            {
+                let mut t = pair("lora_unet_double_blocks_0_img_mlp_0", RANK, IN);
+                t[1].2[5] = f32::NAN;
+                t
+            },
+            "finite",
+        ),
+        (
             "dora",
             {
                 let mut t = pair("lora_unet_double_blocks_0_img_mlp_0", RANK, IN);

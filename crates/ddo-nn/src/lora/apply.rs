@@ -145,7 +145,26 @@ pub fn set_pipeline_loras(
     loras: &[(&LoraFile, f32)],
     device: &dyn Device,
 ) -> LoadResult<u64> {
+    // A LoRA of the other family is named as such, before any layer is looked for.
+    let family = pipeline
+        .get("transformer")
+        .map(|t| t.class_name().to_string());
     for (f, _) in loras {
+        let mismatch = match (f.family(), family.as_deref()) {
+            (Some(super::LoraFamily::QwenImage), Some(c)) if c.starts_with("Flux") => {
+                Some(("Qwen-Image", "Flux"))
+            }
+            (Some(super::LoraFamily::Flux), Some(c)) if c.starts_with("QwenImage") => {
+                Some(("Flux", "Qwen-Image"))
+            }
+            _ => None,
+        };
+        if let Some((lora, model)) = mismatch {
+            return Err(LoadError::Lora {
+                file: f.path.clone(),
+                problem: format!("it is a {lora} LoRA and this is a {model} pipeline"),
+            });
+        }
         if let Some(m) = f
             .modules
             .iter()
