@@ -657,7 +657,14 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let loras: Vec<(ddo_nn::lora::LoraFile, f32)> = args
         .lora
         .iter()
-        .map(|l| Ok((ddo_nn::lora::LoraFile::open(&l.path)?, l.strength)))
+        .map(|l| {
+            let f = if args.lora_allow_unmatched {
+                ddo_nn::lora::LoraFile::open_allowing_unmatched(&l.path)?
+            } else {
+                ddo_nn::lora::LoraFile::open(&l.path)?
+            };
+            Ok((f, l.strength))
+        })
         .collect::<CliResult<_>>()?;
     let lora_refs: Vec<(&ddo_nn::lora::LoraFile, f32)> =
         loras.iter().map(|(f, s)| (f, *s)).collect();

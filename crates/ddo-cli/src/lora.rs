@@ -19,7 +19,7 @@ use crate::error::{CliError, CliResult};
 /// with modules for a component the pipeline lacks, or that fits none of its layers, is an
 /// error before anything runs.
 pub fn apply_run_loras(
-    loras: &[LoraArg],
+    (loras, allow_unmatched): (&[LoraArg], bool),
     pipeline: &ddo_routes::Pipeline,
     device: &dyn ddo_core::Device,
     out: &mut dyn std::io::Write,
@@ -30,10 +30,41 @@ pub fn apply_run_loras(
     }
     let files: Vec<(LoraFile, f32)> = loras
         .iter()
-        .map(|l| Ok((LoraFile::open(&l.path)?, l.strength)))
+        .map(|l| {
+            let f = if allow_unmatched {
+                LoraFile::open_allowing_unmatched(&l.path)?
+            } else {
+                LoraFile::open(&l.path)?
+            };
+            Ok((f, l.strength))
+        })
         .collect::<CliResult<_>>()?;
     let refs: Vec<(&LoraFile, f32)> = files.iter().map(|(f, s)| (f, *s)).collect();
-    let bytes = ddo_nn::lora::set_pipeline_loras(pipeline, &refs, device)?;
+    let (bytes, left_out) =
+        ddo_nn::lora::set_pipeline_loras(pipeline, &refs, device, allow_unmatched)?;
+    // `--lora-allow-unmatched`: every module left out is named (on stderr with --json).
+    let unmatched: Vec<String> = files
+        .iter()
+        .flat_map(|(f, _)| {
+            f.unmatched
+                .iter()
+                .map(move |m| format!("{}: {m}", f.path.display()))
+        })
+        .chain(left_out)
+        .collect();
+    if !unmatched.is_empty() {
+        let text = format!(
+            "lora: {} module(s) not applied (--lora-allow-unmatched): {}\n",
+            unmatched.len(),
+            unmatched.join(", ")
+        );
+        if json {
+            eprint!("{text}");
+        } else {
+            out.write_all(text.as_bytes())
+                .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))?;
+        }
+    }
     if !json {
         for (f, strength) in &files {
             let line = format!(

@@ -60,6 +60,7 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         ("tiled-decode", args.tiled_decode.is_some()),
         ("dtype", args.dtype.is_some()),
         ("lora", !args.lora.is_empty()),
+        ("lora-allow-unmatched", args.lora_allow_unmatched),
     ] {
         if given {
             return Err(CliError::usage(
@@ -339,8 +340,13 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     let pipeline = pipe.offload_pipeline()?;
     // `--lora`: checked against the pipeline's layers as `ddo run` checks them, and the
     // plan made with the budget less their factors.
-    let lora_bytes =
-        crate::lora::apply_run_loras(&args.lora, &pipeline, &*device, &mut *out, args.json)?;
+    let lora_bytes = crate::lora::apply_run_loras(
+        (&args.lora, args.lora_allow_unmatched),
+        &pipeline,
+        &*device,
+        &mut *out,
+        args.json,
+    )?;
     let (planned_budget, budget_source) = plan_budget(&*device, budget);
     let plan = plan_memory(
         &pipe,

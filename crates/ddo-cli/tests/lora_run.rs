@@ -345,3 +345,57 @@ fn a_qwen_image_lora_applies() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A LoRA that only partly matches the model: refused, naming the flag; with
+/// `--lora-allow-unmatched` the matching modules apply and every other one is named.
+#[test]
+fn a_partly_matching_lora_needs_the_flag_and_names_what_it_leaves_out() {
+    let dir = scratch("lora-partial");
+    let partial = dir.join("partial.safetensors");
+    write_lora(
+        &partial,
+        &[
+            ("double_blocks_0_img_attn_qkv", 96, 32),
+            ("double_blocks_4_img_mlp_0", 128, 32),
+            ("input_blocks_1_0_emb_layers_1", 32, 32),
+        ],
+    );
+    let folder = fixture("flux_pipeline");
+    let out = dir.join("p.png");
+    let base = [
+        "run",
+        "--weights",
+        &folder,
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+        "--lora",
+        partial.to_str().unwrap(),
+    ];
+    let o = ddo(&base);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--lora-allow-unmatched"), "{err}");
+    assert!(!out.exists());
+    let mut allowed = base.to_vec();
+    allowed.push("--lora-allow-unmatched");
+    let o = ddo(&allowed);
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("2 module(s) not applied"), "{text}");
+    assert!(
+        text.contains("lora_unet_input_blocks_1_0_emb_layers_1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("transformer_blocks.4.ff.net.0.proj"),
+        "{text}"
+    );
+    assert!(out.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -294,23 +294,36 @@ fn pipeline_loras_change_together_or_not_at_all() {
         LoraFile::open(path).unwrap()
     };
     let bad = with_te(&dir.path().join("bad.safetensors"), 9);
-    let e = ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&bad, 1.0)], &*d).unwrap_err();
+    let e = ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&bad, 1.0)], &*d, false).unwrap_err();
     assert!(e.to_string().contains("layers.9"), "{e}");
     assert_eq!(transformer.component().adapter_bytes(), 0, "half applied");
     assert_eq!(clip.component().adapter_bytes(), 0);
     let good = with_te(&dir.path().join("good.safetensors"), 1);
-    let bytes = ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&good, 0.5)], &*d).unwrap();
+    let (bytes, left_out) =
+        ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&good, 0.5)], &*d, false).unwrap();
+    assert!(left_out.is_empty());
     let (t, c) = (
         transformer.component().adapter_bytes(),
         clip.component().adapter_bytes(),
     );
     assert!(t > 0 && c > 0 && bytes == t + c);
     assert_eq!(
-        ddo_nn::lora::set_pipeline_loras(&pipeline, &[], &*d).unwrap(),
-        0
+        ddo_nn::lora::set_pipeline_loras(&pipeline, &[], &*d, false).unwrap(),
+        (0, Vec::new())
     );
     assert_eq!(
         transformer.component().adapter_bytes() + clip.component().adapter_bytes(),
         0
+    );
+    // Allowed to leave unmatched modules out: the bad file's transformer module applies,
+    // its CLIP module for a layer the model lacks is named and left out.
+    let (bytes, left_out) =
+        ddo_nn::lora::set_pipeline_loras(&pipeline, &[(&bad, 1.0)], &*d, true).unwrap();
+    assert_eq!(bytes, transformer.component().adapter_bytes());
+    assert!(bytes > 0 && clip.component().adapter_bytes() == 0);
+    assert_eq!(left_out.len(), 1, "{left_out:?}");
+    assert!(
+        left_out[0].contains("text_encoder.text_model.encoder.layers.9.self_attn.q_proj"),
+        "{left_out:?}"
     );
 }

@@ -112,6 +112,10 @@ pub struct RunArgs {
     /// layout), its scale times STRENGTH (default 1); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
+    /// apply a LoRA's modules that match the model and name the rest, instead of refusing
+    /// a file that partly matches
+    #[arg(long)]
+    pub lora_allow_unmatched: bool,
     /// weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8
     /// (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a
     /// per-tensor scale, computes in bf16, and loads the rest as bf16
@@ -223,6 +227,10 @@ pub struct ResolveArgs {
     /// checks it); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
+    /// apply a LoRA's modules that match the model and name the rest, instead of refusing
+    /// a file that partly matches
+    #[arg(long)]
+    pub lora_allow_unmatched: bool,
     /// the budget to plan for (with --config/--weights; default: what the device gives)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
     pub vram_budget: Option<u64>,
@@ -323,6 +331,10 @@ pub struct BenchArgs {
     /// a LoRA applied to the benched component in every candidate (as for run); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
+    /// apply a LoRA's modules that match the model and name the rest, instead of refusing
+    /// a file that partly matches
+    #[arg(long)]
+    pub lora_allow_unmatched: bool,
     /// a candidate route (repeatable)
     #[arg(long, value_name = "ROUTE[:k=v,...]")]
     pub route: Vec<String>,

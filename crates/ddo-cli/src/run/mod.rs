@@ -461,8 +461,13 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let pipeline = pipe.offload_pipeline()?;
     // LoRAs (issue 36): their factors go on the device now, resident for the whole run, and
     // the memory plan gets the budget less them.
-    let lora_bytes =
-        crate::lora::apply_run_loras(&args.lora, &pipeline, &*device, &mut *out, args.json)?;
+    let lora_bytes = crate::lora::apply_run_loras(
+        (&args.lora, args.lora_allow_unmatched),
+        &pipeline,
+        &*device,
+        &mut *out,
+        args.json,
+    )?;
     let (plan_budget, budget_source) =
         crate::lora::budget_less_loras(plan_budget, budget_source, lora_bytes);
     let plan = plan_memory(

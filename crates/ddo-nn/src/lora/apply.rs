@@ -136,15 +136,18 @@ pub fn apply_loras(
 }
 
 /// Sets every component of `pipeline` to the adapters `loras` give it (clearing those of a
-/// component they do not adapt) and returns the factors' device bytes: what a warm process
-/// calls between requests to change LoRAs, the base weights and their routes left as they
-/// are. A file with modules for a component the pipeline lacks, or that fits none of its
-/// layers, is [`LoadError::Lora`] before any component is changed.
+/// component they do not adapt) and returns the factors' device bytes and the modules left
+/// out: what a warm process calls between requests to change LoRAs, the base weights and
+/// their routes left as they are. A file with modules for a component the pipeline lacks,
+/// a LoRA of the other family, or a module that fits none of the layers is
+/// [`LoadError::Lora`] before any component is changed — unless `allow_unmatched`, where a
+/// module that fits no layer is left out and named in the list returned.
 pub fn set_pipeline_loras(
     pipeline: &ddo_routes::Pipeline,
     loras: &[(&LoraFile, f32)],
     device: &dyn Device,
-) -> LoadResult<u64> {
+    allow_unmatched: bool,
+) -> LoadResult<(u64, Vec<String>)> {
     // A LoRA of the other family is named as such, before any layer is looked for.
     let family = pipeline
         .get("transformer")
@@ -165,32 +168,47 @@ pub fn set_pipeline_loras(
                 problem: format!("it is a {lora} LoRA and this is a {model} pipeline"),
             });
         }
-        if let Some(m) = f
-            .modules
-            .iter()
-            .find(|m| pipeline.get(m.component).is_none())
-        {
-            return Err(LoadError::Lora {
-                file: f.path.clone(),
-                problem: format!(
-                    "it adapts the {}, which this pipeline does not have",
-                    m.component
-                ),
-            });
-        }
     }
-    // Every component checked before any is changed: a module that fits no layer of a
+    // Every module checked before any component is changed: one that fits no layer of a
     // later component must not leave the earlier ones adapted.
-    for component in pipeline.components() {
-        for (f, _) in loras {
-            for m in f.modules.iter().filter(|m| m.component == component.name()) {
-                fit(component, f, m)?;
+    let mut kept: Vec<(LoraFile, f32)> = Vec::with_capacity(loras.len());
+    let mut left_out = Vec::new();
+    for (f, strength) in loras {
+        let mut modules = Vec::with_capacity(f.modules.len());
+        for m in &f.modules {
+            let fits = match pipeline.get(m.component) {
+                Some(component) => fit(component, f, m).map(|_| ()),
+                None => Err(LoadError::Lora {
+                    file: f.path.clone(),
+                    problem: format!(
+                        "it adapts the {}, which this pipeline does not have",
+                        m.component
+                    ),
+                }),
+            };
+            match fits {
+                Ok(()) => modules.push(m.clone()),
+                Err(_) if allow_unmatched => left_out.push(format!(
+                    "{}: {}.{}",
+                    f.path.display(),
+                    m.component,
+                    m.module
+                )),
+                Err(e) => return Err(e),
             }
         }
+        let file = LoraFile {
+            path: f.path.clone(),
+            format: f.format,
+            modules,
+            unmatched: f.unmatched.clone(),
+        };
+        kept.push((file, *strength));
     }
+    let refs: Vec<(&LoraFile, f32)> = kept.iter().map(|(f, s)| (f, *s)).collect();
     let mut bytes = 0;
     for component in pipeline.components() {
-        bytes += apply_loras(component, loras, device)?;
+        bytes += apply_loras(component, &refs, device)?;
     }
-    Ok(bytes)
+    Ok((bytes, left_out))
 }

@@ -190,6 +190,9 @@ pub struct LoraFile {
     pub format: LoraFormat,
     /// The adapted modules, sorted by component and module name.
     pub modules: Vec<LoraModule>,
+    /// Source modules that match no layer of the models DDO runs, kept out of `modules`
+    /// ([`LoraFile::open_allowing_unmatched`]; [`LoraFile::open`] refuses a file with any).
+    pub unmatched: Vec<String>,
 }
 
 /// One source module of a file: its down and up keys and its alpha key, if any.
@@ -221,6 +224,16 @@ impl LoraFile {
     /// [`LoadError::Lora`] naming the file and what is wrong (or the format it holds that
     /// DDO does not read).
     pub fn open(path: &Path) -> LoadResult<Self> {
+        Self::read(path, false)
+    }
+
+    /// [`LoraFile::open`], keeping a file some of whose modules match no layer of the models
+    /// DDO runs: those are listed in [`LoraFile::unmatched`] (`--lora-allow-unmatched`).
+    pub fn open_allowing_unmatched(path: &Path) -> LoadResult<Self> {
+        Self::read(path, true)
+    }
+
+    fn read(path: &Path, allow_unmatched: bool) -> LoadResult<Self> {
         let ckpt = Checkpoint::open(path).map_err(LoadError::Core)?;
         let bad = |problem: String| LoadError::Lora {
             file: path.to_path_buf(),
@@ -383,10 +396,11 @@ impl LoraFile {
                 });
             }
         }
-        if !unknown.is_empty() {
+        // Allowed: a file with at least one module that matches keeps the others listed.
+        if !unknown.is_empty() && (!allow_unmatched || modules.is_empty()) {
             return Err(bad(format!(
                 "{} module(s) match no layer of Flux, Qwen-Image, CLIP or T5 (e.g. {}); \
-                 it may be a LoRA for another model",
+                 it may be a LoRA for another model (--lora-allow-unmatched applies the rest)",
                 unknown.len(),
                 unknown
                     .iter()
@@ -413,6 +427,7 @@ impl LoraFile {
             path: path.to_path_buf(),
             format,
             modules,
+            unmatched: unknown,
         })
     }
 
@@ -472,6 +487,9 @@ impl LoraFile {
             .map(|(r, n)| format!("{r} ({n} modules)"))
             .collect();
         s += &format!("  rank: {}\n", ranks.join(", "));
+        if !self.unmatched.is_empty() {
+            s += &format!("  unmatched (not applied): {}\n", self.unmatched.join(", "));
+        }
         let scales: BTreeSet<String> = self
             .modules
             .iter()
