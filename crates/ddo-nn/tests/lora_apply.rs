@@ -203,14 +203,57 @@ fn adapters_equal_merged_weights_on_every_route() {
     assert!(err <= 1e-5, "adapters vs merged: {err:e}");
     assert!(moved > 1e-3, "the LoRA changed nothing: {moved:e}");
 
-    // The same adapters on a streamed route: bit for bit the resident output.
-    let streamed = FluxTransformer::load(&fixture_dir(), None).unwrap();
-    apply_loras(streamed.component(), &[(&lora, strength)], &*d).unwrap();
-    let (streamed_bytes, _) = run(&streamed, &d, Some(RouteSpec::leaf_group(true, false)));
-    assert_eq!(
-        streamed_bytes, adapted_bytes,
-        "streamed vs resident with the LoRA"
-    );
+    // The same adapters on every route, twice each (the streamed ones learn their schedule
+    // on the first forward): bit for bit the resident output.
+    for (label, spec, native) in [
+        (
+            "leaf, no stream",
+            RouteSpec::leaf_group(false, false),
+            false,
+        ),
+        ("leaf, stream", RouteSpec::leaf_group(true, false), false),
+        (
+            "block, stream",
+            ddo_routes::parse_spec(
+                "diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true",
+            )
+            .unwrap(),
+            false,
+        ),
+        (
+            "linear_convolution",
+            ddo_routes::parse_spec("linear_convolution").unwrap(),
+            false,
+        ),
+        (
+            "native_vmm",
+            ddo_routes::parse_spec("native_vmm:budget=64KiB").unwrap(),
+            true,
+        ),
+    ] {
+        let model = FluxTransformer::load(&fixture_dir(), None).unwrap();
+        let dev = HostDevice::new(ddo_host::HostDeviceConfig {
+            capacity: 1 << 30,
+            allocator: if native {
+                ddo_core::AllocatorKind::NativeVmm
+            } else {
+                ddo_core::AllocatorKind::Caching
+            },
+            ..ddo_host::HostDeviceConfig::default()
+        })
+        .unwrap();
+        apply_loras(model.component(), &[(&lora, strength)], &*dev).unwrap();
+        let handle = enable_dynamic_offload(model.component(), dev.clone(), spec).unwrap();
+        for pass in 0..2 {
+            let out = model.forward(&*dev, &inputs()).unwrap();
+            let got = out.to_host_bytes(&*dev, &dev.compute_stream()).unwrap();
+            assert!(
+                got == adapted_bytes,
+                "{label}: forward {pass} differs from resident with the LoRA"
+            );
+        }
+        drop(handle);
+    }
 
     // Cleared: the plain output, bit for bit.
     let cleared = FluxTransformer::load(&fixture_dir(), None).unwrap();
