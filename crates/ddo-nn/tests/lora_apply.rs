@@ -2,8 +2,8 @@
 //! output with a kohya LoRA's adapters (fused qkv and `linear1` split, the final
 //! modulation's halves swapped, an MLP input before its GELU, the single block's
 //! concatenated `proj_out`) equals the output of the same model whose weights had
-//! `strength · alpha/rank · B A` merged in, on the resident route and a streamed one (bit for
-//! bit between routes); clearing the adapters gives the plain output back bit for bit, and a
+//! `strength · alpha/rank · B A` merged in, and every route gives the resident output bit for
+//! bit; clearing the adapters gives the plain output back bit for bit, and a
 //! LoRA for another model is refused with nothing changed.
 
 use std::collections::HashMap;
