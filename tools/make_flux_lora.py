@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Writes a random kohya-format LoRA for the FLUX.1-dev transformer (issue 36's benchmark
+LoRA): rank R (default 32) on every attention and MLP linear of every block — double blocks'
+img/txt qkv, proj, mlp.0 and mlp.2; single blocks' linear1 and linear2 — bf16 factors with
+alpha = rank, small values so the image stays finite. Needs only numpy (the GPU machine has it).
+
+Usage: python3 tools/make_flux_lora.py OUT.safetensors [--rank 32] [--hidden 3072]
+       [--double 19] [--single 38] [--seed 0]
+"""
+
+import argparse
+import json
+import struct
+
+import numpy as np
+
+
+def bf16_bytes(a: np.ndarray) -> bytes:
+    """Round-to-nearest-even f32 → bf16, little-endian."""
+    u = a.astype(np.float32).view(np.uint32)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16).tobytes()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--double", type=int, default=19)
+    ap.add_argument("--single", type=int, default=38)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    h, r = args.hidden, args.rank
+    mlp = 4 * h
+    modules = []
+    for i in range(args.double):
+        for side in ("img", "txt"):
+            modules += [
+                (f"double_blocks_{i}_{side}_attn_qkv", 3 * h, h),
+                (f"double_blocks_{i}_{side}_attn_proj", h, h),
+                (f"double_blocks_{i}_{side}_mlp_0", mlp, h),
+                (f"double_blocks_{i}_{side}_mlp_2", h, mlp),
+            ]
+    for i in range(args.single):
+        modules += [
+            (f"single_blocks_{i}_linear1", 3 * h + mlp, h),
+            (f"single_blocks_{i}_linear2", h, h + mlp),
+        ]
+    rng = np.random.default_rng(args.seed)
+    header, chunks, at = {}, [], 0
+
+    def put(name, shape, data: bytes, dtype):
+        nonlocal at
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(data)]}
+        chunks.append(data)
+        at += len(data)
+
+    for name, out, inp in modules:
+        down = rng.standard_normal((r, inp), dtype=np.float32) * (1.0 / np.sqrt(inp))
+        up = rng.standard_normal((out, r), dtype=np.float32) * 0.01
+        put(f"lora_unet_{name}.lora_down.weight", [r, inp], bf16_bytes(down), "BF16")
+        put(f"lora_unet_{name}.lora_up.weight", [out, r], bf16_bytes(up), "BF16")
+        put(f"lora_unet_{name}.alpha", [], struct.pack("<f", float(r)), "F32")
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * ((8 - len(head) % 8) % 8)
+    with open(args.out, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for c in chunks:
+            f.write(c)
+    print(json.dumps({"out": args.out, "modules": len(modules), "rank": r, "bytes": 8 + len(head) + at}))
+
+
+if __name__ == "__main__":
+    main()
