@@ -278,11 +278,14 @@ impl Component {
     /// Replaces the component's low-rank adapters ([`crate::adapter`]): from the next
     /// forward on, each linear leaf in `adapters` adds them to its output. An empty set
     /// removes every adapter. The leaves' params are not touched, so the route attached
-    /// (whatever it streams, pins or keeps resident) needs no change.
+    /// (whatever it streams, pins or keeps resident) needs no change. A forward running on
+    /// another thread finishes with the adapters it started with: the change waits for it
+    /// (never call this from inside a forward of the same component).
     pub fn set_adapters(&self, adapters: crate::adapter::AdapterSet) -> Result<()> {
         for id in adapters.keys() {
             self.leaf(*id)?;
         }
+        let _between_forwards = self.forward_lock.lock();
         *self.adapters.write() = adapters;
         Ok(())
     }
