@@ -120,7 +120,7 @@ def main():
     gib = lambda b: "-" if b is None else "%.2f" % (b / 2**30)
     sec = lambda s: "-" if s is None else "%.3f" % s
     lines = [
-        "# DDO under smaller machines (FLUX.1-dev folder, --vram-budget 12GiB, page cache dropped)",
+        "# DDO under smaller machines (%s, page cache dropped)" % (folder.get("dir") or "the folder"),
         "",
         "disk: " + disk,
         "",

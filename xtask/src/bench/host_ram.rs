@@ -9,6 +9,8 @@
 //!
 //! 1. writes the folder once (`$DDO_FOLDER`, default `/tmp/ddo-host-ram/flux`);
 //! 2. measures the disk (`dd` with 16 MiB `O_DIRECT` reads, page cache dropped);
+//!    (`DDO_MODEL=qwen`: a Qwen-Image folder at its real config, 57.7 GB, run under
+//!    `--vram-budget 16GiB`, the FLUX folder removed first: the disk holds one);
 //! 3. runs `ddo run --weights FOLDER --device cuda:0 --vram-budget 12GiB` with all RAM free,
 //!    then for each size: a helper process allocates, touches and holds what leaves that
 //!    much `MemAvailable`, the page cache is dropped (`sync; echo 3 >
@@ -29,10 +31,11 @@ pub const HOST_RAM_DIR: &str = "gpu-bundle/bench-host-ram";
 
 /// Python files the job needs, from `tools/` (`save_random_pipeline.py` builds the weights
 /// through `peer_pipeline.py`, which imports `bench_peer.py` and `gpu_peer.py`).
-const SCRIPTS: [&str; 5] = [
+const SCRIPTS: [&str; 6] = [
     "gpu_peer.py",
     "bench_peer.py",
     "peer_pipeline.py",
+    "peer_qwen.py",
     "save_random_pipeline.py",
     "bench_host_ram_report.py",
 ];
@@ -98,7 +101,11 @@ set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${{OUT:-$PWD/bench-host-ram-out}}"
 work="${{DDO_BENCH_WORK:-/tmp/ddo-host-ram}}"
-folder="${{DDO_FOLDER:-$work/flux}}"
+# DDO_MODEL=qwen: a Qwen-Image folder (57.7 GB) instead, under --vram-budget 16GiB; the other
+# model's folder is removed first (the GPU machine's disk holds one of them).
+model="${{DDO_MODEL:-flux}}"
+folder="${{DDO_FOLDER:-$work/$model}}"
+if [ "$model" = qwen ]; then writer_args=--qwen; vram="${{DDO_VRAM:-16GiB}}"; other=flux; else writer_args=; vram="${{DDO_VRAM:-12GiB}}"; other=qwen; fi
 steps="${{DDO_STEPS:-{steps}}}"
 sizes="${{DDO_HOST_RAM:-{sizes_list}}}"
 site="$work/site"
@@ -117,8 +124,9 @@ if [ ! -f "$folder/model_index.json" ]; then
   if ! python3 -c "from transformers import CLIPTextModel, T5EncoderModel" >> "$log" 2>&1; then
     python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/pywheels/*.whl >> "$log" 2>&1
   fi
+  rm -rf "$work/$other"
   say "writing the folder $folder"
-  python3 "$here/save_random_pipeline.py" "$folder" > "$out/folder.json" 2>> "$log" || {{ say "the folder could not be written"; exit 1; }}
+  python3 "$here/save_random_pipeline.py" "$folder" $writer_args > "$out/folder.json" 2>> "$log" || {{ say "the folder could not be written"; exit 1; }}
 fi
 drop_caches
 first=$(ls "$folder"/transformer/*.safetensors | head -n 1)
@@ -149,7 +157,7 @@ case_run() {{
   ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
   local sampler=$!
   /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "${{DDO_BIN:-$here/ddo}}" run --weights "$folder" \
-    --device cuda:0 --vram-budget 12GiB --steps "$steps" --json --out "$work/$name.png" \
+    --device cuda:0 --vram-budget "$vram" --steps "$steps" --json --out "$work/$name.png" \
     > "$out/$name.json" 2>> "$log"
   local rc=$?
   kill "$sampler" 2>/dev/null
@@ -230,7 +238,9 @@ mod tests {
         let report = s.find("bench_host_ram_report.py\" \"$out\"").unwrap();
         assert!(free < sized && sized < report);
         assert!(s.contains("drop_caches"));
-        assert!(s.contains("--vram-budget 12GiB"));
+        assert!(s.contains(r#"vram="${DDO_VRAM:-12GiB}""#));
+        assert!(s.contains(r#"--vram-budget "$vram""#));
+        assert!(s.contains("save_random_pipeline.py\" \"$folder\" $writer_args"));
         let checked = Command::new("bash")
             .arg("-n")
             .arg("/dev/stdin")
