@@ -676,6 +676,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             let device = device_for(cand.native(&name))?;
             if !lora_refs.is_empty() {
                 ddo_nn::lora::apply_loras(&component, &lora_refs, &*device)?;
+                component.set_adapter_fusion(args.lora_fuse);
             }
             let pipeline = Pipeline::new(vec![Arc::clone(&component)])?;
             let attach_started = std::time::Instant::now();
@@ -824,6 +825,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     bar.finish();
     // The last candidate's adapters go with its device.
     if !lora_refs.is_empty() {
+        component.set_adapter_fusion(false);
         component.set_adapters(Default::default())?;
     }
 

@@ -19,7 +19,7 @@ use crate::error::{CliError, CliResult};
 /// with modules for a component the pipeline lacks, or that fits none of its layers, is an
 /// error before anything runs.
 pub fn apply_run_loras(
-    (loras, allow_unmatched): (&[LoraArg], bool),
+    (loras, allow_unmatched, fuse): (&[LoraArg], bool, bool),
     pipeline: &ddo_routes::Pipeline,
     device: &dyn ddo_core::Device,
     out: &mut dyn std::io::Write,
@@ -42,6 +42,10 @@ pub fn apply_run_loras(
     let refs: Vec<(&LoraFile, f32)> = files.iter().map(|(f, s)| (f, *s)).collect();
     let (bytes, left_out) =
         ddo_nn::lora::set_pipeline_loras(pipeline, &refs, device, allow_unmatched)?;
+    // `--lora-fuse`: a resident route folds them into its weights when it attaches.
+    for c in pipeline.components() {
+        c.set_adapter_fusion(fuse);
+    }
     // `--lora-allow-unmatched`: every module left out is named (on stderr with --json).
     let unmatched: Vec<String> = files
         .iter()

@@ -341,7 +341,7 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
     // `--lora`: checked against the pipeline's layers as `ddo run` checks them, and the
     // plan made with the budget less their factors.
     let lora_bytes = crate::lora::apply_run_loras(
-        (&args.lora, args.lora_allow_unmatched),
+        (&args.lora, args.lora_allow_unmatched, false),
         &pipeline,
         &*device,
         &mut *out,

@@ -399,3 +399,43 @@ fn a_partly_matching_lora_needs_the_flag_and_names_what_it_leaves_out() {
     assert!(out.exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--lora-fuse`: the resident transformer runs with the LoRA folded into its weights; its
+/// latents are the unfused run's to rounding, and not the plain ones.
+#[test]
+fn a_fused_lora_gives_the_unfused_latents() {
+    let dir = scratch("lora-fuse");
+    let style = dir.join("style.safetensors");
+    write_lora(
+        &style,
+        &[
+            ("double_blocks_0_img_attn_qkv", 96, 32),
+            ("single_blocks_0_linear1", 224, 32),
+        ],
+    );
+    let latents = |name: &str, extra: &[&str]| {
+        let file = dir.join(format!("{name}.safetensors"));
+        let mut args = vec!["--save-latents", file.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        run(&dir, name, &args);
+        common::tensor(&file, "latents").1
+    };
+    let path = style.to_str().unwrap();
+    let plain = latents("plain", &[]);
+    let unfused = latents("unfused", &["--lora", path]);
+    let fused = latents("fused", &["--lora", path, "--lora-fuse"]);
+    let rel = |a: &[f32], b: &[f32]| {
+        let n: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let d: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (n / d).sqrt()
+    };
+    assert!(
+        rel(&fused, &unfused) <= 1e-5,
+        "fused vs unfused {}",
+        rel(&fused, &unfused)
+    );
+    assert!(rel(&unfused, &plain) > 1e-3, "the LoRA changed nothing");
+    // Folded, not added per step: the sums round differently (deterministically).
+    assert_ne!(fused, unfused, "--lora-fuse folded nothing");
+    let _ = std::fs::remove_dir_all(&dir);
+}

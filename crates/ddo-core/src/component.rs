@@ -190,6 +190,9 @@ pub struct Component {
     /// Low-rank adapters by leaf ([`crate::adapter`]): resident beside the route's weights,
     /// never part of them.
     adapters: RwLock<crate::adapter::AdapterSet>,
+    /// Whether a route that holds the weights on the device for good folds the adapters
+    /// into them ([`Component::set_adapter_fusion`]).
+    fuse_adapters: AtomicBool,
 }
 
 impl Component {
@@ -239,6 +242,7 @@ impl Component {
             attached: Mutex::new(None),
             forward_lock: Mutex::new(()),
             adapters: RwLock::new(Default::default()),
+            fuse_adapters: AtomicBool::new(false),
         }))
     }
 
@@ -285,9 +289,33 @@ impl Component {
         for id in adapters.keys() {
             self.leaf(*id)?;
         }
+        if let Some(h) = self.attached().filter(|h| h.folds_adapters()) {
+            return Err(CoreError::InvalidOption {
+                option: "adapters".into(),
+                value: self.name.clone(),
+                hint: format!(
+                    "the `{}` route folded this component's LoRA into its weights; detach it (or \
+                     leave --lora-fuse off) to change LoRAs",
+                    h.route_name()
+                ),
+            });
+        }
         let _between_forwards = self.forward_lock.lock();
         *self.adapters.write() = adapters;
         Ok(())
+    }
+
+    /// Asks a route that keeps the weights on the device for good (`none`) to fold the
+    /// adapters into them when it attaches (`--lora-fuse`): no cost per forward, and the
+    /// weights on the host untouched (a detach drops the folded copy; the next attach
+    /// uploads the original and folds again). Routes that stream add the adapters as usual.
+    pub fn set_adapter_fusion(&self, fuse: bool) {
+        self.fuse_adapters.store(fuse, Ordering::Release);
+    }
+
+    /// Whether [`Component::set_adapter_fusion`] asked for folding.
+    pub fn fuses_adapters(&self) -> bool {
+        self.fuse_adapters.load(Ordering::Acquire)
     }
 
     /// The adapters of leaf `id` (`None`: none).

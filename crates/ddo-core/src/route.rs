@@ -56,6 +56,19 @@ pub trait AttachedRoute: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Whether the route folded `leaf`'s adapters into the weights it holds
+    /// ([`Component::set_adapter_fusion`](crate::Component::set_adapter_fusion)): the leaf
+    /// then runs without adding them again. None by default.
+    fn folds_adapters_of(&self, _leaf: &Leaf) -> bool {
+        false
+    }
+
+    /// Whether the route folded any adapter into its weights: the adapters cannot change
+    /// while it is attached.
+    fn folds_adapters(&self) -> bool {
+        false
+    }
+
     /// Called before `leaf` runs: its params must be on the device (and ordered before the
     /// compute stream's next work) when this returns.
     fn before_leaf(&self, leaf: &Leaf) -> Result<()>;
@@ -625,10 +638,15 @@ impl<'a> ForwardContext<'a> {
                 })?;
                 tensors.push(t);
             }
+            let folded = self.hooks.is_some_and(|h| h.folds_adapters_of(leaf));
             let weights = LeafWeights {
                 leaf,
                 tensors,
-                adapters: self.component.adapters_of(id),
+                adapters: if folded {
+                    None
+                } else {
+                    self.component.adapters_of(id)
+                },
             };
             f(&weights)?
         };

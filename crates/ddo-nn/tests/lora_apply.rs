@@ -370,3 +370,51 @@ fn pipeline_loras_change_together_or_not_at_all() {
         "{left_out:?}"
     );
 }
+
+/// `--lora-fuse` on the resident route: the adapters folded into the resident weights give
+/// the unfused output (to rounding), cannot change while that route is attached, and the
+/// weights on the host are untouched: after a detach, an unfused attach gives the unfused
+/// output bit for bit.
+#[test]
+fn a_resident_route_folds_the_adapters_and_the_host_weights_stay() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("lora.safetensors");
+    kohya(&path, &MODULES);
+    let lora = LoraFile::open(&path).unwrap();
+    let d = HostDevice::with_capacity(1 << 30).unwrap();
+    let plain = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    let (_, plain_values) = run(&plain, &d, Some(RouteSpec::resident()));
+
+    let model = FluxTransformer::load(&fixture_dir(), None).unwrap();
+    apply_loras(model.component(), &[(&lora, 0.7)], &*d).unwrap();
+    let (unfused_bytes, unfused) = run(&model, &d, Some(RouteSpec::resident()));
+
+    model.component().set_adapter_fusion(true);
+    let handle =
+        enable_dynamic_offload(model.component(), d.clone(), RouteSpec::resident()).unwrap();
+    let attached = model.component().attached().unwrap();
+    let folded = model
+        .component()
+        .leaves()
+        .iter()
+        .filter(|l| attached.folds_adapters_of(l))
+        .count();
+    assert_eq!(folded, 10, "every adapted linear folded");
+    let out = model.forward(&*d, &inputs()).unwrap();
+    let fused = ops_of(&*d).unwrap().to_f32_vec(&out).unwrap();
+    let err = rel_l2(&fused, &unfused);
+    assert!(err <= 1e-5, "fused vs unfused: {err:e}");
+    assert!(
+        rel_l2(&fused, &plain_values) > 1e-3,
+        "folding lost the LoRA"
+    );
+    // The LoRA cannot change under the folded weights.
+    let e = apply_loras(model.component(), &[], &*d).unwrap_err();
+    assert!(e.to_string().contains("--lora-fuse"), "{e}");
+    drop((handle, attached));
+
+    // Detached: the host weights were never written; unfused again, bit for bit.
+    model.component().set_adapter_fusion(false);
+    let (again, _) = run(&model, &d, Some(RouteSpec::resident()));
+    assert_eq!(again, unfused_bytes);
+}

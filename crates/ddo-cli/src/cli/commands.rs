@@ -116,6 +116,10 @@ pub struct RunArgs {
     /// a file that partly matches
     #[arg(long)]
     pub lora_allow_unmatched: bool,
+    /// fold the LoRAs into the weights of components that run resident (route `none`), at
+    /// attach: no cost per step; streamed components add them as usual
+    #[arg(long)]
+    pub lora_fuse: bool,
     /// weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8
     /// (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a
     /// per-tensor scale, computes in bf16, and loads the rest as bf16
@@ -335,6 +339,10 @@ pub struct BenchArgs {
     /// a file that partly matches
     #[arg(long)]
     pub lora_allow_unmatched: bool,
+    /// fold the LoRAs into the weights of components that run resident (route `none`), at
+    /// attach: no cost per step; streamed components add them as usual
+    #[arg(long)]
+    pub lora_fuse: bool,
     /// a candidate route (repeatable)
     #[arg(long, value_name = "ROUTE[:k=v,...]")]
     pub route: Vec<String>,

@@ -462,7 +462,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     // LoRAs (issue 36): their factors go on the device now, resident for the whole run, and
     // the memory plan gets the budget less them.
     let lora_bytes = crate::lora::apply_run_loras(
-        (&args.lora, args.lora_allow_unmatched),
+        (&args.lora, args.lora_allow_unmatched, args.lora_fuse),
         &pipeline,
         &*device,
         &mut *out,

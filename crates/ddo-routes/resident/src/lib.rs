@@ -1,15 +1,18 @@
 //! The `none` route: the component runs resident. Its weights are copied to the device
-//! once at attach and stay there until detach; the per-leaf hooks do nothing.
+//! once at attach and stay there until detach; the per-leaf hooks do nothing. With
+//! [`Component::set_adapter_fusion`] its LoRA adapters are folded into the device copies at
+//! attach (`--lora-fuse`), the host weights untouched.
 //!
 //! A route crate: it sits above `ddo-core` (it talks only to the `Device` trait, never to a
 //! GPU library) and is registered in the static route table of `ddo-routes`.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
 use ddo_core::residency::{FreeMode, ResidencyTable, UploadRegistrations};
 use ddo_core::{
-    AttachedRoute, Component, CoreError, Device, DeviceId, Footprint, FootprintContext,
+    AttachedRoute, Component, CoreError, DType, Device, DeviceId, Footprint, FootprintContext,
     HostMemoryKind, Leaf, OptionTable, Refusal, Result, Route, RouteId, RouteSpec,
 };
 use ddo_metrics::RouteMetrics;
@@ -143,13 +146,76 @@ impl Route for ResidentRoute {
             .count() as u64;
         metrics.set_leaf_plan(0, leaves_with_params);
         metrics.set_resident_weight_bytes(table.resident_bytes());
+        // `--lora-fuse`: the adapters folded into the resident weights, once.
+        let folded = if component.fuses_adapters() {
+            match fold_adapters(component, &*device, &stream) {
+                Ok(f) => f,
+                Err(e) => {
+                    table.release_all(&*device, FreeMode::Immediate, &stream);
+                    return Err(e);
+                }
+            }
+        } else {
+            HashSet::new()
+        };
         Ok(Arc::new(AttachedResident {
             describe: spec.describe(),
             device,
             metrics,
             table: Mutex::new(table),
+            folded,
         }))
     }
+}
+
+/// Folds each linear leaf's adapters into its resident weight on the device:
+/// `W ← W + Σ B A` (the scale is in B), written over the resident copy on `stream`. Leaves
+/// whose weight is not f32, f16 or bf16 (8-bit weights) keep their adapters unfolded.
+/// Returns the paths of the leaves folded.
+fn fold_adapters(
+    component: &Component,
+    device: &dyn Device,
+    stream: &ddo_core::Stream,
+) -> Result<HashSet<String>> {
+    let ops = ddo_core::ops_of(device)?;
+    let mut folded = HashSet::new();
+    for (i, leaf) in component.leaves().iter().enumerate() {
+        let Some(adapters) = component.adapters_of(ddo_core::LeafId(i)) else {
+            continue;
+        };
+        let Some(weight) = leaf
+            .params()
+            .iter()
+            .find(|(n, _)| n == "weight")
+            .map(|(_, p)| Arc::clone(p))
+        else {
+            continue;
+        };
+        if !matches!(weight.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            continue;
+        }
+        let (Some(w), Some(dst)) = (weight.device_tensor(), weight.device()) else {
+            continue;
+        };
+        let mut acc = w;
+        for a in adapters.iter() {
+            let mut delta = ops.matmul(&a.up, &a.down)?;
+            if a.scale != 1.0 {
+                delta = ops.affine(&delta, a.scale, 0.0)?;
+            }
+            acc = ops.binary(&acc, &delta, ddo_core::BinaryOp::Add)?;
+        }
+        let ddo_core::TensorStorage::Device(src) = acc.storage() else {
+            return Err(CoreError::Backend {
+                device: device.id().to_string(),
+                message: "folding a LoRA: the sum is not on the device".into(),
+            });
+        };
+        device.copy_d2d(src, &dst, stream)?;
+        folded.insert(leaf.path().to_string());
+    }
+    device.synchronize_stream(stream)?;
+    Ok(folded)
 }
 
 /// Hooks of a component attached resident.
@@ -158,6 +224,8 @@ pub struct AttachedResident {
     device: Arc<dyn Device>,
     metrics: Arc<RouteMetrics>,
     table: Mutex<ResidencyTable>,
+    /// Leaves whose adapters were folded into the resident weights (`--lora-fuse`).
+    folded: HashSet<String>,
 }
 
 impl fmt::Debug for AttachedResident {
@@ -185,6 +253,14 @@ impl AttachedRoute for AttachedResident {
 
     fn before_leaf(&self, _leaf: &Leaf) -> Result<()> {
         Ok(())
+    }
+
+    fn folds_adapters_of(&self, leaf: &Leaf) -> bool {
+        self.folded.contains(leaf.path())
+    }
+
+    fn folds_adapters(&self) -> bool {
+        !self.folded.is_empty()
     }
 
     fn after_leaf(&self, _leaf: &Leaf) -> Result<()> {
