@@ -654,18 +654,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let env = ddo_core::MapEnvironment::default();
     let name = component.name().to_string();
     // `--lora`: read once, applied to the component on each candidate's device.
-    let loras: Vec<(ddo_nn::lora::LoraFile, f32)> = args
-        .lora
-        .iter()
-        .map(|l| {
-            let f = if args.lora_allow_unmatched {
-                ddo_nn::lora::LoraFile::open_allowing_unmatched(&l.path)?
-            } else {
-                ddo_nn::lora::LoraFile::open(&l.path)?
-            };
-            Ok((f, l.strength))
-        })
-        .collect::<CliResult<_>>()?;
+    let loras = crate::lora::read_loras(&args.lora, args.lora_allow_unmatched)?;
     let lora_refs: Vec<(&ddo_nn::lora::LoraFile, f32)> =
         loras.iter().map(|(f, s)| (f, *s)).collect();
     let mut results = Vec::new();

@@ -13,6 +13,22 @@ use serde_json::json;
 use crate::cli::LoraArg;
 use crate::error::{CliError, CliResult};
 
+/// Reads every `--lora` file with its strength (`--lora-allow-unmatched`: keeping files
+/// that only partly match, [`LoraFile::open_allowing_unmatched`]).
+pub fn read_loras(loras: &[LoraArg], allow_unmatched: bool) -> CliResult<Vec<(LoraFile, f32)>> {
+    loras
+        .iter()
+        .map(|l| {
+            let f = if allow_unmatched {
+                LoraFile::open_allowing_unmatched(&l.path)?
+            } else {
+                LoraFile::open(&l.path)?
+            };
+            Ok((f, l.strength))
+        })
+        .collect()
+}
+
 /// Reads every `--lora` file and puts its modules on the pipeline's components (each
 /// file's strength on its scales; [`ddo_nn::lora::set_pipeline_loras`]); returns the
 /// factors' device bytes, and says per file what it adapts (on `out`, unless `json`). A file
@@ -28,17 +44,7 @@ pub fn apply_run_loras(
     if loras.is_empty() {
         return Ok(0);
     }
-    let files: Vec<(LoraFile, f32)> = loras
-        .iter()
-        .map(|l| {
-            let f = if allow_unmatched {
-                LoraFile::open_allowing_unmatched(&l.path)?
-            } else {
-                LoraFile::open(&l.path)?
-            };
-            Ok((f, l.strength))
-        })
-        .collect::<CliResult<_>>()?;
+    let files = read_loras(loras, allow_unmatched)?;
     let refs: Vec<(&LoraFile, f32)> = files.iter().map(|(f, s)| (f, *s)).collect();
     let (bytes, left_out) =
         ddo_nn::lora::set_pipeline_loras(pipeline, &refs, device, allow_unmatched)?;

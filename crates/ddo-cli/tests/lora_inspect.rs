@@ -6,64 +6,31 @@ mod common;
 
 use std::path::Path;
 
-use common::{ddo, fixture, json, ok, scratch};
-use safetensors::Dtype;
-use safetensors::tensor::TensorView;
+use common::{ddo, fixture, json, ok, scratch, write_f32_safetensors};
 
 /// A kohya Flux LoRA: the img qkv of double block 0 and `linear1` of single block 0, rank
 /// `rank_up` on the up side (4 on the down side), alpha 8.
 fn write_kohya(path: &Path, rank_up: usize) {
     let (inp, rank) = (16usize, 4usize);
-    let t: Vec<(String, Vec<usize>)> = vec![
-        (
-            "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight".into(),
+    let ramp = |n: usize| -> Vec<f32> { (0..n).map(|i| i as f32 / 64.0).collect() };
+    let mut t = Vec::new();
+    for (m, out, up_rank) in [
+        ("double_blocks_0_img_attn_qkv", 3 * inp, rank_up),
+        ("single_blocks_0_linear1", 7 * inp, rank),
+    ] {
+        t.push((
+            format!("lora_unet_{m}.lora_down.weight"),
             vec![rank, inp],
-        ),
-        (
-            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight".into(),
-            vec![3 * inp, rank_up],
-        ),
-        (
-            "lora_unet_double_blocks_0_img_attn_qkv.alpha".into(),
-            vec![],
-        ),
-        (
-            "lora_unet_single_blocks_0_linear1.lora_down.weight".into(),
-            vec![rank, inp],
-        ),
-        (
-            "lora_unet_single_blocks_0_linear1.lora_up.weight".into(),
-            vec![7 * inp, rank],
-        ),
-        ("lora_unet_single_blocks_0_linear1.alpha".into(), vec![]),
-    ];
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = t
-        .into_iter()
-        .map(|(n, s)| {
-            let count: usize = s.iter().product();
-            let bytes = (0..count)
-                .flat_map(|i| {
-                    if s.is_empty() {
-                        8.0f32
-                    } else {
-                        i as f32 / 64.0
-                    }
-                    .to_le_bytes()
-                })
-                .collect();
-            (n, s, bytes)
-        })
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
+            ramp(rank * inp),
+        ));
+        t.push((
+            format!("lora_unet_{m}.lora_up.weight"),
+            vec![out, up_rank],
+            ramp(out * up_rank),
+        ));
+        t.push((format!("lora_unet_{m}.alpha"), vec![], vec![8.0]));
+    }
+    write_f32_safetensors(path, &t);
 }
 
 #[test]

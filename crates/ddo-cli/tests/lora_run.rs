@@ -7,72 +7,66 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{ddo, fixture, json, scratch};
-use safetensors::Dtype;
-use safetensors::tensor::TensorView;
+use common::{ddo, fixture, json, scratch, write_f32_safetensors};
 
 /// A kohya LoRA on the fixture pipeline (hidden 32): transformer modules by their kohya
 /// names, text-encoder ones as `te1_…` (CLIP) or `te2_…` (T5); e.g. the img qkv of double block 0
 /// and `linear1` of single block 0 (or `modules` given), alpha 4, rank 4.
 fn write_lora(path: &Path, modules: &[(&str, usize, usize)]) {
     let rank = 4;
-    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let v = |n: usize, seed: f32| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32) * 0.37 + seed).sin() * 0.5)
+            .collect()
+    };
+    let mut t = Vec::new();
     for (k, (m, out, inp)) in modules.iter().enumerate() {
-        let v = |n: usize, seed: f32| -> Vec<u8> {
-            (0..n)
-                .flat_map(|i| (((i as f32) * 0.37 + seed).sin() * 0.5).to_le_bytes())
-                .collect()
-        };
         // `te1_…`/`te2_…` name text-encoder modules (`lora_te1_…`), the rest the transformer's.
         let m = if m.starts_with("te") {
             format!("lora_{m}")
         } else {
             format!("lora_unet_{m}")
         };
-        data.push((
+        t.push((
             format!("{m}.lora_down.weight"),
             vec![rank, *inp],
             v(rank * inp, k as f32),
         ));
-        data.push((
+        t.push((
             format!("{m}.lora_up.weight"),
             vec![*out, rank],
             v(out * rank, 3.0 + k as f32),
         ));
-        data.push((format!("{m}.alpha"), vec![], 4.0f32.to_le_bytes().to_vec()));
+        t.push((format!("{m}.alpha"), vec![], vec![4.0]));
     }
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
+    write_f32_safetensors(path, &t);
 }
 
-/// Runs the fixture pipeline with `extra`, returning the PNG bytes and the JSON report.
-fn run(dir: &Path, name: &str, extra: &[&str]) -> (Vec<u8>, serde_json::Value) {
-    let out = dir.join(format!("{name}.png"));
+/// `ddo run` on the fixture pipeline at 32x32 with `steps`, writing `out`, with `extra`.
+fn ddo_run(out: &Path, steps: &str, extra: &[&str]) -> std::process::Output {
     let folder = fixture("flux_pipeline");
+    let out = out.to_str().unwrap();
     let mut args = vec![
         "run",
         "--weights",
         &folder,
         "--steps",
-        "2",
+        steps,
         "--height",
         "32",
         "--width",
         "32",
-        "--json",
         "--out",
-        out.to_str().unwrap(),
+        out,
     ];
     args.extend_from_slice(extra);
-    let v = json(&ddo(&args));
+    ddo(&args)
+}
+
+/// Runs the fixture pipeline with `extra`, returning the PNG bytes and the JSON report.
+fn run(dir: &Path, name: &str, extra: &[&str]) -> (Vec<u8>, serde_json::Value) {
+    let out = dir.join(format!("{name}.png"));
+    let v = json(&ddo_run(&out, "2", &[&["--json"], extra].concat()));
     (std::fs::read(&out).unwrap(), v)
 }
 
@@ -137,22 +131,7 @@ fn a_lora_changes_the_image_and_strength_zero_does_not() {
     let deep = dir.join("deep.safetensors");
     write_lora(&deep, &[("double_blocks_7_img_mlp_0", 128, 32)]);
     let out = dir.join("deep.png");
-    let folder = fixture("flux_pipeline");
-    let o = ddo(&[
-        "run",
-        "--weights",
-        &folder,
-        "--steps",
-        "1",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--out",
-        out.to_str().unwrap(),
-        "--lora",
-        deep.to_str().unwrap(),
-    ]);
+    let o = ddo_run(&out, "1", &["--lora", deep.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -271,7 +250,12 @@ fn a_qwen_image_lora_applies() {
     let dir = scratch("lora-qwen");
     let lora = dir.join("qwen.safetensors");
     let rank = 4usize;
-    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let v = |n: usize, seed: f32| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32) * 0.29 + seed).cos() * 0.5)
+            .collect()
+    };
+    let mut t = Vec::new();
     for (k, (m, out, inp)) in [
         ("transformer_blocks.0.img_mlp.net.0.proj", 128usize, 32usize),
         ("transformer_blocks.1.attn.to_add_out", 32, 32),
@@ -280,34 +264,20 @@ fn a_qwen_image_lora_applies() {
     .into_iter()
     .enumerate()
     {
-        let v = |n: usize, seed: f32| -> Vec<u8> {
-            (0..n)
-                .flat_map(|i| (((i as f32) * 0.29 + seed).cos() * 0.5).to_le_bytes())
-                .collect()
-        };
         let n = format!("transformer.{m}");
-        data.push((
+        t.push((
             format!("{n}.lora_A.weight"),
             vec![rank, inp],
             v(rank * inp, k as f32),
         ));
-        data.push((
+        t.push((
             format!("{n}.lora_B.weight"),
             vec![out, rank],
             v(out * rank, 5.0 + k as f32),
         ));
-        data.push((format!("{n}.alpha"), vec![], 8.0f32.to_le_bytes().to_vec()));
+        t.push((format!("{n}.alpha"), vec![], vec![8.0]));
     }
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &lora).unwrap();
+    write_f32_safetensors(&lora, &t);
     let run = |name: &str, extra: &[&str]| {
         let png = dir.join(format!("{name}.png"));
         let mut args = vec![
@@ -360,31 +330,18 @@ fn a_partly_matching_lora_needs_the_flag_and_names_what_it_leaves_out() {
             ("input_blocks_1_0_emb_layers_1", 32, 32),
         ],
     );
-    let folder = fixture("flux_pipeline");
     let out = dir.join("p.png");
-    let base = [
-        "run",
-        "--weights",
-        &folder,
-        "--steps",
-        "1",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--out",
-        out.to_str().unwrap(),
-        "--lora",
-        partial.to_str().unwrap(),
-    ];
-    let o = ddo(&base);
+    let lora = ["--lora", partial.to_str().unwrap()];
+    let o = ddo_run(&out, "1", &lora);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--lora-allow-unmatched"), "{err}");
     assert!(!out.exists());
-    let mut allowed = base.to_vec();
-    allowed.push("--lora-allow-unmatched");
-    let o = ddo(&allowed);
+    let o = ddo_run(
+        &out,
+        "1",
+        &[&lora[..], &["--lora-allow-unmatched"]].concat(),
+    );
     assert_eq!(o.status.code(), Some(0), "{o:?}");
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("2 module(s) not applied"), "{text}");

@@ -6,10 +6,13 @@
 //! bit; clearing the adapters gives the plain output back bit for bit, and a
 //! LoRA for another model is refused with nothing changed.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::write_safetensors;
 use ddo_core::{DType, Device, RouteSpec, Tensor, ops_of};
 use ddo_host::HostDevice;
 use ddo_nn::flux::{FluxInputs, FluxTransformer};
@@ -17,7 +20,6 @@ use ddo_nn::lora::{LoraFile, apply_loras};
 use ddo_nn::{LoadError, read_f32_tensor};
 use ddo_routes::enable_dynamic_offload;
 use safetensors::Dtype;
-use safetensors::tensor::TensorView;
 use tempfile::TempDir;
 
 fn fixture_dir() -> PathBuf {
@@ -53,26 +55,7 @@ fn inputs() -> FluxInputs {
 }
 
 fn write(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, s, v)| {
-            (
-                n.clone(),
-                s.clone(),
-                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )
-        })
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
+    write_safetensors(path, tensors, false);
 }
 
 /// A kohya LoRA on the tiny transformer (hidden 32, MLP 128): `(module, out, in)`.

@@ -4,16 +4,14 @@
 //! `B A` is exactly its rows of the fused `up · down`), and files DDO does not apply are
 //! typed errors naming what they hold.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{Tensors, write_safetensors};
 use ddo_nn::LoadError;
 use ddo_nn::lora::{LoraFamily, LoraFile, LoraFormat, LoraModule};
-use safetensors::Dtype;
-use safetensors::tensor::TensorView;
 use tempfile::TempDir;
-
-/// Tensors to write: name, shape, values.
-type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 
 /// `[rows, cols]` values with a distinct pattern per seed.
 fn values(rows: usize, cols: usize, seed: f32) -> Vec<f32> {
@@ -22,35 +20,15 @@ fn values(rows: usize, cols: usize, seed: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Writes `tensors` (name, shape, f32 values) as an f32 or bf16 safetensors file.
+/// Writes `tensors` as `dir/file` (f32, or bf16 with `bf16`) and returns its path.
 fn write(
     dir: &Path,
     file: &str,
     tensors: &[(String, Vec<usize>, Vec<f32>)],
     bf16: bool,
 ) -> PathBuf {
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, s, v)| {
-            let bytes = if bf16 {
-                v.iter()
-                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                    .collect()
-            } else {
-                v.iter().flat_map(|x| x.to_le_bytes()).collect()
-            };
-            (n.clone(), s.clone(), bytes)
-        })
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
-            (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap())
-        })
-        .collect();
     let path = dir.join(file);
-    safetensors::serialize_to_file(views, None, &path).unwrap();
+    write_safetensors(&path, tensors, bf16);
     path
 }
 

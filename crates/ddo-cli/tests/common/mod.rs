@@ -68,3 +68,21 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Writes `tensors` (name, shape, values) as an f32 safetensors file at `path`.
+pub fn write_f32_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .expect("a tensor view");
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("write safetensors");
+}

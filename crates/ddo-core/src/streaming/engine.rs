@@ -114,6 +114,32 @@ enum Host {
     },
 }
 
+impl Host {
+    /// The reader of the staged units, where some are staged.
+    fn staged_reader(&self) -> Option<&StagedReader> {
+        match self {
+            Host::Staged { reader, .. }
+            | Host::Registered {
+                staged: Some(StagedUnits { reader, .. }),
+                ..
+            } => Some(reader),
+            _ => None,
+        }
+    }
+
+    /// [`Host::staged_reader`], mutably.
+    fn staged_reader_mut(&mut self) -> Option<&mut StagedReader> {
+        match self {
+            Host::Staged { reader, .. }
+            | Host::Registered {
+                staged: Some(StagedUnits { reader, .. }),
+                ..
+            } => Some(reader),
+            _ => None,
+        }
+    }
+}
+
 /// The units of a registered host side that did not fit under the pinned limit: from unit
 /// `from` on, each is copied through two pinned staging buffers filled from the params' own
 /// bytes, as [`Host::Staged`] copies every unit.
@@ -550,14 +576,10 @@ impl StreamingEngine {
             register_fallback,
             coded_cache_note,
             coded_cache_path,
-            disk_bytes_per_forward: match &host {
-                Some(Host::Staged { reader, .. })
-                | Some(Host::Registered {
-                    staged: Some(StagedUnits { reader, .. }),
-                    ..
-                }) => reader.evicted_per_forward(),
-                _ => 0,
-            },
+            disk_bytes_per_forward: host
+                .as_ref()
+                .and_then(Host::staged_reader)
+                .map_or(0, StagedReader::evicted_per_forward),
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
         let placement = Placement::new(&sizes, slot_bytes * slots as u64);
@@ -723,14 +745,10 @@ impl StreamingEngine {
     /// Bytes of staged units whose pages were given back after their copies so far (past
     /// `page_cache_limit`, [`StreamingFigures::disk_bytes_per_forward`] per forward).
     pub fn pages_evicted(&self) -> u64 {
-        match &self.host {
-            Some(Host::Staged { reader, .. })
-            | Some(Host::Registered {
-                staged: Some(StagedUnits { reader, .. }),
-                ..
-            }) => reader.evicted(),
-            _ => 0,
-        }
+        self.host
+            .as_ref()
+            .and_then(Host::staged_reader)
+            .map_or(0, StagedReader::evicted)
     }
 
     /// The layout.
@@ -811,13 +829,8 @@ impl StreamingEngine {
             }
             return Ok(());
         }
-        match self.host.as_mut() {
-            Some(Host::Staged { reader, .. })
-            | Some(Host::Registered {
-                staged: Some(StagedUnits { reader, .. }),
-                ..
-            }) => reader.begin_forward(),
-            _ => {}
+        if let Some(reader) = self.host.as_mut().and_then(Host::staged_reader_mut) {
+            reader.begin_forward();
         }
         let buffer = self.device.alloc(self.figures.ring_bytes() as usize)?;
         if let Some(decode) = &self.decode {

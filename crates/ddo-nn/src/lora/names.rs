@@ -234,7 +234,7 @@ pub fn kohya_t5(name: &str) -> Option<String> {
 /// inside the module names that hold one (`to_q`, `add_k_proj`, `img_mlp`, ...), as
 /// Diffusers' `_convert_non_diffusers_qwen_lora_to_diffusers` does.
 pub fn kohya_qwen(name: &str) -> Option<String> {
-    const TOP: [(&str, &str); 5] = [
+    const TOP: [(&str, &str); 6] = [
         ("img_in", "img_in"),
         ("txt_in", "txt_in"),
         ("proj_out", "proj_out"),
@@ -243,12 +243,13 @@ pub fn kohya_qwen(name: &str) -> Option<String> {
             "time_text_embed_timestep_embedder_linear_1",
             "time_text_embed.timestep_embedder.linear_1",
         ),
+        (
+            "time_text_embed_timestep_embedder_linear_2",
+            "time_text_embed.timestep_embedder.linear_2",
+        ),
     ];
     if let Some((_, dotted)) = TOP.iter().find(|(k, _)| *k == name) {
         return Some((*dotted).to_string());
-    }
-    if name == "time_text_embed_timestep_embedder_linear_2" {
-        return Some("time_text_embed.timestep_embedder.linear_2".into());
     }
     let rest = name.strip_prefix("transformer_blocks_")?;
     // Longest protected names first.
