@@ -116,7 +116,7 @@ fn route_value(r: &mut Reader<'_>) -> String {
         s += key;
         s.push('=');
         let v = match key {
-            "budget" | "pinned_limit" | "unit_bytes" => r.pick(SIZES),
+            "budget" | "pinned_limit" | "unit_bytes" | "page_cache_limit" => r.pick(SIZES),
             "num_blocks_per_group" | "ring_slots" => r.pick(COUNTS),
             _ => r.pick(ROUTE_WORDS),
         };

@@ -246,6 +246,7 @@ pub(super) const ROUTE_KEYS: &[&str] = &[
     "pinned_source",
     "timeline",
     "compress",
+    "page_cache_limit",
     "nope",
     "",
 ];
