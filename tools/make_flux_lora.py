@@ -2,10 +2,14 @@
 """Writes a random kohya-format LoRA for the FLUX.1-dev transformer (issue 36's benchmark
 LoRA): rank R (default 32) on every attention and MLP linear of every block — double blocks'
 img/txt qkv, proj, mlp.0 and mlp.2; single blocks' linear1 and linear2 — bf16 factors with
-alpha = rank, small values so the image stays finite. Needs only numpy (the GPU machine has it).
+alpha = rank, small values so the image stays finite. With `--qwen`, the same for the
+Qwen-Image transformer (`--double` blocks, default 60 then) in the Diffusers/PEFT layout:
+`transformer.transformer_blocks.{i}.<module>.lora_A/lora_B.weight` and `.alpha` for the
+attention's to_q/k/v, to_out.0, add_q/k/v_proj, to_add_out and both streams' MLPs. Needs only
+numpy (the GPU machine has it).
 
 Usage: python3 tools/make_flux_lora.py OUT.safetensors [--rank 32] [--hidden 3072]
-       [--double 19] [--single 38] [--seed 0]
+       [--double 19] [--single 38] [--seed 0] [--qwen]
 """
 
 import argparse
@@ -30,11 +34,31 @@ def main():
     ap.add_argument("--double", type=int, default=19)
     ap.add_argument("--single", type=int, default=38)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--qwen", action="store_true")
     args = ap.parse_args()
     h, r = args.hidden, args.rank
     mlp = 4 * h
     modules = []
-    for i in range(args.double):
+    if args.qwen:
+        blocks = 60 if args.double == 19 else args.double
+        for i in range(blocks):
+            for m, out, inp in [
+                ("attn.to_q", h, h),
+                ("attn.to_k", h, h),
+                ("attn.to_v", h, h),
+                ("attn.to_out.0", h, h),
+                ("attn.add_q_proj", h, h),
+                ("attn.add_k_proj", h, h),
+                ("attn.add_v_proj", h, h),
+                ("attn.to_add_out", h, h),
+                ("img_mlp.net.0.proj", mlp, h),
+                ("img_mlp.net.2", h, mlp),
+                ("txt_mlp.net.0.proj", mlp, h),
+                ("txt_mlp.net.2", h, mlp),
+            ]:
+                modules.append((f"transformer.transformer_blocks.{i}.{m}", out, inp))
+        args.single = 0
+    for i in range(0 if args.qwen else args.double):
         for side in ("img", "txt"):
             modules += [
                 (f"double_blocks_{i}_{side}_attn_qkv", 3 * h, h),
@@ -59,6 +83,11 @@ def main():
     for name, out, inp in modules:
         down = rng.standard_normal((r, inp), dtype=np.float32) * (1.0 / np.sqrt(inp))
         up = rng.standard_normal((out, r), dtype=np.float32) * 0.01
+        if args.qwen:
+            put(f"{name}.lora_A.weight", [r, inp], bf16_bytes(down), "BF16")
+            put(f"{name}.lora_B.weight", [out, r], bf16_bytes(up), "BF16")
+            put(f"{name}.alpha", [], struct.pack("<f", float(r)), "F32")
+            continue
         put(f"lora_unet_{name}.lora_down.weight", [r, inp], bf16_bytes(down), "BF16")
         put(f"lora_unet_{name}.lora_up.weight", [out, r], bf16_bytes(up), "BF16")
         put(f"lora_unet_{name}.alpha", [], struct.pack("<f", float(r)), "F32")

@@ -92,6 +92,24 @@ pub struct CandidateResult {
     /// What lossless-coded streaming held (`compress=lossless`): coded size, exponent
     /// entropy, the cache, host pages released.
     pub coded: Option<ddo_metrics::CodedFigures>,
+    /// `--lora` without `--lora-fuse`: changing the candidate's LoRAs with its route attached.
+    pub lora_switch: Option<LoraSwitch>,
+}
+
+/// A LoRA switch between two runs of one process (issue 36): the `--lora` files read again
+/// (timed on their own: a warm process keeps the files it has read), then set at half their
+/// strengths on the attached component ([`ddo_nn::lora::apply_loras`]: every factor scaled,
+/// encoded and uploaded), timed to the end of the upload.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LoraSwitch {
+    /// Seconds reading and checking the files (`LoraFile::open`).
+    pub read_seconds: f64,
+    /// Seconds from the files read to the factors on the device: the switch.
+    pub seconds: f64,
+    /// The factors' device bytes.
+    pub bytes: u64,
+    /// Issue 36's bound: 0.1 s plus the bytes over the link at its measured rate.
+    pub bound_seconds: f64,
 }
 
 /// A process's resident host memory, in bytes.
@@ -747,6 +765,25 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 }
                 Ok((seconds, peak, (after - before) / repeats as u64))
             })();
+            // A LoRA switch with the route attached (a folded resident copy cannot switch:
+            // it reattaches).
+            let lora_switch = if !lora_refs.is_empty() && !args.lora_fuse && run.is_ok() {
+                let t0 = Instant::now();
+                let files = crate::lora::read_loras(&args.lora, args.lora_allow_unmatched)?;
+                let read_seconds = t0.elapsed().as_secs_f64();
+                let halves: Vec<(&ddo_nn::lora::LoraFile, f32)> =
+                    files.iter().map(|(f, s)| (f, s * 0.5)).collect();
+                let t1 = Instant::now();
+                let bytes = ddo_nn::lora::apply_loras(&component, &halves, &*device)?;
+                Some(LoraSwitch {
+                    read_seconds,
+                    seconds: t1.elapsed().as_secs_f64(),
+                    bytes,
+                    bound_seconds: 0.1 + bytes as f64 / bandwidth,
+                })
+            } else {
+                None
+            };
             let snapshot = offload.handle(&name).ok().map(|h| h.metrics_snapshot());
             let traced = snapshot
                 .as_ref()
@@ -787,6 +824,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 host_memory,
                 output_fnv1a,
                 coded,
+                lora_switch,
             })
         })();
         results.push(outcome.unwrap_or_else(|e| CandidateResult {
@@ -809,6 +847,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             host_memory: None,
             output_fnv1a: None,
             coded: None,
+            lora_switch: None,
         }));
     }
     bar.finish();
@@ -916,6 +955,19 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         for r in &results {
             if let Some(c) = &r.coded {
                 s += &format!("{}: {}\n", r.label, c.format_line());
+            }
+        }
+        for r in &results {
+            if let Some(w) = &r.lora_switch {
+                s += &format!(
+                    "{}: LoRA switch {:.1} ms for {} of factors ({:.2}x the bound 0.1 s + bytes over the link, {:.1} ms; reading the files before it {:.1} ms)\n",
+                    r.label,
+                    w.seconds * 1e3,
+                    format_bytes(w.bytes),
+                    w.seconds / w.bound_seconds,
+                    w.bound_seconds * 1e3,
+                    w.read_seconds * 1e3
+                );
             }
         }
         for r in &results {

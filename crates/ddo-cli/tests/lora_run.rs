@@ -172,10 +172,10 @@ fn resolve_plans_with_the_loras_factors() {
     let plain = plan(&[]);
     let with = plan(&["--lora", style.to_str().unwrap()]);
     let budget = |v: &serde_json::Value| v["memory_plan"]["budget_bytes"].as_u64().unwrap();
-    // 3 adapters of A [4, 32] and B [32, 4] in f32.
+    // 3 adapters (q, k, v) of B [32, 4] sharing one A [4, 32], in f32.
     assert_eq!(
         budget(&plain) - budget(&with),
-        3 * 2 * 4 * 32 * 4,
+        (4 * 32 + 3 * 32 * 4) * 4,
         "{}",
         with["memory_plan"]
     );
@@ -236,10 +236,31 @@ fn bench_runs_every_candidate_with_the_lora() {
             .map(|c| c["output_fnv1a"].as_str().unwrap().to_string())
             .collect()
     };
-    let plain = hashes(&bench(&[]));
-    let adapted = hashes(&bench(&["--lora", style.to_str().unwrap()]));
+    let plain_v = bench(&[]);
+    let adapted_v = bench(&["--lora", style.to_str().unwrap()]);
+    let (plain, adapted) = (hashes(&plain_v), hashes(&adapted_v));
     assert_eq!(adapted[0], adapted[1], "routes disagree with the LoRA");
     assert_ne!(adapted[0], plain[0], "the LoRA changed nothing");
+    // Each adapted candidate times a switch with its route attached: the qkv module's A
+    // once, shared by q, k and v, and its B in three row blocks, f32 like the weights.
+    let link = adapted_v["link_bytes_per_sec"].as_f64().unwrap();
+    for c in adapted_v["candidates"].as_array().unwrap() {
+        let w = &c["lora_switch"];
+        assert_eq!(w["bytes"], (4 * 32 + 3 * 32 * 4) * 4, "{c}");
+        assert!(w["seconds"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(w["read_seconds"].as_f64().unwrap() > 0.0, "{c}");
+        let bound = w["bound_seconds"].as_f64().unwrap();
+        assert!((bound - (0.1 + 2048.0 / link)).abs() < 1e-9, "{c}");
+    }
+    assert!(plain_v["candidates"][0]["lora_switch"].is_null());
+    // Folded at attach, a resident copy does not switch in place: no switch timed.
+    let fused = bench(&["--lora", style.to_str().unwrap(), "--lora-fuse"]);
+    assert!(fused["candidates"][0]["lora_switch"].is_null());
+    assert_eq!(
+        hashes(&fused)[1],
+        adapted[1],
+        "a streamed route does not fold"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

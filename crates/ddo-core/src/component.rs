@@ -325,12 +325,19 @@ impl Component {
 
     /// Device bytes of the component's adapters.
     pub fn adapter_bytes(&self) -> u64 {
-        self.adapters
-            .read()
-            .values()
-            .flat_map(|a| a.iter())
-            .map(crate::adapter::Adapter::nbytes)
-            .sum()
+        let adapters = self.adapters.read();
+        // A factor several adapters share (one fused module's `A`) counts once.
+        let mut seen: Vec<&Tensor> = Vec::new();
+        let mut total = 0;
+        for a in adapters.values().flat_map(|a| a.iter()) {
+            for t in [&a.down, &a.up] {
+                if !seen.iter().any(|s| s.same_view(t)) {
+                    seen.push(t);
+                    total += t.nbytes() as u64;
+                }
+            }
+        }
+        total
     }
 
     /// Every param once (tied weights once), in first-use order.

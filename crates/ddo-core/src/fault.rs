@@ -614,6 +614,19 @@ impl Ops for FaultInjectingDevice {
         self.op("embedding", |o| o.embedding(table, ids))
     }
 
+    fn linear_accumulate(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        acc: Tensor,
+        gelu_tanh: bool,
+    ) -> Result<Tensor> {
+        self.op("linear_accumulate", |o| {
+            o.linear_accumulate(x, w, bias, acc, gelu_tanh)
+        })
+    }
+
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op("linear_gelu_tanh", |o| o.linear_gelu_tanh(x, w, bias))
     }

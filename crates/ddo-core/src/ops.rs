@@ -269,6 +269,32 @@ pub trait Ops: Send + Sync {
         Ok(values.iter().filter(|v| !v.is_finite()).count() as u64)
     }
 
+    /// `acc + linear(x, w, bias)`, then the tanh-approximation GELU where `gelu_tanh`: a
+    /// linear whose output starts from `acc` (`x`'s leading dims with `out` last) — the
+    /// base linear of a leaf with run-time LoRA adapters, `acc` holding their up-projections
+    /// ([`crate::adapter`]), or an adapter's up-projection added into another's. `acc` is
+    /// taken by value so a backend may write into its bytes when nothing else holds it.
+    /// The default is exactly [`Ops::linear`], [`Ops::binary`] `Add` (`acc` first: its
+    /// dtype), then [`Ops::unary_owned`] `GeluTanh`, each rounded; the CUDA backend runs one
+    /// GEMM with `beta = 1` into `acc` (cuBLASLt, the bias and the GELU in its epilogue, for
+    /// 16-bit operands of one dtype), rounding once.
+    fn linear_accumulate(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        acc: Tensor,
+        gelu_tanh: bool,
+    ) -> Result<Tensor> {
+        let y = self.linear(x, w, bias)?;
+        let y = self.binary(&acc, &y, BinaryOp::Add)?;
+        if gelu_tanh {
+            self.unary_owned(y, UnaryOp::GeluTanh)
+        } else {
+            Ok(y)
+        }
+    }
+
     /// `x + gate * y`, broadcasting (NumPy rules; a DiT block's gated residual: `gate`
     /// `[b, 1, d]` over `x, y [b, t, d]`). The result has `x`'s dtype. The default is exactly
     /// [`gated_add_composed`] ([`Ops::binary`] `Mul`, rounded into `gate`'s dtype, then

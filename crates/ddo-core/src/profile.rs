@@ -607,6 +607,24 @@ impl Ops for ProfiledOps {
     }
 
     /// A class of its own, with the linear's flops (the activation's are not counted).
+    fn linear_accumulate(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        acc: Tensor,
+        gelu_tanh: bool,
+    ) -> Result<Tensor> {
+        let bytes = tensor_bytes(&[&[x, w, &acc][..], &some(&[bias])].concat());
+        self.op(
+            "linear_accumulate",
+            None,
+            || bytes,
+            &|_| linear_flops(&[x], w),
+            |d| d.linear_accumulate(x, w, bias, acc, gelu_tanh),
+        )
+    }
+
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op(
             "linear_gelu_tanh",

@@ -552,6 +552,7 @@ pub struct LeafWeights<'a> {
     leaf: &'a Leaf,
     tensors: Vec<Tensor>,
     adapters: Option<Arc<[crate::adapter::Adapter]>>,
+    down_cache: &'a crate::adapter::DownCache,
 }
 
 impl LeafWeights<'_> {
@@ -560,6 +561,11 @@ impl LeafWeights<'_> {
     /// [`Component::set_adapters`]: crate::Component::set_adapters
     pub fn adapters(&self) -> &[crate::adapter::Adapter] {
         self.adapters.as_deref().unwrap_or(&[])
+    }
+
+    /// The forward's cache of shared down-projections ([`crate::adapter::DownCache`]).
+    pub fn down_cache(&self) -> &crate::adapter::DownCache {
+        self.down_cache
     }
 
     /// The device tensor of the param with local name `name`.
@@ -591,6 +597,8 @@ pub struct ForwardContext<'a> {
     component: &'a Component,
     device: &'a dyn Device,
     hooks: Option<&'a dyn AttachedRoute>,
+    /// Shared LoRA down-projections of this forward.
+    down_cache: crate::adapter::DownCache,
 }
 
 impl<'a> ForwardContext<'a> {
@@ -603,6 +611,7 @@ impl<'a> ForwardContext<'a> {
             component,
             device,
             hooks,
+            down_cache: Default::default(),
         }
     }
 
@@ -647,6 +656,7 @@ impl<'a> ForwardContext<'a> {
                 } else {
                     self.component.adapters_of(id)
                 },
+                down_cache: &self.down_cache,
             };
             f(&weights)?
         };

@@ -128,6 +128,25 @@ impl Tensor {
         &self.storage
     }
 
+    /// Whether `other` is this very view: the same bytes of the same buffer (device or
+    /// host), shape, dtype and scale. Two views that are the same can stand for each other in
+    /// a computation; equal values in other bytes are not the same view.
+    pub fn same_view(&self, other: &Tensor) -> bool {
+        let storage = match (&self.storage, &other.storage) {
+            (TensorStorage::Device(a), TensorStorage::Device(b)) => {
+                a.buffer().same_buffer(b.buffer()) && a.offset() == b.offset() && a.len() == b.len()
+            }
+            (TensorStorage::Host(a), TensorStorage::Host(b)) => {
+                a.buffer().same_buffer(b.buffer()) && a.offset() == b.offset() && a.len() == b.len()
+            }
+            _ => false,
+        };
+        storage
+            && self.shape == other.shape
+            && self.dtype == other.dtype
+            && self.scale.map(f32::to_bits) == other.scale.map(f32::to_bits)
+    }
+
     /// Whether this tensor alone holds its device memory (a whole buffer, no other handle):
     /// an op consuming it may then write its result over those bytes.
     pub fn has_exclusive_device_buffer(&mut self) -> bool {

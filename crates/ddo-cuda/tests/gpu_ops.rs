@@ -1394,6 +1394,108 @@ fn linear_concat_matches_linear_of_the_concatenation() {
     p.assert_clean();
 }
 
+/// `linear_accumulate` (a leaf's base linear added into its LoRA adapters' sum, or one
+/// adapter's up-projection into another's): against the host's composition (`linear`, add,
+/// GELU) in every dtype, with and without a bias and the GELU, at Flux shapes (a rank-32
+/// up-projection into an MLP's 12,288 outputs; a 3,072-wide base linear with bias and GELU);
+/// in place (no new buffer: the result is `acc`'s) where `acc` is held by nobody else; with a
+/// clone held or mixed dtypes, the composition, the clone left as it was; shapes that do not
+/// fit are refused as the host refuses them.
+#[test]
+fn linear_accumulate_adds_in_place_and_matches_the_host() {
+    let Some(mut p) = Pair::new(23) else { return };
+    // The GEMM handles' workspaces exist before memory is compared.
+    for dtype in DTYPES {
+        let (gx, _) = p.rand(&[4, 8], dtype);
+        let (gw, _) = p.rand(&[6, 8], dtype);
+        drop(p.gpu.linear(&gx, &gw, None).unwrap());
+    }
+    p.gpu.synchronize().unwrap();
+    let cases: [(&[usize], usize, usize, DType); 6] = [
+        (&[1, 256, 32], 12288, 32, DType::BF16),
+        (&[1, 128, 3072], 768, 3072, DType::BF16),
+        (&[2, 5, 4], 9, 4, DType::F32),
+        (&[3, 16], 24, 16, DType::F16),
+        (&[7, 8], 5, 8, DType::BF16),
+        (&[0, 8], 5, 8, DType::BF16),
+    ];
+    for (xs, out, inp, dtype) in cases {
+        for (bias, gelu) in [(false, false), (true, false), (false, true), (true, true)] {
+            let what =
+                format!("linear_accumulate {dtype} x {xs:?} -> {out}, bias {bias}, gelu {gelu}");
+            let mut acc_shape = xs.to_vec();
+            *acc_shape.last_mut().unwrap() = out;
+            let (gx, hx) = p.rand(xs, dtype);
+            let (gw, hw) = p.rand(&[out, inp], dtype);
+            let (gb, hb) = p.rand(&[out], dtype);
+            let want = |p: &Pair, ha: Tensor| {
+                p.host
+                    .linear_accumulate(&hx, &hw, bias.then_some(&hb), ha, gelu)
+                    .unwrap()
+            };
+            let (mut ga, ha) = p.rand(&acc_shape, dtype);
+            assert!(ga.has_exclusive_device_buffer(), "{what}: a fresh upload");
+            let bytes = ga.nbytes() as u64;
+            p.gpu.reset_peak();
+            let before = p.gpu.memory_info().allocated;
+            let got = p
+                .gpu
+                .linear_accumulate(&gx, &gw, bias.then_some(&gb), ga, gelu)
+                .unwrap();
+            let m = p.gpu.memory_info();
+            // In place: a plain accumulation always; with a bias or the GELU, where cuBLASLt
+            // takes the shape (the Flux-sized bf16 cases; off it, the bias is composed and a
+            // small GELU may run out of place).
+            if bytes > 0 && ((!bias && !gelu) || xs.iter().product::<usize>() >= 256 * 32) {
+                assert_eq!(m.allocated, before, "{what}: allocated changed");
+                assert!(
+                    m.peak_allocated < before + bytes,
+                    "{what}: peak {} reached acc's {bytes} bytes over {before}: a second buffer",
+                    m.peak_allocated
+                );
+            }
+            p.check(&what, &got, &want(&p, ha));
+            drop(got);
+
+            // A clone held: a buffer of its own, the clone unchanged.
+            let (ga, ha) = p.rand(&acc_shape, dtype);
+            let keep = ga.clone();
+            let got = p
+                .gpu
+                .linear_accumulate(&gx, &gw, bias.then_some(&gb), ga, gelu)
+                .unwrap();
+            p.check(&format!("{what} (clone held)"), &got, &want(&p, ha.clone()));
+            p.check_exact(&format!("{what}: the clone"), &keep, &ha);
+            drop((got, keep, gx, gw, gb));
+        }
+    }
+    // An f32 accumulator beside bf16 operands: the composition, in the accumulator's dtype.
+    let (gx, hx) = p.rand(&[4, 8], DType::BF16);
+    let (gw, hw) = p.rand(&[6, 8], DType::BF16);
+    let (ga, ha) = p.rand(&[4, 6], DType::F32);
+    let got = p.gpu.linear_accumulate(&gx, &gw, None, ga, false).unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    p.check(
+        "linear_accumulate bf16 operands into f32",
+        &got,
+        &p.host.linear_accumulate(&hx, &hw, None, ha, false).unwrap(),
+    );
+    drop(got);
+    // Refusals, as the host's.
+    let refused = |r: ddo_core::Result<Tensor>| match r {
+        Err(CoreError::Shape { .. }) => {}
+        other => panic!("expected a shape error, got {other:?}"),
+    };
+    let (bad_w, _) = p.rand(&[6, 7], DType::BF16);
+    let (bad_acc, _) = p.rand(&[4, 5], DType::BF16);
+    let (acc, _) = p.rand(&[4, 6], DType::BF16);
+    refused(p.gpu.linear_accumulate(&gx, &bad_w, None, acc, false));
+    refused(p.gpu.linear_accumulate(&gx, &gw, None, bad_acc, false));
+    drop((gx, gw, bad_w));
+    p.gpu.release_blas_workspaces().unwrap();
+    p.assert_clean();
+}
+
 // ---- Group norm and the fused group norm + SiLU ------------------------------------------
 
 /// Group norm and the fused group norm + SiLU against the host (group norm, then SiLU for the

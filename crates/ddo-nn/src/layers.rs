@@ -2,7 +2,7 @@
 //! through [`ForwardContext::run_leaf`], so whatever route is attached moves its weights.
 //! Parameter names follow Diffusers/PyTorch (`weight`, `bias`).
 
-use ddo_core::adapter::add_adapters;
+use ddo_core::adapter::{adapter_sum, add_adapters};
 use ddo_core::{
     Conv2dParams, ForwardContext, LeafId, LeafKind, Ops, Result, Tensor, UnaryOp, ops_of,
 };
@@ -57,8 +57,11 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
-            let y = ops.linear(x, w.get("weight")?, b)?;
-            add_adapters(ops, &[x], y, w.adapters())
+            match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
+                None => ops.linear(x, w.get("weight")?, b),
+                // The base product added into the adapters' sum: one write of the output.
+                Some(u) => ops.linear_accumulate(x, w.get("weight")?, b, u, false),
+            }
         })
     }
 
@@ -70,13 +73,11 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
-            if w.adapters().is_empty() {
-                return ops.linear_gelu_tanh(x, w.get("weight")?, b);
+            match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
+                None => ops.linear_gelu_tanh(x, w.get("weight")?, b),
+                // The adapters go in before the activation.
+                Some(u) => ops.linear_accumulate(x, w.get("weight")?, b, u, true),
             }
-            // The adapters go in before the activation.
-            let y = ops.linear(x, w.get("weight")?, b)?;
-            let y = add_adapters(ops, &[x], y, w.adapters())?;
-            ops.unary_owned(y, ddo_core::UnaryOp::GeluTanh)
         })
     }
 
@@ -89,7 +90,7 @@ impl Linear {
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let y = ops.linear_concat(xs, w.get("weight")?, b)?;
-            add_adapters(ops, xs, y, w.adapters())
+            add_adapters(ops, xs, y, w.adapters(), Some(w.down_cache()))
         })
     }
 

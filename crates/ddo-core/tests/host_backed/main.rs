@@ -3,6 +3,7 @@
 //! need a real backend, on the host backend (`ddo-host`, which depends on ddo-core, so
 //! these live here rather than beside the code).
 
+mod adapter;
 mod detach;
 mod fault;
 mod home;

@@ -146,6 +146,10 @@ pub(crate) struct LtLinear {
     pub dtype: DType,
     /// What the epilogue applies.
     pub epilogue: Epilogue,
+    /// `D = epilogue(Aᵀ · B + D)`: `out`'s values are read and added before the epilogue
+    /// (`beta = 1`, C is D), as a run-time LoRA's up-projection is added into its base
+    /// linear ([`ddo_core::Ops::linear_accumulate`]).
+    pub accumulate: bool,
 }
 
 /// The largest power of two (at most 256) dividing `ptr`: the alignment the algorithm may
@@ -166,6 +170,8 @@ struct Key {
     k: usize,
     dtype: DType,
     epilogue: Epilogue,
+    /// Whether C (D) is read (`beta = 1`).
+    accumulate: bool,
     /// Alignments of `w`, `x`, `out` and the bias.
     align: [u32; 4],
     workspace: usize,
@@ -331,6 +337,7 @@ impl LtState {
             k: g.k,
             dtype: g.dtype,
             epilogue: g.epilogue,
+            accumulate: g.accumulate,
             align: [
                 alignment(g.w),
                 alignment(g.x),
@@ -357,7 +364,7 @@ impl LtState {
                 &bias,
             )?;
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
         let ws = if workspace_bytes == 0 {
             std::ptr::null_mut()
         } else {
@@ -370,7 +377,8 @@ impl LtState {
         // workspace holds `workspace_bytes` (at least what the algorithm asked for, checked
         // when the plan was made) and `stream` belongs to the context; alpha and beta are
         // host f32 scalars (scale type CUDA_R_32F, host pointer mode) read before the call
-        // returns. C is D with beta 0, so C is not read.
+        // returns. C is D (same layout, in place as cuBLASLt allows): read only with beta 1,
+        // when `out` holds the values to add.
         unsafe {
             lt::matmul(
                 self.handle,

@@ -703,6 +703,7 @@ fn linear_impl(
             bias: bi.as_ref().map_or(0, |b| b.ptr),
             dtype: x.dtype(),
             epilogue: Epilogue::new(bi.is_some(), gelu),
+            accumulate: false,
         };
         if lt_linear(dev, &g)? {
             return Ok((out.finish(dev, &inputs)?, gelu));
@@ -729,6 +730,108 @@ fn linear_impl(
         rows.gemm(dev, wi.ptr, in_f, in_f, xi.ptr, out.ptr, beta)?;
     }
     Ok((out.finish(dev, &inputs)?, false))
+}
+
+/// `Ops::linear_accumulate` on `dev`: `epilogue(acc + x [..., in] · wᵀ + bias)` written
+/// over `acc`'s own bytes and rounded once, where `acc` is exclusively held and `x`, `w`,
+/// `acc` (and the bias) share one dtype: a 16-bit one on cuBLASLt with `beta = 1`, the bias
+/// and the GELU in the epilogue; f32 (or a shape cuBLASLt refuses) without a bias as one
+/// cuBLAS GEMM with `beta = 1`, then the in-place GELU. Otherwise — a shared `acc`, mixed
+/// dtypes, a bias off cuBLASLt — the default's composition ([`linear`], the element-wise
+/// add, the GELU). 8-bit float weights are decoded first, as [`linear`] decodes them.
+pub(crate) fn linear_accumulate(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    mut acc: Tensor,
+    gelu: bool,
+) -> Result<Tensor> {
+    const OP: &str = "linear_accumulate";
+    if let Some((w, bias)) = fp8_operands(dev, x, w, bias)? {
+        return linear_accumulate(dev, x, &w, bias.as_ref(), acc, gelu);
+    }
+    let (xs, ws) = (x.shape(), w.shape());
+    if xs.is_empty() || ws.len() != 2 || xs[xs.len() - 1] != ws[1] {
+        return Err(shape_err(
+            OP,
+            format!("x {xs:?} and w {ws:?}: expected x [..., in] and w [out, in]"),
+        ));
+    }
+    let (out_f, in_f) = (ws[0], ws[1]);
+    let mut want = xs.to_vec();
+    want[xs.len() - 1] = out_f;
+    let dtype = x.dtype();
+    let one_dtype = w.dtype() == dtype && acc.dtype() == dtype;
+    let bias_fits = bias.is_none_or(|b| b.dtype() == dtype);
+    let m = product(&xs[..xs.len() - 1]);
+    let composed = |acc: Tensor| -> Result<Tensor> {
+        // Broadcasts (and refuses) as `binary` does.
+        let y = linear(dev, x, w, bias)?;
+        let y = super::elementwise::binary(dev, &acc, &y, ddo_core::BinaryOp::Add)?;
+        if gelu {
+            super::elementwise::unary_owned(dev, y, ddo_core::UnaryOp::GeluTanh)
+        } else {
+            Ok(y)
+        }
+    };
+    if acc.shape() != want.as_slice()
+        || !one_dtype
+        || !bias_fits
+        || m == 0
+        || out_f == 0
+        || in_f == 0
+        || !acc.has_exclusive_device_buffer()
+    {
+        return composed(acc);
+    }
+    // 16-bit: cuBLASLt, the bias and the GELU in the epilogue.
+    let on_lt = matches!(dtype, DType::F16 | DType::BF16) && {
+        let xi = input(dev, OP, x)?;
+        let wi = input(dev, OP, w)?;
+        let ai = input(dev, OP, &acc)?;
+        let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
+        let g = LtLinear {
+            m: out_f,
+            n: m,
+            k: in_f,
+            w: wi.ptr,
+            x: xi.ptr,
+            out: ai.ptr,
+            bias: bi.as_ref().map_or(0, |b| b.ptr),
+            dtype,
+            epilogue: Epilogue::new(bi.is_some(), gelu),
+            accumulate: true,
+        };
+        let ran = lt_linear(dev, &g)?;
+        if ran {
+            let mut used = vec![&xi, &wi, &ai];
+            if let Some(b) = &bi {
+                used.push(b);
+            }
+            super::mark_used(dev, &used)?;
+        }
+        ran
+    };
+    if on_lt {
+        return Ok(acc);
+    }
+    if bias.is_some() {
+        return composed(acc);
+    }
+    {
+        let xi = input(dev, OP, x)?;
+        let wi = input(dev, OP, w)?;
+        let ai = input(dev, OP, &acc)?;
+        let rows = Rows { m, out_f, dtype };
+        rows.gemm(dev, wi.ptr, in_f, in_f, xi.ptr, ai.ptr, 1.0)?;
+        super::mark_used(dev, &[&xi, &wi, &ai])?;
+    }
+    if gelu {
+        super::elementwise::unary_owned(dev, acc, ddo_core::UnaryOp::GeluTanh)
+    } else {
+        Ok(acc)
+    }
 }
 
 /// `Ops::linear_concat` on `dev`: `linear(concat(xs, last dim), w, bias)` as one GEMM per

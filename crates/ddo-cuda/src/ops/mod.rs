@@ -412,6 +412,18 @@ impl Ops for CudaDevice {
         layout::embedding(self, table, ids)
     }
 
+    /// One GEMM with `beta = 1` into `acc` where it can (`gemm::linear_accumulate`).
+    fn linear_accumulate(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        acc: Tensor,
+        gelu_tanh: bool,
+    ) -> Result<Tensor> {
+        gemm::linear_accumulate(self, x, w, bias, acc, gelu_tanh)
+    }
+
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         gemm::linear_gelu_tanh(self, x, w, bias)
     }

@@ -81,19 +81,118 @@ fn fit(
     Ok((id, weight))
 }
 
+/// Alignment of each factor in the device buffer the factors of one call share.
+const FACTOR_ALIGN: usize = 256;
+
+/// One factor to put on the device: the matrix, what its values are multiplied by, the
+/// dtype it is stored in there, and its offset in the shared buffer.
+struct Factor<'a> {
+    t: &'a super::LoraTensor,
+    times: f32,
+    dtype: DType,
+    offset: usize,
+}
+
+impl Factor<'_> {
+    fn bytes(&self) -> usize {
+        self.t.rows * self.t.cols * self.dtype.size_in_bytes()
+    }
+
+    /// Writes the factor's values, times `times`, encoded as `dtype`, into `out` (exactly
+    /// [`Factor::bytes`] long): the stored bytes as they are where nothing changes them.
+    fn encode_into(&self, out: &mut [u8]) -> LoadResult<()> {
+        if self.times == 1.0 && self.t.dtype == self.dtype {
+            out.copy_from_slice(&self.t.bytes);
+            return Ok(());
+        }
+        let mut values = self.t.to_f32()?;
+        if self.times != 1.0 {
+            values.iter_mut().for_each(|v| *v *= self.times);
+        }
+        out.copy_from_slice(&self.dtype.encode_f32(&values)?);
+        Ok(())
+    }
+}
+
+/// Encodes `factors` into one host buffer (on up to 8 threads), copies it to `device` in one
+/// transfer and returns the device buffer.
+fn upload(
+    factors: &[Factor<'_>],
+    total: usize,
+    device: &dyn Device,
+    stream: &ddo_core::Stream,
+) -> LoadResult<ddo_core::DeviceBuffer> {
+    let mut host = ddo_core::host_memory::AlignedBytes::zeroed(total.max(1));
+    {
+        // Each factor's window of the buffer, in offset order (disjoint).
+        let mut windows: Vec<(&Factor<'_>, &mut [u8])> = Vec::with_capacity(factors.len());
+        let mut rest = host.as_mut_slice();
+        let mut at = 0;
+        for f in factors {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(f.offset - at);
+            let (window, tail) = tail.split_at_mut(f.bytes());
+            windows.push((f, window));
+            rest = tail;
+            at = f.offset + f.bytes();
+        }
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 8)
+            .min(windows.len().max(1));
+        let per = windows.len().div_ceil(threads).max(1);
+        let results: Vec<LoadResult<()>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = windows
+                .chunks_mut(per)
+                .map(|chunk| {
+                    scope.spawn(move || {
+                        chunk
+                            .iter_mut()
+                            .try_for_each(|(f, window)| f.encode_into(window))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+        results.into_iter().collect::<LoadResult<Vec<()>>>()?;
+    }
+    let host = ddo_core::HostBuffer::owned(host, None);
+    let dst = device.alloc(total.max(1))?;
+    device.copy_h2d(&host.slice(0, total.max(1))?, &dst.slice_all(), stream)?;
+    Ok(dst)
+}
+
 /// Sets `component`'s adapters to the modules of `loras` (each with its strength) that
 /// adapt it, uploaded to `device`; returns their device bytes. With no module for it, its
 /// adapters are cleared. A module naming no linear leaf of the component, or whose shapes
 /// do not fit the leaf's weight, is [`LoadError::Lora`] naming the file and the module;
-/// nothing is changed then.
+/// nothing is changed then. The factors are encoded on several threads into one host
+/// buffer and reach the device in one copy, each a view of one device buffer.
 pub fn apply_loras(
     component: &Component,
     loras: &[(&LoraFile, f32)],
     device: &dyn Device,
 ) -> LoadResult<u64> {
-    let mut by_leaf: HashMap<ddo_core::LeafId, Vec<Adapter>> = HashMap::new();
     let stream = device.compute_stream();
+    // Every module fitted first; its two factors placed in the shared buffer. A module
+    // whose `A` is the previous module's (a fused module's split: kohya's qkv, linear1)
+    // shares its factor, so its down-projection is computed once ([`Adapter::shared_down`]).
+    let mut fitted = Vec::new();
+    let mut factors: Vec<Factor<'_>> = Vec::new();
+    let mut total = 0usize;
+    fn place<'a>(factors: &mut Vec<Factor<'a>>, total: &mut usize, f: Factor<'a>) -> usize {
+        let f = Factor {
+            offset: *total,
+            ..f
+        };
+        *total += f.bytes().div_ceil(FACTOR_ALIGN) * FACTOR_ALIGN;
+        factors.push(f);
+        factors.len() - 1
+    }
     for (file, strength) in loras {
+        let mut last_down: Option<usize> = None;
         for m in file
             .modules
             .iter()
@@ -101,30 +200,70 @@ pub fn apply_loras(
         {
             let (id, weight) = fit(component, file, m)?;
             let dtype = compute_dtype(weight.dtype());
-            let upload = |t: &super::LoraTensor, times: f32| -> LoadResult<Tensor> {
-                let mut values = t.to_f32()?;
-                if times != 1.0 {
-                    values.iter_mut().for_each(|v| *v *= times);
-                }
-                let host = Tensor::from_f32(vec![t.rows, t.cols], dtype, &values)?;
-                Ok(host.to_device(device, &stream)?)
+            let same = last_down.filter(|&i| {
+                let f = &factors[i];
+                f.dtype == dtype && *f.t == m.down
+            });
+            let down = match same {
+                Some(i) => i,
+                None => place(
+                    &mut factors,
+                    &mut total,
+                    Factor {
+                        t: &m.down,
+                        times: 1.0,
+                        dtype,
+                        offset: 0,
+                    },
+                ),
             };
+            last_down = Some(down);
             // The scale and the strength go into B (in f32, before it is encoded), as
             // Diffusers folds a kohya alpha into the weights: one elementwise pass fewer per
             // adapter and forward.
-            let adapter = Adapter {
-                down: upload(&m.down, 1.0)?,
-                up: upload(&m.up, m.scale * strength)?,
-                scale: 1.0,
-            };
-            adapter
-                .check(&m.module, m.in_features(), m.out_features())
-                .map_err(|e| bad(file, m, e.to_string()))?;
-            by_leaf
-                .entry(ddo_core::LeafId(id))
-                .or_default()
-                .push(adapter);
+            let up = place(
+                &mut factors,
+                &mut total,
+                Factor {
+                    t: &m.up,
+                    times: m.scale * strength,
+                    dtype,
+                    offset: 0,
+                },
+            );
+            fitted.push((file, m, id, down, up));
         }
+    }
+    let buffer = if factors.is_empty() {
+        None
+    } else {
+        Some(upload(&factors, total, device, &stream)?)
+    };
+    let mut users = vec![0usize; factors.len()];
+    fitted.iter().for_each(|f| users[f.3] += 1);
+    let mut by_leaf: HashMap<ddo_core::LeafId, Vec<Adapter>> = HashMap::new();
+    for (file, m, id, down, up) in fitted {
+        let view = |f: &Factor<'_>| -> LoadResult<Tensor> {
+            let buffer = buffer.as_ref().expect("factors were uploaded");
+            Ok(Tensor::new(
+                vec![f.t.rows, f.t.cols],
+                f.dtype,
+                ddo_core::TensorStorage::Device(buffer.slice(f.offset, f.bytes())?),
+            )?)
+        };
+        let adapter = Adapter {
+            down: view(&factors[down])?,
+            up: view(&factors[up])?,
+            scale: 1.0,
+            shared_down: users[down] > 1,
+        };
+        adapter
+            .check(&m.module, m.in_features(), m.out_features())
+            .map_err(|e| bad(file, m, e.to_string()))?;
+        by_leaf
+            .entry(ddo_core::LeafId(id))
+            .or_default()
+            .push(adapter);
     }
     let set: AdapterSet = by_leaf
         .into_iter()

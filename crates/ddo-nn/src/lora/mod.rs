@@ -658,12 +658,15 @@ fn matrix(ckpt: &Checkpoint, key: &str) -> Result<LoraTensor, String> {
     let raw = ckpt
         .raw(key)
         .ok_or_else(|| format!("tensor `{key}` cannot be read"))?;
-    let values = t.dtype.decode_f32(raw.bytes).map_err(|e| e.to_string())?;
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        return Err(format!(
-            "tensor `{key}` holds {} at element {i}; a LoRA's factors are finite",
-            values[i]
-        ));
+    // Bit tests on the stored bits first; the values are decoded only to name a bad one.
+    if ddo_core::values::count_non_finite(t.dtype, raw.bytes) > 0 {
+        let values = t.dtype.decode_f32(raw.bytes).map_err(|e| e.to_string())?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(format!(
+                "tensor `{key}` holds {} at element {i}; a LoRA's factors are finite",
+                values[i]
+            ));
+        }
     }
     Ok(LoraTensor {
         dtype: t.dtype,
