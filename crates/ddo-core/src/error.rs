@@ -258,6 +258,20 @@ pub enum CoreError {
         /// What is wrong.
         message: String,
     },
+    /// A GGUF file is malformed, or stores what DDO does not read ([`crate::gguf`]).
+    #[error(
+        "GGUF file {path} cannot be read: {field} {problem}; download the file again, or convert \
+         the model again with a current llama.cpp (convert_hf_to_gguf.py, llama-quantize) to a \
+         supported type"
+    )]
+    Gguf {
+        /// File.
+        path: PathBuf,
+        /// The field at fault: `version`, ``metadata `<key>` ``, ``tensor `<name>`.dims[0]``, ...
+        field: String,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// A checkpoint does not hold a tensor that was asked for.
     #[error(
         "checkpoint {path} has no tensor named `{name}`; check the model config against the file"

@@ -47,6 +47,7 @@ pub mod error;
 pub mod fault;
 pub mod file_guard;
 pub mod footprint;
+pub mod gguf;
 pub mod host_budget;
 pub mod host_memory;
 pub mod ops;
