@@ -10,7 +10,7 @@
 //!   backend-neutral handles
 //!   ([`DeviceBuffer`], [`Stream`], [`Event`]) and host memory of three kinds
 //!   ([`HostBuffer`]: pageable, pinned, checkpoint-mapped);
-//! - the safetensors checkpoint reader ([`Checkpoint`]);
+//! - the safetensors checkpoint reader ([`Checkpoint`]) and the GGUF reader ([`gguf`]);
 //! - [`Tensor`], [`DType`], [`Param`] (stable id, host source, device residency, aliases)
 //!   and [`Component`] (a tree of modules whose leaves own the params);
 //! - the route contract ([`Route`], [`AttachedRoute`]) and the forward driver
