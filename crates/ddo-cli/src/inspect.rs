@@ -703,6 +703,12 @@ pub fn inspect(args: &InspectArgs, out: &mut dyn Write) -> CliResult<()> {
             ));
         }
     };
+    // A GGUF file: its types, bytes and what loads it (issue 37).
+    if let Some(text) = crate::gguf::inspect_gguf(&path, args.json)? {
+        return out
+            .write_all(text.as_bytes())
+            .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""));
+    }
     // A LoRA file: its format, family, ranks and modules (issue 36). `--check-values` and
     // `--route` read it as the weights file it also is.
     let as_lora = !args.check_values && args.route.is_empty();

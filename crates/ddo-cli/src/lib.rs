@@ -28,6 +28,7 @@ pub mod decode;
 pub mod error;
 pub mod family;
 pub mod fuzz_argv;
+pub mod gguf;
 pub mod inspect;
 pub mod interrupt;
 pub mod io;

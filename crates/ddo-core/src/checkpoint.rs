@@ -110,6 +110,18 @@ impl Checkpoint {
         })
     }
 
+    /// A checkpoint over a mapping already made ([`CheckpointMap::in_memory`]: safetensors
+    /// bytes built in memory, as a GGUF file dequantized at load), validated as
+    /// [`Checkpoint::open`] validates a file; errors name the mapping's label.
+    pub fn from_map(map: Arc<CheckpointMap>) -> Result<Self> {
+        let (tensors, unsupported) = Self::parse(map.bytes(), map.path())?;
+        Ok(Self {
+            map,
+            tensors,
+            unsupported,
+        })
+    }
+
     /// Validates the bytes of a safetensors file as [`Checkpoint::open`] does, without a
     /// file (`path` only names it in errors); returns the number of tensors listed. For
     /// fuzzing and for checking bytes before they are written.

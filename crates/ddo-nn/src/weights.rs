@@ -391,6 +391,31 @@ pub const INDEX_FILES: [&str; 2] = [
     "model.safetensors.index.json",
 ];
 
+/// Whether `path` names a GGUF file (by its `.gguf` extension, any case).
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// A GGUF file dequantized into `dtype` as a safetensors checkpoint in memory; its errors
+/// as [`open_checkpoint`]'s, a bad field as [`LoadError::CorruptFile`] naming it.
+fn open_gguf(path: &Path, dtype: DType) -> LoadResult<Checkpoint> {
+    ddo_core::gguf::GgufFile::open(path)
+        .and_then(|f| ddo_core::gguf::dequantized_checkpoint(&f, dtype))
+        .map_err(|e| match e {
+            CoreError::Io { path, source } => LoadError::Io { path, source },
+            CoreError::Gguf {
+                path,
+                field,
+                problem,
+            } => LoadError::CorruptFile {
+                file: path,
+                message: format!("{field} {problem}"),
+            },
+            other => LoadError::Core(other),
+        })
+}
+
 fn open_checkpoint(path: &Path) -> LoadResult<Checkpoint> {
     Checkpoint::open(path).map_err(|e| match e {
         CoreError::Io { path, source } => LoadError::Io { path, source },
@@ -405,8 +430,22 @@ fn open_checkpoint(path: &Path) -> LoadResult<Checkpoint> {
 impl CheckpointWeights {
     /// Opens one safetensors file. `target` converts every param to that dtype on load
     /// (an owned copy); `None` keeps the file's dtype and the params checkpoint-backed.
+    ///
+    /// A `.gguf` file (llama.cpp's format: city96's Flux files hold the original layout's
+    /// names) is dequantized at load into a safetensors checkpoint in memory
+    /// ([`ddo_core::gguf::dequantized_checkpoint`]): into `target` where that is f32, f16 or
+    /// bf16, else bf16 (Diffusers' GGUF compute dtype), which an 8-bit `target` then
+    /// converts as it converts any 16-bit file.
     pub fn open_file(path: &Path, target: Option<DType>) -> LoadResult<Self> {
-        let ckpt = open_checkpoint(path)?;
+        let (ckpt, target) = if is_gguf(path) {
+            let into = target
+                .filter(|d| matches!(d, DType::F32 | DType::F16 | DType::BF16))
+                .unwrap_or(DType::BF16);
+            let ckpt = open_gguf(path, into)?;
+            (ckpt, target.filter(|&d| d != into))
+        } else {
+            (open_checkpoint(path)?, target)
+        };
         let location = ckpt
             .names()
             .chain(ckpt.unsupported().map(|(n, _)| n))

@@ -22,6 +22,7 @@
 //!
 //! The block formats and their host dequantization are [`quant`].
 
+mod convert;
 pub mod quant;
 mod value;
 
@@ -29,6 +30,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use convert::dequantized_checkpoint;
 pub use quant::{GgmlType, UnsupportedGgmlType, dequantize, dequantize_into};
 pub use value::{GgufArray, GgufValue, GgufValueType};
 

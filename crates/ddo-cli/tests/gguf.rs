@@ -1,0 +1,166 @@
+//! GGUF transformers (issue 37): `--transformer FILE.gguf` on the fixture Flux pipeline (a
+//! tiny transformer in the original layout, its 2-D weights quantized to Q8_0, Q4_0, Q4_1,
+//! Q5_0 and Q5_1 by gguf-py: `tools/gen_gguf_flux.py`) gives, with `--dtype f32`, the image
+//! of the original-layout safetensors file holding gguf-py's dequantization of the same
+//! file, bit for bit, on every route; without `--dtype` it loads as bf16; `ddo inspect`
+//! names its types; a malformed file is refused by `run` and `inspect` alike, naming the
+//! file and the field, with no output written.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{ddo, fixture, json, ok, scratch, tensor};
+
+const GGUF: &str = "gguf/flux_pipeline-transformer-mixed.gguf";
+const DEQUANTIZED: &str = "gguf/flux_pipeline-transformer-mixed.dequantized.safetensors";
+
+/// `ddo run` of the fixture pipeline from its embeddings and noise (2 steps, 32x24) with
+/// `extra`, writing `out`.
+fn run(out: &Path, extra: &[&str]) -> std::process::Output {
+    let inputs = fixture("flux_pipeline/inputs.safetensors");
+    let folder = fixture("flux_pipeline");
+    let out = out.to_str().unwrap();
+    let mut args = vec![
+        "run",
+        "--weights",
+        &folder,
+        "--prompt-embeds",
+        &inputs,
+        "--init-latents",
+        &inputs,
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "2",
+        "--tiled-decode",
+        "off",
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(extra);
+    ddo(&args)
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn a_gguf_transformer_runs_as_its_dequantization_does() {
+    let d = scratch("gguf-run");
+    let go = |name: &str, extra: &[&str]| -> PathBuf {
+        let out = d.join(format!("{name}.safetensors"));
+        ok(&run(&out, extra));
+        out
+    };
+    let gguf = fixture(GGUF);
+    let reference = fixture(DEQUANTIZED);
+    let a = go("gguf", &["--transformer", &gguf, "--dtype", "f32"]);
+    let b = go(
+        "dequantized",
+        &["--transformer", &reference, "--dtype", "f32"],
+    );
+    for name in ["latents", "sample"] {
+        assert_eq!(tensor(&a, name), tensor(&b, name), "{name}");
+    }
+    // Streamed, the same bytes.
+    let c = go(
+        "gguf-streamed",
+        &[
+            "--transformer",
+            &gguf,
+            "--dtype",
+            "f32",
+            "--route",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+        ],
+    );
+    assert_eq!(tensor(&a, "latents"), tensor(&c, "latents"));
+    // The quantization is real, and small: against the folder's own transformer.
+    let plain = go("folder", &[]);
+    let (q, f) = (tensor(&a, "latents").1, tensor(&plain, "latents").1);
+    let moved = rel_l2(&q, &f);
+    assert!(moved > 1e-4 && moved < 0.2, "GGUF latents moved {moved:e}");
+    // Without --dtype: dequantized into bf16, close to the f32 load.
+    let h = go("gguf-bf16", &["--transformer", &gguf]);
+    let (bf, f32s) = (tensor(&h, "latents").1, tensor(&a, "latents").1);
+    assert!(bf.iter().all(|v| v.is_finite()));
+    let e = rel_l2(&bf, &f32s);
+    assert!(e < 0.05, "bf16 load {e:e} from the f32 load");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn inspect_names_a_gguf_files_types() {
+    let gguf = fixture(GGUF);
+    let text = ok(&ddo(&["inspect", &gguf]));
+    assert!(
+        text.contains("GGUF v3, architecture flux, 52 tensors"),
+        "{text}"
+    );
+    for ty in ["F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"] {
+        assert!(text.contains(&format!("  {ty}")), "{ty}: {text}");
+    }
+    assert!(text.contains("--transformer FILE"), "{text}");
+    let v = json(&ddo(&["inspect", &gguf, "--json"]));
+    let types = v["gguf"]["types"].as_array().unwrap();
+    let count: u64 = types.iter().map(|t| t["tensors"].as_u64().unwrap()).sum();
+    assert_eq!(count, 52);
+    let bytes: u64 = types.iter().map(|t| t["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(v["gguf"]["bytes"].as_u64().unwrap(), bytes);
+    let q8 = types.iter().find(|t| t["type"] == "Q8_0").unwrap();
+    // 34 bytes per 32 weights.
+    assert_eq!(
+        q8["bytes"].as_u64().unwrap() * 32,
+        q8["elements"].as_u64().unwrap() * 34
+    );
+    // A GGUF of another model: inspected, and named as nothing DDO loads.
+    let other = ok(&ddo(&["inspect", &fixture("gguf/types.gguf")]));
+    assert!(other.contains("loads as: nothing yet"), "{other}");
+}
+
+#[test]
+fn malformed_or_foreign_gguf_files_are_refused_by_run_and_inspect_alike() {
+    let d = scratch("gguf-bad");
+    let bytes = std::fs::read(fixture(GGUF)).unwrap();
+    // Cut inside the tensor data: the last tensor lies past the end.
+    let cut = d.join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
+    let out = d.join("out.safetensors");
+    let o = run(&out, &["--transformer", cut.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let run_err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(run_err.contains("cut.gguf"), "{run_err}");
+    assert!(run_err.contains("past the end"), "{run_err}");
+    assert!(!out.exists(), "no output after a refusal");
+    let i = ddo(&["inspect", cut.to_str().unwrap()]);
+    assert_eq!(i.status.code(), Some(1), "{i:?}");
+    let inspect_err = String::from_utf8_lossy(&i.stderr).to_string();
+    assert!(inspect_err.contains("past the end"), "{inspect_err}");
+    // Another architecture's GGUF as the transformer: refused, nothing written.
+    let o = run(
+        &out,
+        &[
+            "--transformer",
+            &fixture("gguf/types.gguf"),
+            "--dtype",
+            "f32",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("original layout"), "{e}");
+    assert!(!out.exists());
+    // The GGUF file is never written.
+    assert_eq!(std::fs::read(fixture(GGUF)).unwrap(), bytes);
+    let _ = std::fs::remove_dir_all(&d);
+}
