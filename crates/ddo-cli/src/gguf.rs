@@ -23,7 +23,9 @@ fn loads_as(file: &GgufFile) -> String {
         .any(|t| t.name == FLUX_MARKER || t.name == format!("model.diffusion_model.{FLUX_MARKER}"));
     if flux {
         "a Flux transformer in the original layout: `--transformer FILE` on run, bench and \
-         resolve, dequantized at load into bf16 (or the f32/f16 of --dtype); every route takes it"
+         resolve; its quantized tensors stay blocks on the host and the device and each linear \
+         dequantizes its weight where it runs (every route takes it); --dtype dequantizes at \
+         load instead"
             .to_string()
     } else {
         format!(

@@ -1,10 +1,11 @@
 //! GGUF transformers (issue 37): `--transformer FILE.gguf` on the fixture Flux pipeline (a
 //! tiny transformer in the original layout, its 2-D weights quantized to Q8_0, Q4_0, Q4_1,
-//! Q5_0 and Q5_1 by gguf-py: `tools/gen_gguf_flux.py`) gives, with `--dtype f32`, the image
-//! of the original-layout safetensors file holding gguf-py's dequantization of the same
-//! file, bit for bit, on every route; without `--dtype` it loads as bf16; `ddo inspect`
-//! names its types; a malformed file is refused by `run` and `inspect` alike, naming the
-//! file and the field, with no output written.
+//! Q5_0 and Q5_1 by gguf-py: `tools/gen_gguf_flux.py`) gives the image of the
+//! original-layout safetensors file holding gguf-py's dequantization of the same file, bit
+//! for bit: kept as blocks (the default: a fraction of the weight bytes, on a resident and a
+//! streamed route) and dequantized at load (`--dtype f32`); `--dtype bf16` loads bf16;
+//! `ddo inspect` names its types; a malformed file is refused by `run` and `inspect` alike,
+//! naming the file and the field, with no output written.
 
 mod common;
 
@@ -57,45 +58,105 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn a_gguf_transformer_runs_as_its_dequantization_does() {
     let d = scratch("gguf-run");
-    let go = |name: &str, extra: &[&str]| -> PathBuf {
+    let go = |name: &str, extra: &[&str]| -> (PathBuf, serde_json::Value) {
         let out = d.join(format!("{name}.safetensors"));
-        ok(&run(&out, extra));
-        out
+        let v = json(&run(&out, &[&["--json"], extra].concat()));
+        (out, v)
+    };
+    let weight_bytes = |v: &serde_json::Value| -> u64 {
+        v["memory_plan"]["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["component"] == "transformer")
+            .map(|c| c["footprint"]["weight_bytes"].as_u64().unwrap())
+            .unwrap()
     };
     let gguf = fixture(GGUF);
     let reference = fixture(DEQUANTIZED);
-    let a = go("gguf", &["--transformer", &gguf, "--dtype", "f32"]);
-    let b = go(
-        "dequantized",
-        &["--transformer", &reference, "--dtype", "f32"],
-    );
-    for name in ["latents", "sample"] {
-        assert_eq!(tensor(&a, name), tensor(&b, name), "{name}");
-    }
-    // Streamed, the same bytes.
-    let c = go(
-        "gguf-streamed",
-        &[
-            "--transformer",
-            &gguf,
-            "--dtype",
-            "f32",
-            "--route",
+    let (b, vb) = go("dequantized", &["--transformer", &reference]);
+    // As stored: the blocks stay quantized on the host and the device and are dequantized
+    // where each linear runs (into f32: this transformer's `img_in` is F32, its compute
+    // dtype), giving gguf-py's dequantization's image bit for bit, resident and streamed.
+    for (name, route) in [
+        ("gguf-resident", "transformer=none"),
+        (
+            "gguf-streamed",
             "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true",
-        ],
-    );
-    assert_eq!(tensor(&a, "latents"), tensor(&c, "latents"));
+        ),
+    ] {
+        let (a, va) = go(name, &["--transformer", &gguf, "--route", route]);
+        for t in ["latents", "sample"] {
+            assert_eq!(tensor(&a, t), tensor(&b, t), "{name}: {t}");
+        }
+        let (q, f) = (weight_bytes(&va), weight_bytes(&vb));
+        assert!(
+            q * 2 < f,
+            "{name}: {q} B of weights against {f} B dequantized"
+        );
+    }
+    // Dequantized at load (`--dtype f32`): the same image.
+    let (c, _) = go("gguf-f32", &["--transformer", &gguf, "--dtype", "f32"]);
+    assert_eq!(tensor(&c, "latents"), tensor(&b, "latents"));
     // The quantization is real, and small: against the folder's own transformer.
-    let plain = go("folder", &[]);
-    let (q, f) = (tensor(&a, "latents").1, tensor(&plain, "latents").1);
+    let (plain, _) = go("folder", &[]);
+    let (q, f) = (tensor(&c, "latents").1, tensor(&plain, "latents").1);
     let moved = rel_l2(&q, &f);
     assert!(moved > 1e-4 && moved < 0.2, "GGUF latents moved {moved:e}");
-    // Without --dtype: dequantized into bf16, close to the f32 load.
-    let h = go("gguf-bf16", &["--transformer", &gguf]);
-    let (bf, f32s) = (tensor(&h, "latents").1, tensor(&a, "latents").1);
+    // `--dtype bf16`: dequantized into bf16 at load, close to the f32 image.
+    let (h, _) = go("gguf-bf16", &["--transformer", &gguf, "--dtype", "bf16"]);
+    let (bf, f32s) = (tensor(&h, "latents").1, tensor(&c, "latents").1);
     assert!(bf.iter().all(|v| v.is_finite()));
     let e = rel_l2(&bf, &f32s);
     assert!(e < 0.05, "bf16 load {e:e} from the f32 load");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A LoRA on a GGUF transformer adapts it as it adapts the dequantized weights (the blocks
+/// untouched, the adapters added where each linear runs): the same image but for the
+/// factors' rounding (beside a quantized weight they are bf16, the dtype quantized weights
+/// compute in; beside the f32 file's weights f32), far inside what the LoRA changes.
+#[test]
+fn a_lora_applies_to_a_gguf_transformer_unchanged() {
+    let d = scratch("gguf-lora");
+    let lora = d.join("style.safetensors");
+    let v = |n: usize, seed: f32| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32) * 0.37 + seed).sin() * 0.5)
+            .collect()
+    };
+    let m = "lora_unet_double_blocks_0_img_attn_qkv";
+    common::write_f32_safetensors(
+        &lora,
+        &[
+            (format!("{m}.lora_down.weight"), vec![4, 32], v(128, 0.0)),
+            (format!("{m}.lora_up.weight"), vec![96, 4], v(384, 3.0)),
+            (format!("{m}.alpha"), vec![], vec![4.0]),
+        ],
+    );
+    let go = |name: &str, transformer: &str, extra: &[&str]| -> PathBuf {
+        let out = d.join(format!("{name}.safetensors"));
+        let t = fixture(transformer);
+        ok(&run(
+            &out,
+            &[&["--transformer", t.as_str()], extra].concat(),
+        ));
+        out
+    };
+    let l = lora.to_str().unwrap();
+    let a = go("gguf", GGUF, &["--lora", l]);
+    let b = go("dequantized", DEQUANTIZED, &["--lora", l]);
+    let plain = go("plain", GGUF, &[]);
+    let (a, b, plain) = (
+        tensor(&a, "latents").1,
+        tensor(&b, "latents").1,
+        tensor(&plain, "latents").1,
+    );
+    let (apart, moved) = (rel_l2(&a, &b), rel_l2(&b, &plain));
+    assert!(
+        apart < 1e-2 && moved > 20.0 * apart,
+        "{apart:e} apart, the LoRA moved {moved:e}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 

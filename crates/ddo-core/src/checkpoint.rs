@@ -24,6 +24,9 @@ pub struct CheckpointTensor {
     pub offset: usize,
     /// Byte length.
     pub len: usize,
+    /// A GGUF file's quantized tensor: its block layout (`dtype` is then
+    /// [`DType::Quantized`] and `shape` `[len]`); `None` for every safetensors tensor.
+    pub quant: Option<Arc<crate::tensor::QuantLayout>>,
 }
 
 /// An opened, memory-mapped safetensors checkpoint. Tensors handed out by
@@ -119,6 +122,43 @@ impl Checkpoint {
             map,
             tensors,
             unsupported,
+        })
+    }
+
+    /// A GGUF file's tensors as a checkpoint over its own mapping (no copy, no
+    /// dequantization): F32, F16 and BF16 tensors as those dtypes, quantized ones as
+    /// [`DType::Quantized`] bytes `[len]` carrying their block layout
+    /// ([`CheckpointTensor::quant`]), which params and tensors made from them keep, so
+    /// routes move the blocks as stored and [`crate::Ops::dequantize`] expands them where
+    /// they are used.
+    pub fn from_gguf(file: &crate::gguf::GgufFile) -> Result<Self> {
+        use crate::gguf::GgmlType;
+        let mut tensors = BTreeMap::new();
+        for t in file.tensors() {
+            let (dtype, shape, quant) = match t.ggml_type {
+                GgmlType::F32 => (DType::F32, t.shape.clone(), None),
+                GgmlType::F16 => (DType::F16, t.shape.clone(), None),
+                GgmlType::BF16 => (DType::BF16, t.shape.clone(), None),
+                ty => {
+                    let q = crate::tensor::QuantLayout::new(&t.name, ty, t.shape.clone())?;
+                    (DType::Quantized, vec![t.nbytes], Some(Arc::new(q)))
+                }
+            };
+            tensors.insert(
+                t.name.clone(),
+                CheckpointTensor {
+                    dtype,
+                    shape,
+                    offset: t.offset,
+                    len: t.nbytes,
+                    quant,
+                },
+            );
+        }
+        Ok(Self {
+            map: Arc::clone(file.map()),
+            tensors,
+            unsupported: BTreeMap::new(),
         })
     }
 
@@ -227,6 +267,7 @@ impl Checkpoint {
                             shape,
                             offset: header_end + start,
                             len: end - start,
+                            quant: None,
                         },
                     );
                 }

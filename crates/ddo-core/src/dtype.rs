@@ -60,7 +60,8 @@ impl DType {
     /// `compute_dtype=torch.bfloat16`), the dtype itself otherwise.
     pub const fn compute(self) -> DType {
         match self {
-            DType::F8E4M3 | DType::F8E5M2 => DType::BF16,
+            // Quantized weights (GGUF blocks) compute in bf16, as Diffusers' GGUF path does.
+            DType::F8E4M3 | DType::F8E5M2 | DType::Quantized => DType::BF16,
             other => other,
         }
     }

@@ -627,6 +627,10 @@ impl Ops for FaultInjectingDevice {
         })
     }
 
+    fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.op("dequantize", |o| o.dequantize(x, dtype))
+    }
+
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op("linear_gelu_tanh", |o| o.linear_gelu_tanh(x, w, bias))
     }

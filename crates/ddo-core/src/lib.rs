@@ -90,4 +90,4 @@ pub use route::{
     OptionDecl, OptionKind, OptionRequirement, OptionTable, OptionValue, RefusedOption, Route,
     describe_budget,
 };
-pub use tensor::{Tensor, TensorStorage};
+pub use tensor::{QuantLayout, Tensor, TensorStorage};

@@ -13,7 +13,7 @@
 //! stretch).
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::tensor::Tensor;
 
 /// Element-wise functions of one tensor.
@@ -293,6 +293,23 @@ pub trait Ops: Send + Sync {
         } else {
             Ok(y)
         }
+    }
+
+    /// The values of a quantized weight — a [`DType::Quantized`] tensor carrying a
+    /// [`QuantLayout`](crate::QuantLayout) (GGUF blocks, streamed as stored) — as a tensor
+    /// of the layout's shape in `dtype` (f32, f16 or bf16): each block dequantized in f32
+    /// exactly as [`crate::gguf::dequantize`] (gguf-py's reference) computes it, then rounded
+    /// once. A tensor without a layout is a shape error. The default refuses: a backend
+    /// that runs quantized weights implements it (the host and CUDA backends do).
+    fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        Err(CoreError::Shape {
+            what: "dequantize".into(),
+            message: format!(
+                "this backend does not dequantize GGUF blocks ({:?} of {} into {dtype})",
+                x.shape(),
+                x.dtype()
+            ),
+        })
     }
 
     /// `x + gate * y`, broadcasting (NumPy rules; a DiT block's gated residual: `gate`

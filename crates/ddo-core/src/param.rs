@@ -70,6 +70,9 @@ pub struct Param {
     /// The per-tensor dequantization scale of a scaled fp8 weight (values are
     /// `decode(byte) * scale`); carried by every tensor made from the param.
     scale: Option<f32>,
+    /// The GGUF block layout of a quantized weight stored as its blocks
+    /// ([`crate::tensor::QuantLayout`]); carried by every tensor made from the param.
+    quant: Option<Arc<crate::tensor::QuantLayout>>,
     state: RwLock<ParamState>,
 }
 
@@ -104,6 +107,7 @@ impl Param {
             shape,
             source,
             scale: None,
+            quant: None,
             state: RwLock::new(ParamState { host, device: None }),
         }))
     }
@@ -142,6 +146,7 @@ impl Param {
                 tensor: tensor.to_string(),
                 range: info.offset..info.offset + info.len,
             });
+            p.quant = info.quant;
         }
         Ok(param)
     }
@@ -166,6 +171,47 @@ impl Param {
     /// The per-tensor dequantization scale of a scaled fp8 weight.
     pub fn scale(&self) -> Option<f32> {
         self.scale
+    }
+
+    /// The param holding GGUF blocks of `quant` (a [`DType::Quantized`] param of shape
+    /// `[quant.bytes()]`). Call it on a param no one else holds yet (as a loader does).
+    pub fn with_quant(
+        mut param: Arc<Self>,
+        quant: Arc<crate::tensor::QuantLayout>,
+    ) -> Result<Arc<Self>> {
+        if param.dtype != DType::Quantized || param.shape != [quant.bytes()] {
+            return Err(CoreError::Shape {
+                what: format!("param `{}`", param.name),
+                message: format!(
+                    "{:?} of {} does not hold {} blocks of shape {:?}",
+                    param.shape,
+                    param.dtype,
+                    quant.ty.name(),
+                    quant.shape
+                ),
+            });
+        }
+        match Arc::get_mut(&mut param) {
+            Some(p) => {
+                p.quant = Some(quant);
+                Ok(param)
+            }
+            None => Err(CoreError::Shape {
+                what: format!("param `{}` layout", param.name),
+                message: "the param is already shared; give the layout when it is made".into(),
+            }),
+        }
+    }
+
+    /// The GGUF block layout of a quantized weight.
+    pub fn quant(&self) -> Option<&Arc<crate::tensor::QuantLayout>> {
+        self.quant.as_ref()
+    }
+
+    /// The shape the model sees: the dequantized shape of a quantized weight, else
+    /// [`Param::shape`].
+    pub fn logical_shape(&self) -> &[usize] {
+        self.quant.as_ref().map_or(&self.shape, |q| &q.shape)
     }
 
     /// Stable id.
@@ -253,7 +299,8 @@ impl Param {
             self.dtype,
             TensorStorage::Host(self.host()),
         )?
-        .with_scale(self.scale)
+        .with_scale(self.scale)?
+        .with_quant(self.quant.clone())
     }
 
     /// The param as a device tensor, when resident.
@@ -261,6 +308,7 @@ impl Param {
         self.device().and_then(|d| {
             Tensor::new(self.shape.clone(), self.dtype, TensorStorage::Device(d))
                 .and_then(|t| t.with_scale(self.scale))
+                .and_then(|t| t.with_quant(self.quant.clone()))
                 .ok()
         })
     }

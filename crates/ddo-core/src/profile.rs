@@ -625,6 +625,16 @@ impl Ops for ProfiledOps {
         )
     }
 
+    fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.op(
+            "dequantize",
+            None,
+            || tensor_bytes(&[x]),
+            &no_flops,
+            |d| d.dequantize(x, dtype),
+        )
+    }
+
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op(
             "linear_gelu_tanh",

@@ -1,8 +1,11 @@
 //! [`Tensor`]: a shape, an element type, and bytes on the host or on a device.
 
 use crate::device::{Device, DeviceSlice, Stream, download};
+use std::sync::Arc;
+
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
+use crate::gguf::GgmlType;
 use crate::host_memory::{HostBuffer, HostSlice};
 
 /// Where a tensor's bytes are.
@@ -19,12 +22,77 @@ pub enum TensorStorage {
 /// An 8-bit float tensor may carry a per-tensor dequantization `scale` (a scaled fp8
 /// weight): its values are `decode(byte) * scale`. Only the ops that dequantize read such a
 /// tensor ([`crate::Ops::cast`] and the linears); every other op refuses it.
+///
+/// A [`DType::Quantized`] tensor of shape `[bytes]` may carry a [`QuantLayout`]: its bytes
+/// are GGUF blocks of a tensor of the layout's shape (a weight streamed as stored); only
+/// [`crate::Ops::dequantize`] reads it.
 #[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
     storage: TensorStorage,
     scale: Option<f32>,
+    quant: Option<Arc<QuantLayout>>,
+}
+
+/// What the bytes of a [`DType::Quantized`] tensor hold: GGUF blocks of type `ty` making a
+/// row-major tensor of `shape`, each row (last dim) whole blocks, rows one after another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantLayout {
+    /// The block type.
+    pub ty: GgmlType,
+    /// The dequantized tensor's shape.
+    pub shape: Vec<usize>,
+}
+
+impl QuantLayout {
+    /// A layout of `ty` blocks for `shape`, or a shape error naming `what` when a row is not
+    /// whole blocks or the size overflows.
+    pub fn new(what: &str, ty: GgmlType, shape: Vec<usize>) -> Result<Self> {
+        let layout = Self { ty, shape };
+        let row = layout.shape.last().copied().unwrap_or(1);
+        if !row.is_multiple_of(ty.block_elements()) || layout.try_bytes().is_none() {
+            return Err(CoreError::Shape {
+                what: what.to_string(),
+                message: format!(
+                    "{:?} of {} blocks: rows of {row} are not whole blocks of {} or the size overflows",
+                    layout.shape,
+                    ty.name(),
+                    ty.block_elements()
+                ),
+            });
+        }
+        Ok(layout)
+    }
+
+    fn try_bytes(&self) -> Option<usize> {
+        numel(&self.shape).and_then(|n| self.ty.bytes_for(n))
+    }
+
+    /// Elements of the dequantized tensor.
+    pub fn elements(&self) -> usize {
+        numel(&self.shape).unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of the blocks.
+    pub fn bytes(&self) -> usize {
+        self.try_bytes().unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of one row (the last dim).
+    pub fn row_bytes(&self) -> usize {
+        let row = self.shape.last().copied().unwrap_or(1);
+        row / self.ty.block_elements() * self.ty.block_bytes()
+    }
+
+    /// The same blocks with `rows` rows along dim 0 (a fused tensor's part).
+    pub fn with_rows(&self, rows: usize) -> Self {
+        let mut shape = self.shape.clone();
+        if let Some(first) = shape.first_mut() {
+            *first = rows;
+        }
+        Self { ty: self.ty, shape }
+    }
 }
 
 /// Number of elements of `shape`, or `None` on overflow.
@@ -62,7 +130,35 @@ impl Tensor {
             dtype,
             storage,
             scale: None,
+            quant: None,
         })
+    }
+
+    /// The same tensor holding GGUF blocks of `quant` (or none): only a [`DType::Quantized`]
+    /// tensor of shape `[quant.bytes()]` takes one.
+    pub fn with_quant(mut self, quant: Option<Arc<QuantLayout>>) -> Result<Self> {
+        if let Some(q) = &quant
+            && (self.dtype != DType::Quantized || self.shape != [q.bytes()])
+        {
+            return Err(CoreError::Shape {
+                what: "quantized tensor".into(),
+                message: format!(
+                    "{:?} of {} does not hold {} blocks of shape {:?} ({} B)",
+                    self.shape,
+                    self.dtype,
+                    q.ty.name(),
+                    q.shape,
+                    q.bytes()
+                ),
+            });
+        }
+        self.quant = quant;
+        Ok(self)
+    }
+
+    /// The GGUF block layout of a quantized weight's bytes.
+    pub fn quant(&self) -> Option<&Arc<QuantLayout>> {
+        self.quant.as_ref()
     }
 
     /// The same tensor with the per-tensor dequantization `scale` (its values become
@@ -110,6 +206,8 @@ impl Tensor {
             dtype: self.dtype,
             storage: self.storage.clone(),
             scale: self.scale,
+            // Blocks reshaped are bytes without a layout.
+            quant: None,
         })
     }
 
@@ -145,6 +243,7 @@ impl Tensor {
             && self.shape == other.shape
             && self.dtype == other.dtype
             && self.scale.map(f32::to_bits) == other.scale.map(f32::to_bits)
+            && self.quant == other.quant
     }
 
     /// Whether this tensor alone holds its device memory (a whole buffer, no other handle):
@@ -186,7 +285,8 @@ impl Tensor {
                     self.dtype,
                     TensorStorage::Device(dst.slice_all()),
                 )?
-                .with_scale(self.scale)
+                .with_scale(self.scale)?
+                .with_quant(self.quant.clone())
             }
         }
     }

@@ -11,6 +11,7 @@
 //! tests mutate valid files at random: the reader returns Ok or a typed error, never panics.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ddo_core::gguf::{
     ALIGNMENT_KEY, GgmlType, GgufArray, GgufFile, GgufValue, GgufValueType, MAX_ARRAY_DEPTH,
@@ -701,4 +702,66 @@ proptest! {
         bytes.extend(tail);
         assert_ok_or_typed(&bytes)?;
     }
+}
+
+/// A GGUF file as a checkpoint over its own mapping (`Checkpoint::from_gguf`): float tensors
+/// as their dtypes, quantized ones as `Quantized` bytes carrying their block layout, which a
+/// param made from them keeps and the host's `Ops::dequantize` expands exactly as the
+/// reference does; a layout that does not fit its bytes, and a tensor with none, are refused.
+#[test]
+fn quantized_tensors_stay_blocks_and_dequantize_where_they_are_used() {
+    use ddo_core::{DType, Device, Ops, Param, ParamKind, QuantLayout, Tensor};
+    let file = GgufFile::open(&fixture("types.gguf")).unwrap();
+    let ckpt = Checkpoint::from_gguf(&file).unwrap();
+    let f32_info = ckpt.tensor("f32").unwrap();
+    assert_eq!(
+        (f32_info.dtype, f32_info.shape.clone()),
+        (DType::F32, vec![2, 256])
+    );
+    assert!(f32_info.quant.is_none());
+    let q = ckpt.tensor("q4_k").unwrap();
+    let layout = q.quant.clone().expect("a block layout");
+    assert_eq!(q.dtype, DType::Quantized);
+    assert_eq!(q.shape, [2 * 144]);
+    assert_eq!(
+        (layout.ty, layout.shape.clone()),
+        (GgmlType::Q4_K, vec![2, 256])
+    );
+    assert_eq!(layout.row_bytes(), 144);
+    // The bytes are the file's own (no copy).
+    let raw = file.raw("q4_k").unwrap();
+    assert_eq!(ckpt.raw("q4_k").unwrap().bytes, raw);
+    let param = Param::from_checkpoint(&ckpt, "q4_k", "w", ParamKind::Parameter).unwrap();
+    assert_eq!(param.logical_shape(), [2, 256]);
+    assert_eq!(param.quant(), Some(&layout));
+    let device = ddo_host::HostDevice::with_capacity(1 << 20).unwrap();
+    let stream = device.compute_stream();
+    let on_device = param
+        .host_tensor()
+        .unwrap()
+        .to_device(&*device, &stream)
+        .unwrap();
+    assert_eq!(on_device.quant(), Some(&layout));
+    let want = ddo_core::gguf::dequantize(GgmlType::Q4_K, raw, 512).unwrap();
+    let got = device.dequantize(&on_device, DType::F32).unwrap();
+    assert_eq!(got.shape(), [2, 256]);
+    let got = device.to_f32_vec(&got).unwrap();
+    assert!(
+        got.iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
+    let bf = device.dequantize(&on_device, DType::BF16).unwrap();
+    assert_eq!(
+        bf.to_host_bytes(&*device, &stream).unwrap(),
+        DType::BF16.encode_f32(&want).unwrap()
+    );
+    // Refusals: a layout of other bytes, rows that are not whole blocks, no layout at all.
+    let too_big = Arc::new(QuantLayout::new("w", GgmlType::Q4_K, vec![4, 256]).unwrap());
+    assert!(on_device.clone().with_quant(Some(too_big)).is_err());
+    assert!(QuantLayout::new("w", GgmlType::Q4_K, vec![2, 128]).is_err());
+    let plain = device.tensor_from_f32(&[4], DType::F32, &[1.0; 4]).unwrap();
+    assert!(device.dequantize(&plain, DType::F32).is_err());
+    let bytes = Tensor::from_f32(vec![4], DType::F32, &[0.0; 4]).unwrap();
+    assert!(bytes.with_quant(None).is_ok());
 }

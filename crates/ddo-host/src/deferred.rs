@@ -712,6 +712,11 @@ impl Ops for DeferredComputeDevice {
         self.op(move |o| o.permute(&x, &dims))
     }
 
+    fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let x = x.clone();
+        self.op(move |o| o.dequantize(&x, dtype))
+    }
+
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let x = x.clone();
         self.op(move |o| o.cast(&x, dtype))

@@ -2,9 +2,12 @@
 //! through [`ForwardContext::run_leaf`], so whatever route is attached moves its weights.
 //! Parameter names follow Diffusers/PyTorch (`weight`, `bias`).
 
+use std::borrow::Cow;
+
 use ddo_core::adapter::{adapter_sum, add_adapters};
 use ddo_core::{
-    Conv2dParams, ForwardContext, LeafId, LeafKind, Ops, Result, Tensor, UnaryOp, ops_of,
+    Conv2dParams, DType, ForwardContext, LeafId, LeafKind, LeafWeights, Ops, Result, Tensor,
+    UnaryOp, ops_of,
 };
 
 use crate::builder::ModelBuilder;
@@ -13,6 +16,22 @@ use crate::error::LoadResult;
 /// The compute plane of the context's device.
 pub fn ops<'a>(ctx: &ForwardContext<'a>) -> Result<&'a dyn Ops> {
     ops_of(ctx.device())
+}
+
+/// A linear leaf's weight as the GEMM takes it: a quantized weight's GGUF blocks
+/// dequantized into the input's `dtype` first ([`Ops::dequantize`]: into scratch for this
+/// call, the stored blocks untouched), any other weight as it is.
+fn weight<'w>(ops: &dyn Ops, w: &'w LeafWeights<'_>, dtype: DType) -> Result<Cow<'w, Tensor>> {
+    let stored = w.get("weight")?;
+    if stored.quant().is_some() {
+        let into = match dtype {
+            DType::F32 | DType::F16 => dtype,
+            _ => DType::BF16,
+        };
+        Ok(Cow::Owned(ops.dequantize(stored, into)?))
+    } else {
+        Ok(Cow::Borrowed(stored))
+    }
 }
 
 /// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
@@ -57,10 +76,11 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
+            let weight = weight(ops, w, x.dtype())?;
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
-                None => ops.linear(x, w.get("weight")?, b),
+                None => ops.linear(x, &weight, b),
                 // The base product added into the adapters' sum: one write of the output.
-                Some(u) => ops.linear_accumulate(x, w.get("weight")?, b, u, false),
+                Some(u) => ops.linear_accumulate(x, &weight, b, u, false),
             }
         })
     }
@@ -73,10 +93,11 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
+            let weight = weight(ops, w, x.dtype())?;
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
-                None => ops.linear_gelu_tanh(x, w.get("weight")?, b),
+                None => ops.linear_gelu_tanh(x, &weight, b),
                 // The adapters go in before the activation.
-                Some(u) => ops.linear_accumulate(x, w.get("weight")?, b, u, true),
+                Some(u) => ops.linear_accumulate(x, &weight, b, u, true),
             }
         })
     }
@@ -89,7 +110,8 @@ impl Linear {
         let bias = self.bias;
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
-            let y = ops.linear_concat(xs, w.get("weight")?, b)?;
+            let dtype = xs.first().map_or(DType::BF16, |x| x.dtype());
+            let y = ops.linear_concat(xs, &*weight(ops, w, dtype)?, b)?;
             add_adapters(ops, xs, y, w.adapters(), Some(w.down_cache()))
         })
     }

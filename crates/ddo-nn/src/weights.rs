@@ -397,11 +397,16 @@ pub fn is_gguf(path: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
-/// A GGUF file dequantized into `dtype` as a safetensors checkpoint in memory; its errors
-/// as [`open_checkpoint`]'s, a bad field as [`LoadError::CorruptFile`] naming it.
-fn open_gguf(path: &Path, dtype: DType) -> LoadResult<Checkpoint> {
+/// A GGUF file as a checkpoint: over its own mapping, quantized tensors kept as blocks
+/// (`dequantize_into` none), or dequantized into that dtype as a safetensors checkpoint in
+/// memory; its errors as [`open_checkpoint`]'s, a bad field as [`LoadError::CorruptFile`]
+/// naming it.
+fn open_gguf(path: &Path, dequantize_into: Option<DType>) -> LoadResult<Checkpoint> {
     ddo_core::gguf::GgufFile::open(path)
-        .and_then(|f| ddo_core::gguf::dequantized_checkpoint(&f, dtype))
+        .and_then(|f| match dequantize_into {
+            None => Checkpoint::from_gguf(&f),
+            Some(dtype) => ddo_core::gguf::dequantized_checkpoint(&f, dtype),
+        })
         .map_err(|e| match e {
             CoreError::Io { path, source } => LoadError::Io { path, source },
             CoreError::Gguf {
@@ -432,17 +437,23 @@ impl CheckpointWeights {
     /// (an owned copy); `None` keeps the file's dtype and the params checkpoint-backed.
     ///
     /// A `.gguf` file (llama.cpp's format: city96's Flux files hold the original layout's
-    /// names) is dequantized at load into a safetensors checkpoint in memory
+    /// names) is read over its own mapping with no `target` ([`Checkpoint::from_gguf`]): its
+    /// quantized tensors become params holding their blocks as stored, which routes move as
+    /// bytes and the linears dequantize where they run. With a `target` it is dequantized at
+    /// load into a safetensors checkpoint in memory
     /// ([`ddo_core::gguf::dequantized_checkpoint`]): into `target` where that is f32, f16 or
-    /// bf16, else bf16 (Diffusers' GGUF compute dtype), which an 8-bit `target` then
-    /// converts as it converts any 16-bit file.
+    /// bf16, else bf16, which an 8-bit `target` then converts as it converts any 16-bit file.
     pub fn open_file(path: &Path, target: Option<DType>) -> LoadResult<Self> {
         let (ckpt, target) = if is_gguf(path) {
-            let into = target
-                .filter(|d| matches!(d, DType::F32 | DType::F16 | DType::BF16))
-                .unwrap_or(DType::BF16);
-            let ckpt = open_gguf(path, into)?;
-            (ckpt, target.filter(|&d| d != into))
+            match target {
+                None => (open_gguf(path, None)?, None),
+                Some(t) => {
+                    let into = Some(t)
+                        .filter(|d| matches!(d, DType::F32 | DType::F16 | DType::BF16))
+                        .unwrap_or(DType::BF16);
+                    (open_gguf(path, Some(into))?, Some(t).filter(|&d| d != into))
+                }
+            }
         } else {
             (open_checkpoint(path)?, target)
         };

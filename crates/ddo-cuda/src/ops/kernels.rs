@@ -92,7 +92,7 @@ use super::kernel_cache::{
     Arch, Compiler, DiskCache, Image, ImageCache, ImageKind, KernelCacheStats, cache_dir_from,
 };
 use super::nvrtc::{self, Failure, NVRTC_HINT, Output};
-use super::{attention, codec, elementwise, gemm, layout, norm};
+use super::{attention, codec, elementwise, gemm, gguf, layout, norm};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 
@@ -231,13 +231,14 @@ pub(crate) enum Arg {
 /// Every kernel source the ops use, as `(source_name, text)`: the names are the
 /// `source_name`s the ops pass to [`CudaDevice::kernel`], the texts their modules' `SOURCE`
 /// consts. [`prepare_kernels`] compiles all of them.
-pub(crate) const SOURCES: [(&str, &str); 6] = [
+pub(crate) const SOURCES: [(&str, &str); 7] = [
     (elementwise::SOURCE_NAME, elementwise::SOURCE),
     (norm::SOURCE_NAME, norm::SOURCE),
     (layout::SOURCE_NAME, layout::SOURCE),
     (gemm::SOURCE_NAME, gemm::SOURCE),
     (attention::SOURCE_NAME, attention::SOURCE),
     (codec::SOURCE_NAME, codec::SOURCE),
+    (gguf::SOURCE_NAME, gguf::SOURCE),
 ];
 
 /// NVRTC options besides the architecture: flush-to-zero off, precise square root and
@@ -581,6 +582,7 @@ mod tests {
             gemm::SOURCE_NAME,
             attention::SOURCE_NAME,
             codec::SOURCE_NAME,
+            gguf::SOURCE_NAME,
         ];
         for name in names {
             assert_eq!(

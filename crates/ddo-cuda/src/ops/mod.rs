@@ -35,6 +35,7 @@ pub(crate) mod cublaslt;
 pub(crate) mod cudnn_attention;
 pub(crate) mod elementwise;
 pub(crate) mod gemm;
+pub(crate) mod gguf;
 pub(crate) mod kernel_cache;
 pub(crate) mod kernels;
 pub(crate) mod layout;
@@ -410,6 +411,21 @@ impl Ops for CudaDevice {
 
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         layout::embedding(self, table, ids)
+    }
+
+    /// One kernel over the blocks (`gguf::dequantize_gguf`), bit-exact against the host.
+    fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let Some(q) = x.quant() else {
+            return Err(shape_err(
+                "dequantize",
+                format!(
+                    "{:?} of {} holds no GGUF blocks (only a quantized weight dequantizes)",
+                    x.shape(),
+                    x.dtype()
+                ),
+            ));
+        };
+        gguf::dequantize_gguf(self, x, q.ty, &q.shape, dtype)
     }
 
     /// One GEMM with `beta = 1` into `acc` where it can (`gemm::linear_accumulate`).

@@ -37,6 +37,7 @@ mod elementwise;
 mod gemm;
 mod layout;
 mod norm;
+mod quant;
 #[cfg(test)]
 mod test_support;
 
@@ -220,6 +221,27 @@ impl HostDevice {
             range: slice.offset()..slice.offset() + slice.len(),
             dtype: t.dtype(),
             scale: t.scale(),
+        })
+    }
+
+    /// The stored bytes of a device tensor of any dtype (a quantized weight's blocks), for
+    /// [`Ops::dequantize`].
+    fn raw_input<'a>(&self, t: &'a Tensor) -> Result<Input<'a>> {
+        let slice = match t.storage() {
+            TensorStorage::Device(s) => s,
+            TensorStorage::Host(_) => {
+                return Err(CoreError::WrongDevice {
+                    what: "tensor",
+                    expected: self.id().to_string(),
+                    found: "host memory".into(),
+                });
+            }
+        };
+        Ok(Input {
+            alloc: self.allocation(slice.buffer())?,
+            range: slice.offset()..slice.offset() + slice.len(),
+            dtype: t.dtype(),
+            scale: None,
         })
     }
 
@@ -437,6 +459,10 @@ impl Ops for HostDevice {
 
     fn permute(&self, x: &Tensor, dims: &[usize]) -> Result<Tensor> {
         layout::permute(self, x, dims)
+    }
+
+    fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        quant::dequantize(self, x, dtype)
     }
 
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {

@@ -66,7 +66,7 @@ fn fit(
         .find(|(n, _)| n == "weight")
         .map(|(_, p)| Arc::clone(p))
         .ok_or_else(|| bad(file, m, "the layer has no weight".into()))?;
-    if weight.shape() != [m.out_features(), m.in_features()] {
+    if weight.logical_shape() != [m.out_features(), m.in_features()] {
         return Err(bad(
             file,
             m,
@@ -74,7 +74,7 @@ fn fit(
                 "it adapts {} → {}, the layer's weight is {:?}",
                 m.in_features(),
                 m.out_features(),
-                weight.shape()
+                weight.logical_shape()
             ),
         ));
     }

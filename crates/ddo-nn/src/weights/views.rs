@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ddo_core::host_memory::AlignedBytes;
-use ddo_core::{HostBuffer, Param, ParamKind};
+use ddo_core::{DType, HostBuffer, Param, ParamKind, QuantLayout};
 
 use super::{CheckpointWeights, WeightSource};
 use crate::error::{LoadError, LoadResult};
@@ -146,6 +146,9 @@ impl CheckpointWeights {
             });
         }
         let info = ckpt.tensor(tensor)?.clone();
+        if let Some(q) = info.quant.clone() {
+            return self.quantized_param(name, shape, kind, &view, id, &info, q);
+        }
         // The shape the view must find in the checkpoint.
         let fits = match view.kind {
             ViewKind::Whole => info.shape == shape,
@@ -268,6 +271,108 @@ impl CheckpointWeights {
             Some(s) => Param::with_scale(p, s)?,
             None => p,
         })
+    }
+}
+
+impl CheckpointWeights {
+    /// Param `name` of `shape` from a GGUF file's quantized tensor (`info`, blocks of `q`):
+    /// the blocks as stored ([`DType::Quantized`] bytes carrying their layout), the whole
+    /// tensor or its rows `start..start + len` (a fused `qkv`'s part: rows are whole blocks,
+    /// so a slice of the mapping) or its halves swapped (a copy); a conversion `target`
+    /// dequantizes them on the host instead. Convolution views are refused.
+    #[allow(clippy::too_many_arguments)] // the reader's state beside one tensor's
+    fn quantized_param(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        kind: ParamKind,
+        view: &View,
+        id: usize,
+        info: &ddo_core::checkpoint::CheckpointTensor,
+        q: Arc<QuantLayout>,
+    ) -> LoadResult<Arc<Param>> {
+        let tensor = view.tensor.as_str();
+        let file = self.files[id].path().to_path_buf();
+        let rows = q.shape.first().copied().unwrap_or(1);
+        let fits = match view.kind {
+            ViewKind::Whole => q.shape == shape,
+            ViewKind::SwapHalves => q.shape == shape && rows % 2 == 0,
+            ViewKind::Rows { start, len } => {
+                q.shape.len() == shape.len()
+                    && shape.first() == Some(&len)
+                    && start + len <= rows
+                    && q.shape[1..] == shape[1..]
+            }
+            ViewKind::Squeeze | ViewKind::LastTimeSlice { .. } => {
+                return Err(LoadError::UnsupportedDtype {
+                    name: tensor.to_string(),
+                    file,
+                    dtype: format!("{} blocks (a convolution's weight)", q.ty.name()),
+                });
+            }
+        };
+        if !fits {
+            return Err(LoadError::ShapeMismatch {
+                name: tensor.to_string(),
+                file,
+                expected: shape.to_vec(),
+                found: q.shape.clone(),
+            });
+        }
+        self.refuse_alias(tensor)?;
+        let ckpt = &self.files[id];
+        let whole = ckpt.host_buffer(tensor)?;
+        // Bytes of one index along dim 0 (whole rows of blocks).
+        let slab = info.len / rows.max(1);
+        let (host, part) = match view.kind {
+            ViewKind::Rows { start, len } => (
+                whole.slice(start * slab, len * slab)?,
+                Arc::new(q.with_rows(len)),
+            ),
+            ViewKind::SwapHalves => {
+                let half = info.len / 2;
+                let mut bytes = AlignedBytes::zeroed(info.len);
+                whole.with_bytes(|b| {
+                    let out = bytes.as_mut_slice();
+                    out[..half].copy_from_slice(&b[half..]);
+                    out[half..].copy_from_slice(&b[..half]);
+                });
+                let label = format!("({}, halves swapped) {tensor}", file.display());
+                (
+                    HostBuffer::frozen(bytes, &label).slice_all(),
+                    Arc::clone(&q),
+                )
+            }
+            _ => (whole.slice_all(), Arc::clone(&q)),
+        };
+        if let Some(t) = self.target {
+            // Converted: the blocks dequantized (the reference), then encoded as `t`.
+            let values =
+                host.with_bytes(|b| ddo_core::gguf::dequantize(part.ty, b, part.elements()))?;
+            let (bytes, scale) = if t.is_fp8() {
+                let (codes, s) = t.quantize_scaled(name, &values)?;
+                (codes, Some(s))
+            } else {
+                (t.encode_f32(&values)?, None)
+            };
+            let label = format!("({} converted to {t}) {tensor}", file.display());
+            let p = Param::new(
+                name,
+                kind,
+                t,
+                shape.to_vec(),
+                HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
+            )?;
+            return Ok(match scale {
+                Some(s) => Param::with_scale(p, s)?,
+                None => p,
+            });
+        }
+        if view.kind == ViewKind::Whole {
+            return Ok(Param::from_checkpoint(ckpt, tensor, name, kind)?);
+        }
+        let p = Param::new(name, kind, DType::Quantized, vec![host.len()], host)?;
+        Ok(Param::with_quant(p, part)?)
     }
 }
 
