@@ -1,9 +1,10 @@
 //! GGUF transformers (issue 37): `--transformer FILE.gguf` on the fixture Flux pipeline (a
 //! tiny transformer in the original layout, its 2-D weights quantized to Q8_0, Q4_0, Q4_1,
 //! Q5_0 and Q5_1 by gguf-py: `tools/gen_gguf_flux.py`) gives the image of the
-//! original-layout safetensors file holding gguf-py's dequantization of the same file, bit
-//! for bit: kept as blocks (the default: a fraction of the weight bytes, on a resident and a
-//! streamed route) and dequantized at load (`--dtype f32`); `--dtype bf16` loads bf16;
+//! original-layout safetensors file holding gguf-py's dequantization of the same file:
+//! dequantized at load (`--dtype f32`, `--dtype bf16`) bit for bit, kept as blocks (the
+//! default: a fraction of the weight bytes, bf16 compute) the same on a resident and a
+//! streamed route and within bf16's rounding;
 //! `ddo inspect` names its types; a malformed file is refused by `run` and `inspect` alike,
 //! naming the file and the field, with no output written.
 
@@ -75,9 +76,16 @@ fn a_gguf_transformer_runs_as_its_dequantization_does() {
     let gguf = fixture(GGUF);
     let reference = fixture(DEQUANTIZED);
     let (b, vb) = go("dequantized", &["--transformer", &reference]);
-    // As stored: the blocks stay quantized on the host and the device and are dequantized
-    // where each linear runs (into f32: this transformer's `img_in` is F32, its compute
-    // dtype), giving gguf-py's dequantization's image bit for bit, resident and streamed.
+    let (b16, _) = go(
+        "dequantized-bf16",
+        &["--transformer", &reference, "--dtype", "bf16"],
+    );
+    // As stored: the blocks stay quantized on the host and the device, each linear
+    // dequantizes its weight where it runs, and the model computes in bf16 (a GGUF
+    // transformer's compute dtype): the same bytes resident and streamed, a fraction of the
+    // weight bytes, and the image of the dequantized weights run in bf16 up to the f32
+    // biases and norms the GGUF keeps.
+    let mut first: Option<Vec<f32>> = None;
     for (name, route) in [
         ("gguf-resident", "transformer=none"),
         (
@@ -86,36 +94,41 @@ fn a_gguf_transformer_runs_as_its_dequantization_does() {
         ),
     ] {
         let (a, va) = go(name, &["--transformer", &gguf, "--route", route]);
-        for t in ["latents", "sample"] {
-            assert_eq!(tensor(&a, t), tensor(&b, t), "{name}: {t}");
+        let latents = tensor(&a, "latents").1;
+        match &first {
+            None => first = Some(latents.clone()),
+            Some(f) => assert_eq!(f, &latents, "{name}: routes disagree"),
         }
+        let e = rel_l2(&latents, &tensor(&b16, "latents").1);
+        assert!(
+            e < 1e-2,
+            "{name}: {e:e} from the dequantized weights in bf16"
+        );
         let (q, f) = (weight_bytes(&va), weight_bytes(&vb));
         assert!(
             q * 2 < f,
             "{name}: {q} B of weights against {f} B dequantized"
         );
     }
-    // Dequantized at load (`--dtype f32`): the same image.
+    // Dequantized at load: into f32, the f32 file's image bit for bit; into bf16, the
+    // bf16-converted file's.
     let (c, _) = go("gguf-f32", &["--transformer", &gguf, "--dtype", "f32"]);
-    assert_eq!(tensor(&c, "latents"), tensor(&b, "latents"));
+    for t in ["latents", "sample"] {
+        assert_eq!(tensor(&c, t), tensor(&b, t), "{t}");
+    }
+    let (h, _) = go("gguf-bf16", &["--transformer", &gguf, "--dtype", "bf16"]);
+    assert_eq!(tensor(&h, "latents"), tensor(&b16, "latents"));
     // The quantization is real, and small: against the folder's own transformer.
     let (plain, _) = go("folder", &[]);
     let (q, f) = (tensor(&c, "latents").1, tensor(&plain, "latents").1);
     let moved = rel_l2(&q, &f);
     assert!(moved > 1e-4 && moved < 0.2, "GGUF latents moved {moved:e}");
-    // `--dtype bf16`: dequantized into bf16 at load, close to the f32 image.
-    let (h, _) = go("gguf-bf16", &["--transformer", &gguf, "--dtype", "bf16"]);
-    let (bf, f32s) = (tensor(&h, "latents").1, tensor(&c, "latents").1);
-    assert!(bf.iter().all(|v| v.is_finite()));
-    let e = rel_l2(&bf, &f32s);
-    assert!(e < 0.05, "bf16 load {e:e} from the f32 load");
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// A LoRA on a GGUF transformer adapts it as it adapts the dequantized weights (the blocks
-/// untouched, the adapters added where each linear runs): the same image but for the
-/// factors' rounding (beside a quantized weight they are bf16, the dtype quantized weights
-/// compute in; beside the f32 file's weights f32), far inside what the LoRA changes.
+/// A LoRA on a GGUF transformer adapts it as it adapts the dequantized weights in bf16 (the
+/// blocks untouched, the adapters added where each linear runs): the same image up to the
+/// f32 biases and norms the GGUF keeps, far inside what the LoRA changes.
 #[test]
 fn a_lora_applies_to_a_gguf_transformer_unchanged() {
     let d = scratch("gguf-lora");
@@ -145,7 +158,11 @@ fn a_lora_applies_to_a_gguf_transformer_unchanged() {
     };
     let l = lora.to_str().unwrap();
     let a = go("gguf", GGUF, &["--lora", l]);
-    let b = go("dequantized", DEQUANTIZED, &["--lora", l]);
+    let b = go(
+        "dequantized",
+        DEQUANTIZED,
+        &["--lora", l, "--dtype", "bf16"],
+    );
     let plain = go("plain", GGUF, &[]);
     let (a, b, plain) = (
         tensor(&a, "latents").1,
@@ -153,8 +170,9 @@ fn a_lora_applies_to_a_gguf_transformer_unchanged() {
         tensor(&plain, "latents").1,
     );
     let (apart, moved) = (rel_l2(&a, &b), rel_l2(&b, &plain));
+    eprintln!("GGUF + LoRA: {apart:e} from the dequantized weights, the LoRA moved {moved:e}");
     assert!(
-        apart < 1e-2 && moved > 20.0 * apart,
+        apart < 1e-2 && moved > 10.0 * apart,
         "{apart:e} apart, the LoRA moved {moved:e}"
     );
     let _ = std::fs::remove_dir_all(&d);

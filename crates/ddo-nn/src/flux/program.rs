@@ -213,8 +213,19 @@ impl FluxProgram {
     }
 
     /// The model's compute dtype: that of `x_embedder`'s weight (Diffusers' hidden dtype),
-    /// bf16 when it is stored as fp8 ([`DType::compute`]).
+    /// bf16 when it is stored as fp8 ([`DType::compute`]); bf16 for a GGUF transformer with
+    /// quantized weights, whatever its small tensors are stored as (Diffusers' GGUF
+    /// `compute_dtype`; city96's files keep `img_in` in F32 or F16 beside K-quants).
     fn dtype(&self, ctx: &ForwardContext<'_>) -> Result<DType> {
+        let quantized = ctx
+            .component()
+            .leaves()
+            .iter()
+            .flat_map(|l| l.params())
+            .any(|(_, p)| p.quant().is_some());
+        if quantized {
+            return Ok(DType::BF16);
+        }
         let leaf = ctx.component().leaf(self.x_embedder.leaf())?;
         leaf.params()
             .first()
