@@ -24,8 +24,8 @@ fn loads_as(file: &GgufFile) -> String {
     if flux {
         "a Flux transformer in the original layout: `--transformer FILE` on run, bench and \
          resolve; its quantized tensors stay blocks on the host and the device and each linear \
-         dequantizes its weight where it runs (every route takes it); --dtype dequantizes at \
-         load instead"
+         dequantizes its weight where it runs (every route takes it); `--dtype bf16` (or f32, \
+         f16) dequantizes it at load instead"
             .to_string()
     } else {
         format!(
