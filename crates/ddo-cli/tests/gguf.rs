@@ -178,6 +178,41 @@ fn a_lora_applies_to_a_gguf_transformer_unchanged() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `ddo resolve` plans a GGUF transformer with its blocks' bytes, and the denoise phase's
+/// activations with room for the largest weight dequantized into bf16 (the fixture's
+/// timestep and guidance embedders' first linears, `[32, 256]`: 16,384 B) beside what the
+/// dequantized file needs.
+#[test]
+fn resolve_counts_the_blocks_and_the_dequantization_scratch() {
+    let plan = |transformer: &str| {
+        let folder = fixture("flux_pipeline");
+        let t = fixture(transformer);
+        json(&ddo(&[
+            "resolve",
+            "--weights",
+            &folder,
+            "--transformer",
+            &t,
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--json",
+        ]))
+    };
+    let (q, f) = (plan(GGUF), plan(DEQUANTIZED));
+    let denoise = |v: &serde_json::Value| v["memory_plan"]["phases"][1].clone();
+    let (dq, df) = (denoise(&q), denoise(&f));
+    assert_eq!(dq["phase"], "denoise");
+    assert_eq!(
+        dq["activation_bytes"].as_u64().unwrap(),
+        df["activation_bytes"].as_u64().unwrap() + 32 * 256 * 2
+    );
+    let resident = |v: &serde_json::Value| v["resident_bytes"].as_u64().unwrap();
+    // The blocks: 64,856 B of the file's 68,352 (its header and padding aside).
+    assert!(resident(&dq) < resident(&df) / 4, "{dq} vs {df}");
+}
+
 #[test]
 fn inspect_names_a_gguf_files_types() {
     let gguf = fixture(GGUF);

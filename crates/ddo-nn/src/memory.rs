@@ -164,9 +164,9 @@ impl FluxPipeline {
 }
 
 /// The dtype of the first weight of `component` (the models' activations take it).
-/// The device scratch a linear over fp8 weights takes besides its activations: its weight
-/// (and bias) decoded into the compute dtype for the GEMM, at most one leaf at a time; 0
-/// when nothing is stored as fp8.
+/// The device scratch a linear over fp8 weights or GGUF blocks takes besides its
+/// activations: its weight (and bias) decoded or dequantized into the compute dtype for the
+/// GEMM, at most one leaf at a time; 0 when nothing is stored as fp8 or blocks.
 pub fn fp8_upcast_scratch_bytes(component: &ddo_core::Component) -> u64 {
     component
         .leaves()
@@ -174,9 +174,9 @@ pub fn fp8_upcast_scratch_bytes(component: &ddo_core::Component) -> u64 {
         .map(|l| {
             l.params()
                 .iter()
-                .filter(|(_, p)| p.dtype().is_fp8())
+                .filter(|(_, p)| p.dtype().is_fp8() || p.quant().is_some())
                 .map(|(_, p)| {
-                    let n: u64 = p.shape().iter().map(|&d| d as u64).product();
+                    let n: u64 = p.logical_shape().iter().map(|&d| d as u64).product();
                     n.saturating_mul(p.dtype().compute().size_in_bytes() as u64)
                 })
                 .fold(0u64, u64::saturating_add)
