@@ -5,7 +5,7 @@ with every 2-D tensor whose rows are whole 32-element blocks quantized by gguf-p
 the types taken in turn from Q8_0, Q4_0, Q5_1, Q4_1, Q5_0, and every other tensor kept F32;
 `general.architecture` "flux".
 
-Writes `fixtures/gguf/`:
+Writes `fixtures/gguf/` (and the T5 encoder's files, see `t5` below):
 
 * `flux_pipeline-transformer-mixed.gguf`;
 * `flux_pipeline-transformer-mixed.dequantized.safetensors`: gguf-py's `dequantize` of every tensor as
@@ -61,5 +61,65 @@ def main():
     print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized; largest |dequantized - original| {moved:.3e}")
 
 
+# Transformers' T5 names → llama.cpp's (gguf-py's tensor_mapping for T5ENCODER).
+T5_NAMES = {
+    "0.SelfAttention.q": "attn_q",
+    "0.SelfAttention.k": "attn_k",
+    "0.SelfAttention.v": "attn_v",
+    "0.SelfAttention.o": "attn_o",
+    "0.SelfAttention.relative_attention_bias": "attn_rel_b",
+    "0.layer_norm": "attn_norm",
+    "1.layer_norm": "ffn_norm",
+    "1.DenseReluDense.wi_0": "ffn_gate",
+    "1.DenseReluDense.wi_1": "ffn_up",
+    "1.DenseReluDense.wo": "ffn_down",
+}
+
+
+def t5_gguf_name(name: str) -> str:
+    if name == "shared.weight":
+        return "token_embd.weight"
+    if name == "encoder.final_layer_norm.weight":
+        return "enc.output_norm.weight"
+    rest = name.removeprefix("encoder.block.")
+    block, _, tail = rest.partition(".layer.")
+    return f"enc.blk.{block}.{T5_NAMES[tail.removesuffix('.weight')]}.weight"
+
+
+def t5():
+    """The fixture pipeline's T5 encoder (`text_encoder_2`) in llama.cpp's names, as city96's T5
+    GGUFs hold it: `flux_pipeline-t5-mixed.gguf` (architecture t5encoder; 2-D tensors of whole
+    32-element rows quantized in turn to Q8_0, Q5_1, Q4_0; the rest F32) and its
+    `.dequantized.safetensors` in Transformers' names (gguf-py's dequantization)."""
+    src = ROOT / "fixtures" / "flux_pipeline" / "text_encoder_2" / "model.safetensors"
+    tensors = load_file(str(src))
+    path = OUT / "flux_pipeline-t5-mixed.gguf"
+    w = GGUFWriter(str(path), "t5encoder")
+    k = 0
+    back = {}
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name].astype(np.float32))
+        g = t5_gguf_name(name)
+        back[g] = name
+        if a.ndim == 2 and a.shape[-1] % 32 == 0:
+            ty = [T.Q8_0, T.Q5_1, T.Q4_0][k % 3]
+            k += 1
+            w.add_tensor(g, quantize(a, ty), raw_dtype=ty)
+        else:
+            w.add_tensor(g, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out[back[t.name]] = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32))
+    save_file(out, str(OUT / "flux_pipeline-t5-mixed.dequantized.safetensors"))
+    print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized")
+
+
 if __name__ == "__main__":
     main()
+    t5()

@@ -21,6 +21,17 @@ fn loads_as(file: &GgufFile) -> String {
         .tensors()
         .iter()
         .any(|t| t.name == FLUX_MARKER || t.name == format!("model.diffusion_model.{FLUX_MARKER}"));
+    let t5 = file
+        .tensors()
+        .iter()
+        .any(|t| t.name == "enc.blk.0.attn_q.weight")
+        && file.tensors().iter().any(|t| t.name == "token_embd.weight");
+    if t5 {
+        return "a T5 encoder in llama.cpp's names: `--text-encoder-2 FILE` on run, bench and \
+                resolve; its quantized tensors stay blocks and are dequantized where they run; \
+                `--dtype bf16` (or f32, f16) dequantizes it at load instead"
+            .to_string();
+    }
     if flux {
         "a Flux transformer in the original layout: `--transformer FILE` on run, bench and \
          resolve; its quantized tensors stay blocks on the host and the device and each linear \
@@ -29,8 +40,8 @@ fn loads_as(file: &GgufFile) -> String {
             .to_string()
     } else {
         format!(
-            "nothing yet: DDO loads GGUF Flux transformers in the original layout (this file's \
-             architecture is {})",
+            "nothing yet: DDO loads GGUF Flux transformers in the original layout and T5 \
+             encoders (this file's architecture is {})",
             file.architecture().unwrap_or("not named")
         )
     }

@@ -213,6 +213,60 @@ fn resolve_counts_the_blocks_and_the_dequantization_scratch() {
     assert!(resident(&dq) < resident(&df) / 4, "{dq} vs {df}");
 }
 
+/// `--text-encoder-2 FILE.gguf`: the fixture pipeline's T5 encoder in llama.cpp's names
+/// (`tools/gen_gguf_flux.py`), run from a text prompt: dequantized at load (`--dtype f32`) it
+/// gives the image of gguf-py's dequantization saved in Transformers' names, bit for bit;
+/// kept as blocks (bf16 compute, the embedding table dequantized per call) it stays within
+/// a tenth of what the quantization moved.
+#[test]
+fn a_gguf_t5_encoder_runs_as_its_dequantization_does() {
+    let d = scratch("gguf-t5");
+    let go = |name: &str, t5: &str, extra: &[&str]| -> Vec<f32> {
+        let out = d.join(format!("{name}.safetensors"));
+        let folder = fixture("flux_pipeline");
+        let mut args = vec![
+            "run",
+            "--weights",
+            &folder,
+            "--prompt",
+            "a lighthouse at dawn",
+            "--height",
+            "32",
+            "--width",
+            "24",
+            "--steps",
+            "2",
+            "--tiled-decode",
+            "off",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        let t5 = (!t5.is_empty()).then(|| fixture(t5));
+        if let Some(t) = &t5 {
+            args.extend_from_slice(&["--text-encoder-2", t]);
+        }
+        args.extend_from_slice(extra);
+        ok(&ddo(&args));
+        tensor(&out, "latents").1
+    };
+    let gguf = "gguf/flux_pipeline-t5-mixed.gguf";
+    let reference = go(
+        "dequantized",
+        "gguf/flux_pipeline-t5-mixed.dequantized.safetensors",
+        &[],
+    );
+    assert_eq!(go("gguf-f32", gguf, &["--dtype", "f32"]), reference);
+    let blocks = go("gguf", gguf, &[]);
+    let plain = go("folder", "", &[]);
+    let (apart, moved) = (rel_l2(&blocks, &reference), rel_l2(&reference, &plain));
+    assert!(moved > 1e-4, "the quantization moved {moved:e}");
+    assert!(
+        apart < moved / 10.0,
+        "{apart:e} from the dequantization (moved {moved:e})"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn inspect_names_a_gguf_files_types() {
     let gguf = fixture(GGUF);

@@ -311,10 +311,18 @@ impl Embedding {
         Self { leaf }
     }
 
-    /// Rows `ids` → `[ids.len(), dim]`.
+    /// Rows `ids` → `[ids.len(), dim]`. A table stored as GGUF blocks is dequantized into
+    /// bf16 first (the compute dtype of quantized weights), for this call.
     pub fn forward(&self, ctx: &mut ForwardContext<'_>, ids: &[u32]) -> Result<Tensor> {
         let ops = ops(ctx)?;
-        ctx.run_leaf(self.leaf, |w| ops.embedding(w.get("weight")?, ids))
+        ctx.run_leaf(self.leaf, |w| {
+            let table = w.get("weight")?;
+            if table.quant().is_some() {
+                ops.embedding(&ops.dequantize(table, DType::BF16)?, ids)
+            } else {
+                ops.embedding(table, ids)
+            }
+        })
     }
 
     /// The leaf.

@@ -21,6 +21,7 @@
 //! dtype before the multiply; here every leaf runs in the dtype of its params and each op
 //! rounds once at its end. In f32 the two agree to rounding.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -34,7 +35,7 @@ use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
 use crate::fp8::{T5_SKIP_PATTERNS, source_target, stored_as};
 use crate::layers::{Embedding, Linear, RmsNorm, ops};
-use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
+use crate::weights::{CheckpointWeights, UnusedWeights, View, ViewKind, WeightSource};
 
 /// The component name of the T5 encoder in Flux / SD3 pipelines.
 pub const COMPONENT_NAME: &str = "text_encoder_2";
@@ -498,7 +499,10 @@ impl T5Encoder {
     /// Loads a single safetensors file in the Transformers layout (`shared.weight`,
     /// `encoder.block.N...`, as a folder's `model.safetensors` and ComfyUI's
     /// `t5xxl_fp8_e4m3fn.safetensors` are) with `config`; `dtype` as
-    /// [`T5Encoder::from_dir`]. ComfyUI's `scaled_fp8` marker is left alone.
+    /// [`T5Encoder::from_dir`]. ComfyUI's `scaled_fp8` marker is left alone. A `.gguf` file
+    /// (city96's T5 encoders) is read in llama.cpp's names ([`gguf_views`]), its quantized
+    /// tensors kept as blocks (or dequantized at load with a `dtype`, as for any GGUF file:
+    /// [`CheckpointWeights::open_file`]).
     pub fn load_file(
         path: &Path,
         config: &T5Config,
@@ -506,6 +510,9 @@ impl T5Encoder {
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
         let mut w = CheckpointWeights::open_file(path, source_target(dtype))?;
+        if crate::weights::is_gguf(path) {
+            w = w.with_views(gguf_views(config));
+        }
         let model = stored_as(&mut w, dtype, &T5_SKIP_PATTERNS, |w| Self::build(w, config))?;
         w.check_unused(
             &[
@@ -572,6 +579,45 @@ impl T5Encoder {
             self.program.run(ctx, input_ids, attention_mask)
         })
     }
+}
+
+/// A T5 encoder's Transformers param names mapped onto llama.cpp's GGUF names
+/// (`token_embd`, `enc.blk.N.attn_q` ..., as gguf-py's `tensor_mapping` maps them and
+/// city96's T5 GGUFs hold them): `DenseReluDense.wi_0` is `ffn_gate`, `wi_1` `ffn_up`, `wo`
+/// `ffn_down`; block 0's relative attention bias `attn_rel_b`.
+pub fn gguf_views(config: &T5Config) -> HashMap<String, View> {
+    let whole = |t: &str| View {
+        tensor: t.to_string(),
+        kind: ViewKind::Whole,
+    };
+    let mut v = HashMap::new();
+    v.insert("shared.weight".to_string(), whole("token_embd.weight"));
+    v.insert(
+        "encoder.final_layer_norm.weight".to_string(),
+        whole("enc.output_norm.weight"),
+    );
+    for i in 0..config.num_layers {
+        let hf = format!("encoder.block.{i}.layer");
+        let gg = format!("enc.blk.{i}");
+        for (ours, theirs) in [
+            ("0.SelfAttention.q", "attn_q"),
+            ("0.SelfAttention.k", "attn_k"),
+            ("0.SelfAttention.v", "attn_v"),
+            ("0.SelfAttention.o", "attn_o"),
+            ("0.SelfAttention.relative_attention_bias", "attn_rel_b"),
+            ("0.layer_norm", "attn_norm"),
+            ("1.layer_norm", "ffn_norm"),
+            ("1.DenseReluDense.wi_0", "ffn_gate"),
+            ("1.DenseReluDense.wi_1", "ffn_up"),
+            ("1.DenseReluDense.wo", "ffn_down"),
+        ] {
+            v.insert(
+                format!("{hf}.{ours}.weight"),
+                whole(&format!("{gg}.{theirs}.weight")),
+            );
+        }
+    }
+    v
 }
 
 /// The lowest finite value of `dtype` (what Transformers adds for masked positions).
