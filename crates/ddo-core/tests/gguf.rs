@@ -179,6 +179,90 @@ fn open(bytes: &[u8]) -> GgufFile {
     GgufFile::from_bytes(bytes, Path::new(PATH)).unwrap()
 }
 
+// --- Diffusers' GGUF dequantization (`tools/gen_gguf_diffusers.py`). ---
+
+/// Diffusers 0.42.1's `dequantize_gguf_tensor` (what its GGUF models run) on every tensor of
+/// the three GGUF fixtures: it returns f16 values (its default dtype, whatever the model's
+/// compute dtype), so DDO's f32 values (gguf-py's) rounded once to f16 are Diffusers' bit for
+/// bit for the float types, Q4_0, Q5_0 and Q8_0 (whose value is one f32 product), and within
+/// f16 arithmetic of them for the types with an offset or packed sub-scales (Q4_1, Q5_1, the
+/// K-quants: Diffusers computes `d * q + m` in f16).
+#[test]
+fn diffusers_dequantization_is_ddos_rounded_to_f16() {
+    use ddo_core::DType;
+    let reference = Checkpoint::open(&fixture("diffusers_dequantized.safetensors")).unwrap();
+    let mut exact = 0;
+    let mut close = 0;
+    for stem in [
+        "types",
+        "flux_pipeline-transformer-mixed",
+        "flux_pipeline-t5-mixed",
+    ] {
+        let file = GgufFile::open(&fixture(&format!("{stem}.gguf"))).unwrap();
+        for info in file.tensors() {
+            let key = format!("{stem}/{}", info.name);
+            let expected = reference.raw(&key).unwrap_or_else(|| panic!("{key}"));
+            assert_eq!(expected.shape, info.shape.as_slice(), "{key}");
+            let theirs: Vec<f32> = expected
+                .bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let ours = file.dequantize(&info.name).unwrap();
+            let single_product = matches!(
+                info.ggml_type,
+                GgmlType::F32
+                    | GgmlType::F16
+                    | GgmlType::BF16
+                    | GgmlType::Q4_0
+                    | GgmlType::Q5_0
+                    | GgmlType::Q8_0
+            );
+            let float = matches!(
+                info.ggml_type,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
+            );
+            if float {
+                // Stored floats are passed through as they are.
+                assert!(
+                    ours.iter()
+                        .zip(&theirs)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{key}"
+                );
+                exact += 1;
+            } else if single_product {
+                let rounded = DType::F16
+                    .decode_f32(&DType::F16.encode_f32(&ours).unwrap())
+                    .unwrap();
+                assert!(
+                    rounded
+                        .iter()
+                        .zip(&theirs)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{key} ({}): DDO's values rounded to f16 are not Diffusers'",
+                    info.ggml_type
+                );
+                exact += 1;
+            } else {
+                let scale = ours.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+                let worst = ours
+                    .iter()
+                    .zip(&theirs)
+                    .map(|(a, b)| (a - b).abs() / scale)
+                    .fold(0f32, f32::max);
+                assert!(
+                    worst <= 2e-3,
+                    "{key} ({}): {worst:e} of its largest value",
+                    info.ggml_type
+                );
+                close += 1;
+            }
+        }
+    }
+    assert_eq!((exact, close), (67, 20));
+}
+
 // --- The fixture: gguf-py's file and its dequantization. ---
 
 #[test]
