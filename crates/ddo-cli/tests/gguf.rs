@@ -3,8 +3,8 @@
 //! Q5_0 and Q5_1 by gguf-py: `tools/gen_gguf_flux.py`) gives the image of the
 //! original-layout safetensors file holding gguf-py's dequantization of the same file:
 //! dequantized at load (`--dtype f32`, `--dtype bf16`) bit for bit, kept as blocks (the
-//! default: a fraction of the weight bytes, bf16 compute) the same on a resident and a
-//! streamed route and within bf16's rounding;
+//! default: a fraction of the weight bytes, bf16 compute) the same on every route that takes
+//! it and within bf16's rounding; a T5 encoder in llama.cpp's names likewise;
 //! `ddo inspect` names its types; a malformed file is refused by `run` and `inspect` alike,
 //! naming the file and the field, with no output written.
 
@@ -82,15 +82,21 @@ fn a_gguf_transformer_runs_as_its_dequantization_does() {
     );
     // As stored: the blocks stay quantized on the host and the device, each linear
     // dequantizes its weight where it runs, and the model computes in bf16 (a GGUF
-    // transformer's compute dtype): the same bytes resident and streamed, a fraction of the
-    // weight bytes, and the image of the dequantized weights run in bf16 up to the f32
-    // biases and norms the GGUF keeps.
+    // transformer's compute dtype): the same bytes on every route that takes it (resident,
+    // streamed, native, coded; `linear_convolution` refuses quantized storage), a fraction
+    // of the weight bytes, and the image of the dequantized weights run in bf16 up to the
+    // f32 biases and norms the GGUF keeps.
     let mut first: Option<Vec<f32>> = None;
     for (name, route) in [
         ("gguf-resident", "transformer=none"),
         (
             "gguf-streamed",
             "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+        ),
+        ("gguf-native", "transformer=native_vmm"),
+        (
+            "gguf-coded",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,compress=lossless",
         ),
     ] {
         let (a, va) = go(name, &["--transformer", &gguf, "--route", route]);
