@@ -204,23 +204,11 @@ impl HostDevice {
     /// [`HostDevice::input`] for the ops that dequantize (cast, the linears' weight and
     /// bias): a scaled fp8 tensor is taken with its scale.
     fn dequant_input<'a>(&self, op: &str, t: &'a Tensor) -> Result<Input<'a>> {
-        let slice = match t.storage() {
-            TensorStorage::Device(s) => s,
-            TensorStorage::Host(_) => {
-                return Err(CoreError::WrongDevice {
-                    what: "tensor",
-                    expected: self.id().to_string(),
-                    found: "host memory".into(),
-                });
-            }
-        };
-        let alloc = self.allocation(slice.buffer())?;
+        let input = self.raw_input(t)?;
         float_dtype(op, t.dtype())?;
         Ok(Input {
-            alloc,
-            range: slice.offset()..slice.offset() + slice.len(),
-            dtype: t.dtype(),
             scale: t.scale(),
+            ..input
         })
     }
 

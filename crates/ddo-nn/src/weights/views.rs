@@ -217,17 +217,7 @@ impl CheckpointWeights {
         let host = match view.kind {
             ViewKind::Whole | ViewKind::Squeeze => whole.slice_all(),
             ViewKind::Rows { start, len } => whole.slice(start * row_bytes, len * row_bytes)?,
-            ViewKind::SwapHalves => {
-                let half = info.len / 2;
-                let mut bytes = AlignedBytes::zeroed(info.len);
-                whole.with_bytes(|b| {
-                    let out = bytes.as_mut_slice();
-                    out[..half].copy_from_slice(&b[half..]);
-                    out[half..].copy_from_slice(&b[..half]);
-                });
-                let label = format!("({}, halves swapped) {tensor}", file.display());
-                HostBuffer::frozen(bytes, &label).slice_all()
-            }
+            ViewKind::SwapHalves => swapped_halves(&whole, info.len, &file, tensor),
             ViewKind::LastTimeSlice { frames: 1 } => whole.slice_all(),
             ViewKind::LastTimeSlice { frames } => {
                 let elem = info.dtype.size_in_bytes();
@@ -244,25 +234,8 @@ impl CheckpointWeights {
                 let mut values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
                 // A scaled fp8 weight converts as its dequantized values.
                 ddo_core::tensor::apply_scale(&mut values, scale);
-                let (bytes, scale) = if t.is_fp8() {
-                    let (codes, s) = t.quantize_scaled(name, &values)?;
-                    (codes, Some(s))
-                } else {
-                    (t.encode_f32(&values)?, None)
-                };
-                // Frozen like a checkpoint's bytes (see `RandomWeights`).
                 let label = format!("({} converted to {t}) {tensor}", file.display());
-                let p = Param::new(
-                    name,
-                    kind,
-                    t,
-                    shape.to_vec(),
-                    HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
-                )?;
-                return Ok(match scale {
-                    Some(s) => Param::with_scale(p, s)?,
-                    None => p,
-                });
+                return converted(name, shape, kind, t, &values, &label);
             }
             _ if view.kind == ViewKind::Whole => Param::from_checkpoint(ckpt, tensor, name, kind)?,
             _ => Param::new(name, kind, info.dtype, shape.to_vec(), host)?,
@@ -329,44 +302,18 @@ impl CheckpointWeights {
                 whole.slice(start * slab, len * slab)?,
                 Arc::new(q.with_rows(len)),
             ),
-            ViewKind::SwapHalves => {
-                let half = info.len / 2;
-                let mut bytes = AlignedBytes::zeroed(info.len);
-                whole.with_bytes(|b| {
-                    let out = bytes.as_mut_slice();
-                    out[..half].copy_from_slice(&b[half..]);
-                    out[half..].copy_from_slice(&b[..half]);
-                });
-                let label = format!("({}, halves swapped) {tensor}", file.display());
-                (
-                    HostBuffer::frozen(bytes, &label).slice_all(),
-                    Arc::clone(&q),
-                )
-            }
+            ViewKind::SwapHalves => (
+                swapped_halves(&whole, info.len, &file, tensor),
+                Arc::clone(&q),
+            ),
             _ => (whole.slice_all(), Arc::clone(&q)),
         };
         if let Some(t) = self.target {
             // Converted: the blocks dequantized (the reference), then encoded as `t`.
             let values =
                 host.with_bytes(|b| ddo_core::gguf::dequantize(part.ty, b, part.elements()))?;
-            let (bytes, scale) = if t.is_fp8() {
-                let (codes, s) = t.quantize_scaled(name, &values)?;
-                (codes, Some(s))
-            } else {
-                (t.encode_f32(&values)?, None)
-            };
             let label = format!("({} converted to {t}) {tensor}", file.display());
-            let p = Param::new(
-                name,
-                kind,
-                t,
-                shape.to_vec(),
-                HostBuffer::frozen(AlignedBytes::copy_from(&bytes), &label).slice_all(),
-            )?;
-            return Ok(match scale {
-                Some(s) => Param::with_scale(p, s)?,
-                None => p,
-            });
+            return converted(name, shape, kind, t, &values, &label);
         }
         if view.kind == ViewKind::Whole {
             return Ok(Param::from_checkpoint(ckpt, tensor, name, kind)?);
@@ -374,6 +321,54 @@ impl CheckpointWeights {
         let p = Param::new(name, kind, DType::Quantized, vec![host.len()], host)?;
         Ok(Param::with_quant(p, part)?)
     }
+}
+
+/// A copy of `len` bytes of `whole` with its two halves swapped (the original Flux layout's
+/// final modulation, `shift, scale` → `scale, shift`), frozen like a checkpoint's bytes.
+fn swapped_halves(
+    whole: &HostBuffer,
+    len: usize,
+    file: &std::path::Path,
+    tensor: &str,
+) -> ddo_core::HostSlice {
+    let half = len / 2;
+    let mut bytes = AlignedBytes::zeroed(len);
+    whole.with_bytes(|b| {
+        let out = bytes.as_mut_slice();
+        out[..half].copy_from_slice(&b[half..]);
+        out[half..].copy_from_slice(&b[..half]);
+    });
+    let label = format!("({}, halves swapped) {tensor}", file.display());
+    HostBuffer::frozen(bytes, &label).slice_all()
+}
+
+/// Param `name` of `shape` holding `values` encoded as `t` (an 8-bit float as scaled fp8,
+/// with its scale), frozen like a checkpoint's bytes (see `RandomWeights`) under `label`.
+fn converted(
+    name: &str,
+    shape: &[usize],
+    kind: ParamKind,
+    t: DType,
+    values: &[f32],
+    label: &str,
+) -> LoadResult<Arc<Param>> {
+    let (bytes, scale) = if t.is_fp8() {
+        let (codes, s) = t.quantize_scaled(name, values)?;
+        (codes, Some(s))
+    } else {
+        (t.encode_f32(values)?, None)
+    };
+    let p = Param::new(
+        name,
+        kind,
+        t,
+        shape.to_vec(),
+        HostBuffer::frozen(AlignedBytes::copy_from(&bytes), label).slice_all(),
+    )?;
+    Ok(match scale {
+        Some(s) => Param::with_scale(p, s)?,
+        None => p,
+    })
 }
 
 #[cfg(test)]
