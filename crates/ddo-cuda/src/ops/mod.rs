@@ -14,8 +14,9 @@
 //! calls), `elementwise` (unary, binary with broadcasting, affine, cast, rope), `norm`
 //! (group/layer/RMS norm, softmax, reduce, the non-finite count), `layout`
 //! (upload/download, concat, narrow, permute, upsample, embedding), the
-//! GEMM/convolution/attention files (`gemm`, `conv`, `attention`), and `codec` (the GPU decoder of ddo-codec's units, public as
-//! `ddo_cuda::codec`; not an [`Ops`] op).
+//! GEMM/convolution/attention files (`gemm`, `conv`, `attention`), `gguf` (GGUF blocks
+//! dequantized for [`Ops::dequantize`], one kernel per block type), and `codec` (the GPU
+//! decoder of ddo-codec's units, public as `ddo_cuda::codec`; not an [`Ops`] op).
 
 pub(crate) use ddo_core::shape::{
     broadcast_shape, broadcast_strides, coalesce, contiguous_strides,
