@@ -32,30 +32,40 @@ NAME = "flux_pipeline-transformer-mixed"
 TYPES = [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_1, T.Q5_0]
 
 
-def main():
-    tensors = load_file(str(SRC))
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{NAME}.gguf"
-    w = GGUFWriter(str(path), "flux")
+def write_quantized(tensors, path: Path, arch: str, types, rename=lambda n: n):
+    """Writes `tensors` (sorted names, renamed by `rename`) to the GGUF file `path`: each 2-D
+    tensor of whole 32-element rows quantized to `types` in turn, the rest F32. Returns gguf-py's
+    dequantization of every tensor as read back, under its original name, and how many were
+    quantized."""
+    w = GGUFWriter(str(path), arch)
     k = 0
+    back = {}
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name].astype(np.float32))
+        g = rename(name)
+        back[g] = name
         if a.ndim == 2 and a.shape[-1] % 32 == 0:
-            ty = TYPES[k % len(TYPES)]
+            ty = types[k % len(types)]
             k += 1
-            q = quantize(a, ty)
-            w.add_tensor(name, q, raw_dtype=ty)
+            w.add_tensor(g, quantize(a, ty), raw_dtype=ty)
         else:
-            w.add_tensor(name, a)
+            w.add_tensor(g, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    r = GGUFReader(str(path))
     out = {}
-    for t in r.tensors:
+    for t in GGUFReader(str(path)).tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out[t.name] = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32))
+        out[back[t.name]] = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32))
+    return out, k
+
+
+def main():
+    tensors = load_file(str(SRC))
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{NAME}.gguf"
+    out, k = write_quantized(tensors, path, "flux", TYPES)
     save_file(out, str(OUT / f"{NAME}.dequantized.safetensors"))
     moved = max(float(np.abs(out[n] - tensors[n]).max()) for n in out)
     print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized; largest |dequantized - original| {moved:.3e}")
@@ -92,30 +102,8 @@ def t5():
     32-element rows quantized in turn to Q8_0, Q5_1, Q4_0; the rest F32) and its
     `.dequantized.safetensors` in Transformers' names (gguf-py's dequantization)."""
     src = ROOT / "fixtures" / "flux_pipeline" / "text_encoder_2" / "model.safetensors"
-    tensors = load_file(str(src))
     path = OUT / "flux_pipeline-t5-mixed.gguf"
-    w = GGUFWriter(str(path), "t5encoder")
-    k = 0
-    back = {}
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name].astype(np.float32))
-        g = t5_gguf_name(name)
-        back[g] = name
-        if a.ndim == 2 and a.shape[-1] % 32 == 0:
-            ty = [T.Q8_0, T.Q5_1, T.Q4_0][k % 3]
-            k += 1
-            w.add_tensor(g, quantize(a, ty), raw_dtype=ty)
-        else:
-            w.add_tensor(g, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    r = GGUFReader(str(path))
-    out = {}
-    for t in r.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out[back[t.name]] = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32))
+    out, k = write_quantized(load_file(str(src)), path, "t5encoder", [T.Q8_0, T.Q5_1, T.Q4_0], t5_gguf_name)
     save_file(out, str(OUT / "flux_pipeline-t5-mixed.dequantized.safetensors"))
     print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized")
 

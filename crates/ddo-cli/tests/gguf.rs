@@ -12,7 +12,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{ddo, fixture, json, ok, scratch, tensor};
+use common::{ddo, fixture, json, ok, rel_l2, scratch, tensor};
 
 const GGUF: &str = "gguf/flux_pipeline-transformer-mixed.gguf";
 const DEQUANTIZED: &str = "gguf/flux_pipeline-transformer-mixed.dequantized.safetensors";
@@ -44,16 +44,6 @@ fn run(out: &Path, extra: &[&str]) -> std::process::Output {
     ];
     args.extend_from_slice(extra);
     ddo(&args)
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 #[test]

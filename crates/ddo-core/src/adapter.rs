@@ -72,13 +72,13 @@ pub type AdapterSet = HashMap<LeafId, Arc<[Adapter]>>;
 /// lookup that misses it, and with the forward ([`crate::ForwardContext`] owns the cache).
 #[derive(Debug, Default)]
 pub struct DownCache {
-    entry: std::sync::Mutex<Option<(Tensor, Tensor, Tensor)>>,
+    entry: parking_lot::Mutex<Option<(Tensor, Tensor, Tensor)>>,
 }
 
 impl DownCache {
     /// `A x` of `a` for input `x`, computed once for adapters that share their `A`.
     fn down(&self, ops: &dyn Ops, x: &Tensor, a: &Adapter) -> Result<Tensor> {
-        let mut entry = self.entry.lock().unwrap_or_else(|p| p.into_inner());
+        let mut entry = self.entry.lock();
         if let Some((cx, ca, t)) = entry.as_ref()
             && cx.same_view(x)
             && ca.same_view(&a.down)

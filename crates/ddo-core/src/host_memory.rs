@@ -44,6 +44,44 @@ pub struct AlignedBytes {
     len: usize,
 }
 
+/// Fills the disjoint windows `parts` (each an item, its byte offset in `out` and its
+/// length, in offset order) of `out` with `fill`, on up to 8 threads, and returns the first
+/// error. A panic in `fill` is resumed on the calling thread. For one host buffer made of
+/// many pieces encoded or decoded independently (LoRA factors, a GGUF file dequantized).
+pub fn fill_in_parallel<T: Sync, E: Send>(
+    out: &mut [u8],
+    parts: &[(T, usize, usize)],
+    fill: impl Fn(&T, &mut [u8]) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<(), E> {
+    let mut windows: Vec<(&T, &mut [u8])> = Vec::with_capacity(parts.len());
+    let mut rest = out;
+    let mut at = 0;
+    for (item, offset, len) in parts {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(offset - at);
+        let (window, tail) = tail.split_at_mut(*len);
+        windows.push((item, window));
+        rest = tail;
+        at = offset + len;
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(windows.len().max(1));
+    let per = windows.len().div_ceil(threads).max(1);
+    let fill = &fill;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = windows
+            .chunks_mut(per)
+            .map(|chunk| scope.spawn(move || chunk.iter_mut().try_for_each(|(t, w)| fill(t, w))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect::<std::result::Result<Vec<()>, E>>()
+    })?;
+    Ok(())
+}
+
 /// Where [`AlignedBytes`] keep their bytes.
 enum Storage {
     /// Small buffers: the global allocator's zeroed cache lines.

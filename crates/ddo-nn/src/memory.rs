@@ -114,7 +114,7 @@ impl FluxPipeline {
         let transformer =
             estimate_flux_activation_bytes(self.transformer.config(), image_tokens, text_tokens)
                 .saturating_mul(images.max(1) as u64)
-                .saturating_add(fp8_upcast_scratch_bytes(self.transformer.component()));
+                .saturating_add(weight_decode_scratch_bytes(self.transformer.component()));
         let vae = self.vae.config();
         let latent_shape = [images.max(1), vae.latent_channels, h, w];
         let dtype: DType = self.vae.dtype();
@@ -167,7 +167,7 @@ impl FluxPipeline {
 /// The device scratch a linear over fp8 weights or GGUF blocks takes besides its
 /// activations: its weight (and bias) decoded or dequantized into the compute dtype for the
 /// GEMM, at most one leaf at a time; 0 when nothing is stored as fp8 or blocks.
-pub fn fp8_upcast_scratch_bytes(component: &ddo_core::Component) -> u64 {
+pub fn weight_decode_scratch_bytes(component: &ddo_core::Component) -> u64 {
     component
         .leaves()
         .iter()
@@ -252,7 +252,7 @@ mod tests {
     fn fp8_weights_add_their_largest_leafs_upcast_scratch() {
         let cfg = FluxPipelineConfig::tiny();
         let bf16 = FluxTransformer::random(cfg.transformer.clone(), 1, DType::BF16).unwrap();
-        assert_eq!(fp8_upcast_scratch_bytes(bf16.component()), 0);
+        assert_eq!(weight_decode_scratch_bytes(bf16.component()), 0);
         let fp8 = FluxTransformer::random(cfg.transformer.clone(), 1, DType::F8E4M3).unwrap();
         let largest = fp8
             .component()
@@ -264,7 +264,7 @@ mod tests {
             .max()
             .unwrap();
         // Each leaf here holds one fp8 weight (biases stay as made): its bf16 copy.
-        assert_eq!(fp8_upcast_scratch_bytes(fp8.component()), largest);
+        assert_eq!(weight_decode_scratch_bytes(fp8.component()), largest);
     }
 
     #[test]

@@ -448,10 +448,11 @@ impl CheckpointWeights {
             match target {
                 None => (open_gguf(path, None)?, None),
                 Some(t) => {
-                    let into = Some(t)
-                        .filter(|d| matches!(d, DType::F32 | DType::F16 | DType::BF16))
-                        .unwrap_or(DType::BF16);
-                    (open_gguf(path, Some(into))?, Some(t).filter(|&d| d != into))
+                    let into = match t {
+                        DType::F32 | DType::F16 | DType::BF16 => t,
+                        _ => DType::BF16,
+                    };
+                    (open_gguf(path, Some(into))?, (t != into).then_some(t))
                 }
             }
         } else {

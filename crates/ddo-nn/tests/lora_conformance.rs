@@ -4,9 +4,12 @@
 //! at once and one fused, give Diffusers' `load_lora_weights` latents to a relative L2 of
 //! 1e-5 in f32 — on the resident route and on a streamed one, which agree bit for bit.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::rel_l2;
 use ddo_core::{DType, Device, Preset, RouteSpec, Settings, Tensor};
 use ddo_host::HostDevice;
 use ddo_nn::lora::{LoraFile, set_pipeline_loras};
@@ -35,17 +38,6 @@ fn values(folder: &str, file: &str, name: &str) -> (Vec<usize>, Vec<f32>) {
 fn host(folder: &str, file: &str, name: &str) -> Tensor {
     let (shape, v) = values(folder, file, name);
     Tensor::from_f32(shape, DType::F32, &v).expect("host tensor")
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 fn settings(route: &str) -> Settings {

@@ -73,47 +73,22 @@ pub fn dequantized_checkpoint(file: &GgufFile, dtype: DType) -> Result<Checkpoin
     })?;
     map[..8].copy_from_slice(&(json.len() as u64).to_le_bytes());
     map[8..data_start].copy_from_slice(&json);
-    {
-        // Each tensor's window of the data, in order (disjoint).
-        let mut windows: Vec<(&GgufTensorInfo, &mut [u8])> = Vec::with_capacity(places.len());
-        let mut rest = &mut map[data_start..total];
-        for (t, _, len) in &places {
-            let (window, tail) = std::mem::take(&mut rest).split_at_mut(*len);
-            windows.push((t, window));
-            rest = tail;
-        }
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, 8)
-            .min(windows.len().max(1));
-        let per = windows.len().div_ceil(threads).max(1);
-        let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = windows
-                .chunks_mut(per)
-                .map(|chunk| {
-                    scope.spawn(move || {
-                        chunk.iter_mut().try_for_each(|(t, window)| {
-                            let raw = file.raw(&t.name)?;
-                            let mut values = vec![0f32; t.elements()];
-                            super::dequantize_into(t.ggml_type, raw, &mut values)?;
-                            if dtype == DType::F32 {
-                                for (out, v) in window.chunks_exact_mut(4).zip(&values) {
-                                    out.copy_from_slice(&v.to_le_bytes());
-                                }
-                            } else {
-                                window.copy_from_slice(&dtype.encode_f32(&values)?);
-                            }
-                            Ok(())
-                        })
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        results.into_iter().collect::<Result<Vec<()>>>()?;
-    }
+    crate::host_memory::fill_in_parallel(
+        &mut map[data_start..total],
+        &places,
+        |t: &&GgufTensorInfo, window| -> Result<()> {
+            let raw = file.raw(&t.name)?;
+            let mut values = vec![0f32; t.elements()];
+            super::dequantize_into(t.ggml_type, raw, &mut values)?;
+            if dtype == DType::F32 {
+                for (out, v) in window.chunks_exact_mut(4).zip(&values) {
+                    out.copy_from_slice(&v.to_le_bytes());
+                }
+            } else {
+                window.copy_from_slice(&dtype.encode_f32(&values)?);
+            }
+            Ok(())
+        },
+    )?;
     Checkpoint::from_map(CheckpointMap::in_memory(file.path(), map))
 }

@@ -123,41 +123,11 @@ fn upload(
     stream: &ddo_core::Stream,
 ) -> LoadResult<ddo_core::DeviceBuffer> {
     let mut host = ddo_core::host_memory::AlignedBytes::zeroed(total.max(1));
-    {
-        // Each factor's window of the buffer, in offset order (disjoint).
-        let mut windows: Vec<(&Factor<'_>, &mut [u8])> = Vec::with_capacity(factors.len());
-        let mut rest = host.as_mut_slice();
-        let mut at = 0;
-        for f in factors {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(f.offset - at);
-            let (window, tail) = tail.split_at_mut(f.bytes());
-            windows.push((f, window));
-            rest = tail;
-            at = f.offset + f.bytes();
-        }
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, 8)
-            .min(windows.len().max(1));
-        let per = windows.len().div_ceil(threads).max(1);
-        let results: Vec<LoadResult<()>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = windows
-                .chunks_mut(per)
-                .map(|chunk| {
-                    scope.spawn(move || {
-                        chunk
-                            .iter_mut()
-                            .try_for_each(|(f, window)| f.encode_into(window))
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        results.into_iter().collect::<LoadResult<Vec<()>>>()?;
-    }
+    let parts: Vec<(&Factor<'_>, usize, usize)> =
+        factors.iter().map(|f| (f, f.offset, f.bytes())).collect();
+    ddo_core::host_memory::fill_in_parallel(host.as_mut_slice(), &parts, |f, window| {
+        f.encode_into(window)
+    })?;
     let host = ddo_core::HostBuffer::owned(host, None);
     let dst = device.alloc(total.max(1))?;
     device.copy_h2d(&host.slice(0, total.max(1))?, &dst.slice_all(), stream)?;
@@ -234,36 +204,34 @@ pub fn apply_loras(
             fitted.push((file, m, id, down, up));
         }
     }
-    let buffer = if factors.is_empty() {
-        None
-    } else {
-        Some(upload(&factors, total, device, &stream)?)
-    };
     let mut users = vec![0usize; factors.len()];
     fitted.iter().for_each(|f| users[f.3] += 1);
     let mut by_leaf: HashMap<ddo_core::LeafId, Vec<Adapter>> = HashMap::new();
-    for (file, m, id, down, up) in fitted {
+    // Every fitted module has two factors: with none, nothing is uploaded.
+    if !factors.is_empty() {
+        let buffer = upload(&factors, total, device, &stream)?;
         let view = |f: &Factor<'_>| -> LoadResult<Tensor> {
-            let buffer = buffer.as_ref().expect("factors were uploaded");
             Ok(Tensor::new(
                 vec![f.t.rows, f.t.cols],
                 f.dtype,
                 ddo_core::TensorStorage::Device(buffer.slice(f.offset, f.bytes())?),
             )?)
         };
-        let adapter = Adapter {
-            down: view(&factors[down])?,
-            up: view(&factors[up])?,
-            scale: 1.0,
-            shared_down: users[down] > 1,
-        };
-        adapter
-            .check(&m.module, m.in_features(), m.out_features())
-            .map_err(|e| bad(file, m, e.to_string()))?;
-        by_leaf
-            .entry(ddo_core::LeafId(id))
-            .or_default()
-            .push(adapter);
+        for (file, m, id, down, up) in fitted {
+            let adapter = Adapter {
+                down: view(&factors[down])?,
+                up: view(&factors[up])?,
+                scale: 1.0,
+                shared_down: users[down] > 1,
+            };
+            adapter
+                .check(&m.module, m.in_features(), m.out_features())
+                .map_err(|e| bad(file, m, e.to_string()))?;
+            by_leaf
+                .entry(ddo_core::LeafId(id))
+                .or_default()
+                .push(adapter);
+        }
     }
     let set: AdapterSet = by_leaf
         .into_iter()

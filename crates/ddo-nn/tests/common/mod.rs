@@ -31,3 +31,15 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
+
+/// Relative L2 distance of `a` from `b` (`‖a − b‖ / ‖b‖`, in f64).
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}

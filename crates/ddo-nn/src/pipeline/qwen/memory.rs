@@ -13,7 +13,7 @@ use ddo_core::{DType, Device, Result};
 use ddo_routes::PhaseDemand;
 
 use super::{QWEN_TEXT_ENCODER, QWEN_TRANSFORMER, QWEN_VAE, QwenImagePipeline};
-use crate::memory::fp8_upcast_scratch_bytes;
+use crate::memory::weight_decode_scratch_bytes;
 use crate::pipeline::{PHASES, TiledDecode};
 use crate::qwen_image::QwenImageTransformerConfig;
 use crate::qwen_text::{PROMPT_TEMPLATE_START_IDX, QwenTextEncoderConfig};
@@ -106,7 +106,7 @@ impl QwenImagePipeline {
             self.max_sequence_length,
         )
         .saturating_mul(images.max(1) as u64)
-        .saturating_add(fp8_upcast_scratch_bytes(self.transformer.component()));
+        .saturating_add(weight_decode_scratch_bytes(self.transformer.component()));
         let vae = self.vae.config();
         let latent_shape = [images.max(1), vae.z_dim, h, w];
         let dtype: DType = self.vae.dtype();
