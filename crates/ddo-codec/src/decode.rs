@@ -1,4 +1,5 @@
-//! The host decoder: [`decode_unit`] (one unit on the calling thread) and
+//! The host decoder: [`decode_unit`] (one unit on the calling thread),
+//! [`decode_unit_parallel`] (one unit's chunks on several threads) and
 //! [`decode_units_parallel`]. It decodes exactly as the GPU kernel does — 32 lanes per
 //! chunk in lockstep, refills in lane order (see `encode.rs`) — so a unit the host decodes
 //! bit for bit is one the GPU decodes bit for bit.
@@ -24,22 +25,48 @@ pub fn decode_unit(encoded: &[u8], out: &mut [u8]) -> Result<()> {
     decode_parsed(&header, encoded, out)
 }
 
-/// [`decode_unit`] with the header parsed already (from these bytes).
-pub(crate) fn decode_parsed(header: &UnitHeader, encoded: &[u8], out: &mut [u8]) -> Result<()> {
+/// [`decode_unit`] with the unit's chunks shared among up to `threads` threads (a large
+/// coded tensor read on the host: each thread decodes a run of whole chunks, and their
+/// checksum parts add up to the unit's). Same checks, same errors (of the lowest failing
+/// chunk), same output as [`decode_unit`].
+pub fn decode_unit_parallel(encoded: &[u8], out: &mut [u8], threads: usize) -> Result<()> {
+    let header = UnitHeader::parse(encoded)?;
+    if header.mode() == Mode::Raw || threads <= 1 {
+        return decode_parsed(&header, encoded, out);
+    }
+    check_out_len(&header, out)?;
+    let chunk_bytes = 2 * CHUNK_WORDS;
+    let chunks = out.len().div_ceil(chunk_bytes);
+    let per = chunks.div_ceil(threads.min(chunks).max(1)).max(1);
+    let parts: Vec<std::sync::Mutex<(usize, &mut [u8])>> = out
+        .chunks_mut(per * chunk_bytes)
+        .enumerate()
+        .map(|(i, o)| std::sync::Mutex::new((i * per, o)))
+        .collect();
+    let sums = run_parallel(parts.len(), parts.len(), |i| {
+        let mut part = parts[i]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (first, ref mut o) = *part;
+        decode_chunks(&header, encoded, first, o)
+    })?;
+    let sum = sums.into_iter().fold(0u64, u64::wrapping_add);
+    check_sum(&header, hash::finish(sum, header.word_count()))
+}
+
+/// The typed error for an output buffer not of the unit's decoded length.
+fn check_out_len(header: &UnitHeader, out: &[u8]) -> Result<()> {
     if out.len() as u64 != header.decoded_len() {
         return Err(CodecError::OutputSize {
             expected: header.decoded_len(),
             got: out.len() as u64,
         });
     }
-    let computed = match header.mode() {
-        Mode::Raw => {
-            let at = header.mantissa_offset() as usize;
-            out.copy_from_slice(&encoded[at..at + out.len()]);
-            hash::checksum(out)
-        }
-        Mode::Huffman => decode_huffman(header, encoded, out)?,
-    };
+    Ok(())
+}
+
+/// The checksum check of a decoded unit.
+fn check_sum(header: &UnitHeader, computed: u64) -> Result<()> {
     if computed != header.checksum() {
         return Err(CodecError::ChecksumMismatch {
             stored: header.checksum(),
@@ -49,8 +76,29 @@ pub(crate) fn decode_parsed(header: &UnitHeader, encoded: &[u8], out: &mut [u8])
     Ok(())
 }
 
+/// [`decode_unit`] with the header parsed already (from these bytes).
+pub(crate) fn decode_parsed(header: &UnitHeader, encoded: &[u8], out: &mut [u8]) -> Result<()> {
+    check_out_len(header, out)?;
+    let computed = match header.mode() {
+        Mode::Raw => {
+            let at = header.mantissa_offset() as usize;
+            out.copy_from_slice(&encoded[at..at + out.len()]);
+            hash::checksum(out)
+        }
+        Mode::Huffman => decode_huffman(header, encoded, out)?,
+    };
+    check_sum(header, computed)
+}
+
 /// Decodes the chunks of a Huffman unit into `out`; returns the checksum of what it wrote.
 fn decode_huffman(header: &UnitHeader, b: &[u8], out: &mut [u8]) -> Result<u64> {
+    let sum = decode_chunks(header, b, 0, out)?;
+    Ok(hash::finish(sum, header.word_count()))
+}
+
+/// Decodes the Huffman unit's chunks from chunk `first` on into `out` (whole chunks, the
+/// last of the unit possibly shorter); returns the sum of their checksum parts.
+fn decode_chunks(header: &UnitHeader, b: &[u8], first: usize, out: &mut [u8]) -> Result<u64> {
     let lut_at = header.decode_table_offset() as usize;
     let lut: Vec<u16> = b[lut_at..lut_at + (2usize << header.max_code_len())]
         .chunks_exact(2)
@@ -61,7 +109,8 @@ fn decode_huffman(header: &UnitHeader, b: &[u8], out: &mut [u8]) -> Result<u64> 
     let stream_at = header.stream_offset() as usize;
     let mut stream = [0u16; MAX_CHUNK_STREAM_WORDS];
     let mut sum = 0u64;
-    for (k, out_chunk) in out.chunks_mut(2 * CHUNK_WORDS).enumerate() {
+    for (i, out_chunk) in out.chunks_mut(2 * CHUNK_WORDS).enumerate() {
+        let k = first + i;
         let k64 = k as u64;
         let corrupt = |reason| CodecError::CorruptStream { chunk: k64, reason };
         let (from, to) = (header.chunk_start(b, k64), header.chunk_start(b, k64 + 1));
@@ -116,7 +165,7 @@ fn decode_huffman(header: &UnitHeader, b: &[u8], out: &mut [u8]) -> Result<u64> 
         }
         sum = sum.wrapping_add(hash::chunk_part(k64, out_chunk));
     }
-    Ok(hash::finish(sum, header.word_count()))
+    Ok(sum)
 }
 
 /// Decodes each `(encoded, out)` pair ([`decode_unit`]) on up to `threads` threads; the

@@ -52,7 +52,8 @@
 //!   (many units on every core) → [`EncodedUnit`] (bytes, [`UnitHeader`], [`Stats`]);
 //! - [`max_encoded_len`] (bound before encoding), [`EncodedUnit::len`] /
 //!   [`UnitHeader::encoded_len`] (exact after);
-//! - [`decode_unit`] / [`decode_units_parallel`] (host decode, verified);
+//! - [`decode_unit`] / [`decode_unit_parallel`] / [`decode_units_parallel`] (host decode,
+//!   verified);
 //!   [`decoded_len`] sizes the output;
 //! - [`UnitHeader::parse`]: the validated header with every section's offset — what a GPU
 //!   launch takes;
@@ -77,7 +78,7 @@ pub mod stats;
 #[cfg(test)]
 mod tests;
 
-pub use decode::{decode_unit, decode_units_parallel};
+pub use decode::{decode_unit, decode_unit_parallel, decode_units_parallel};
 pub use encode::{EncodedUnit, Encoder, encode_unit, encode_unit_into, encode_units_parallel};
 pub use error::{CodecError, Result};
 pub use format::{

@@ -61,6 +61,11 @@ fn round_trip(words: &[u8]) -> EncodedUnit {
         "round trip of {} words differs",
         words.len() / 2
     );
+    for threads in [2, 3, 8] {
+        let mut par = vec![0x5au8; words.len()];
+        decode_unit_parallel(unit.bytes(), &mut par, threads).unwrap();
+        assert!(par == words, "{threads}-thread decode of {} words differs", words.len() / 2);
+    }
     unit
 }
 
@@ -300,5 +305,9 @@ proptest! {
         let i = ((b.len() as f64 * at) as usize).min(b.len() - 1);
         b[i] ^= xor;
         prop_assert!(refused(&b, &words), "byte {} ^ {:#x}", i, xor);
+        // Chunks shared among threads: refused too (a chunk of each thread, and the sum).
+        let mut out = vec![0u8; words.len()];
+        let par = decode_unit_parallel(&b, &mut out, 3);
+        prop_assert!(par.is_err(), "3 threads took byte {} ^ {:#x}", i, xor);
     }
 }
