@@ -27,7 +27,19 @@ pub struct CheckpointTensor {
     /// A GGUF file's quantized tensor: its block layout (`dtype` is then
     /// [`DType::Quantized`] and `shape` `[len]`); `None` for every safetensors tensor.
     pub quant: Option<Arc<crate::tensor::QuantLayout>>,
+    /// A coded tensor of a `ddo convert --compress lossless` file ([`CODED_METADATA_KEY`]):
+    /// `offset` and `len` are its coded unit's bytes, `dtype` and `shape` what it decodes
+    /// to, and this its validated unit header. `None` for a tensor stored as it is.
+    pub coded: Option<Arc<ddo_codec::UnitHeader>>,
 }
+
+/// The `__metadata__` key of a safetensors file that holds coded tensors (`ddo convert
+/// --compress lossless`): a JSON object, as a string, naming each coded tensor with the
+/// dtype and shape it decodes to, `{"name": {"dtype": "BF16", "shape": [3072, 3072]}}`.
+/// Each such tensor is stored as `U8` bytes `[len]`: one unit of `ddo-codec`'s format (its
+/// header, tables and the decoded words' checksum). Other tools see the bytes; DDO reads
+/// the tensor as the weights it decodes to.
+pub const CODED_METADATA_KEY: &str = "ddo.coded";
 
 /// An opened, memory-mapped safetensors checkpoint. Tensors handed out by
 /// [`Checkpoint::host_buffer`] point into the mapping (they are checkpoint-backed); the
@@ -152,6 +164,7 @@ impl Checkpoint {
                     offset: t.offset,
                     len: t.nbytes,
                     quant,
+                    coded: None,
                 },
             );
         }
@@ -204,6 +217,7 @@ impl Checkpoint {
         let json: UniqueMap = serde_json::from_str(header)
             .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
         let data_len = bytes.len() - header_end;
+        let mut coded = coded_entries(&json).map_err(&bad)?;
         let mut tensors = BTreeMap::new();
         let mut unsupported = BTreeMap::new();
         let mut ranges: Vec<(usize, usize, &str)> = Vec::new();
@@ -257,6 +271,22 @@ impl Checkpoint {
                 )));
             }
             ranges.push((start, end, name));
+            if let Some((dtype, shape)) = coded.remove(name.as_str()) {
+                let unit = &bytes[header_end + start..header_end + end];
+                let header = coded_header(name, dtype_name, dtype, &shape, unit).map_err(&bad)?;
+                tensors.insert(
+                    name.clone(),
+                    CheckpointTensor {
+                        dtype,
+                        shape,
+                        offset: header_end + start,
+                        len: end - start,
+                        quant: None,
+                        coded: Some(Arc::new(header)),
+                    },
+                );
+                continue;
+            }
             let dtype = DType::from_header_name(dtype_name);
             match dtype {
                 Some(dtype) => {
@@ -268,6 +298,7 @@ impl Checkpoint {
                             offset: header_end + start,
                             len: end - start,
                             quant: None,
+                            coded: None,
                         },
                     );
                 }
@@ -283,6 +314,12 @@ impl Checkpoint {
                     );
                 }
             }
+        }
+        if let Some(name) = coded.keys().next() {
+            return Err(bad(format!(
+                "`__metadata__` `{CODED_METADATA_KEY}` names `{name}`, which the file does not hold; \
+                 convert the folder again with ddo convert --compress lossless"
+            )));
         }
         ranges.sort_unstable();
         for pair in ranges.windows(2) {
@@ -362,9 +399,96 @@ impl Checkpoint {
         })
     }
 
-    /// A new checkpoint-backed host buffer over one tensor's bytes.
+    /// A new checkpoint-backed host buffer over one tensor's bytes: for a coded tensor, a
+    /// buffer that decodes them where they are read ([`HostBuffer::coded`]).
     pub fn host_buffer(&self, name: &str) -> Result<HostBuffer> {
         let t = self.tensor(name)?;
-        HostBuffer::mapped(Arc::clone(&self.map), t.offset, t.len)
+        match &t.coded {
+            Some(header) => HostBuffer::coded(
+                Arc::clone(&self.map),
+                name,
+                t.offset,
+                t.len,
+                Arc::clone(header),
+            ),
+            None => HostBuffer::mapped(Arc::clone(&self.map), t.offset, t.len),
+        }
     }
+
+    /// Whether any tensor is stored coded.
+    pub fn has_coded(&self) -> bool {
+        self.tensors.values().any(|t| t.coded.is_some())
+    }
+}
+
+/// The coded tensors a header's `__metadata__` names ([`CODED_METADATA_KEY`]): name ->
+/// (dtype, shape) they decode to. No key: none. Errors say what is wrong with the entry.
+fn coded_entries(
+    json: &UniqueMap,
+) -> std::result::Result<BTreeMap<String, (DType, Vec<usize>)>, String> {
+    let Some(meta) = json.0.iter().find(|(k, _)| k == "__metadata__").map(|(_, v)| v) else {
+        return Ok(BTreeMap::new());
+    };
+    let Some(text) = meta.get(CODED_METADATA_KEY) else {
+        return Ok(BTreeMap::new());
+    };
+    let bad = |why: String| {
+        format!("`__metadata__` `{CODED_METADATA_KEY}` {why}; convert the folder again with ddo convert --compress lossless")
+    };
+    let text = text
+        .as_str()
+        .ok_or_else(|| bad("is not a string".into()))?;
+    let entries: UniqueMap =
+        serde_json::from_str(text).map_err(|e| bad(format!("is not a JSON object: {e}")))?;
+    let mut out = BTreeMap::new();
+    for (name, entry) in entries.0 {
+        let dtype = entry
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .and_then(DType::from_header_name)
+            .filter(|d| matches!(d, DType::BF16 | DType::F16))
+            .ok_or_else(|| bad(format!("gives `{name}` no 16-bit float `dtype` (BF16 or F16)")))?;
+        let shape: Option<Vec<usize>> = entry.get("shape").and_then(|v| {
+            v.as_array()?
+                .iter()
+                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                .collect()
+        });
+        let shape = shape.ok_or_else(|| bad(format!("gives `{name}` no `shape` list")))?;
+        out.insert(name, (dtype, shape));
+    }
+    Ok(out)
+}
+
+/// The validated unit header of the coded tensor `name` (stored as `stored` bytes `unit`):
+/// stored as `U8`, a unit `ddo_codec` parses, decoding to the bytes of `shape` in `dtype`.
+fn coded_header(
+    name: &str,
+    stored: &str,
+    dtype: DType,
+    shape: &[usize],
+    unit: &[u8],
+) -> std::result::Result<ddo_codec::UnitHeader, String> {
+    if stored != "U8" {
+        return Err(format!(
+            "coded tensor `{name}` is stored as {stored}, not U8 bytes; convert the folder again"
+        ));
+    }
+    let header = ddo_codec::UnitHeader::parse(unit)
+        .map_err(|e| format!("coded tensor `{name}`: {e}; the file is corrupt: convert the folder again"))?;
+    let want = shape
+        .iter()
+        .try_fold(dtype.size_in_bytes(), |a: usize, &d| a.checked_mul(d))
+        .ok_or_else(|| format!("coded tensor `{name}`: shape {shape:?} overflows"))?;
+    if header.decoded_len() != want as u64 || header.encoded_len() != unit.len() as u64 {
+        return Err(format!(
+            "coded tensor `{name}` decodes to {} B in {} B of unit, its shape {shape:?} of {} needs {want} B in {} B; \
+             the file is corrupt: convert the folder again",
+            header.decoded_len(),
+            header.encoded_len(),
+            dtype.as_str(),
+            unit.len()
+        ));
+    }
+    Ok(header)
 }

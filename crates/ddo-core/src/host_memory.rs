@@ -796,7 +796,64 @@ enum HostStorage {
         // A mapped buffer; the registered view reads its bytes in place.
         base: HostBuffer,
     },
+    Coded(CodedSource),
 }
+
+/// A coded tensor's unit in a checkpoint mapping (a `ddo convert --compress lossless`
+/// file): what a [`HostBuffer::coded`] decodes where it is read, and what coded streaming
+/// copies as it is.
+#[derive(Debug, Clone)]
+pub struct CodedSource {
+    /// The file's mapping.
+    pub map: Arc<CheckpointMap>,
+    /// The tensor's name, for errors.
+    pub name: String,
+    /// Where the unit starts in the mapping.
+    pub offset: usize,
+    /// The unit's (coded) length.
+    pub len: usize,
+    /// Its validated header.
+    pub header: Arc<ddo_codec::UnitHeader>,
+}
+
+impl CodedSource {
+    /// The unit's coded bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map.bytes()[self.offset..self.offset + self.len]
+    }
+
+    /// Decodes the unit on up to [`CODED_DECODE_THREADS`] threads, its checksum verified.
+    /// Errors: no memory for the decoded bytes, or a unit that does not decode (the file
+    /// changed or is corrupt), naming the file and the tensor.
+    pub fn decode(&self) -> Result<AlignedBytes> {
+        let len = self.header.decoded_len() as usize;
+        let mut out = AlignedBytes::try_zeroed(len)?;
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(CODED_DECODE_THREADS)
+            .min(len.div_ceil(1 << 20).max(1));
+        ddo_codec::decode_unit_parallel(self.bytes(), out.as_mut_slice(), threads).map_err(|e| {
+            CoreError::Checkpoint {
+                path: self.map.path().to_path_buf(),
+                message: format!(
+                    "coded tensor `{}` does not decode ({e}): the file changed or is corrupt; \
+                     convert the folder again with ddo convert --compress lossless",
+                    self.name
+                ),
+            }
+        })?;
+        Ok(out)
+    }
+}
+
+/// Most threads one coded tensor is decoded on where it is read on the host.
+pub const CODED_DECODE_THREADS: usize = 16;
+
+/// The 16-bit word a coded tensor that fails to decode reads as through the infallible
+/// [`HostBuffer::with_bytes`]: NaN in bf16 and f16 alike, so the model's non-finite checks
+/// stop the run rather than an image of wrong weights (the copies go through
+/// [`HostBuffer::try_with_bytes`] and get the typed error).
+pub const CODED_FAILURE_WORD: u16 = 0xffff;
 
 /// A shared host buffer: pageable, pinned or checkpoint-mapped. Cloning shares it.
 #[derive(Clone)]
@@ -862,6 +919,55 @@ impl HostBuffer {
         })
     }
 
+    /// A coded tensor's unit (`len` bytes at `offset` of `map`, parsed as `header`) as a
+    /// read-only buffer of the bytes it decodes to: [`HostMemoryKind::CheckpointMapped`],
+    /// [`HostBuffer::len`] the decoded length, decoded on every read (no decoded copy is
+    /// kept: the process holds only the coded pages it reads). Coded streaming takes the
+    /// unit as it is ([`HostBuffer::coded_source`]).
+    pub fn coded(
+        map: Arc<CheckpointMap>,
+        name: &str,
+        offset: usize,
+        len: usize,
+        header: Arc<ddo_codec::UnitHeader>,
+    ) -> Result<Self> {
+        if offset.checked_add(len).is_none_or(|end| end > map.len()) {
+            return Err(CoreError::OutOfRange {
+                what: "coded checkpoint range",
+                offset,
+                len,
+                buffer_len: map.len(),
+            });
+        }
+        Ok(Self {
+            inner: Arc::new(HostStorage::Coded(CodedSource {
+                map,
+                name: name.to_string(),
+                offset,
+                len,
+                header,
+            })),
+        })
+    }
+
+    /// The coded unit a [`HostBuffer::coded`] buffer reads, `None` for any other buffer.
+    pub fn coded_source(&self) -> Option<&CodedSource> {
+        match &*self.inner {
+            HostStorage::Coded(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// Runs `f` over the bytes, as [`HostBuffer::with_bytes`]; a coded buffer that does not
+    /// decode is the typed error (no call of `f`).
+    pub fn try_with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        match &*self.inner {
+            HostStorage::Coded(c) => Ok(f(c.decode()?.as_slice())),
+            HostStorage::Registered { base, .. } => base.try_with_bytes(f),
+            _ => Ok(self.with_bytes(f)),
+        }
+    }
+
     /// A registered view of `base` (a checkpoint-mapped buffer page-locked in place by a
     /// backend's [`Device::register_host`](crate::Device::register_host)): the same bytes,
     /// read in place, of kind [`HostMemoryKind::Pinned`] so copies from it run
@@ -888,7 +994,7 @@ impl HostBuffer {
             HostStorage::Owned { pin, .. } if pin.lock().is_some() => HostMemoryKind::Pinned,
             HostStorage::Registered { .. } => HostMemoryKind::Pinned,
             HostStorage::Owned { .. } => HostMemoryKind::Pageable,
-            HostStorage::Mapped { .. } => HostMemoryKind::CheckpointMapped,
+            HostStorage::Mapped { .. } | HostStorage::Coded(_) => HostMemoryKind::CheckpointMapped,
         }
     }
 
@@ -903,6 +1009,7 @@ impl HostBuffer {
             HostStorage::Owned { bytes, .. } => bytes.read().len(),
             HostStorage::Mapped { len, .. } => *len,
             HostStorage::Registered { base, .. } => base.len(),
+            HostStorage::Coded(c) => c.header.decoded_len() as usize,
         }
     }
 
@@ -917,12 +1024,24 @@ impl HostBuffer {
         Arc::get_mut(&mut self.inner).is_some()
     }
 
-    /// Runs `f` over the bytes (a shared lock for owned memory).
+    /// Runs `f` over the bytes (a shared lock for owned memory; a coded buffer decoded for
+    /// the call, and read as [`CODED_FAILURE_WORD`]s where it does not decode: use
+    /// [`HostBuffer::try_with_bytes`] where the error can be returned).
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
         match &*self.inner {
             HostStorage::Owned { bytes, .. } => f(bytes.read().as_slice()),
             HostStorage::Mapped { map, offset, len } => f(&map.bytes()[*offset..*offset + *len]),
             HostStorage::Registered { base, .. } => base.with_bytes(f),
+            HostStorage::Coded(c) => match c.decode() {
+                Ok(bytes) => f(bytes.as_slice()),
+                Err(_) => {
+                    let words = c.header.decoded_len() as usize / 2;
+                    let failed: Vec<u8> = std::iter::repeat_n(CODED_FAILURE_WORD.to_le_bytes(), words)
+                        .flatten()
+                        .collect();
+                    f(&failed)
+                }
+            },
         }
     }
 
@@ -932,7 +1051,7 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { bytes, .. } => Ok(f(bytes.write().as_mut_slice())),
             HostStorage::Registered { base, .. } => base.with_bytes_mut(f),
-            HostStorage::Mapped { map, .. } => Err(CoreError::Backend {
+            HostStorage::Mapped { map, .. } | HostStorage::Coded(CodedSource { map, .. }) => Err(CoreError::Backend {
                 device: "host".into(),
                 message: format!(
                     "attempt to write into the read-only checkpoint mapping of {}",
@@ -943,11 +1062,13 @@ impl HostBuffer {
     }
 
     /// Address of the first byte, for backends that hand it to a copy engine. Stable for
-    /// the buffer's lifetime.
+    /// the buffer's lifetime. A coded buffer's is its coded unit's first byte (its decoded
+    /// bytes exist only during a read).
     pub fn as_ptr(&self) -> *const u8 {
         match &*self.inner {
             HostStorage::Owned { addr, .. } => *addr as *const u8,
-            HostStorage::Mapped { map, offset, .. } => map.bytes()[*offset..].as_ptr(),
+            HostStorage::Mapped { map, offset, .. }
+            | HostStorage::Coded(CodedSource { map, offset, .. }) => map.bytes()[*offset..].as_ptr(),
             HostStorage::Registered { base, .. } => base.as_ptr(),
         }
     }
@@ -957,7 +1078,9 @@ impl HostBuffer {
     pub fn mapping(&self) -> Option<(&Arc<CheckpointMap>, usize, usize)> {
         match &*self.inner {
             HostStorage::Mapped { map, offset, len } => Some((map, *offset, *len)),
-            HostStorage::Owned { .. } | HostStorage::Registered { .. } => None,
+            HostStorage::Owned { .. } | HostStorage::Registered { .. } | HostStorage::Coded(_) => {
+                None
+            }
         }
     }
 
@@ -965,7 +1088,7 @@ impl HostBuffer {
     pub fn registered_base(&self) -> Option<&HostBuffer> {
         match &*self.inner {
             HostStorage::Registered { base, .. } => Some(base),
-            HostStorage::Owned { .. } | HostStorage::Mapped { .. } => None,
+            HostStorage::Owned { .. } | HostStorage::Mapped { .. } | HostStorage::Coded(_) => None,
         }
     }
 
@@ -974,7 +1097,7 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { pin, .. } => pin.lock().as_ref().map(PinnedRegistration::bytes),
             HostStorage::Registered { pin, .. } => Some(pin.bytes()),
-            HostStorage::Mapped { .. } => None,
+            HostStorage::Mapped { .. } | HostStorage::Coded(_) => None,
         }
     }
 
@@ -986,7 +1109,9 @@ impl HostBuffer {
     pub fn unpin(&self) -> bool {
         match &*self.inner {
             HostStorage::Owned { pin, .. } => pin.lock().take().is_some(),
-            HostStorage::Registered { .. } | HostStorage::Mapped { .. } => false,
+            HostStorage::Registered { .. } | HostStorage::Mapped { .. } | HostStorage::Coded(_) => {
+                false
+            }
         }
     }
 
@@ -1074,6 +1199,21 @@ impl HostSlice {
             .with_bytes(|b| f(&b[self.offset..self.offset + self.len]))
     }
 
+    /// Runs `f` over the slice's bytes, or the typed error of a coded buffer that does not
+    /// decode ([`HostBuffer::try_with_bytes`]).
+    pub fn try_with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.buffer
+            .try_with_bytes(|b| f(&b[self.offset..self.offset + self.len]))
+    }
+
+    /// The coded unit this slice reads, where it is the whole of a coded buffer (coded
+    /// streaming copies the unit as it is).
+    pub fn coded_source(&self) -> Option<&CodedSource> {
+        self.buffer
+            .coded_source()
+            .filter(|c| self.offset == 0 && self.len as u64 == c.header.decoded_len())
+    }
+
     /// Runs `f` over the slice's bytes mutably (owned memory only).
     pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
         let (offset, len) = (self.offset, self.len);
@@ -1098,6 +1238,10 @@ impl HostSlice {
     /// ([`CheckpointMap::release_pages`]: the bytes stay readable); returns the bytes released
     /// (0 for memory that is not a file mapping).
     pub fn release_pages(&self) -> u64 {
+        if let Some(c) = self.buffer.coded_source() {
+            // A coded buffer's pages are its unit's (what a read of any part decodes).
+            return c.map.release_pages(c.offset..c.offset + c.len);
+        }
         self.mapped_range()
             .map_or(0, |(map, range)| map.release_pages(range))
     }

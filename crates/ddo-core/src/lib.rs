@@ -10,7 +10,9 @@
 //!   backend-neutral handles
 //!   ([`DeviceBuffer`], [`Stream`], [`Event`]) and host memory of three kinds
 //!   ([`HostBuffer`]: pageable, pinned, checkpoint-mapped);
-//! - the safetensors checkpoint reader ([`Checkpoint`]) and the GGUF reader ([`gguf`]);
+//! - the safetensors checkpoint reader ([`Checkpoint`]; it reads coded tensors too, which
+//!   [`coded_file`] writes for `ddo convert --compress lossless`) and the GGUF reader
+//!   ([`gguf`]);
 //! - [`Tensor`], [`DType`], [`Param`] (stable id, host source, device residency, aliases)
 //!   and [`Component`] (a tree of modules whose leaves own the params);
 //! - the route contract ([`Route`], [`AttachedRoute`]) and the forward driver
@@ -36,6 +38,7 @@
 
 pub mod adapter;
 pub mod checkpoint;
+pub mod coded_file;
 pub mod component;
 pub mod config;
 pub mod detach;

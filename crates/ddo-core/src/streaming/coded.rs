@@ -46,16 +46,56 @@ use ddo_codec::cache::{CacheKey, Lookup};
 
 use crate::device::Device;
 use crate::error::{CoreError, Result};
-use crate::host_memory::{CheckpointMap, HostBuffer};
+use crate::host_memory::{CheckpointMap, CodedSource, HostBuffer};
 use crate::streaming::figures::{CodedCache, nanos};
 use crate::streaming::layout::{StagingLayout, TransferUnit};
 
-/// The coded units in one pinned buffer: per unit, where its coded bytes start (16-byte
-/// aligned) and its validated header.
+/// The coded units in one pinned buffer: per unit, where its coded bytes lie and the coded
+/// pieces they hold.
 #[derive(Debug)]
 pub(crate) struct CodedHome {
     pub(crate) home: HostBuffer,
-    pub(crate) units: Vec<(u64, UnitHeader)>,
+    pub(crate) units: Vec<CodedUnit>,
+}
+
+/// One transfer unit's coded bytes in the home: one copy carries them, and each piece
+/// decodes into its place in the unit's slot.
+#[derive(Debug, Clone)]
+pub(crate) struct CodedUnit {
+    /// Where the unit's coded bytes start in the home (16-byte aligned).
+    pub(crate) at: u64,
+    /// Their length (the pieces, each 16-byte aligned).
+    pub(crate) len: u64,
+    /// The pieces, in slot order.
+    pub(crate) pieces: Vec<CodedPiece>,
+}
+
+/// One coded unit of `ddo_codec`'s format inside a [`CodedUnit`]: the whole slot image (a
+/// unit coded here), or one param read coded from its checkpoint file (`ddo convert
+/// --compress lossless`), or a run of the other params coded here.
+#[derive(Debug, Clone)]
+pub(crate) struct CodedPiece {
+    /// Where it starts in the unit's coded bytes (16-byte aligned).
+    pub(crate) at: u64,
+    /// Its validated header.
+    pub(crate) header: UnitHeader,
+    /// Where its decoded bytes go in the unit's slot.
+    pub(crate) dst: u64,
+}
+
+impl CodedUnit {
+    /// A unit coded whole: one piece at its start.
+    fn whole(at: u64, header: UnitHeader) -> Self {
+        Self {
+            at,
+            len: header.encoded_len(),
+            pieces: vec![CodedPiece {
+                at: 0,
+                header,
+                dst: 0,
+            }],
+        }
+    }
 }
 
 /// What [`build`] made.
@@ -261,6 +301,13 @@ pub(crate) fn build(
     layout: &StagingLayout,
     pinned_room: u64,
 ) -> Result<BuiltCoded> {
+    if layout
+        .units()
+        .iter()
+        .any(|u| u.entries.iter().any(|e| e.param.host().coded_source().is_some()))
+    {
+        return build_from_sources(device, layout, pinned_room);
+    }
     let started = Instant::now();
     let units = layout.units();
     let released = AtomicU64::new(0);
@@ -292,7 +339,7 @@ pub(crate) fn build(
                         // the process keeps none of them: advice only, no byte read.
                         let dropped: u64 = units.iter().map(release_unit_pages).sum();
                         released.fetch_add(dropped, Ordering::Relaxed);
-                        let coded_bytes = home.units.iter().map(|u| u.1.encoded_len()).sum();
+                        let coded_bytes = home.units.iter().map(|u| u.len).sum();
                         return Ok(BuiltCoded {
                             home,
                             coded_bytes,
@@ -378,7 +425,7 @@ pub(crate) fn build(
             };
             match back {
                 Ok((home, _)) => {
-                    let coded_bytes = home.units.iter().map(|u| u.1.encoded_len()).sum();
+                    let coded_bytes = home.units.iter().map(|u| u.len).sum();
                     return Ok(BuiltCoded {
                         home,
                         coded_bytes,
@@ -496,7 +543,7 @@ fn home_from_units(device: &dyn Device, coded: &[Coded], pinned_room: u64) -> Re
     let units = coded
         .iter()
         .zip(offsets)
-        .map(|(c, at)| (at, c.1.clone()))
+        .map(|(c, at)| CodedUnit::whole(at, c.1.clone()))
         .collect();
     Ok(CodedHome { home, units })
 }
@@ -536,5 +583,192 @@ fn home_from_cache(
             layout.units()[u].bytes
         )));
     }
+    let units = units
+        .into_iter()
+        .map(|(at, header)| CodedUnit::whole(at, header))
+        .collect();
     Ok(Ok((CodedHome { home, units }, entropy)))
+}
+
+/// What one piece of a unit is made of, planned before any byte is read.
+enum PiecePlan {
+    /// A param's coded unit, copied as it is from its file.
+    Source(CodedSource),
+    /// The slot image's bytes `start..end` (other params, zeros between), coded here.
+    Run { start: u64, end: u64 },
+}
+
+/// The pieces of `unit`, each with where it decodes to in the slot: each param read coded
+/// from its file on its own, the params between them in runs (a run's end rounded up to a
+/// whole 16-bit word, inside the unit's aligned bytes).
+fn plan_pieces(unit: &TransferUnit) -> Vec<(PiecePlan, u64)> {
+    let mut out = Vec::new();
+    let mut run: Option<(u64, u64)> = None;
+    let flush = |run: &mut Option<(u64, u64)>, out: &mut Vec<(PiecePlan, u64)>| {
+        if let Some((start, end)) = run.take() {
+            let end = end.next_multiple_of(2).min(unit.bytes);
+            out.push((PiecePlan::Run { start, end }, start));
+        }
+    };
+    for e in &unit.entries {
+        let host = e.param.host();
+        match host.coded_source() {
+            Some(c) => {
+                flush(&mut run, &mut out);
+                out.push((PiecePlan::Source(c.clone()), e.offset));
+            }
+            None => {
+                let end = e.offset + e.len;
+                run = Some(run.map_or((e.offset, end), |(start, _)| (start, end)));
+            }
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
+/// The slot image's bytes `start..end`: the params in that range at their offsets, zeros
+/// between; a coded param that does not decode is the typed error.
+fn run_image(unit: &TransferUnit, start: u64, end: u64, image: &mut Vec<u8>) -> Result<()> {
+    image.clear();
+    image.resize((end - start) as usize, 0u8);
+    for e in &unit.entries {
+        if e.offset >= start && e.offset + e.len <= end {
+            let at = (e.offset - start) as usize;
+            e.param.host().try_with_bytes(|src| {
+                image[at..at + e.len as usize].copy_from_slice(src);
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Codes `words` (one piece) or says why it cannot be.
+fn code_piece(u: usize, words: &[u8]) -> Result<(Vec<u8>, UnitHeader)> {
+    let mut out = Vec::new();
+    let (header, _) = ddo_codec::encode_unit_into(words, &mut out).map_err(|e| {
+        CoreError::InvalidOption {
+            option: "compress".into(),
+            value: "lossless".into(),
+            hint: format!("unit {u} could not be coded ({e}): stream it with compress=none"),
+        }
+    })?;
+    Ok((out, header))
+}
+
+/// A piece built: coded here (its bytes), or a param's unit to copy from its file.
+enum BuiltPiece {
+    Here(Vec<u8>, UnitHeader),
+    Source(CodedSource),
+}
+
+impl BuiltPiece {
+    fn len(&self) -> u64 {
+        match self {
+            BuiltPiece::Here(b, _) => b.len() as u64,
+            BuiltPiece::Source(c) => c.len as u64,
+        }
+    }
+
+    fn header(&self) -> &UnitHeader {
+        match self {
+            BuiltPiece::Here(_, h) => h,
+            BuiltPiece::Source(c) => &c.header,
+        }
+    }
+}
+
+/// The coded home of a layout some of whose params are read coded from their files (a
+/// `ddo convert --compress lossless` folder): those params' units are copied into the home
+/// as they are (no decode, no coding: coding never falls inside a run), the params between
+/// them are coded here in runs (biases, norms: small), and each unit decodes piece by piece.
+/// A unit whose pieces would not fit a coded slot (each piece carries its own header and
+/// tables) is coded whole from its slot image instead. No cache file: the sources are the
+/// coded form.
+fn build_from_sources(
+    device: &dyn Device,
+    layout: &StagingLayout,
+    pinned_room: u64,
+) -> Result<BuiltCoded> {
+    let started = Instant::now();
+    let units = layout.units();
+    let coded_slot = crate::streaming::coded_slot_bytes(layout.slot_bytes());
+    let built: Vec<Vec<(BuiltPiece, u64)>> = per_unit(units, device, |u, unit, image| {
+        let mut pieces = Vec::new();
+        for (plan, dst) in plan_pieces(unit) {
+            pieces.push(match plan {
+                PiecePlan::Source(c) => (BuiltPiece::Source(c), dst),
+                PiecePlan::Run { start, end } => {
+                    run_image(unit, start, end, image)?;
+                    let (bytes, header) = code_piece(u, image)?;
+                    (BuiltPiece::Here(bytes, header), dst)
+                }
+            });
+        }
+        let total: u64 = pieces.iter().map(|(p, _)| p.len().next_multiple_of(16)).sum();
+        if total > coded_slot {
+            run_image(unit, 0, unit.bytes, image)?;
+            let (bytes, header) = code_piece(u, image)?;
+            pieces = vec![(BuiltPiece::Here(bytes, header), 0)];
+        }
+        Ok(pieces)
+    })?;
+    // Lay the units out: each piece 16-byte aligned inside its unit.
+    let mut coded_units = Vec::with_capacity(built.len());
+    let mut windows: Vec<(&BuiltPiece, usize, usize)> = Vec::new();
+    let mut total = 0u64;
+    for pieces in &built {
+        let at = total;
+        let mut list = Vec::with_capacity(pieces.len());
+        for (piece, dst) in pieces {
+            let p_at = total - at;
+            windows.push((piece, total as usize, piece.len() as usize));
+            list.push(CodedPiece {
+                at: p_at,
+                header: piece.header().clone(),
+                dst: *dst,
+            });
+            total += piece.len().next_multiple_of(16);
+        }
+        coded_units.push(CodedUnit {
+            at,
+            len: total - at,
+            pieces: list,
+        });
+    }
+    if total > pinned_room {
+        return Err(over_pinned_room(device, total, pinned_room));
+    }
+    let home = alloc_coded_home(device, total)?;
+    let released = AtomicU64::new(0);
+    home.with_bytes_mut(|dst| {
+        crate::host_memory::fill_in_parallel(dst, &windows, |piece, out| {
+            match piece {
+                BuiltPiece::Here(bytes, _) => out.copy_from_slice(bytes),
+                BuiltPiece::Source(c) => {
+                    out.copy_from_slice(c.bytes());
+                    // The home is the one host copy: the file's pages go.
+                    released.fetch_add(
+                        c.map.release_pages(c.offset..c.offset + c.len),
+                        Ordering::Relaxed,
+                    );
+                }
+            }
+            Ok::<(), CoreError>(())
+        })
+    })??;
+    let coded_bytes = coded_units.iter().map(|u| u.len).sum();
+    Ok(BuiltCoded {
+        home: CodedHome {
+            home,
+            units: coded_units,
+        },
+        coded_bytes,
+        entropy_millibits: 0,
+        cache: CodedCache::Sources,
+        coding_ns: nanos(started.elapsed()),
+        note: Some("the weights are coded in their files (ddo convert --compress lossless): no cache".into()),
+        cache_path: None,
+        released: released.into_inner(),
+    })
 }

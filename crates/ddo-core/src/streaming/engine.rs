@@ -97,7 +97,7 @@ enum Host {
     Coded {
         home: HostBuffer,
         /// Per unit: where its coded bytes start in `home`, and its header.
-        units: Vec<(u64, ddo_codec::UnitHeader)>,
+        units: Vec<coded::CodedUnit>,
     },
     Registered {
         /// Registered views of the mappings (dropping them unregisters).
@@ -1008,7 +1008,7 @@ impl StreamingEngine {
                 let coded_base = self.figures.decoded_ring_bytes();
                 let coded_slot = crate::streaming::coded_slot_bytes(self.figures.slot_bytes);
                 let scratch_at = scratch_offset(&self.figures);
-                let (offset, header) = &units[u];
+                let coded_unit = &units[u];
                 let decode = self.decode.as_ref().ok_or_else(|| CoreError::Backend {
                     device: self.device.id().to_string(),
                     message: "streaming engine: coded units without a decode stream".into(),
@@ -1017,18 +1017,27 @@ impl StreamingEngine {
                 if let Some(ev) = ring.coded_used[cs].take() {
                     self.device.wait_event(&self.copy, &ev)?;
                 }
-                let len = header.encoded_len();
-                let src = home.slice(*offset as usize, len as usize)?;
+                let len = coded_unit.len;
+                let src = home.slice(coded_unit.at as usize, len as usize)?;
                 let at = coded_base + cs as u64 * coded_slot;
                 let coded = ring.buffer.slice(at as usize, len as usize)?;
                 self.device.copy_h2d(&src, &coded, &self.copy)?;
                 self.metrics.record_h2d(len);
                 let copied = self.device.record_event(&self.copy)?;
                 self.device.wait_event(decode, &copied)?;
-                let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
                 let scratch = ring.buffer.slice(scratch_at as usize, 16)?;
-                self.device
-                    .decode_lossless(header, &coded, &dst, &scratch, decode)?;
+                // One decode per piece: the unit coded whole, or its params read coded
+                // from their files and the runs of others coded at build.
+                for piece in &coded_unit.pieces {
+                    let (h, p_at) = (&piece.header, piece.at as usize);
+                    let piece_src = ring.buffer.slice(at as usize + p_at, h.encoded_len() as usize)?;
+                    let dst = ring.buffer.slice(
+                        (dst_base + piece.dst) as usize,
+                        h.decoded_len() as usize,
+                    )?;
+                    self.device
+                        .decode_lossless(h, &piece_src, &dst, &scratch, decode)?;
+                }
                 ring.coded_used[cs] = Some(self.device.record_event(decode)?);
             }
             Some(Host::Home { home, unit_offsets }) => {

@@ -70,6 +70,10 @@ pub enum CodedCache {
     /// directory, a FIFO, a symbolic link), or the cache could not be read or written (a
     /// read-only directory); the units were coded as without one.
     Unavailable,
+    /// No cache needed: the streamed weights are coded in their checkpoint files (`ddo
+    /// convert --compress lossless`) and copied as they are; only the params between them
+    /// (biases, norms) were coded at attach.
+    Sources,
 }
 
 impl StagingKind {
@@ -221,6 +225,7 @@ impl StreamingFigures {
                 CodedCache::Used => "used",
                 CodedCache::Built => "built",
                 CodedCache::Unavailable => "unavailable",
+                CodedCache::Sources => "not needed (coded files)",
             }
             .into(),
             cache_note: self.coded_cache_note.clone(),

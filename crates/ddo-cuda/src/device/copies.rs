@@ -225,11 +225,12 @@ impl CudaDevice {
         } else if src.kind() == HostMemoryKind::Pageable && self.upload_chunk() > 0 {
             self.upload_in_chunks(src, to, alloc, s)
         } else {
-            // Pageable or mapped: the copy completes before the bytes' borrow ends.
-            src.with_bytes(|bytes| {
+            // Pageable or mapped: the copy completes before the bytes' borrow ends (a coded
+            // checkpoint tensor is decoded for it; one that does not decode is the error).
+            src.try_with_bytes(|bytes| {
                 driver::memcpy_htod_async(to, bytes, &s.stream)?;
                 s.stream.synchronize().call("cuStreamSynchronize")
-            })
+            })?
             .map_err(|e| self.core(e))?;
             s.retire_all();
             Ok(())

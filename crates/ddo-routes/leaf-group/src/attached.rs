@@ -59,7 +59,7 @@ impl GroupOffloadRoute {
         // A stream-mode budget must hold the streaming engine's ring beside whatever it
         // keeps resident: refuse now rather than after the learning forward.
         if let (true, Some(given)) = (config.use_stream, spec.options().budget) {
-            let streaming = streaming_config(spec);
+            let streaming = streaming_config_for(spec, component);
             let free = device.memory_info().free_bytes();
             let weighted = plan.engine_segments();
             let model = streaming.slot_model();

@@ -109,12 +109,25 @@ pub fn streaming_config(spec: &RouteSpec) -> StreamingConfig {
 
 /// The streaming engine's settings for `spec` on `component`: [`streaming_config`], with
 /// [`EIGHT_BIT_RING_SLOTS`] when its largest leaf is mostly 8-bit weights and neither a
-/// budget nor `ring_slots` is given. Attach and the footprint both ask this, so they agree.
+/// budget nor `ring_slots` is given, and `compress=lossless` when `compress` is not given,
+/// the engine keeps a pinned home and the weights are coded in their files (`ddo convert
+/// --compress lossless`): their coded units stream as they are, about two thirds of the
+/// bytes, where `compress=none` would decode them on the host at attach and stream them
+/// whole. Attach and the footprint both ask this, so they agree.
 pub fn streaming_config_for(spec: &RouteSpec, component: &Component) -> StreamingConfig {
     let o = spec.options();
     let mut config = streaming_config(spec);
     if o.budget.is_none() && o.ring_slots.is_none() && largest_leaf_is_eight_bit(component) {
         config.ring_slots = EIGHT_BIT_RING_SLOTS;
+    }
+    if o.compress.is_none()
+        && config.staging != StagingMode::Ring
+        && component
+            .params()
+            .iter()
+            .any(|p| p.host().coded_source().is_some())
+    {
+        config.compress = ddo_core::Compression::Lossless;
     }
     config
 }
