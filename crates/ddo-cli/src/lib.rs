@@ -24,6 +24,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod convert;
 pub mod decode;
 pub mod error;
 pub mod family;
@@ -60,6 +61,7 @@ pub fn execute(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             cli::Command::Resolve(args) => resolve::resolve(&args, out),
             cli::Command::Inspect(args) => inspect::inspect(&args, out),
             cli::Command::Bench(args) => bench::bench(&args, out),
+            cli::Command::Convert(args) => convert::convert(&args, out),
             // `cli::parse` answers these itself.
             cli::Command::Help { .. } | cli::Command::Version { .. } => Ok(()),
         },

@@ -25,8 +25,9 @@ use crate::error::{CoreError, Result};
 /// Raw bytes of tensors coded at once (one batch on every core).
 pub const BATCH_BYTES: usize = 1 << 30;
 
-/// Smallest tensor worth a unit of its own (the unit's tables cost up to 8 KiB).
-pub const MIN_CODED_BYTES: usize = 64 << 10;
+/// Smallest tensor coded (one 2,048-word half chunk; a unit takes the smallest tables that
+/// code it, and a tensor that does not shrink is stored as it is).
+pub const MIN_CODED_BYTES: usize = 4 << 10;
 
 /// What [`write_coded_safetensors`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

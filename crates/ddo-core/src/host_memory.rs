@@ -391,6 +391,46 @@ pub fn open_regular(path: &Path) -> std::result::Result<File, NotRegular> {
     }
 }
 
+/// Renames `from` to `to` only where nothing is at `to` (Linux `renameat2` with
+/// `RENAME_NOREPLACE`: atomic, so a file or folder that appears at `to` meanwhile is never
+/// replaced); elsewhere, or on a file system without it, a check then a rename.
+pub fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &Path| {
+            std::ffi::CString::new(p.as_os_str().as_bytes())
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL in the path"))
+        };
+        let (a, b) = (c(from)?, c(to)?);
+        // SAFETY: both are valid NUL-terminated paths that live across the call; the call
+        // reads them and touches no memory of ours.
+        let r = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                a.as_ptr(),
+                libc::AT_FDCWD,
+                b.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+            return Err(e);
+        }
+    }
+    if std::fs::symlink_metadata(to).is_ok() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "something is there already",
+        ));
+    }
+    std::fs::rename(from, to)
+}
+
 /// The process's address-space limit in bytes (`ulimit -v`, `RLIMIT_AS`, from
 /// `/proc/self/limits`), or `None` where it is unlimited or cannot be read.
 pub fn address_space_limit() -> Option<u64> {

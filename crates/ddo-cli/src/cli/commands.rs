@@ -146,6 +146,31 @@ pub struct RunArgs {
     pub allow_unused_weights: bool,
 }
 
+/// `ddo convert`'s options.
+#[derive(Debug, Clone, Args)]
+#[command(override_usage = "ddo convert --compress lossless IN OUT [--json]")]
+pub struct ConvertArgs {
+    /// how to store the matrices: lossless (bf16/f16 2-D weights entropy-coded; `--weights OUT` decodes them bit for bit)
+    #[arg(long, value_name = "lossless", required = true, value_parser = Checked(values::compress))]
+    pub compress: ddo_core::Compression,
+    /// a pipeline folder or a .safetensors file, only read
+    #[arg(value_name = "IN", value_parser = Checked(values::path))]
+    pub input: PathBuf,
+    /// a new path beside IN (never replaced: it must not exist)
+    #[arg(value_name = "OUT", value_parser = Checked(values::path))]
+    pub output: PathBuf,
+    /// print the figures as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ConvertArgs {
+    /// Every path `ddo convert` reads (see [`RunArgs::paths_read`]).
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        vec![("IN", self.input.as_path())]
+    }
+}
+
 /// `ddo decode`'s options.
 #[derive(Debug, Clone, Default, Args)]
 #[command(

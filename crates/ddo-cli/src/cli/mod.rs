@@ -19,13 +19,15 @@ use std::sync::OnceLock;
 
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-pub use commands::{BenchArgs, DecodeArgs, InspectArgs, OUTPUT_OPTIONS, ResolveArgs, RunArgs};
+pub use commands::{
+    BenchArgs, ConvertArgs, DecodeArgs, InspectArgs, OUTPUT_OPTIONS, ResolveArgs, RunArgs,
+};
 pub use values::{Checked, LoraArg, OptionValue};
 
 use crate::error::{CliError, CliResult};
 
 /// The subcommands that run something, in `ddo help`'s order.
-pub const COMMANDS: [&str; 5] = ["run", "decode", "resolve", "inspect", "bench"];
+pub const COMMANDS: [&str; 6] = ["run", "decode", "resolve", "inspect", "bench", "convert"];
 
 const AFTER_HELP: &str = "`ddo help <command>` lists a command's options. First run: ddo run --config tiny --out /tmp/ddo-tiny.png";
 
@@ -59,6 +61,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// time one component under several routes or presets, with ratios to the link floor
     Bench(BenchArgs),
+    /// write a pipeline folder again with its matrices coded losslessly (about 0.65x the bytes)
+    Convert(ConvertArgs),
     /// print this list, or `ddo help COMMAND`: that command's options
     Help {
         /// the command whose options to list (words after it are ignored)
@@ -294,6 +298,7 @@ mod tests {
             Command::Resolve(a) => a.paths_read(),
             Command::Inspect(a) => a.paths_read(),
             Command::Bench(a) => a.paths_read(),
+            Command::Convert(a) => a.paths_read(),
             _ => Vec::new(),
         };
         list.into_iter()

@@ -231,6 +231,17 @@ pub fn dtype(g: &OptionValue<'_>) -> CliResult<DType> {
     parse_dtype(g.text)
 }
 
+/// `ddo convert --compress lossless` (the one coding it writes).
+pub fn compress(g: &OptionValue<'_>) -> CliResult<ddo_core::Compression> {
+    match g.text {
+        "lossless" => Ok(ddo_core::Compression::Lossless),
+        other => Err(CliError::usage(
+            format!("invalid --compress `{other}` for ddo convert"),
+            "use --compress lossless (bf16 and f16 matrices entropy-coded, decoded bit for bit)",
+        )),
+    }
+}
+
 /// `--tiled-decode on|off|auto`.
 pub fn tiled_decode(g: &OptionValue<'_>) -> CliResult<TiledDecode> {
     g.text.parse().map_err(|_| {

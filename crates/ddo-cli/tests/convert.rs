@@ -1,0 +1,264 @@
+//! `ddo convert --compress lossless` (issue 35, item 4): the fixture Flux pipeline in bf16,
+//! converted, runs to the same bytes as the folder it came from on every route (the
+//! streamed one copying the coded units as they are, by default), from a smaller folder
+//! with no raw weight file in it; the input is never written, `OUT` is never replaced, and
+//! a failure leaves nothing behind.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{ddo, fixture, json, ok, scratch};
+use safetensors::{Dtype, SafeTensors};
+
+/// The fixture pipeline folder with every f32 tensor rounded to bf16 (configs and
+/// tokenizers copied), in `dir`.
+fn bf16_pipeline(dir: &Path) -> PathBuf {
+    let src = PathBuf::from(fixture("flux_pipeline"));
+    let dst = dir.join("bf16");
+    for comp in [
+        "scheduler",
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+        "transformer",
+        "vae",
+    ] {
+        std::fs::create_dir_all(dst.join(comp)).unwrap();
+        for entry in std::fs::read_dir(src.join(comp)).unwrap() {
+            let from = entry.unwrap().path();
+            let to = dst.join(comp).join(from.file_name().unwrap());
+            if from.extension().is_some_and(|e| e == "safetensors") {
+                let bytes = std::fs::read(&from).unwrap();
+                let st = SafeTensors::deserialize(&bytes).unwrap();
+                let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+                for (name, view) in st.tensors() {
+                    assert_eq!(view.dtype(), Dtype::F32, "{name}");
+                    let words: Vec<u8> = view
+                        .data()
+                        .chunks_exact(4)
+                        .flat_map(|c| {
+                            // Round to nearest even (the fixture holds no NaN).
+                            let b = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                            let w = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
+                            (w as u16).to_le_bytes()
+                        })
+                        .collect();
+                    data.push((name.to_string(), view.shape().to_vec(), words));
+                }
+                let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+                    .iter()
+                    .map(|(n, s, b)| {
+                        (
+                            n.clone(),
+                            safetensors::tensor::TensorView::new(Dtype::BF16, s.clone(), b).unwrap(),
+                        )
+                    })
+                    .collect();
+                safetensors::serialize_to_file(views, None, &to).unwrap();
+            } else {
+                std::fs::copy(&from, &to).unwrap();
+            }
+        }
+    }
+    std::fs::copy(src.join("model_index.json"), dst.join("model_index.json")).unwrap();
+    dst
+}
+
+/// `ddo run` of `weights` from the fixture's embeddings and noise (2 steps, 32x24), with
+/// `extra`, writing `out`; the JSON report.
+fn run(weights: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
+    let inputs = fixture("flux_pipeline/inputs.safetensors");
+    let mut args = vec![
+        "run",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--prompt-embeds",
+        &inputs,
+        "--init-latents",
+        &inputs,
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "2",
+        "--tiled-decode",
+        "off",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    json(&ddo(&args))
+}
+
+/// Bytes of every `.safetensors` file under `dir`.
+fn weight_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_dir() {
+            total += weight_bytes(&p);
+        } else if p.extension().is_some_and(|e| e == "safetensors") {
+            total += std::fs::metadata(&p).unwrap().len();
+        }
+    }
+    total
+}
+
+/// Each file's bytes under `dir`, by path below it.
+fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let p = entry.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((p.strip_prefix(dir).unwrap().to_path_buf(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
+    let d = scratch("convert-run");
+    let raw = bf16_pipeline(&d);
+    let before = tree(&raw);
+    let coded = d.join("coded");
+    let report = json(&ddo(&[
+        "convert",
+        "--compress",
+        "lossless",
+        raw.to_str().unwrap(),
+        coded.to_str().unwrap(),
+        "--json",
+    ]));
+    assert!(report["coded_tensors"].as_u64().unwrap() >= 20, "{report}");
+    // The input is unchanged; the output holds the same files, smaller weights, and
+    // nothing of the conversion's own (no temporary directory left beside it).
+    assert_eq!(tree(&raw), before);
+    let names = |t: &[(PathBuf, Vec<u8>)]| t.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&tree(&coded)), names(&before));
+    let (raw_bytes, coded_bytes) = (weight_bytes(&raw), weight_bytes(&coded));
+    assert!(
+        coded_bytes < raw_bytes,
+        "coded {coded_bytes} B against {raw_bytes} B"
+    );
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(left.iter().all(|n| !n.starts_with(".ddo-convert")), "{left:?}");
+    // The same image from both folders, on each route: resident, streamed with the
+    // default (coded units copied as they are), streamed with compress=none (decoded on
+    // the host at attach), and streamed under a budget.
+    let reference = d.join("raw.safetensors");
+    run(&raw, &reference, &[]);
+    let want = std::fs::read(&reference).unwrap();
+    for (name, route) in [
+        ("none", "transformer=none"),
+        ("stream", "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true"),
+        (
+            "stream-none",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,compress=none",
+        ),
+        (
+            "budget",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=8KiB,budget=110KiB",
+        ),
+    ] {
+        let out = d.join(format!("{name}.safetensors"));
+        let v = run(&coded, &out, &["--route", route, "--route", "text_encoder_2=none"]);
+        assert!(
+            std::fs::read(&out).unwrap() == want,
+            "{name}: the coded folder's output differs from the raw folder's"
+        );
+        let text = v.to_string();
+        if name == "stream" || name == "budget" {
+            assert!(text.contains("not needed (coded files)"), "{name}: {text}");
+        }
+        if name == "budget" {
+            // Part resident (decoded on the host for its upload), part streamed coded.
+            let c = v["components"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["component"] == "transformer")
+                .unwrap();
+            let counters = &c["metrics"]["counters"];
+            assert!(counters["resident_weight_bytes"].as_u64().unwrap() > 0, "{counters}");
+            assert!(counters["streamed_bytes_per_forward"].as_u64().unwrap() > 0, "{counters}");
+        }
+    }
+}
+
+#[test]
+fn convert_never_replaces_or_writes_inside_its_input_and_leaves_nothing_on_failure() {
+    let d = scratch("convert-refuse");
+    let raw = bf16_pipeline(&d);
+    let before = tree(&raw);
+    let fail = |args: &[&str], says: &str| {
+        let out = ddo(args);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(says) && err.contains("hint: "), "{args:?}: {err}");
+    };
+    // OUT exists (a file, a folder, the input itself): refused, nothing touched.
+    let taken = d.join("taken");
+    std::fs::write(&taken, b"mine").unwrap();
+    fail(
+        &["convert", "--compress", "lossless", raw.to_str().unwrap(), taken.to_str().unwrap()],
+        "exists",
+    );
+    assert_eq!(std::fs::read(&taken).unwrap(), b"mine");
+    fail(
+        &["convert", "--compress", "lossless", raw.to_str().unwrap(), raw.to_str().unwrap()],
+        "exists",
+    );
+    // OUT inside IN.
+    let inside = raw.join("coded");
+    fail(
+        &["convert", "--compress", "lossless", raw.to_str().unwrap(), inside.to_str().unwrap()],
+        "inside",
+    );
+    // Only lossless.
+    fail(
+        &["convert", "--compress", "zstd", raw.to_str().unwrap(), d.join("z").to_str().unwrap()],
+        "--compress lossless",
+    );
+    // A truncated weight file: the conversion fails naming it, and leaves neither OUT nor
+    // a temporary folder.
+    let broken = d.join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    let shard = raw.join("transformer/diffusion_pytorch_model.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(broken.join("w.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    let out = d.join("out");
+    fail(
+        &["convert", "--compress", "lossless", broken.to_str().unwrap(), out.to_str().unwrap()],
+        "w.safetensors",
+    );
+    assert!(!out.exists());
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(left.iter().all(|n| !n.starts_with(".ddo-convert")), "{left:?}");
+    assert_eq!(tree(&raw), before);
+    // One file in, one file out; a coded file is not converted again.
+    let one = d.join("one.safetensors");
+    ok(&ddo(&["convert", "--compress", "lossless", shard.to_str().unwrap(), one.to_str().unwrap()]));
+    assert!(std::fs::metadata(&one).unwrap().len() < bytes.len() as u64);
+    fail(
+        &["convert", "--compress", "lossless", one.to_str().unwrap(), d.join("two").to_str().unwrap()],
+        "coded tensors already",
+    );
+    assert!(!d.join("two").exists());
+}
