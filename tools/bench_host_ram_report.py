@@ -80,6 +80,7 @@ def main():
                 "plan_disk_bytes_per_step": denoise_plan.get("disk_bytes_per_forward", 0),
                 "plan_page_cache_bytes": denoise_plan.get("page_cache_bytes", 0),
                 "steps": len(steps),
+                "read_bytes": (run.get("host") or {}).get("read_bytes"),
             })
     disk = ""
     try:
@@ -114,6 +115,15 @@ def main():
             c["image_bound_seconds"] = None
         t = c["total_seconds"]
         c["image_vs_bound"] = (t / c["image_bound_seconds"]) if t and c["image_bound_seconds"] else None
+    # A coded folder's case (DDO_CODED=1) against the raw folder's of the same name.
+    by_name = {c["case"]: c for c in cases}
+    for c in cases:
+        raw = by_name.get(c["case"][: -len("-coded")]) if c["case"].endswith("-coded") else None
+        c["time_vs_raw"] = (
+            c["total_seconds"] / raw["total_seconds"]
+            if raw and c["total_seconds"] and raw["total_seconds"]
+            else None
+        )
     doc = {"disk": disk, "disk_bytes_per_second": rate, "folder_bytes": folder_bytes, "cases": cases}
     with open(os.path.join(out, "host_ram.json"), "w") as f:
         json.dump(doc, f, indent=2)
@@ -124,13 +134,13 @@ def main():
         "",
         "disk: " + disk,
         "",
-        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) | read (GB) | time x raw |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratio = lambda x: "-" if x is None else "%.3f" % x
     for c in cases:
         p = c["phases_seconds"]
-        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f |" % (
+        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %s | %s |" % (
             c["case"], c["available_mib_at_start"] / 1024, "yes" if c["image"] else "no (exit %d)" % c["exit"],
             c["other_process_survived"], sec(c["total_seconds"]), ratio(c["image_vs_bound"]),
             sec(p.get("prompt_encoding")),
@@ -138,7 +148,8 @@ def main():
             gib(c["plan_disk_bytes_per_step"]),
             "-" if not c["disk_bytes_per_second"] else "%.2f" % (c["disk_bytes_per_second"] / 1e9),
             sec(c["step_bound_seconds"]), ratio(c["steady_vs_bound"]),
-            gib(c["max_rss_bytes"]), gib(c["host_budget_bytes"]), c["lowest_available_mib"] / 1024))
+            gib(c["max_rss_bytes"]), gib(c["host_budget_bytes"]), c["lowest_available_mib"] / 1024,
+            "-" if c["read_bytes"] is None else "%.2f" % (c["read_bytes"] / 1e9), ratio(c["time_vs_raw"])))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "host_ram.md"), "w") as f:
         f.write(text)

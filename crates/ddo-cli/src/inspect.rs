@@ -159,7 +159,19 @@ fn check_tensor(
     component: &str,
 ) -> CliResult<(u64, Option<BadTensor>)> {
     let t = ckpt.tensor(name).map_err(CliError::from)?;
-    let bytes = &ckpt.map().bytes()[t.offset..t.offset + t.len];
+    // A coded tensor (`ddo convert --compress lossless`) is checked as the values it
+    // decodes to; one that does not decode is the error.
+    let decoded = match &t.coded {
+        Some(_) => Some(
+            ckpt.host_buffer(name)
+                .and_then(|b| b.slice_all().try_with_bytes(<[u8]>::to_vec))
+                .map_err(CliError::from)?,
+        ),
+        None => None,
+    };
+    let bytes = decoded
+        .as_deref()
+        .unwrap_or(&ckpt.map().bytes()[t.offset..t.offset + t.len]);
     let size = t.dtype.size_in_bytes();
     let elements = (bytes.len() / size) as u64;
     let bad = |non_finite: u64, huge: u64, first: u64, problem: String| {

@@ -156,6 +156,13 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
     assert!(left.iter().all(|n| !n.starts_with(".ddo-convert")), "{left:?}");
+    // `ddo inspect --check-values` reads the coded tensors as the values they decode to.
+    let check = |dir: &Path| {
+        json(&ddo(&["inspect", dir.to_str().unwrap(), "--check-values", "--json"]))["values"].clone()
+    };
+    let (raw_values, coded_values) = (check(&raw), check(&coded));
+    assert_eq!(raw_values, coded_values);
+    assert_eq!(coded_values["all_finite"], true, "{coded_values}");
     // The same image from both folders, on each route: resident, streamed with the
     // default (coded units copied as they are), streamed with compress=none (decoded on
     // the host at attach), and streamed under a budget.

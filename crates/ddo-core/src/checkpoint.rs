@@ -374,7 +374,8 @@ impl Checkpoint {
 
     /// A tensor's bytes as stored with its dtype name and shape, whatever its dtype (masks
     /// of integers or booleans, say, which are data, not weights); `None` when the file has
-    /// no tensor of that name.
+    /// no tensor of that name, or when it is coded (it has no bytes of its dtype in the file:
+    /// read it through [`Checkpoint::host_buffer`]).
     pub fn raw(&self, name: &str) -> Option<RawTensor<'_>> {
         let bytes = self.map.bytes();
         if let Some(u) = self.unsupported.get(name) {
@@ -384,7 +385,7 @@ impl Checkpoint {
                 bytes: bytes.get(u.offset..u.offset + u.len)?,
             });
         }
-        let t = self.tensors.get(name)?;
+        let t = self.tensors.get(name).filter(|t| t.coded.is_none())?;
         Some(RawTensor {
             dtype: match t.dtype {
                 DType::F32 => "F32",

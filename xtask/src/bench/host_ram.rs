@@ -17,6 +17,8 @@
 //!    /proc/sys/vm/drop_caches`: the job runs as root there), and the run goes under
 //!    `/usr/bin/time -v`, its lowest `MemAvailable` sampled, then whether the helper
 //!    survived is recorded (the kernel's OOM killer takes the largest process);
+//!    (`DDO_CODED=1`: the folder is also converted with `ddo convert --compress lossless`, and
+//!    each case runs on the coded folder right after the raw one, `NAME-coded`);
 //! 4. writes `$OUT/host_ram.json` and `$OUT/host_ram.md`: per case the time to the image,
 //!    the phases, the steady step and its ratio to the all-free run's, the peak RSS, the
 //!    plan's host budget, whether an image came and no other process was killed.
@@ -108,6 +110,10 @@ folder="${{DDO_FOLDER:-$work/$model}}"
 if [ "$model" = qwen ]; then writer_args=--qwen; vram="${{DDO_VRAM:-16GiB}}"; other=flux; else writer_args=; vram="${{DDO_VRAM:-12GiB}}"; other=qwen; fi
 steps="${{DDO_STEPS:-{steps}}}"
 sizes="${{DDO_HOST_RAM:-{sizes_list}}}"
+# DDO_CODED=1: the folder is also converted (`ddo convert --compress lossless`, timed, page cache
+# dropped) and every case runs on the coded folder too, right after the raw one (NAME-coded).
+coded="${{DDO_CODED:-0}}"
+cfolder="$folder-coded"
 site="$work/site"
 mkdir -p "$out" "$work"
 log="$out/logs.txt"
@@ -134,9 +140,18 @@ second=$(ls "$folder"/transformer/*.safetensors | tail -n 1)
 dd if="$first" of=/dev/null bs=16M count=300 iflag=direct 2> "$out/disk.txt" > /dev/null
 say "disk: $(tail -n 1 "$out/disk.txt")"
 
-# case NAME AVAILABLE_GIB (0: all free)
+if [ "$coded" = 1 ] && [ ! -f "$cfolder/model_index.json" ]; then
+  rm -rf "$cfolder"
+  drop_caches
+  say "converting the folder to $cfolder"
+  /usr/bin/time -v -o "$out/convert.time" "${{DDO_BIN:-$here/ddo}}" convert --compress lossless "$folder" "$cfolder" --json > "$out/convert.json" 2>> "$log"
+  say "convert: exit $?, $(grep -E 'Elapsed|Maximum resident' "$out/convert.time" | tr '\n' ' ')"
+  du -sb "$folder" "$cfolder" >> "$log"
+fi
+
+# case NAME AVAILABLE_GIB [FOLDER] (0: all free)
 case_run() {{
-  local name="$1" gib="$2" holder="" held=0
+  local name="$1" gib="$2" weights="${{3:-$folder}}" holder="" held=0
   if [ "$gib" -gt 0 ]; then
     held=$(( $(avail_kib) / 1024 - gib * 1024 ))
     if [ "$held" -gt 0 ]; then
@@ -156,7 +171,7 @@ case_run() {{
   : > "$work/$name.avail"
   ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
   local sampler=$!
-  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "${{DDO_BIN:-$here/ddo}}" run --weights "$folder" \
+  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "${{DDO_BIN:-$here/ddo}}" run --weights "$weights" \
     --device cuda:0 --vram-budget "$vram" --steps "$steps" --json --out "$work/$name.png" \
     > "$out/$name.json" 2>> "$log"
   local rc=$?
@@ -176,9 +191,13 @@ case_run() {{
   dmesg 2>/dev/null | grep -i 'killed process' | tail -n 2 >> "$log"
 }}
 
-[ "${{DDO_FREE:-1}}" = 1 ] && case_run free 0
+if [ "${{DDO_FREE:-1}}" = 1 ]; then
+  case_run free 0
+  [ "$coded" = 1 ] && case_run free-coded 0 "$cfolder"
+fi
 for gib in $sizes; do
   case_run "avail${{gib}}" "$gib"
+  [ "$coded" = 1 ] && case_run "avail${{gib}}-coded" "$gib" "$cfolder"
 done
 python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
 # Everything in one archive too (a device job brings back only so many files).
