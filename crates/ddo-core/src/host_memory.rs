@@ -867,6 +867,9 @@ impl CodedSource {
     /// changed or is corrupt), naming the file and the tensor.
     pub fn decode(&self) -> Result<AlignedBytes> {
         let len = self.header.decoded_len() as usize;
+        // The whole unit's read-ahead queued at once: the decoding threads then fault in
+        // pages that are on their way, not one read-ahead window each.
+        self.map.prefetch(self.offset..self.offset + self.len);
         let mut out = AlignedBytes::try_zeroed(len)?;
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())

@@ -746,6 +746,7 @@ fn build_from_sources(
             match piece {
                 BuiltPiece::Here(bytes, _) => out.copy_from_slice(bytes),
                 BuiltPiece::Source(c) => {
+                    c.map.prefetch(c.offset..c.offset + c.len);
                     out.copy_from_slice(c.bytes());
                     // The home is the one host copy: the file's pages go.
                     released.fetch_add(
