@@ -117,7 +117,7 @@ impl Checkpoint {
     /// not load (f64, integers, ...) is listed but refused when asked for.
     pub fn open(path: &Path) -> Result<Self> {
         let map = CheckpointMap::open(path)?;
-        let (tensors, unsupported) = Self::parse(map.bytes(), path)?;
+        let (tensors, unsupported) = Self::parse(map.bytes(), path, &|range| map.prefetch(range))?;
         Ok(Self {
             map,
             tensors,
@@ -129,7 +129,8 @@ impl Checkpoint {
     /// bytes built in memory, as a GGUF file dequantized at load), validated as
     /// [`Checkpoint::open`] validates a file; errors name the mapping's label.
     pub fn from_map(map: Arc<CheckpointMap>) -> Result<Self> {
-        let (tensors, unsupported) = Self::parse(map.bytes(), map.path())?;
+        let (tensors, unsupported) =
+            Self::parse(map.bytes(), map.path(), &|range| map.prefetch(range))?;
         Ok(Self {
             map,
             tensors,
@@ -179,14 +180,18 @@ impl Checkpoint {
     /// file (`path` only names it in errors); returns the number of tensors listed. For
     /// fuzzing and for checking bytes before they are written.
     pub fn validate_bytes(bytes: &[u8], path: &Path) -> Result<usize> {
-        let (tensors, unsupported) = Self::parse(bytes, path)?;
+        let (tensors, unsupported) = Self::parse(bytes, path, &|_| ())?;
         Ok(tensors.len() + unsupported.len())
     }
 
     #[allow(clippy::type_complexity)]
+    /// `prefetch` is asked for the head of each coded tensor (its unit's header and tables,
+    /// which the header check reads) before any is read: on a cold disk the reads then run
+    /// together instead of one seek per tensor (about 4 s for FLUX.1-dev's 1,000 tensors).
     fn parse(
         bytes: &[u8],
         path: &Path,
+        prefetch: &dyn Fn(std::ops::Range<usize>),
     ) -> Result<(
         BTreeMap<String, CheckpointTensor>,
         BTreeMap<String, Unsupported>,
@@ -227,6 +232,18 @@ impl Checkpoint {
                 .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
                 .collect()
         };
+        for (name, entry) in &json.0 {
+            let (Some((_, shape)), Some(start)) = (
+                coded.get(name.as_str()),
+                sizes(entry.get("data_offsets")).and_then(|o| o.first().copied()),
+            ) else {
+                continue;
+            };
+            let words = shape.iter().fold(1usize, |a, &d| a.saturating_mul(d));
+            let head = coded_head_bytes(words);
+            let at = header_end.saturating_add(start);
+            prefetch(at..at.saturating_add(head).min(bytes.len()));
+        }
         for (name, entry) in &json.0 {
             if name == "__metadata__" {
                 continue;
@@ -420,6 +437,14 @@ impl Checkpoint {
     pub fn has_coded(&self) -> bool {
         self.tensors.values().any(|t| t.coded.is_some())
     }
+}
+
+/// Bytes at the start of a coded unit of `words` words that its header check reads: the
+/// fixed header, the code table, a decode table of up to 8 KiB and the chunk table, with a
+/// page to spare.
+fn coded_head_bytes(words: usize) -> usize {
+    let chunks = words.div_ceil(ddo_codec::CHUNK_WORDS);
+    ddo_codec::HEADER_BYTES + 512 + 8192 + 4 * (chunks + 1) + 4096
 }
 
 /// The coded tensors a header's `__metadata__` names ([`CODED_METADATA_KEY`]): name ->

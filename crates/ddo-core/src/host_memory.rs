@@ -866,16 +866,26 @@ impl CodedSource {
     /// Errors: no memory for the decoded bytes, or a unit that does not decode (the file
     /// changed or is corrupt), naming the file and the tensor.
     pub fn decode(&self) -> Result<AlignedBytes> {
-        let len = self.header.decoded_len() as usize;
-        // The whole unit's read-ahead queued at once: the decoding threads then fault in
-        // pages that are on their way, not one read-ahead window each.
-        self.map.prefetch(self.offset..self.offset + self.len);
-        let mut out = AlignedBytes::try_zeroed(len)?;
+        let mut out = AlignedBytes::try_zeroed(self.header.decoded_len() as usize)?;
+        self.decode_into(out.as_mut_slice())?;
+        Ok(out)
+    }
+
+    /// [`CodedSource::decode`] into `out` (exactly the decoded length: a backend's pinned
+    /// upload buffer, say). After an error `out` holds garbage.
+    pub fn decode_into(&self, out: &mut [u8]) -> Result<()> {
+        let len = out.len();
+        // The whole unit's read-ahead queued at once, and the file's next
+        // CODED_READ_AHEAD bytes behind it (the tensors a loader reads next, in file
+        // order): the decoding threads fault in pages on their way, and the disk keeps
+        // reading while this tensor decodes and copies.
+        let end = (self.offset + self.len).saturating_add(CODED_READ_AHEAD);
+        self.map.prefetch(self.offset..end.min(self.map.len()));
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(CODED_DECODE_THREADS)
             .min(len.div_ceil(1 << 20).max(1));
-        ddo_codec::decode_unit_parallel(self.bytes(), out.as_mut_slice(), threads).map_err(|e| {
+        ddo_codec::decode_unit_parallel(self.bytes(), out, threads).map_err(|e| {
             CoreError::Checkpoint {
                 path: self.map.path().to_path_buf(),
                 message: format!(
@@ -884,10 +894,13 @@ impl CodedSource {
                     self.name
                 ),
             }
-        })?;
-        Ok(out)
+        })
     }
 }
+
+/// Bytes of a coded file read ahead past a tensor decoded on the host
+/// ([`CodedSource::decode`]).
+pub const CODED_READ_AHEAD: usize = 512 << 20;
 
 /// Most threads one coded tensor is decoded on where it is read on the host.
 pub const CODED_DECODE_THREADS: usize = 16;

@@ -207,15 +207,22 @@ impl CudaDevice {
                 .map_err(|e| self.core(e))?;
             s.track((Held::Host(src.clone()), Some(Held::Device(dst.clone()))))
                 .map_err(|e| self.core(e))
-        } else if let Some(staging) = (src.kind() == HostMemoryKind::Pageable)
-            .then(|| self.upload_staging_buffer(src.len()))
-            .flatten()
+        } else if let Some(staging) =
+            (src.kind() == HostMemoryKind::Pageable || src.buffer().coded_source().is_some())
+                .then(|| self.upload_staging_buffer(src.len()))
+                .flatten()
         {
             // Pageable: the bytes go into a pinned upload buffer now, and the copy from it
             // is queued like any pinned copy. A pageable copy would hold the host until it
-            // is done, queued behind whatever the link already carries.
+            // is done, queued behind whatever the link already carries. A coded checkpoint
+            // tensor decodes straight into the buffer (a part of one through a decoded copy).
             let view = staging.slice(0, src.len())?;
-            view.with_bytes_mut(|to| src.with_bytes(|from| to.copy_from_slice(from)))?;
+            match src.coded_source() {
+                Some(coded) => view.with_bytes_mut(|to| coded.decode_into(to))??,
+                None => view.with_bytes_mut(|to| {
+                    src.try_with_bytes(|from| to.copy_from_slice(from))
+                })??,
+            }
             view.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
                 .map_err(|e| self.core(e))?;
             // The destination is not held: its free is ordered behind the copy instead, so
