@@ -232,17 +232,40 @@ impl Checkpoint {
                 .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
                 .collect()
         };
+        // The pages the coded tensors' header checks read, asked for together: first each
+        // unit's head, then (from the head's fixed fields, which the check itself validates)
+        // the pages of its two padding gaps, after the sign+mantissa bytes and at the end.
+        let mut units = Vec::new();
         for (name, entry) in &json.0 {
-            let (Some((_, shape)), Some(start)) = (
-                coded.get(name.as_str()),
-                sizes(entry.get("data_offsets")).and_then(|o| o.first().copied()),
-            ) else {
+            let (Some((_, shape)), Some(offsets)) =
+                (coded.get(name.as_str()), sizes(entry.get("data_offsets")))
+            else {
                 continue;
             };
+            let [start, end] = offsets[..] else { continue };
             let words = shape.iter().fold(1usize, |a, &d| a.saturating_mul(d));
             let head = coded_head_bytes(words);
-            let at = header_end.saturating_add(start);
-            prefetch(at..at.saturating_add(head).min(bytes.len()));
+            let (at, end) = (
+                header_end.saturating_add(start),
+                header_end.saturating_add(end).min(bytes.len()),
+            );
+            prefetch(at..at.saturating_add(head).min(end));
+            units.push((at, end));
+        }
+        for &(at, end) in &units {
+            let field = |o: usize| -> usize {
+                bytes
+                    .get(at + o..at + o + 8)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, |b| u64::from_le_bytes(b) as usize)
+            };
+            let (words, mantissa, stream, stream_words) = (field(8), field(72), field(80), field(88));
+            let gap = at.saturating_add(mantissa).saturating_add(words);
+            prefetch(gap.saturating_sub(1).min(end)..gap.saturating_add(4096).min(end));
+            let tail = at
+                .saturating_add(stream)
+                .saturating_add(stream_words.saturating_mul(2));
+            prefetch(tail.saturating_sub(1).min(end)..end);
         }
         for (name, entry) in &json.0 {
             if name == "__metadata__" {

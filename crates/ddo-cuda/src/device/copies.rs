@@ -229,6 +229,17 @@ impl CudaDevice {
             // a tensor just uploaded is still its buffer's only holder (in-place ops).
             alloc.note_use(s);
             s.track((Held::Host(view), None)).map_err(|e| self.core(e))
+        } else if let Some(coded) = src
+            .buffer()
+            .coded_source()
+            .filter(|_| self.upload_chunk() > 0)
+        {
+            // A coded checkpoint tensor too large for one upload buffer: decoded on every
+            // core into pageable memory, then copied chunk by chunk through the upload
+            // buffers like any large pageable upload (the link carries one tensor while the
+            // host decodes the next).
+            let decoded = HostBuffer::owned(coded.decode()?, None);
+            self.upload_in_chunks(&decoded.slice(src.offset(), src.len())?, to, alloc, s)
         } else if src.kind() == HostMemoryKind::Pageable && self.upload_chunk() > 0 {
             self.upload_in_chunks(src, to, alloc, s)
         } else {
