@@ -591,6 +591,8 @@ pub struct CheckpointMap {
     /// ([`CheckpointMap::evict`]); `None` for bytes made in memory.
     file: Option<std::fs::File>,
     mmap: MapBytes,
+    /// The end of the furthest range [`CheckpointMap::read_ahead`] has queued.
+    read_ahead_end: std::sync::atomic::AtomicUsize,
 }
 
 /// The bytes of a [`CheckpointMap`].
@@ -614,6 +616,7 @@ impl CheckpointMap {
             _entry: None,
             file: None,
             mmap: MapBytes::Memory(bytes),
+            read_ahead_end: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -648,6 +651,7 @@ impl CheckpointMap {
             _entry: Some(entry),
             file: Some(file),
             mmap: MapBytes::File(mmap),
+            read_ahead_end: std::sync::atomic::AtomicUsize::new(0),
         }))
     }
 
@@ -749,6 +753,24 @@ impl CheckpointMap {
             return;
         }
         let _ = map.advise_range(memmap2::Advice::WillNeed, range.start, end - range.start);
+    }
+
+    /// Queues read-ahead of `len` bytes from `from` ([`CheckpointMap::prefetch`]) on the
+    /// process's one read-ahead thread and returns at once: the advice blocks while the
+    /// kernel queues a large range's reads, so a reader that asks for the file ahead of
+    /// itself (a loader decoding coded tensors in file order) never waits on it. The part an
+    /// earlier call asked for already is skipped. Advice only: nothing when the thread
+    /// cannot be had.
+    pub fn read_ahead(self: &Arc<Self>, from: usize, len: usize) {
+        let end = from.saturating_add(len).min(self.len());
+        let before = self.read_ahead_end.fetch_max(end, Ordering::Relaxed);
+        if end <= before {
+            return;
+        }
+        let start = before.max(from);
+        if let Some(tx) = read_ahead_thread() {
+            let _ = tx.send((Arc::clone(self), start..end));
+        }
     }
 
     /// Reads `dst.len()` bytes at `offset` of the mapped bytes into `dst`: for a file with
@@ -875,12 +897,12 @@ impl CodedSource {
     /// upload buffer, say). After an error `out` holds garbage.
     pub fn decode_into(&self, out: &mut [u8]) -> Result<()> {
         let len = out.len();
-        // The whole unit's read-ahead queued at once, and the file's next
-        // CODED_READ_AHEAD bytes behind it (the tensors a loader reads next, in file
-        // order): the decoding threads fault in pages on their way, and the disk keeps
-        // reading while this tensor decodes and copies.
-        let end = (self.offset + self.len).saturating_add(CODED_READ_AHEAD);
-        self.map.prefetch(self.offset..end.min(self.map.len()));
+        // The unit and the file's next CODED_READ_AHEAD bytes behind it (the tensors a
+        // loader reads next, in file order) are read ahead on the read-ahead thread: the
+        // decoding threads fault in pages on their way, and the disk keeps reading while
+        // this tensor decodes and copies.
+        self.map
+            .read_ahead(self.offset, self.len.saturating_add(CODED_READ_AHEAD));
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(CODED_DECODE_THREADS)
@@ -896,6 +918,37 @@ impl CodedSource {
             }
         })
     }
+}
+
+/// A read-ahead request: a mapping and the range to advise.
+type ReadAhead = (Arc<CheckpointMap>, std::ops::Range<usize>);
+
+/// The process's read-ahead thread ([`CheckpointMap::read_ahead`]), started on first use;
+/// `None` where it could not be started. It advises 64 MiB at a time, so a long request
+/// does not hold the ones behind it for long.
+fn read_ahead_thread() -> Option<std::sync::mpsc::Sender<ReadAhead>> {
+    static THREAD: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<ReadAhead>>>> =
+        std::sync::OnceLock::new();
+    THREAD
+        .get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<ReadAhead>();
+            std::thread::Builder::new()
+                .name("ddo-read-ahead".into())
+                .spawn(move || {
+                    while let Ok((map, range)) = rx.recv() {
+                        let mut at = range.start;
+                        while at < range.end {
+                            let next = (at + (64 << 20)).min(range.end);
+                            map.prefetch(at..next);
+                            at = next;
+                        }
+                    }
+                })
+                .ok()
+                .map(|_| Mutex::new(tx))
+        })
+        .as_ref()
+        .map(|tx| tx.lock().clone())
 }
 
 /// Bytes of a coded file read ahead past a tensor decoded on the host
