@@ -115,9 +115,8 @@ fn check_output(input: &Path, output: &Path) -> CliResult<()> {
             "create the folder OUT goes in first",
         )
     })?;
-    let input = std::fs::canonicalize(input).map_err(|e| {
-        CliError::usage(format!("cannot read {}: {e}", input.display()), "")
-    })?;
+    let input = std::fs::canonicalize(input)
+        .map_err(|e| CliError::usage(format!("cannot read {}: {e}", input.display()), ""))?;
     if parent.starts_with(&input) {
         return Err(CliError::usage(
             format!("{} lies inside {}", output.display(), input.display()),
@@ -171,7 +170,8 @@ fn copy_tree(
     stats: &mut CodedFileStats,
     lines: &mut Vec<String>,
 ) -> CliResult<()> {
-    let read = |e: std::io::Error| CliError::runtime(format!("cannot read {}: {e}", src.display()), "");
+    let read =
+        |e: std::io::Error| CliError::runtime(format!("cannot read {}: {e}", src.display()), "");
     let mut entries: Vec<_> = std::fs::read_dir(src)
         .map_err(read)?
         .collect::<Result<Vec<_>, _>>()
@@ -183,9 +183,8 @@ fn copy_tree(
         let to = dst.join(&name);
         let rel = rel.join(&name);
         let link = entry.file_type().map_err(read)?.is_symlink();
-        let meta = std::fs::metadata(&from).map_err(|e| {
-            CliError::runtime(format!("cannot read {}: {e}", from.display()), "")
-        })?;
+        let meta = std::fs::metadata(&from)
+            .map_err(|e| CliError::runtime(format!("cannot read {}: {e}", from.display()), ""))?;
         if meta.is_dir() {
             if link {
                 return Err(CliError::usage(

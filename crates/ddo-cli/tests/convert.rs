@@ -52,7 +52,8 @@ fn bf16_pipeline(dir: &Path) -> PathBuf {
                     .map(|(n, s, b)| {
                         (
                             n.clone(),
-                            safetensors::tensor::TensorView::new(Dtype::BF16, s.clone(), b).unwrap(),
+                            safetensors::tensor::TensorView::new(Dtype::BF16, s.clone(), b)
+                                .unwrap(),
                         )
                     })
                     .collect();
@@ -118,7 +119,10 @@ fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
             if p.is_dir() {
                 stack.push(p);
             } else {
-                out.push((p.strip_prefix(dir).unwrap().to_path_buf(), std::fs::read(&p).unwrap()));
+                out.push((
+                    p.strip_prefix(dir).unwrap().to_path_buf(),
+                    std::fs::read(&p).unwrap(),
+                ));
             }
         }
     }
@@ -155,10 +159,19 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
-    assert!(left.iter().all(|n| !n.starts_with(".ddo-convert")), "{left:?}");
+    assert!(
+        left.iter().all(|n| !n.starts_with(".ddo-convert")),
+        "{left:?}"
+    );
     // `ddo inspect --check-values` reads the coded tensors as the values they decode to.
     let check = |dir: &Path| {
-        json(&ddo(&["inspect", dir.to_str().unwrap(), "--check-values", "--json"]))["values"].clone()
+        json(&ddo(&[
+            "inspect",
+            dir.to_str().unwrap(),
+            "--check-values",
+            "--json",
+        ]))["values"]
+            .clone()
     };
     let (raw_values, coded_values) = (check(&raw), check(&coded));
     assert_eq!(raw_values, coded_values);
@@ -171,7 +184,10 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
     let want = std::fs::read(&reference).unwrap();
     for (name, route) in [
         ("none", "transformer=none"),
-        ("stream", "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true"),
+        (
+            "stream",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+        ),
         (
             "stream-none",
             "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,compress=none",
@@ -182,7 +198,11 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         ),
     ] {
         let out = d.join(format!("{name}.safetensors"));
-        let v = run(&coded, &out, &["--route", route, "--route", "text_encoder_2=none"]);
+        let v = run(
+            &coded,
+            &out,
+            &["--route", route, "--route", "text_encoder_2=none"],
+        );
         assert!(
             std::fs::read(&out).unwrap() == want,
             "{name}: the coded folder's output differs from the raw folder's"
@@ -200,8 +220,14 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
                 .find(|c| c["component"] == "transformer")
                 .unwrap();
             let counters = &c["metrics"]["counters"];
-            assert!(counters["resident_weight_bytes"].as_u64().unwrap() > 0, "{counters}");
-            assert!(counters["streamed_bytes_per_forward"].as_u64().unwrap() > 0, "{counters}");
+            assert!(
+                counters["resident_weight_bytes"].as_u64().unwrap() > 0,
+                "{counters}"
+            );
+            assert!(
+                counters["streamed_bytes_per_forward"].as_u64().unwrap() > 0,
+                "{counters}"
+            );
         }
     }
 }
@@ -215,29 +241,56 @@ fn convert_never_replaces_or_writes_inside_its_input_and_leaves_nothing_on_failu
         let out = ddo(args);
         let err = String::from_utf8_lossy(&out.stderr).to_string();
         assert!(!out.status.success(), "{args:?} succeeded");
-        assert!(err.contains(says) && err.contains("hint: "), "{args:?}: {err}");
+        assert!(
+            err.contains(says) && err.contains("hint: "),
+            "{args:?}: {err}"
+        );
     };
     // OUT exists (a file, a folder, the input itself): refused, nothing touched.
     let taken = d.join("taken");
     std::fs::write(&taken, b"mine").unwrap();
     fail(
-        &["convert", "--compress", "lossless", raw.to_str().unwrap(), taken.to_str().unwrap()],
+        &[
+            "convert",
+            "--compress",
+            "lossless",
+            raw.to_str().unwrap(),
+            taken.to_str().unwrap(),
+        ],
         "exists",
     );
     assert_eq!(std::fs::read(&taken).unwrap(), b"mine");
     fail(
-        &["convert", "--compress", "lossless", raw.to_str().unwrap(), raw.to_str().unwrap()],
+        &[
+            "convert",
+            "--compress",
+            "lossless",
+            raw.to_str().unwrap(),
+            raw.to_str().unwrap(),
+        ],
         "exists",
     );
     // OUT inside IN.
     let inside = raw.join("coded");
     fail(
-        &["convert", "--compress", "lossless", raw.to_str().unwrap(), inside.to_str().unwrap()],
+        &[
+            "convert",
+            "--compress",
+            "lossless",
+            raw.to_str().unwrap(),
+            inside.to_str().unwrap(),
+        ],
         "inside",
     );
     // Only lossless.
     fail(
-        &["convert", "--compress", "zstd", raw.to_str().unwrap(), d.join("z").to_str().unwrap()],
+        &[
+            "convert",
+            "--compress",
+            "zstd",
+            raw.to_str().unwrap(),
+            d.join("z").to_str().unwrap(),
+        ],
         "--compress lossless",
     );
     // A truncated weight file: the conversion fails naming it, and leaves neither OUT nor
@@ -249,7 +302,13 @@ fn convert_never_replaces_or_writes_inside_its_input_and_leaves_nothing_on_failu
     std::fs::write(broken.join("w.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let out = d.join("out");
     fail(
-        &["convert", "--compress", "lossless", broken.to_str().unwrap(), out.to_str().unwrap()],
+        &[
+            "convert",
+            "--compress",
+            "lossless",
+            broken.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ],
         "w.safetensors",
     );
     assert!(!out.exists());
@@ -257,14 +316,29 @@ fn convert_never_replaces_or_writes_inside_its_input_and_leaves_nothing_on_failu
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
         .collect();
-    assert!(left.iter().all(|n| !n.starts_with(".ddo-convert")), "{left:?}");
+    assert!(
+        left.iter().all(|n| !n.starts_with(".ddo-convert")),
+        "{left:?}"
+    );
     assert_eq!(tree(&raw), before);
     // One file in, one file out; a coded file is not converted again.
     let one = d.join("one.safetensors");
-    ok(&ddo(&["convert", "--compress", "lossless", shard.to_str().unwrap(), one.to_str().unwrap()]));
+    ok(&ddo(&[
+        "convert",
+        "--compress",
+        "lossless",
+        shard.to_str().unwrap(),
+        one.to_str().unwrap(),
+    ]));
     assert!(std::fs::metadata(&one).unwrap().len() < bytes.len() as u64);
     fail(
-        &["convert", "--compress", "lossless", one.to_str().unwrap(), d.join("two").to_str().unwrap()],
+        &[
+            "convert",
+            "--compress",
+            "lossless",
+            one.to_str().unwrap(),
+            d.join("two").to_str().unwrap(),
+        ],
         "coded tensors already",
     );
     assert!(!d.join("two").exists());

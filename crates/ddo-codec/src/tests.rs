@@ -64,7 +64,11 @@ fn round_trip(words: &[u8]) -> EncodedUnit {
     for threads in [2, 3, 8] {
         let mut par = vec![0x5au8; words.len()];
         decode_unit_parallel(unit.bytes(), &mut par, threads).unwrap();
-        assert!(par == words, "{threads}-thread decode of {} words differs", words.len() / 2);
+        assert!(
+            par == words,
+            "{threads}-thread decode of {} words differs",
+            words.len() / 2
+        );
     }
     unit
 }

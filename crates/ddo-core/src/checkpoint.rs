@@ -259,7 +259,8 @@ impl Checkpoint {
                     .and_then(|b| b.try_into().ok())
                     .map_or(0, |b| u64::from_le_bytes(b) as usize)
             };
-            let (words, mantissa, stream, stream_words) = (field(8), field(72), field(80), field(88));
+            let (words, mantissa, stream, stream_words) =
+                (field(8), field(72), field(80), field(88));
             let gap = at.saturating_add(mantissa).saturating_add(words);
             prefetch(gap.saturating_sub(1).min(end)..gap.saturating_add(4096).min(end));
             let tail = at
@@ -475,18 +476,23 @@ fn coded_head_bytes(words: usize) -> usize {
 fn coded_entries(
     json: &UniqueMap,
 ) -> std::result::Result<BTreeMap<String, (DType, Vec<usize>)>, String> {
-    let Some(meta) = json.0.iter().find(|(k, _)| k == "__metadata__").map(|(_, v)| v) else {
+    let Some(meta) = json
+        .0
+        .iter()
+        .find(|(k, _)| k == "__metadata__")
+        .map(|(_, v)| v)
+    else {
         return Ok(BTreeMap::new());
     };
     let Some(text) = meta.get(CODED_METADATA_KEY) else {
         return Ok(BTreeMap::new());
     };
     let bad = |why: String| {
-        format!("`__metadata__` `{CODED_METADATA_KEY}` {why}; convert the folder again with ddo convert --compress lossless")
+        format!(
+            "`__metadata__` `{CODED_METADATA_KEY}` {why}; convert the folder again with ddo convert --compress lossless"
+        )
     };
-    let text = text
-        .as_str()
-        .ok_or_else(|| bad("is not a string".into()))?;
+    let text = text.as_str().ok_or_else(|| bad("is not a string".into()))?;
     let entries: UniqueMap =
         serde_json::from_str(text).map_err(|e| bad(format!("is not a JSON object: {e}")))?;
     let mut out = BTreeMap::new();
@@ -496,7 +502,11 @@ fn coded_entries(
             .and_then(|d| d.as_str())
             .and_then(DType::from_header_name)
             .filter(|d| matches!(d, DType::BF16 | DType::F16))
-            .ok_or_else(|| bad(format!("gives `{name}` no 16-bit float `dtype` (BF16 or F16)")))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "gives `{name}` no 16-bit float `dtype` (BF16 or F16)"
+                ))
+            })?;
         let shape: Option<Vec<usize>> = entry.get("shape").and_then(|v| {
             v.as_array()?
                 .iter()
@@ -523,8 +533,9 @@ fn coded_header(
             "coded tensor `{name}` is stored as {stored}, not U8 bytes; convert the folder again"
         ));
     }
-    let header = ddo_codec::UnitHeader::parse(unit)
-        .map_err(|e| format!("coded tensor `{name}`: {e}; the file is corrupt: convert the folder again"))?;
+    let header = ddo_codec::UnitHeader::parse(unit).map_err(|e| {
+        format!("coded tensor `{name}`: {e}; the file is corrupt: convert the folder again")
+    })?;
     let want = shape
         .iter()
         .try_fold(dtype.size_in_bytes(), |a: usize, &d| a.checked_mul(d))

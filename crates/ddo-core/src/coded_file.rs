@@ -79,7 +79,11 @@ enum Written {
 /// with its 2-D 16-bit tensors coded (see the [module docs](self)). A source that holds
 /// coded tensors already is refused. The caller owns the file's name: on an error it
 /// removes the file, and on success it moves it into place.
-pub fn write_coded_safetensors(src: &Path, out: &mut File, out_path: &Path) -> Result<CodedFileStats> {
+pub fn write_coded_safetensors(
+    src: &Path,
+    out: &mut File,
+    out_path: &Path,
+) -> Result<CodedFileStats> {
     let checkpoint = Checkpoint::open(src)?;
     if checkpoint.has_coded() {
         return Err(CoreError::Checkpoint {
@@ -113,13 +117,15 @@ pub fn write_coded_safetensors(src: &Path, out: &mut File, out_path: &Path) -> R
     let widest = entries.iter().map(|e| {
         let as_is = header_entry(e.name, e.dtype, e.shape, [u64::MAX; 2]);
         let coded = header_entry(e.name, "U8", &[usize::MAX], [u64::MAX; 2]);
-        as_is.len().max(if e.is_candidate() { coded.len() } else { 0 }) + 1
+        as_is
+            .len()
+            .max(if e.is_candidate() { coded.len() } else { 0 })
+            + 1
     });
     let candidates: Vec<&Entry<'_>> = entries.iter().filter(|e| e.is_candidate()).collect();
-    let reserved = (widest.sum::<usize>()
-        + metadata_json(&metadata, &coded_list(&candidates)).len()
-        + 64)
-        .next_multiple_of(8);
+    let reserved =
+        (widest.sum::<usize>() + metadata_json(&metadata, &coded_list(&candidates)).len() + 64)
+            .next_multiple_of(8);
     out.set_len(0).map_err(io)?;
     out.seek(SeekFrom::Start(8 + reserved as u64)).map_err(io)?;
     let mut written: Vec<(Written, u64, u64)> = Vec::with_capacity(entries.len());
@@ -186,7 +192,8 @@ pub fn write_coded_safetensors(src: &Path, out: &mut File, out_path: &Path) -> R
     }
     header.push_str(&" ".repeat(reserved - header.len()));
     out.seek(SeekFrom::Start(0)).map_err(io)?;
-    out.write_all(&(reserved as u64).to_le_bytes()).map_err(io)?;
+    out.write_all(&(reserved as u64).to_le_bytes())
+        .map_err(io)?;
     out.write_all(header.as_bytes()).map_err(io)?;
     out.sync_all().map_err(io)?;
     Ok(CodedFileStats {
@@ -269,7 +276,12 @@ mod tests {
             let start = data.len();
             data.extend_from_slice(bytes);
             header.push(',');
-            header.push_str(&header_entry(name, dtype, shape, [start as u64, data.len() as u64]));
+            header.push_str(&header_entry(
+                name,
+                dtype,
+                shape,
+                [start as u64, data.len() as u64],
+            ));
         }
         header.push('}');
         let mut out = (header.len() as u64).to_le_bytes().to_vec();
@@ -299,13 +311,28 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("w.safetensors");
         let tensors = vec![
-            ("a.weight", "BF16", vec![256, 512], normal_bf16(256 * 512, 1)),
+            (
+                "a.weight",
+                "BF16",
+                vec![256, 512],
+                normal_bf16(256 * 512, 1),
+            ),
             ("a.bias", "BF16", vec![256], normal_bf16(256, 2)),
             ("b.weight", "F32", vec![64, 64], vec![7u8; 64 * 64 * 4]),
             ("c.weight", "BF16", vec![8, 8], normal_bf16(64, 3)),
-            ("d.weight", "BF16", vec![4, 2, 128, 64], normal_bf16(65536, 4)),
+            (
+                "d.weight",
+                "BF16",
+                vec![4, 2, 128, 64],
+                normal_bf16(65536, 4),
+            ),
             ("e.ids", "I64", vec![4], vec![1u8; 32]),
-            ("f.weight", "BF16", vec![128, 512], normal_bf16(128 * 512, 5)),
+            (
+                "f.weight",
+                "BF16",
+                vec![128, 512],
+                normal_bf16(128 * 512, 5),
+            ),
         ];
         std::fs::write(&src, safetensors(&tensors, r#"{"format":"pt"}"#)).unwrap();
         let out_path = dir.path().join("out.safetensors");
@@ -313,7 +340,10 @@ mod tests {
         let stats = write_coded_safetensors(&src, &mut out, &out_path).unwrap();
         drop(out);
         assert_eq!((stats.tensors, stats.coded), (7, 2), "{stats:?}");
-        assert_eq!(stats.written_bytes, std::fs::metadata(&out_path).unwrap().len());
+        assert_eq!(
+            stats.written_bytes,
+            std::fs::metadata(&out_path).unwrap().len()
+        );
         assert!(stats.written_bytes < stats.source_bytes, "{stats:?}");
         let back = Checkpoint::open(&out_path).unwrap();
         assert!(back.has_coded());
@@ -324,12 +354,19 @@ mod tests {
             }
             let t = back.tensor(name).unwrap();
             assert_eq!(&t.shape, shape, "{name}");
-            assert_eq!(t.dtype.as_str(), crate::DType::from_header_name(dtype).unwrap().as_str());
+            assert_eq!(
+                t.dtype.as_str(),
+                crate::DType::from_header_name(dtype).unwrap().as_str()
+            );
             let coded = ["a.weight", "f.weight"].contains(name);
             assert_eq!(t.coded.is_some(), coded, "{name}");
             let host = back.host_buffer(name).unwrap();
             assert_eq!(host.len(), bytes.len());
-            assert_eq!(host.slice_all().try_with_bytes(<[u8]>::to_vec).unwrap(), *bytes, "{name}");
+            assert_eq!(
+                host.slice_all().try_with_bytes(<[u8]>::to_vec).unwrap(),
+                *bytes,
+                "{name}"
+            );
             assert_eq!(host.slice_all().to_vec(), *bytes, "{name}");
         }
         let meta = source_metadata(back.map().bytes(), &out_path).unwrap();
@@ -371,7 +408,10 @@ mod tests {
         let bad = Checkpoint::open(&bad_path).unwrap();
         let host = bad.host_buffer("a.weight").unwrap().slice_all();
         let err = host.try_with_bytes(|_| ()).unwrap_err().to_string();
-        assert!(err.contains("a.weight") && err.contains("bad.safetensors"), "{err}");
+        assert!(
+            err.contains("a.weight") && err.contains("bad.safetensors"),
+            "{err}"
+        );
         assert!(host.to_vec().chunks(2).all(|w| w == [0xff, 0xff]));
         // A byte of the unit's header: refused at open, naming the tensor.
         let mut bytes = std::fs::read(&out_path).unwrap();

@@ -399,8 +399,9 @@ pub fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
     {
         use std::os::unix::ffi::OsStrExt;
         let c = |p: &Path| {
-            std::ffi::CString::new(p.as_os_str().as_bytes())
-                .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL in the path"))
+            std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL in the path")
+            })
         };
         let (a, b) = (c(from)?, c(to)?);
         // SAFETY: both are valid NUL-terminated paths that live across the call; the call
@@ -1145,9 +1146,10 @@ impl HostBuffer {
                 Ok(bytes) => f(bytes.as_slice()),
                 Err(_) => {
                     let words = c.header.decoded_len() as usize / 2;
-                    let failed: Vec<u8> = std::iter::repeat_n(CODED_FAILURE_WORD.to_le_bytes(), words)
-                        .flatten()
-                        .collect();
+                    let failed: Vec<u8> =
+                        std::iter::repeat_n(CODED_FAILURE_WORD.to_le_bytes(), words)
+                            .flatten()
+                            .collect();
                     f(&failed)
                 }
             },
@@ -1160,13 +1162,15 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { bytes, .. } => Ok(f(bytes.write().as_mut_slice())),
             HostStorage::Registered { base, .. } => base.with_bytes_mut(f),
-            HostStorage::Mapped { map, .. } | HostStorage::Coded(CodedSource { map, .. }) => Err(CoreError::Backend {
-                device: "host".into(),
-                message: format!(
-                    "attempt to write into the read-only checkpoint mapping of {}",
-                    map.path().display()
-                ),
-            }),
+            HostStorage::Mapped { map, .. } | HostStorage::Coded(CodedSource { map, .. }) => {
+                Err(CoreError::Backend {
+                    device: "host".into(),
+                    message: format!(
+                        "attempt to write into the read-only checkpoint mapping of {}",
+                        map.path().display()
+                    ),
+                })
+            }
         }
     }
 
@@ -1177,7 +1181,9 @@ impl HostBuffer {
         match &*self.inner {
             HostStorage::Owned { addr, .. } => *addr as *const u8,
             HostStorage::Mapped { map, offset, .. }
-            | HostStorage::Coded(CodedSource { map, offset, .. }) => map.bytes()[*offset..].as_ptr(),
+            | HostStorage::Coded(CodedSource { map, offset, .. }) => {
+                map.bytes()[*offset..].as_ptr()
+            }
             HostStorage::Registered { base, .. } => base.as_ptr(),
         }
     }

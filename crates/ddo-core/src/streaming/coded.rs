@@ -301,11 +301,11 @@ pub(crate) fn build(
     layout: &StagingLayout,
     pinned_room: u64,
 ) -> Result<BuiltCoded> {
-    if layout
-        .units()
-        .iter()
-        .any(|u| u.entries.iter().any(|e| e.param.host().coded_source().is_some()))
-    {
+    if layout.units().iter().any(|u| {
+        u.entries
+            .iter()
+            .any(|e| e.param.host().coded_source().is_some())
+    }) {
         return build_from_sources(device, layout, pinned_room);
     }
     let started = Instant::now();
@@ -646,13 +646,12 @@ fn run_image(unit: &TransferUnit, start: u64, end: u64, image: &mut Vec<u8>) -> 
 /// Codes `words` (one piece) or says why it cannot be.
 fn code_piece(u: usize, words: &[u8]) -> Result<(Vec<u8>, UnitHeader)> {
     let mut out = Vec::new();
-    let (header, _) = ddo_codec::encode_unit_into(words, &mut out).map_err(|e| {
-        CoreError::InvalidOption {
+    let (header, _) =
+        ddo_codec::encode_unit_into(words, &mut out).map_err(|e| CoreError::InvalidOption {
             option: "compress".into(),
             value: "lossless".into(),
             hint: format!("unit {u} could not be coded ({e}): stream it with compress=none"),
-        }
-    })?;
+        })?;
     Ok((out, header))
 }
 
@@ -705,7 +704,10 @@ fn build_from_sources(
                 }
             });
         }
-        let total: u64 = pieces.iter().map(|(p, _)| p.len().next_multiple_of(16)).sum();
+        let total: u64 = pieces
+            .iter()
+            .map(|(p, _)| p.len().next_multiple_of(16))
+            .sum();
         if total > coded_slot {
             run_image(unit, 0, unit.bytes, image)?;
             let (bytes, header) = code_piece(u, image)?;
@@ -768,7 +770,10 @@ fn build_from_sources(
         entropy_millibits: 0,
         cache: CodedCache::Sources,
         coding_ns: nanos(started.elapsed()),
-        note: Some("the weights are coded in their files (ddo convert --compress lossless): no cache".into()),
+        note: Some(
+            "the weights are coded in their files (ddo convert --compress lossless): no cache"
+                .into(),
+        ),
         cache_path: None,
         released: released.into_inner(),
     })

@@ -1030,11 +1030,12 @@ impl StreamingEngine {
                 // from their files and the runs of others coded at build.
                 for piece in &coded_unit.pieces {
                     let (h, p_at) = (&piece.header, piece.at as usize);
-                    let piece_src = ring.buffer.slice(at as usize + p_at, h.encoded_len() as usize)?;
-                    let dst = ring.buffer.slice(
-                        (dst_base + piece.dst) as usize,
-                        h.decoded_len() as usize,
-                    )?;
+                    let piece_src = ring
+                        .buffer
+                        .slice(at as usize + p_at, h.encoded_len() as usize)?;
+                    let dst = ring
+                        .buffer
+                        .slice((dst_base + piece.dst) as usize, h.decoded_len() as usize)?;
                     self.device
                         .decode_lossless(h, &piece_src, &dst, &scratch, decode)?;
                 }

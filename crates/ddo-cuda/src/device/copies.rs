@@ -251,10 +251,10 @@ impl CudaDevice {
                 .map_err(|e| self.core(e))?;
             s.track((Held::Host(src.clone()), Some(Held::Device(dst.clone()))))
                 .map_err(|e| self.core(e))
-        } else if let Some(staging) =
-            (src.kind() == HostMemoryKind::Pageable || src.buffer().coded_source().is_some())
-                .then(|| self.upload_staging_buffer(src.len()))
-                .flatten()
+        } else if let Some(staging) = (src.kind() == HostMemoryKind::Pageable
+            || src.buffer().coded_source().is_some())
+        .then(|| self.upload_staging_buffer(src.len()))
+        .flatten()
         {
             // Pageable: the bytes go into a pinned upload buffer now, and the copy from it
             // is queued like any pinned copy. A pageable copy would hold the host until it
@@ -263,9 +263,9 @@ impl CudaDevice {
             let view = staging.slice(0, src.len())?;
             match src.coded_source() {
                 Some(coded) => view.with_bytes_mut(|to| coded.decode_into(to))??,
-                None => view.with_bytes_mut(|to| {
-                    src.try_with_bytes(|from| to.copy_from_slice(from))
-                })??,
+                None => {
+                    view.with_bytes_mut(|to| src.try_with_bytes(|from| to.copy_from_slice(from)))??
+                }
             }
             view.with_bytes(|bytes| driver::memcpy_htod_async(to, bytes, &s.stream))
                 .map_err(|e| self.core(e))?;
