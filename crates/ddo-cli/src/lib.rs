@@ -17,7 +17,9 @@
 //! - [`resolve`](mod@resolve): what a preset gives each component, and why;
 //! - [`inspect`](mod@inspect): safetensors headers, and what each preset keeps resident;
 //! - [`bench`](mod@bench): one component under several routes or presets, against the link floor
-//!   (and, with `--plot`, a time vs peak memory chart from [`plot`](mod@plot)).
+//!   (and, with `--plot`, a time vs peak memory chart from [`plot`](mod@plot));
+//! - [`convert`](mod@convert): a pipeline folder written again with its matrices coded
+//!   losslessly (`--compress lossless`).
 //!
 //! Every failure comes back as a [`CliError`] — one line, with a hint, and an exit status
 //! (2 for bad usage, 1 for a failure while running) — never as a panic.

@@ -408,3 +408,75 @@ fn decode_throughput_on_256_mib() {
     let out = download(&*dev, &dst.slice_all(), &stream).unwrap();
     assert!(out == words, "the 256 MiB decode differs from the original");
 }
+
+/// A safetensors file of bf16 `tensors` (name, shape, bytes) at `path`.
+fn write_bf16_safetensors(path: &std::path::Path, tensors: &[(&str, [usize; 2], Vec<u8>)]) {
+    let mut header = String::from("{");
+    let mut data = Vec::new();
+    for (i, (name, shape, bytes)) in tensors.iter().enumerate() {
+        let start = data.len();
+        data.extend_from_slice(bytes);
+        if i > 0 {
+            header.push(',');
+        }
+        header.push_str(&format!(
+            "\"{name}\":{{\"dtype\":\"BF16\",\"shape\":[{},{}],\"data_offsets\":[{start},{}]}}",
+            shape[0],
+            shape[1],
+            data.len()
+        ));
+    }
+    header.push('}');
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&data);
+    std::fs::write(path, out).unwrap();
+}
+
+/// Issue 35: a coded checkpoint tensor (`ddo convert --compress lossless`) copied to the
+/// device gives its weights bit for bit, on both of CUDA's paths (a large one uploaded
+/// coded and decoded on the device, a small one decoded on the host into an upload
+/// buffer); a unit corrupted in the file is the copy's typed error naming the tensor.
+#[test]
+fn coded_checkpoint_tensors_upload_bit_for_bit_and_corruption_is_an_error() {
+    let Some(dev) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("ddo-gpu-coded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let big = normal_words(2048 * 4608, 21);
+    let small = normal_words(256 * 512, 22);
+    let raw = dir.join("raw.safetensors");
+    write_bf16_safetensors(
+        &raw,
+        &[("big.weight", [2048, 4608], big.clone()), ("small.weight", [256, 512], small.clone())],
+    );
+    let coded = dir.join("coded.safetensors");
+    let mut file = std::fs::File::create_new(&coded).unwrap();
+    ddo_core::coded_file::write_coded_safetensors(&raw, &mut file, &coded).unwrap();
+    drop(file);
+    let stream = dev.create_stream().unwrap();
+    let copy = |path: &std::path::Path, name: &str| -> ddo_core::Result<Vec<u8>> {
+        let ckpt = ddo_core::Checkpoint::open(path)?;
+        assert!(ckpt.tensor(name)?.coded.is_some(), "{name} is not coded");
+        let host = ckpt.host_buffer(name)?;
+        let dst = dev.alloc(host.len())?;
+        dev.copy_h2d(&host.slice_all(), &dst.slice_all(), &stream)?;
+        download(&*dev, &dst.slice_all(), &stream)
+    };
+    assert!(copy(&coded, "big.weight").unwrap() == big, "the large tensor differs");
+    assert!(copy(&coded, "small.weight").unwrap() == small, "the small tensor differs");
+    // A byte of the large unit's sign+mantissa section flipped: only the checksum tells.
+    let ckpt = ddo_core::Checkpoint::open(&coded).unwrap();
+    let t = ckpt.tensor("big.weight").unwrap().clone();
+    drop(ckpt);
+    let mut bytes = std::fs::read(&coded).unwrap();
+    let at = t.offset + t.coded.as_ref().unwrap().mantissa_offset() as usize + 12345;
+    bytes[at] ^= 0x08;
+    let bad = dir.join("bad.safetensors");
+    std::fs::write(&bad, &bytes).unwrap();
+    let err = copy(&bad, "big.weight").unwrap_err().to_string();
+    assert!(err.contains("big.weight") && err.contains("bad.safetensors"), "{err}");
+    // The device is still usable after the refusal.
+    assert!(copy(&coded, "big.weight").unwrap() == big);
+    let _ = std::fs::remove_dir_all(&dir);
+}
