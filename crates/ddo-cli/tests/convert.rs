@@ -211,6 +211,48 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         if name == "stream" || name == "budget" {
             assert!(text.contains("not needed (coded files)"), "{name}: {text}");
         }
+        if name == "stream" {
+            // The plan's pinned home for coded files: at most the raw bytes' (the largest
+            // segment's coded ratio), never below what the engine pinned.
+            let planned = v["memory_plan"]["components"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["component"] == "transformer")
+                .map(|c| c["footprint"]["pinned_host_bytes"].as_u64().unwrap())
+                .unwrap();
+            let raw_v = run(
+                &raw,
+                &d.join("raw-stream.safetensors"),
+                &["--route", route, "--route", "text_encoder_2=none"],
+            );
+            let raw_planned = raw_v["memory_plan"]["components"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["component"] == "transformer")
+                .map(|c| c["footprint"]["pinned_host_bytes"].as_u64().unwrap())
+                .unwrap();
+            let pinned = v["components"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["component"] == "transformer")
+                .map(|c| {
+                    c["metrics"]["counters"]["peak_pinned_host_bytes"]
+                        .as_u64()
+                        .unwrap()
+                })
+                .unwrap();
+            assert!(
+                planned < raw_planned,
+                "coded home planned {planned} B, raw {raw_planned} B"
+            );
+            assert!(
+                pinned > 0 && planned >= pinned,
+                "planned {planned} B, pinned {pinned} B"
+            );
+        }
         if name == "budget" {
             // Part resident (decoded on the host for its upload), part streamed coded.
             let c = v["components"]

@@ -448,7 +448,10 @@ fn coded_checkpoint_tensors_upload_bit_for_bit_and_corruption_is_an_error() {
     let raw = dir.join("raw.safetensors");
     write_bf16_safetensors(
         &raw,
-        &[("big.weight", [2048, 4608], big.clone()), ("small.weight", [256, 512], small.clone())],
+        &[
+            ("big.weight", [2048, 4608], big.clone()),
+            ("small.weight", [256, 512], small.clone()),
+        ],
     );
     let coded = dir.join("coded.safetensors");
     let mut file = std::fs::File::create_new(&coded).unwrap();
@@ -463,8 +466,14 @@ fn coded_checkpoint_tensors_upload_bit_for_bit_and_corruption_is_an_error() {
         dev.copy_h2d(&host.slice_all(), &dst.slice_all(), &stream)?;
         download(&*dev, &dst.slice_all(), &stream)
     };
-    assert!(copy(&coded, "big.weight").unwrap() == big, "the large tensor differs");
-    assert!(copy(&coded, "small.weight").unwrap() == small, "the small tensor differs");
+    assert!(
+        copy(&coded, "big.weight").unwrap() == big,
+        "the large tensor differs"
+    );
+    assert!(
+        copy(&coded, "small.weight").unwrap() == small,
+        "the small tensor differs"
+    );
     // A byte of the large unit's sign+mantissa section flipped: only the checksum tells.
     let ckpt = ddo_core::Checkpoint::open(&coded).unwrap();
     let t = ckpt.tensor("big.weight").unwrap().clone();
@@ -475,7 +484,10 @@ fn coded_checkpoint_tensors_upload_bit_for_bit_and_corruption_is_an_error() {
     let bad = dir.join("bad.safetensors");
     std::fs::write(&bad, &bytes).unwrap();
     let err = copy(&bad, "big.weight").unwrap_err().to_string();
-    assert!(err.contains("big.weight") && err.contains("bad.safetensors"), "{err}");
+    assert!(
+        err.contains("big.weight") && err.contains("bad.safetensors"),
+        "{err}"
+    );
     // The device is still usable after the refusal.
     assert!(copy(&coded, "big.weight").unwrap() == big);
     let _ = std::fs::remove_dir_all(&dir);

@@ -454,20 +454,31 @@ impl Route for GroupOffloadRoute {
             .budget
             .map(|b| b.bytes_given_free(context.free_device_bytes));
         let total: u64 = segments.iter().map(|(_, b)| b).sum();
-        let (resident, streamed, ring) = match budget {
+        let (resident, streamed, ring, streamed_labels) = match budget {
             Some(b) => {
                 let p = plan_residency_with(&segments, b, model);
-                (p.resident_bytes, p.streamed_bytes, p.slot_bytes)
+                (
+                    p.resident_bytes,
+                    p.streamed_bytes,
+                    p.slot_bytes,
+                    Some(p.streamed),
+                )
             }
             None => {
                 let largest = segments.iter().map(|(_, b)| *b).max().unwrap_or(0);
-                (0, total, model.room(largest, total))
+                (0, total, model.room(largest, total), None)
             }
         };
         // Coded units: the slot model counts their coded slots and the decoder's status in
-        // the ring; the coded bytes are known only once coded, so streamed and pinned bytes
-        // stay the raw bytes (an upper bound: a unit never codes larger than its raw bytes
-        // plus a header).
+        // the ring. Coded at attach, their bytes are known only once coded, so the home
+        // counts the raw bytes (an upper bound: a unit never codes larger than its raw bytes
+        // plus a header); read coded from their files, the home is at most the streamed
+        // home is bounded from the files (`GroupPlan::coded_home_bytes`).
+        let coded_home = plan.coded_home_bytes(streamed_labels.as_deref(), streaming.unit_bytes);
+        let home = match coded_home {
+            Some(bytes) if streaming.compress == ddo_core::Compression::Lossless => bytes,
+            _ => streamed,
+        };
         let learning = plan.largest_groups_bytes(2);
         // A home of the streamed bytes when they fit, else two staging buffers of a slot.
         let staging_buffers = 2 * (ring / model.slots.max(1)).min(limit / 2);
@@ -480,8 +491,8 @@ impl Route for GroupOffloadRoute {
             (staging_buffers, false)
         } else if registers && streamed + resident <= limit {
             (streamed + resident, false)
-        } else if streamed <= limit {
-            (streamed, false)
+        } else if home <= limit {
+            (home, false)
         } else if registers && limit > staging_buffers {
             // The first units registered, as many as the limit holds beside the two
             // staging buffers the rest go through: at most the limit.
@@ -512,7 +523,7 @@ impl Route for GroupOffloadRoute {
             needs_native_allocator: false,
             attaches_on_device: false,
             pageable_staging: pageable,
-            pinned_limit_to_avoid_pageable: if pageable { streamed } else { 0 },
+            pinned_limit_to_avoid_pageable: if pageable { home } else { 0 },
             staged_bytes_per_forward: staged,
             disk_bytes_per_forward: disk,
             summary: format!(

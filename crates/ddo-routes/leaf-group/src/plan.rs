@@ -11,6 +11,10 @@ use crate::config::GroupOffloadConfig;
 
 use crate::UNMATCHED_LABEL;
 
+/// Bytes a param coded at attach may take beyond its own: a unit's header and the 16-byte
+/// alignment of what follows (`ddo_codec::max_encoded_len`'s margin, rounded up).
+pub const CODED_PIECE_SLACK: u64 = 128;
+
 /// One offload group: params that move to the device together.
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -202,6 +206,47 @@ impl GroupPlan {
                 (g.label.clone(), bytes)
             })
             .collect()
+    }
+
+    /// With weights coded in their files (`ddo convert --compress lossless`), an upper
+    /// bound of the coded home of the engine segments `streamed` (labels; `None`: all):
+    /// a param read coded is its unit (16-byte aligned); the others are coded at attach in
+    /// runs, each at most its bytes plus [`CODED_PIECE_SLACK`]. A run starts at a segment's
+    /// start, after a param read coded, or at a transfer unit's start (units of `unit_bytes`
+    /// or more), so a segment holds at most `coded + 2 + bytes / unit_bytes` of them. `None`
+    /// when no param is read coded (the home is coded at attach: its size is known only
+    /// then).
+    pub fn coded_home_bytes(&self, streamed: Option<&[String]>, unit_bytes: u64) -> Option<u64> {
+        let mut any = false;
+        let mut total = 0u64;
+        for (i, g) in self.groups.iter().enumerate() {
+            if g.params.is_empty()
+                || Some(i) == self.unmatched
+                || streamed.is_some_and(|s| !s.contains(&g.label))
+            {
+                continue;
+            }
+            let (mut raw, mut coded, mut read_coded, mut others) = (0u64, 0u64, 0u64, false);
+            for p in &g.params {
+                raw += align_up(p.nbytes() as u64);
+                match p.host().coded_source() {
+                    Some(c) => {
+                        read_coded += 1;
+                        coded += (c.len as u64).next_multiple_of(16);
+                    }
+                    None => {
+                        others = true;
+                        coded += align_up(p.nbytes() as u64);
+                    }
+                }
+            }
+            any |= read_coded > 0;
+            if others {
+                coded += (read_coded + 2 + raw / unit_bytes.max(1)) * CODED_PIECE_SLACK;
+            }
+            total += coded;
+        }
+        any.then_some(total)
     }
 
     fn streamed_group_bytes(&self) -> impl Iterator<Item = u64> + '_ {
