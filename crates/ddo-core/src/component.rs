@@ -352,12 +352,18 @@ impl Component {
     }
 
     /// The checkpoint files its params are mapped from (file mappings only, not weights made
-    /// in memory), each once, in path order: what its weights are read from.
+    /// in memory; coded tensors' files included), each once, in path order: what its weights
+    /// are read from.
     pub fn mapped_files(&self) -> Vec<Arc<crate::host_memory::CheckpointMap>> {
         let mut files: Vec<Arc<crate::host_memory::CheckpointMap>> = Vec::new();
         for p in self.params() {
             let host = p.host();
-            if let Some((map, _)) = host.mapped_range()
+            // A coded tensor's file is read as much as a mapped one's.
+            let map = host
+                .mapped_range()
+                .map(|(map, _)| map)
+                .or_else(|| host.buffer().coded_source().map(|c| &c.map));
+            if let Some(map) = map
                 && map.is_file()
                 && !files.iter().any(|f| Arc::ptr_eq(f, map))
             {

@@ -314,7 +314,7 @@ pub const COMPRESS_OPTION: OptionDecl = OptionDecl::new(
     "compress",
     OptionKind::Choice(&["none", "lossless"]),
     "none",
-    "store and send streamed bf16 weights entropy-coded, decoded on the device bit for bit",
+    "store and send streamed bf16 weights entropy-coded, decoded on the device bit for bit (the default over weights coded in their files by ddo convert)",
 );
 
 /// The typed error for a budget that cannot hold the streaming ring (`ring_bytes` for
