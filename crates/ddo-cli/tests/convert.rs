@@ -196,6 +196,12 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
             "budget",
             "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,unit_bytes=8KiB,budget=110KiB",
         ),
+        // The coded home over the pinned limit: lossless, chosen by default, gives way to
+        // staging (the coded params decoded on the host as staged), not to a failure.
+        (
+            "staged",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,pinned_limit=4KiB",
+        ),
     ] {
         let out = d.join(format!("{name}.safetensors"));
         let v = run(
@@ -210,6 +216,20 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         let text = v.to_string();
         if name == "stream" || name == "budget" {
             assert!(text.contains("not needed (coded files)"), "{name}: {text}");
+        }
+        if name == "staged" {
+            assert!(!text.contains("not needed (coded files)"), "{name}: {text}");
+            let c = v["components"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["component"] == "transformer")
+                .unwrap();
+            let counters = &c["metrics"]["counters"];
+            assert!(
+                counters["staging_buffers"].as_u64().unwrap() > 0,
+                "{counters}"
+            );
         }
         if name == "stream" {
             // The plan's pinned home for coded files: at most the raw bytes' (the largest

@@ -643,6 +643,30 @@ fn run_image(unit: &TransferUnit, start: u64, end: u64, image: &mut Vec<u8>) -> 
     Ok(())
 }
 
+/// An upper bound of the coded home [`build`] makes of `layout`, read from the files and
+/// the layout alone: each param read coded at its unit's length, each run of other params
+/// at its bytes plus a header, and no unit over a coded slot.
+pub(crate) fn home_bound(layout: &StagingLayout) -> u64 {
+    const SLACK: u64 = 128;
+    // A unit is its pieces where they fit a coded slot, else coded whole: either way
+    // within a coded slot.
+    let coded_slot = crate::streaming::coded_slot_bytes(layout.slot_bytes());
+    layout
+        .units()
+        .iter()
+        .map(|unit| {
+            let bound: u64 = plan_pieces(unit)
+                .iter()
+                .map(|(plan, _)| match plan {
+                    PiecePlan::Source(c) => (c.len as u64).next_multiple_of(16),
+                    PiecePlan::Run { start, end } => end - start + SLACK,
+                })
+                .sum();
+            bound.min(coded_slot)
+        })
+        .sum()
+}
+
 /// Codes `words` (one piece) or says why it cannot be.
 fn code_piece(u: usize, words: &[u8]) -> Result<(Vec<u8>, UnitHeader)> {
     let mut out = Vec::new();

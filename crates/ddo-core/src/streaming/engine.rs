@@ -338,7 +338,7 @@ impl StreamingEngine {
                 .iter()
                 .any(|p| !resident_ids.contains(&p.id()) && p.host().mapped_range().is_some())
         });
-        let coded = config.compress == Compression::Lossless;
+        let mut coded = config.compress == Compression::Lossless;
         let register = !coded
             && config.pinned_source == PinnedSource::Register
             && config.staging != StagingMode::Ring
@@ -379,6 +379,11 @@ impl StreamingEngine {
         let info = device.memory_info();
         let pinned_room = config.pinned_limit.min(info.pinned_room());
         let home_bytes: u64 = layout.units().iter().map(|u| u.bytes).sum();
+        // Lossless chosen by default over coded files gives way where its home does not
+        // fit: the units stream uncoded (staged) and the coded params decode as staged.
+        if coded && config.lossless_if_home_fits && coded::home_bound(&layout) > pinned_room {
+            coded = false;
+        }
         let setup = Instant::now();
         // Registered mappings first, when asked for and they fit; otherwise (or where the
         // device cannot register the memory) the engine stages as it does for a home.

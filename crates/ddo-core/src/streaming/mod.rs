@@ -154,6 +154,11 @@ pub struct StreamingConfig {
     /// Bytes of staged units whose file pages stay in memory between forwards (`None`:
     /// all); the rest are given back once copied ([`staged_read`]).
     pub page_cache_limit: Option<u64>,
+    /// `compress=lossless` was not asked for but chosen because the weights are coded in
+    /// their files (`ddo convert --compress lossless`): where their coded home does not fit
+    /// the pinned room, the units stream uncoded instead (staged, the coded params decoded
+    /// on the host as they are staged) rather than the attach failing.
+    pub lossless_if_home_fits: bool,
 }
 
 /// Coded slots of a lossless-coded ring: a unit's coded bytes land in one while the unit
@@ -186,6 +191,7 @@ impl Default for StreamingConfig {
             timeline: false,
             compress: Compression::None,
             page_cache_limit: None,
+            lossless_if_home_fits: false,
         }
     }
 }
@@ -222,6 +228,7 @@ impl StreamingConfig {
             timeline: o.timeline.unwrap_or(false),
             compress: o.compress.unwrap_or_default(),
             page_cache_limit: o.page_cache_limit,
+            lossless_if_home_fits: false,
         }
     }
 }

@@ -133,9 +133,14 @@ impl StagedReader {
                 u.entries
                     .iter()
                     .filter_map(|e| {
-                        e.param
-                            .host()
-                            .mapped_range()
+                        let host = e.param.host();
+                        // A coded param's file range is its unit (what its decode reads).
+                        let range = host.mapped_range().or_else(|| {
+                            host.buffer()
+                                .coded_source()
+                                .map(|c| (&c.map, c.offset..c.offset + c.len))
+                        });
+                        range
                             .filter(|(map, _)| map.is_file())
                             .map(|(map, range)| (Arc::clone(map), range))
                     })
@@ -235,7 +240,12 @@ impl StagedReader {
     ) -> crate::Result<()> {
         let read = self.evict.get(u).copied().unwrap_or(false);
         let n = dst.len();
-        if self.threads <= 1 || (n as u64) < PARALLEL_FILL_BYTES {
+        // A coded param decodes whole on its own threads: one fill, not one decode a thread.
+        let coded = unit
+            .entries
+            .iter()
+            .any(|e| e.param.host().buffer().coded_source().is_some());
+        if coded || self.threads <= 1 || (n as u64) < PARALLEL_FILL_BYTES {
             return fill_range(dst, unit, at, read);
         }
         let page = 4096usize;
@@ -294,7 +304,10 @@ fn fill_range(dst: &mut [u8], unit: &TransferUnit, at: u64, read: bool) -> crate
         let host = e.param.host();
         match host.mapped_range().filter(|(map, _)| read && map.is_file()) {
             Some((map, range)) => map.read_at(range.start + s0, &mut dst[d0..d0 + len])?,
-            None => host.with_bytes(|src| dst[d0..d0 + len].copy_from_slice(&src[s0..s0 + len])),
+            // A coded param decodes here; one that does not is the error.
+            None => host.try_with_bytes(|src| {
+                dst[d0..d0 + len].copy_from_slice(&src[s0..s0 + len]);
+            })?,
         }
     }
     Ok(())

@@ -128,6 +128,7 @@ pub fn streaming_config_for(spec: &RouteSpec, component: &Component) -> Streamin
             .any(|p| p.host().coded_source().is_some())
     {
         config.compress = ddo_core::Compression::Lossless;
+        config.lossless_if_home_fits = true;
     }
     config
 }
@@ -475,8 +476,11 @@ impl Route for GroupOffloadRoute {
         // plus a header); read coded from their files, the home is at most the streamed
         // home is bounded from the files (`GroupPlan::coded_home_bytes`).
         let coded_home = plan.coded_home_bytes(streamed_labels.as_deref(), streaming.unit_bytes);
+        // Lossless by default over coded files gives way where its home does not fit.
+        let lossless = streaming.compress == ddo_core::Compression::Lossless
+            && !(streaming.lossless_if_home_fits && coded_home.is_some_and(|h| h > limit));
         let home = match coded_home {
-            Some(bytes) if streaming.compress == ddo_core::Compression::Lossless => bytes,
+            Some(bytes) if lossless => bytes,
             _ => streamed,
         };
         let learning = plan.largest_groups_bytes(2);
@@ -485,8 +489,7 @@ impl Route for GroupOffloadRoute {
         // Registering (the default source) page-locks the resident params' ranges too, for
         // their one upload, where streamed and resident fit under the limit together; they
         // stay pinned (the device's cache of released registrations) until the phase ends.
-        let registers = streaming.pinned_source == ddo_core::PinnedSource::Register
-            && streaming.compress != ddo_core::Compression::Lossless;
+        let registers = streaming.pinned_source == ddo_core::PinnedSource::Register && !lossless;
         let (pinned, pageable) = if streaming.staging == StagingMode::Ring {
             (staging_buffers, false)
         } else if registers && streamed + resident <= limit {
