@@ -279,6 +279,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         timeline: false,
         compress: ddo_core::Compression::None,
         page_cache_limit: case.page_cache_limit,
+        lossless_if_home_fits: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();
@@ -879,6 +880,7 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
         timeline: false,
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
+        lossless_if_home_fits: false,
     };
     let schedule: Vec<usize> = (0..8).collect();
     let dev: Arc<dyn Device> = d.clone();
@@ -1019,6 +1021,7 @@ fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order
         timeline: false,
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
+        lossless_if_home_fits: false,
     };
     // The big segments interleaved with the small ones in the schedule.
     let schedule: Vec<usize> = vec![0, 5, 6, 7, 1, 8, 9, 10, 2, 11, 12, 13, 3, 14, 15, 16];
