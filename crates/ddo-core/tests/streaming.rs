@@ -143,6 +143,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         timeline: false,
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
+        lossless_if_home_fits: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let copy = d.create_stream().unwrap();
@@ -321,6 +322,7 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
         timeline: false,
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
+        lossless_if_home_fits: false,
     };
     let dev: Arc<dyn Device> = d.clone();
     let engine = StreamingEngine::new(
@@ -430,6 +432,7 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
         timeline: false,
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
+        lossless_if_home_fits: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();
