@@ -335,7 +335,7 @@ struct TensorInfo {
 fn read_header(path: &Path) -> CliResult<Vec<TensorInfo>> {
     // The same checks `run` and `decode` make (truncation, overlaps, duplicate names,
     // overflowing shapes, non-regular files) before anything is summarised.
-    ddo_core::Checkpoint::open(path).map_err(CliError::from)?;
+    let ckpt = ddo_core::Checkpoint::open(path).map_err(CliError::from)?;
     let bad = |message: String| {
         CliError::runtime(
             format!("{}: {message}", path.display()),
@@ -379,6 +379,17 @@ fn read_header(path: &Path) -> CliResult<Vec<TensorInfo>> {
                 .unwrap_or(0)
                 .saturating_sub(a.as_u64().unwrap_or(0)),
             _ => return Err(bad(format!("tensor `{name}` has no data_offsets"))),
+        };
+        // A coded tensor (`ddo convert --compress lossless`) counts as the weights it
+        // decodes to: what a route places on the device.
+        let coded = ckpt.tensor(&name).ok().filter(|t| t.coded.is_some());
+        let (dtype, params, bytes) = match coded {
+            Some(t) => (
+                format!("{:?}", t.dtype.to_safetensors()),
+                t.shape.iter().map(|&d| d as u64).product(),
+                t.coded.as_ref().map_or(bytes, |h| h.decoded_len()),
+            ),
+            None => (dtype, params, bytes),
         };
         out.push(TensorInfo {
             name,

@@ -163,6 +163,27 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         left.iter().all(|n| !n.starts_with(".ddo-convert")),
         "{left:?}"
     );
+    // `ddo inspect` counts the coded tensors as the weights they decode to: the same
+    // components, tensors, params and bytes by dtype as the raw folder's.
+    let summary = |dir: &Path| {
+        let v = json(&ddo(&["inspect", dir.to_str().unwrap(), "--json"]));
+        let comps = v["components"].as_array().cloned().unwrap_or_default();
+        comps
+            .iter()
+            .map(|c| {
+                (
+                    c["component"].clone(),
+                    c["tensors"].clone(),
+                    c["params"].clone(),
+                    c["bytes"].clone(),
+                    c["by_dtype"].clone(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let raw_summary = summary(&raw);
+    assert!(!raw_summary.is_empty());
+    assert_eq!(summary(&coded), raw_summary);
     // `ddo inspect --check-values` reads the coded tensors as the values they decode to.
     let check = |dir: &Path| {
         json(&ddo(&[

@@ -315,12 +315,20 @@ impl CodedFigures {
             .as_ref()
             .map(|n| format!(" ({n})"))
             .unwrap_or_default();
+        // Units read coded from their files were not coded here: no entropy measured.
+        let entropy = if self.exponent_entropy_millibits > 0 {
+            format!(
+                ", exponent entropy {:.3} bits",
+                self.exponent_entropy_millibits as f64 / 1000.0
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{} of {} ({:.3}), exponent entropy {:.3} bits, cache {}{at}{note}, {:.2} s to get them, {} of host pages released",
+            "{} of {} ({:.3}){entropy}, cache {}{at}{note}, {:.2} s to get them, {} of host pages released",
             format_bytes(self.coded_bytes),
             format_bytes(self.raw_bytes),
             self.ratio(),
-            self.exponent_entropy_millibits as f64 / 1000.0,
             self.cache,
             self.coding_ns as f64 / 1e9,
             format_bytes(self.host_bytes_released)
