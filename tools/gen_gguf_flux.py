@@ -5,7 +5,8 @@ with every 2-D tensor whose rows are whole 32-element blocks quantized by gguf-p
 the types taken in turn from Q8_0, Q4_0, Q5_1, Q4_1, Q5_0, and every other tensor kept F32;
 `general.architecture` "flux".
 
-Writes `fixtures/gguf/` (and the T5 encoder's files, see `t5` below):
+Writes `fixtures/gguf/` (and the T5 encoder's and the Qwen-Image transformer's files, see `t5` and
+`qwen` below):
 
 * `flux_pipeline-transformer-mixed.gguf`;
 * `flux_pipeline-transformer-mixed.dequantized.safetensors`: gguf-py's `dequantize` of every tensor as
@@ -108,6 +109,20 @@ def t5():
     print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized")
 
 
+def qwen():
+    """The Qwen-Image fixture pipeline's transformer (`fixtures/qwen_pipeline/transformer`) as a
+    GGUF file in Diffusers' names, as QuantStack's and city96's Qwen-Image GGUFs hold it:
+    `qwen_pipeline-transformer-mixed.gguf` (architecture qwen_image; 2-D tensors of whole
+    32-element rows quantized in turn to Q8_0, Q5_0, Q4_1; the rest F32) and its
+    `.dequantized.safetensors` (gguf-py's dequantization, float32)."""
+    src = ROOT / "fixtures" / "qwen_pipeline" / "transformer" / "diffusion_pytorch_model.safetensors"
+    path = OUT / "qwen_pipeline-transformer-mixed.gguf"
+    out, k = write_quantized(load_file(str(src)), path, "qwen_image", [T.Q8_0, T.Q5_0, T.Q4_1])
+    save_file(out, str(OUT / "qwen_pipeline-transformer-mixed.dequantized.safetensors"))
+    print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized")
+
+
 if __name__ == "__main__":
     main()
     t5()
+    qwen()

@@ -328,3 +328,160 @@ fn malformed_or_foreign_gguf_files_are_refused_by_run_and_inspect_alike() {
     assert_eq!(std::fs::read(fixture(GGUF)).unwrap(), bytes);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `ddo run` of the Qwen-Image fixture pipeline (3 steps, 32x48, true CFG 4) with `extra`,
+/// writing `out`; the JSON report.
+fn run_qwen(out: &Path, extra: &[&str]) -> serde_json::Value {
+    let inputs = fixture("qwen_pipeline/inputs.safetensors");
+    let folder = fixture("qwen_pipeline");
+    let mut args = vec![
+        "run",
+        "--weights",
+        &folder,
+        "--prompt-embeds",
+        &inputs,
+        "--init-latents",
+        &inputs,
+        "--steps",
+        "3",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--true-cfg-scale",
+        "4",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    json(&ddo(&args))
+}
+
+/// Issue 37: a Qwen-Image transformer from one file beside the pipeline folder
+/// (`--transformer FILE`): a GGUF in Diffusers' names (`tools/gen_gguf_flux.py`: Q8_0, Q5_0
+/// and Q4_1 by gguf-py) dequantized at load gives the image of the safetensors file of
+/// gguf-py's dequantization bit for bit (f32 and bf16), and so does that file under
+/// ComfyUI's `model.diffusion_model.` prefix; kept as blocks (the default: a fraction of
+/// the weight bytes, bf16 compute) it gives one image on every route that takes it, within
+/// bf16's rounding of the dequantized weights; a Flux file is refused naming it, as is
+/// `--transformer` with `--config`.
+#[test]
+fn a_qwen_image_gguf_transformer_runs_as_its_dequantization_does() {
+    let d = scratch("gguf-qwen");
+    let gguf = fixture("gguf/qwen_pipeline-transformer-mixed.gguf");
+    let reference = fixture("gguf/qwen_pipeline-transformer-mixed.dequantized.safetensors");
+    let sample = |p: &Path| tensor(p, "sample").1;
+    let weight_bytes = |v: &serde_json::Value| -> u64 {
+        v["memory_plan"]["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["component"] == "transformer")
+            .map(|c| c["footprint"]["weight_bytes"].as_u64().unwrap())
+            .unwrap()
+    };
+    for dtype in ["f32", "bf16"] {
+        let a = d.join(format!("gguf-{dtype}.safetensors"));
+        let b = d.join(format!("ref-{dtype}.safetensors"));
+        run_qwen(&a, &["--transformer", &gguf, "--dtype", dtype]);
+        run_qwen(&b, &["--transformer", &reference, "--dtype", dtype]);
+        assert!(
+            sample(&a) == sample(&b),
+            "{dtype}: the GGUF dequantized at load differs"
+        );
+    }
+    // The reference under ComfyUI's prefix: the same image.
+    let prefixed = d.join("prefixed.safetensors");
+    {
+        let bytes = std::fs::read(&reference).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (format!("model.diffusion_model.{n}"), v))
+            .collect();
+        safetensors::serialize_to_file(views, None, &prefixed).unwrap();
+    }
+    let p = d.join("prefixed-out.safetensors");
+    run_qwen(
+        &p,
+        &[
+            "--transformer",
+            prefixed.to_str().unwrap(),
+            "--dtype",
+            "f32",
+        ],
+    );
+    assert!(
+        sample(&p) == sample(&d.join("ref-f32.safetensors")),
+        "the prefixed file differs"
+    );
+    // As stored: blocks on every route, bf16 compute, a fraction of the bytes.
+    let reference_bytes = weight_bytes(&run_qwen(
+        &d.join("ref-stored.safetensors"),
+        &["--transformer", &reference],
+    ));
+    let mut first: Option<Vec<f32>> = None;
+    for (name, route) in [
+        ("none", "transformer=none"),
+        (
+            "stream",
+            "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true",
+        ),
+        ("native", "transformer=native_vmm:budget=64KiB"),
+    ] {
+        let out = d.join(format!("blocks-{name}.safetensors"));
+        let v = run_qwen(&out, &["--transformer", &gguf, "--route", route]);
+        let bytes = weight_bytes(&v);
+        assert!(
+            bytes * 2 < reference_bytes,
+            "{name}: {bytes} B of weights against {reference_bytes} B dequantized"
+        );
+        let s = sample(&out);
+        match &first {
+            None => first = Some(s),
+            Some(f) => assert!(*f == s, "{name}: the blocks' image differs between routes"),
+        }
+    }
+    // Within bf16's own error: the blocks' image against the dequantized weights in bf16 is
+    // no further than bf16 is from f32 on the same weights (the blocks keep the small
+    // tensors in f32, which `--dtype bf16` rounds).
+    let bf16 = sample(&d.join("ref-bf16.safetensors"));
+    let own = rel_l2(&bf16, &sample(&d.join("ref-f32.safetensors")));
+    let e = rel_l2(first.as_ref().unwrap(), &bf16);
+    assert!(
+        e > 0.0 && e <= 2.0 * own,
+        "blocks against bf16: relative L2 {e}; bf16 against f32: {own}"
+    );
+    // Another architecture, and no folder to take the shapes from: refused by name.
+    let flux = fixture(GGUF);
+    let out = ddo(&[
+        "run",
+        "--weights",
+        &fixture("qwen_pipeline"),
+        "--transformer",
+        &flux,
+        "--prompt-embeds",
+        &fixture("qwen_pipeline/inputs.safetensors"),
+        "--out",
+        d.join("flux.png").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("txt_norm.weight") && err.contains("flux_pipeline"),
+        "{err}"
+    );
+    assert!(!d.join("flux.png").exists());
+    let out = ddo(&[
+        "run",
+        "--config",
+        "qwen-tiny",
+        "--transformer",
+        &gguf,
+        "--out",
+        d.join("c.png").to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--weights"), "{err}");
+}

@@ -391,6 +391,18 @@ pub const INDEX_FILES: [&str; 2] = [
     "model.safetensors.index.json",
 ];
 
+/// Whether any param of `component` holds quantized blocks (a GGUF file's): such a model
+/// computes in bf16, whatever its small tensors are stored as (Diffusers' GGUF
+/// `compute_dtype`; city96's and QuantStack's files keep `img_in` in F32 or F16 beside
+/// K-quants). The rule every model's compute dtype follows.
+pub(crate) fn holds_quantized(component: &ddo_core::Component) -> bool {
+    component
+        .leaves()
+        .iter()
+        .flat_map(|l| l.params())
+        .any(|(_, p)| p.quant().is_some())
+}
+
 /// Whether `path` names a GGUF file (by its `.gguf` extension, any case).
 pub fn is_gguf(path: &Path) -> bool {
     path.extension()

@@ -246,7 +246,6 @@ fn build_qwen(
 ) -> CliResult<(QwenImagePipeline, String)> {
     for (option, f) in [
         ("--text-encoder", &files.text_encoder),
-        ("--transformer", &files.transformer),
         ("--text-encoder-2", &files.text_encoder_2),
         ("--vae", &files.vae),
     ] {
@@ -259,6 +258,12 @@ fn build_qwen(
     }
     let (mut pipe, label) = match source {
         Source::Config(name) => {
+            if files.transformer.is_some() {
+                return Err(CliError::usage(
+                    "--transformer FILE with a named Qwen-Image config (random weights)",
+                    "give --weights QWEN_FOLDER (its transformer/config.json gives the shapes) with --transformer FILE",
+                ));
+            }
             let config =
                 QwenImagePipelineConfig::named(name).ok_or_else(|| super::unknown_config(name))?;
             let dtype = dtype.unwrap_or(super::qwen::default_dtype(name));
@@ -274,14 +279,28 @@ fn build_qwen(
         }
         Source::Weights(dir) => {
             bar.status(&format!("opening {}...", dir.display()));
-            let pipe = QwenImagePipeline::load_checked(dir, dtype, unused)
-                .map_err(|e| CliError::from(e).context(&format!("--weights {}", dir.display())))?;
+            let pipe = QwenImagePipeline::load_with_transformer(
+                dir,
+                files.transformer.as_deref(),
+                dtype,
+                unused,
+            )
+            .map_err(|e| {
+                let what = match &files.transformer {
+                    Some(f) => format!("--weights {} --transformer {}", dir.display(), f.display()),
+                    None => format!("--weights {}", dir.display()),
+                };
+                CliError::from(e).context(&what)
+            })?;
             bar.finish();
-            let label = format!(
+            let mut label = format!(
                 "{} (QwenImagePipeline, {})",
                 dir.display(),
                 dtype.map_or("dtype as stored".to_string(), |d| d.to_string())
             );
+            if let Some(f) = &files.transformer {
+                label.push_str(&format!(", transformer from {}", f.display()));
+            }
             (pipe, label)
         }
     };

@@ -13,8 +13,7 @@ use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, read_optional_tensor, read_tensor};
 
 /// Why a Qwen-Image run takes no single component file.
-pub(super) const SINGLE_FILES_HINT: &str =
-    "single files load Flux's original layouts; give a QwenImagePipeline folder with --weights DIR";
+pub(super) const SINGLE_FILES_HINT: &str = "a QwenImagePipeline takes one single file, --transformer FILE (safetensors or GGUF) beside --weights DIR; its text encoder and VAE load from the folder";
 
 /// QwenImagePipeline's `true_cfg_scale` default.
 pub const DEFAULT_TRUE_CFG_SCALE: f32 = 4.0;
@@ -26,11 +25,6 @@ pub(super) fn refuse_flux_options(args: &RunArgs) -> CliResult<()> {
             "--guidance",
             args.guidance.is_some(),
             "Qwen-Image has no guidance embedding: its guidance is true CFG (--true-cfg-scale with --negative-prompt)",
-        ),
-        (
-            "--transformer",
-            args.transformer.is_some(),
-            SINGLE_FILES_HINT,
         ),
         (
             "--text-encoder",

@@ -217,13 +217,7 @@ impl FluxProgram {
     /// quantized weights, whatever its small tensors are stored as (Diffusers' GGUF
     /// `compute_dtype`; city96's files keep `img_in` in F32 or F16 beside K-quants).
     fn dtype(&self, ctx: &ForwardContext<'_>) -> Result<DType> {
-        let quantized = ctx
-            .component()
-            .leaves()
-            .iter()
-            .flat_map(|l| l.params())
-            .any(|(_, p)| p.quant().is_some());
-        if quantized {
+        if crate::weights::holds_quantized(ctx.component()) {
             return Ok(DType::BF16);
         }
         let leaf = ctx.component().leaf(self.x_embedder.leaf())?;

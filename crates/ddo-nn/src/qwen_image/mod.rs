@@ -379,6 +379,14 @@ fn shape_err(what: &str, message: impl Into<String>) -> CoreError {
     }
 }
 
+/// The prefix of a Qwen-Image transformer's tensors in ComfyUI's full checkpoints (a
+/// single file may also hold them bare, as Diffusers names them).
+pub const QWEN_FILE_PREFIX: &str = "model.diffusion_model.";
+
+/// A tensor every Qwen-Image transformer file holds: how a single file is told from another
+/// architecture's.
+pub const QWEN_FILE_MARKER: &str = "txt_norm.weight";
+
 /// Diffusers' `QwenImageTransformer2DModel` as a DDO component named `transformer`.
 #[derive(Debug, Clone)]
 pub struct QwenImageTransformer {
@@ -424,6 +432,84 @@ impl QwenImageTransformer {
                 Self::build(w, config)
             })
         })
+    }
+
+    /// Loads a transformer from one file for `config` (the pipeline folder's): a safetensors
+    /// file or a GGUF file (`.gguf`: QuantStack's and city96's Qwen-Image files) holding
+    /// Diffusers' names, bare or under ComfyUI's [`QWEN_FILE_PREFIX`]. A GGUF's quantized
+    /// blocks stay as stored (the linears dequantize them where they run, and the model
+    /// computes in bf16) unless `dtype` asks for a conversion, which dequantizes at load. A
+    /// file without the model's `txt_norm.weight` (another architecture: Flux's original
+    /// layout has an `img_in` too) is refused naming
+    /// it; tensors the config leaves unused are refused unless `unused` allows them.
+    pub fn load_file(
+        path: &Path,
+        config: QwenImageTransformerConfig,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
+        let weights = CheckpointWeights::open_file(path, source_target(dtype))?;
+        let (views, others) = {
+            let ckpt = weights
+                .single_file()
+                .ok_or_else(|| LoadError::CorruptFile {
+                    file: path.to_path_buf(),
+                    message: "not one weight file".into(),
+                })?;
+            let names: Vec<&str> = ckpt
+                .names()
+                .chain(ckpt.unsupported().map(|(n, _)| n))
+                .collect();
+            let prefixed = names
+                .iter()
+                .any(|n| *n == format!("{QWEN_FILE_PREFIX}{QWEN_FILE_MARKER}"));
+            if !prefixed && !names.contains(&QWEN_FILE_MARKER) {
+                return Err(LoadError::CorruptFile {
+                    file: path.to_path_buf(),
+                    message: format!(
+                        "not a Qwen-Image transformer (no `{QWEN_FILE_MARKER}`, bare or under                          `{QWEN_FILE_PREFIX}`): give a QwenImageTransformer2DModel's weights"
+                    ),
+                });
+            }
+            let views: Option<std::collections::HashMap<String, crate::weights::View>> = prefixed
+                .then(|| {
+                    names
+                        .iter()
+                        .filter_map(|n| {
+                            n.strip_prefix(QWEN_FILE_PREFIX).map(|bare| {
+                                (
+                                    bare.to_string(),
+                                    crate::weights::View {
+                                        tensor: n.to_string(),
+                                        kind: crate::weights::ViewKind::Whole,
+                                    },
+                                )
+                            })
+                        })
+                        .collect()
+                });
+            // With the prefix, tensors outside it are another part of a full checkpoint.
+            let others: Vec<String> = if prefixed {
+                names
+                    .iter()
+                    .filter(|n| !n.starts_with(QWEN_FILE_PREFIX))
+                    .map(|n| n.to_string())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            (views, others)
+        };
+        let mut weights = match views {
+            Some(v) => weights.with_views(v),
+            None => weights,
+        };
+        let model = stored_as(&mut weights, dtype, &QWEN_IMAGE_SKIP_PATTERNS, |w| {
+            Self::build(w, config)
+        })?;
+        let ignored: Vec<&str> = others.iter().map(String::as_str).collect();
+        weights.check_unused(&ignored, unused)?;
+        Ok(model)
     }
 
     /// A model with seeded random weights stored as `dtype` (large params filled on all

@@ -219,8 +219,12 @@ impl QwenImageProgram {
     }
 
     /// The model's compute dtype: that of `img_in`'s weight (Diffusers' hidden dtype), bf16
-    /// when it is stored as fp8 ([`DType::compute`]).
+    /// when it is stored as fp8 ([`DType::compute`]); bf16 for a GGUF transformer with
+    /// quantized weights ([`crate::weights::holds_quantized`]).
     fn dtype(&self, ctx: &ForwardContext<'_>) -> Result<DType> {
+        if crate::weights::holds_quantized(ctx.component()) {
+            return Ok(DType::BF16);
+        }
         let leaf = ctx.component().leaf(self.img_in.leaf())?;
         leaf.params()
             .first()

@@ -302,6 +302,19 @@ impl QwenImagePipeline {
         dtype: Option<DType>,
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
+        Self::load_with_transformer(dir, None, dtype, unused)
+    }
+
+    /// [`QwenImagePipeline::load_checked`] with the transformer's weights from one file
+    /// instead of the folder's `transformer/` weights (its `config.json` still gives the
+    /// shapes): a safetensors or GGUF file, as
+    /// [`QwenImageTransformer::load_file`] reads them.
+    pub fn load_with_transformer(
+        dir: &Path,
+        transformer_file: Option<&Path>,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         if !dir.is_dir() {
             return Err(LoadError::Io {
                 path: dir.to_path_buf(),
@@ -324,8 +337,15 @@ impl QwenImagePipeline {
                 });
             }
         }
-        let transformer =
-            QwenImageTransformer::load_checked(&dir.join(QWEN_TRANSFORMER), dtype, unused)?;
+        let transformer = match transformer_file {
+            None => QwenImageTransformer::load_checked(&dir.join(QWEN_TRANSFORMER), dtype, unused)?,
+            Some(file) => {
+                let config = crate::qwen_image::QwenImageTransformerConfig::from_file(
+                    &dir.join(QWEN_TRANSFORMER).join("config.json"),
+                )?;
+                QwenImageTransformer::load_file(file, config, dtype, unused)?
+            }
+        };
         let vae = QwenVae::load_checked(&dir.join(QWEN_VAE), dtype.map(DType::compute), unused)?;
         let text_dir = dir.join(QWEN_TEXT_ENCODER);
         let (text_encoder, tokenizer) = if text_dir.is_dir() {
