@@ -213,15 +213,18 @@ impl CheckpointWeights {
         }
         let ckpt = &self.files[id];
         let whole = ckpt.host_buffer(tensor)?;
-        let row_bytes = info.len / info.shape.first().copied().unwrap_or(1).max(1);
+        // The tensor's bytes as the model reads them (a coded tensor's decoded length, not
+        // its unit's in the file).
+        let tensor_bytes = whole.len();
+        let row_bytes = tensor_bytes / info.shape.first().copied().unwrap_or(1).max(1);
         let host = match view.kind {
             ViewKind::Whole | ViewKind::Squeeze => whole.slice_all(),
             ViewKind::Rows { start, len } => whole.slice(start * row_bytes, len * row_bytes)?,
-            ViewKind::SwapHalves => swapped_halves(&whole, info.len, &file, tensor),
+            ViewKind::SwapHalves => swapped_halves(&whole, tensor_bytes, &file, tensor),
             ViewKind::LastTimeSlice { frames: 1 } => whole.slice_all(),
             ViewKind::LastTimeSlice { frames } => {
                 let elem = info.dtype.size_in_bytes();
-                let mut bytes = AlignedBytes::zeroed(info.len / frames);
+                let mut bytes = AlignedBytes::zeroed(tensor_bytes / frames);
                 whole.with_bytes(|b| {
                     last_frame(b, bytes.as_mut_slice(), frames, shape[2] * shape[3], elem);
                 });
