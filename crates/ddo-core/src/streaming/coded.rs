@@ -34,6 +34,14 @@
 //! neither read further nor replaced, and opening never blocks (`ddo_codec::cache`'s
 //! module docs): the units are coded without the cache and the note says what is there.
 //!
+//! **Coded files.** Where params are read coded from their files (`ddo convert --compress
+//! lossless`: [`HostSlice::coded_source`](crate::HostSlice::coded_source)), no cache is
+//! needed: each such param's unit is copied into the home as it is, the runs of other params
+//! between them (biases, norms) are coded here, and a unit is the list of these pieces, each
+//! decoded into its place in the slot (`CodedUnit`); a unit whose pieces would not fit a
+//! coded slot is coded whole. `home_bound` bounds that home from the files and the layout
+//! before anything is read.
+//!
 //! [`StreamingFigures::coded_cache_note`]: super::StreamingFigures::coded_cache_note
 
 use std::path::{Path, PathBuf};
