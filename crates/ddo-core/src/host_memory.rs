@@ -1366,6 +1366,34 @@ impl HostSlice {
 mod tests {
     use super::*;
 
+    /// `rename_noreplace` never replaces what is at the target: not a file, not an empty
+    /// folder (which a plain `rename` of a folder would replace), not a symbolic link; with
+    /// nothing there it renames.
+    #[test]
+    fn rename_noreplace_never_replaces_anything() {
+        let dir = tempfile::tempdir().unwrap();
+        let from = dir.path().join("new");
+        std::fs::create_dir(&from).unwrap();
+        std::fs::write(from.join("w.safetensors"), b"weights").unwrap();
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"mine").unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(dir.path().join("nowhere"), &link).unwrap();
+        for taken in [&file, &empty, &link] {
+            assert!(rename_noreplace(&from, taken).is_err(), "{}", taken.display());
+            assert!(from.join("w.safetensors").is_file());
+        }
+        assert_eq!(std::fs::read(&file).unwrap(), b"mine");
+        assert!(std::fs::read_dir(&empty).unwrap().next().is_none());
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        let to = dir.path().join("out");
+        rename_noreplace(&from, &to).unwrap();
+        assert_eq!(std::fs::read(to.join("w.safetensors")).unwrap(), b"weights");
+        assert!(!from.exists());
+    }
+
     /// One read of `/proc/self/status`: the parts of `VmRSS` add up to it exactly, while
     /// other threads touch pages (read field by field they did not, now and then).
     #[test]
