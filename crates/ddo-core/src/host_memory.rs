@@ -1382,12 +1382,21 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(dir.path().join("nowhere"), &link).unwrap();
         for taken in [&file, &empty, &link] {
-            assert!(rename_noreplace(&from, taken).is_err(), "{}", taken.display());
+            assert!(
+                rename_noreplace(&from, taken).is_err(),
+                "{}",
+                taken.display()
+            );
             assert!(from.join("w.safetensors").is_file());
         }
         assert_eq!(std::fs::read(&file).unwrap(), b"mine");
         assert!(std::fs::read_dir(&empty).unwrap().next().is_none());
-        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert!(
+            std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
         let to = dir.path().join("out");
         rename_noreplace(&from, &to).unwrap();
         assert_eq!(std::fs::read(to.join("w.safetensors")).unwrap(), b"weights");
