@@ -7,7 +7,8 @@
 //! **Bounded memory.** Tensors are coded in batches of at most [`BATCH_BYTES`] raw bytes on
 //! every core and written as they are done, behind a header region reserved at its largest
 //! possible size (every number at 20 digits, every candidate both coded and raw), which
-//! the final header fills, padded with spaces as the format allows.
+//! the final header fills, padded with spaces as the format allows. Each tensor's source
+//! pages leave the process once it is written.
 //!
 //! **What is coded.** A tensor of dtype BF16 or F16 with two dimensions and at least
 //! [`MIN_CODED_BYTES`] bytes, when its unit is smaller than its bytes. Everything else
@@ -162,6 +163,11 @@ pub fn write_coded_safetensors(
             let len = bytes.len() as u64;
             written.push((how, offset, offset + len));
             offset += len;
+            // Read once: the source's pages leave the process (advice only), so a
+            // conversion need not keep a whole shard's pages mapped (job 5 of stop 44
+            // measured 10.5 GB of max RSS converting the FLUX.1-dev folder before this).
+            let at = e.bytes.as_ptr() as usize - base;
+            checkpoint.map().release_pages(at..at + e.bytes.len());
         }
         i = j;
     }
