@@ -7,9 +7,11 @@
 //! typed error, and the default over coded files (`lossless_if_home_fits`) stages the units
 //! uncoded instead, within the pinned limit.
 
+mod engine_common;
+
+use engine_common::{expected, forward};
 use std::sync::Arc;
 
-use ddo_core::device::download;
 use ddo_core::streaming::{StagingKind, StagingMode, StreamingConfig, StreamingEngine};
 use ddo_core::{Checkpoint, CoreError, Device, DeviceBuffer, Param, ParamKind};
 use ddo_host::{HostDevice, HostDeviceConfig};
@@ -95,38 +97,6 @@ fn coded_segments(dir: &std::path::Path, specs: &[Vec<Spec>]) -> Vec<Vec<Arc<Par
                 })
                 .collect()
         })
-        .collect()
-}
-
-/// One forward of `schedule`: each position's "kernel" copies its params' device bytes into
-/// its output on the compute stream. Returns the bytes each position read.
-fn forward(
-    d: &HostDevice,
-    engine: &mut StreamingEngine,
-    segs: &[Vec<Arc<Param>>],
-    schedule: &[usize],
-    outputs: &[DeviceBuffer],
-) -> ddo_core::Result<Vec<Vec<u8>>> {
-    let compute = d.compute_stream();
-    engine.begin_forward()?;
-    for (pos, &s) in schedule.iter().enumerate() {
-        engine.enter(pos)?;
-        let mut at = 0;
-        for p in &segs[s] {
-            let src = p.device().ok_or_else(|| CoreError::NotResident {
-                leaf: format!("position {pos}"),
-                param: p.name().to_string(),
-            })?;
-            d.copy_d2d(&src, &outputs[pos].slice(at, p.nbytes())?, &compute)?;
-            at += p.nbytes();
-        }
-        engine.leave(pos)?;
-    }
-    engine.end_forward()?;
-    d.synchronize()?;
-    outputs
-        .iter()
-        .map(|o| download(d, &o.slice_all(), &compute))
         .collect()
 }
 
@@ -216,11 +186,7 @@ fn run_case(case: &Case) -> Result<Outcome, TestCaseError> {
         // Only the default gives way, and only where the coded home does not fit.
         prop_assert!(case.by_default, "asked for lossless, got {:?}", f.staging);
     }
-    let want: Vec<Vec<u8>> = case
-        .schedule
-        .iter()
-        .map(|&s| segs[s].iter().flat_map(|p| p.host().to_vec()).collect())
-        .collect();
+    let want = expected(&segs, &case.schedule);
     // The params read back through their coded buffers are the words written.
     for (s, seg) in case.specs.iter().enumerate() {
         for (i, p) in seg.iter().enumerate() {
@@ -235,7 +201,7 @@ fn run_case(case: &Case) -> Result<Outcome, TestCaseError> {
     }
     let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
     for i in 0..2 {
-        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs)
+        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, None)
             .map_err(|e| TestCaseError::fail(format!("{e}")))?;
         prop_assert!(
             got == want,

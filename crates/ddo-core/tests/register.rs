@@ -7,6 +7,9 @@
 //! the way the home mode does), and a device that refuses the registration falls back to
 //! a pinned home.
 
+mod engine_common;
+
+use engine_common::{expected, forward};
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -142,48 +145,6 @@ fn segments(
 
 fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// One forward of `schedule`: each position's "kernel" copies its params' device bytes
-/// into `outputs[pos]` on the compute stream, behind a slow pinned copy so compute lags
-/// the host. Returns the bytes each position read.
-fn forward(
-    d: &HostDevice,
-    engine: &mut StreamingEngine,
-    segs: &[Vec<Arc<Param>>],
-    schedule: &[usize],
-    outputs: &[DeviceBuffer],
-    lag: &(HostBuffer, DeviceBuffer),
-) -> ddo_core::Result<Vec<Vec<u8>>> {
-    let compute = d.compute_stream();
-    engine.begin_forward()?;
-    for (pos, &s) in schedule.iter().enumerate() {
-        engine.enter(pos)?;
-        d.copy_h2d(&lag.0.slice_all(), &lag.1.slice_all(), &compute)?;
-        let mut at = 0;
-        for p in &segs[s] {
-            let src = p.device().ok_or_else(|| CoreError::NotResident {
-                leaf: format!("position {pos}"),
-                param: p.name().to_string(),
-            })?;
-            d.copy_d2d(&src, &outputs[pos].slice(at, p.nbytes())?, &compute)?;
-            at += p.nbytes();
-        }
-        engine.leave(pos)?;
-    }
-    engine.end_forward()?;
-    d.synchronize()?;
-    outputs
-        .iter()
-        .map(|o| download(d, &o.slice_all(), &compute))
-        .collect()
-}
-
-fn expected(segs: &[Vec<Arc<Param>>], schedule: &[usize]) -> Vec<Vec<u8>> {
-    schedule
-        .iter()
-        .map(|&s| segs[s].iter().flat_map(|p| p.host().to_vec()).collect())
-        .collect()
 }
 
 /// The ranges a registration of the streamed mapped params must cover, computed
@@ -405,7 +366,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
     let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
     let lag = (d.alloc_pinned(1 << 16).unwrap(), d.alloc(1 << 16).unwrap());
     for i in 0..3 {
-        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, &lag)
+        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, Some(&lag))
             .map_err(|e| TestCaseError::fail(format!("{e}")))?;
         prop_assert_eq!(&got, &want, "forward {}", i);
         d.synchronize()
@@ -917,7 +878,7 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
     let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
     let lag = (d.alloc_pinned(1 << 16).unwrap(), d.alloc(1 << 16).unwrap());
     for _ in 0..2 {
-        let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+        let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
         assert_eq!(got, want);
         d.synchronize().unwrap();
         assert_eq!(
@@ -1046,14 +1007,14 @@ fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order
         d.alloc(lag_bytes).unwrap(),
     );
     let pinned = || d.memory_info().pinned_host;
-    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
     assert_eq!(got, want);
     assert_eq!(
         pinned(),
         f.pinned_bytes + lag_bytes as u64,
         "the resident-only ranges were not handed back after their upload"
     );
-    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
     assert_eq!(got, want);
     engine.teardown().unwrap();
     drop((engine, outputs, lag));
@@ -1108,7 +1069,7 @@ fn a_limit_under_the_home_registers_the_first_units_and_stages_the_rest() {
     let outputs: Vec<DeviceBuffer> = want.iter().map(|w| d.alloc(w.len()).unwrap()).collect();
     let lag = (d.alloc_pinned(1 << 16).unwrap(), d.alloc(1 << 16).unwrap());
     for i in 0..3 {
-        let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+        let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
         assert_eq!(got, want, "forward {i}");
     }
     assert_eq!(metrics.counters().h2d_bytes, 3 * f.streamed_bytes);

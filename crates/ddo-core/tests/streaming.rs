@@ -9,10 +9,12 @@
 //! not wait for its unit's copy would read the slot before the copy landed. Either shows
 //! as wrong bytes.
 
+mod engine_common;
+
+use engine_common::{expected, forward};
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use ddo_core::device::download;
 use ddo_core::streaming::{
     PinnedSource, StagingKind, StagingMode, StreamingConfig, StreamingEngine,
 };
@@ -56,49 +58,6 @@ fn segments(sizes: &[Vec<usize>]) -> Vec<Vec<Arc<Param>>> {
                 })
                 .collect()
         })
-        .collect()
-}
-
-/// Runs one forward of `schedule` on the engine; each position's kernel copies its params'
-/// device bytes into `outputs[pos]` on the compute stream, behind a slow pinned copy.
-/// Returns, per position, the bytes its kernel read.
-fn forward(
-    d: &HostDevice,
-    engine: &mut StreamingEngine,
-    segs: &[Vec<Arc<Param>>],
-    schedule: &[usize],
-    outputs: &[DeviceBuffer],
-    lag: &(ddo_core::HostBuffer, DeviceBuffer),
-) -> ddo_core::Result<Vec<Vec<u8>>> {
-    let compute = d.compute_stream();
-    engine.begin_forward()?;
-    for (pos, &s) in schedule.iter().enumerate() {
-        engine.enter(pos)?;
-        // Keep compute busy so the host runs ahead of it.
-        d.copy_h2d(&lag.0.slice_all(), &lag.1.slice_all(), &compute)?;
-        let mut at = 0;
-        for p in &segs[s] {
-            let src = p.device().ok_or_else(|| CoreError::NotResident {
-                leaf: format!("position {pos}"),
-                param: p.name().to_string(),
-            })?;
-            d.copy_d2d(&src, &outputs[pos].slice(at, p.nbytes())?, &compute)?;
-            at += p.nbytes();
-        }
-        engine.leave(pos)?;
-    }
-    engine.end_forward()?;
-    d.synchronize()?;
-    outputs
-        .iter()
-        .map(|o| download(d, &o.slice_all(), &compute))
-        .collect()
-}
-
-fn expected(segs: &[Vec<Arc<Param>>], schedule: &[usize]) -> Vec<Vec<u8>> {
-    schedule
-        .iter()
-        .map(|&s| segs[s].iter().flat_map(|p| p.host().to_vec()).collect())
         .collect()
 }
 
@@ -194,7 +153,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
     for i in 0..3 {
         let before = d.memory_info().allocated;
         d.reset_peak();
-        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, &lag)
+        let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, Some(&lag))
             .map_err(|e| TestCaseError::fail(format!("{e}")))?;
         prop_assert_eq!(&got, &want, "forward {}", i);
         let peak = d.memory_info().peak_allocated - before;
@@ -472,7 +431,7 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
         .collect();
     let lag = (d.alloc_pinned(1 << 10).unwrap(), d.alloc(1 << 10).unwrap());
     let before = copies();
-    let got = forward(&d, &mut engine, &segs, &[0, 1, 2], &outputs, &lag).unwrap();
+    let got = forward(&d, &mut engine, &segs, &[0, 1, 2], &outputs, Some(&lag)).unwrap();
     assert_eq!(got, expected(&segs, &[0, 1, 2]));
     let per_forward = copies() - before;
     assert_eq!(per_forward as usize, engine.layout().units().len());
@@ -540,14 +499,14 @@ fn the_first_forward_uploads_resident_params_between_the_units_in_schedule_order
         .map(|&s| d.alloc(segs[s].iter().map(|p| p.nbytes()).sum()).unwrap())
         .collect();
     let lag = (d.alloc_pinned(1 << 12).unwrap(), d.alloc(1 << 12).unwrap());
-    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
     assert_eq!(got, expected(&segs, &schedule));
     assert!(
         (0..8).step_by(2).all(on_device),
         "resident after the forward"
     );
     // The second forward uploads nothing resident again and still reads the same bytes.
-    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, &lag).unwrap();
+    let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
     assert_eq!(got, expected(&segs, &schedule));
     drop((outputs, lag));
     engine.teardown().unwrap();
