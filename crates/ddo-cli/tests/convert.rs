@@ -99,6 +99,25 @@ fn run(weights: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
     json(&ddo(&args))
 }
 
+/// The transformer's entry of a list of a `ddo run --json` report.
+fn transformer_in<'a>(list: &'a serde_json::Value) -> &'a serde_json::Value {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["component"] == "transformer")
+        .unwrap()
+}
+
+/// The transformer's component report (its route's metrics).
+fn transformer(v: &serde_json::Value) -> &serde_json::Value {
+    transformer_in(&v["components"])
+}
+
+/// The transformer's entry of the memory plan (its footprint).
+fn planned_transformer(v: &serde_json::Value) -> &serde_json::Value {
+    transformer_in(&v["memory_plan"]["components"])
+}
+
 /// Bytes of every `.safetensors` file under `dir`.
 fn weight_bytes(dir: &Path) -> u64 {
     let mut total = 0;
@@ -244,13 +263,7 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         }
         if name == "staged" {
             assert!(!text.contains("not needed (coded files)"), "{name}: {text}");
-            let c = v["components"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|c| c["component"] == "transformer")
-                .unwrap();
-            let counters = &c["metrics"]["counters"];
+            let counters = &transformer(&v)["metrics"]["counters"];
             assert!(
                 counters["staging_buffers"].as_u64().unwrap() > 0,
                 "{counters}"
@@ -259,35 +272,19 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         if name == "stream" {
             // The plan's pinned home for coded files: at most the raw bytes' (the largest
             // segment's coded ratio), never below what the engine pinned.
-            let planned = v["memory_plan"]["components"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|c| c["component"] == "transformer")
-                .map(|c| c["footprint"]["pinned_host_bytes"].as_u64().unwrap())
+            let planned = planned_transformer(&v)["footprint"]["pinned_host_bytes"]
+                .as_u64()
                 .unwrap();
             let raw_v = run(
                 &raw,
                 &d.join("raw-stream.safetensors"),
                 &["--route", route, "--route", "text_encoder_2=none"],
             );
-            let raw_planned = raw_v["memory_plan"]["components"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|c| c["component"] == "transformer")
-                .map(|c| c["footprint"]["pinned_host_bytes"].as_u64().unwrap())
+            let raw_planned = planned_transformer(&raw_v)["footprint"]["pinned_host_bytes"]
+                .as_u64()
                 .unwrap();
-            let pinned = v["components"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|c| c["component"] == "transformer")
-                .map(|c| {
-                    c["metrics"]["counters"]["peak_pinned_host_bytes"]
-                        .as_u64()
-                        .unwrap()
-                })
+            let pinned = transformer(&v)["metrics"]["counters"]["peak_pinned_host_bytes"]
+                .as_u64()
                 .unwrap();
             assert!(
                 planned < raw_planned,
@@ -300,13 +297,7 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
         }
         if name == "budget" {
             // Part resident (decoded on the host for its upload), part streamed coded.
-            let c = v["components"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|c| c["component"] == "transformer")
-                .unwrap();
-            let counters = &c["metrics"]["counters"];
+            let counters = &transformer(&v)["metrics"]["counters"];
             assert!(
                 counters["resident_weight_bytes"].as_u64().unwrap() > 0,
                 "{counters}"

@@ -46,6 +46,17 @@ fn run(out: &Path, extra: &[&str]) -> std::process::Output {
     ddo(&args)
 }
 
+/// The transformer's weight bytes in a `ddo run --json` report's memory plan.
+fn weight_bytes(v: &serde_json::Value) -> u64 {
+    v["memory_plan"]["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["component"] == "transformer")
+        .map(|c| c["footprint"]["weight_bytes"].as_u64().unwrap())
+        .unwrap()
+}
+
 #[test]
 fn a_gguf_transformer_runs_as_its_dequantization_does() {
     let d = scratch("gguf-run");
@@ -53,15 +64,6 @@ fn a_gguf_transformer_runs_as_its_dequantization_does() {
         let out = d.join(format!("{name}.safetensors"));
         let v = json(&run(&out, &[&["--json"], extra].concat()));
         (out, v)
-    };
-    let weight_bytes = |v: &serde_json::Value| -> u64 {
-        v["memory_plan"]["components"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["component"] == "transformer")
-            .map(|c| c["footprint"]["weight_bytes"].as_u64().unwrap())
-            .unwrap()
     };
     let gguf = fixture(GGUF);
     let reference = fixture(DEQUANTIZED);
@@ -372,15 +374,6 @@ fn a_qwen_image_gguf_transformer_runs_as_its_dequantization_does() {
     let gguf = fixture("gguf/qwen_pipeline-transformer-mixed.gguf");
     let reference = fixture("gguf/qwen_pipeline-transformer-mixed.dequantized.safetensors");
     let sample = |p: &Path| tensor(p, "sample").1;
-    let weight_bytes = |v: &serde_json::Value| -> u64 {
-        v["memory_plan"]["components"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["component"] == "transformer")
-            .map(|c| c["footprint"]["weight_bytes"].as_u64().unwrap())
-            .unwrap()
-    };
     for dtype in ["f32", "bf16"] {
         let a = d.join(format!("gguf-{dtype}.safetensors"));
         let b = d.join(format!("ref-{dtype}.safetensors"));

@@ -226,12 +226,6 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         let mut unsupported = BTreeMap::new();
         let mut ranges: Vec<(usize, usize, &str)> = Vec::new();
-        let sizes = |v: Option<&serde_json::Value>| -> Option<Vec<usize>> {
-            v?.as_array()?
-                .iter()
-                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-                .collect()
-        };
         // The pages the coded tensors' header checks read, asked for together: first each
         // unit's head, then (from the head's fixed fields, which the check itself validates)
         // the pages of its two padding gaps, after the sign+mantissa bytes and at the end.
@@ -471,6 +465,14 @@ fn coded_head_bytes(words: usize) -> usize {
     ddo_codec::HEADER_BYTES + 512 + 8192 + 4 * (chunks + 1) + 4096
 }
 
+/// A header's list of sizes (a shape, data offsets), `None` where it is not one.
+fn sizes(v: Option<&serde_json::Value>) -> Option<Vec<usize>> {
+    v?.as_array()?
+        .iter()
+        .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+        .collect()
+}
+
 /// The coded tensors a header's `__metadata__` names ([`CODED_METADATA_KEY`]): name ->
 /// (dtype, shape) they decode to. No key: none. Errors say what is wrong with the entry.
 fn coded_entries(
@@ -507,13 +509,8 @@ fn coded_entries(
                     "gives `{name}` no 16-bit float `dtype` (BF16 or F16)"
                 ))
             })?;
-        let shape: Option<Vec<usize>> = entry.get("shape").and_then(|v| {
-            v.as_array()?
-                .iter()
-                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-                .collect()
-        });
-        let shape = shape.ok_or_else(|| bad(format!("gives `{name}` no `shape` list")))?;
+        let shape = sizes(entry.get("shape"))
+            .ok_or_else(|| bad(format!("gives `{name}` no `shape` list")))?;
         out.insert(name, (dtype, shape));
     }
     Ok(out)

@@ -359,11 +359,7 @@ impl Component {
         for p in self.params() {
             let host = p.host();
             // A coded tensor's file is read as much as a mapped one's.
-            let map = host
-                .mapped_range()
-                .map(|(map, _)| map)
-                .or_else(|| host.buffer().coded_source().map(|c| &c.map));
-            if let Some(map) = map
+            if let Some((map, _)) = host.file_range()
                 && map.is_file()
                 && !files.iter().any(|f| Arc::ptr_eq(f, map))
             {

@@ -1349,16 +1349,22 @@ impl HostSlice {
         })
     }
 
-    /// Drops the process's pages of this slice where it is mapped from a file
+    /// Drops the process's pages of this slice's [`HostSlice::file_range`]
     /// ([`CheckpointMap::release_pages`]: the bytes stay readable); returns the bytes released
     /// (0 for memory that is not a file mapping).
     pub fn release_pages(&self) -> u64 {
-        if let Some(c) = self.buffer.coded_source() {
-            // A coded buffer's pages are its unit's (what a read of any part decodes).
-            return c.map.release_pages(c.offset..c.offset + c.len);
-        }
-        self.mapped_range()
+        self.file_range()
             .map_or(0, |(map, range)| map.release_pages(range))
+    }
+
+    /// The file range a read of this slice touches: its mapped range, or for a coded buffer
+    /// its whole unit (what a read of any part decodes). `None` for memory that is not a
+    /// file mapping.
+    pub fn file_range(&self) -> Option<(&Arc<CheckpointMap>, std::ops::Range<usize>)> {
+        match self.buffer.coded_source() {
+            Some(c) => Some((&c.map, c.offset..c.offset + c.len)),
+            None => self.mapped_range(),
+        }
     }
 }
 

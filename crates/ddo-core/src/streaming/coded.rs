@@ -655,7 +655,6 @@ fn run_image(unit: &TransferUnit, start: u64, end: u64, image: &mut Vec<u8>) -> 
 /// the layout alone: each param read coded at its unit's length, each run of other params
 /// at its bytes plus a header, and no unit over a coded slot.
 pub(crate) fn home_bound(layout: &StagingLayout) -> u64 {
-    const SLACK: u64 = 128;
     // A unit is its pieces where they fit a coded slot, else coded whole: either way
     // within a coded slot.
     let coded_slot = crate::streaming::coded_slot_bytes(layout.slot_bytes());
@@ -667,7 +666,9 @@ pub(crate) fn home_bound(layout: &StagingLayout) -> u64 {
                 .iter()
                 .map(|(plan, _)| match plan {
                     PiecePlan::Source(c) => (c.len as u64).next_multiple_of(16),
-                    PiecePlan::Run { start, end } => end - start + SLACK,
+                    PiecePlan::Run { start, end } => {
+                        end - start + crate::streaming::CODED_PIECE_SLACK
+                    }
                 })
                 .sum();
             bound.min(coded_slot)

@@ -161,6 +161,11 @@ pub struct StreamingConfig {
     pub lossless_if_home_fits: bool,
 }
 
+/// Bytes a run of params coded at attach may take beyond its own (a unit's 96-byte header
+/// and the 16-byte alignment of what follows, rounded up): what the engine's coded home
+/// ([`coded`]'s `home_bound`) and the planners' bounds of it add per run.
+pub const CODED_PIECE_SLACK: u64 = 128;
+
 /// Coded slots of a lossless-coded ring: a unit's coded bytes land in one while the unit
 /// before decodes out of the other.
 pub const CODED_SLOTS: u64 = 2;

@@ -36,7 +36,8 @@ use std::sync::Arc;
 use std::sync::mpsc::{Sender, channel};
 use std::thread::JoinHandle;
 
-use crate::host_memory::CheckpointMap;
+use crate::host_memory::{AlignedBytes, CheckpointMap};
+use crate::param::ParamId;
 use crate::streaming::TransferUnit;
 
 /// Bytes of staged units read ahead of the unit being copied: 768 MiB, part of the
@@ -106,6 +107,12 @@ pub(crate) struct StagedReader {
     staged: Vec<bool>,
     /// Per unit: whether its pages are given back once copied (past the page cache limit).
     evict: Vec<bool>,
+    /// Per unit: whether it holds a coded checkpoint tensor (filled by one thread: the
+    /// tensor decodes on threads of its own).
+    coded: Vec<bool>,
+    /// The coded tensor decoded last, kept until its unit is done: a unit staged in several
+    /// chunks decodes each of its coded tensors once, not once a chunk.
+    decoded: parking_lot::Mutex<Option<(ParamId, AlignedBytes)>>,
     /// Per unit: its mapped ranges (none for params made in memory).
     mapped: Vec<Vec<Ahead>>,
     /// Per unit: its bytes.
@@ -133,14 +140,10 @@ impl StagedReader {
                 u.entries
                     .iter()
                     .filter_map(|e| {
-                        let host = e.param.host();
                         // A coded param's file range is its unit (what its decode reads).
-                        let range = host.mapped_range().or_else(|| {
-                            host.buffer()
-                                .coded_source()
-                                .map(|c| (&c.map, c.offset..c.offset + c.len))
-                        });
-                        range
+                        e.param
+                            .host()
+                            .file_range()
                             .filter(|(map, _)| map.is_file())
                             .map(|(map, range)| (Arc::clone(map), range))
                     })
@@ -162,6 +165,15 @@ impl StagedReader {
         Self {
             staged,
             evict,
+            coded: units
+                .iter()
+                .map(|u| {
+                    u.entries
+                        .iter()
+                        .any(|e| e.param.host().buffer().coded_source().is_some())
+                })
+                .collect(),
+            decoded: parking_lot::Mutex::new(None),
             mapped,
             bytes: units.iter().map(|u| u.bytes).collect(),
             ahead_to: 0,
@@ -241,12 +253,12 @@ impl StagedReader {
         let read = self.evict.get(u).copied().unwrap_or(false);
         let n = dst.len();
         // A coded param decodes whole on its own threads: one fill, not one decode a thread.
-        let coded = unit
-            .entries
-            .iter()
-            .any(|e| e.param.host().buffer().coded_source().is_some());
-        if coded || self.threads <= 1 || (n as u64) < PARALLEL_FILL_BYTES {
-            return fill_range(dst, unit, at, read);
+        let coded = self.coded.get(u).copied().unwrap_or(false);
+        if coded {
+            return fill_range(dst, unit, at, read, Some(&mut self.decoded.lock()));
+        }
+        if self.threads <= 1 || (n as u64) < PARALLEL_FILL_BYTES {
+            return fill_range(dst, unit, at, read, None);
         }
         let page = 4096usize;
         let per = n.div_ceil(self.threads).div_ceil(page) * page;
@@ -258,11 +270,11 @@ impl StagedReader {
                 let take = per.min(rest.len());
                 let (head, tail) = rest.split_at_mut(take);
                 let from = off;
-                parts.push(s.spawn(move || fill_range(head, unit, from, read)));
+                parts.push(s.spawn(move || fill_range(head, unit, from, read, None)));
                 off += take as u64;
                 rest = tail;
             }
-            let mut result = fill_range(first, unit, at, read);
+            let mut result = fill_range(first, unit, at, read, None);
             for part in parts {
                 let r = part.join().unwrap_or_else(|_| {
                     Err(crate::CoreError::Backend {
@@ -279,6 +291,7 @@ impl StagedReader {
     /// Unit `u` has been written into staging in full: past the page cache limit, its
     /// pages go back.
     pub(crate) fn done(&mut self, u: usize) {
+        *self.decoded.lock() = None;
         if !self.evict.get(u).copied().unwrap_or(false) {
             return;
         }
@@ -290,8 +303,15 @@ impl StagedReader {
 }
 
 /// Writes `dst` with bytes `at..at + dst.len()` of `unit`: with `read`, a mapped param's
-/// bytes come from its file by `pread`; otherwise from its host bytes.
-fn fill_range(dst: &mut [u8], unit: &TransferUnit, at: u64, read: bool) -> crate::Result<()> {
+/// bytes come from its file by `pread`; otherwise from its host bytes. A coded param is
+/// decoded into `decoded` (the last one decoded), where one is given, and read from there.
+fn fill_range(
+    dst: &mut [u8],
+    unit: &TransferUnit,
+    at: u64,
+    read: bool,
+    mut decoded: Option<&mut Option<(ParamId, AlignedBytes)>>,
+) -> crate::Result<()> {
     let n = dst.len() as u64;
     for e in &unit.entries {
         let (lo, hi) = (e.offset.max(at), (e.offset + e.len).min(at + n));
@@ -302,6 +322,16 @@ fn fill_range(dst: &mut [u8], unit: &TransferUnit, at: u64, read: bool) -> crate
         let d0 = (lo - at) as usize;
         let len = (hi - lo) as usize;
         let host = e.param.host();
+        if let (Some(cache), Some(coded)) = (decoded.as_deref_mut(), host.buffer().coded_source()) {
+            if cache.as_ref().is_none_or(|(id, _)| *id != e.param.id()) {
+                *cache = Some((e.param.id(), coded.decode()?));
+            }
+            if let Some((_, bytes)) = cache.as_ref() {
+                let from = host.offset() + s0;
+                dst[d0..d0 + len].copy_from_slice(&bytes.as_slice()[from..from + len]);
+            }
+            continue;
+        }
         match host.mapped_range().filter(|(map, _)| read && map.is_file()) {
             Some((map, range)) => map.read_at(range.start + s0, &mut dst[d0..d0 + len])?,
             // A coded param decodes here; one that does not is the error.
@@ -370,7 +400,7 @@ mod tests {
             (3 << 20, 4096 * 1025 + 3),
         ] {
             let mut one = vec![0xAAu8; len as usize];
-            fill_range(&mut one, &unit, at, false).unwrap();
+            fill_range(&mut one, &unit, at, false, None).unwrap();
             let mut many = vec![0xAAu8; len as usize];
             let threaded = StagedReader {
                 threads: FILL_THREADS,
@@ -430,7 +460,7 @@ mod tests {
         let unit = unit_of(&params);
         let units = std::slice::from_ref(&unit);
         let mut want = vec![0u8; unit.bytes as usize];
-        fill_range(&mut want, &unit, 0, false).unwrap();
+        fill_range(&mut want, &unit, 0, false, None).unwrap();
         for threads in [1, FILL_THREADS] {
             let reader = StagedReader {
                 threads,

@@ -4,16 +4,13 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use ddo_core::streaming::CODED_PIECE_SLACK;
 use ddo_core::streaming::layout::align_up;
 use ddo_core::{Component, LeafId, OffloadType, Param, ParamId, Placement};
 
 use crate::config::GroupOffloadConfig;
 
 use crate::UNMATCHED_LABEL;
-
-/// Bytes a param coded at attach may take beyond its own: a unit's header and the 16-byte
-/// alignment of what follows (`ddo_codec::max_encoded_len`'s margin, rounded up).
-pub const CODED_PIECE_SLACK: u64 = 128;
 
 /// One offload group: params that move to the device together.
 #[derive(Debug, Clone)]
