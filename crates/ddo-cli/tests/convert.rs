@@ -100,7 +100,7 @@ fn run(weights: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
 }
 
 /// The transformer's entry of a list of a `ddo run --json` report.
-fn transformer_in<'a>(list: &'a serde_json::Value) -> &'a serde_json::Value {
+fn transformer_in(list: &serde_json::Value) -> &serde_json::Value {
     list.as_array()
         .unwrap()
         .iter()
