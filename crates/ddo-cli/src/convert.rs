@@ -7,7 +7,9 @@
 //! is written under a new, private directory (or file) of a random name beside `OUT`,
 //! created exclusively, then renamed to `OUT` without replacing anything that appeared
 //! there meanwhile (`renameat2(RENAME_NOREPLACE)`, or a hard link for a file). A failure
-//! removes what was written; the input is only read. Symbolic links in `IN` are read
+//! removes what was written, and so does an interrupt (SIGINT, SIGTERM, SIGHUP:
+//! [`crate::interrupt::remove_on_interrupt`]; one during the rename waits for it); the input
+//! is only read. Symbolic links in `IN` are read
 //! through for files (a Hugging Face snapshot links its files into a blob store) and not
 //! followed for folders.
 
@@ -42,7 +44,10 @@ pub fn convert(args: &ConvertArgs, out: &mut dyn Write) -> CliResult<()> {
             .prefix(".ddo-convert-")
             .tempdir_in(&parent)
             .map_err(|e| cannot_write(&parent, &e))?;
+        let _in_progress = crate::interrupt::remove_on_interrupt(temp.path());
         copy_tree(input, temp.path(), Path::new(""), &mut stats, &mut lines)?;
+        // An interrupt waits for the rename: OUT is whole or absent, never half-removed.
+        let _phase = crate::outputs::output_phase();
         rename_noreplace(temp.path(), output)?;
         // The directory is OUT now; nothing is left to remove.
         let _ = temp.keep();
@@ -52,9 +57,11 @@ pub fn convert(args: &ConvertArgs, out: &mut dyn Write) -> CliResult<()> {
             .suffix(".safetensors")
             .tempfile_in(&parent)
             .map_err(|e| cannot_write(&parent, &e))?;
+        let _in_progress = crate::interrupt::remove_on_interrupt(temp.path());
         let file_stats = convert_file(input, temp.as_file_mut(), output)?;
         lines.push(file_line(Path::new(""), input, &file_stats));
         stats.add(file_stats);
+        let _phase = crate::outputs::output_phase();
         temp.persist_noclobber(output).map_err(|e| {
             CliError::runtime(
                 format!("cannot create {}: {}", output.display(), e.error),

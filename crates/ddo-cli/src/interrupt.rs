@@ -23,6 +23,7 @@ pub fn install() -> std::io::Result<()> {
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
                 let _phase = crate::outputs::output_phase();
+                remove_registered();
                 let name = match signal {
                     SIGINT => "SIGINT",
                     SIGTERM => "SIGTERM",
@@ -39,4 +40,46 @@ pub fn install() -> std::io::Result<()> {
             }
         })?;
     Ok(())
+}
+
+/// Paths a command is writing under temporary names (`ddo convert`'s private folder or
+/// file beside OUT): an interrupt removes them before the process ends, so it leaves no
+/// half-written output behind under any name.
+static IN_PROGRESS: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Registers `path` (a folder or file the caller created, under a random name) for removal
+/// should the process be interrupted; the registration ends with the guard (once the path
+/// was renamed into place or removed).
+pub fn remove_on_interrupt(path: &std::path::Path) -> InProgress {
+    IN_PROGRESS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(path.to_path_buf());
+    InProgress(path.to_path_buf())
+}
+
+/// A registration of [`remove_on_interrupt`]; dropping it ends the registration.
+#[derive(Debug)]
+pub struct InProgress(std::path::PathBuf);
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        IN_PROGRESS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|p| *p != self.0);
+    }
+}
+
+/// Removes every registered path (a folder with what is in it, links not followed).
+fn remove_registered() {
+    let paths = std::mem::take(&mut *IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()));
+    for p in paths {
+        let is_dir = std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir());
+        let _ = if is_dir {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+    }
 }

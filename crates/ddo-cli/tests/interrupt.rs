@@ -145,3 +145,35 @@ fn temporaries_of_a_killed_process_go_with_the_next_command() {
     assert!(temporaries(&dir).is_empty(), "{:?}", temporaries(&dir));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `ddo convert`'s private output under a temporary name goes with an interrupt; one whose
+/// registration ended (renamed into place) is left alone.
+#[test]
+fn an_interrupt_removes_what_is_still_being_written() {
+    if let Some((r, dir)) = role() {
+        if r == "in-progress" {
+            ddo_cli::interrupt::install().unwrap();
+            let busy = dir.join(".ddo-convert-busy");
+            std::fs::create_dir(&busy).unwrap();
+            std::fs::write(busy.join("w.safetensors"), b"half").unwrap();
+            let done = dir.join("done");
+            std::fs::create_dir(&done).unwrap();
+            let _busy = ddo_cli::interrupt::remove_on_interrupt(&busy);
+            drop(ddo_cli::interrupt::remove_on_interrupt(&done));
+            signal_hook::low_level::raise(SIGINT).unwrap();
+            std::thread::sleep(Duration::from_secs(10));
+            std::process::exit(0);
+        }
+        return;
+    }
+    let dir = scratch("in-progress");
+    let status = spawn(
+        "an_interrupt_removes_what_is_still_being_written",
+        &dir,
+        "in-progress",
+    );
+    assert_eq!(status.signal(), Some(SIGINT), "{status:?}");
+    assert!(!dir.join(".ddo-convert-busy").exists());
+    assert!(dir.join("done").is_dir());
+    let _ = std::fs::remove_dir_all(&dir);
+}
