@@ -102,6 +102,14 @@ def main():
         c["disk_floor_seconds"] = disk_floor
         c["step_bound_seconds"] = bound or None
         c["steady_vs_bound"] = (c["steady_step_seconds"] / bound) if bound and c["steady_step_seconds"] else None
+        # The block devices' reads during the case (/proc/vmstat pgpgin, KiB) over its seconds.
+        try:
+            with open(os.path.join(out, c["case"] + ".pgpgin")) as f:
+                kib, secs = f.read().split()
+            c["disk_read_bytes_in_case"] = int(kib) * 1024
+            c["disk_read_rate_in_case"] = int(kib) * 1024 / float(secs) if float(secs) > 0 else None
+        except (OSError, ValueError):
+            c["disk_read_bytes_in_case"] = c["disk_read_rate_in_case"] = None
     folder = load(os.path.join(out, "folder.json")) or {}
     folder_bytes = folder.get("bytes")
     for c in cases:
@@ -134,13 +142,13 @@ def main():
         "",
         "disk: " + disk,
         "",
-        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) | read (GB) | time x raw |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) | read (GB) | time x raw | disk read in case (GB, GB/s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratio = lambda x: "-" if x is None else "%.3f" % x
     for c in cases:
         p = c["phases_seconds"]
-        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %s | %s |" % (
+        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s |" % (
             c["case"], c["available_mib_at_start"] / 1024, "yes" if c["image"] else "no (exit %d)" % c["exit"],
             c["other_process_survived"], sec(c["total_seconds"]), ratio(c["image_vs_bound"]),
             sec(p.get("prompt_encoding")),
@@ -149,7 +157,8 @@ def main():
             "-" if not c["disk_bytes_per_second"] else "%.2f" % (c["disk_bytes_per_second"] / 1e9),
             sec(c["step_bound_seconds"]), ratio(c["steady_vs_bound"]),
             gib(c["max_rss_bytes"]), gib(c["host_budget_bytes"]), c["lowest_available_mib"] / 1024,
-            "-" if c["read_bytes"] is None else "%.2f" % (c["read_bytes"] / 1e9), ratio(c["time_vs_raw"])))
+            "-" if c["read_bytes"] is None else "%.2f" % (c["read_bytes"] / 1e9), ratio(c["time_vs_raw"]),
+            "-" if c["disk_read_rate_in_case"] is None else "%.2f, %.2f" % (c["disk_read_bytes_in_case"] / 1e9, c["disk_read_rate_in_case"] / 1e9)))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "host_ram.md"), "w") as f:
         f.write(text)
