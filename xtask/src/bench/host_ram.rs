@@ -130,7 +130,7 @@ if [ ! -f "$folder/model_index.json" ]; then
   if ! python3 -c "from transformers import CLIPTextModel, T5EncoderModel" >> "$log" 2>&1; then
     python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/pywheels/*.whl >> "$log" 2>&1
   fi
-  rm -rf "$work/$other"
+  rm -rf "$work/$other" "$work/$other-coded"
   say "writing the folder $folder"
   python3 "$here/save_random_pipeline.py" "$folder" $writer_args > "$out/folder.json" 2>> "$log" || {{ say "the folder could not be written"; exit 1; }}
 fi
