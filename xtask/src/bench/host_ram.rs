@@ -205,21 +205,34 @@ case_run() {{
 
 if [ "${{DDO_FREE:-1}}" = 1 ]; then
   case_run free 0 "$folder" "$steps"
-  # DDO_WARM=1: the raw folder again with the page cache warm, 4 steps (issue 35: <= 3.5 s), then
-  # the transformer's step and its link floor under the same budget (`ddo bench`, link measured).
-  if [ "${{DDO_WARM:-1}}" = 1 ]; then
-    cat "$folder"/*/*.safetensors > /dev/null
-    case_run warm 0 "$folder" 4 warm
+fi
+# DDO_WARM=1: the raw folder again with the page cache warm, DDO_WARM_STEPS steps (4: issue 35's
+# <= 3.5 s), then (DDO_BENCH=1) the transformer's step and its link floor under the same budget
+# (`ddo bench`, link measured).
+if [ "${{DDO_WARM:-1}}" = 1 ]; then
+  cat "$folder"/*/*.safetensors > /dev/null
+  case_run warm 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm
+  if [ "${{DDO_BENCH:-1}}" = 1 ]; then
     timeout -k 10 120 "${{DDO_BIN:-$here/ddo}}" bench --weights "$folder" --component transformer --preset auto \
       --vram-budget "$vram" --device cuda:0 --repeats 3 --out-json "$out/bench.json" > "$out/bench.txt" 2>> "$log"
     say "bench: exit $?"
   fi
-  [ "$coded" = 1 ] && case_run free-coded 0 "$cfolder" "$steps"
 fi
+[ "${{DDO_FREE:-1}}" = 1 ] && [ "$coded" = 1 ] && case_run free-coded 0 "$cfolder" "$steps"
+for gib in $sizes; do
+  # DDO_STEPS_<GIB> (e.g. DDO_STEPS_8=4): this size's steps, else DDO_STEPS.
+  eval "n=\${{DDO_STEPS_$gib:-$steps}}"
+  hold "$gib"
+  case_run "avail${{gib}}" "$gib" "$folder" "$n"
+  [ "$coded" = 1 ] && case_run "avail${{gib}}-coded" "$gib" "$cfolder" "$n"
+  release
+done
 # DDO_CACHE_HIT=1: the raw folder with the transformer coded at attach (`compress=lossless`), 4 steps:
 # the first run codes and writes the cache beside the checkpoint, the second (page cache dropped)
 # is a hit, which must read none of the raw transformer's bytes (`read_bytes`, /proc/self/io).
 if [ "${{DDO_CACHE_HIT:-0}}" = 1 ]; then
+  # The cache (about 0.65x the transformer) and the coded folder do not both fit the GPU machine's disk.
+  rm -rf "$cfolder"
   lossless=transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true,compress=lossless
   for k in 1 2; do
     drop_caches
@@ -230,14 +243,6 @@ if [ "${{DDO_CACHE_HIT:-0}}" = 1 ]; then
   ls -la "$folder"/transformer >> "$log"
   du -sb "$folder"/transformer/*.safetensors >> "$log"
 fi
-for gib in $sizes; do
-  # DDO_STEPS_<GIB> (e.g. DDO_STEPS_8=4): this size's steps, else DDO_STEPS.
-  eval "n=\${{DDO_STEPS_$gib:-$steps}}"
-  hold "$gib"
-  case_run "avail${{gib}}" "$gib" "$folder" "$n"
-  [ "$coded" = 1 ] && case_run "avail${{gib}}-coded" "$gib" "$cfolder" "$n"
-  release
-done
 python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
 # Everything in one archive too (a device job brings back only so many files).
 tar -czf "$work/results.tgz" -C "$out" . && mv "$work/results.tgz" "$out/results.tgz"
