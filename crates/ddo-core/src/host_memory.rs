@@ -897,13 +897,21 @@ impl CodedSource {
     /// [`CodedSource::decode`] into `out` (exactly the decoded length: a backend's pinned
     /// upload buffer, say). After an error `out` holds garbage.
     pub fn decode_into(&self, out: &mut [u8]) -> Result<()> {
-        let len = out.len();
         // The unit and the file's next CODED_READ_AHEAD bytes behind it (the tensors a
         // loader reads next, in file order) are read ahead on the read-ahead thread: the
         // decoding threads fault in pages on their way, and the disk keeps reading while
         // this tensor decodes and copies.
         self.map
             .read_ahead(self.offset, self.len.saturating_add(CODED_READ_AHEAD));
+        self.decode_in_place(out)
+    }
+
+    /// [`CodedSource::decode_into`] without the file-order read-ahead: for a reader that
+    /// reads ahead in an order of its own (the staged units of a forward, in schedule
+    /// order), where the next tensors in the file may be ones a later forward needs, or
+    /// ones whose pages it has just given back.
+    pub fn decode_in_place(&self, out: &mut [u8]) -> Result<()> {
+        let len = out.len();
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(CODED_DECODE_THREADS)

@@ -169,10 +169,10 @@ alive_now() {{ if [ -z "$holder" ]; then echo none; elif kill -0 "$holder" 2>/de
 release() {{ [ -n "$holder" ] && {{ kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null; }}; holder=""; held=0; }}
 pgpgin() {{ awk '/^pgpgin / {{print $2}}' /proc/vmstat; }}
 
-# case NAME AVAILABLE_GIB FOLDER STEPS [cold|warm] (0 GiB: all free; warm: the page cache
-# is kept, the folder read by the case before)
+# case NAME AVAILABLE_GIB FOLDER STEPS [cold|warm [BINARY]] (0 GiB: all free; warm: the page
+# cache is kept, the folder read by the case before; BINARY: another ddo, default DDO_BIN's)
 case_run() {{
-  local name="$1" gib="$2" weights="$3" n="$4" cache="${{5:-cold}}"
+  local name="$1" gib="$2" weights="$3" n="$4" cache="${{5:-cold}}" bin="${{6:-${{DDO_BIN:-$here/ddo}}}}"
   if [ "$cache" = cold ]; then
     drop_caches
     # The disk's rate next to this case, before and after it (a cloud volume's rate drifts
@@ -185,7 +185,7 @@ case_run() {{
   ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
   local sampler=$!
   local in0 t0; in0=$(pgpgin); t0=$(date +%s.%N)
-  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "${{DDO_BIN:-$here/ddo}}" run --weights "$weights" \
+  /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "$bin" run --weights "$weights" \
     --device cuda:0 --vram-budget "$vram" --steps "$n" --json --out "$work/$name.png" \
     > "$out/$name.json" 2>> "$log"
   local rc=$?
@@ -207,24 +207,28 @@ if [ "${{DDO_FREE:-1}}" = 1 ]; then
   case_run free 0 "$folder" "$steps"
 fi
 # DDO_WARM=1: the raw folder again with the page cache warm, DDO_WARM_STEPS steps (4: issue 35's
-# <= 3.5 s), then (DDO_BENCH=1) the transformer's step and its link floor under the same budget
-# (`ddo bench`, link measured).
+# <= 3.5 s).
 if [ "${{DDO_WARM:-1}}" = 1 ]; then
   cat "$folder"/*/*.safetensors > /dev/null
   case_run warm 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm
-  if [ "${{DDO_BENCH:-1}}" = 1 ]; then
-    timeout -k 10 120 "${{DDO_BIN:-$here/ddo}}" bench --weights "$folder" --component transformer --preset auto \
-      --vram-budget "$vram" --device cuda:0 --repeats 3 --out-json "$out/bench.json" > "$out/bench.txt" 2>> "$log"
-    say "bench: exit $?"
-  fi
+  # DDO_BASE_WARM=BINARY: the same case with an earlier ddo right after (NAME-base).
+  [ -n "${{DDO_BASE_WARM:-}}" ] && case_run warm-base 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm "$DDO_BASE_WARM"
 fi
 [ "${{DDO_FREE:-1}}" = 1 ] && [ "$coded" = 1 ] && case_run free-coded 0 "$cfolder" "$steps"
 for gib in $sizes; do
   # DDO_STEPS_<GIB> (e.g. DDO_STEPS_8=4): this size's steps, else DDO_STEPS.
   eval "n=\${{DDO_STEPS_$gib:-$steps}}"
   hold "$gib"
-  case_run "avail${{gib}}" "$gib" "$folder" "$n"
-  [ "$coded" = 1 ] && case_run "avail${{gib}}-coded" "$gib" "$cfolder" "$n"
+  # DDO_RAW=0: only the coded folder's case; DDO_BASE_SIZED=BINARY: each case again with an
+  # earlier ddo right after, under the same helper (NAME-base).
+  if [ "${{DDO_RAW:-1}}" = 1 ]; then
+    case_run "avail${{gib}}" "$gib" "$folder" "$n"
+    [ -n "${{DDO_BASE_SIZED:-}}" ] && case_run "avail${{gib}}-base" "$gib" "$folder" "$n" cold "$DDO_BASE_SIZED"
+  fi
+  if [ "$coded" = 1 ]; then
+    case_run "avail${{gib}}-coded" "$gib" "$cfolder" "$n"
+    [ -n "${{DDO_BASE_SIZED:-}}" ] && case_run "avail${{gib}}-coded-base" "$gib" "$cfolder" "$n" cold "$DDO_BASE_SIZED"
+  fi
   release
 done
 # DDO_CACHE_HIT=1: the raw folder with the transformer coded at attach (`compress=lossless`), 4 steps:
@@ -242,6 +246,13 @@ if [ "${{DDO_CACHE_HIT:-0}}" = 1 ]; then
   done
   ls -la "$folder"/transformer >> "$log"
   du -sb "$folder"/transformer/*.safetensors >> "$log"
+fi
+# DDO_BENCH=1 (with DDO_WARM=1): the transformer's step and its link floor under the same budget
+# (`ddo bench`, link measured), last.
+if [ "${{DDO_WARM:-1}}" = 1 ] && [ "${{DDO_BENCH:-1}}" = 1 ]; then
+  timeout -k 10 120 "${{DDO_BIN:-$here/ddo}}" bench --weights "$folder" --component transformer --preset auto \
+    --vram-budget "$vram" --device cuda:0 --repeats 3 --out-json "$out/bench.json" > "$out/bench.txt" 2>> "$log"
+  say "bench: exit $?"
 fi
 python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
 # Everything in one archive too (a device job brings back only so many files).

@@ -323,8 +323,22 @@ fn fill_range(
         let len = (hi - lo) as usize;
         let host = e.param.host();
         if let (Some(cache), Some(coded)) = (decoded.as_deref_mut(), host.buffer().coded_source()) {
+            // A whole coded tensor inside this chunk decodes straight into it: no decoded
+            // copy to allocate and copy again (a view or a tensor split across chunks is
+            // decoded once into `cache` and copied from there). The reader reads ahead
+            // in schedule order, so the decode reads no more of the file than its unit.
+            let whole = s0 == 0
+                && len as u64 == e.len
+                && host.offset() == 0
+                && host.len() as u64 == coded.header.decoded_len();
+            if whole && cache.as_ref().is_none_or(|(id, _)| *id != e.param.id()) {
+                coded.decode_in_place(&mut dst[d0..d0 + len])?;
+                continue;
+            }
             if cache.as_ref().is_none_or(|(id, _)| *id != e.param.id()) {
-                *cache = Some((e.param.id(), coded.decode()?));
+                let mut out = AlignedBytes::try_zeroed(coded.header.decoded_len() as usize)?;
+                coded.decode_in_place(out.as_mut_slice())?;
+                *cache = Some((e.param.id(), out));
             }
             if let Some((_, bytes)) = cache.as_ref() {
                 let from = host.offset() + s0;
