@@ -49,6 +49,7 @@ pub mod error;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fault;
 pub mod file_guard;
+pub mod finite;
 pub mod footprint;
 pub mod gguf;
 pub mod host_budget;

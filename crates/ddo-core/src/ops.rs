@@ -269,6 +269,17 @@ pub trait Ops: Send + Sync {
         Ok(values.iter().filter(|v| !v.is_finite()).count() as u64)
     }
 
+    /// [`Ops::count_non_finite`] queued on the compute stream, with the count's copy into
+    /// `dst` (at least 8 bytes of pinned host memory; the count lands as a little-endian
+    /// `u64` in its first 8), returning without waiting: `dst` holds the count once an event
+    /// recorded on the compute stream after this call has completed
+    /// ([`crate::finite::DeferredFiniteChecks`]). The default counts at once and writes
+    /// `dst` before it returns; CUDA queues its two kernels and an asynchronous copy.
+    fn queue_count_non_finite(&self, x: &Tensor, dst: &crate::HostSlice) -> Result<()> {
+        let count = self.count_non_finite(x)?;
+        crate::finite::write_count(dst, count)
+    }
+
     /// `acc + linear(x, w, bias)`, then the tanh-approximation GELU where `gelu_tanh`: a
     /// linear whose output starts from `acc` (`x`'s leading dims with `out` last) — the
     /// base linear of a leaf with run-time LoRA adapters, `acc` holding their up-projections

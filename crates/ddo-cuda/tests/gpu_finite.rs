@@ -127,3 +127,52 @@ fn fp8_and_host_tensors_are_typed_errors() {
     let host = Tensor::from_f32(vec![2], DType::F32, &[1.0, f32::NAN]).unwrap();
     assert!(gpu.count_non_finite(&host).is_err());
 }
+
+/// The queued count (`Ops::queue_count_non_finite`, the denoising loops' deferred check)
+/// lands in pinned memory once the event after it completes, equal to the synchronous
+/// count, for a result just queued; `DeferredFiniteChecks` names the bad step one queue
+/// later; the scratch is freed.
+#[test]
+fn the_queued_count_lands_after_its_event_and_names_its_step() {
+    use ddo_core::finite::{COUNT_BYTES, DeferredFiniteChecks};
+    let Some(gpu) = common::open_gpu(false) else {
+        return;
+    };
+    let x = gpu
+        .tensor_from_f32(&[4], DType::F32, &[1.0, 0.0, -2.0, 3.0])
+        .unwrap();
+    let zero = gpu.tensor_from_f32(&[1], DType::F32, &[0.0]).unwrap();
+    let q = gpu.binary(&x, &zero, BinaryOp::Div).unwrap();
+    let dst = gpu.alloc_pinned(COUNT_BYTES).unwrap();
+    gpu.queue_count_non_finite(&q, &dst.slice_all()).unwrap();
+    let event = gpu.record_event(&gpu.compute_stream()).unwrap();
+    gpu.synchronize_event(&event).unwrap();
+    let got = dst.slice_all().with_bytes(|b| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[..8]);
+        u64::from_le_bytes(w)
+    });
+    assert_eq!(got, 4);
+    assert_eq!(got, gpu.count_non_finite(&q).unwrap());
+
+    let clean = gpu
+        .tensor_from_f32(&[3], DType::BF16, &[1.0, 2.0, 3.0])
+        .unwrap();
+    let mut checks = DeferredFiniteChecks::new(&*gpu);
+    checks
+        .queue(&clean, "denoise", Some((1, 3)), "the latents")
+        .unwrap();
+    checks
+        .queue(&q, "denoise", Some((2, 3)), "the latents")
+        .unwrap();
+    match checks.queue(&clean, "denoise", Some((3, 3)), "the latents") {
+        Err(ddo_core::CoreError::NonFinite { step, count, .. }) => {
+            assert_eq!((step, count), (Some((2, 3)), 4));
+        }
+        other => panic!("step 2 not named: {other:?}"),
+    }
+    drop(checks);
+    drop((x, zero, q, clean, dst));
+    gpu.synchronize().unwrap();
+    assert_eq!(gpu.memory_info().allocated, 0, "scratch and outputs freed");
+}

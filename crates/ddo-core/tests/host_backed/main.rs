@@ -6,6 +6,7 @@
 mod adapter;
 mod detach;
 mod fault;
+mod finite;
 mod home;
 mod profile;
 mod reference;

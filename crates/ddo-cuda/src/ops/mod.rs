@@ -375,6 +375,10 @@ impl Ops for CudaDevice {
         norm::count_non_finite(self, x)
     }
 
+    fn queue_count_non_finite(&self, x: &Tensor, dst: &ddo_core::HostSlice) -> Result<()> {
+        norm::queue_count_non_finite(self, x, dst)
+    }
+
     fn upsample_nearest2x(&self, x: &Tensor) -> Result<Tensor> {
         layout::upsample_nearest2x(self, x)
     }

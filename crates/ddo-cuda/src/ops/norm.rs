@@ -3,7 +3,7 @@
 //! non-finite elements (kernels in `kernels/norm.cu`).
 
 use cudarc::driver::LaunchConfig;
-use ddo_core::{Device, ReduceOp, Result, Tensor};
+use ddo_core::{Device, DeviceBuffer, DeviceSlice, HostSlice, ReduceOp, Result, Tensor};
 
 use super::kernels::{self, Arg, grid_1d, launch};
 use super::{Out, input, opt_ptr, optional_vector, scratch, shape_err};
@@ -513,11 +513,40 @@ const COUNT_MAX_BLOCKS: u64 = 1024;
 /// then an 8-byte read of the total, which waits for the compute stream (the one
 /// synchronisation; nothing else is waited for).
 pub(crate) fn count_non_finite(dev: &CudaDevice, x: &Tensor) -> Result<u64> {
+    let Some((_buffer, head)) = queue_count(dev, x)? else {
+        return Ok(0);
+    };
+    let bytes = ddo_core::device::download(dev, &head, &dev.compute_stream())?;
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&bytes[..8]);
+    Ok(u64::from_le_bytes(word))
+}
+
+/// [`ddo_core::Ops::queue_count_non_finite`]: [`count_non_finite`]'s two kernels, then an
+/// asynchronous copy of the 8-byte total into `dst` (pinned memory: nothing waits), on the
+/// compute stream; the scratch goes back behind the copy. An empty `x` writes 0 at once.
+pub(crate) fn queue_count_non_finite(dev: &CudaDevice, x: &Tensor, dst: &HostSlice) -> Result<()> {
+    let dst = dst
+        .buffer()
+        .slice(dst.offset(), ddo_core::finite::COUNT_BYTES)?;
+    match queue_count(dev, x)? {
+        None => ddo_core::finite::write_count(&dst, 0),
+        Some((buffer, head)) => {
+            let compute = dev.compute_stream();
+            dev.copy_d2h(&head, &dst, &compute)?;
+            dev.release_after(buffer, &compute)
+        }
+    }
+}
+
+/// Queues the count's kernels; returns the scratch and its 8-byte total, `None` for an
+/// empty tensor.
+fn queue_count(dev: &CudaDevice, x: &Tensor) -> Result<Option<(DeviceBuffer, DeviceSlice)>> {
     const OP: &str = "count_non_finite";
     let xi = input(dev, OP, x)?;
     let n = xi.numel as u64;
     if n == 0 {
-        return Ok(0);
+        return Ok(None);
     }
     let blocks = n
         .div_ceil(u64::from(COUNT_BLOCK) * 4)
@@ -553,10 +582,7 @@ pub(crate) fn count_non_finite(dev: &CudaDevice, x: &Tensor) -> Result<u64> {
     )?;
     super::mark_used(dev, &[&xi])?;
     let head = buffer.slice(8 * blocks as usize, 8)?;
-    let bytes = ddo_core::device::download(dev, &head, &dev.compute_stream())?;
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&bytes[..8]);
-    Ok(u64::from_le_bytes(word))
+    Ok(Some((buffer, head)))
 }
 
 /// [`ddo_core::Ops::layer_norm_modulate`]: `layer_norm(x) * (1 + scale) + shift` in one

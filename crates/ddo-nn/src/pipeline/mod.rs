@@ -35,6 +35,7 @@ mod request;
 use std::path::Path;
 use std::sync::Arc;
 
+use ddo_core::finite::DeferredFiniteChecks;
 use ddo_core::{Component, CoreError, DType, Device, Result, Tensor, check_finite, ops_of};
 use ddo_routes::Pipeline;
 use half::{bf16, f16};
@@ -815,6 +816,9 @@ impl FluxPipeline {
             .then(|| vec![guidance]);
         let mut latents = latents;
         let timesteps = scheduler.timesteps().to_vec();
+        // Each step's check is read once the next step is queued (`DeferredFiniteChecks`):
+        // the host never waits for the device between steps.
+        let mut checks = DeferredFiniteChecks::new(device);
         for (i, &t) in timesteps.iter().enumerate() {
             let ld = latents.dtype();
             // `t.expand(b).to(latents.dtype) / 1000`, in the latents' dtype.
@@ -831,15 +835,10 @@ impl FluxPipeline {
             let noise_pred = self.transformer.forward(device, &inputs)?;
             drop(inputs);
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
-            check_finite(
-                ops,
-                &latents,
-                PHASES[1],
-                Some((i + 1, steps)),
-                "the latents",
-            )?;
+            checks.queue(&latents, PHASES[1], Some((i + 1, steps)), "the latents")?;
             progress("denoise", i + 1, steps);
         }
+        checks.finish()?;
         Ok((latents, timesteps))
     }
 

@@ -3,6 +3,7 @@
 //! given embeddings ([`QwenImagePipeline::prepare_embeds`]), the initial latents, and the
 //! loop with true CFG ([`QwenImagePipeline::denoise`]).
 
+use ddo_core::finite::DeferredFiniteChecks;
 use ddo_core::{
     BinaryOp, DType, Device, Ops, ReduceOp, Result, Tensor, UnaryOp, check_finite, ops_of,
 };
@@ -297,6 +298,8 @@ impl QwenImagePipeline {
         let mut latents = latents;
         let mut passes = 0usize;
         let timesteps = scheduler.timesteps().to_vec();
+        // Each step's check is read once the next step is queued (`DeferredFiniteChecks`).
+        let mut checks = DeferredFiniteChecks::new(device);
         for (i, &t) in timesteps.iter().enumerate() {
             let ld = latents.dtype();
             // `t.expand(b).to(latents.dtype)`, then `/ 1000` in that dtype.
@@ -319,15 +322,10 @@ impl QwenImagePipeline {
                 noise_pred = true_cfg_combine(ops, &noise_pred, &neg_pred, scale)?;
             }
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
-            check_finite(
-                ops,
-                &latents,
-                "denoise",
-                Some((i + 1, steps)),
-                "the latents",
-            )?;
+            checks.queue(&latents, "denoise", Some((i + 1, steps)), "the latents")?;
             progress("denoise", i + 1, steps);
         }
+        checks.finish()?;
         Ok((latents, timesteps, passes))
     }
 }
