@@ -911,20 +911,59 @@ impl CodedSource {
     /// order), where the next tensors in the file may be ones a later forward needs, or
     /// ones whose pages it has just given back.
     pub fn decode_in_place(&self, out: &mut [u8]) -> Result<()> {
+        self.decode_from(self.bytes(), out)
+    }
+
+    /// [`CodedSource::decode_in_place`] of the unit read with `pread` into `scratch` on up
+    /// to `readers` threads (its pages never mapped into the process): the disk tier, where
+    /// page faults on the mapping would read the file a few pages a request. `scratch` grows
+    /// to the unit's length and is kept for the next unit.
+    pub fn read_decode_into(
+        &self,
+        scratch: &mut Vec<u8>,
+        readers: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        if !self.map.is_file() {
+            return self.decode_in_place(out);
+        }
+        scratch.resize(self.len, 0);
+        let per = self.len.div_ceil(readers.max(1)).max(1 << 20);
+        std::thread::scope(|s| {
+            let parts: Vec<_> = scratch
+                .chunks_mut(per)
+                .enumerate()
+                .map(|(i, part)| {
+                    let at = self.offset + i * per;
+                    s.spawn(move || self.map.read_at(at, part))
+                })
+                .collect();
+            parts.into_iter().try_for_each(|p| {
+                p.join().unwrap_or_else(|_| {
+                    Err(CoreError::Checkpoint {
+                        path: self.map.path().to_path_buf(),
+                        message: "a read thread panicked".into(),
+                    })
+                })
+            })
+        })?;
+        self.decode_from(scratch, out)
+    }
+
+    /// Decodes `encoded` (this unit's bytes, wherever they were read) into `out`.
+    fn decode_from(&self, encoded: &[u8], out: &mut [u8]) -> Result<()> {
         let len = out.len();
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(CODED_DECODE_THREADS)
             .min(len.div_ceil(1 << 20).max(1));
-        ddo_codec::decode_unit_parallel(self.bytes(), out, threads).map_err(|e| {
-            CoreError::Checkpoint {
-                path: self.map.path().to_path_buf(),
-                message: format!(
-                    "coded tensor `{}` does not decode ({e}): the file changed or is corrupt; \
+        ddo_codec::decode_unit_parallel(encoded, out, threads).map_err(|e| CoreError::Checkpoint {
+            path: self.map.path().to_path_buf(),
+            message: format!(
+                "coded tensor `{}` does not decode ({e}): the file changed or is corrupt; \
                      convert the folder again with ddo convert --compress lossless",
-                    self.name
-                ),
-            }
+                self.name
+            ),
         })
     }
 }

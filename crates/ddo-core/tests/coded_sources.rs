@@ -109,6 +109,9 @@ struct Case {
     budget_fraction: Option<f64>,
     /// The default over coded files (gives way when the home does not fit), or asked for.
     by_default: bool,
+    /// Staged units past this many bytes are read from the disk each forward (`pread`, the
+    /// disk tier; coded ones decoded from what was read).
+    page_cache_limit: Option<u64>,
 }
 
 /// How a case ran.
@@ -157,6 +160,7 @@ fn run_case(case: &Case) -> Result<Outcome, TestCaseError> {
             .map(|f| (total as f64 * f) as u64 + ring_room),
         compress: ddo_core::Compression::Lossless,
         lossless_if_home_fits: case.by_default,
+        page_cache_limit: case.page_cache_limit,
         ..StreamingConfig::default()
     };
     let metrics = Arc::new(RouteMetrics::new());
@@ -244,9 +248,18 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         prop::sample::select(vec![4096u64, 64 << 10, 8 << 20]),
         prop::option::of(0.2f64..1.2),
         any::<bool>(),
+        prop::option::of(prop::sample::select(vec![0u64, 32 << 10])),
     )
         .prop_map(
-            |(specs, picks, unit_bytes, pinned_limit, budget_fraction, by_default)| {
+            |(
+                specs,
+                picks,
+                unit_bytes,
+                pinned_limit,
+                budget_fraction,
+                by_default,
+                page_cache_limit,
+            )| {
                 let n = specs.len();
                 let mut schedule: Vec<usize> = (0..n).collect();
                 for (i, p) in picks.iter().enumerate() {
@@ -263,6 +276,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     pinned_limit,
                     budget_fraction,
                     by_default,
+                    page_cache_limit,
                 }
             },
         )
@@ -297,11 +311,13 @@ fn the_default_gives_way_to_staging_and_an_explicit_lossless_is_refused() {
             ]
         })
         .collect();
-    for (pinned_limit, by_default, want) in [
-        (8 << 20, false, Outcome::Coded),
-        (8 << 20, true, Outcome::Coded),
-        (4096, false, Outcome::Refused),
-        (4096, true, Outcome::Uncoded),
+    // The last: staged and read from the disk every forward (the disk tier's `pread`).
+    for (pinned_limit, by_default, page_cache_limit, want) in [
+        (8 << 20, false, None, Outcome::Coded),
+        (8 << 20, true, None, Outcome::Coded),
+        (4096, false, None, Outcome::Refused),
+        (4096, true, None, Outcome::Uncoded),
+        (4096, true, Some(0), Outcome::Uncoded),
     ] {
         let got = run_case(&Case {
             specs: specs.clone(),
@@ -310,6 +326,7 @@ fn the_default_gives_way_to_staging_and_an_explicit_lossless_is_refused() {
             pinned_limit,
             budget_fraction: None,
             by_default,
+            page_cache_limit,
         })
         .unwrap_or_else(|e| panic!("limit {pinned_limit}, default {by_default}: {e}"));
         assert_eq!(got, want, "limit {pinned_limit}, default {by_default}");

@@ -110,9 +110,9 @@ pub(crate) struct StagedReader {
     /// Per unit: whether it holds a coded checkpoint tensor (filled by one thread: the
     /// tensor decodes on threads of its own).
     coded: Vec<bool>,
-    /// The coded tensor decoded last, kept until its unit is done: a unit staged in several
-    /// chunks decodes each of its coded tensors once, not once a chunk.
-    decoded: parking_lot::Mutex<Option<(ParamId, AlignedBytes)>>,
+    /// What a unit holding coded tensors keeps between its chunks: the last decoded
+    /// tensor, the disk tier's read scratch.
+    decoded: parking_lot::Mutex<CodedFill>,
     /// Per unit: its mapped ranges (none for params made in memory).
     mapped: Vec<Vec<Ahead>>,
     /// Per unit: its bytes.
@@ -173,7 +173,7 @@ impl StagedReader {
                         .any(|e| e.param.host().buffer().coded_source().is_some())
                 })
                 .collect(),
-            decoded: parking_lot::Mutex::new(None),
+            decoded: parking_lot::Mutex::new(CodedFill::default()),
             mapped,
             bytes: units.iter().map(|u| u.bytes).collect(),
             ahead_to: 0,
@@ -255,7 +255,9 @@ impl StagedReader {
         // A coded param decodes whole on its own threads: one fill, not one decode a thread.
         let coded = self.coded.get(u).copied().unwrap_or(false);
         if coded {
-            return fill_range(dst, unit, at, read, Some(&mut self.decoded.lock()));
+            let mut coded = self.decoded.lock();
+            coded.readers = self.threads;
+            return fill_range(dst, unit, at, read, Some(&mut coded));
         }
         if self.threads <= 1 || (n as u64) < PARALLEL_FILL_BYTES {
             return fill_range(dst, unit, at, read, None);
@@ -291,7 +293,7 @@ impl StagedReader {
     /// Unit `u` has been written into staging in full: past the page cache limit, its
     /// pages go back.
     pub(crate) fn done(&mut self, u: usize) {
-        *self.decoded.lock() = None;
+        self.decoded.lock().last = None;
         if !self.evict.get(u).copied().unwrap_or(false) {
             return;
         }
@@ -302,15 +304,29 @@ impl StagedReader {
     }
 }
 
+/// What the fill of a unit holding coded tensors keeps between its chunks.
+#[derive(Debug, Default)]
+pub(crate) struct CodedFill {
+    /// The coded tensor decoded last, kept until its unit is done: a unit staged in several
+    /// chunks decodes each of its coded tensors once, not once a chunk.
+    last: Option<(ParamId, AlignedBytes)>,
+    /// A disk-tier unit's coded bytes, read by `pread` (grown to the largest unit, reused).
+    scratch: Vec<u8>,
+    /// Threads that read one unit.
+    readers: usize,
+}
+
 /// Writes `dst` with bytes `at..at + dst.len()` of `unit`: with `read`, a mapped param's
 /// bytes come from its file by `pread`; otherwise from its host bytes. A coded param is
-/// decoded into `decoded` (the last one decoded), where one is given, and read from there.
+/// decoded (into `decoded.last`, the last one decoded, and read from there; a whole one
+/// straight into `dst`) where `decoded` is given: with `read`, from its unit read by `pread`
+/// into `decoded.scratch`.
 fn fill_range(
     dst: &mut [u8],
     unit: &TransferUnit,
     at: u64,
     read: bool,
-    mut decoded: Option<&mut Option<(ParamId, AlignedBytes)>>,
+    mut decoded: Option<&mut CodedFill>,
 ) -> crate::Result<()> {
     let n = dst.len() as u64;
     for e in &unit.entries {
@@ -322,7 +338,21 @@ fn fill_range(
         let d0 = (lo - at) as usize;
         let len = (hi - lo) as usize;
         let host = e.param.host();
-        if let (Some(cache), Some(coded)) = (decoded.as_deref_mut(), host.buffer().coded_source()) {
+        if let (Some(fill), Some(coded)) = (decoded.as_deref_mut(), host.buffer().coded_source()) {
+            let CodedFill {
+                last: cache,
+                scratch,
+                readers,
+            } = fill;
+            // The disk tier reads the unit with `pread` (large requests, several threads);
+            // otherwise the decode reads the mapping's pages.
+            let mut decode = |out: &mut [u8]| {
+                if read {
+                    coded.read_decode_into(scratch, *readers, out)
+                } else {
+                    coded.decode_in_place(out)
+                }
+            };
             // A whole coded tensor inside this chunk decodes straight into it: no decoded
             // copy to allocate and copy again (a view or a tensor split across chunks is
             // decoded once into `cache` and copied from there). The reader reads ahead
@@ -332,12 +362,12 @@ fn fill_range(
                 && host.offset() == 0
                 && host.len() as u64 == coded.header.decoded_len();
             if whole && cache.as_ref().is_none_or(|(id, _)| *id != e.param.id()) {
-                coded.decode_in_place(&mut dst[d0..d0 + len])?;
+                decode(&mut dst[d0..d0 + len])?;
                 continue;
             }
             if cache.as_ref().is_none_or(|(id, _)| *id != e.param.id()) {
                 let mut out = AlignedBytes::try_zeroed(coded.header.decoded_len() as usize)?;
-                coded.decode_in_place(out.as_mut_slice())?;
+                decode(out.as_mut_slice())?;
                 *cache = Some((e.param.id(), out));
             }
             if let Some((_, bytes)) = cache.as_ref() {
