@@ -360,7 +360,7 @@ fn resolve_plan(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         (height, width, images),
         tiled,
     )?;
-    let explanations = planned_explanations(&routing, &names, &plan);
+    let explanations = planned_explanations(&routing, &names, &plan, &pipeline);
     // Every route's preflight, as `ddo run` runs it before the first phase (touching
     // nothing: the routes attach only when a phase begins, which never happens here).
     drop(

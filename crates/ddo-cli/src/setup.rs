@@ -179,17 +179,29 @@ impl Routing {
     /// Resolves `component` and says where each value came from.
     pub fn explain(&self, component: &str) -> CliResult<Explanation> {
         let r = self.resolve(component)?;
-        Ok(self.explain_resolution(component, r))
+        Ok(self.explain_resolution(component, r, None))
     }
 
-    /// [`Routing::explain`] for the route the memory plan chose for `component`.
-    pub fn explain_planned(&self, plan: &ddo_routes::ComponentPlan) -> Explanation {
-        self.explain_resolution(&plan.component, plan.resolution.clone())
+    /// [`Routing::explain`] for the route the memory plan chose for a component, with the
+    /// defaults its weights give the route where the component is at hand
+    /// (`ddo_routes::effective_options_for`: `compress=lossless` over coded files, say).
+    pub fn explain_planned(
+        &self,
+        plan: &ddo_routes::ComponentPlan,
+        component: Option<&ddo_core::Component>,
+    ) -> Explanation {
+        self.explain_resolution(&plan.component, plan.resolution.clone(), component)
     }
 
     /// `r` explained: the route, its options, and where each came from — the route and the
-    /// options it gave from `r.decided_by`, as it is.
-    pub fn explain_resolution(&self, component: &str, r: Resolution) -> Explanation {
+    /// options it gave from `r.decided_by`, as it is; with `weights` (the component), the
+    /// defaults its weights give.
+    pub fn explain_resolution(
+        &self,
+        component: &str,
+        r: Resolution,
+        weights: Option<&ddo_core::Component>,
+    ) -> Explanation {
         let env = self.environment();
         let settings = self.plan_settings();
         let preset_source = if self.preset_flag.is_some() {
@@ -209,7 +221,7 @@ impl Routing {
             settings.preset.to_string()
         };
         let decided_by = r.decided_by.to_string();
-        let (options, option_sources) = effective_options(&r.spec, &decided_by);
+        let (options, option_sources) = effective_options(&r.spec, &decided_by, weights);
         Explanation {
             component: component.to_string(),
             preset: given_preset,
@@ -227,10 +239,11 @@ impl Routing {
 }
 
 /// The route's options with their effective values: those given (by `given_by`) and the
-/// route's defaults for the rest.
+/// route's defaults for the rest (for `component`'s weights where it is given).
 fn effective_options(
     spec: &RouteSpec,
     given_by: &str,
+    component: Option<&ddo_core::Component>,
 ) -> (
     BTreeMap<String, serde_json::Value>,
     BTreeMap<String, String>,
@@ -249,7 +262,11 @@ fn effective_options(
             },
         );
     };
-    for e in ddo_routes::effective_options(spec) {
+    let effective = match component {
+        Some(c) => ddo_routes::effective_options_for(spec, c),
+        None => ddo_routes::effective_options(spec),
+    };
+    for e in effective {
         let value = match e.value {
             ddo_core::OptionValue::Flag(b) => Value::from(b),
             ddo_core::OptionValue::Count(n) => Value::from(n),

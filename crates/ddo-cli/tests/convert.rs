@@ -269,6 +269,22 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
                 "{counters}"
             );
         }
+        // The report says what the attached route runs: over coded files the default
+        // `compress` is lossless (the route's default for these weights); given, it is the
+        // value given.
+        let t = transformer(&v);
+        let (want_compress, want_source) = match name {
+            "stream-none" => ("none", "explicit route"),
+            "none" => ("", ""),
+            _ => ("lossless", "route default"),
+        };
+        if !want_compress.is_empty() {
+            assert_eq!(t["options"]["compress"], want_compress, "{name}: {t}");
+            assert_eq!(
+                t["source"]["options"]["compress"], want_source,
+                "{name}: {t}"
+            );
+        }
         if name == "stream" {
             // The plan's pinned home for coded files: at most the raw bytes' (the largest
             // segment's coded ratio), never below what the engine pinned.
@@ -279,6 +295,12 @@ fn a_converted_folder_runs_to_the_same_bytes_on_every_route() {
                 &raw,
                 &d.join("raw-stream.safetensors"),
                 &["--route", route, "--route", "text_encoder_2=none"],
+            );
+            // Over raw files the same route's default is no coding.
+            assert_eq!(
+                transformer(&raw_v)["options"]["compress"],
+                "none",
+                "{raw_v}"
             );
             let raw_planned = planned_transformer(&raw_v)["footprint"]["pinned_host_bytes"]
                 .as_u64()

@@ -381,6 +381,18 @@ pub trait Route: Send + Sync {
         Vec::new()
     }
 
+    /// [`Route::effective_options`] for `spec` attached to `component`, where a default
+    /// depends on the component's weights (the leaf-group route's `compress` over coded
+    /// files, its ring over 8-bit weights). The default: the spec's alone.
+    fn effective_options_for(
+        &self,
+        spec: &RouteSpec,
+        component: &crate::Component,
+    ) -> Vec<EffectiveOption> {
+        let _ = component;
+        self.effective_options(spec)
+    }
+
     /// The device budget this route runs `spec` under: the one given, or the route's
     /// default (`None`: no budget, everything resident or everything streamed).
     fn effective_budget(&self, spec: &RouteSpec) -> Option<crate::config::Budget> {

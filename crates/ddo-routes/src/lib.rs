@@ -199,6 +199,17 @@ pub fn effective_options(spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
         .map_or_else(Vec::new, |r| r.effective_options(spec))
 }
 
+/// [`effective_options`] for `spec` attached to `component` ([`Route::effective_options_for`]:
+/// defaults that follow the component's weights, as the attached route runs them).
+pub fn effective_options_for(
+    spec: &RouteSpec,
+    component: &ddo_core::Component,
+) -> Vec<ddo_core::EffectiveOption> {
+    spec.route_id()
+        .and_then(|id| route(id).ok())
+        .map_or_else(Vec::new, |r| r.effective_options_for(spec, component))
+}
+
 /// The device budget `spec`'s route runs under, given or its default
 /// ([`Route::effective_budget`]).
 pub fn effective_budget(spec: &RouteSpec) -> Option<ddo_core::Budget> {

@@ -246,16 +246,24 @@ pub(crate) fn check_weights_unchanged(pipeline: &ddo_routes::Pipeline) -> CliRes
 /// How many times [`smallest_working_budget`] plans again.
 const BUDGET_SEARCH_ROUNDS: usize = 8;
 
-/// How `routing` explains the routes the plan chose for `names`, in that order.
+/// How `routing` explains the routes the plan chose for `names`, in that order, with the
+/// defaults each component's weights give its route (`pipeline`'s components).
 pub(crate) fn planned_explanations(
     routing: &Routing,
     names: &[String],
     plan: &PipelinePlan,
+    pipeline: &ddo_routes::Pipeline,
 ) -> Vec<Explanation> {
     names
         .iter()
         .filter_map(|n| plan.component(n))
-        .map(|p| routing.explain_planned(p))
+        .map(|p| {
+            let weights = pipeline
+                .components()
+                .iter()
+                .find(|c| c.name() == p.component);
+            routing.explain_planned(p, weights.map(|c| &**c))
+        })
         .collect()
 }
 
@@ -479,7 +487,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         (height, width, images),
         tiled_decode,
     )?;
-    let explanations = planned_explanations(&routing, &names, &plan);
+    let explanations = planned_explanations(&routing, &names, &plan, &pipeline);
     // Every route's preflight runs here, before the plan is printed: a refusal is the
     // whole output.
     let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)

@@ -149,6 +149,57 @@ fn largest_leaf_is_eight_bit(component: &Component) -> bool {
     2 * eight > all
 }
 
+/// The route's effective options for `spec` running with `streaming` (a budget changes the
+/// ring's default; coded files and 8-bit weights change `compress` and the ring:
+/// [`streaming_config_for`]).
+fn options_with(spec: &RouteSpec, streaming: &StreamingConfig) -> Vec<ddo_core::EffectiveOption> {
+    use ddo_core::{EffectiveOption as E, OptionValue as V};
+    let o = spec.options();
+    let c = GroupOffloadConfig::from_spec(spec);
+    let mut v = vec![E::new(
+        "offload_type",
+        V::Text(c.offload_type.as_str().into()),
+        o.offload_type.is_some(),
+    )];
+    if c.offload_type == ddo_core::OffloadType::BlockLevel {
+        v.push(E::new(
+            "num_blocks_per_group",
+            V::Count(c.num_blocks_per_group as u64),
+            o.num_blocks_per_group.is_some(),
+        ));
+    }
+    v.extend([
+        E::new("use_stream", V::Flag(c.use_stream), o.use_stream.is_some()),
+        E::new(
+            "record_stream",
+            V::Flag(c.record_stream),
+            o.record_stream.is_some(),
+        ),
+        E::new(
+            "low_cpu_mem_usage",
+            V::Flag(c.low_cpu_mem_usage),
+            o.low_cpu_mem_usage.is_some(),
+        ),
+        E::new("pinned", V::Flag(c.pinned), o.pinned.is_some()),
+    ]);
+    v.push(E::new(
+        "pinned_limit",
+        V::Text(ddo_metrics::format_bytes(streaming.pinned_limit)),
+        o.pinned_limit.is_some(),
+    ));
+    if c.use_stream {
+        v.extend(ddo_core::streaming::effective_options(o, streaming));
+        if let Some(b) = o.budget {
+            v.push(E::new(
+                "budget",
+                V::Text(ddo_core::describe_budget(b)),
+                true,
+            ));
+        }
+    }
+    v
+}
+
 /// The route's name, as errors and profiles spell it.
 pub const ROUTE_NAME: &str = "diffusers_group_offload";
 
@@ -312,53 +363,18 @@ impl Route for GroupOffloadRoute {
     /// low_cpu_mem_usage, pinned), the pinned limit, and with a stream the engine's options
     /// and the budget.
     fn effective_options(&self, spec: &RouteSpec) -> Vec<ddo_core::EffectiveOption> {
-        use ddo_core::{EffectiveOption as E, OptionValue as V};
-        let o = spec.options();
-        let c = GroupOffloadConfig::from_spec(spec);
-        let mut v = vec![E::new(
-            "offload_type",
-            V::Text(c.offload_type.as_str().into()),
-            o.offload_type.is_some(),
-        )];
-        if c.offload_type == ddo_core::OffloadType::BlockLevel {
-            v.push(E::new(
-                "num_blocks_per_group",
-                V::Count(c.num_blocks_per_group as u64),
-                o.num_blocks_per_group.is_some(),
-            ));
-        }
-        v.extend([
-            E::new("use_stream", V::Flag(c.use_stream), o.use_stream.is_some()),
-            E::new(
-                "record_stream",
-                V::Flag(c.record_stream),
-                o.record_stream.is_some(),
-            ),
-            E::new(
-                "low_cpu_mem_usage",
-                V::Flag(c.low_cpu_mem_usage),
-                o.low_cpu_mem_usage.is_some(),
-            ),
-            E::new("pinned", V::Flag(c.pinned), o.pinned.is_some()),
-        ]);
-        // A budget changes the ring's default.
-        let streaming = streaming_config(spec);
-        v.push(E::new(
-            "pinned_limit",
-            V::Text(ddo_metrics::format_bytes(streaming.pinned_limit)),
-            o.pinned_limit.is_some(),
-        ));
-        if c.use_stream {
-            v.extend(ddo_core::streaming::effective_options(o, &streaming));
-            if let Some(b) = o.budget {
-                v.push(E::new(
-                    "budget",
-                    V::Text(ddo_core::describe_budget(b)),
-                    true,
-                ));
-            }
-        }
-        v
+        options_with(spec, &streaming_config(spec))
+    }
+
+    /// [`Route::effective_options`] with the defaults the attached route takes from
+    /// `component`'s weights ([`streaming_config_for`]): `compress=lossless` over coded
+    /// files, the ring of 8-bit weights.
+    fn effective_options_for(
+        &self,
+        spec: &RouteSpec,
+        component: &Component,
+    ) -> Vec<ddo_core::EffectiveOption> {
+        options_with(spec, &streaming_config_for(spec, component))
     }
 
     /// Diffusers' options; a budget and the streaming engine's need `use_stream=true`.
