@@ -41,6 +41,7 @@ pub mod plot;
 pub mod progress;
 pub mod resolve;
 pub mod run;
+pub mod session;
 pub mod setup;
 pub mod size;
 pub mod tokenize;

@@ -3,15 +3,15 @@
 //! the image and printing each phase's route, time and peak from the handles' metrics.
 
 mod load;
-mod qwen;
+pub(crate) mod qwen;
 mod report;
 
 pub(crate) use load::{ComponentFiles, build_pipeline};
-use report::{Guidance, Report, Stopwatch, step_seconds};
+pub(crate) use report::step_seconds;
+use report::{Guidance, Report, Stopwatch};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use ddo_core::DType;
@@ -19,34 +19,27 @@ use ddo_core::FootprintContext;
 use ddo_core::HostBudget;
 use ddo_core::Resolution;
 use ddo_metrics::format_bytes;
-use ddo_nn::pipeline::{
-    FluxPipeline, InitLatents, PipelineRequest, PromptEmbeds, PromptInput, QwenImageRequest,
-    TiledDecode,
-};
-use ddo_routes::{PipelinePlan, PlanRequest, enable_planned_pipeline_offload, plan_resolved};
-use serde_json::Value;
+use ddo_nn::pipeline::TiledDecode;
+use ddo_routes::{PipelinePlan, PlanRequest, plan_resolved};
 
 use crate::cli::RunArgs;
 use crate::error::{CliError, CliResult};
 use crate::family::{AnyPipeline, Family};
-use crate::io::{
-    HostTensor, OutputKind, encode_png, encode_safetensors, output_kind, read_optional_tensor,
-    read_tensor, unpack_host,
-};
+use crate::io::{HostTensor, OutputKind, encode_png, encode_safetensors, output_kind};
 use crate::outputs::{Inputs, Outputs, image_paths};
 use crate::progress::ProgressBar;
-use crate::setup::{
-    DeviceChoice, DeviceNeeds, Explanation, Routing, check_host_budget, host_budget, open_device,
-};
-use crate::tokenize::PipelineTokenizers;
+use crate::session::{LoadOptions, Observer, Request, Session};
+use crate::setup::{DeviceChoice, Explanation, Routing, check_host_budget};
 
 /// The prompt used when `--prompt` is not given.
 pub const DEFAULT_PROMPT: &str = "a lighthouse on a rocky coast at dawn";
 
 /// Where the models come from.
 #[derive(Debug, Clone)]
-pub(crate) enum Source {
+pub enum Source {
+    /// `--config NAME`: random weights at a named config.
     Config(String),
+    /// `--weights DIR`: a Diffusers pipeline folder.
     Weights(PathBuf),
 }
 
@@ -267,40 +260,18 @@ pub(crate) fn planned_explanations(
         .collect()
 }
 
-/// Runs `ddo run` with `argv` (after `run`), writing the profile to `out`.
+/// Runs `ddo run` with `argv` (after `run`), writing the profile to `out`: a
+/// [`Session`] loaded and one request made, its outputs written all or none.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let started = Instant::now();
-    let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
-    let family = source.family()?;
+    let options = LoadOptions::of_run(args)?;
+    let family = options.family()?;
     match family {
         Family::Flux => qwen::refuse_qwen_options(args)?,
         Family::QwenImage => qwen::refuse_flux_options(args)?,
     }
-    let tiny = source.is_tiny();
-    let dtype = args.dtype;
-    let steps = args.steps.unwrap_or(family.default_steps(tiny));
-    ddo_nn::scheduler::check_schedule_memory(steps).map_err(|e| {
-        CliError::usage(
-            format!("--steps {steps}: more than this host can schedule"),
-            match e {
-                ddo_core::CoreError::InvalidOption { hint, .. } => hint,
-                other => other.to_string(),
-            },
-        )
-    })?;
-    let default_side = if tiny { 128 } else { 1024 };
-    let height = args.height.unwrap_or(default_side);
-    let width = args.width.unwrap_or(default_side);
-    let seed = args.seed.unwrap_or(0);
-    let num_images = args.num_images.unwrap_or(1);
-    // Checked finite, its embedding too, by the parser (`cli::values::guidance`).
-    let guidance = args.guidance.unwrap_or(3.5);
-    let true_cfg_scale = args.true_cfg_scale.unwrap_or(qwen::DEFAULT_TRUE_CFG_SCALE);
-    let max_seq = args.max_sequence_length;
-    let tiled_decode = args.tiled_decode.unwrap_or(TiledDecode::Auto);
     let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
-    let budget = args.vram_budget;
-    check_host_budget(device_choice, budget)?;
+    check_host_budget(device_choice, args.vram_budget)?;
     let out_path = args
         .out
         .clone()
@@ -315,84 +286,20 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
             "end the name in .safetensors",
         ));
     }
-
     // Inputs given as files are read before anything heavy: the embeddings say how many
     // prompts there are, hence how many images.
-    let given = match (&args.prompt_embeds, family) {
-        (None, _) => GivenEmbeds::None,
-        (Some(path), Family::Flux) => {
-            let seq = read_tensor(path, &["prompt_embeds"], "--prompt-embeds")?;
-            let pooled = read_tensor(path, &["pooled_prompt_embeds"], "--prompt-embeds")?;
-            GivenEmbeds::Flux(PromptEmbeds {
-                prompt_embeds: seq.to_tensor()?,
-                pooled_prompt_embeds: pooled.to_tensor()?,
-            })
-        }
-        (Some(path), Family::QwenImage) => GivenEmbeds::Qwen(qwen::read_embeds_file(path)?),
-    };
-    let prompts = given.batch();
-    let images = prompts
-        .checked_mul(num_images)
-        .filter(|&n| n <= MAX_IMAGES)
-        .ok_or_else(|| {
-            CliError::usage(
-                format!(
-                    "--num-images {num_images} for {prompts} prompt(s): more than {MAX_IMAGES} images in one batch"
-                ),
-                format!(
-                    "ask for at most {MAX_IMAGES} images in all, and run again (with another --seed) for more"
-                ),
-            )
-        })?;
-    if args.prompt_embeds.is_some() && max_seq.is_some() {
+    let request = Request::of_run(args, family)?;
+    let checked = request.check(family, options.is_tiny())?;
+    if request.has_embeds() && args.max_sequence_length.is_some() {
         return Err(CliError::usage(
             "--max-sequence-length with --prompt-embeds",
             "--max-sequence-length sets how many tokens a text prompt is encoded to; given embeddings keep their own length: leave it out, or give --prompt",
         ));
     }
-    let init = match &args.init_latents {
-        Some(p) => {
-            // Both names in one file are taken only when they hold the same noise (packed
-            // and unpacked, as the fixtures keep it); otherwise which to use is a guess.
-            if let (Some(latents), Some(noise)) = (
-                read_optional_tensor(p, "latents", "--init-latents")?,
-                read_optional_tensor(p, "noise", "--init-latents")?,
-            ) && !same_noise(&latents, &noise)
-            {
-                return Err(CliError::usage(
-                    format!(
-                        "--init-latents {}: holds both `latents` {:?} and `noise` {:?}, which differ",
-                        p.display(),
-                        latents.shape,
-                        noise.shape
-                    ),
-                    "keep one of them in the file (the initial noise, one row per image)",
-                ));
-            }
-            InitLatents::Given(
-                read_tensor(p, &["latents", "noise"], "--init-latents")?.to_tensor()?,
-            )
-        }
-        None => InitLatents::Seed(seed),
-    };
-    // One noise per image; the pipeline checks the rest of the shape.
-    if let InitLatents::Given(t) = &init
-        && t.shape().first() != Some(&images)
-    {
-        return Err(CliError::usage(
-            format!(
-                "--init-latents: noise {:?} for {images} image(s)",
-                t.shape()
-            ),
-            format!(
-                "give one row per image ({prompts} prompt(s) x --num-images {num_images}), e.g. [{images}, C, h, w]"
-            ),
-        ));
-    }
 
     // Outputs are checked against every path the command reads and each other, and for a
     // writable directory, before anything heavy is read or computed.
-    let image_files = image_paths(&out_path, images);
+    let image_files = image_paths(&out_path, checked.images);
     let mut output_paths: Vec<(&'static str, &std::path::Path)> =
         image_files.iter().map(|p| ("--out", p.as_path())).collect();
     if let Some(p) = &save_latents {
@@ -400,177 +307,19 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     }
     let outputs = Outputs::plan(&output_paths, &Inputs::of(&args.paths_read()))?;
 
-    device_choice.prepare_kernels();
     let mut bar = ProgressBar::new();
-    let mut startup = Stopwatch::new(started);
-    let (pipe, model_label) = build_pipeline(
-        &source,
-        &ComponentFiles {
-            text_encoder: args.text_encoder.clone(),
-            transformer: args.transformer.clone(),
-            text_encoder_2: args.text_encoder_2.clone(),
-            vae: args.vae.clone(),
-        }
-        .checked()?,
-        dtype,
-        max_seq,
-        unused_weights(args.allow_unused_weights),
-        &mut bar,
-    )?;
-    startup.lap("weights");
-    let names = pipe.component_names();
-    let routing = Routing::new(args.preset, &args.route, args.no_env, &names)?;
-    // Each component is resolved here, once: the device's needs, the memory plan, the
-    // routes' handles and the report all carry these resolutions (ARCHITECTURE.md).
-    let resolutions = routing.resolve_all(&names)?;
-    let host = host_budget(args.host_budget);
-    let device = open_device(
-        device_choice,
-        budget,
-        DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)).within(&host),
-    )?;
-    // The backend may prepare per-shape work (cuDNN plans) while the routes attach and the
-    // prompt is encoded.
-    pipe.prepare_attention(&*device, height, width, images)?;
-    startup.lap("device");
-    let (plan_budget, budget_source) = plan_budget(&*device, budget);
-    let effective_budget = Some(plan_budget);
-    // A budget below the largest leaf, or any other no plan fits, is refused by the plan,
-    // naming the smallest budget that plans the whole pipeline.
-    // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does this,
-    // and the profile says so (one rule for run, bench and resolve).
-    let crate::size::ImageSize {
-        height,
-        width,
-        note: size_note,
-    } = crate::size::ImageSize::of(&pipe, height, width)?;
-
-    let (prompt, prompt_label) = match (&pipe, given) {
-        (AnyPipeline::QwenImage(q), GivenEmbeds::Qwen(e)) => {
-            let p = qwen::prompts(q, Some(e), args, DEFAULT_PROMPT)?;
-            let label = p.label.clone();
-            (Prompts::Qwen(p), label)
-        }
-        (AnyPipeline::QwenImage(q), _) => {
-            let p = qwen::prompts(q, None, args, DEFAULT_PROMPT)?;
-            let label = p.label.clone();
-            (Prompts::Qwen(p), label)
-        }
-        (AnyPipeline::Flux(flux), given) => {
-            let embeds = match given {
-                GivenEmbeds::Flux(e) => Some(e),
-                _ => None,
-            };
-            let (prompt, label) = flux_prompt(flux, embeds, args.prompt.as_deref(), &source)?;
-            (Prompts::Flux(prompt), label)
-        }
+    let load_began = Instant::now();
+    let mut session = Session::load(&options, &mut bar, &mut *out, args.json)?;
+    let mut observer = RunObserver {
+        bar: &mut bar,
+        out: &mut *out,
+        json: args.json,
     };
-
-    let pipeline = pipe.offload_pipeline()?;
-    // LoRAs (issue 36): their factors go on the device now, resident for the whole run, and
-    // the memory plan gets the budget less them.
-    let lora_bytes = crate::lora::apply_run_loras(
-        (&args.lora, args.lora_allow_unmatched, args.lora_fuse),
-        &pipeline,
-        &*device,
-        &mut *out,
-        args.json,
-    )?;
-    let (plan_budget, budget_source) =
-        crate::lora::budget_less_loras(plan_budget, budget_source, lora_bytes);
-    let plan = plan_memory(
-        &pipe,
-        &pipeline,
-        &resolutions,
-        &*device,
-        ((plan_budget, budget_source), host),
-        (height, width, images),
-        tiled_decode,
-    )?;
-    let explanations = planned_explanations(&routing, &names, &plan, &pipeline);
-    // Every route's preflight runs here, before the plan is printed: a refusal is the
-    // whole output.
-    let mut offload = enable_planned_pipeline_offload(&pipeline, device.clone(), &plan)
-        .map_err(|e| CliError::from(e).context("attaching routes"))?;
-    if !args.json {
-        out.write_all(plan.format_text().as_bytes())
-            .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))?;
-    }
-    startup.lap("plan");
-    startup.lap("attach");
-    let guidance_report = match &prompt {
-        Prompts::Flux(_) => Guidance::Flux(guidance),
-        Prompts::Qwen(p) => {
-            let (on, words) = qwen::true_cfg(true_cfg_scale, p.negative.is_some());
-            Guidance::TrueCfg {
-                scale: true_cfg_scale,
-                on,
-                words,
-            }
-        }
-    };
-    // When each denoising step's host side finished (the streaming engine keeps the host
-    // within a ring of the device, so these follow the device's pace).
-    let mut step_ends: Vec<Instant> = Vec::new();
-    let denoise_began = Instant::now();
-    let mut progress = |phase: &str, done: usize, total: usize| {
-        if phase == "denoise" {
-            step_ends.push(Instant::now());
-        }
-        bar.update(phase, done, total)
-    };
-    let result = match (&pipe, prompt) {
-        (AnyPipeline::Flux(flux), Prompts::Flux(prompt)) => flux.run_phases(
-            &mut offload,
-            &PipelineRequest {
-                prompt,
-                steps,
-                guidance,
-                height,
-                width,
-                init,
-                num_images,
-                tiled_decode,
-                vram_budget: effective_budget,
-                release_native_idle_cache: args.release_native_idle,
-            },
-            &mut progress,
-        ),
-        (AnyPipeline::QwenImage(q), Prompts::Qwen(p)) => q.run_phases(
-            &mut offload,
-            &QwenImageRequest {
-                prompt: p.prompt,
-                negative_prompt: p.negative,
-                true_cfg_scale,
-                steps,
-                height,
-                width,
-                init,
-                num_images,
-                tiled_decode,
-                vram_budget: effective_budget,
-                release_native_idle_cache: args.release_native_idle,
-            },
-            &mut progress,
-        ),
-        _ => Err(ddo_core::CoreError::InvalidOption {
-            option: "prompt".into(),
-            value: "another family's".into(),
-            hint: "the prompt was made for the other pipeline family".into(),
-        }),
-    };
-    let step_seconds = step_seconds(denoise_began, &step_ends);
+    let generated = session.generate(&request, &mut observer);
     bar.finish();
-    let run = result?;
-    // No image from weight files that changed while they were read (issue 35).
-    check_weights_unchanged(&pipeline)?;
-    startup.lap("phases");
-    // Host memory the routes handed back (`Device::release_host`) is unpinned now that the
-    // device is idle, beside the output's encoding.
-    let unpinning = {
-        let device = Arc::clone(&device);
-        std::thread::spawn(move || device.unpin_released())
-    };
+    let mut generated = generated?;
+    let (height, width, size_note) = generated.size.clone();
+    let run = &generated.run;
 
     let image = HostTensor::from_tensor(&run.image)?;
     let mut files: Vec<(&'static str, Vec<u8>)> = match out_kind {
@@ -587,18 +336,9 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
             )]
         }
     };
-    if let (Some(_), Some(flux)) = (&save_latents, pipe.as_flux()) {
-        let (h, w) = pipe.latent_grid(height, width)?;
-        let unpacked = unpack_host(&HostTensor::from_tensor(&run.latents)?, h, w)?;
-        let cfg = flux.vae.config();
-        let (sf, shift) = (
-            cfg.scaling_factor as f32,
-            cfg.shift_factor.unwrap_or(0.0) as f32,
-        );
-        let unscaled = HostTensor {
-            shape: unpacked.shape.clone(),
-            values: unpacked.values.iter().map(|v| v / sf + shift).collect(),
-        };
+    if save_latents.is_some()
+        && let Some(unscaled) = session.unscaled_latents(run, height, width)?
+    {
         files.push((
             "--save-latents",
             encode_safetensors(&[("latents", &unscaled)])?,
@@ -607,42 +347,56 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     outputs.commit(&files)?;
     // The outputs are written: a panic while unpinning (printed by the panic hook) cannot
     // change them, and the process is about to let go of that memory anyway.
-    let _ = unpinning.join();
+    generated.finish_unpinning();
+    let run = &generated.run;
 
-    let snapshots: Vec<Value> = names
-        .iter()
-        .map(|n| {
-            offload
-                .handle(n)
-                .map(|h| serde_json::to_value(h.metrics_snapshot()).unwrap_or(Value::Null))
-                .unwrap_or(Value::Null)
-        })
-        .collect();
-    startup.lap("output");
+    // The stages: the load's (its first counting from the command's start) and the
+    // request's, then the output.
+    let mut laps: Vec<(&'static str, f64)> = session.load_laps().to_vec();
+    if let Some(first) = laps.first_mut() {
+        first.1 += load_began.duration_since(started).as_secs_f64();
+    }
+    laps.extend(generated.laps.iter().copied());
+    let mut stopwatch = Stopwatch::new(Instant::now());
+    stopwatch.lap("output");
+    laps.extend(stopwatch.laps);
     let total = started.elapsed().as_secs_f64();
+    let c = &generated.request;
+    let guidance_report = match family {
+        Family::Flux => Guidance::Flux(c.guidance),
+        Family::QwenImage => {
+            let (on, words) = qwen::true_cfg(c.true_cfg_scale, generated.negative_prompt);
+            Guidance::TrueCfg {
+                scale: c.true_cfg_scale,
+                on,
+                words,
+            }
+        }
+    };
+    let device = session.device();
     let report = Report {
-        model: &model_label,
+        model: session.model_label(),
         device: device.id().to_string(),
-        budget: effective_budget,
+        budget: Some(plan_budget(&**device, args.vram_budget).0),
         height,
         width,
         size_note: size_note.as_deref(),
-        steps,
+        steps: c.steps,
         guidance: guidance_report,
-        seed,
-        prompt: &prompt_label,
-        explanations: &explanations,
-        plan: &plan,
-        run: &run,
-        snapshots: &snapshots,
+        seed: c.seed,
+        prompt: &generated.prompt_label,
+        explanations: &generated.explanations,
+        plan: &generated.plan,
+        run,
+        snapshots: &generated.snapshots,
         out: &image_files,
         save_latents: save_latents.as_ref(),
-        laps: &startup.laps,
-        step_seconds: &step_seconds,
+        laps: &laps,
+        step_seconds: &generated.step_seconds,
         total,
-        loras: (&args.lora, lora_bytes),
+        loras: session.loras(),
         host: report::HostUse {
-            budget: host,
+            budget: session.host_budget(),
             peak_pinned: device.memory_info().pinned_peak,
             peak_rss: ddo_core::host_memory::process_status_bytes("VmHWM"),
             read_bytes: ddo_core::host_memory::process_read_bytes(),
@@ -657,113 +411,39 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
 }
 
-/// Whether `latents` and `noise` of an `--init-latents` file are the same noise: equal, or
-/// one the packed form (`[n, (h/2)(w/2), 4c]`) of the other (`[n, c, h, w]`).
-fn same_noise(latents: &HostTensor, noise: &HostTensor) -> bool {
-    if latents.shape == noise.shape {
-        return latents.values == noise.values;
-    }
-    let unpacked = |packed: &HostTensor, other: &HostTensor| match other.shape.as_slice() {
-        &[_, _, h, w] => unpack_host(packed, h, w)
-            .is_ok_and(|u| u.shape == other.shape && u.values == other.values),
-        _ => false,
-    };
-    unpacked(latents, noise) || unpacked(noise, latents)
+/// `ddo run`'s [`Observer`]: the progress bar, and the plan printed before the phases
+/// (unless `--json`).
+struct RunObserver<'a> {
+    bar: &'a mut ProgressBar,
+    out: &'a mut dyn Write,
+    json: bool,
 }
 
-/// Prompt embeddings given with `--prompt-embeds`, read as the family takes them.
-enum GivenEmbeds {
-    /// None given.
-    None,
-    /// Flux's `prompt_embeds` and `pooled_prompt_embeds`.
-    Flux(PromptEmbeds),
-    /// Qwen-Image's, with their masks and the negative prompt's.
-    Qwen(qwen::QwenEmbedsFile),
-}
-
-impl GivenEmbeds {
-    /// Prompts in the file (1 when none was given: the text prompt).
-    fn batch(&self) -> usize {
-        match self {
-            GivenEmbeds::None => 1,
-            GivenEmbeds::Flux(e) => e.batch(),
-            GivenEmbeds::Qwen(e) => e.batch(),
+impl Observer for RunObserver<'_> {
+    fn planned(&mut self, plan: &PipelinePlan) -> CliResult<()> {
+        if self.json {
+            return Ok(());
         }
+        self.out
+            .write_all(plan.format_text().as_bytes())
+            .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
+    }
+
+    fn progress(&mut self, phase: &str, done: usize, total: usize) {
+        self.bar.update(phase, done, total);
     }
 }
 
-/// The prompt of a run, as its family takes it.
-enum Prompts {
-    /// A Flux prompt.
-    Flux(PromptInput),
-    /// A Qwen-Image prompt and negative prompt.
-    Qwen(qwen::QwenPrompts),
-}
-
-/// The prompt of a Flux run: the embeddings file's, or text through the folder's tokenizer
-/// files (or the stand-in), and how the profile names it.
-fn flux_prompt(
-    pipe: &FluxPipeline,
-    embeds: Option<PromptEmbeds>,
-    text: Option<&str>,
-    source: &Source,
-) -> CliResult<(PromptInput, String)> {
-    match (embeds, text) {
-        (Some(_), Some(_)) => Err(CliError::usage(
-            "--prompt and --prompt-embeds both given",
-            "give one: text, or embeddings from a file",
-        )),
-        (Some(e), None) => Ok((
-            PromptInput::Embeddings(e),
-            "embeddings from --prompt-embeds".to_string(),
-        )),
-        (None, text) => {
-            let (Some(clip), Some(_)) = (&pipe.clip, &pipe.t5) else {
-                return Err(CliError::usage(
-                    "this pipeline folder has no text_encoder/ and text_encoder_2/",
-                    "pass --prompt-embeds FILE.safetensors (tensors prompt_embeds and pooled_prompt_embeds)",
-                ));
-            };
-            let text = text.unwrap_or(DEFAULT_PROMPT).to_string();
-            let files = match source {
-                Source::Weights(dir) => PipelineTokenizers::load(dir)?,
-                Source::Config(_) => None,
-            };
-            match files {
-                Some(t) => {
-                    let (clip_ids, t5_ids) = t.encode(
-                        &text,
-                        clip.config().max_position_embeddings,
-                        pipe.max_sequence_length,
-                    )?;
-                    let label = format!(
-                        "{text:?} (tokenizer files: {}, {}; {} + {} tokens)",
-                        t.clip.source.display(),
-                        t.t5.source.display(),
-                        clip_ids.len(),
-                        t5_ids.len()
-                    );
-                    Ok((
-                        PromptInput::Tokens {
-                            clip: clip_ids,
-                            t5: t5_ids,
-                        },
-                        label,
-                    ))
-                }
-                None => {
-                    let label = format!(
-                        "{text:?} (stand-in tokenizer: {})",
-                        match source {
-                            Source::Config(_) => "random weights have no tokenizer files",
-                            Source::Weights(_) => "the folder has no tokenizer/ and tokenizer_2/",
-                        }
-                    );
-                    Ok((PromptInput::Text(text), label))
-                }
-            }
-        }
-    }
+/// The prompts of a Qwen-Image request: the embeddings', or text (the prompt and negative
+/// prompt, `default_prompt` without one) through the folder's tokenizer or the stand-in.
+pub(crate) fn qwen_prompts(
+    pipe: &ddo_nn::pipeline::QwenImagePipeline,
+    embeds: Option<qwen::QwenEmbedsFile>,
+    prompt: Option<&str>,
+    negative: Option<&str>,
+    default_prompt: &str,
+) -> CliResult<qwen::QwenPrompts> {
+    qwen::prompts(pipe, embeds, prompt, negative, default_prompt)
 }
 
 #[cfg(test)]

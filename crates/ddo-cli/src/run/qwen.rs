@@ -72,7 +72,7 @@ pub(super) fn refuse_qwen_options(args: &RunArgs) -> CliResult<()> {
 
 /// Embeddings read from `--prompt-embeds` for a Qwen-Image run.
 #[derive(Debug, Clone)]
-pub(super) struct QwenEmbedsFile {
+pub(crate) struct QwenEmbedsFile {
     /// The prompts'.
     pub positive: QwenPromptEmbeds,
     /// The negative prompts', when the file has them.
@@ -161,7 +161,7 @@ fn read_embeds(path: &Path, prefix: &str) -> CliResult<Option<QwenPromptEmbeds>>
 /// Reads `--prompt-embeds` for a Qwen-Image run: the prompts' embeddings and, when the file
 /// has them, the negative prompts' (`negative_prompt_embeds`, `negative_prompt_embeds_mask`),
 /// one row per prompt.
-pub(super) fn read_embeds_file(path: &Path) -> CliResult<QwenEmbedsFile> {
+pub(crate) fn read_embeds_file(path: &Path) -> CliResult<QwenEmbedsFile> {
     // Tensors a Qwen-Image run would not read are refused, not ignored: Flux's pooled
     // embeddings (a Flux file given to a Qwen run), and a negative mask without its
     // negative embeddings.
@@ -215,7 +215,7 @@ pub(super) fn read_embeds_file(path: &Path) -> CliResult<QwenEmbedsFile> {
 }
 
 /// The prompt and negative prompt of a Qwen-Image run, and how the profile names them.
-pub(super) struct QwenPrompts {
+pub(crate) struct QwenPrompts {
     /// The prompt.
     pub prompt: QwenPromptInput,
     /// The negative prompt, if any (true CFG needs one).
@@ -229,11 +229,12 @@ pub(super) struct QwenPrompts {
 pub(super) fn prompts(
     pipe: &QwenImagePipeline,
     embeds: Option<QwenEmbedsFile>,
-    args: &RunArgs,
+    prompt: Option<&str>,
+    negative_prompt: Option<&str>,
     default_prompt: &str,
 ) -> CliResult<QwenPrompts> {
     if let Some(e) = embeds {
-        if args.prompt.is_some() || args.negative_prompt.is_some() {
+        if prompt.is_some() || negative_prompt.is_some() {
             return Err(CliError::usage(
                 "--prompt-embeds with --prompt or --negative-prompt",
                 "give both prompts as text (--prompt, --negative-prompt), or both as embeddings in the --prompt-embeds file (prompt_embeds, and negative_prompt_embeds for true CFG)",
@@ -273,19 +274,19 @@ pub(super) fn prompts(
             "pass --prompt-embeds FILE.safetensors (prompt_embeds, prompt_embeds_mask; negative_prompt_embeds for true CFG)",
         ));
     }
-    let text = args.prompt.as_deref().unwrap_or(default_prompt).to_string();
+    let text = prompt.unwrap_or(default_prompt).to_string();
     let tokenizer = if pipe.tokenizer.is_some() {
         "tokenizer files: tokenizer/"
     } else {
         "stand-in tokenizer: random weights have no tokenizer files"
     };
-    let label = match &args.negative_prompt {
+    let label = match negative_prompt {
         Some(n) => format!("{text:?}, negative {n:?} ({tokenizer})"),
         None => format!("{text:?} ({tokenizer})"),
     };
     Ok(QwenPrompts {
         prompt: QwenPromptInput::Text(text),
-        negative: args.negative_prompt.clone().map(QwenPromptInput::Text),
+        negative: negative_prompt.map(|n| QwenPromptInput::Text(n.to_string())),
         label,
     })
 }

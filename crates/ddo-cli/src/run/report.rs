@@ -106,7 +106,7 @@ impl HostUse {
 
 /// The time between consecutive denoising steps' ends; the first counts from `began` and
 /// so also holds prompt encoding and the denoise phase's setup.
-pub(super) fn step_seconds(began: Instant, ends: &[Instant]) -> Vec<f64> {
+pub(crate) fn step_seconds(began: Instant, ends: &[Instant]) -> Vec<f64> {
     std::iter::once(began)
         .chain(ends.iter().copied())
         .zip(ends)
