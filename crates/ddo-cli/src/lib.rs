@@ -19,7 +19,8 @@
 //! - [`bench`](mod@bench): one component under several routes or presets, against the link floor
 //!   (and, with `--plot`, a time vs peak memory chart from [`plot`](mod@plot));
 //! - [`convert`](mod@convert): a pipeline folder written again with its matrices coded
-//!   losslessly (`--compress lossless`).
+//!   losslessly (`--compress lossless`);
+//! - [`serve`](mod@serve): a [`session::Session`] kept warm behind an HTTP API and a web page.
 //!
 //! Every failure comes back as a [`CliError`] — one line, with a hint, and an exit status
 //! (2 for bad usage, 1 for a failure while running) — never as a panic.
@@ -41,6 +42,7 @@ pub mod plot;
 pub mod progress;
 pub mod resolve;
 pub mod run;
+pub mod serve;
 pub mod session;
 pub mod setup;
 pub mod size;
@@ -65,6 +67,7 @@ pub fn execute(argv: &[String], out: &mut dyn Write) -> CliResult<()> {
             cli::Command::Inspect(args) => inspect::inspect(&args, out),
             cli::Command::Bench(args) => bench::bench(&args, out),
             cli::Command::Convert(args) => convert::convert(&args, out),
+            cli::Command::Serve(args) => serve::serve(&args, out),
             // `cli::parse` answers these itself.
             cli::Command::Help { .. } | cli::Command::Version { .. } => Ok(()),
         },

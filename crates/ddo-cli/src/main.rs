@@ -17,8 +17,11 @@ fn main() {
             }
         }
     }
-    // An interrupt waits until the outputs are all in place or none was written.
-    if let Err(e) = ddo_cli::interrupt::install() {
+    // An interrupt waits until the outputs are all in place or none was written. `ddo
+    // serve` handles SIGTERM and SIGINT itself: it finishes the running job first.
+    if argv.first().map(String::as_str) != Some("serve")
+        && let Err(e) = ddo_cli::interrupt::install()
+    {
         eprintln!(
             "ddo: warning: cannot handle interrupts ({e}); an interrupt may leave a partial set of outputs"
         );

@@ -146,6 +146,89 @@ pub struct RunArgs {
     pub allow_unused_weights: bool,
 }
 
+/// `ddo serve`'s options: `ddo run`'s loading options, where to listen, the token, the
+/// queue and the LoRA folder.
+#[derive(Debug, Clone, Default, Args)]
+#[command(
+    override_usage = "ddo serve (--config tiny|flux-dev|qwen-tiny|qwen-image | --weights DIR) [--listen 127.0.0.1:8910] [--token SECRET] [options]"
+)]
+pub struct ServeArgs {
+    /// random weights at a named config
+    #[arg(long, value_name = "tiny|flux-dev|qwen-tiny|qwen-image")]
+    pub config: Option<String>,
+    /// a Diffusers pipeline folder (model_index.json + component folders)
+    #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
+    pub weights: Option<PathBuf>,
+    /// the transformer from one safetensors or GGUF file
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub transformer: Option<PathBuf>,
+    /// CLIP from one safetensors file
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder: Option<PathBuf>,
+    /// T5 from one safetensors or GGUF file
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub text_encoder_2: Option<PathBuf>,
+    /// the VAE from one safetensors file
+    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
+    pub vae: Option<PathBuf>,
+    /// preset: auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off
+    #[arg(long, value_name = "NAME", value_parser = Checked(values::preset))]
+    pub preset: Option<Preset>,
+    /// an explicit route for one component (repeatable)
+    #[arg(long, value_name = "COMPONENT=ROUTE[:k=v,...]")]
+    pub route: Vec<String>,
+    /// device memory DDO may use
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
+    pub vram_budget: Option<u64>,
+    /// host memory DDO may make the machine hold (default: MemAvailable at start less a reserve)
+    #[arg(long, value_name = "SIZE", value_parser = Checked(values::host_budget))]
+    pub host_budget: Option<u64>,
+    /// execution device (default cpu)
+    #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
+    pub device: Option<DeviceChoice>,
+    /// weight dtype (default: the checkpoint's; f32 for the tiny configs)
+    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
+    pub dtype: Option<DType>,
+    /// T5 tokens a prompt is encoded to (Flux: at most 512)
+    #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
+    pub max_sequence_length: Option<usize>,
+    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
+    #[arg(long)]
+    pub allow_unused_weights: bool,
+    /// do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE
+    #[arg(long)]
+    pub no_env: bool,
+    /// the address to listen on; any but a loopback address needs --token
+    #[arg(long, value_name = "ADDR:PORT", value_parser = Checked(values::listen))]
+    pub listen: Option<std::net::SocketAddr>,
+    /// a bearer token every API request must carry (Authorization: Bearer TOKEN)
+    #[arg(long, value_name = "SECRET")]
+    pub token: Option<String>,
+    /// requests that may wait behind the running one (default 16); past it, 429
+    #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
+    pub queue: Option<usize>,
+    /// the folder whose .safetensors LoRAs requests name (by file name, without the folder)
+    #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
+    pub lora_dir: Option<PathBuf>,
+    /// keep LoRA files that only partly match the pipeline (the modules left out are named)
+    #[arg(long)]
+    pub lora_allow_unmatched: bool,
+}
+
+impl ServeArgs {
+    /// Every path `ddo serve` reads (it writes none).
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        given(&[
+            ("--weights", &self.weights),
+            ("--transformer", &self.transformer),
+            ("--text-encoder", &self.text_encoder),
+            ("--text-encoder-2", &self.text_encoder_2),
+            ("--vae", &self.vae),
+            ("--lora-dir", &self.lora_dir),
+        ])
+    }
+}
+
 /// `ddo convert`'s options.
 #[derive(Debug, Clone, Args)]
 #[command(override_usage = "ddo convert --compress lossless IN OUT [--json]")]

@@ -12,7 +12,7 @@
 
 mod commands;
 mod errors;
-mod values;
+pub mod values;
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -21,13 +21,16 @@ use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 pub use commands::{
     BenchArgs, ConvertArgs, DecodeArgs, InspectArgs, OUTPUT_OPTIONS, ResolveArgs, RunArgs,
+    ServeArgs,
 };
 pub use values::{Checked, LoraArg, OptionValue};
 
 use crate::error::{CliError, CliResult};
 
 /// The subcommands that run something, in `ddo help`'s order.
-pub const COMMANDS: [&str; 6] = ["run", "decode", "resolve", "inspect", "bench", "convert"];
+pub const COMMANDS: [&str; 7] = [
+    "run", "decode", "resolve", "inspect", "bench", "convert", "serve",
+];
 
 const AFTER_HELP: &str = "`ddo help <command>` lists a command's options. First run: ddo run --config tiny --out /tmp/ddo-tiny.png";
 
@@ -63,6 +66,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// write a pipeline folder again with its matrices coded losslessly (about 0.65x the bytes)
     Convert(ConvertArgs),
+    /// keep the pipeline loaded and make images for HTTP requests (API and web page)
+    Serve(ServeArgs),
     /// print this list, or `ddo help COMMAND`: that command's options
     Help {
         /// the command whose options to list (words after it are ignored)
@@ -299,6 +304,7 @@ mod tests {
             Command::Inspect(a) => a.paths_read(),
             Command::Bench(a) => a.paths_read(),
             Command::Convert(a) => a.paths_read(),
+            Command::Serve(a) => a.paths_read(),
             _ => Vec::new(),
         };
         list.into_iter()

@@ -259,6 +259,13 @@ pub fn preset(g: &OptionValue<'_>) -> CliResult<Preset> {
         .map_err(|e| CliError::usage(e.to_string(), "pick one of the presets listed"))
 }
 
+/// `--listen ADDR:PORT`: an IP address and a port (`127.0.0.1:8910`, `[::1]:0`).
+pub fn listen(g: &OptionValue<'_>) -> CliResult<std::net::SocketAddr> {
+    g.text
+        .parse()
+        .map_err(|_| g.invalid("an IP address and a port, e.g. 127.0.0.1:8910"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

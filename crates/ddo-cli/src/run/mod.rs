@@ -4,7 +4,7 @@
 
 mod load;
 pub(crate) mod qwen;
-mod report;
+pub(crate) mod report;
 
 pub(crate) use load::{ComponentFiles, build_pipeline};
 pub(crate) use report::step_seconds;
@@ -318,7 +318,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let generated = session.generate(&request, &mut observer);
     bar.finish();
     let mut generated = generated?;
-    let (height, width, size_note) = generated.size.clone();
+    let (height, width, _) = generated.size.clone();
     let run = &generated.run;
 
     let image = HostTensor::from_tensor(&run.image)?;
@@ -348,7 +348,6 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     // The outputs are written: a panic while unpinning (printed by the panic hook) cannot
     // change them, and the process is about to let go of that memory anyway.
     generated.finish_unpinning();
-    let run = &generated.run;
 
     // The stages: the load's (its first counting from the command's start) and the
     // request's, then the output.
@@ -361,8 +360,35 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     stopwatch.lap("output");
     laps.extend(stopwatch.laps);
     let total = started.elapsed().as_secs_f64();
+    let report = profile(
+        &session,
+        &generated,
+        (&image_files, save_latents.as_ref()),
+        &laps,
+        total,
+        args.vram_budget,
+    );
+    let text = if args.json {
+        serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n"
+    } else {
+        report.human()
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
+}
+
+/// The profile of `generated`, made by `session` (`ddo run` prints it; `ddo serve` answers
+/// with its JSON): the files the images went to, the stages' `laps`, the `total` seconds.
+pub(crate) fn profile<'a>(
+    session: &'a Session,
+    generated: &'a crate::session::Generated,
+    (out, save_latents): (&'a [PathBuf], Option<&'a PathBuf>),
+    laps: &'a [(&'static str, f64)],
+    total: f64,
+    vram_budget: Option<u64>,
+) -> Report<'a> {
     let c = &generated.request;
-    let guidance_report = match family {
+    let guidance = match session.family() {
         Family::Flux => Guidance::Flux(c.guidance),
         Family::QwenImage => {
             let (on, words) = qwen::true_cfg(c.true_cfg_scale, generated.negative_prompt);
@@ -374,24 +400,25 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         }
     };
     let device = session.device();
-    let report = Report {
+    let (height, width, size_note) = &generated.size;
+    Report {
         model: session.model_label(),
         device: device.id().to_string(),
-        budget: Some(plan_budget(&**device, args.vram_budget).0),
-        height,
-        width,
+        budget: Some(plan_budget(&**device, vram_budget).0),
+        height: *height,
+        width: *width,
         size_note: size_note.as_deref(),
         steps: c.steps,
-        guidance: guidance_report,
+        guidance,
         seed: c.seed,
         prompt: &generated.prompt_label,
         explanations: &generated.explanations,
         plan: &generated.plan,
-        run,
+        run: &generated.run,
         snapshots: &generated.snapshots,
-        out: &image_files,
-        save_latents: save_latents.as_ref(),
-        laps: &laps,
+        out,
+        save_latents,
+        laps,
         step_seconds: &generated.step_seconds,
         total,
         loras: session.loras(),
@@ -401,14 +428,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
             peak_rss: ddo_core::host_memory::process_status_bytes("VmHWM"),
             read_bytes: ddo_core::host_memory::process_read_bytes(),
         },
-    };
-    let text = if args.json {
-        serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n"
-    } else {
-        report.human()
-    };
-    out.write_all(text.as_bytes())
-        .map_err(|e| CliError::runtime(format!("cannot write the profile: {e}"), ""))
+    }
 }
 
 /// `ddo run`'s [`Observer`]: the progress bar, and the plan printed before the phases

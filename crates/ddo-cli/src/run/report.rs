@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use crate::setup::Explanation;
 
 /// The guidance of a run, as its family has it.
-pub(super) enum Guidance {
+pub(crate) enum Guidance {
     /// Flux's distilled guidance scale (the guidance embedding).
     Flux(f32),
     /// Qwen-Image's true CFG: its scale, whether it runs, and the profile's words for it.
@@ -25,50 +25,50 @@ pub(super) enum Guidance {
     },
 }
 
-pub(super) struct Report<'a> {
-    pub(super) model: &'a str,
-    pub(super) device: String,
-    pub(super) budget: Option<u64>,
-    pub(super) height: usize,
-    pub(super) width: usize,
+pub(crate) struct Report<'a> {
+    pub(crate) model: &'a str,
+    pub(crate) device: String,
+    pub(crate) budget: Option<u64>,
+    pub(crate) height: usize,
+    pub(crate) width: usize,
     /// Why the size differs from the one asked for.
-    pub(super) size_note: Option<&'a str>,
-    pub(super) steps: usize,
-    pub(super) guidance: Guidance,
-    pub(super) seed: u64,
-    pub(super) prompt: &'a str,
-    pub(super) explanations: &'a [Explanation],
-    pub(super) plan: &'a PipelinePlan,
-    pub(super) run: &'a PipelineRun,
-    pub(super) snapshots: &'a [Value],
+    pub(crate) size_note: Option<&'a str>,
+    pub(crate) steps: usize,
+    pub(crate) guidance: Guidance,
+    pub(crate) seed: u64,
+    pub(crate) prompt: &'a str,
+    pub(crate) explanations: &'a [Explanation],
+    pub(crate) plan: &'a PipelinePlan,
+    pub(crate) run: &'a PipelineRun,
+    pub(crate) snapshots: &'a [Value],
     /// The files the images went to (one, or one per image).
-    pub(super) out: &'a [PathBuf],
-    pub(super) save_latents: Option<&'a PathBuf>,
+    pub(crate) out: &'a [PathBuf],
+    pub(crate) save_latents: Option<&'a PathBuf>,
     /// Wall time by stage (see [`Stopwatch`]).
-    pub(super) laps: &'a [(&'static str, f64)],
+    pub(crate) laps: &'a [(&'static str, f64)],
     /// Seconds of each denoising step but the first, which counts from the run's start
     /// (see [`step_seconds`]).
-    pub(super) step_seconds: &'a [f64],
-    pub(super) total: f64,
+    pub(crate) step_seconds: &'a [f64],
+    pub(crate) total: f64,
     /// What the run made the host hold.
-    pub(super) host: HostUse,
+    pub(crate) host: HostUse,
     /// The `--lora` files and the device bytes of their factors.
-    pub(super) loras: (&'a [crate::cli::LoraArg], u64),
+    pub(crate) loras: (&'a [crate::cli::LoraArg], u64),
 }
 
 /// What a run made the host hold, against its host budget (issue 35).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct HostUse {
+pub(crate) struct HostUse {
     /// The budget the plan was made within.
-    pub(super) budget: ddo_core::HostBudget,
+    pub(crate) budget: ddo_core::HostBudget,
     /// Most pinned bytes at once (the device's pinned ledger, exact).
-    pub(super) peak_pinned: u64,
+    pub(crate) peak_pinned: u64,
     /// The process's peak resident set (`VmHWM`), touched file pages included.
-    pub(super) peak_rss: Option<u64>,
+    pub(crate) peak_rss: Option<u64>,
     /// Bytes the process read from storage ([`process_read_bytes`]).
     ///
     /// [`process_read_bytes`]: ddo_core::host_memory::process_read_bytes
-    pub(super) read_bytes: Option<u64>,
+    pub(crate) read_bytes: Option<u64>,
 }
 
 impl HostUse {
@@ -116,20 +116,20 @@ pub(crate) fn step_seconds(began: Instant, ends: &[Instant]) -> Vec<f64> {
 
 /// Wall time of `ddo run` by stage: each lap is the time since the previous one (the first
 /// counts from the process's start of `run`, argument parsing and input files included).
-pub(super) struct Stopwatch {
+pub(crate) struct Stopwatch {
     last: Instant,
-    pub(super) laps: Vec<(&'static str, f64)>,
+    pub(crate) laps: Vec<(&'static str, f64)>,
 }
 
 impl Stopwatch {
-    pub(super) fn new(started: Instant) -> Self {
+    pub(crate) fn new(started: Instant) -> Self {
         Self {
             last: started,
             laps: Vec::new(),
         }
     }
 
-    pub(super) fn lap(&mut self, stage: &'static str) {
+    pub(crate) fn lap(&mut self, stage: &'static str) {
         let now = Instant::now();
         self.laps
             .push((stage, now.duration_since(self.last).as_secs_f64()));
@@ -168,7 +168,7 @@ fn ms(seconds: f64) -> String {
 }
 
 impl Report<'_> {
-    pub(super) fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         let first = self.explanations.first();
         json!({
             "command": "run",
@@ -232,7 +232,7 @@ impl Report<'_> {
         })
     }
 
-    pub(super) fn human(&self) -> String {
+    pub(crate) fn human(&self) -> String {
         let mut s = String::new();
         let first = self.explanations.first();
         let preset = first.map_or(String::new(), |e| {
