@@ -454,6 +454,17 @@ pub enum CoreError {
         /// Non-finite elements found.
         count: u64,
     },
+    /// The run was cancelled by its caller (a server's client went away) at a step
+    /// boundary; everything it held was released.
+    #[error(
+        "the run was cancelled at {phase} step {step}; hint: nothing was written, and the device holds nothing of it: send the request again"
+    )]
+    Cancelled {
+        /// The phase (`denoise`).
+        phase: String,
+        /// The last step that ran, from 1.
+        step: usize,
+    },
     /// A fault injected on purpose by a test wrapper.
     #[error("injected fault: {0}")]
     Injected(String),

@@ -506,6 +506,18 @@ fn drop_file_range(file: &std::fs::File, offset: u64, len: u64) {
     let _ = unsafe { libc::posix_fadvise(fd, offset, len, advice) };
 }
 
+/// Returns the heap's free memory to the kernel where the C library can (glibc's
+/// `malloc_trim`): a long-lived process (`ddo serve`) calls it between requests, so memory
+/// a request freed stops counting in its resident set. Advice: it changes no allocation.
+pub fn return_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `malloc_trim` only releases free pages of the allocator's own heap; it
+        // reads and writes no memory of ours and is safe to call from any thread.
+        let _ = unsafe { libc::malloc_trim(0) };
+    }
+}
+
 /// The host's physical memory (`MemTotal`), where it can be read.
 pub fn mem_total() -> Option<u64> {
     meminfo_bytes("MemTotal")

@@ -609,6 +609,7 @@ fn a_batch_of_two_prompts_matches_diffusers_on_the_gpu() {
             tiled_decode: TiledDecode::Off,
             vram_budget: None,
             release_native_idle_cache: false,
+            cancel: None,
         };
         let run = pipe
             .run_phases(&mut offload, &request, &mut |_, _, _| {})

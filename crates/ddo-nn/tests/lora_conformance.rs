@@ -139,6 +139,7 @@ fn flux_loras_match_diffusers() {
         tiled_decode: TiledDecode::Off,
         vram_budget: None,
         release_native_idle_cache: false,
+        cancel: None,
     };
     let pipeline = pipe.offload_pipeline().unwrap();
     let run = |device: Arc<dyn Device>, route: &str| {
@@ -225,6 +226,7 @@ fn qwen_image_loras_match_diffusers() {
         tiled_decode: TiledDecode::Off,
         vram_budget: None,
         release_native_idle_cache: false,
+        cancel: None,
     };
     let pipeline = pipe.offload_pipeline().unwrap();
     let run = |device: Arc<dyn Device>, route: &str| {

@@ -125,6 +125,7 @@ fn fixture_request(tiled: TiledDecode) -> PipelineRequest {
         tiled_decode: tiled,
         vram_budget: None,
         release_native_idle_cache: false,
+        cancel: None,
     }
 }
 
@@ -313,8 +314,9 @@ fn bad_requests_are_typed_errors_and_release_everything() {
     }
 }
 
-/// Latents that turn NaN (here: a NaN in the given noise) stop the run after the first
-/// denoise step with `CoreError::NonFinite` naming the phase and the step, and every
+/// Latents that turn NaN (here: a NaN in the given noise) stop the run at most one step
+/// after the first denoise step with `CoreError::NonFinite` naming the phase and that step,
+/// and every
 /// component is released as after any error (issue 34: the run used to go on to an
 /// all-black image).
 #[test]
@@ -346,9 +348,16 @@ fn non_finite_latents_stop_the_run_at_their_step_and_release_everything() {
         other => panic!("expected NonFinite, got {other:?}"),
     }
     assert!(e.to_string().contains("denoise step 1 of 4"), "{e}");
+    // The checks are deferred (ddo_core::finite: a step's count is read once the next is
+    // queued): the bad step may be reported done, and at most one more step runs.
+    let reported: Vec<usize> = progress
+        .iter()
+        .filter(|(p, _)| p == "denoise")
+        .map(|(_, i)| *i)
+        .collect();
     assert!(
-        !progress.iter().any(|(p, _)| p == "denoise"),
-        "no step reported done: {progress:?}"
+        reported.len() <= 2 && reported.iter().all(|&i| i <= 2),
+        "more than one step after the bad one reported done: {progress:?}"
     );
     assert_eq!(d.memory_info().allocated, 0);
     for name in ["text_encoder", "transformer", "vae"] {

@@ -92,6 +92,7 @@ fn fixture_request() -> QwenImageRequest {
         tiled_decode: TiledDecode::Off,
         vram_budget: None,
         release_native_idle_cache: false,
+        cancel: None,
     }
 }
 

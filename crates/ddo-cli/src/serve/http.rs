@@ -122,6 +122,9 @@ async fn run_and_wait(shared: &Arc<Shared>, parsed: Parsed) -> Result<Outcome, R
         match shared.events(id, usize::MAX) {
             Some((_, Some(outcome))) => {
                 guard.disarm();
+                // Delivered here: nobody asks for it again (a job queued with POST
+                // /v1/jobs is kept for GET /v1/jobs/{id}).
+                shared.forget(id);
                 return Ok(outcome);
             }
             Some((_, None)) => {}

@@ -222,6 +222,11 @@ impl Shared {
         }
     }
 
+    /// Forgets job `id` (its answer was delivered to the client that waited for it).
+    pub fn forget(&self, id: u64) {
+        lock(&self.jobs).remove(&id);
+    }
+
     /// Whether job `id` was cancelled.
     fn cancelled(&self, id: u64) -> Option<Arc<AtomicBool>> {
         lock(&self.jobs).get(&id).map(|j| Arc::clone(&j.cancel))
@@ -251,8 +256,8 @@ impl Observer for JobObserver<'_> {
         );
     }
 
-    fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::SeqCst)
+    fn cancel_flag(&self) -> Option<Arc<AtomicBool>> {
+        Some(Arc::clone(&self.cancel))
     }
 }
 
@@ -283,7 +288,10 @@ pub fn work(
     shared: Arc<Shared>,
     vram_budget: Option<u64>,
 ) {
+    // Jobs run so far: each answer says which it was (FIFO order is visible to clients).
+    let mut order = 0u64;
     while let Ok(job) = rx.recv() {
+        order += 1;
         shared.waiting.fetch_sub(1, Ordering::SeqCst);
         let Some(cancel) = shared.cancelled(job.id) else {
             continue;
@@ -310,7 +318,8 @@ pub fn work(
         };
         let mut counters = lock(&shared.counters);
         let (event, result) = match outcome {
-            Ok(body) => {
+            Ok(mut body) => {
+                body["order"] = json!(order);
                 *counters.finished.entry("ok").or_default() += 1;
                 (
                     json!({"event": "done", "status": 200}),
@@ -331,6 +340,9 @@ pub fn work(
         let info = session.device().memory_info();
         counters.device_bytes = (info.allocated, info.pinned_host);
         drop(counters);
+        // What the request freed goes back to the kernel: the process's resident set
+        // after a request is the next one's start.
+        ddo_core::host_memory::return_free_heap();
         shared.push(job.id, event, Some(result));
         shared.retire(job.id);
     }

@@ -106,6 +106,15 @@ pub fn text(shared: &Shared) -> String {
             &plain(rss as f64),
         );
     }
+    if let Some(anon) = ddo_core::host_memory::process_status_bytes("RssAnon") {
+        metric(
+            &mut out,
+            "ddo_host_anonymous_bytes",
+            "gauge",
+            "The process's resident anonymous memory (heap, pinned buffers; not file pages).",
+            &plain(anon as f64),
+        );
+    }
     let routes: Vec<(String, f64)> = c
         .routes
         .iter()

@@ -126,9 +126,10 @@ pub trait Observer {
         let _ = (phase, done, total);
     }
 
-    /// Whether the request should stop at the next step boundary (a client went away).
-    fn cancelled(&self) -> bool {
-        false
+    /// A flag that, once set, stops the request at its next step boundary (a client
+    /// went away); `None`: it runs to its end.
+    fn cancel_flag(&self) -> Option<Arc<std::sync::atomic::AtomicBool>> {
+        None
     }
 }
 
@@ -418,13 +419,12 @@ impl Session {
         // host within a ring of the device, so these follow the device's pace).
         let mut step_ends: Vec<Instant> = Vec::new();
         let denoise_began = Instant::now();
-        let mut cancelled = false;
+        let cancel = observer.cancel_flag();
         let mut progress = |phase: &str, done: usize, total: usize| {
             if phase == "denoise" {
                 step_ends.push(Instant::now());
             }
             observer.progress(phase, done, total);
-            cancelled |= observer.cancelled();
         };
         let result = match (&self.pipe, prompt) {
             (AnyPipeline::Flux(flux), Prompts::Flux(prompt)) => flux.run_phases(
@@ -440,6 +440,7 @@ impl Session {
                     tiled_decode: checked.tiled_decode,
                     vram_budget: effective_budget,
                     release_native_idle_cache: checked.release_native_idle,
+                    cancel: cancel.clone(),
                 },
                 &mut progress,
             ),
@@ -457,6 +458,7 @@ impl Session {
                     tiled_decode: checked.tiled_decode,
                     vram_budget: effective_budget,
                     release_native_idle_cache: checked.release_native_idle,
+                    cancel: cancel.clone(),
                 },
                 &mut progress,
             ),
@@ -468,12 +470,6 @@ impl Session {
         };
         let step_seconds = crate::run::step_seconds(denoise_began, &step_ends);
         let run = result?;
-        if cancelled {
-            return Err(CliError::runtime(
-                "the request was cancelled",
-                "the client went away before its image was made",
-            ));
-        }
         // No image from weight files that changed while they were read (issue 35).
         check_weights_unchanged(&self.pipeline)?;
         lap("phases", &mut laps);

@@ -27,6 +27,7 @@
 //! boundary are one piece of code both pipelines call); [`PipelineKind::detect`] tells the two
 //! apart from a folder's `model_index.json`.
 
+mod cancel;
 mod decode_plan;
 mod phases;
 mod qwen;
@@ -837,6 +838,7 @@ impl FluxPipeline {
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
             checks.queue(&latents, PHASES[1], Some((i + 1, steps)), "the latents")?;
             progress("denoise", i + 1, steps);
+            cancel::check(PHASES[1], i + 1)?;
         }
         checks.finish()?;
         Ok((latents, timesteps))

@@ -164,6 +164,7 @@ impl FluxPipeline {
         request: &PipelineRequest,
         progress: Progress<'_>,
     ) -> Result<PipelineRun> {
+        let _cancel = super::cancel::scope(request.cancel.clone());
         run_guarded(offload, "FluxPipeline::run_phases", |offload| {
             self.run_phases_inner(offload, request, progress)
         })

@@ -120,6 +120,9 @@ pub struct PipelineRequest {
     /// (`release_native_vmm_idle_cache`, the seed's low-memory combination). Needs the
     /// native allocator on the device: refused before anything runs otherwise.
     pub release_native_idle_cache: bool,
+    /// Set by the caller to stop the run at the next denoising step boundary
+    /// ([`CoreError::Cancelled`](ddo_core::CoreError::Cancelled); everything released).
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// One finished phase.

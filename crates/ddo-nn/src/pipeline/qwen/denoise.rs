@@ -324,6 +324,7 @@ impl QwenImagePipeline {
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
             checks.queue(&latents, "denoise", Some((i + 1, steps)), "the latents")?;
             progress("denoise", i + 1, steps);
+            crate::pipeline::cancel::check("denoise", i + 1)?;
         }
         checks.finish()?;
         Ok((latents, timesteps, passes))

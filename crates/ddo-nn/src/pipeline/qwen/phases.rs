@@ -33,6 +33,7 @@ impl QwenImagePipeline {
         request: &QwenImageRequest,
         progress: Progress<'_>,
     ) -> Result<PipelineRun> {
+        let _cancel = crate::pipeline::cancel::scope(request.cancel.clone());
         run_guarded(offload, "QwenImagePipeline::run_phases", |offload| {
             self.run_phases_inner(offload, request, progress)
         })

@@ -1,0 +1,521 @@
+//! `ddo serve` (issue 38) on the host backend: the binary started on a free loopback port,
+//! spoken to over plain HTTP/1.1. The same seed and options give `ddo run`'s PNG bytes;
+//! jobs run in FIFO order; bad requests are 4xx with the CLI's message and the server keeps
+//! serving; the queue overflows into 429; a token is required where given; a client that
+//! goes away cancels its job; SIGTERM finishes the running job and exits 0; many requests
+//! in a row leave memory where the first left it.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use common::{ddo, fixture, ok, scratch};
+use serde_json::{Value, json};
+
+/// A `ddo serve` process and its address.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    /// Starts `ddo serve ARGS --listen 127.0.0.1:0` and waits for its address.
+    fn start(args: &[&str]) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
+        cmd.arg("serve")
+            .args(args)
+            .args(["--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        for (k, _) in std::env::vars() {
+            if k.starts_with("DDO_") {
+                cmd.env_remove(k);
+            }
+        }
+        let mut child = cmd.spawn().expect("start ddo serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string();
+        Server { child, addr }
+    }
+
+    /// `METHOD PATH` with `body` and `headers`; the status and the body (de-chunked).
+    fn call(&self, method: &str, path: &str, body: &str, headers: &[&str]) -> (u16, String) {
+        call(&self.addr, method, path, body, headers)
+    }
+
+    /// `call` with a JSON answer.
+    fn json(&self, method: &str, path: &str, body: &str) -> (u16, Value) {
+        call_json(&self.addr, method, path, body)
+    }
+
+    /// One metric's value from `/metrics`.
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.call("GET", "/metrics", "", &[]);
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `METHOD PATH` to `addr` with `body` and `headers`; the status and the body (de-chunked).
+fn call(addr: &str, method: &str, path: &str, body: &str, headers: &[&str]) -> (u16, String) {
+    {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for h in headers {
+            req.push_str(h);
+            req.push_str("\r\n");
+        }
+        req.push_str("\r\n");
+        req.push_str(body);
+        s.write_all(req.as_bytes()).unwrap();
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        let text = String::from_utf8_lossy(&raw).to_string();
+        let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        };
+        (status, body)
+    }
+}
+
+/// [`call`] with a JSON answer.
+fn call_json(addr: &str, method: &str, path: &str, body: &str) -> (u16, Value) {
+    let (status, text) = call(addr, method, path, body, &[]);
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("{status}: {text}")),
+    )
+}
+
+/// A chunked body's bytes.
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// The PNG bytes of an answer's image `i`.
+fn png(answer: &Value, i: usize) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD
+        .decode(answer["images"][i]["b64_png"].as_str().unwrap())
+        .unwrap()
+}
+
+/// `ddo run --config tiny` with `args`: the PNG's bytes.
+fn run_png(name: &str, args: &[&str]) -> Vec<u8> {
+    let out = scratch(name).join("run.png");
+    let mut all = vec!["run", "--config", "tiny", "--out", out.to_str().unwrap()];
+    all.extend_from_slice(args);
+    ok(&ddo(&all));
+    std::fs::read(out).unwrap()
+}
+
+/// Sends SIGTERM to the server.
+fn sigterm(server: &Server) {
+    let status = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn a_request_gives_ddo_runs_bytes_and_a_second_reuses_the_plan() {
+    let server = Server::start(&["--config", "tiny"]);
+    let body = json!({"prompt": "a red boat", "height": 32, "width": 24, "steps": 2, "seed": 9});
+    let (status, a) = server.json("POST", "/v1/generate", &body.to_string());
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["images"][0]["seed"], 9);
+    let want = run_png(
+        "serve-bytes",
+        &[
+            "--prompt",
+            "a red boat",
+            "--height",
+            "32",
+            "--width",
+            "24",
+            "--steps",
+            "2",
+            "--seed",
+            "9",
+        ],
+    );
+    assert!(png(&a, 0) == want, "the served PNG differs from ddo run's");
+    assert_eq!(a["profile"]["plan_reused"], false);
+    assert_eq!(a["profile"]["phases"].as_array().unwrap().len(), 3);
+    // The same shape again: the plan is kept; the image is the same.
+    let (_, b) = server.json("POST", "/v1/generate", &body.to_string());
+    assert_eq!(b["profile"]["plan_reused"], true, "{}", b["profile"]);
+    assert!(png(&b, 0) == want);
+    // OpenAI's shape: n images of WIDTHxHEIGHT.
+    let (status, o) = server.json(
+        "POST",
+        "/v1/images/generations",
+        r#"{"prompt":"a red boat","n":2,"size":"24x32","model":"x","response_format":"b64_json"}"#,
+    );
+    assert_eq!(status, 200, "{o}");
+    assert_eq!(o["data"].as_array().unwrap().len(), 2);
+    // Without a seed, a fresh one is drawn and returned; it reproduces the image.
+    let (_, c) = server.json(
+        "POST",
+        "/v1/generate",
+        r#"{"height":32,"width":32,"steps":1}"#,
+    );
+    let seed = c["images"][0]["seed"].as_u64().unwrap();
+    let again = json!({"height": 32, "width": 32, "steps": 1, "seed": seed});
+    let (_, d) = server.json("POST", "/v1/generate", &again.to_string());
+    assert!(png(&c, 0) == png(&d, 0));
+    // /health and the page.
+    let (status, h) = server.json("GET", "/health", "");
+    assert_eq!((status, h["status"].as_str()), (200, Some("ok")));
+    let (status, page) = server.call("GET", "/", "", &[]);
+    assert_eq!(status, 200);
+    assert!(page.contains("<progress") && page.contains("/v1/jobs"));
+}
+
+#[test]
+fn bad_requests_are_4xx_with_the_clis_message_and_the_server_keeps_serving() {
+    let server = Server::start(&["--config", "tiny"]);
+    for (body, status, words) in [
+        ("{not json", 400, "not a valid request"),
+        (r#"{"stpes": 2}"#, 400, "unknown field `stpes`"),
+        (r#"{"steps": 0}"#, 400, "--steps 0 is not allowed"),
+        (r#"{"height": -5}"#, 400, "not a valid request"),
+        (
+            r#"{"loras": [{"name": "../../etc/passwd"}]}"#,
+            400,
+            "never a path",
+        ),
+        (r#"{"loras": [{"name": "style"}]}"#, 400, "--lora-dir"),
+        (
+            r#"{"height": 100000, "width": 100000, "steps": 1}"#,
+            422,
+            "too small for the denoise phase",
+        ),
+    ] {
+        let (got, answer) = server.json("POST", "/v1/generate", body);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!(got, status, "{body}: {answer}");
+        assert!(message.contains(words), "{body}: {message}");
+    }
+    let (status, answer) = server.json("GET", "/v1/nothing", "");
+    assert_eq!(status, 404, "{answer}");
+    let (status, answer) = server.json("GET", "/v1/jobs/99/events", "");
+    assert_eq!(status, 404, "{answer}");
+    // Still serving.
+    let (status, _) = server.json(
+        "POST",
+        "/v1/generate",
+        r#"{"height":32,"width":32,"steps":1}"#,
+    );
+    assert_eq!(status, 200);
+    assert_eq!(
+        server.metric("ddo_jobs_finished_total{outcome=\"error\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn a_token_is_required_where_given_and_beyond_loopback() {
+    let o = ddo(&["serve", "--config", "tiny", "--listen", "0.0.0.0:0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--token"));
+    let server = Server::start(&["--config", "tiny", "--token", "s3cret"]);
+    let body = r#"{"height":32,"width":32,"steps":1}"#;
+    let (status, _) = server.call("POST", "/v1/generate", body, &[]);
+    assert_eq!(status, 401);
+    let (status, _) = server.call(
+        "POST",
+        "/v1/generate",
+        body,
+        &["Authorization: Bearer wrong"],
+    );
+    assert_eq!(status, 401);
+    let (status, _) = server.call("GET", "/metrics", "", &[]);
+    assert_eq!(status, 401);
+    let (status, text) = server.call(
+        "POST",
+        "/v1/generate",
+        body,
+        &["Authorization: Bearer s3cret"],
+    );
+    assert_eq!(status, 200, "{text}");
+}
+
+#[test]
+fn jobs_run_in_fifo_order_with_events_and_the_queue_overflows_into_429() {
+    let server = Server::start(&["--config", "tiny", "--queue", "3"]);
+    // A long job first, then three that wait, then one too many.
+    let (status, first) = server.json(
+        "POST",
+        "/v1/jobs",
+        r#"{"height":128,"width":128,"steps":40,"seed":1}"#,
+    );
+    assert_eq!(status, 202, "{first}");
+    let mut ids = vec![first["id"].as_u64().unwrap()];
+    let mut refused = 0;
+    for seed in 2..8 {
+        let body = json!({"height": 32, "width": 32, "steps": 1, "seed": seed}).to_string();
+        match server.json("POST", "/v1/jobs", &body) {
+            (202, v) => ids.push(v["id"].as_u64().unwrap()),
+            (429, v) => {
+                assert!(v["error"]["message"].as_str().unwrap().contains("--queue"));
+                refused += 1;
+            }
+            (s, v) => panic!("{s}: {v}"),
+        }
+    }
+    assert!(refused >= 2, "{refused} refused with a queue of 3");
+    assert!(ids.len() >= 2);
+    // The first job's events: each denoising step, then its answer.
+    let (status, events) = server.call("GET", &format!("/v1/jobs/{}/events", ids[0]), "", &[]);
+    assert_eq!(status, 200);
+    let steps = events
+        .matches("\"event\":\"progress\",\"phase\":\"denoise\"")
+        .count();
+    assert_eq!(steps, 40, "{}", &events[..events.len().min(3000)]);
+    assert!(events.contains("event: done") && events.contains("b64_png"));
+    // Each waiting job ran after the one before it.
+    let mut last = 0;
+    for id in &ids {
+        let answer = loop {
+            let (status, v) = server.json("GET", &format!("/v1/jobs/{id}"), "");
+            if status == 200 {
+                break v;
+            }
+            assert_eq!(status, 202, "{v}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let order = answer["order"].as_u64().unwrap();
+        assert!(order > last, "job {id} ran {order}th, after {last}");
+        last = order;
+    }
+    assert!(server.metric("ddo_requests_refused_total") >= 2.0);
+}
+
+#[test]
+fn concurrent_clients_each_get_their_own_image() {
+    let server = std::sync::Arc::new(Server::start(&["--config", "tiny"]));
+    let threads: Vec<_> = (0..8u64)
+        .map(|seed| {
+            let server = std::sync::Arc::clone(&server);
+            std::thread::spawn(move || {
+                let body = json!({"height": 32, "width": 24, "steps": 1, "seed": 100 + seed});
+                let (status, v) = server.json("POST", "/v1/generate", &body.to_string());
+                assert_eq!(status, 200, "{v}");
+                (seed, png(&v, 0))
+            })
+        })
+        .collect();
+    for t in threads {
+        let (seed, got) = t.join().unwrap();
+        let want = run_png(
+            &format!("serve-concurrent-{seed}"),
+            &[
+                "--height",
+                "32",
+                "--width",
+                "24",
+                "--steps",
+                "1",
+                "--seed",
+                &(100 + seed).to_string(),
+            ],
+        );
+        assert!(got == want, "seed {}: not ddo run's bytes", 100 + seed);
+    }
+}
+
+#[test]
+fn a_client_that_goes_away_cancels_its_job_and_sigterm_drains() {
+    let mut server = Server::start(&["--config", "tiny"]);
+    // A long request whose client goes away once the job has started.
+    {
+        let mut s = TcpStream::connect(&server.addr).unwrap();
+        let body = r#"{"height":128,"width":128,"steps":400}"#;
+        write!(
+            s,
+            "POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let t = Instant::now();
+        while server.metric("ddo_jobs_running") == 0.0 {
+            assert!(t.elapsed() < Duration::from_secs(30));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let t = Instant::now();
+    while server.metric("ddo_jobs_finished_total{outcome=\"cancelled\"}") < 1.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the job of a client that went away still runs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGTERM while a job runs: that job's client gets its image, and the process exits 0.
+    let addr = server.addr.clone();
+    let client = std::thread::spawn(move || {
+        call_json(
+            &addr,
+            "POST",
+            "/v1/generate",
+            r#"{"height":64,"width":64,"steps":60}"#,
+        )
+    });
+    let t = Instant::now();
+    while server.metric("ddo_jobs_running") == 0.0 {
+        assert!(t.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    sigterm(&server);
+    let (status, answer) = client.join().unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let t = Instant::now();
+    let code = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "still running after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(code, Some(0));
+}
+
+/// Requests before the soak's host-memory reference is read.
+const WARM_UP: usize = 100;
+
+#[test]
+fn many_requests_in_a_row_leave_memory_where_the_first_left_it() {
+    // Mixed sizes, seeds and LoRAs on the fixture pipeline (its LoRAs fit it).
+    let dir = scratch("serve-soak");
+    for f in ["peft.safetensors", "kohya.safetensors"] {
+        std::fs::copy(fixture(&format!("flux_lora/{f}")), dir.join(f)).unwrap();
+    }
+    let weights = fixture("flux_pipeline");
+    let server = Server::start(&[
+        "--weights",
+        &weights,
+        "--lora-dir",
+        dir.to_str().unwrap(),
+        "--lora-allow-unmatched",
+    ]);
+    let n: usize = std::env::var("DDO_SERVE_SOAK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let sizes = [(32, 32), (32, 24), (24, 32)];
+    let loras = [
+        json!([]),
+        json!([{"name": "peft", "strength": 0.7}]),
+        json!([{"name": "kohya.safetensors"}]),
+    ];
+    let mut first = None;
+    let (mut warm, mut last) = (0.0, 0.0);
+    for i in 0..n {
+        let (h, w) = sizes[i % sizes.len()];
+        let body = json!({
+            "prompt": format!("prompt {}", i % 5),
+            "height": h, "width": w, "steps": 1 + i % 2, "seed": i,
+            "loras": loras[(i / 3) % loras.len()],
+        });
+        let (status, v) = server.json("POST", "/v1/generate", &body.to_string());
+        assert_eq!(status, 200, "request {i}: {v}");
+        if i % 100 == 0 {
+            eprintln!(
+                "after request {}: host RSS {} B, anonymous {} B",
+                i + 1,
+                server.metric("ddo_host_resident_bytes"),
+                server.metric("ddo_host_anonymous_bytes")
+            );
+        }
+        if i == 0 {
+            first = Some((
+                server.metric("ddo_device_allocated_bytes"),
+                server.metric("ddo_pinned_host_bytes"),
+            ));
+        }
+        // The heap: its reference the most it held over the 100 requests after the
+        // first 100 (every size and LoRA run many times: the allocator's and the runtime's
+        // lazily made state in place), against the most over the last 100.
+        if i >= WARM_UP && (i < 2 * WARM_UP || i + WARM_UP >= n) {
+            let anon = server.metric("ddo_host_anonymous_bytes");
+            let slot = if i < 2 * WARM_UP {
+                &mut warm
+            } else {
+                &mut last
+            };
+            *slot = f64::max(*slot, anon);
+        }
+    }
+    // The last request as the first (no LoRA: none of their factors on the device).
+    let body = json!({"prompt": "prompt 0", "height": 32, "width": 32, "steps": 1, "seed": 0, "loras": []});
+    let (status, v) = server.json("POST", "/v1/generate", &body.to_string());
+    assert_eq!(status, 200, "{v}");
+    let (device, pinned) = first.unwrap();
+    assert_eq!(
+        server.metric("ddo_jobs_finished_total{outcome=\"ok\"}"),
+        (n + 1) as f64
+    );
+    assert_eq!(
+        server.metric("ddo_jobs_finished_total{outcome=\"error\"}"),
+        0.0
+    );
+    assert_eq!(server.metric("ddo_device_allocated_bytes"), device);
+    assert_eq!(server.metric("ddo_pinned_host_bytes"), pinned);
+    let rss_now = server.metric("ddo_host_anonymous_bytes");
+    eprintln!(
+        "anonymous host memory after request {WARM_UP}: {warm} B; after request {n}: {rss_now} B"
+    );
+    assert!(
+        n <= 2 * WARM_UP || rss_now <= warm * 1.05,
+        "anonymous host memory grew from {warm} B to {rss_now} B between requests {WARM_UP} and {n}"
+    );
+}
