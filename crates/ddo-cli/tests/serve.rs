@@ -44,7 +44,7 @@ impl Server {
         let addr = line
             .split("http://")
             .nth(1)
-            .and_then(|r| r.split_whitespace().next())
+            .and_then(|r| r.split(|c: char| c.is_whitespace() || c == '"').next())
             .unwrap_or_else(|| panic!("no address in {line:?}"))
             .to_string();
         Server { child, addr }
@@ -264,7 +264,7 @@ fn a_token_is_required_where_given_and_beyond_loopback() {
     let o = ddo(&["serve", "--config", "tiny", "--listen", "0.0.0.0:0"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--token"));
-    let server = Server::start(&["--config", "tiny", "--token", "s3cret"]);
+    let server = Server::start(&["--config", "tiny", "--token", "s3cret", "--json"]);
     let body = r#"{"height":32,"width":32,"steps":1}"#;
     let (status, _) = server.call("POST", "/v1/generate", body, &[]);
     assert_eq!(status, 401);

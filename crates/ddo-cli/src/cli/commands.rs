@@ -213,6 +213,9 @@ pub struct ServeArgs {
     /// keep LoRA files that only partly match the pipeline (the modules left out are named)
     #[arg(long)]
     pub lora_allow_unmatched: bool,
+    /// say where it listens as one JSON line (address, model, device)
+    #[arg(long)]
+    pub json: bool,
 }
 
 impl ServeArgs {

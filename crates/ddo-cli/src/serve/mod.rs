@@ -92,7 +92,7 @@ pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
     let options = load_options(args)?;
     let family = options.family()?;
     let mut bar = ProgressBar::new();
-    let session = Session::load(&options, &mut bar, &mut *out, false)?;
+    let session = Session::load(&options, &mut bar, &mut *out, args.json)?;
     bar.finish();
     let defaults = Request::default().check(family, session.is_tiny())?;
     let about = json!({
@@ -131,14 +131,23 @@ pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
             .spawn(move || jobs::work(session, rx, shared, vram_budget))
             .map_err(|e| CliError::runtime(format!("cannot start the worker: {e}"), ""))?
     };
-    writeln!(
-        out,
-        "ddo serve: {} on {}; listening on http://{local} (page: http://{local}/)",
-        shared.about["model"].as_str().unwrap_or(""),
-        shared.about["device"].as_str().unwrap_or(""),
-    )
-    .and_then(|()| out.flush())
-    .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))?;
+    let line = if args.json {
+        json!({
+            "listening": format!("http://{local}"),
+            "model": shared.about["model"],
+            "device": shared.about["device"],
+        })
+        .to_string()
+    } else {
+        format!(
+            "ddo serve: {} on {}; listening on http://{local} (page: http://{local}/)",
+            shared.about["model"].as_str().unwrap_or(""),
+            shared.about["device"].as_str().unwrap_or(""),
+        )
+    };
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))?;
     let app = http::router(std::sync::Arc::clone(&shared));
     let served = runtime.block_on(async {
         let stop = {
