@@ -17,6 +17,12 @@ pub enum ErrorKind {
     Usage,
     /// The command failed: exit status 1.
     Runtime,
+    /// The request is well formed but does not fit the device or host budget (no memory
+    /// plan fits it): exit status 1; `ddo serve` answers 422.
+    DoesNotFit,
+    /// The run was cancelled at a step boundary by its caller: exit status 1; `ddo serve`
+    /// answers 499.
+    Cancelled,
 }
 
 /// One error of the command.
@@ -49,7 +55,7 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self.kind {
             ErrorKind::Usage => 2,
-            ErrorKind::Runtime => 1,
+            ErrorKind::Runtime | ErrorKind::DoesNotFit | ErrorKind::Cancelled => 1,
         }
     }
 
@@ -100,6 +106,10 @@ impl From<CoreError> for CliError {
                 refusal: ddo_core::Refusal::UnsupportedOption { .. },
                 ..
             } => ErrorKind::Usage,
+            CoreError::BudgetTooSmall { .. } | CoreError::HostBudgetTooSmall { .. } => {
+                ErrorKind::DoesNotFit
+            }
+            CoreError::Cancelled { .. } => ErrorKind::Cancelled,
             _ => ErrorKind::Runtime,
         };
         Self {

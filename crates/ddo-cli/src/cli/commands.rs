@@ -23,13 +23,10 @@ real tokenizers'. To reproduce another implementation exactly, pass --prompt-emb
 const BENCH_NOTES: &str = "Without --route or --preset every route is a candidate. Each candidate gets a fresh attachment,
 its inputs made once and held on the device, warm-up forwards, then timed forwards.";
 
-/// `ddo run`'s options.
+/// The options that load a pipeline, shared by `ddo run` and `ddo serve`: the model, the
+/// single files, the routes, the device and the budgets, the dtype.
 #[derive(Debug, Clone, Default, Args)]
-#[command(
-    override_usage = "ddo run (--config tiny|flux-dev|qwen-tiny|qwen-image | --weights DIR) [options]",
-    after_help = RUN_NOTES
-)]
-pub struct RunArgs {
+pub struct LoadArgs {
     /// random weights at a named config
     #[arg(long, value_name = "tiny|flux-dev|qwen-tiny|qwen-image")]
     pub config: Option<String>,
@@ -67,6 +64,46 @@ pub struct RunArgs {
     /// execution device (default cpu)
     #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
     pub device: Option<DeviceChoice>,
+    /// weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8
+    /// (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a
+    /// per-tensor scale, computes in bf16, and loads the rest as bf16
+    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
+    pub dtype: Option<DType>,
+    /// text tokens for a text prompt (Flux's T5: default 32 for tiny, 512 at most; Qwen-Image:
+    /// default 512, 1024 at most)
+    #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
+    pub max_sequence_length: Option<usize>,
+    /// do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE
+    #[arg(long)]
+    pub no_env: bool,
+    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
+    #[arg(long)]
+    pub allow_unused_weights: bool,
+}
+
+impl LoadArgs {
+    /// Every path loading reads, by option.
+    pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
+        given(&[
+            ("--weights", &self.weights),
+            ("--transformer", &self.transformer),
+            ("--text-encoder", &self.text_encoder),
+            ("--text-encoder-2", &self.text_encoder_2),
+            ("--vae", &self.vae),
+        ])
+    }
+}
+
+/// `ddo run`'s options.
+#[derive(Debug, Clone, Default, Args)]
+#[command(
+    override_usage = "ddo run (--config tiny|flux-dev|qwen-tiny|qwen-image | --weights DIR) [options]",
+    after_help = RUN_NOTES
+)]
+pub struct RunArgs {
+    /// the model, its routes, the device and the budgets
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// denoising steps (default 4 for tiny and qwen-tiny, 28 for Flux, 50 for Qwen-Image)
     #[arg(long, value_name = "N", value_parser = Checked(values::positive))]
     pub steps: Option<usize>,
@@ -95,10 +132,6 @@ pub struct RunArgs {
     /// true CFG scale (Qwen-Image; default 4.0; true CFG runs when > 1 with a negative prompt)
     #[arg(long, value_name = "SCALE", value_parser = Checked(values::true_cfg_scale))]
     pub true_cfg_scale: Option<f32>,
-    /// text tokens for a text prompt (Flux's T5: default 32 for tiny, 512 at most; Qwen-Image:
-    /// default 512, 1024 at most)
-    #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
-    pub max_sequence_length: Option<usize>,
     /// tiled VAE decode (default auto: tiled when the estimate does not fit)
     #[arg(long, value_name = "on|off|auto", value_parser = Checked(values::tiled_decode))]
     pub tiled_decode: Option<TiledDecode>,
@@ -120,11 +153,6 @@ pub struct RunArgs {
     /// attach: no cost per step; streamed components add them as usual
     #[arg(long)]
     pub lora_fuse: bool,
-    /// weight dtype (default f32 for tiny, bf16 for flux-dev, the files' for --weights); fp8
-    /// (fp8_e4m3, or fp8_e5m2) stores the transformer's linear weights as fp8 with a
-    /// per-tensor scale, computes in bf16, and loads the rest as bf16
-    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
-    pub dtype: Option<DType>,
     /// where the image goes (default ddo-out.png)
     #[arg(long, value_name = "OUT.png|OUT.safetensors", value_parser = Checked(values::path))]
     pub out: Option<PathBuf>,
@@ -138,66 +166,18 @@ pub struct RunArgs {
     /// print the profile as JSON
     #[arg(long)]
     pub json: bool,
-    /// do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE
-    #[arg(long)]
-    pub no_env: bool,
-    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
-    #[arg(long)]
-    pub allow_unused_weights: bool,
 }
 
-/// `ddo serve`'s options: `ddo run`'s loading options, where to listen, the token, the
-/// queue and the LoRA folder.
+/// `ddo serve`'s options: `ddo run`'s loading options ([`LoadArgs`]), where to listen, the
+/// token, the queue and the LoRA folder.
 #[derive(Debug, Clone, Default, Args)]
 #[command(
     override_usage = "ddo serve (--config tiny|flux-dev|qwen-tiny|qwen-image | --weights DIR) [--listen 127.0.0.1:8910] [--token SECRET] [options]"
 )]
 pub struct ServeArgs {
-    /// random weights at a named config
-    #[arg(long, value_name = "tiny|flux-dev|qwen-tiny|qwen-image")]
-    pub config: Option<String>,
-    /// a Diffusers pipeline folder (model_index.json + component folders)
-    #[arg(long, value_name = "DIR", value_parser = Checked(values::path))]
-    pub weights: Option<PathBuf>,
-    /// the transformer from one safetensors or GGUF file
-    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
-    pub transformer: Option<PathBuf>,
-    /// CLIP from one safetensors file
-    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
-    pub text_encoder: Option<PathBuf>,
-    /// T5 from one safetensors or GGUF file
-    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
-    pub text_encoder_2: Option<PathBuf>,
-    /// the VAE from one safetensors file
-    #[arg(long, value_name = "FILE", value_parser = Checked(values::path))]
-    pub vae: Option<PathBuf>,
-    /// preset: auto, one_shot_fast, low_ram_safe, vmm_fast, warm_process, wsl_compat, nvme_baseline, off
-    #[arg(long, value_name = "NAME", value_parser = Checked(values::preset))]
-    pub preset: Option<Preset>,
-    /// an explicit route for one component (repeatable)
-    #[arg(long, value_name = "COMPONENT=ROUTE[:k=v,...]")]
-    pub route: Vec<String>,
-    /// device memory DDO may use
-    #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
-    pub vram_budget: Option<u64>,
-    /// host memory DDO may make the machine hold (default: MemAvailable at start less a reserve)
-    #[arg(long, value_name = "SIZE", value_parser = Checked(values::host_budget))]
-    pub host_budget: Option<u64>,
-    /// execution device (default cpu)
-    #[arg(long, value_name = "cpu|cuda:N", value_parser = Checked(values::device))]
-    pub device: Option<DeviceChoice>,
-    /// weight dtype (default: the checkpoint's; f32 for the tiny configs)
-    #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
-    pub dtype: Option<DType>,
-    /// T5 tokens a prompt is encoded to (Flux: at most 512)
-    #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
-    pub max_sequence_length: Option<usize>,
-    /// load a checkpoint whose config leaves some of its tensors unused (refused otherwise)
-    #[arg(long)]
-    pub allow_unused_weights: bool,
-    /// do not read DDO_PRESET / DDO_<COMPONENT>_ROUTE
-    #[arg(long)]
-    pub no_env: bool,
+    /// the model, its routes, the device and the budgets
+    #[command(flatten)]
+    pub load: LoadArgs,
     /// the address to listen on; any but a loopback address needs --token
     #[arg(long, value_name = "ADDR:PORT", value_parser = Checked(values::listen))]
     pub listen: Option<std::net::SocketAddr>,
@@ -221,14 +201,9 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Every path `ddo serve` reads (it writes none).
     pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
-        given(&[
-            ("--weights", &self.weights),
-            ("--transformer", &self.transformer),
-            ("--text-encoder", &self.text_encoder),
-            ("--text-encoder-2", &self.text_encoder_2),
-            ("--vae", &self.vae),
-            ("--lora-dir", &self.lora_dir),
-        ])
+        let mut paths = self.load.paths_read();
+        paths.extend(given(&[("--lora-dir", &self.lora_dir)]));
+        paths
     }
 }
 
@@ -516,18 +491,15 @@ impl RunArgs {
     /// Every path `ddo run` reads, by option: the one list its outputs are checked against
     /// ([`crate::outputs::Inputs`]). An option that reads a file is added here.
     pub fn paths_read(&self) -> Vec<(&'static str, &Path)> {
-        given(&[
-            ("--weights", &self.weights),
-            ("--transformer", &self.transformer),
-            ("--text-encoder", &self.text_encoder),
-            ("--text-encoder-2", &self.text_encoder_2),
-            ("--vae", &self.vae),
-            ("--init-latents", &self.init_latents),
-            ("--prompt-embeds", &self.prompt_embeds),
-        ])
-        .into_iter()
-        .chain(self.lora.iter().map(|l| ("--lora", l.path.as_path())))
-        .collect()
+        self.load
+            .paths_read()
+            .into_iter()
+            .chain(given(&[
+                ("--init-latents", &self.init_latents),
+                ("--prompt-embeds", &self.prompt_embeds),
+            ]))
+            .chain(self.lora.iter().map(|l| ("--lora", l.path.as_path())))
+            .collect()
     }
 }
 

@@ -20,8 +20,8 @@ use std::sync::OnceLock;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 pub use commands::{
-    BenchArgs, ConvertArgs, DecodeArgs, InspectArgs, OUTPUT_OPTIONS, ResolveArgs, RunArgs,
-    ServeArgs,
+    BenchArgs, ConvertArgs, DecodeArgs, InspectArgs, LoadArgs, OUTPUT_OPTIONS, ResolveArgs,
+    RunArgs, ServeArgs,
 };
 pub use values::{Checked, LoraArg, OptionValue};
 

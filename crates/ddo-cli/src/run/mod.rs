@@ -264,14 +264,17 @@ pub(crate) fn planned_explanations(
 /// [`Session`] loaded and one request made, its outputs written all or none.
 pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     let started = Instant::now();
-    let options = LoadOptions::of_run(args)?;
+    let options = LoadOptions::of(
+        &args.load,
+        (&args.lora, args.lora_allow_unmatched, args.lora_fuse),
+    )?;
     let family = options.family()?;
     match family {
         Family::Flux => qwen::refuse_qwen_options(args)?,
         Family::QwenImage => qwen::refuse_flux_options(args)?,
     }
-    let device_choice = args.device.unwrap_or(DeviceChoice::Cpu);
-    check_host_budget(device_choice, args.vram_budget)?;
+    let device_choice = args.load.device.unwrap_or(DeviceChoice::Cpu);
+    check_host_budget(device_choice, args.load.vram_budget)?;
     let out_path = args
         .out
         .clone()
@@ -290,7 +293,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
     // prompts there are, hence how many images.
     let request = Request::of_run(args, family)?;
     let checked = request.check(family, options.is_tiny())?;
-    if request.has_embeds() && args.max_sequence_length.is_some() {
+    if request.has_embeds() && args.load.max_sequence_length.is_some() {
         return Err(CliError::usage(
             "--max-sequence-length with --prompt-embeds",
             "--max-sequence-length sets how many tokens a text prompt is encoded to; given embeddings keep their own length: leave it out, or give --prompt",
@@ -366,7 +369,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> CliResult<()> {
         (&image_files, save_latents.as_ref()),
         &laps,
         total,
-        args.vram_budget,
+        args.load.vram_budget,
     );
     let text = if args.json {
         serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n"

@@ -28,15 +28,15 @@ pub(super) fn refuse_flux_options(args: &RunArgs) -> CliResult<()> {
         ),
         (
             "--text-encoder",
-            args.text_encoder.is_some(),
+            args.load.text_encoder.is_some(),
             SINGLE_FILES_HINT,
         ),
         (
             "--text-encoder-2",
-            args.text_encoder_2.is_some(),
+            args.load.text_encoder_2.is_some(),
             "QwenImagePipeline has one text encoder (text_encoder/); T5 is Flux's",
         ),
-        ("--vae", args.vae.is_some(), SINGLE_FILES_HINT),
+        ("--vae", args.load.vae.is_some(), SINGLE_FILES_HINT),
         (
             "--save-latents",
             args.save_latents.is_some(),

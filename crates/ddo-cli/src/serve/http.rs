@@ -289,8 +289,10 @@ async fn submit(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     }
 }
 
-/// A job id from the path; anything else is a 404.
-fn job_id(text: &str) -> Result<u64, Response> {
+/// The job id of a request for `/v1/jobs/{text}...`, once the request is authorized; a
+/// text that is no id is a 404.
+fn job_id(shared: &Shared, headers: &HeaderMap, text: &str) -> Result<u64, Response> {
+    authorize(shared, headers)?;
     text.parse().map_err(|_| {
         refuse_with(
             404,
@@ -305,10 +307,7 @@ async fn job(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(r) = authorize(&shared, &headers) {
-        return r;
-    }
-    let id = match job_id(&id) {
+    let id = match job_id(&shared, &headers, &id) {
         Ok(i) => i,
         Err(r) => return r,
     };
@@ -343,10 +342,7 @@ async fn events(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(r) = authorize(&shared, &headers) {
-        return r;
-    }
-    let id = match job_id(&id) {
+    let id = match job_id(&shared, &headers, &id) {
         Ok(i) => i,
         Err(r) => return r,
     };

@@ -208,12 +208,14 @@ impl Shared {
             }
             j.changed.send_replace(j.events.len());
         }
-        drop(jobs);
     }
 
     /// Marks job `id` finished and forgets the oldest finished jobs past [`KEPT_JOBS`].
     fn retire(&self, id: u64) {
         let mut finished = lock(&self.finished);
+        if !lock(&self.jobs).contains_key(&id) {
+            return; // forgotten already: its client had it
+        }
         finished.push_back(id);
         while finished.len() > KEPT_JOBS {
             if let Some(old) = finished.pop_front() {
@@ -222,8 +224,12 @@ impl Shared {
         }
     }
 
-    /// Forgets job `id` (its answer was delivered to the client that waited for it).
+    /// Forgets job `id` (its answer was delivered to the client that waited for it), so it
+    /// takes none of the [`KEPT_JOBS`] places of jobs queued with `POST /v1/jobs`. The
+    /// locks are taken in [`Shared::retire`]'s order.
     pub fn forget(&self, id: u64) {
+        let mut finished = lock(&self.finished);
+        finished.retain(|&f| f != id);
         lock(&self.jobs).remove(&id);
     }
 
@@ -262,17 +268,13 @@ impl Observer for JobObserver<'_> {
 }
 
 /// The HTTP status of an error: 400 for a bad request, 422 for one that cannot run here
-/// (it does not fit the budget), 499 for a cancelled one, 500 otherwise.
+/// (no plan fits the budget), 499 for a cancelled one, 500 otherwise.
 pub fn status_of(e: &CliError) -> u16 {
-    let m = &e.message;
-    if e.kind == ErrorKind::Usage {
-        400
-    } else if m.contains("cancelled") {
-        499
-    } else if m.contains("budget") || m.contains("does not fit") || m.contains("too small") {
-        422
-    } else {
-        500
+    match e.kind {
+        ErrorKind::Usage => 400,
+        ErrorKind::DoesNotFit => 422,
+        ErrorKind::Cancelled => 499,
+        ErrorKind::Runtime => 500,
     }
 }
 
@@ -297,11 +299,10 @@ pub fn work(
             continue;
         };
         let outcome = if cancel.load(Ordering::SeqCst) || shared.draining.load(Ordering::SeqCst) {
-            let e = CliError::runtime(
-                "the request was cancelled before it ran",
-                "the client went away, or the server is shutting down",
-            );
-            Err(e)
+            Err(CliError {
+                kind: ErrorKind::Cancelled,
+                message: "the request was cancelled before it ran: the client went away, or the server is shutting down".into(),
+            })
         } else {
             shared.running.store(true, Ordering::SeqCst);
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -365,6 +366,7 @@ fn run_job(
     };
     let reused = session.last_plan().cloned();
     let mut generated = session.generate(&job.parsed.request, &mut observer)?;
+    let encoding = Instant::now();
     let image = HostTensor::from_tensor(&generated.run.image)?;
     let b64 = base64::engine::general_purpose::STANDARD;
     let images: Vec<Value> = image
@@ -374,7 +376,7 @@ fn run_job(
         .collect::<Result<_, CliError>>()?;
     generated.finish_unpinning();
     let mut laps = generated.laps.clone();
-    laps.push(("output", 0.0));
+    laps.push(("output", encoding.elapsed().as_secs_f64()));
     let total = started.elapsed().as_secs_f64();
     let profile = crate::run::profile(session, &generated, (&[], None), &laps, total, vram_budget);
     let mut profile = profile.json();

@@ -41,30 +41,6 @@ pub const DEFAULT_LISTEN: SocketAddr =
 /// Requests that may wait without `--queue`.
 pub const DEFAULT_QUEUE: usize = 16;
 
-/// The loading options of `args` (`ddo run`'s).
-fn load_options(args: &ServeArgs) -> CliResult<LoadOptions> {
-    let run = crate::cli::RunArgs {
-        config: args.config.clone(),
-        weights: args.weights.clone(),
-        transformer: args.transformer.clone(),
-        text_encoder: args.text_encoder.clone(),
-        text_encoder_2: args.text_encoder_2.clone(),
-        vae: args.vae.clone(),
-        preset: args.preset,
-        route: args.route.clone(),
-        vram_budget: args.vram_budget,
-        host_budget: args.host_budget,
-        device: args.device,
-        dtype: args.dtype,
-        max_sequence_length: args.max_sequence_length,
-        allow_unused_weights: args.allow_unused_weights,
-        no_env: args.no_env,
-        lora_allow_unmatched: args.lora_allow_unmatched,
-        ..crate::cli::RunArgs::default()
-    };
-    LoadOptions::of_run(&run)
-}
-
 /// Refuses to listen beyond this machine without a token, and an empty token.
 fn check_listen(listen: SocketAddr, token: Option<&str>) -> CliResult<()> {
     if token.is_some_and(|t| t.trim().is_empty()) {
@@ -89,7 +65,7 @@ pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
     let listen = args.listen.unwrap_or(DEFAULT_LISTEN);
     check_listen(listen, args.token.as_deref())?;
     let loras = api::LoraDir::read(args.lora_dir.as_deref())?;
-    let options = load_options(args)?;
+    let options = LoadOptions::of(&args.load, (&[], args.lora_allow_unmatched, false))?;
     let family = options.family()?;
     let mut bar = ProgressBar::new();
     let session = Session::load(&options, &mut bar, &mut *out, args.json)?;
@@ -123,7 +99,7 @@ pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
         loras,
         args.token.clone(),
     );
-    let vram_budget = args.vram_budget;
+    let vram_budget = args.load.vram_budget;
     let worker = {
         let shared = std::sync::Arc::clone(&shared);
         std::thread::Builder::new()

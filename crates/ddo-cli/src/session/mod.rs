@@ -31,6 +31,7 @@ use crate::cli::LoraArg;
 use crate::error::{CliError, CliResult};
 use crate::family::{AnyPipeline, Family};
 use crate::progress::ProgressBar;
+use crate::run::report::Stopwatch;
 use crate::run::{
     ComponentFiles, Source, build_pipeline, check_weights_unchanged, plan_budget, plan_memory,
     planned_explanations, unused_weights,
@@ -75,28 +76,32 @@ pub struct LoadOptions {
 }
 
 impl LoadOptions {
-    /// `ddo run`'s loading options.
-    pub fn of_run(args: &crate::cli::RunArgs) -> CliResult<Self> {
+    /// The loading options `load`, with `loras` applied at load
+    /// (`--lora-allow-unmatched`, `--lora-fuse`).
+    pub fn of(
+        load: &crate::cli::LoadArgs,
+        (loras, lora_allow_unmatched, lora_fuse): (&[LoraArg], bool, bool),
+    ) -> CliResult<Self> {
         Ok(Self {
-            source: crate::run::source_from_args(args.config.as_deref(), args.weights.as_deref())?,
+            source: crate::run::source_from_args(load.config.as_deref(), load.weights.as_deref())?,
             files: ComponentFiles {
-                text_encoder: args.text_encoder.clone(),
-                transformer: args.transformer.clone(),
-                text_encoder_2: args.text_encoder_2.clone(),
-                vae: args.vae.clone(),
+                text_encoder: load.text_encoder.clone(),
+                transformer: load.transformer.clone(),
+                text_encoder_2: load.text_encoder_2.clone(),
+                vae: load.vae.clone(),
             },
-            dtype: args.dtype,
-            max_sequence_length: args.max_sequence_length,
-            allow_unused_weights: args.allow_unused_weights,
-            preset: args.preset,
-            routes: args.route.clone(),
-            no_env: args.no_env,
-            host_budget: args.host_budget,
-            device: args.device.unwrap_or(DeviceChoice::Cpu),
-            vram_budget: args.vram_budget,
-            loras: args.lora.clone(),
-            lora_allow_unmatched: args.lora_allow_unmatched,
-            lora_fuse: args.lora_fuse,
+            dtype: load.dtype,
+            max_sequence_length: load.max_sequence_length,
+            allow_unused_weights: load.allow_unused_weights,
+            preset: load.preset,
+            routes: load.route.clone(),
+            no_env: load.no_env,
+            host_budget: load.host_budget,
+            device: load.device.unwrap_or(DeviceChoice::Cpu),
+            vram_budget: load.vram_budget,
+            loras: loras.to_vec(),
+            lora_allow_unmatched,
+            lora_fuse,
         })
     }
 
@@ -217,13 +222,7 @@ impl Session {
         out: &mut dyn std::io::Write,
         json: bool,
     ) -> CliResult<Self> {
-        let mut last = Instant::now();
-        let mut laps = Vec::new();
-        let mut lap = |stage: &'static str, laps: &mut Vec<(&'static str, f64)>| {
-            let now = Instant::now();
-            laps.push((stage, now.duration_since(last).as_secs_f64()));
-            last = now;
-        };
+        let mut laps = Stopwatch::new(Instant::now());
         check_host_budget(options.device, options.vram_budget)?;
         options.device.prepare_kernels();
         let (pipe, model_label) = build_pipeline(
@@ -234,7 +233,7 @@ impl Session {
             unused_weights(options.allow_unused_weights),
             bar,
         )?;
-        lap("weights", &mut laps);
+        laps.lap("weights");
         let names = pipe.component_names();
         let routing = Routing::new(options.preset, &options.routes, options.no_env, &names)?;
         // Each component is resolved here, once: the device's needs, the memory plan, the
@@ -246,7 +245,7 @@ impl Session {
             options.vram_budget,
             DeviceNeeds::of(resolutions.iter().map(|(_, r)| r)).within(&host),
         )?;
-        lap("device", &mut laps);
+        laps.lap("device");
         let pipeline = pipe.offload_pipeline()?;
         // LoRAs (issue 36): their factors go on the device now, resident while they are
         // applied, and the memory plan gets the budget less them.
@@ -276,7 +275,7 @@ impl Session {
             loras: (options.loras.clone(), lora_bytes),
             lora_allow_unmatched: options.lora_allow_unmatched,
             planned: None,
-            laps,
+            laps: laps.laps,
         })
     }
 
@@ -358,13 +357,7 @@ impl Session {
         observer: &mut dyn Observer,
     ) -> CliResult<Generated> {
         let checked = request.check(self.family(), self.is_tiny())?;
-        let mut last = Instant::now();
-        let mut laps = Vec::new();
-        let mut lap = |stage: &'static str, laps: &mut Vec<(&'static str, f64)>| {
-            let now = Instant::now();
-            laps.push((stage, now.duration_since(last).as_secs_f64()));
-            last = now;
-        };
+        let mut laps = Stopwatch::new(Instant::now());
         // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does
         // this, and the profile says so (one rule for run, bench and resolve).
         let crate::size::ImageSize {
@@ -412,8 +405,8 @@ impl Session {
             enable_planned_pipeline_offload(&self.pipeline, self.device.clone(), &plan)
                 .map_err(|e| CliError::from(e).context("attaching routes"))?;
         observer.planned(&plan)?;
-        lap("plan", &mut laps);
-        lap("attach", &mut laps);
+        laps.lap("plan");
+        laps.lap("attach");
         let effective_budget = Some(plan_budget(&*self.device, self.vram_budget).0);
         // When each denoising step's host side finished (the streaming engine keeps the
         // host within a ring of the device, so these follow the device's pace).
@@ -472,7 +465,7 @@ impl Session {
         let run = result?;
         // No image from weight files that changed while they were read (issue 35).
         check_weights_unchanged(&self.pipeline)?;
-        lap("phases", &mut laps);
+        laps.lap("phases");
         // Host memory the routes handed back (`Device::release_host`) is unpinned now that
         // the device is idle, beside the output's encoding.
         let unpinning = {
@@ -501,7 +494,7 @@ impl Session {
             prompt_label,
             negative_prompt,
             request: checked,
-            laps,
+            laps: laps.laps,
             unpinning: Some(unpinning),
         })
     }
