@@ -20,11 +20,12 @@ use std::process::{Command, Stdio};
 use crate::workspace_root;
 
 /// The fuzz targets, in `fuzz/fuzz_targets/`.
-pub const TARGETS: [&str; 4] = [
+pub const TARGETS: [&str; 5] = [
     "safetensors_header",
     "gguf_header",
     "sharded_index",
     "cli_args",
+    "serve_request",
 ];
 
 /// How a target is built and run beyond what every target shares.

@@ -399,3 +399,19 @@ fn many_requests_in_a_row_leave_memory_where_the_first_left_it() {
         "anonymous host memory grew from {warm} B to {rss_now} B between requests {WARM_UP} and {n}"
     );
 }
+
+/// The `serve_request` fuzz target's seeds (`fuzz/corpus/serve_request/`) replay on stable:
+/// each parsed and checked as the server does, a refusal a usage error, no panic.
+#[test]
+fn the_request_fuzz_seeds_replay_on_stable() {
+    let dir = common::repo().join("fuzz/corpus/serve_request");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("seed corpus") {
+        let path = entry.unwrap().path();
+        let data = std::fs::read(&path).unwrap();
+        ddo_cli::serve::api::fuzz_one(&data)
+            .unwrap_or_else(|problem| panic!("{}: {problem}", path.display()));
+        seen += 1;
+    }
+    assert!(seen >= 5, "{seen} seeds");
+}

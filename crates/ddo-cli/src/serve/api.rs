@@ -13,6 +13,10 @@ use crate::cli::{LoraArg, OptionValue, values};
 use crate::error::{CliError, CliResult};
 use crate::session::Request;
 
+/// The fields of [`OpenAiBody`] DDO takes, as the error for an unknown one names them.
+pub const OPENAI_FIELDS: &str =
+    "prompt, n, size, response_format (b64_json), model, quality, style, user";
+
 /// The fields of [`GenerateBody`], as the error for an unknown one names them.
 pub const GENERATE_FIELDS: &str = "prompt, negative_prompt, height, width, steps, guidance, true_cfg_scale, seed, num_images, loras";
 
@@ -195,6 +199,63 @@ impl OpenAiBody {
             ..GenerateBody::default()
         })
     }
+}
+
+/// The endpoints that take a request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/generate` and `POST /v1/jobs`: DDO's own body.
+    Generate,
+    /// `POST /v1/images/generations`: OpenAI's images body.
+    Images,
+}
+
+/// `body` of a request to `endpoint`, parsed and checked (LoRAs from `loras`): the one
+/// parser every endpoint and the `serve_request` fuzz target go through.
+pub fn parse_body(endpoint: Endpoint, body: &[u8], loras: &LoraDir) -> CliResult<Parsed> {
+    let generate = match endpoint {
+        Endpoint::Generate => {
+            serde_json::from_slice(body).map_err(|e| body_error(&e, GENERATE_FIELDS))?
+        }
+        Endpoint::Images => serde_json::from_slice::<OpenAiBody>(body)
+            .map_err(|e| body_error(&e, OPENAI_FIELDS))?
+            .to_generate()?,
+    };
+    GenerateBody::parse(&generate, loras)
+}
+
+/// One fuzz input (`fuzz/fuzz_targets/serve_request.rs`, its seeds replayed by
+/// `tests/serve.rs`): the first byte picks the endpoint, the rest is the body. The body is
+/// parsed, then checked as a session checks it for each family; a refusal must be a usage
+/// error (HTTP 400). `Err` says what went wrong otherwise; a panic is a crash.
+pub fn fuzz_one(data: &[u8]) -> Result<(), String> {
+    let (endpoint, body) = match data.split_first() {
+        Some((b, rest)) if b % 2 == 1 => (Endpoint::Images, rest),
+        Some((_, rest)) => (Endpoint::Generate, rest),
+        None => (Endpoint::Generate, data),
+    };
+    let usage = |e: CliError| {
+        if e.kind == crate::error::ErrorKind::Usage {
+            Ok(())
+        } else {
+            Err(format!("a bad body is not a usage error: {e}"))
+        }
+    };
+    let parsed = match parse_body(endpoint, body, &LoraDir::default()) {
+        Ok(p) => p,
+        Err(e) => return usage(e),
+    };
+    for family in [
+        crate::family::Family::Flux,
+        crate::family::Family::QwenImage,
+    ] {
+        for tiny in [true, false] {
+            if let Err(e) = parsed.request.check(family, tiny) {
+                usage(e)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The LoRA files requests may name: the `.safetensors` files of `--lora-dir`, read when

@@ -14,16 +14,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
-use super::api::{GENERATE_FIELDS, GenerateBody, OpenAiBody, Parsed, body_error};
+use super::api::{Endpoint, Parsed, parse_body};
 use super::jobs::{Outcome, Refusal, Shared, error_body, lock};
 use crate::error::CliError;
 
 /// The web page (plain HTML, CSS and JS; no build step).
 const PAGE: &str = include_str!("page.html");
-
-/// The fields of OpenAI's images body DDO takes.
-const OPENAI_FIELDS: &str =
-    "prompt, n, size, response_format (b64_json), model, quality, style, user";
 
 /// The routes of `ddo serve` on `shared`.
 pub fn router(shared: Arc<Shared>) -> Router {
@@ -97,13 +93,6 @@ fn authorize(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
             "send Authorization: Bearer TOKEN with the server's --token",
         )),
     }
-}
-
-/// DDO's own body, parsed and checked.
-fn parse_generate(shared: &Shared, body: &[u8]) -> Result<Parsed, CliError> {
-    let body: GenerateBody =
-        serde_json::from_slice(body).map_err(|e| body_error(&e, GENERATE_FIELDS))?;
-    body.parse(&shared.loras)
 }
 
 /// Queues `parsed` and waits for its outcome; a client that goes away (the future
@@ -231,7 +220,7 @@ async fn generate(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: B
     if let Err(r) = authorize(&shared, &headers) {
         return r;
     }
-    let parsed = match parse_generate(&shared, &body) {
+    let parsed = match parse_body(Endpoint::Generate, &body, &shared.loras) {
         Ok(p) => p,
         Err(e) => return refuse(&e),
     };
@@ -245,11 +234,7 @@ async fn openai(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     if let Err(r) = authorize(&shared, &headers) {
         return r;
     }
-    let parsed = serde_json::from_slice::<OpenAiBody>(&body)
-        .map_err(|e| body_error(&e, OPENAI_FIELDS))
-        .and_then(|b| b.to_generate())
-        .and_then(|g| g.parse(&shared.loras));
-    let parsed = match parsed {
+    let parsed = match parse_body(Endpoint::Images, &body, &shared.loras) {
         Ok(p) => p,
         Err(e) => return refuse(&e),
     };
@@ -275,7 +260,7 @@ async fn submit(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     if let Err(r) = authorize(&shared, &headers) {
         return r;
     }
-    let parsed = match parse_generate(&shared, &body) {
+    let parsed = match parse_body(Endpoint::Generate, &body, &shared.loras) {
         Ok(p) => p,
         Err(e) => return refuse(&e),
     };
