@@ -122,6 +122,16 @@ fn bad_requests_are_4xx_with_the_clis_message_and_the_server_keeps_serving() {
         assert_eq!(got, status, "{body}: {answer}");
         assert!(message.contains(words), "{body}: {message}");
     }
+    // A body past the 2 MiB limit: a JSON 413, not the framework's text.
+    let big = format!("{{\"prompt\":\"{}\"}}", "x".repeat((2 << 20) + 1024));
+    let (status, answer) = server.json("POST", "/v1/generate", &big);
+    assert_eq!(status, 413, "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("2 MiB")
+    );
     let (status, answer) = server.json("GET", "/v1/nothing", "");
     assert_eq!(status, 404, "{answer}");
     let (status, answer) = server.json("GET", "/v1/jobs/99/events", "");

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -93,6 +94,28 @@ fn authorize(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
             "send Authorization: Bearer TOKEN with the server's --token",
         )),
     }
+}
+
+/// A request body as axum read it, or why not (larger than its 2 MiB limit, say).
+type Body = Result<Bytes, BytesRejection>;
+
+/// A request to `endpoint` authorized, its body read and parsed; else the answer that
+/// refuses it (401, 413 or 400, as JSON).
+fn accept(
+    shared: &Shared,
+    headers: &HeaderMap,
+    endpoint: Endpoint,
+    body: Body,
+) -> Result<Parsed, Response> {
+    authorize(shared, headers)?;
+    let body = body.map_err(|r| {
+        refuse_with(
+            r.status().as_u16(),
+            &format!("the request body could not be read: {}", r.body_text()),
+            "send a JSON object of at most 2 MiB",
+        )
+    })?;
+    parse_body(endpoint, &body, &shared.loras).map_err(|e| refuse(&e))
 }
 
 /// Queues `parsed` and waits for its outcome; a client that goes away (the future
@@ -216,13 +239,10 @@ async fn metrics(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Respo
         .into_response()
 }
 
-async fn generate(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorize(&shared, &headers) {
-        return r;
-    }
-    let parsed = match parse_body(Endpoint::Generate, &body, &shared.loras) {
+async fn generate(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    let parsed = match accept(&shared, &headers, Endpoint::Generate, body) {
         Ok(p) => p,
-        Err(e) => return refuse(&e),
+        Err(r) => return r,
     };
     match run_and_wait(&shared, parsed).await {
         Ok(o) => answer(o.status, &o.body),
@@ -230,13 +250,10 @@ async fn generate(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: B
     }
 }
 
-async fn openai(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorize(&shared, &headers) {
-        return r;
-    }
-    let parsed = match parse_body(Endpoint::Images, &body, &shared.loras) {
+async fn openai(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    let parsed = match accept(&shared, &headers, Endpoint::Images, body) {
         Ok(p) => p,
-        Err(e) => return refuse(&e),
+        Err(r) => return r,
     };
     match run_and_wait(&shared, parsed).await {
         Ok(o) if o.status == 200 => {
@@ -256,13 +273,10 @@ async fn openai(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     }
 }
 
-async fn submit(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorize(&shared, &headers) {
-        return r;
-    }
-    let parsed = match parse_body(Endpoint::Generate, &body, &shared.loras) {
+async fn submit(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    let parsed = match accept(&shared, &headers, Endpoint::Generate, body) {
         Ok(p) => p,
-        Err(e) => return refuse(&e),
+        Err(r) => return r,
     };
     let seed = parsed.request.seed;
     match shared.submit(parsed) {
