@@ -391,42 +391,28 @@ fn convert_never_replaces_or_writes_inside_its_input_and_leaves_nothing_on_failu
             "{args:?}: {err}"
         );
     };
+    // `ddo convert --compress lossless IN OUT` refused, saying `says`.
+    let refuse = |input: &Path, output: &Path, says: &str| {
+        fail(
+            &[
+                "convert",
+                "--compress",
+                "lossless",
+                input.to_str().unwrap(),
+                output.to_str().unwrap(),
+            ],
+            says,
+        )
+    };
     // OUT exists (a file, a folder, the input itself): refused, nothing touched.
     let taken = d.join("taken");
     std::fs::write(&taken, b"mine").unwrap();
-    fail(
-        &[
-            "convert",
-            "--compress",
-            "lossless",
-            raw.to_str().unwrap(),
-            taken.to_str().unwrap(),
-        ],
-        "exists",
-    );
+    refuse(&raw, &taken, "exists");
     assert_eq!(std::fs::read(&taken).unwrap(), b"mine");
-    fail(
-        &[
-            "convert",
-            "--compress",
-            "lossless",
-            raw.to_str().unwrap(),
-            raw.to_str().unwrap(),
-        ],
-        "exists",
-    );
+    refuse(&raw, &raw, "exists");
     // OUT inside IN.
     let inside = raw.join("coded");
-    fail(
-        &[
-            "convert",
-            "--compress",
-            "lossless",
-            raw.to_str().unwrap(),
-            inside.to_str().unwrap(),
-        ],
-        "inside",
-    );
+    refuse(&raw, &inside, "inside");
     // Only lossless.
     fail(
         &[
@@ -446,16 +432,7 @@ fn convert_never_replaces_or_writes_inside_its_input_and_leaves_nothing_on_failu
     let bytes = std::fs::read(&shard).unwrap();
     std::fs::write(broken.join("w.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let out = d.join("out");
-    fail(
-        &[
-            "convert",
-            "--compress",
-            "lossless",
-            broken.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ],
-        "w.safetensors",
-    );
+    refuse(&broken, &out, "w.safetensors");
     assert!(!out.exists());
     let left: Vec<_> = std::fs::read_dir(&d)
         .unwrap()
