@@ -31,6 +31,7 @@ use crate::{cargo, run, workspace_root};
 
 mod full;
 mod host_ram;
+mod serve;
 
 /// The bench bundle's folder, relative to the workspace root (ignored by git).
 pub const BENCH_DIR: &str = "gpu-bundle/bench";
@@ -38,7 +39,7 @@ pub const BENCH_DIR: &str = "gpu-bundle/bench";
 /// Python files the job needs, from `tools/`.
 const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
 
-const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--run]";
+const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--run] | cargo xtask bench --serve [--run]";
 
 /// `--host-ram SIZES [--steps N] [--run]` ([`host_ram`]).
 fn bench_host_ram(args: &[String]) -> Result<(), String> {
@@ -74,6 +75,14 @@ fn bench_host_ram(args: &[String]) -> Result<(), String> {
 pub fn bench(args: &[String]) -> Result<(), String> {
     if args.iter().any(|a| a == "--host-ram") {
         return bench_host_ram(args);
+    }
+    if args.iter().any(|a| a == "--serve") {
+        return match args.iter().find(|a| *a != "--serve" && *a != "--run") {
+            Some(other) => Err(format!(
+                "bench --serve: unknown argument `{other}`; usage: {USAGE}"
+            )),
+            None => serve::bench_serve(args.iter().any(|a| a == "--run")),
+        };
     }
     let mut peer = None;
     let mut run_here = false;

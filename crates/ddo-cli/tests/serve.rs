@@ -24,10 +24,16 @@ fn png(answer: &Value, i: usize) -> Vec<u8> {
         .unwrap()
 }
 
-/// `ddo run --config tiny` with `args`: the PNG's bytes.
+/// `ddo run` with `args` (on `--config tiny` unless they give `--weights`): the PNG's bytes.
 fn run_png(name: &str, args: &[&str]) -> Vec<u8> {
     let out = scratch(name).join("run.png");
-    let mut all = vec!["run", "--config", "tiny", "--out", out.to_str().unwrap()];
+    let source = if args.contains(&"--weights") {
+        vec![]
+    } else {
+        vec!["--config", "tiny"]
+    };
+    let mut all = vec!["run", "--out", out.to_str().unwrap()];
+    all.extend(source);
     all.extend_from_slice(args);
     ok(&ddo(&all));
     std::fs::read(out).unwrap()
@@ -95,6 +101,68 @@ fn a_request_gives_ddo_runs_bytes_and_a_second_reuses_the_plan() {
     let (status, page) = server.call("GET", "/", "", &[]);
     assert_eq!(status, 200);
     assert!(page.contains("<progress") && page.contains("/v1/jobs"));
+}
+
+/// Issue 38: a request after the first pins nothing again. The transformer streams from
+/// page-locked ranges of its checkpoint (a route that registers them); the server keeps the
+/// registrations the routes hand back, and the second request's attach reuses every one.
+#[test]
+fn a_warm_request_pins_nothing_again_and_gives_the_same_bytes() {
+    let weights = fixture("flux_pipeline");
+    let route = "transformer=diffusers_group_offload:offload_type=leaf_level,use_stream=true";
+    let server = Server::start(&["--weights", &weights, "--route", route]);
+    let body = json!({"prompt": "a red boat", "height": 32, "width": 32, "steps": 2, "seed": 4});
+    let (status, a) = server.json("POST", "/v1/generate", &body.to_string());
+    assert_eq!(status, 200, "{a}");
+    let first = a["profile"]["request_host"]["registrations"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        first > 0,
+        "the first request registers the streamed ranges: {}",
+        a["profile"]
+    );
+    let pinned = server.metric("ddo_pinned_host_bytes");
+    assert!(pinned > 0.0, "the registrations are kept between requests");
+    assert_eq!(server.metric("ddo_host_registrations_total"), first as f64);
+    for _ in 0..2 {
+        let (status, b) = server.json("POST", "/v1/generate", &body.to_string());
+        assert_eq!(status, 200, "{b}");
+        assert_eq!(
+            b["profile"]["request_host"]["registrations"], 0,
+            "{}",
+            b["profile"]
+        );
+        assert_eq!(b["profile"]["plan_reused"], true);
+        assert!(png(&b, 0) == png(&a, 0), "a warm request made other bytes");
+    }
+    assert_eq!(server.metric("ddo_host_registrations_total"), first as f64);
+    assert_eq!(server.metric("ddo_pinned_host_bytes"), pinned);
+    // Another size plans again; the image matches ddo run's with the same arguments.
+    let other = json!({"prompt": "a red boat", "height": 24, "width": 32, "steps": 2, "seed": 4});
+    let (status, c) = server.json("POST", "/v1/generate", &other.to_string());
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["profile"]["plan_reused"], false);
+    let want = run_png(
+        "serve-warm",
+        &[
+            "--weights",
+            &weights,
+            "--route",
+            route,
+            "--prompt",
+            "a red boat",
+            "--height",
+            "24",
+            "--width",
+            "32",
+            "--steps",
+            "2",
+            "--seed",
+            "4",
+        ],
+    );
+    assert!(png(&c, 0) == want, "the served PNG differs from ddo run's");
 }
 
 #[test]

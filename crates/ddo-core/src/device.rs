@@ -385,6 +385,14 @@ pub trait Device: Send + Sync + fmt::Debug {
         0
     }
 
+    /// Host ranges this device has page-locked so far: [`Device::register_host`] calls that
+    /// pinned pages (a range reused from those [`Device::release_host`] kept is not one).
+    /// How a long-lived process shows a request pinned nothing again; 0 where the backend
+    /// cannot register.
+    fn host_registrations(&self) -> u64 {
+        0
+    }
+
     /// The stream compute runs on.
     fn compute_stream(&self) -> Stream;
 

@@ -375,6 +375,10 @@ impl Device for FaultInjectingDevice {
         self.inner.unpin_released()
     }
 
+    fn host_registrations(&self) -> u64 {
+        self.inner.host_registrations()
+    }
+
     fn compute_stream(&self) -> Stream {
         self.inner.compute_stream()
     }

@@ -22,6 +22,8 @@
 //! - `detach_auxiliary_cpu_sources` ([`detach`]);
 //! - what a route will hold before it attaches ([`Footprint`]) and the host budget a run
 //!   plans under ([`HostBudget`]);
+//! - the pinned host memory a device keeps after `release_host` and reuses
+//!   ([`released_host`]);
 //! - per-op device-time [`profile`]s that both backends record;
 //! - the [`streaming`] engine (schedule, residency planner, coalesced pinned staging,
 //!   device prefetch ring) that streaming routes run on;
@@ -59,6 +61,7 @@ pub mod param;
 pub mod profile;
 #[cfg(any(test, feature = "test-support"))]
 pub mod reference;
+pub mod released_host;
 pub mod residency;
 pub mod resolve;
 pub mod rng;

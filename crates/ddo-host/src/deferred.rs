@@ -426,6 +426,10 @@ impl Device for DeferredComputeDevice {
         self.inner.unpin_released()
     }
 
+    fn host_registrations(&self) -> u64 {
+        self.inner.host_registrations()
+    }
+
     fn compute_stream(&self) -> Stream {
         self.compute.clone()
     }

@@ -24,9 +24,11 @@ use ddo_core::device::{
 };
 use ddo_core::error::{CoreError, Result};
 use ddo_core::host_memory::{
-    AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger, register_target,
+    AlignedBytes, HostBuffer, HostMemoryKind, HostSlice, PinnedLedger, PinnedRegistration,
+    register_target,
 };
 use ddo_core::ops::Ops;
+use ddo_core::released_host::{ReleasedHost, pinned_bytes_of};
 use ddo_metrics::{IdleCacheRelease, NativePoolFigures};
 
 use crate::copy_engine::{HostEvent, HostStream, Job};
@@ -180,6 +182,12 @@ pub struct HostDevice {
     ledger: Arc<Ledger>,
     pinned: Arc<PinnedLedger>,
     registrations: Arc<Registrations>,
+    /// Registered checkpoint ranges handed back by [`Device::release_host`], kept pinned
+    /// until [`Device::unpin_released`] and reused when the same range is registered again,
+    /// as the CUDA device keeps them.
+    released: ReleasedHost,
+    /// [`Device::host_registrations`].
+    registered: AtomicU64,
     compute: Stream,
     streams: Mutex<Vec<std::sync::Weak<HostStream>>>,
     next_stream: AtomicU64,
@@ -224,11 +232,27 @@ impl HostDevice {
             }),
             pinned: PinnedLedger::new(config.pinned_limit),
             registrations: Arc::default(),
+            released: ReleasedHost::new(),
+            registered: AtomicU64::new(0),
             compute: Stream::new(compute),
             streams,
             next_stream: AtomicU64::new(1),
             config,
         }))
+    }
+
+    /// Reserves `bytes` on the pinned ledger with `token`, first letting go of the released
+    /// ranges kept pinned when `bytes` more would pass the limit (they are a cache: they give
+    /// way to pinned memory asked for, as on the CUDA device).
+    fn reserve_pinned(
+        &self,
+        bytes: u64,
+        token: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Result<PinnedRegistration> {
+        if self.pinned.pinned().saturating_add(bytes) > self.pinned.limit() {
+            drop(self.released.take_all());
+        }
+        self.pinned.reserve(bytes, token)
     }
 
     /// A device with `capacity` bytes and default settings otherwise.
@@ -362,7 +386,7 @@ impl Device for HostDevice {
     }
 
     fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer> {
-        let registration = self.pinned.reserve(bytes as u64, None)?;
+        let registration = self.reserve_pinned(bytes as u64, None)?;
         Ok(HostBuffer::owned(
             AlignedBytes::zeroed(bytes),
             Some(registration),
@@ -371,9 +395,15 @@ impl Device for HostDevice {
 
     /// Page-locking is simulated: the registered range is counted against the pinned limit
     /// and refused when it overlaps a live registration of this device; copies from the
-    /// view are pinned copies (asynchronous, at the simulated link speed).
+    /// view are pinned copies (asynchronous, at the simulated link speed). A range handed
+    /// back by [`Device::release_host`] is reused as it is; a kept one overlapping the range
+    /// is let go first (the CUDA device's rule).
     fn register_host(&self, buffer: &HostBuffer) -> Result<HostBuffer> {
+        if let Some(kept) = self.released.reuse(buffer) {
+            return Ok(kept);
+        }
         let (map, span) = register_target(&self.id().to_string(), buffer)?;
+        drop(self.released.take_overlapping(&map, &span));
         let base = map.bytes().as_ptr() as usize;
         let range = base + span.start..base + span.end;
         let token = {
@@ -402,10 +432,26 @@ impl Device for HostDevice {
             }
         };
         // Over the limit the token drops here and forgets the range.
-        let registration = self
-            .pinned
-            .reserve(span.len() as u64, Some(Box::new(token)))?;
+        let registration = self.reserve_pinned(span.len() as u64, Some(Box::new(token)))?;
+        self.registered.fetch_add(1, Ordering::Relaxed);
         HostBuffer::registered(buffer.clone(), registration)
+    }
+
+    /// Keeps a registered checkpoint range pinned until [`Device::unpin_released`] (a later
+    /// registration of the same range reuses it); drops anything else now.
+    fn release_host(&self, buffer: HostBuffer) {
+        if buffer.registered_base().is_some() {
+            self.released.keep(buffer);
+        }
+    }
+
+    fn unpin_released(&self) -> u64 {
+        let released = self.released.take_all();
+        pinned_bytes_of(&released)
+    }
+
+    fn host_registrations(&self) -> u64 {
+        self.registered.load(Ordering::Relaxed)
     }
 
     fn compute_stream(&self) -> Stream {
@@ -698,7 +744,7 @@ impl Device for HostDevice {
             driver_free: None,
             driver_total: None,
             pinned_host: self.pinned.pinned(),
-            pinned_cached: 0,
+            pinned_cached: self.released.pinned_bytes(),
             pinned_limit: self.pinned.limit(),
             pinned_peak: self.pinned.peak(),
         }

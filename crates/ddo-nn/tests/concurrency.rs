@@ -161,6 +161,10 @@ fn two_components_on_two_streams_from_two_threads_match_the_sequential_run() {
         }
         d.synchronize().unwrap();
         assert_eq!(d.memory_info().allocated, 0, "{vae_route} + {flux_route}");
+        // What release_host kept pinned for reuse goes when the device unpins it.
+        let m = d.memory_info();
+        assert_eq!(m.pinned_host, m.pinned_cached, "{vae_route} + {flux_route}");
+        d.unpin_released();
         assert_eq!(d.memory_info().pinned_host, 0, "{vae_route} + {flux_route}");
     }
 }

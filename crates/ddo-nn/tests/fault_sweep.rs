@@ -258,7 +258,18 @@ fn assert_nothing_left(d: &HostDevice, c: &Component, sums: &[u64], what: &str) 
     d.synchronize().expect("synchronize");
     let m = d.memory_info();
     assert_eq!(m.allocated, 0, "{what}: device bytes left");
-    assert_eq!(m.pinned_host, 0, "{what}: pinned host bytes left");
+    // Registered ranges handed back stay pinned for reuse until the device unpins them
+    // (`Device::release_host`, the CUDA device's rule): nothing else may stay pinned.
+    assert_eq!(
+        m.pinned_host, m.pinned_cached,
+        "{what}: pinned host bytes left"
+    );
+    d.unpin_released();
+    assert_eq!(
+        d.memory_info().pinned_host,
+        0,
+        "{what}: kept pinned bytes not let go"
+    );
     assert!(c.attached().is_none(), "{what}: hooks left");
     assert!(
         c.params().iter().all(|p| p.device().is_none()),

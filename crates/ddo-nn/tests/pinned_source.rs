@@ -145,6 +145,11 @@ fn flux_fixture_streams_from_its_registered_mapping_bit_identically() {
             );
             per_source.push(c);
             let _ = h.cleanup_on_error(|_| Err::<(), _>(CoreError::Injected("release".into())));
+            // The registrations handed back stay pinned for reuse until the device unpins
+            // them (`Device::release_host`).
+            let m = d.memory_info();
+            assert_eq!(m.pinned_host, m.pinned_cached, "{route} {source}");
+            d.unpin_released();
             let m = d.memory_info();
             assert_eq!((m.allocated, m.pinned_host), (0, 0), "{route} {source}");
         }

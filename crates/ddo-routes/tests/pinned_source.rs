@@ -73,6 +73,19 @@ fn native(budget: u64, extra: &str) -> RouteSpec {
 
 /// Releases the route whatever it is (group offload is not removable): DDO's managed
 /// boundary, entered with an error.
+/// The device's memory once what it kept pinned after `release_host` is unpinned: first
+/// checks everything still pinned is that kept memory (the CUDA device's rule, which the
+/// host backend follows).
+fn after_release(d: &dyn Device) -> ddo_core::MemoryInfo {
+    let m = d.memory_info();
+    assert_eq!(
+        m.pinned_host, m.pinned_cached,
+        "pinned beyond what release_host kept"
+    );
+    d.unpin_released();
+    d.memory_info()
+}
+
 fn release(h: &mut OffloadHandle) {
     let _ = h.cleanup_on_error(|_| Err::<(), _>(CoreError::Injected("release".into())));
 }
@@ -138,7 +151,7 @@ fn streamed_routes_register_the_mapping_and_match_resident() {
             let profile = h.metrics_snapshot().format_profile();
             assert!(profile.contains("page-locked in place"), "{}", profile);
             release(&mut h);
-            let mem = d.memory_info();
+            let mem = after_release(&*d);
             assert_eq!(
                 (mem.allocated, mem.pinned_host),
                 (0, 0),
@@ -177,7 +190,7 @@ fn resident_params_beside_registered_ones_are_not_copied_from_partly_locked_page
         assert!(c.leaves_resident > 0 && c.leaves_streamed > 0, "{c:?}");
         assert!(c.host_registrations >= 1, "{}: {c:?}", route.describe());
         release(&mut h);
-        let mem = d.memory_info();
+        let mem = after_release(&*d);
         assert_eq!(
             (mem.allocated, mem.pinned_host),
             (0, 0),
@@ -213,7 +226,7 @@ fn owned_params_fall_back_to_a_home_of_their_own() {
             }
         }
         release(&mut h);
-        assert_eq!(d.memory_info().pinned_host, 0);
+        assert_eq!(after_release(&*d).pinned_host, 0);
         // The home gave the owned params pageable copies back: same bytes.
         assert_eq!(host_state(&m.component), before);
     }
@@ -242,7 +255,7 @@ fn the_pinned_limit_makes_registration_fall_back_like_the_home_does() {
             "{profile}"
         );
         release(&mut h);
-        assert_eq!(d.memory_info().pinned_host, 0);
+        assert_eq!(after_release(&*d).pinned_host, 0);
     }
 }
 
@@ -352,7 +365,7 @@ proptest! {
             }
         }
         release(&mut h);
-        let mem = d.memory_info();
+        let mem = after_release(&*d);
         prop_assert_eq!((mem.allocated, mem.pinned_host), (0, 0));
         let after: Vec<u64> = host_state(&m.component).iter().map(|s| s.0).collect();
         let sums: Vec<u64> = before.iter().map(|s| s.0).collect();

@@ -67,6 +67,8 @@ pub struct Counters {
     pub routes: Vec<(String, String)>,
     /// The device's memory after the last job: allocated, pinned host.
     pub device_bytes: (u64, u64),
+    /// Host ranges the device has page-locked so far (`Device::host_registrations`).
+    pub host_registrations: u64,
 }
 
 /// What the HTTP side and the worker share.
@@ -340,6 +342,7 @@ pub fn work(
         };
         let info = session.device().memory_info();
         counters.device_bytes = (info.allocated, info.pinned_host);
+        counters.host_registrations = session.device().host_registrations();
         drop(counters);
         // What the request freed goes back to the kernel: the process's resident set
         // after a request is the next one's start.
@@ -384,6 +387,15 @@ fn run_job(
         m.insert(
             "plan_reused".into(),
             Value::Bool(reused.is_some_and(|p| Arc::ptr_eq(&p, &generated.plan))),
+        );
+        // What the request made the host do again: ranges page-locked and bytes read from
+        // storage (both 0 for a warm request after the first).
+        m.insert(
+            "request_host".into(),
+            json!({
+                "registrations": generated.registrations,
+                "read_bytes": generated.read_bytes,
+            }),
         );
     }
     let mut counters = lock(&shared.counters);

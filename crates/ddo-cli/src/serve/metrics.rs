@@ -97,6 +97,13 @@ pub fn text(shared: &Shared) -> String {
         "Pinned host memory DDO holds after the last request.",
         &plain(c.device_bytes.1 as f64),
     );
+    metric(
+        &mut out,
+        "ddo_host_registrations_total",
+        "counter",
+        "Host ranges of the weights page-locked so far (a warm request reuses them: 0 more).",
+        &plain(c.host_registrations as f64),
+    );
     if let Some(rss) = ddo_core::host_memory::process_status_bytes("VmRSS") {
         metric(
             &mut out,

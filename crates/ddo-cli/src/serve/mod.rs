@@ -68,7 +68,8 @@ pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
     let options = LoadOptions::of(&args.load, (&[], args.lora_allow_unmatched, false))?;
     let family = options.family()?;
     let mut bar = ProgressBar::new();
-    let session = Session::load(&options, &mut bar, &mut *out, args.json)?;
+    let mut session = Session::load(&options, &mut bar, &mut *out, args.json)?;
+    session.keep_host_between_requests(true);
     bar.finish();
     let defaults = Request::default().check(family, session.is_tiny())?;
     let about = json!({

@@ -164,6 +164,9 @@ pub struct Session {
     loras: (Vec<LoraArg>, u64),
     lora_allow_unmatched: bool,
     planned: Option<Planned>,
+    /// Whether the host memory the routes hand back stays pinned between requests, for the
+    /// next request to reuse ([`Session::keep_host_between_requests`]).
+    keep_host: bool,
     /// Wall time of the load by stage (`weights`, `device`).
     laps: Vec<(&'static str, f64)>,
 }
@@ -192,6 +195,14 @@ pub struct Generated {
     pub request: Checked,
     /// Wall time by stage (`plan`, `attach`, `phases`).
     pub laps: Vec<(&'static str, f64)>,
+    /// Host ranges page-locked during the request ([`Device::host_registrations`]): 0 when
+    /// every registration was one the session kept from the request before.
+    ///
+    /// [`Device::host_registrations`]: ddo_core::Device::host_registrations
+    pub registrations: u64,
+    /// Bytes the process read from storage during the request (`/proc/self/io`), where
+    /// known.
+    pub read_bytes: Option<u64>,
     /// The host memory the routes gave back being unpinned (joined by
     /// [`Generated::finish_unpinning`]).
     unpinning: Option<std::thread::JoinHandle<()>>,
@@ -275,8 +286,18 @@ impl Session {
             loras: (options.loras.clone(), lora_bytes),
             lora_allow_unmatched: options.lora_allow_unmatched,
             planned: None,
+            keep_host: false,
             laps: laps.laps,
         })
+    }
+
+    /// Keeps the host memory the routes hand back at the end of a request pinned for the next
+    /// one (`ddo serve`): the registrations of the weights' ranges are reused, so a request
+    /// after the first pins nothing again. Not where the plan gives host memory back
+    /// ([`PipelinePlan::gives_host_back`]: the budget cannot hold it all at once). Off by
+    /// default: `ddo run` unpins beside its output's encoding.
+    pub fn keep_host_between_requests(&mut self, keep: bool) {
+        self.keep_host = keep;
     }
 
     /// The pipeline family.
@@ -358,6 +379,10 @@ impl Session {
     ) -> CliResult<Generated> {
         let checked = request.check(self.family(), self.is_tiny())?;
         let mut laps = Stopwatch::new(Instant::now());
+        let (registrations_before, read_before) = (
+            self.device.host_registrations(),
+            ddo_core::host_memory::process_read_bytes(),
+        );
         // Diffusers rounds the size down to whole 2x2 latent patches (and warns): so does
         // this, and the profile says so (one rule for run, bench and resolve).
         let crate::size::ImageSize {
@@ -371,6 +396,10 @@ impl Session {
         let key = (height, width, images, checked.tiled_decode, self.loras.1);
         if self.planned.as_ref().is_none_or(|p| p.key != key) {
             self.planned = None;
+            // What the last request's plan kept pinned goes now, while the device is idle:
+            // another plan registers other ranges, and a copy from pages partly locked by a
+            // kept registration is refused (CUDA_ERROR_INVALID_VALUE).
+            self.device.unpin_released();
             // The backend may prepare per-shape work (cuDNN plans) while the routes attach
             // and the prompt is encoded.
             self.pipe
@@ -467,13 +496,20 @@ impl Session {
         check_weights_unchanged(&self.pipeline)?;
         laps.lap("phases");
         // Host memory the routes handed back (`Device::release_host`) is unpinned now that
-        // the device is idle, beside the output's encoding.
-        let unpinning = {
+        // the device is idle, beside the output's encoding, unless the next request reuses it.
+        let unpinning = (!self.keep_host || plan.gives_host_back()).then(|| {
             let device = Arc::clone(&self.device);
             std::thread::spawn(move || {
                 device.unpin_released();
             })
-        };
+        });
+        let registrations = self
+            .device
+            .host_registrations()
+            .saturating_sub(registrations_before);
+        let read_bytes = ddo_core::host_memory::process_read_bytes()
+            .zip(read_before)
+            .map(|(after, before)| after.saturating_sub(before));
         let snapshots: Vec<Value> = self
             .names
             .iter()
@@ -495,7 +531,9 @@ impl Session {
             negative_prompt,
             request: checked,
             laps: laps.laps,
-            unpinning: Some(unpinning),
+            registrations,
+            read_bytes,
+            unpinning,
         })
     }
 

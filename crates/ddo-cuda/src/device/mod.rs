@@ -79,7 +79,9 @@ pub struct CudaDevice {
     upload_staging: Mutex<Vec<HostBuffer>>,
     /// Pinned and registered host memory let go through [`Device::release_host`], still
     /// page-locked (and counted) until [`Device::unpin_released`].
-    released_host: Mutex<Vec<HostBuffer>>,
+    released_host: ddo_core::released_host::ReleasedHost,
+    /// [`Device::host_registrations`]: checkpoint ranges registered so far.
+    host_registrations: AtomicU64,
     config: CudaDeviceConfig,
     /// The ops [`Device::ops`] hands out: this device's, each through a per-op profiler.
     profiled: ddo_core::ProfiledOps,
@@ -216,7 +218,8 @@ impl CudaDevice {
             next_stream: AtomicU64::new(1),
             pinned: PinnedLedger::new(config.pinned_limit.unwrap_or_else(default_pinned_limit)),
             upload_staging: Mutex::new(Vec::new()),
-            released_host: Mutex::new(Vec::new()),
+            released_host: ddo_core::released_host::ReleasedHost::new(),
+            host_registrations: AtomicU64::new(0),
             shared,
             config,
             profiled: ddo_core::ProfiledOps::new(me.clone()),
@@ -574,11 +577,15 @@ impl Device for CudaDevice {
     /// Keeps `buffer` (pinned) until [`Device::unpin_released`]: unregistering waits for
     /// the device's queued work (`device/registration.rs`).
     fn release_host(&self, buffer: HostBuffer) {
-        self.released_host.lock().push(buffer);
+        self.released_host.keep(buffer);
     }
 
     fn unpin_released(&self) -> u64 {
         self.unpin_released_host()
+    }
+
+    fn host_registrations(&self) -> u64 {
+        self.host_registrations.load(Ordering::Relaxed)
     }
 
     /// Starts building the cuDNN plan of an eligible shape in the background

@@ -3,10 +3,12 @@
 //! registrations counted under the device's pinned ledger, and making room in that ledger
 //! by dropping idle upload buffers.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use cudarc::driver::CudaContext;
 use ddo_core::host_memory::{AlignedBytes, register_target};
+use ddo_core::released_host::pinned_bytes_of;
 use ddo_core::{CoreError, Device, HostBuffer};
 
 use super::CudaDevice;
@@ -49,13 +51,13 @@ impl CudaDevice {
     /// [`MemoryInfo::pinned_cached`](ddo_core::MemoryInfo::pinned_cached): it gives way to
     /// pinned memory asked for).
     pub fn released_host_bytes(&self) -> u64 {
-        pinned_bytes_of(&self.released_host.lock())
+        self.released_host.pinned_bytes()
     }
 
     /// Drops the host memory [`Device::release_host`] kept (each registration unregisters
     /// as its last handle goes); returns the pinned bytes that were let go.
     pub(super) fn unpin_released_host(&self) -> u64 {
-        let released = std::mem::take(&mut *self.released_host.lock());
+        let released = self.released_host.take_all();
         let bytes = pinned_bytes_of(&released);
         drop(released);
         bytes
@@ -91,8 +93,15 @@ impl CudaDevice {
     }
 
     /// The body of [`Device::register_host`].
+    /// A range handed back by [`Device::release_host`] and kept pinned is reused as it is
+    /// (a second attach of the same plan pins nothing again); a kept one that overlaps the
+    /// range without being it is unregistered first (a page is registered once).
     pub(super) fn register_host_impl(&self, buffer: &HostBuffer) -> ddo_core::Result<HostBuffer> {
+        if let Some(kept) = self.released_host.reuse(buffer) {
+            return Ok(kept);
+        }
         let (map, span) = register_target(&self.id().to_string(), buffer)?;
+        drop(self.released_host.take_overlapping(&map, &span));
         let bytes = span.len() as u64;
         let (pinned, limit) = (self.pinned_making_room(bytes), self.pinned.limit());
         if pinned.saturating_add(bytes) > limit {
@@ -134,11 +143,7 @@ impl CudaDevice {
         };
         // On a refusal the token drops here and unregisters; `map` is still held.
         let registration = self.pinned.reserve(bytes, Some(Box::new(token)))?;
+        self.host_registrations.fetch_add(1, Ordering::Relaxed);
         HostBuffer::registered(buffer.clone(), registration)
     }
-}
-
-/// Pinned bytes of `buffers` (0 for a buffer that pins nothing).
-fn pinned_bytes_of(buffers: &[HostBuffer]) -> u64 {
-    buffers.iter().map(|b| b.pinned_bytes().unwrap_or(0)).sum()
 }

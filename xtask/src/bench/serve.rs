@@ -1,0 +1,110 @@
+//! `cargo xtask bench --serve` (issue 38): `ddo serve` on a FLUX.1-dev Diffusers folder
+//! (random bf16 weights, 33.7 GB) on the GPU, against `ddo run` with the same arguments in the
+//! same job.
+//!
+//! Builds `gpu-bundle/bench-serve/` (ignored by git): the `ddo` binary, the scripts that write
+//! the folder (`tools/save_random_pipeline.py` with `peer_pipeline.py`), the client
+//! (`tools/bench_serve.py`, standard library only), the Diffusers wheels and the fallback
+//! wheels, and `run-bench-serve.sh`, which on the GPU machine writes the folder once (the same
+//! place as `--host-ram`'s, so one warm machine writes it once for both) and runs the client:
+//! warm requests against their phases and PNG, many requests in a row with memory compared,
+//! and eight concurrent clients against `ddo run`. Results: `$OUT/serve.json` and
+//! `$OUT/serve.md`.
+
+use std::process::Command;
+
+use super::full;
+use crate::{run, workspace_root};
+
+/// The bundle's folder, relative to the workspace root (ignored by git).
+pub const SERVE_DIR: &str = "gpu-bundle/bench-serve";
+
+/// Python files the job needs, from `tools/`.
+const SCRIPTS: [&str; 6] = [
+    "gpu_peer.py",
+    "bench_peer.py",
+    "peer_pipeline.py",
+    "peer_qwen.py",
+    "save_random_pipeline.py",
+    "bench_serve.py",
+];
+
+/// Builds the bundle, and runs it here with `run_here`.
+pub fn bench_serve(run_here: bool) -> Result<(), String> {
+    let root = workspace_root();
+    let (script, size) = full::build_bundle(
+        &root,
+        SERVE_DIR,
+        None,
+        &SCRIPTS,
+        "run-bench-serve.sh",
+        SCRIPT,
+    )?;
+    eprintln!(
+        "bench --serve: {} ({} MiB); on the GPU machine: ./{SERVE_DIR}/run-bench-serve.sh (results in $OUT)",
+        root.join(SERVE_DIR).display(),
+        size >> 20
+    );
+    if run_here {
+        run(Command::new("bash").arg(&script))?;
+    }
+    Ok(())
+}
+
+/// The job's script. `DDO_BIN` runs another `ddo`; `DDO_WARM_REQUESTS` and `DDO_MANY` set
+/// how many warm requests and how many in a row (6 and 200).
+const SCRIPT: &str = r#"#!/usr/bin/env bash
+# ddo serve on a FLUX.1-dev Diffusers folder (issue 38), in one job (built by
+# `cargo xtask bench --serve`). Run from the repository root, carrying gpu-bundle/bench-serve;
+# results in $OUT (default ./bench-serve-out).
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-$PWD/bench-serve-out}"
+work="${DDO_BENCH_WORK:-/tmp/ddo-host-ram}"
+folder="${DDO_FOLDER:-$work/flux}"
+site="$work/site"
+mkdir -p "$out" "$work"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
+if [ ! -f "$folder/model_index.json" ]; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/wheels/*.whl > "$out/pip.log" 2>&1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  if ! python3 -c "from transformers import CLIPTextModel, T5EncoderModel" >> "$out/pip.log" 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/pywheels/*.whl >> "$out/pip.log" 2>&1
+  fi
+  rm -rf "$work/qwen" "$work/qwen-coded"
+  python3 "$here/save_random_pipeline.py" "$folder" > "$out/folder.json" || { echo "the folder could not be written"; exit 1; }
+fi
+PYTHONUNBUFFERED=1 python3 "$here/bench_serve.py" "$out" "$folder" "${DDO_BIN:-$here/ddo}" \
+  "${DDO_WARM_REQUESTS:-6}" "${DDO_MANY:-200}"
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_script_writes_the_folder_where_host_ram_does_and_runs_the_client() {
+        assert!(SCRIPT.starts_with("#!/usr/bin/env bash"));
+        let host_ram = crate::bench::host_ram::host_ram_script(&[8], 4);
+        for shared in [
+            r#"work="${DDO_BENCH_WORK:-/tmp/ddo-host-ram}""#,
+            r#"site="$work/site""#,
+        ] {
+            assert!(
+                SCRIPT.contains(shared) && host_ram.contains(shared),
+                "{shared}"
+            );
+        }
+        assert!(SCRIPT.contains(r#"folder="${DDO_FOLDER:-$work/flux}""#));
+        let writer = SCRIPT.find("save_random_pipeline.py").unwrap();
+        let client = SCRIPT
+            .find("bench_serve.py\" \"$out\" \"$folder\"")
+            .unwrap();
+        assert!(writer < client);
+        let checked = Command::new("bash")
+            .args(["-n", "-c", SCRIPT])
+            .status()
+            .unwrap();
+        assert!(checked.success(), "bash -n refused the script");
+    }
+}
