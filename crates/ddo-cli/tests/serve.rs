@@ -295,6 +295,44 @@ fn jobs_run_in_fifo_order_with_events_and_the_queue_overflows_into_429() {
     assert!(server.metric("ddo_requests_refused_total") >= 2.0);
 }
 
+/// Issue 38's bad input: the server killed with SIGKILL mid-step restarts clean on the same
+/// address, and leaves no file behind (its temporary folder stays empty) and nothing to
+/// clean up: it serves the next request at once.
+#[test]
+fn a_server_killed_mid_step_restarts_clean_on_the_same_address() {
+    let tmp = scratch("serve-sigkill");
+    let mut server = Server::start_at(&["--config", "tiny"], "127.0.0.1:0", Some(&tmp));
+    let body = json!({"height": 64, "width": 64, "steps": 500, "seed": 1});
+    let (status, v) = server.json("POST", "/v1/jobs", &body.to_string());
+    assert_eq!(status, 202, "{v}");
+    let id = v["id"].as_u64().unwrap();
+    // Killed while the job is between denoising steps (it has made one, not all).
+    loop {
+        let (status, v) = server.json("GET", &format!("/v1/jobs/{id}"), "");
+        assert_eq!(status, 202, "the job ended before it was killed: {v}");
+        let last = &v["last_event"];
+        if last["phase"] == "denoise" && last["done"].as_u64().is_some_and(|d| d >= 1) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let addr = server.addr.clone();
+    drop(server);
+    let again = Server::start_at(&["--config", "tiny"], &addr, Some(&tmp));
+    assert_eq!(again.addr, addr);
+    let (status, v) = again.json(
+        "POST",
+        "/v1/generate",
+        r#"{"height":32,"width":32,"steps":1,"seed":1}"#,
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(again.metric("ddo_queue_depth"), 0.0);
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+    assert!(left.is_empty(), "files left in TMPDIR: {left:?}");
+}
+
 #[test]
 fn concurrent_clients_each_get_their_own_image() {
     let server = std::sync::Arc::new(Server::start(&["--config", "tiny"]));

@@ -18,12 +18,21 @@ pub struct Server {
 impl Server {
     /// Starts `ddo serve ARGS --listen 127.0.0.1:0` and waits for its address.
     pub fn start(args: &[&str]) -> Server {
+        Self::start_at(args, "127.0.0.1:0", None)
+    }
+
+    /// Starts `ddo serve ARGS --listen LISTEN`, with `TMPDIR` set to `tmp` where given, and
+    /// waits for its address.
+    pub fn start_at(args: &[&str], listen: &str, tmp: Option<&std::path::Path>) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
         cmd.arg("serve")
             .args(args)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
+        if let Some(t) = tmp {
+            cmd.env("TMPDIR", t);
+        }
         for (k, _) in std::env::vars() {
             if k.starts_with("DDO_") {
                 cmd.env_remove(k);
