@@ -5,8 +5,8 @@ with every 2-D tensor whose rows are whole 32-element blocks quantized by gguf-p
 the types taken in turn from Q8_0, Q4_0, Q5_1, Q4_1, Q5_0, and every other tensor kept F32;
 `general.architecture` "flux".
 
-Writes `fixtures/gguf/` (and the T5 encoder's and the Qwen-Image transformer's files, see `t5` and
-`qwen` below):
+Writes `fixtures/gguf/` (and the T5 encoder's, the Qwen-Image transformer's and its text encoder's
+files, see `t5`, `qwen` and `qwen_text` below; `... gen_gguf_flux.py qwen_text` writes one set):
 
 * `flux_pipeline-transformer-mixed.gguf`;
 * `flux_pipeline-transformer-mixed.dequantized.safetensors`: gguf-py's `dequantize` of every tensor as
@@ -122,7 +122,52 @@ def qwen():
     print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized")
 
 
+# Transformers' Qwen2.5-VL language-model names → llama.cpp's (gguf-py's tensor_mapping for
+# QWEN2VL; its converter writes q and k as they are, with no permutation).
+QWEN_TEXT_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def qwen_text_gguf_name(name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    layer, _, tail = name.removeprefix("model.layers.").partition(".")
+    module, _, kind = tail.rpartition(".")
+    return f"blk.{layer}.{QWEN_TEXT_NAMES[module]}.{kind}"
+
+
+def qwen_text():
+    """The Qwen-Image fixture's text encoder (`fixtures/qwen_text_encoder/text_encoder`, the
+    language model of Qwen2_5_VLForConditionalGeneration) in llama.cpp's names, as the
+    Qwen2.5-VL GGUFs ComfyUI users load hold it (architecture qwen2vl; no vision tower, which
+    those keep in a separate mmproj file; `lm_head` as `output.weight`):
+    `qwen_text_encoder-mixed.gguf` (2-D tensors of whole 32-element rows quantized in turn to
+    Q8_0, Q5_0, Q4_1; the rest F32) and its `.dequantized.safetensors` in Transformers' names
+    (gguf-py's dequantization, float32)."""
+    src = ROOT / "fixtures" / "qwen_text_encoder" / "text_encoder" / "model.safetensors"
+    tensors = {n: t for n, t in load_file(str(src)).items() if not n.startswith("visual.")}
+    path = OUT / "qwen_text_encoder-mixed.gguf"
+    out, k = write_quantized(tensors, path, "qwen2vl", [T.Q8_0, T.Q5_0, T.Q4_1], qwen_text_gguf_name)
+    save_file(out, str(OUT / "qwen_text_encoder-mixed.dequantized.safetensors"))
+    print(f"[gen] {path.name}: {len(out)} tensors, {k} quantized")
+
+
 if __name__ == "__main__":
-    main()
-    t5()
-    qwen()
+    import sys
+
+    # One file set by name (`qwen_text`), else all of them.
+    only = sys.argv[1:]
+    for step in (main, t5, qwen, qwen_text):
+        if not only or step.__name__ in only:
+            step()

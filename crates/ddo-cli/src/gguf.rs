@@ -26,6 +26,30 @@ fn loads_as(file: &GgufFile) -> String {
         .iter()
         .any(|t| t.name == "enc.blk.0.attn_q.weight")
         && file.tensors().iter().any(|t| t.name == "token_embd.weight");
+    let qwen_text = file
+        .architecture()
+        .is_some_and(|a| ddo_nn::qwen_text::GGUF_ARCHITECTURES.contains(&a))
+        && file
+            .tensors()
+            .iter()
+            .any(|t| t.name == "blk.0.attn_q.weight");
+    if qwen_text {
+        return "Qwen-Image's text encoder (a Qwen2.5-VL language model in llama.cpp's names): \
+                `--text-encoder FILE` beside `--weights QWEN_FOLDER` on run, bench and resolve; \
+                its quantized tensors stay blocks and are dequantized where they run; \
+                `--dtype bf16` (or f32, f16) dequantizes it at load instead"
+            .to_string();
+    }
+    let marker = ddo_nn::qwen_image::QWEN_FILE_MARKER;
+    let qwen_image = file.tensors().iter().any(|t| {
+        t.name == marker || t.name == format!("{}{marker}", ddo_nn::qwen_image::QWEN_FILE_PREFIX)
+    });
+    if qwen_image {
+        return "a Qwen-Image transformer: `--transformer FILE` beside `--weights QWEN_FOLDER` on \
+                run, bench and resolve; its quantized tensors stay blocks and are dequantized \
+                where they run; `--dtype bf16` (or f32, f16) dequantizes it at load instead"
+            .to_string();
+    }
     if t5 {
         return "a T5 encoder in llama.cpp's names: `--text-encoder-2 FILE` on run, bench and \
                 resolve; its quantized tensors stay blocks and are dequantized where they run; \
@@ -40,8 +64,9 @@ fn loads_as(file: &GgufFile) -> String {
             .to_string()
     } else {
         format!(
-            "nothing yet: DDO loads GGUF Flux transformers in the original layout and T5 \
-             encoders (this file's architecture is {})",
+            "nothing yet: DDO loads GGUF Flux transformers in the original layout, T5 encoders, \
+             Qwen-Image transformers and Qwen2.5-VL text encoders (this file's architecture is \
+             {})",
             file.architecture().unwrap_or("not named")
         )
     }

@@ -478,3 +478,122 @@ fn a_qwen_image_gguf_transformer_runs_as_its_dequantization_does() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--weights"), "{err}");
 }
+
+/// Copies the folder `from` into `to`, recursively.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
+
+/// Issue 37: Qwen-Image's text encoder from one file beside the pipeline folder
+/// (`--text-encoder FILE`): the Qwen2.5-VL GGUF in llama.cpp's names
+/// (`tools/gen_gguf_flux.py qwen_text`) dequantized at load into f32 gives the image of the
+/// safetensors file of gguf-py's dequantization bit for bit; kept as blocks (the default) it
+/// makes an image too; the folder gives the shapes (`text_encoder/config.json`) and the
+/// tokenizer; `ddo inspect` names the file as the text encoder; a T5 GGUF is refused naming
+/// its architecture, and `--text-encoder` with a named config is refused.
+#[test]
+fn a_qwen_text_encoder_gguf_runs_as_its_dequantization_does() {
+    let d = scratch("gguf-qwen-text");
+    let folder = d.join("pipeline");
+    copy_tree(Path::new(&fixture("qwen_pipeline")), &folder);
+    copy_tree(
+        Path::new(&fixture("qwen_text_encoder/tokenizer")),
+        &folder.join("tokenizer"),
+    );
+    std::fs::create_dir_all(folder.join("text_encoder")).unwrap();
+    std::fs::copy(
+        fixture("qwen_text_encoder/text_encoder/config.json"),
+        folder.join("text_encoder/config.json"),
+    )
+    .unwrap();
+    let gguf = fixture("gguf/qwen_text_encoder-mixed.gguf");
+    let reference = fixture("gguf/qwen_text_encoder-mixed.dequantized.safetensors");
+    let run = |name: &str, file: &str, extra: &[&str]| {
+        let out = d.join(format!("{name}.safetensors"));
+        let mut args = vec![
+            "run",
+            "--weights",
+            folder.to_str().unwrap(),
+            "--text-encoder",
+            file,
+            "--prompt",
+            "a lighthouse at dawn",
+            "--negative-prompt",
+            " ",
+            "--steps",
+            "2",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let report = json(&ddo(&args));
+        (tensor(&out, "sample").1, report)
+    };
+    let (want, report) = run("ref", &reference, &["--dtype", "f32"]);
+    assert!(
+        report["model"]
+            .as_str()
+            .unwrap()
+            .contains("text encoder from"),
+        "{}",
+        report["model"]
+    );
+    let (got, _) = run("gguf-f32", &gguf, &["--dtype", "f32"]);
+    assert!(got == want, "the GGUF dequantized at load differs");
+    let (blocks, _) = run("gguf", &gguf, &[]);
+    assert!(blocks.iter().all(|v| v.is_finite()));
+    assert!(rel_l2(&blocks, &want) < 0.1, "{}", rel_l2(&blocks, &want));
+    // inspect names it.
+    let text = ok(&ddo(&["inspect", &gguf]));
+    assert!(
+        text.contains("architecture qwen2vl") && text.contains("Qwen-Image's text encoder"),
+        "{text}"
+    );
+    // T5's GGUF as Qwen's text encoder: refused naming its architecture; no output.
+    let t5 = fixture("gguf/flux_pipeline-t5-mixed.gguf");
+    let out = d.join("t5.png");
+    let o = ddo(&[
+        "run",
+        "--weights",
+        folder.to_str().unwrap(),
+        "--text-encoder",
+        &t5,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("t5encoder") && err.contains("--text-encoder"),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let o = ddo(&[
+        "run",
+        "--config",
+        "qwen-tiny",
+        "--text-encoder",
+        &gguf,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("text_encoder/config.json"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -419,18 +419,31 @@ fn open_gguf(path: &Path, dequantize_into: Option<DType>) -> LoadResult<Checkpoi
             None => Checkpoint::from_gguf(&f),
             Some(dtype) => ddo_core::gguf::dequantized_checkpoint(&f, dtype),
         })
-        .map_err(|e| match e {
-            CoreError::Io { path, source } => LoadError::Io { path, source },
-            CoreError::Gguf {
-                path,
-                field,
-                problem,
-            } => LoadError::CorruptFile {
-                file: path,
-                message: format!("{field} {problem}"),
-            },
-            other => LoadError::Core(other),
-        })
+        .map_err(gguf_error)
+}
+
+/// The `general.architecture` of the GGUF file `path` (`None` where it has none), its errors
+/// as [`open_gguf`]'s.
+pub fn gguf_architecture(path: &Path) -> LoadResult<Option<String>> {
+    ddo_core::gguf::GgufFile::open(path)
+        .map(|f| f.architecture().map(str::to_string))
+        .map_err(gguf_error)
+}
+
+/// A GGUF reader's error as a load error: a bad field is [`LoadError::CorruptFile`] naming it.
+fn gguf_error(e: CoreError) -> LoadError {
+    match e {
+        CoreError::Io { path, source } => LoadError::Io { path, source },
+        CoreError::Gguf {
+            path,
+            field,
+            problem,
+        } => LoadError::CorruptFile {
+            file: path,
+            message: format!("{field} {problem}"),
+        },
+        other => LoadError::Core(other),
+    }
 }
 
 fn open_checkpoint(path: &Path) -> LoadResult<Checkpoint> {

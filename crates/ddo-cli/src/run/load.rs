@@ -235,7 +235,7 @@ pub(crate) fn build_pipeline(
 }
 
 /// Loads or builds a Qwen-Image pipeline: random weights at a named config, or a
-/// QwenImagePipeline folder. Single component files are Flux's and are refused.
+/// QwenImagePipeline folder, with its transformer or text encoder from a single file.
 fn build_qwen(
     source: &Source,
     files: &ComponentFiles,
@@ -245,7 +245,6 @@ fn build_qwen(
     bar: &mut ProgressBar,
 ) -> CliResult<(QwenImagePipeline, String)> {
     for (option, f) in [
-        ("--text-encoder", &files.text_encoder),
         ("--text-encoder-2", &files.text_encoder_2),
         ("--vae", &files.vae),
     ] {
@@ -258,11 +257,18 @@ fn build_qwen(
     }
     let (mut pipe, label) = match source {
         Source::Config(name) => {
-            if files.transformer.is_some() {
-                return Err(CliError::usage(
-                    "--transformer FILE with a named Qwen-Image config (random weights)",
-                    "give --weights QWEN_FOLDER (its transformer/config.json gives the shapes) with --transformer FILE",
-                ));
+            for (option, f, config) in [
+                ("--transformer", &files.transformer, "transformer"),
+                ("--text-encoder", &files.text_encoder, "text_encoder"),
+            ] {
+                if f.is_some() {
+                    return Err(CliError::usage(
+                        format!("{option} FILE with a named Qwen-Image config (random weights)"),
+                        format!(
+                            "give --weights QWEN_FOLDER (its {config}/config.json gives the shapes) with {option} FILE"
+                        ),
+                    ));
+                }
             }
             let config =
                 QwenImagePipelineConfig::named(name).ok_or_else(|| super::unknown_config(name))?;
@@ -279,17 +285,23 @@ fn build_qwen(
         }
         Source::Weights(dir) => {
             bar.status(&format!("opening {}...", dir.display()));
-            let pipe = QwenImagePipeline::load_with_transformer(
+            let pipe = QwenImagePipeline::load_with_files(
                 dir,
                 files.transformer.as_deref(),
+                files.text_encoder.as_deref(),
                 dtype,
                 unused,
             )
             .map_err(|e| {
-                let what = match &files.transformer {
-                    Some(f) => format!("--weights {} --transformer {}", dir.display(), f.display()),
-                    None => format!("--weights {}", dir.display()),
-                };
+                let mut what = format!("--weights {}", dir.display());
+                for (option, f) in [
+                    ("--transformer", &files.transformer),
+                    ("--text-encoder", &files.text_encoder),
+                ] {
+                    if let Some(f) = f {
+                        what.push_str(&format!(" {option} {}", f.display()));
+                    }
+                }
                 CliError::from(e).context(&what)
             })?;
             bar.finish();
@@ -300,6 +312,9 @@ fn build_qwen(
             );
             if let Some(f) = &files.transformer {
                 label.push_str(&format!(", transformer from {}", f.display()));
+            }
+            if let Some(f) = &files.text_encoder {
+                label.push_str(&format!(", text encoder from {}", f.display()));
             }
             (pipe, label)
         }

@@ -12,8 +12,8 @@ use crate::cli::RunArgs;
 use crate::error::{CliError, CliResult};
 use crate::io::{HostTensor, read_optional_tensor, read_tensor};
 
-/// Why a Qwen-Image run takes no single component file.
-pub(super) const SINGLE_FILES_HINT: &str = "a QwenImagePipeline takes one single file, --transformer FILE (safetensors or GGUF) beside --weights DIR; its text encoder and VAE load from the folder";
+/// Which single component files a Qwen-Image run takes.
+pub(super) const SINGLE_FILES_HINT: &str = "a QwenImagePipeline takes two single files beside --weights DIR, --transformer FILE and --text-encoder FILE (safetensors or GGUF, a Qwen2.5-VL GGUF in llama.cpp's names too); its VAE loads from the folder";
 
 /// QwenImagePipeline's `true_cfg_scale` default.
 pub const DEFAULT_TRUE_CFG_SCALE: f32 = 4.0;
@@ -25,11 +25,6 @@ pub(super) fn refuse_flux_options(args: &RunArgs) -> CliResult<()> {
             "--guidance",
             args.guidance.is_some(),
             "Qwen-Image has no guidance embedding: its guidance is true CFG (--true-cfg-scale with --negative-prompt)",
-        ),
-        (
-            "--text-encoder",
-            args.load.text_encoder.is_some(),
-            SINGLE_FILES_HINT,
         ),
         (
             "--text-encoder-2",

@@ -39,6 +39,7 @@ mod program;
 mod prompt;
 mod tokenizer;
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -47,7 +48,9 @@ use ddo_core::{Component, DType, Device, Result, Tensor};
 use crate::builder::ModelBuilder;
 use crate::error::LoadResult;
 use crate::fp8::{QWEN_TEXT_SKIP_PATTERNS, source_target, stored_as};
-use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSource};
+use crate::weights::{
+    CheckpointWeights, RandomWeights, UnusedWeights, View, ViewKind, WeightSource,
+};
 
 pub use config::QwenTextEncoderConfig;
 pub use inputs::QwenTextInputs;
@@ -67,6 +70,54 @@ pub const CLASS_NAME: &str = "Qwen2_5_VLForConditionalGeneration";
 /// The name prefixes of the checkpoint that prompt encoding never reads: the vision tower
 /// (legacy `visual.` and 5.x `model.visual.`) and the language-model head.
 pub const SKIPPED_PREFIXES: [&str; 3] = ["visual.", "model.visual.", "lm_head."];
+
+/// The `general.architecture` of the GGUF files [`QwenTextEncoder::load_file`] takes: llama.cpp
+/// writes Qwen2.5-VL's language model as `qwen2vl` (and a Qwen2 text model, the same layers,
+/// as `qwen2`).
+pub const GGUF_ARCHITECTURES: [&str; 2] = ["qwen2vl", "qwen2"];
+
+/// The language model's Transformers names (the legacy `model.` layout) mapped onto
+/// llama.cpp's GGUF names, as gguf-py's `tensor_mapping` maps them for `qwen2vl` (its
+/// converter writes q and k unpermuted): `embed_tokens` is `token_embd`, the final `norm`
+/// `output_norm`; per layer `input_layernorm` `attn_norm`, `self_attn.{q,k,v}_proj`
+/// `attn_{q,k,v}` (weights and biases), `o_proj` `attn_output`, `post_attention_layernorm`
+/// `ffn_norm`, `mlp.{gate,up,down}_proj` `ffn_{gate,up,down}`.
+pub fn gguf_views(config: &QwenTextEncoderConfig) -> HashMap<String, View> {
+    let whole = |t: String| View {
+        tensor: t,
+        kind: ViewKind::Whole,
+    };
+    let mut v = HashMap::new();
+    v.insert(
+        "model.embed_tokens.weight".to_string(),
+        whole("token_embd.weight".into()),
+    );
+    v.insert(
+        "model.norm.weight".to_string(),
+        whole("output_norm.weight".into()),
+    );
+    for i in 0..config.num_hidden_layers {
+        for (ours, theirs, kinds) in [
+            ("input_layernorm", "attn_norm", &["weight"][..]),
+            ("self_attn.q_proj", "attn_q", &["weight", "bias"][..]),
+            ("self_attn.k_proj", "attn_k", &["weight", "bias"][..]),
+            ("self_attn.v_proj", "attn_v", &["weight", "bias"][..]),
+            ("self_attn.o_proj", "attn_output", &["weight"][..]),
+            ("post_attention_layernorm", "ffn_norm", &["weight"][..]),
+            ("mlp.gate_proj", "ffn_gate", &["weight"][..]),
+            ("mlp.up_proj", "ffn_up", &["weight"][..]),
+            ("mlp.down_proj", "ffn_down", &["weight"][..]),
+        ] {
+            for kind in kinds {
+                v.insert(
+                    format!("model.layers.{i}.{ours}.{kind}"),
+                    whole(format!("blk.{i}.{theirs}.{kind}")),
+                );
+            }
+        }
+    }
+    v
+}
 
 /// The layouts of the language model's names, most common first: `model.` (legacy, what
 /// checkpoints hold), `model.language_model.` (transformers 5.x modules), and none (a bare
@@ -139,6 +190,52 @@ impl QwenTextEncoder {
                 Self::build(w, &config)
             })
         })
+    }
+
+    /// Loads the language model from one file for `config` (the pipeline folder's
+    /// `text_encoder/config.json`, or Qwen2.5-VL 7B's): a safetensors file in Transformers'
+    /// names (any of the layouts [`QwenTextEncoder::build`] takes; the vision tower and
+    /// `lm_head` skipped), or a GGUF file in llama.cpp's names (`token_embd`,
+    /// `blk.N.attn_q` ..., architecture `qwen2vl` or `qwen2`: the Qwen2.5-VL GGUFs, whose
+    /// vision tower is a separate mmproj file), read through [`gguf_views`], its quantized
+    /// tensors kept as blocks unless `dtype` asks for a conversion (then dequantized at load,
+    /// as any GGUF file: [`CheckpointWeights::open_file`]). A GGUF file of another
+    /// architecture is refused naming it.
+    pub fn load_file(
+        path: &Path,
+        config: &QwenTextEncoderConfig,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
+        let mut w = CheckpointWeights::open_file(path, source_target(dtype))?;
+        let ignored: &[&str] = if crate::weights::is_gguf(path) {
+            let arch = crate::weights::gguf_architecture(path)?;
+            if !arch
+                .as_deref()
+                .is_some_and(|a| GGUF_ARCHITECTURES.contains(&a))
+            {
+                return Err(crate::error::LoadError::CorruptFile {
+                    file: path.to_path_buf(),
+                    message: format!(
+                        "a GGUF file of architecture {} is not a Qwen2.5-VL language model \
+                         (architecture {}): give the text encoder's GGUF, not its mmproj or \
+                         another model's",
+                        arch.as_deref().unwrap_or("(none)"),
+                        GGUF_ARCHITECTURES.join(" or ")
+                    ),
+                });
+            }
+            w = w.with_views(gguf_views(config));
+            &["output."]
+        } else {
+            w.set_layout_prefixes(&["model.", "model.language_model.", ""]);
+            &SKIPPED_PREFIXES
+        };
+        let model = stored_as(&mut w, dtype, &QWEN_TEXT_SKIP_PATTERNS, |w| {
+            Self::build(w, config)
+        })?;
+        w.check_unused(ignored, unused)?;
+        Ok(model)
     }
 
     /// A model with seeded random weights stored as `dtype` (large params filled on all

@@ -315,6 +315,22 @@ impl QwenImagePipeline {
         dtype: Option<DType>,
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
+        Self::load_with_files(dir, transformer_file, None, dtype, unused)
+    }
+
+    /// [`QwenImagePipeline::load_with_transformer`], with the text encoder's weights from one
+    /// file too (`text_encoder_file`: a safetensors file or a Qwen2.5-VL GGUF, as
+    /// [`QwenTextEncoder::load_file`] reads them). Its shapes come from the folder's
+    /// `text_encoder/config.json` where there is one, else Qwen2.5-VL 7B's (a folder of
+    /// configs and the tokenizer, the weights downloaded apart); the folder's `tokenizer/`
+    /// is needed either way.
+    pub fn load_with_files(
+        dir: &Path,
+        transformer_file: Option<&Path>,
+        text_encoder_file: Option<&Path>,
+        dtype: Option<DType>,
+        unused: UnusedWeights,
+    ) -> LoadResult<Self> {
         if !dir.is_dir() {
             return Err(LoadError::Io {
                 path: dir.to_path_buf(),
@@ -348,7 +364,17 @@ impl QwenImagePipeline {
         };
         let vae = QwenVae::load_checked(&dir.join(QWEN_VAE), dtype.map(DType::compute), unused)?;
         let text_dir = dir.join(QWEN_TEXT_ENCODER);
-        let (text_encoder, tokenizer) = if text_dir.is_dir() {
+        let (text_encoder, tokenizer) = if let Some(file) = text_encoder_file {
+            let tokenizer = QwenTokenizer::from_dir(&dir.join(QWEN_TOKENIZER))?;
+            let config_file = text_dir.join("config.json");
+            let config = if crate::weights::is_present(&config_file) {
+                QwenTextEncoderConfig::from_file(&config_file)?
+            } else {
+                QwenTextEncoderConfig::qwen2_5_vl_7b()
+            };
+            let encoder = QwenTextEncoder::load_file(file, &config, dtype, unused)?;
+            (Some(encoder), Some(tokenizer))
+        } else if text_dir.is_dir() {
             // The tokenizer first: a missing one is refused before the encoder's weights load.
             let tokenizer = QwenTokenizer::from_dir(&dir.join(QWEN_TOKENIZER))?;
             let encoder = QwenTextEncoder::load_checked(&text_dir, dtype, unused)?;
