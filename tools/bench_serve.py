@@ -8,9 +8,10 @@ only. Writes OUT/serve.json and OUT/serve.md.
    `phases[].seconds` and `stage_seconds.output`), whether the plan was reused, and what it
    made the host do again (`request_host`: ranges page-locked, bytes read from storage).
    The first (seed 1) must give `ddo run`'s bytes.
-3. MANY requests in a row, mixed sizes, seeds, steps and LoRAs (two random LoRAs written in
-   PEFT's format into the server's --lora-dir): errors, and the device, pinned and host
-   memory (/metrics) after the first and after the last.
+3. MANY requests in a row, mixed sizes (one per 20 requests), seeds, steps and LoRAs (two
+   random LoRAs written in PEFT's format into the server's --lora-dir, a set per 5 requests):
+   errors, and the device, pinned and host memory (/metrics) after the first, after request
+   80 (every size and LoRA set seen) and after the last.
 4. 8 concurrent clients (512x512, 4 steps, seeds 100..107): the order the server ran them
    (each answer's `profile.order`) against the order they were queued, and each image
    against `ddo run` with the same arguments.
@@ -187,10 +188,15 @@ def main():
                      [{"name": "style", "strength": 0.5}, {"name": "detail", "strength": 0.7}]]
         errors, walls, t_many = [], [], time.time()
         first_after = None
+        # A size holds for 20 requests and a LoRA set for 5 (as a user's session changes
+        # them), so each of the 16 pairs comes up by request 80; memory is compared after the
+        # first, after that warm-up, and after the last.
+        warm_at = 4 * 20
+        after_warmup = None
         for i in range(many_n):
-            h, w = sizes[i % len(sizes)]
+            h, w = sizes[(i // 20) % len(sizes)]
             body = {"prompt": f"prompt {i % 7}", "height": h, "width": w, "steps": 1 + i % 3,
-                    "seed": 1000 + i, "loras": lora_sets[(i // 4) % len(lora_sets)]}
+                    "seed": 1000 + i, "loras": lora_sets[(i // 5) % len(lora_sets)]}
             t = time.time()
             status, a = post("/v1/generate", body)
             walls.append(time.time() - t)
@@ -198,6 +204,8 @@ def main():
                 errors.append({"request": i, "status": status, "error": a})
             if i == 0:
                 first_after = metrics()
+            if i + 1 == warm_at:
+                after_warmup = metrics()
         # The last as the first (512x512, no LoRA), to compare memory like with like.
         status, a = post("/v1/generate", {"prompt": "prompt 0", "height": 512, "width": 512, "steps": 1,
                                           "seed": 1000, "loras": []})
@@ -210,6 +218,7 @@ def main():
             "requests": many_n + 1, "errors": errors, "seconds": time.time() - t_many,
             "mean_wall_seconds": sum(walls) / max(len(walls), 1),
             "after_first": {k: (first_after or {}).get(k) for k in keys},
+            "after_warmup": {k: (after_warmup or {}).get(k) for k in keys},
             "after_last": {k: last.get(k) for k in keys},
             "jobs_ok": last.get('ddo_jobs_finished_total{outcome="ok"}'),
             "jobs_error": last.get('ddo_jobs_finished_total{outcome="error"}', 0.0),
@@ -217,6 +226,9 @@ def main():
         result["many"]["change"] = {
             k: ((result["many"]["after_last"][k] or 0) - (result["many"]["after_first"][k] or 0))
             / max(result["many"]["after_first"][k] or 1, 1) for k in keys[:4]}
+        result["many"]["change_after_warmup"] = {
+            k: ((result["many"]["after_last"][k] or 0) - (result["many"]["after_warmup"][k] or 0))
+            / max(result["many"]["after_warmup"][k] or 1, 1) for k in keys[:4]}
         result["metrics_after_warm"] = {k: m_first.get(k) for k in keys}
         print(json.dumps(result["many"]), flush=True)
         save()
@@ -278,9 +290,11 @@ def write_md(out, r):
     if m:
         lines += ["", f"{m['requests']} requests in a row: {len(m['errors'])} errors, {m['seconds']:.1f} s "
                   f"(mean {m['mean_wall_seconds']:.3f} s)", "",
-                  "| metric | after the first | after the last | change |", "| --- | --- | --- | --- |"]
+                  "| metric | after the first | after request 80 | after the last | change from first | change from 80 |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for k, v in m["after_first"].items():
-            lines.append(f"| {k} | {v} | {m['after_last'][k]} | {m['change'].get(k, '')} |")
+            lines.append(f"| {k} | {v} | {m['after_warmup'][k]} | {m['after_last'][k]} | "
+                         f"{m['change'].get(k, '')} | {m['change_after_warmup'].get(k, '')} |")
     c = r.get("concurrent") or {}
     if c:
         lines += ["", f"8 concurrent clients: statuses {c.get('statuses')}, run order {c.get('orders')}, "
