@@ -19,6 +19,8 @@
 //!    survived is recorded (the kernel's OOM killer takes the largest process);
 //!    (`DDO_CODED=1`: the folder is also converted with `ddo convert --compress lossless`, and
 //!    each case runs on the coded folder right after the raw one, `NAME-coded`);
+//!    each case's GPU clocks, power, temperature and throttle reasons are sampled every 100 ms
+//!    (`$OUT/NAME.smi.csv`);
 //! 4. writes `$OUT/host_ram.json` and `$OUT/host_ram.md`: per case the time to the image,
 //!    the phases, the steady step and its ratio to the all-free run's, the peak RSS, the
 //!    plan's host budget, whether an image came and no other process was killed.
@@ -184,6 +186,11 @@ case_run() {{
   : > "$work/$name.avail"
   ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
   local sampler=$!
+  # The card's clocks, power, temperature and throttle reasons every 100 ms during the case
+  # (a step time that drifts with them is the card's, not DDO's).
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 100 > "$out/$name.smi.csv" 2>/dev/null &
+  local smi=$!
   local in0 t0; in0=$(pgpgin); t0=$(date +%s.%N)
   /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "$bin" run --weights "$weights" \
     --device cuda:0 --vram-budget "$vram" --steps "$n" --json --out "$work/$name.png" \
@@ -191,7 +198,7 @@ case_run() {{
   local rc=$?
   # KiB the block devices read during the case, and its seconds (the disk's achieved rate).
   echo "$(( $(pgpgin) - in0 )) $(awk "BEGIN {{print $(date +%s.%N) - $t0}}")" > "$out/$name.pgpgin"
-  kill "$sampler" 2>/dev/null
+  kill "$sampler" "$smi" 2>/dev/null
   [ "$cache" = cold ] && dd if="$second" of=/dev/null bs=16M count=100 skip=100 iflag=direct 2> "$out/$name.disk-after" > /dev/null
   local alive; alive=$(alive_now)
   local rss wall min
