@@ -15,6 +15,10 @@ use crate::error::{CliError, CliResult};
 /// The original Flux layout's marker tensor (as `ddo_nn::flux::original` looks for it).
 const FLUX_MARKER: &str = "double_blocks.0.img_attn.norm.key_norm.scale";
 
+/// How every quantized GGUF DDO loads is run, said after what it loads as.
+const AS_BLOCKS: &str = "its quantized tensors stay blocks and are dequantized where they run; \
+                         `--dtype bf16` (or f32, f16) dequantizes it at load instead";
+
 /// What DDO loads `file` as.
 fn loads_as(file: &GgufFile) -> String {
     let flux = file
@@ -34,27 +38,27 @@ fn loads_as(file: &GgufFile) -> String {
             .iter()
             .any(|t| t.name == "blk.0.attn_q.weight");
     if qwen_text {
-        return "Qwen-Image's text encoder (a Qwen2.5-VL language model in llama.cpp's names): \
-                `--text-encoder FILE` beside `--weights QWEN_FOLDER` on run, bench and resolve; \
-                its quantized tensors stay blocks and are dequantized where they run; \
-                `--dtype bf16` (or f32, f16) dequantizes it at load instead"
-            .to_string();
+        return format!(
+            "Qwen-Image's text encoder (a Qwen2.5-VL language model in llama.cpp's names): \
+             `--text-encoder FILE` beside `--weights QWEN_FOLDER` on run, bench and resolve; \
+             {AS_BLOCKS}"
+        );
     }
     let marker = ddo_nn::qwen_image::QWEN_FILE_MARKER;
     let qwen_image = file.tensors().iter().any(|t| {
         t.name == marker || t.name == format!("{}{marker}", ddo_nn::qwen_image::QWEN_FILE_PREFIX)
     });
     if qwen_image {
-        return "a Qwen-Image transformer: `--transformer FILE` beside `--weights QWEN_FOLDER` on \
-                run, bench and resolve; its quantized tensors stay blocks and are dequantized \
-                where they run; `--dtype bf16` (or f32, f16) dequantizes it at load instead"
-            .to_string();
+        return format!(
+            "a Qwen-Image transformer: `--transformer FILE` beside `--weights QWEN_FOLDER` on \
+             run, bench and resolve; {AS_BLOCKS}"
+        );
     }
     if t5 {
-        return "a T5 encoder in llama.cpp's names: `--text-encoder-2 FILE` on run, bench and \
-                resolve; its quantized tensors stay blocks and are dequantized where they run; \
-                `--dtype bf16` (or f32, f16) dequantizes it at load instead"
-            .to_string();
+        return format!(
+            "a T5 encoder in llama.cpp's names: `--text-encoder-2 FILE` on run, bench and \
+             resolve; {AS_BLOCKS}"
+        );
     }
     if flux {
         "a Flux transformer in the original layout: `--transformer FILE` on run, bench and \

@@ -64,9 +64,7 @@ impl ReleasedHost {
         let (map, offset, len) = view.mapping()?;
         let mut kept = self.kept.lock();
         let at = kept.iter().position(|b| {
-            b.registered_base()
-                .and_then(HostBuffer::mapping)
-                .is_some_and(|(m, o, l)| Arc::ptr_eq(m, map) && o == offset && l == len)
+            kept_range(b).is_some_and(|(m, o, l)| Arc::ptr_eq(m, map) && o == offset && l == len)
         })?;
         Some(kept.swap_remove(at))
     }
@@ -84,12 +82,10 @@ impl ReleasedHost {
         let mut kept = self.kept.lock();
         let (taken, stay): (Vec<HostBuffer>, Vec<HostBuffer>) =
             std::mem::take(&mut *kept).into_iter().partition(|b| {
-                b.registered_base()
-                    .and_then(HostBuffer::mapping)
-                    .is_some_and(|(m, o, l)| {
-                        let s = register_span(m.len(), o, l);
-                        Arc::ptr_eq(m, map) && s.start < span.end && span.start < s.end
-                    })
+                kept_range(b).is_some_and(|(m, o, l)| {
+                    let s = register_span(m.len(), o, l);
+                    Arc::ptr_eq(m, map) && s.start < span.end && span.start < s.end
+                })
             });
         *kept = stay;
         taken
@@ -106,6 +102,11 @@ impl std::fmt::Debug for ReleasedHost {
             pinned_bytes_of(&kept)
         )
     }
+}
+
+/// The checkpoint range a kept registered view reads (`None` for pinned owned memory).
+fn kept_range(b: &HostBuffer) -> Option<(&Arc<CheckpointMap>, usize, usize)> {
+    b.registered_base().and_then(HostBuffer::mapping)
 }
 
 /// Pinned bytes of `buffers` (0 for a buffer that pins nothing).

@@ -33,16 +33,24 @@ use crate::{run, workspace_root};
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const HOST_RAM_DIR: &str = "gpu-bundle/bench-host-ram";
 
-/// Python files the job needs, from `tools/` (`save_random_pipeline.py` builds the weights
-/// through `peer_pipeline.py`, which imports `bench_peer.py` and `gpu_peer.py`).
-const SCRIPTS: [&str; 6] = [
+/// The Python files that write the folder, from `tools/` (`save_random_pipeline.py` builds
+/// the weights through `peer_pipeline.py`, which imports `bench_peer.py` and `gpu_peer.py`):
+/// this bundle's and `--serve`'s.
+pub(super) const FOLDER_WRITER: [&str; 5] = [
     "gpu_peer.py",
     "bench_peer.py",
     "peer_pipeline.py",
     "peer_qwen.py",
     "save_random_pipeline.py",
-    "bench_host_ram_report.py",
 ];
+
+/// Python files the job needs: the folder's writer and the report.
+fn scripts() -> Vec<&'static str> {
+    FOLDER_WRITER
+        .into_iter()
+        .chain(["bench_host_ram_report.py"])
+        .collect()
+}
 
 /// The sizes of `32GiB,16GiB,8GiB` in whole GiB, largest first; an error names a bad one.
 pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
@@ -75,7 +83,7 @@ pub fn bench_host_ram(sizes: &[u64], steps: u32, run_here: bool) -> Result<(), S
         &root,
         HOST_RAM_DIR,
         None,
-        &SCRIPTS,
+        &scripts(),
         "run-bench-host-ram.sh",
         &host_ram_script(sizes, steps),
     )?;
@@ -290,7 +298,8 @@ mod tests {
     #[test]
     fn the_carried_scripts_import_only_carried_modules() {
         let tools = workspace_root().join("tools");
-        for script in SCRIPTS {
+        let carried = scripts();
+        for script in &carried {
             let text = fs::read_to_string(tools.join(script)).unwrap();
             for line in text.lines() {
                 let module = line
@@ -300,7 +309,7 @@ mod tests {
                     .unwrap_or("");
                 if tools.join(format!("{module}.py")).is_file() {
                     assert!(
-                        SCRIPTS.contains(&format!("{module}.py").as_str()),
+                        carried.contains(&format!("{module}.py").as_str()),
                         "{script} imports {module}, which the bundle does not carry"
                     );
                 }

@@ -19,16 +19,6 @@ use crate::{run, workspace_root};
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const SERVE_DIR: &str = "gpu-bundle/bench-serve";
 
-/// Python files the job needs, from `tools/`.
-const SCRIPTS: [&str; 6] = [
-    "gpu_peer.py",
-    "bench_peer.py",
-    "peer_pipeline.py",
-    "peer_qwen.py",
-    "save_random_pipeline.py",
-    "bench_serve.py",
-];
-
 /// Builds the bundle, and runs it here with `run_here`.
 pub fn bench_serve(run_here: bool) -> Result<(), String> {
     let root = workspace_root();
@@ -36,7 +26,10 @@ pub fn bench_serve(run_here: bool) -> Result<(), String> {
         &root,
         SERVE_DIR,
         None,
-        &SCRIPTS,
+        &super::host_ram::FOLDER_WRITER
+            .into_iter()
+            .chain(["bench_serve.py"])
+            .collect::<Vec<_>>(),
         "run-bench-serve.sh",
         SCRIPT,
     )?;

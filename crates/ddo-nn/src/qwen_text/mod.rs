@@ -207,8 +207,10 @@ impl QwenTextEncoder {
         dtype: Option<DType>,
         unused: UnusedWeights,
     ) -> LoadResult<Self> {
-        let mut w = CheckpointWeights::open_file(path, source_target(dtype))?;
-        let ignored: &[&str] = if crate::weights::is_gguf(path) {
+        let gguf = crate::weights::is_gguf(path);
+        // The architecture first: a GGUF of another model is refused from its header, before
+        // its tensors are read or dequantized.
+        if gguf {
             let arch = crate::weights::gguf_architecture(path)?;
             if !arch
                 .as_deref()
@@ -225,6 +227,9 @@ impl QwenTextEncoder {
                     ),
                 });
             }
+        }
+        let mut w = CheckpointWeights::open_file(path, source_target(dtype))?;
+        let ignored: &[&str] = if gguf {
             w = w.with_views(gguf_views(config));
             &["output."]
         } else {
