@@ -213,7 +213,7 @@ def main():
             errors.append({"request": many_n, "status": status, "error": a})
         last = metrics()
         keys = ["ddo_device_allocated_bytes", "ddo_pinned_host_bytes", "ddo_host_resident_bytes",
-                "ddo_host_anonymous_bytes", "ddo_host_registrations_total"]
+                "ddo_host_anonymous_bytes", "ddo_host_heap_bytes", "ddo_host_registrations_total"]
         result["many"] = {
             "requests": many_n + 1, "errors": errors, "seconds": time.time() - t_many,
             "mean_wall_seconds": sum(walls) / max(len(walls), 1),
@@ -225,10 +225,10 @@ def main():
         }
         result["many"]["change"] = {
             k: ((result["many"]["after_last"][k] or 0) - (result["many"]["after_first"][k] or 0))
-            / max(result["many"]["after_first"][k] or 1, 1) for k in keys[:4]}
+            / max(result["many"]["after_first"][k] or 1, 1) for k in keys[:5]}
         result["many"]["change_after_warmup"] = {
             k: ((result["many"]["after_last"][k] or 0) - (result["many"]["after_warmup"][k] or 0))
-            / max(result["many"]["after_warmup"][k] or 1, 1) for k in keys[:4]}
+            / max(result["many"]["after_warmup"][k] or 1, 1) for k in keys[:5]}
         result["metrics_after_warm"] = {k: m_first.get(k) for k in keys}
         print(json.dumps(result["many"]), flush=True)
         save()

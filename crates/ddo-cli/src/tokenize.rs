@@ -29,9 +29,11 @@ const CLIP_SPLIT: &str =
     r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
 
 /// One tokenizer with its padding id and length limit.
-#[derive(Clone)]
 pub struct FileTokenizer {
-    tokenizer: Tokenizer,
+    /// Set to each call's length in place: a copy per call would copy the vocabulary and
+    /// allocate a fresh BPE cache (about 0.8 MB) for every prompt, which a long-lived
+    /// server's heap would feel, and the words it has split would be forgotten.
+    tokenizer: std::sync::Mutex<Tokenizer>,
     pad_id: u32,
     pad_token: String,
     /// `model_max_length` of `tokenizer_config.json`, when sensible.
@@ -50,7 +52,7 @@ impl std::fmt::Debug for FileTokenizer {
 }
 
 /// The two tokenizers of a Flux pipeline folder.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PipelineTokenizers {
     /// CLIP (`tokenizer/`).
     pub clip: FileTokenizer,
@@ -173,7 +175,7 @@ impl FileTokenizer {
             .filter(|&n| n > 0 && n < 1 << 20)
             .map(|n| n as usize);
         Ok(Self {
-            tokenizer,
+            tokenizer: std::sync::Mutex::new(tokenizer),
             pad_id,
             pad_token,
             model_max_length,
@@ -184,7 +186,11 @@ impl FileTokenizer {
     /// Ids of `text` with special tokens, truncated and padded to `max_length`
     /// (`padding="max_length", truncation=True`).
     pub fn encode(&self, text: &str, max_length: usize) -> CliResult<Vec<u32>> {
-        let mut t = self.tokenizer.clone();
+        // A panic while it was held left nothing half-set that the next call does not set.
+        let mut t = self
+            .tokenizer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         t.with_truncation(Some(TruncationParams {
             max_length,
             strategy: TruncationStrategy::LongestFirst,

@@ -69,6 +69,10 @@ pub struct Counters {
     pub device_bytes: (u64, u64),
     /// Host ranges the device has page-locked so far (`Device::host_registrations`).
     pub host_registrations: u64,
+    /// After the last job: the process's resident and resident anonymous bytes (its freed
+    /// heap returned to the kernel first) and the allocator's in-use bytes (`None` before
+    /// the first job, or where they cannot be read).
+    pub host_after_job: [Option<u64>; 3],
 }
 
 /// What the HTTP side and the worker share.
@@ -345,11 +349,22 @@ pub fn work(
         counters.host_registrations = session.device().host_registrations();
         drop(counters);
         // What the request freed goes back to the kernel: the process's resident set
-        // after a request is the next one's start.
+        // after a request is the next one's start. It is read here, on the worker, before
+        // the answer is handed to its handler: a reading at scrape time would also count
+        // whatever the HTTP threads happen to hold then (the answers in flight, the
+        // allocator's free lists of their arenas), which varies by a megabyte or so from
+        // one scrape to the next.
         ddo_core::host_memory::return_free_heap();
+        lock(&shared.counters).host_after_job = host_now();
         shared.push(job.id, event, Some(result));
         shared.retire(job.id);
     }
+}
+
+/// The process's resident and resident anonymous bytes, and the allocator's in-use bytes.
+pub fn host_now() -> [Option<u64>; 3] {
+    let [rss, anon] = ddo_core::host_memory::process_status_snapshot(["VmRSS", "RssAnon"]);
+    [rss, anon, ddo_core::host_memory::heap_in_use()]
 }
 
 /// Runs one job: its LoRAs, the request, the PNGs; the answer's JSON.

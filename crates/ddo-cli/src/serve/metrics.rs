@@ -104,22 +104,38 @@ pub fn text(shared: &Shared) -> String {
         "Host ranges of the weights page-locked so far (a warm request reuses them: 0 more).",
         &plain(c.host_registrations as f64),
     );
-    if let Some(rss) = ddo_core::host_memory::process_status_bytes("VmRSS") {
+    // Before the first job: now.
+    let [rss, anon, heap] = match c.host_after_job {
+        [None, None, None] => super::jobs::host_now(),
+        sample => sample,
+    };
+    if let Some(rss) = rss {
         metric(
             &mut out,
             "ddo_host_resident_bytes",
             "gauge",
-            "The process's resident memory.",
+            "The process's resident memory after the last request (its freed heap returned).",
             &plain(rss as f64),
         );
     }
-    if let Some(anon) = ddo_core::host_memory::process_status_bytes("RssAnon") {
+    if let Some(anon) = anon {
         metric(
             &mut out,
             "ddo_host_anonymous_bytes",
             "gauge",
-            "The process's resident anonymous memory (heap, pinned buffers; not file pages).",
+            "The process's resident anonymous memory after the last request (heap, pinned \
+             buffers; not file pages).",
             &plain(anon as f64),
+        );
+    }
+    if let Some(heap) = heap {
+        metric(
+            &mut out,
+            "ddo_host_heap_bytes",
+            "gauge",
+            "Bytes the allocator has handed out and not had back after the last request (a \
+             leak grows it; fragmentation does not).",
+            &plain(heap as f64),
         );
     }
     let routes: Vec<(String, f64)> = c

@@ -62,6 +62,8 @@ fn check_listen(listen: SocketAddr, token: Option<&str>) -> CliResult<()> {
 
 /// Runs `ddo serve` until SIGTERM or SIGINT; says where it listens on `out`.
 pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
+    // Before any thread allocates: a server's heap stays where its first requests left it.
+    ddo_core::host_memory::one_heap_arena();
     let listen = args.listen.unwrap_or(DEFAULT_LISTEN);
     check_listen(listen, args.token.as_deref())?;
     let loras = api::LoraDir::read(args.lora_dir.as_deref())?;

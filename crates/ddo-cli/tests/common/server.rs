@@ -18,26 +18,35 @@ pub struct Server {
 impl Server {
     /// Starts `ddo serve ARGS --listen 127.0.0.1:0` and waits for its address.
     pub fn start(args: &[&str]) -> Server {
-        Self::start_at(args, "127.0.0.1:0", None)
+        Self::start_with(args, "127.0.0.1:0", &[])
     }
 
     /// Starts `ddo serve ARGS --listen LISTEN`, with `TMPDIR` set to `tmp` where given, and
     /// waits for its address.
     pub fn start_at(args: &[&str], listen: &str, tmp: Option<&std::path::Path>) -> Server {
+        let tmp = tmp.map(|t| t.to_str().expect("a UTF-8 path"));
+        Self::start_with(
+            args,
+            listen,
+            &tmp.map(|t| ("TMPDIR", t)).into_iter().collect::<Vec<_>>(),
+        )
+    }
+
+    /// Starts `ddo serve ARGS --listen LISTEN` with `env` added to its environment (no
+    /// `DDO_*` variable of the test's), and waits for its address.
+    pub fn start_with(args: &[&str], listen: &str, env: &[(&str, &str)]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
         cmd.arg("serve")
             .args(args)
             .args(["--listen", listen])
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        if let Some(t) = tmp {
-            cmd.env("TMPDIR", t);
-        }
         for (k, _) in std::env::vars() {
             if k.starts_with("DDO_") {
                 cmd.env_remove(k);
             }
         }
+        cmd.envs(env.iter().copied());
         let mut child = cmd.spawn().expect("start ddo serve");
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
