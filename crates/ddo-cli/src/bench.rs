@@ -526,7 +526,7 @@ fn candidates(args: &BenchArgs) -> CliResult<Vec<Candidate>> {
 pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let source = source_from_args(args.config.as_deref(), args.weights.as_deref())?;
     let tiny = source.is_tiny();
-    let dtype = args.dtype;
+    let dtype = args.compute.unwrap_or_default().weights_dtype(args.dtype)?;
     let side = if tiny { 128 } else { 1024 };
     let asked = (args.height.unwrap_or(side), args.width.unwrap_or(side));
     let repeats = forwards("repeats", args.repeats.unwrap_or(5))?;
@@ -578,6 +578,8 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         width,
     };
     let component = workload.component()?;
+    // `--compute fp8`: its E4M3 linears in fp8 on every candidate.
+    component.set_fp8_compute(args.compute == Some(crate::cli::values::Compute::Fp8));
 
     // A CUDA device is opened once and shared; the host backend gets a fresh one per
     // candidate (its allocator kind is fixed at creation).

@@ -59,6 +59,7 @@ pub fn resolve(args: &ResolveArgs, out: &mut dyn Write) -> CliResult<()> {
         ("num-images", args.num_images.is_some()),
         ("tiled-decode", args.tiled_decode.is_some()),
         ("dtype", args.dtype.is_some()),
+        ("compute", args.compute.is_some()),
         ("lora", !args.lora.is_empty()),
         ("lora-allow-unmatched", args.lora_allow_unmatched),
     ] {
@@ -248,7 +249,7 @@ fn planned_pipeline(
             return Ok(build_pipeline(
                 source,
                 &files,
-                args.dtype,
+                args.compute.unwrap_or_default().weights_dtype(args.dtype)?,
                 args.max_sequence_length,
                 crate::run::unused_weights(args.allow_unused_weights),
                 bar,
@@ -265,7 +266,8 @@ fn planned_pipeline(
         )
     };
     // The random weights `ddo run` makes: f32 for the tiny configs, else bf16.
-    let dtype = args.dtype.unwrap_or(if source.is_tiny() {
+    let dtype = args.compute.unwrap_or_default().weights_dtype(args.dtype)?;
+    let dtype = dtype.unwrap_or(if source.is_tiny() {
         DType::F32
     } else {
         DType::BF16

@@ -386,3 +386,45 @@ fn decode_with_a_nan_vae_weight_is_refused_and_writes_nothing() {
     ok(&decode(&clean, &out));
     assert!(out.is_file());
 }
+
+/// `--compute fp8`: a NaN in a weight kept in bf16 (`norm1.linear`, an adaLN modulation)
+/// reaches the next fp8 linear's input, which has no fp8 scale: exit 1 naming that layer,
+/// no output written.
+#[test]
+fn a_non_finite_activation_under_fp8_compute_names_the_layer() {
+    let d = scratch("nonfinite-fp8-compute");
+    let weights = copy_fixture(&d, "flux_pipeline");
+    set_element(
+        &weights_file(&weights.join("transformer")),
+        "transformer_blocks.0.norm1.linear.weight",
+        0,
+        &f32_element(f32::NAN),
+    );
+    let out_dir = d.join("out");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let out = out_dir.join("x.png");
+    let o = ddo(&[
+        "run",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "2",
+        "--compute",
+        "fp8",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the input of `transformer.transformer_blocks.0."),
+        "{stderr}"
+    );
+    assert!(stderr.contains("no fp8 scale"), "{stderr}");
+    assert!(stderr.contains("--compute bf16"), "{stderr}");
+    assert_eq!(std::fs::read_dir(&out_dir).unwrap().count(), 0, "{stderr}");
+}

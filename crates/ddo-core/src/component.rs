@@ -193,6 +193,8 @@ pub struct Component {
     /// Whether a route that holds the weights on the device for good folds the adapters
     /// into them ([`Component::set_adapter_fusion`]).
     fuse_adapters: AtomicBool,
+    /// Whether linears with E4M3 weights run in fp8 ([`Component::set_fp8_compute`]).
+    fp8_compute: AtomicBool,
 }
 
 impl Component {
@@ -243,6 +245,7 @@ impl Component {
             forward_lock: Mutex::new(()),
             adapters: RwLock::new(Default::default()),
             fuse_adapters: AtomicBool::new(false),
+            fp8_compute: AtomicBool::new(false),
         }))
     }
 
@@ -316,6 +319,18 @@ impl Component {
     /// Whether [`Component::set_adapter_fusion`] asked for folding.
     pub fn fuses_adapters(&self) -> bool {
         self.fuse_adapters.load(Ordering::Acquire)
+    }
+
+    /// Makes the component's linears whose weights are E4M3 codes run in fp8
+    /// ([`crate::Ops::linear_fp8`]: `--compute fp8`) instead of upcasting the weight to the
+    /// input's dtype. Other linears are unchanged.
+    pub fn set_fp8_compute(&self, fp8: bool) {
+        self.fp8_compute.store(fp8, Ordering::Release);
+    }
+
+    /// Whether [`Component::set_fp8_compute`] asked for fp8 linears.
+    pub fn fp8_compute(&self) -> bool {
+        self.fp8_compute.load(Ordering::Acquire)
     }
 
     /// The adapters of leaf `id` (`None`: none).

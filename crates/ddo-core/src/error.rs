@@ -454,6 +454,19 @@ pub enum CoreError {
         /// Non-finite elements found.
         count: u64,
     },
+    /// `--compute fp8` met a linear whose input holds a NaN or an Inf: its amax has no fp8
+    /// scale, so the layer cannot run in fp8 and the run stops there (never an image of
+    /// NaNs).
+    #[error(
+        "the input of `{layer}` holds a NaN or an Inf, so it has no fp8 scale and the run \
+         stopped under --compute fp8; hint: nothing was written. Run with --compute bf16 to see \
+         whether the bf16 run stays finite, and `ddo inspect --check-values PATH` on the \
+         checkpoint to find a NaN or Inf weight"
+    )]
+    NonFiniteActivation {
+        /// The layer (`component.leaf.path`), or empty where the op alone knew it.
+        layer: String,
+    },
     /// The run was cancelled by its caller (a server's client went away) at a step
     /// boundary; everything it held was released.
     #[error(

@@ -654,4 +654,12 @@ impl Ops for FaultInjectingDevice {
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         self.op("gated_add", |o| o.gated_add(x, gate, y))
     }
+
+    fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.op("linear_fp8", |o| o.linear_fp8(x, w, bias))
+    }
+
+    fn fp8_tensor_cores(&self) -> bool {
+        self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
+    }
 }

@@ -53,6 +53,7 @@ pub mod fault;
 pub mod file_guard;
 pub mod finite;
 pub mod footprint;
+pub mod fp8_compute;
 pub mod gguf;
 pub mod host_budget;
 pub mod host_memory;

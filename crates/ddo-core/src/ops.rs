@@ -323,6 +323,23 @@ pub trait Ops: Send + Sync {
         })
     }
 
+    /// `linear` computed in fp8 (`--compute fp8`): `x` quantized per tensor to E4M3 with a
+    /// scale found from its amax, `w` a 2-D E4M3 weight (its per-tensor scale, if any,
+    /// applied to the sum), the products summed in f32, plus `bias`, rounded once into `x`'s
+    /// dtype; [`crate::fp8_compute`] is the recipe. An input holding a NaN or an Inf is
+    /// [`CoreError::NonFiniteActivation`]. The default is the reference
+    /// ([`crate::fp8_compute::linear_fp8_reference`]: through the host); a backend with fp8
+    /// tensor cores overrides it and says so in [`Ops::fp8_tensor_cores`].
+    fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        crate::fp8_compute::linear_fp8_reference(self, x, w, bias)
+    }
+
+    /// Whether [`Ops::linear_fp8`] runs on fp8 tensor cores; `false`: the reference
+    /// implementation runs (the host backend, a GPU without fp8 support).
+    fn fp8_tensor_cores(&self) -> bool {
+        false
+    }
+
     /// `x + gate * y`, broadcasting (NumPy rules; a DiT block's gated residual: `gate`
     /// `[b, 1, d]` over `x, y [b, t, d]`). The result has `x`'s dtype. The default is exactly
     /// [`gated_add_composed`] ([`Ops::binary`] `Mul`, rounded into `gate`'s dtype, then

@@ -661,6 +661,21 @@ impl Ops for ProfiledOps {
         )
     }
 
+    /// A class of its own, with the linear's flops.
+    fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.op(
+            "linear_fp8",
+            None,
+            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
+            &|_| linear_flops(&[x], w),
+            |d| d.linear_fp8(x, w, bias),
+        )
+    }
+
+    fn fp8_tensor_cores(&self) -> bool {
+        self.device().is_ok_and(|d| d.fp8_tensor_cores())
+    }
+
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         self.op(
             "gated_add",

@@ -721,6 +721,15 @@ impl Ops for DeferredComputeDevice {
         self.op(move |o| o.dequantize(&x, dtype))
     }
 
+    fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (x, w, b) = (x.clone(), w.clone(), bias.cloned());
+        self.op(move |o| o.linear_fp8(&x, &w, b.as_ref()))
+    }
+
+    fn fp8_tensor_cores(&self) -> bool {
+        self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
+    }
+
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let x = x.clone();
         self.op(move |o| o.cast(&x, dtype))

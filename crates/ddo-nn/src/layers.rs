@@ -6,8 +6,8 @@ use std::borrow::Cow;
 
 use ddo_core::adapter::{adapter_sum, add_adapters};
 use ddo_core::{
-    Conv2dParams, DType, ForwardContext, LeafId, LeafKind, LeafWeights, Ops, Result, Tensor,
-    UnaryOp, ops_of,
+    Conv2dParams, CoreError, DType, ForwardContext, LeafId, LeafKind, LeafWeights, Ops, Result,
+    Tensor, UnaryOp, ops_of,
 };
 
 use crate::builder::ModelBuilder;
@@ -32,6 +32,32 @@ fn weight<'w>(ops: &dyn Ops, w: &'w LeafWeights<'_>, dtype: DType) -> Result<Cow
     } else {
         Ok(Cow::Borrowed(stored))
     }
+}
+
+/// The fp8 product of leaf `w`'s E4M3 `weight` ([`Ops::linear_fp8`], `--compute fp8`), a
+/// non-finite input named by its layer (`component.leaf`).
+fn linear_fp8(
+    ops: &dyn Ops,
+    component: &str,
+    w: &LeafWeights<'_>,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    ops.linear_fp8(x, weight, bias).map_err(|e| match e {
+        CoreError::NonFiniteActivation { layer } if layer.is_empty() => {
+            CoreError::NonFiniteActivation {
+                layer: format!("{component}.{}", w.leaf().path()),
+            }
+        }
+        e => e,
+    })
+}
+
+/// Whether a linear of a component that computes in fp8 (`fp8`) runs its weight in fp8:
+/// E4M3 codes do; any other weight upcasts as without `--compute fp8`.
+fn runs_fp8(fp8: bool, weight: &Tensor) -> bool {
+    fp8 && ddo_core::fp8_compute::takes_weight(weight)
 }
 
 /// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
@@ -74,9 +100,14 @@ impl Linear {
     pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
         let ops = ops(ctx)?;
         let bias = self.bias;
+        let (component, fp8) = (ctx.component().name(), ctx.component().fp8_compute());
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
+            if runs_fp8(fp8, &weight) {
+                let y = linear_fp8(ops, component, w, x, &weight, b)?;
+                return add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()));
+            }
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
                 None => ops.linear(x, &weight, b),
                 // The base product added into the adapters' sum: one write of the output.
@@ -91,9 +122,15 @@ impl Linear {
     pub fn forward_gelu_tanh(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
         let ops = ops(ctx)?;
         let bias = self.bias;
+        let (component, fp8) = (ctx.component().name(), ctx.component().fp8_compute());
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
+            if runs_fp8(fp8, &weight) {
+                let y = linear_fp8(ops, component, w, x, &weight, b)?;
+                let y = add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()))?;
+                return ops.unary_owned(y, UnaryOp::GeluTanh);
+            }
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
                 None => ops.linear_gelu_tanh(x, &weight, b),
                 // The adapters go in before the activation.
@@ -108,10 +145,21 @@ impl Linear {
     pub fn forward_concat(&self, ctx: &mut ForwardContext<'_>, xs: &[&Tensor]) -> Result<Tensor> {
         let ops = ops(ctx)?;
         let bias = self.bias;
+        let (component, fp8) = (ctx.component().name(), ctx.component().fp8_compute());
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let dtype = xs.first().map_or(DType::BF16, |x| x.dtype());
-            let y = ops.linear_concat(xs, &*weight(ops, w, dtype)?, b)?;
+            let weight = weight(ops, w, dtype)?;
+            let y = if runs_fp8(fp8, &weight) {
+                // One activation, one scale: the parts side by side first.
+                let x = ops.concat(
+                    xs,
+                    xs.first().map_or(0, |x| x.shape().len().saturating_sub(1)),
+                )?;
+                linear_fp8(ops, component, w, &x, &weight, b)?
+            } else {
+                ops.linear_concat(xs, &weight, b)?
+            };
             add_adapters(ops, xs, y, w.adapters(), Some(w.down_cache()))
         })
     }

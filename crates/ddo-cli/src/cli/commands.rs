@@ -69,6 +69,10 @@ pub struct LoadArgs {
     /// per-tensor scale, computes in bf16, and loads the rest as bf16
     #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
     pub dtype: Option<DType>,
+    /// what the linears compute in: bf16 (default), or fp8 (weights stored as E4M3, converted
+    /// at load if need be; each activation scaled per tensor into E4M3 at run time)
+    #[arg(long, value_name = "bf16|fp8", value_parser = Checked(values::compute))]
+    pub compute: Option<values::Compute>,
     /// text tokens for a text prompt (Flux's T5: default 32 for tiny, 512 at most; Qwen-Image:
     /// default 512, 1024 at most)
     #[arg(long, value_name = "N", value_parser = Checked(values::max_sequence_length))]
@@ -348,6 +352,10 @@ pub struct ResolveArgs {
     /// weight dtype (as `ddo run`)
     #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
     pub dtype: Option<DType>,
+    /// what the linears compute in: bf16 (default), or fp8 (weights stored as E4M3, converted
+    /// at load if need be; each activation scaled per tensor into E4M3 at run time)
+    #[arg(long, value_name = "bf16|fp8", value_parser = Checked(values::compute))]
+    pub compute: Option<values::Compute>,
     /// one JSON object per component, in an array
     #[arg(long)]
     pub json: bool,
@@ -459,6 +467,10 @@ pub struct BenchArgs {
     /// weight dtype (as for run)
     #[arg(long, value_name = "f32|bf16|f16|fp8", value_parser = Checked(values::dtype))]
     pub dtype: Option<DType>,
+    /// what the linears compute in: bf16 (default), or fp8 (weights stored as E4M3, converted
+    /// at load if need be; each activation scaled per tensor into E4M3 at run time)
+    #[arg(long, value_name = "bf16|fp8", value_parser = Checked(values::compute))]
+    pub compute: Option<values::Compute>,
     /// also write the JSON there
     #[arg(long, value_name = "FILE.json", value_parser = Checked(values::path))]
     pub out_json: Option<PathBuf>,

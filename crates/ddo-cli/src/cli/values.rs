@@ -231,6 +231,54 @@ pub fn dtype(g: &OptionValue<'_>) -> CliResult<DType> {
     parse_dtype(g.text)
 }
 
+/// `--compute bf16|fp8`: what the linears compute in (issue 39).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Compute {
+    /// Every linear in the activations' dtype (bf16 for fp8 weights, upcast per GEMM).
+    #[default]
+    Bf16,
+    /// Linears with E4M3 weights in fp8: the activation quantized per tensor at run time
+    /// ([`ddo_core::Ops::linear_fp8`]).
+    Fp8,
+}
+
+impl Compute {
+    /// The weights' dtype `--dtype` `given` becomes: fp8 compute stores the linears as E4M3
+    /// (converted at load where the files hold another dtype; weights stored as E4M3 load
+    /// as they are), and refuses E5M2, which fp8 GEMMs take for gradients only.
+    pub fn weights_dtype(self, given: Option<DType>) -> CliResult<Option<DType>> {
+        match (self, given) {
+            (Compute::Bf16, d) => Ok(d),
+            (Compute::Fp8, Some(DType::F8E5M2)) => Err(CliError::usage(
+                "--compute fp8 takes E4M3 weights, not --dtype fp8_e5m2",
+                "use --dtype fp8 (fp8_e4m3), or leave --dtype out",
+            )),
+            (Compute::Fp8, _) => Ok(Some(DType::F8E4M3)),
+        }
+    }
+
+    /// The name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Compute::Bf16 => "bf16",
+            Compute::Fp8 => "fp8",
+        }
+    }
+}
+
+/// `--compute bf16|fp8`.
+pub fn compute(g: &OptionValue<'_>) -> CliResult<Compute> {
+    match g.text {
+        "bf16" => Ok(Compute::Bf16),
+        "fp8" => Ok(Compute::Fp8),
+        other => Err(CliError::usage(
+            format!("invalid --compute `{other}`"),
+            "use --compute bf16 (the default) or --compute fp8 (E4M3 linears, activations \
+             scaled per tensor)",
+        )),
+    }
+}
+
 /// `ddo convert --compress lossless` (the one coding it writes).
 pub fn compress(g: &OptionValue<'_>) -> CliResult<ddo_core::Compression> {
     match g.text {

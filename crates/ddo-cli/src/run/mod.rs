@@ -127,6 +127,54 @@ pub(crate) fn source_from_args(config: Option<&str>, weights: Option<&Path>) -> 
 /// else on a device with a driver what it has free less
 /// [`DEFAULT_FREE_MARGIN`](ddo_routes::plan::DEFAULT_FREE_MARGIN); else (the host backend) its
 /// capacity.
+/// `--compute`: under fp8, every component's linears with E4M3 weights run in fp8
+/// ([`ddo_core::Component::set_fp8_compute`]); said once on `out` (on stderr with `--json`):
+/// how many linears, and, on a device without fp8 tensor cores, that the reference
+/// implementation runs.
+pub(crate) fn set_compute(
+    compute: crate::cli::values::Compute,
+    pipeline: &ddo_routes::Pipeline,
+    device: &dyn ddo_core::Device,
+    out: &mut dyn Write,
+    json: bool,
+) {
+    let fp8 = compute == crate::cli::values::Compute::Fp8;
+    let mut linears = 0usize;
+    for c in pipeline.components() {
+        c.set_fp8_compute(fp8);
+        linears += c
+            .leaves()
+            .iter()
+            .filter(|l| l.kind() == ddo_core::LeafKind::Linear)
+            .filter(|l| {
+                l.params()
+                    .iter()
+                    .any(|(n, p)| n == "weight" && p.dtype() == DType::F8E4M3)
+            })
+            .count();
+    }
+    if !fp8 {
+        return;
+    }
+    let native = device.ops().is_some_and(|o| o.fp8_tensor_cores());
+    let mut note = format!(
+        "--compute fp8: {linears} linears with E4M3 weights run in fp8 (weights of another \
+         dtype were stored as E4M3 at load; the others compute in bf16)"
+    );
+    if !native {
+        note.push_str(&format!(
+            "; {} has no fp8 tensor cores here, so DDO's reference implementation runs: the \
+             same numbers, at the host's speed",
+            device.id()
+        ));
+    }
+    if json {
+        eprintln!("{note}");
+    } else {
+        let _ = writeln!(out, "{note}");
+    }
+}
+
 pub(crate) fn plan_budget(device: &dyn ddo_core::Device, given: Option<u64>) -> (u64, String) {
     let info = device.memory_info();
     match (given, info.driver_free) {

@@ -49,8 +49,10 @@ pub struct LoadOptions {
     pub(crate) source: Source,
     /// `--transformer`, `--text-encoder`, `--text-encoder-2`, `--vae`.
     pub(crate) files: ComponentFiles,
-    /// `--dtype`.
+    /// `--dtype` (E4M3 under `--compute fp8`).
     pub dtype: Option<DType>,
+    /// `--compute`.
+    pub compute: crate::cli::values::Compute,
     /// `--max-sequence-length`.
     pub max_sequence_length: Option<usize>,
     /// `--allow-unused-weights`.
@@ -90,7 +92,8 @@ impl LoadOptions {
                 text_encoder_2: load.text_encoder_2.clone(),
                 vae: load.vae.clone(),
             },
-            dtype: load.dtype,
+            dtype: load.compute.unwrap_or_default().weights_dtype(load.dtype)?,
+            compute: load.compute.unwrap_or_default(),
             max_sequence_length: load.max_sequence_length,
             allow_unused_weights: load.allow_unused_weights,
             preset: load.preset,
@@ -258,6 +261,7 @@ impl Session {
         )?;
         laps.lap("device");
         let pipeline = pipe.offload_pipeline()?;
+        crate::run::set_compute(options.compute, &pipeline, &*device, out, json);
         // LoRAs (issue 36): their factors go on the device now, resident while they are
         // applied, and the memory plan gets the budget less them.
         let lora_bytes = crate::lora::apply_run_loras(

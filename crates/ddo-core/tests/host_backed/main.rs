@@ -7,6 +7,7 @@ mod adapter;
 mod detach;
 mod fault;
 mod finite;
+mod fp8_compute;
 mod home;
 mod profile;
 mod reference;

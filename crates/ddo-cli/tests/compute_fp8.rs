@@ -1,0 +1,85 @@
+//! `--compute fp8` (issue 39) through the binary on the fixture pipeline, on the host
+//! backend (the reference implementation): the linears with E4M3 weights run in fp8 (the
+//! latents differ from fp8 weights computed in bf16), the error against the f32 run stays
+//! near that of fp8 storage alone, the run says what it did, and bad combinations are
+//! refused.
+
+mod common;
+
+use common::{ddo, fixture, ok, rel_l2, scratch};
+
+/// `ddo run` on the fixture pipeline with `extra`; its latents and stdout.
+fn latents(dir: &std::path::Path, name: &str, extra: &[&str]) -> (Vec<f32>, String) {
+    let out = dir.join(format!("{name}.png"));
+    let latents = dir.join(format!("{name}.safetensors"));
+    let weights = fixture("flux_pipeline");
+    let mut args = vec![
+        "run",
+        "--weights",
+        &weights,
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+        "--save-latents",
+        latents.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let stdout = ok(&ddo(&args));
+    (common::tensor(&latents, "latents").1, stdout)
+}
+
+#[test]
+fn fp8_compute_runs_its_linears_in_fp8_near_fp8_storages_error() {
+    let d = scratch("compute-fp8");
+    let (reference, _) = latents(&d, "f32", &[]);
+    let (stored, plain) = latents(&d, "fp8-weights", &["--dtype", "fp8"]);
+    let (computed, said) = latents(&d, "fp8-compute", &["--compute", "fp8"]);
+    assert!(!plain.contains("--compute fp8"), "{plain}");
+    assert!(
+        said.contains("--compute fp8: ") && said.contains("linears with E4M3 weights run in fp8"),
+        "{said}"
+    );
+    assert!(said.contains("reference implementation"), "{said}");
+    assert!(computed.iter().all(|v| v.is_finite()));
+    // The activations were quantized: not the bytes of fp8 weights computed in bf16.
+    assert_ne!(stored, computed);
+    let (e_stored, e_computed) = (rel_l2(&stored, &reference), rel_l2(&computed, &reference));
+    eprintln!(
+        "latents against f32: fp8 weights in bf16 {e_stored:.5}, --compute fp8 {e_computed:.5}"
+    );
+    assert!(
+        e_computed <= 1.2 * e_stored,
+        "--compute fp8 {e_computed} against fp8 storage's {e_stored}"
+    );
+    // Explicit E4M3 weights give the same bytes as the conversion --compute fp8 makes.
+    let (explicit, _) = latents(&d, "fp8-both", &["--compute", "fp8", "--dtype", "fp8_e4m3"]);
+    assert_eq!(explicit, computed);
+}
+
+#[test]
+fn fp8_compute_refuses_e5m2_weights_and_unknown_names() {
+    let weights = fixture("flux_pipeline");
+    for (extra, says) in [
+        (
+            &["--compute", "fp8", "--dtype", "fp8_e5m2"][..],
+            "--compute fp8 takes E4M3 weights",
+        ),
+        (&["--compute", "int8"][..], "invalid --compute `int8`"),
+    ] {
+        let mut args = vec!["run", "--weights", &weights, "--steps", "1"];
+        args.extend_from_slice(extra);
+        let o = ddo(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("--compute bf16") || stderr.contains("--dtype fp8"),
+            "{stderr}"
+        );
+    }
+}
