@@ -72,6 +72,13 @@ pub struct CandidateResult {
     pub floor_seconds: f64,
     /// `median / floor` (none when nothing streams).
     pub ratio_to_floor: Option<f64>,
+    /// `median /` the bench's compute floor (none where it was not measured).
+    pub ratio_to_compute_floor: Option<f64>,
+    /// Floating-point operations of one forward, counted by the op profiler (none where the
+    /// device keeps no per-op profile).
+    pub flops_per_forward: Option<u64>,
+    /// The forward's linear call with the most flops.
+    pub largest_linear: Option<ddo_core::GemmShape>,
     /// Why the candidate did not run.
     pub error: Option<String>,
     /// The last timed forward's timeline, added up (`--timeline`, streamed candidates).
@@ -727,6 +734,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             // host).
             let unmanaged = offload.handle(&name)?.target() == RouteTarget::Unmanaged;
             let mut op_profile = None;
+            let mut counted = None;
             let mut host_memory = None;
             let mut output_fnv1a = None;
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
@@ -759,11 +767,20 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 let peak = device.memory_info().peak_allocated;
                 host_memory = HostMemory::now();
                 let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
-                if profile && device.begin_op_profile() {
+                // One more forward through the op profiler: its flops and largest linear
+                // make the compute floor; its table is shown with --profile.
+                if device.begin_op_profile() {
                     let forward = workload.forward(&*device, &inputs);
                     let ended = device.end_op_profile();
                     forward?;
-                    op_profile = ended?;
+                    let ended = ended?;
+                    counted = ended.as_ref().map(|p| {
+                        (
+                            p.classes.iter().map(|c| c.flops).sum::<u64>(),
+                            p.largest_linear,
+                        )
+                    });
+                    op_profile = ended.filter(|_| profile);
                 }
                 Ok((seconds, peak, (after - before) / repeats as u64))
             })();
@@ -818,6 +835,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 disk_bytes_per_forward: disk_bytes,
                 floor_seconds: floor,
                 ratio_to_floor: (streamed > 0).then(|| med / floor.max(1e-12)),
+                ratio_to_compute_floor: None,
+                flops_per_forward: counted.map(|c| c.0),
+                largest_linear: counted.and_then(|c| c.1),
                 error: None,
                 timeline: traced,
                 setup_seconds,
@@ -841,6 +861,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             disk_bytes_per_forward: 0,
             floor_seconds: 0.0,
             ratio_to_floor: None,
+            ratio_to_compute_floor: None,
+            flops_per_forward: None,
+            largest_linear: None,
             error: Some(e.message),
             timeline: None,
             setup_seconds: 0.0,
@@ -853,6 +876,21 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         }));
     }
     bar.finish();
+    // The compute floor: the first counted forward's flops over the device's GEMM rate at
+    // its largest linear, measured now (every candidate released).
+    let compute_floor = match results
+        .iter()
+        .find_map(|r| Some((r.flops_per_forward?, r.largest_linear?)))
+    {
+        Some((flops, gemm)) if flops > 0 => {
+            let floor = crate::compute_floor::measure(&*device_for(false)?, flops, gemm)?;
+            for r in results.iter_mut().filter(|r| r.error.is_none()) {
+                r.ratio_to_compute_floor = Some(r.median_seconds / floor.seconds.max(1e-12));
+            }
+            Some(floor)
+        }
+        _ => None,
+    };
     // The last candidate's adapters go with its device.
     if !lora_refs.is_empty() {
         component.set_adapter_fusion(false);
@@ -874,6 +912,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         "repeats": repeats,
         "warmup": warmup,
         "link_bytes_per_sec": bandwidth,
+        "compute_floor": compute_floor,
         "disk": disk,
         "candidates": results,
     });
@@ -909,6 +948,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 "; a candidate reading from the disk each forward: the larger of that and its disk bytes at the disk's best rate below"
             }
         );
+        if let Some(c) = &compute_floor {
+            s += &format!("{}\n", c.format_line());
+        }
         for d in &disk {
             s += &format!(
                 "disk: {:.2} GB/s cold, {} of {} file(s) read by {} thread(s){}\n",
@@ -931,8 +973,16 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             .unwrap_or(9)
             .max(9);
         s += &format!(
-            "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8}\n",
-            "candidate", "median", "min", "max", "peak", "streamed/fwd", "floor", "x floor"
+            "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8} {:>10}\n",
+            "candidate",
+            "median",
+            "min",
+            "max",
+            "peak",
+            "streamed/fwd",
+            "floor",
+            "x floor",
+            "x compute"
         );
         let ms = |v: f64| format!("{:.2} ms", v * 1e3);
         for r in &results {
@@ -941,7 +991,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 continue;
             }
             s += &format!(
-                "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8}\n",
+                "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8} {:>10}\n",
                 r.label,
                 ms(r.median_seconds),
                 ms(r.min_seconds),
@@ -949,7 +999,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 format_bytes(r.peak_bytes),
                 format_bytes(r.streamed_bytes_per_forward),
                 ms(r.floor_seconds),
-                r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}"))
+                r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}")),
+                r.ratio_to_compute_floor
+                    .map_or("-".into(), |x| format!("{x:.2}"))
             );
         }
         // The coded-unit cache's state (and why it was not used) in the text too, not only

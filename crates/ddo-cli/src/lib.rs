@@ -27,6 +27,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod compute_floor;
 pub mod convert;
 pub mod decode;
 pub mod error;

@@ -1167,6 +1167,37 @@ fn bench_compares_routes_in_one_process() {
     );
     assert!(class("attention")["flops"].as_u64().unwrap() > 0);
     assert!(class("linear")["calls"].as_u64().unwrap() > 10, "{profile}");
+    // The compute floor: the profiled forward's flops over the host GEMM's rate at its
+    // largest linear, measured in the same process; each candidate's median against it.
+    let floor = &v["compute_floor"];
+    let all_flops: u64 = profile
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["flops"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        floor["flops_per_forward"].as_u64().unwrap(),
+        all_flops,
+        "{floor}"
+    );
+    let g = &floor["gemm"];
+    let gemm_flops = 2 * ["rows", "k", "n"]
+        .iter()
+        .map(|d| g[d].as_u64().unwrap())
+        .product::<u64>();
+    assert!(gemm_flops > 0 && gemm_flops <= class("linear")["flops"].as_u64().unwrap());
+    let (rate, seconds) = (
+        floor["flops_per_sec"].as_f64().unwrap(),
+        floor["seconds"].as_f64().unwrap(),
+    );
+    assert!(rate > 0.0 && (seconds - all_flops as f64 / rate).abs() <= seconds * 1e-9);
+    let c0 = &v["candidates"][0];
+    let ratio = c0["ratio_to_compute_floor"].as_f64().unwrap();
+    assert!(
+        (ratio - c0["median_seconds"].as_f64().unwrap() / seconds).abs() <= ratio * 1e-9,
+        "{c0}"
+    );
     let text = ok(&ddo(&[
         "bench",
         "--config",
@@ -1185,6 +1216,10 @@ fn bench_compares_routes_in_one_process() {
     ]));
     assert!(
         text.contains("device time per op class") && text.contains("TFLOP/s"),
+        "{text}"
+    );
+    assert!(
+        text.contains("compute floor: ") && text.contains("x compute"),
         "{text}"
     );
 

@@ -43,11 +43,48 @@ pub struct OpClassTime {
     pub bytes: u64,
 }
 
+/// The shape of one linear call: `x [rows, k] · w [n, k]ᵀ`, the input in `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GemmShape {
+    /// Rows of the input (tokens, batch included).
+    pub rows: usize,
+    /// Input features.
+    pub k: usize,
+    /// Output features.
+    pub n: usize,
+    /// The input's dtype (what the GEMM computes in).
+    pub dtype: DType,
+}
+
+impl GemmShape {
+    /// `2 · rows · k · n`.
+    pub fn flops(&self) -> u64 {
+        2u64.saturating_mul(self.rows as u64)
+            .saturating_mul(self.k as u64)
+            .saturating_mul(self.n as u64)
+    }
+
+    /// The shape of `linear(x, w)` (`None` for a weight that is not 2-D).
+    pub fn of(x: &Tensor, w: &Tensor) -> Option<Self> {
+        let [n, k] = *w.shape() else { return None };
+        let rows = x.numel().checked_div(k)?;
+        Some(Self {
+            rows,
+            k,
+            n,
+            dtype: x.dtype(),
+        })
+    }
+}
+
 /// A per-op profile: the classes, the most time first.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct OpProfile {
     /// The op classes, by descending time.
     pub classes: Vec<OpClassTime>,
+    /// The linear call with the most flops (the shape `ddo bench` measures the device's GEMM
+    /// rate at, for its compute floor).
+    pub largest_linear: Option<GemmShape>,
     /// What the backend says of how the ops ran, once each (on CUDA: why attention ran on
     /// DDO's kernels where cuDNN was missing or refused a shape).
     pub notes: Vec<String>,
@@ -124,6 +161,7 @@ struct Pending {
 pub struct OpProfiler {
     active: AtomicBool,
     pending: Mutex<Vec<Pending>>,
+    largest_linear: Mutex<Option<GemmShape>>,
 }
 
 impl Debug for OpProfiler {
@@ -147,7 +185,22 @@ impl OpProfiler {
     /// Starts a profile, dropping what an unfinished one had recorded.
     pub fn begin(&self) {
         self.pending.lock().clear();
+        *self.largest_linear.lock() = None;
         self.active.store(true, Ordering::SeqCst);
+    }
+
+    /// Notes a linear call of `x` and `w` while a profile is active: the profile keeps the
+    /// one with the most flops.
+    pub fn note_linear(&self, x: &Tensor, w: &Tensor) {
+        if !self.is_active() {
+            return;
+        }
+        if let Some(shape) = GemmShape::of(x, w) {
+            let mut largest = self.largest_linear.lock();
+            if largest.is_none_or(|l| shape.flops() > l.flops()) {
+                *largest = Some(shape);
+            }
+        }
     }
 
     /// Whether a profile is active.
@@ -219,6 +272,7 @@ impl OpProfiler {
         classes.sort_by(|a, b| b.ns.cmp(&a.ns).then_with(|| a.op.cmp(&b.op)));
         Ok(Some(OpProfile {
             classes,
+            largest_linear: self.largest_linear.lock().take(),
             notes: Vec::new(),
         }))
     }
@@ -349,6 +403,7 @@ impl Ops for ProfiledOps {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.profiler.note_linear(x, w);
         self.op(
             "linear",
             None,
@@ -615,6 +670,7 @@ impl Ops for ProfiledOps {
         acc: Tensor,
         gelu_tanh: bool,
     ) -> Result<Tensor> {
+        self.profiler.note_linear(x, w);
         let bytes = tensor_bytes(&[&[x, w, &acc][..], &some(&[bias])].concat());
         self.op(
             "linear_accumulate",
@@ -636,6 +692,7 @@ impl Ops for ProfiledOps {
     }
 
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.profiler.note_linear(x, w);
         self.op(
             "linear_gelu_tanh",
             None,
@@ -663,6 +720,7 @@ impl Ops for ProfiledOps {
 
     /// A class of its own, with the linear's flops.
     fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.profiler.note_linear(x, w);
         self.op(
             "linear_fp8",
             None,
@@ -735,6 +793,7 @@ mod tests {
                     bytes: 2_000_000_000,
                 },
             ],
+            largest_linear: None,
             notes: vec!["attention ran on DDO's kernels: cuDNN refused".into()],
         };
         assert_eq!(p.total_ns(), 4_000_000);

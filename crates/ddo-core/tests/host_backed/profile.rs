@@ -33,10 +33,35 @@ fn the_host_backend_profiles_the_ops_it_hands_out() {
     let silu = by("unary.Silu").expect("unary.Silu");
     assert_eq!((silu.calls, silu.flops, silu.bytes), (2, 0, 2 * 2 * 15 * 4));
     assert_eq!(p.classes.len(), 2, "{:?}", p.classes);
+    assert_eq!(
+        p.largest_linear,
+        Some(ddo_core::GemmShape {
+            rows: 3,
+            k: 4,
+            n: 5,
+            dtype: DType::F32
+        })
+    );
     assert!(
         dev.end_op_profile().unwrap().is_none(),
         "no profile is active"
     );
+    // The largest linear of a profile is the one with the most flops, whichever ran first
+    // (a 3-D input counts its rows over the leading dims); a new profile forgets it.
+    let big = ops
+        .tensor_from_f32(&[2, 6, 4], DType::F32, &[0.5; 48])
+        .unwrap();
+    assert!(dev.begin_op_profile());
+    ops.linear(&big, &w, None).unwrap();
+    ops.linear(&x, &w, None).unwrap();
+    let p = dev.end_op_profile().unwrap().unwrap();
+    assert_eq!(
+        p.largest_linear.map(|g| (g.rows, g.k, g.n)),
+        Some((12, 4, 5))
+    );
+    assert!(dev.begin_op_profile());
+    ops.unary(&x, UnaryOp::Silu).unwrap();
+    assert_eq!(dev.end_op_profile().unwrap().unwrap().largest_linear, None);
 }
 
 /// `group_norm_silu` reaches the backend through `ProfiledOps` as one op of its own

@@ -1,0 +1,150 @@
+//! `ddo bench`'s compute floor (issue 39): the model's flops per forward (counted by the op
+//! profiler over one forward) over the rate of the device's own GEMM at the model's largest
+//! linear shape, measured in the same process. A resident step then reads as "x compute
+//! floor", as a streamed one reads as "x link floor".
+
+use std::time::Instant;
+
+use ddo_core::{Device, GemmShape, Tensor, ops_of};
+use serde::Serialize;
+
+use crate::error::{CliError, CliResult};
+
+/// Calls per timed round, and rounds (the best is kept).
+const CALLS: usize = 10;
+const ROUNDS: usize = 3;
+
+/// The compute floor of one bench.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ComputeFloor {
+    /// Floating-point operations of one forward (linears, matmuls, convolutions, attention;
+    /// a multiply-add counts two).
+    pub flops_per_forward: u64,
+    /// The linear shape the rate was measured at (the forward's largest linear).
+    pub gemm: GemmShape,
+    /// The best rate over the rounds, flop/s.
+    pub flops_per_sec: f64,
+    /// `flops_per_forward / flops_per_sec`.
+    pub seconds: f64,
+}
+
+/// Deterministic values in [-1, 1) (a cheap hash of the index): no zeros a GEMM could skip.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            h as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// The device's rate (flop/s) for `linear` at `gemm`: `x [rows, k]` and `w [n, k]` in the
+/// GEMM's dtype, a few calls to warm up, then the best of [`ROUNDS`] rounds of [`CALLS`]
+/// calls, each round timed from a synchronized device to a synchronized device.
+pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
+    let ops = ops_of(device)?;
+    let x = ops.tensor_from_f32(
+        &[gemm.rows, gemm.k],
+        gemm.dtype,
+        &values(gemm.rows * gemm.k, 1),
+    )?;
+    let w = ops.tensor_from_f32(&[gemm.n, gemm.k], gemm.dtype, &values(gemm.n * gemm.k, 2))?;
+    let run = |calls: usize| -> CliResult<f64> {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..calls {
+            let y: Tensor = ops.linear(&x, &w, None)?;
+            drop(y);
+        }
+        device.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    run(2)?;
+    let mut best = f64::MAX;
+    for _ in 0..ROUNDS {
+        best = best.min(run(CALLS)?);
+    }
+    if best <= 0.0 || best == f64::MAX {
+        return Err(CliError::runtime(
+            "the GEMM rate could not be timed (no time passed)",
+            "run ddo bench with a larger --height/--width",
+        ));
+    }
+    Ok(gemm.flops() as f64 * CALLS as f64 / best)
+}
+
+/// The floor of `flops_per_forward` at the rate [`gemm_rate`] measures for `gemm` on
+/// `device`.
+pub fn measure(
+    device: &dyn Device,
+    flops_per_forward: u64,
+    gemm: GemmShape,
+) -> CliResult<ComputeFloor> {
+    let flops_per_sec = gemm_rate(device, gemm)?;
+    Ok(ComputeFloor {
+        flops_per_forward,
+        gemm,
+        flops_per_sec,
+        seconds: flops_per_forward as f64 / flops_per_sec,
+    })
+}
+
+impl ComputeFloor {
+    /// One line for `ddo bench`'s header.
+    pub fn format_line(&self) -> String {
+        let g = &self.gemm;
+        // TFLOP at model scale, GFLOP below it.
+        let (unit, div) = if self.flops_per_sec >= 1e12 {
+            ("T", 1e12)
+        } else {
+            ("G", 1e9)
+        };
+        format!(
+            "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s (the best of \
+             {ROUNDS} x {CALLS} linears {}x{}x{} {} in this process) = {:.2} ms",
+            self.flops_per_forward as f64 / div,
+            self.flops_per_sec / div,
+            g.rows,
+            g.k,
+            g.n,
+            g.dtype,
+            self.seconds * 1e3
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddo_core::DType;
+
+    #[test]
+    fn the_host_rate_is_positive_and_the_floor_is_flops_over_it() {
+        let device = ddo_host::HostDevice::with_capacity(64 << 20).unwrap();
+        let gemm = GemmShape {
+            rows: 64,
+            k: 96,
+            n: 80,
+            dtype: DType::F32,
+        };
+        let floor = measure(&*device, 10 * gemm.flops(), gemm).unwrap();
+        assert!(floor.flops_per_sec > 0.0 && floor.flops_per_sec.is_finite());
+        let want = 10.0 * gemm.flops() as f64 / floor.flops_per_sec;
+        assert!((floor.seconds - want).abs() <= want * 1e-12);
+        assert!(
+            floor.format_line().contains("64x96x80 f32"),
+            "{}",
+            floor.format_line()
+        );
+        // Nothing of the measurement is left on the device.
+        assert_eq!(device.memory_info().allocated, 0);
+    }
+
+    #[test]
+    fn the_values_are_spread_and_never_all_zero() {
+        let v = values(1000, 3);
+        assert!(v.iter().all(|x| (-1.0..1.0).contains(x)));
+        assert!(v.iter().filter(|x| **x == 0.0).count() < 5);
+        assert_ne!(v, values(1000, 4));
+    }
+}
