@@ -127,6 +127,8 @@ def step_rows(bench, peer, bw):
     rows = []
     for key, workload, peer_key, budgeted in (
             ("resident", "resident", "resident", False),
+            ("resident", "resident, Diffusers + torch.compile (default mode)", "resident_compiled",
+             False),
             ("leaf", "leaf + stream, zero budget", "leaf_stream", False),
             ("block", "block + stream (1 block a group), zero budget", "block_stream", False),
             ("budget", "leaf + stream, budget=10GiB", None, True),
@@ -159,6 +161,8 @@ def step_rows(bench, peer, bw):
             "diffusers_pinned_bytes": q.get("pinned_host_bytes"),
             "ddo_setup_seconds": c.get("setup_seconds", setup_ns / 1e9 if setup_ns else None),
             "diffusers_setup_seconds": q.get("setup_seconds") if q else None,
+            "diffusers_compile_seconds": q.get("compile_seconds") if q else None,
+            "ddo_ratio_to_compute_floor": c.get("ratio_to_compute_floor"),
             "diffusers_skipped": p.get(peer_key, {}).get("skipped") if peer_key else None,
         })
     return rows

@@ -10,7 +10,10 @@ step: one transformer step (19 double + 38 single blocks, 3072 wide, as gpu_peer
   inputs held on the GPU, median of 5 timed forwards after 2 warm-ups (CUDA events), for
   `resident`, `leaf_stream` (enable_group_offload(leaf_level, use_stream=True): Diffusers' best
   zero-budget setting) and `block_stream` (block_level, num_blocks_per_group=1, use_stream=True),
-  the last only when --seconds leaves time for it. Also the pinned host->device bandwidth
+  the last only when --seconds leaves time for it; and `resident_compiled` (issue 39): the
+  resident model through torch.compile in its default mode, the first call's time (the
+  compile) reported apart as compile_seconds, when --seconds leaves 200 s for it. --cases
+  picks the cases. Also the pinned host->device bandwidth
   (1 GiB, best of 5).
 
 pipeline: diffusers.FluxPipeline built from random weights at FLUX.1-dev's configs (transformer
@@ -343,7 +346,10 @@ def step(args, env):
         inputs = step_inputs(env, model.config)
         forward = lambda: model(**inputs)  # noqa: E731
         cases = [("resident", None), ("leaf_stream", "leaf_level"), ("block_stream", "block_level")]
+        wanted = set(args.cases.split(","))
         for name, offload_type in cases:
+            if name not in wanted and not (name == "resident" and "resident_compiled" in wanted):
+                continue
             last = doc["results"].get("leaf_stream", {})
             need = 1.3 * last.get("wall_seconds", 0) + 15
             if name == "block_stream" and env.left() < need:
@@ -371,10 +377,51 @@ def step(args, env):
             dump(args.out, doc)
             print(name, json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
             if offload_type is None:
+                if "resident_compiled" in wanted:
+                    compiled_case(args, env, doc, model, inputs, sampler)
                 model.to("cpu")
             else:
                 remove_group_offload(model)
     dump(args.out, doc)
+
+
+# Compiling FLUX.1-dev's transformer took 122.8 s on one H200 (issue 39); with the timed runs.
+COMPILE_SECONDS_NEEDED = 200
+
+
+def compiled_case(args, env, doc, model, inputs, sampler):
+    """`resident_compiled`: the resident transformer through torch.compile (default mode), in
+    the same job as the other cases. The first call compiles: its time is reported apart
+    (compile_seconds, including that call's run), then the step is timed as the others."""
+    if env.left() < COMPILE_SECONDS_NEEDED:
+        doc["results"]["resident_compiled"] = {
+            "skipped": f"{env.left():.0f} s left, about {COMPILE_SECONDS_NEEDED} s needed"}
+        dump(args.out, doc)
+        return
+    env.fresh_peak()
+    sampler.reset()
+    t = time.perf_counter()
+    compiled = torch.compile(model)
+    try:
+        compiled(**inputs)
+        env.sync()
+        compile_seconds = time.perf_counter() - t
+        r = timed(env, lambda: compiled(**inputs))
+    except Exception as e:  # noqa: BLE001 - a compile failure is a result, not a crash
+        doc["results"]["resident_compiled"] = {"error": f"{type(e).__name__}: {e}"}
+        dump(args.out, doc)
+        return
+    r["compile_seconds"] = compile_seconds
+    r["setup_seconds"] = 0.0
+    r["offload"] = "none (resident), torch.compile(mode='default')"
+    r["wall_seconds"] = time.perf_counter() - t
+    r["peak_bytes"] = env.device_peak()
+    r["host_rss_peak_bytes"] = sampler.peak()
+    doc["results"]["resident_compiled"] = r
+    dump(args.out, doc)
+    print("resident_compiled", json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
+    del compiled
+    torch._dynamo.reset()
 
 
 class StandInTokenizer:
@@ -577,6 +624,9 @@ def main():
                     help="time this process may take, counted from its start (default: "
                          "$DDO_PART_SECONDS, which run-bench-full.sh sets to the part's timeout); "
                          "optional cases are skipped when they would not fit")
+    ap.add_argument("--cases", default="resident,resident_compiled,leaf_stream,block_stream",
+                    help="step: the cases to run, comma-separated (resident_compiled: "
+                         "torch.compile in its default mode, resident; it runs resident too)")
     ap.add_argument("--no-block", action="store_true",
                     help="pipeline: no second denoise with block-level group offload")
     ap.add_argument("--tiny", action="store_true",

@@ -349,11 +349,15 @@ pub fn run_full_script(default_options: &str) -> String {
 #   ddo_bench      ddo bench: the transformer step, resident / leaf+stream / block+stream /
 #                  budget=10GiB / --preset auto under --vram-budget 12GiB
 #   ddo_run        ddo run: the whole pipeline, 28 steps, --vram-budget 12GiB
-#   peer_step      Diffusers: the transformer step, resident / leaf+stream / block+stream
+#   peer_step      Diffusers: the transformer step, resident / torch.compile (default mode;
+#                  compile_seconds apart; run when the part has 200 s left) / leaf+stream /
+#                  block+stream (DDO_STEP_CASES lists the cases to run)
 #   peer_pipeline  Diffusers: FluxPipeline under a 12 GiB device budget
 # then the report. The job keeps to DDO_JOB_SECONDS (default 570) in all: each part gets its own
-# limit (DDO_T_BENCH 150, DDO_T_RUN 110, DDO_T_STEP 130, DDO_T_PIPELINE 200 s) or what is left
-# less 20 s for the report, whichever is less, and is skipped with under 30 s left.
+# limit (DDO_T_BENCH 150, DDO_T_RUN 110, DDO_T_STEP 130, DDO_T_PIPELINE 200 s; 0 skips the part)
+# or what is left less 20 s for the report, whichever is less, and is skipped with under 30 s
+# left. Issue 39's resident job against torch.compile: DDO_T_RUN=0 DDO_T_PIPELINE=0
+# DDO_T_STEP=400 DDO_STEP_CASES=resident,resident_compiled.
 # Writes eight files to $OUT (default ./bench-full-out): ddo_bench.json, ddo_run.json, ddo.png,
 # peer_step.json, peer_pipeline.json, logs.txt (every part's output and /usr/bin/time -v),
 # bench_full.json and bench_full.md (the tables).
@@ -378,6 +382,11 @@ part() {{
   local name="$1" want="$2" dest="$3"
   shift 3
   local left=$(( deadline - $(date +%s) - 20 ))
+  if [ "$want" -eq 0 ]; then
+    say "=== $name skipped: asked for 0 s"
+    printf '%s\tskipped\t0\t0\n' "$name" >> "$work/parts.tsv"
+    return 0
+  fi
   if [ "$left" -lt 30 ]; then
     say "=== $name skipped: ${{left}} s left"
     printf '%s\tskipped\t0\t0\n' "$name" >> "$work/parts.tsv"
@@ -442,7 +451,8 @@ part ddo_bench "${{DDO_T_BENCH:-150}}" "$log" "$here/ddo" bench --config flux-de
   --preset auto --out-json "$out/ddo_bench.json"
 part ddo_run "${{DDO_T_RUN:-110}}" "$out/ddo_run.json" "$here/ddo" run --config flux-dev --device cuda:0 \
   --vram-budget 12GiB --steps 28 --json --no-env --out "$out/ddo.png"
-part peer_step "${{DDO_T_STEP:-130}}" "$log" python3 "$here/peer_pipeline.py" step "$out/peer_step.json"
+part peer_step "${{DDO_T_STEP:-130}}" "$log" python3 "$here/peer_pipeline.py" step "$out/peer_step.json" \
+  --cases "${{DDO_STEP_CASES:-resident,resident_compiled,leaf_stream,block_stream}}"
 if encoders; then
   part peer_pipeline "${{DDO_T_PIPELINE:-200}}" "$log" python3 "$here/peer_pipeline.py" pipeline "$out/peer_pipeline.json"
 else
