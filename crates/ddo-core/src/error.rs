@@ -459,9 +459,9 @@ pub enum CoreError {
     /// NaNs).
     #[error(
         "the input of `{layer}` holds a NaN or an Inf, so it has no fp8 scale and the run \
-         stopped under --compute fp8; hint: nothing was written. Run with --compute bf16 to see \
-         whether the bf16 run stays finite, and `ddo inspect --check-values PATH` on the \
-         checkpoint to find a NaN or Inf weight"
+         stopped under --compute fp8; hint: nothing was written. `ddo run ...` with --compute \
+         bf16 shows whether the bf16 run stays finite, and `ddo inspect --check-values PATH` on \
+         the checkpoint finds a NaN or Inf weight"
     )]
     NonFiniteActivation {
         /// The layer (`component.leaf.path`), or empty where the op alone knew it.

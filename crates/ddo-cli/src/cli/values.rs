@@ -251,7 +251,7 @@ impl Compute {
             (Compute::Bf16, d) => Ok(d),
             (Compute::Fp8, Some(DType::F8E5M2)) => Err(CliError::usage(
                 "--compute fp8 takes E4M3 weights, not --dtype fp8_e5m2",
-                "use --dtype fp8 (fp8_e4m3), or leave --dtype out",
+                "give --dtype fp8_e4m3, or no dtype option",
             )),
             (Compute::Fp8, _) => Ok(Some(DType::F8E4M3)),
         }

@@ -150,6 +150,12 @@ pub(crate) struct LtLinear {
     /// (`beta = 1`, C is D), as a run-time LoRA's up-projection is added into its base
     /// linear ([`ddo_core::Ops::linear_accumulate`]).
     pub accumulate: bool,
+    /// 0 for 16-bit operands. Else `w` and `x` are E4M3 codes (`--compute fp8`, `fp8.rs`)
+    /// and this is the device address of the f32 B scale (the activation's `1 / scale`);
+    /// `dtype` is the output's (and the bias's).
+    pub fp8_b_scale: u64,
+    /// `alpha` (1 for 16-bit operands; the weight's scale for fp8 ones).
+    pub alpha: f32,
 }
 
 /// The largest power of two (at most 256) dividing `ptr`: the alignment the algorithm may
@@ -172,6 +178,8 @@ struct Key {
     epilogue: Epilogue,
     /// Whether C (D) is read (`beta = 1`).
     accumulate: bool,
+    /// E4M3 operands.
+    fp8: bool,
     /// Alignments of `w`, `x`, `out` and the bias.
     align: [u32; 4],
     workspace: usize,
@@ -308,7 +316,8 @@ impl LtState {
     /// Queues `g` on `stream` with `workspace_bytes` of workspace at `workspace` (0 bytes:
     /// none). `Err` (nothing queued) when cuBLASLt does not take it.
     ///
-    /// Contract (kept by the caller, `gemm.rs`): every address of `g` is a live allocation of
+    /// Contract (kept by the callers, `gemm.rs` and `fp8.rs`): every address of `g` (the fp8
+    /// B scale's too) is a live allocation of
     /// the stream's context holding the elements the dimensions describe, marked used on the
     /// stream before it can be freed; the workspace stays allocated until the work queued on
     /// the stream before its release is done; the context is bound to this thread.
@@ -331,6 +340,13 @@ impl LtState {
         if g.epilogue.has_bias() && !g.bias.is_multiple_of(16) {
             return Err("the bias is not 16-byte aligned".into());
         }
+        let fp8 = g.fp8_b_scale != 0;
+        if fp8 && (!g.k.is_multiple_of(16) || !g.m.is_multiple_of(16) || g.accumulate) {
+            return Err(format!(
+                "fp8 GEMM m {} k {}: leading dimensions must be multiples of 16, no accumulate",
+                g.m, g.k
+            ));
+        }
         let key = Key {
             m: g.m,
             n: g.n,
@@ -338,6 +354,7 @@ impl LtState {
             dtype: g.dtype,
             epilogue: g.epilogue,
             accumulate: g.accumulate,
+            fp8,
             align: [
                 alignment(g.w),
                 alignment(g.x),
@@ -364,7 +381,15 @@ impl LtState {
                 &bias,
             )?;
         }
-        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0 });
+        if fp8 {
+            let scale = g.fp8_b_scale as *const c_void;
+            set_desc(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &scale,
+            )?;
+        }
+        let (alpha, beta) = (g.alpha, if g.accumulate { 1.0f32 } else { 0.0 });
         let ws = if workspace_bytes == 0 {
             std::ptr::null_mut()
         } else {
@@ -431,6 +456,17 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
     set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
     let epilogue: sys::cublasLtEpilogue_t = key.epilogue.sys();
     set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    if key.fp8 {
+        // TorchAO's inference recipe accumulates fast (`use_fast_accum`); the bias has the
+        // output's dtype, said explicitly (fp8 GEMMs default it otherwise for fp8 outputs);
+        // the B scale's address is set before every call.
+        let fast: i8 = 1;
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)?;
+        let bias_type = ty;
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
+        let scale = g.fp8_b_scale as *const c_void;
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale)?;
+    }
     if key.epilogue.has_bias() {
         // The bias has the output's dtype (cuBLASLt's default for 16-bit outputs); its
         // address is set again before every call.
@@ -441,8 +477,17 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
         lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
             .map_err(status("cublasLtMatrixLayoutCreate"))
     };
-    plan.a = layout(key.k, key.m, key.k)?;
-    plan.b = layout(key.k, key.n, key.k)?;
+    let operands = if key.fp8 {
+        sys::cudaDataType::CUDA_R_8F_E4M3
+    } else {
+        ty
+    };
+    let operand_layout = |rows: usize, cols: usize, ld: usize| {
+        lt::create_matrix_layout(operands, rows as u64, cols as u64, ld as i64)
+            .map_err(status("cublasLtMatrixLayoutCreate"))
+    };
+    plan.a = operand_layout(key.k, key.m, key.k)?;
+    plan.b = operand_layout(key.k, key.n, key.k)?;
     plan.d = layout(key.m, key.n, key.m)?;
     let pref =
         Preference(lt::create_matmul_pref().map_err(status("cublasLtMatmulPreferenceCreate"))?);

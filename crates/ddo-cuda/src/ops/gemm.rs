@@ -561,7 +561,7 @@ impl Rows {
 /// Contract (kept by the callers): `g`'s addresses are live allocations of `dev` holding
 /// the elements its dimensions describe, each marked with `note_use(compute)` before it can
 /// be dropped.
-fn lt_linear(dev: &CudaDevice, g: &LtLinear) -> Result<bool> {
+pub(super) fn lt_linear(dev: &CudaDevice, g: &LtLinear) -> Result<bool> {
     if !dev.cublaslt_enabled() {
         return Ok(false);
     }
@@ -704,6 +704,8 @@ fn linear_impl(
             dtype: x.dtype(),
             epilogue: Epilogue::new(bi.is_some(), gelu),
             accumulate: false,
+            fp8_b_scale: 0,
+            alpha: 1.0,
         };
         if lt_linear(dev, &g)? {
             return Ok((out.finish(dev, &inputs)?, gelu));
@@ -802,6 +804,8 @@ pub(crate) fn linear_accumulate(
             dtype,
             epilogue: Epilogue::new(bi.is_some(), gelu),
             accumulate: true,
+            fp8_b_scale: 0,
+            alpha: 1.0,
         };
         let ran = lt_linear(dev, &g)?;
         if ran {

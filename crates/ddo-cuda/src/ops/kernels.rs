@@ -92,7 +92,7 @@ use super::kernel_cache::{
     Arch, Compiler, DiskCache, Image, ImageCache, ImageKind, KernelCacheStats, cache_dir_from,
 };
 use super::nvrtc::{self, Failure, NVRTC_HINT, Output};
-use super::{attention, codec, elementwise, gemm, gguf, layout, norm};
+use super::{attention, codec, elementwise, fp8, gemm, gguf, layout, norm};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 
@@ -231,7 +231,7 @@ pub(crate) enum Arg {
 /// Every kernel source the ops use, as `(source_name, text)`: the names are the
 /// `source_name`s the ops pass to [`CudaDevice::kernel`], the texts their modules' `SOURCE`
 /// consts. [`prepare_kernels`] compiles all of them.
-pub(crate) const SOURCES: [(&str, &str); 7] = [
+pub(crate) const SOURCES: [(&str, &str); 8] = [
     (elementwise::SOURCE_NAME, elementwise::SOURCE),
     (norm::SOURCE_NAME, norm::SOURCE),
     (layout::SOURCE_NAME, layout::SOURCE),
@@ -239,6 +239,7 @@ pub(crate) const SOURCES: [(&str, &str); 7] = [
     (attention::SOURCE_NAME, attention::SOURCE),
     (codec::SOURCE_NAME, codec::SOURCE),
     (gguf::SOURCE_NAME, gguf::SOURCE),
+    (fp8::SOURCE_NAME, fp8::SOURCE),
 ];
 
 /// NVRTC options besides the architecture: flush-to-zero off, precise square root and
@@ -583,6 +584,7 @@ mod tests {
             attention::SOURCE_NAME,
             codec::SOURCE_NAME,
             gguf::SOURCE_NAME,
+            fp8::SOURCE_NAME,
         ];
         for name in names {
             assert_eq!(

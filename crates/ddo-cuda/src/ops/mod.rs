@@ -15,7 +15,8 @@
 //! (group/layer/RMS norm, softmax, reduce, the non-finite count), `layout`
 //! (upload/download, concat, narrow, permute, upsample, embedding), the
 //! GEMM/convolution/attention files (`gemm`, `conv`, `attention`), `gguf` (GGUF blocks
-//! dequantized for [`Ops::dequantize`], one kernel per block type), and `codec` (the GPU
+//! dequantized for [`Ops::dequantize`], one kernel per block type), `fp8` (`--compute fp8`'s
+//! quantization kernels and cuBLASLt E4M3 GEMM, [`Ops::linear_fp8`]), and `codec` (the GPU
 //! decoder of ddo-codec's units, public as `ddo_cuda::codec`; not an [`Ops`] op).
 
 pub(crate) use ddo_core::shape::{
@@ -35,6 +36,7 @@ pub(crate) mod conv;
 pub(crate) mod cublaslt;
 pub(crate) mod cudnn_attention;
 pub(crate) mod elementwise;
+pub(crate) mod fp8;
 pub(crate) mod gemm;
 pub(crate) mod gguf;
 pub(crate) mod kernel_cache;
@@ -290,6 +292,14 @@ impl Ops for CudaDevice {
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         gemm::linear(self, x, w, bias)
+    }
+
+    fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        fp8::linear_fp8(self, x, w, bias)
+    }
+
+    fn fp8_tensor_cores(&self) -> bool {
+        fp8::tensor_cores(self)
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -1,0 +1,65 @@
+// `--compute fp8` (issue 39): an activation's per-tensor amax, then its E4M3 codes, for the
+// cuBLASLt fp8 GEMM (`ops/fp8.rs`). The recipe is `ddo_core::fp8_compute`'s: scale =
+// 448 / max(amax, 1e-12), codes = e4m3(clamp(x * scale, -448, 448)) rounded to nearest even,
+// computed here in software so that the codes are the host reference's bit for bit on every
+// architecture.
+//
+// state (u32[4], zeroed before ddo_fp8_amax): [0] the amax's bits (non-negative floats order
+// as their bits), [1] 1 when a value is NaN or infinite, [2] 1 / scale as a float (the GEMM's
+// B scale, written by ddo_fp8_quantize), [3] unused.
+
+// |x| <= 448 or NaN, to E4M3 (fn: no infinities, 0x7f is NaN), nearest even.
+__device__ __forceinline__ u32 float_to_e4m3(float v) {
+    u32 sign = (__float_as_uint(v) >> 24) & 0x80u;
+    float a = fabsf(v);
+    if (a != a) return sign | 0x7fu;
+    if (a < 0.015625f) {
+        // Subnormals step by 2^-9; 8 steps is 2^-6, the smallest normal (code 0x08).
+        return sign | __float2uint_rn(a * 512.0f);
+    }
+    u32 bits = __float_as_uint(a);
+    bits += 0x7ffffu + ((bits >> 20) & 1u);  // round the mantissa to 3 bits, ties to even
+    u32 e = (bits >> 23) - 120u;             // exponent - 127 + 7
+    u32 code = (e << 3) | ((bits >> 20) & 7u);
+    return sign | (code > 0x7eu ? 0x7eu : code);  // 448 at most
+}
+
+// Largest |x[i]| into state[0], and state[1] = 1 when some x[i] is not finite.
+extern "C" __global__ void ddo_fp8_amax(const void* x, int dtype, i64 n, u32* state) {
+    __shared__ float scratch[32];
+    float m = 0.0f;
+    u32 bad = 0u;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        float a = fabsf(load_as_float(x, i, dtype));
+        if (a <= 3.402823466e38f) {
+            m = fmaxf(m, a);
+        } else {
+            bad = 1u;
+        }
+    }
+    m = block_max(m, scratch);
+    if (threadIdx.x == 0) atomicMax(&state[0], __float_as_uint(m));
+    if (bad) atomicOr(&state[1], 1u);
+}
+
+// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[2] = 1 / scale. With a non-finite value
+// in x the scale is NaN: every code is NaN and so is the product (the step's finite check
+// stops the run).
+extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32* state,
+                                            unsigned char* q) {
+    float amax = __uint_as_float(state[0]);
+    float scale = 448.0f / fmaxf(amax, 1e-12f);
+    if (state[1] != 0u) scale = __int_as_float(0x7fc00000);
+    if (blockIdx.x == 0 && threadIdx.x == 0) state[2] = __float_as_uint(1.0f / scale);
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        float s = load_as_float(x, i, dtype) * scale;
+        if (s > 448.0f) {
+            s = 448.0f;
+        } else if (s < -448.0f) {
+            s = -448.0f;
+        }
+        q[i] = (unsigned char)float_to_e4m3(s);
+    }
+}

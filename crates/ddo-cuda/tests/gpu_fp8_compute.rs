@@ -1,0 +1,94 @@
+//! GPU tests of `Ops::linear_fp8` (`--compute fp8`, issue 39): on a device with fp8 tensor
+//! cores the cuBLASLt E4M3 GEMM against the host reference on the same operands (close: the
+//! codes are the reference's, the sums run in cuBLASLt's order), through the device's
+//! profiled ops; shapes it does not take (a width that is not a multiple of 16) run the
+//! reference bit for bit; a NaN activation never gives a finite result. Without a driver or
+//! a device each test prints "skipped: no CUDA device" and passes (unless
+//! `DDO_REQUIRE_GPU=1`), like `tests/gpu.rs`.
+
+use ddo_core::device::ops_of;
+use ddo_core::rng::SplitMix64;
+use ddo_core::{CoreError, DType, Device, Tensor};
+use ddo_host::HostDevice;
+
+mod common;
+
+fn values(n: usize, span: f32, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.next_signed() * span).collect()
+}
+
+/// `linear_fp8` of the same operands on `dev` (through its profiled ops): x [2, rows, k] bf16,
+/// w [n, k] E4M3 with a scale, a bf16 bias; the output's values.
+fn run(
+    dev: &dyn Device,
+    rows: usize,
+    k: usize,
+    n: usize,
+    nan: bool,
+) -> Result<Vec<f32>, CoreError> {
+    let ops = ops_of(dev)?;
+    let on = |shape: &[usize], dtype: DType, v: &[f32]| {
+        Tensor::from_f32(shape.to_vec(), dtype, v)?.to_device(dev, &dev.compute_stream())
+    };
+    let mut xv = values(2 * rows * k, 3.0, 1);
+    if nan {
+        xv[5] = f32::NAN;
+    }
+    let x = on(&[2, rows, k], DType::BF16, &xv)?;
+    let w = on(&[n, k], DType::F8E4M3, &values(n * k, 200.0, 2))?.with_scale(Some(0.0078125))?;
+    let b = on(&[n], DType::BF16, &values(n, 1.0, 3))?;
+    let y: Tensor = ops.linear_fp8(&x, &w, Some(&b))?;
+    assert_eq!(y.shape(), [2, rows, n]);
+    assert_eq!(y.dtype(), DType::BF16);
+    ops.to_f32_vec(&y)
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn the_fp8_gemm_is_close_to_the_reference_and_other_shapes_are_the_reference() {
+    let Some(gpu) = common::open_gpu(false) else {
+        return;
+    };
+    let host = HostDevice::with_capacity(1 << 28).unwrap();
+    let (g, h): (&dyn Device, &dyn Device) = (&*gpu, &*host);
+    let native = ops_of(g).unwrap().fp8_tensor_cores();
+    println!("fp8 tensor cores: {native}");
+    // A width cuBLASLt's fp8 GEMM takes (multiples of 16), rows that are not.
+    let before = gpu.cublaslt_runs();
+    let (got, want) = (
+        run(g, 37, 128, 96, false).unwrap(),
+        run(h, 37, 128, 96, false).unwrap(),
+    );
+    let e = rel_l2(&got, &want);
+    println!("fp8 GEMM against the reference: relative L2 {e:.3e}");
+    if native {
+        assert!(gpu.cublaslt_runs() > before, "{:?}", gpu.cublaslt_refusal());
+        assert!(e < 1e-2, "{e}");
+    } else {
+        assert_eq!(got, want);
+    }
+    // k = 40: not a multiple of 16, the reference on the GPU too: the same bytes.
+    assert_eq!(
+        run(g, 5, 40, 32, false).unwrap(),
+        run(h, 5, 40, 32, false).unwrap()
+    );
+    // A NaN in the activation: an error (the reference) or NaNs (the GEMM), never a finite
+    // answer.
+    match run(g, 37, 128, 96, true) {
+        Err(CoreError::NonFiniteActivation { .. }) => assert!(!native),
+        Ok(v) => {
+            assert!(native);
+            assert!(
+                v.iter().all(|x| x.is_nan()),
+                "a finite value from a NaN input"
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
