@@ -9,7 +9,9 @@
 //!
 //! Anything that path does not take — an older device, cuBLASLt missing or refusing the
 //! shape, dimensions that are not multiples of 16, an f32 input, a bias of another dtype —
-//! runs the reference ([`ddo_core::fp8_compute::linear_fp8_reference`]) instead.
+//! runs the reference ([`ddo_core::fp8_compute::linear_fp8_reference`]) instead. So does a
+//! device where the path, run once on a small product, disagreed with the reference (the
+//! reason is `CudaDevice::cublaslt_refusal`).
 //!
 //! A NaN or an infinity in the activation is not read back here (that would stop the stream
 //! at every linear): its scale becomes NaN, so is the product, and the denoising step's
@@ -30,13 +32,94 @@ pub(crate) const SOURCE: &str = include_str!("../../kernels/fp8_compute.cu");
 
 const BLOCK: u32 = 256;
 
-/// Whether `dev` has fp8 tensor cores (compute capability 8.9 or later) and cuBLASLt is on.
+/// Whether `dev` runs fp8 linears on its tensor cores: compute capability 8.9 or later,
+/// cuBLASLt on, and this path agreed with the reference on a small product the first time it
+/// was asked on this device ([`self_check`]).
 pub(crate) fn tensor_cores(dev: &CudaDevice) -> bool {
-    dev.cublaslt_enabled()
-        && dev
+    static CHECKED: std::sync::Mutex<Vec<(usize, bool)>> = std::sync::Mutex::new(Vec::new());
+    if !dev.cublaslt_enabled()
+        || !dev
             .context()
             .compute_capability()
             .is_ok_and(|cc| cc >= (8, 9))
+    {
+        return false;
+    }
+    let ordinal = dev.config().ordinal;
+    let mut checked = CHECKED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(&(_, ok)) = checked.iter().find(|(o, _)| *o == ordinal) {
+        return ok;
+    }
+    let ok = match self_check(dev) {
+        Ok(()) => true,
+        Err(why) => {
+            super::cublaslt::refuse(format!(
+                "fp8 linears run DDO's reference implementation: {why}"
+            ));
+            false
+        }
+    };
+    checked.push((ordinal, ok));
+    ok
+}
+
+/// Runs this path once on a 48 x 64 x 32 product with a bias against
+/// [`ddo_core::fp8_compute::linear_reference`] of the same operands: relative L2 at most
+/// 1e-2 (the codes are the same; the sums and the bf16 rounding differ), else why not.
+fn self_check(dev: &CudaDevice) -> std::result::Result<(), String> {
+    let (rows, k, n) = (48, 64, 32);
+    let value = |i: usize, span: f32| (((i * 7919) % 997) as f32 / 498.5 - 1.0) * span;
+    let xv: Vec<f32> = (0..rows * k).map(|i| value(i, 3.0)).collect();
+    let wv: Vec<f32> = (0..n * k).map(|i| value(i + 13, 200.0)).collect();
+    let bv: Vec<f32> = (0..n).map(|i| value(i + 29, 1.0)).collect();
+    let scale = 0.0078125;
+    let on = |shape: &[usize], dtype: DType, v: &[f32]| -> Result<Tensor> {
+        Tensor::from_f32(shape.to_vec(), dtype, v)?.to_device(dev, &dev.compute_stream())
+    };
+    let run = || -> Result<Option<Vec<f32>>> {
+        let x = on(&[rows, k], DType::BF16, &xv)?;
+        let w = on(&[n, k], DType::F8E4M3, &wv)?.with_scale(Some(scale))?;
+        let b = on(&[n], DType::BF16, &bv)?;
+        native(dev, &x, &w, Some(&b))?
+            .map(|y| ddo_core::Ops::to_f32_vec(dev, &y))
+            .transpose()
+    };
+    let got = run().map_err(|e| e.to_string())?.ok_or_else(|| {
+        format!(
+            "cuBLASLt refused it: {}",
+            super::cublaslt::last_refusal().unwrap_or_default()
+        )
+    })?;
+    // The reference from the operands as stored (bf16 input and bias, E4M3 codes).
+    let stored = |dtype: DType, v: &[f32]| {
+        Tensor::from_f32(vec![v.len()], dtype, v)
+            .and_then(|t| t.host_f32())
+            .map_err(|e| e.to_string())
+    };
+    let want = ddo_core::fp8_compute::linear_reference(
+        &stored(DType::BF16, &xv)?,
+        k,
+        &stored(DType::F8E4M3, &wv)?,
+        scale,
+        Some(&stored(DType::BF16, &bv)?),
+    )
+    .ok_or("the reference found a non-finite value")?;
+    let num: f64 = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    let rel = (num / den).sqrt();
+    if rel <= 1e-2 {
+        Ok(())
+    } else {
+        Err(format!(
+            "cuBLASLt's E4M3 GEMM gave a relative L2 of {rel:.3e} against it on a check"
+        ))
+    }
 }
 
 /// A scratch allocation of the compute stream, freed in stream order after the work that
@@ -69,21 +152,37 @@ pub(crate) fn linear_fp8(
     w: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
+    if tensor_cores(dev)
+        && let Some(y) = native(dev, x, w, bias)?
+    {
+        return Ok(y);
+    }
+    linear_fp8_reference(dev, x, w, bias)
+}
+
+/// The tensor-core path; `None` (nothing queued that matters) where it does not take the
+/// operands or cuBLASLt refused.
+fn native(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
     const OP: &str = "linear_fp8";
     let (xs, ws) = (x.shape(), w.shape());
     let fits = takes_weight(w)
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && xs.last() == ws.get(1)
         && bias.is_none_or(|b| b.dtype() == x.dtype() && b.shape() == [ws[0]]);
-    if !fits || !tensor_cores(dev) {
-        return linear_fp8_reference(dev, x, w, bias);
+    if !fits {
+        return Ok(None);
     }
     let (out_f, in_f) = (ws[0], ws[1]);
     let rows = x.numel() / in_f.max(1);
     // cuBLASLt's fp8 GEMMs want leading dimensions (k for both operands, m for the output)
     // that are multiples of 16.
     if rows == 0 || out_f == 0 || in_f == 0 || in_f % 16 != 0 || out_f % 16 != 0 {
-        return linear_fp8_reference(dev, x, w, bias);
+        return Ok(None);
     }
     let xi = input(dev, OP, x)?;
     let wi = stored_input(dev, w)?;
@@ -130,11 +229,7 @@ pub(crate) fn linear_fp8(
     }
     codes.release(dev)?;
     state.release(dev)?;
-    if !ran {
-        // cuBLASLt refused (the reason is kept for `cublaslt_refusal`): the output was never
-        // written; the reference instead.
-        drop(out.finish(dev, &inputs)?);
-        return linear_fp8_reference(dev, x, w, bias);
-    }
-    out.finish(dev, &inputs)
+    let y = out.finish(dev, &inputs)?;
+    // Refused (the reason is kept for `cublaslt_refusal`): the output was never written.
+    Ok(ran.then_some(y))
 }
