@@ -49,7 +49,9 @@ step: one transformer forward at 1024x1024: hidden_states [1, 4096, 64], img_sha
   it reads the text length off the mask), timestep 0.5, all held on the GPU; median of 5 timed
   forwards after 2 warm-ups (CUDA events) for `resident` (40.9 GB fits an H200), `leaf_stream`
   (enable_group_offload(leaf_level, use_stream=True)) and `block_stream` (block_level,
-  num_blocks_per_group=1, use_stream=True), the last only when --seconds leaves time for it.
+  num_blocks_per_group=1, use_stream=True), the last only when --seconds leaves time for it;
+  `resident_compiled` (issue 39): the resident model through torch.compile, default mode, its
+  first call apart as compile_seconds (peer_pipeline.compiled_case). --cases picks the cases.
   Each case starts from the weights in pageable host memory and gives its device and pinned
   memory back before the next (the host has 128 GiB; group offload pins a 40.9 GB copy). Also
   the pinned host->device bandwidth (bench_peer.bandwidth: 1 GiB, best of 5).
@@ -101,6 +103,7 @@ from peer_pipeline import (
     RssPeak,
     StandInTokenizer,
     build,
+    compiled_case,
     dump,
     pinned,
     release_pinned_cache,
@@ -270,7 +273,10 @@ def step(args, env):
         inputs = step_inputs(env, model.config, args.mask)
         forward = lambda: model(**inputs)  # noqa: E731
         cases = [("resident", None), ("leaf_stream", "leaf_level"), ("block_stream", "block_level")]
+        wanted = set(args.cases.split(","))
         for name, offload_type in cases:
+            if name not in wanted and not (name == "resident" and "resident_compiled" in wanted):
+                continue
             last = doc["results"].get("leaf_stream", {})
             need = 1.3 * last.get("wall_seconds", 0) + 15
             if name == "block_stream" and env.left() < need:
@@ -300,6 +306,8 @@ def step(args, env):
             dump(args.out, doc)
             print(name, json.dumps({k: v for k, v in r.items() if k != "ms"}), flush=True)
             if offload_type is None:
+                if "resident_compiled" in wanted:
+                    compiled_case(args, env, doc, model, inputs, sampler)
                 model.to("cpu")
                 release_pinned_cache()
             else:
@@ -571,6 +579,9 @@ def main():
                          "or the whole text encoder under leaf-level group offload with streams")
     ap.add_argument("--no-block", action="store_true",
                     help="pipeline: no second denoise with block-level group offload")
+    ap.add_argument("--cases", default="resident,resident_compiled,leaf_stream,block_stream",
+                    help="step: the cases to run, comma-separated (resident_compiled: "
+                         "torch.compile in its default mode, resident, as peer_pipeline.py)")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny configs on the CPU, 64x64, 2 steps (checks the script)")
     args = ap.parse_args()
