@@ -1,5 +1,8 @@
-"""Issue 39's accuracy anchor for `ddo run --compute fp8` (runs on the GPU machine, never by
-CI: it needs torch, diffusers 0.42.1, torchao and an fp8-capable GPU for TorchAO's GEMMs).
+"""Issue 39's accuracy anchor for `ddo run --compute fp8` (never run by CI: it needs torch
+2.11, diffusers 0.42.1 and torchao 0.18.0). On the GPU machine (`--device cuda`, an fp8
+GPU) or on the host (`--device cpu`: torch 2.11 runs `torch._scaled_mm` on the CPU, and
+TorchAO's check for an fp8 GPU, which only guards its choice of kernels, is skipped; said in
+the JSON).
 
 The fixture Flux pipeline (fixtures/flux_pipeline: tiny, f32 files) from its saved inputs
 (prompt embeddings and initial latents), 4 steps at 32x24, guidance 3.5, as the fixture was
@@ -14,15 +17,16 @@ of:
                      DDO's --compute fp8 takes: every nn.Linear whose name matches none of
                      Diffusers' layerwise-casting skip patterns for Flux (pos_embed,
                      patch_embed, norm, ^proj_in$, ^proj_out$)
-  ddo_bf16           `ddo run --dtype bf16 --device cuda:0`
+  ddo_bf16           `ddo run --dtype bf16` (on --device's device)
   ddo_fp8            `ddo run --compute fp8 --device cuda:0` (cuBLASLt's E4M3 GEMM where the
-                     device has fp8 tensor cores)
+                     device has fp8 tensor cores; with --device cuda only)
   ddo_fp8_host       `ddo run --compute fp8` on the host backend (the reference implementation)
 
-and `ddo_fp8 / diffusers_torchao` (issue 39's target: <= 1.2 for latents and image). The VAE
+and DDO's fp8 over TorchAO's (issue 39's target: <= 1.2 for latents and image). The VAE
 decodes in f32 in every case (only the transformer's precision differs).
 
-Usage: python3 tools/fp8_anchor.py OUT.json --ddo PATH/TO/ddo [--fixture fixtures/flux_pipeline]
+Usage: python3 tools/fp8_anchor.py OUT.json --ddo PATH/TO/ddo [--device cuda|cpu]
+                                  [--fixture fixtures/flux_pipeline]
 """
 
 import argparse
@@ -53,16 +57,18 @@ def skipped(name):
     return any(re.search(p, name) for p in SKIP)
 
 
-def diffusers_run(fixture, ins, quantize):
+def diffusers_run(fixture, ins, quantize, dev):
     """Diffusers' decoder input (the latents unpacked and unscaled) and decoded image (f32, on
-    the CPU) with the transformer in bf16 on the GPU, quantized by TorchAO first when
+    the CPU) with the transformer in bf16 on `dev`, quantized by TorchAO first when
     `quantize`."""
-    dev = torch.device("cuda")
     transformer = FluxTransformer2DModel.from_pretrained(
         fixture, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
     quantized = []
     if quantize:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor, quantize_
+        if dev.type == "cpu":
+            import torchao.quantization.quant_api as quant_api
+            quant_api._check_hardware_support = lambda *a, **k: None
 
         def take(module, name):
             ok = isinstance(module, torch.nn.Linear) and not skipped(name)
@@ -114,15 +120,23 @@ def main():
     ap.add_argument("out", help="the JSON to write")
     ap.add_argument("--ddo", required=True, help="the ddo binary")
     ap.add_argument("--fixture", default="fixtures/flux_pipeline")
+    ap.add_argument("--device", choices=["cuda", "cpu"],
+                    default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("fp8_anchor.py: no CUDA device (TorchAO's fp8 GEMMs need one)")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("fp8_anchor.py: no CUDA device (use --device cpu)")
     ins = load_file(os.path.join(args.fixture, "inputs.safetensors"))
     ref = {"image": load_file(os.path.join(args.fixture, "outputs.safetensors"))["image"],
            "latents": load_file(os.path.join(args.fixture, "intermediates.safetensors"))[
                "latents_unscaled"]}
-    doc = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
-           "capability": list(torch.cuda.get_device_capability(0)), "call": CALL, "cases": {}}
+    doc = {"torch": torch.__version__, "call": CALL, "cases": {}}
+    if dev.type == "cuda":
+        doc["device"] = torch.cuda.get_device_name(0)
+        doc["capability"] = list(torch.cuda.get_device_capability(0))
+    else:
+        doc["device"] = "cpu"
+        doc["torchao_hardware_check"] = "skipped: torch._scaled_mm runs on the CPU"
     try:
         import torchao
         doc["torchao"] = torchao.__version__
@@ -138,15 +152,18 @@ def main():
 
     for name, quantize in (("diffusers_bf16", False), ("diffusers_torchao", True)):
         try:
-            latents, image, quantized = diffusers_run(args.fixture, ins, quantize)
+            latents, image, quantized = diffusers_run(args.fixture, ins, quantize, dev)
             record(name, latents, image, {"quantized_linears": len(quantized)} if quantize else None)
         except Exception as e:  # noqa: BLE001 - a failing case is a result
             doc["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(name, "error:", e, flush=True)
     with tempfile.TemporaryDirectory() as work:
-        for name, extra in (("ddo_bf16", ["--dtype", "bf16", "--device", "cuda:0"]),
-                            ("ddo_fp8", ["--compute", "fp8", "--device", "cuda:0"]),
-                            ("ddo_fp8_host", ["--compute", "fp8"])):
+        on = ["--device", "cuda:0"] if dev.type == "cuda" else []
+        cases = [("ddo_bf16", ["--dtype", "bf16"] + on)]
+        if dev.type == "cuda":
+            cases.append(("ddo_fp8", ["--compute", "fp8"] + on))
+        cases.append(("ddo_fp8_host", ["--compute", "fp8"]))
+        for name, extra in cases:
             latents, image, note = ddo_run(args.ddo, args.fixture, extra, work)
             if latents is None:
                 doc["cases"][name] = {"error": note}
@@ -154,10 +171,11 @@ def main():
             else:
                 record(name, latents, image, {"note": note} if note else None)
     c = doc["cases"]
-    if "latents_rel_l2" in c.get("ddo_fp8", {}) and "latents_rel_l2" in c.get("diffusers_torchao", {}):
-        doc["ddo_fp8_over_torchao"] = {
-            k: c["ddo_fp8"][k] / c["diffusers_torchao"][k] for k in ("latents_rel_l2", "image_rel_l2")}
-        print("ddo fp8 / torchao:", json.dumps(doc["ddo_fp8_over_torchao"]), flush=True)
+    for ours in ("ddo_fp8", "ddo_fp8_host"):
+        if "latents_rel_l2" in c.get(ours, {}) and "latents_rel_l2" in c.get("diffusers_torchao", {}):
+            doc[f"{ours}_over_torchao"] = {
+                k: c[ours][k] / c["diffusers_torchao"][k] for k in ("latents_rel_l2", "image_rel_l2")}
+            print(f"{ours} / torchao:", json.dumps(doc[f"{ours}_over_torchao"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
 

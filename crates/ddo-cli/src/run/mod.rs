@@ -139,10 +139,10 @@ pub(crate) fn set_compute(
     json: bool,
 ) {
     let fp8 = compute == crate::cli::values::Compute::Fp8;
-    let mut linears = 0usize;
+    let mut by_component = Vec::new();
     for c in pipeline.components() {
         c.set_fp8_compute(fp8);
-        linears += c
+        let linears = c
             .leaves()
             .iter()
             .filter(|l| l.kind() == ddo_core::LeafKind::Linear)
@@ -152,14 +152,22 @@ pub(crate) fn set_compute(
                     .any(|(n, p)| n == "weight" && p.dtype() == DType::F8E4M3)
             })
             .count();
+        if linears > 0 {
+            by_component.push(format!("{} {linears}", c.name()));
+        }
     }
     if !fp8 {
         return;
     }
     let native = device.ops().is_some_and(|o| o.fp8_tensor_cores());
     let mut note = format!(
-        "--compute fp8: {linears} linears with E4M3 weights run in fp8 (weights of another \
-         dtype were stored as E4M3 at load; the others compute in bf16)"
+        "--compute fp8: the linears with E4M3 weights run in fp8 ({}; weights of another dtype \
+         were stored as E4M3 at load; the other linears compute in bf16)",
+        if by_component.is_empty() {
+            "none".to_string()
+        } else {
+            by_component.join(", ")
+        }
     );
     if !native {
         note.push_str(&format!(
