@@ -25,7 +25,6 @@ use ddo_routes::{
     plan_pipeline,
 };
 use serde::Serialize;
-use serde_json::json;
 
 use crate::cli::BenchArgs;
 use crate::error::{CliError, CliResult};
@@ -35,6 +34,8 @@ use crate::progress::ProgressBar;
 use crate::run::{ComponentFiles, build_pipeline, source_from_args};
 use crate::setup::{DeviceChoice, DeviceNeeds, check_budget, host_budget, open_device};
 use crate::size::ImageSize;
+
+pub mod report;
 
 /// The candidates when none are given: every route, group offload in its three shapes.
 const DEFAULT_ROUTES: [&str; 5] = [
@@ -901,30 +902,32 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         DeviceChoice::Cpu => "host (a fresh host device per candidate)".to_string(),
         DeviceChoice::Cuda(n) => format!("cuda:{n}"),
     };
-    let value = json!({
-        "command": "bench",
-        "model": model_label,
-        "component": name,
-        "device": device_label,
-        "height": height,
-        "width": width,
-        "size_note": size.note,
-        "repeats": repeats,
-        "warmup": warmup,
-        "link_bytes_per_sec": bandwidth,
-        "compute_floor": compute_floor,
-        "disk": disk,
-        "candidates": results,
-    });
-    let json_text = serde_json::to_string_pretty(&value).unwrap_or_default() + "\n";
+    let report = report::BenchReport {
+        command: "bench",
+        model: model_label,
+        component: name,
+        device: device_label,
+        height,
+        width,
+        size_note: size.note,
+        repeats,
+        warmup,
+        link_bytes_per_sec: bandwidth,
+        compute_floor,
+        disk,
+        candidates: results,
+    };
+    let json_text = serde_json::to_string_pretty(&report).unwrap_or_default() + "\n";
     // Every file is made before any is written: all of them or none.
     let mut files: Vec<(&'static str, Vec<u8>)> = Vec::new();
     if out_json.is_some() {
         files.push(("--out-json", json_text.clone().into_bytes()));
     }
     if plot_paths.is_some() {
-        let (svg, png) =
-            crate::plot::render_plot(&format!("ddo bench: {name} on {device_label}"), &results)?;
+        let (svg, png) = crate::plot::render_plot(
+            &format!("ddo bench: {} on {}", report.component, report.device),
+            &report.candidates,
+        )?;
         files.push(("--plot", svg.into_bytes()));
         files.push(("--plot", png));
     }
@@ -933,127 +936,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let text = if args.json {
         json_text
     } else {
-        let mut s = format!(
-            "ddo bench: {name} of {model_label} on {device_label}, {width}x{height} px, {repeats} timed forwards ({warmup} warm-up)\n"
-        );
-        if let Some(n) = &size.note {
-            s += &format!("  note: {n}\n");
-        }
-        s += &format!(
-            "link floor: host->device {:.2} GB/s measured in this process{}\n",
-            bandwidth / 1e9,
-            if disk.is_empty() {
-                ""
-            } else {
-                "; a candidate reading from the disk each forward: the larger of that and its disk bytes at the disk's best rate below"
-            }
-        );
-        if let Some(c) = &compute_floor {
-            s += &format!("{}\n", c.format_line());
-        }
-        for d in &disk {
-            s += &format!(
-                "disk: {:.2} GB/s cold, {} of {} file(s) read by {} thread(s){}\n",
-                d.bytes_per_sec / 1e9,
-                format_bytes(d.bytes),
-                d.files,
-                d.readers,
-                if d.direct {
-                    " with O_DIRECT"
-                } else {
-                    " through the page cache after dropping the files' cached pages"
-                }
-            );
-        }
-        s += "\n";
-        let lw = results
-            .iter()
-            .map(|r| r.label.len())
-            .max()
-            .unwrap_or(9)
-            .max(9);
-        s += &format!(
-            "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8} {:>10}\n",
-            "candidate",
-            "median",
-            "min",
-            "max",
-            "peak",
-            "streamed/fwd",
-            "floor",
-            "x floor",
-            "x compute"
-        );
-        let ms = |v: f64| format!("{:.2} ms", v * 1e3);
-        for r in &results {
-            if let Some(e) = &r.error {
-                s += &format!("{:<lw$} refused: {e}\n", r.label);
-                continue;
-            }
-            s += &format!(
-                "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8} {:>10}\n",
-                r.label,
-                ms(r.median_seconds),
-                ms(r.min_seconds),
-                ms(r.max_seconds),
-                format_bytes(r.peak_bytes),
-                format_bytes(r.streamed_bytes_per_forward),
-                ms(r.floor_seconds),
-                r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}")),
-                r.ratio_to_compute_floor
-                    .map_or("-".into(), |x| format!("{x:.2}"))
-            );
-        }
-        // The coded-unit cache's state (and why it was not used) in the text too, not only
-        // in the JSON.
-        for r in &results {
-            if let Some(c) = &r.coded {
-                s += &format!("{}: {}\n", r.label, c.format_line());
-            }
-        }
-        for r in &results {
-            if let Some(w) = &r.lora_switch {
-                s += &format!(
-                    "{}: LoRA switch {:.1} ms for {} of factors ({:.2}x the bound 0.1 s + bytes over the link, {:.1} ms; reading the files before it {:.1} ms)\n",
-                    r.label,
-                    w.seconds * 1e3,
-                    format_bytes(w.bytes),
-                    w.seconds / w.bound_seconds,
-                    w.bound_seconds * 1e3,
-                    w.read_seconds * 1e3
-                );
-            }
-        }
-        for r in &results {
-            if let Some(t) = &r.timeline {
-                s += &format!(
-                    "\n{}: {}",
-                    r.label,
-                    t.format_text((r.floor_seconds > 0.0).then_some(r.floor_seconds * 1e3))
-                );
-            }
-        }
-        if profile {
-            for r in &results {
-                match &r.op_profile {
-                    Some(p) => {
-                        s += &format!("\n{}: device time per op class, one forward\n", r.label);
-                        s += &p.format_text();
-                    }
-                    None if r.error.is_none() => {
-                        s += &format!("\n{}: this device keeps no per-op profile\n", r.label);
-                    }
-                    None => {}
-                }
-            }
-        }
-        if let Some(p) = &out_json {
-            s += &format!("\nwrote {}\n", p.display());
-        }
-        if let Some((svg, png)) = &plotted {
-            s += &format!("wrote {} and {}\n", svg.display(), png.display());
-        }
-        s
+        report.format_text(profile, out_json.as_deref(), plotted.as_ref())
     };
     out.write_all(text.as_bytes())
         .map_err(|e| CliError::runtime(format!("cannot write: {e}"), ""))

@@ -1,0 +1,183 @@
+//! `ddo bench`'s report: the figures of one bench (its JSON, as `--json` and `--out-json`
+//! write it) and the table it prints.
+
+use std::path::{Path, PathBuf};
+
+use ddo_metrics::format_bytes;
+use serde::Serialize;
+
+use super::CandidateResult;
+use crate::compute_floor::ComputeFloor;
+
+/// One bench's figures.
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    /// `"bench"`.
+    pub command: &'static str,
+    /// The model's label.
+    pub model: String,
+    /// The component benched.
+    pub component: String,
+    /// The device, in words.
+    pub device: String,
+    /// The workload's size (rounded to whole latent patches).
+    pub height: usize,
+    /// The workload's width.
+    pub width: usize,
+    /// Why the size differs from the one asked for.
+    pub size_note: Option<String>,
+    /// Timed forwards per candidate.
+    pub repeats: usize,
+    /// Warm-up forwards per candidate.
+    pub warmup: usize,
+    /// The host→device rate measured first, bytes a second.
+    pub link_bytes_per_sec: f64,
+    /// The compute floor (none where no forward was counted).
+    pub compute_floor: Option<ComputeFloor>,
+    /// The disk probes (`--weights`).
+    pub disk: Vec<ddo_core::disk::DiskRate>,
+    /// Each candidate's figures.
+    pub candidates: Vec<CandidateResult>,
+}
+
+impl BenchReport {
+    /// The table `ddo bench` prints: the header (link, compute and disk floors), one row per
+    /// candidate, then what candidates add (coded streaming, LoRA switches, timelines, and
+    /// with `profile` the per-op profiles), and the files written.
+    pub fn format_text(
+        &self,
+        profile: bool,
+        out_json: Option<&Path>,
+        plotted: Option<&(PathBuf, PathBuf)>,
+    ) -> String {
+        let mut s = format!(
+            "ddo bench: {} of {} on {}, {}x{} px, {} timed forwards ({} warm-up)\n",
+            self.component,
+            self.model,
+            self.device,
+            self.width,
+            self.height,
+            self.repeats,
+            self.warmup
+        );
+        if let Some(n) = &self.size_note {
+            s += &format!("  note: {n}\n");
+        }
+        s += &format!(
+            "link floor: host->device {:.2} GB/s measured in this process{}\n",
+            self.link_bytes_per_sec / 1e9,
+            if self.disk.is_empty() {
+                ""
+            } else {
+                "; a candidate reading from the disk each forward: the larger of that and its disk bytes at the disk's best rate below"
+            }
+        );
+        if let Some(c) = &self.compute_floor {
+            s += &format!("{}\n", c.format_line());
+        }
+        for d in &self.disk {
+            s += &format!(
+                "disk: {:.2} GB/s cold, {} of {} file(s) read by {} thread(s){}\n",
+                d.bytes_per_sec / 1e9,
+                format_bytes(d.bytes),
+                d.files,
+                d.readers,
+                if d.direct {
+                    " with O_DIRECT"
+                } else {
+                    " through the page cache after dropping the files' cached pages"
+                }
+            );
+        }
+        s += "\n";
+        let lw = self
+            .candidates
+            .iter()
+            .map(|r| r.label.len())
+            .max()
+            .unwrap_or(9)
+            .max(9);
+        s += &format!(
+            "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8} {:>10}\n",
+            "candidate",
+            "median",
+            "min",
+            "max",
+            "peak",
+            "streamed/fwd",
+            "floor",
+            "x floor",
+            "x compute"
+        );
+        let ms = |v: f64| format!("{:.2} ms", v * 1e3);
+        for r in &self.candidates {
+            if let Some(e) = &r.error {
+                s += &format!("{:<lw$} refused: {e}\n", r.label);
+                continue;
+            }
+            s += &format!(
+                "{:<lw$} {:>10} {:>10} {:>10} {:>12} {:>13} {:>10} {:>8} {:>10}\n",
+                r.label,
+                ms(r.median_seconds),
+                ms(r.min_seconds),
+                ms(r.max_seconds),
+                format_bytes(r.peak_bytes),
+                format_bytes(r.streamed_bytes_per_forward),
+                ms(r.floor_seconds),
+                r.ratio_to_floor.map_or("-".into(), |x| format!("{x:.2}")),
+                r.ratio_to_compute_floor
+                    .map_or("-".into(), |x| format!("{x:.2}"))
+            );
+        }
+        // The coded-unit cache's state (and why it was not used) in the text too, not only
+        // in the JSON.
+        for r in &self.candidates {
+            if let Some(c) = &r.coded {
+                s += &format!("{}: {}\n", r.label, c.format_line());
+            }
+        }
+        for r in &self.candidates {
+            if let Some(w) = &r.lora_switch {
+                s += &format!(
+                    "{}: LoRA switch {:.1} ms for {} of factors ({:.2}x the bound 0.1 s + bytes over the link, {:.1} ms; reading the files before it {:.1} ms)\n",
+                    r.label,
+                    w.seconds * 1e3,
+                    format_bytes(w.bytes),
+                    w.seconds / w.bound_seconds,
+                    w.bound_seconds * 1e3,
+                    w.read_seconds * 1e3
+                );
+            }
+        }
+        for r in &self.candidates {
+            if let Some(t) = &r.timeline {
+                s += &format!(
+                    "\n{}: {}",
+                    r.label,
+                    t.format_text((r.floor_seconds > 0.0).then_some(r.floor_seconds * 1e3))
+                );
+            }
+        }
+        if profile {
+            for r in &self.candidates {
+                match &r.op_profile {
+                    Some(p) => {
+                        s += &format!("\n{}: device time per op class, one forward\n", r.label);
+                        s += &p.format_text();
+                    }
+                    None if r.error.is_none() => {
+                        s += &format!("\n{}: this device keeps no per-op profile\n", r.label);
+                    }
+                    None => {}
+                }
+            }
+        }
+        if let Some(p) = out_json {
+            s += &format!("\nwrote {}\n", p.display());
+        }
+        if let Some((svg, png)) = plotted {
+            s += &format!("wrote {} and {}\n", svg.display(), png.display());
+        }
+        s
+    }
+}
