@@ -29,6 +29,7 @@ use std::process::Command;
 use crate::gpu::make_executable;
 use crate::{cargo, run, workspace_root};
 
+mod compute;
 mod full;
 mod host_ram;
 mod serve;
@@ -39,7 +40,7 @@ pub const BENCH_DIR: &str = "gpu-bundle/bench";
 /// Python files the job needs, from `tools/`.
 const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
 
-const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--run] | cargo xtask bench --serve [--run]";
+const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--run] | cargo xtask bench --serve [--run] | cargo xtask bench --compute [--run]";
 
 /// `--host-ram SIZES [--steps N] [--run]` ([`host_ram`]).
 fn bench_host_ram(args: &[String]) -> Result<(), String> {
@@ -75,6 +76,14 @@ fn bench_host_ram(args: &[String]) -> Result<(), String> {
 pub fn bench(args: &[String]) -> Result<(), String> {
     if args.iter().any(|a| a == "--host-ram") {
         return bench_host_ram(args);
+    }
+    if args.iter().any(|a| a == "--compute") {
+        return match args.iter().find(|a| *a != "--compute" && *a != "--run") {
+            Some(other) => Err(format!(
+                "bench --compute: unknown argument `{other}`; usage: {USAGE}"
+            )),
+            None => compute::bench_compute(args.iter().any(|a| a == "--run")),
+        };
     }
     if args.iter().any(|a| a == "--serve") {
         return match args.iter().find(|a| *a != "--serve" && *a != "--run") {

@@ -78,7 +78,7 @@ const fn wheel(dist: &'static str, version: &'static str, module: &'static str) 
 /// image's; it takes huggingface_hub below 2, which Diffusers 0.42.1 wants at 1.32 or later)
 /// and its runtime dependencies, accelerate (group offloading's `send_to_device`). The GPU
 /// image had all of these when last read; they are carried in case it does not.
-pub const FALLBACK_WHEELS: [PyWheel; 10] = [
+pub const FALLBACK_WHEELS: [PyWheel; 11] = [
     wheel("transformers", "5.17.0", "transformers"),
     wheel("tokenizers", "0.23.2", "tokenizers"),
     wheel("huggingface_hub", "1.33.0", "huggingface_hub"),
@@ -89,6 +89,8 @@ pub const FALLBACK_WHEELS: [PyWheel; 10] = [
     wheel("tqdm", "4.70.1", "tqdm"),
     wheel("packaging", "26.4", "packaging"),
     wheel("filelock", "4.3.1", "filelock"),
+    // `bench --compute`'s fp8 anchor (issue 39); abi3, any CPython from 3.10.
+    wheel("torchao", "0.18.0", "torchao"),
 ];
 
 /// What `--full` was given.
