@@ -233,3 +233,96 @@ fn native(
     // Refused (the reason is kept for `cublaslt_refusal`): the output was never written.
     Ok(ran.then_some(y))
 }
+
+#[cfg(test)]
+mod tests {
+    use float8::F8E4M3;
+
+    /// `float_to_e4m3` of `kernels/fp8_compute.cu`, statement for statement (`__float2uint_rn`
+    /// rounds half to even): held here to the `float8` crate, which the host reference rounds
+    /// with, so that the kernel's codes are the reference's.
+    fn kernel_float_to_e4m3(v: f32) -> u8 {
+        let sign = (v.to_bits() >> 24) & 0x80;
+        let a = v.abs();
+        if a.is_nan() {
+            return (sign | 0x7f) as u8;
+        }
+        if a < 0.015625 {
+            return (sign | (a * 512.0).round_ties_even() as u32) as u8;
+        }
+        let mut bits = a.to_bits();
+        bits = bits.wrapping_add(0x7ffff + ((bits >> 20) & 1));
+        let e = (bits >> 23).wrapping_sub(120);
+        let code = (e << 3) | ((bits >> 20) & 7);
+        (sign | code.min(0x7e)) as u8
+    }
+
+    /// The kernel's clamp, then its rounding.
+    fn kernel_quantize(v: f32, scale: f32) -> u8 {
+        let mut s = v * scale;
+        if s > 448.0 {
+            s = 448.0;
+        } else if s < -448.0 {
+            s = -448.0;
+        }
+        kernel_float_to_e4m3(s)
+    }
+
+    #[test]
+    fn the_kernels_rounding_is_the_references_on_every_binade_and_tie() {
+        let reference = |v: f32| F8E4M3::from_f32(v.clamp(-448.0, 448.0)).to_bits();
+        // Every E4M3 value, the midpoints between neighbours (ties), and a step either side.
+        let mut values = Vec::new();
+        for code in 0u8..=0x7e {
+            let x = F8E4M3::from_bits(code).to_f32();
+            let next = F8E4M3::from_bits(code + 1).to_f32();
+            let mid = (x + next) / 2.0;
+            for v in [
+                x,
+                mid,
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            ] {
+                values.push(v);
+                values.push(-v);
+            }
+        }
+        // A spread of f32s over E4M3's range and beyond it (saturated).
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let e = (state % 40) as i32 - 20;
+            let m = 1.0 + (state >> 40) as f32 / (1u64 << 24) as f32;
+            let sign = if state & 1 == 0 { 1.0 } else { -1.0 };
+            values.push(sign * m * 2f32.powi(e));
+        }
+        values.extend([
+            0.0,
+            -0.0,
+            448.0,
+            449.0,
+            1e30,
+            -1e30,
+            2f32.powi(-10),
+            2f32.powi(-9),
+        ]);
+        for v in values {
+            if v.abs() <= 448.0 || !v.is_finite() {
+                assert_eq!(kernel_float_to_e4m3(v), reference(v), "{v:e}");
+            }
+            assert_eq!(kernel_quantize(v, 1.0), reference(v), "{v:e}");
+        }
+        // NaN stays NaN through the clamp (the kernel's NaN scale).
+        assert_eq!(kernel_quantize(1.0, f32::NAN) & 0x7f, 0x7f);
+        // The reference's own quantization (scale applied) agrees with the kernel's.
+        for v in [0.3f32, -1.7, 3.1e-3, 250.0] {
+            let scale = 448.0 / 3.0f32;
+            assert_eq!(
+                F8E4M3::from_bits(kernel_quantize(v, scale)).to_f32(),
+                ddo_core::fp8_compute::quantize(v, scale)
+            );
+        }
+    }
+}
