@@ -257,15 +257,10 @@ mod tests {
         (sign | code.min(0x7e)) as u8
     }
 
-    /// The kernel's clamp, then its rounding.
+    /// The kernel's clamp (its two comparisons leave a NaN as it is, as `f32::clamp`
+    /// does), then its rounding.
     fn kernel_quantize(v: f32, scale: f32) -> u8 {
-        let mut s = v * scale;
-        if s > 448.0 {
-            s = 448.0;
-        } else if s < -448.0 {
-            s = -448.0;
-        }
-        kernel_float_to_e4m3(s)
+        kernel_float_to_e4m3((v * scale).clamp(-448.0, 448.0))
     }
 
     #[test]
