@@ -84,3 +84,41 @@ fn fp8_compute_refuses_e5m2_weights_and_unknown_names() {
         );
     }
 }
+
+#[test]
+fn bench_says_which_compute_ran() {
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--config",
+            "tiny",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--route",
+            "none",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        common::json(&ddo(&args))
+    };
+    let fp8 = bench(&["--compute", "fp8"]);
+    assert_eq!(fp8["compute"], "fp8");
+    // The host backend runs the reference implementation.
+    assert_eq!(fp8["fp8_tensor_cores"], false);
+    assert!(fp8["compute_floor"]["seconds"].as_f64().unwrap() > 0.0);
+    // The same E4M3 weights computed in bf16.
+    let bf16 = bench(&["--dtype", "fp8"]);
+    assert_eq!(bf16["compute"], "bf16");
+    assert!(bf16["fp8_tensor_cores"].is_null());
+    // Not the same forward: the fp8 one quantized its activations.
+    assert_ne!(
+        fp8["candidates"][0]["output_fnv1a"],
+        bf16["candidates"][0]["output_fnv1a"]
+    );
+}

@@ -877,6 +877,17 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         }));
     }
     bar.finish();
+    // `--compute fp8`: whether the device ran the linears on fp8 tensor cores or ran the
+    // reference implementation.
+    let compute = args.compute.unwrap_or_default();
+    let fp8_tensor_cores = match compute {
+        crate::cli::values::Compute::Fp8 => Some(
+            device_for(false)?
+                .ops()
+                .is_some_and(|o| o.fp8_tensor_cores()),
+        ),
+        crate::cli::values::Compute::Bf16 => None,
+    };
     // The compute floor: the first counted forward's flops over the device's GEMM rate at
     // its largest linear, measured now (every candidate released).
     let compute_floor = match results
@@ -914,6 +925,8 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         warmup,
         link_bytes_per_sec: bandwidth,
         compute_floor,
+        compute: compute.as_str(),
+        fp8_tensor_cores,
         disk,
         candidates: results,
     };

@@ -34,6 +34,11 @@ pub struct BenchReport {
     pub link_bytes_per_sec: f64,
     /// The compute floor (none where no forward was counted).
     pub compute_floor: Option<ComputeFloor>,
+    /// `--compute`: `bf16` or `fp8`.
+    pub compute: &'static str,
+    /// Under `--compute fp8`: whether the device ran the E4M3 linears on fp8 tensor cores
+    /// (else the reference implementation ran).
+    pub fp8_tensor_cores: Option<bool>,
     /// The disk probes (`--weights`).
     pub disk: Vec<ddo_core::disk::DiskRate>,
     /// Each candidate's figures.
@@ -74,6 +79,13 @@ impl BenchReport {
         );
         if let Some(c) = &self.compute_floor {
             s += &format!("{}\n", c.format_line());
+        }
+        if let Some(native) = self.fp8_tensor_cores {
+            s += if native {
+                "--compute fp8: the E4M3 linears ran on fp8 tensor cores\n"
+            } else {
+                "--compute fp8: no fp8 tensor cores here: DDO's reference implementation ran\n"
+            };
         }
         for d in &self.disk {
             s += &format!(
