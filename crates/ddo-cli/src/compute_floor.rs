@@ -24,6 +24,9 @@ pub struct ComputeFloor {
     pub gemm: GemmShape,
     /// The best rate over the rounds, flop/s.
     pub flops_per_sec: f64,
+    /// What ran at that rate: `linear` (the device's own), or the GEMM library's fastest
+    /// algorithm where the backend searches them (`Ops::best_gemm_seconds`).
+    pub gemm_source: &'static str,
     /// `flops_per_forward / flops_per_sec`.
     pub seconds: f64,
 }
@@ -38,10 +41,12 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// The device's rate (flop/s) for `linear` at `gemm`: `x [rows, k]` and `w [n, k]` in the
-/// GEMM's dtype, a few calls to warm up, then the best of [`ROUNDS`] rounds of [`CALLS`]
-/// calls, each round timed from a synchronized device to a synchronized device.
-pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
+/// The device's rate (flop/s) for `linear` at `gemm`, and what ran at it: `x [rows, k]` and
+/// `w [n, k]` in the GEMM's dtype, a few calls to warm up, then the best of [`ROUNDS`]
+/// rounds of [`CALLS`] calls, each round timed from a synchronized device to a synchronized
+/// device; or the backend's search of its GEMM library's algorithms, where it has one and
+/// it is faster.
+pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'static str)> {
     let ops = ops_of(device)?;
     let x = ops.tensor_from_f32(
         &[gemm.rows, gemm.k],
@@ -70,7 +75,15 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
             "run ddo bench with a larger --height/--width",
         ));
     }
-    Ok(gemm.flops() as f64 * CALLS as f64 / best)
+    let mut per_call = (best / CALLS as f64, "linear");
+    drop((x, w));
+    if let Some(s) = ops.best_gemm_seconds(&gemm, CALLS)?
+        && s > 0.0
+        && s < per_call.0
+    {
+        per_call = (s, "the GEMM library's fastest algorithm");
+    }
+    Ok((gemm.flops() as f64 / per_call.0, per_call.1))
 }
 
 /// The floor of `flops_per_forward` at the rate [`gemm_rate`] measures for `gemm` on
@@ -80,11 +93,12 @@ pub fn measure(
     flops_per_forward: u64,
     gemm: GemmShape,
 ) -> CliResult<ComputeFloor> {
-    let flops_per_sec = gemm_rate(device, gemm)?;
+    let (flops_per_sec, gemm_source) = gemm_rate(device, gemm)?;
     Ok(ComputeFloor {
         flops_per_forward,
         gemm,
         flops_per_sec,
+        gemm_source,
         seconds: flops_per_forward as f64 / flops_per_sec,
     })
 }
@@ -100,10 +114,11 @@ impl ComputeFloor {
             ("G", 1e9)
         };
         format!(
-            "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s (the best of \
-             {ROUNDS} x {CALLS} linears {}x{}x{} {} in this process) = {:.2} ms",
+            "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s ({}, {}x{}x{} {}, \
+             best of {ROUNDS} x {CALLS} calls in this process) = {:.2} ms",
             self.flops_per_forward as f64 / div,
             self.flops_per_sec / div,
+            self.gemm_source,
             g.rows,
             g.k,
             g.n,

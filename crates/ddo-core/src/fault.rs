@@ -662,4 +662,12 @@ impl Ops for FaultInjectingDevice {
     fn fp8_tensor_cores(&self) -> bool {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }
+
+    fn best_gemm_seconds(
+        &self,
+        shape: &crate::profile::GemmShape,
+        calls: usize,
+    ) -> Result<Option<f64>> {
+        self.inner_ops()?.best_gemm_seconds(shape, calls)
+    }
 }

@@ -340,6 +340,19 @@ pub trait Ops: Send + Sync {
         false
     }
 
+    /// The fastest the backend's GEMM library runs [`Ops::linear`] at `shape`, in seconds a
+    /// call over `calls` calls, where it can search its algorithms (`ddo bench`'s compute
+    /// floor: the CUDA backend times the first eight of cuBLASLt's heuristic). `None`: the
+    /// backend's own `linear` is the best it has (the default).
+    fn best_gemm_seconds(
+        &self,
+        shape: &crate::profile::GemmShape,
+        calls: usize,
+    ) -> Result<Option<f64>> {
+        let _ = (shape, calls);
+        Ok(None)
+    }
+
     /// `x + gate * y`, broadcasting (NumPy rules; a DiT block's gated residual: `gate`
     /// `[b, 1, d]` over `x, y [b, t, d]`). The result has `x`'s dtype. The default is exactly
     /// [`gated_add_composed`] ([`Ops::binary`] `Mul`, rounded into `gate`'s dtype, then

@@ -734,6 +734,10 @@ impl Ops for ProfiledOps {
         self.device().is_ok_and(|d| d.fp8_tensor_cores())
     }
 
+    fn best_gemm_seconds(&self, shape: &GemmShape, calls: usize) -> Result<Option<f64>> {
+        self.device()?.best_gemm_seconds(shape, calls)
+    }
+
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         self.op(
             "gated_add",

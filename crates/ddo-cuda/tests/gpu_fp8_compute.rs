@@ -1,4 +1,5 @@
-//! GPU tests of `Ops::linear_fp8` (`--compute fp8`, issue 39): on a device with fp8 tensor
+//! GPU tests of issue 39's CUDA paths: `Ops::best_gemm_seconds` (the compute floor's search
+//! of cuBLASLt's algorithms) and `Ops::linear_fp8` (`--compute fp8`): on a device with fp8 tensor
 //! cores the cuBLASLt E4M3 GEMM against the host reference on the same operands (close: the
 //! codes are the reference's, the sums run in cuBLASLt's order), through the device's
 //! profiled ops; shapes it does not take (a width that is not a multiple of 16) run the
@@ -91,4 +92,25 @@ fn the_fp8_gemm_is_close_to_the_reference_and_other_shapes_are_the_reference() {
         }
         Err(e) => panic!("{e}"),
     }
+}
+
+#[test]
+fn the_gemm_search_times_cublaslt_for_16_bit_shapes_only() {
+    let Some(gpu) = common::open_gpu(false) else {
+        return;
+    };
+    let ops = ops_of(&*gpu).unwrap();
+    let shape = |dtype| ddo_core::GemmShape {
+        rows: 512,
+        k: 1024,
+        n: 768,
+        dtype,
+    };
+    let s = ops.best_gemm_seconds(&shape(DType::BF16), 5).unwrap();
+    println!("cuBLASLt's fastest algorithm at 512x1024x768 bf16: {s:?} s");
+    let s = s.expect("cuBLASLt runs bf16 linears");
+    assert!(s > 0.0 && s < 1.0, "{s}");
+    assert_eq!(ops.best_gemm_seconds(&shape(DType::F32), 5).unwrap(), None);
+    // Nothing of the search is left allocated once the stream is done with it.
+    gpu.synchronize().unwrap();
 }

@@ -156,6 +156,9 @@ pub(crate) struct LtLinear {
     pub fp8_b_scale: u64,
     /// `alpha` (1 for 16-bit operands; the weight's scale for fp8 ones).
     pub alpha: f32,
+    /// Which of the heuristic's algorithms runs: 0 its first choice (every linear), higher
+    /// ranks only for `ddo bench`'s search of the fastest (`gemm::best_linear_seconds`).
+    pub algo: u8,
 }
 
 /// The largest power of two (at most 256) dividing `ptr`: the alignment the algorithm may
@@ -180,6 +183,8 @@ struct Key {
     accumulate: bool,
     /// E4M3 operands.
     fp8: bool,
+    /// The heuristic's rank of the algorithm.
+    algo: u8,
     /// Alignments of `w`, `x`, `out` and the bias.
     align: [u32; 4],
     workspace: usize,
@@ -355,6 +360,7 @@ impl LtState {
             epilogue: g.epilogue,
             accumulate: g.accumulate,
             fp8,
+            algo: g.algo,
             align: [
                 alignment(g.w),
                 alignment(g.x),
@@ -502,16 +508,52 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax)?;
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &aout)?;
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &aout)?;
+    let wanted = usize::from(key.algo) + 1;
+    // SAFETY: `cublasLtMatmulHeuristicResult_t` is plain data; all zeros is a valid value,
+    // overwritten by the heuristic for the results it returns.
+    let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+        vec![unsafe { std::mem::zeroed() }; wanted];
+    let mut returned: std::ffi::c_int = 0;
     // SAFETY: the handle, the descriptor, the three layouts (C is D) and the preference are
-    // live objects created above; the heuristic only reads them and writes one result.
-    let found = unsafe {
-        lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref.0)
+    // live objects created above; the heuristic only reads them and writes at most `wanted`
+    // results into `results` (that many elements) and their count into `returned`.
+    unsafe {
+        sys::cublasLtMatmulAlgoGetHeuristic(
+            handle,
+            desc,
+            plan.a,
+            plan.b,
+            plan.d,
+            plan.d,
+            pref.0,
+            wanted as std::ffi::c_int,
+            results.as_mut_ptr(),
+            &mut returned,
+        )
     }
+    .result()
     .map_err(|e| {
         format!(
             "cublasLtMatmulAlgoGetHeuristic found no algorithm for m {} n {} k {} {:?} {:?} \
              (status {:?})",
             key.m, key.n, key.k, key.dtype, key.epilogue, e.0
+        )
+    })?;
+    let found = results
+        .get(usize::from(key.algo))
+        .filter(|_| returned > i32::from(key.algo))
+        .copied()
+        .ok_or_else(|| {
+            format!(
+                "cublasLtMatmulAlgoGetHeuristic offers {returned} algorithm(s) for m {} n {} \
+                 k {}, not rank {}",
+                key.m, key.n, key.k, key.algo
+            )
+        })?;
+    found.state.result().map_err(|e| {
+        format!(
+            "the heuristic's algorithm {} is unusable (status {:?})",
+            key.algo, e.0
         )
     })?;
     if found.workspaceSize > key.workspace {

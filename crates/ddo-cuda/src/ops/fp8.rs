@@ -221,6 +221,7 @@ fn native(
         accumulate: false,
         fp8_b_scale: state.ptr + 8,
         alpha: w.scale().unwrap_or(1.0),
+        algo: 0,
     };
     let ran = super::gemm::lt_linear(dev, &g)?;
     let mut inputs = vec![&xi, &wi];

@@ -594,6 +594,69 @@ pub(super) fn lt_linear(dev: &CudaDevice, g: &LtLinear) -> Result<bool> {
     }
 }
 
+/// Algorithms of cuBLASLt's heuristic tried by [`best_linear_seconds`].
+const SEARCHED_ALGORITHMS: u8 = 8;
+
+/// The fastest of the first [`SEARCHED_ALGORITHMS`] algorithms cuBLASLt's heuristic offers
+/// for `linear` at `shape` (16-bit operands; `ddo bench`'s compute floor): each warmed up
+/// once, then `calls` calls timed by events on the compute stream; seconds per call and the
+/// algorithm's rank. `None` where cuBLASLt is off, missing or refuses the shape, or for f32.
+pub(crate) fn best_linear_seconds(
+    dev: &CudaDevice,
+    shape: &ddo_core::GemmShape,
+    calls: usize,
+) -> Result<Option<(f64, u8)>> {
+    if !dev.cublaslt_enabled() || !matches!(shape.dtype, DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    let (rows, k, n) = (shape.rows, shape.k, shape.n);
+    let value = |i: usize| ((i * 7919) % 997) as f32 / 498.5 - 1.0;
+    let xv: Vec<f32> = (0..rows * k).map(value).collect();
+    let wv: Vec<f32> = (0..n * k).map(|i| value(i + 1)).collect();
+    let x = Ops::tensor_from_f32(dev, &[rows, k], shape.dtype, &xv)?;
+    let w = Ops::tensor_from_f32(dev, &[n, k], shape.dtype, &wv)?;
+    let (xi, wi) = (input(dev, "linear", &x)?, input(dev, "linear", &w)?);
+    let out = Out::new(dev, "linear", vec![rows, n], shape.dtype)?;
+    let stream = dev.compute_stream();
+    let mut best: Option<(f64, u8)> = None;
+    for algo in 0..SEARCHED_ALGORITHMS {
+        let g = LtLinear {
+            m: n,
+            n: rows,
+            k,
+            w: wi.ptr,
+            x: xi.ptr,
+            out: out.ptr,
+            bias: 0,
+            dtype: shape.dtype,
+            epilogue: Epilogue::Plain,
+            accumulate: false,
+            fp8_b_scale: 0,
+            alpha: 1.0,
+            algo,
+        };
+        if !lt_linear(dev, &g)? {
+            break; // no algorithm of this rank (or a refusal): the search ends
+        }
+        let start = Device::record_timed_event(dev, &stream)?;
+        let mut ran = true;
+        for _ in 0..calls {
+            ran &= lt_linear(dev, &g)?;
+        }
+        let end = Device::record_timed_event(dev, &stream)?;
+        Device::synchronize_event(dev, &end)?;
+        let Some(ns) = Device::event_elapsed_ns(dev, &start, &end)? else {
+            break;
+        };
+        let seconds = ns.max(1) as f64 / 1e9 / calls.max(1) as f64;
+        if ran && best.is_none_or(|(b, _)| seconds < b) {
+            best = Some((seconds, algo));
+        }
+    }
+    drop(out.finish(dev, &[&xi, &wi])?);
+    Ok(best)
+}
+
 /// For a linear whose weight or bias is stored as an 8-bit float, both decoded exactly into
 /// new tensors of `x`'s dtype (freed in stream order after the GEMM); `None` otherwise.
 #[allow(clippy::type_complexity)] // the pair a linear takes
@@ -706,6 +769,7 @@ fn linear_impl(
             accumulate: false,
             fp8_b_scale: 0,
             alpha: 1.0,
+            algo: 0,
         };
         if lt_linear(dev, &g)? {
             return Ok((out.finish(dev, &inputs)?, gelu));
@@ -806,6 +870,7 @@ pub(crate) fn linear_accumulate(
             accumulate: true,
             fp8_b_scale: 0,
             alpha: 1.0,
+            algo: 0,
         };
         let ran = lt_linear(dev, &g)?;
         if ran {

@@ -302,6 +302,10 @@ impl Ops for CudaDevice {
         fp8::tensor_cores(self)
     }
 
+    fn best_gemm_seconds(&self, shape: &ddo_core::GemmShape, calls: usize) -> Result<Option<f64>> {
+        Ok(gemm::best_linear_seconds(self, shape, calls)?.map(|(seconds, _)| seconds))
+    }
+
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         gemm::matmul(self, a, b)
     }
