@@ -509,10 +509,12 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &aout)?;
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &aout)?;
     let wanted = usize::from(key.algo) + 1;
-    // SAFETY: `cublasLtMatmulHeuristicResult_t` is plain data; all zeros is a valid value,
-    // overwritten by the heuristic for the results it returns.
-    let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
-        vec![unsafe { std::mem::zeroed() }; wanted];
+    let zeroed: sys::cublasLtMatmulHeuristicResult_t =
+        // SAFETY: `cublasLtMatmulHeuristicResult_t` is plain data (an algorithm's words, sizes,
+        // a status and waves count); all zeros is a valid value, overwritten by the heuristic
+        // for the results it returns.
+        unsafe { std::mem::zeroed() };
+    let mut results = vec![zeroed; wanted];
     let mut returned: std::ffi::c_int = 0;
     // SAFETY: the handle, the descriptor, the three layouts (C is D) and the preference are
     // live objects created above; the heuristic only reads them and writes at most `wanted`
