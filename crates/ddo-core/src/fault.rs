@@ -659,6 +659,17 @@ impl Ops for FaultInjectingDevice {
         self.op("linear_fp8", |o| o.linear_fp8(x, w, bias))
     }
 
+    fn linear_fp8_gelu_tanh(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.op("linear_fp8_gelu_tanh", |o| {
+            o.linear_fp8_gelu_tanh(x, w, bias)
+        })
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }

@@ -334,6 +334,19 @@ pub trait Ops: Send + Sync {
         crate::fp8_compute::linear_fp8_reference(self, x, w, bias)
     }
 
+    /// `gelu_tanh(linear_fp8(x, w, bias))`, so a backend can apply the activation in the fp8
+    /// GEMM's epilogue. The default is exactly [`Ops::linear_fp8`] then [`Ops::unary_owned`]
+    /// `GeluTanh`.
+    fn linear_fp8_gelu_tanh(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let y = self.linear_fp8(x, w, bias)?;
+        self.unary_owned(y, UnaryOp::GeluTanh)
+    }
+
     /// Whether [`Ops::linear_fp8`] runs on fp8 tensor cores; `false`: the reference
     /// implementation runs (the host backend, a GPU without fp8 support).
     fn fp8_tensor_cores(&self) -> bool {

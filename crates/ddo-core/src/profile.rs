@@ -730,6 +730,23 @@ impl Ops for ProfiledOps {
         )
     }
 
+    /// A class of its own, with the linear's flops (the activation's are not counted).
+    fn linear_fp8_gelu_tanh(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.profiler.note_linear(x, w);
+        self.op(
+            "linear_fp8_gelu_tanh",
+            None,
+            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
+            &|_| linear_flops(&[x], w),
+            |d| d.linear_fp8_gelu_tanh(x, w, bias),
+        )
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         self.device().is_ok_and(|d| d.fp8_tensor_cores())
     }

@@ -28,6 +28,18 @@ fn run(
     n: usize,
     nan: bool,
 ) -> Result<Vec<f32>, CoreError> {
+    run_op(dev, rows, k, n, nan, false)
+}
+
+/// [`run`], through `linear_fp8_gelu_tanh` where `gelu`.
+fn run_op(
+    dev: &dyn Device,
+    rows: usize,
+    k: usize,
+    n: usize,
+    nan: bool,
+    gelu: bool,
+) -> Result<Vec<f32>, CoreError> {
     let ops = ops_of(dev)?;
     let on = |shape: &[usize], dtype: DType, v: &[f32]| {
         Tensor::from_f32(shape.to_vec(), dtype, v)?.to_device(dev, &dev.compute_stream())
@@ -39,7 +51,11 @@ fn run(
     let x = on(&[2, rows, k], DType::BF16, &xv)?;
     let w = on(&[n, k], DType::F8E4M3, &values(n * k, 200.0, 2))?.with_scale(Some(0.0078125))?;
     let b = on(&[n], DType::BF16, &values(n, 1.0, 3))?;
-    let y: Tensor = ops.linear_fp8(&x, &w, Some(&b))?;
+    let y: Tensor = if gelu {
+        ops.linear_fp8_gelu_tanh(&x, &w, Some(&b))?
+    } else {
+        ops.linear_fp8(&x, &w, Some(&b))?
+    };
     assert_eq!(y.shape(), [2, rows, n]);
     assert_eq!(y.dtype(), DType::BF16);
     ops.to_f32_vec(&y)
@@ -74,6 +90,15 @@ fn the_fp8_gemm_is_close_to_the_reference_and_other_shapes_are_the_reference() {
     } else {
         assert_eq!(got, want);
     }
+    // With the GELU (in cuBLASLt's epilogue where it takes it): close to the host's
+    // composition.
+    let (got, want) = (
+        run_op(g, 37, 128, 96, false, true).unwrap(),
+        run_op(h, 37, 128, 96, false, true).unwrap(),
+    );
+    let e = rel_l2(&got, &want);
+    println!("fp8 GEMM + GELU against the reference: relative L2 {e:.3e}");
+    assert!(e < 1e-2, "{e}");
     // k = 40: not a multiple of 16, the reference on the GPU too: the same bytes.
     assert_eq!(
         run(g, 5, 40, 32, false).unwrap(),

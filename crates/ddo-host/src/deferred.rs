@@ -726,6 +726,16 @@ impl Ops for DeferredComputeDevice {
         self.op(move |o| o.linear_fp8(&x, &w, b.as_ref()))
     }
 
+    fn linear_fp8_gelu_tanh(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (x, w, b) = (x.clone(), w.clone(), bias.cloned());
+        self.op(move |o| o.linear_fp8_gelu_tanh(&x, &w, b.as_ref()))
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }

@@ -34,8 +34,9 @@ fn weight<'w>(ops: &dyn Ops, w: &'w LeafWeights<'_>, dtype: DType) -> Result<Cow
     }
 }
 
-/// The fp8 product of leaf `w`'s E4M3 `weight` ([`Ops::linear_fp8`], `--compute fp8`), a
-/// non-finite input named by its layer (`component.leaf`).
+/// The fp8 product of leaf `w`'s E4M3 `weight` ([`Ops::linear_fp8`], `--compute fp8`; with
+/// `gelu`, [`Ops::linear_fp8_gelu_tanh`]), a non-finite input named by its layer
+/// (`component.leaf`).
 fn linear_fp8(
     ops: &dyn Ops,
     component: &str,
@@ -43,8 +44,14 @@ fn linear_fp8(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
+    gelu: bool,
 ) -> Result<Tensor> {
-    ops.linear_fp8(x, weight, bias).map_err(|e| match e {
+    let y = if gelu {
+        ops.linear_fp8_gelu_tanh(x, weight, bias)
+    } else {
+        ops.linear_fp8(x, weight, bias)
+    };
+    y.map_err(|e| match e {
         CoreError::NonFiniteActivation { layer } if layer.is_empty() => {
             CoreError::NonFiniteActivation {
                 layer: format!("{component}.{}", w.leaf().path()),
@@ -105,7 +112,7 @@ impl Linear {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
             if runs_fp8(fp8, &weight) {
-                let y = linear_fp8(ops, component, w, x, &weight, b)?;
+                let y = linear_fp8(ops, component, w, x, &weight, b, false)?;
                 return add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()));
             }
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
@@ -127,7 +134,12 @@ impl Linear {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
             if runs_fp8(fp8, &weight) {
-                let y = linear_fp8(ops, component, w, x, &weight, b)?;
+                if w.adapters().is_empty() {
+                    // The activation in the fp8 GEMM's epilogue where the backend has one.
+                    return linear_fp8(ops, component, w, x, &weight, b, true);
+                }
+                let y = linear_fp8(ops, component, w, x, &weight, b, false)?;
+                // The adapters go in before the activation.
                 let y = add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()))?;
                 return ops.unary_owned(y, UnaryOp::GeluTanh);
             }
@@ -156,7 +168,7 @@ impl Linear {
                     xs,
                     xs.first().map_or(0, |x| x.shape().len().saturating_sub(1)),
                 )?;
-                linear_fp8(ops, component, w, &x, &weight, b)?
+                linear_fp8(ops, component, w, &x, &weight, b, false)?
             } else {
                 ops.linear_concat(xs, &weight, b)?
             };

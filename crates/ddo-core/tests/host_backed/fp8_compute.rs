@@ -66,6 +66,25 @@ fn linear_fp8_is_the_reference_rounded_once_on_every_host_path() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&outs[0]), bits(&want));
     assert_eq!(bits(&outs[1]), bits(&want));
+    // With the GELU: exactly the product, then the element-wise GELU, on both devices.
+    for d in [&*host as &dyn Device, &*deferred as &dyn Device] {
+        let ops = ops_of(d).unwrap();
+        let x = on(d, &[2, 5, k], DType::BF16, &xv);
+        let w = on(d, &[n, k], DType::F8E4M3, &wv)
+            .with_scale(Some(scale))
+            .unwrap();
+        let fused = ops.linear_fp8_gelu_tanh(&x, &w, None).unwrap();
+        let composed = ops
+            .unary_owned(
+                ops.linear_fp8(&x, &w, None).unwrap(),
+                ddo_core::UnaryOp::GeluTanh,
+            )
+            .unwrap();
+        assert_eq!(
+            bits(&ops.to_f32_vec(&fused).unwrap()),
+            bits(&ops.to_f32_vec(&composed).unwrap())
+        );
+    }
     // Not the bf16 product of the upcast weight: the activation was quantized.
     let ops = ops_of(&*host).unwrap();
     let x = on(&*host, &[rows, k], DType::BF16, &xv);

@@ -82,7 +82,7 @@ fn self_check(dev: &CudaDevice) -> std::result::Result<(), String> {
         let x = on(&[rows, k], DType::BF16, &xv)?;
         let w = on(&[n, k], DType::F8E4M3, &wv)?.with_scale(Some(scale))?;
         let b = on(&[n], DType::BF16, &bv)?;
-        native(dev, &x, &w, Some(&b))?
+        native(dev, &x, &w, Some(&b), false)?
             .map(|y| ddo_core::Ops::to_f32_vec(dev, &y))
             .transpose()
     };
@@ -153,20 +153,39 @@ pub(crate) fn linear_fp8(
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     if tensor_cores(dev)
-        && let Some(y) = native(dev, x, w, bias)?
+        && let Some(y) = native(dev, x, w, bias, false)?
     {
         return Ok(y);
     }
     linear_fp8_reference(dev, x, w, bias)
 }
 
-/// The tensor-core path; `None` (nothing queued that matters) where it does not take the
-/// operands or cuBLASLt refused.
+/// `Ops::linear_fp8_gelu_tanh` on `dev`: the GELU in cuBLASLt's epilogue where the fp8 GEMM
+/// takes it, else the fp8 GEMM (or the reference) and the element-wise GELU.
+pub(crate) fn linear_fp8_gelu_tanh(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    if tensor_cores(dev)
+        && let Some(y) = native(dev, x, w, bias, true)?
+    {
+        return Ok(y);
+    }
+    let y = linear_fp8(dev, x, w, bias)?;
+    super::elementwise::unary_owned(dev, y, ddo_core::UnaryOp::GeluTanh)
+}
+
+/// The tensor-core path, `gelu_tanh` of the product where `gelu` (cuBLASLt's GELU epilogue is
+/// the tanh approximation: `cublaslt.rs`); `None` (nothing queued that matters) where it does
+/// not take the operands or cuBLASLt refused.
 fn native(
     dev: &CudaDevice,
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
+    gelu: bool,
 ) -> Result<Option<Tensor>> {
     const OP: &str = "linear_fp8";
     let (xs, ws) = (x.shape(), w.shape());
@@ -217,7 +236,7 @@ fn native(
         out: out.ptr,
         bias: bi.as_ref().map_or(0, |b| b.ptr),
         dtype: x.dtype(),
-        epilogue: Epilogue::new(bi.is_some(), false),
+        epilogue: Epilogue::new(bi.is_some(), gelu),
         accumulate: false,
         fp8_b_scale: state.ptr + 8,
         alpha: w.scale().unwrap_or(1.0),

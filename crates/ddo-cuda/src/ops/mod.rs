@@ -298,6 +298,15 @@ impl Ops for CudaDevice {
         fp8::linear_fp8(self, x, w, bias)
     }
 
+    fn linear_fp8_gelu_tanh(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        fp8::linear_fp8_gelu_tanh(self, x, w, bias)
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         fp8::tensor_cores(self)
     }
