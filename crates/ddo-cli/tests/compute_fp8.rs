@@ -122,3 +122,43 @@ fn bench_says_which_compute_ran() {
         bf16["candidates"][0]["output_fnv1a"]
     );
 }
+
+/// `ddo serve --compute fp8`: /health says so, and a request's image is `ddo run
+/// --compute fp8`'s with the same options.
+#[test]
+fn serve_takes_compute_fp8_as_run_does() {
+    use common::server::Server;
+    let weights = fixture("flux_pipeline");
+    let server = Server::start(&["--weights", &weights, "--compute", "fp8"]);
+    let (status, h) = server.json("GET", "/health", "");
+    assert_eq!((status, h["compute"].as_str()), (200, Some("fp8")), "{h}");
+    let body = r#"{"prompt": "a lighthouse", "height": 32, "width": 24, "steps": 2, "seed": 7}"#;
+    let (status, v) = server.json("POST", "/v1/generate", body);
+    assert_eq!(status, 200, "{v}");
+    use base64::Engine;
+    let png = base64::engine::general_purpose::STANDARD
+        .decode(v["images"][0]["b64_png"].as_str().unwrap())
+        .unwrap();
+    let d = scratch("compute-fp8-serve");
+    let out = d.join("run.png");
+    ok(&ddo(&[
+        "run",
+        "--weights",
+        &weights,
+        "--compute",
+        "fp8",
+        "--prompt",
+        "a lighthouse",
+        "--height",
+        "32",
+        "--width",
+        "24",
+        "--steps",
+        "2",
+        "--seed",
+        "7",
+        "--out",
+        out.to_str().unwrap(),
+    ]));
+    assert_eq!(std::fs::read(&out).unwrap(), png);
+}

@@ -98,6 +98,7 @@ fn a_request_gives_ddo_runs_bytes_and_a_second_reuses_the_plan() {
     // /health and the page.
     let (status, h) = server.json("GET", "/health", "");
     assert_eq!((status, h["status"].as_str()), (200, Some("ok")));
+    assert_eq!(h["compute"], "bf16");
     let (status, page) = server.call("GET", "/", "", &[]);
     assert_eq!(status, 200);
     assert!(page.contains("<progress") && page.contains("/v1/jobs"));

@@ -79,6 +79,7 @@ pub fn serve(args: &ServeArgs, out: &mut dyn Write) -> CliResult<()> {
         "device": session.device().id().to_string(),
         "family": format!("{family:?}"),
         "defaults": {"width": defaults.width, "height": defaults.height, "steps": defaults.steps},
+        "compute": options.compute.as_str(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

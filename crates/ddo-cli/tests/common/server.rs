@@ -48,10 +48,16 @@ impl Server {
         }
         cmd.envs(env.iter().copied());
         let mut child = cmd.spawn().expect("start ddo serve");
+        // What loading said (a LoRA's, `--compute`'s notes) comes first; the address line
+        // last.
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        while !line.contains("http://") {
+            line.clear();
+            if reader.read_line(&mut line).unwrap() == 0 {
+                break;
+            }
+        }
         let addr = line
             .split("http://")
             .nth(1)
