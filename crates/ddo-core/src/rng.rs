@@ -26,3 +26,24 @@ impl SplitMix64 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
+
+/// `n` values uniform in `[-1, 1)` from `seed` (probe operands: a GEMM timed for the compute
+/// floor, the fp8 path's self-check).
+pub fn signed_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.next_signed()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signed_values_are_spread_and_follow_the_seed() {
+        let v = signed_values(3, 1000);
+        assert!(v.iter().all(|x| (-1.0..1.0).contains(x)));
+        assert!(v.iter().filter(|x| **x == 0.0).count() < 5);
+        assert_ne!(v, signed_values(4, 1000));
+        assert_eq!(v, signed_values(3, 1000));
+    }
+}

@@ -75,8 +75,9 @@ pub struct CandidateResult {
     pub ratio_to_floor: Option<f64>,
     /// `median /` the bench's compute floor (none where it was not measured).
     pub ratio_to_compute_floor: Option<f64>,
-    /// Floating-point operations of one forward, counted by the op profiler (none where the
-    /// device keeps no per-op profile).
+    /// Floating-point operations of one forward, counted by the op profiler on the first
+    /// candidate that ran (and on every one with `--profile`; none where the device keeps no
+    /// per-op profile).
     pub flops_per_forward: Option<u64>,
     /// The forward's linear call with the most flops.
     pub largest_linear: Option<ddo_core::GemmShape>,
@@ -685,8 +686,10 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let loras = crate::lora::read_loras(&args.lora, args.lora_allow_unmatched)?;
     let lora_refs: Vec<(&ddo_nn::lora::LoraFile, f32)> =
         loras.iter().map(|(f, s)| (f, *s)).collect();
-    let mut results = Vec::new();
+    let mut results: Vec<CandidateResult> = Vec::new();
     for (k, cand) in list.iter().enumerate() {
+        // Every candidate computes the same forward: one counted forward makes the floor.
+        let count = results.iter().all(|r| r.flops_per_forward.is_none());
         bar.update("bench", k, list.len());
         let label = cand.label();
         let outcome = (|| -> CliResult<CandidateResult> {
@@ -769,8 +772,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 host_memory = HostMemory::now();
                 let after = offload.handle(&name)?.metrics_snapshot().counters.h2d_bytes;
                 // One more forward through the op profiler: its flops and largest linear
-                // make the compute floor; its table is shown with --profile.
-                if device.begin_op_profile() {
+                // make the compute floor (the first candidate that counts one); its table is
+                // shown with --profile.
+                if (profile || count) && device.begin_op_profile() {
                     let forward = workload.forward(&*device, &inputs);
                     let ended = device.end_op_profile();
                     forward?;

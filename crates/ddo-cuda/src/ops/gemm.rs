@@ -610,9 +610,8 @@ pub(crate) fn best_linear_seconds(
         return Ok(None);
     }
     let (rows, k, n) = (shape.rows, shape.k, shape.n);
-    let value = |i: usize| ((i * 7919) % 997) as f32 / 498.5 - 1.0;
-    let xv: Vec<f32> = (0..rows * k).map(value).collect();
-    let wv: Vec<f32> = (0..n * k).map(|i| value(i + 1)).collect();
+    let xv = ddo_core::rng::signed_values(1, rows * k);
+    let wv = ddo_core::rng::signed_values(2, n * k);
     let x = Ops::tensor_from_f32(dev, &[rows, k], shape.dtype, &xv)?;
     let w = Ops::tensor_from_f32(dev, &[n, k], shape.dtype, &wv)?;
     let (xi, wi) = (input(dev, "linear", &x)?, input(dev, "linear", &w)?);
