@@ -894,18 +894,25 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     };
     // The compute floor: the first counted forward's flops over the device's GEMM rate at
     // its largest linear, measured now (every candidate released).
-    let compute_floor = match results
+    // A floor that cannot be measured (its GEMM's operands do not fit the budget, say) is
+    // reported as such; the candidates' figures stand without it.
+    let (compute_floor, compute_floor_error) = match results
         .iter()
         .find_map(|r| Some((r.flops_per_forward?, r.largest_linear?)))
     {
         Some((flops, gemm)) if flops > 0 => {
-            let floor = crate::compute_floor::measure(&*device_for(false)?, flops, gemm)?;
-            for r in results.iter_mut().filter(|r| r.error.is_none()) {
-                r.ratio_to_compute_floor = Some(r.median_seconds / floor.seconds.max(1e-12));
+            match device_for(false).and_then(|d| crate::compute_floor::measure(&*d, flops, gemm)) {
+                Ok(floor) => {
+                    for r in results.iter_mut().filter(|r| r.error.is_none()) {
+                        r.ratio_to_compute_floor =
+                            Some(r.median_seconds / floor.seconds.max(1e-12));
+                    }
+                    (Some(floor), None)
+                }
+                Err(e) => (None, Some(e.message)),
             }
-            Some(floor)
         }
-        _ => None,
+        _ => (None, None),
     };
     // The last candidate's adapters go with its device.
     if !lora_refs.is_empty() {
@@ -929,6 +936,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         warmup,
         link_bytes_per_sec: bandwidth,
         compute_floor,
+        compute_floor_error,
         compute: compute.as_str(),
         fp8_tensor_cores,
         disk,

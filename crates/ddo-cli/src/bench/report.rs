@@ -34,6 +34,8 @@ pub struct BenchReport {
     pub link_bytes_per_sec: f64,
     /// The compute floor (none where no forward was counted).
     pub compute_floor: Option<ComputeFloor>,
+    /// Why the compute floor was not measured, where it was tried and failed.
+    pub compute_floor_error: Option<String>,
     /// `--compute`: `bf16` or `fp8`.
     pub compute: &'static str,
     /// Under `--compute fp8`: whether the device ran the E4M3 linears on fp8 tensor cores
@@ -79,6 +81,9 @@ impl BenchReport {
         );
         if let Some(c) = &self.compute_floor {
             s += &format!("{}\n", c.format_line());
+        }
+        if let Some(e) = &self.compute_floor_error {
+            s += &format!("compute floor: not measured: {e}\n");
         }
         if let Some(native) = self.fp8_tensor_cores {
             s += if native {
