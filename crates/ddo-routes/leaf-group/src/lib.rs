@@ -85,15 +85,31 @@ pub use plan::{Group, GroupPlan};
 pub const BUDGETED_RING_SLOTS: usize = 3;
 
 /// Ring slots of the streaming engine for a component whose largest leaf holds its weights
-/// mostly in 8 bits (fp8), when neither `budget` nor `ring_slots` is given: 4, twice the
-/// engine's default. A slot is the size of the largest leaf, so an fp8 ring of four holds
-/// the bytes a 16-bit ring of two does, and covers as much copy time: the lookahead that
-/// keeps the link busy is measured in bytes, and an fp8 step is closer to compute-bound
-/// (its bytes halve, its compute does not), so compute hiccups reach the copy engine
-/// sooner. One H200, FLUX.1-dev transformer at zero budget, one job (ratio to the link
-/// floor, 2 / 3 / 4 slots): an all-fp8 file 1.055 / 1.025 / 1.014; `--dtype fp8` 1.021 /
-/// 1.006 / 1.006; bf16 1.011 / 1.006 / 1.007.
+/// mostly in 8 bits (fp8, GGUF Q8_0), when neither `budget` nor `ring_slots` is given: 4,
+/// twice the engine's default ([`ring_slots_for_bits`] of 8). A slot is the size of the
+/// largest leaf, so an fp8 ring of four holds the bytes a 16-bit ring of two does, and covers
+/// as much copy time: the lookahead that keeps the link busy is measured in bytes, and an
+/// fp8 step is closer to compute-bound (its bytes halve, its compute does not), so compute
+/// hiccups reach the copy engine sooner. One H200, FLUX.1-dev transformer at zero budget,
+/// one job (ratio to the link floor, 2 / 3 / 4 slots): an all-fp8 file 1.055 / 1.025 /
+/// 1.014; `--dtype fp8` 1.021 / 1.006 / 1.006; bf16 1.011 / 1.006 / 1.007.
 pub const EIGHT_BIT_RING_SLOTS: usize = 4;
+
+/// The most ring slots [`ring_slots_for_bits`] gives (2- and 3-bit GGUF blocks): past it,
+/// the slots' bytes would be more lookahead than a forward's first leaves need.
+pub const MAX_NARROW_RING_SLOTS: usize = 8;
+
+/// The default ring slots for a largest leaf stored at `bits` bits per weight, when neither
+/// a budget nor `ring_slots` is given: the slots that hold the bytes of a 16-bit ring of two
+/// (`32 / bits`, rounded, within 2..=[`MAX_NARROW_RING_SLOTS`]). 16-bit weights keep the
+/// engine's two, 8-bit ones (fp8, Q8_0 at 8.5 bits) get [`EIGHT_BIT_RING_SLOTS`], 4-bit GGUF
+/// blocks (Q4_K at 4.5 bits) seven.
+pub fn ring_slots_for_bits(bits: f64) -> usize {
+    if bits.is_nan() || bits <= 0.0 {
+        return 2;
+    }
+    ((32.0 / bits).round() as usize).clamp(2, MAX_NARROW_RING_SLOTS)
+}
 
 /// The streaming engine's settings for `spec`: its options, with [`BUDGETED_RING_SLOTS`]
 /// under a budget (what `ddo resolve` shows asks this; [`streaming_config_for`] adds what
@@ -108,8 +124,8 @@ pub fn streaming_config(spec: &RouteSpec) -> StreamingConfig {
 }
 
 /// The streaming engine's settings for `spec` on `component`: [`streaming_config`], with
-/// [`EIGHT_BIT_RING_SLOTS`] when its largest leaf is mostly 8-bit weights and neither a
-/// budget nor `ring_slots` is given, and `compress=lossless` when `compress` is not given,
+/// [`ring_slots_for_bits`] of its largest leaf's bits per weight when neither a budget nor
+/// `ring_slots` is given (four slots for 8-bit weights, seven for 4-bit GGUF blocks), and `compress=lossless` when `compress` is not given,
 /// the engine keeps a pinned home and the weights are coded in their files (`ddo convert
 /// --compress lossless`): their coded units stream as they are, about two thirds of the
 /// bytes, where `compress=none` would decode them on the host at attach and stream them
@@ -117,8 +133,11 @@ pub fn streaming_config(spec: &RouteSpec) -> StreamingConfig {
 pub fn streaming_config_for(spec: &RouteSpec, component: &Component) -> StreamingConfig {
     let o = spec.options();
     let mut config = streaming_config(spec);
-    if o.budget.is_none() && o.ring_slots.is_none() && largest_leaf_is_eight_bit(component) {
-        config.ring_slots = EIGHT_BIT_RING_SLOTS;
+    if o.budget.is_none()
+        && o.ring_slots.is_none()
+        && let Some(bits) = largest_leaf_bits(component)
+    {
+        config.ring_slots = config.ring_slots.max(ring_slots_for_bits(bits));
     }
     if o.compress.is_none()
         && config.staging != StagingMode::Ring
@@ -133,20 +152,17 @@ pub fn streaming_config_for(spec: &RouteSpec, component: &Component) -> Streamin
     config
 }
 
-/// Whether more than half of the bytes of `component`'s largest leaf are 8-bit weights.
-fn largest_leaf_is_eight_bit(component: &Component) -> bool {
-    let Some(leaf) = component.largest_leaf() else {
-        return false;
-    };
-    let (mut eight, mut all) = (0u64, 0u64);
+/// The bits per weight `component`'s largest leaf is stored at: its bytes over the elements
+/// its params hold (a GGUF weight counts its dequantized shape's elements), or `None` for a
+/// component without leaves or weights.
+fn largest_leaf_bits(component: &Component) -> Option<f64> {
+    let leaf = component.largest_leaf()?;
+    let (mut bytes, mut elements) = (0u64, 0u64);
     for (_, p) in leaf.params() {
-        let n = p.nbytes() as u64;
-        all += n;
-        if p.dtype().size_in_bytes() == 1 {
-            eight += n;
-        }
+        bytes += p.nbytes() as u64;
+        elements += p.logical_shape().iter().product::<usize>() as u64;
     }
-    2 * eight > all
+    (elements > 0).then(|| 8.0 * bytes as f64 / elements as f64)
 }
 
 /// The route's effective options for `spec` running with `streaming` (a budget changes the
@@ -576,5 +592,33 @@ impl Route for GroupOffloadRoute {
                 }
             ),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default ring holds the bytes of a 16-bit ring of two: 2 slots for 16 bits and
+    /// wider, 4 for fp8 and Q8_0 (8.5 bits), 5 for Q6_K (6.5625), 7 for Q4_K (4.5), capped
+    /// for 2- and 3-bit blocks; a leaf without weights keeps 2.
+    #[test]
+    fn ring_slots_follow_the_bits_per_weight() {
+        let cases = [
+            (32.0, 2),
+            (16.0, 2),
+            (10.7, 3),
+            (8.5, EIGHT_BIT_RING_SLOTS),
+            (8.0, EIGHT_BIT_RING_SLOTS),
+            (6.5625, 5),
+            (4.5, 7),
+            (3.4375, MAX_NARROW_RING_SLOTS),
+            (2.625, MAX_NARROW_RING_SLOTS),
+            (0.0, 2),
+            (f64::NAN, 2),
+        ];
+        for (bits, slots) in cases {
+            assert_eq!(ring_slots_for_bits(bits), slots, "{bits} bits");
+        }
     }
 }
