@@ -655,6 +655,14 @@ impl Ops for FaultInjectingDevice {
         self.op("gated_add", |o| o.gated_add(x, gate, y))
     }
 
+    fn attention_input(
+        &self,
+        part: &crate::ops::AttentionInput<'_>,
+        dst: Option<Tensor>,
+    ) -> Result<Tensor> {
+        self.op("attention_input", |o| o.attention_input(part, dst))
+    }
+
     fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op("linear_fp8", |o| o.linear_fp8(x, w, bias))
     }

@@ -134,7 +134,8 @@ pub fn linear_fp8_reference<O: Ops + ?Sized>(
     }
     let xs = ops.to_f32_vec(x)?;
     // The codes' values alone: the scale is applied to the sum.
-    let codes = ops.to_f32_vec(&w.clone().with_scale(None)?)?;
+    // Cast first: a backend reads 8-bit floats only through `cast` and the linears.
+    let codes = ops.to_f32_vec(&ops.cast(&w.clone().with_scale(None)?, DType::F32)?)?;
     let b = bias.map(|b| ops.to_f32_vec(b)).transpose()?;
     let y = linear_reference(&xs, k, &codes, w.scale().unwrap_or(1.0), b.as_deref()).ok_or_else(
         || CoreError::NonFiniteActivation {

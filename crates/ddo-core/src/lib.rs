@@ -89,7 +89,7 @@ pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
 pub use host_budget::{HostBudget, HostBudgetSource};
 pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
-pub use ops::{BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp, check_finite};
+pub use ops::{AttentionInput, BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp, check_finite};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use profile::{ComputeDevice, GemmShape, OpClassTime, OpProfile, OpProfiler, ProfiledOps};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};

@@ -374,6 +374,111 @@ pub trait Ops: Send + Sync {
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         gated_add_composed(self, x, gate, y)
     }
+
+    /// One part of attention's input in one pass: `part.x [b, l, heads·d]` (a projection's
+    /// output) viewed as heads, RMS-normed per head where `part.norm` is given, moved to
+    /// `[b, heads, ·, d]` at rows `part.start..part.start + l` of `dst` (`[b, heads, total,
+    /// d]`, taken by value so a backend may write into its bytes, and returned with those
+    /// rows written), then rotated ([`Ops::rope`]'s pairs) with the tables' rows of those
+    /// positions where `part.rope` is given. `dst: None` makes a new one: its other rows are
+    /// zero by the default and unspecified on a backend that writes in place, until a later
+    /// part writes them. A joint attention calls it once per stream, in place of
+    /// `rms_norm`, `concat`, `permute` and `rope`. The default is exactly
+    /// [`attention_input_composed`] (those ops, each rounded), so a fused backend that
+    /// rounds where they do gives their bytes.
+    fn attention_input(&self, part: &AttentionInput<'_>, dst: Option<Tensor>) -> Result<Tensor> {
+        attention_input_composed(self, part, dst)
+    }
+}
+
+/// One part of [`Ops::attention_input`]: the projection `x [b, l, heads·d]`, its per-head
+/// RMS norm (weight `[d]`, eps), its rotary tables `cos, sin [total, d]` (the joined
+/// sequence's), and where its rows go in the joined sequence of `total` rows.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionInput<'a> {
+    /// The projection's output, `[b, l, heads·d]`.
+    pub x: &'a Tensor,
+    /// Heads.
+    pub heads: usize,
+    /// The per-head RMS norm's weight `[d]` and eps, if any.
+    pub norm: Option<(&'a Tensor, f32)>,
+    /// The rotary tables `cos, sin [total, d]`, if any.
+    pub rope: Option<(&'a Tensor, &'a Tensor)>,
+    /// The part's first row in the joined sequence.
+    pub start: usize,
+    /// The joined sequence's length.
+    pub total: usize,
+}
+
+impl AttentionInput<'_> {
+    /// The call's sizes against `dst`'s shape, or a typed shape error naming `op`
+    /// ([`crate::shape::attention_input_geometry`]).
+    pub fn geometry(
+        &self,
+        op: &str,
+        dst: Option<&[usize]>,
+    ) -> Result<crate::shape::AttentionInputGeometry> {
+        crate::shape::attention_input_geometry(
+            op,
+            self.x.shape(),
+            self.heads,
+            self.norm.map(|(w, _)| w.shape()),
+            self.rope.map(|(c, s)| (c.shape(), s.shape())),
+            dst,
+            self.start,
+            self.total,
+        )
+    }
+}
+
+/// [`Ops::attention_input`] as its composition: `reshape` to heads, `rms_norm`, `permute` to
+/// `[b, heads, l, d]`, `rope` with the tables' rows `start..start + l`, each rounded into
+/// `x`'s dtype, then the rows placed into `dst` (a `concat` of `dst`'s rows before, the part
+/// and `dst`'s rows after; a new `dst` is zeros). The trait's default, and the fallback of
+/// backends for operands their fused kernel does not take.
+pub fn attention_input_composed<O: Ops + ?Sized>(
+    ops: &O,
+    part: &AttentionInput<'_>,
+    dst: Option<Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "attention_input";
+    let g = part.geometry(OP, dst.as_ref().map(|t| t.shape()))?;
+    let mut y = part.x.reshape(&[g.b, g.l, g.heads, g.d])?;
+    if let Some((w, eps)) = part.norm {
+        y = ops.rms_norm(&y, Some(w), eps)?;
+    }
+    y = ops.permute(&y, &[0, 2, 1, 3])?;
+    if let Some((cos, sin)) = part.rope {
+        let (c, s) = if g.l == g.total {
+            (cos.clone(), sin.clone())
+        } else {
+            (
+                ops.narrow(cos, 0, g.start, g.l)?,
+                ops.narrow(sin, 0, g.start, g.l)?,
+            )
+        };
+        y = ops.rope(&y, &c, &s)?;
+    }
+    if g.l == g.total {
+        return Ok(y);
+    }
+    let dst = match dst {
+        Some(t) => t,
+        None => ops.tensor_from_f32(
+            &g.out_shape(),
+            part.x.dtype(),
+            &vec![0.0; g.out_shape().iter().product()],
+        )?,
+    };
+    let before = (g.start > 0)
+        .then(|| ops.narrow(&dst, 2, 0, g.start))
+        .transpose()?;
+    let end = g.start + g.l;
+    let after = (end < g.total)
+        .then(|| ops.narrow(&dst, 2, end, g.total - end))
+        .transpose()?;
+    let pieces: Vec<&Tensor> = before.iter().chain([&y]).chain(after.iter()).collect();
+    ops.concat(&pieces, 2)
 }
 
 /// Stops a run on non-finite values: [`CoreError::NonFinite`](crate::CoreError) naming

@@ -764,6 +764,24 @@ impl Ops for ProfiledOps {
             |d| d.gated_add(x, gate, y),
         )
     }
+
+    fn attention_input(
+        &self,
+        part: &crate::ops::AttentionInput<'_>,
+        dst: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let mut ins = vec![part.x];
+        ins.extend(part.norm.map(|(w, _)| w));
+        ins.extend(part.rope.map(|(c, _)| c));
+        ins.extend(part.rope.map(|(_, s)| s));
+        self.op(
+            "attention_input",
+            None,
+            || tensor_bytes(&ins),
+            &no_flops,
+            |d| d.attention_input(part, dst),
+        )
+    }
 }
 
 #[cfg(test)]

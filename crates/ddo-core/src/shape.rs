@@ -333,6 +333,85 @@ pub fn attention_geometry(
     })
 }
 
+/// The sizes of one [`Ops::attention_input`](crate::Ops::attention_input) call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionInputGeometry {
+    /// Batch.
+    pub b: usize,
+    /// The part's tokens (`x`'s second dim).
+    pub l: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Head dim.
+    pub d: usize,
+    /// The part's first row in the joined sequence.
+    pub start: usize,
+    /// The joined sequence's length (`dst`'s third dim).
+    pub total: usize,
+}
+
+impl AttentionInputGeometry {
+    /// The output's shape, `[b, heads, total, d]`.
+    pub fn out_shape(&self) -> Vec<usize> {
+        vec![self.b, self.heads, self.total, self.d]
+    }
+}
+
+/// Checks one part of attention's input: `x [b, l, heads·d]` with `heads > 0`, a norm weight
+/// of `d` elements, rotary tables `cos, sin [total, d]` with `d` even, rows
+/// `start..start + l` within `total`, and `dst [b, heads, total, d]` when given; the sizes,
+/// or a typed error naming `op`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_input_geometry(
+    op: &str,
+    x: &[usize],
+    heads: usize,
+    norm: Option<&[usize]>,
+    tables: Option<(&[usize], &[usize])>,
+    dst: Option<&[usize]>,
+    start: usize,
+    total: usize,
+) -> Result<AttentionInputGeometry> {
+    let bad = |m: String| Err(shape_err(op, m));
+    if x.len() != 3 || heads == 0 || !x[2].is_multiple_of(heads) {
+        return bad(format!(
+            "x {x:?} with {heads} heads: expected x [b, l, heads * d] with heads > 0"
+        ));
+    }
+    let (b, l, d) = (x[0], x[1], x[2] / heads);
+    if start.checked_add(l).is_none_or(|end| end > total) {
+        return bad(format!(
+            "rows {start}..{start}+{l} of x {x:?} do not fit a sequence of {total}"
+        ));
+    }
+    if let Some(w) = norm
+        && w != [d]
+    {
+        return bad(format!("norm weight {w:?}: expected [{d}] (the head dim)"));
+    }
+    if let Some((c, s)) = tables
+        && (c != [total, d] || s != c || !d.is_multiple_of(2))
+    {
+        return bad(format!(
+            "cos {c:?}, sin {s:?}: expected [{total}, {d}] with an even head dim"
+        ));
+    }
+    let g = AttentionInputGeometry {
+        b,
+        l,
+        heads,
+        d,
+        start,
+        total,
+    };
+    if let Some(t) = dst
+        && t != g.out_shape().as_slice()
+    {
+        return bad(format!("dst {t:?}: expected {:?}", g.out_shape()));
+    }
+    Ok(g)
+}
+
 /// How a per-feature operand `v` (a modulation's scale or shift, a gate) broadcast over
 /// `x [..., d]` is read row by row, for backends that fuse it into one pass over `x`'s
 /// rows: `Some(group)` when `v` broadcasts to `x` without changing `x`'s shape, has `d`

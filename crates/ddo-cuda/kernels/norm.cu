@@ -146,6 +146,69 @@ extern "C" __global__ void ddo_row_norm_vec_warp(const void* x, int xdt, const v
     }
 }
 
+// Ops::attention_input, fused, for 16-bit x and y of one dtype dt: x rows [b, l, h, d]
+// (row r = (bi * l + t) * h + hi) written to y [b, h, total, d] at row start + t of head hi.
+// Lanes as ddo_row_norm_vec_warp (g = d / 8 lanes a row, a power of two up to 32; 32 / g rows
+// a warp). With `norm`, that kernel's RMS norm (the same sums in the same order) times w,
+// rounded to dt as it stores it; with tables c, s (f32 [total, d]), ddo_rope_vec's pairs at
+// the row's position. Each stage rounds where the op it replaces does, so the bytes are
+// those of rms_norm, permute and rope in a row.
+__device__ __forceinline__ float round16(int dt, float v) {
+    return dt == DTYPE_F16 ? f16_to_float(float_to_f16(v)) : bf16_to_float(float_to_bf16(v));
+}
+extern "C" __global__ void ddo_attention_input_vec(const void* x, const void* w, int wdt,
+                                                   const float* c, const float* s, void* y,
+                                                   int dt, i64 rows, i64 l, i64 h, i64 d,
+                                                   i64 start, i64 total, float eps, int norm) {
+    const int g = (int)(d / 8);
+    const int lane = threadIdx.x & 31;
+    const int sub = lane % g;
+    const i64 per_warp = 32 / g;
+    i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 r0 = warp * per_warp; r0 < rows; r0 += warps * per_warp) {
+        i64 r = r0 + lane / g;
+        bool live = r < rows;
+        i64 col = (i64)sub * 8;
+        float v[8];
+        if (live) {
+            load8(x, r * d + col, dt, v);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        }
+        if (norm) {
+            const float mean = 0.0f;
+            float s2 = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                float cc = v[k] - mean;
+                s2 += cc * cc;
+            }
+            for (int o = g / 2; o > 0; o >>= 1) s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+            float inv = rsqrtf(s2 / (float)d + eps);
+            norm8(v, mean, inv, w, wdt, 0, DTYPE_F32, col);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = round16(dt, v[k]);
+        }
+        if (!live) continue;
+        i64 hi = r % h, bt = r / h;
+        i64 t = bt % l, bi = bt / l;
+        i64 pos = start + t;
+        if (c) {
+            const float* cr = c + pos * d + col;
+            const float* sr = s + pos * d + col;
+#pragma unroll
+            for (int k = 0; k < 8; k += 2) {
+                float x0 = v[k], x1 = v[k + 1];
+                v[k] = x0 * cr[k] - x1 * sr[k];
+                v[k + 1] = x1 * cr[k + 1] + x0 * sr[k + 1];
+            }
+        }
+        store8(y, ((bi * h + hi) * total + pos) * d + col, dt, v);
+    }
+}
+
 // Long rows: one block of d / 8 threads (a multiple of 32, at most 1024) per row.
 extern "C" __global__ void ddo_row_norm_vec_block(const void* x, int xdt, const void* w, int wdt,
                                                   const void* b, int bdt, void* y, int ydt,

@@ -75,7 +75,10 @@ fn the_fp8_gemm_is_close_to_the_reference_and_other_shapes_are_the_reference() {
     let host = HostDevice::with_capacity(1 << 28).unwrap();
     let (g, h): (&dyn Device, &dyn Device) = (&*gpu, &*host);
     let native = ops_of(g).unwrap().fp8_tensor_cores();
-    println!("fp8 tensor cores: {native}");
+    println!(
+        "fp8 tensor cores: {native} (cuBLASLt's last refusal: {:?})",
+        gpu.cublaslt_refusal()
+    );
     // A width cuBLASLt's fp8 GEMM takes (multiples of 16), rows that are not.
     let before = gpu.cublaslt_runs();
     let (got, want) = (

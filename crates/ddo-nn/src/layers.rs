@@ -6,8 +6,8 @@ use std::borrow::Cow;
 
 use ddo_core::adapter::{adapter_sum, add_adapters};
 use ddo_core::{
-    Conv2dParams, CoreError, DType, ForwardContext, LeafId, LeafKind, LeafWeights, Ops, Result,
-    Tensor, UnaryOp, ops_of,
+    AttentionInput, Conv2dParams, CoreError, DType, ForwardContext, LeafId, LeafKind, LeafWeights,
+    Ops, Result, Tensor, UnaryOp, ops_of,
 };
 
 use crate::builder::ModelBuilder;
@@ -344,6 +344,23 @@ impl RmsNorm {
         let ops = ops(ctx)?;
         let eps = self.eps;
         ctx.run_leaf(self.leaf, |w| ops.rms_norm(x, Some(w.get("weight")?), eps))
+    }
+
+    /// [`Ops::attention_input`] of `part` normed by this leaf (its weight and eps as the
+    /// part's norm), written into `dst`: a joint attention's per-head q or k norm fused with
+    /// the join, the move to heads and the rotary embedding.
+    pub fn attention_input(
+        &self,
+        ctx: &mut ForwardContext<'_>,
+        part: AttentionInput<'_>,
+        dst: Option<Tensor>,
+    ) -> Result<Tensor> {
+        let ops = ops(ctx)?;
+        let eps = self.eps;
+        ctx.run_leaf(self.leaf, |w| {
+            let norm = Some((w.get("weight")?, eps));
+            ops.attention_input(&AttentionInput { norm, ..part }, dst)
+        })
     }
 }
 

@@ -485,6 +485,14 @@ impl Ops for CudaDevice {
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         elementwise::gated_add(self, x, gate, y)
     }
+
+    fn attention_input(
+        &self,
+        part: &ddo_core::AttentionInput<'_>,
+        dst: Option<Tensor>,
+    ) -> Result<Tensor> {
+        norm::attention_input(self, part, dst)
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,9 @@
 //! non-finite elements (kernels in `kernels/norm.cu`).
 
 use cudarc::driver::LaunchConfig;
-use ddo_core::{Device, DeviceBuffer, DeviceSlice, HostSlice, ReduceOp, Result, Tensor};
+use ddo_core::{
+    AttentionInput, DType, Device, DeviceBuffer, DeviceSlice, HostSlice, ReduceOp, Result, Tensor,
+};
 
 use super::kernels::{self, Arg, grid_1d, launch};
 use super::{Out, input, opt_ptr, optional_vector, scratch, shape_err};
@@ -136,6 +138,92 @@ pub(crate) fn rms_norm(
     eps: f32,
 ) -> Result<Tensor> {
     row_norm(dev, "rms_norm", x, weight, None, eps, true)
+}
+
+/// [`ddo_core::Ops::attention_input`]: one kernel (`ddo_attention_input_vec`) for 16-bit `x`
+/// with a head dim of 8 to 256 elements (a power of two of 16-byte chunks), f32 tables, and
+/// a `dst` of `x`'s dtype that nothing else holds (written in place; a new one otherwise);
+/// other operands take [`ddo_core::ops::attention_input_composed`].
+pub(crate) fn attention_input(
+    dev: &CudaDevice,
+    part: &AttentionInput<'_>,
+    mut dst: Option<Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "attention_input";
+    let g = part.geometry(OP, dst.as_ref().map(|t| t.shape()))?;
+    let dtype = part.x.dtype();
+    let lanes = g.d / 8;
+    let tables_f32 = part
+        .rope
+        .is_none_or(|(c, s)| c.dtype() == DType::F32 && s.dtype() == DType::F32);
+    let fits = matches!(dtype, DType::F16 | DType::BF16)
+        && g.d.is_multiple_of(8)
+        && (1..=32).contains(&lanes)
+        && lanes.is_power_of_two()
+        && tables_f32
+        && dst
+            .as_mut()
+            .is_none_or(|t| t.dtype() == dtype && t.has_exclusive_device_buffer());
+    if !fits {
+        return ddo_core::ops::attention_input_composed(dev, part, dst);
+    }
+    let xi = input(dev, OP, part.x)?;
+    let wi = optional_vector(dev, OP, "norm weight", part.norm.map(|(w, _)| w), g.d)?;
+    let (ci, si) = match part.rope {
+        Some((c, s)) => (Some(input(dev, OP, c)?), Some(input(dev, OP, s)?)),
+        None => (None, None),
+    };
+    let out = match &dst {
+        Some(_) => None,
+        None => Some(Out::new(dev, OP, g.out_shape(), dtype)?),
+    };
+    let di = dst.as_ref().map(|t| input(dev, OP, t)).transpose()?;
+    let y = out
+        .as_ref()
+        .map_or_else(|| di.as_ref().map_or(0, |d| d.ptr), |o| o.ptr);
+    if xi.ptr % 16 != 0 || y % 16 != 0 {
+        drop(out);
+        return ddo_core::ops::attention_input_composed(dev, part, dst);
+    }
+    let rows = g.b * g.l * g.heads;
+    if rows > 0 {
+        let (wp, wc) = opt_ptr(wi.as_ref());
+        let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_attention_input_vec")?;
+        launch(
+            dev,
+            &f,
+            grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256),
+            &[
+                Arg::Ptr(xi.ptr),
+                Arg::Ptr(wp),
+                Arg::I32(wc),
+                Arg::Ptr(ci.as_ref().map_or(0, |c| c.ptr)),
+                Arg::Ptr(si.as_ref().map_or(0, |s| s.ptr)),
+                Arg::Ptr(y),
+                Arg::I32(xi.code),
+                Arg::I64(rows as i64),
+                Arg::I64(g.l as i64),
+                Arg::I64(g.heads as i64),
+                Arg::I64(g.d as i64),
+                Arg::I64(g.start as i64),
+                Arg::I64(g.total as i64),
+                Arg::F32(part.norm.map_or(0.0, |(_, eps)| eps)),
+                Arg::I32(i32::from(part.norm.is_some())),
+            ],
+        )?;
+    }
+    let mut used = vec![&xi];
+    used.extend(wi.as_ref());
+    used.extend(ci.as_ref());
+    used.extend(si.as_ref());
+    match out {
+        Some(out) => out.finish(dev, &used),
+        None => {
+            used.extend(di.as_ref());
+            super::mark_used(dev, &used)?;
+            dst.ok_or_else(|| shape_err(OP, "no output"))
+        }
+    }
 }
 
 /// [`ddo_core::Ops::group_norm`]; see [`group_norm_act`].

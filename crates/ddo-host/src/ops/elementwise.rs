@@ -405,6 +405,70 @@ mod tests {
         assert_close("rope", &get(&d, &y), &want, F32_TOL);
     }
 
+    /// `Ops::attention_input` for a joint attention's two streams gives the bytes of the
+    /// sequence it replaces in Flux's attention: each stream normed per head, the streams
+    /// joined (context first), moved to `[b, h, l, d]`, then rotated over the whole joined
+    /// sequence; and a single stream likewise.
+    #[test]
+    fn attention_input_gives_the_bytes_of_norm_join_permute_rope() {
+        use ddo_core::AttentionInput;
+        let d = dev();
+        let mut rng = SplitMix64::new(21);
+        let (b, lt, li, h, hd) = (2, 3, 5, 2, 8);
+        let total = lt + li;
+        for dtype in [DType::F32, DType::BF16] {
+            let t = |rng: &mut SplitMix64, shape: &[usize], dtype| {
+                put(&d, shape, dtype, &random(rng, shape.iter().product()))
+            };
+            let (c, x) = (
+                t(&mut rng, &[b, lt, h * hd], dtype),
+                t(&mut rng, &[b, li, h * hd], dtype),
+            );
+            let (wc, wx) = (t(&mut rng, &[hd], dtype), t(&mut rng, &[hd], dtype));
+            let (cos, sin) = (
+                t(&mut rng, &[total, hd], DType::F32),
+                t(&mut rng, &[total, hd], DType::F32),
+            );
+            // The old sequence.
+            let heads = |x: &Tensor| x.reshape(&[b, x.shape()[1], h, hd]).unwrap();
+            let nc = d.rms_norm(&heads(&c), Some(&wc), 1e-6).unwrap();
+            let nx = d.rms_norm(&heads(&x), Some(&wx), 1e-6).unwrap();
+            let j = d.concat(&[&nc, &nx], 1).unwrap();
+            let j = d.permute(&j, &[0, 2, 1, 3]).unwrap();
+            let want = d.rope(&j, &cos, &sin).unwrap();
+            // The op, one call a stream.
+            let part = |x, w, start| AttentionInput {
+                x,
+                heads: h,
+                norm: Some((w, 1e-6)),
+                rope: Some((&cos, &sin)),
+                start,
+                total,
+            };
+            let y = d.attention_input(&part(&c, &wc, 0), None).unwrap();
+            let y = d.attention_input(&part(&x, &wx, lt), Some(y)).unwrap();
+            assert_eq!(y.shape(), [b, h, total, hd]);
+            assert_eq!(get(&d, &y), get(&d, &want), "{dtype:?}");
+            // One stream: the whole sequence in one part, no norm, no tables (v).
+            let all = t(&mut rng, &[b, total, h * hd], dtype);
+            let v = d
+                .attention_input(
+                    &AttentionInput {
+                        x: &all,
+                        heads: h,
+                        norm: None,
+                        rope: None,
+                        start: 0,
+                        total,
+                    },
+                    None,
+                )
+                .unwrap();
+            let want = d.permute(&heads(&all), &[0, 2, 1, 3]).unwrap();
+            assert_eq!(get(&d, &v), get(&d, &want), "{dtype:?}");
+        }
+    }
+
     #[test]
     fn unary_owned_matches_unary_without_a_second_buffer() {
         let d = dev();

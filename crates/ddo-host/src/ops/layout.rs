@@ -3,9 +3,11 @@
 
 use super::{encode_into, product, shape_err, walk};
 use crate::device::HostDevice;
+use ddo_core::AttentionInput;
 use ddo_core::dtype::DType;
 use ddo_core::error::Result;
 use ddo_core::host_memory::try_with_capacity;
+use ddo_core::ops::attention_input_composed;
 use ddo_core::shape::{coalesce, contiguous_strides};
 use ddo_core::tensor::{Tensor, numel};
 
@@ -227,6 +229,84 @@ pub(super) fn embedding(dev: &HostDevice, table: &Tensor, ids: &[u32]) -> Result
             });
         }
     })
+}
+
+/// [`ddo_core::Ops::attention_input`]: the part's own rows as the composition computes them
+/// ([`attention_input_composed`] over the part alone, with the tables' rows of its
+/// positions), then copied into `dst`'s rows in place when nothing else holds it (else into
+/// a new output holding `dst`'s bytes, or zeros for a new one). The composition's bytes at
+/// the peak of one joined output, as CUDA's in-place kernel.
+pub(super) fn attention_input(
+    dev: &HostDevice,
+    part: &AttentionInput<'_>,
+    mut dst: Option<Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "attention_input";
+    let g = part.geometry(OP, dst.as_ref().map(|t| t.shape()))?;
+    let dtype = part.x.dtype();
+    if let Some(t) = &dst
+        && t.dtype() != dtype
+    {
+        return Err(shape_err(
+            OP,
+            format!("dst is {:?}, x {dtype:?}: expected one dtype", t.dtype()),
+        ));
+    }
+    if g.l == g.total {
+        return attention_input_composed(dev, part, dst);
+    }
+    let tables = part
+        .rope
+        .map(|(c, s)| -> Result<(Tensor, Tensor)> {
+            Ok((
+                narrow(dev, c, 0, g.start, g.l)?,
+                narrow(dev, s, 0, g.start, g.l)?,
+            ))
+        })
+        .transpose()?;
+    let own = AttentionInput {
+        rope: tables.as_ref().map(|(c, s)| (c, s)),
+        start: 0,
+        total: g.l,
+        ..*part
+    };
+    let y = attention_input_composed(dev, &own, None)?;
+    drop(tables);
+    let es = dtype.size_in_bytes();
+    let (seg, out_row, at) = (g.l * g.d * es, g.total * g.d * es, g.start * g.d * es);
+    let rows = dev.input(OP, &y)?.bytes(<[u8]>::to_vec);
+    drop(y);
+    let place = |out: &mut [u8]| {
+        if seg > 0 {
+            for (o, src) in out.chunks_exact_mut(out_row).zip(rows.chunks_exact(seg)) {
+                o[at..at + seg].copy_from_slice(src);
+            }
+        }
+    };
+    let in_place = dst
+        .as_mut()
+        .is_some_and(|t| t.has_exclusive_device_buffer());
+    match dst {
+        Some(t) if in_place => {
+            dev.fence()?;
+            let ti = dev.input(OP, &t)?;
+            ti.alloc.with_bytes_mut(|b| place(&mut b[ti.range.clone()]));
+            Ok(t)
+        }
+        other => {
+            let output = dev.new_output(OP, g.out_shape(), dtype)?;
+            dev.fence()?;
+            let base = other.as_ref().map(|t| dev.input(OP, t)).transpose()?;
+            let base = base.map(|b| b.bytes(<[u8]>::to_vec));
+            output.write_bytes(|out| {
+                match &base {
+                    Some(b) => out.copy_from_slice(b),
+                    None => out.fill(0),
+                }
+                place(out);
+            })
+        }
+    }
 }
 
 #[cfg(test)]

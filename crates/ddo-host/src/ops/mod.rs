@@ -394,6 +394,14 @@ impl Ops for HostDevice {
 
     /// Reads `x`, lets it go, then allocates the output: when nothing else holds `x` its
     /// bytes are free again first, so the device's peak is that of an in-place op.
+    fn attention_input(
+        &self,
+        part: &ddo_core::AttentionInput<'_>,
+        dst: Option<Tensor>,
+    ) -> Result<Tensor> {
+        layout::attention_input(self, part, dst)
+    }
+
     fn unary_owned(&self, x: Tensor, op: UnaryOp) -> Result<Tensor> {
         elementwise::unary_owned(self, x, op)
     }

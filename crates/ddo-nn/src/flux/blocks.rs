@@ -3,7 +3,7 @@
 //! MLP, the feed-forward, the modulation helpers and [`Rope`] are the crate's for
 //! Qwen-Image too ([`crate::qwen_image`]): the same Diffusers modules.
 
-use ddo_core::{BinaryOp, DType, ForwardContext, Ops, Result, Tensor, UnaryOp};
+use ddo_core::{AttentionInput, BinaryOp, DType, ForwardContext, Ops, Result, Tensor, UnaryOp};
 
 use super::{FluxTransformerConfig, shape_err};
 use crate::builder::ModelBuilder;
@@ -168,10 +168,24 @@ impl FluxAttention {
         })
     }
 
-    /// `[b, l, heads·head_dim]` viewed as `[b, l, heads, head_dim]`.
-    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
-        let s = x.shape();
-        x.reshape(&[s[0], s[1], self.heads, self.head_dim])
+    /// The part of attention's input that the projection `x` fills: rows `start..start + l`
+    /// of `total`, rotated with `rope` where given (q and k; v is not), its norm added by
+    /// the norm's leaf ([`RmsNorm::attention_input`]).
+    fn part<'a>(
+        &self,
+        rope: Option<&'a Rope>,
+        x: &'a Tensor,
+        start: usize,
+        total: usize,
+    ) -> AttentionInput<'a> {
+        AttentionInput {
+            x,
+            heads: self.heads,
+            norm: None,
+            rope: rope.map(|r| (&r.cos, &r.sin)),
+            start,
+            total,
+        }
     }
 
     /// Joint attention of `x [b, l, D]` (image stream, or the joined stream of a single
@@ -185,28 +199,55 @@ impl FluxAttention {
         context: Option<&Tensor>,
         rope: &Rope,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let mut q = self.split_heads(&self.to_q.forward(ctx, x)?)?;
-        let mut k = self.split_heads(&self.to_k.forward(ctx, x)?)?;
-        let mut v = self.split_heads(&self.to_v.forward(ctx, x)?)?;
-        let mut context_len = None;
-        match (&self.added, context) {
+        let q = self.to_q.forward(ctx, x)?;
+        let k = self.to_k.forward(ctx, x)?;
+        let v = self.to_v.forward(ctx, x)?;
+        // Each stream's q and k are normed per head, joined (context first), moved to
+        // [b, h, l, d] and rotated in one pass a stream (Ops::attention_input); v is joined
+        // and moved likewise.
+        let (q, k, v, context_len) = match (&self.added, context) {
             (Some(a), Some(c)) => {
-                let cq = self.split_heads(&a.add_q_proj.forward(ctx, c)?)?;
-                let ck = self.split_heads(&a.add_k_proj.forward(ctx, c)?)?;
-                let cv = self.split_heads(&a.add_v_proj.forward(ctx, c)?)?;
-                q = self.norm_q.forward(ctx, &q)?;
-                k = self.norm_k.forward(ctx, &k)?;
-                let cq = a.norm_added_q.forward(ctx, &cq)?;
-                let ck = a.norm_added_k.forward(ctx, &ck)?;
-                q = ops.concat(&[&cq, &q], 1)?;
-                k = ops.concat(&[&ck, &k], 1)?;
-                v = ops.concat(&[&cv, &v], 1)?;
-                drop((cq, ck, cv));
-                context_len = Some(c.shape()[1]);
+                let cq = a.add_q_proj.forward(ctx, c)?;
+                let ck = a.add_k_proj.forward(ctx, c)?;
+                let cv = a.add_v_proj.forward(ctx, c)?;
+                let lt = c.shape()[1];
+                let total = lt + x.shape()[1];
+                // The norms run in the order their leaves were built (streamed routes
+                // predict it): the image's q and k, then the context's.
+                let qj =
+                    self.norm_q
+                        .attention_input(ctx, self.part(Some(rope), &q, lt, total), None)?;
+                let kj =
+                    self.norm_k
+                        .attention_input(ctx, self.part(Some(rope), &k, lt, total), None)?;
+                drop((q, k));
+                let qj = a.norm_added_q.attention_input(
+                    ctx,
+                    self.part(Some(rope), &cq, 0, total),
+                    Some(qj),
+                )?;
+                let kj = a.norm_added_k.attention_input(
+                    ctx,
+                    self.part(Some(rope), &ck, 0, total),
+                    Some(kj),
+                )?;
+                drop((cq, ck));
+                let vj = ops.attention_input(&self.part(None, &cv, 0, total), None)?;
+                let vj = ops.attention_input(&self.part(None, &v, lt, total), Some(vj))?;
+                (qj, kj, vj, Some(lt))
             }
             (None, None) => {
-                q = self.norm_q.forward(ctx, &q)?;
-                k = self.norm_k.forward(ctx, &k)?;
+                let total = x.shape()[1];
+                let qj =
+                    self.norm_q
+                        .attention_input(ctx, self.part(Some(rope), &q, 0, total), None)?;
+                drop(q);
+                let kj =
+                    self.norm_k
+                        .attention_input(ctx, self.part(Some(rope), &k, 0, total), None)?;
+                drop(k);
+                let vj = ops.attention_input(&self.part(None, &v, 0, total), None)?;
+                (qj, kj, vj, None)
             }
             _ => {
                 return Err(shape_err(
@@ -214,14 +255,7 @@ impl FluxAttention {
                     "context states are given to exactly the attentions with added projections",
                 ));
             }
-        }
-        // [b, l, h, d] -> [b, h, l, d] for rope and attention. Each step replaces its input
-        // (assignment, not shadowing), so no stale copy of q, k or v stays alive.
-        q = ops.permute(&q, &[0, 2, 1, 3])?;
-        q = ops.rope(&q, &rope.cos, &rope.sin)?;
-        k = ops.permute(&k, &[0, 2, 1, 3])?;
-        k = ops.rope(&k, &rope.cos, &rope.sin)?;
-        v = ops.permute(&v, &[0, 2, 1, 3])?;
+        };
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
         let mut o = ops.attention(&q, &k, &v, None, scale)?;
         drop((q, k, v));
