@@ -545,4 +545,58 @@ mod tests {
         let (s, [st]) = coalesce(&[1, 1], [&[0, 0][..]]);
         assert_eq!((s, st), (vec![1], vec![0]));
     }
+
+    /// One part of attention's input: the sizes of a part that fits, and a typed error
+    /// for each way one does not (heads, rows past the end, a norm weight, tables, dst).
+    #[test]
+    fn attention_input_geometry_checks_every_operand() {
+        let ok = attention_input_geometry(
+            "t",
+            &[2, 5, 24],
+            3,
+            Some(&[8]),
+            Some((&[9, 8], &[9, 8])),
+            Some(&[2, 3, 9, 8]),
+            4,
+            9,
+        )
+        .unwrap();
+        assert_eq!(
+            (ok.b, ok.l, ok.heads, ok.d, ok.start, ok.total),
+            (2, 5, 3, 8, 4, 9)
+        );
+        assert_eq!(ok.out_shape(), [2, 3, 9, 8]);
+        let bad = [
+            attention_input_geometry("t", &[2, 5, 24], 5, None, None, None, 0, 5),
+            attention_input_geometry("t", &[2, 5, 24], 0, None, None, None, 0, 5),
+            attention_input_geometry("t", &[5, 24], 3, None, None, None, 0, 5),
+            attention_input_geometry("t", &[2, 5, 24], 3, None, None, None, 5, 9),
+            attention_input_geometry("t", &[2, 5, 24], 3, None, None, None, usize::MAX, 9),
+            attention_input_geometry("t", &[2, 5, 24], 3, Some(&[24]), None, None, 0, 5),
+            attention_input_geometry(
+                "t",
+                &[2, 5, 24],
+                3,
+                None,
+                Some((&[5, 8], &[9, 8])),
+                None,
+                0,
+                5,
+            ),
+            attention_input_geometry(
+                "t",
+                &[2, 5, 21],
+                3,
+                None,
+                Some((&[5, 7], &[5, 7])),
+                None,
+                0,
+                5,
+            ),
+            attention_input_geometry("t", &[2, 5, 24], 3, None, None, Some(&[2, 5, 3, 8]), 0, 5),
+        ];
+        for (i, r) in bad.into_iter().enumerate() {
+            assert!(matches!(r, Err(CoreError::Shape { .. })), "case {i}: {r:?}");
+        }
+    }
 }
