@@ -78,6 +78,7 @@ def main():
                 "host_budget_source": plan.get("host_budget_source"),
                 "plan_host_bytes": {p.get("phase"): p.get("host_bytes") for p in plan.get("phases", [])},
                 "plan_disk_bytes_per_step": denoise_plan.get("disk_bytes_per_forward", 0),
+                "plan_streamed_bytes_per_step": denoise_plan.get("streamed_bytes_per_forward", 0),
                 "plan_page_cache_bytes": denoise_plan.get("page_cache_bytes", 0),
                 "steps": len(steps),
                 "read_bytes": (run.get("host") or {}).get("read_bytes"),
@@ -112,6 +113,16 @@ def main():
             c["disk_read_bytes_in_case"] = c["disk_read_rate_in_case"] = None
     folder = load(os.path.join(out, "folder.json")) or {}
     folder_bytes = folder.get("bytes")
+    # The denoise's link bound (issue 35's "28-step denoise <= 1.03x its bound"): the steps
+    # times the bytes the plan streams a step, at the link rate `ddo bench` measured in the
+    # job (OUT/bench.json, DDO_BENCH=1).
+    link = (load(os.path.join(out, "bench.json")) or {}).get("link_bytes_per_sec")
+    for c in cases:
+        denoise = (c.get("phases_seconds") or {}).get("denoise")
+        streamed = c.get("plan_streamed_bytes_per_step") or 0
+        bound = c["steps"] * streamed / link if link and streamed and c["steps"] else None
+        c["denoise_link_bound_seconds"] = bound
+        c["denoise_vs_link_bound"] = denoise / bound if denoise and bound else None
     for c in cases:
         # Issue 35's time-to-image bound: every byte of the folder read once from the disk,
         # plus the run's steps at its steady step.
@@ -142,17 +153,18 @@ def main():
         "",
         "disk: " + disk,
         "",
-        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) | read (GB) | time x raw | disk read in case (GB, GB/s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | MemAvailable at start (GiB) | image | other process survived | time to image (s) | x image bound | prompt (s) | denoise (s) | x link bound | steady step (s) | x free | disk/step (GiB) | disk (GB/s) | step bound (s) | x bound | max RSS (GiB) | host budget (GiB) | lowest MemAvailable (GiB) | read (GB) | time x raw | disk read in case (GB, GB/s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratio = lambda x: "-" if x is None else "%.3f" % x
     for c in cases:
         p = c["phases_seconds"]
-        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s |" % (
+        lines.append("| %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.1f | %s | %s | %s |" % (
             c["case"], c["available_mib_at_start"] / 1024, "yes" if c["image"] else "no (exit %d)" % c["exit"],
             c["other_process_survived"], sec(c["total_seconds"]), ratio(c["image_vs_bound"]),
             sec(p.get("prompt_encoding")),
-            sec(p.get("denoise")), sec(c["steady_step_seconds"]), ratio(c["steady_vs_free"]),
+            sec(p.get("denoise")), ratio(c["denoise_vs_link_bound"]), sec(c["steady_step_seconds"]),
+            ratio(c["steady_vs_free"]),
             gib(c["plan_disk_bytes_per_step"]),
             "-" if not c["disk_bytes_per_second"] else "%.2f" % (c["disk_bytes_per_second"] / 1e9),
             sec(c["step_bound_seconds"]), ratio(c["steady_vs_bound"]),

@@ -228,6 +228,11 @@ if [ "${{DDO_WARM:-1}}" = 1 ]; then
   case_run warm 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm
   # DDO_BASE_WARM=BINARY: the same case with an earlier ddo right after (NAME-base).
   [ -n "${{DDO_BASE_WARM:-}}" ] && case_run warm-base 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm "$DDO_BASE_WARM"
+  # DDO_ROUNDS=N: N - 1 more rounds of the warm case (and of its base, interleaved), NAME-rK.
+  for r in $(seq 2 "${{DDO_ROUNDS:-1}}"); do
+    case_run "warm-r$r" 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm
+    [ -n "${{DDO_BASE_WARM:-}}" ] && case_run "warm-r$r-base" 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm "$DDO_BASE_WARM"
+  done
 fi
 [ "${{DDO_FREE:-1}}" = 1 ] && [ "$coded" = 1 ] && case_run free-coded 0 "$cfolder" "$steps"
 for gib in $sizes; do
