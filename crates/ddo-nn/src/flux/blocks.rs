@@ -168,9 +168,7 @@ impl FluxAttention {
         })
     }
 
-    /// The part of attention's input that the projection `x` fills: rows `start..start + l`
-    /// of `total`, rotated with `rope` where given (q and k; v is not), its norm added by
-    /// the norm's leaf ([`RmsNorm::attention_input`]).
+    /// [`attention_part`] with this attention's heads.
     fn part<'a>(
         &self,
         rope: Option<&'a Rope>,
@@ -178,14 +176,7 @@ impl FluxAttention {
         start: usize,
         total: usize,
     ) -> AttentionInput<'a> {
-        AttentionInput {
-            x,
-            heads: self.heads,
-            norm: None,
-            rope: rope.map(|r| (&r.cos, &r.sin)),
-            start,
-            total,
-        }
+        attention_part(self.heads, rope, x, start, total)
     }
 
     /// Joint attention of `x [b, l, D]` (image stream, or the joined stream of a single
@@ -273,6 +264,26 @@ impl FluxAttention {
             }
             _ => Ok((o, None)),
         }
+    }
+}
+
+/// The part of a joint attention's input that the projection `x` (`heads` heads) fills:
+/// rows `start..start + l` of `total`, rotated with `rope` where given (q and k; v is not),
+/// its norm added by the norm's leaf ([`RmsNorm::attention_input`]).
+pub(crate) fn attention_part<'a>(
+    heads: usize,
+    rope: Option<&'a Rope>,
+    x: &'a Tensor,
+    start: usize,
+    total: usize,
+) -> AttentionInput<'a> {
+    AttentionInput {
+        x,
+        heads,
+        norm: None,
+        rope: rope.map(|r| (&r.cos, &r.sin)),
+        start,
+        total,
     }
 }
 

@@ -8,7 +8,9 @@ use ddo_core::{ForwardContext, Ops, Result, Tensor};
 use super::QwenImageTransformerConfig;
 use crate::builder::ModelBuilder;
 use crate::error::LoadResult;
-use crate::flux::blocks::{FeedForward, NORM_EPS, Rope, chunks, clip_f16, gated_add, modulate};
+use crate::flux::blocks::{
+    FeedForward, NORM_EPS, Rope, attention_part, chunks, clip_f16, gated_add, modulate,
+};
 use crate::layers::{Linear, RmsNorm};
 
 /// `Attention(added_kv_proj_dim=dim, qk_norm="rms_norm", context_pre_only=False, bias=True)`
@@ -60,12 +62,6 @@ impl JointAttention {
         })
     }
 
-    /// `[b, l, heads·head_dim]` viewed as `[b, l, heads, head_dim]`.
-    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
-        let s = x.shape();
-        x.reshape(&[s[0], s[1], self.heads, self.head_dim])
-    }
-
     /// Joint attention of the image stream `img [b, li, D]` and the text stream
     /// `txt [b, lt, D]` (placed first), with `rope` over `[text, image]` and the additive
     /// key `mask` (`[b, 1, 1, lt + li]`) when some text token is padding. Returns
@@ -79,31 +75,44 @@ impl JointAttention {
         rope: &Rope,
         mask: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
-        let q = self.split_heads(&self.to_q.forward(ctx, img)?)?;
-        let k = self.split_heads(&self.to_k.forward(ctx, img)?)?;
-        let v = self.split_heads(&self.to_v.forward(ctx, img)?)?;
-        let cq = self.split_heads(&self.add_q_proj.forward(ctx, txt)?)?;
-        let ck = self.split_heads(&self.add_k_proj.forward(ctx, txt)?)?;
-        let cv = self.split_heads(&self.add_v_proj.forward(ctx, txt)?)?;
-        let q = self.norm_q.forward(ctx, &q)?;
-        let k = self.norm_k.forward(ctx, &k)?;
-        let cq = self.norm_added_q.forward(ctx, &cq)?;
-        let ck = self.norm_added_k.forward(ctx, &ck)?;
-        // Diffusers rotates each stream with its own table and then joins them; the
-        // rotation is per token, so joining first and rotating with the joined table gives
-        // the same values.
-        let mut q = ops.concat(&[&cq, &q], 1)?;
-        let mut k = ops.concat(&[&ck, &k], 1)?;
-        let mut v = ops.concat(&[&cv, &v], 1)?;
-        drop((cq, ck, cv));
+        let q = self.to_q.forward(ctx, img)?;
+        let k = self.to_k.forward(ctx, img)?;
+        let v = self.to_v.forward(ctx, img)?;
+        let cq = self.add_q_proj.forward(ctx, txt)?;
+        let ck = self.add_k_proj.forward(ctx, txt)?;
+        let cv = self.add_v_proj.forward(ctx, txt)?;
         let lt = txt.shape()[1];
-        // [b, l, h, d] -> [b, h, l, d] for rope and attention; each step replaces its input,
-        // so no stale copy of q, k or v stays alive.
-        q = ops.permute(&q, &[0, 2, 1, 3])?;
-        q = ops.rope(&q, &rope.cos, &rope.sin)?;
-        k = ops.permute(&k, &[0, 2, 1, 3])?;
-        k = ops.rope(&k, &rope.cos, &rope.sin)?;
-        v = ops.permute(&v, &[0, 2, 1, 3])?;
+        let total = lt + img.shape()[1];
+        // Diffusers rotates each stream with its own table and then joins them; the rotation
+        // is per token, so each stream's rows of the joined output rotated with the joined
+        // table's rows are the same values. Each stream's q and k are normed, placed at its
+        // rows of [b, h, l, d] and rotated in one pass (Ops::attention_input), in the order
+        // the norms' leaves were built (streamed routes predict it); v is placed likewise.
+        let qj = self.norm_q.attention_input(
+            ctx,
+            attention_part(self.heads, Some(rope), &q, lt, total),
+            None,
+        )?;
+        let kj = self.norm_k.attention_input(
+            ctx,
+            attention_part(self.heads, Some(rope), &k, lt, total),
+            None,
+        )?;
+        drop((q, k));
+        let q = self.norm_added_q.attention_input(
+            ctx,
+            attention_part(self.heads, Some(rope), &cq, 0, total),
+            Some(qj),
+        )?;
+        let k = self.norm_added_k.attention_input(
+            ctx,
+            attention_part(self.heads, Some(rope), &ck, 0, total),
+            Some(kj),
+        )?;
+        drop((cq, ck));
+        let vj = ops.attention_input(&attention_part(self.heads, None, &v, lt, total), None)?;
+        let v = ops.attention_input(&attention_part(self.heads, None, &cv, 0, total), Some(vj))?;
+        drop(cv);
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
         let mut o = ops.attention(&q, &k, &v, mask, scale)?;
         drop((q, k, v));
