@@ -49,7 +49,7 @@ pub fn bench_compute(run_here: bool) -> Result<(), String> {
 
 /// The job's script: each part under `timeout`, in order of what issue 39 needs first, the
 /// whole within `DDO_JOB_SECONDS` (570); `DDO_T_<PART>=0` skips a part.
-const SCRIPT: &str = r#"#!/usr/bin/env bash
+pub(super) const SCRIPT: &str = r#"#!/usr/bin/env bash
 # Issue 39 on one GPU, in one job (built by `cargo xtask bench --compute`). Run from the
 # repository root (fixtures/flux_pipeline is read), carrying gpu-bundle/bench-compute; results
 # in $OUT (default ./bench-compute-out). Parts, each under timeout (seconds: DDO_T_<PART>, 0

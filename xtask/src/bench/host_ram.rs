@@ -275,8 +275,11 @@ if [ "${{DDO_WARM:-1}}" = 1 ] && [ "${{DDO_BENCH:-1}}" = 1 ]; then
   say "bench: exit $?"
 fi
 python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
-# Everything in one archive too (a device job brings back only so many files).
-tar -czf "$work/results.tgz" -C "$out" . && mv "$work/results.tgz" "$out/results.tgz"
+# Everything in one archive; $OUT keeps it, the report and the log (a device job brings back
+# at most 8 files, and drops the rest of a fuller folder).
+tar -czf "$work/results.tgz" -C "$out" . && find "$out" -mindepth 1 -maxdepth 1 \
+  ! -name host_ram.md ! -name host_ram.json ! -name logs.txt -exec rm -rf {{}} + \
+  && mv "$work/results.tgz" "$out/results.tgz"
 "#,
         sizes_text = sizes.join(", "),
         sizes_list = sizes.join(" "),

@@ -46,7 +46,7 @@ pub fn bench_serve(run_here: bool) -> Result<(), String> {
 
 /// The job's script. `DDO_BIN` runs another `ddo`; `DDO_WARM_REQUESTS` and `DDO_MANY` set
 /// how many warm requests and how many in a row (6 and 200).
-const SCRIPT: &str = r#"#!/usr/bin/env bash
+pub(super) const SCRIPT: &str = r#"#!/usr/bin/env bash
 # ddo serve on a FLUX.1-dev Diffusers folder (issue 38), in one job (built by
 # `cargo xtask bench --serve`). Run from the repository root, carrying gpu-bundle/bench-serve;
 # results in $OUT (default ./bench-serve-out).
@@ -69,6 +69,10 @@ if [ ! -f "$folder/model_index.json" ]; then
 fi
 PYTHONUNBUFFERED=1 python3 "$here/bench_serve.py" "$out" "$folder" "${DDO_BIN:-$here/ddo}" \
   "${DDO_WARM_REQUESTS:-6}" "${DDO_MANY:-200}"
+# The client's scratch (LoRA files, images) stays behind; the rest in one archive too (a
+# device job brings back at most 8 files: these are 7).
+rm -rf "$out/work"
+tar -czf "$work/results.tgz" -C "$out" . && mv "$work/results.tgz" "$out/results.tgz"
 "#;
 
 #[cfg(test)]
