@@ -45,7 +45,10 @@ fn fp8_compute_runs_its_linears_in_fp8_near_fp8_storages_error() {
             && said.contains("transformer "),
         "{said}"
     );
-    assert!(said.contains("reference implementation"), "{said}");
+    assert!(
+        said.contains("reference implementation runs (this backend has no fp8 tensor cores)"),
+        "{said}"
+    );
     assert!(computed.iter().all(|v| v.is_finite()));
     // The activations were quantized: not the bytes of fp8 weights computed in bf16.
     assert_ne!(stored, computed);
@@ -111,11 +114,16 @@ fn bench_says_which_compute_ran() {
     assert_eq!(fp8["compute"], "fp8");
     // The host backend runs the reference implementation.
     assert_eq!(fp8["fp8_tensor_cores"], false);
+    assert_eq!(
+        fp8["fp8_reference_reason"],
+        "this backend has no fp8 tensor cores"
+    );
     assert!(fp8["compute_floor"]["seconds"].as_f64().unwrap() > 0.0);
     // The same E4M3 weights computed in bf16.
     let bf16 = bench(&["--dtype", "fp8"]);
     assert_eq!(bf16["compute"], "bf16");
     assert!(bf16["fp8_tensor_cores"].is_null());
+    assert!(bf16["fp8_reference_reason"].is_null());
     // Not the same forward: the fp8 one quantized its activations.
     assert_ne!(
         fp8["candidates"][0]["output_fnv1a"],

@@ -682,6 +682,12 @@ impl Ops for FaultInjectingDevice {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }
 
+    fn fp8_reference_reason(&self) -> String {
+        self.inner
+            .ops()
+            .map_or_else(|| "no compute plane".into(), |o| o.fp8_reference_reason())
+    }
+
     fn best_gemm_seconds(
         &self,
         shape: &crate::profile::GemmShape,

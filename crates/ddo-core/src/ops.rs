@@ -353,6 +353,14 @@ pub trait Ops: Send + Sync {
         false
     }
 
+    /// Why [`Ops::linear_fp8`] runs the reference here when [`Ops::fp8_tensor_cores`] is
+    /// false, as a phrase for the run's note and the bench (a GPU says what it lacks, or
+    /// what its check of the fp8 GEMM found). The default: the backend has no fp8 tensor
+    /// cores.
+    fn fp8_reference_reason(&self) -> String {
+        "this backend has no fp8 tensor cores".into()
+    }
+
     /// The fastest the backend's GEMM library runs [`Ops::linear`] at `shape`, in seconds a
     /// call over `calls` calls, where it can search its algorithms (`ddo bench`'s compute
     /// floor: the CUDA backend times the first eight of cuBLASLt's heuristic). `None`: the

@@ -751,6 +751,11 @@ impl Ops for ProfiledOps {
         self.device().is_ok_and(|d| d.fp8_tensor_cores())
     }
 
+    fn fp8_reference_reason(&self) -> String {
+        self.device()
+            .map_or_else(|e| e.to_string(), |d| d.fp8_reference_reason())
+    }
+
     fn best_gemm_seconds(&self, shape: &GemmShape, calls: usize) -> Result<Option<f64>> {
         self.device()?.best_gemm_seconds(shape, calls)
     }

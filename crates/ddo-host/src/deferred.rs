@@ -740,6 +740,12 @@ impl Ops for DeferredComputeDevice {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }
 
+    fn fp8_reference_reason(&self) -> String {
+        self.inner
+            .ops()
+            .map_or_else(|| "no compute plane".into(), |o| o.fp8_reference_reason())
+    }
+
     fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let x = x.clone();
         self.op(move |o| o.cast(&x, dtype))

@@ -884,13 +884,17 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     // `--compute fp8`: whether the device ran the linears on fp8 tensor cores or ran the
     // reference implementation.
     let compute = args.compute.unwrap_or_default();
-    let fp8_tensor_cores = match compute {
-        crate::cli::values::Compute::Fp8 => Some(
-            device_for(false)?
-                .ops()
-                .is_some_and(|o| o.fp8_tensor_cores()),
-        ),
-        crate::cli::values::Compute::Bf16 => None,
+    let (fp8_tensor_cores, fp8_reference_reason) = match compute {
+        crate::cli::values::Compute::Fp8 => {
+            let d = device_for(false)?;
+            let native = d.ops().is_some_and(|o| o.fp8_tensor_cores());
+            let why = (!native).then(|| {
+                d.ops()
+                    .map_or_else(|| "no compute plane".into(), |o| o.fp8_reference_reason())
+            });
+            (Some(native), why)
+        }
+        crate::cli::values::Compute::Bf16 => (None, None),
     };
     // The compute floor: the first counted forward's flops over the device's GEMM rate at
     // its largest linear, measured now (every candidate released).
@@ -939,6 +943,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         compute_floor_error,
         compute: compute.as_str(),
         fp8_tensor_cores,
+        fp8_reference_reason,
         disk,
         candidates: results,
     };

@@ -41,6 +41,9 @@ pub struct BenchReport {
     /// Under `--compute fp8`: whether the device ran the E4M3 linears on fp8 tensor cores
     /// (else the reference implementation ran).
     pub fp8_tensor_cores: Option<bool>,
+    /// Under `--compute fp8` without fp8 tensor cores: why the reference ran
+    /// ([`ddo_core::Ops::fp8_reference_reason`]).
+    pub fp8_reference_reason: Option<String>,
     /// The disk probes (`--weights`).
     pub disk: Vec<ddo_core::disk::DiskRate>,
     /// Each candidate's figures.
@@ -86,11 +89,16 @@ impl BenchReport {
             s += &format!("compute floor: not measured: {e}\n");
         }
         if let Some(native) = self.fp8_tensor_cores {
-            s += if native {
-                "--compute fp8: the E4M3 linears ran on fp8 tensor cores\n"
+            if native {
+                s += "--compute fp8: the E4M3 linears ran on fp8 tensor cores\n";
             } else {
-                "--compute fp8: no fp8 tensor cores here: DDO's reference implementation ran\n"
-            };
+                s += &format!(
+                    "--compute fp8: DDO's reference implementation ran ({})\n",
+                    self.fp8_reference_reason
+                        .as_deref()
+                        .unwrap_or("no fp8 tensor cores")
+                );
+            }
         }
         for d in &self.disk {
             s += &format!(

@@ -170,9 +170,12 @@ pub(crate) fn set_compute(
         }
     );
     if !native {
+        let why = device
+            .ops()
+            .map_or_else(|| "no compute plane".into(), |o| o.fp8_reference_reason());
         note.push_str(&format!(
-            "; {} has no fp8 tensor cores here, so DDO's reference implementation runs: the \
-             same numbers, at the host's speed",
+            "; on {} DDO's reference implementation runs ({why}): the same numbers, at the \
+             host's speed",
             device.id()
         ));
     }

@@ -37,34 +37,39 @@ const BLOCK: u32 = 256;
 /// cuBLASLt on, and this path agreed with the reference on a small product the first time it
 /// was asked on this device ([`self_check`]).
 pub(crate) fn tensor_cores(dev: &CudaDevice) -> bool {
-    // Asked at every fp8 linear: the capability query and the check run once per device.
-    static CHECKED: std::sync::Mutex<Vec<(usize, bool)>> = std::sync::Mutex::new(Vec::new());
+    reference_reason(dev).is_none()
+}
+
+/// Why fp8 linears run the reference on `dev` (`None`: they run on its tensor cores). The
+/// capability query and the check run once per device; the answer is kept with its reason.
+pub(crate) fn reference_reason(dev: &CudaDevice) -> Option<String> {
+    static CHECKED: std::sync::Mutex<Vec<(usize, Option<String>)>> =
+        std::sync::Mutex::new(Vec::new());
     if !dev.cublaslt_enabled() {
-        return false;
+        return Some("cuBLASLt is off or missing on this device".into());
     }
     let ordinal = dev.config().ordinal;
     let mut checked = CHECKED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(&(_, ok)) = checked.iter().find(|(o, _)| *o == ordinal) {
-        return ok;
+    if let Some((_, why)) = checked.iter().find(|(o, _)| *o == ordinal) {
+        return why.clone();
     }
-    let capable = dev
-        .context()
-        .compute_capability()
-        .is_ok_and(|cc| cc >= (8, 9));
-    let ok = capable
-        && match self_check(dev) {
-            Ok(()) => true,
-            Err(why) => {
-                super::cublaslt::refuse(format!(
-                    "fp8 linears run DDO's reference implementation: {why}"
-                ));
-                false
-            }
-        };
-    checked.push((ordinal, ok));
-    ok
+    let why = match dev.context().compute_capability() {
+        Ok(cc) if cc >= (8, 9) => self_check(dev).err().map(|why| {
+            let why = format!("its check of cuBLASLt's E4M3 GEMM failed: {why}");
+            super::cublaslt::refuse(format!(
+                "fp8 linears run DDO's reference implementation: {why}"
+            ));
+            why
+        }),
+        Ok((major, minor)) => Some(format!(
+            "compute capability {major}.{minor} has no fp8 tensor cores (8.9 and up have)"
+        )),
+        Err(e) => Some(format!("its compute capability could not be read: {e}")),
+    };
+    checked.push((ordinal, why.clone()));
+    why
 }
 
 /// Runs this path once on a 48 x 64 x 32 product with a bias against

@@ -311,6 +311,10 @@ impl Ops for CudaDevice {
         fp8::tensor_cores(self)
     }
 
+    fn fp8_reference_reason(&self) -> String {
+        fp8::reference_reason(self).unwrap_or_else(|| "fp8 tensor cores run them".into())
+    }
+
     fn best_gemm_seconds(&self, shape: &ddo_core::GemmShape, calls: usize) -> Result<Option<f64>> {
         Ok(gemm::best_linear_seconds(self, shape, calls)?.map(|(seconds, _)| seconds))
     }
