@@ -40,11 +40,12 @@ pub const BENCH_DIR: &str = "gpu-bundle/bench";
 /// Python files the job needs, from `tools/`.
 const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
 
-const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--run] | cargo xtask bench --serve [--run] | cargo xtask bench --compute [--run]";
+const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--base REV] [--run] | cargo xtask bench --serve [--run] | cargo xtask bench --compute [--run]";
 
-/// `--host-ram SIZES [--steps N] [--run]` ([`host_ram`]).
+/// `--host-ram SIZES [--steps N] [--base REV] [--run]` ([`host_ram`]).
 fn bench_host_ram(args: &[String]) -> Result<(), String> {
     let (mut sizes, mut steps, mut run_here) = (None, 28u32, false);
+    let mut base = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -61,6 +62,12 @@ fn bench_host_ram(args: &[String]) -> Result<(), String> {
                     .filter(|&n| n > 0)
                     .ok_or("--steps needs a positive whole number, e.g. 28")?;
             }
+            "--base" => {
+                let rev = it
+                    .next()
+                    .ok_or("--base needs a git revision, e.g. 45fcf60")?;
+                base = Some(host_ram::parse_base(rev)?);
+            }
             "--run" => run_here = true,
             other => {
                 return Err(format!("unknown bench argument `{other}`; usage: {USAGE}"));
@@ -68,7 +75,7 @@ fn bench_host_ram(args: &[String]) -> Result<(), String> {
         }
     }
     let sizes = sizes.ok_or("--host-ram needs sizes, e.g. 32GiB,16GiB,8GiB")?;
-    host_ram::bench_host_ram(&sizes, steps, run_here)
+    host_ram::bench_host_ram(&sizes, steps, base.as_deref(), run_here)
 }
 
 /// Parses `--peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS]` and builds (and

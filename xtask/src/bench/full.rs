@@ -321,7 +321,7 @@ fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
         .collect()
 }
 
-fn dir_bytes(dir: &Path) -> u64 {
+pub(super) fn dir_bytes(dir: &Path) -> u64 {
     fs::read_dir(dir)
         .map(|rd| {
             rd.flatten()

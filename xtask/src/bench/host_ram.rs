@@ -75,9 +75,73 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
     Ok(sizes)
 }
 
+/// A `--base` revision: hex digits (4 to 40) or a name of letters, digits, `.`, `_`, `-`
+/// and `/` (a tag or branch), never an option or a path outside the repository; an error
+/// names what it takes.
+pub fn parse_base(rev: &str) -> Result<String, String> {
+    let ok = !rev.is_empty()
+        && rev.len() <= 100
+        && !rev.starts_with(['-', '/', '.'])
+        && !rev.contains("..")
+        && rev
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'));
+    if ok {
+        Ok(rev.to_string())
+    } else {
+        Err(format!(
+            "--base `{rev}`: give a git revision (a commit such as 45fcf60, a tag or a branch)"
+        ))
+    }
+}
+
+/// Builds `ddo` at revision `rev` in a worktree of its own (`target/base-src-REV`, target
+/// folder `target/base-REV`, both reused) and puts it xz-compressed into the bundle as
+/// `ddo-base.xz`, which the job runs as its baseline (`DDO_BASE_WARM`'s default).
+fn add_base(root: &std::path::Path, dir: &std::path::Path, rev: &str) -> Result<(), String> {
+    let safe: String = rev
+        .chars()
+        .map(|c| if c == '/' { '_' } else { c })
+        .collect();
+    let src = root.join("target").join(format!("base-src-{safe}"));
+    if !src.join("Cargo.toml").is_file() {
+        run(Command::new("git")
+            .current_dir(root)
+            .args(["worktree", "add", "--detach"])
+            .arg(&src)
+            .arg(format!("{rev}^{{commit}}")))?;
+    }
+    let target = root.join("target").join(format!("base-{safe}"));
+    run(crate::cargo()
+        .current_dir(&src)
+        .env("CARGO_TARGET_DIR", &target)
+        .args([
+            "build",
+            "--release",
+            "--locked",
+            "-p",
+            "ddo-cli",
+            "--bin",
+            "ddo",
+        ]))?;
+    let exe = target.join("release/ddo");
+    std::fs::copy(&exe, dir.join("ddo-base"))
+        .map_err(|e| format!("cannot copy {}: {e}", exe.display()))?;
+    run(Command::new("xz")
+        .args(["-T2", "-6", "-f"])
+        .arg(dir.join("ddo-base")))?;
+    full::check_size(full::dir_bytes(dir))
+}
+
 /// Builds the bundle for `sizes` (GiB of `MemAvailable` to leave) with `steps` denoising
-/// steps, and runs it here with `run_here`.
-pub fn bench_host_ram(sizes: &[u64], steps: u32, run_here: bool) -> Result<(), String> {
+/// steps (and, with `base`, that revision's `ddo` as the baseline), and runs it here with
+/// `run_here`.
+pub fn bench_host_ram(
+    sizes: &[u64],
+    steps: u32,
+    base: Option<&str>,
+    run_here: bool,
+) -> Result<(), String> {
     let root = workspace_root();
     let (script, size) = full::build_bundle(
         &root,
@@ -88,6 +152,9 @@ pub fn bench_host_ram(sizes: &[u64], steps: u32, run_here: bool) -> Result<(), S
         &host_ram_script(sizes, steps),
     )?;
     let dir = root.join(HOST_RAM_DIR);
+    if let Some(rev) = base {
+        add_base(&root, &dir, rev)?;
+    }
     eprintln!(
         "bench --host-ram: {} ({} MiB); on the GPU machine: ./{HOST_RAM_DIR}/run-bench-host-ram.sh (results in $OUT)",
         dir.display(),
@@ -226,7 +293,11 @@ fi
 if [ "${{DDO_WARM:-1}}" = 1 ]; then
   cat "$folder"/*/*.safetensors > /dev/null
   case_run warm 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm
-  # DDO_BASE_WARM=BINARY: the same case with an earlier ddo right after (NAME-base).
+  # DDO_BASE_WARM=BINARY: the same case with an earlier ddo right after (NAME-base); by
+  # default the bundle's ddo-base (`--base REV`), when it has one.
+  if [ -z "${{DDO_BASE_WARM:-}}" ] && [ -f "$here/ddo-base.xz" ]; then
+    xz -dc "$here/ddo-base.xz" > "$work/ddo-base" && chmod +x "$work/ddo-base" && DDO_BASE_WARM="$work/ddo-base"
+  fi
   [ -n "${{DDO_BASE_WARM:-}}" ] && case_run warm-base 0 "$folder" "${{DDO_WARM_STEPS:-4}}" warm "$DDO_BASE_WARM"
   # DDO_ROUNDS=N: N - 1 more rounds of the warm case (and of its base, interleaved), NAME-rK.
   for r in $(seq 2 "${{DDO_ROUNDS:-1}}"); do
@@ -291,6 +362,33 @@ mod tests {
     use std::fs;
 
     use super::*;
+
+    /// `--base` takes a commit, a tag or a branch, never an option, a path or a shell word;
+    /// the job runs the bundled baseline by default, after unpacking it.
+    #[test]
+    fn the_base_is_a_revision_and_the_job_runs_it_by_default() {
+        for good in ["45fcf60", "v0.1", "main", "feature/host-ram", "HEAD"] {
+            assert_eq!(parse_base(good).unwrap(), good);
+        }
+        for bad in [
+            "",
+            "--upload-pack=x",
+            "../x",
+            "/etc/passwd",
+            "a b",
+            "a;b",
+            ".hidden",
+        ] {
+            let e = parse_base(bad).unwrap_err();
+            assert!(e.contains("--base") && e.contains("45fcf60"), "{bad}: {e}");
+        }
+        let s = host_ram_script(&[32], 28);
+        let unpack = s
+            .find(r#"xz -dc "$here/ddo-base.xz""#)
+            .expect("unpacks the base");
+        let first_base_run = s.find("case_run warm-base").expect("runs the base");
+        assert!(unpack < first_base_run);
+    }
 
     #[test]
     fn sizes_are_whole_gib_largest_first_and_bad_ones_are_named() {
