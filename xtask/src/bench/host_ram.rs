@@ -112,18 +112,12 @@ fn add_base(root: &std::path::Path, dir: &std::path::Path, rev: &str) -> Result<
             .arg(format!("{rev}^{{commit}}")))?;
     }
     let target = root.join("target").join(format!("base-{safe}"));
+    // `run` starts commands in this workspace: the manifest path names the worktree's.
     run(crate::cargo()
-        .current_dir(&src)
         .env("CARGO_TARGET_DIR", &target)
-        .args([
-            "build",
-            "--release",
-            "--locked",
-            "-p",
-            "ddo-cli",
-            "--bin",
-            "ddo",
-        ]))?;
+        .args(["build", "--release", "--locked", "--manifest-path"])
+        .arg(src.join("Cargo.toml"))
+        .args(["-p", "ddo-cli", "--bin", "ddo"]))?;
     let exe = target.join("release/ddo");
     std::fs::copy(&exe, dir.join("ddo-base"))
         .map_err(|e| format!("cannot copy {}: {e}", exe.display()))?;
