@@ -419,20 +419,32 @@ pub struct AttentionInput<'a> {
 }
 
 impl AttentionInput<'_> {
-    /// The call's sizes against `dst`'s shape, or a typed shape error naming `op`
-    /// ([`crate::shape::attention_input_geometry`]).
+    /// The call's sizes against `dst` (its shape, and `x`'s dtype), or a typed shape error
+    /// naming `op` ([`crate::shape::attention_input_geometry`]).
     pub fn geometry(
         &self,
         op: &str,
-        dst: Option<&[usize]>,
+        dst: Option<&Tensor>,
     ) -> Result<crate::shape::AttentionInputGeometry> {
+        if let Some(t) = dst
+            && t.dtype() != self.x.dtype()
+        {
+            return Err(CoreError::Shape {
+                what: op.to_string(),
+                message: format!(
+                    "dst is {:?}, x {:?}: expected one dtype",
+                    t.dtype(),
+                    self.x.dtype()
+                ),
+            });
+        }
         crate::shape::attention_input_geometry(
             op,
             self.x.shape(),
             self.heads,
             self.norm.map(|(w, _)| w.shape()),
             self.rope.map(|(c, s)| (c.shape(), s.shape())),
-            dst,
+            dst.map(Tensor::shape),
             self.start,
             self.total,
         )
@@ -450,7 +462,7 @@ pub fn attention_input_composed<O: Ops + ?Sized>(
     dst: Option<Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "attention_input";
-    let g = part.geometry(OP, dst.as_ref().map(|t| t.shape()))?;
+    let g = part.geometry(OP, dst.as_ref())?;
     let mut y = part.x.reshape(&[g.b, g.l, g.heads, g.d])?;
     if let Some((w, eps)) = part.norm {
         y = ops.rms_norm(&y, Some(w), eps)?;

@@ -37,23 +37,29 @@ const BLOCK: u32 = 256;
 /// cuBLASLt on, and this path agreed with the reference on a small product the first time it
 /// was asked on this device ([`self_check`]).
 pub(crate) fn tensor_cores(dev: &CudaDevice) -> bool {
-    reference_reason(dev).is_none()
+    with_reason(dev, |why| why.is_none())
 }
 
-/// Why fp8 linears run the reference on `dev` (`None`: they run on its tensor cores). The
-/// capability query and the check run once per device; the answer is kept with its reason.
+/// Why fp8 linears run the reference on `dev` (`None`: they run on its tensor cores).
 pub(crate) fn reference_reason(dev: &CudaDevice) -> Option<String> {
+    with_reason(dev, |why| why.map(str::to_string))
+}
+
+/// `f` of why fp8 linears run the reference on `dev` (`None`: its tensor cores run them).
+/// Asked at every fp8 linear: the capability query and the check run once per device, and
+/// the answer is kept with its reason (read in place, not copied).
+fn with_reason<R>(dev: &CudaDevice, f: impl FnOnce(Option<&str>) -> R) -> R {
     static CHECKED: std::sync::Mutex<Vec<(usize, Option<String>)>> =
         std::sync::Mutex::new(Vec::new());
     if !dev.cublaslt_enabled() {
-        return Some("cuBLASLt is off or missing on this device".into());
+        return f(Some("cuBLASLt is off or missing on this device"));
     }
     let ordinal = dev.config().ordinal;
     let mut checked = CHECKED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Some((_, why)) = checked.iter().find(|(o, _)| *o == ordinal) {
-        return why.clone();
+        return f(why.as_deref());
     }
     let why = match dev.context().compute_capability() {
         Ok(cc) if cc >= (8, 9) => self_check(dev).err().map(|why| {
@@ -68,8 +74,9 @@ pub(crate) fn reference_reason(dev: &CudaDevice) -> Option<String> {
         )),
         Err(e) => Some(format!("its compute capability could not be read: {e}")),
     };
-    checked.push((ordinal, why.clone()));
-    why
+    let out = f(why.as_deref());
+    checked.push((ordinal, why));
+    out
 }
 
 /// Runs this path once on a 48 x 64 x 32 product with a bias against

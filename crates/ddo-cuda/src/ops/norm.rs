@@ -150,7 +150,7 @@ pub(crate) fn attention_input(
     mut dst: Option<Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "attention_input";
-    let g = part.geometry(OP, dst.as_ref().map(|t| t.shape()))?;
+    let g = part.geometry(OP, dst.as_ref())?;
     let dtype = part.x.dtype();
     let lanes = g.d / 8;
     let tables_f32 = part
@@ -161,9 +161,7 @@ pub(crate) fn attention_input(
         && (1..=32).contains(&lanes)
         && lanes.is_power_of_two()
         && tables_f32
-        && dst
-            .as_mut()
-            .is_none_or(|t| t.dtype() == dtype && t.has_exclusive_device_buffer());
+        && dst.as_mut().is_none_or(|t| t.has_exclusive_device_buffer());
     if !fits {
         return ddo_core::ops::attention_input_composed(dev, part, dst);
     }

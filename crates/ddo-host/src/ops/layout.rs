@@ -242,16 +242,8 @@ pub(super) fn attention_input(
     mut dst: Option<Tensor>,
 ) -> Result<Tensor> {
     const OP: &str = "attention_input";
-    let g = part.geometry(OP, dst.as_ref().map(|t| t.shape()))?;
+    let g = part.geometry(OP, dst.as_ref())?;
     let dtype = part.x.dtype();
-    if let Some(t) = &dst
-        && t.dtype() != dtype
-    {
-        return Err(shape_err(
-            OP,
-            format!("dst is {:?}, x {dtype:?}: expected one dtype", t.dtype()),
-        ));
-    }
     if g.l == g.total {
         return attention_input_composed(dev, part, dst);
     }
