@@ -497,7 +497,8 @@ pub trait Device: Send + Sync + fmt::Debug {
 
     /// A hint that attention over `q [b, h, lq, d]`, `k [b, h, lk, d]`, `v [b, h, lk, dv]`
     /// (in `dtype`), with an additive mask of the given shape (broadcastable to
-    /// `[b, h, lq, lk]`) and dtype if any, will run soon: the backend may prepare for it in
+    /// `[b, h, lq, lk]`) and dtype if any, will run soon as [`Ops::attention_tokens`] (the
+    /// models' call, output in token order): the backend may prepare for it in
     /// the background (the CUDA backend builds its cuDNN plan). Results never depend on it;
     /// an invalid shape is ignored here and refused by the op.
     fn prepare_attention(

@@ -663,6 +663,17 @@ impl Ops for FaultInjectingDevice {
         self.op("attention_input", |o| o.attention_input(part, dst))
     }
 
+    fn attention_tokens(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor> {
+        self.op("attention", |o| o.attention_tokens(q, k, v, mask, scale))
+    }
+
     fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.op("linear_fp8", |o| o.linear_fp8(x, w, bias))
     }

@@ -397,6 +397,42 @@ pub trait Ops: Send + Sync {
     fn attention_input(&self, part: &AttentionInput<'_>, dst: Option<Tensor>) -> Result<Tensor> {
         attention_input_composed(self, part, dst)
     }
+
+    /// [`Ops::attention`] with its output in token order: `[b, lq, h·dv]`, each query's
+    /// heads side by side, the layout an output projection reads. A model calls it in place
+    /// of `attention`, `permute(0, 2, 1, 3)` and the merge of heads. The default is exactly
+    /// [`attention_tokens_composed`] (those ops), so a backend that writes the token order
+    /// directly (CUDA: cuDNN's output strides) gives their bytes where its attention does.
+    fn attention_tokens(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor> {
+        attention_tokens_composed(self, q, k, v, mask, scale)
+    }
+}
+
+/// [`Ops::attention_tokens`] as its composition: [`Ops::attention`] into `[b, h, lq, dv]`,
+/// [`Ops::permute`] to `[b, lq, h, dv]`, then a reshape to `[b, lq, h·dv]`. The trait's
+/// default, and the fallback of backends for calls their direct path does not take.
+pub fn attention_tokens_composed<O: Ops + ?Sized>(
+    ops: &O,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+) -> Result<Tensor> {
+    let o = ops.attention(q, k, v, mask, scale)?;
+    let o = ops.permute(&o, &[0, 2, 1, 3])?;
+    let [b, lq, h, dv] = o.shape().try_into().map_err(|_| CoreError::Shape {
+        what: "attention_tokens".into(),
+        message: format!("output {:?}: expected [b, h, lq, dv]", o.shape()),
+    })?;
+    o.reshape(&[b, lq, h * dv])
 }
 
 /// One part of [`Ops::attention_input`]: the projection `x [b, l, heads·d]`, its per-head

@@ -787,6 +787,24 @@ impl Ops for ProfiledOps {
             |d| d.attention_input(part, dst),
         )
     }
+
+    fn attention_tokens(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor> {
+        // Counted as attention: the same work, its output written in another order.
+        self.op(
+            "attention",
+            None,
+            || tensor_bytes(&[&[q, k, v][..], &some(&[mask])].concat()),
+            &|out| attention_flops(q, k, out),
+            |d| d.attention_tokens(q, k, v, mask, scale),
+        )
+    }
 }
 
 #[cfg(test)]

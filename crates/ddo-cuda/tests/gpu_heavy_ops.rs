@@ -743,7 +743,8 @@ fn attention_matches_host_on_every_path() {
 /// (with it switched off) both match the host, at Flux's, T5's and CLIP's head sizes, with
 /// masks in the inputs' dtype broadcast over batch and heads, prepared ahead or not; every
 /// call of an eligible shape runs on cuDNN (its counter moves: a call waits for its plan),
-/// and with it off none does.
+/// and with it off none does. The same for `attention_tokens` (the output in token order,
+/// written by cuDNN through its strides), which says whether it gave the head order's bytes.
 #[test]
 fn attention_on_cudnn_and_on_the_nvrtc_kernels_match_the_host() {
     let Some(gd) = gpu() else { return };
@@ -795,6 +796,34 @@ fn attention_on_cudnn_and_on_the_nvrtc_kernels_match_the_host() {
                 "{what}: cuDNN ran {ran} times; last refusal: {:?}",
                 gd.cudnn_attention_refusal()
             );
+            // In token order ([b, lq, h·d], the models' call): on cuDNN through the
+            // output's strides, else the composition; the host's composition either way.
+            let want_tokens = hd
+                .attention_tokens(&q.h, &k.h, &v.h, mask.as_ref().map(|m| &m.h), scale)
+                .unwrap();
+            let before = gd.cudnn_attention_runs();
+            let tokens = gd
+                .attention_tokens(&q.g, &k.g, &v.g, mask.as_ref().map(|m| &m.g), scale)
+                .unwrap();
+            let ran = gd.cudnn_attention_runs() - before;
+            assert_eq!(tokens.shape(), [b, lq, h * d]);
+            check(&format!("{what} tokens"), &gd, &hd, &tokens, &want_tokens);
+            assert_eq!(
+                ran,
+                u64::from(on),
+                "{what} tokens: cuDNN ran {ran} times; last refusal: {:?}",
+                gd.cudnn_attention_refusal()
+            );
+            let heads_order = gd
+                .permute(&got, &[0, 2, 1, 3])
+                .unwrap()
+                .reshape(&[b, lq, h * d])
+                .unwrap();
+            let same = gd.to_f32_vec(&tokens).unwrap() == gd.to_f32_vec(&heads_order).unwrap();
+            println!("{what}: token order gives the head order's bytes: {same}");
+            if !on {
+                assert!(same, "{what}: the composition is the same ops");
+            }
         }
         gd.set_cudnn_attention(true);
     }

@@ -31,7 +31,7 @@ use serde::Deserialize;
 use crate::builder::ModelBuilder;
 use crate::error::{LoadError, LoadResult};
 use crate::layers::{Embedding, LayerNorm, Linear, ops};
-use crate::t5::{check_ids, dtype_min, ids_from_tensor, merge_heads, split_heads};
+use crate::t5::{check_ids, dtype_min, ids_from_tensor, split_heads};
 use crate::weights::{CheckpointWeights, UnusedWeights, WeightSource};
 
 /// The component name of the CLIP text encoder in SD / Flux pipelines.
@@ -524,8 +524,8 @@ impl ClipTextProgram {
             let q = split_heads(ops, &layer.q_proj.forward(ctx, &h)?, heads, head_dim)?;
             let k = split_heads(ops, &layer.k_proj.forward(ctx, &h)?, heads, head_dim)?;
             let v = split_heads(ops, &layer.v_proj.forward(ctx, &h)?, heads, head_dim)?;
-            let a = ops.attention(&q, &k, &v, Some(&mask), scale)?;
-            let a = layer.out_proj.forward(ctx, &merge_heads(ops, &a)?)?;
+            let a = ops.attention_tokens(&q, &k, &v, Some(&mask), scale)?;
+            let a = layer.out_proj.forward(ctx, &a)?;
             x = ops.binary(&x, &a, BinaryOp::Add)?;
 
             let h = layer.layer_norm2.forward(ctx, &x)?;

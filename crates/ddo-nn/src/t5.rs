@@ -707,13 +707,6 @@ pub(crate) fn split_heads(
     ops.permute(&x.reshape(&[1, len, heads, head_dim])?, &[0, 2, 1, 3])
 }
 
-/// `[1, h, L, d]` → `[1, L, h * d]`.
-pub(crate) fn merge_heads(ops: &dyn Ops, x: &Tensor) -> Result<Tensor> {
-    let (heads, len, head_dim) = (x.shape()[1], x.shape()[2], x.shape()[3]);
-    ops.permute(x, &[0, 2, 1, 3])?
-        .reshape(&[1, len, heads * head_dim])
-}
-
 impl T5EncoderProgram {
     fn run(
         &self,
@@ -756,8 +749,8 @@ impl T5EncoderProgram {
             if bias.is_none() {
                 bias = Some(self.position_bias(ctx, attn, len, attention_mask)?);
             }
-            let a = ops.attention(&q, &k, &v, bias.as_ref(), 1.0)?;
-            let a = attn.o.forward(ctx, &merge_heads(ops, &a)?)?;
+            let a = ops.attention_tokens(&q, &k, &v, bias.as_ref(), 1.0)?;
+            let a = attn.o.forward(ctx, &a)?;
             x = clamp_f16(ops, ops.binary(&x, &a, BinaryOp::Add)?)?;
 
             let h = block.ff_norm.forward(ctx, &x)?;

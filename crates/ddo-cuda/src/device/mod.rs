@@ -588,8 +588,8 @@ impl Device for CudaDevice {
         self.host_registrations.load(Ordering::Relaxed)
     }
 
-    /// Starts building the cuDNN plan of an eligible shape in the background
-    /// (`ops/cudnn_attention.rs`).
+    /// Starts building the cuDNN plan of an eligible shape, output in token order, in the
+    /// background (`ops/cudnn_attention.rs`).
     fn prepare_attention(
         &self,
         q: &[usize],

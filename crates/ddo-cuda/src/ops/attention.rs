@@ -37,7 +37,7 @@ use ddo_core::{DType, Device, Result, Tensor};
 
 use super::gemm::{Gemm, gemm, launch_cfg};
 use super::kernels::{self, Arg, Dims6};
-use super::{Out, input};
+use super::{In, Out, input};
 use crate::device::CudaDevice;
 
 /// Name of this file's kernel source.
@@ -150,32 +150,17 @@ pub(crate) fn attention(
         return out.finish(dev, &inputs);
     }
     let (mask_ptr, mask_code) = super::opt_ptr(mi.as_ref());
-    // cuDNN's engines take a positive, finite scale only (a negative one gave NaN on an
-    // H200 with cuDNN 9.14): other scales run on the NVRTC kernels.
-    if dev.cudnn_attention_enabled()
-        && scale.is_finite()
-        && scale > 0.0
-        && d == dv
-        && [qi.ptr, ki.ptr, vi.ptr, out.ptr, mask_ptr]
-            .iter()
-            .all(|p| p % 16 == 0)
-        && let Some(key) = super::cudnn_attention::key(
-            q.dtype(),
-            [b, h, lq, lk, d],
-            mi.as_ref().zip(mask4).map(|(m, s)| (m.dtype, s)),
-        )
-        && [ki.dtype, vi.dtype] == [qi.dtype; 2]
-    {
-        let ptrs = super::cudnn_attention::Pointers {
-            q: qi.ptr,
-            k: ki.ptr,
-            v: vi.ptr,
-            out: out.ptr,
-            mask: mask_ptr,
-        };
-        if super::cudnn_attention::run(dev, &key, &ptrs, scale)? {
-            return out.finish(dev, &inputs);
-        }
+    let call = Call {
+        geometry: [b, h, lq, lk, d, dv],
+        q: &qi,
+        k: &ki,
+        v: &vi,
+        mask: mi.as_ref().map(|m| (m, mask4)),
+        out: out.ptr,
+        scale,
+    };
+    if on_cudnn(dev, &call, false)? {
+        return out.finish(dev, &inputs);
     }
     let plan = Plan {
         dtypes: [qi.dtype, ki.dtype, vi.dtype],
@@ -209,9 +194,113 @@ pub(crate) fn attention(
     out.finish(dev, &inputs)
 }
 
+/// `Ops::attention_tokens` on `dev`: the output in token order, `[b, lq, h·dv]`. cuDNN
+/// writes it directly through the output's strides where it takes the call; otherwise
+/// [`ddo_core::ops::attention_tokens_composed`] runs (this backend's attention, then its
+/// permute).
+pub(crate) fn attention_tokens(
+    dev: &CudaDevice,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+) -> Result<Tensor> {
+    const OP: &str = "attention_tokens";
+    let g = ddo_core::shape::attention_geometry(
+        OP,
+        q.shape(),
+        k.shape(),
+        v.shape(),
+        mask.map(Tensor::shape),
+    )?;
+    let mask4: Option<[usize; 4]> = g
+        .mask_strides
+        .as_ref()
+        .and_then(|s| s.as_slice().try_into().ok());
+    if dev.cudnn_attention_enabled() && g.b * g.h * g.lq * g.dv > 0 {
+        let qi = input(dev, OP, q)?;
+        let ki = input(dev, OP, k)?;
+        let vi = input(dev, OP, v)?;
+        let mi = mask.map(|m| input(dev, OP, m)).transpose()?;
+        let out = Out::new(dev, OP, vec![g.b, g.lq, g.h * g.dv], q.dtype())?;
+        dev.allocation(&out.buffer)?
+            .note_use(dev.stream_handle(&dev.compute_stream())?);
+        let call = Call {
+            geometry: [g.b, g.h, g.lq, g.lk, g.d, g.dv],
+            q: &qi,
+            k: &ki,
+            v: &vi,
+            mask: mi.as_ref().map(|m| (m, mask4)),
+            out: out.ptr,
+            scale,
+        };
+        if on_cudnn(dev, &call, true)? {
+            let mut inputs = vec![&qi, &ki, &vi];
+            if let Some(m) = &mi {
+                inputs.push(m);
+            }
+            return out.finish(dev, &inputs);
+        }
+    }
+    ddo_core::ops::attention_tokens_composed(dev, q, k, v, mask, scale)
+}
+
+/// One attention call's operands, for [`on_cudnn`].
+struct Call<'a, 'b> {
+    /// b, h, lq, lk, d, dv.
+    geometry: [usize; 6],
+    q: &'a In<'b>,
+    k: &'a In<'b>,
+    v: &'a In<'b>,
+    /// The mask and its element strides for (b, h, query, key) (`None`: not 4-D, which
+    /// cuDNN is not asked).
+    mask: Option<(&'a In<'b>, Option<[usize; 4]>)>,
+    /// The output's device address: `[b, h, lq, dv]`, or `[b, lq, h, dv]` when `tokens`.
+    out: u64,
+    scale: f32,
+}
+
+/// Runs `call` on cuDNN where it takes it: 16-bit q, k, v of one dtype, `d == dv`, a
+/// positive finite scale (cuDNN's engines gave NaN for a negative one on an H200 with cuDNN
+/// 9.14), 16-byte aligned operands and a plan for the shape. Whether it ran; `tokens`
+/// writes the output in token order.
+fn on_cudnn(dev: &CudaDevice, call: &Call<'_, '_>, tokens: bool) -> Result<bool> {
+    let [b, h, lq, lk, d, dv] = call.geometry;
+    let mask_ptr = call.mask.map_or(0, |(m, _)| m.ptr);
+    let mask = match call.mask {
+        None => None,
+        Some((m, Some(strides))) => Some((m.dtype, strides)),
+        Some((_, None)) => return Ok(false),
+    };
+    if !(dev.cudnn_attention_enabled()
+        && call.scale.is_finite()
+        && call.scale > 0.0
+        && d == dv
+        && [call.q.ptr, call.k.ptr, call.v.ptr, call.out, mask_ptr]
+            .iter()
+            .all(|p| p % 16 == 0)
+        && [call.k.dtype, call.v.dtype] == [call.q.dtype; 2])
+    {
+        return Ok(false);
+    }
+    let Some(key) = super::cudnn_attention::key(call.q.dtype, [b, h, lq, lk, d], mask, tokens)
+    else {
+        return Ok(false);
+    };
+    let ptrs = super::cudnn_attention::Pointers {
+        q: call.q.ptr,
+        k: call.k.ptr,
+        v: call.v.ptr,
+        out: call.out,
+        mask: mask_ptr,
+    };
+    super::cudnn_attention::run(dev, &key, &ptrs, call.scale)
+}
+
 /// [`Device::prepare_attention`](ddo_core::Device::prepare_attention) on `dev`: the cuDNN
-/// plan of an eligible shape starts building (the same eligibility as a call: 16-bit, d ==
-/// dv, the mask's layout; alignment is a call's matter).
+/// plan of an eligible shape starts building, output in token order (the same eligibility
+/// as a call: 16-bit, d == dv, the mask's layout; alignment is a call's matter).
 pub(crate) fn prepare(
     dev: &CudaDevice,
     q: &[usize],
@@ -231,10 +320,13 @@ pub(crate) fn prepare(
     if g.d != g.dv {
         return;
     }
+    // The models call `attention_tokens` (the output in token order), so that is the plan
+    // made ready.
     if let Some(key) = super::cudnn_attention::key(
         dtype,
         [g.b, g.h, g.lq, g.lk, g.d],
         mask.zip(mask4).map(|((_, mdt), s)| (mdt, s)),
+        true,
     ) {
         let _ = super::cudnn_attention::prepare(dev, &key);
     }

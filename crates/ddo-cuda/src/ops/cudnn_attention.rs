@@ -169,6 +169,9 @@ pub(crate) struct Key {
     pub d: usize,
     /// The mask's dims and element strides (`[b|1, h|1, lq, lk]`), when there is one.
     pub mask: Option<([i64; 4], [i64; 4])>,
+    /// Whether the output is written in token order (`[b, lq, h, d]` in memory, for
+    /// `Ops::attention_tokens`) instead of `[b, h, lq, d]`.
+    pub tokens: bool,
 }
 
 /// The cuDNN state of one device.
@@ -326,14 +329,13 @@ fn build(handle: dnn::cudnnHandle_t, key: &Key) -> DnnResult<Built> {
         false,
         false,
     )?;
-    let o = tensor(
-        uid::O,
-        io,
-        [b, h, lq, d],
-        dense([b, h, lq, d]),
-        false,
-        false,
-    )?;
+    // O [b, h, lq, d], stored dense or in token order ([b, lq, h, d] in memory).
+    let o_strides = if key.tokens {
+        [lq * h * d, d, h * d, 1]
+    } else {
+        dense([b, h, lq, d])
+    };
+    let o = tensor(uid::O, io, [b, h, lq, d], o_strides, false, false)?;
     let scale = tensor(uid::SCALE, f32t, [1; 4], [1; 4], false, true)?;
     let scores = [b, h, lq, lk];
     let rows = [b, h, lq, 1];
@@ -819,11 +821,12 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
 
 /// The plan key of a call, or `None` when cuDNN is not asked (head size, dtype, mask
 /// layout): `mask` is the mask's dtype and element strides for (b, h, query, key), 0 where
-/// it broadcasts.
+/// it broadcasts; `tokens`, whether the output is written in token order.
 pub(crate) fn key(
     dtype: DType,
     [b, h, lq, lk, d]: [usize; 5],
     mask: Option<(DType, [usize; 4])>,
+    tokens: bool,
 ) -> Option<Key> {
     let bf16 = match dtype {
         DType::BF16 => true,
@@ -859,6 +862,7 @@ pub(crate) fn key(
         lk,
         d,
         mask,
+        tokens,
     })
 }
 
@@ -868,26 +872,31 @@ mod tests {
 
     #[test]
     fn keys_cover_what_cudnn_is_asked_and_nothing_else() {
-        let k = key(DType::BF16, [1, 24, 4608, 4608, 128], None).unwrap();
-        assert!(k.bf16 && k.mask.is_none());
+        let k = key(DType::BF16, [1, 24, 4608, 4608, 128], None, false).unwrap();
+        assert!(k.bf16 && k.mask.is_none() && !k.tokens);
+        // The token-order output is a plan of its own.
+        let tokens = key(DType::BF16, [1, 24, 4608, 4608, 128], None, true).unwrap();
+        assert!(tokens.tokens);
+        assert_ne!(k, tokens);
         assert!(
-            key(DType::F32, [1, 2, 8, 8, 64], None).is_none(),
+            key(DType::F32, [1, 2, 8, 8, 64], None, false).is_none(),
             "f32 stays on NVRTC"
         );
         assert!(
-            key(DType::BF16, [1, 2, 8, 8, 512], None).is_none(),
+            key(DType::BF16, [1, 2, 8, 8, 512], None, false).is_none(),
             "d > 128"
         );
         assert!(
-            key(DType::BF16, [1, 2, 8, 8, 40], None).is_some(),
+            key(DType::BF16, [1, 2, 8, 8, 40], None, false).is_some(),
             "any d % 8 == 0"
         );
-        assert!(key(DType::BF16, [1, 2, 8, 8, 36], None).is_none());
+        assert!(key(DType::BF16, [1, 2, 8, 8, 36], None, false).is_none());
         // T5's position bias [1, h, s, s] broadcast over the batch.
         let t5 = key(
             DType::BF16,
             [2, 64, 512, 512, 64],
             Some((DType::BF16, [0, 512 * 512, 512, 1])),
+            false,
         )
         .unwrap();
         assert_eq!(
@@ -899,7 +908,8 @@ mod tests {
             key(
                 DType::BF16,
                 [1, 2, 8, 8, 64],
-                Some((DType::BF16, [8, 0, 0, 1]))
+                Some((DType::BF16, [8, 0, 0, 1])),
+                false
             )
             .is_none()
         );
@@ -907,7 +917,8 @@ mod tests {
             key(
                 DType::BF16,
                 [1, 2, 8, 8, 64],
-                Some((DType::F32, [0, 0, 8, 1]))
+                Some((DType::F32, [0, 0, 8, 1])),
+                false
             )
             .is_none()
         );

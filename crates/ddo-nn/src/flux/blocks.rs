@@ -248,11 +248,10 @@ impl FluxAttention {
             }
         };
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
-        let mut o = ops.attention(&q, &k, &v, None, scale)?;
+        // [b, L, h·d]: the token order the output projections read.
+        let o = ops.attention_tokens(&q, &k, &v, None, scale)?;
         drop((q, k, v));
-        o = ops.permute(&o, &[0, 2, 1, 3])?;
         let s = o.shape().to_vec();
-        let o = o.reshape(&[s[0], s[1], s[2] * s[3]])?;
         match (context_len, &self.added, &self.to_out) {
             (Some(lt), Some(a), Some(to_out)) => {
                 let c = ops.narrow(&o, 1, 0, lt)?;

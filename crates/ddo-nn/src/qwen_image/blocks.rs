@@ -114,11 +114,10 @@ impl JointAttention {
         let v = ops.attention_input(&attention_part(self.heads, None, &cv, 0, total), Some(vj))?;
         drop(cv);
         let scale = (1.0 / (self.head_dim as f64).sqrt()) as f32;
-        let mut o = ops.attention(&q, &k, &v, mask, scale)?;
+        // [b, L, h·d]: the token order the output projections read.
+        let o = ops.attention_tokens(&q, &k, &v, mask, scale)?;
         drop((q, k, v));
-        o = ops.permute(&o, &[0, 2, 1, 3])?;
         let s = o.shape().to_vec();
-        let o = o.reshape(&[s[0], s[1], s[2] * s[3]])?;
         let txt_out = ops.narrow(&o, 1, 0, lt)?;
         let img_out = ops.narrow(&o, 1, lt, s[1] - lt)?;
         drop(o);

@@ -160,8 +160,7 @@ impl QwenTextProgram {
             let q = ops.rope(&q, &cos, &sin)?;
             let k = repeat_kv(ops, &ops.rope(&k, &cos, &sin)?, cfg.kv_groups())?;
             let v = repeat_kv(ops, &v, cfg.kv_groups())?;
-            let a = ops.attention(&q, &k, &v, Some(&mask), scale)?;
-            let a = ops.permute(&a, &[0, 2, 1, 3])?.reshape(&[batch, len, d])?;
+            let a = ops.attention_tokens(&q, &k, &v, Some(&mask), scale)?;
             let a = layer.o_proj.forward(ctx, &a)?;
             x = ops.binary(&x, &a, BinaryOp::Add)?;
 
