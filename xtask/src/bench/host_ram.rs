@@ -21,7 +21,9 @@
 //!    each case runs on the coded folder right after the raw one, `NAME-coded`);
 //!    each case's GPU clocks, power, temperature and throttle reasons are sampled every 100 ms
 //!    (`$OUT/NAME.smi.csv`);
-//! 4. writes `$OUT/host_ram.json` and `$OUT/host_ram.md`: per case the time to the image,
+//! 4. with `DDO_SERVE=1`, runs `--serve`'s job on the same folder (the bundle carries its
+//!    script and client), so one carry and one job measure both;
+//! 5. writes `$OUT/host_ram.json` and `$OUT/host_ram.md`: per case the time to the image,
 //!    the phases, the steady step and its ratio to the all-free run's, the peak RSS, the
 //!    plan's host budget, whether an image came and no other process was killed.
 
@@ -44,13 +46,18 @@ pub(super) const FOLDER_WRITER: [&str; 5] = [
     "save_random_pipeline.py",
 ];
 
-/// Python files the job needs: the folder's writer and the report.
+/// Python files the job needs: the folder's writer, the report, and `--serve`'s client (the
+/// job's `DDO_SERVE=1` stage runs it on the same folder, so one carry serves both benches).
 fn scripts() -> Vec<&'static str> {
     FOLDER_WRITER
         .into_iter()
-        .chain(["bench_host_ram_report.py"])
+        .chain(["bench_host_ram_report.py", "bench_serve.py"])
         .collect()
 }
+
+/// The `--serve` job's script in this bundle: `DDO_SERVE=1` runs it after the cases (it
+/// finds the folder written and the `ddo` unpacked, both shared).
+const SERVE_SCRIPT: &str = "run-bench-serve.sh";
 
 /// The sizes of `32GiB,16GiB,8GiB` in whole GiB, largest first; an error names a bad one.
 pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
@@ -146,6 +153,11 @@ pub fn bench_host_ram(
         &host_ram_script(sizes, steps),
     )?;
     let dir = root.join(HOST_RAM_DIR);
+    let serve = dir.join(SERVE_SCRIPT);
+    std::fs::write(&serve, full::with_unpack(super::serve::SCRIPT))
+        .map_err(|e| format!("cannot write {}: {e}", serve.display()))?;
+    crate::gpu::make_executable(&serve)?;
+    run(Command::new("bash").arg("-n").arg(&serve))?;
     if let Some(rev) = base {
         add_base(&root, &dir, rev)?;
     }
@@ -339,6 +351,13 @@ if [ "${{DDO_WARM:-1}}" = 1 ] && [ "${{DDO_BENCH:-1}}" = 1 ]; then
     --vram-budget "$vram" --device cuda:0 --repeats 3 --out-json "$out/bench.json" > "$out/bench.txt" 2>> "$log"
   say "bench: exit $?"
 fi
+# DDO_SERVE=1: `cargo xtask bench --serve`'s job on the same folder (DDO_MANY requests in a row,
+# DDO_WARM_REQUESTS warm ones; DDO_T_SERVE seconds at most), its results in $OUT/serve (and so
+# in the archive).
+if [ "${{DDO_SERVE:-0}}" = 1 ]; then
+  OUT="$out/serve" timeout -k 10 "${{DDO_T_SERVE:-300}}" "$here/run-bench-serve.sh" > "$out/serve.out" 2>&1
+  say "serve: exit $?"
+fi
 python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
 # Everything in one archive; $OUT keeps it, the report and the log (a device job brings back
 # at most 8 files, and drops the rest of a fuller folder).
@@ -427,6 +446,14 @@ mod tests {
         let sized = s.find(r#"case_run "avail${gib}" "$gib""#).unwrap();
         let report = s.find("bench_host_ram_report.py\" \"$out\"").unwrap();
         assert!(free < sized && sized < report);
+        // The serve stage (opt-in) runs on the same folder after the cases and the link
+        // bench, and its results are in the archive.
+        let bench = s.find("bench --weights \"$folder\"").unwrap();
+        let serve = s.find("OUT=\"$out/serve\"").unwrap();
+        let archive = s.find("tar -czf").unwrap();
+        assert!(sized < bench && bench < serve && serve < report && report < archive);
+        assert!(s.contains(r#"if [ "${DDO_SERVE:-0}" = 1 ]; then"#));
+        assert!(scripts().contains(&"bench_serve.py"));
         assert!(s.contains("drop_caches"));
         assert!(s.contains(r#"vram="${DDO_VRAM:-12GiB}""#));
         assert!(s.contains(r#"--vram-budget "$vram""#));
