@@ -17,6 +17,10 @@ only. Writes OUT/serve.json and OUT/serve.md.
    against `ddo run` with the same arguments.
 
 Usage: python3 bench_serve.py OUT FOLDER DDO [WARM] [MANY]
+
+DDO_SERVE_SECONDS (environment): the seconds the client may take; the requests in a row stop
+early (`many.stopped_after` says after how many) so that the last request, the memory
+comparison and the concurrent clients still run within it.
 """
 
 import base64
@@ -106,6 +110,8 @@ def main():
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     out, folder, ddo = sys.argv[1:4]
+    # What the requests in a row leave for the last request and the concurrent clients.
+    deadline = time.time() + float(os.environ.get("DDO_SERVE_SECONDS", "inf")) - 60.0
     warm_n = int(sys.argv[4]) if len(sys.argv) > 4 else 6
     many_n = int(sys.argv[5]) if len(sys.argv) > 5 else 200
     work = os.path.join(out, "work")
@@ -193,7 +199,11 @@ def main():
         # first, after that warm-up, and after the last.
         warm_at = 4 * 20
         after_warmup = None
+        stopped_after = None
         for i in range(many_n):
+            if time.time() > deadline:
+                stopped_after = i
+                break
             h, w = sizes[(i // 20) % len(sizes)]
             body = {"prompt": f"prompt {i % 7}", "height": h, "width": w, "steps": 1 + i % 3,
                     "seed": 1000 + i, "loras": lora_sets[(i // 5) % len(lora_sets)]}
@@ -215,7 +225,8 @@ def main():
         keys = ["ddo_device_allocated_bytes", "ddo_pinned_host_bytes", "ddo_host_resident_bytes",
                 "ddo_host_anonymous_bytes", "ddo_host_heap_bytes", "ddo_host_registrations_total"]
         result["many"] = {
-            "requests": many_n + 1, "errors": errors, "seconds": time.time() - t_many,
+            "requests": (many_n if stopped_after is None else stopped_after) + 1,
+            "stopped_after": stopped_after, "errors": errors, "seconds": time.time() - t_many,
             "mean_wall_seconds": sum(walls) / max(len(walls), 1),
             "after_first": {k: (first_after or {}).get(k) for k in keys},
             "after_warmup": {k: (after_warmup or {}).get(k) for k in keys},

@@ -355,7 +355,8 @@ fi
 # DDO_WARM_REQUESTS warm ones; DDO_T_SERVE seconds at most), its results in $OUT/serve (and so
 # in the archive).
 if [ "${{DDO_SERVE:-0}}" = 1 ]; then
-  OUT="$out/serve" timeout -k 10 "${{DDO_T_SERVE:-300}}" "$here/run-bench-serve.sh" > "$out/serve.out" 2>&1
+  t_serve="${{DDO_T_SERVE:-300}}"
+  OUT="$out/serve" DDO_SERVE_SECONDS=$(( t_serve - 20 )) timeout -k 10 "$t_serve" "$here/run-bench-serve.sh" > "$out/serve.out" 2>&1
   say "serve: exit $?"
 fi
 python3 "$here/bench_host_ram_report.py" "$out" | tee -a "$log"
