@@ -124,6 +124,7 @@ fn attend_head(
     }
 }
 
+/// `Ops::attention` on the host: the output `[b, h, lq, dv]`.
 pub(super) fn attention(
     dev: &HostDevice,
     q: &Tensor,
@@ -132,7 +133,31 @@ pub(super) fn attention(
     mask: Option<&Tensor>,
     scale: f32,
 ) -> Result<Tensor> {
-    const OP: &str = "attention";
+    attend(dev, "attention", [q, k, v], mask, scale, false)
+}
+
+/// `Ops::attention_tokens` on the host: the same values written in token order,
+/// `[b, lq, h·dv]` (the f32 results placed there before their one rounding, so the bytes
+/// are those of attention, permute and the merge of heads).
+pub(super) fn attention_tokens(
+    dev: &HostDevice,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+) -> Result<Tensor> {
+    attend(dev, "attention_tokens", [q, k, v], mask, scale, true)
+}
+
+fn attend(
+    dev: &HostDevice,
+    op: &'static str,
+    [q, k, v]: [&Tensor; 3],
+    mask: Option<&Tensor>,
+    scale: f32,
+    tokens: bool,
+) -> Result<Tensor> {
     let ddo_core::shape::AttentionGeometry {
         b,
         h,
@@ -142,17 +167,22 @@ pub(super) fn attention(
         dv,
         mask_strides,
     } = ddo_core::shape::attention_geometry(
-        OP,
+        op,
         q.shape(),
         k.shape(),
         v.shape(),
         mask.map(Tensor::shape),
     )?;
-    let qi = dev.input(OP, q)?;
-    let ki = dev.input(OP, k)?;
-    let vi = dev.input(OP, v)?;
-    let mi = mask.map(|m| dev.input(OP, m)).transpose()?;
-    let output = dev.new_output(OP, vec![b, h, lq, dv], q.dtype())?;
+    let qi = dev.input(op, q)?;
+    let ki = dev.input(op, k)?;
+    let vi = dev.input(op, v)?;
+    let mi = mask.map(|m| dev.input(op, m)).transpose()?;
+    let shape = if tokens {
+        vec![b, lq, h * dv]
+    } else {
+        vec![b, h, lq, dv]
+    };
+    let output = dev.new_output(op, shape, q.dtype())?;
     dev.fence()?;
     let qv = qi.f32()?;
     let kv = ki.f32()?;
@@ -191,7 +221,7 @@ pub(super) fn attention(
         );
     };
     let mut units: Vec<(usize, usize, &mut [f32])> = Vec::new();
-    if dv > 0 {
+    if dv > 0 && lq > 0 {
         for (head, o) in out.chunks_mut(lq * dv).enumerate() {
             for (i, blk) in o.chunks_mut(ATTN_BLOCK_Q * dv).enumerate() {
                 units.push((head, i * ATTN_BLOCK_Q, blk));
@@ -223,6 +253,18 @@ pub(super) fn attention(
                 });
             }
         });
+    }
+    if tokens && h > 1 && lq * dv > 0 {
+        // [b, h, lq, dv] -> [b, lq, h, dv], in f32 before the one rounding.
+        let mut placed = try_vec(out.len(), 0.0f32, "attention's output")?;
+        for (head, rows) in out.chunks_exact(lq * dv).enumerate() {
+            let (bi, hi) = (head / h, head % h);
+            for (i, row) in rows.chunks_exact(dv).enumerate() {
+                let at = ((bi * lq + i) * h + hi) * dv;
+                placed[at..at + dv].copy_from_slice(row);
+            }
+        }
+        out = placed;
     }
     output.write_f32(&out)
 }
@@ -338,5 +380,66 @@ mod tests {
         // Several query and key blocks, with a key tail.
         check_attention(&d, &mut rng, [1, 2, 300, 300, 16, 16], Some(&[300, 300]));
         check_attention(&d, &mut rng, [1, 1, 70, 520, 8, 8], Some(&[1, 1, 1, 520]));
+    }
+
+    /// The token-order output is the composition's bytes (attention, permute, merge of
+    /// heads) in every dtype, with and without a mask, one head or several, and empty.
+    #[test]
+    fn attention_in_token_order_gives_the_compositions_bytes() {
+        let d = dev();
+        let mut rng = SplitMix64::new(13);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for ([b, h, lq, lk, hd, dv], mask) in [
+                ([2, 3, 5, 7, 8, 6], Some(vec![2, 1, 5, 7])),
+                ([1, 4, 300, 130, 16, 16], None),
+                ([2, 1, 9, 4, 8, 8], Some(vec![1, 1, 1, 4])),
+                ([1, 2, 0, 3, 8, 8], None),
+                ([1, 2, 3, 3, 8, 0], None),
+            ] {
+                let q = put(
+                    &d,
+                    &[b, h, lq, hd],
+                    dtype,
+                    &random(&mut rng, b * h * lq * hd),
+                );
+                let k = put(
+                    &d,
+                    &[b, h, lk, hd],
+                    dtype,
+                    &random(&mut rng, b * h * lk * hd),
+                );
+                let v = put(
+                    &d,
+                    &[b, h, lk, dv],
+                    dtype,
+                    &random(&mut rng, b * h * lk * dv),
+                );
+                let m = mask
+                    .as_ref()
+                    .map(|ms| put(&d, ms, dtype, &random(&mut rng, ms.iter().product())));
+                let scale = 0.3;
+                let got = d.attention_tokens(&q, &k, &v, m.as_ref(), scale).unwrap();
+                let want =
+                    ddo_core::ops::attention_tokens_composed(&*d, &q, &k, &v, m.as_ref(), scale)
+                        .unwrap();
+                assert_eq!(got.shape(), [b, lq, h * dv]);
+                assert_eq!(got.shape(), want.shape());
+                assert_eq!(got.dtype(), dtype);
+                let (g, w) = (get(&d, &got), get(&d, &want));
+                assert!(
+                    g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} {:?}",
+                    [b, h, lq, lk, hd, dv]
+                );
+            }
+        }
+        // A bad shape is the attention's typed error, named by the op.
+        let q = put(&d, &[1, 2, 3, 8], DType::F32, &[0.0; 48]);
+        let k = put(&d, &[1, 3, 3, 8], DType::F32, &[0.0; 72]);
+        let e = d.attention_tokens(&q, &k, &k, None, 1.0).unwrap_err();
+        assert!(
+            matches!(e, ddo_core::CoreError::Shape { ref what, .. } if what == "attention_tokens"),
+            "{e}"
+        );
     }
 }

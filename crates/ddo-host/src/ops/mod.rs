@@ -441,6 +441,17 @@ impl Ops for HostDevice {
         attention::attention(self, q, k, v, mask, scale)
     }
 
+    fn attention_tokens(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f32,
+    ) -> Result<Tensor> {
+        attention::attention_tokens(self, q, k, v, mask, scale)
+    }
+
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         elementwise::rope(self, x, cos, sin)
     }
