@@ -385,6 +385,23 @@ impl ProfiledOps {
         let d: &dyn ComputeDevice = &*dev;
         self.profiler.run(d, op, variant, in_bytes, flops, || f(d))
     }
+
+    /// [`Self::op`] for an attention call (either output order): counted as `attention`,
+    /// its inputs' bytes and its two GEMMs' flops.
+    fn attention_op(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        mask: Option<&Tensor>,
+        f: impl FnOnce(&dyn ComputeDevice) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.op(
+            "attention",
+            None,
+            || tensor_bytes(&[&[q, k, v][..], &some(&[mask])].concat()),
+            &|out| attention_flops(q, k, out),
+            f,
+        )
+    }
 }
 
 impl Ops for ProfiledOps {
@@ -590,13 +607,7 @@ impl Ops for ProfiledOps {
         mask: Option<&Tensor>,
         scale: f32,
     ) -> Result<Tensor> {
-        self.op(
-            "attention",
-            None,
-            || tensor_bytes(&[&[q, k, v][..], &some(&[mask])].concat()),
-            &|out| attention_flops(q, k, out),
-            |d| d.attention(q, k, v, mask, scale),
-        )
+        self.attention_op([q, k, v], mask, |d| d.attention(q, k, v, mask, scale))
     }
 
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -797,13 +808,9 @@ impl Ops for ProfiledOps {
         scale: f32,
     ) -> Result<Tensor> {
         // Counted as attention: the same work, its output written in another order.
-        self.op(
-            "attention",
-            None,
-            || tensor_bytes(&[&[q, k, v][..], &some(&[mask])].concat()),
-            &|out| attention_flops(q, k, out),
-            |d| d.attention_tokens(q, k, v, mask, scale),
-        )
+        self.attention_op([q, k, v], mask, |d| {
+            d.attention_tokens(q, k, v, mask, scale)
+        })
     }
 }
 

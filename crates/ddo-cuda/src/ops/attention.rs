@@ -35,9 +35,10 @@
 
 use ddo_core::{DType, Device, Result, Tensor};
 
+use super::cudnn_attention::{Key, Pointers};
 use super::gemm::{Gemm, gemm, launch_cfg};
 use super::kernels::{self, Arg, Dims6};
-use super::{In, Out, input};
+use super::{Out, input};
 use crate::device::CudaDevice;
 
 /// Name of this file's kernel source.
@@ -127,9 +128,14 @@ pub(crate) fn attention(
         v.shape(),
         mask.map(Tensor::shape),
     )?;
-    let mask4: Option<[usize; 4]> = mask_strides
-        .as_ref()
-        .and_then(|s| s.as_slice().try_into().ok());
+    let key = cudnn_key(
+        dev,
+        [q, k, v],
+        [b, h, lq, lk, d, dv],
+        mask.map(|m| (m.dtype(), four(&mask_strides))),
+        scale,
+        false,
+    );
     let mstr = mask_strides
         .map(|s| Dims6::from_slice(&s))
         .unwrap_or_default();
@@ -150,17 +156,17 @@ pub(crate) fn attention(
         return out.finish(dev, &inputs);
     }
     let (mask_ptr, mask_code) = super::opt_ptr(mi.as_ref());
-    let call = Call {
-        geometry: [b, h, lq, lk, d, dv],
-        q: &qi,
-        k: &ki,
-        v: &vi,
-        mask: mi.as_ref().map(|m| (m, mask4)),
-        out: out.ptr,
-        scale,
-    };
-    if on_cudnn(dev, &call, false)? {
-        return out.finish(dev, &inputs);
+    if let Some(key) = &key {
+        let ptrs = Pointers {
+            q: qi.ptr,
+            k: ki.ptr,
+            v: vi.ptr,
+            out: out.ptr,
+            mask: mask_ptr,
+        };
+        if run_cudnn(dev, key, &ptrs, scale)? {
+            return out.finish(dev, &inputs);
+        }
     }
     let plan = Plan {
         dtypes: [qi.dtype, ki.dtype, vi.dtype],
@@ -214,11 +220,17 @@ pub(crate) fn attention_tokens(
         v.shape(),
         mask.map(Tensor::shape),
     )?;
-    let mask4: Option<[usize; 4]> = g
-        .mask_strides
-        .as_ref()
-        .and_then(|s| s.as_slice().try_into().ok());
-    if dev.cudnn_attention_enabled() && g.b * g.h * g.lq * g.dv > 0 {
+    // Only a call cuDNN takes (its checks first, before anything is allocated) writes the
+    // token order directly; the rest run the composition.
+    let key = cudnn_key(
+        dev,
+        [q, k, v],
+        [g.b, g.h, g.lq, g.lk, g.d, g.dv],
+        mask.map(|m| (m.dtype(), four(&g.mask_strides))),
+        scale,
+        true,
+    );
+    if let Some(key) = key.filter(|_| g.b * g.h * g.lq * g.dv > 0) {
         let qi = input(dev, OP, q)?;
         let ki = input(dev, OP, k)?;
         let vi = input(dev, OP, v)?;
@@ -226,76 +238,66 @@ pub(crate) fn attention_tokens(
         let out = Out::new(dev, OP, vec![g.b, g.lq, g.h * g.dv], q.dtype())?;
         dev.allocation(&out.buffer)?
             .note_use(dev.stream_handle(&dev.compute_stream())?);
-        let call = Call {
-            geometry: [g.b, g.h, g.lq, g.lk, g.d, g.dv],
-            q: &qi,
-            k: &ki,
-            v: &vi,
-            mask: mi.as_ref().map(|m| (m, mask4)),
+        let ptrs = Pointers {
+            q: qi.ptr,
+            k: ki.ptr,
+            v: vi.ptr,
             out: out.ptr,
-            scale,
+            mask: mi.as_ref().map_or(0, |m| m.ptr),
         };
-        if on_cudnn(dev, &call, true)? {
+        if run_cudnn(dev, &key, &ptrs, scale)? {
             let mut inputs = vec![&qi, &ki, &vi];
-            if let Some(m) = &mi {
-                inputs.push(m);
-            }
+            inputs.extend(&mi);
             return out.finish(dev, &inputs);
         }
     }
     ddo_core::ops::attention_tokens_composed(dev, q, k, v, mask, scale)
 }
 
-/// One attention call's operands, for [`on_cudnn`].
-struct Call<'a, 'b> {
-    /// b, h, lq, lk, d, dv.
-    geometry: [usize; 6],
-    q: &'a In<'b>,
-    k: &'a In<'b>,
-    v: &'a In<'b>,
-    /// The mask and its element strides for (b, h, query, key) (`None`: not 4-D, which
-    /// cuDNN is not asked).
-    mask: Option<(&'a In<'b>, Option<[usize; 4]>)>,
-    /// The output's device address: `[b, h, lq, dv]`, or `[b, lq, h, dv]` when `tokens`.
-    out: u64,
-    scale: f32,
+/// A mask's element strides for (b, h, query, key) when it has four (`None`: cuDNN is not
+/// asked).
+fn four(strides: &Option<Vec<usize>>) -> Option<[usize; 4]> {
+    strides.as_ref().and_then(|s| s.as_slice().try_into().ok())
 }
 
-/// Runs `call` on cuDNN where it takes it: 16-bit q, k, v of one dtype, `d == dv`, a
-/// positive finite scale (cuDNN's engines gave NaN for a negative one on an H200 with cuDNN
-/// 9.14), 16-byte aligned operands and a plan for the shape. Whether it ran; `tokens`
-/// writes the output in token order.
-fn on_cudnn(dev: &CudaDevice, call: &Call<'_, '_>, tokens: bool) -> Result<bool> {
-    let [b, h, lq, lk, d, dv] = call.geometry;
-    let mask_ptr = call.mask.map_or(0, |(m, _)| m.ptr);
-    let mask = match call.mask {
+/// The cuDNN plan key of a call cuDNN takes: cuDNN on, 16-bit q, k, v of one dtype,
+/// `d == dv`, a positive finite scale (cuDNN's engines gave NaN for a negative one on an
+/// H200 with cuDNN 9.14), a 4-D mask layout it reads (`mask`: its dtype and strides);
+/// `tokens` writes the output in token order. The addresses' alignment is
+/// [`run_cudnn`]'s check.
+fn cudnn_key(
+    dev: &CudaDevice,
+    [q, k, v]: [&Tensor; 3],
+    [b, h, lq, lk, d, dv]: [usize; 6],
+    mask: Option<(DType, Option<[usize; 4]>)>,
+    scale: f32,
+    tokens: bool,
+) -> Option<Key> {
+    let mask = match mask {
         None => None,
-        Some((m, Some(strides))) => Some((m.dtype, strides)),
-        Some((_, None)) => return Ok(false),
+        Some((dtype, Some(strides))) => Some((dtype, strides)),
+        Some((_, None)) => return None,
     };
-    if !(dev.cudnn_attention_enabled()
-        && call.scale.is_finite()
-        && call.scale > 0.0
+    let takes = dev.cudnn_attention_enabled()
+        && scale.is_finite()
+        && scale > 0.0
         && d == dv
-        && [call.q.ptr, call.k.ptr, call.v.ptr, call.out, mask_ptr]
-            .iter()
-            .all(|p| p % 16 == 0)
-        && [call.k.dtype, call.v.dtype] == [call.q.dtype; 2])
-    {
+        && [k.dtype(), v.dtype()] == [q.dtype(); 2];
+    takes
+        .then(|| super::cudnn_attention::key(q.dtype(), [b, h, lq, lk, d], mask, tokens))
+        .flatten()
+}
+
+/// Runs the call of `key` on cuDNN where every address of `ptrs` is 16-byte aligned:
+/// whether it ran (a refused plan does not).
+fn run_cudnn(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> Result<bool> {
+    let aligned = [ptrs.q, ptrs.k, ptrs.v, ptrs.out, ptrs.mask]
+        .iter()
+        .all(|p| p % 16 == 0);
+    if !aligned {
         return Ok(false);
     }
-    let Some(key) = super::cudnn_attention::key(call.q.dtype, [b, h, lq, lk, d], mask, tokens)
-    else {
-        return Ok(false);
-    };
-    let ptrs = super::cudnn_attention::Pointers {
-        q: call.q.ptr,
-        k: call.k.ptr,
-        v: call.v.ptr,
-        out: call.out,
-        mask: mask_ptr,
-    };
-    super::cudnn_attention::run(dev, &key, &ptrs, call.scale)
+    super::cudnn_attention::run(dev, key, ptrs, scale)
 }
 
 /// [`Device::prepare_attention`](ddo_core::Device::prepare_attention) on `dev`: the cuDNN
@@ -313,10 +315,7 @@ pub(crate) fn prepare(
     else {
         return;
     };
-    let mask4: Option<[usize; 4]> = g
-        .mask_strides
-        .as_ref()
-        .and_then(|s| s.as_slice().try_into().ok());
+    let mask4 = four(&g.mask_strides);
     if g.d != g.dv {
         return;
     }
