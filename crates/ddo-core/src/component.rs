@@ -195,6 +195,9 @@ pub struct Component {
     fuse_adapters: AtomicBool,
     /// Whether linears with E4M3 weights run in fp8 ([`Component::set_fp8_compute`]).
     fp8_compute: AtomicBool,
+    /// Whether each fp8 linear reads its input's finite check at the call
+    /// ([`Component::set_fp8_checks`]).
+    fp8_checks: AtomicBool,
 }
 
 impl Component {
@@ -246,6 +249,7 @@ impl Component {
             adapters: RwLock::new(Default::default()),
             fuse_adapters: AtomicBool::new(false),
             fp8_compute: AtomicBool::new(false),
+            fp8_checks: AtomicBool::new(false),
         }))
     }
 
@@ -331,6 +335,21 @@ impl Component {
     /// Whether [`Component::set_fp8_compute`] asked for fp8 linears.
     pub fn fp8_compute(&self) -> bool {
         self.fp8_compute.load(Ordering::Acquire)
+    }
+
+    /// Makes each fp8 linear count its input's NaN and Inf values and read the count before
+    /// it runs, so that a non-finite input stops the forward with
+    /// [`crate::CoreError::NonFiniteActivation`] naming the layer. A device's fp8 GEMM does
+    /// not read it (that would hold the host at every linear: a NaN makes the product NaN
+    /// and the step's finite check stops the run); a pipeline turns this on only to run
+    /// again the forward whose output held a NaN, to name the layer where it began.
+    pub fn set_fp8_checks(&self, on: bool) {
+        self.fp8_checks.store(on, Ordering::Release);
+    }
+
+    /// Whether [`Component::set_fp8_checks`] turned the checks at the call on.
+    pub fn fp8_checks(&self) -> bool {
+        self.fp8_checks.load(Ordering::Acquire)
     }
 
     /// The adapters of leaf `id` (`None`: none).

@@ -161,6 +161,9 @@ pub struct FaultInjectingDevice {
     fired: AtomicU64,
     /// Per op name: calls and nanoseconds, when timing is on.
     op_times: Mutex<Option<std::collections::BTreeMap<String, (u64, u64)>>>,
+    /// Whether the fp8 linears pass a non-finite input through
+    /// ([`FaultInjectingDevice::pass_fp8_non_finite`]).
+    pass_fp8_non_finite: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for FaultInjectingDevice {
@@ -184,7 +187,37 @@ impl FaultInjectingDevice {
             armed: Mutex::new(None),
             fired: AtomicU64::new(0),
             op_times: Mutex::new(None),
+            pass_fp8_non_finite: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Makes [`Ops::linear_fp8`] and [`Ops::linear_fp8_gelu_tanh`] behave as a device's fp8
+    /// GEMM does with a NaN or an Inf in its input: where the inner op stops with
+    /// [`CoreError::NonFiniteActivation`] (the host reference reads every input), this
+    /// returns the product's shape filled with NaN (the scale is NaN, and so is every
+    /// product), leaving the finite checks after the step to find it. So the host backend
+    /// runs the path a GPU takes to name the layer.
+    pub fn pass_fp8_non_finite(&self, on: bool) {
+        self.pass_fp8_non_finite.store(on, Ordering::Release);
+    }
+
+    /// `result` of an fp8 linear of `x` and `w`, its non-finite input passed through as NaN
+    /// where [`FaultInjectingDevice::pass_fp8_non_finite`] asks.
+    fn fp8_result(&self, result: Result<Tensor>, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        match result {
+            Err(CoreError::NonFiniteActivation { .. })
+                if self.pass_fp8_non_finite.load(Ordering::Acquire) =>
+            {
+                let mut shape = x.shape().to_vec();
+                if let (Some(last), Some(&n)) = (shape.last_mut(), w.shape().first()) {
+                    *last = n;
+                }
+                let values = vec![f32::NAN; shape.iter().product()];
+                self.inner_ops()?
+                    .tensor_from_f32(&shape, x.dtype(), &values)
+            }
+            other => other,
+        }
     }
 
     /// Starts (or stops) timing every op: the device is synchronised before and after each
@@ -675,7 +708,9 @@ impl Ops for FaultInjectingDevice {
     }
 
     fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.op("linear_fp8", |o| o.linear_fp8(x, w, bias))
+        self.op("linear_fp8", |o| {
+            self.fp8_result(o.linear_fp8(x, w, bias), x, w)
+        })
     }
 
     fn linear_fp8_gelu_tanh(
@@ -685,7 +720,7 @@ impl Ops for FaultInjectingDevice {
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
         self.op("linear_fp8_gelu_tanh", |o| {
-            o.linear_fp8_gelu_tanh(x, w, bias)
+            self.fp8_result(o.linear_fp8_gelu_tanh(x, w, bias), x, w)
         })
     }
 

@@ -34,37 +34,61 @@ fn weight<'w>(ops: &dyn Ops, w: &'w LeafWeights<'_>, dtype: DType) -> Result<Cow
     }
 }
 
-/// The fp8 product of leaf `w`'s E4M3 `weight` ([`Ops::linear_fp8`], `--compute fp8`; with
-/// `gelu`, [`Ops::linear_fp8_gelu_tanh`]), a non-finite input named by its layer
-/// (`component.leaf`).
-fn linear_fp8(
-    ops: &dyn Ops,
-    component: &str,
-    w: &LeafWeights<'_>,
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    gelu: bool,
-) -> Result<Tensor> {
-    let y = if gelu {
-        ops.linear_fp8_gelu_tanh(x, weight, bias)
-    } else {
-        ops.linear_fp8(x, weight, bias)
-    };
-    y.map_err(|e| match e {
-        CoreError::NonFiniteActivation { layer } if layer.is_empty() => {
-            CoreError::NonFiniteActivation {
-                layer: format!("{component}.{}", w.leaf().path()),
-            }
-        }
-        e => e,
-    })
+/// What `--compute fp8` asks of the linears of a forward's component: whether they run in
+/// fp8, whether each reads its input's finite check at the call
+/// ([`ddo_core::Component::set_fp8_checks`]), and the component's name for the error.
+#[derive(Debug, Clone, Copy)]
+struct Fp8<'c> {
+    on: bool,
+    checks: bool,
+    component: &'c str,
 }
 
-/// Whether a linear of a component that computes in fp8 (`fp8`) runs its weight in fp8:
-/// E4M3 codes do; any other weight upcasts as without `--compute fp8`.
-fn runs_fp8(fp8: bool, weight: &Tensor) -> bool {
-    fp8 && ddo_core::fp8_compute::takes_weight(weight)
+impl<'c> Fp8<'c> {
+    fn of(ctx: &ForwardContext<'c>) -> Self {
+        let c = ctx.component();
+        Self {
+            on: c.fp8_compute(),
+            checks: c.fp8_checks(),
+            component: c.name(),
+        }
+    }
+
+    /// Whether a linear with `weight` runs in fp8: E4M3 codes do; any other weight upcasts
+    /// as without `--compute fp8`.
+    fn runs(&self, weight: &Tensor) -> bool {
+        self.on && ddo_core::fp8_compute::takes_weight(weight)
+    }
+
+    /// The fp8 product of leaf `w`'s E4M3 `weight` ([`Ops::linear_fp8`]; with `gelu`,
+    /// [`Ops::linear_fp8_gelu_tanh`]), a non-finite input named by its layer
+    /// (`component.leaf`): found by the op (the host reference reads every input), or, with
+    /// the checks at the call on, by a count of `x`'s NaN and Inf values read first.
+    fn linear(
+        &self,
+        ops: &dyn Ops,
+        w: &LeafWeights<'_>,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+    ) -> Result<Tensor> {
+        let named = || CoreError::NonFiniteActivation {
+            layer: format!("{}.{}", self.component, w.leaf().path()),
+        };
+        if self.checks && ops.count_non_finite(x)? > 0 {
+            return Err(named());
+        }
+        let y = if gelu {
+            ops.linear_fp8_gelu_tanh(x, weight, bias)
+        } else {
+            ops.linear_fp8(x, weight, bias)
+        };
+        y.map_err(|e| match e {
+            CoreError::NonFiniteActivation { layer } if layer.is_empty() => named(),
+            e => e,
+        })
+    }
 }
 
 /// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
@@ -107,12 +131,12 @@ impl Linear {
     pub fn forward(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
         let ops = ops(ctx)?;
         let bias = self.bias;
-        let (component, fp8) = (ctx.component().name(), ctx.component().fp8_compute());
+        let fp8 = Fp8::of(ctx);
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
-            if runs_fp8(fp8, &weight) {
-                let y = linear_fp8(ops, component, w, x, &weight, b, false)?;
+            if fp8.runs(&weight) {
+                let y = fp8.linear(ops, w, x, &weight, b, false)?;
                 return add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()));
             }
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
@@ -129,16 +153,16 @@ impl Linear {
     pub fn forward_gelu_tanh(&self, ctx: &mut ForwardContext<'_>, x: &Tensor) -> Result<Tensor> {
         let ops = ops(ctx)?;
         let bias = self.bias;
-        let (component, fp8) = (ctx.component().name(), ctx.component().fp8_compute());
+        let fp8 = Fp8::of(ctx);
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
-            if runs_fp8(fp8, &weight) {
+            if fp8.runs(&weight) {
                 if w.adapters().is_empty() {
                     // The activation in the fp8 GEMM's epilogue where the backend has one.
-                    return linear_fp8(ops, component, w, x, &weight, b, true);
+                    return fp8.linear(ops, w, x, &weight, b, true);
                 }
-                let y = linear_fp8(ops, component, w, x, &weight, b, false)?;
+                let y = fp8.linear(ops, w, x, &weight, b, false)?;
                 // The adapters go in before the activation.
                 let y = add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()))?;
                 return ops.unary_owned(y, UnaryOp::GeluTanh);
@@ -157,18 +181,18 @@ impl Linear {
     pub fn forward_concat(&self, ctx: &mut ForwardContext<'_>, xs: &[&Tensor]) -> Result<Tensor> {
         let ops = ops(ctx)?;
         let bias = self.bias;
-        let (component, fp8) = (ctx.component().name(), ctx.component().fp8_compute());
+        let fp8 = Fp8::of(ctx);
         ctx.run_leaf(self.leaf, |w| {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let dtype = xs.first().map_or(DType::BF16, |x| x.dtype());
             let weight = weight(ops, w, dtype)?;
-            let y = if runs_fp8(fp8, &weight) {
+            let y = if fp8.runs(&weight) {
                 // One activation, one scale: the parts side by side first.
                 let x = ops.concat(
                     xs,
                     xs.first().map_or(0, |x| x.shape().len().saturating_sub(1)),
                 )?;
-                linear_fp8(ops, component, w, &x, &weight, b, false)?
+                fp8.linear(ops, w, &x, &weight, b, false)?
             } else {
                 ops.linear_concat(xs, &weight, b)?
             };

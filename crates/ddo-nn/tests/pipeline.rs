@@ -365,6 +365,57 @@ fn non_finite_latents_stop_the_run_at_their_step_and_release_everything() {
     }
 }
 
+/// `--compute fp8` with a NaN in the noise (issue 39): the run stops naming the first fp8
+/// linear that reads it (`x_embedder`), on both paths. Where the fp8 linear reads its input
+/// (the host reference) it stops there; where it passes the NaN on as a GPU's fp8 GEMM does
+/// (`FaultInjectingDevice::pass_fp8_non_finite`), the step's finite check stops the run and
+/// the step runs again from its input with the checks at the call on. Either way nothing is
+/// left on the device and the checks are off again.
+#[test]
+fn a_nan_under_fp8_compute_names_its_layer_where_the_gemm_reads_it_and_where_it_does_not() {
+    let pipe = FluxPipeline::load(&dir(), Some(DType::F8E4M3)).unwrap();
+    let transformer = pipe.transformer.component().clone();
+    transformer.set_fp8_compute(true);
+    let pipeline = pipe.offload_pipeline().unwrap();
+    let env = ddo_core::MapEnvironment::default();
+    for passes_nan in [false, true] {
+        let d = device();
+        let f = ddo_core::FaultInjectingDevice::new(d.clone());
+        f.pass_fp8_non_finite(passes_nan);
+        let mut offload = enable_pipeline_offload_with_env(
+            &pipeline,
+            f.clone(),
+            &settings(Preset::Auto, None),
+            &env,
+        )
+        .unwrap();
+        let mut request = fixture_request(TiledDecode::Off);
+        let (shape, mut noise) = fixture("inputs.safetensors", "noise");
+        noise[5] = f32::NAN;
+        request.init = InitLatents::Given(Tensor::from_f32(shape, DType::F32, &noise).unwrap());
+        let before = f.counts().ops;
+        let e = pipe
+            .run_phases(&mut offload, &request, &mut |_, _, _| {})
+            .unwrap_err();
+        match &e {
+            ddo_core::CoreError::NonFiniteActivation { layer } => {
+                assert_eq!(layer, "transformer.x_embedder", "passes NaN: {passes_nan}")
+            }
+            other => panic!("passes NaN {passes_nan}: expected NonFiniteActivation, got {other:?}"),
+        }
+        assert!(e.to_string().contains("--compute bf16"), "{e}");
+        assert!(!transformer.fp8_checks(), "the checks stayed on");
+        // Passing the NaN on, the run went past the bad linear (a step and more).
+        let ops = f.counts().ops - before;
+        eprintln!("passes NaN {passes_nan}: {ops} ops before the error");
+        assert_eq!(d.memory_info().allocated, 0, "passes NaN {passes_nan}");
+        for name in ["text_encoder", "transformer", "vae"] {
+            assert!(offload.handle(name).unwrap().is_detached(), "{name}");
+        }
+    }
+    transformer.set_fp8_compute(false);
+}
+
 #[test]
 fn an_untiled_decode_out_of_memory_is_retried_tiled_once() {
     use ddo_nn::pipeline::{DecodePlan, plan_decode};

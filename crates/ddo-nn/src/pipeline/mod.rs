@@ -29,6 +29,7 @@
 
 mod cancel;
 mod decode_plan;
+mod fp8_blame;
 mod phases;
 mod qwen;
 mod request;
@@ -57,6 +58,7 @@ use crate::weights::{RandomWeights, UnusedWeights};
 
 use decode_plan::fallback_tiling;
 pub use decode_plan::{DecodePlan, TiledDecode, plan_decode, plan_decode_on};
+use fp8_blame::{StepInputs, name_fp8_layer};
 pub use qwen::{
     PipelineKind, QWEN_TEXT_ENCODER, QWEN_TOKENIZER, QWEN_TRANSFORMER, QWEN_VAE, QwenImagePipeline,
     QwenImagePipelineConfig, QwenImageRequest, QwenPromptInput, STAND_IN_SUFFIX_TOKENS,
@@ -701,7 +703,8 @@ impl FluxPipeline {
             PHASE_PROMPT,
             None,
             "the CLIP pooled embeddings (text_encoder)",
-        )?;
+        )
+        .map_err(|e| name_fp8_layer(clip.component(), e, || clip.forward(device, clip_ids)))?;
         let seq = t5.forward(device, t5_ids)?;
         check_finite(
             ops,
@@ -709,7 +712,8 @@ impl FluxPipeline {
             PHASE_PROMPT,
             None,
             "the T5 prompt embeddings (text_encoder_2)",
-        )?;
+        )
+        .map_err(|e| name_fp8_layer(t5.component(), e, || t5.forward(device, t5_ids)))?;
         Ok(PromptEmbeds {
             prompt_embeds: seq,
             pooled_prompt_embeds: pooled,
@@ -817,14 +821,11 @@ impl FluxPipeline {
             .then(|| vec![guidance]);
         let mut latents = latents;
         let timesteps = scheduler.timesteps().to_vec();
-        // Each step's check is read once the next step is queued (`DeferredFiniteChecks`):
-        // the host never waits for the device between steps.
-        let mut checks = DeferredFiniteChecks::new(device);
-        for (i, &t) in timesteps.iter().enumerate() {
+        let inputs = |latents: &Tensor, i: usize| {
             let ld = latents.dtype();
             // `t.expand(b).to(latents.dtype) / 1000`, in the latents' dtype.
-            let timestep = round_to(ld, round_to(ld, t) / 1000.0);
-            let inputs = FluxInputs {
+            let timestep = round_to(ld, round_to(ld, timesteps[i]) / 1000.0);
+            FluxInputs {
                 hidden_states: latents.clone(),
                 encoder_hidden_states: prompt_embeds.clone(),
                 pooled_projections: pooled.clone(),
@@ -832,15 +833,31 @@ impl FluxPipeline {
                 guidance: guidance.clone(),
                 img_ids: img_ids.clone(),
                 txt_ids: txt_ids.clone(),
-            };
-            let noise_pred = self.transformer.forward(device, &inputs)?;
-            drop(inputs);
+            }
+        };
+        // Each step's check is read once the next step is queued (`DeferredFiniteChecks`):
+        // the host never waits for the device between steps. Under `--compute fp8` the
+        // step it names runs again from its input to name the layer (`fp8_blame`).
+        let mut checks = DeferredFiniteChecks::new(device);
+        let mut kept = StepInputs::new(self.transformer.component());
+        let blame = |kept: &StepInputs<'_>, e: CoreError| {
+            kept.name(e, |latents, i| {
+                self.transformer
+                    .forward(device, &inputs(latents, i))
+                    .map(drop)
+            })
+        };
+        for i in 0..timesteps.len() {
+            kept.keep(i, &latents);
+            let noise_pred = self.transformer.forward(device, &inputs(&latents, i))?;
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
-            checks.queue(&latents, PHASES[1], Some((i + 1, steps)), "the latents")?;
+            checks
+                .queue(&latents, PHASES[1], Some((i + 1, steps)), "the latents")
+                .map_err(|e| blame(&kept, e))?;
             progress("denoise", i + 1, steps);
             cancel::check(PHASES[1], i + 1)?;
         }
-        checks.finish()?;
+        checks.finish().map_err(|e| blame(&kept, e))?;
         Ok((latents, timesteps))
     }
 

@@ -9,6 +9,7 @@ use ddo_core::{
 };
 
 use super::{QwenImagePipeline, core_error};
+use crate::pipeline::fp8_blame::{StepInputs, name_fp8_layer};
 use crate::pipeline::request::repeat_rows;
 use crate::pipeline::{InitLatents, Progress, invalid, packed_initial_latents, round_to, to_host};
 use crate::qwen_image::QwenImageInputs;
@@ -127,7 +128,8 @@ impl QwenImagePipeline {
             "prompt encoding",
             None,
             "the prompt embeddings (text_encoder)",
-        )?;
+        )
+        .map_err(|e| name_fp8_layer(encoder.component(), e, || encoder.forward(device, &inputs)))?;
         Ok(embeds)
     }
 
@@ -298,12 +300,12 @@ impl QwenImagePipeline {
         let mut latents = latents;
         let mut passes = 0usize;
         let timesteps = scheduler.timesteps().to_vec();
-        // Each step's check is read once the next step is queued (`DeferredFiniteChecks`).
-        let mut checks = DeferredFiniteChecks::new(device);
-        for (i, &t) in timesteps.iter().enumerate() {
+        // One step's transformer passes from `latents`: the prompt's, then the negative
+        // prompt's under true CFG, combined.
+        let passes_of = |latents: &Tensor, i: usize, passes: &mut usize| -> Result<Tensor> {
             let ld = latents.dtype();
             // `t.expand(b).to(latents.dtype)`, then `/ 1000` in that dtype.
-            let timestep = round_to(ld, round_to(ld, t) / 1000.0);
+            let timestep = round_to(ld, round_to(ld, timesteps[i]) / 1000.0);
             let call = |embeds: &Tensor, mask: &Option<Vec<bool>>| {
                 let inputs = QwenImageInputs {
                     hidden_states: latents.clone(),
@@ -315,18 +317,33 @@ impl QwenImagePipeline {
                 self.transformer.forward(device, &inputs)
             };
             let mut noise_pred = call(&pos_embeds, &positive.mask)?;
-            passes += 1;
+            *passes += 1;
             if let (Some((neg, scale)), Some(neg_embeds)) = (negative, &neg_embeds) {
                 let neg_pred = call(neg_embeds, &neg.mask)?;
-                passes += 1;
+                *passes += 1;
                 noise_pred = true_cfg_combine(ops, &noise_pred, &neg_pred, scale)?;
             }
+            Ok(noise_pred)
+        };
+        // Each step's check is read once the next step is queued (`DeferredFiniteChecks`);
+        // under `--compute fp8` the step it names runs again to name the layer
+        // (`fp8_blame`).
+        let mut checks = DeferredFiniteChecks::new(device);
+        let mut kept = StepInputs::new(self.transformer.component());
+        let blame = |kept: &StepInputs<'_>, e| {
+            kept.name(e, |latents, i| passes_of(latents, i, &mut 0).map(drop))
+        };
+        for i in 0..timesteps.len() {
+            kept.keep(i, &latents);
+            let noise_pred = passes_of(&latents, i, &mut passes)?;
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
-            checks.queue(&latents, "denoise", Some((i + 1, steps)), "the latents")?;
+            checks
+                .queue(&latents, "denoise", Some((i + 1, steps)), "the latents")
+                .map_err(|e| blame(&kept, e))?;
             progress("denoise", i + 1, steps);
             crate::pipeline::cancel::check("denoise", i + 1)?;
         }
-        checks.finish()?;
+        checks.finish().map_err(|e| blame(&kept, e))?;
         Ok((latents, timesteps, passes))
     }
 }
