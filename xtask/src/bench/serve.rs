@@ -45,12 +45,14 @@ pub fn bench_serve(run_here: bool) -> Result<(), String> {
 }
 
 /// The job's script. `DDO_BIN` runs another `ddo`; `DDO_WARM_REQUESTS` and `DDO_MANY` set
-/// how many warm requests and how many in a row (6 and 200).
+/// how many warm requests and how many in a row (6 and 200); `DDO_SERVE_SECONDS` bounds the
+/// whole job, the folder's writing included (the client gets what the folder left).
 pub(super) const SCRIPT: &str = r#"#!/usr/bin/env bash
 # ddo serve on a FLUX.1-dev Diffusers folder (issue 38), in one job (built by
 # `cargo xtask bench --serve`). Run from the repository root, carrying gpu-bundle/bench-serve;
 # results in $OUT (default ./bench-serve-out).
 set -u
+started=$(date +%s)
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$PWD/bench-serve-out}"
 work="${DDO_BENCH_WORK:-/tmp/ddo-host-ram}"
@@ -66,6 +68,10 @@ if [ ! -f "$folder/model_index.json" ]; then
   fi
   rm -rf "$work/qwen" "$work/qwen-coded"
   python3 "$here/save_random_pipeline.py" "$folder" > "$out/folder.json" || { echo "the folder could not be written"; exit 1; }
+fi
+# DDO_SERVE_SECONDS counts from the job's start: the client gets what writing the folder left.
+if [ -n "${DDO_SERVE_SECONDS:-}" ]; then
+  export DDO_SERVE_SECONDS=$(( DDO_SERVE_SECONDS - ($(date +%s) - started) ))
 fi
 PYTHONUNBUFFERED=1 python3 "$here/bench_serve.py" "$out" "$folder" "${DDO_BIN:-$here/ddo}" \
   "${DDO_WARM_REQUESTS:-6}" "${DDO_MANY:-200}"
@@ -98,6 +104,13 @@ mod tests {
             .find("bench_serve.py\" \"$out\" \"$folder\"")
             .unwrap();
         assert!(writer < client);
+        // The client's time is what the folder left of DDO_SERVE_SECONDS.
+        let left = SCRIPT
+            .find("DDO_SERVE_SECONDS - ($(date +%s) - started)")
+            .unwrap();
+        assert!(
+            SCRIPT.find("started=$(date +%s)").unwrap() < writer && writer < left && left < client
+        );
         let checked = Command::new("bash")
             .args(["-n", "-c", SCRIPT])
             .status()
