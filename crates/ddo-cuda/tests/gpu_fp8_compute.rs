@@ -79,6 +79,8 @@ fn the_fp8_gemm_is_close_to_the_reference_and_other_shapes_are_the_reference() {
         "fp8 tensor cores: {native} (cuBLASLt's last refusal: {:?})",
         gpu.cublaslt_refusal()
     );
+    // The form the one-time check chose, or why every form was refused.
+    println!("fp8 path: {}", ops_of(g).unwrap().fp8_reference_reason());
     // A width cuBLASLt's fp8 GEMM takes (multiples of 16), rows that are not.
     let before = gpu.cublaslt_runs();
     let (got, want) = (

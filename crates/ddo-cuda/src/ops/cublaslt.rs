@@ -150,15 +150,47 @@ pub(crate) struct LtLinear {
     /// (`beta = 1`, C is D), as a run-time LoRA's up-projection is added into its base
     /// linear ([`ddo_core::Ops::linear_accumulate`]).
     pub accumulate: bool,
-    /// 0 for 16-bit operands. Else `w` and `x` are E4M3 codes (`--compute fp8`, `fp8.rs`)
-    /// and this is the device address of the f32 B scale (the activation's `1 / scale`);
-    /// `dtype` is the output's (and the bias's).
-    pub fp8_b_scale: u64,
+    /// `None` for 16-bit operands. Else `w` and `x` are E4M3 codes (`--compute fp8`,
+    /// `fp8.rs`) and `dtype` is the output's (and the bias's).
+    pub fp8: Option<Fp8Operands>,
     /// `alpha` (1 for 16-bit operands; the weight's scale for fp8 ones).
     pub alpha: f32,
     /// Which of the heuristic's algorithms runs: 0 its first choice (every linear), higher
     /// ranks only for `ddo bench`'s search of the fastest (`gemm::best_linear_seconds`).
     pub algo: u8,
+}
+
+impl LtLinear {
+    /// C's address: D's (in place), unless an fp8 form puts C apart.
+    fn c(&self) -> u64 {
+        match &self.fp8 {
+            Some(f) if f.form.c_apart => f.c,
+            _ => self.out,
+        }
+    }
+}
+
+/// How an fp8 GEMM is put to cuBLASLt. The forms differ in what cuBLASLt may refuse for E4M3
+/// operands on a given library and device; `fp8.rs`'s one-time check picks the first form
+/// that runs and agrees with the reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Fp8Form {
+    /// `CUBLASLT_MATMUL_DESC_FAST_ACCUM` (TorchAO's inference recipe accumulates fast).
+    pub fast_accum: bool,
+    /// C is a buffer of its own instead of D (in place): `Fp8Operands::c`.
+    pub c_apart: bool,
+}
+
+/// The fp8 side of an [`LtLinear`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fp8Operands {
+    /// Device address of the f32 B scale (the activation's `1 / scale`).
+    pub b_scale: u64,
+    /// The form ([`Fp8Form`]).
+    pub form: Fp8Form,
+    /// With `form.c_apart`, the device address of a C of D's size and dtype (not read:
+    /// `beta` is 0); unused otherwise.
+    pub c: u64,
 }
 
 /// The largest power of two (at most 256) dividing `ptr`: the alignment the algorithm may
@@ -181,12 +213,12 @@ struct Key {
     epilogue: Epilogue,
     /// Whether C (D) is read (`beta = 1`).
     accumulate: bool,
-    /// E4M3 operands.
-    fp8: bool,
+    /// E4M3 operands, and how they are put.
+    fp8: Option<Fp8Form>,
     /// The heuristic's rank of the algorithm.
     algo: u8,
-    /// Alignments of `w`, `x`, `out` and the bias.
-    align: [u32; 4],
+    /// Alignments of `w`, `x`, `out`, the bias and C.
+    align: [u32; 5],
     workspace: usize,
 }
 
@@ -322,7 +354,7 @@ impl LtState {
     /// none). `Err` (nothing queued) when cuBLASLt does not take it.
     ///
     /// Contract (kept by the callers, `gemm.rs` and `fp8.rs`): every address of `g` (the fp8
-    /// B scale's too) is a live allocation of
+    /// B scale's and an fp8 C apart too) is a live allocation of
     /// the stream's context holding the elements the dimensions describe, marked used on the
     /// stream before it can be freed; the workspace stays allocated until the work queued on
     /// the stream before its release is done; the context is bound to this thread.
@@ -345,8 +377,8 @@ impl LtState {
         if g.epilogue.has_bias() && !g.bias.is_multiple_of(16) {
             return Err("the bias is not 16-byte aligned".into());
         }
-        let fp8 = g.fp8_b_scale != 0;
-        if fp8 && (!g.k.is_multiple_of(16) || !g.m.is_multiple_of(16) || g.accumulate) {
+        let fp8 = g.fp8.map(|f| f.form);
+        if fp8.is_some() && (!g.k.is_multiple_of(16) || !g.m.is_multiple_of(16) || g.accumulate) {
             return Err(format!(
                 "fp8 GEMM m {} k {}: leading dimensions must be multiples of 16, no accumulate",
                 g.m, g.k
@@ -366,6 +398,7 @@ impl LtState {
                 alignment(g.x),
                 alignment(g.out),
                 alignment(g.bias),
+                alignment(g.c()),
             ],
             workspace: workspace_bytes,
         };
@@ -387,14 +420,15 @@ impl LtState {
                 &bias,
             )?;
         }
-        if fp8 {
-            let scale = g.fp8_b_scale as *const c_void;
+        if let Some(f) = &g.fp8 {
+            let scale = f.b_scale as *const c_void;
             set_desc(
                 plan.desc,
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                 &scale,
             )?;
         }
+        let c = g.c();
         let (alpha, beta) = (g.alpha, if g.accumulate { 1.0f32 } else { 0.0 });
         let ws = if workspace_bytes == 0 {
             std::ptr::null_mut()
@@ -408,8 +442,9 @@ impl LtState {
         // workspace holds `workspace_bytes` (at least what the algorithm asked for, checked
         // when the plan was made) and `stream` belongs to the context; alpha and beta are
         // host f32 scalars (scale type CUDA_R_32F, host pointer mode) read before the call
-        // returns. C is D (same layout, in place as cuBLASLt allows): read only with beta 1,
-        // when `out` holds the values to add.
+        // returns. C is D (same layout, in place as cuBLASLt allows) or, for an fp8 form that
+        // puts it apart, a live buffer of D's size and layout (beta 0: never read); C is read
+        // only with beta 1, when `out` holds the values to add.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -420,7 +455,7 @@ impl LtState {
                 plan.a,
                 g.x as *const c_void,
                 plan.b,
-                g.out as *const c_void,
+                c as *const c_void,
                 plan.d,
                 g.out as *mut c_void,
                 plan.d,
@@ -462,15 +497,17 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
     set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
     let epilogue: sys::cublasLtEpilogue_t = key.epilogue.sys();
     set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-    if key.fp8 {
-        // TorchAO's inference recipe accumulates fast (`use_fast_accum`); the bias has the
-        // output's dtype, said explicitly (fp8 GEMMs default it otherwise for fp8 outputs);
-        // the B scale's address is set before every call.
-        let fast: i8 = 1;
-        set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)?;
+    if let (Some(form), Some(f)) = (key.fp8, &g.fp8) {
+        // TorchAO's inference recipe accumulates fast (`use_fast_accum`) where the form
+        // does; the bias has the output's dtype, said explicitly (fp8 GEMMs default it
+        // otherwise for fp8 outputs); the B scale's address is set before every call.
+        if form.fast_accum {
+            let fast: i8 = 1;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)?;
+        }
         let bias_type = ty;
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
-        let scale = g.fp8_b_scale as *const c_void;
+        let scale = f.b_scale as *const c_void;
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale)?;
     }
     if key.epilogue.has_bias() {
@@ -483,7 +520,7 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
         lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
             .map_err(status("cublasLtMatrixLayoutCreate"))
     };
-    let operands = if key.fp8 {
+    let operands = if key.fp8.is_some() {
         sys::cudaDataType::CUDA_R_8F_E4M3
     } else {
         ty
@@ -503,10 +540,10 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
         P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
         &(key.workspace as u64),
     )?;
-    let [aw, ax, aout, _] = key.align;
+    let [aw, ax, aout, _, ac] = key.align;
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw)?;
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax)?;
-    set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &aout)?;
+    set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac)?;
     set_pref(&pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &aout)?;
     let wanted = usize::from(key.algo) + 1;
     let zeroed: sys::cublasLtMatmulHeuristicResult_t =

@@ -9,9 +9,15 @@
 //!
 //! Anything that path does not take — an older device, cuBLASLt missing or refusing the
 //! shape, dimensions that are not multiples of 16, an f32 input, a bias of another dtype —
-//! runs the reference ([`ddo_core::fp8_compute::linear_fp8_reference`]) instead. So does a
-//! device where the path, run once on a small product, disagreed with the reference (the
-//! reason is `CudaDevice::cublaslt_refusal`).
+//! runs the reference ([`ddo_core::fp8_compute::linear_fp8_reference`]) instead.
+//!
+//! Before the first fp8 linear on a device, a one-time check runs a 256 x 512 x 384 product
+//! with a bias in each of a few forms ([`FORMS`]: fast or exact accumulation, C in place or
+//! apart, the bias in the epilogue or added after) and keeps the first that cuBLASLt runs and
+//! that agrees with the reference: one H100 with CUDA 13.0's cuBLASLt refused the first
+//! form (`CUBLAS_STATUS_NOT_SUPPORTED` from `cublasLtMatmul`, 2026-12-07). Where every form
+//! fails, every fp8 linear runs the reference, and `Ops::fp8_reference_reason` lists each
+//! form's failure.
 //!
 //! A NaN or an infinity in the activation is not read back here (that would stop the stream
 //! at every linear): its scale becomes NaN, so is the product, and the denoising step's
@@ -21,7 +27,7 @@ use ddo_core::fp8_compute::{linear_fp8_reference, takes_weight};
 use ddo_core::rng::signed_values;
 use ddo_core::{DType, Device, DeviceBuffer, Result, Tensor};
 
-use super::cublaslt::{Epilogue, LtLinear};
+use super::cublaslt::{Epilogue, Fp8Form, Fp8Operands, LtLinear};
 use super::kernels::{Arg, grid_1d, launch};
 use super::{Out, input, optional_vector, stored_input};
 use crate::device::CudaDevice;
@@ -33,57 +39,154 @@ pub(crate) const SOURCE: &str = include_str!("../../kernels/fp8_compute.cu");
 
 const BLOCK: u32 = 256;
 
+/// How this path puts an fp8 linear to cuBLASLt: the GEMM's form, and whether the bias
+/// (and a GELU after it) is applied after the GEMM instead of in its epilogue. The first of
+/// [`FORMS`] that the one-time check finds running and agreeing with the reference is used
+/// for every fp8 linear on that device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Path {
+    gemm: Fp8Form,
+    bias_apart: bool,
+}
+
+/// The forms tried, fastest first: each differs from the first in one thing cuBLASLt may
+/// refuse for E4M3 operands (in-place C, fast accumulation, a bias epilogue), the last in
+/// all three.
+const FORMS: [Path; 5] = [
+    Path {
+        gemm: Fp8Form {
+            fast_accum: true,
+            c_apart: false,
+        },
+        bias_apart: false,
+    },
+    Path {
+        gemm: Fp8Form {
+            fast_accum: true,
+            c_apart: true,
+        },
+        bias_apart: false,
+    },
+    Path {
+        gemm: Fp8Form {
+            fast_accum: false,
+            c_apart: false,
+        },
+        bias_apart: false,
+    },
+    Path {
+        gemm: Fp8Form {
+            fast_accum: true,
+            c_apart: false,
+        },
+        bias_apart: true,
+    },
+    Path {
+        gemm: Fp8Form {
+            fast_accum: false,
+            c_apart: true,
+        },
+        bias_apart: true,
+    },
+];
+
+impl Path {
+    /// How the run's note and the refusal name it.
+    fn describe(&self) -> String {
+        format!(
+            "{} accumulation, C {}, bias {}",
+            if self.gemm.fast_accum {
+                "fast"
+            } else {
+                "exact"
+            },
+            if self.gemm.c_apart {
+                "apart"
+            } else {
+                "in place"
+            },
+            if self.bias_apart {
+                "after the GEMM"
+            } else {
+                "in the epilogue"
+            },
+        )
+    }
+}
+
 /// Whether `dev` runs fp8 linears on its tensor cores: compute capability 8.9 or later,
-/// cuBLASLt on, and this path agreed with the reference on a small product the first time it
-/// was asked on this device ([`self_check`]).
+/// cuBLASLt on, and one of [`FORMS`] agreed with the reference on a product the first time
+/// it was asked on this device ([`self_check`]).
 pub(crate) fn tensor_cores(dev: &CudaDevice) -> bool {
-    with_reason(dev, |why| why.is_none())
+    with_path(dev, |p| p.is_ok())
 }
 
 /// Why fp8 linears run the reference on `dev` (`None`: they run on its tensor cores).
 pub(crate) fn reference_reason(dev: &CudaDevice) -> Option<String> {
-    with_reason(dev, |why| why.map(str::to_string))
+    with_path(dev, |p| p.err().map(str::to_string))
 }
 
-/// `f` of why fp8 linears run the reference on `dev` (`None`: its tensor cores run them).
-/// Asked at every fp8 linear: the capability query and the check run once per device, and
-/// the answer is kept with its reason (read in place, not copied).
-fn with_reason<R>(dev: &CudaDevice, f: impl FnOnce(Option<&str>) -> R) -> R {
-    static CHECKED: std::sync::Mutex<Vec<(usize, Option<String>)>> =
+/// The form fp8 linears take on `dev`'s tensor cores, if any (the GPU tests print it).
+pub(crate) fn path_description(dev: &CudaDevice) -> Option<String> {
+    with_path(dev, |p| p.ok().map(Path::describe))
+}
+
+/// `f` of how fp8 linears run on `dev`: the form its tensor cores take, or why the reference
+/// runs. Asked at every fp8 linear: the capability query and the check run once per device,
+/// and the answer is kept (read in place, not copied).
+fn with_path<R>(dev: &CudaDevice, f: impl FnOnce(Result<&Path, &str>) -> R) -> R {
+    static CHECKED: std::sync::Mutex<Vec<(usize, Result<Path, String>)>> =
         std::sync::Mutex::new(Vec::new());
     if !dev.cublaslt_enabled() {
-        return f(Some("cuBLASLt is off or missing on this device"));
+        return f(Err("cuBLASLt is off or missing on this device"));
     }
     let ordinal = dev.config().ordinal;
     let mut checked = CHECKED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some((_, why)) = checked.iter().find(|(o, _)| *o == ordinal) {
-        return f(why.as_deref());
+    if let Some((_, path)) = checked.iter().find(|(o, _)| *o == ordinal) {
+        return f(path.as_ref().map_err(String::as_str));
     }
-    let why = match dev.context().compute_capability() {
-        Ok(cc) if cc >= (8, 9) => self_check(dev).err().map(|why| {
-            let why = format!("its check of cuBLASLt's E4M3 GEMM failed: {why}");
-            super::cublaslt::refuse(format!(
-                "fp8 linears run DDO's reference implementation: {why}"
-            ));
-            why
-        }),
-        Ok((major, minor)) => Some(format!(
+    let path = match dev.context().compute_capability() {
+        Ok(cc) if cc >= (8, 9) => {
+            let mut failed = Vec::new();
+            let mut chosen = None;
+            for form in FORMS {
+                match self_check(dev, form) {
+                    Ok(()) => {
+                        chosen = Some(form);
+                        break;
+                    }
+                    Err(why) => failed.push(format!("{}: {why}", form.describe())),
+                }
+            }
+            chosen.ok_or_else(|| {
+                let why = format!(
+                    "its check of cuBLASLt's E4M3 GEMM failed in every form ({})",
+                    failed.join("; ")
+                );
+                super::cublaslt::refuse(format!(
+                    "fp8 linears run DDO's reference implementation: {why}"
+                ));
+                why
+            })
+        }
+        Ok((major, minor)) => Err(format!(
             "compute capability {major}.{minor} has no fp8 tensor cores (8.9 and up have)"
         )),
-        Err(e) => Some(format!("its compute capability could not be read: {e}")),
+        Err(e) => Err(format!("its compute capability could not be read: {e}")),
     };
-    let out = f(why.as_deref());
-    checked.push((ordinal, why));
+    let out = f(path.as_ref().map_err(String::as_str));
+    checked.push((ordinal, path));
     out
 }
 
-/// Runs this path once on a 48 x 64 x 32 product with a bias against
-/// [`ddo_core::fp8_compute::linear_reference`] of the same operands: relative L2 at most
-/// 1e-2 (the codes are the same; the sums and the bf16 rounding differ), else why not.
-fn self_check(dev: &CudaDevice) -> std::result::Result<(), String> {
-    let (rows, k, n) = (48, 64, 32);
+/// Runs this path once in `form` on a 256 x 512 x 384 product with a bias (a size every
+/// GEMM kernel tiles) against [`ddo_core::fp8_compute::linear_reference`] of the same
+/// operands: relative L2 at most 1e-2 (the codes are the same; the sums and the bf16
+/// rounding differ), else why not.
+fn self_check(dev: &CudaDevice, form: Path) -> std::result::Result<(), String> {
+    let (rows, k, n) = (256, 512, 384);
     let spread = |seed, n, span: f32| -> Vec<f32> {
         signed_values(seed, n)
             .into_iter()
@@ -103,7 +206,7 @@ fn self_check(dev: &CudaDevice) -> std::result::Result<(), String> {
         let x = on(&[rows, k], DType::BF16, &xv)?;
         let w = on(&[n, k], DType::F8E4M3, &wv)?.with_scale(Some(scale))?;
         let b = on(&[n], DType::BF16, &bv)?;
-        native(dev, &x, &w, Some(&b), false)?
+        native(dev, &x, &w, Some(&b), false, form)?
             .map(|y| ddo_core::Ops::to_f32_vec(dev, &y))
             .transpose()
     };
@@ -173,8 +276,8 @@ pub(crate) fn linear_fp8(
     w: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
-    if tensor_cores(dev)
-        && let Some(y) = native(dev, x, w, bias, false)?
+    if let Some(form) = with_path(dev, |p| p.ok().copied())
+        && let Some(y) = native(dev, x, w, bias, false, form)?
     {
         return Ok(y);
     }
@@ -189,8 +292,8 @@ pub(crate) fn linear_fp8_gelu_tanh(
     w: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
-    if tensor_cores(dev)
-        && let Some(y) = native(dev, x, w, bias, true)?
+    if let Some(form) = with_path(dev, |p| p.ok().copied())
+        && let Some(y) = native(dev, x, w, bias, true, form)?
     {
         return Ok(y);
     }
@@ -198,15 +301,17 @@ pub(crate) fn linear_fp8_gelu_tanh(
     super::elementwise::unary_owned(dev, y, ddo_core::UnaryOp::GeluTanh)
 }
 
-/// The tensor-core path, `gelu_tanh` of the product where `gelu` (cuBLASLt's GELU epilogue is
-/// the tanh approximation: `cublaslt.rs`); `None` (nothing queued that matters) where it does
-/// not take the operands or cuBLASLt refused.
+/// The tensor-core path in `form`, `gelu_tanh` of the product where `gelu` (cuBLASLt's GELU
+/// epilogue is the tanh approximation: `cublaslt.rs`); `None` (nothing queued that matters)
+/// where it does not take the operands or cuBLASLt refused. A form with the bias apart adds
+/// the bias (then the GELU) after the GEMM.
 fn native(
     dev: &CudaDevice,
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     gelu: bool,
+    form: Path,
 ) -> Result<Option<Tensor>> {
     const OP: &str = "linear_fp8";
     let (xs, ws) = (x.shape(), w.shape());
@@ -248,6 +353,13 @@ fn native(
     let last = shape.len() - 1;
     shape[last] = out_f;
     let out = Out::new(dev, OP, shape, x.dtype())?;
+    let c = if form.gemm.c_apart {
+        Some(Scratch::new(dev, rows * out_f * x.dtype().size_in_bytes())?)
+    } else {
+        None
+    };
+    // The epilogue's bias (and the GELU after it) unless the form applies them after.
+    let fused_bias = bi.is_some() && !form.bias_apart;
     let g = LtLinear {
         m: out_f,
         n: rows,
@@ -255,11 +367,19 @@ fn native(
         w: wi.ptr,
         x: codes.ptr,
         out: out.ptr,
-        bias: bi.as_ref().map_or(0, |b| b.ptr),
+        bias: if fused_bias {
+            bi.as_ref().map_or(0, |b| b.ptr)
+        } else {
+            0
+        },
         dtype: x.dtype(),
-        epilogue: Epilogue::new(bi.is_some(), gelu),
+        epilogue: Epilogue::new(fused_bias, gelu && (fused_bias || bi.is_none())),
         accumulate: false,
-        fp8_b_scale: state.ptr + 8,
+        fp8: Some(Fp8Operands {
+            b_scale: state.ptr + 8,
+            form: form.gemm,
+            c: c.as_ref().map_or(0, |c| c.ptr),
+        }),
         alpha: w.scale().unwrap_or(1.0),
         algo: 0,
     };
@@ -270,14 +390,59 @@ fn native(
     }
     codes.release(dev)?;
     state.release(dev)?;
+    if let Some(c) = c {
+        c.release(dev)?;
+    }
     let y = out.finish(dev, &inputs)?;
     // Refused (the reason is kept for `cublaslt_refusal`): the output was never written.
-    Ok(ran.then_some(y))
+    if !ran {
+        return Ok(None);
+    }
+    match bias {
+        Some(b) if !fused_bias => {
+            let y = super::elementwise::binary(dev, &y, b, ddo_core::BinaryOp::Add)?;
+            Ok(Some(if gelu {
+                super::elementwise::unary_owned(dev, y, ddo_core::UnaryOp::GeluTanh)?
+            } else {
+                y
+            }))
+        }
+        _ => Ok(Some(y)),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use float8::F8E4M3;
+
+    use super::{FORMS, Path};
+
+    #[test]
+    fn the_forms_are_distinct_fastest_first_and_each_changes_one_thing_or_all() {
+        let first = FORMS[0];
+        assert!(first.gemm.fast_accum && !first.gemm.c_apart && !first.bias_apart);
+        let changes = |p: &Path| {
+            [
+                p.gemm.fast_accum != first.gemm.fast_accum,
+                p.gemm.c_apart != first.gemm.c_apart,
+                p.bias_apart != first.bias_apart,
+            ]
+            .iter()
+            .filter(|c| **c)
+            .count()
+        };
+        for (i, a) in FORMS.iter().enumerate() {
+            assert!(FORMS[..i].iter().all(|b| b != a), "{} twice", a.describe());
+            if i > 0 && i + 1 < FORMS.len() {
+                assert_eq!(changes(a), 1, "{}", a.describe());
+            }
+        }
+        assert_eq!(changes(&FORMS[FORMS.len() - 1]), 3);
+        assert_eq!(
+            first.describe(),
+            "fast accumulation, C in place, bias in the epilogue"
+        );
+    }
 
     /// `float_to_e4m3` of `kernels/fp8_compute.cu`, statement for statement (`__float2uint_rn`
     /// rounds half to even): held here to the `float8` crate, which the host reference rounds

@@ -630,7 +630,7 @@ pub(crate) fn best_linear_seconds(
             dtype: shape.dtype,
             epilogue: Epilogue::Plain,
             accumulate: false,
-            fp8_b_scale: 0,
+            fp8: None,
             alpha: 1.0,
             algo,
         };
@@ -766,7 +766,7 @@ fn linear_impl(
             dtype: x.dtype(),
             epilogue: Epilogue::new(bi.is_some(), gelu),
             accumulate: false,
-            fp8_b_scale: 0,
+            fp8: None,
             alpha: 1.0,
             algo: 0,
         };
@@ -867,7 +867,7 @@ pub(crate) fn linear_accumulate(
             dtype,
             epilogue: Epilogue::new(bi.is_some(), gelu),
             accumulate: true,
-            fp8_b_scale: 0,
+            fp8: None,
             alpha: 1.0,
             algo: 0,
         };

@@ -312,7 +312,12 @@ impl Ops for CudaDevice {
     }
 
     fn fp8_reference_reason(&self) -> String {
-        fp8::reference_reason(self).unwrap_or_else(|| "fp8 tensor cores run them".into())
+        fp8::reference_reason(self).unwrap_or_else(|| {
+            format!(
+                "fp8 tensor cores run them ({})",
+                fp8::path_description(self).unwrap_or_default()
+            )
+        })
     }
 
     fn best_gemm_seconds(&self, shape: &ddo_core::GemmShape, calls: usize) -> Result<Option<f64>> {
