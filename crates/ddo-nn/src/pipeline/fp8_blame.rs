@@ -25,9 +25,17 @@ pub(crate) fn name_fp8_layer<T>(
     if !component.fp8_compute() || !matches!(err, CoreError::NonFinite { .. }) {
         return err;
     }
+    /// Turns the checks off again however the forward ends (a panic included).
+    struct Checks<'c>(&'c Component);
+    impl Drop for Checks<'_> {
+        fn drop(&mut self) {
+            self.0.set_fp8_checks(false);
+        }
+    }
     component.set_fp8_checks(true);
+    let checks = Checks(component);
     let found = again();
-    component.set_fp8_checks(false);
+    drop(checks);
     match found {
         Err(named @ CoreError::NonFiniteActivation { .. }) => named,
         _ => err,
@@ -128,6 +136,14 @@ mod tests {
         assert!(
             matches!(e, CoreError::NonFiniteActivation { layer } if layer == "transformer.proj")
         );
+        // A forward that panics leaves the checks off too.
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            name_fp8_layer(&c, non_finite(1), || -> Result<()> {
+                panic!("a leaf panicked")
+            })
+        }));
+        assert!(panicked.is_err());
+        assert!(!c.fp8_checks(), "the checks stayed on after a panic");
         // Running clean (the NaN began outside the fp8 linears) keeps the step's error.
         let e = name_fp8_layer(&c, non_finite(2), || Ok(()));
         assert!(matches!(
