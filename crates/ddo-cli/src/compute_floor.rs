@@ -30,6 +30,9 @@ pub struct ComputeFloor {
     pub gemm_source: &'static str,
     /// `flops_per_forward / flops_per_sec`.
     pub seconds: f64,
+    /// The rate of the device's own `linear` at `gemm` (the algorithm a forward's linears
+    /// get), flop/s: below `flops_per_sec` where the library's search found a faster one.
+    pub linear_flops_per_sec: f64,
 }
 
 /// The device's rate (flop/s) for `linear` at `gemm`, and what ran at it: `x [rows, k]` and
@@ -37,7 +40,7 @@ pub struct ComputeFloor {
 /// rounds of [`CALLS`] calls, each round timed from a synchronized device to a synchronized
 /// device; or the backend's search of its GEMM library's algorithms, where it has one and
 /// it is faster.
-pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'static str)> {
+pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'static str, f64)> {
     let ops = ops_of(device)?;
     let x = ops.tensor_from_f32(
         &[gemm.rows, gemm.k],
@@ -70,7 +73,8 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'stat
             "run ddo bench with a larger --height/--width",
         ));
     }
-    let mut per_call = (best / CALLS as f64, "linear");
+    let linear = best / CALLS as f64;
+    let mut per_call = (linear, "linear");
     drop((x, w));
     if let Some(s) = ops.best_gemm_seconds(&gemm, CALLS)?
         && s > 0.0
@@ -78,7 +82,8 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'stat
     {
         per_call = (s, "the GEMM library's fastest algorithm");
     }
-    Ok((gemm.flops() as f64 / per_call.0, per_call.1))
+    let flops = gemm.flops() as f64;
+    Ok((flops / per_call.0, per_call.1, flops / linear))
 }
 
 /// The floor of `flops_per_forward` at the rate [`gemm_rate`] measures for `gemm` on
@@ -88,13 +93,14 @@ pub fn measure(
     flops_per_forward: u64,
     gemm: GemmShape,
 ) -> CliResult<ComputeFloor> {
-    let (flops_per_sec, gemm_source) = gemm_rate(device, gemm)?;
+    let (flops_per_sec, gemm_source, linear_flops_per_sec) = gemm_rate(device, gemm)?;
     Ok(ComputeFloor {
         flops_per_forward,
         gemm,
         flops_per_sec,
         gemm_source,
         seconds: flops_per_forward as f64 / flops_per_sec,
+        linear_flops_per_sec,
     })
 }
 
@@ -108,9 +114,18 @@ impl ComputeFloor {
         } else {
             ("G", 1e9)
         };
+        // Where the search beat the device's own linear, what a forward's linears get there.
+        let own = if self.linear_flops_per_sec < self.flops_per_sec {
+            format!(
+                "; DDO's linear {:.1} {unit}FLOP/s there",
+                self.linear_flops_per_sec / div
+            )
+        } else {
+            String::new()
+        };
         format!(
             "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s ({}, {}x{}x{} {}, \
-             best of {ROUNDS} x {CALLS} calls in this process) = {:.2} ms",
+             best of {ROUNDS} x {CALLS} calls in this process{own}) = {:.2} ms",
             self.flops_per_forward as f64 / div,
             self.flops_per_sec / div,
             self.gemm_source,
@@ -148,6 +163,25 @@ mod tests {
         );
         // The host backend searches no GEMM library: its own linear set the rate.
         assert_eq!(floor.gemm_source, "linear");
+        assert_eq!(floor.linear_flops_per_sec, floor.flops_per_sec);
+        assert!(!floor.format_line().contains("DDO's linear"));
+        // Where a search beat the device's own linear, the line gives both rates.
+        let searched = ComputeFloor {
+            flops_per_sec: 800e12,
+            linear_flops_per_sec: 700e12,
+            gemm_source: "the GEMM library's fastest algorithm",
+            ..floor
+        };
+        assert!(
+            searched
+                .format_line()
+                .contains("at 800.0 TFLOP/s (the GEMM library's fastest algorithm")
+                && searched
+                    .format_line()
+                    .contains("DDO's linear 700.0 TFLOP/s there"),
+            "{}",
+            searched.format_line()
+        );
         // Nothing of the measurement is left on the device.
         assert_eq!(device.memory_info().allocated, 0);
     }
