@@ -23,6 +23,11 @@ real tokenizers'. To reproduce another implementation exactly, pass --prompt-emb
 const BENCH_NOTES: &str = "Without --route or --preset every route is a candidate. Each candidate gets a fresh attachment,
 its inputs made once and held on the device, warm-up forwards, then timed forwards.";
 
+/// `--lora-allow-unmatched`'s help, one text for `run`, `resolve` and `bench` (`serve` keeps
+/// LoRA files of its folder and says so in its own words).
+pub const LORA_ALLOW_UNMATCHED: &str = "apply a LoRA's modules that match the model and name \
+     the rest, instead of refusing a file that partly matches";
+
 /// The options that load a pipeline, shared by `ddo run` and `ddo serve`: the model, the
 /// single files, the routes, the device and the budgets, the dtype.
 #[derive(Debug, Clone, Default, Args)]
@@ -149,9 +154,8 @@ pub struct RunArgs {
     /// layout), its scale times STRENGTH (default 1); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
-    /// apply a LoRA's modules that match the model and name the rest, instead of refusing
-    /// a file that partly matches
-    #[arg(long)]
+    /// `--lora-allow-unmatched` ([`LORA_ALLOW_UNMATCHED`])
+    #[arg(long, help = LORA_ALLOW_UNMATCHED)]
     pub lora_allow_unmatched: bool,
     /// fold the LoRAs into the weights of components that run resident (route `none`), at
     /// attach: no cost per step; streamed components add them as usual
@@ -321,9 +325,8 @@ pub struct ResolveArgs {
     /// checks it); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
-    /// apply a LoRA's modules that match the model and name the rest, instead of refusing
-    /// a file that partly matches
-    #[arg(long)]
+    /// `--lora-allow-unmatched` ([`LORA_ALLOW_UNMATCHED`])
+    #[arg(long, help = LORA_ALLOW_UNMATCHED)]
     pub lora_allow_unmatched: bool,
     /// the budget to plan for (with --config/--weights; default: what the device gives)
     #[arg(long, value_name = "SIZE", value_parser = Checked(values::vram_budget))]
@@ -429,9 +432,8 @@ pub struct BenchArgs {
     /// a LoRA applied to the benched component in every candidate (as for run); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
-    /// apply a LoRA's modules that match the model and name the rest, instead of refusing
-    /// a file that partly matches
-    #[arg(long)]
+    /// `--lora-allow-unmatched` ([`LORA_ALLOW_UNMATCHED`])
+    #[arg(long, help = LORA_ALLOW_UNMATCHED)]
     pub lora_allow_unmatched: bool,
     /// fold the LoRAs into the weights of components that run resident (route `none`), at
     /// attach: no cost per step; streamed components add them as usual
