@@ -124,33 +124,12 @@ fn attend_head(
     }
 }
 
-/// `Ops::attention` on the host: the output `[b, h, lq, dv]`.
-pub(super) fn attention(
-    dev: &HostDevice,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f32,
-) -> Result<Tensor> {
-    attend(dev, "attention", [q, k, v], mask, scale, false)
-}
-
-/// `Ops::attention_tokens` on the host: the same values written in token order,
-/// `[b, lq, h·dv]` (the f32 results placed there before their one rounding, so the bytes
-/// are those of attention, permute and the merge of heads).
-pub(super) fn attention_tokens(
-    dev: &HostDevice,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f32,
-) -> Result<Tensor> {
-    attend(dev, "attention_tokens", [q, k, v], mask, scale, true)
-}
-
-fn attend(
+/// `Ops::attention` (`tokens` false: the output `[b, h, lq, dv]`) and
+/// `Ops::attention_tokens` (`tokens` true: the same values written in token order,
+/// `[b, lq, h·dv]`, the f32 results placed there before their one rounding, so the bytes are
+/// those of attention, permute and the merge of heads) on the host; `op` names the call in
+/// a shape error.
+pub(super) fn attend(
     dev: &HostDevice,
     op: &'static str,
     [q, k, v]: [&Tensor; 3],

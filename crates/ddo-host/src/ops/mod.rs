@@ -438,7 +438,7 @@ impl Ops for HostDevice {
         mask: Option<&Tensor>,
         scale: f32,
     ) -> Result<Tensor> {
-        attention::attention(self, q, k, v, mask, scale)
+        attention::attend(self, "attention", [q, k, v], mask, scale, false)
     }
 
     fn attention_tokens(
@@ -449,7 +449,7 @@ impl Ops for HostDevice {
         mask: Option<&Tensor>,
         scale: f32,
     ) -> Result<Tensor> {
-        attention::attention_tokens(self, q, k, v, mask, scale)
+        attention::attend(self, "attention_tokens", [q, k, v], mask, scale, true)
     }
 
     fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
