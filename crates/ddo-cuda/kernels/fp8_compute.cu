@@ -6,7 +6,8 @@
 //
 // state (u32[4], zeroed before ddo_fp8_amax): [0] the amax's bits (non-negative floats order
 // as their bits), [1] 1 when a value is NaN or infinite, [2] 1 / scale as a float (the GEMM's
-// B scale, written by ddo_fp8_quantize), [3] unused.
+// B scale, written by ddo_fp8_quantize), [3] the weight's scale as a float (the GEMM's A
+// scale where it is read on the device, written by ddo_fp8_quantize).
 
 // |x| <= 448 or NaN, to E4M3 (fn: no infinities, 0x7f is NaN), nearest even.
 __device__ __forceinline__ u32 float_to_e4m3(float v) {
@@ -43,15 +44,18 @@ extern "C" __global__ void ddo_fp8_amax(const void* x, int dtype, i64 n, u32* st
     if (bad) atomicOr(&state[1], 1u);
 }
 
-// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[2] = 1 / scale. With a non-finite value
+// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[2] = 1 / scale, state[3] = w_scale. With a non-finite value
 // in x the scale is NaN: every code is NaN and so is the product (the step's finite check
 // stops the run).
 extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32* state,
-                                            unsigned char* q) {
+                                            unsigned char* q, float w_scale) {
     float amax = __uint_as_float(state[0]);
     float scale = 448.0f / fmaxf(amax, 1e-12f);
     if (state[1] != 0u) scale = __int_as_float(0x7fc00000);
-    if (blockIdx.x == 0 && threadIdx.x == 0) state[2] = __float_as_uint(1.0f / scale);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        state[2] = __float_as_uint(1.0f / scale);
+        state[3] = __float_as_uint(w_scale);
+    }
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         float s = load_as_float(x, i, dtype) * scale;

@@ -179,6 +179,10 @@ pub(crate) struct Fp8Form {
     pub fast_accum: bool,
     /// C is a buffer of its own instead of D (in place): `Fp8Operands::c`.
     pub c_apart: bool,
+    /// Both scales are read on the device (`CUBLASLT_MATMUL_DESC_A_SCALE_POINTER` at
+    /// `Fp8Operands::a_scale` beside the B scale, `alpha` 1), as PyTorch's `_scaled_mm` puts
+    /// them; else the weight's scale is `alpha` and only the B scale is a pointer.
+    pub device_scales: bool,
 }
 
 /// The fp8 side of an [`LtLinear`].
@@ -186,6 +190,9 @@ pub(crate) struct Fp8Form {
 pub(crate) struct Fp8Operands {
     /// Device address of the f32 B scale (the activation's `1 / scale`).
     pub b_scale: u64,
+    /// With `form.device_scales`, the device address of the f32 A scale (the weight's
+    /// scale); unused otherwise.
+    pub a_scale: u64,
     /// The form ([`Fp8Form`]).
     pub form: Fp8Form,
     /// With `form.c_apart`, the device address of a C of D's size and dtype (not read:
@@ -427,6 +434,14 @@ impl LtState {
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                 &scale,
             )?;
+            if f.form.device_scales {
+                let scale = f.a_scale as *const c_void;
+                set_desc(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                    &scale,
+                )?;
+            }
         }
         let c = g.c();
         let (alpha, beta) = (g.alpha, if g.accumulate { 1.0f32 } else { 0.0 });
@@ -500,7 +515,7 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
     if let (Some(form), Some(f)) = (key.fp8, &g.fp8) {
         // TorchAO's inference recipe accumulates fast (`use_fast_accum`) where the form
         // does; the bias has the output's dtype, said explicitly (fp8 GEMMs default it
-        // otherwise for fp8 outputs); the B scale's address is set before every call.
+        // otherwise for fp8 outputs); the scales' addresses are set before every call.
         if form.fast_accum {
             let fast: i8 = 1;
             set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)?;
@@ -509,6 +524,10 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
         let scale = f.b_scale as *const c_void;
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale)?;
+        if form.device_scales {
+            let scale = f.a_scale as *const c_void;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale)?;
+        }
     }
     if key.epilogue.has_bias() {
         // The bias has the output's dtype (cuBLASLt's default for 16-bit outputs); its

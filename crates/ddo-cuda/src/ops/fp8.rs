@@ -1,8 +1,9 @@
 //! [`ddo_core::Ops::linear_fp8`] on the CUDA backend (`--compute fp8`, issue 39): on a
 //! device with fp8 tensor cores (compute capability 8.9 and up), the activation's amax and
 //! E4M3 codes by two kernels (`kernels/fp8_compute.cu`, the codes the host reference's bit
-//! for bit), then cuBLASLt's E4M3 GEMM (`cublaslt.rs`: the weight's scale as `alpha`, the
-//! activation's `1 / scale` as the B scale read on the device, the bias in the epilogue, the
+//! for bit), then cuBLASLt's E4M3 GEMM (`cublaslt.rs`: the weight's scale as the A scale
+//! read on the device or as `alpha`, the activation's `1 / scale` as the B scale read on the
+//! device, the bias in the epilogue, the
 //! output in the input's dtype). The products are exact; cuBLASLt sums them in its own order
 //! (with fast accumulation, as TorchAO's inference recipe asks), so the result is close to the
 //! reference's, not equal.
@@ -12,8 +13,9 @@
 //! runs the reference ([`ddo_core::fp8_compute::linear_fp8_reference`]) instead.
 //!
 //! Before the first fp8 linear on a device, a one-time check runs a 256 x 512 x 384 product
-//! with a bias in each of a few forms ([`FORMS`]: fast or exact accumulation, C in place or
-//! apart, the bias in the epilogue or added after) and keeps the first that cuBLASLt runs and
+//! with a bias in each of a few forms ([`FORMS`]: both scales read on the device as PyTorch's
+//! `_scaled_mm` reads them or the weight's as `alpha`, fast or exact accumulation, C in place
+//! or apart, the bias in the epilogue or added after) and keeps the first that cuBLASLt runs and
 //! that agrees with the reference: one H100 with CUDA 13.0's cuBLASLt refused the first
 //! form (`CUBLAS_STATUS_NOT_SUPPORTED` from `cublasLtMatmul`, 2026-12-07). Where every form
 //! fails, every fp8 linear runs the reference, and `Ops::fp8_reference_reason` lists each
@@ -49,52 +51,41 @@ pub(crate) struct Path {
     bias_apart: bool,
 }
 
-/// The forms tried, fastest first: each differs from the first in one thing cuBLASLt may
-/// refuse for E4M3 operands (in-place C, fast accumulation, a bias epilogue), the last in
-/// all three.
-const FORMS: [Path; 5] = [
-    Path {
-        gemm: Fp8Form {
-            fast_accum: true,
-            c_apart: false,
-        },
-        bias_apart: false,
-    },
-    Path {
-        gemm: Fp8Form {
-            fast_accum: true,
-            c_apart: true,
-        },
-        bias_apart: false,
-    },
-    Path {
-        gemm: Fp8Form {
-            fast_accum: false,
-            c_apart: false,
-        },
-        bias_apart: false,
-    },
-    Path {
-        gemm: Fp8Form {
-            fast_accum: true,
-            c_apart: false,
-        },
-        bias_apart: true,
-    },
-    Path {
-        gemm: Fp8Form {
-            fast_accum: false,
-            c_apart: true,
-        },
-        bias_apart: true,
-    },
+/// The forms tried, fastest first: the first is PyTorch's `_scaled_mm` recipe (both scales
+/// read on the device, fast accumulation, C in place, the bias in the epilogue); each of the
+/// next differs from it in one thing cuBLASLt may refuse for E4M3 operands, the last in all
+/// four.
+const FORMS: [Path; 6] = [
+    form(true, true, false, false),
+    form(false, true, false, false),
+    form(true, true, true, false),
+    form(true, false, false, false),
+    form(true, true, false, true),
+    form(false, false, true, true),
 ];
+
+/// A [`Path`] from its four choices.
+const fn form(device_scales: bool, fast_accum: bool, c_apart: bool, bias_apart: bool) -> Path {
+    Path {
+        gemm: Fp8Form {
+            fast_accum,
+            c_apart,
+            device_scales,
+        },
+        bias_apart,
+    }
+}
 
 impl Path {
     /// How the run's note and the refusal name it.
     fn describe(&self) -> String {
         format!(
-            "{} accumulation, C {}, bias {}",
+            "{}, {} accumulation, C {}, bias {}",
+            if self.gemm.device_scales {
+                "both scales on the device"
+            } else {
+                "the weight's scale as alpha"
+            },
             if self.gemm.fast_accum {
                 "fast"
             } else {
@@ -332,6 +323,7 @@ fn native(
     let xi = input(dev, OP, x)?;
     let wi = stored_input(dev, w)?;
     let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
+    let w_scale = w.scale().unwrap_or(1.0);
     let state = Scratch::new(dev, 16)?;
     let codes = Scratch::new(dev, x.numel())?;
     super::gemm::zero(dev, state.ptr, 16)?;
@@ -346,6 +338,7 @@ fn native(
         ];
         if name == "ddo_fp8_quantize" {
             args.push(Arg::Ptr(codes.ptr));
+            args.push(Arg::F32(w_scale));
         }
         launch(dev, &f, grid_1d(n as u64, BLOCK), &args)?;
     }
@@ -377,10 +370,15 @@ fn native(
         accumulate: false,
         fp8: Some(Fp8Operands {
             b_scale: state.ptr + 8,
+            a_scale: state.ptr + 12,
             form: form.gemm,
             c: c.as_ref().map_or(0, |c| c.ptr),
         }),
-        alpha: w.scale().unwrap_or(1.0),
+        alpha: if form.gemm.device_scales {
+            1.0
+        } else {
+            w_scale
+        },
         algo: 0,
     };
     let ran = super::gemm::lt_linear(dev, &g)?;
@@ -420,9 +418,15 @@ mod tests {
     #[test]
     fn the_forms_are_distinct_fastest_first_and_each_changes_one_thing_or_all() {
         let first = FORMS[0];
-        assert!(first.gemm.fast_accum && !first.gemm.c_apart && !first.bias_apart);
+        assert!(
+            first.gemm.device_scales
+                && first.gemm.fast_accum
+                && !first.gemm.c_apart
+                && !first.bias_apart
+        );
         let changes = |p: &Path| {
             [
+                p.gemm.device_scales != first.gemm.device_scales,
                 p.gemm.fast_accum != first.gemm.fast_accum,
                 p.gemm.c_apart != first.gemm.c_apart,
                 p.bias_apart != first.bias_apart,
@@ -437,10 +441,10 @@ mod tests {
                 assert_eq!(changes(a), 1, "{}", a.describe());
             }
         }
-        assert_eq!(changes(&FORMS[FORMS.len() - 1]), 3);
+        assert_eq!(changes(&FORMS[FORMS.len() - 1]), 4);
         assert_eq!(
             first.describe(),
-            "fast accumulation, C in place, bias in the epilogue"
+            "both scales on the device, fast accumulation, C in place, bias in the epilogue"
         );
     }
 
