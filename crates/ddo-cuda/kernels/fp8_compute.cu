@@ -4,10 +4,12 @@
 // computed here in software so that the codes are the host reference's bit for bit on every
 // architecture.
 //
-// state (u32[4], zeroed before ddo_fp8_amax): [0] the amax's bits (non-negative floats order
-// as their bits), [1] 1 when a value is NaN or infinite, [2] 1 / scale as a float (the GEMM's
-// B scale, written by ddo_fp8_quantize), [3] the weight's scale as a float (the GEMM's A
-// scale where it is read on the device, written by ddo_fp8_quantize).
+// state (u32[16], 64 bytes, zeroed before ddo_fp8_amax): [0] the amax's bits (non-negative
+// floats order as their bits), [1] 1 when a value is NaN or infinite, [4] 1 / scale as a float
+// (the GEMM's B scale, written by ddo_fp8_quantize), [8] the weight's scale as a float (the
+// GEMM's A scale where it is read on the device, written by ddo_fp8_quantize). The two scales
+// sit 16 bytes apart, on 16-byte boundaries: cuBLASLt 13.1 refuses an E4M3 matmul
+// (CUBLAS_STATUS_NOT_SUPPORTED) whose scale pointers are only 4- or 8-byte aligned.
 
 // |x| <= 448 or NaN, to E4M3 (fn: no infinities, 0x7f is NaN), nearest even.
 __device__ __forceinline__ u32 float_to_e4m3(float v) {
@@ -44,7 +46,7 @@ extern "C" __global__ void ddo_fp8_amax(const void* x, int dtype, i64 n, u32* st
     if (bad) atomicOr(&state[1], 1u);
 }
 
-// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[2] = 1 / scale, state[3] = w_scale. With a non-finite value
+// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale, state[8] = w_scale. With a non-finite value
 // in x the scale is NaN: every code is NaN and so is the product (the step's finite check
 // stops the run).
 extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32* state,
@@ -53,8 +55,8 @@ extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32
     float scale = 448.0f / fmaxf(amax, 1e-12f);
     if (state[1] != 0u) scale = __int_as_float(0x7fc00000);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        state[2] = __float_as_uint(1.0f / scale);
-        state[3] = __float_as_uint(w_scale);
+        state[4] = __float_as_uint(1.0f / scale);
+        state[8] = __float_as_uint(w_scale);
     }
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {

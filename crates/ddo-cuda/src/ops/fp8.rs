@@ -41,6 +41,14 @@ pub(crate) const SOURCE: &str = include_str!("../../kernels/fp8_compute.cu");
 
 const BLOCK: u32 = 256;
 
+/// Bytes of the kernels' state, and where in it the B scale (the activation's `1 / scale`)
+/// and the A scale (the weight's) sit: 16-byte boundaries, which cuBLASLt 13.1's E4M3 matmul
+/// needs of its scale pointers (at 8 and 12 bytes in it answered `CUBLAS_STATUS_NOT_SUPPORTED`
+/// in every form, on one H100, 2026-12-07, while PyTorch's `_scaled_mm` ran).
+const STATE_BYTES: usize = 64;
+const B_SCALE_AT: u64 = 16;
+const A_SCALE_AT: u64 = 32;
+
 /// How this path puts an fp8 linear to cuBLASLt: the GEMM's form, and whether the bias
 /// (and a GELU after it) is applied after the GEMM instead of in its epilogue. The first of
 /// [`FORMS`] that the one-time check finds running and agreeing with the reference is used
@@ -324,9 +332,10 @@ fn native(
     let wi = stored_input(dev, w)?;
     let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
     let w_scale = w.scale().unwrap_or(1.0);
-    let state = Scratch::new(dev, 16)?;
+    // The kernels' state (`kernels/fp8_compute.cu`): the scales on 16-byte boundaries.
+    let state = Scratch::new(dev, STATE_BYTES)?;
     let codes = Scratch::new(dev, x.numel())?;
-    super::gemm::zero(dev, state.ptr, 16)?;
+    super::gemm::zero(dev, state.ptr, STATE_BYTES)?;
     let n = x.numel() as i64;
     for name in ["ddo_fp8_amax", "ddo_fp8_quantize"] {
         let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
@@ -369,8 +378,8 @@ fn native(
         epilogue: Epilogue::new(fused_bias, gelu && (fused_bias || bi.is_none())),
         accumulate: false,
         fp8: Some(Fp8Operands {
-            b_scale: state.ptr + 8,
-            a_scale: state.ptr + 12,
+            b_scale: state.ptr + B_SCALE_AT,
+            a_scale: state.ptr + A_SCALE_AT,
             form: form.gemm,
             c: c.as_ref().map_or(0, |c| c.ptr),
         }),
