@@ -1892,3 +1892,66 @@ fn fp8_decodes_exactly_and_linears_upcast_their_fp8_operands() {
         }
     }
 }
+
+#[test]
+fn an_aligned_contiguous_narrow_is_a_view_and_is_never_written_in_place() {
+    let Some(mut p) = Pair::new(31) else { return };
+    // [1, 8, 64] bf16: rows of 128 bytes; start 2 is 256 bytes in, start 1 is not.
+    let (g, h) = p.rand(&[1, 8, 64], DType::BF16);
+    let offset_of = |t: &Tensor| match t.storage() {
+        TensorStorage::Device(s) => (s.offset(), s.buffer().len()),
+        TensorStorage::Host(_) => panic!("on the host"),
+    };
+    p.gpu.reset_peak();
+    let before = p.gpu.memory_info().allocated;
+    let view = p.gpu.narrow(&g, 1, 2, 4).unwrap();
+    assert_eq!(
+        p.gpu.memory_info().peak_allocated,
+        before,
+        "a view allocates nothing"
+    );
+    assert_eq!(
+        offset_of(&view),
+        (256, offset_of(&g).1),
+        "a view of x's buffer"
+    );
+    p.check_exact("the view", &view, &p.host.narrow(&h, 1, 2, 4).unwrap());
+    // Off the 256-byte boundary, or with rows before the narrowed dim: a copy, same values.
+    for (shape, dim, start, len) in [
+        (&[1usize, 8, 64][..], 1usize, 1usize, 3usize),
+        (&[2, 4, 64], 1, 2, 2),
+    ] {
+        let (g2, h2) = p.rand(shape, DType::BF16);
+        let copy = p.gpu.narrow(&g2, dim, start, len).unwrap();
+        assert_eq!(
+            offset_of(&copy).0,
+            0,
+            "{shape:?} {start}: a buffer of its own"
+        );
+        p.check_exact(
+            &format!("narrow {shape:?} dim {dim} from {start}"),
+            &copy,
+            &p.host.narrow(&h2, dim, start, len).unwrap(),
+        );
+    }
+    // An op that may run in place over an exclusive input gives the view an output of its
+    // own: x (a clone kept to compare, its first handle dropped) is left as it was.
+    let hv = p.host.narrow(&h, 1, 2, 4).unwrap();
+    let want = p.host.unary(&hv, UnaryOp::Neg).unwrap();
+    let keep = g.clone();
+    drop(g);
+    let y = p.gpu.unary_owned(view, UnaryOp::Neg).unwrap();
+    p.check_exact("neg of the view", &y, &want);
+    p.check_exact("x after an op on its view", &keep, &h);
+    // A view of a view (the offsets add).
+    let inner = p.gpu.narrow(&keep, 1, 4, 4).unwrap();
+    let inner2 = p.gpu.narrow(&inner, 1, 2, 2).unwrap();
+    assert_eq!(offset_of(&inner2).0, 768);
+    p.check_exact(
+        "a view of a view",
+        &inner2,
+        &p.host.narrow(&h, 1, 6, 2).unwrap(),
+    );
+    drop((y, keep, inner, inner2));
+    p.assert_clean();
+}

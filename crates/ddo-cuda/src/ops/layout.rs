@@ -239,10 +239,13 @@ pub(crate) fn narrow(
             format!("range {start}..{start}+{len} along dim {dim} is outside shape {xs:?}"),
         ));
     }
-    let xi = input(dev, OP, x)?;
     let (outer, inner) = (product(&xs[..dim]), product(&xs[dim + 1..]));
     let mut shape = xs.to_vec();
     shape[dim] = len;
+    if let Some(view) = narrow_view(x, outer, start * inner, &shape)? {
+        return Ok(view);
+    }
+    let xi = input(dev, OP, x)?;
     let out = Out::new(dev, OP, shape, x.dtype())?;
     let (src_row, dst_row) = (xs[dim] * inner, len * inner);
     copy_nd(
@@ -257,6 +260,25 @@ pub(crate) fn narrow(
         &[dst_row, 1],
     )?;
     out.finish(dev, &[&xi])
+}
+
+/// Where a narrow's elements are one contiguous range of `x` (`outer` is 1: nothing before
+/// `dim` but unit dims) starting `first` elements in, at a 256-byte boundary of its buffer
+/// (what cuBLASLt and the vectorised kernels assume of a fresh allocation): that range as a
+/// view of `x`'s buffer, no copy. A view never covers its whole buffer, so no op writes it in
+/// place (`DeviceSlice::is_exclusive`). `None` for a copy: another layout, a host tensor, a
+/// quantized or scaled one, or an offset off the boundary.
+fn narrow_view(x: &Tensor, outer: usize, first: usize, shape: &[usize]) -> Result<Option<Tensor>> {
+    let TensorStorage::Device(s) = x.storage() else {
+        return Ok(None);
+    };
+    let size = x.dtype().size_in_bytes();
+    let at = s.offset() + first * size;
+    if outer != 1 || x.quant().is_some() || x.scale().is_some() || !at.is_multiple_of(256) {
+        return Ok(None);
+    }
+    let view = s.buffer().slice(at, product(shape) * size)?;
+    Tensor::new(shape.to_vec(), x.dtype(), TensorStorage::Device(view)).map(Some)
 }
 
 /// [`ddo_core::Ops::permute`].
