@@ -444,8 +444,8 @@ impl Device for CudaDevice {
         let a = self.event_handle(start)?;
         let b = self.event_handle(end)?;
         let ms = a
-            .event
-            .elapsed_ms(&b.event)
+            .cuda_event()
+            .elapsed_ms(b.cuda_event())
             .call("cuEventElapsedTime")
             .map_err(|e| self.core(e))?;
         Ok(Some((f64::from(ms) * 1e6) as i64))
@@ -455,7 +455,7 @@ impl Device for CudaDevice {
         let s = self.stream_handle(stream)?;
         let e = self.event_handle(event)?;
         s.stream
-            .wait(&e.event)
+            .wait(e.cuda_event())
             .call("cuStreamWaitEvent")
             .map_err(|e| self.core(e))
     }
@@ -463,7 +463,7 @@ impl Device for CudaDevice {
     fn event_complete(&self, event: &Event) -> ddo_core::Result<bool> {
         let e = self.event_handle(event)?;
         let done = e
-            .event
+            .cuda_event()
             .try_is_complete()
             .call("cuEventQuery")
             .map_err(|e| self.core(e))?;
@@ -473,7 +473,7 @@ impl Device for CudaDevice {
 
     fn synchronize_event(&self, event: &Event) -> ddo_core::Result<()> {
         let e = self.event_handle(event)?;
-        e.event
+        e.cuda_event()
             .synchronize()
             .call("cuEventSynchronize")
             .map_err(|e| self.core(e))?;

@@ -197,13 +197,24 @@ impl StreamHandle for CudaStreamHandle {
 pub struct CudaEventHandle {
     pub(super) id: DeviceId,
     pub(super) instance: u64,
-    pub(super) event: CudaEvent,
+    pub(super) slot: EventSlot,
+}
+
+/// Where a [`CudaEventHandle`]'s event comes from: an untimed one is the device's
+/// [`EventPool`]'s (no `cuEventCreate`/`cuEventDestroy` per record: a streamed forward records
+/// hundreds), a timed one its own.
+pub(super) enum EventSlot {
+    Pooled(PooledEvent),
+    Own(CudaEvent),
 }
 
 impl CudaEventHandle {
     /// The cudarc event.
     pub fn cuda_event(&self) -> &CudaEvent {
-        &self.event
+        match &self.slot {
+            EventSlot::Pooled(e) => e.event(),
+            EventSlot::Own(e) => e,
+        }
     }
 }
 
@@ -223,22 +234,33 @@ impl EventHandle for CudaEventHandle {
 }
 
 impl CudaDevice {
-    /// An event recorded on `stream` with `flags` (cudarc's default: no timing).
+    /// An event recorded on `stream` with `flags`: `None` (no timing) takes one from the
+    /// device's [`EventPool`] (it goes back when the last handle drops; a wait queued on it
+    /// before then keeps the record it saw), timing flags create one.
     pub(super) fn record_with(
         &self,
         stream: &Stream,
         flags: Option<cudarc::driver::sys::CUevent_flags>,
     ) -> ddo_core::Result<Event> {
         let s = self.stream_handle(stream)?;
-        let event = s
-            .stream
-            .record_event(flags)
-            .call("cuEventRecord")
-            .map_err(|e| self.core(e))?;
+        let slot = match flags {
+            None => EventSlot::Pooled(
+                self.shared
+                    .events
+                    .record(&s.stream)
+                    .map_err(|e| self.core(e))?,
+            ),
+            Some(_) => EventSlot::Own(
+                s.stream
+                    .record_event(flags)
+                    .call("cuEventRecord")
+                    .map_err(|e| self.core(e))?,
+            ),
+        };
         Ok(Event::new(Arc::new(CudaEventHandle {
             id: self.id(),
             instance: self.shared.instance,
-            event,
+            slot,
         })))
     }
 
