@@ -27,28 +27,66 @@ __device__ __forceinline__ u32 float_to_e4m3(float v) {
     return sign | (code > 0x7eu ? 0x7eu : code);  // 448 at most
 }
 
-// Largest |x[i]| into state[0], and state[1] = 1 when some x[i] is not finite.
+// A 16-bit element's bits to float (F16 or BF16).
+__device__ __forceinline__ float bits16_to_float(u32 b, int dtype) {
+    return dtype == DTYPE_F16 ? f16_to_float((u16)b) : bf16_to_float((u16)b);
+}
+
+// Where the 8-wide (16-byte) loop of a 16-bit x ends: x on a 16-byte boundary, else 0 (the
+// element loop does all). Elements from there on go one at a time.
+__device__ __forceinline__ i64 vector_end(const void* x, int dtype, i64 n) {
+    if (dtype == DTYPE_F32 || ((unsigned long long)x & 15ull) != 0ull) return 0;
+    return n / 8 * 8;
+}
+
+__device__ __forceinline__ void amax_add(float v, float& m, u32& bad) {
+    float a = fabsf(v);
+    if (a <= 3.402823466e38f) {
+        m = fmaxf(m, a);
+    } else {
+        bad = 1u;
+    }
+}
+
+// Largest |x[i]| into state[0], and state[1] = 1 when some x[i] is not finite. Launched on a
+// bounded grid (`ops/fp8.rs`): one atomic per block.
 extern "C" __global__ void ddo_fp8_amax(const void* x, int dtype, i64 n, u32* state) {
     __shared__ float scratch[32];
     float m = 0.0f;
     u32 bad = 0u;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x) {
-        float a = fabsf(load_as_float(x, i, dtype));
-        if (a <= 3.402823466e38f) {
-            m = fmaxf(m, a);
-        } else {
-            bad = 1u;
+    const i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 vend = vector_end(x, dtype, n);
+    for (i64 j = tid; j < vend / 8; j += stride) {
+        const uint4 w = ((const uint4*)x)[j];
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            amax_add(bits16_to_float(words[k] & 0xffffu, dtype), m, bad);
+            amax_add(bits16_to_float(words[k] >> 16, dtype), m, bad);
         }
     }
+    for (i64 i = vend + tid; i < n; i += stride) amax_add(load_as_float(x, i, dtype), m, bad);
     m = block_max(m, scratch);
     if (threadIdx.x == 0) atomicMax(&state[0], __float_as_uint(m));
     if (bad) atomicOr(&state[1], 1u);
 }
 
-// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale, state[8] = w_scale. With a non-finite value
-// in x the scale is NaN: every code is NaN and so is the product (the step's finite check
-// stops the run).
+// One element's code at `scale` (clamped to E4M3's range; NaN stays NaN).
+__device__ __forceinline__ u32 quantize_one(float v, float scale) {
+    float s = v * scale;
+    if (s > 448.0f) {
+        s = 448.0f;
+    } else if (s < -448.0f) {
+        s = -448.0f;
+    }
+    return float_to_e4m3(s);
+}
+
+// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale, state[8] = w_scale. With a
+// non-finite value in x the scale is NaN: every code is NaN and so is the product (the step's
+// finite check stops the run). 16-bit elements go 8 at a time (a 16-byte load, an 8-byte
+// store: q is allocated on a 256-byte boundary), each to the code the element loop gives it.
 extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32* state,
                                             unsigned char* q, float w_scale) {
     float amax = __uint_as_float(state[0]);
@@ -58,14 +96,22 @@ extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32
         state[4] = __float_as_uint(1.0f / scale);
         state[8] = __float_as_uint(w_scale);
     }
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x) {
-        float s = load_as_float(x, i, dtype) * scale;
-        if (s > 448.0f) {
-            s = 448.0f;
-        } else if (s < -448.0f) {
-            s = -448.0f;
+    const i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 vend = vector_end(x, dtype, n);
+    for (i64 j = tid; j < vend / 8; j += stride) {
+        const uint4 w = ((const uint4*)x)[j];
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        u32 packed[2] = {0u, 0u};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 lo = quantize_one(bits16_to_float(words[k] & 0xffffu, dtype), scale);
+            const u32 hi = quantize_one(bits16_to_float(words[k] >> 16, dtype), scale);
+            packed[k / 2] |= (lo | (hi << 8)) << (16 * (k % 2));
         }
-        q[i] = (unsigned char)float_to_e4m3(s);
+        ((uint2*)q)[j] = make_uint2(packed[0], packed[1]);
+    }
+    for (i64 i = vend + tid; i < n; i += stride) {
+        q[i] = (unsigned char)quantize_one(load_as_float(x, i, dtype), scale);
     }
 }

@@ -41,6 +41,20 @@ pub(crate) const SOURCE: &str = include_str!("../../kernels/fp8_compute.cu");
 
 const BLOCK: u32 = 256;
 
+/// Most blocks of the amax and quantize kernels: each thread strides over the elements 8 at a
+/// time, and the amax kernel's blocks each add one atomic (a grid of one block per 256
+/// elements, 55,000 for a 4608 x 3072 activation, queued that many on one address).
+const MAX_BLOCKS: u64 = 1024;
+
+/// The launch of the amax and quantize kernels over `n` elements.
+fn grid(n: i64) -> cudarc::driver::LaunchConfig {
+    let per_block = u64::from(BLOCK) * 8;
+    grid_1d(
+        (n.max(1) as u64).div_ceil(per_block).min(MAX_BLOCKS) * u64::from(BLOCK),
+        BLOCK,
+    )
+}
+
 /// Bytes of the kernels' state, and where in it the B scale (the activation's `1 / scale`)
 /// and the A scale (the weight's) sit: 16-byte boundaries, which cuBLASLt 13.1's E4M3 matmul
 /// needs of its scale pointers (at 8 and 12 bytes in it answered `CUBLAS_STATUS_NOT_SUPPORTED`
@@ -349,7 +363,7 @@ fn native(
             args.push(Arg::Ptr(codes.ptr));
             args.push(Arg::F32(w_scale));
         }
-        launch(dev, &f, grid_1d(n as u64, BLOCK), &args)?;
+        launch(dev, &f, grid(n), &args)?;
     }
     let mut shape = xs.to_vec();
     let last = shape.len() - 1;
