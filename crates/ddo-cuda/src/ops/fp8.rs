@@ -436,7 +436,27 @@ fn native(
 mod tests {
     use float8::F8E4M3;
 
-    use super::{FORMS, Path};
+    use super::{A_SCALE_AT, B_SCALE_AT, FORMS, Path, SOURCE, STATE_BYTES};
+
+    /// The scales the GEMM reads sit where the quantize kernel writes them, on the 16-byte
+    /// boundaries cuBLASLt 13.1 needs, inside the state the kernels are given.
+    #[test]
+    fn the_scales_are_where_the_kernel_writes_them_on_16_byte_boundaries() {
+        for (at, value) in [(B_SCALE_AT, "1.0f / scale"), (A_SCALE_AT, "w_scale")] {
+            assert!(
+                at.is_multiple_of(16) && at + 4 <= STATE_BYTES as u64,
+                "{at}"
+            );
+            let write = format!("state[{}] = __float_as_uint({value});", at / 4);
+            assert!(
+                SOURCE.contains(&write),
+                "the kernel does not write `{write}`"
+            );
+        }
+        assert_ne!(A_SCALE_AT, B_SCALE_AT);
+        // The amax and the non-finite flag (words 0 and 1) are not under either scale.
+        assert!(A_SCALE_AT.min(B_SCALE_AT) >= 8);
+    }
 
     #[test]
     fn the_forms_are_distinct_fastest_first_and_each_changes_one_thing_or_all() {
