@@ -1,6 +1,8 @@
 //! `cargo xtask bench --compute` (issue 39): DDO's resident compute on the GPU in one job —
 //! the FLUX.1-dev transformer step in bf16 and under `--compute fp8`, each against the compute
-//! floor `ddo bench` measures; `--compute fp8`'s accuracy anchor (`tools/fp8_anchor.py`:
+//! floor `ddo bench` measures, each with its profile (`--profile`: device time per op
+//! class); PyTorch's `_scaled_mm` against bf16 at FLUX's linear shapes (`tools/fp8_peer.py`);
+//! `--compute fp8`'s accuracy anchor (`tools/fp8_anchor.py`:
 //! the fixture pipeline against TorchAO's float8 dynamic quantization); Diffusers' resident
 //! step with and without `torch.compile` (`peer_pipeline.py step --cases
 //! resident,resident_compiled`); and the 28-step pipeline under `--vram-budget 12GiB` in bf16
@@ -29,6 +31,7 @@ pub fn bench_compute(run_here: bool) -> Result<(), String> {
         None,
         &[
             "fp8_anchor.py",
+            "fp8_peer.py",
             "peer_pipeline.py",
             "gpu_peer.py",
             "bench_peer.py",
@@ -55,7 +58,8 @@ pub(super) const SCRIPT: &str = r#"#!/usr/bin/env bash
 # in $OUT (default ./bench-compute-out). Parts, each under timeout (seconds: DDO_T_<PART>, 0
 # skips it), the job within DDO_JOB_SECONDS (570), a part skipped with under 30 s left:
 #   bench_bf16   ddo bench: the FLUX.1-dev transformer resident, bf16, and its compute floor
-#   bench_fp8    the same under --compute fp8
+#   bench_fp8    the same under --compute fp8 (both with --profile: device time per op class)
+#   fp8_peer     fp8_peer.py: PyTorch's _scaled_mm against bf16 linear at FLUX's shapes (in logs.txt)
 #   anchor       fp8_anchor.py --device cuda: the fixture pipeline against TorchAO fp8
 #   peer         Diffusers' resident step, eager and torch.compile (default mode)
 #   run_bf16     ddo run --config flux-dev --vram-budget 12GiB --steps 28, bf16
@@ -91,11 +95,13 @@ part() {
   echo "=== $name exit $?" | tee -a "$log"
 }
 bench=("$here/ddo" bench --config flux-dev --device cuda:0 --component transformer --route none
-  --warmup 2 --repeats 5)
+  --warmup 2 --repeats 5 --profile)
 part bench_bf16 "${DDO_T_BENCH_BF16:-90}" "$work/bench_bf16.txt" "${bench[@]}" --out-json "$out/bf16.json"
 part bench_fp8 "${DDO_T_BENCH_FP8:-90}" "$work/bench_fp8.txt" "${bench[@]}" --compute fp8 \
   --out-json "$out/fp8.json"
 cat "$work"/bench_*.txt >> "$log" 2>/dev/null
+part fp8_peer "${DDO_T_FP8_PEER:-45}" "$work/fp8_peer.txt" python3 "$here/fp8_peer.py"
+cat "$work/fp8_peer.txt" >> "$log" 2>/dev/null
 part anchor "${DDO_T_ANCHOR:-60}" "$work/anchor.txt" python3 "$here/fp8_anchor.py" "$out/anchor.json" \
   --ddo "$here/ddo" --device cuda --fixture "$PWD/fixtures/flux_pipeline"
 part peer "${DDO_T_PEER:-240}" "$work/peer.txt" python3 "$here/peer_pipeline.py" step "$out/peer_step.json" \
@@ -117,6 +123,7 @@ mod tests {
         let order = [
             "part bench_bf16 ",
             "part bench_fp8 ",
+            "part fp8_peer ",
             "part anchor ",
             "part peer ",
             "part run_bf16 ",
