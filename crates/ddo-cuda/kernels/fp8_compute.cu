@@ -39,6 +39,17 @@ __device__ __forceinline__ i64 vector_end(const void* x, int dtype, i64 n) {
     return n / 8 * 8;
 }
 
+// The 8 16-bit elements of x's j-th 16-byte word, as floats, in order.
+__device__ __forceinline__ void load8(const void* x, i64 j, int dtype, float v[8]) {
+    const uint4 w = ((const uint4*)x)[j];
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = bits16_to_float(words[k] & 0xffffu, dtype);
+        v[2 * k + 1] = bits16_to_float(words[k] >> 16, dtype);
+    }
+}
+
 __device__ __forceinline__ void amax_add(float v, float& m, u32& bad) {
     float a = fabsf(v);
     if (a <= 3.402823466e38f) {
@@ -58,13 +69,10 @@ extern "C" __global__ void ddo_fp8_amax(const void* x, int dtype, i64 n, u32* st
     const i64 stride = (i64)gridDim.x * blockDim.x;
     const i64 vend = vector_end(x, dtype, n);
     for (i64 j = tid; j < vend / 8; j += stride) {
-        const uint4 w = ((const uint4*)x)[j];
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        float v[8];
+        load8(x, j, dtype, v);
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            amax_add(bits16_to_float(words[k] & 0xffffu, dtype), m, bad);
-            amax_add(bits16_to_float(words[k] >> 16, dtype), m, bad);
-        }
+        for (int k = 0; k < 8; k++) amax_add(v[k], m, bad);
     }
     for (i64 i = vend + tid; i < n; i += stride) amax_add(load_as_float(x, i, dtype), m, bad);
     m = block_max(m, scratch);
@@ -100,15 +108,11 @@ extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32
     const i64 stride = (i64)gridDim.x * blockDim.x;
     const i64 vend = vector_end(x, dtype, n);
     for (i64 j = tid; j < vend / 8; j += stride) {
-        const uint4 w = ((const uint4*)x)[j];
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        float v[8];
+        load8(x, j, dtype, v);
         u32 packed[2] = {0u, 0u};
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const u32 lo = quantize_one(bits16_to_float(words[k] & 0xffffu, dtype), scale);
-            const u32 hi = quantize_one(bits16_to_float(words[k] >> 16, dtype), scale);
-            packed[k / 2] |= (lo | (hi << 8)) << (16 * (k % 2));
-        }
+        for (int k = 0; k < 8; k++) packed[k / 4] |= quantize_one(v[k], scale) << (8 * (k % 4));
         ((uint2*)q)[j] = make_uint2(packed[0], packed[1]);
     }
     for (i64 i = vend + tid; i < n; i += stride) {
