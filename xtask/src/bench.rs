@@ -31,6 +31,7 @@ use crate::{cargo, run, workspace_root};
 
 mod compute;
 mod full;
+mod gguf;
 mod host_ram;
 mod serve;
 
@@ -40,7 +41,7 @@ pub const BENCH_DIR: &str = "gpu-bundle/bench";
 /// Python files the job needs, from `tools/`.
 const SCRIPTS: [&str; 3] = ["gpu_peer.py", "bench_peer.py", "bench_report.py"];
 
-const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--base REV] [--run] | cargo xtask bench --serve [--run] | cargo xtask bench --compute [--run]";
+const USAGE: &str = "cargo xtask bench --peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS] | cargo xtask bench --host-ram 32GiB,16GiB,8GiB [--steps N] [--base REV] [--run] | cargo xtask bench --serve [--run] | cargo xtask bench --compute [--run] | cargo xtask bench --gguf [--base REV] [--run]";
 
 /// `--host-ram SIZES [--steps N] [--base REV] [--run]` ([`host_ram`]).
 fn bench_host_ram(args: &[String]) -> Result<(), String> {
@@ -78,11 +79,39 @@ fn bench_host_ram(args: &[String]) -> Result<(), String> {
     host_ram::bench_host_ram(&sizes, steps, base.as_deref(), run_here)
 }
 
+/// `--gguf [--base REV] [--run]` ([`gguf`]).
+fn bench_gguf(args: &[String]) -> Result<(), String> {
+    let mut base = None;
+    let mut run_here = false;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--gguf" => {}
+            "--run" => run_here = true,
+            "--base" => {
+                let rev = it
+                    .next()
+                    .ok_or("--base needs a git revision, e.g. --base 45fcf60")?;
+                base = Some(host_ram::parse_base(rev)?);
+            }
+            other => {
+                return Err(format!(
+                    "bench --gguf: unknown argument `{other}`; usage: {USAGE}"
+                ));
+            }
+        }
+    }
+    gguf::bench_gguf(base.as_deref(), run_here)
+}
+
 /// Parses `--peer diffusers [--full [--wheels DIR]] [--run] [--options OPTS]` and builds (and
 /// maybe runs) the bench: the quick one, or with `--full` the one at FLUX.1-dev's size.
 pub fn bench(args: &[String]) -> Result<(), String> {
     if args.iter().any(|a| a == "--host-ram") {
         return bench_host_ram(args);
+    }
+    if args.iter().any(|a| a == "--gguf") {
+        return bench_gguf(args);
     }
     if args.iter().any(|a| a == "--compute") {
         return match args.iter().find(|a| *a != "--compute" && *a != "--run") {

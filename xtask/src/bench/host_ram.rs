@@ -105,7 +105,11 @@ pub fn parse_base(rev: &str) -> Result<String, String> {
 /// Builds `ddo` at revision `rev` in a worktree of its own (`target/base-src-REV`, target
 /// folder `target/base-REV`, both reused) and puts it xz-compressed into the bundle as
 /// `ddo-base.xz`, which the job runs as its baseline (`DDO_BASE_WARM`'s default).
-fn add_base(root: &std::path::Path, dir: &std::path::Path, rev: &str) -> Result<(), String> {
+pub(super) fn add_base(
+    root: &std::path::Path,
+    dir: &std::path::Path,
+    rev: &str,
+) -> Result<(), String> {
     let safe: String = rev
         .chars()
         .map(|c| if c == '/' { '_' } else { c })
