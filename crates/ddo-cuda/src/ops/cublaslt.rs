@@ -419,30 +419,7 @@ impl LtState {
             .or_insert_with(|| plan(handle, &key, g))
             .as_ref()
             .map_err(Clone::clone)?;
-        if g.epilogue.has_bias() {
-            let bias = g.bias as *const c_void;
-            set_desc(
-                plan.desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                &bias,
-            )?;
-        }
-        if let Some(f) = &g.fp8 {
-            let scale = f.b_scale as *const c_void;
-            set_desc(
-                plan.desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                &scale,
-            )?;
-            if f.form.device_scales {
-                let scale = f.a_scale as *const c_void;
-                set_desc(
-                    plan.desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                    &scale,
-                )?;
-            }
-        }
+        set_pointers(plan.desc, g)?;
         let c = g.c();
         let (alpha, beta) = (g.alpha, if g.accumulate { 1.0f32 } else { 0.0 });
         let ws = if workspace_bytes == 0 {
@@ -484,6 +461,33 @@ impl LtState {
     }
 }
 
+/// Sets `g`'s addresses on `desc`: the bias (where the epilogue has one) and, for E4M3
+/// operands, the B scale and (where the form reads it on the device) the A scale. They change
+/// from call to call, so they are set before each (and when the plan is made, for the
+/// heuristic).
+fn set_pointers(desc: sys::cublasLtMatmulDesc_t, g: &LtLinear) -> Result<(), String> {
+    use sys::cublasLtMatmulDescAttributes_t as D;
+    let pointer = |addr: u64| addr as *const c_void;
+    if g.epilogue.has_bias() {
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &pointer(g.bias))?;
+    }
+    if let Some(f) = &g.fp8 {
+        set_desc(
+            desc,
+            D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            &pointer(f.b_scale),
+        )?;
+        if f.form.device_scales {
+            set_desc(
+                desc,
+                D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &pointer(f.a_scale),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Builds the plan of `key` (for the operands of `g`): descriptors, layouts, and the
 /// heuristic's algorithm, or why there is none.
 fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, String> {
@@ -512,7 +516,7 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
     set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &op_n)?;
     let epilogue: sys::cublasLtEpilogue_t = key.epilogue.sys();
     set_desc(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-    if let (Some(form), Some(f)) = (key.fp8, &g.fp8) {
+    if let Some(form) = key.fp8 {
         // TorchAO's inference recipe accumulates fast (`use_fast_accum`) where the form
         // does; the bias has the output's dtype, said explicitly (fp8 GEMMs default it
         // otherwise for fp8 outputs); the scales' addresses are set before every call.
@@ -522,19 +526,10 @@ fn plan(handle: sys::cublasLtHandle_t, key: &Key, g: &LtLinear) -> Result<Plan, 
         }
         let bias_type = ty;
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type)?;
-        let scale = f.b_scale as *const c_void;
-        set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale)?;
-        if form.device_scales {
-            let scale = f.a_scale as *const c_void;
-            set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale)?;
-        }
     }
-    if key.epilogue.has_bias() {
-        // The bias has the output's dtype (cuBLASLt's default for 16-bit outputs); its
-        // address is set again before every call.
-        let bias = g.bias as *const c_void;
-        set_desc(desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
-    }
+    // The bias has the output's dtype (cuBLASLt's default for 16-bit outputs). Its address and
+    // the scales' are set here for the heuristic, and again before every call.
+    set_pointers(desc, g)?;
     let layout = |rows: usize, cols: usize, ld: usize| {
         lt::create_matrix_layout(ty, rows as u64, cols as u64, ld as i64)
             .map_err(status("cublasLtMatrixLayoutCreate"))
