@@ -29,6 +29,30 @@ use std::process::Command;
 use crate::gpu::make_executable;
 use crate::{cargo, run, workspace_root};
 
+/// The `part` function of the compute and GGUF jobs' scripts (bash, a string literal for
+/// `concat!`): each part under `timeout`, within what the job has left.
+macro_rules! part_fn {
+    () => {
+        r#"# part NAME SECONDS DEST COMMAND...: COMMAND under timeout (at most SECONDS, and what the job
+# has left before $deadline; under 30 s left, or SECONDS 0, it is skipped), its stdout to
+# DEST, its stderr to $log; DDO_PART_SECONDS tells COMMAND its limit.
+part() {
+  local name="$1" want="$2" dest="$3"
+  shift 3
+  local left=$(( deadline - $(date +%s) ))
+  if [ "$want" -eq 0 ] || [ "$left" -lt 30 ]; then
+    echo "=== $name skipped (asked ${want} s, ${left} s left)" | tee -a "$log"
+    return 0
+  fi
+  local secs=$(( want < left ? want : left ))
+  echo "=== $name (timeout ${secs} s) at $(date +%T)" | tee -a "$log"
+  DDO_PART_SECONDS="$secs" timeout -k 10 "$secs" "$@" > "$dest" 2>> "$log"
+  echo "=== $name exit $?" | tee -a "$log"
+}
+"#
+    };
+}
+
 mod compute;
 mod full;
 mod gguf;
@@ -360,5 +384,29 @@ mod tests {
                 .unwrap_err()
                 .contains("--wheels is for --full")
         );
+    }
+}
+
+/// Checks of a job's script shared by the jobs' tests.
+#[cfg(test)]
+pub(crate) mod script_checks {
+    /// `script` is valid bash (`bash -n`), runs its parts with the shared `part` function,
+    /// and writes at most eight files under `$OUT` (what a device job brings back).
+    pub fn assert_job_script(script: &str) {
+        assert!(script.starts_with("#!/usr/bin/env bash"));
+        assert!(script.contains("timeout -k 10 \"$secs\" \"$@\""));
+        let outs: std::collections::BTreeSet<&str> = script
+            .match_indices("\"$out/")
+            .map(|(i, _)| {
+                let rest = &script[i + 6..];
+                &rest[..rest.find('"').unwrap()]
+            })
+            .collect();
+        assert!(outs.len() <= 8, "{outs:?}");
+        let checked = std::process::Command::new("bash")
+            .args(["-n", "-c", script])
+            .status()
+            .expect("bash runs");
+        assert!(checked.success(), "bash -n refused the script");
     }
 }

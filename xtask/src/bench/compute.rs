@@ -52,7 +52,8 @@ pub fn bench_compute(run_here: bool) -> Result<(), String> {
 
 /// The job's script: each part under `timeout`, in order of what issue 39 needs first, the
 /// whole within `DDO_JOB_SECONDS` (570); `DDO_T_<PART>=0` skips a part.
-pub(super) const SCRIPT: &str = r#"#!/usr/bin/env bash
+pub(super) const SCRIPT: &str = concat!(
+    r#"#!/usr/bin/env bash
 # Issue 39 on one GPU, in one job (built by `cargo xtask bench --compute`). Run from the
 # repository root (fixtures/flux_pipeline is read), carrying gpu-bundle/bench-compute; results
 # in $OUT (default ./bench-compute-out). Parts, each under timeout (seconds: DDO_T_<PART>, 0
@@ -79,22 +80,9 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c "import torchao, transformers" >> "$log" 2>&1; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/pywheels/*.whl >> "$log" 2>&1
 fi
-# part NAME SECONDS DEST COMMAND...: COMMAND under timeout, its stdout to DEST, its stderr to
-# the log.
-part() {
-  local name="$1" want="$2" dest="$3"
-  shift 3
-  local left=$(( deadline - $(date +%s) ))
-  if [ "$want" -eq 0 ] || [ "$left" -lt 30 ]; then
-    echo "=== $name skipped (asked ${want} s, ${left} s left)" | tee -a "$log"
-    return 0
-  fi
-  local secs=$(( want < left ? want : left ))
-  echo "=== $name (timeout ${secs} s) at $(date +%T)" | tee -a "$log"
-  DDO_PART_SECONDS="$secs" timeout -k 10 "$secs" "$@" > "$dest" 2>> "$log"
-  echo "=== $name exit $?" | tee -a "$log"
-}
-bench=("$here/ddo" bench --config flux-dev --device cuda:0 --component transformer --route none
+"#,
+    part_fn!(),
+    r#"bench=("$here/ddo" bench --config flux-dev --device cuda:0 --component transformer --route none
   --warmup 2 --repeats 5 --profile)
 part bench_bf16 "${DDO_T_BENCH_BF16:-90}" "$work/bench_bf16.txt" "${bench[@]}" --out-json "$out/bf16.json"
 part bench_fp8 "${DDO_T_BENCH_FP8:-90}" "$work/bench_fp8.txt" "${bench[@]}" --compute fp8 \
@@ -111,7 +99,8 @@ part run_bf16 "${DDO_T_RUN_BF16:-80}" "$out/run_bf16.json" "$here/ddo" run --con
 part run_fp8 "${DDO_T_RUN_FP8:-80}" "$out/run_fp8.json" "$here/ddo" run --config flux-dev --device cuda:0 \
   --vram-budget 12GiB --steps 28 --json --no-env --compute fp8 --out "$work/fp8.png"
 cat "$work"/anchor.txt "$work"/peer.txt >> "$log" 2>/dev/null
-"#;
+"#
+);
 
 #[cfg(test)]
 mod tests {
@@ -119,7 +108,6 @@ mod tests {
 
     #[test]
     fn the_script_runs_each_part_under_timeout_in_order_and_is_valid_bash() {
-        assert!(SCRIPT.starts_with("#!/usr/bin/env bash"));
         let order = [
             "part bench_bf16 ",
             "part bench_fp8 ",
@@ -134,22 +122,8 @@ mod tests {
             .map(|p| SCRIPT.find(p).unwrap_or_else(|| panic!("{p}")))
             .collect();
         assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
-        assert!(SCRIPT.contains("timeout -k 10 \"$secs\" \"$@\""));
         assert!(SCRIPT.contains("--cases resident,resident_compiled"));
         assert!(SCRIPT.contains("\"${bench[@]}\" --compute fp8"));
-        // At most eight files under $OUT: the six results, gpu.txt and logs.txt.
-        let outs: std::collections::BTreeSet<&str> = SCRIPT
-            .match_indices("\"$out/")
-            .map(|(i, _)| {
-                let rest = &SCRIPT[i + 6..];
-                &rest[..rest.find('"').unwrap()]
-            })
-            .collect();
-        assert!(outs.len() <= 8, "{outs:?}");
-        let checked = Command::new("bash")
-            .args(["-n", "-c", SCRIPT])
-            .status()
-            .unwrap();
-        assert!(checked.success(), "bash -n refused the script");
+        crate::bench::script_checks::assert_job_script(SCRIPT);
     }
 }

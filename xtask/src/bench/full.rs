@@ -152,17 +152,52 @@ pub(super) fn build_bundle(
     script_name: &str,
     script_text: &str,
 ) -> Result<(PathBuf, u64), String> {
-    let diffusers = diffusers_wheels(&wheels_dir(root, wheels))?;
+    assemble(
+        root,
+        dir_rel,
+        Some(wheels),
+        scripts,
+        script_name,
+        script_text,
+    )
+}
+
+/// [`build_bundle`] without any wheels, for a job that needs no Python package beyond what the
+/// GPU machine has (a few MiB: it travels beside another bundle).
+pub(super) fn build_lean_bundle(
+    root: &Path,
+    dir_rel: &str,
+    scripts: &[&str],
+    script_name: &str,
+    script_text: &str,
+) -> Result<(PathBuf, u64), String> {
+    assemble(root, dir_rel, None, scripts, script_name, script_text)
+}
+
+/// [`build_bundle`] with the wheels (from `Some(folder)`, see [`wheels_dir`]) or without them
+/// (`None`).
+fn assemble(
+    root: &Path,
+    dir_rel: &str,
+    wheels: Option<Option<&Path>>,
+    scripts: &[&str],
+    script_name: &str,
+    script_text: &str,
+) -> Result<(PathBuf, u64), String> {
+    let diffusers = match wheels {
+        Some(w) => diffusers_wheels(&wheels_dir(root, w))?,
+        None => Vec::new(),
+    };
     let (exe, target) = super::build_release(root, "--bin", "ddo", "release/ddo")?;
-    let fallback = fallback_wheels(&target.join("bench-full-wheels"))?;
+    let fallback = match wheels {
+        Some(_) => fallback_wheels(&target.join("bench-full-wheels"))?,
+        None => Vec::new(),
+    };
     let dir = root.join(dir_rel);
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
     }
-    for sub in ["wheels", "pywheels"] {
-        let d = dir.join(sub);
-        fs::create_dir_all(&d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
-    }
+    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     copy(&exe, &dir.join("ddo"))?;
     run(Command::new("xz")
         .args(["-T2", "-6", "-f"])
@@ -170,15 +205,21 @@ pub(super) fn build_bundle(
     for s in scripts {
         copy(&root.join("tools").join(s), &dir.join(s))?;
     }
-    for w in &diffusers {
-        copy(w, &dir.join("wheels").join(file_name(w)))?;
+    if wheels.is_some() {
+        for sub in ["wheels", "pywheels"] {
+            let d = dir.join(sub);
+            fs::create_dir_all(&d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        }
+        for w in &diffusers {
+            copy(w, &dir.join("wheels").join(file_name(w)))?;
+        }
+        let mut modules = String::new();
+        for (path, w) in &fallback {
+            copy(path, &dir.join("pywheels").join(file_name(path)))?;
+            modules += &format!("{} {}\n", file_name(path), w.module);
+        }
+        write(&dir.join("pywheels/MODULES"), &modules)?;
     }
-    let mut modules = String::new();
-    for (path, w) in &fallback {
-        copy(path, &dir.join("pywheels").join(file_name(path)))?;
-        modules += &format!("{} {}\n", file_name(path), w.module);
-    }
-    write(&dir.join("pywheels/MODULES"), &modules)?;
     let script = dir.join(script_name);
     write(&script, &with_unpack(script_text))?;
     make_executable(&script)?;

@@ -15,7 +15,6 @@
 use std::process::Command;
 
 use super::{full, host_ram};
-use crate::gpu::make_executable;
 use crate::{run, workspace_root};
 
 /// The bundle's folder, relative to the workspace root (ignored by git).
@@ -25,33 +24,18 @@ pub const GGUF_DIR: &str = "gpu-bundle/bench-gguf";
 /// `run_here`.
 pub fn bench_gguf(base: Option<&str>, run_here: bool) -> Result<(), String> {
     let root = workspace_root();
-    let (exe, _) = super::build_release(&root, "--bin", "ddo", "release/ddo")?;
+    let (script, _) = full::build_lean_bundle(
+        &root,
+        GGUF_DIR,
+        &["make_flux_gguf.py"],
+        "run-bench-gguf.sh",
+        SCRIPT,
+    )?;
     let dir = root.join(GGUF_DIR);
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir)
-            .map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let copy = |from: &std::path::Path, name: &str| {
-        std::fs::copy(from, dir.join(name))
-            .map(|_| ())
-            .map_err(|e| format!("cannot copy {}: {e}", from.display()))
-    };
-    copy(&exe, "ddo")?;
-    run(Command::new("xz")
-        .args(["-T2", "-6", "-f"])
-        .arg(dir.join("ddo")))?;
-    copy(&root.join("tools/make_flux_gguf.py"), "make_flux_gguf.py")?;
-    let script = dir.join("run-bench-gguf.sh");
-    std::fs::write(&script, full::with_unpack(SCRIPT))
-        .map_err(|e| format!("cannot write {}: {e}", script.display()))?;
-    make_executable(&script)?;
-    run(Command::new("bash").arg("-n").arg(&script))?;
     if let Some(rev) = base {
         host_ram::add_base(&root, &dir, rev)?;
     }
     let size = full::dir_bytes(&dir);
-    full::check_size(size)?;
     eprintln!(
         "bench --gguf: {} ({} MiB); on the GPU machine: ./{GGUF_DIR}/run-bench-gguf.sh (results in $OUT)",
         dir.display(),
@@ -65,7 +49,8 @@ pub fn bench_gguf(base: Option<&str>, run_here: bool) -> Result<(), String> {
 
 /// The job's script: each part under `timeout`, in order of what issue 37 needs first, the
 /// whole within `DDO_JOB_SECONDS` (570); `DDO_T_<PART>=0` skips a part.
-pub(super) const SCRIPT: &str = r#"#!/usr/bin/env bash
+pub(super) const SCRIPT: &str = concat!(
+    r#"#!/usr/bin/env bash
 # Issue 37 on one GPU, in one job (built by `cargo xtask bench --gguf`). Run from the repository
 # root carrying gpu-bundle/bench-gguf; results in $OUT (default ./bench-gguf-out). Parts, each
 # under timeout (seconds: DDO_T_<PART>, 0 skips it), the job within DDO_JOB_SECONDS (570), a
@@ -87,22 +72,9 @@ log="$out/logs.txt"
 : > "$log"
 deadline=$(( $(date +%s) + ${DDO_JOB_SECONDS:-570} ))
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$out/gpu.txt" 2>&1
-# part NAME SECONDS DEST COMMAND...: COMMAND under timeout, its stdout to DEST, its stderr to
-# the log.
-part() {
-  local name="$1" want="$2" dest="$3"
-  shift 3
-  local left=$(( deadline - $(date +%s) ))
-  if [ "$want" -eq 0 ] || [ "$left" -lt 30 ]; then
-    echo "=== $name skipped (asked ${want} s, ${left} s left)" | tee -a "$log"
-    return 0
-  fi
-  local secs=$(( want < left ? want : left ))
-  echo "=== $name (timeout ${secs} s) at $(date +%T)" | tee -a "$log"
-  timeout -k 10 "$secs" "$@" > "$dest" 2>> "$log"
-  echo "=== $name exit $?" | tee -a "$log"
-}
-leaf=diffusers_group_offload:offload_type=leaf_level,use_stream=true
+"#,
+    part_fn!(),
+    r#"leaf=diffusers_group_offload:offload_type=leaf_level,use_stream=true
 bench=(bench --config flux-dev --device cuda:0 --component transformer --warmup 2 --repeats 5)
 [ -f "$work/q4.gguf" ] || part write_q4 "${DDO_T_WRITE_Q4:-90}" "$work/write_q4.txt" \
   python3 "$here/make_flux_gguf.py" "$work/q4.gguf" --type Q4_K
@@ -125,7 +97,8 @@ part run_q4 "${DDO_T_RUN_Q4:-90}" "$out/run_q4.json" "$here/ddo" run --config fl
 part bench_q8 "${DDO_T_BENCH_Q8:-90}" "$work/bench_q8.txt" "$here/ddo" "${bench[@]}" \
   --transformer "$work/q8.gguf" --route none --route "$leaf" --out-json "$out/q8.json"
 cat "$work"/bench_q8.txt >> "$log" 2>/dev/null
-"#;
+"#
+);
 
 #[cfg(test)]
 mod tests {
@@ -133,7 +106,6 @@ mod tests {
 
     #[test]
     fn the_script_runs_each_part_under_timeout_in_order_and_is_valid_bash() {
-        assert!(SCRIPT.starts_with("#!/usr/bin/env bash"));
         let order = [
             "part write_q4 ",
             "part bench_bf16 ",
@@ -149,7 +121,6 @@ mod tests {
             .map(|p| SCRIPT.find(p).unwrap_or_else(|| panic!("{p}")))
             .collect();
         assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
-        assert!(SCRIPT.contains("timeout -k 10 \"$secs\" \"$@\""));
         // Both files are streamed by the same route as resident, and the trace is of the
         // streamed route.
         for f in ["q4", "q8"] {
@@ -161,19 +132,6 @@ mod tests {
             );
         }
         assert!(SCRIPT.contains("--route \"$leaf\" --timeline"));
-        // At most eight files under $OUT (what a device job brings back).
-        let outs: std::collections::BTreeSet<&str> = SCRIPT
-            .match_indices("\"$out/")
-            .map(|(i, _)| {
-                let rest = &SCRIPT[i + 6..];
-                &rest[..rest.find('"').unwrap()]
-            })
-            .collect();
-        assert!(outs.len() <= 8, "{outs:?}");
-        let checked = Command::new("bash")
-            .args(["-n", "-c", SCRIPT])
-            .status()
-            .expect("bash runs");
-        assert!(checked.success(), "the script is not valid bash");
+        crate::bench::script_checks::assert_job_script(SCRIPT);
     }
 }
