@@ -148,7 +148,10 @@ def main():
     t0 = time.time()
     server = subprocess.Popen([ddo, "serve", "--weights", folder, "--device", "cuda:0", "--vram-budget", VRAM,
                                "--listen", f"127.0.0.1:{PORT}", "--lora-dir", loras, "--queue", "16"],
-                              stdout=log, stderr=subprocess.STDOUT)
+                              stdout=log, stderr=subprocess.STDOUT,
+                              # As CI's soak: glibc's per-thread caches of freed blocks count as
+                              # in use and fill at their own pace; off, the heap is what DDO holds.
+                              env=dict(os.environ, GLIBC_TUNABLES="glibc.malloc.tcache_count=0"))
     try:
         while True:
             try:
