@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use ddo_core::rng::signed_values;
-use ddo_core::{Device, GemmShape, Tensor, ops_of};
+use ddo_core::{DType, Device, GemmShape, Tensor, ops_of};
 use serde::Serialize;
 
 use crate::error::{CliError, CliResult};
@@ -33,6 +33,10 @@ pub struct ComputeFloor {
     /// The rate of the device's own `linear` at `gemm` (the algorithm a forward's linears
     /// get), flop/s: below `flops_per_sec` where the library's search found a faster one.
     pub linear_flops_per_sec: f64,
+    /// Under `--compute fp8`: the rate of the device's `linear_fp8` at `gemm` (a bf16 input,
+    /// an E4M3 weight: the input's amax and codes and the fp8 GEMM, what each of a forward's
+    /// fp8 linears costs), flop/s; `None` otherwise.
+    pub fp8_linear_flops_per_sec: Option<f64>,
 }
 
 /// The device's rate (flop/s) for `linear` at `gemm`, and what ran at it: `x [rows, k]` and
@@ -52,12 +56,31 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'stat
         gemm.dtype,
         &signed_values(2, gemm.n * gemm.k),
     )?;
+    let linear = best_seconds_per_call(device, || ops.linear(&x, &w, None))?;
+    let mut per_call = (linear, "linear");
+    drop((x, w));
+    if let Some(s) = ops.best_gemm_seconds(&gemm, CALLS)?
+        && s > 0.0
+        && s < per_call.0
+    {
+        per_call = (s, "the GEMM library's fastest algorithm");
+    }
+    let flops = gemm.flops() as f64;
+    Ok((flops / per_call.0, per_call.1, flops / linear))
+}
+
+/// Seconds per call of `call` on `device`: a few calls to warm up, then the best of
+/// [`ROUNDS`] rounds of [`CALLS`] calls, each round timed from a synchronized device to a
+/// synchronized device.
+fn best_seconds_per_call(
+    device: &dyn Device,
+    call: impl Fn() -> ddo_core::Result<Tensor>,
+) -> CliResult<f64> {
     let run = |calls: usize| -> CliResult<f64> {
         device.synchronize()?;
         let t0 = Instant::now();
         for _ in 0..calls {
-            let y: Tensor = ops.linear(&x, &w, None)?;
-            drop(y);
+            drop(call()?);
         }
         device.synchronize()?;
         Ok(t0.elapsed().as_secs_f64())
@@ -73,27 +96,48 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'stat
             "run ddo bench with a larger --height/--width",
         ));
     }
-    let linear = best / CALLS as f64;
-    let mut per_call = (linear, "linear");
-    drop((x, w));
-    if let Some(s) = ops.best_gemm_seconds(&gemm, CALLS)?
-        && s > 0.0
-        && s < per_call.0
-    {
-        per_call = (s, "the GEMM library's fastest algorithm");
-    }
-    let flops = gemm.flops() as f64;
-    Ok((flops / per_call.0, per_call.1, flops / linear))
+    Ok(best / CALLS as f64)
+}
+
+/// The rate (flop/s) of the device's `linear_fp8` at `gemm`: `x [rows, k]` in the GEMM's
+/// dtype and `w [n, k]` E4M3 with a per-tensor scale, timed as [`gemm_rate`] times `linear`.
+pub fn fp8_linear_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
+    let ops = ops_of(device)?;
+    let x = ops.tensor_from_f32(
+        &[gemm.rows, gemm.k],
+        gemm.dtype,
+        &signed_values(1, gemm.rows * gemm.k),
+    )?;
+    // Weights spread over E4M3's range, at a scale that brings them back to about +-1.
+    let scale = 1.0 / 256.0;
+    let w = ops
+        .tensor_from_f32(
+            &[gemm.n, gemm.k],
+            DType::F8E4M3,
+            &signed_values(2, gemm.n * gemm.k)
+                .into_iter()
+                .map(|v| v * 256.0)
+                .collect::<Vec<_>>(),
+        )?
+        .with_scale(Some(scale))?;
+    let s = best_seconds_per_call(device, || ops.linear_fp8(&x, &w, None))?;
+    Ok(gemm.flops() as f64 / s)
 }
 
 /// The floor of `flops_per_forward` at the rate [`gemm_rate`] measures for `gemm` on
-/// `device`.
+/// `device`; with `fp8`, [`fp8_linear_rate`] beside it.
 pub fn measure(
     device: &dyn Device,
     flops_per_forward: u64,
     gemm: GemmShape,
+    fp8: bool,
 ) -> CliResult<ComputeFloor> {
     let (flops_per_sec, gemm_source, linear_flops_per_sec) = gemm_rate(device, gemm)?;
+    let fp8_linear_flops_per_sec = if fp8 {
+        Some(fp8_linear_rate(device, gemm)?)
+    } else {
+        None
+    };
     Ok(ComputeFloor {
         flops_per_forward,
         gemm,
@@ -101,6 +145,7 @@ pub fn measure(
         gemm_source,
         seconds: flops_per_forward as f64 / flops_per_sec,
         linear_flops_per_sec,
+        fp8_linear_flops_per_sec,
     })
 }
 
@@ -123,9 +168,15 @@ impl ComputeFloor {
         } else {
             String::new()
         };
+        let fp8 = self.fp8_linear_flops_per_sec.map_or(String::new(), |r| {
+            format!(
+                "; fp8 linear (amax, codes, GEMM) {:.1} {unit}FLOP/s there",
+                r / div
+            )
+        });
         format!(
             "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s ({}, {}x{}x{} {}, \
-             best of {ROUNDS} x {CALLS} calls in this process{own}) = {:.2} ms",
+             best of {ROUNDS} x {CALLS} calls in this process{own}{fp8}) = {:.2} ms",
             self.flops_per_forward as f64 / div,
             self.flops_per_sec / div,
             self.gemm_source,
@@ -141,7 +192,6 @@ impl ComputeFloor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ddo_core::DType;
 
     #[test]
     fn the_host_rate_is_positive_and_the_floor_is_flops_over_it() {
@@ -152,7 +202,7 @@ mod tests {
             n: 80,
             dtype: DType::F32,
         };
-        let floor = measure(&*device, 10 * gemm.flops(), gemm).unwrap();
+        let floor = measure(&*device, 10 * gemm.flops(), gemm, false).unwrap();
         assert!(floor.flops_per_sec > 0.0 && floor.flops_per_sec.is_finite());
         let want = 10.0 * gemm.flops() as f64 / floor.flops_per_sec;
         assert!((floor.seconds - want).abs() <= want * 1e-12);
@@ -184,5 +234,33 @@ mod tests {
         );
         // Nothing of the measurement is left on the device.
         assert_eq!(device.memory_info().allocated, 0);
+    }
+
+    #[test]
+    fn under_fp8_the_line_gives_the_fp8_linears_rate_beside_the_floor() {
+        let device = ddo_host::HostDevice::with_capacity(64 << 20).unwrap();
+        let gemm = GemmShape {
+            rows: 32,
+            k: 64,
+            n: 48,
+            dtype: DType::BF16,
+        };
+        let floor = measure(&*device, 4 * gemm.flops(), gemm, true).unwrap();
+        let r = floor.fp8_linear_flops_per_sec.unwrap();
+        assert!(r > 0.0 && r.is_finite(), "{r}");
+        assert!(
+            floor
+                .format_line()
+                .contains("fp8 linear (amax, codes, GEMM)"),
+            "{}",
+            floor.format_line()
+        );
+        // The floor itself stays the bf16 GEMM's.
+        let want = 4.0 * gemm.flops() as f64 / floor.flops_per_sec;
+        assert!((floor.seconds - want).abs() <= want * 1e-12);
+        assert_eq!(device.memory_info().allocated, 0);
+        let plain = measure(&*device, 4 * gemm.flops(), gemm, false).unwrap();
+        assert_eq!(plain.fp8_linear_flops_per_sec, None);
+        assert!(!plain.format_line().contains("fp8 linear"));
     }
 }

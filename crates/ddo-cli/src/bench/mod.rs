@@ -905,7 +905,14 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         .find_map(|r| Some((r.flops_per_forward?, r.largest_linear?)))
     {
         Some((flops, gemm)) if flops > 0 => {
-            match device_for(false).and_then(|d| crate::compute_floor::measure(&*d, flops, gemm)) {
+            match device_for(false).and_then(|d| {
+                crate::compute_floor::measure(
+                    &*d,
+                    flops,
+                    gemm,
+                    compute == crate::cli::values::Compute::Fp8,
+                )
+            }) {
                 Ok(floor) => {
                     for r in results.iter_mut().filter(|r| r.error.is_none()) {
                         r.ratio_to_compute_floor =
