@@ -520,7 +520,11 @@ impl Component {
             h.before_forward()?;
         }
         let mut ctx = ForwardContext::new(self, device, hooks.as_deref());
-        let out = body(&mut ctx)?;
+        let out = body(&mut ctx);
+        // What the backend kept for this forward goes, whether it succeeded or not.
+        let ended = device.ops().map_or(Ok(()), |o| o.end_forward());
+        let out = out?;
+        ended?;
         if let Some(h) = &hooks {
             h.after_forward()?;
         }

@@ -114,6 +114,15 @@ impl DeviceBuffer {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// A handle that does not keep the allocation: [`WeakDeviceBuffer::is`] says whether a
+    /// buffer is this one, alive. While it exists this buffer is never exclusive, so no op
+    /// writes over its bytes in place.
+    pub fn downgrade(&self) -> WeakDeviceBuffer {
+        WeakDeviceBuffer {
+            inner: Arc::downgrade(&self.inner),
+        }
+    }
+
     /// Whether this handle is the allocation's only one (no clone, no view, no weak
     /// reference): whoever owns it may then reuse its bytes for a new value.
     pub fn is_exclusive(&mut self) -> bool {
@@ -144,6 +153,28 @@ impl DeviceBuffer {
             offset,
             len,
         })
+    }
+}
+
+/// A [`DeviceBuffer`] that does not keep its allocation ([`DeviceBuffer::downgrade`]): what a
+/// backend keeps to know a buffer again (an activation whose derived values it still holds)
+/// without holding its memory.
+#[derive(Clone, Debug)]
+pub struct WeakDeviceBuffer {
+    inner: std::sync::Weak<dyn DeviceAllocation>,
+}
+
+impl WeakDeviceBuffer {
+    /// Whether `buffer` is the allocation this was made from, still alive. (The weak handle
+    /// keeps the allocation's record, so no new buffer can take its address while it lives.)
+    pub fn is(&self, buffer: &DeviceBuffer) -> bool {
+        self.inner.strong_count() > 0
+            && std::ptr::addr_eq(self.inner.as_ptr(), Arc::as_ptr(&buffer.inner))
+    }
+
+    /// Whether the allocation is still alive (some [`DeviceBuffer`] holds it).
+    pub fn is_alive(&self) -> bool {
+        self.inner.strong_count() > 0
     }
 }
 
@@ -610,7 +641,46 @@ pub fn lossless_status(device: &str, bits: u32) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::MemoryInfo;
+    use std::any::Any;
+    use std::sync::Arc;
+
+    use super::{DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, MemoryInfo};
+
+    #[derive(Debug)]
+    struct Bytes(usize);
+
+    impl DeviceAllocation for Bytes {
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn device(&self) -> DeviceId {
+            DeviceId {
+                kind: DeviceKind::Host,
+                ordinal: 0,
+            }
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    #[test]
+    fn a_weak_buffer_knows_its_buffer_while_it_lives_and_blocks_writes_in_place() {
+        let mut a = DeviceBuffer::new(Arc::new(Bytes(64)));
+        let b = DeviceBuffer::new(Arc::new(Bytes(64)));
+        assert!(a.is_exclusive());
+        let weak = a.downgrade();
+        assert!(weak.is(&a) && weak.is_alive());
+        assert!(!weak.is(&b));
+        assert!(weak.is(&a.clone()));
+        // While the weak handle stands, no op may reuse the bytes in place.
+        assert!(!a.is_exclusive());
+        drop(a);
+        assert!(!weak.is_alive());
+        // A buffer made after the first is gone is never taken for it.
+        let c = DeviceBuffer::new(Arc::new(Bytes(64)));
+        assert!(!weak.is(&c) && !weak.is(&b));
+    }
 
     #[test]
     fn pinned_room_counts_cached_pinned_bytes_as_room() {

@@ -724,6 +724,15 @@ impl Ops for FaultInjectingDevice {
         })
     }
 
+    /// Counted in the op table (as `end_forward`, no time) while timing is on, so tests can
+    /// see that each forward ends.
+    fn end_forward(&self) -> Result<()> {
+        if let Some(table) = self.op_times.lock().as_mut() {
+            table.entry("end_forward".to_string()).or_insert((0, 0)).0 += 1;
+        }
+        self.inner.ops().map_or(Ok(()), |o| o.end_forward())
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }

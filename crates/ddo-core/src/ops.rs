@@ -334,6 +334,14 @@ pub trait Ops: Send + Sync {
         crate::fp8_compute::linear_fp8_reference(self, x, w, bias)
     }
 
+    /// The end of one forward of a component ([`crate::Component::run`] calls it, after
+    /// the body, whether it succeeded or not): a backend drops what it kept for the rest of
+    /// the forward (the fp8 codes of an activation that several linears read). The default
+    /// keeps nothing and does nothing.
+    fn end_forward(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// `gelu_tanh(linear_fp8(x, w, bias))`, so a backend can apply the activation in the fp8
     /// GEMM's epilogue. The default is exactly [`Ops::linear_fp8`] then [`Ops::unary_owned`]
     /// `GeluTanh`.

@@ -758,6 +758,11 @@ impl Ops for ProfiledOps {
         )
     }
 
+    /// Not an op of the forward: passed on untimed.
+    fn end_forward(&self) -> Result<()> {
+        self.device()?.end_forward()
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         self.device().is_ok_and(|d| d.fp8_tensor_cores())
     }

@@ -7,7 +7,8 @@
 // state (u32[16], 64 bytes, zeroed before ddo_fp8_amax): [0] the amax's bits (non-negative
 // floats order as their bits), [1] 1 when a value is NaN or infinite, [4] 1 / scale as a float
 // (the GEMM's B scale, written by ddo_fp8_quantize), [8] the weight's scale as a float (the
-// GEMM's A scale where it is read on the device, written by ddo_fp8_quantize). The two scales
+// GEMM's A scale where it is read on the device, written by ddo_fp8_weight_scale before each
+// GEMM: one activation's codes serve several weights). The two scales
 // sit 16 bytes apart, on 16-byte boundaries: cuBLASLt 13.1 refuses an E4M3 matmul
 // (CUBLAS_STATUS_NOT_SUPPORTED) whose scale pointers are only 4- or 8-byte aligned.
 
@@ -91,18 +92,17 @@ __device__ __forceinline__ u32 quantize_one(float v, float scale) {
     return float_to_e4m3(s);
 }
 
-// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale, state[8] = w_scale. With a
+// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale. With a
 // non-finite value in x the scale is NaN: every code is NaN and so is the product (the step's
 // finite check stops the run). 16-bit elements go 8 at a time (a 16-byte load, an 8-byte
 // store: q is allocated on a 256-byte boundary), each to the code the element loop gives it.
 extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32* state,
-                                            unsigned char* q, float w_scale) {
+                                            unsigned char* q) {
     float amax = __uint_as_float(state[0]);
     float scale = 448.0f / fmaxf(amax, 1e-12f);
     if (state[1] != 0u) scale = __int_as_float(0x7fc00000);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         state[4] = __float_as_uint(1.0f / scale);
-        state[8] = __float_as_uint(w_scale);
     }
     const i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -118,4 +118,9 @@ extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32
     for (i64 i = vend + tid; i < n; i += stride) {
         q[i] = (unsigned char)quantize_one(load_as_float(x, i, dtype), scale);
     }
+}
+
+// state[8] = w_scale: the weight's scale where the next GEMM reads it. One thread.
+extern "C" __global__ void ddo_fp8_weight_scale(u32* state, float w_scale) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) state[8] = __float_as_uint(w_scale);
 }

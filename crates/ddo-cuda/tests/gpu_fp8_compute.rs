@@ -124,6 +124,69 @@ fn the_fp8_gemm_is_close_to_the_reference_and_other_shapes_are_the_reference() {
     }
 }
 
+/// One activation read by several fp8 linears (Flux's q, k and v) is quantized once: each
+/// product is the one a copy of the activation gives (the same bytes), through weights of
+/// different scales; a new activation of other values is not taken for the kept one; and
+/// after the forward's end nothing of them is left on the device.
+#[test]
+fn one_activation_read_by_several_fp8_linears_gives_what_a_copy_of_it_gives() {
+    let Some(gpu) = common::open_gpu(false) else {
+        return;
+    };
+    let d: &dyn Device = &*gpu;
+    let ops = ops_of(d).unwrap();
+    let on = |shape: &[usize], dtype: DType, v: &[f32]| {
+        Tensor::from_f32(shape.to_vec(), dtype, v)
+            .unwrap()
+            .to_device(d, &d.compute_stream())
+            .unwrap()
+    };
+    let (rows, k, n) = (64, 128, 96);
+    d.synchronize().unwrap();
+    let before = d.memory_info().allocated;
+    {
+        let x = on(&[rows, k], DType::BF16, &values(rows * k, 3.0, 1));
+        let ws: Vec<Tensor> = [0.0078125f32, 0.03125, 0.001953125]
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                on(&[n, k], DType::F8E4M3, &values(n * k, 200.0, 10 + i as u64))
+                    .with_scale(Some(s))
+                    .unwrap()
+            })
+            .collect();
+        let shared: Vec<Vec<f32>> = ws
+            .iter()
+            .map(|w| {
+                ops.to_f32_vec(&ops.linear_fp8(&x, w, None).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        for (w, got) in ws.iter().zip(&shared) {
+            let copy = on(&[rows, k], DType::BF16, &values(rows * k, 3.0, 1));
+            let alone = ops
+                .to_f32_vec(&ops.linear_fp8(&copy, w, None).unwrap())
+                .unwrap();
+            assert_eq!(got, &alone);
+        }
+        // Another activation right after: its own codes, not the kept ones.
+        let other = on(&[rows, k], DType::BF16, &values(rows * k, 0.5, 7));
+        let a = ops
+            .to_f32_vec(&ops.linear_fp8(&other, &ws[0], None).unwrap())
+            .unwrap();
+        let other_copy = on(&[rows, k], DType::BF16, &values(rows * k, 0.5, 7));
+        ops.end_forward().unwrap();
+        let b = ops
+            .to_f32_vec(&ops.linear_fp8(&other_copy, &ws[0], None).unwrap())
+            .unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, shared[0]);
+        ops.end_forward().unwrap();
+    }
+    d.synchronize().unwrap();
+    assert_eq!(d.memory_info().allocated, before);
+}
+
 #[test]
 fn the_gemm_search_times_cublaslt_for_16_bit_shapes_only() {
     let Some(gpu) = common::open_gpu(false) else {

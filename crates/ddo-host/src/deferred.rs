@@ -736,6 +736,10 @@ impl Ops for DeferredComputeDevice {
         self.op(move |o| o.linear_fp8_gelu_tanh(&x, &w, b.as_ref()))
     }
 
+    fn end_forward(&self) -> Result<()> {
+        self.inner.ops().map_or(Ok(()), |o| o.end_forward())
+    }
+
     fn fp8_tensor_cores(&self) -> bool {
         self.inner.ops().is_some_and(|o| o.fp8_tensor_cores())
     }

@@ -182,3 +182,34 @@ fn a_panic_action_panics_and_zero_never_fires() {
     f.disarm();
     f.alloc(1).unwrap();
 }
+
+/// `Component::run` ends each forward on the backend (`Ops::end_forward`: what it kept for
+/// the forward goes), after a forward that failed as after one that did not.
+#[test]
+fn each_forward_of_a_component_ends_on_the_backend_even_when_it_fails() {
+    use ddo_core::reference::{self, ReferenceSpec};
+    let d = HostDevice::with_capacity(64 << 20).unwrap();
+    let f = FaultInjectingDevice::new(d.clone());
+    let spec = ReferenceSpec::small("c", 2, 8, DType::F32);
+    let c = reference::build_on_ops(&spec).unwrap();
+    c.to_device(&*f, &f.compute_stream()).unwrap();
+    let ends = |f: &FaultInjectingDevice| {
+        f.op_times()
+            .iter()
+            .find(|(n, ..)| n == "end_forward")
+            .map_or(0, |e| e.1)
+    };
+    f.time_ops(true);
+    for _ in 0..2 {
+        c.forward(&*f, reference::input(&spec, 1, 0).unwrap())
+            .unwrap();
+    }
+    assert_eq!(ends(&f), 2);
+    f.arm(FaultKind::Op, 1, FaultAction::Error);
+    assert!(
+        c.forward(&*f, reference::input(&spec, 1, 0).unwrap())
+            .is_err()
+    );
+    assert_eq!(f.fired(), 1);
+    assert_eq!(ends(&f), 3);
+}

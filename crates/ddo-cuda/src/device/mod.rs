@@ -93,6 +93,9 @@ pub struct CudaDevice {
     cublaslt: std::sync::atomic::AtomicBool,
     /// Linears cuBLASLt ran.
     cublaslt_runs: AtomicU64,
+    /// The E4M3 codes of the activation the last fp8 linear read, for the next ones that
+    /// read it, until the forward ends (`ops/fp8.rs`).
+    pub(crate) fp8_codes: Mutex<Option<crate::ops::fp8::Codes>>,
 }
 
 impl CudaDevice {
@@ -227,6 +230,7 @@ impl CudaDevice {
             cudnn_attention_runs: AtomicU64::new(0),
             cublaslt: std::sync::atomic::AtomicBool::new(true),
             cublaslt_runs: AtomicU64::new(0),
+            fp8_codes: Mutex::new(None),
         });
         if config.native_vmm {
             device.install_native_vmm()?;

@@ -27,7 +27,7 @@
 
 use ddo_core::fp8_compute::{linear_fp8_reference, takes_weight};
 use ddo_core::rng::signed_values;
-use ddo_core::{DType, Device, DeviceBuffer, Result, Tensor};
+use ddo_core::{DType, Device, DeviceBuffer, Result, Tensor, TensorStorage, WeakDeviceBuffer};
 
 use super::cublaslt::{Epilogue, Fp8Form, Fp8Operands, LtLinear};
 use super::kernels::{Arg, grid_1d, launch};
@@ -282,6 +282,93 @@ impl Scratch {
     }
 }
 
+/// An activation's E4M3 codes and the state holding their scale (`kernels/fp8_compute.cu`),
+/// kept after the fp8 linear that made them for the next ones that read the same activation
+/// (Flux's q, k and v projections, and a single block's MLP input, read one normed input), so
+/// it is read and quantized once. It knows the activation by a weak handle to its buffer, so
+/// it neither keeps the activation's memory nor lets an op write over it in place while it
+/// stands; it goes when another activation is quantized, and at the end of the forward
+/// ([`forget_codes`]).
+pub(crate) struct Codes {
+    /// The activation's buffer; `None` for a host activation (never matched again: dropped
+    /// after its one GEMM, `native`).
+    of: Option<WeakDeviceBuffer>,
+    offset: usize,
+    len: usize,
+    dtype: DType,
+    numel: usize,
+    codes: Scratch,
+    state: Scratch,
+}
+
+impl Codes {
+    /// Quantizes `x` (its device input `xi`): the state zeroed, the amax, then the codes and
+    /// their scale.
+    fn of(dev: &CudaDevice, x: &Tensor, xi: &super::In<'_>) -> Result<Self> {
+        // The kernels' state: the scales on 16-byte boundaries.
+        let state = Scratch::new(dev, STATE_BYTES)?;
+        let codes = Scratch::new(dev, x.numel())?;
+        super::gemm::zero(dev, state.ptr, STATE_BYTES)?;
+        let n = x.numel() as i64;
+        for name in ["ddo_fp8_amax", "ddo_fp8_quantize"] {
+            let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
+            let mut args = vec![
+                Arg::Ptr(xi.ptr),
+                Arg::I32(xi.code),
+                Arg::I64(n),
+                Arg::Ptr(state.ptr),
+            ];
+            if name == "ddo_fp8_quantize" {
+                args.push(Arg::Ptr(codes.ptr));
+            }
+            launch(dev, &f, grid(n), &args)?;
+        }
+        // The device input was read by the kernels just queued.
+        super::mark_used(dev, &[xi])?;
+        let (of, offset, len) = match x.storage() {
+            TensorStorage::Device(s) => (Some(s.buffer().downgrade()), s.offset(), s.len()),
+            TensorStorage::Host(_) => (None, 0, 0),
+        };
+        Ok(Self {
+            of,
+            offset,
+            len,
+            dtype: x.dtype(),
+            numel: x.numel(),
+            codes,
+            state,
+        })
+    }
+
+    /// Whether these are `x`'s codes: the same live buffer, bytes, dtype and element count.
+    fn reads(&self, x: &Tensor) -> bool {
+        match x.storage() {
+            TensorStorage::Device(s) => {
+                self.of.as_ref().is_some_and(|w| w.is(s.buffer()))
+                    && s.offset() == self.offset
+                    && s.len() == self.len
+                    && x.dtype() == self.dtype
+                    && x.numel() == self.numel
+            }
+            TensorStorage::Host(_) => false,
+        }
+    }
+
+    /// Lets both buffers go after the work queued so far on the compute stream.
+    fn release(self, dev: &CudaDevice) -> Result<()> {
+        self.codes.release(dev)?;
+        self.state.release(dev)
+    }
+}
+
+/// [`ddo_core::Ops::end_forward`] on `dev`: the kept codes go.
+pub(crate) fn forget_codes(dev: &CudaDevice) -> Result<()> {
+    match dev.fp8_codes.lock().take() {
+        Some(c) => c.release(dev),
+        None => Ok(()),
+    }
+}
+
 /// `Ops::linear_fp8` on `dev` (module docs).
 pub(crate) fn linear_fp8(
     dev: &CudaDevice,
@@ -346,25 +433,27 @@ fn native(
     let wi = stored_input(dev, w)?;
     let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
     let w_scale = w.scale().unwrap_or(1.0);
-    // The kernels' state (`kernels/fp8_compute.cu`): the scales on 16-byte boundaries.
-    let state = Scratch::new(dev, STATE_BYTES)?;
-    let codes = Scratch::new(dev, x.numel())?;
-    super::gemm::zero(dev, state.ptr, STATE_BYTES)?;
-    let n = x.numel() as i64;
-    for name in ["ddo_fp8_amax", "ddo_fp8_quantize"] {
-        let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
-        let mut args = vec![
-            Arg::Ptr(xi.ptr),
-            Arg::I32(xi.code),
-            Arg::I64(n),
-            Arg::Ptr(state.ptr),
-        ];
-        if name == "ddo_fp8_quantize" {
-            args.push(Arg::Ptr(codes.ptr));
-            args.push(Arg::F32(w_scale));
+    // Held from the weight's scale written into the state to the GEMM queued after it: one
+    // caller's scale at a time.
+    let mut kept = dev.fp8_codes.lock();
+    let made: &Codes = match &mut *kept {
+        Some(c) if c.reads(x) => c,
+        slot => {
+            if let Some(old) = slot.take() {
+                old.release(dev)?;
+            }
+            slot.insert(Codes::of(dev, x, &xi)?)
         }
-        launch(dev, &f, grid(n), &args)?;
-    }
+    };
+    let (codes_ptr, state_ptr) = (made.codes.ptr, made.state.ptr);
+    // The weight's scale where the GEMM reads it (the codes' scale stays with them).
+    let f = dev.kernel(SOURCE_NAME, SOURCE, "ddo_fp8_weight_scale")?;
+    launch(
+        dev,
+        &f,
+        grid_1d(1, 1),
+        &[Arg::Ptr(state_ptr), Arg::F32(w_scale)],
+    )?;
     let mut shape = xs.to_vec();
     let last = shape.len() - 1;
     shape[last] = out_f;
@@ -381,7 +470,7 @@ fn native(
         n: rows,
         k: in_f,
         w: wi.ptr,
-        x: codes.ptr,
+        x: codes_ptr,
         out: out.ptr,
         bias: if fused_bias {
             bi.as_ref().map_or(0, |b| b.ptr)
@@ -392,8 +481,8 @@ fn native(
         epilogue: Epilogue::new(fused_bias, gelu && (fused_bias || bi.is_none())),
         accumulate: false,
         fp8: Some(Fp8Operands {
-            b_scale: state.ptr + B_SCALE_AT,
-            a_scale: state.ptr + A_SCALE_AT,
+            b_scale: state_ptr + B_SCALE_AT,
+            a_scale: state_ptr + A_SCALE_AT,
             form: form.gemm,
             c: c.as_ref().map_or(0, |c| c.ptr),
         }),
@@ -409,8 +498,13 @@ fn native(
     if let Some(b) = &bi {
         inputs.push(b);
     }
-    codes.release(dev)?;
-    state.release(dev)?;
+    // An activation that is not a device buffer has no handle to know it again by.
+    if !matches!(x.storage(), TensorStorage::Device(_))
+        && let Some(made) = kept.take()
+    {
+        made.release(dev)?;
+    }
+    drop(kept);
     if let Some(c) = c {
         c.release(dev)?;
     }

@@ -311,6 +311,10 @@ impl Ops for CudaDevice {
         fp8::tensor_cores(self)
     }
 
+    fn end_forward(&self) -> Result<()> {
+        fp8::forget_codes(self)
+    }
+
     fn fp8_reference_reason(&self) -> String {
         fp8::reference_reason(self).unwrap_or_else(|| {
             format!(
