@@ -713,6 +713,21 @@ impl Ops for FaultInjectingDevice {
         })
     }
 
+    fn linear_fp8_concat(
+        &self,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.op("linear_fp8", |o| {
+            let r = o.linear_fp8_concat(xs, w, bias);
+            match xs {
+                [x, ..] => self.fp8_result(r, x, w),
+                [] => r,
+            }
+        })
+    }
+
     fn linear_fp8_gelu_tanh(
         &self,
         x: &Tensor,

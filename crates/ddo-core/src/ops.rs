@@ -334,6 +334,25 @@ pub trait Ops: Send + Sync {
         crate::fp8_compute::linear_fp8_reference(self, x, w, bias)
     }
 
+    /// [`Ops::linear_fp8`] of `xs` side by side on the last dim (Flux's single blocks feed
+    /// `proj_out` the attention output and the MLP activation): one activation, one scale.
+    /// The default concatenates them ([`Ops::concat`]) and calls [`Ops::linear_fp8`]; a
+    /// backend may write the parts' codes side by side instead, with the same values.
+    fn linear_fp8_concat(
+        &self,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        match xs {
+            [x] => self.linear_fp8(x, w, bias),
+            _ => {
+                let last = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
+                self.linear_fp8(&self.concat(xs, last)?, w, bias)
+            }
+        }
+    }
+
     /// The end of one forward of a component ([`crate::Component::run`] calls it, after
     /// the body, whether it succeeded or not): a backend drops what it kept for the rest of
     /// the forward (the fp8 codes of an activation that several linears read). The default

@@ -741,6 +741,25 @@ impl Ops for ProfiledOps {
         )
     }
 
+    /// [`Ops::linear_fp8`]'s class, with the linear's flops.
+    fn linear_fp8_concat(
+        &self,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        if let Some(x) = xs.first() {
+            self.profiler.note_linear(x, w);
+        }
+        self.op(
+            "linear_fp8",
+            None,
+            || tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat()),
+            &|_| linear_flops(xs, w),
+            |d| d.linear_fp8_concat(xs, w, bias),
+        )
+    }
+
     /// A class of its own, with the linear's flops (the activation's are not counted).
     fn linear_fp8_gelu_tanh(
         &self,

@@ -92,12 +92,15 @@ __device__ __forceinline__ u32 quantize_one(float v, float scale) {
     return float_to_e4m3(s);
 }
 
-// q[i] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale. With a
-// non-finite value in x the scale is NaN: every code is NaN and so is the product (the step's
-// finite check stops the run). 16-bit elements go 8 at a time (a 16-byte load, an 8-byte
-// store: q is allocated on a 256-byte boundary), each to the code the element loop gives it.
+// q[dst(i)] = e4m3(clamp(x[i] * scale, -448, 448)); state[4] = 1 / scale. x is a part of
+// `cols` columns of an activation `ld` columns wide, at column `off` (the whole activation:
+// cols = ld, off = 0): dst(i) = (i / cols) * ld + off + i % cols. With a non-finite value in
+// x the scale is NaN: every code is NaN and so is the product (the step's finite check stops
+// the run). 16-bit elements go 8 at a time where cols, ld and off are multiples of 8 (a
+// 16-byte load, an 8-byte store: q is allocated on a 256-byte boundary), each to the code the
+// element loop gives it.
 extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32* state,
-                                            unsigned char* q) {
+                                            unsigned char* q, i64 cols, i64 ld, i64 off) {
     float amax = __uint_as_float(state[0]);
     float scale = 448.0f / fmaxf(amax, 1e-12f);
     if (state[1] != 0u) scale = __int_as_float(0x7fc00000);
@@ -106,17 +109,20 @@ extern "C" __global__ void ddo_fp8_quantize(const void* x, int dtype, i64 n, u32
     }
     const i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     const i64 stride = (i64)gridDim.x * blockDim.x;
-    const i64 vend = vector_end(x, dtype, n);
+    const bool in_eights = cols % 8 == 0 && ld % 8 == 0 && off % 8 == 0;
+    const i64 vend = in_eights ? vector_end(x, dtype, n) : 0;
     for (i64 j = tid; j < vend / 8; j += stride) {
         float v[8];
         load8(x, j, dtype, v);
         u32 packed[2] = {0u, 0u};
 #pragma unroll
         for (int k = 0; k < 8; k++) packed[k / 4] |= quantize_one(v[k], scale) << (8 * (k % 4));
-        ((uint2*)q)[j] = make_uint2(packed[0], packed[1]);
+        const i64 i = j * 8;
+        ((uint2*)q)[((i / cols) * ld + off + i % cols) / 8] = make_uint2(packed[0], packed[1]);
     }
     for (i64 i = vend + tid; i < n; i += stride) {
-        q[i] = (unsigned char)quantize_one(load_as_float(x, i, dtype), scale);
+        q[(i / cols) * ld + off + i % cols] =
+            (unsigned char)quantize_one(load_as_float(x, i, dtype), scale);
     }
 }
 

@@ -187,6 +187,46 @@ fn one_activation_read_by_several_fp8_linears_gives_what_a_copy_of_it_gives() {
     assert_eq!(d.memory_info().allocated, before);
 }
 
+/// Parts side by side (Flux's `proj_out` input): the codes written at each part's columns
+/// give the bytes of the fp8 linear of their concatenation, for widths in eights and not.
+#[test]
+fn an_fp8_linear_of_parts_gives_the_bytes_of_the_linear_of_their_concatenation() {
+    let Some(gpu) = common::open_gpu(false) else {
+        return;
+    };
+    let d: &dyn Device = &*gpu;
+    let ops = ops_of(d).unwrap();
+    let on = |shape: &[usize], dtype: DType, v: &[f32]| {
+        Tensor::from_f32(shape.to_vec(), dtype, v)
+            .unwrap()
+            .to_device(d, &d.compute_stream())
+            .unwrap()
+    };
+    for (k1, k2) in [(96, 160), (36, 28)] {
+        let (rows, n) = (48, 80);
+        let a = on(&[2, rows, k1], DType::BF16, &values(2 * rows * k1, 3.0, 4));
+        let b = on(&[2, rows, k2], DType::BF16, &values(2 * rows * k2, 40.0, 5));
+        let w = on(
+            &[n, k1 + k2],
+            DType::F8E4M3,
+            &values(n * (k1 + k2), 200.0, 6),
+        )
+        .with_scale(Some(0.0078125))
+        .unwrap();
+        let bias = on(&[n], DType::BF16, &values(n, 1.0, 7));
+        let parts = ops.linear_fp8_concat(&[&a, &b], &w, Some(&bias)).unwrap();
+        assert_eq!(parts.shape(), [2, rows, n]);
+        let joined = ops.concat(&[&a, &b], 2).unwrap();
+        let whole = ops.linear_fp8(&joined, &w, Some(&bias)).unwrap();
+        assert_eq!(
+            ops.to_f32_vec(&parts).unwrap(),
+            ops.to_f32_vec(&whole).unwrap(),
+            "widths {k1} + {k2}"
+        );
+        ops.end_forward().unwrap();
+    }
+}
+
 #[test]
 fn the_gemm_search_times_cublaslt_for_16_bit_shapes_only() {
     let Some(gpu) = common::open_gpu(false) else {

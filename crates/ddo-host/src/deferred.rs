@@ -726,6 +726,20 @@ impl Ops for DeferredComputeDevice {
         self.op(move |o| o.linear_fp8(&x, &w, b.as_ref()))
     }
 
+    fn linear_fp8_concat(
+        &self,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (xs, w, b) = (
+            xs.iter().map(|x| (*x).clone()).collect::<Vec<_>>(),
+            w.clone(),
+            bias.cloned(),
+        );
+        self.op(move |o| o.linear_fp8_concat(&xs.iter().collect::<Vec<_>>(), &w, b.as_ref()))
+    }
+
     fn linear_fp8_gelu_tanh(
         &self,
         x: &Tensor,

@@ -60,15 +60,16 @@ impl<'c> Fp8<'c> {
         self.on && ddo_core::fp8_compute::takes_weight(weight)
     }
 
-    /// The fp8 product of leaf `w`'s E4M3 `weight` ([`Ops::linear_fp8`]; with `gelu`,
+    /// The fp8 product of leaf `w`'s E4M3 `weight` and `xs` side by side on the last dim
+    /// ([`Ops::linear_fp8`] of one input, [`Ops::linear_fp8_concat`] of several; with `gelu`,
     /// [`Ops::linear_fp8_gelu_tanh`]), a non-finite input named by its layer
     /// (`component.leaf`): found by the op (the host reference reads every input), or, with
-    /// the checks at the call on, by a count of `x`'s NaN and Inf values read first.
+    /// the checks at the call on, by a count of each input's NaN and Inf values read first.
     fn linear(
         &self,
         ops: &dyn Ops,
         w: &LeafWeights<'_>,
-        x: &Tensor,
+        xs: &[&Tensor],
         weight: &Tensor,
         bias: Option<&Tensor>,
         gelu: bool,
@@ -76,13 +77,20 @@ impl<'c> Fp8<'c> {
         let named = || CoreError::NonFiniteActivation {
             layer: format!("{}.{}", self.component, w.leaf().path()),
         };
-        if self.checks && ops.count_non_finite(x)? > 0 {
-            return Err(named());
+        if self.checks {
+            for x in xs {
+                if ops.count_non_finite(x)? > 0 {
+                    return Err(named());
+                }
+            }
         }
-        let y = if gelu {
-            ops.linear_fp8_gelu_tanh(x, weight, bias)
-        } else {
-            ops.linear_fp8(x, weight, bias)
+        let y = match (xs, gelu) {
+            ([x], true) => ops.linear_fp8_gelu_tanh(x, weight, bias),
+            ([x], false) => ops.linear_fp8(x, weight, bias),
+            (_, false) => ops.linear_fp8_concat(xs, weight, bias),
+            (_, true) => ops
+                .linear_fp8_concat(xs, weight, bias)
+                .and_then(|y| ops.unary_owned(y, UnaryOp::GeluTanh)),
         };
         y.map_err(|e| match e {
             CoreError::NonFiniteActivation { layer } if layer.is_empty() => named(),
@@ -136,7 +144,7 @@ impl Linear {
             let b = if bias { Some(w.get("bias")?) } else { None };
             let weight = weight(ops, w, x.dtype())?;
             if fp8.runs(&weight) {
-                let y = fp8.linear(ops, w, x, &weight, b, false)?;
+                let y = fp8.linear(ops, w, &[x], &weight, b, false)?;
                 return add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()));
             }
             match adapter_sum(ops, &[x], w.adapters(), Some(w.down_cache()))? {
@@ -160,9 +168,9 @@ impl Linear {
             if fp8.runs(&weight) {
                 if w.adapters().is_empty() {
                     // The activation in the fp8 GEMM's epilogue where the backend has one.
-                    return fp8.linear(ops, w, x, &weight, b, true);
+                    return fp8.linear(ops, w, &[x], &weight, b, true);
                 }
-                let y = fp8.linear(ops, w, x, &weight, b, false)?;
+                let y = fp8.linear(ops, w, &[x], &weight, b, false)?;
                 // The adapters go in before the activation.
                 let y = add_adapters(ops, &[x], y, w.adapters(), Some(w.down_cache()))?;
                 return ops.unary_owned(y, UnaryOp::GeluTanh);
@@ -187,12 +195,8 @@ impl Linear {
             let dtype = xs.first().map_or(DType::BF16, |x| x.dtype());
             let weight = weight(ops, w, dtype)?;
             let y = if fp8.runs(&weight) {
-                // One activation, one scale: the parts side by side first.
-                let x = ops.concat(
-                    xs,
-                    xs.first().map_or(0, |x| x.shape().len().saturating_sub(1)),
-                )?;
-                fp8.linear(ops, w, &x, &weight, b, false)?
+                // One activation, one scale, the parts side by side.
+                fp8.linear(ops, w, xs, &weight, b, false)?
             } else {
                 ops.linear_concat(xs, &weight, b)?
             };

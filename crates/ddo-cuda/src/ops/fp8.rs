@@ -219,7 +219,7 @@ fn self_check(dev: &CudaDevice, form: Path) -> std::result::Result<(), String> {
         let x = on(&[rows, k], DType::BF16, &xv)?;
         let w = on(&[n, k], DType::F8E4M3, &wv)?.with_scale(Some(scale))?;
         let b = on(&[n], DType::BF16, &bv)?;
-        native(dev, &x, &w, Some(&b), false, form)?
+        native(dev, &[&x], &w, Some(&b), false, form)?
             .map(|y| ddo_core::Ops::to_f32_vec(dev, &y))
             .transpose()
     };
@@ -302,39 +302,66 @@ pub(crate) struct Codes {
 }
 
 impl Codes {
-    /// Quantizes `x` (its device input `xi`): the state zeroed, the amax, then the codes and
-    /// their scale.
-    fn of(dev: &CudaDevice, x: &Tensor, xi: &super::In<'_>) -> Result<Self> {
+    /// Quantizes `parts` side by side on the last dim (their device inputs `xis`; `width`
+    /// the sum of their widths): the state zeroed, the amax of every part into it, then
+    /// each part's codes at its columns, and their scale. Only a single part is known again
+    /// ([`Codes::reads`]).
+    fn of(
+        dev: &CudaDevice,
+        parts: &[&Tensor],
+        xis: &[super::In<'_>],
+        width: usize,
+    ) -> Result<Self> {
         // The kernels' state: the scales on 16-byte boundaries.
         let state = Scratch::new(dev, STATE_BYTES)?;
-        let codes = Scratch::new(dev, x.numel())?;
+        let numel: usize = parts.iter().map(|p| p.numel()).sum();
+        let codes = Scratch::new(dev, numel)?;
         super::gemm::zero(dev, state.ptr, STATE_BYTES)?;
-        let n = x.numel() as i64;
-        for name in ["ddo_fp8_amax", "ddo_fp8_quantize"] {
-            let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
-            let mut args = vec![
+        let amax = dev.kernel(SOURCE_NAME, SOURCE, "ddo_fp8_amax")?;
+        let quantize = dev.kernel(SOURCE_NAME, SOURCE, "ddo_fp8_quantize")?;
+        for xi in xis {
+            let n = xi.numel as i64;
+            let args = [
                 Arg::Ptr(xi.ptr),
                 Arg::I32(xi.code),
                 Arg::I64(n),
                 Arg::Ptr(state.ptr),
             ];
-            if name == "ddo_fp8_quantize" {
-                args.push(Arg::Ptr(codes.ptr));
-            }
-            launch(dev, &f, grid(n), &args)?;
+            launch(dev, &amax, grid(n), &args)?;
         }
-        // The device input was read by the kernels just queued.
-        super::mark_used(dev, &[xi])?;
-        let (of, offset, len) = match x.storage() {
-            TensorStorage::Device(s) => (Some(s.buffer().downgrade()), s.offset(), s.len()),
-            TensorStorage::Host(_) => (None, 0, 0),
+        // Every amax is in before the first code is written.
+        let mut at = 0usize;
+        for (p, xi) in parts.iter().zip(xis) {
+            let n = xi.numel as i64;
+            let cols = p.shape().last().copied().unwrap_or(0);
+            let args = [
+                Arg::Ptr(xi.ptr),
+                Arg::I32(xi.code),
+                Arg::I64(n),
+                Arg::Ptr(state.ptr),
+                Arg::Ptr(codes.ptr),
+                Arg::I64(cols as i64),
+                Arg::I64(width as i64),
+                Arg::I64(at as i64),
+            ];
+            launch(dev, &quantize, grid(n), &args)?;
+            at += cols;
+        }
+        // The device inputs were read by the kernels just queued.
+        super::mark_used(dev, &xis.iter().collect::<Vec<_>>())?;
+        let (of, offset, len) = match (parts, parts.first().map(|p| p.storage())) {
+            ([_], Some(TensorStorage::Device(s))) => {
+                (Some(s.buffer().downgrade()), s.offset(), s.len())
+            }
+            _ => (None, 0, 0),
         };
+        let x = parts.first().copied();
         Ok(Self {
             of,
             offset,
             len,
-            dtype: x.dtype(),
-            numel: x.numel(),
+            dtype: x.map_or(DType::BF16, |x| x.dtype()),
+            numel,
             codes,
             state,
         })
@@ -377,11 +404,35 @@ pub(crate) fn linear_fp8(
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     if let Some(form) = with_path(dev, |p| p.ok().copied())
-        && let Some(y) = native(dev, x, w, bias, false, form)?
+        && let Some(y) = native(dev, &[x], w, bias, false, form)?
     {
         return Ok(y);
     }
     linear_fp8_reference(dev, x, w, bias)
+}
+
+/// `Ops::linear_fp8_concat` on `dev`: the parts' codes written side by side (no
+/// concatenation of the activation) where the tensor-core path takes them, else the
+/// concatenation and [`linear_fp8`].
+pub(crate) fn linear_fp8_concat(
+    dev: &CudaDevice,
+    xs: &[&Tensor],
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    if let Some(form) = with_path(dev, |p| p.ok().copied())
+        && let Some(y) = native(dev, xs, w, bias, false, form)?
+    {
+        return Ok(y);
+    }
+    match xs {
+        [x] => linear_fp8(dev, x, w, bias),
+        _ => {
+            let last = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
+            let x = ddo_core::Ops::concat(dev, xs, last)?;
+            linear_fp8(dev, &x, w, bias)
+        }
+    }
 }
 
 /// `Ops::linear_fp8_gelu_tanh` on `dev`: the GELU in cuBLASLt's epilogue where the fp8 GEMM
@@ -393,7 +444,7 @@ pub(crate) fn linear_fp8_gelu_tanh(
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     if let Some(form) = with_path(dev, |p| p.ok().copied())
-        && let Some(y) = native(dev, x, w, bias, true, form)?
+        && let Some(y) = native(dev, &[x], w, bias, true, form)?
     {
         return Ok(y);
     }
@@ -407,42 +458,63 @@ pub(crate) fn linear_fp8_gelu_tanh(
 /// the bias (then the GELU) after the GEMM.
 fn native(
     dev: &CudaDevice,
-    x: &Tensor,
+    parts: &[&Tensor],
     w: &Tensor,
     bias: Option<&Tensor>,
     gelu: bool,
     form: Path,
 ) -> Result<Option<Tensor>> {
     const OP: &str = "linear_fp8";
-    let (xs, ws) = (x.shape(), w.shape());
+    let Some(&x) = parts.first() else {
+        return Ok(None);
+    };
+    let ws = w.shape();
+    let (Some(&out_f), Some(&in_f)) = (ws.first(), ws.get(1)) else {
+        return Ok(None);
+    };
+    // Parts side by side on the last dim: one dtype, the same rows, widths summing to the
+    // weight's (the kernel writes each part's codes at its columns; 8 at a time where the
+    // widths are multiples of 8).
+    let lead = &x.shape()[..x.shape().len().saturating_sub(1)];
+    let widths: Vec<usize> = parts
+        .iter()
+        .map(|p| p.shape().last().copied().unwrap_or(0))
+        .collect();
     let fits = takes_weight(w)
         && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && xs.last() == ws.get(1)
-        && bias.is_none_or(|b| b.dtype() == x.dtype() && b.shape() == [ws[0]]);
+        && parts.iter().all(|p| {
+            p.dtype() == x.dtype()
+                && !p.shape().is_empty()
+                && &p.shape()[..p.shape().len() - 1] == lead
+        })
+        && widths.iter().sum::<usize>() == in_f
+        && bias.is_none_or(|b| b.dtype() == x.dtype() && b.shape() == [out_f]);
     if !fits {
         return Ok(None);
     }
-    let (out_f, in_f) = (ws[0], ws[1]);
-    let rows = x.numel() / in_f.max(1);
+    let rows = x.numel() / widths[0].max(1);
     // cuBLASLt's fp8 GEMMs want leading dimensions (k for both operands, m for the output)
     // that are multiples of 16.
     if rows == 0 || out_f == 0 || in_f == 0 || in_f % 16 != 0 || out_f % 16 != 0 {
         return Ok(None);
     }
-    let xi = input(dev, OP, x)?;
+    let xis = parts
+        .iter()
+        .map(|p| input(dev, OP, p))
+        .collect::<Result<Vec<_>>>()?;
     let wi = stored_input(dev, w)?;
     let bi = optional_vector(dev, OP, "bias", bias, out_f)?;
     let w_scale = w.scale().unwrap_or(1.0);
     // Held from the weight's scale written into the state to the GEMM queued after it: one
     // caller's scale at a time.
     let mut kept = dev.fp8_codes.lock();
-    let made: &Codes = match &mut *kept {
-        Some(c) if c.reads(x) => c,
-        slot => {
+    let made: &Codes = match (&mut *kept, parts) {
+        (Some(c), [x]) if c.reads(x) => c,
+        (slot, _) => {
             if let Some(old) = slot.take() {
                 old.release(dev)?;
             }
-            slot.insert(Codes::of(dev, x, &xi)?)
+            slot.insert(Codes::of(dev, parts, &xis, in_f)?)
         }
     };
     let (codes_ptr, state_ptr) = (made.codes.ptr, made.state.ptr);
@@ -454,9 +526,8 @@ fn native(
         grid_1d(1, 1),
         &[Arg::Ptr(state_ptr), Arg::F32(w_scale)],
     )?;
-    let mut shape = xs.to_vec();
-    let last = shape.len() - 1;
-    shape[last] = out_f;
+    let mut shape = lead.to_vec();
+    shape.push(out_f);
     let out = Out::new(dev, OP, shape, x.dtype())?;
     let c = if form.gemm.c_apart {
         Some(Scratch::new(dev, rows * out_f * x.dtype().size_in_bytes())?)
@@ -494,12 +565,13 @@ fn native(
         algo: 0,
     };
     let ran = super::gemm::lt_linear(dev, &g)?;
-    let mut inputs = vec![&xi, &wi];
+    let mut inputs: Vec<_> = xis.iter().collect();
+    inputs.push(&wi);
     if let Some(b) = &bi {
         inputs.push(b);
     }
-    // An activation that is not a device buffer has no handle to know it again by.
-    if !matches!(x.storage(), TensorStorage::Device(_))
+    // Codes that cannot be known again (several parts, or a host activation) go now.
+    if kept.as_ref().is_some_and(|c| c.of.is_none())
         && let Some(made) = kept.take()
     {
         made.release(dev)?;

@@ -311,6 +311,15 @@ impl Ops for CudaDevice {
         fp8::tensor_cores(self)
     }
 
+    fn linear_fp8_concat(
+        &self,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        fp8::linear_fp8_concat(self, xs, w, bias)
+    }
+
     fn end_forward(&self) -> Result<()> {
         fp8::forget_codes(self)
     }
