@@ -61,6 +61,14 @@ fn run_op(
     ops.to_f32_vec(&y)
 }
 
+/// `v` as a tensor of `shape` and `dtype` on `d`.
+fn upload(d: &dyn Device, shape: &[usize], dtype: DType, v: &[f32]) -> Tensor {
+    Tensor::from_f32(shape.to_vec(), dtype, v)
+        .unwrap()
+        .to_device(d, &d.compute_stream())
+        .unwrap()
+}
+
 fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
@@ -135,12 +143,7 @@ fn one_activation_read_by_several_fp8_linears_gives_what_a_copy_of_it_gives() {
     };
     let d: &dyn Device = &*gpu;
     let ops = ops_of(d).unwrap();
-    let on = |shape: &[usize], dtype: DType, v: &[f32]| {
-        Tensor::from_f32(shape.to_vec(), dtype, v)
-            .unwrap()
-            .to_device(d, &d.compute_stream())
-            .unwrap()
-    };
+    let on = |shape: &[usize], dtype: DType, v: &[f32]| upload(d, shape, dtype, v);
     let (rows, k, n) = (64, 128, 96);
     d.synchronize().unwrap();
     let before = d.memory_info().allocated;
@@ -196,12 +199,7 @@ fn an_fp8_linear_of_parts_gives_the_bytes_of_the_linear_of_their_concatenation()
     };
     let d: &dyn Device = &*gpu;
     let ops = ops_of(d).unwrap();
-    let on = |shape: &[usize], dtype: DType, v: &[f32]| {
-        Tensor::from_f32(shape.to_vec(), dtype, v)
-            .unwrap()
-            .to_device(d, &d.compute_stream())
-            .unwrap()
-    };
+    let on = |shape: &[usize], dtype: DType, v: &[f32]| upload(d, shape, dtype, v);
     for (k1, k2) in [(96, 160), (36, 28)] {
         let (rows, n) = (48, 80);
         let a = on(&[2, rows, k1], DType::BF16, &values(2 * rows * k1, 3.0, 4));
