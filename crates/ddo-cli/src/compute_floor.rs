@@ -16,7 +16,7 @@ const CALLS: usize = 10;
 const ROUNDS: usize = 3;
 
 /// The compute floor of one bench.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ComputeFloor {
     /// Floating-point operations of one forward (linears, matmuls, convolutions, attention;
     /// a multiply-add counts two).
@@ -37,6 +37,9 @@ pub struct ComputeFloor {
     /// an E4M3 weight: the input's amax and codes and the fp8 GEMM, what each of a forward's
     /// fp8 linears costs), flop/s; `None` otherwise.
     pub fp8_linear_flops_per_sec: Option<f64>,
+    /// Under `--compute fp8`, why that rate could not be measured (the floor stands
+    /// without it).
+    pub fp8_linear_error: Option<String>,
 }
 
 /// The device's rate (flop/s) for `linear` at `gemm`, and what ran at it: `x [rows, k]` and
@@ -108,18 +111,20 @@ pub fn fp8_linear_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
         gemm.dtype,
         &signed_values(1, gemm.rows * gemm.k),
     )?;
-    // Weights spread over E4M3's range, at a scale that brings them back to about +-1.
+    // Weights spread over E4M3's range, at a scale that brings them back to about +-1,
+    // encoded on the host and moved as a checkpoint's are (a backend may compute on E4M3
+    // only as linear weights: no `tensor_from_f32` of them).
     let scale = 1.0 / 256.0;
-    let w = ops
-        .tensor_from_f32(
-            &[gemm.n, gemm.k],
-            DType::F8E4M3,
-            &signed_values(2, gemm.n * gemm.k)
-                .into_iter()
-                .map(|v| v * 256.0)
-                .collect::<Vec<_>>(),
-        )?
-        .with_scale(Some(scale))?;
+    let w = Tensor::from_f32(
+        vec![gemm.n, gemm.k],
+        DType::F8E4M3,
+        &signed_values(2, gemm.n * gemm.k)
+            .into_iter()
+            .map(|v| v * 256.0)
+            .collect::<Vec<_>>(),
+    )?
+    .with_scale(Some(scale))?
+    .to_device(device, &device.compute_stream())?;
     let s = best_seconds_per_call(device, || ops.linear_fp8(&x, &w, None))?;
     Ok(gemm.flops() as f64 / s)
 }
@@ -133,11 +138,12 @@ pub fn measure(
     fp8: bool,
 ) -> CliResult<ComputeFloor> {
     let (flops_per_sec, gemm_source, linear_flops_per_sec) = gemm_rate(device, gemm)?;
-    let fp8_linear_flops_per_sec = if fp8 {
-        Some(fp8_linear_rate(device, gemm)?)
-    } else {
-        None
-    };
+    let (fp8_linear_flops_per_sec, fp8_linear_error) =
+        match fp8.then(|| fp8_linear_rate(device, gemm)) {
+            Some(Ok(r)) => (Some(r), None),
+            Some(Err(e)) => (None, Some(e.message)),
+            None => (None, None),
+        };
     Ok(ComputeFloor {
         flops_per_forward,
         gemm,
@@ -146,6 +152,7 @@ pub fn measure(
         seconds: flops_per_forward as f64 / flops_per_sec,
         linear_flops_per_sec,
         fp8_linear_flops_per_sec,
+        fp8_linear_error,
     })
 }
 
@@ -168,12 +175,14 @@ impl ComputeFloor {
         } else {
             String::new()
         };
-        let fp8 = self.fp8_linear_flops_per_sec.map_or(String::new(), |r| {
-            format!(
+        let fp8 = match (self.fp8_linear_flops_per_sec, &self.fp8_linear_error) {
+            (Some(r), _) => format!(
                 "; fp8 linear (amax, codes, GEMM) {:.1} {unit}FLOP/s there",
                 r / div
-            )
-        });
+            ),
+            (None, Some(e)) => format!("; fp8 linear not timed: {e}"),
+            (None, None) => String::new(),
+        };
         format!(
             "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s ({}, {}x{}x{} {}, \
              best of {ROUNDS} x {CALLS} calls in this process{own}{fp8}) = {:.2} ms",
@@ -261,6 +270,7 @@ mod tests {
         assert_eq!(device.memory_info().allocated, 0);
         let plain = measure(&*device, 4 * gemm.flops(), gemm, false).unwrap();
         assert_eq!(plain.fp8_linear_flops_per_sec, None);
+        assert_eq!(floor.fp8_linear_error, None);
         assert!(!plain.format_line().contains("fp8 linear"));
     }
 }
