@@ -526,6 +526,15 @@ pub trait Device: Send + Sync + fmt::Debug {
         None
     }
 
+    /// Drops what the backend keeps per operand shape (the CUDA backend: its cuBLASLt GEMM
+    /// plans and its cuDNN attention plans), once the work queued so far is done; the next
+    /// op of each shape plans again. A long-lived process (`ddo serve`) calls it when a
+    /// request's size differs from the last, so what it holds follows the shape it runs, not
+    /// every shape it ever ran. The default holds nothing per shape.
+    fn forget_shape_plans(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// A hint that attention over `q [b, h, lq, d]`, `k [b, h, lk, d]`, `v [b, h, lk, dv]`
     /// (in `dtype`), with an additive mask of the given shape (broadcastable to
     /// `[b, h, lq, lk]`) and dtype if any, will run soon as [`Ops::attention_tokens`] (the

@@ -493,6 +493,10 @@ impl Device for FaultInjectingDevice {
         self.inner.settle(timeout)
     }
 
+    fn forget_shape_plans(&self) -> Result<()> {
+        self.inner.forget_shape_plans()
+    }
+
     fn prepare_attention(
         &self,
         q: &[usize],

@@ -225,6 +225,28 @@ fn an_fp8_linear_of_parts_gives_the_bytes_of_the_linear_of_their_concatenation()
     }
 }
 
+/// `Device::forget_shape_plans` drops the cuBLASLt plans a linear made (what `ddo serve`
+/// does when a request's size changes), and the next linear plans again and gives the
+/// same bytes.
+#[test]
+fn forgotten_shape_plans_are_made_again_with_the_same_result() {
+    let Some(gpu) = common::open_gpu(false) else {
+        return;
+    };
+    let d: &dyn Device = &*gpu;
+    let ops = ops_of(d).unwrap();
+    let x = upload(d, &[64, 256], DType::BF16, &values(64 * 256, 1.0, 1));
+    let w = upload(d, &[128, 256], DType::BF16, &values(128 * 256, 0.1, 2));
+    let first = ops.to_f32_vec(&ops.linear(&x, &w, None).unwrap()).unwrap();
+    let (lt, _) = gpu.shape_plans().unwrap();
+    println!("cuBLASLt plans after one linear: {lt}");
+    d.forget_shape_plans().unwrap();
+    assert_eq!(gpu.shape_plans().unwrap(), (0, 0));
+    let again = ops.to_f32_vec(&ops.linear(&x, &w, None).unwrap()).unwrap();
+    assert_eq!(first, again);
+    assert_eq!(gpu.shape_plans().unwrap().0, lt);
+}
+
 #[test]
 fn the_gemm_search_times_cublaslt_for_16_bit_shapes_only() {
     let Some(gpu) = common::open_gpu(false) else {

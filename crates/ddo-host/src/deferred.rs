@@ -551,6 +551,10 @@ impl Device for DeferredComputeDevice {
         Some(self)
     }
 
+    fn forget_shape_plans(&self) -> Result<()> {
+        self.inner.forget_shape_plans()
+    }
+
     fn prepare_attention(
         &self,
         q: &[usize],

@@ -399,6 +399,13 @@ impl Session {
         let images = checked.images;
         let key = (height, width, images, checked.tiled_decode, self.loras.1);
         if self.planned.as_ref().is_none_or(|p| p.key != key) {
+            // Another size: the backend's plans for the last one go (a server holds the
+            // plans of the size it runs, not of every size it ran).
+            if let Some(last) = &self.planned
+                && (last.key.0, last.key.1, last.key.2) != (height, width, images)
+            {
+                self.device.forget_shape_plans()?;
+            }
             self.planned = None;
             // What the last request's plan kept pinned goes now, while the device is idle:
             // another plan registers other ranges, and a copy from pages partly locked by a

@@ -594,6 +594,11 @@ impl Device for CudaDevice {
 
     /// Starts building the cuDNN plan of an eligible shape, output in token order, in the
     /// background (`ops/cudnn_attention.rs`).
+    fn forget_shape_plans(&self) -> ddo_core::Result<()> {
+        self.synchronize()?;
+        crate::ops::forget_shape_plans(self)
+    }
+
     fn prepare_attention(
         &self,
         q: &[usize],

@@ -332,6 +332,18 @@ pub(crate) struct LtState {
 unsafe impl Send for LtState {}
 
 impl LtState {
+    /// Drops every plan (the device idle: `Device::forget_shape_plans`); how many.
+    pub(crate) fn forget_plans(&mut self) -> usize {
+        let n = self.plans.len();
+        self.plans.clear();
+        n
+    }
+
+    /// Plans held.
+    pub(crate) fn plans(&self) -> usize {
+        self.plans.len()
+    }
+
     /// Creates the handle (the device's context must be bound to this thread).
     pub(crate) fn create() -> Result<Self, String> {
         if !lt_present() {

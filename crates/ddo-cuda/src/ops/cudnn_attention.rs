@@ -681,6 +681,34 @@ fn spawn_build(stream: Arc<CudaStream>, ctx: Arc<CudaContext>, key: Key) {
     }
 }
 
+/// Drops `dev`'s cuDNN plans that are built or refused (`Device::forget_shape_plans`; one
+/// being built in the background stays, and is kept when done); how many.
+pub(crate) fn forget_plans(dev: &CudaDevice) -> Result<usize> {
+    let stream = kernels::compute_stream(dev)?;
+    let mut table = DNN.lock();
+    let Some(entry) = table
+        .iter_mut()
+        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+    else {
+        return Ok(0);
+    };
+    // cuDNN releases a plan's resources in its handle's context.
+    let _ = entry.ctx.bind_to_thread();
+    let before = entry.plans.len();
+    entry.plans.retain(|_, s| matches!(s, State::Pending));
+    Ok(before - entry.plans.len())
+}
+
+/// `dev`'s cuDNN plans held now (built, refused or being built).
+pub(crate) fn plans(dev: &CudaDevice) -> Result<usize> {
+    let stream = kernels::compute_stream(dev)?;
+    Ok(DNN
+        .lock()
+        .iter()
+        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+        .map_or(0, |e| e.plans.len()))
+}
+
 /// Waits until no plan of `dev` is being built (for tests and benchmarks that want the
 /// steady state): at most `timeout`; whether none is pending now.
 pub(crate) fn wait_for_plans(dev: &CudaDevice, timeout: std::time::Duration) -> Result<bool> {

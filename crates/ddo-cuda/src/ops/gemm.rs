@@ -227,6 +227,34 @@ fn with_entry<R>(dev: &CudaDevice, f: impl FnOnce(&mut BlasEntry) -> Result<R>) 
     f(entry)
 }
 
+/// Drops `dev`'s cuBLASLt plans (`Device::forget_shape_plans`); the count dropped.
+pub(crate) fn forget_lt_plans(dev: &CudaDevice) -> Result<usize> {
+    let stream = kernels::compute_stream(dev)?;
+    let mut table = BLAS.lock();
+    let Some(entry) = table
+        .iter_mut()
+        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+    else {
+        return Ok(0);
+    };
+    let _ = entry.ctx.bind_to_thread();
+    Ok(match entry.lt.as_mut() {
+        Some(Ok(lt)) => lt.forget_plans(),
+        _ => 0,
+    })
+}
+
+/// `dev`'s cuBLASLt plans held now.
+pub(crate) fn lt_plans(dev: &CudaDevice) -> Result<usize> {
+    let stream = kernels::compute_stream(dev)?;
+    let table = BLAS.lock();
+    Ok(table
+        .iter()
+        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+        .and_then(|e| e.lt.as_ref())
+        .map_or(0, |lt| lt.as_ref().map_or(0, LtState::plans)))
+}
+
 impl CudaDevice {
     /// Gives back this device's cuBLAS workspace (32 MiB, allocated on the first GEMM):
     /// returns the bytes released (0 when there was none). The free is ordered after the

@@ -528,6 +528,21 @@ impl Ops for CudaDevice {
     }
 }
 
+/// `Device::forget_shape_plans` on `dev` (the device idle): its cuBLASLt and cuDNN plans go.
+pub(crate) fn forget_shape_plans(dev: &CudaDevice) -> Result<()> {
+    gemm::forget_lt_plans(dev)?;
+    cudnn_attention::forget_plans(dev)?;
+    Ok(())
+}
+
+impl CudaDevice {
+    /// The per-shape plans this device holds now: cuBLASLt GEMM plans and cuDNN attention
+    /// plans (what `Device::forget_shape_plans` drops).
+    pub fn shape_plans(&self) -> Result<(usize, usize)> {
+        Ok((gemm::lt_plans(self)?, cudnn_attention::plans(self)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
