@@ -57,7 +57,8 @@ pub(super) const SCRIPT: &str = concat!(
 # part skipped with under 30 s left:
 #   write_q4     make_flux_gguf.py --type Q4_K (kept in DDO_BENCH_WORK for a later job)
 #   bench_bf16   ddo bench: the FLUX.1-dev transformer resident in bf16 (the steps' reference)
-#   bench_q4     the Q4_K file resident and leaf + stream at zero budget
+#   bench_q4     the Q4_K file resident and leaf + stream at zero budget (--profile: each one's
+#                device time per op class, so a streamed step's gap to resident shows where)
 #   bench_q4_base  the same streamed candidate with the bundle's ddo-base (--base REV), if any
 #   timeline_q4  one traced leaf + stream run of the Q4_K file (--timeline, in logs.txt)
 #   run_q4       ddo run, 28 steps under --vram-budget 12GiB, the Q4_K transformer
@@ -81,7 +82,7 @@ bench=(bench --config flux-dev --device cuda:0 --component transformer --warmup 
 part bench_bf16 "${DDO_T_BENCH_BF16:-60}" "$work/bench_bf16.txt" "$here/ddo" "${bench[@]}" --route none \
   --out-json "$out/bf16.json"
 part bench_q4 "${DDO_T_BENCH_Q4:-90}" "$work/bench_q4.txt" "$here/ddo" "${bench[@]}" \
-  --transformer "$work/q4.gguf" --route none --route "$leaf" --out-json "$out/q4.json"
+  --transformer "$work/q4.gguf" --route none --route "$leaf" --out-json "$out/q4.json" --profile
 if [ -f "$here/ddo-base.xz" ]; then
   [ -x "$work/ddo-base" ] || { xz -dc "$here/ddo-base.xz" > "$work/ddo-base" && chmod +x "$work/ddo-base"; }
   part bench_q4_base "${DDO_T_BENCH_Q4_BASE:-60}" "$work/bench_q4_base.txt" "$work/ddo-base" "${bench[@]}" \
