@@ -14,10 +14,8 @@
 //! `bf16.json`, `fp8.json`, `anchor.json`, `peer_step.json`, `run_bf16.json`, `run_fp8.json`,
 //! `gpu.txt`, `logs.txt`.
 
-use std::process::Command;
-
 use super::full;
-use crate::{run, workspace_root};
+use crate::workspace_root;
 
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const COMPUTE_DIR: &str = "gpu-bundle/bench-compute";
@@ -39,15 +37,12 @@ pub fn bench_compute(run_here: bool) -> Result<(), String> {
         "run-bench-compute.sh",
         SCRIPT,
     )?;
-    eprintln!(
-        "bench --compute: {} ({} MiB); on the GPU machine: ./{COMPUTE_DIR}/run-bench-compute.sh (results in $OUT)",
-        root.join(COMPUTE_DIR).display(),
-        size >> 20
-    );
-    if run_here {
-        run(Command::new("bash").arg(&script))?;
-    }
-    Ok(())
+    full::announce(
+        "--compute",
+        (&root.join(COMPUTE_DIR), COMPUTE_DIR, size),
+        ("run-bench-compute.sh", &script),
+        run_here,
+    )
 }
 
 /// The job's script: each part under `timeout`, in order of what issue 39 needs first, the

@@ -362,6 +362,25 @@ fn fallback_wheels(cache: &Path) -> Result<Vec<(PathBuf, PyWheel)>, String> {
         .collect()
 }
 
+/// Says where `flag`'s bundle is (`dir`, `rel` from the workspace root, `size` bytes) and how
+/// to run `script_name` on the GPU machine, then runs `script` here with `run_here`.
+pub(super) fn announce(
+    flag: &str,
+    (dir, rel, size): (&Path, &str, u64),
+    (script_name, script): (&str, &Path),
+    run_here: bool,
+) -> Result<(), String> {
+    eprintln!(
+        "bench {flag}: {} ({} MiB); on the GPU machine: ./{rel}/{script_name} (results in $OUT)",
+        dir.display(),
+        size >> 20
+    );
+    if run_here {
+        run(Command::new("bash").arg(script))?;
+    }
+    Ok(())
+}
+
 pub(super) fn dir_bytes(dir: &Path) -> u64 {
     fs::read_dir(dir)
         .map(|rd| {

@@ -12,10 +12,8 @@
 //! `q4_base.json`, `q8.json`, `run_q4.json`, `gpu.txt`, `logs.txt` (each part's table, the
 //! timeline among them).
 
-use std::process::Command;
-
 use super::{full, host_ram};
-use crate::{run, workspace_root};
+use crate::workspace_root;
 
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const GGUF_DIR: &str = "gpu-bundle/bench-gguf";
@@ -36,15 +34,12 @@ pub fn bench_gguf(base: Option<&str>, run_here: bool) -> Result<(), String> {
         host_ram::add_base(&root, &dir, rev)?;
     }
     let size = full::dir_bytes(&dir);
-    eprintln!(
-        "bench --gguf: {} ({} MiB); on the GPU machine: ./{GGUF_DIR}/run-bench-gguf.sh (results in $OUT)",
-        dir.display(),
-        size >> 20
-    );
-    if run_here {
-        run(Command::new("bash").arg(&script))?;
-    }
-    Ok(())
+    full::announce(
+        "--gguf",
+        (&dir, GGUF_DIR, size),
+        ("run-bench-gguf.sh", &script),
+        run_here,
+    )
 }
 
 /// The job's script: each part under `timeout`, in order of what issue 37 needs first, the

@@ -165,15 +165,12 @@ pub fn bench_host_ram(
     if let Some(rev) = base {
         add_base(&root, &dir, rev)?;
     }
-    eprintln!(
-        "bench --host-ram: {} ({} MiB); on the GPU machine: ./{HOST_RAM_DIR}/run-bench-host-ram.sh (results in $OUT)",
-        dir.display(),
-        size >> 20
-    );
-    if run_here {
-        run(Command::new("bash").arg(&script))?;
-    }
-    Ok(())
+    full::announce(
+        "--host-ram",
+        (&dir, HOST_RAM_DIR, size),
+        ("run-bench-host-ram.sh", &script),
+        run_here,
+    )
 }
 
 /// The job's script for `sizes` (GiB, largest first) and `steps`.

@@ -11,10 +11,8 @@
 //! and eight concurrent clients against `ddo run`. Results: `$OUT/serve.json` and
 //! `$OUT/serve.md`.
 
-use std::process::Command;
-
 use super::full;
-use crate::{run, workspace_root};
+use crate::workspace_root;
 
 /// The bundle's folder, relative to the workspace root (ignored by git).
 pub const SERVE_DIR: &str = "gpu-bundle/bench-serve";
@@ -33,15 +31,12 @@ pub fn bench_serve(run_here: bool) -> Result<(), String> {
         "run-bench-serve.sh",
         SCRIPT,
     )?;
-    eprintln!(
-        "bench --serve: {} ({} MiB); on the GPU machine: ./{SERVE_DIR}/run-bench-serve.sh (results in $OUT)",
-        root.join(SERVE_DIR).display(),
-        size >> 20
-    );
-    if run_here {
-        run(Command::new("bash").arg(&script))?;
-    }
-    Ok(())
+    full::announce(
+        "--serve",
+        (&root.join(SERVE_DIR), SERVE_DIR, size),
+        ("run-bench-serve.sh", &script),
+        run_here,
+    )
 }
 
 /// The job's script. `DDO_BIN` runs another `ddo`; `DDO_WARM_REQUESTS` and `DDO_MANY` set
@@ -111,7 +106,7 @@ mod tests {
         assert!(
             SCRIPT.find("started=$(date +%s)").unwrap() < writer && writer < left && left < client
         );
-        let checked = Command::new("bash")
+        let checked = std::process::Command::new("bash")
             .args(["-n", "-c", SCRIPT])
             .status()
             .unwrap();

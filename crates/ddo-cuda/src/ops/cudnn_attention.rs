@@ -681,32 +681,33 @@ fn spawn_build(stream: Arc<CudaStream>, ctx: Arc<CudaContext>, key: Key) {
     }
 }
 
+/// `f` of `dev`'s entry in the cuDNN table, under its lock; `None` where the device has no
+/// entry yet (nothing is created).
+fn existing_entry<R>(dev: &CudaDevice, f: impl FnOnce(&mut DnnEntry) -> R) -> Result<Option<R>> {
+    let stream = kernels::compute_stream(dev)?;
+    Ok(DNN
+        .lock()
+        .iter_mut()
+        .find(|e| kernels::same_stream(&e.compute, &stream))
+        .map(f))
+}
+
 /// Drops `dev`'s cuDNN plans that are built or refused (`Device::forget_shape_plans`; one
 /// being built in the background stays, and is kept when done); how many.
 pub(crate) fn forget_plans(dev: &CudaDevice) -> Result<usize> {
-    let stream = kernels::compute_stream(dev)?;
-    let mut table = DNN.lock();
-    let Some(entry) = table
-        .iter_mut()
-        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-    else {
-        return Ok(0);
-    };
-    // cuDNN releases a plan's resources in its handle's context.
-    let _ = entry.ctx.bind_to_thread();
-    let before = entry.plans.len();
-    entry.plans.retain(|_, s| matches!(s, State::Pending));
-    Ok(before - entry.plans.len())
+    Ok(existing_entry(dev, |entry| {
+        // cuDNN releases a plan's resources in its handle's context.
+        let _ = entry.ctx.bind_to_thread();
+        let before = entry.plans.len();
+        entry.plans.retain(|_, s| matches!(s, State::Pending));
+        before - entry.plans.len()
+    })?
+    .unwrap_or(0))
 }
 
 /// `dev`'s cuDNN plans held now (built, refused or being built).
 pub(crate) fn plans(dev: &CudaDevice) -> Result<usize> {
-    let stream = kernels::compute_stream(dev)?;
-    Ok(DNN
-        .lock()
-        .iter()
-        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-        .map_or(0, |e| e.plans.len()))
+    Ok(existing_entry(dev, |entry| entry.plans.len())?.unwrap_or(0))
 }
 
 /// Waits until no plan of `dev` is being built (for tests and benchmarks that want the
@@ -716,7 +717,7 @@ pub(crate) fn wait_for_plans(dev: &CudaDevice, timeout: std::time::Duration) -> 
     let started = std::time::Instant::now();
     loop {
         let pending = DNN.lock().iter().any(|e| {
-            std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream))
+            kernels::same_stream(&e.compute, &stream)
                 && e.plans.values().any(|s| matches!(s, State::Pending))
         });
         if !pending {

@@ -169,7 +169,7 @@ fn with_entry<R>(dev: &CudaDevice, f: impl FnOnce(&mut BlasEntry) -> Result<R>) 
     let mut table = BLAS.lock();
     let at = match table
         .iter()
-        .position(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
+        .position(|e| kernels::same_stream(&e.compute, &stream))
     {
         Some(i) => i,
         None => {
@@ -227,32 +227,42 @@ fn with_entry<R>(dev: &CudaDevice, f: impl FnOnce(&mut BlasEntry) -> Result<R>) 
     f(entry)
 }
 
-/// Drops `dev`'s cuBLASLt plans (`Device::forget_shape_plans`); the count dropped.
-pub(crate) fn forget_lt_plans(dev: &CudaDevice) -> Result<usize> {
+/// `f` of `dev`'s entry in the handle table, under its lock; `None` where the device has
+/// run no GEMM yet (nothing is created).
+fn existing_entry<R>(
+    dev: &CudaDevice,
+    f: impl FnOnce(&mut BlasEntry) -> Result<R>,
+) -> Result<Option<R>> {
     let stream = kernels::compute_stream(dev)?;
     let mut table = BLAS.lock();
-    let Some(entry) = table
+    table
         .iter_mut()
-        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-    else {
-        return Ok(0);
-    };
-    let _ = entry.ctx.bind_to_thread();
-    Ok(match entry.lt.as_mut() {
-        Some(Ok(lt)) => lt.forget_plans(),
-        _ => 0,
-    })
+        .find(|e| kernels::same_stream(&e.compute, &stream))
+        .map(f)
+        .transpose()
+}
+
+/// Drops `dev`'s cuBLASLt plans (`Device::forget_shape_plans`); the count dropped.
+pub(crate) fn forget_lt_plans(dev: &CudaDevice) -> Result<usize> {
+    Ok(existing_entry(dev, |entry| {
+        let _ = entry.ctx.bind_to_thread();
+        Ok(match entry.lt.as_mut() {
+            Some(Ok(lt)) => lt.forget_plans(),
+            _ => 0,
+        })
+    })?
+    .unwrap_or(0))
 }
 
 /// `dev`'s cuBLASLt plans held now.
 pub(crate) fn lt_plans(dev: &CudaDevice) -> Result<usize> {
-    let stream = kernels::compute_stream(dev)?;
-    let table = BLAS.lock();
-    Ok(table
-        .iter()
-        .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-        .and_then(|e| e.lt.as_ref())
-        .map_or(0, |lt| lt.as_ref().map_or(0, LtState::plans)))
+    Ok(existing_entry(dev, |entry| {
+        Ok(entry
+            .lt
+            .as_ref()
+            .map_or(0, |lt| lt.as_ref().map_or(0, LtState::plans)))
+    })?
+    .unwrap_or(0))
 }
 
 impl CudaDevice {
@@ -260,14 +270,11 @@ impl CudaDevice {
     /// returns the bytes released (0 when there was none). The free is ordered after the
     /// GEMMs already queued; the next GEMM allocates a new workspace. For phase cleanup.
     pub fn release_blas_workspaces(&self) -> Result<u64> {
-        let stream = kernels::compute_stream(self)?;
-        let mut table = BLAS.lock();
-        let Some(entry) = table
-            .iter_mut()
-            .find(|e| std::ptr::eq(e.compute.as_ptr(), Arc::as_ptr(&stream)))
-        else {
-            return Ok(0);
-        };
+        Ok(existing_entry(self, |entry| self.release_workspace(entry))?.unwrap_or(0))
+    }
+
+    /// [`CudaDevice::release_blas_workspaces`] of this device's `entry`.
+    fn release_workspace(&self, entry: &mut BlasEntry) -> Result<u64> {
         let Some(buffer) = entry.workspace.take() else {
             return Ok(0);
         };

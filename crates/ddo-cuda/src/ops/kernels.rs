@@ -37,7 +37,8 @@
 //! - [`kernel_cache_dir`], [`kernel_cache_stats`], [`forget_kernel_images`] (public): the
 //!   disk cache's directory, where images came from, and a way to drop the memory cache.
 //! - [`compute_stream`]`(dev) -> Result<Arc<CudaStream>, CoreError>`: the device's compute
-//!   stream, where every op is queued.
+//!   stream, where every op is queued; [`same_stream`]: whether a per-device table's entry
+//!   (keyed by a weak handle to that stream) is the device's.
 //! - [`launch`]`(dev, &f, cfg, &[Arg])`: launches `f` on the compute stream with the
 //!   arguments in order ([`launch_on`] takes another stream of the device) ([`Arg::Ptr`] for a raw device address as `u64`, [`Arg::I64`],
 //!   [`Arg::I32`], [`Arg::F32`], [`Arg::Dims`]); driver errors become `CoreError`. Callers
@@ -446,6 +447,12 @@ fn driver_err(dev: &CudaDevice, call: &'static str, e: DriverError) -> CoreError
 pub(crate) fn compute_stream(dev: &CudaDevice) -> Result<Arc<CudaStream>, CoreError> {
     let s = dev.compute_stream();
     Ok(Arc::clone(dev.stream_handle(&s)?.cuda_stream()))
+}
+
+/// Whether `entry` (a per-device table's weak handle to a device's compute stream) is
+/// `stream`'s: how the cuBLAS and cuDNN tables find a device's entry.
+pub(crate) fn same_stream(entry: &Weak<CudaStream>, stream: &Arc<CudaStream>) -> bool {
+    std::ptr::eq(entry.as_ptr(), Arc::as_ptr(stream))
 }
 
 impl CudaDevice {
