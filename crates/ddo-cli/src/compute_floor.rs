@@ -34,9 +34,13 @@ pub struct ComputeFloor {
     /// get), flop/s: below `flops_per_sec` where the library's search found a faster one.
     pub linear_flops_per_sec: f64,
     /// Under `--compute fp8`: the rate of the device's `linear_fp8` at `gemm` (a bf16 input,
-    /// an E4M3 weight: the input's amax and codes and the fp8 GEMM, what each of a forward's
-    /// fp8 linears costs), flop/s; `None` otherwise.
+    /// an E4M3 weight: the input's amax and codes and the fp8 GEMM, what a forward's first
+    /// fp8 linear of an activation costs), flop/s; `None` otherwise.
     pub fp8_linear_flops_per_sec: Option<f64>,
+    /// Under `--compute fp8`: the same linear again on the same input, whose codes the
+    /// backend may keep (`Ops::end_forward` not called between): the fp8 GEMM's own rate
+    /// where it keeps them, flop/s; `None` otherwise.
+    pub fp8_gemm_flops_per_sec: Option<f64>,
     /// Under `--compute fp8`, why that rate could not be measured (the floor stands
     /// without it).
     pub fp8_linear_error: Option<String>,
@@ -102,9 +106,11 @@ fn best_seconds_per_call(
     Ok(best / CALLS as f64)
 }
 
-/// The rate (flop/s) of the device's `linear_fp8` at `gemm`: `x [rows, k]` in the GEMM's
-/// dtype and `w [n, k]` E4M3 with a per-tensor scale, timed as [`gemm_rate`] times `linear`.
-pub fn fp8_linear_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
+/// The rates (flop/s) of the device's `linear_fp8` at `gemm`: `x [rows, k]` in the GEMM's
+/// dtype and `w [n, k]` E4M3 with a per-tensor scale, timed as [`gemm_rate`] times `linear`:
+/// first with `Ops::end_forward` after each call (the input's codes made every time), then
+/// without (codes a backend keeps for the same input are reused: the GEMM alone).
+pub fn fp8_linear_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, f64)> {
     let ops = ops_of(device)?;
     let x = ops.tensor_from_f32(
         &[gemm.rows, gemm.k],
@@ -125,8 +131,15 @@ pub fn fp8_linear_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<f64> {
     )?
     .with_scale(Some(scale))?
     .to_device(device, &device.compute_stream())?;
-    let s = best_seconds_per_call(device, || ops.linear_fp8(&x, &w, None))?;
-    Ok(gemm.flops() as f64 / s)
+    let full = best_seconds_per_call(device, || {
+        let y = ops.linear_fp8(&x, &w, None);
+        ops.end_forward()?;
+        y
+    })?;
+    let kept = best_seconds_per_call(device, || ops.linear_fp8(&x, &w, None));
+    ops.end_forward()?;
+    let flops = gemm.flops() as f64;
+    Ok((flops / full, flops / kept?))
 }
 
 /// The floor of `flops_per_forward` at the rate [`gemm_rate`] measures for `gemm` on
@@ -138,12 +151,11 @@ pub fn measure(
     fp8: bool,
 ) -> CliResult<ComputeFloor> {
     let (flops_per_sec, gemm_source, linear_flops_per_sec) = gemm_rate(device, gemm)?;
-    let (fp8_linear_flops_per_sec, fp8_linear_error) =
-        match fp8.then(|| fp8_linear_rate(device, gemm)) {
-            Some(Ok(r)) => (Some(r), None),
-            Some(Err(e)) => (None, Some(e.message)),
-            None => (None, None),
-        };
+    let (fp8_rates, fp8_linear_error) = match fp8.then(|| fp8_linear_rate(device, gemm)) {
+        Some(Ok(r)) => (Some(r), None),
+        Some(Err(e)) => (None, Some(e.message)),
+        None => (None, None),
+    };
     Ok(ComputeFloor {
         flops_per_forward,
         gemm,
@@ -151,7 +163,8 @@ pub fn measure(
         gemm_source,
         seconds: flops_per_forward as f64 / flops_per_sec,
         linear_flops_per_sec,
-        fp8_linear_flops_per_sec,
+        fp8_linear_flops_per_sec: fp8_rates.map(|r| r.0),
+        fp8_gemm_flops_per_sec: fp8_rates.map(|r| r.1),
         fp8_linear_error,
     })
 }
@@ -175,13 +188,21 @@ impl ComputeFloor {
         } else {
             String::new()
         };
-        let fp8 = match (self.fp8_linear_flops_per_sec, &self.fp8_linear_error) {
-            (Some(r), _) => format!(
-                "; fp8 linear (amax, codes, GEMM) {:.1} {unit}FLOP/s there",
-                r / div
+        let fp8 = match (
+            self.fp8_linear_flops_per_sec,
+            self.fp8_gemm_flops_per_sec,
+            &self.fp8_linear_error,
+        ) {
+            (Some(r), g, _) => format!(
+                "; fp8 linear (amax, codes, GEMM) {:.1} {unit}FLOP/s there{}",
+                r / div,
+                g.map_or_else(String::new, |g| format!(
+                    ", its input's codes kept {:.1}",
+                    g / div
+                ))
             ),
-            (None, Some(e)) => format!("; fp8 linear not timed: {e}"),
-            (None, None) => String::new(),
+            (None, _, Some(e)) => format!("; fp8 linear not timed: {e}"),
+            (None, _, None) => String::new(),
         };
         format!(
             "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s ({}, {}x{}x{} {}, \
@@ -257,6 +278,13 @@ mod tests {
         let floor = measure(&*device, 4 * gemm.flops(), gemm, true).unwrap();
         let r = floor.fp8_linear_flops_per_sec.unwrap();
         assert!(r > 0.0 && r.is_finite(), "{r}");
+        let g = floor.fp8_gemm_flops_per_sec.unwrap();
+        assert!(g > 0.0 && g.is_finite(), "{g}");
+        assert!(
+            floor.format_line().contains("its input's codes kept"),
+            "{}",
+            floor.format_line()
+        );
         assert!(
             floor
                 .format_line()
@@ -270,6 +298,7 @@ mod tests {
         assert_eq!(device.memory_info().allocated, 0);
         let plain = measure(&*device, 4 * gemm.flops(), gemm, false).unwrap();
         assert_eq!(plain.fp8_linear_flops_per_sec, None);
+        assert_eq!(plain.fp8_gemm_flops_per_sec, None);
         assert_eq!(floor.fp8_linear_error, None);
         assert!(!plain.format_line().contains("fp8 linear"));
     }

@@ -77,6 +77,29 @@ impl GemmShape {
     }
 }
 
+/// The linear calls of one class at one shape, in a [`OpProfile`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LinearShapeTime {
+    /// The class (`linear`, `linear_fp8`, `linear_fp8_gelu_tanh`, ...).
+    pub op: String,
+    /// The shape (a `linear_concat`'s rows and summed width).
+    pub shape: GemmShape,
+    /// Calls.
+    pub calls: u64,
+    /// Device nanoseconds, summed over the calls.
+    pub ns: u64,
+}
+
+impl LinearShapeTime {
+    /// `class rowsxkxn`, as the profile table names it.
+    pub fn label(&self) -> String {
+        format!(
+            "{} {}x{}x{}",
+            self.op, self.shape.rows, self.shape.k, self.shape.n
+        )
+    }
+}
+
 /// A per-op profile: the classes, the most time first.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct OpProfile {
@@ -85,6 +108,9 @@ pub struct OpProfile {
     /// The linear call with the most flops (the shape `ddo bench` measures the device's GEMM
     /// rate at, for its compute floor).
     pub largest_linear: Option<GemmShape>,
+    /// The linear classes' calls by shape, the most time first: which shapes run below the
+    /// class's rate.
+    pub linears: Vec<LinearShapeTime>,
     /// What the backend says of how the ops ran, once each (on CUDA: why attention ran on
     /// DDO's kernels where cuDNN was missing or refused a shape).
     pub notes: Vec<String>,
@@ -109,6 +135,7 @@ impl OpProfile {
             .classes
             .iter()
             .map(|c| c.op.len())
+            .chain(self.linears.iter().map(|l| l.label().len()))
             .max()
             .unwrap_or(2)
             .max(8);
@@ -140,6 +167,30 @@ impl OpProfile {
             self.total_calls(),
             self.total_ns() as f64 / 1e6
         );
+        if !self.linears.is_empty() {
+            s += &format!(
+                "{:<w$} {:>7} {:>11} {:>7} {:>14}\n",
+                "linear rowsxkxn", "calls", "time", "share", "rate"
+            );
+        }
+        for l in &self.linears {
+            let secs = l.ns as f64 / 1e9;
+            let rate = if secs > 0.0 {
+                format!(
+                    "{:.1} TFLOP/s",
+                    l.shape.flops() as f64 * l.calls as f64 / secs / 1e12
+                )
+            } else {
+                "-".to_string()
+            };
+            s += &format!(
+                "{:<w$} {:>7} {:>8.3} ms {:>6.1}% {rate:>14}\n",
+                l.label(),
+                l.calls,
+                l.ns as f64 / 1e6,
+                100.0 * l.ns as f64 / total as f64,
+            );
+        }
         for note in &self.notes {
             s += &format!("note: {note}\n");
         }
@@ -150,6 +201,8 @@ impl OpProfile {
 /// One op recorded by an active profile, resolved at its end.
 struct Pending {
     op: String,
+    /// A linear's shape.
+    shape: Option<GemmShape>,
     flops: u64,
     bytes: u64,
     start: Event,
@@ -190,17 +243,17 @@ impl OpProfiler {
     }
 
     /// Notes a linear call of `x` and `w` while a profile is active: the profile keeps the
-    /// one with the most flops.
-    pub fn note_linear(&self, x: &Tensor, w: &Tensor) {
+    /// one with the most flops. Its shape, while a profile is active.
+    pub fn note_linear(&self, x: &Tensor, w: &Tensor) -> Option<GemmShape> {
         if !self.is_active() {
-            return;
+            return None;
         }
-        if let Some(shape) = GemmShape::of(x, w) {
-            let mut largest = self.largest_linear.lock();
-            if largest.is_none_or(|l| shape.flops() > l.flops()) {
-                *largest = Some(shape);
-            }
+        let shape = GemmShape::of(x, w)?;
+        let mut largest = self.largest_linear.lock();
+        if largest.is_none_or(|l| shape.flops() > l.flops()) {
+            *largest = Some(shape);
         }
+        Some(shape)
     }
 
     /// Whether a profile is active.
@@ -211,12 +264,15 @@ impl OpProfiler {
     /// Runs `f`, an op of class `op` (`variant` appended after a dot) reading `in_bytes()`
     /// ([`tensor_bytes`] of its inputs), on `device`'s compute stream; while a profile is
     /// active it is timed by two events and its bytes (inputs and output) and
-    /// `flops(output)` are recorded. With no profile active neither count is computed.
+    /// `flops(output)` are recorded, and a linear's `shape` (timed by shape too). With no
+    /// profile active neither count is computed.
+    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
         device: &dyn Device,
         op: &str,
         variant: Option<&dyn Debug>,
+        shape: Option<GemmShape>,
         in_bytes: impl FnOnce() -> u64,
         flops: FlopCount<'_>,
         f: impl FnOnce() -> Result<Tensor>,
@@ -236,6 +292,7 @@ impl OpProfiler {
         };
         self.pending.lock().push(Pending {
             op,
+            shape,
             flops: flops(&out),
             bytes,
             start,
@@ -252,10 +309,25 @@ impl OpProfiler {
         }
         let pending = std::mem::take(&mut *self.pending.lock());
         let mut by_class: BTreeMap<String, OpClassTime> = BTreeMap::new();
+        let mut by_shape: BTreeMap<(String, usize, usize, usize), LinearShapeTime> =
+            BTreeMap::new();
         for p in pending {
             let Some(ns) = device.event_elapsed_ns(&p.start, &p.end)? else {
                 return Ok(None);
             };
+            let ns_u = ns.max(0) as u64;
+            if let Some(shape) = p.shape {
+                let l = by_shape
+                    .entry((p.op.clone(), shape.rows, shape.k, shape.n))
+                    .or_insert_with(|| LinearShapeTime {
+                        op: p.op.clone(),
+                        shape,
+                        calls: 0,
+                        ns: 0,
+                    });
+                l.calls += 1;
+                l.ns = l.ns.saturating_add(ns_u);
+            }
             let c = by_class.entry(p.op.clone()).or_insert_with(|| OpClassTime {
                 op: p.op,
                 calls: 0,
@@ -264,15 +336,18 @@ impl OpProfiler {
                 bytes: 0,
             });
             c.calls += 1;
-            c.ns = c.ns.saturating_add(ns.max(0) as u64);
+            c.ns = c.ns.saturating_add(ns_u);
             c.flops = c.flops.saturating_add(p.flops);
             c.bytes = c.bytes.saturating_add(p.bytes);
         }
         let mut classes: Vec<OpClassTime> = by_class.into_values().collect();
         classes.sort_by(|a, b| b.ns.cmp(&a.ns).then_with(|| a.op.cmp(&b.op)));
+        let mut linears: Vec<LinearShapeTime> = by_shape.into_values().collect();
+        linears.sort_by(|a, b| b.ns.cmp(&a.ns).then_with(|| a.op.cmp(&b.op)));
         Ok(Some(OpProfile {
             classes,
             largest_linear: self.largest_linear.lock().take(),
+            linears,
             notes: Vec::new(),
         }))
     }
@@ -383,7 +458,40 @@ impl ProfiledOps {
     ) -> Result<Tensor> {
         let dev = self.device()?;
         let d: &dyn ComputeDevice = &*dev;
-        self.profiler.run(d, op, variant, in_bytes, flops, || f(d))
+        self.profiler
+            .run(d, op, variant, None, in_bytes, flops, || f(d))
+    }
+
+    /// [`Self::op`] for a linear of `xs` (side by side on the last dim) and `w [n, k]`:
+    /// noted for the compute floor, its flops counted, and timed by shape too.
+    fn linear_op(
+        &self,
+        op: &str,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bytes: u64,
+        f: impl FnOnce(&dyn ComputeDevice) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let shape = match (xs.first(), w.shape()) {
+            (Some(x), &[n, k]) => self.profiler.note_linear(x, w).map(|s| GemmShape {
+                rows: x.numel() / x.shape().last().copied().unwrap_or(1).max(1),
+                k,
+                n,
+                ..s
+            }),
+            _ => None,
+        };
+        let dev = self.device()?;
+        let d: &dyn ComputeDevice = &*dev;
+        self.profiler.run(
+            d,
+            op,
+            None,
+            shape,
+            || bytes,
+            &|_| linear_flops(xs, w),
+            || f(d),
+        )
     }
 
     /// [`Self::op`] for an attention call (either output order): counted as `attention`,
@@ -420,24 +528,13 @@ impl Ops for ProfiledOps {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.profiler.note_linear(x, w);
-        self.op(
-            "linear",
-            None,
-            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
-            &|_| linear_flops(&[x], w),
-            |d| d.linear(x, w, bias),
-        )
+        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
+        self.linear_op("linear", &[x], w, bytes, |d| d.linear(x, w, bias))
     }
 
     fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.op(
-            "linear",
-            None,
-            || tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat()),
-            &|_| linear_flops(xs, w),
-            |d| d.linear_concat(xs, w, bias),
-        )
+        let bytes = tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat());
+        self.linear_op("linear", xs, w, bytes, |d| d.linear_concat(xs, w, bias))
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -681,15 +778,10 @@ impl Ops for ProfiledOps {
         acc: Tensor,
         gelu_tanh: bool,
     ) -> Result<Tensor> {
-        self.profiler.note_linear(x, w);
         let bytes = tensor_bytes(&[&[x, w, &acc][..], &some(&[bias])].concat());
-        self.op(
-            "linear_accumulate",
-            None,
-            || bytes,
-            &|_| linear_flops(&[x], w),
-            |d| d.linear_accumulate(x, w, bias, acc, gelu_tanh),
-        )
+        self.linear_op("linear_accumulate", &[x], w, bytes, |d| {
+            d.linear_accumulate(x, w, bias, acc, gelu_tanh)
+        })
     }
 
     fn dequantize(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
@@ -703,14 +795,10 @@ impl Ops for ProfiledOps {
     }
 
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.profiler.note_linear(x, w);
-        self.op(
-            "linear_gelu_tanh",
-            None,
-            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
-            &|_| linear_flops(&[x], w),
-            |d| d.linear_gelu_tanh(x, w, bias),
-        )
+        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
+        self.linear_op("linear_gelu_tanh", &[x], w, bytes, |d| {
+            d.linear_gelu_tanh(x, w, bias)
+        })
     }
 
     fn layer_norm_modulate(
@@ -731,14 +819,8 @@ impl Ops for ProfiledOps {
 
     /// A class of its own, with the linear's flops.
     fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.profiler.note_linear(x, w);
-        self.op(
-            "linear_fp8",
-            None,
-            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
-            &|_| linear_flops(&[x], w),
-            |d| d.linear_fp8(x, w, bias),
-        )
+        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
+        self.linear_op("linear_fp8", &[x], w, bytes, |d| d.linear_fp8(x, w, bias))
     }
 
     /// [`Ops::linear_fp8`]'s class, with the linear's flops.
@@ -748,16 +830,10 @@ impl Ops for ProfiledOps {
         w: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        if let Some(x) = xs.first() {
-            self.profiler.note_linear(x, w);
-        }
-        self.op(
-            "linear_fp8",
-            None,
-            || tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat()),
-            &|_| linear_flops(xs, w),
-            |d| d.linear_fp8_concat(xs, w, bias),
-        )
+        let bytes = tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat());
+        self.linear_op("linear_fp8", xs, w, bytes, |d| {
+            d.linear_fp8_concat(xs, w, bias)
+        })
     }
 
     /// A class of its own, with the linear's flops (the activation's are not counted).
@@ -767,14 +843,10 @@ impl Ops for ProfiledOps {
         w: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        self.profiler.note_linear(x, w);
-        self.op(
-            "linear_fp8_gelu_tanh",
-            None,
-            || tensor_bytes(&[&[x, w][..], &some(&[bias])].concat()),
-            &|_| linear_flops(&[x], w),
-            |d| d.linear_fp8_gelu_tanh(x, w, bias),
-        )
+        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
+        self.linear_op("linear_fp8_gelu_tanh", &[x], w, bytes, |d| {
+            d.linear_fp8_gelu_tanh(x, w, bias)
+        })
     }
 
     /// Not an op of the forward: passed on untimed.
@@ -887,6 +959,17 @@ mod tests {
                 },
             ],
             largest_linear: None,
+            linears: vec![LinearShapeTime {
+                op: "linear_fp8".into(),
+                shape: GemmShape {
+                    rows: 4608,
+                    k: 3072,
+                    n: 3072,
+                    dtype: DType::BF16,
+                },
+                calls: 3,
+                ns: 500_000,
+            }],
             notes: vec!["attention ran on DDO's kernels: cuDNN refused".into()],
         };
         assert_eq!(p.total_ns(), 4_000_000);
@@ -895,7 +978,14 @@ mod tests {
         assert!(text.contains("2000 GB/s"), "{text}");
         assert!(text.contains("75.0%"), "{text}");
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[lines.len() - 2].contains("4.000 ms"), "{text}");
+        assert!(lines[lines.len() - 4].contains("4.000 ms"), "{text}");
+        // The shapes after the total: 3 x 2·4608·3072·3072 flops in 0.5 ms.
+        assert!(
+            lines[lines.len() - 2].starts_with("linear_fp8 4608x3072x3072")
+                && lines[lines.len() - 2].contains("521.8 TFLOP/s")
+                && lines[lines.len() - 2].contains("12.5%"),
+            "{text}"
+        );
         assert_eq!(
             lines[lines.len() - 1],
             "note: attention ran on DDO's kernels: cuDNN refused"

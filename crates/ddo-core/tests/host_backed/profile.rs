@@ -54,10 +54,33 @@ fn the_host_backend_profiles_the_ops_it_hands_out() {
     assert!(dev.begin_op_profile());
     ops.linear(&big, &w, None).unwrap();
     ops.linear(&x, &w, None).unwrap();
+    // A linear_concat of two parts, 1 and 3 wide, is one linear of 3 rows and k = 4.
+    let a = ops.tensor_from_f32(&[3, 1], DType::F32, &[0.5; 3]).unwrap();
+    let b = ops.tensor_from_f32(&[3, 3], DType::F32, &[0.5; 9]).unwrap();
+    ops.linear_concat(&[&a, &b], &w, None).unwrap();
     let p = dev.end_op_profile().unwrap().unwrap();
     assert_eq!(
         p.largest_linear.map(|g| (g.rows, g.k, g.n)),
         Some((12, 4, 5))
+    );
+    // The linears by shape: 12x4x5 once, 3x4x5 twice (the plain one and the concat),
+    // their times summing to the class's.
+    let shapes: Vec<_> = p
+        .linears
+        .iter()
+        .map(|l| (l.op.as_str(), l.shape.rows, l.shape.k, l.shape.n, l.calls))
+        .collect();
+    assert_eq!(shapes.len(), 2, "{shapes:?}");
+    assert!(shapes.contains(&("linear", 12, 4, 5, 1)), "{shapes:?}");
+    assert!(shapes.contains(&("linear", 3, 4, 5, 2)), "{shapes:?}");
+    assert_eq!(
+        p.linears.iter().map(|l| l.ns).sum::<u64>(),
+        p.classes.iter().find(|c| c.op == "linear").unwrap().ns
+    );
+    assert!(
+        p.format_text().contains("linear 3x4x5"),
+        "{}",
+        p.format_text()
     );
     assert!(dev.begin_op_profile());
     ops.unary(&x, UnaryOp::Silu).unwrap();
