@@ -252,6 +252,7 @@ fn planned_pipeline(
                 args.compute.unwrap_or_default().weights_dtype(args.dtype)?,
                 args.max_sequence_length,
                 crate::run::unused_weights(args.allow_unused_weights),
+                None,
                 bar,
             )?
             .0);

@@ -97,3 +97,55 @@ fn flux_dev_unwritten_costs_address_space_not_memory() {
     );
     assert!(t8 * 10 < t16 * 7 && t8 * 2 > t16, "{t8} of {t16}");
 }
+
+/// Whether every param of `c` is all zero bytes.
+fn all_zero(c: &Component) -> bool {
+    c.params()
+        .iter()
+        .all(|p| p.host().with_bytes(|b| b.iter().all(|&x| x == 0)))
+}
+
+/// The bytes of every param of `c`, in order.
+fn values(c: &Component) -> Vec<Vec<u8>> {
+    c.params()
+        .iter()
+        .map(|p| p.host().with_bytes(|b| b.to_vec()))
+        .collect()
+}
+
+/// `random_parts` (what `ddo bench --component C` builds): the named component has
+/// `random`'s values byte for byte, the others `random`'s params with no values (so a bench
+/// of FLUX.1-dev's transformer no longer holds T5-XXL's 9.5 GB).
+#[test]
+fn random_parts_writes_only_the_named_component_with_random_s_values() {
+    let config = FluxPipelineConfig::tiny();
+    let random = FluxPipeline::random(&config, 0, DType::F32).unwrap();
+    for only in ["transformer", "text_encoder_2", "vae"] {
+        let parts =
+            FluxPipeline::random_parts(&config, 0, DType::F32, Loaded::default(), |c| c == only)
+                .unwrap();
+        assert_eq!(seen(&random.components()), seen(&parts.components()));
+        for (r, p) in random.components().iter().zip(parts.components()) {
+            assert_eq!(r.name(), p.name());
+            if p.name() == only {
+                assert_eq!(values(r), values(&p), "{only}");
+                assert!(!all_zero(&p), "{only} has values");
+            } else {
+                assert!(all_zero(&p), "{} unwritten when benching {only}", p.name());
+                assert!(!all_zero(r), "{} random", r.name());
+            }
+        }
+    }
+    let config = QwenImagePipelineConfig::tiny();
+    let random = QwenImagePipeline::random(&config, 0, DType::F32).unwrap();
+    let parts = QwenImagePipeline::random_parts(&config, 0, DType::F32, |c| c == "transformer")
+        .unwrap();
+    assert_eq!(seen(&random.components()), seen(&parts.components()));
+    for (r, p) in random.components().iter().zip(parts.components()) {
+        if p.name() == "transformer" {
+            assert_eq!(values(r), values(&p));
+        } else {
+            assert!(all_zero(&p), "{}", p.name());
+        }
+    }
+}

@@ -560,6 +560,10 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let outputs = Outputs::plan(&output_paths, &Inputs::of(&args.paths_read()))?;
 
     let mut bar = ProgressBar::new();
+    let benched = args
+        .component
+        .clone()
+        .unwrap_or_else(|| "transformer".to_string());
     let (pipe, model_label) = build_pipeline(
         &source,
         &ComponentFiles {
@@ -572,6 +576,8 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
         dtype,
         None,
         crate::run::unused_weights(args.allow_unused_weights),
+        // Random weights for the benched component alone: the others are never run.
+        Some(&benched),
         &mut bar,
     )?;
     // Rounded to whole latent patches as `ddo run` rounds it, and said so.
@@ -579,10 +585,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
     let (height, width) = (size.height, size.width);
     let workload = Workload {
         pipe: &pipe,
-        component: args
-            .component
-            .clone()
-            .unwrap_or_else(|| "transformer".to_string()),
+        component: benched,
         height,
         width,
     };

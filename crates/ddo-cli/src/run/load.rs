@@ -207,13 +207,16 @@ fn load_files(
 }
 
 /// Loads or builds the pipeline of `source`'s family; the components of `files` replace
-/// the folder's or the config's (Flux only).
+/// the folder's or the config's (Flux only). With `only`, a named config's random weights
+/// get values in that component alone (a bench of one component): the others have their
+/// shapes and no memory behind them.
 pub(crate) fn build_pipeline(
     source: &Source,
     files: &ComponentFiles,
     dtype: Option<DType>,
     max_seq: Option<usize>,
     unused: ddo_nn::UnusedWeights,
+    only: Option<&str>,
     bar: &mut ProgressBar,
 ) -> CliResult<(AnyPipeline, String)> {
     match source.family()? {
@@ -226,10 +229,10 @@ pub(crate) fn build_pipeline(
                     format!("give at most {MAX_SEQUENCE_LENGTH} (FluxPipeline's limit for T5)"),
                 ));
             }
-            build_flux(source, files, dtype, max_seq, unused, bar)
+            build_flux(source, files, dtype, max_seq, unused, only, bar)
                 .map(|(p, label)| (AnyPipeline::Flux(Box::new(p)), label))
         }
-        Family::QwenImage => build_qwen(source, files, dtype, max_seq, unused, bar)
+        Family::QwenImage => build_qwen(source, files, dtype, max_seq, unused, only, bar)
             .map(|(p, label)| (AnyPipeline::QwenImage(Box::new(p)), label)),
     }
 }
@@ -242,6 +245,7 @@ fn build_qwen(
     dtype: Option<DType>,
     max_seq: Option<usize>,
     unused: ddo_nn::UnusedWeights,
+    only: Option<&str>,
     bar: &mut ProgressBar,
 ) -> CliResult<(QwenImagePipeline, String)> {
     for (option, f) in [
@@ -279,7 +283,9 @@ fn build_qwen(
                 "qwen-tiny",
             )?;
             bar.status(&format!("building {name} with random {dtype} weights..."));
-            let pipe = QwenImagePipeline::random(&config, 0, dtype)?;
+            let pipe = QwenImagePipeline::random_parts(&config, 0, dtype, |c| {
+                only.is_none_or(|o| o == c)
+            })?;
             bar.finish();
             (pipe, format!("{name} (random weights, {dtype})"))
         }
@@ -333,6 +339,7 @@ fn build_flux(
     dtype: Option<DType>,
     max_seq: Option<usize>,
     unused: ddo_nn::UnusedWeights,
+    only: Option<&str>,
     bar: &mut ProgressBar,
 ) -> CliResult<(FluxPipeline, String)> {
     match source {
@@ -353,7 +360,9 @@ fn build_flux(
             // The files as stored unless --dtype asks for a conversion.
             let loaded = load_files(files, &config, None, asked, unused, bar)?;
             bar.status(&format!("building {name} with random {dtype} weights..."));
-            let pipe = FluxPipeline::random_with(&config, 0, dtype, loaded)?;
+            let pipe = FluxPipeline::random_parts(&config, 0, dtype, loaded, |c| {
+                only.is_none_or(|o| o == c)
+            })?;
             bar.finish();
             let mut label = format!("{name} (random weights, {dtype}");
             for (what, f) in [

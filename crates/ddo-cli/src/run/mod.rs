@@ -569,6 +569,7 @@ mod tests {
                 None,
                 None,
                 unused_weights(true),
+                None,
                 &mut ProgressBar::new(),
             )
             .unwrap();

@@ -245,6 +245,7 @@ impl Session {
             options.dtype,
             options.max_sequence_length,
             unused_weights(options.allow_unused_weights),
+            None,
             bar,
         )?;
         laps.lap("weights");

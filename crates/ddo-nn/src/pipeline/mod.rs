@@ -465,8 +465,27 @@ impl FluxPipeline {
         dtype: DType,
         loaded: Loaded,
     ) -> LoadResult<Self> {
+        Self::random_parts(config, seed, dtype, loaded, |_| true)
+    }
+
+    /// [`FluxPipeline::random_with`] where only the random components `written` names
+    /// (`text_encoder`, `text_encoder_2`, `transformer`, `vae`) get values, the same as
+    /// `random_with`'s; the others are [`RandomWeights::unwritten`] (shapes and bytes, no
+    /// memory behind them: not to be run). A bench of one component holds only its weights.
+    pub fn random_parts(
+        config: &FluxPipelineConfig,
+        seed: u64,
+        dtype: DType,
+        loaded: Loaded,
+        written: impl Fn(&str) -> bool,
+    ) -> LoadResult<Self> {
         Self::built_from(config, dtype, loaded, |k| {
-            RandomWeights::new(seed.wrapping_add(k), dtype.compute())
+            let name = ["text_encoder", "text_encoder_2", "transformer", "vae"][k as usize];
+            if written(name) {
+                RandomWeights::new(seed.wrapping_add(k), dtype.compute())
+            } else {
+                RandomWeights::unwritten(dtype.compute())
+            }
         })
     }
 

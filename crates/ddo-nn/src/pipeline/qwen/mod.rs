@@ -250,8 +250,26 @@ impl QwenImagePipeline {
     /// transformer's and the text encoder's linears as scaled fp8 and makes the VAE in bf16
     /// ([`crate::fp8`]).
     pub fn random(config: &QwenImagePipelineConfig, seed: u64, dtype: DType) -> LoadResult<Self> {
+        Self::random_parts(config, seed, dtype, |_| true)
+    }
+
+    /// [`QwenImagePipeline::random`] where only the components `written` names
+    /// (`text_encoder`, `transformer`, `vae`) get values, the same as `random`'s; the others
+    /// are [`RandomWeights::unwritten`] (shapes and bytes, no memory behind them: not to be
+    /// run). A bench of one component holds only its weights.
+    pub fn random_parts(
+        config: &QwenImagePipelineConfig,
+        seed: u64,
+        dtype: DType,
+        written: impl Fn(&str) -> bool,
+    ) -> LoadResult<Self> {
         Self::built_from(config, dtype, |k| {
-            RandomWeights::new(seed.wrapping_add(k), dtype.compute())
+            let name = ["text_encoder", "transformer", "vae"][k as usize];
+            if written(name) {
+                RandomWeights::new(seed.wrapping_add(k), dtype.compute())
+            } else {
+                RandomWeights::unwritten(dtype.compute())
+            }
         })
     }
 
