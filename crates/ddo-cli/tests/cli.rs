@@ -1193,6 +1193,20 @@ fn bench_compares_routes_in_one_process() {
     );
     assert!(rate > 0.0 && (seconds - all_flops as f64 / rate).abs() <= seconds * 1e-9);
     let c0 = &v["candidates"][0];
+    // The host's queueing time of a timed forward: positive, never past the forward's.
+    let queued = c0["median_enqueued_seconds"].as_f64().unwrap();
+    assert!(
+        queued > 0.0 && queued <= c0["max_seconds"].as_f64().unwrap(),
+        "{c0}"
+    );
+    // The linears by shape: every linear call of the profile is in one of them.
+    let shapes = c0["op_profile"]["linears"].as_array().unwrap();
+    let by_shape: u64 = shapes
+        .iter()
+        .filter(|l| l["op"] == "linear")
+        .map(|l| l["calls"].as_u64().unwrap())
+        .sum();
+    assert_eq!(by_shape, class("linear")["calls"].as_u64().unwrap());
     let ratio = c0["ratio_to_compute_floor"].as_f64().unwrap();
     assert!(
         (ratio - c0["median_seconds"].as_f64().unwrap() / seconds).abs() <= ratio * 1e-9,
@@ -1216,6 +1230,10 @@ fn bench_compares_routes_in_one_process() {
     ]));
     assert!(
         text.contains("device time per op class") && text.contains("TFLOP/s"),
+        "{text}"
+    );
+    assert!(
+        text.contains("linear rowsxkxn") && text.contains("host: a timed forward queued in"),
         "{text}"
     );
     assert!(

@@ -186,6 +186,9 @@ fn one_activation_read_by_several_fp8_linears_gives_what_a_copy_of_it_gives() {
         assert_ne!(a, shared[0]);
         ops.end_forward().unwrap();
     }
+    // The cuBLAS handle's workspace (made at the first GEMM of this device) goes back too.
+    d.synchronize().unwrap();
+    gpu.release_blas_workspaces().unwrap();
     d.synchronize().unwrap();
     assert_eq!(d.memory_info().allocated, before);
 }

@@ -138,8 +138,8 @@ fn random_parts_writes_only_the_named_component_with_random_s_values() {
     }
     let config = QwenImagePipelineConfig::tiny();
     let random = QwenImagePipeline::random(&config, 0, DType::F32).unwrap();
-    let parts = QwenImagePipeline::random_parts(&config, 0, DType::F32, |c| c == "transformer")
-        .unwrap();
+    let parts =
+        QwenImagePipeline::random_parts(&config, 0, DType::F32, |c| c == "transformer").unwrap();
     assert_eq!(seen(&random.components()), seen(&parts.components()));
     for (r, p) in random.components().iter().zip(parts.components()) {
         if p.name() == "transformer" {

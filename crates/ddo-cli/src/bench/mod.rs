@@ -95,6 +95,10 @@ pub struct CandidateResult {
     /// This process's host memory right after the timed forwards, with the candidate still
     /// attached (`/proc/self/status`; `None` where it cannot be read).
     pub host_memory: Option<HostMemory>,
+    /// Median seconds from a timed forward's start to the host having queued all of it
+    /// (its `seconds` wait for the device too): near `median_seconds`, the host's own work
+    /// set the step; far below, the device did.
+    pub median_enqueued_seconds: Option<f64>,
     /// FNV-1a of the last timed forward's output bytes (hex): candidates that compute the
     /// same thing bit for bit (every route of one component, on one device) show the same.
     pub output_fnv1a: Option<String>,
@@ -370,6 +374,14 @@ impl Workload<'_> {
     /// One forward over `inputs`, its output kept (on the device), after the device is
     /// synchronised.
     fn output(&self, device: &dyn Device, inputs: &Prepared) -> ddo_core::Result<Tensor> {
+        let out = self.enqueue(device, inputs)?;
+        device.synchronize()?;
+        Ok(out)
+    }
+
+    /// One forward over `inputs`, its output kept, as soon as the host has queued it (the
+    /// device may still be running it).
+    fn enqueue(&self, device: &dyn Device, inputs: &Prepared) -> ddo_core::Result<Tensor> {
         let out: Tensor = match (self.pipe, inputs) {
             (AnyPipeline::Flux(p), Prepared::Transformer(inputs)) => {
                 p.transformer.forward(device, inputs)?
@@ -402,7 +414,6 @@ impl Workload<'_> {
                 });
             }
         };
-        device.synchronize()?;
         Ok(out)
     }
 }
@@ -743,6 +754,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             let mut op_profile = None;
             let mut counted = None;
             let mut host_memory = None;
+            let mut enqueued = Vec::with_capacity(repeats);
             let mut output_fnv1a = None;
             let run = (|| -> ddo_core::Result<(Vec<f64>, u64, u64)> {
                 if unmanaged {
@@ -762,7 +774,9 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 let mut last = None;
                 for i in 0..repeats {
                     let t0 = Instant::now();
-                    let out = workload.output(&*device, &inputs)?;
+                    let out = workload.enqueue(&*device, &inputs)?;
+                    enqueued.push(t0.elapsed().as_secs_f64());
+                    device.synchronize()?;
                     seconds.push(t0.elapsed().as_secs_f64());
                     // Only the last forward's output is kept (the others go at once).
                     last = (i + 1 == repeats).then_some(out);
@@ -852,6 +866,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
                 peak_pinned_host_bytes,
                 op_profile,
                 host_memory,
+                median_enqueued_seconds: (!enqueued.is_empty()).then(|| median(&enqueued)),
                 output_fnv1a,
                 coded,
                 lora_switch,
@@ -878,6 +893,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> CliResult<()> {
             peak_pinned_host_bytes: 0,
             op_profile: None,
             host_memory: None,
+            median_enqueued_seconds: None,
             output_fnv1a: None,
             coded: None,
             lora_switch: None,

@@ -189,6 +189,13 @@ impl BenchReport {
                     Some(p) => {
                         s += &format!("\n{}: device time per op class, one forward\n", r.label);
                         s += &p.format_text();
+                        if let Some(q) = r.median_enqueued_seconds {
+                            s += &format!(
+                                "host: a timed forward queued in {:.2} ms (median) of its {:.2} ms\n",
+                                q * 1e3,
+                                r.median_seconds * 1e3
+                            );
+                        }
                     }
                     None if r.error.is_none() => {
                         s += &format!("\n{}: this device keeps no per-op profile\n", r.label);
