@@ -438,8 +438,8 @@ fn a_qwen_image_gguf_transformer_runs_as_its_dequantization_does() {
         }
     }
     // Within bf16's own error: the blocks' image against the dequantized weights in bf16 is
-    // no further than bf16 is from f32 on the same weights (the blocks keep the small
-    // tensors in f32, which `--dtype bf16` rounds).
+    // no further than bf16 is from f32 on the same weights (both round the small tensors
+    // to bf16; the blocks dequantize per linear).
     let bf16 = sample(&d.join("ref-bf16.safetensors"));
     let own = rel_l2(&bf16, &sample(&d.join("ref-f32.safetensors")));
     let e = rel_l2(first.as_ref().unwrap(), &bf16);

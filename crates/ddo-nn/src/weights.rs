@@ -370,6 +370,11 @@ pub struct CheckpointWeights {
     files: Vec<Checkpoint>,
     location: HashMap<String, usize>,
     target: Option<DType>,
+    /// The dtype the unquantized float tensors of a GGUF file holding quantized ones are
+    /// loaded as (bf16, what such a model computes in: Diffusers' GGUF linears cast the
+    /// bias to their `compute_dtype`, and `torch_dtype` the other small tensors), where no
+    /// `target` converts everything.
+    gguf_floats: Option<DType>,
     origin: PathBuf,
     /// Tensors a model asked for.
     used: std::collections::HashSet<String>,
@@ -469,9 +474,19 @@ impl CheckpointWeights {
     /// ([`ddo_core::gguf::dequantized_checkpoint`]): into `target` where that is f32, f16 or
     /// bf16, else bf16, which an 8-bit `target` then converts as it converts any 16-bit file.
     pub fn open_file(path: &Path, target: Option<DType>) -> LoadResult<Self> {
+        let mut gguf_floats = None;
         let (ckpt, target) = if is_gguf(path) {
             match target {
-                None => (open_gguf(path, None)?, None),
+                None => {
+                    let ckpt = open_gguf(path, None)?;
+                    if ckpt
+                        .names()
+                        .any(|n| ckpt.tensor(n).is_ok_and(|t| t.quant.is_some()))
+                    {
+                        gguf_floats = Some(DType::BF16);
+                    }
+                    (ckpt, None)
+                }
                 Some(t) => {
                     let into = match t {
                         DType::F32 | DType::F16 | DType::BF16 => t,
@@ -492,6 +507,7 @@ impl CheckpointWeights {
             files: vec![ckpt],
             location,
             target,
+            gguf_floats,
             origin: path.to_path_buf(),
             used: Default::default(),
             views: None,
@@ -624,6 +640,7 @@ impl CheckpointWeights {
             files,
             location,
             target,
+            gguf_floats: None,
             origin: index.to_path_buf(),
             used: Default::default(),
             views: None,

@@ -232,7 +232,7 @@ impl CheckpointWeights {
                 HostBuffer::frozen(bytes, &label).slice_all()
             }
         };
-        let p = match self.target {
+        let p = match self.target.or(self.gguf_floats) {
             Some(t) if t != info.dtype => {
                 let mut values = host.with_bytes(|b| info.dtype.decode_f32(b))?;
                 // A scaled fp8 weight converts as its dequantized values.
