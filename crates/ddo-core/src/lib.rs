@@ -91,7 +91,10 @@ pub use host_budget::{HostBudget, HostBudgetSource};
 pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
 pub use ops::{AttentionInput, BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp, check_finite};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
-pub use profile::{ComputeDevice, GemmShape, OpClassTime, OpProfile, OpProfiler, ProfiledOps};
+pub use profile::{
+    ComputeDevice, GemmShape, LinearShapeTime, OpCall, OpClassTime, OpProfile, OpProfiler,
+    ProfiledOps,
+};
 pub use resolve::{DecidedBy, Environment, MapEnvironment, ProcessEnvironment, Resolution};
 pub use route::{
     AttachedRoute, ComponentProgram, EffectiveOption, ForwardContext, HeaderEstimate, LeafWeights,

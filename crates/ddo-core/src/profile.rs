@@ -41,6 +41,21 @@ pub struct OpClassTime {
     /// Bytes of the inputs and outputs, summed over the calls (each tensor counted once per
     /// call, as if read or written once).
     pub bytes: u64,
+    /// Device nanoseconds the compute stream spent between the previous op's end and each
+    /// call's start, summed: work outside the ops (a route's waits for its copies, its own
+    /// kernels) or nothing queued yet.
+    pub idle_before_ns: u64,
+}
+
+/// One op call of a [`OpProfile`], in the order the forward ran them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OpCall {
+    /// The class.
+    pub op: String,
+    /// Device nanoseconds from its start to its end event.
+    pub ns: u64,
+    /// Device nanoseconds from the previous call's end to its start.
+    pub idle_before_ns: u64,
 }
 
 /// The shape of one linear call: `x [rows, k] · w [n, k]ᵀ`, the input in `dtype`.
@@ -111,6 +126,9 @@ pub struct OpProfile {
     /// The linear classes' calls by shape, the most time first: which shapes run below the
     /// class's rate.
     pub linears: Vec<LinearShapeTime>,
+    /// Every call in order (two forwards' profiles compared call by call show where one
+    /// loses time).
+    pub calls: Vec<OpCall>,
     /// What the backend says of how the ops ran, once each (on CUDA: why attention ran on
     /// DDO's kernels where cuDNN was missing or refused a shape).
     pub notes: Vec<String>,
@@ -127,6 +145,11 @@ impl OpProfile {
         self.classes.iter().map(|c| c.calls).sum()
     }
 
+    /// Device nanoseconds the compute stream spent between ops.
+    pub fn total_idle_ns(&self) -> u64 {
+        self.classes.iter().map(|c| c.idle_before_ns).sum()
+    }
+
     /// The profile as a text table: class, calls, time, share of the total, and the rate
     /// (TFLOP/s for the GEMM-like ops, GB/s of tensor bytes for the others).
     pub fn format_text(&self) -> String {
@@ -140,8 +163,8 @@ impl OpProfile {
             .unwrap_or(2)
             .max(8);
         let mut s = format!(
-            "{:<w$} {:>7} {:>11} {:>7} {:>14}\n",
-            "op class", "calls", "time", "share", "rate"
+            "{:<w$} {:>7} {:>11} {:>7} {:>14} {:>12}\n",
+            "op class", "calls", "time", "share", "rate", "idle before"
         );
         for c in &self.classes {
             let secs = c.ns as f64 / 1e9;
@@ -153,19 +176,23 @@ impl OpProfile {
                 format!("{:.0} GB/s", c.bytes as f64 / secs / 1e9)
             };
             s += &format!(
-                "{:<w$} {:>7} {:>8.3} ms {:>6.1}% {:>14}\n",
+                "{:<w$} {:>7} {:>8.3} ms {:>6.1}% {:>14} {:>9.3} ms\n",
                 c.op,
                 c.calls,
                 c.ns as f64 / 1e6,
                 100.0 * c.ns as f64 / total as f64,
-                rate
+                rate,
+                c.idle_before_ns as f64 / 1e6
             );
         }
         s += &format!(
-            "{:<w$} {:>7} {:>8.3} ms\n",
+            "{:<w$} {:>7} {:>8.3} ms {:>7} {:>14} {:>9.3} ms\n",
             "total",
             self.total_calls(),
-            self.total_ns() as f64 / 1e6
+            self.total_ns() as f64 / 1e6,
+            "",
+            "",
+            self.total_idle_ns() as f64 / 1e6
         );
         if !self.linears.is_empty() {
             s += &format!(
@@ -311,11 +338,22 @@ impl OpProfiler {
         let mut by_class: BTreeMap<String, OpClassTime> = BTreeMap::new();
         let mut by_shape: BTreeMap<(String, usize, usize, usize), LinearShapeTime> =
             BTreeMap::new();
+        let mut calls = Vec::with_capacity(pending.len());
+        let mut previous_end: Option<Event> = None;
         for p in pending {
             let Some(ns) = device.event_elapsed_ns(&p.start, &p.end)? else {
                 return Ok(None);
             };
             let ns_u = ns.max(0) as u64;
+            let idle = match &previous_end {
+                Some(e) => device.event_elapsed_ns(e, &p.start)?.unwrap_or(0).max(0) as u64,
+                None => 0,
+            };
+            calls.push(OpCall {
+                op: p.op.clone(),
+                ns: ns_u,
+                idle_before_ns: idle,
+            });
             if let Some(shape) = p.shape {
                 let l = by_shape
                     .entry((p.op.clone(), shape.rows, shape.k, shape.n))
@@ -334,11 +372,14 @@ impl OpProfiler {
                 ns: 0,
                 flops: 0,
                 bytes: 0,
+                idle_before_ns: 0,
             });
             c.calls += 1;
             c.ns = c.ns.saturating_add(ns_u);
+            c.idle_before_ns = c.idle_before_ns.saturating_add(idle);
             c.flops = c.flops.saturating_add(p.flops);
             c.bytes = c.bytes.saturating_add(p.bytes);
+            previous_end = Some(p.end);
         }
         let mut classes: Vec<OpClassTime> = by_class.into_values().collect();
         classes.sort_by(|a, b| b.ns.cmp(&a.ns).then_with(|| a.op.cmp(&b.op)));
@@ -348,6 +389,7 @@ impl OpProfiler {
             classes,
             largest_linear: self.largest_linear.lock().take(),
             linears,
+            calls,
             notes: Vec::new(),
         }))
     }
@@ -949,6 +991,7 @@ mod tests {
                     ns: 3_000_000,
                     flops: 6_000_000_000,
                     bytes: 0,
+                    idle_before_ns: 250_000,
                 },
                 OpClassTime {
                     op: "binary.Add".into(),
@@ -956,6 +999,7 @@ mod tests {
                     ns: 1_000_000,
                     flops: 0,
                     bytes: 2_000_000_000,
+                    idle_before_ns: 0,
                 },
             ],
             largest_linear: None,
@@ -970,6 +1014,7 @@ mod tests {
                 calls: 3,
                 ns: 500_000,
             }],
+            calls: Vec::new(),
             notes: vec!["attention ran on DDO's kernels: cuDNN refused".into()],
         };
         assert_eq!(p.total_ns(), 4_000_000);
@@ -978,7 +1023,12 @@ mod tests {
         assert!(text.contains("2000 GB/s"), "{text}");
         assert!(text.contains("75.0%"), "{text}");
         let lines: Vec<&str> = text.lines().collect();
-        assert!(lines[lines.len() - 4].contains("4.000 ms"), "{text}");
+        assert!(
+            lines[lines.len() - 4].contains("4.000 ms")
+                && lines[lines.len() - 4].contains("0.250 ms"),
+            "{text}"
+        );
+        assert!(lines[0].ends_with("idle before"), "{text}");
         // The shapes after the total: 3 x 2·4608·3072·3072 flops in 0.5 ms.
         assert!(
             lines[lines.len() - 2].starts_with("linear_fp8 4608x3072x3072")

@@ -82,6 +82,18 @@ fn the_host_backend_profiles_the_ops_it_hands_out() {
         "{}",
         p.format_text()
     );
+    // Every call in order, its time and the stream's idle time before it summing to its
+    // class's; the first call has none before it.
+    let order: Vec<&str> = p.calls.iter().map(|c| c.op.as_str()).collect();
+    assert_eq!(order, ["linear", "linear", "linear"]);
+    assert_eq!(p.calls[0].idle_before_ns, 0);
+    let lin = p.classes.iter().find(|c| c.op == "linear").unwrap();
+    assert_eq!(p.calls.iter().map(|c| c.ns).sum::<u64>(), lin.ns);
+    assert_eq!(
+        p.calls.iter().map(|c| c.idle_before_ns).sum::<u64>(),
+        lin.idle_before_ns
+    );
+    assert_eq!(p.total_idle_ns(), lin.idle_before_ns);
     assert!(dev.begin_op_profile());
     ops.unary(&x, UnaryOp::Silu).unwrap();
     assert_eq!(dev.end_op_profile().unwrap().unwrap().largest_linear, None);
