@@ -134,10 +134,7 @@ pub fn bundle() -> Result<(), String> {
     ])?)
     .ok_or("cargo built no `ddo` binary")?;
     let dir = root.join(BUNDLE_DIR);
-    if dir.exists() {
-        fs::remove_dir_all(&dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
-    }
-    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    clear_keeping_bench_bundles(&dir)?;
     let mut names = Vec::new();
     for exe in &executables {
         let mut name = bundle_name(exe);
@@ -156,6 +153,13 @@ pub fn bundle() -> Result<(), String> {
     }
     // The binary the command's GPU tests run (`DDO_BIN` in run-all.sh).
     fs::copy(&ddo, dir.join("ddo")).map_err(|e| format!("cannot copy {}: {e}", ddo.display()))?;
+    // xz-compressed (about a fifth of 98 MiB), so the bundle travels in one device call
+    // beside the bench bundles; run-all.sh unpacks each once.
+    for name in names.iter().map(String::as_str).chain(["ddo"]) {
+        run(std::process::Command::new("xz")
+            .args(["-T2", "-6", "-f"])
+            .arg(dir.join(name)))?;
+    }
     // The conformance tests' Diffusers side: the script and the wheels.
     let peer = root.join(PEER_SCRIPT);
     fs::copy(&peer, dir.join("gpu_peer.py"))
@@ -190,6 +194,28 @@ pub fn bundle() -> Result<(), String> {
         names.len(),
         dir.display()
     );
+    Ok(())
+}
+
+/// Empties `dir` (made if missing) but for the bench bundles beside the tests
+/// (`bench*` folders, which `cargo xtask bench` builds), so one device call can carry both.
+fn clear_keeping_bench_bundles(dir: &Path) -> Result<(), String> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let entries = fs::read_dir(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+        let path = entry.path();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && entry.file_name().to_string_lossy().starts_with("bench") {
+            continue;
+        }
+        let removed = if is_dir {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        removed.map_err(|e| format!("cannot remove {}: {e}", path.display()))?;
+    }
     Ok(())
 }
 
@@ -293,6 +319,12 @@ export RUST_BACKTRACE=1
 if [ -z "${{DDO_FIXTURES:-}}" ] && [ -d "$here/../fixtures" ]; then
   export DDO_FIXTURES="$(cd "$here/../fixtures" && pwd)"
 fi
+# The binaries travel xz-compressed: each unpacked once, beside its .xz.
+for packed in "$here"/*.xz; do
+  [ -e "$packed" ] || continue
+  bin="${{packed%.xz}}"
+  [ -x "$bin" ] || {{ xz -dc "$packed" > "$bin.tmp" && chmod +x "$bin.tmp" && mv "$bin.tmp" "$bin"; }} || exit 1
+done
 {peer}
 # The `ddo` binary the command's GPU tests run.
 if [ -x "$here/ddo" ]; then
@@ -370,5 +402,37 @@ mod tests {
         assert!(script.contains(r#"python3 "$here/gpu_peer.py""#));
         // Before the first binary runs.
         assert!(script.find("DDO_PEER_DIR=").unwrap() < script.find("for bin in").unwrap());
+        // The compressed binaries are unpacked first.
+        let unpack = script.find(r#"xz -dc "$packed""#).unwrap();
+        assert!(unpack < script.find("DDO_BIN=").unwrap());
+        assert!(unpack < script.find("for bin in").unwrap());
+    }
+
+    #[test]
+    fn clearing_the_bundle_keeps_the_bench_bundles() {
+        // A folder of this test's own (xtask has no dependencies, tempfile neither).
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let root =
+            std::env::temp_dir().join(format!("xtask-bundle-test-{}-{nanos}", std::process::id()));
+        let b = root.join("gpu-bundle");
+        fs::create_dir_all(b.join("bench-gguf")).unwrap();
+        fs::write(b.join("bench-gguf/ddo.xz"), b"x").unwrap();
+        fs::create_dir_all(b.join("logs")).unwrap();
+        fs::write(b.join("gpu.xz"), b"x").unwrap();
+        fs::write(b.join("run-all.sh"), b"x").unwrap();
+        clear_keeping_bench_bundles(&b).unwrap();
+        let left: Vec<String> = fs::read_dir(&b)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, ["bench-gguf"]);
+        assert!(b.join("bench-gguf/ddo.xz").exists());
+        // A missing folder is made.
+        let fresh = root.join("new");
+        clear_keeping_bench_bundles(&fresh).unwrap();
+        assert!(fresh.is_dir());
+        fs::remove_dir_all(&root).unwrap();
     }
 }
