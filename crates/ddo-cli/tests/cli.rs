@@ -1113,6 +1113,10 @@ fn bench_compares_routes_in_one_process() {
                 m["anon_bytes"].as_u64().unwrap() + m["file_bytes"].as_u64().unwrap() <= rss,
                 "{m}"
             );
+            // glibc's count of the heap in use: the process has one.
+            if cfg!(target_env = "gnu") {
+                assert!(m["heap_bytes"].as_u64().unwrap() > 0, "{m}");
+            }
         }
     }
     // Every route computes the resident output bit for bit.

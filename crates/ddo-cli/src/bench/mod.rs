@@ -136,6 +136,10 @@ pub struct HostMemory {
     pub file_bytes: u64,
     /// `RssShmem`: shared memory pages.
     pub shmem_bytes: u64,
+    /// Bytes the allocator has handed out (glibc's `mallinfo2`; `None` elsewhere): DDO's
+    /// own heap inside the anonymous pages, the rest being the libraries' and the driver's
+    /// mappings.
+    pub heap_bytes: Option<u64>,
 }
 
 impl HostMemory {
@@ -151,6 +155,7 @@ impl HostMemory {
             anon_bytes: anon.unwrap_or(0),
             file_bytes: file.unwrap_or(0),
             shmem_bytes: shmem.unwrap_or(0),
+            heap_bytes: ddo_core::host_memory::heap_in_use(),
         })
     }
 }
