@@ -327,14 +327,16 @@ impl Workload<'_> {
                         p.transformer_dtype(),
                         &noise(tokens * c.in_channels, 1),
                     )?,
+                    // In the model's dtype, as the pipeline's text encoders hand them over
+                    // (and as the peer bench holds them): a forward casts nothing.
                     encoder_hidden_states: on_device(
                         vec![1, text, c.joint_attention_dim],
-                        DType::F32,
+                        p.transformer_dtype(),
                         &noise(text * c.joint_attention_dim, 2),
                     )?,
                     pooled_projections: on_device(
                         vec![1, c.pooled_projection_dim],
-                        DType::F32,
+                        p.transformer_dtype(),
                         &noise(c.pooled_projection_dim, 3),
                     )?,
                     timestep: vec![0.5],
