@@ -46,6 +46,15 @@ pub struct ComputeFloor {
     pub fp8_linear_error: Option<String>,
 }
 
+/// The timed linears' input `x [rows, k]` in the GEMM's dtype, seeded values on the device.
+fn activation(ops: &dyn ddo_core::Ops, gemm: GemmShape) -> CliResult<Tensor> {
+    Ok(ops.tensor_from_f32(
+        &[gemm.rows, gemm.k],
+        gemm.dtype,
+        &signed_values(1, gemm.rows * gemm.k),
+    )?)
+}
+
 /// The device's rate (flop/s) for `linear` at `gemm`, and what ran at it: `x [rows, k]` and
 /// `w [n, k]` in the GEMM's dtype, a few calls to warm up, then the best of [`ROUNDS`]
 /// rounds of [`CALLS`] calls, each round timed from a synchronized device to a synchronized
@@ -53,11 +62,7 @@ pub struct ComputeFloor {
 /// it is faster.
 pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'static str, f64)> {
     let ops = ops_of(device)?;
-    let x = ops.tensor_from_f32(
-        &[gemm.rows, gemm.k],
-        gemm.dtype,
-        &signed_values(1, gemm.rows * gemm.k),
-    )?;
+    let x = activation(ops, gemm)?;
     let w = ops.tensor_from_f32(
         &[gemm.n, gemm.k],
         gemm.dtype,
@@ -112,11 +117,7 @@ fn best_seconds_per_call(
 /// without (codes a backend keeps for the same input are reused: the GEMM alone).
 pub fn fp8_linear_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, f64)> {
     let ops = ops_of(device)?;
-    let x = ops.tensor_from_f32(
-        &[gemm.rows, gemm.k],
-        gemm.dtype,
-        &signed_values(1, gemm.rows * gemm.k),
-    )?;
+    let x = activation(ops, gemm)?;
     // Weights spread over E4M3's range, at a scale that brings them back to about +-1,
     // encoded on the host and moved as a checkpoint's are (a backend may compute on E4M3
     // only as linear weights: no `tensor_from_f32` of them).

@@ -93,6 +93,24 @@ pub fn takes_weight(w: &Tensor) -> bool {
     w.dtype() == DType::F8E4M3 && w.shape().len() == 2 && w.quant().is_none()
 }
 
+/// [`Ops::linear_fp8_concat`] as the concatenation of `xs` on the last dim ([`Ops::concat`])
+/// and one [`Ops::linear_fp8`] (a single part is passed as it is): the trait's default, and
+/// the fallback of a backend whose own path does not take the parts.
+pub fn linear_fp8_of_concat<O: Ops + ?Sized>(
+    ops: &O,
+    xs: &[&Tensor],
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    match xs {
+        [x] => ops.linear_fp8(x, w, bias),
+        _ => {
+            let last = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
+            ops.linear_fp8(&ops.concat(xs, last)?, w, bias)
+        }
+    }
+}
+
 /// [`Ops::linear_fp8`] through [`linear_reference`] on any backend: the operands read to the
 /// host, the product made there, the result written back in `x`'s dtype. The trait's default
 /// (the host backend's op, and the fallback of a device without fp8 tensor cores).

@@ -344,13 +344,7 @@ pub trait Ops: Send + Sync {
         w: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        match xs {
-            [x] => self.linear_fp8(x, w, bias),
-            _ => {
-                let last = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
-                self.linear_fp8(&self.concat(xs, last)?, w, bias)
-            }
-        }
+        crate::fp8_compute::linear_fp8_of_concat(self, xs, w, bias)
     }
 
     /// The end of one forward of a component ([`crate::Component::run`] calls it, after

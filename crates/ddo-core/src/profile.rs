@@ -504,14 +504,16 @@ impl ProfiledOps {
             .run(d, op, variant, None, in_bytes, flops, || f(d))
     }
 
-    /// [`Self::op`] for a linear of `xs` (side by side on the last dim) and `w [n, k]`:
-    /// noted for the compute floor, its flops counted, and timed by shape too.
+    /// [`Self::op`] for a linear of `xs` (side by side on the last dim), `w [n, k]` and
+    /// `bias`, reading `extra_bytes` more (an accumulator): noted for the compute floor, its
+    /// bytes and flops counted (only while a profile is active), and timed by shape too.
     fn linear_op(
         &self,
         op: &str,
         xs: &[&Tensor],
         w: &Tensor,
-        bytes: u64,
+        bias: Option<&Tensor>,
+        extra_bytes: u64,
         f: impl FnOnce(&dyn ComputeDevice) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let shape = match (xs.first(), w.shape()) {
@@ -530,7 +532,7 @@ impl ProfiledOps {
             op,
             None,
             shape,
-            || bytes,
+            || tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat()) + extra_bytes,
             &|_| linear_flops(xs, w),
             || f(d),
         )
@@ -570,13 +572,11 @@ impl Ops for ProfiledOps {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
-        self.linear_op("linear", &[x], w, bytes, |d| d.linear(x, w, bias))
+        self.linear_op("linear", &[x], w, bias, 0, |d| d.linear(x, w, bias))
     }
 
     fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat());
-        self.linear_op("linear", xs, w, bytes, |d| d.linear_concat(xs, w, bias))
+        self.linear_op("linear", xs, w, bias, 0, |d| d.linear_concat(xs, w, bias))
     }
 
     fn matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -820,8 +820,8 @@ impl Ops for ProfiledOps {
         acc: Tensor,
         gelu_tanh: bool,
     ) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&[x, w, &acc][..], &some(&[bias])].concat());
-        self.linear_op("linear_accumulate", &[x], w, bytes, |d| {
+        let acc_bytes = acc.nbytes() as u64;
+        self.linear_op("linear_accumulate", &[x], w, bias, acc_bytes, |d| {
             d.linear_accumulate(x, w, bias, acc, gelu_tanh)
         })
     }
@@ -837,8 +837,7 @@ impl Ops for ProfiledOps {
     }
 
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
-        self.linear_op("linear_gelu_tanh", &[x], w, bytes, |d| {
+        self.linear_op("linear_gelu_tanh", &[x], w, bias, 0, |d| {
             d.linear_gelu_tanh(x, w, bias)
         })
     }
@@ -861,8 +860,7 @@ impl Ops for ProfiledOps {
 
     /// A class of its own, with the linear's flops.
     fn linear_fp8(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
-        self.linear_op("linear_fp8", &[x], w, bytes, |d| d.linear_fp8(x, w, bias))
+        self.linear_op("linear_fp8", &[x], w, bias, 0, |d| d.linear_fp8(x, w, bias))
     }
 
     /// [`Ops::linear_fp8`]'s class, with the linear's flops.
@@ -872,8 +870,7 @@ impl Ops for ProfiledOps {
         w: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[xs, &[w][..], &some(&[bias])].concat());
-        self.linear_op("linear_fp8", xs, w, bytes, |d| {
+        self.linear_op("linear_fp8", xs, w, bias, 0, |d| {
             d.linear_fp8_concat(xs, w, bias)
         })
     }
@@ -885,8 +882,7 @@ impl Ops for ProfiledOps {
         w: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let bytes = tensor_bytes(&[&[x, w][..], &some(&[bias])].concat());
-        self.linear_op("linear_fp8_gelu_tanh", &[x], w, bytes, |d| {
+        self.linear_op("linear_fp8_gelu_tanh", &[x], w, bias, 0, |d| {
             d.linear_fp8_gelu_tanh(x, w, bias)
         })
     }

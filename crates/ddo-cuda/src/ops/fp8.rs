@@ -413,7 +413,7 @@ pub(crate) fn linear_fp8(
 
 /// `Ops::linear_fp8_concat` on `dev`: the parts' codes written side by side (no
 /// concatenation of the activation) where the tensor-core path takes them, else the
-/// concatenation and [`linear_fp8`].
+/// concatenation and one fp8 linear (`fp8_compute::linear_fp8_of_concat`).
 pub(crate) fn linear_fp8_concat(
     dev: &CudaDevice,
     xs: &[&Tensor],
@@ -425,14 +425,7 @@ pub(crate) fn linear_fp8_concat(
     {
         return Ok(y);
     }
-    match xs {
-        [x] => linear_fp8(dev, x, w, bias),
-        _ => {
-            let last = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
-            let x = ddo_core::Ops::concat(dev, xs, last)?;
-            linear_fp8(dev, &x, w, bias)
-        }
-    }
+    ddo_core::fp8_compute::linear_fp8_of_concat(dev, xs, w, bias)
 }
 
 /// `Ops::linear_fp8_gelu_tanh` on `dev`: the GELU in cuBLASLt's epilogue where the fp8 GEMM
