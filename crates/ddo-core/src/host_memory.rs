@@ -495,6 +495,10 @@ pub fn drop_file_cache(file: &std::fs::File) {
 
 /// Drops the page cache's clean pages of `len` bytes of `file` from `offset` (`len` 0: to
 /// the end), as [`drop_file_cache`] does for the whole file.
+/// The largest `pread` [`CheckpointMap::read_into_cache`] makes: 8 MiB, the scratch it
+/// reads through.
+pub const READ_THROUGH_PIECE: usize = 8 << 20;
+
 fn drop_file_range(file: &std::fs::File, offset: u64, len: u64) {
     use std::os::fd::AsRawFd;
     let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
@@ -801,6 +805,38 @@ impl CheckpointMap {
             return;
         }
         let _ = map.advise_range(memmap2::Advice::WillNeed, range.start, end - range.start);
+    }
+
+    /// Reads `range` of a mapped file into the page cache by `pread` through `scratch`
+    /// (grown to at most [`READ_THROUGH_PIECE`] bytes, reused), so that a `pread` soon after
+    /// finds the pages cached: sequential reads the kernel's own read-ahead serves at the
+    /// disk's rate, where `MADV_WILLNEED` over the same range read the GPU machine's disk at
+    /// a third of it (`tools/disk_read_methods.py`). `keep_going` is asked before each
+    /// piece; `false` stops the read (what the range was read for has been read already).
+    /// Advice only: nothing for bytes made in memory, and a read that fails stops quietly
+    /// (the `pread` that needs the bytes reports it).
+    pub fn read_into_cache(
+        &self,
+        range: std::ops::Range<usize>,
+        scratch: &mut Vec<u8>,
+        mut keep_going: impl FnMut() -> bool,
+    ) {
+        let (MapBytes::File(map), Some(file)) = (&self.mmap, &self.file) else {
+            return;
+        };
+        use std::os::unix::fs::FileExt;
+        let end = range.end.min(map.len());
+        let mut at = range.start;
+        while at < end && keep_going() {
+            let n = (end - at).min(READ_THROUGH_PIECE);
+            if scratch.len() < n {
+                scratch.resize(n, 0);
+            }
+            match file.read_at(&mut scratch[..n], at as u64) {
+                Ok(0) | Err(_) => return,
+                Ok(read) => at += read,
+            }
+        }
     }
 
     /// Queues read-ahead of `len` bytes from `from` ([`CheckpointMap::prefetch`]) on the
@@ -1465,6 +1501,42 @@ impl HostSlice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `read_into_cache` reads a file's range by `pread` in pieces of at most
+    /// [`READ_THROUGH_PIECE`] through the scratch, asks before each piece and stops when
+    /// told; a range past the end is clipped.
+    #[test]
+    fn read_into_cache_reads_in_pieces_and_stops_when_told() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.bin");
+        let n = 2 * READ_THROUGH_PIECE + 4096 + 100;
+        let bytes: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let map = CheckpointMap::open(&path).unwrap();
+        let mut scratch = Vec::new();
+        let mut asked = 0;
+        map.read_into_cache(100..n + 999, &mut scratch, || {
+            asked += 1;
+            true
+        });
+        assert_eq!(asked, 3);
+        assert_eq!(scratch.len(), READ_THROUGH_PIECE);
+        // The last piece is the range's tail, clipped at the file's end.
+        let tail = n - 100 - 2 * READ_THROUGH_PIECE;
+        assert_eq!(&scratch[..tail], &bytes[n - tail..]);
+        let mut scratch = Vec::new();
+        let mut asked = 0;
+        map.read_into_cache(0..n, &mut scratch, || {
+            asked += 1;
+            asked == 1
+        });
+        assert_eq!(asked, 2);
+        assert_eq!(&scratch[..], &bytes[..READ_THROUGH_PIECE]);
+        // Told to stop at once: nothing read.
+        let mut scratch = Vec::new();
+        map.read_into_cache(0..n, &mut scratch, || false);
+        assert!(scratch.is_empty());
+    }
 
     /// `rename_noreplace` never replaces what is at the target: not a file, not an empty
     /// folder (which a plain `rename` of a folder would replace), not a symbolic link; with
