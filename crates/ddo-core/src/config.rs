@@ -500,12 +500,16 @@ pub struct RouteOptions {
     /// pages of the units past it are given back once copied and read again from the disk
     /// for the next forward (the disk tier, [`crate::streaming::staged_read`]).
     pub page_cache_limit: Option<u64>,
+    /// Keep the streaming ring between a phase's forwards and copy the next forward's first
+    /// units into it while this one's last units run
+    /// ([`StreamingEngine::end_forward`](crate::streaming::StreamingEngine::end_forward)).
+    pub copy_ahead: Option<bool>,
 }
 
 impl RouteOptions {
     /// Every option name route specs know, in the order specs describe them: the
     /// vocabulary each route's [`OptionTable`](crate::OptionTable) takes its names from.
-    pub const NAMES: [&'static str; 14] = [
+    pub const NAMES: [&'static str; 15] = [
         "offload_type",
         "num_blocks_per_group",
         "use_stream",
@@ -520,6 +524,7 @@ impl RouteOptions {
         "timeline",
         "compress",
         "page_cache_limit",
+        "copy_ahead",
     ];
 
     /// Names of the options that were given.
@@ -551,6 +556,7 @@ impl RouteOptions {
             "timeline" => text(self.timeline),
             "compress" => text(self.compress),
             "page_cache_limit" => text(self.page_cache_limit),
+            "copy_ahead" => text(self.copy_ahead),
             _ => None,
         }
     }
@@ -586,6 +592,7 @@ impl RouteOptions {
             "timeline" => self.timeline = Some(parse_bool(key, value)?),
             "compress" => self.compress = Some(value.parse()?),
             "page_cache_limit" => self.page_cache_limit = Some(parse_size(key, value)?),
+            "copy_ahead" => self.copy_ahead = Some(parse_bool(key, value)?),
             _ => {
                 return Err(CoreError::InvalidOption {
                     option: key.into(),
@@ -821,6 +828,9 @@ impl RouteSpec {
         }
         if let Some(c) = o.compress {
             s.push_str(&format!(" compress={c}"));
+        }
+        if let Some(a) = o.copy_ahead {
+            s.push_str(&format!(" copy_ahead={a}"));
         }
         s
     }

@@ -160,6 +160,7 @@ fn run_case(case: &Case) -> Result<Outcome, TestCaseError> {
             .map(|f| (total as f64 * f) as u64 + ring_room),
         compress: ddo_core::Compression::Lossless,
         lossless_if_home_fits: case.by_default,
+        copy_ahead: true,
         page_cache_limit: case.page_cache_limit,
         ..StreamingConfig::default()
     };

@@ -241,6 +241,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         compress: ddo_core::Compression::None,
         page_cache_limit: case.page_cache_limit,
         lossless_if_home_fits: false,
+        copy_ahead: true,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();
@@ -400,10 +401,14 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         _ => prop_assert!(f.disk_bytes_per_forward <= staged_mapped),
     }
     let c = metrics.counters();
-    prop_assert_eq!(c.h2d_bytes, f.resident_bytes + 3 * f.streamed_bytes);
+    let (ahead_bytes, ahead_copies) = engine.copied_ahead_unconsumed();
+    prop_assert_eq!(
+        c.h2d_bytes,
+        f.resident_bytes + 3 * f.streamed_bytes + ahead_bytes
+    );
     prop_assert_eq!(
         c.h2d_copies,
-        resident.len() as u64 + 3 * f.copies_per_forward
+        resident.len() as u64 + 3 * f.copies_per_forward + ahead_copies
     );
     engine.teardown().unwrap();
     drop(engine);
@@ -857,6 +862,7 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
         lossless_if_home_fits: false,
+        copy_ahead: true,
     };
     let schedule: Vec<usize> = (0..8).collect();
     let dev: Arc<dyn Device> = d.clone();
@@ -904,7 +910,7 @@ fn resident_params_are_uploaded_from_their_own_page_locked_ranges_once() {
     }
     assert_eq!(
         metrics.counters().h2d_bytes,
-        f.resident_bytes + 2 * f.streamed_bytes,
+        f.resident_bytes + 2 * f.streamed_bytes + engine.copied_ahead_unconsumed().0,
         "resident params crossed once"
     );
     // Issue 35: once uploaded, the resident params' file pages left the process: their
@@ -998,6 +1004,7 @@ fn resident_only_ranges_are_handed_back_after_the_first_upload_in_schedule_order
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
         lossless_if_home_fits: false,
+        copy_ahead: true,
     };
     // The big segments interleaved with the small ones in the schedule.
     let schedule: Vec<usize> = vec![0, 5, 6, 7, 1, 8, 9, 10, 2, 11, 12, 13, 3, 14, 15, 16];
@@ -1063,6 +1070,7 @@ fn a_limit_under_the_home_registers_the_first_units_and_stages_the_rest() {
             unit_bytes: 150_016,
             pinned_limit: limit,
             pinned_source: PinnedSource::Register,
+            copy_ahead: true,
             ..StreamingConfig::default()
         },
         metrics.clone(),
@@ -1091,9 +1099,19 @@ fn a_limit_under_the_home_registers_the_first_units_and_stages_the_rest() {
         let got = forward(&d, &mut engine, &segs, &schedule, &outputs, Some(&lag)).unwrap();
         assert_eq!(got, want, "forward {i}");
     }
-    assert_eq!(metrics.counters().h2d_bytes, 3 * f.streamed_bytes);
+    // The registered first unit is copied ahead for a fourth forward; the staged ones
+    // never are.
+    let (ahead_bytes, ahead_copies) = engine.copied_ahead_unconsumed();
+    assert_eq!(ahead_bytes, 150_000);
+    assert_eq!(
+        metrics.counters().h2d_bytes,
+        3 * f.streamed_bytes + ahead_bytes
+    );
     assert_eq!(f.streamed_bytes, 150_000 + 5 * 150_016);
-    assert_eq!(metrics.counters().h2d_copies, 3 * f.copies_per_forward);
+    assert_eq!(
+        metrics.counters().h2d_copies,
+        3 * f.copies_per_forward + ahead_copies
+    );
     engine.teardown().unwrap();
     drop(lag);
     assert_eq!(after_release(&*d).pinned_host, 0);

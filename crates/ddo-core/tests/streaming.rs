@@ -73,6 +73,9 @@ struct Case {
     /// With owned params, `Register` stages everything in the engine's home for the
     /// params that are not mapped (`tests/register.rs` covers mapped ones).
     pinned_source: PinnedSource,
+    /// `copy_ahead`: forwards from the second keep the ring and copy the next one's first
+    /// units ahead.
+    copy_ahead: bool,
 }
 
 fn run_case(case: &Case) -> Result<(), TestCaseError> {
@@ -103,6 +106,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
         lossless_if_home_fits: false,
+        copy_ahead: case.copy_ahead,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let copy = d.create_stream().unwrap();
@@ -152,22 +156,30 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
     let pinned_with_lag = d.memory_info().pinned_host;
     for i in 0..3 {
         let before = d.memory_info().allocated;
+        let kept_before = engine.keeps_ring();
         d.reset_peak();
         let got = forward(&d, &mut engine, &segs, &case.schedule, &outputs, Some(&lag))
             .map_err(|e| TestCaseError::fail(format!("{e}")))?;
         prop_assert_eq!(&got, &want, "forward {}", i);
+        let kept_after = engine.keeps_ring();
+        // From the second forward on, a ring copied from pinned memory is kept for the
+        // next forward (its leading units copied into it ahead).
+        if f.staging == StagingKind::PinnedHome {
+            prop_assert_eq!(kept_after, case.copy_ahead && i >= 1, "forward {}", i);
+        }
+        prop_assert!(!kept_after || (case.copy_ahead && i >= 1));
         let peak = d.memory_info().peak_allocated - before;
         // The first forward makes the resident params resident; every forward takes the
-        // ring. Nothing else is allocated on the way.
+        // ring, or the one the forward before kept. Nothing else is allocated on the way.
         let resident_now = if i == 0 { f.resident_bytes } else { 0 };
-        prop_assert_eq!(
-            peak,
-            resident_now + f.ring_bytes(),
-            "forward {}: {:?}",
-            i,
-            f
-        );
-        prop_assert_eq!(d.memory_info().allocated, before + resident_now);
+        let ring_taken = if kept_before { 0 } else { f.ring_bytes() };
+        prop_assert_eq!(peak, resident_now + ring_taken, "forward {}: {:?}", i, f);
+        let ring_held = if kept_after && !kept_before {
+            f.ring_bytes()
+        } else {
+            0
+        };
+        prop_assert_eq!(d.memory_info().allocated, before + resident_now + ring_held);
         prop_assert!(d.memory_info().pinned_host <= pinned_with_lag);
         // Streamed params are host-only between forwards; resident ones stay.
         for p in segs.iter().flatten() {
@@ -179,10 +191,20 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             );
         }
     }
+    // Every forward copied its streamed bytes once: those copied ahead for a fourth
+    // forward are the rest.
     let c = metrics.counters();
-    prop_assert_eq!(c.h2d_bytes, f.resident_bytes + 3 * f.streamed_bytes);
+    let (ahead_bytes, ahead_copies) = engine.copied_ahead_unconsumed();
+    prop_assert_eq!(
+        c.h2d_bytes,
+        f.resident_bytes + 3 * f.streamed_bytes + ahead_bytes
+    );
     if f.staging == StagingKind::PinnedHome {
-        prop_assert_eq!(c.h2d_copies, resident.len() as u64 + 3 * f.units as u64);
+        prop_assert_eq!(
+            c.h2d_copies,
+            resident.len() as u64 + 3 * f.units as u64 + ahead_copies
+        );
+        prop_assert_eq!(engine.units_copied_ahead() > 0, case.copy_ahead);
     }
     engine.teardown().unwrap();
     drop(engine);
@@ -211,9 +233,20 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         prop::sample::select(vec![1024u64, 4096, 1 << 20]),
         prop::option::of(0.2f64..1.2),
         prop::sample::select(vec![PinnedSource::Home, PinnedSource::Register]),
+        any::<bool>(),
     )
         .prop_map(
-            |(sizes, picks, unit_bytes, slots, staging, pinned_limit, budget, pinned_source)| {
+            |(
+                sizes,
+                picks,
+                unit_bytes,
+                slots,
+                staging,
+                pinned_limit,
+                budget,
+                pinned_source,
+                copy_ahead,
+            )| {
                 let n = sizes.len();
                 // Every segment once in a shuffled order, then some repeats.
                 let mut schedule: Vec<usize> = (0..n).collect();
@@ -233,6 +266,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     pinned_limit,
                     budget_fraction: budget,
                     pinned_source,
+                    copy_ahead,
                 }
             },
         )
@@ -252,17 +286,20 @@ fn a_tight_ring_on_a_crawling_link_still_reads_every_unit_in_order() {
     // Many small units through 2 slots: every slot is refilled many times per forward.
     let sizes: Vec<Vec<usize>> = (0..12).map(|i| vec![16 + i, 3]).collect();
     for staging in [StagingMode::PinnedHome, StagingMode::Ring] {
-        run_case(&Case {
-            sizes: sizes.clone(),
-            schedule: (0..12).collect(),
-            unit_bytes: 64,
-            slots: 2,
-            staging,
-            pinned_limit: 1 << 20,
-            budget_fraction: None,
-            pinned_source: PinnedSource::Home,
-        })
-        .unwrap();
+        for copy_ahead in [false, true] {
+            run_case(&Case {
+                sizes: sizes.clone(),
+                schedule: (0..12).collect(),
+                unit_bytes: 64,
+                slots: 2,
+                staging,
+                pinned_limit: 1 << 20,
+                budget_fraction: None,
+                pinned_source: PinnedSource::Home,
+                copy_ahead,
+            })
+            .unwrap();
+        }
     }
 }
 
@@ -282,6 +319,7 @@ fn a_pinned_limit_below_the_streamed_bytes_stages_through_bounded_buffers() {
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
         lossless_if_home_fits: false,
+        copy_ahead: false,
     };
     let dev: Arc<dyn Device> = d.clone();
     let engine = StreamingEngine::new(
@@ -392,6 +430,7 @@ fn the_first_weight_copies_are_queued_when_the_forward_begins() {
         compress: ddo_core::Compression::None,
         page_cache_limit: None,
         lossless_if_home_fits: false,
+        copy_ahead: false,
     };
     let metrics = Arc::new(RouteMetrics::new());
     let dev: Arc<dyn Device> = d.clone();

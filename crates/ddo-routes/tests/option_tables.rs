@@ -279,7 +279,7 @@ fn a_misspelt_option_is_answered_with_what_the_route_takes() {
         ("none:ring_slot=3", "none takes no options; "),
         (
             "native_vmm:budgte=1GiB",
-            "native_vmm takes budget, pinned, pinned_limit, unit_bytes, ring_slots, pinned_source, timeline, page_cache_limit; ",
+            "native_vmm takes budget, pinned, pinned_limit, unit_bytes, ring_slots, pinned_source, timeline, copy_ahead, page_cache_limit; ",
         ),
     ] {
         match ddo_routes::parse_spec(text) {

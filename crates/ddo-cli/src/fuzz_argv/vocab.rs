@@ -188,6 +188,8 @@ const ROUTES: &[&str] = &[
     "transformer=diffusers_group_offload:use_stream=true,ring_slots=18446744073709551615",
     "transformer=diffusers_group_offload:use_stream=true,pinned_limit=0",
     "transformer=diffusers_group_offload:use_stream=true,pinned_source=register,timeline=true",
+    "transformer=diffusers_group_offload:use_stream=true,copy_ahead=true",
+    "transformer=diffusers_group_offload:copy_ahead=true",
     "transformer=diffusers_group_offload:use_stream=true,pinned_source=home",
     "text_encoder=diffusers_group_offload:offload_type=leaf_level",
     "text_encoder_2=diffusers_group_offload:offload_type=block_level,num_blocks_per_group=1,use_stream=true",
@@ -247,6 +249,7 @@ pub(super) const ROUTE_KEYS: &[&str] = &[
     "timeline",
     "compress",
     "page_cache_limit",
+    "copy_ahead",
     "nope",
     "",
 ];

@@ -79,6 +79,30 @@ struct Ring {
     trace: Option<Trace>,
     /// Per coded slot: the event after the decode that last read it (coded units).
     coded_used: Vec<Option<Event>>,
+    /// Per leading unit of the next forward (the ring's first pass): the event after its
+    /// copy made ahead, during this forward's last units, into the ring kept for it.
+    next_ready: Vec<Option<Event>>,
+    /// The next of the next forward's leading units to copy ahead.
+    ahead_next: usize,
+    /// Bytes and copies of the units copied ahead.
+    ahead_bytes: u64,
+    ahead_copies: u64,
+}
+
+/// The ring kept from one forward to the next (see [`StreamingEngine::end_forward`]).
+#[derive(Debug)]
+struct KeptRing {
+    buffer: DeviceBuffer,
+    /// Per leading unit copied ahead: the event after its copy.
+    ready: Vec<Option<Event>>,
+    /// The leading units copied ahead.
+    issued: usize,
+    /// Their bytes and copies.
+    bytes: u64,
+    copies: u64,
+    /// The event after the forward's last use of the ring, on compute: every other copy
+    /// into the kept ring waits for it.
+    last_use: Event,
 }
 
 #[derive(Debug)]
@@ -209,6 +233,22 @@ pub struct StreamingEngine {
     /// The stream coded units decode on (coded units only).
     decode: Option<Stream>,
     figures: StreamingFigures,
+    /// The ring kept from the last forward, with the next forward's leading units copied
+    /// into it ahead (until the phase ends or a forward is aborted).
+    kept: Option<KeptRing>,
+    /// Forwards ended since the phase began (or the last abort).
+    completed: usize,
+    /// Whether the running forward copies the next forward's leading units ahead and keeps
+    /// the ring for it.
+    ahead: bool,
+    /// Whether forwards from a phase's second on keep the ring and copy ahead
+    /// ([`StreamingConfig::copy_ahead`]).
+    copy_ahead: bool,
+    /// Units copied ahead for a next forward, over the engine's life.
+    copied_ahead: u64,
+    /// Bytes and copies made ahead for a next forward that did not come (the phase ended
+    /// or a forward was aborted), over the engine's life.
+    ahead_unused: (u64, u64),
 }
 
 /// Where a resident param's bytes are copied from. With registered mappings, a param
@@ -610,6 +650,12 @@ impl StreamingEngine {
             ring: None,
             active: false,
             timeline: config.timeline,
+            kept: None,
+            completed: 0,
+            ahead: false,
+            copy_ahead: config.copy_ahead,
+            copied_ahead: 0,
+            ahead_unused: (0, 0),
             figures,
         })
     }
@@ -837,7 +883,16 @@ impl StreamingEngine {
         if let Some(reader) = self.host.as_mut().and_then(Host::staged_reader_mut) {
             reader.begin_forward();
         }
-        let buffer = self.device.alloc(self.figures.ring_bytes() as usize)?;
+        // The ring the last forward kept, its leading units copied ahead, or a new one.
+        let (buffer, mut copied_ahead, issued, last_use) = match self.kept.take() {
+            Some(k) => (k.buffer, k.ready, k.issued, Some(k.last_use)),
+            None => (
+                self.device.alloc(self.figures.ring_bytes() as usize)?,
+                Vec::new(),
+                0,
+                None,
+            ),
+        };
         if let Some(decode) = &self.decode {
             // The decoder's status starts clear each forward.
             let zeros = HostBuffer::pageable_from(&[0u8; 16]);
@@ -862,16 +917,32 @@ impl StreamingEngine {
         } else {
             None
         };
+        self.ahead = self.copy_ahead && self.completed >= 1 && self.ahead_limit() > 0;
         self.ring = Some(Ring {
             buffer,
-            ready: (0..units).map(|_| None).collect(),
+            ready: (0..units)
+                .map(|u| copied_ahead.get_mut(u).and_then(Option::take))
+                .collect(),
             used: (0..units).map(|_| None).collect(),
-            next_issue: 0,
+            next_issue: issued,
             entered: 0,
             trace,
             coded_used: vec![None; CODED_SLOTS as usize],
+            next_ready: (0..self.placement.ahead_blockers.len())
+                .map(|_| None)
+                .collect(),
+            ahead_next: 0,
+            ahead_bytes: 0,
+            ahead_copies: 0,
         });
         self.active = true;
+        if let Some(last_use) = last_use
+            && let Err(e) = self.device.wait_event(&self.copy, &last_use)
+        {
+            // The kept ring's other units are copied behind the last forward's use of it.
+            let _ = self.abort();
+            return Err(e);
+        }
         // The link starts now, while the program prepares and uploads its inputs (a
         // backend stages pageable uploads so that they do not hold the host behind these
         // copies: ddo-cuda's upload buffers).
@@ -894,7 +965,7 @@ impl StreamingEngine {
             };
             let u = ring.next_issue;
             if u >= self.layout.units().len() {
-                return Ok(());
+                return self.issue_ahead();
             }
             if let Some(b) = self.placement.blockers[u]
                 && ring.used[b].is_none()
@@ -906,6 +977,89 @@ impl StreamingEngine {
                 ring.next_issue = u + 1;
             }
         }
+    }
+
+    /// The leading units of a forward that can be copied ahead into the ring kept for it:
+    /// those the ring's first pass holds, copied from pinned memory (a pinned home or
+    /// registered mappings; not staged through host buffers). None when the forward is
+    /// traced or its units are coded (a decode stream checks each forward's status).
+    fn ahead_limit(&self) -> usize {
+        if self.timeline || self.decode.is_some() {
+            return 0;
+        }
+        let leading = self.placement.ahead_blockers.len();
+        match &self.host {
+            Some(Host::Home { .. }) => leading,
+            Some(Host::Registered { staged, .. }) => {
+                staged.as_ref().map_or(leading, |st| leading.min(st.from))
+            }
+            _ => 0,
+        }
+    }
+
+    /// Once every unit of the running forward is queued: copies, in order, the next
+    /// forward's leading units whose bytes this forward has used for the last time (the
+    /// use event of their [`ahead blocker`](Placement::ahead_blockers) recorded), so the
+    /// link runs up to a ring ahead across the forwards' boundary too. A forward whose
+    /// stretches differ — link-bound blocks first, compute-bound ones last, as a 4-bit
+    /// FLUX.1-dev's double and single blocks — then starts with its first units on the
+    /// device instead of waiting for them.
+    fn issue_ahead(&mut self) -> Result<()> {
+        if !self.ahead {
+            return Ok(());
+        }
+        let limit = self.ahead_limit();
+        loop {
+            let Some(ring) = self.ring.as_mut() else {
+                return Ok(());
+            };
+            let v = ring.ahead_next;
+            if v >= limit {
+                return Ok(());
+            }
+            let Some(used) = ring.used[self.placement.ahead_blockers[v]].as_ref() else {
+                return Ok(());
+            };
+            self.device.wait_event(&self.copy, used)?;
+            let unit = &self.layout.units()[v];
+            let (copies, bytes) = copy_pinned(
+                &*self.device,
+                &self.metrics,
+                &self.copy,
+                self.host.as_ref(),
+                (v, unit.bytes),
+                &ring.buffer,
+                self.placement.offsets[v],
+            )?;
+            if copies == 0 {
+                return Ok(());
+            }
+            ring.next_ready[v] = Some(self.device.record_event(&self.copy)?);
+            ring.ahead_next = v + 1;
+            ring.ahead_bytes += bytes;
+            ring.ahead_copies += copies;
+        }
+    }
+
+    /// Units copied ahead, during a forward, for the forward after it (see
+    /// [`StreamingEngine::end_forward`]), over the engine's life.
+    pub fn units_copied_ahead(&self) -> u64 {
+        self.copied_ahead
+    }
+
+    /// Whether the engine holds the ring kept from the last forward (from a phase's second
+    /// forward on, until the phase ends; see [`StreamingEngine::end_forward`]).
+    pub fn keeps_ring(&self) -> bool {
+        self.kept.is_some()
+    }
+
+    /// Bytes and copies made ahead that no forward has used yet: those in the ring kept for
+    /// the next forward, and those for a next forward that never ran (the phase ended, or a
+    /// forward was aborted), over the engine's life. The route's metrics count them beyond
+    /// each forward's own streamed bytes and copies.
+    pub fn copied_ahead_unconsumed(&self) -> (u64, u64) {
+        let kept = self.kept.as_ref().map_or((0, 0), |k| (k.bytes, k.copies));
+        (self.ahead_unused.0 + kept.0, self.ahead_unused.1 + kept.1)
     }
 
     /// Queues unit `u`'s copy, then the resident params of the first forward that compute
@@ -1046,12 +1200,6 @@ impl StreamingEngine {
                 }
                 ring.coded_used[cs] = Some(self.device.record_event(decode)?);
             }
-            Some(Host::Home { home, unit_offsets }) => {
-                let src = home.slice(unit_offsets[u], unit.bytes)?;
-                let dst = ring.buffer.slice(dst_base as usize, unit.bytes as usize)?;
-                self.device.copy_h2d(&src, &dst, &self.copy)?;
-                self.metrics.record_h2d(unit.bytes);
-            }
             Some(Host::Staged {
                 buffers,
                 last_copy,
@@ -1087,34 +1235,16 @@ impl StreamingEngine {
                     dst_base,
                 )?;
             }
-            Some(Host::Registered {
-                sources,
-                home,
-                runs,
-                ..
-            }) => {
-                for run in &runs[u] {
-                    let src = match run.source {
-                        RunSource::Registered { source, offset } => {
-                            sources[source].slice(offset as usize, run.len as usize)?
-                        }
-                        RunSource::Home { offset } => match home {
-                            Some(home) => home.slice(offset, run.len)?,
-                            None => {
-                                return Err(CoreError::Backend {
-                                    device: self.device.id().to_string(),
-                                    message: "streaming engine: a run reads a pinned home that was not built"
-                                        .into(),
-                                });
-                            }
-                        },
-                    };
-                    let dst = ring
-                        .buffer
-                        .slice((dst_base + run.dst) as usize, run.len as usize)?;
-                    self.device.copy_h2d(&src, &dst, &self.copy)?;
-                    self.metrics.record_h2d(run.len);
-                }
+            host @ (Some(Host::Home { .. }) | Some(Host::Registered { .. })) => {
+                copy_pinned(
+                    &*self.device,
+                    &self.metrics,
+                    &self.copy,
+                    host.map(|h| &*h),
+                    (u, unit.bytes),
+                    &ring.buffer,
+                    dst_base,
+                )?;
             }
             None => {}
         }
@@ -1195,6 +1325,14 @@ impl StreamingEngine {
     /// Ends a forward that entered every unit: the ring goes back in stream order behind
     /// compute and the streamed params are host-only again. A forward that did not enter
     /// every unit is aborted instead (copies still queued are waited for).
+    ///
+    /// With [`StreamingConfig::copy_ahead`], from a phase's second forward on (a component
+    /// run in a loop: denoising steps, a bench's forwards), the ring is kept for the next
+    /// forward instead, its leading units
+    /// copied into it ahead while this forward's last units ran
+    /// ([`StreamingEngine::units_copied_ahead`]); [`StreamingEngine::release_device`] (the
+    /// phase's end) or [`StreamingEngine::abort`] lets it go once those copies are done. A
+    /// component run once a phase never holds it between forwards.
     pub fn end_forward(&mut self) -> Result<()> {
         if self.upload_unfinished() {
             // A forward that did not reach every resident position: start over next time.
@@ -1220,7 +1358,22 @@ impl StreamingEngine {
             return self.abort();
         }
         self.active = false;
+        self.completed += 1;
         self.clear_streamed_pointers();
+        if self.ahead {
+            // Kept: the next forward's copies into it wait for this forward's last use.
+            let last_use = self.device.record_event(&self.compute)?;
+            self.copied_ahead += ring.ahead_next as u64;
+            self.kept = Some(KeptRing {
+                buffer: ring.buffer,
+                ready: ring.next_ready,
+                issued: ring.ahead_next,
+                bytes: ring.ahead_bytes,
+                copies: ring.ahead_copies,
+                last_use,
+            });
+            return Ok(());
+        }
         if let Some(trace) = &ring.trace {
             let end = self.device.record_timed_event(&self.compute)?;
             let host_forward = trace.host_entry.elapsed();
@@ -1270,6 +1423,19 @@ impl StreamingEngine {
     /// and leaves the streamed params host-only. Resident params stay.
     pub fn abort(&mut self) -> Result<()> {
         self.active = false;
+        self.completed = 0;
+        self.ahead = false;
+        // A kept ring goes once the copies made ahead into it are done; those copies, and
+        // any a running forward made, were for nothing.
+        let kept = self.kept.take().map(|k| {
+            self.ahead_unused.0 += k.bytes;
+            self.ahead_unused.1 += k.copies;
+            k.buffer
+        });
+        if let Some(ring) = &self.ring {
+            self.ahead_unused.0 += ring.ahead_bytes;
+            self.ahead_unused.1 += ring.ahead_copies;
+        }
         if self.upload_unfinished() {
             // Part of the first upload may be queued: the next forward uploads them all
             // again, from an empty residency.
@@ -1285,19 +1451,24 @@ impl StreamingEngine {
                 self.clear_streamed_pointers();
                 drop(ring);
             }
+            drop(kept);
             return copy.and(compute);
         }
         self.upload = None;
-        let Some(ring) = self.ring.take() else {
+        let ring = self.ring.take();
+        if ring.is_none() && kept.is_none() {
             return Ok(());
-        };
+        }
         let copy = self
             .device
             .synchronize_stream(&self.copy)
             .and(self.synchronize_decode());
         let compute = self.device.synchronize_stream(&self.compute);
-        self.clear_streamed_pointers();
+        if ring.is_some() {
+            self.clear_streamed_pointers();
+        }
         drop(ring);
+        drop(kept);
         copy.and(compute)
     }
 
@@ -1347,6 +1518,60 @@ impl Drop for StreamingEngine {
     fn drop(&mut self) {
         // Errors are not reportable from drop; teardown still releases what it holds.
         let _ = self.teardown();
+    }
+}
+
+/// Queues on `copy` the copy of unit `u` (`bytes` long) into `ring` at `dst_base` from
+/// pinned memory: its slot image in a pinned home, or its runs from the registered
+/// mappings (and the home of unmapped params); returns the copies and bytes queued (none for
+/// a host side of another kind).
+fn copy_pinned(
+    device: &dyn Device,
+    metrics: &RouteMetrics,
+    copy: &Stream,
+    host: Option<&Host>,
+    (u, bytes): (usize, u64),
+    ring: &DeviceBuffer,
+    dst_base: u64,
+) -> Result<(u64, u64)> {
+    match host {
+        Some(Host::Home { home, unit_offsets }) => {
+            let src = home.slice(unit_offsets[u], bytes)?;
+            let dst = ring.slice(dst_base as usize, bytes as usize)?;
+            device.copy_h2d(&src, &dst, copy)?;
+            metrics.record_h2d(bytes);
+            Ok((1, bytes))
+        }
+        Some(Host::Registered {
+            sources,
+            home,
+            runs,
+            ..
+        }) => {
+            for run in &runs[u] {
+                let src = match run.source {
+                    RunSource::Registered { source, offset } => {
+                        sources[source].slice(offset as usize, run.len as usize)?
+                    }
+                    RunSource::Home { offset } => match home {
+                        Some(home) => home.slice(offset, run.len)?,
+                        None => {
+                            return Err(CoreError::Backend {
+                                device: device.id().to_string(),
+                                message:
+                                    "streaming engine: a run reads a pinned home that was not built"
+                                        .into(),
+                            });
+                        }
+                    },
+                };
+                let dst = ring.slice((dst_base + run.dst) as usize, run.len as usize)?;
+                device.copy_h2d(&src, &dst, copy)?;
+                metrics.record_h2d(run.len);
+            }
+            Ok((runs[u].len() as u64, runs[u].iter().map(|r| r.len).sum()))
+        }
+        _ => Ok((0, 0)),
     }
 }
 

@@ -159,6 +159,10 @@ pub struct StreamingConfig {
     /// the pinned room, the units stream uncoded instead (staged, the coded params decoded
     /// on the host as they are staged) rather than the attach failing.
     pub lossless_if_home_fits: bool,
+    /// From a phase's second forward on, keep the ring for the next forward and copy its
+    /// first units into it while this forward's last units run
+    /// ([`StreamingEngine::end_forward`]); off, each forward takes a ring and hands it back.
+    pub copy_ahead: bool,
 }
 
 /// Bytes a run of params coded at attach may take beyond its own (a unit's 96-byte header
@@ -197,6 +201,7 @@ impl Default for StreamingConfig {
             compress: Compression::None,
             page_cache_limit: None,
             lossless_if_home_fits: false,
+            copy_ahead: false,
         }
     }
 }
@@ -234,6 +239,7 @@ impl StreamingConfig {
             compress: o.compress.unwrap_or_default(),
             page_cache_limit: o.page_cache_limit,
             lossless_if_home_fits: false,
+            copy_ahead: o.copy_ahead.unwrap_or(d.copy_ahead),
         }
     }
 }
@@ -321,6 +327,14 @@ pub const TIMELINE_OPTION: OptionDecl = OptionDecl::new(
     "record each streamed forward's timeline (synchronises at the end of each forward)",
 );
 
+/// `copy_ahead`, as route option tables declare it.
+pub const COPY_AHEAD_OPTION: OptionDecl = OptionDecl::new(
+    "copy_ahead",
+    OptionKind::Flag,
+    "false",
+    "keep the ring between a phase's forwards and copy the next forward's first units during this one's last (pinned sources; one ring held between forwards)",
+);
+
 /// `compress`, as route option tables declare it.
 pub const COMPRESS_OPTION: OptionDecl = OptionDecl::new(
     "compress",
@@ -394,6 +408,10 @@ mod tests {
         assert_eq!(
             TIMELINE_OPTION.default,
             StreamingConfig::default().timeline.to_string()
+        );
+        assert_eq!(
+            COPY_AHEAD_OPTION.default,
+            StreamingConfig::default().copy_ahead.to_string()
         );
         for d in [PINNED_SOURCE_OPTION, COMPRESS_OPTION] {
             let OptionKind::Choice(names) = d.kind else {

@@ -9,6 +9,11 @@ pub(super) struct Placement {
     pub(super) offsets: Vec<u64>,
     /// The last earlier unit whose bytes each unit overwrites.
     pub(super) blockers: Vec<Option<usize>>,
+    /// For each of the leading units with no blocker (the ring's first pass), the last unit
+    /// of a whole forward whose bytes it overwrites (itself, at the latest): the unit of the
+    /// forward before whose use its copy for the next forward waits, when the ring is kept
+    /// from one forward to the next.
+    pub(super) ahead_blockers: Vec<usize>,
 }
 
 impl Placement {
@@ -31,8 +36,22 @@ impl Placement {
                     .rev()
                     .find(|&w| offsets[w] < b && a < offsets[w] + sizes[w])
             })
+            .collect::<Vec<_>>();
+        let leading = blockers.iter().take_while(|b| b.is_none()).count();
+        let ahead_blockers = (0..leading)
+            .map(|v| {
+                let (a, b) = (offsets[v], offsets[v] + sizes[v]);
+                (v..sizes.len())
+                    .rev()
+                    .find(|&w| offsets[w] < b && a < offsets[w] + sizes[w])
+                    .unwrap_or(v)
+            })
             .collect();
-        Self { offsets, blockers }
+        Self {
+            offsets,
+            blockers,
+            ahead_blockers,
+        }
     }
 }
 
@@ -45,6 +64,29 @@ mod tests {
         let p = Placement::new(&[4, 4, 4, 6, 2], 10);
         assert_eq!(p.offsets, [0, 4, 0, 4, 0]);
         assert_eq!(p.blockers, [None, None, Some(0), Some(1), Some(2)]);
+        // Kept to the next forward: unit 0's bytes were last used by unit 4, unit 1's by
+        // unit 3.
+        assert_eq!(p.ahead_blockers, [4, 3]);
+    }
+
+    /// The next forward's leading units wait for the last unit of the forward before that
+    /// overlaps them, and no later one does: a copy ahead never overwrites bytes a unit
+    /// still to be used in that forward reads.
+    #[test]
+    fn ahead_blockers_are_the_last_overlapping_units_of_a_forward() {
+        let sizes = [3u64, 9, 1, 1, 1, 9, 2, 9, 9, 5, 4];
+        let p = Placement::new(&sizes, 18);
+        assert!(!p.ahead_blockers.is_empty());
+        for (v, &w) in p.ahead_blockers.iter().enumerate() {
+            let overlaps = |x: usize| {
+                p.offsets[x] < p.offsets[v] + sizes[v] && p.offsets[v] < p.offsets[x] + sizes[x]
+            };
+            assert!(w > v && overlaps(w), "unit {v}: {w}");
+            assert!((w + 1..sizes.len()).all(|x| !overlaps(x)), "unit {v}");
+        }
+        // A ring larger than a forward's units: each waits for its own use the forward
+        // before.
+        assert_eq!(Placement::new(&[2, 3], 10).ahead_blockers, [0, 1]);
     }
 
     #[test]

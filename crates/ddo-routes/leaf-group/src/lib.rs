@@ -222,7 +222,7 @@ pub const ROUTE_NAME: &str = "diffusers_group_offload";
 const BUDGET_HINT: &str = "diffusers_group_offload keeps budgeted residency only with a stream: \
      set use_stream=true, or use native_vmm with a budget, or none";
 
-const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots, pinned_source, timeline and compress tune the streaming engine: set use_stream=true, or drop them";
+const STREAM_ONLY_HINT: &str = "unit_bytes, ring_slots, pinned_source, timeline, copy_ahead and compress tune the streaming engine: set use_stream=true, or drop them";
 
 /// The options of `diffusers_group_offload`: Diffusers' (offload type, blocks per group,
 /// stream, record_stream, low_cpu_mem_usage), the pinned home and its limit, and with
@@ -281,6 +281,7 @@ pub static OPTIONS: OptionTable = OptionTable {
         .requires("use_stream", "true", STREAM_ONLY_HINT),
         ddo_core::streaming::PINNED_SOURCE_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
         ddo_core::streaming::TIMELINE_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
+        ddo_core::streaming::COPY_AHEAD_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
         ddo_core::streaming::COMPRESS_OPTION.requires("use_stream", "true", STREAM_ONLY_HINT),
         ddo_core::streaming::PAGE_CACHE_LIMIT_OPTION.requires(
             "use_stream",

@@ -61,7 +61,7 @@ pub const DEFAULT_BUDGET: Budget = Budget::FreeMinus(DEFAULT_FREE_MARGIN);
 
 /// The hint given for an option `native_vmm` does not take.
 pub const OPTION_HINT: &str = "native_vmm takes budget, pinned and the streaming engine's pinned_limit, \
-     unit_bytes, ring_slots, pinned_source, timeline and page_cache_limit; use diffusers_group_offload for grouped offload options";
+     unit_bytes, ring_slots, pinned_source, timeline, copy_ahead and page_cache_limit; use diffusers_group_offload for grouped offload options";
 
 /// The options of `native_vmm`: the budget, pinned staging and the streaming engine's
 /// options (everything else, [`OPTION_HINT`]).
@@ -84,6 +84,7 @@ pub static OPTIONS: OptionTable = OptionTable {
         ddo_core::streaming::RING_SLOTS_OPTION,
         ddo_core::streaming::PINNED_SOURCE_OPTION,
         ddo_core::streaming::TIMELINE_OPTION,
+        ddo_core::streaming::COPY_AHEAD_OPTION,
         ddo_core::streaming::PAGE_CACHE_LIMIT_OPTION,
     ],
     refused: &[],
