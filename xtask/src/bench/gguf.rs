@@ -55,6 +55,9 @@ pub(super) const SCRIPT: &str = concat!(
 #   bench_q4     the Q4_K file resident and leaf + stream at zero budget (--profile: each one's
 #                device time per op class, so a streamed step's gap to resident shows where)
 #   bench_q4_base  the same streamed candidate with the bundle's ddo-base (--base REV), if any
+#   bench_q4_ahead the streamed candidate against it with copy_ahead=true at 7, 12, 16 and 24
+#                ring slots, in one process (the next forward's first blocks copied during
+#                this one's last)
 #   timeline_q4  one traced leaf + stream run of the Q4_K file (--timeline, in logs.txt)
 #   run_q4       ddo run, 28 steps under --vram-budget 12GiB, the Q4_K transformer
 #   write_q8     make_flux_gguf.py --type Q8_0
@@ -83,6 +86,10 @@ if [ -f "$here/ddo-base.xz" ]; then
   part bench_q4_base "${DDO_T_BENCH_Q4_BASE:-60}" "$work/bench_q4_base.txt" "$work/ddo-base" "${bench[@]}" \
     --transformer "$work/q4.gguf" --route "$leaf" --out-json "$out/q4_base.json"
 fi
+part bench_q4_ahead "${DDO_T_BENCH_Q4_AHEAD:-120}" "$work/bench_q4_ahead.txt" "$here/ddo" "${bench[@]}" \
+  --transformer "$work/q4.gguf" --route "$leaf" --route "$leaf,copy_ahead=true" \
+  --route "$leaf,copy_ahead=true,ring_slots=12" --route "$leaf,copy_ahead=true,ring_slots=16" \
+  --route "$leaf,copy_ahead=true,ring_slots=24" --out-json "$out/q4_ahead.json"
 part timeline_q4 "${DDO_T_TIMELINE_Q4:-60}" "$work/timeline_q4.txt" "$here/ddo" "${bench[@]}" \
   --transformer "$work/q4.gguf" --route "$leaf" --timeline
 cat "$work"/bench_*.txt "$work"/timeline_q4.txt >> "$log" 2>/dev/null
@@ -107,6 +114,7 @@ mod tests {
             "part bench_bf16 ",
             "part bench_q4 ",
             "part bench_q4_base ",
+            "part bench_q4_ahead ",
             "part timeline_q4 ",
             "part run_q4 ",
             "part write_q8 ",
