@@ -193,7 +193,8 @@ model="${{DDO_MODEL:-flux}}"
 folder="${{DDO_FOLDER:-$work/$model}}"
 if [ "$model" = qwen ]; then writer_args=--qwen; vram="${{DDO_VRAM:-16GiB}}"; other=flux; else writer_args=; vram="${{DDO_VRAM:-12GiB}}"; other=qwen; fi
 steps="${{DDO_STEPS:-{steps}}}"
-sizes="${{DDO_HOST_RAM:-{sizes_list}}}"
+# An empty DDO_HOST_RAM runs no sized case.
+sizes="${{DDO_HOST_RAM-{sizes_list}}}"
 # DDO_CODED=1: the folder is also converted (`ddo convert --compress lossless`, timed, page cache
 # dropped) and every case runs on the coded folder too, right after the raw one (NAME-coded).
 coded="${{DDO_CODED:-0}}"
@@ -276,7 +277,7 @@ case_run() {{
   local in0 t0; in0=$(pgpgin); t0=$(date +%s.%N)
   /usr/bin/time -v -o "$work/$name.time" timeout -k 10 "${{DDO_T_CASE:-300}}" "$bin" run --weights "$weights" \
     --device cuda:0 --vram-budget "$vram" --steps "$n" --json --out "$work/$name.png" \
-    > "$out/$name.json" 2>> "$log"
+    ${{case_args[@]+"${{case_args[@]}}"}} > "$out/$name.json" 2>> "$log"
   local rc=$?
   # KiB the block devices read during the case, and its seconds (the disk's achieved rate).
   echo "$(( $(pgpgin) - in0 )) $(awk "BEGIN {{print $(date +%s.%N) - $t0}}")" > "$out/$name.pgpgin"
@@ -292,8 +293,24 @@ case_run() {{
   dmesg 2>/dev/null | grep -i 'killed process' | tail -n 2 >> "$log"
 }}
 
+# Extra `ddo run` options of the next case (the plan A/B below sets them).
+case_args=()
 if [ "${{DDO_FREE:-1}}" = 1 ]; then
   case_run free 0 "$folder" "$steps"
+fi
+# DDO_PLAN_AB=N: N interleaved rounds, page cache warm, all RAM free, DDO_AB_STEPS (28) steps
+# each, of the plan's defaults (ab-A-rK), T5 kept resident (`--route text_encoder_2=none`:
+# no early upload of the transformer, ab-B-rK) and a 28 GiB host budget (the 32 GiB case's
+# plan without its helper, ab-C-rK): which of the all-free plan's choices costs its steady
+# step against the 32 GiB plan's (issue 35: 0.246 s against 0.239 s on an H100).
+if [ "${{DDO_PLAN_AB:-0}}" -gt 0 ]; then
+  cat "$folder"/*/*.safetensors > /dev/null
+  for r in $(seq 1 "$DDO_PLAN_AB"); do
+    case_args=(); case_run "ab-A-r$r" 0 "$folder" "${{DDO_AB_STEPS:-28}}" warm
+    case_args=(--route text_encoder_2=none); case_run "ab-B-r$r" 0 "$folder" "${{DDO_AB_STEPS:-28}}" warm
+    case_args=(--host-budget 28GiB); case_run "ab-C-r$r" 0 "$folder" "${{DDO_AB_STEPS:-28}}" warm
+  done
+  case_args=()
 fi
 # DDO_WARM=1: the raw folder again with the page cache warm, DDO_WARM_STEPS steps (4: issue 35's
 # <= 3.5 s).
@@ -442,12 +459,17 @@ mod tests {
     fn the_script_runs_every_case_after_the_free_one_and_reports() {
         let s = host_ram_script(&[32, 16, 8], 28);
         assert!(s.starts_with("#!/usr/bin/env bash"));
-        assert!(s.contains(r#"sizes="${DDO_HOST_RAM:-32 16 8}""#));
+        assert!(s.contains(r#"sizes="${DDO_HOST_RAM-32 16 8}""#));
         assert!(s.contains(r#"steps="${DDO_STEPS:-28}""#));
         let free = s.find("case_run free 0").unwrap();
         let sized = s.find(r#"case_run "avail${gib}" "$gib""#).unwrap();
         let report = s.find("bench_host_ram_report.py\" \"$out\"").unwrap();
         assert!(free < sized && sized < report);
+        // The plan A/B's three plans, each with its own run options.
+        let ab = s.find(r#"case_run "ab-A-r$r""#).unwrap();
+        assert!(s[ab..].contains("--route text_encoder_2=none"));
+        assert!(s[ab..].contains("--host-budget 28GiB"));
+        assert!(free < ab);
         // The serve stage (opt-in) runs on the same folder after the cases and the link
         // bench, and its results are in the archive.
         let bench = s.find("bench --weights \"$folder\"").unwrap();
