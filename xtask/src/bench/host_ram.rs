@@ -209,6 +209,10 @@ avail_kib() {{ awk '/^MemAvailable:/ {{print $2}}' /proc/meminfo; }}
 drop_caches() {{ sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || say "cannot drop the page cache (not root?)"; }}
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
+# The host's NUMA nodes and the GPU's (a copy from pages on the far node crosses the
+# sockets' link): each NVIDIA PCI function's node, each node's memory.
+{{ for d in /sys/bus/pci/drivers/nvidia/0000:*; do [ -e "$d/numa_node" ] && echo "$(basename "$d") numa_node $(cat "$d/numa_node")"; done
+   grep -h -E 'MemTotal|MemFree' /sys/devices/system/node/node*/meminfo; }} > "$out/numa.txt" 2>&1
 if [ ! -f "$folder/model_index.json" ]; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$here"/wheels/*.whl >> "$log" 2>&1
   export PYTHONPATH="$site${{PYTHONPATH:+:$PYTHONPATH}}"
@@ -265,6 +269,8 @@ case_run() {{
     dd if="$second" of=/dev/null bs=16M count=100 iflag=direct 2> "$out/$name.disk" > /dev/null
   fi
   local before; before=$(avail_kib)
+  # Each NUMA node's free memory as the case starts (where its pages can land).
+  grep -h MemFree /sys/devices/system/node/node*/meminfo > "$out/$name.numa" 2>/dev/null
   say "=== $name: $n steps, page cache $cache, MemAvailable $(( before / 1024 )) MiB (a helper holds $held MiB)"
   : > "$work/$name.avail"
   ( while true; do avail_kib >> "$work/$name.avail"; sleep 0.5; done ) &
