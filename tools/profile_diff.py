@@ -4,8 +4,10 @@ second loses device time against the first (a streamed route against resident, s
 inside the ops and the compute stream's idle time before them) and the calls that lost most. The two
 forwards must run the same ops in the same order (one model, one workload). Standard library only.
 
-Usage: python3 tools/profile_diff.py BENCH.json [A B] [--top 15]
-       (A, B: candidate indexes or labels; default the first two)
+Usage: python3 tools/profile_diff.py BENCH.json [A B] [--top 15] [--window 100]
+       (A, B: candidate indexes or labels; default the first two; --window N: B-A over each
+       run of N calls in order, with the classes in it, so a loss spread evenly over the
+       forward reads apart from one that sits in a stretch of it)
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main():
     ap.add_argument("a", nargs="?", default="0")
     ap.add_argument("b", nargs="?", default="1")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--window", type=int, default=0)
     args = ap.parse_args()
     with open(args.bench_json) as f:
         bench = json.load(f)
@@ -59,6 +62,13 @@ def main():
     print(f"\n{'class':<24} {'calls':>6} {'B-A in op':>12} {'B-A idle before':>16}")
     for op, (n, dop, didle) in sorted(by.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
         print(f"{op:<24} {n:>6} {dop * ms:>9.3f} ms {didle * ms:>13.3f} ms")
+    if args.window > 0:
+        print(f"\nB-A by runs of {args.window} calls (first call, A ms, B ms, B-A ms, classes):")
+        for i in range(0, len(ca), args.window):
+            wa = sum(x["ns"] + x["idle_before_ns"] for x in ca[i:i + args.window]) * ms
+            wb = sum(y["ns"] + y["idle_before_ns"] for y in cb[i:i + args.window]) * ms
+            ops = sorted({x["op"] for x in ca[i:i + args.window]})
+            print(f"{i:>6} {wa:>9.3f} {wb:>9.3f} {wb - wa:>+8.3f}  {', '.join(ops)}")
     worst = sorted(range(len(ca)), key=lambda i: -((cb[i]["ns"] + cb[i]["idle_before_ns"])
                                                    - (ca[i]["ns"] + ca[i]["idle_before_ns"])))
     print(f"\nthe {args.top} calls B lost most on (position, class, A op/idle, B op/idle, us):")
