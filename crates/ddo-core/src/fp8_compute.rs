@@ -102,13 +102,7 @@ pub fn linear_fp8_of_concat<O: Ops + ?Sized>(
     w: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
-    match xs {
-        [x] => ops.linear_fp8(x, w, bias),
-        _ => {
-            let last = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
-            ops.linear_fp8(&ops.concat(xs, last)?, w, bias)
-        }
-    }
+    crate::ops::on_concat_last(ops, xs, |x| ops.linear_fp8(x, w, bias))
 }
 
 /// [`Ops::linear_fp8`] through [`linear_reference`] on any backend: the operands read to the

@@ -623,11 +623,23 @@ pub fn linear_concat_by_concat<O: Ops + ?Sized>(
             what: "linear_concat".to_string(),
             message: "no inputs; expected at least one x [..., in]".to_string(),
         }),
-        [x] => ops.linear(x, w, bias),
+        _ => on_concat_last(ops, xs, |x| ops.linear(x, w, bias)),
+    }
+}
+
+/// `f` of `xs` joined along their last dim ([`Ops::concat`]; a single part passed as it
+/// is): a "concatenate, then multiply" op done the plain way ([`linear_concat_by_concat`],
+/// [`crate::fp8_compute::linear_fp8_of_concat`]).
+pub fn on_concat_last<O: Ops + ?Sized>(
+    ops: &O,
+    xs: &[&Tensor],
+    f: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    match xs {
+        [x] => f(x),
         _ => {
-            let dim = xs[0].shape().len().saturating_sub(1);
-            let joined = ops.concat(xs, dim)?;
-            ops.linear(&joined, w, bias)
+            let dim = xs.first().map_or(0, |x| x.shape().len().saturating_sub(1));
+            f(&ops.concat(xs, dim)?)
         }
     }
 }

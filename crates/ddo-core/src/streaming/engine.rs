@@ -80,13 +80,28 @@ struct Ring {
     /// Per coded slot: the event after the decode that last read it (coded units).
     coded_used: Vec<Option<Event>>,
     /// Per leading unit of the next forward (the ring's first pass): the event after its
-    /// copy made ahead, during this forward's last units, into the ring kept for it.
+    /// copy made ahead, during this forward's last units, into the ring kept for it (empty
+    /// when this forward copies nothing ahead).
     next_ready: Vec<Option<Event>>,
-    /// The next of the next forward's leading units to copy ahead.
-    ahead_next: usize,
-    /// Bytes and copies of the units copied ahead.
-    ahead_bytes: u64,
-    ahead_copies: u64,
+    /// The next forward's leading units copied ahead so far (`units`: the next to copy).
+    ahead: AheadCopies,
+}
+
+/// Units copied ahead for a next forward: how many (the leading ones), their bytes and
+/// their copies.
+#[derive(Debug, Clone, Copy, Default)]
+struct AheadCopies {
+    units: usize,
+    bytes: u64,
+    copies: u64,
+}
+
+impl AheadCopies {
+    fn add(&mut self, other: AheadCopies) {
+        self.units += other.units;
+        self.bytes += other.bytes;
+        self.copies += other.copies;
+    }
 }
 
 /// The ring kept from one forward to the next (see [`StreamingEngine::end_forward`]).
@@ -95,11 +110,8 @@ struct KeptRing {
     buffer: DeviceBuffer,
     /// Per leading unit copied ahead: the event after its copy.
     ready: Vec<Option<Event>>,
-    /// The leading units copied ahead.
-    issued: usize,
-    /// Their bytes and copies.
-    bytes: u64,
-    copies: u64,
+    /// The leading units copied ahead into it.
+    ahead: AheadCopies,
     /// The event after the forward's last use of the ring, on compute: every other copy
     /// into the kept ring waits for it.
     last_use: Event,
@@ -241,14 +253,14 @@ pub struct StreamingEngine {
     /// Whether the running forward copies the next forward's leading units ahead and keeps
     /// the ring for it.
     ahead: bool,
-    /// Whether forwards from a phase's second on keep the ring and copy ahead
-    /// ([`StreamingConfig::copy_ahead`]).
-    copy_ahead: bool,
+    /// The leading units a forward from a phase's second on copies ahead for the next
+    /// (0: none; [`StreamingConfig::copy_ahead`] off, or see [`StreamingEngine::ahead_limit`]).
+    ahead_limit: usize,
     /// Units copied ahead for a next forward, over the engine's life.
     copied_ahead: u64,
-    /// Bytes and copies made ahead for a next forward that did not come (the phase ended
-    /// or a forward was aborted), over the engine's life.
-    ahead_unused: (u64, u64),
+    /// What was copied ahead for a next forward that did not come (the phase ended or a
+    /// forward was aborted), over the engine's life.
+    ahead_unused: AheadCopies,
 }
 
 /// Where a resident param's bytes are copied from. With registered mappings, a param
@@ -633,7 +645,7 @@ impl StreamingEngine {
         } else {
             None
         };
-        Ok(Self {
+        let mut engine = Self {
             compute: device.compute_stream(),
             decode,
             device,
@@ -653,11 +665,15 @@ impl StreamingEngine {
             kept: None,
             completed: 0,
             ahead: false,
-            copy_ahead: config.copy_ahead,
+            ahead_limit: 0,
             copied_ahead: 0,
-            ahead_unused: (0, 0),
+            ahead_unused: AheadCopies::default(),
             figures,
-        })
+        };
+        if config.copy_ahead {
+            engine.ahead_limit = engine.ahead_limit();
+        }
+        Ok(engine)
     }
 
     /// Lays every unit out in one pinned buffer and makes it the params' host bytes.
@@ -885,7 +901,7 @@ impl StreamingEngine {
         }
         // The ring the last forward kept, its leading units copied ahead, or a new one.
         let (buffer, mut copied_ahead, issued, last_use) = match self.kept.take() {
-            Some(k) => (k.buffer, k.ready, k.issued, Some(k.last_use)),
+            Some(k) => (k.buffer, k.ready, k.ahead.units, Some(k.last_use)),
             None => (
                 self.device.alloc(self.figures.ring_bytes() as usize)?,
                 Vec::new(),
@@ -917,23 +933,22 @@ impl StreamingEngine {
         } else {
             None
         };
-        self.ahead = self.copy_ahead && self.completed >= 1 && self.ahead_limit() > 0;
+        self.ahead = self.ahead_limit > 0 && self.completed >= 1;
+        copied_ahead.resize(units, None);
         self.ring = Some(Ring {
             buffer,
-            ready: (0..units)
-                .map(|u| copied_ahead.get_mut(u).and_then(Option::take))
-                .collect(),
-            used: (0..units).map(|_| None).collect(),
+            ready: copied_ahead,
+            used: vec![None; units],
             next_issue: issued,
             entered: 0,
             trace,
             coded_used: vec![None; CODED_SLOTS as usize],
-            next_ready: (0..self.placement.ahead_blockers.len())
-                .map(|_| None)
-                .collect(),
-            ahead_next: 0,
-            ahead_bytes: 0,
-            ahead_copies: 0,
+            next_ready: if self.ahead {
+                vec![None; self.ahead_limit]
+            } else {
+                Vec::new()
+            },
+            ahead: AheadCopies::default(),
         });
         self.active = true;
         if let Some(last_use) = last_use
@@ -982,7 +997,8 @@ impl StreamingEngine {
     /// The leading units of a forward that can be copied ahead into the ring kept for it:
     /// those the ring's first pass holds, copied from pinned memory (a pinned home or
     /// registered mappings; not staged through host buffers). None when the forward is
-    /// traced or its units are coded (a decode stream checks each forward's status).
+    /// traced or its units are coded (a decode stream checks each forward's status). Fixed
+    /// once the host side is built ([`StreamingEngine::new`]).
     fn ahead_limit(&self) -> usize {
         if self.timeline || self.decode.is_some() {
             return 0;
@@ -1008,13 +1024,12 @@ impl StreamingEngine {
         if !self.ahead {
             return Ok(());
         }
-        let limit = self.ahead_limit();
         loop {
             let Some(ring) = self.ring.as_mut() else {
                 return Ok(());
             };
-            let v = ring.ahead_next;
-            if v >= limit {
+            let v = ring.ahead.units;
+            if v >= self.ahead_limit {
                 return Ok(());
             }
             let Some(used) = ring.used[self.placement.ahead_blockers[v]].as_ref() else {
@@ -1035,9 +1050,11 @@ impl StreamingEngine {
                 return Ok(());
             }
             ring.next_ready[v] = Some(self.device.record_event(&self.copy)?);
-            ring.ahead_next = v + 1;
-            ring.ahead_bytes += bytes;
-            ring.ahead_copies += copies;
+            ring.ahead.add(AheadCopies {
+                units: 1,
+                bytes,
+                copies,
+            });
         }
     }
 
@@ -1058,8 +1075,11 @@ impl StreamingEngine {
     /// forward was aborted), over the engine's life. The route's metrics count them beyond
     /// each forward's own streamed bytes and copies.
     pub fn copied_ahead_unconsumed(&self) -> (u64, u64) {
-        let kept = self.kept.as_ref().map_or((0, 0), |k| (k.bytes, k.copies));
-        (self.ahead_unused.0 + kept.0, self.ahead_unused.1 + kept.1)
+        let mut all = self.ahead_unused;
+        if let Some(k) = &self.kept {
+            all.add(k.ahead);
+        }
+        (all.bytes, all.copies)
     }
 
     /// Queues unit `u`'s copy, then the resident params of the first forward that compute
@@ -1363,13 +1383,11 @@ impl StreamingEngine {
         if self.ahead {
             // Kept: the next forward's copies into it wait for this forward's last use.
             let last_use = self.device.record_event(&self.compute)?;
-            self.copied_ahead += ring.ahead_next as u64;
+            self.copied_ahead += ring.ahead.units as u64;
             self.kept = Some(KeptRing {
                 buffer: ring.buffer,
                 ready: ring.next_ready,
-                issued: ring.ahead_next,
-                bytes: ring.ahead_bytes,
-                copies: ring.ahead_copies,
+                ahead: ring.ahead,
                 last_use,
             });
             return Ok(());
@@ -1428,13 +1446,11 @@ impl StreamingEngine {
         // A kept ring goes once the copies made ahead into it are done; those copies, and
         // any a running forward made, were for nothing.
         let kept = self.kept.take().map(|k| {
-            self.ahead_unused.0 += k.bytes;
-            self.ahead_unused.1 += k.copies;
+            self.ahead_unused.add(k.ahead);
             k.buffer
         });
         if let Some(ring) = &self.ring {
-            self.ahead_unused.0 += ring.ahead_bytes;
-            self.ahead_unused.1 += ring.ahead_copies;
+            self.ahead_unused.add(ring.ahead);
         }
         if self.upload_unfinished() {
             // Part of the first upload may be queued: the next forward uploads them all
