@@ -53,6 +53,7 @@ pub struct RouteMetrics {
     phases: Mutex<Vec<PhasePeak>>,
     detach_reports: Mutex<Vec<DetachSummary>>,
     timeline: Mutex<Option<Timeline>>,
+    first_timeline: Mutex<Option<Timeline>>,
     coded: Mutex<Option<CodedFigures>>,
 }
 
@@ -62,9 +63,19 @@ impl RouteMetrics {
         Self::default()
     }
 
-    /// Keeps the last streamed forward's timeline (route option `timeline=true`).
+    /// Keeps the last streamed forward's timeline (route option `timeline=true`), and the
+    /// first one recorded (a phase's first forward, which makes the resident part resident
+    /// and takes a new ring, differs from the steady ones).
     pub fn set_timeline(&self, timeline: Timeline) {
+        self.first_timeline
+            .lock()
+            .get_or_insert_with(|| timeline.clone());
         *self.timeline.lock() = Some(timeline);
+    }
+
+    /// The first streamed forward's timeline, if one was recorded.
+    pub fn first_timeline(&self) -> Option<Timeline> {
+        self.first_timeline.lock().clone()
     }
 
     /// The last streamed forward's timeline, if one was recorded.
@@ -694,6 +705,9 @@ pub struct MetricsSnapshot {
     /// The last streamed forward's timeline (route option `timeline=true`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Timeline>,
+    /// The first streamed forward's timeline (route option `timeline=true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_timeline: Option<Timeline>,
     /// What lossless-coded streaming holds (`compress=lossless`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coded: Option<CodedFigures>,
@@ -876,6 +890,24 @@ fn opt_bytes(v: Option<u64>) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    /// A phase's first forward is kept beside the last: the first timeline recorded stays,
+    /// the last one is replaced by each new one.
+    #[test]
+    fn the_first_and_the_last_timeline_are_kept() {
+        let m = RouteMetrics::new();
+        assert_eq!((m.first_timeline(), m.timeline()), (None, None));
+        let forward = |ns| Timeline {
+            forward_ns: ns,
+            ..Timeline::default()
+        };
+        for ns in [5, 7, 9] {
+            m.set_timeline(forward(ns));
+        }
+        assert_eq!(m.first_timeline().map(|t| t.forward_ns), Some(5));
+        assert_eq!(m.timeline().map(|t| t.forward_ns), Some(9));
+    }
+
     use super::*;
 
     #[test]
@@ -915,6 +947,7 @@ mod tests {
             detach_reports: vec![],
             resident_leaves: vec![],
             timeline: None,
+            first_timeline: None,
             coded: None,
         };
         let text = snap.format_profile();
@@ -981,6 +1014,7 @@ mod tests {
             detach_reports: vec![],
             resident_leaves: vec![],
             timeline: None,
+            first_timeline: None,
             coded: m.coded(),
         };
         let back: MetricsSnapshot = serde_json::from_str(&snap.to_json().unwrap()).unwrap();
@@ -1037,6 +1071,7 @@ mod tests {
             detach_reports: vec![],
             resident_leaves: (0..10).map(|i| format!("blocks.{i}.linear")).collect(),
             timeline: None,
+            first_timeline: None,
             coded: None,
         };
         let json = snap.to_json().expect("serialises");

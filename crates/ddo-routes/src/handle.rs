@@ -138,6 +138,7 @@ impl OffloadHandle {
             detach_reports: self.metrics.detach_reports(),
             resident_leaves: self.metrics.resident_leaves(),
             timeline: self.metrics.timeline(),
+            first_timeline: self.metrics.first_timeline(),
             coded: self.metrics.coded(),
         }
     }
