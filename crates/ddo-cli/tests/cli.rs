@@ -459,6 +459,17 @@ fn run_json_has_phases_components_and_the_decode_choice() {
         }
         assert_eq!(p["end_bytes"], 0, "cleanup leaves nothing: {p}");
         assert!(p["peak_bytes"].as_u64().unwrap() > 0, "{p}");
+        // The host backend builds no plans and loads no kernel modules: its first calls
+        // cost nothing, and the phase says so.
+        let setup = &p["setup_calls"];
+        for key in [
+            "plans_built",
+            "plan_build_ns",
+            "plan_wait_ns",
+            "kernel_loads",
+        ] {
+            assert_eq!(setup[key], 0, "{key} in {p}");
+        }
     }
     let comps = v["components"].as_array().unwrap();
     let names: Vec<&str> = comps

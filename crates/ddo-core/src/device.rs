@@ -62,6 +62,42 @@ impl AllocatorKind {
     }
 }
 
+/// Counts and host time of a backend's first calls of each shape, cumulative since the
+/// process started ([`Device::setup_calls`]); [`SetupCalls::since`] gives one stretch's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SetupCalls {
+    /// Library plans built on the calling thread (a GEMM's algorithm chosen by the
+    /// library's heuristic, say).
+    pub plans_built: u64,
+    /// Host ns those builds took.
+    pub plan_build_ns: u64,
+    /// Host ns calls waited for plans being built in the background.
+    pub plan_wait_ns: u64,
+    /// Kernel modules loaded into the device's context (compiled first where no cache
+    /// held them).
+    pub kernel_loads: u64,
+    /// Host ns those loads took.
+    pub kernel_load_ns: u64,
+}
+
+impl SetupCalls {
+    /// What was added since `earlier` (each count and time; 0 where `earlier` is larger).
+    pub fn since(&self, earlier: &SetupCalls) -> SetupCalls {
+        SetupCalls {
+            plans_built: self.plans_built.saturating_sub(earlier.plans_built),
+            plan_build_ns: self.plan_build_ns.saturating_sub(earlier.plan_build_ns),
+            plan_wait_ns: self.plan_wait_ns.saturating_sub(earlier.plan_wait_ns),
+            kernel_loads: self.kernel_loads.saturating_sub(earlier.kernel_loads),
+            kernel_load_ns: self.kernel_load_ns.saturating_sub(earlier.kernel_load_ns),
+        }
+    }
+
+    /// The host seconds in all: plans built and waited for, kernels loaded.
+    pub fn seconds(&self) -> f64 {
+        (self.plan_build_ns + self.plan_wait_ns + self.kernel_load_ns) as f64 / 1e9
+    }
+}
+
 /// A backend's device allocation. Memory goes back to the allocator when the last
 /// [`DeviceBuffer`] handle (and every queued operation that uses it) is dropped.
 pub trait DeviceAllocation: Any + Send + Sync + fmt::Debug {
@@ -416,6 +452,13 @@ pub trait Device: Send + Sync + fmt::Debug {
         0
     }
 
+    /// The host time this device's first calls of each shape took so far (library plans,
+    /// kernel modules): what a phase's first forward pays beyond a steady one. Zeros where
+    /// the backend builds nothing per shape (the host backend).
+    fn setup_calls(&self) -> SetupCalls {
+        SetupCalls::default()
+    }
+
     /// Host ranges this device has page-locked so far: [`Device::register_host`] calls that
     /// pinned pages (a range reused from those [`Device::release_host`] kept is not one).
     /// How a long-lived process shows a request pinned nothing again; 0 where the backend
@@ -650,10 +693,44 @@ pub fn lossless_status(device: &str, bits: u32) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    /// A stretch's first calls are the cumulative figures' difference, each field apart, and
+    /// never negative; the seconds add the three times.
+    #[test]
+    fn setup_calls_since_an_earlier_reading() {
+        let earlier = SetupCalls {
+            plans_built: 3,
+            plan_build_ns: 1_000,
+            plan_wait_ns: 0,
+            kernel_loads: 2,
+            kernel_load_ns: 500,
+        };
+        let now = SetupCalls {
+            plans_built: 10,
+            plan_build_ns: 4_000,
+            plan_wait_ns: 2_000_000_000,
+            kernel_loads: 2,
+            kernel_load_ns: 400,
+        };
+        let d = now.since(&earlier);
+        assert_eq!(
+            d,
+            SetupCalls {
+                plans_built: 7,
+                plan_build_ns: 3_000,
+                plan_wait_ns: 2_000_000_000,
+                kernel_loads: 0,
+                kernel_load_ns: 0,
+            }
+        );
+        assert!((d.seconds() - 2.000_003).abs() < 1e-12);
+        assert_eq!(earlier.since(&now).plans_built, 0);
+    }
+
     use std::any::Any;
     use std::sync::Arc;
 
-    use super::{DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, MemoryInfo};
+    use super::{DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, MemoryInfo, SetupCalls};
 
     #[derive(Debug)]
     struct Bytes(usize);

@@ -412,6 +412,10 @@ impl Device for FaultInjectingDevice {
         self.inner.host_registrations()
     }
 
+    fn setup_calls(&self) -> crate::SetupCalls {
+        self.inner.setup_calls()
+    }
+
     fn compute_stream(&self) -> Stream {
         self.inner.compute_stream()
     }

@@ -80,7 +80,7 @@ pub use config::{
 };
 pub use device::{
     AllocatorKind, Device, DeviceBuffer, DeviceId, DeviceKind, DeviceSlice, Event, MemoryInfo,
-    Stream, WeakDeviceBuffer, ops_of,
+    SetupCalls, Stream, WeakDeviceBuffer, ops_of,
 };
 pub use dtype::DType;
 pub use error::{CoreError, DetachRefusal, Refusal, Result};

@@ -47,6 +47,7 @@ pub mod device;
 mod driver;
 pub mod error;
 mod ops;
+mod setup_calls;
 pub mod vmm_allocator;
 
 pub use allocator::{AllocatorStats, CachingAllocator, StreamKey};

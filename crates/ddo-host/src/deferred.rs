@@ -430,6 +430,10 @@ impl Device for DeferredComputeDevice {
         self.inner.host_registrations()
     }
 
+    fn setup_calls(&self) -> ddo_core::SetupCalls {
+        self.inner.setup_calls()
+    }
+
     fn compute_stream(&self) -> Stream {
         self.compute.clone()
     }

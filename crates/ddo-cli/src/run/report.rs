@@ -204,6 +204,7 @@ impl Report<'_> {
                 "setup_seconds": p.setup_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
                 "prepared_seconds": p.prepared_seconds.iter().map(|(c, s)| json!({"component": c, "seconds": s})).collect::<Vec<_>>(),
                 "cleanup_seconds": p.cleanup_seconds,
+                "setup_calls": p.setup_calls,
                 "note": p.note,
             })).collect::<Vec<_>>(),
             "components": self.explanations.iter().zip(self.snapshots).map(|(e, s)| json!({
@@ -304,6 +305,18 @@ impl Report<'_> {
                     })
                     .collect();
                 s += &format!("{:<16} attach: {}\n", "", setups.join(", "));
+            }
+            let first = &p.setup_calls;
+            if first.plans_built + first.kernel_loads > 0 || first.plan_wait_ns > 0 {
+                s += &format!(
+                    "{:<16} first calls: {} plans built in {}, {} waiting for plans, {} kernel modules loaded in {}\n",
+                    "",
+                    first.plans_built,
+                    ms(first.plan_build_ns as f64 / 1e9),
+                    ms(first.plan_wait_ns as f64 / 1e9),
+                    first.kernel_loads,
+                    ms(first.kernel_load_ns as f64 / 1e9)
+                );
             }
             if let Some(pool) = &p.peak.native_pool {
                 s += &format!("{:<16} {}\n", "", pool.format_line());

@@ -588,6 +588,10 @@ impl Device for CudaDevice {
         self.unpin_released_host()
     }
 
+    fn setup_calls(&self) -> ddo_core::SetupCalls {
+        crate::setup_calls::now()
+    }
+
     fn host_registrations(&self) -> u64 {
         self.host_registrations.load(Ordering::Relaxed)
     }

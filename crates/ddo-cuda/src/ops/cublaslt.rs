@@ -428,7 +428,12 @@ impl LtState {
         let plan = self
             .plans
             .entry(key)
-            .or_insert_with(|| plan(handle, &key, g))
+            .or_insert_with(|| {
+                let t = std::time::Instant::now();
+                let p = plan(handle, &key, g);
+                crate::setup_calls::plan_built(t.elapsed());
+                p
+            })
             .as_ref()
             .map_err(Clone::clone)?;
         set_pointers(plan.desc, g)?;

@@ -764,18 +764,28 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
         crate::error::CudaError::driver(call, e).into_core(&dev.id().to_string())
     };
     prepare(dev, key)?;
+    let mut waited: Option<std::time::Instant> = None;
     let mut table = loop {
         let mut table = DNN.lock();
         let entry = entry_of(&mut table, &stream, ctx);
         match entry.plans.get(key) {
             Some(State::Ready(_)) => break table,
-            Some(State::Refused) | None => return Ok(false),
+            Some(State::Refused) | None => {
+                if let Some(t) = waited {
+                    crate::setup_calls::plan_waited(t.elapsed());
+                }
+                return Ok(false);
+            }
             Some(State::Pending) => {
                 drop(table);
+                waited.get_or_insert_with(std::time::Instant::now);
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
     };
+    if let Some(t) = waited {
+        crate::setup_calls::plan_waited(t.elapsed());
+    }
     let entry = entry_of(&mut table, &stream, ctx);
     let Some(State::Ready(plan)) = entry.plans.get(key) else {
         return Ok(false);

@@ -479,6 +479,7 @@ impl CudaDevice {
         let module = match loaded {
             Some(m) => m,
             None => {
+                let started = std::time::Instant::now();
                 let ctx = self.context();
                 let (major, minor) = ctx
                     .compute_capability()
@@ -498,7 +499,9 @@ impl CudaDevice {
                 // Another thread may have loaded it meanwhile: keep the first.
                 let mut cache = CACHE.lock();
                 let entry = device_entry(&mut cache, &stream);
-                Arc::clone(entry.modules.entry(source_name).or_insert(m))
+                let m = Arc::clone(entry.modules.entry(source_name).or_insert(m));
+                crate::setup_calls::kernel_loaded(started.elapsed());
+                m
             }
         };
         let f = module.load_function(function).map_err(|e| {

@@ -63,6 +63,8 @@ pub(crate) struct PhaseDriver<'a> {
     device: Arc<dyn Device>,
     release_idle: bool,
     phases: Vec<PhaseReport>,
+    /// The device's first-call counters as the current phase began.
+    setup_before: ddo_core::SetupCalls,
 }
 
 impl<'a> PhaseDriver<'a> {
@@ -80,9 +82,10 @@ impl<'a> PhaseDriver<'a> {
         }
         Ok(Self {
             offload,
-            device,
             release_idle: release_native_idle_cache,
             phases: Vec::new(),
+            setup_before: device.setup_calls(),
+            device,
         })
     }
 
@@ -100,6 +103,7 @@ impl<'a> PhaseDriver<'a> {
     /// unmanaged components' weights to the device. Returns the phase's start time.
     pub(crate) fn begin(&mut self, names: &[&str]) -> Result<Instant> {
         let t0 = Instant::now();
+        self.setup_before = self.device.setup_calls();
         self.offload.begin_phase(names)?;
         onload_unmanaged(self.offload, &*self.device, names)?;
         Ok(t0)
@@ -134,7 +138,7 @@ impl<'a> PhaseDriver<'a> {
         t0: Instant,
         note: Option<String>,
     ) -> Result<()> {
-        let report = end_phase(
+        let mut report = end_phase(
             self.offload,
             &*self.device,
             phase,
@@ -144,6 +148,10 @@ impl<'a> PhaseDriver<'a> {
             note,
             self.release_idle,
         )?;
+        let now = self.device.setup_calls();
+        report.setup_calls = now.since(&self.setup_before);
+        // A phase that begins without `begin` (prompt embeddings given) counts from here.
+        self.setup_before = now;
         self.phases.push(report);
         Ok(())
     }
@@ -390,5 +398,6 @@ fn end_phase(
         setup_seconds,
         prepared_seconds,
         cleanup_seconds: cleanup.elapsed().as_secs_f64(),
+        setup_calls: ddo_core::SetupCalls::default(),
     })
 }

@@ -153,6 +153,11 @@ pub struct PhaseReport {
     /// Seconds of the phase's cleanup (releasing its components, synchronising, emptying
     /// the cache), included in `seconds`.
     pub cleanup_seconds: f64,
+    /// The device's first calls of each shape during the phase (library plans built and
+    /// waited for, kernel modules loaded: [`Device::setup_calls`](ddo_core::Device::setup_calls)),
+    /// counted from the phase's begin to its end: what a phase's first forward pays
+    /// beyond a steady one.
+    pub setup_calls: ddo_core::SetupCalls,
 }
 
 /// What [`FluxPipeline::run_phases`](super::FluxPipeline::run_phases) returns.
