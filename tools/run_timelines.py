@@ -54,8 +54,13 @@ def main():
     ap.add_argument("run_json")
     ap.add_argument("--units", type=int, default=0)
     args = ap.parse_args()
-    with open(args.run_json) as f:
-        doc = json.load(f)
+    try:
+        with open(args.run_json) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"{args.run_json}: not a readable JSON file ({e}); give a `ddo run --json` output")
+    if not isinstance(doc, dict):
+        sys.exit(f"{args.run_json}: not a `ddo run --json` output (a JSON object)")
     found = False
     for name, m in components(doc):
         for key in ("first_timeline", "timeline"):

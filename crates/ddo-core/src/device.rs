@@ -693,6 +693,10 @@ pub fn lossless_status(device: &str, bits: u32) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::any::Any;
+    use std::sync::Arc;
+
+    use super::{DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, MemoryInfo, SetupCalls};
 
     /// A stretch's first calls are the cumulative figures' difference, each field apart, and
     /// never negative; the seconds add the three times.
@@ -726,11 +730,6 @@ mod tests {
         assert!((d.seconds() - 2.000_003).abs() < 1e-12);
         assert_eq!(earlier.since(&now).plans_built, 0);
     }
-
-    use std::any::Any;
-    use std::sync::Arc;
-
-    use super::{DeviceAllocation, DeviceBuffer, DeviceId, DeviceKind, MemoryInfo, SetupCalls};
 
     #[derive(Debug)]
     struct Bytes(usize);

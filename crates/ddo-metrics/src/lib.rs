@@ -890,6 +890,7 @@ fn opt_bytes(v: Option<u64>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     /// A phase's first forward is kept beside the last: the first timeline recorded stays,
     /// the last one is replaced by each new one.
@@ -907,8 +908,6 @@ mod tests {
         assert_eq!(m.first_timeline().map(|t| t.forward_ns), Some(5));
         assert_eq!(m.timeline().map(|t| t.forward_ns), Some(9));
     }
-
-    use super::*;
 
     #[test]
     fn counters_accumulate_and_pinned_peak_is_kept() {

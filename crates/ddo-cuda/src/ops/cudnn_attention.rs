@@ -765,17 +765,12 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
     };
     prepare(dev, key)?;
     let mut waited: Option<std::time::Instant> = None;
-    let mut table = loop {
+    let ready = loop {
         let mut table = DNN.lock();
         let entry = entry_of(&mut table, &stream, ctx);
         match entry.plans.get(key) {
-            Some(State::Ready(_)) => break table,
-            Some(State::Refused) | None => {
-                if let Some(t) = waited {
-                    crate::setup_calls::plan_waited(t.elapsed());
-                }
-                return Ok(false);
-            }
+            Some(State::Ready(_)) => break Some(table),
+            Some(State::Refused) | None => break None,
             Some(State::Pending) => {
                 drop(table);
                 waited.get_or_insert_with(std::time::Instant::now);
@@ -786,6 +781,9 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
     if let Some(t) = waited {
         crate::setup_calls::plan_waited(t.elapsed());
     }
+    let Some(mut table) = ready else {
+        return Ok(false);
+    };
     let entry = entry_of(&mut table, &stream, ctx);
     let Some(State::Ready(plan)) = entry.plans.get(key) else {
         return Ok(false);
