@@ -464,7 +464,10 @@ impl<M: RawMemory, E: FreeEvent> CachingAllocator<M, E> {
             return Ok(st.take(ptr, size, bytes, self.owner));
         }
         let segment = segment_size(size);
-        match self.mem.alloc(segment) {
+        let t = std::time::Instant::now();
+        let got = self.mem.alloc(segment);
+        crate::setup_calls::device_alloc(t.elapsed());
+        match got {
             Ok(base) => {
                 st.add_segment(base, segment, pool);
                 return Ok(st.take(base, size, bytes, self.owner));

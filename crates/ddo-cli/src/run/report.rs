@@ -307,15 +307,19 @@ impl Report<'_> {
                 s += &format!("{:<16} attach: {}\n", "", setups.join(", "));
             }
             let first = &p.setup_calls;
-            if first.plans_built + first.kernel_loads > 0 || first.plan_wait_ns > 0 {
+            if first.plans_built + first.kernel_loads + first.device_allocs > 0
+                || first.plan_wait_ns > 0
+            {
                 s += &format!(
-                    "{:<16} first calls: {} plans built in {}, {} waiting for plans, {} kernel modules loaded in {}\n",
+                    "{:<16} first calls: {} plans built in {}, {} waiting for plans, {} kernel modules loaded in {}, {} device segments allocated in {}\n",
                     "",
                     first.plans_built,
                     ms(first.plan_build_ns as f64 / 1e9),
                     ms(first.plan_wait_ns as f64 / 1e9),
                     first.kernel_loads,
-                    ms(first.kernel_load_ns as f64 / 1e9)
+                    ms(first.kernel_load_ns as f64 / 1e9),
+                    first.device_allocs,
+                    ms(first.device_alloc_ns as f64 / 1e9)
                 );
             }
             if let Some(pool) = &p.peak.native_pool {

@@ -4,9 +4,10 @@
 //!
 //! The ring is one device buffer of `slots × slot` bytes (`slot`: the largest unit), used
 //! as a circular byte buffer: units are placed one after another in schedule order and
-//! wrap to the start when the next one does not fit before the end. Placement is fixed
-//! with the layout, so each unit knows, before any forward, the last earlier unit whose
-//! bytes it overwrites (its *blocker*): its copy waits for that unit's use event only
+//! wrap to the start when the next one does not fit before the end. A forward's placement
+//! is known before it starts (from the ring's start in a new ring; rolled on from the last
+//! forward's end in a kept one, [`Placement::next`]), so each unit knows the last earlier
+//! unit whose bytes it overwrites (its *blocker*): its copy waits for that unit's use event only
 //! (use events are recorded in order on the compute stream, so every earlier user of those
 //! bytes is done too). The copy stream thus runs as many bytes ahead as the ring holds —
 //! through compute-heavy stretches with no weights (attention), small units fill the ring
@@ -83,6 +84,15 @@ struct Ring {
     /// copy made ahead, during this forward's last units, into the ring kept for it (empty
     /// when this forward copies nothing ahead).
     next_ready: Vec<Option<Event>>,
+    /// The next forward's placement in this ring, rolled on from this one's end, and for
+    /// each of its leading units that may be copied ahead the unit of this forward whose
+    /// use it waits for ([`Placement::ahead_blockers`]); set once every unit of this
+    /// forward is queued.
+    next: Option<(Placement, Vec<usize>)>,
+    /// In a kept ring, the event after the last forward's last use of it: the first copy
+    /// into bytes no earlier unit of this forward used, beyond those copied ahead, waits
+    /// for it.
+    prior_use: Option<Event>,
     /// The next forward's leading units copied ahead so far (`units`: the next to copy).
     ahead: AheadCopies,
 }
@@ -112,9 +122,11 @@ struct KeptRing {
     ready: Vec<Option<Event>>,
     /// The leading units copied ahead into it.
     ahead: AheadCopies,
-    /// The event after the forward's last use of the ring, on compute: every other copy
-    /// into the kept ring waits for it.
+    /// The event after the forward's last use of the ring, on compute: a copy into bytes
+    /// the next forward has not used yet, beyond those copied ahead, waits for it.
     last_use: Event,
+    /// The next forward's placement in it (rolled on from the last forward's end).
+    placement: Placement,
 }
 
 #[derive(Debug)]
@@ -228,7 +240,12 @@ pub struct StreamingEngine {
     metrics: Arc<RouteMetrics>,
     layout: StagingLayout,
     slots: usize,
+    /// The running (or last) forward's placement of its units in the ring.
     placement: Placement,
+    /// The placement from the ring's start: a forward in a ring of its own uses it.
+    base_placement: Placement,
+    /// Each unit's bytes in the ring.
+    unit_sizes: Vec<u64>,
     resident_params: Vec<Arc<Param>>,
     /// The resident params by the schedule position that first uses them (ascending
     /// positions): the first forward of a phase uploads them in this order.
@@ -253,8 +270,9 @@ pub struct StreamingEngine {
     /// Whether the running forward copies the next forward's leading units ahead and keeps
     /// the ring for it.
     ahead: bool,
-    /// The leading units a forward from a phase's second on copies ahead for the next
-    /// (0: none; [`StreamingConfig::copy_ahead`] off, or see [`StreamingEngine::ahead_limit`]).
+    /// The most leading units a forward from a phase's second on copies ahead for the next
+    /// (0: none; [`StreamingConfig::copy_ahead`] off, or see [`StreamingEngine::ahead_limit`]);
+    /// each forward copies up to the next placement's leading units.
     ahead_limit: usize,
     /// Units copied ahead for a next forward, over the engine's life.
     copied_ahead: u64,
@@ -640,6 +658,7 @@ impl StreamingEngine {
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
         let placement = Placement::new(&sizes, slot_bytes * slots as u64);
+        let base_placement = placement.clone();
         let decode = if coded && units > 0 {
             Some(device.create_stream()?)
         } else {
@@ -654,6 +673,8 @@ impl StreamingEngine {
             layout,
             slots,
             placement,
+            base_placement,
+            unit_sizes: sizes,
             resident_params,
             resident_at,
             resident: ResidencyTable::new(),
@@ -900,14 +921,20 @@ impl StreamingEngine {
             reader.begin_forward();
         }
         // The ring the last forward kept, its leading units copied ahead, or a new one.
-        let (buffer, mut copied_ahead, issued, last_use) = match self.kept.take() {
-            Some(k) => (k.buffer, k.ready, k.ahead.units, Some(k.last_use)),
-            None => (
-                self.device.alloc(self.figures.ring_bytes() as usize)?,
-                Vec::new(),
-                0,
-                None,
-            ),
+        let (buffer, mut copied_ahead, issued, prior_use) = match self.kept.take() {
+            Some(k) => {
+                self.placement = k.placement;
+                (k.buffer, k.ready, k.ahead.units, Some(k.last_use))
+            }
+            None => {
+                self.placement = self.base_placement.clone();
+                (
+                    self.device.alloc(self.figures.ring_bytes() as usize)?,
+                    Vec::new(),
+                    0,
+                    None,
+                )
+            }
         };
         if let Some(decode) = &self.decode {
             // The decoder's status starts clear each forward.
@@ -943,21 +970,12 @@ impl StreamingEngine {
             entered: 0,
             trace,
             coded_used: vec![None; CODED_SLOTS as usize],
-            next_ready: if self.ahead {
-                vec![None; self.ahead_limit]
-            } else {
-                Vec::new()
-            },
+            next_ready: Vec::new(),
+            next: None,
+            prior_use,
             ahead: AheadCopies::default(),
         });
         self.active = true;
-        if let Some(last_use) = last_use
-            && let Err(e) = self.device.wait_event(&self.copy, &last_use)
-        {
-            // The kept ring's other units are copied behind the last forward's use of it.
-            let _ = self.abort();
-            return Err(e);
-        }
         // The link starts now, while the program prepares and uploads its inputs (a
         // backend stages pageable uploads so that they do not hold the host behind these
         // copies: ddo-cuda's upload buffers).
@@ -994,20 +1012,20 @@ impl StreamingEngine {
         }
     }
 
-    /// The leading units of a forward that can be copied ahead into the ring kept for it:
-    /// those the ring's first pass holds, copied from pinned memory (a pinned home or
-    /// registered mappings; not staged through host buffers). None when the forward is
-    /// traced or its units are coded (a decode stream checks each forward's status). Fixed
-    /// once the host side is built ([`StreamingEngine::new`]).
+    /// How many of a forward's leading units (those the ring's first pass holds) can be
+    /// copied ahead into the ring kept for it, at most: those copied from pinned memory (a
+    /// pinned home or registered mappings; not staged through host buffers). None when the
+    /// forward is traced or its units are coded (a decode stream checks each forward's
+    /// status). Fixed once the host side is built ([`StreamingEngine::new`]).
     fn ahead_limit(&self) -> usize {
         if self.timeline || self.decode.is_some() {
             return 0;
         }
-        let leading = self.placement.ahead_blockers.len();
+        let units = self.layout.units().len();
         match &self.host {
-            Some(Host::Home { .. }) => leading,
+            Some(Host::Home { .. }) => units,
             Some(Host::Registered { staged, .. }) => {
-                staged.as_ref().map_or(leading, |st| leading.min(st.from))
+                staged.as_ref().map_or(units, |st| units.min(st.from))
             }
             _ => 0,
         }
@@ -1028,13 +1046,20 @@ impl StreamingEngine {
             let Some(ring) = self.ring.as_mut() else {
                 return Ok(());
             };
+            let (next, blockers) = ring.next.get_or_insert_with(|| {
+                let next = self.placement.next(&self.unit_sizes);
+                let mut blockers = self.placement.ahead_blockers(&self.unit_sizes, &next);
+                blockers.truncate(self.ahead_limit);
+                (next, blockers)
+            });
             let v = ring.ahead.units;
-            if v >= self.ahead_limit {
+            if v >= blockers.len() {
                 return Ok(());
             }
-            let Some(used) = ring.used[self.placement.ahead_blockers[v]].as_ref() else {
+            let Some(used) = ring.used[blockers[v]].as_ref() else {
                 return Ok(());
             };
+            let at = next.offsets[v];
             self.device.wait_event(&self.copy, used)?;
             let unit = &self.layout.units()[v];
             let (copies, bytes) = copy_pinned(
@@ -1044,12 +1069,13 @@ impl StreamingEngine {
                 self.host.as_ref(),
                 (v, unit.bytes),
                 &ring.buffer,
-                self.placement.offsets[v],
+                at,
             )?;
             if copies == 0 {
                 return Ok(());
             }
-            ring.next_ready[v] = Some(self.device.record_event(&self.copy)?);
+            ring.next_ready
+                .push(Some(self.device.record_event(&self.copy)?));
             ring.ahead.add(AheadCopies {
                 units: 1,
                 bytes,
@@ -1173,10 +1199,19 @@ impl StreamingEngine {
         let unit = &self.layout.units()[u];
         // Coded units: the decode writes the ring, so it is the decode that waits.
         let writer = self.decode.as_ref().unwrap_or(&self.copy);
-        if let Some(b) = self.placement.blockers[u]
-            && let Some(ev) = ring.used[b].as_ref()
-        {
-            self.device.wait_event(writer, ev)?;
+        match self.placement.blockers[u] {
+            Some(b) => {
+                if let Some(ev) = ring.used[b].as_ref() {
+                    self.device.wait_event(writer, ev)?;
+                }
+            }
+            // Bytes no earlier unit of this forward used: in a kept ring, the last forward's
+            // units may still read them (the writer's later copies queue behind this wait).
+            None => {
+                if let Some(ev) = ring.prior_use.take() {
+                    self.device.wait_event(writer, &ev)?;
+                }
+            }
         }
         if let Some(t) = ring.trace.as_mut() {
             t.copy_start[u] = Some(self.device.record_timed_event(&self.copy)?);
@@ -1384,11 +1419,16 @@ impl StreamingEngine {
             // Kept: the next forward's copies into it wait for this forward's last use.
             let last_use = self.device.record_event(&self.compute)?;
             self.copied_ahead += ring.ahead.units as u64;
+            let placement = match ring.next {
+                Some((next, _)) => next,
+                None => self.placement.next(&self.unit_sizes),
+            };
             self.kept = Some(KeptRing {
                 buffer: ring.buffer,
                 ready: ring.next_ready,
                 ahead: ring.ahead,
                 last_use,
+                placement,
             });
             return Ok(());
         }
