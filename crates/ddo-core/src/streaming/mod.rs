@@ -247,7 +247,7 @@ impl StreamingConfig {
 /// The streaming engine's options with their effective values (for a route's
 /// [`Route::effective_options`](crate::Route::effective_options)): transfer unit, ring
 /// slots, pinned source (`home`: a pinned copy of the weights; `register`: the checkpoint
-/// mapping page-locked in place) and compression.
+/// mapping page-locked in place), compression and copying ahead.
 pub fn effective_options(
     o: &RouteOptions,
     streaming: &StreamingConfig,
@@ -273,6 +273,11 @@ pub fn effective_options(
             "compress",
             OptionValue::Text(streaming.compress.as_str().into()),
             o.compress.is_some(),
+        ),
+        EffectiveOption::new(
+            "copy_ahead",
+            OptionValue::Flag(streaming.copy_ahead),
+            o.copy_ahead.is_some(),
         ),
     ]
 }
