@@ -1084,6 +1084,43 @@ fn bench_reports_coded_streaming_and_its_output_matches_the_uncompressed_route()
     assert_eq!(cands[0]["output_fnv1a"], cands[1]["output_fnv1a"]);
 }
 
+/// The table says whether the candidates' outputs agree, with the one hash the JSON holds.
+#[test]
+fn bench_text_says_the_candidates_outputs_agree() {
+    let args = [
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--route",
+        "none",
+        "--route",
+        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,copy_ahead=true",
+    ];
+    let text = ok(&ddo(&args));
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let v = json(&ddo(&with_json));
+    let hash = v["candidates"][0]["output_fnv1a"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(v["candidates"][1]["output_fnv1a"], hash.as_str());
+    assert!(
+        text.contains(&format!(
+            "output: the 2 candidates' last forwards gave one output (FNV-1a {hash})"
+        )),
+        "{text}"
+    );
+}
+
 #[test]
 fn bench_compares_routes_in_one_process() {
     let d = scratch("bench");

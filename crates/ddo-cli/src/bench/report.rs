@@ -51,6 +51,15 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
+    /// [`outputs_line`] of the candidates.
+    pub fn outputs_line(&self) -> String {
+        outputs_line(
+            self.candidates
+                .iter()
+                .map(|r| (r.label.as_str(), r.output_fnv1a.as_deref())),
+        )
+    }
+
     /// The table `ddo bench` prints: the header (link, compute and disk floors), one row per
     /// candidate, then what candidates add (coded streaming, LoRA switches, timelines, and
     /// with `profile` the per-op profiles), and the files written.
@@ -174,6 +183,7 @@ impl BenchReport {
                 );
             }
         }
+        s += &self.outputs_line();
         for r in &self.candidates {
             if let Some(t) = &r.timeline {
                 s += &format!(
@@ -211,5 +221,61 @@ impl BenchReport {
             s += &format!("wrote {} and {}\n", svg.display(), png.display());
         }
         s
+    }
+}
+
+/// Whether candidates' last forwards gave one output, from each candidate's label and the
+/// FNV-1a hash of its output bytes (none where it has no output): a line naming the one hash,
+/// or each hash with its candidates where they differ (routes move the same bytes, so they
+/// should not); empty with fewer than two outputs.
+fn outputs_line<'a>(candidates: impl Iterator<Item = (&'a str, Option<&'a str>)>) -> String {
+    let mut by_hash: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (label, hash) in candidates {
+        let Some(h) = hash else {
+            continue;
+        };
+        match by_hash.iter_mut().find(|(k, _)| *k == h) {
+            Some((_, labels)) => labels.push(label),
+            None => by_hash.push((h, vec![label])),
+        }
+    }
+    match by_hash.as_slice() {
+        [] => String::new(),
+        [(_, labels)] if labels.len() < 2 => String::new(),
+        [(h, labels)] => format!(
+            "output: the {} candidates' last forwards gave one output (FNV-1a {h})\n",
+            labels.len()
+        ),
+        groups => {
+            let mut s = "output: the candidates' last forwards differ (FNV-1a):\n".to_string();
+            for (h, labels) in groups {
+                s += &format!("  {h}: {}\n", labels.join(", "));
+            }
+            s
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::outputs_line;
+
+    #[test]
+    fn outputs_agree_differ_or_are_too_few_to_compare() {
+        let line = |c: &[(&'static str, Option<&'static str>)]| outputs_line(c.iter().copied());
+        assert_eq!(
+            line(&[("none", Some("ab")), ("leaf", Some("ab")), ("bad", None)]),
+            "output: the 2 candidates' last forwards gave one output (FNV-1a ab)\n"
+        );
+        assert_eq!(
+            line(&[
+                ("none", Some("ab")),
+                ("leaf", Some("cd")),
+                ("block", Some("ab"))
+            ]),
+            "output: the candidates' last forwards differ (FNV-1a):\n  ab: none, block\n  cd: leaf\n"
+        );
+        assert_eq!(line(&[("none", Some("ab")), ("bad", None)]), "");
+        assert_eq!(line(&[]), "");
     }
 }
