@@ -6,10 +6,12 @@ use std::process::Command;
 
 #[test]
 fn bench_plot_writes_svg_and_png() {
-    let d = std::env::temp_dir().join(format!("ddo-cli-{}-plot", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    let prefix = d.join("p");
+    // Created exclusively under a random name, removed when the test ends.
+    let d = tempfile::Builder::new()
+        .prefix("ddo-cli-plot-")
+        .tempdir()
+        .unwrap();
+    let prefix = d.path().join("p");
     let routes = [
         "none",
         "diffusers_group_offload:offload_type=leaf_level,use_stream=false",
@@ -46,7 +48,7 @@ fn bench_plot_writes_svg_and_png() {
         "{stdout}"
     );
 
-    let svg = std::fs::read_to_string(d.join("p.svg")).expect("p.svg is text");
+    let svg = std::fs::read_to_string(d.path().join("p.svg")).expect("p.svg is text");
     assert!(svg.contains("<svg"), "{svg}");
     for label in routes.iter().copied().chain(["preset auto"]) {
         assert!(svg.contains(label), "no label `{label}` in the SVG");
@@ -54,7 +56,7 @@ fn bench_plot_writes_svg_and_png() {
     assert!(svg.contains("peak device memory (MiB)") && svg.contains("median time (ms)"));
     assert!(svg.contains("transformer"), "caption names the component");
 
-    let png = std::fs::read(d.join("p.png")).expect("p.png");
+    let png = std::fs::read(d.path().join("p.png")).expect("p.png");
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "PNG signature");
     // IHDR: width and height, big-endian, at bytes 16..24.
     let w = u32::from_be_bytes(png[16..20].try_into().unwrap());

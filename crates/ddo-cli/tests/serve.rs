@@ -26,7 +26,8 @@ fn png(answer: &Value, i: usize) -> Vec<u8> {
 
 /// `ddo run` with `args` (on `--config tiny` unless they give `--weights`): the PNG's bytes.
 fn run_png(name: &str, args: &[&str]) -> Vec<u8> {
-    let out = scratch(name).join("run.png");
+    let d = scratch(name);
+    let out = d.join("run.png");
     let source = if args.contains(&"--weights") {
         vec![]
     } else {

@@ -18,12 +18,32 @@ pub fn fixture(rel: &str) -> String {
     repo().join("fixtures").join(rel).display().to_string()
 }
 
-/// A fresh scratch folder for one test.
-pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ddo-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A test's scratch folder: created exclusively under a random name in the temporary
+/// directory (`tempfile`), and removed with what it holds when dropped. It reads as the
+/// folder's path.
+pub struct Scratch(tempfile::TempDir);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+/// A fresh scratch folder for one test ([`Scratch`]: gone when the test drops it).
+pub fn scratch(name: &str) -> Scratch {
+    Scratch(
+        tempfile::Builder::new()
+            .prefix(&format!("ddo-cli-{name}-"))
+            .tempdir()
+            .unwrap(),
+    )
 }
 
 pub fn ddo_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
