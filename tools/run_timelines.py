@@ -8,7 +8,8 @@ reads apart from the steady ones. Standard library only.
 
 Usage: python3 tools/run_timelines.py RUN.json [--units N]
        (--units N: also the first N units of each timeline: copy and compute, ms from the
-       forward's start event)
+       forward's start event, and when the host reached each unit, ms from when it recorded
+       that event)
 """
 
 import argparse
@@ -28,7 +29,16 @@ def summary(t):
     for prev, u in zip(units, units[1:]):
         waited += max(0.0, ms(u["compute_start_ns"] - prev["compute_end_ns"]))
     gb = sum(u["bytes"] for u in units) / 1e9
+    # The device reached a unit no earlier than the host did (host time counted from the start
+    # event's recording, which the device ran no earlier): it waited for the program there.
+    begin = t.get("host_begin_ns", 0)
+    traced = [u for u in units if u.get("host_enter_ns", 0) > 0]
+    host_bound = sum(
+        1 for u in traced if u["host_enter_ns"] - begin >= u["compute_start_ns"] - 200_000
+    )
     return {
+        "host_bound_units": host_bound,
+        "host_traced_units": len(traced),
         "forward_ms": ms(t["forward_ns"]),
         "host_begin_ms": ms(t.get("host_begin_ns", 0)),
         "host_queue_ms": ms(t.get("host_forward_ns", 0)),
@@ -76,12 +86,23 @@ def main():
                 f"({s['copy_gb_s']:.1f} GB/s), first streamed unit computed at "
                 f"{s['first_compute_ms']:.2f} ms, compute waited {s['compute_waited_ms']:.2f} ms "
                 "between units"
+                + (
+                    f"; the device reached {s['host_bound_units']} of {s['host_traced_units']} "
+                    "units within 0.2 ms of the host (waiting for the program there)"
+                    if s["host_traced_units"]
+                    else ""
+                )
             )
             for u in t["units"][: args.units]:
                 print(
                     f"    {u['unit']:4d} {u['label'][:56]:56s} {u['bytes'] / 1e6:8.1f} MB  copy "
                     f"{ms(u['copy_start_ns']):8.2f}-{ms(u['copy_end_ns']):8.2f}  compute "
                     f"{ms(u['compute_start_ns']):8.2f}-{ms(u['compute_end_ns']):8.2f}"
+                    + (
+                        f"  host {ms(u['host_enter_ns'] - t.get('host_begin_ns', 0)):8.2f}"
+                        if u.get("host_enter_ns", 0) > 0
+                        else ""
+                    )
                 )
     if not found:
         sys.exit("no timeline in the file: run with the route option timeline=true")

@@ -30,6 +30,11 @@ pub struct UnitTiming {
     pub compute_start_ns: i64,
     /// Compute finished the unit's last leaf (its use event).
     pub compute_end_ns: i64,
+    /// Host wall time, ns from `begin_forward`'s entry, when the program reached the unit's
+    /// first leaf (what follows is queued from then on): beside `compute_start_ns` plus the
+    /// timeline's `host_begin_ns`, it says whether the device waited for the host there.
+    #[serde(default)]
+    pub host_enter_ns: i64,
 }
 
 /// One forward's units.
@@ -261,6 +266,7 @@ mod tests {
             copy_end_ns: ns(copy.1),
             compute_start_ns: ns(compute.0),
             compute_end_ns: ns(compute.1),
+            host_enter_ns: 0,
         }
     }
 

@@ -50,7 +50,22 @@ fn a_streamed_forward_publishes_an_ordered_timeline() {
             );
         }
         assert!(u.compute_end_ns <= t.forward_ns);
+        // The host reached the unit after begin_forward's entry and before the end event.
+        assert!(
+            u.host_enter_ns >= t.host_begin_ns && u.host_enter_ns <= t.host_forward_ns,
+            "{u:?} in {}..{}",
+            t.host_begin_ns,
+            t.host_forward_ns
+        );
     }
+    // The host reaches the units in schedule order.
+    assert!(
+        t.units
+            .windows(2)
+            .all(|w| w[0].host_enter_ns <= w[1].host_enter_ns),
+        "host times out of order"
+    );
+    assert!(t.units.last().unwrap().host_enter_ns > 0);
     let summary = t.summary(3);
     assert_eq!(summary.bytes, bytes);
     assert!(summary.copy_busy_ms >= 0.0 && summary.forward_ms > 0.0);

@@ -1326,6 +1326,9 @@ impl StreamingEngine {
         if let Some(u) = self.layout.unit_of(pos)
             && self.layout.units()[u].first == pos
         {
+            if let Some(t) = ring.trace.as_mut() {
+                t.host_enter[u] = Some(t.host_entry.elapsed());
+            }
             match ring.ready[u].take() {
                 Some(ev) => {
                     self.device.wait_event(&self.compute, &ev)?;

@@ -18,6 +18,8 @@ pub(super) struct Trace {
     pub(super) copy_end: Vec<Option<Event>>,
     pub(super) compute_start: Vec<Option<Event>>,
     pub(super) compute_end: Vec<Option<Event>>,
+    /// Host time, since `host_entry`, when the program reached each unit's first leaf.
+    pub(super) host_enter: Vec<Option<std::time::Duration>>,
 }
 
 impl Trace {
@@ -31,6 +33,7 @@ impl Trace {
             copy_end: none(),
             compute_start: none(),
             compute_end: none(),
+            host_enter: vec![None; units],
         }
     }
 
@@ -66,6 +69,8 @@ impl Trace {
                 copy_end_ns: at(&self.copy_end[u])?.unwrap_or(0),
                 compute_start_ns: at(&self.compute_start[u])?.unwrap_or(0),
                 compute_end_ns: at(&self.compute_end[u])?.unwrap_or(0),
+                host_enter_ns: self.host_enter[u]
+                    .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
             });
         }
         Ok(Some(ddo_metrics::Timeline {
