@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{ddo, ddo_with_env, fixture, json, max_abs, ok, repo, scratch, tensor};
+use common::{ddo, ddo_with_env, fixture, json, max_abs, ok, repo, scratch, tensor, tiny_bench};
 use serde_json::Value;
 
 #[test]
@@ -1087,25 +1087,17 @@ fn bench_reports_coded_streaming_and_its_output_matches_the_uncompressed_route()
 /// The table says whether the candidates' outputs agree, with the one hash the JSON holds.
 #[test]
 fn bench_text_says_the_candidates_outputs_agree() {
-    let args = [
-        "bench",
-        "--config",
-        "tiny",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--repeats",
+    let args = tiny_bench(
         "1",
-        "--warmup",
-        "0",
-        "--route",
-        "none",
-        "--route",
-        "diffusers_group_offload:offload_type=leaf_level,use_stream=true,copy_ahead=true",
-    ];
+        &[
+            "--route",
+            "none",
+            "--route",
+            "diffusers_group_offload:offload_type=leaf_level,use_stream=true,copy_ahead=true",
+        ],
+    );
     let text = ok(&ddo(&args));
-    let mut with_json = args.to_vec();
+    let mut with_json = args.clone();
     with_json.push("--json");
     let v = json(&ddo(&with_json));
     let hash = v["candidates"][0]["output_fnv1a"]
@@ -1125,22 +1117,10 @@ fn bench_text_says_the_candidates_outputs_agree() {
 fn bench_compares_routes_in_one_process() {
     let d = scratch("bench");
     let out_json = d.join("bench.json");
-    let v = json(&ddo(&[
-        "bench",
-        "--config",
-        "tiny",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--repeats",
+    let v = json(&ddo(&tiny_bench(
         "2",
-        "--warmup",
-        "0",
-        "--json",
-        "--out-json",
-        out_json.to_str().unwrap(),
-    ]));
+        &["--json", "--out-json", out_json.to_str().unwrap()],
+    )));
     assert_eq!(v["command"], "bench");
     assert_eq!(v["component"], "transformer");
     assert!(v["link_bytes_per_sec"].as_f64().unwrap() > 0.0);

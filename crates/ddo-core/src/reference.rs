@@ -377,6 +377,17 @@ fn softsign(x: f32) -> f32 {
     x / (1.0 + x.abs())
 }
 
+/// A program whose forward returns its input unchanged: for components built only to be
+/// attached, planned or detached, whose forward is not under test.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IdentityProgram;
+
+impl ComponentProgram for IdentityProgram {
+    fn forward(&self, _ctx: &mut ForwardContext<'_>, input: Tensor) -> Result<Tensor> {
+        Ok(input)
+    }
+}
+
 impl ComponentProgram for ReferenceProgram {
     fn forward(&self, ctx: &mut ForwardContext<'_>, input: Tensor) -> Result<Tensor> {
         let device = ctx.device();

@@ -46,6 +46,26 @@ pub fn scratch(name: &str) -> Scratch {
     )
 }
 
+/// `ddo bench` of the tiny config's transformer at 32x32, `repeats` timed forwards and no
+/// warm-up, then `extra`.
+pub fn tiny_bench<'a>(repeats: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--repeats",
+        repeats,
+        "--warmup",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 pub fn ddo_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ddo"));
     cmd.args(args);

@@ -126,7 +126,7 @@ struct KeptRing {
     /// the next forward has not used yet, beyond those copied ahead, waits for it.
     last_use: Event,
     /// The next forward's placement in it (rolled on from the last forward's end).
-    placement: Placement,
+    placement: Arc<Placement>,
 }
 
 #[derive(Debug)]
@@ -241,9 +241,10 @@ pub struct StreamingEngine {
     layout: StagingLayout,
     slots: usize,
     /// The running (or last) forward's placement of its units in the ring.
-    placement: Placement,
-    /// The placement from the ring's start: a forward in a ring of its own uses it.
-    base_placement: Placement,
+    placement: Arc<Placement>,
+    /// The placement from the ring's start: a forward in a ring of its own uses it
+    /// (shared, so taking it back is no copy).
+    base_placement: Arc<Placement>,
     /// Each unit's bytes in the ring.
     unit_sizes: Vec<u64>,
     resident_params: Vec<Arc<Param>>,
@@ -657,8 +658,8 @@ impl StreamingEngine {
                 .map_or(0, StagedReader::evicted_per_forward),
         };
         let sizes: Vec<u64> = layout.units().iter().map(|u| u.bytes).collect();
-        let placement = Placement::new(&sizes, slot_bytes * slots as u64);
-        let base_placement = placement.clone();
+        let placement = Arc::new(Placement::new(&sizes, slot_bytes * slots as u64));
+        let base_placement = Arc::clone(&placement);
         let decode = if coded && units > 0 {
             Some(device.create_stream()?)
         } else {
@@ -927,7 +928,7 @@ impl StreamingEngine {
                 (k.buffer, k.ready, k.ahead.units, Some(k.last_use))
             }
             None => {
-                self.placement = self.base_placement.clone();
+                self.placement = Arc::clone(&self.base_placement);
                 (
                     self.device.alloc(self.figures.ring_bytes() as usize)?,
                     Vec::new(),
@@ -1422,10 +1423,10 @@ impl StreamingEngine {
             // Kept: the next forward's copies into it wait for this forward's last use.
             let last_use = self.device.record_event(&self.compute)?;
             self.copied_ahead += ring.ahead.units as u64;
-            let placement = match ring.next {
+            let placement = Arc::new(match ring.next {
                 Some((next, _)) => next,
                 None => self.placement.next(&self.unit_sizes),
-            };
+            });
             self.kept = Some(KeptRing {
                 buffer: ring.buffer,
                 ready: ring.next_ready,

@@ -7,17 +7,12 @@ use std::sync::Arc;
 use ddo_core::component::{LeafKind, Module};
 use ddo_core::detach::detach_auxiliary_cpu_sources;
 use ddo_core::{
-    CheckpointMap, Component, ComponentProgram, CoreError, DType, DetachRefusal, Device,
-    ForwardContext, HostBuffer, HostSlice, Param, ParamKind, Result, Tensor,
+    CheckpointMap, Component, CoreError, DType, DetachRefusal, Device, HostBuffer, HostSlice,
+    Param, ParamKind,
 };
 use ddo_host::HostDevice;
 
-struct Identity;
-impl ComponentProgram for Identity {
-    fn forward(&self, _: &mut ForwardContext<'_>, input: Tensor) -> Result<Tensor> {
-        Ok(input)
-    }
-}
+use ddo_core::reference::IdentityProgram as Identity;
 
 /// 64 bytes made in memory and treated as a checkpoint mapping (`CheckpointMap::in_memory`).
 fn mapping() -> Arc<CheckpointMap> {

@@ -670,17 +670,8 @@ mod tests {
     /// A component of one linear leaf whose weight is `rows × 256` elements in GGUF `ty`
     /// blocks.
     fn quantized(ty: ddo_core::gguf::GgmlType, rows: usize) -> Arc<Component> {
-        use ddo_core::{ComponentProgram, ForwardContext, LeafKind, Module, Param, ParamKind};
-        struct Identity;
-        impl ComponentProgram for Identity {
-            fn forward(
-                &self,
-                _ctx: &mut ForwardContext<'_>,
-                input: ddo_core::Tensor,
-            ) -> ddo_core::Result<ddo_core::Tensor> {
-                Ok(input)
-            }
-        }
+        use ddo_core::reference::IdentityProgram;
+        use ddo_core::{LeafKind, Module, Param, ParamKind};
         let layout = ddo_core::QuantLayout::new("w", ty, vec![rows, 256]).unwrap();
         let bytes = layout.bytes();
         let p = Param::new(
@@ -700,7 +691,7 @@ mod tests {
                 vec![("weight".into(), p)],
             )],
         );
-        Component::new("transformer", "Quantized", root, Arc::new(Identity)).unwrap()
+        Component::new("transformer", "Quantized", root, Arc::new(IdentityProgram)).unwrap()
     }
 
     /// 4-bit GGUF blocks stream with `copy_ahead` through 32 slots by default; 8-bit ones keep

@@ -7,9 +7,8 @@ use std::sync::Arc;
 
 use ddo_core::reference::{self, LeafSpec, ReferenceSpec};
 use ddo_core::{
-    AllocatorKind, AttachedRoute, Component, ComponentProgram, CoreError, DType, Device,
-    ForwardContext, HostBuffer, LeafKind, Module, Param, ParamKind, Refusal, Route, RouteId,
-    RouteSpec, Tensor,
+    AllocatorKind, AttachedRoute, Component, CoreError, DType, Device, HostBuffer, LeafKind,
+    Module, Param, ParamKind, Refusal, Route, RouteId, RouteSpec,
 };
 use ddo_host::{HostDevice, HostDeviceConfig};
 use ddo_metrics::RouteMetrics;
@@ -348,13 +347,7 @@ fn refuses_the_installed_native_allocator() {
     assert_eq!(r, Refusal::NativeAllocatorInstalled);
 }
 
-struct Identity;
-
-impl ComponentProgram for Identity {
-    fn forward(&self, _ctx: &mut ForwardContext<'_>, input: Tensor) -> ddo_core::Result<Tensor> {
-        Ok(input)
-    }
-}
+use ddo_core::reference::IdentityProgram as Identity;
 
 #[test]
 fn refuses_quantized_params() {
