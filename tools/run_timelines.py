@@ -6,10 +6,12 @@ when compute reached the first streamed unit, and the time compute waited betwee
 first forward (it makes the resident part resident, takes a new ring and pays every first call)
 reads apart from the steady ones. Standard library only.
 
-Usage: python3 tools/run_timelines.py RUN.json [--units N]
+Usage: python3 tools/run_timelines.py RUN.json [--units N] [--waits N]
        (--units N: also the first N units of each timeline: copy and compute, ms from the
        forward's start event, and when the host reached each unit, ms from when it recorded
-       that event)
+       that event; --waits N: the N longest host calls into the driver or libraries while the
+       host queued the forward (`host_waits`: each call, when it started and how long it took,
+       ms; 10 by default), with the unit the host was at)
 """
 
 import argparse
@@ -63,6 +65,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_json")
     ap.add_argument("--units", type=int, default=0)
+    ap.add_argument("--waits", type=int, default=10)
     args = ap.parse_args()
     try:
         with open(args.run_json) as f:
@@ -93,6 +96,19 @@ def main():
                     else ""
                 )
             )
+            waits = t.get("host_waits", [])
+            if waits:
+                total = sum(ms(w["ns"]) for w in waits)
+                print(f"    host calls of 0.5 ms or more: {len(waits)}, {total:.2f} ms in all")
+            for w in sorted(waits, key=lambda w: -w["ns"])[: args.waits]:
+                at = w["at_ns"]
+                unit = max(
+                    (u for u in t["units"] if 0 < u.get("host_enter_ns", 0) <= at),
+                    key=lambda u: u["host_enter_ns"],
+                    default=None,
+                )
+                where = f"after unit {unit['unit']} ({unit['label'][:48]})" if unit else "before the first unit"
+                print(f"      {w['call']:40s} at {ms(at):8.2f} ms, {ms(w['ns']):8.2f} ms, {where}")
             for u in t["units"][: args.units]:
                 print(
                     f"    {u['unit']:4d} {u['label'][:56]:56s} {u['bytes'] / 1e6:8.1f} MB  copy "

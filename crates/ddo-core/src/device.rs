@@ -463,6 +463,14 @@ pub trait Device: Send + Sync + fmt::Debug {
         0
     }
 
+    /// The host calls into this device's driver or libraries that took long, started at or
+    /// after `since`, each timed from it ([`ddo_metrics::HostWait`]): what held a program
+    /// that the device waited for. None where the backend keeps none (the host backend).
+    fn host_waits_since(&self, since: std::time::Instant) -> Vec<ddo_metrics::HostWait> {
+        let _ = since;
+        Vec::new()
+    }
+
     /// The host time this device's first calls of each shape took so far (library plans,
     /// kernel modules): what a phase's first forward pays beyond a steady one. Zeros where
     /// the backend builds nothing per shape (the host backend).

@@ -416,6 +416,10 @@ impl Device for FaultInjectingDevice {
         self.inner.setup_calls()
     }
 
+    fn host_waits_since(&self, since: std::time::Instant) -> Vec<ddo_metrics::HostWait> {
+        self.inner.host_waits_since(since)
+    }
+
     fn compute_stream(&self) -> Stream {
         self.inner.compute_stream()
     }

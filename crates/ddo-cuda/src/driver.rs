@@ -60,7 +60,7 @@ pub(crate) fn mem_alloc(ctx: &CudaContext, bytes: usize) -> std::result::Result<
     ctx.bind_to_thread()?;
     // SAFETY: cuMemAlloc writes one pointer into cudarc's out-parameter; the memory it
     // returns is uninitialised, and DDO never reads device memory it has not written.
-    unsafe { result::malloc_sync(bytes) }
+    crate::host_waits::timed("cuMemAlloc", || unsafe { result::malloc_sync(bytes) })
 }
 
 /// `cuMemFree`.
@@ -72,7 +72,7 @@ pub(crate) fn mem_free(ctx: &CudaContext, ptr: u64) -> Result<()> {
     ctx.bind_to_thread().call("cuCtxSetCurrent")?;
     // SAFETY: by this function's contract `ptr` is a live allocation of this context that
     // nothing uses any more, freed exactly once.
-    unsafe { result::memory_free(ptr) }.call("cuMemFree")
+    crate::host_waits::timed("cuMemFree", || unsafe { result::memory_free(ptr) }).call("cuMemFree")
 }
 
 /// `cuMemGetInfo`: (free, total) bytes of the device of `ctx`, according to the driver.
@@ -92,14 +92,14 @@ pub(crate) fn memcpy_htod_async(dst: u64, src: &[u8], stream: &CudaStream) -> Re
     // SAFETY: `src` is a valid host range for `src.len()` bytes now, and by this function's
     // contract it stays valid until the copy completes and `dst` is a live device range of
     // that length; the stream belongs to the bound context.
-    unsafe {
+    crate::host_waits::timed("cuMemcpyHtoDAsync", || unsafe {
         sys::cuMemcpyHtoDAsync_v2(
             dst,
             src.as_ptr().cast::<c_void>(),
             src.len(),
             stream.cu_stream(),
         )
-    }
+    })
     .result()
     .call("cuMemcpyHtoDAsync")
 }
@@ -114,14 +114,14 @@ pub(crate) fn memcpy_dtoh_async(dst: &mut [u8], src: u64, stream: &CudaStream) -
     // SAFETY: `dst` is a valid, exclusively borrowed host range for `dst.len()` bytes now;
     // by this function's contract it stays allocated and untouched until the copy completes,
     // and `src` is a live device range of that length.
-    unsafe {
+    crate::host_waits::timed("cuMemcpyDtoHAsync", || unsafe {
         sys::cuMemcpyDtoHAsync_v2(
             dst.as_mut_ptr().cast::<c_void>(),
             src,
             dst.len(),
             stream.cu_stream(),
         )
-    }
+    })
     .result()
     .call("cuMemcpyDtoHAsync")
 }
@@ -134,8 +134,10 @@ pub(crate) fn memcpy_dtod_async(dst: u64, src: u64, len: usize, stream: &CudaStr
     stream.context().bind_to_thread().call("cuCtxSetCurrent")?;
     // SAFETY: by this function's contract both device ranges are live for `len` bytes
     // until the copy completes; the stream belongs to the bound context.
-    unsafe { result::memcpy_dtod_async(dst, src, len, stream.cu_stream()) }
-        .call("cuMemcpyDtoDAsync")
+    crate::host_waits::timed("cuMemcpyDtoDAsync", || unsafe {
+        result::memcpy_dtod_async(dst, src, len, stream.cu_stream())
+    })
+    .call("cuMemcpyDtoDAsync")
 }
 
 /// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`: page-locks `bytes` for every
@@ -147,13 +149,13 @@ pub(crate) fn host_register(ctx: &CudaContext, bytes: &[u8]) -> Result<()> {
     ctx.bind_to_thread().call("cuCtxSetCurrent")?;
     // SAFETY: `bytes` is a valid host range; registration page-locks it without reading or
     // writing it, and by this function's contract it outlives the registration.
-    unsafe {
+    crate::host_waits::timed("cuMemHostRegister", || unsafe {
         sys::cuMemHostRegister_v2(
             bytes.as_ptr().cast_mut().cast::<c_void>(),
             bytes.len(),
             sys::CU_MEMHOSTREGISTER_PORTABLE,
         )
-    }
+    })
     .result()
     .call("cuMemHostRegister")
 }
@@ -174,13 +176,13 @@ pub(crate) fn host_register_read_only(
     // SAFETY: `bytes` is a valid, mapped host range; with the read-only flag the driver
     // page-locks it and maps it for device reads without writing it, and by this
     // function's contract the mapping outlives the registration.
-    unsafe {
+    crate::host_waits::timed("cuMemHostRegister (read-only)", || unsafe {
         sys::cuMemHostRegister_v2(
             bytes.as_ptr().cast_mut().cast::<c_void>(),
             bytes.len(),
             sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_READ_ONLY,
         )
-    }
+    })
     .result()
 }
 
@@ -193,9 +195,11 @@ pub(crate) fn host_unregister(ctx: &CudaContext, addr: usize) -> Result<()> {
     ctx.bind_to_thread().call("cuCtxSetCurrent")?;
     // SAFETY: by this function's contract `addr` starts a registered range nothing uses;
     // unregistering only unpins the pages, the memory itself stays with its owner.
-    unsafe { sys::cuMemHostUnregister(addr as *mut c_void) }
-        .result()
-        .call("cuMemHostUnregister")
+    crate::host_waits::timed("cuMemHostUnregister", || unsafe {
+        sys::cuMemHostUnregister(addr as *mut c_void)
+    })
+    .result()
+    .call("cuMemHostUnregister")
 }
 
 /// `cuStreamQuery`: whether every operation queued on `stream` has completed (`false` for

@@ -46,6 +46,7 @@ mod background;
 pub mod device;
 mod driver;
 pub mod error;
+mod host_waits;
 mod ops;
 mod setup_calls;
 pub mod vmm_allocator;

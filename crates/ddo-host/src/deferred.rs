@@ -434,6 +434,10 @@ impl Device for DeferredComputeDevice {
         self.inner.setup_calls()
     }
 
+    fn host_waits_since(&self, since: std::time::Instant) -> Vec<ddo_metrics::HostWait> {
+        self.inner.host_waits_since(since)
+    }
+
     fn compute_stream(&self) -> Stream {
         self.compute.clone()
     }

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 pub mod timeline;
-pub use timeline::{CopyGap, IdleCause, Timeline, TimelineSummary, UnitTiming};
+pub use timeline::{CopyGap, HostWait, IdleCause, Timeline, TimelineSummary, UnitTiming};
 
 /// Live counters of one attached route. Cheap to update from the per-leaf path (relaxed
 /// atomics); shared between the route and its handle behind an `Arc`.

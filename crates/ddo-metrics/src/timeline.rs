@@ -37,6 +37,19 @@ pub struct UnitTiming {
     pub host_enter_ns: i64,
 }
 
+/// A host call into the device's driver or libraries that took long (the CUDA backend
+/// keeps those of at least half a millisecond): while it ran, the program queued nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostWait {
+    /// The call (`cuStreamSynchronize`, `cuLaunchKernel`, `cublasLtMatmul`, ...).
+    pub call: String,
+    /// When it started, ns from the start asked about (a timeline's: `begin_forward`'s
+    /// entry, as [`UnitTiming::host_enter_ns`]).
+    pub at_ns: u64,
+    /// How long it took, ns.
+    pub ns: u64,
+}
+
 /// One forward's units.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Timeline {
@@ -52,6 +65,10 @@ pub struct Timeline {
     /// (the host's view of the forward, without waiting for the device to finish).
     #[serde(default)]
     pub host_forward_ns: i64,
+    /// The long host calls into the device's driver or libraries while the host queued
+    /// the forward ([`HostWait`]; none where the backend keeps none).
+    #[serde(default)]
+    pub host_waits: Vec<HostWait>,
 }
 
 impl UnitTiming {
@@ -283,6 +300,7 @@ mod tests {
             forward_ns: 9_000_000,
             host_begin_ns: 1_000_000,
             host_forward_ns: 10_000_000,
+            host_waits: Vec::new(),
         };
         let s = t.summary(5);
         assert_eq!(s.bytes, 3000);

@@ -171,6 +171,11 @@ pub struct RunArgs {
     /// allocator only)
     #[arg(long)]
     pub release_native_idle: bool,
+    /// record each streamed route's first and last forward (`timeline=true` on every route
+    /// the streaming engine drives, planned or given): when each unit's copy ran, when
+    /// compute used it and when the host reached it, in `--json`'s route metrics
+    #[arg(long)]
+    pub timeline: bool,
     /// print the profile as JSON
     #[arg(long)]
     pub json: bool,

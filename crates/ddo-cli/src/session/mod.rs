@@ -428,6 +428,12 @@ impl Session {
                 (height, width, images),
                 checked.tiled_decode,
             )?;
+            let plan = if checked.timeline {
+                plan.with_timelines()
+                    .map_err(|e| CliError::from(e).context("--timeline"))?
+            } else {
+                plan
+            };
             let explanations =
                 planned_explanations(&self.routing, &self.names, &plan, &self.pipeline);
             self.planned = Some(Planned {

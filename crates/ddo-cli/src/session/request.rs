@@ -43,6 +43,8 @@ pub struct Request {
     pub tiled_decode: Option<TiledDecode>,
     /// `--release-native-idle`.
     pub release_native_idle: bool,
+    /// `--timeline`.
+    pub timeline: bool,
 }
 
 /// A [`Request`] with its defaults filled in and checked.
@@ -72,6 +74,8 @@ pub struct Checked {
     pub tiled_decode: TiledDecode,
     /// `--release-native-idle`.
     pub release_native_idle: bool,
+    /// `--timeline`.
+    pub timeline: bool,
 }
 
 impl Request {
@@ -105,6 +109,7 @@ impl Request {
             init,
             tiled_decode: args.tiled_decode,
             release_native_idle: args.release_native_idle,
+            timeline: args.timeline,
         })
     }
 
@@ -176,6 +181,7 @@ impl Request {
             init,
             tiled_decode: self.tiled_decode.unwrap_or(TiledDecode::Auto),
             release_native_idle: self.release_native_idle,
+            timeline: self.timeline,
         })
     }
 }

@@ -78,6 +78,7 @@ impl Trace {
             forward_ns,
             host_begin_ns: 0,
             host_forward_ns: 0,
+            host_waits: device.host_waits_since(self.host_entry),
         }))
     }
 }

@@ -477,8 +477,7 @@ impl Device for CudaDevice {
 
     fn synchronize_event(&self, event: &Event) -> ddo_core::Result<()> {
         let e = self.event_handle(event)?;
-        e.cuda_event()
-            .synchronize()
+        crate::host_waits::timed("cuEventSynchronize", || e.cuda_event().synchronize())
             .call("cuEventSynchronize")
             .map_err(|e| self.core(e))?;
         self.poll()
@@ -486,8 +485,7 @@ impl Device for CudaDevice {
 
     fn synchronize_stream(&self, stream: &Stream) -> ddo_core::Result<()> {
         let s = self.stream_handle(stream)?;
-        s.stream
-            .synchronize()
+        crate::host_waits::timed("cuStreamSynchronize", || s.stream.synchronize())
             .call("cuStreamSynchronize")
             .map_err(|e| self.core(e))?;
         s.retire_all();
@@ -496,9 +494,7 @@ impl Device for CudaDevice {
     }
 
     fn synchronize(&self) -> ddo_core::Result<()> {
-        self.shared
-            .ctx
-            .synchronize()
+        crate::host_waits::timed("cuCtxSynchronize", || self.shared.ctx.synchronize())
             .call("cuCtxSynchronize")
             .map_err(|e| self.core(e))?;
         for s in self.live_streams() {
@@ -590,6 +586,10 @@ impl Device for CudaDevice {
 
     fn setup_calls(&self) -> ddo_core::SetupCalls {
         crate::setup_calls::now()
+    }
+
+    fn host_waits_since(&self, since: std::time::Instant) -> Vec<ddo_metrics::HostWait> {
+        crate::host_waits::since(since)
     }
 
     fn host_registrations(&self) -> u64 {

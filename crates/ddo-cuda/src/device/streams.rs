@@ -74,7 +74,10 @@ impl FreeEvent for PooledEvent {
     }
 
     fn wait(&self) -> Result<()> {
-        self.event().synchronize().call("cuEventSynchronize")
+        crate::host_waits::timed("cuEventSynchronize (a freed block)", || {
+            self.event().synchronize()
+        })
+        .call("cuEventSynchronize")
     }
 }
 
@@ -133,7 +136,9 @@ impl CudaStreamHandle {
         let Some(oldest) = self.pending.lock().pop_front() else {
             return Ok(false);
         };
-        if let Err(e) = oldest.done.wait() {
+        if let Err(e) = crate::host_waits::timed("cuEventSynchronize (an upload buffer)", || {
+            oldest.done.wait()
+        }) {
             self.pending.lock().push_front(oldest);
             return Err(e);
         }

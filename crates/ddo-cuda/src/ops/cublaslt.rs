@@ -454,7 +454,7 @@ impl LtState {
         // returns. C is D (same layout, in place as cuBLASLt allows) or, for an fp8 form that
         // puts it apart, a live buffer of D's size and layout (beta 0: never read); C is read
         // only with beta 1, when `out` holds the values to add.
-        unsafe {
+        crate::host_waits::timed("cublasLtMatmul", || unsafe {
             lt::matmul(
                 self.handle,
                 plan.desc,
@@ -473,7 +473,7 @@ impl LtState {
                 workspace_bytes,
                 stream,
             )
-        }
+        })
         .map_err(status("cublasLtMatmul"))
     }
 }

@@ -844,7 +844,9 @@ pub(crate) fn run(dev: &CudaDevice, key: &Key, ptrs: &Pointers, scale: f32) -> R
     // (the handle's stream) has run (their allocations are marked used on it), the by-value
     // scale lives on this stack frame (cuDNN reads it while queuing), and the workspace
     // buffer is freed only after the stream's queued work.
-    let status = unsafe { dnn::cudnnBackendExecute(handle, plan.plan.0, pack.0) };
+    let status = crate::host_waits::timed("cudnnBackendExecute", || unsafe {
+        dnn::cudnnBackendExecute(handle, plan.plan.0, pack.0)
+    });
     check("cudnnBackendExecute", status).map_err(|e| {
         backend(
             dev,

@@ -575,7 +575,7 @@ pub(crate) fn launch_on(
     // every pointer is a live device range of `dev` covering what the kernel touches, kept
     // alive until the kernel completes (`note_use` orders the frees after it). The argument
     // values live in `args`, which outlives the launch call that copies them.
-    unsafe { builder.launch(cfg) }
+    crate::host_waits::timed("cuLaunchKernel", || unsafe { builder.launch(cfg) })
         .map(|_| ())
         .map_err(|e| driver_err(dev, "cuLaunchKernel", e))
 }

@@ -163,6 +163,38 @@ pub struct PipelinePlan {
 }
 
 impl PipelinePlan {
+    /// The plan with `timeline=true` on every component whose route streams through the
+    /// streaming engine (`ddo run --timeline`): each such route's metrics then keep its
+    /// first and last forward's timeline. Only the routes' recording changes: the routes,
+    /// footprints and phases stay as planned (a timeline records events, it holds no
+    /// weights). Components whose route takes no `timeline` option (resident, grouped
+    /// without a stream, eager offload) are left as they are.
+    pub fn with_timelines(mut self) -> Result<Self> {
+        use ddo_core::RouteCatalog;
+        for c in &mut self.components {
+            let spec = c.resolution.spec;
+            let Some(id) = spec.route_id() else {
+                continue;
+            };
+            let takes = crate::Catalog
+                .options_of(id)
+                .is_some_and(|names| names.contains(&"timeline"));
+            let streams = crate::effective_options(&spec)
+                .iter()
+                .all(|o| o.name != "use_stream" || o.value == ddo_core::OptionValue::Flag(true));
+            if takes && streams && c.footprint.streamed_bytes_per_forward > 0 {
+                c.resolution.spec = RouteSpec::new(
+                    spec.target(),
+                    RouteOptions {
+                        timeline: Some(true),
+                        ..*spec.options()
+                    },
+                )?;
+            }
+        }
+        Ok(self)
+    }
+
     /// The plan of component `name`.
     pub fn component(&self, name: &str) -> Option<&ComponentPlan> {
         self.components.iter().find(|c| c.component == name)
