@@ -177,6 +177,20 @@ impl AnyPipeline {
         }
     }
 
+    /// Runs the run's transformer linears once on the device before the first phase (Flux;
+    /// Qwen-Image names none yet); how many ran.
+    pub fn prepare_linears(
+        &self,
+        device: &dyn Device,
+        (height, width, images): (usize, usize, usize),
+        max_bytes: u64,
+    ) -> ddo_core::Result<usize> {
+        match self {
+            Self::Flux(p) => p.prepare_linears(device, height, width, images, max_bytes),
+            Self::QwenImage(_) => Ok(0),
+        }
+    }
+
     /// The Flux pipeline, if it is one.
     pub fn as_flux(&self) -> Option<&FluxPipeline> {
         match self {

@@ -614,6 +614,19 @@ pub trait Device: Send + Sync + fmt::Debug {
         let _ = (q, k, v, mask, dtype);
     }
 
+    /// Runs each of `calls` once (with operands of zeros, results dropped) before a program
+    /// runs them, leaving out those whose operands and product would pass `max_bytes`, and
+    /// returns how many ran: a backend that loads a kernel at the first call of a shape
+    /// (the CUDA backend's cuBLASLt) does it here instead of inside a phase's first
+    /// forward, where the load holds the host until the device has drained
+    /// ([`crate::linear_calls`]). The memory it takes is given back before it returns.
+    /// Results never depend on it. The default runs nothing (the host backend loads no
+    /// kernels).
+    fn prepare_linears(&self, calls: &[crate::LinearCall], max_bytes: u64) -> Result<usize> {
+        let _ = (calls, max_bytes);
+        Ok(0)
+    }
+
     /// Waits, at most `timeout`, for what the backend prepares in the background (the CUDA
     /// backend's cuDNN attention plans), and unpins what [`Device::release_host`] kept, so
     /// what follows runs in the steady state and the pinned figures are final; whether

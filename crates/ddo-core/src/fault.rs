@@ -164,6 +164,8 @@ pub struct FaultInjectingDevice {
     /// Whether the fp8 linears pass a non-finite input through
     /// ([`FaultInjectingDevice::pass_fp8_non_finite`]).
     pass_fp8_non_finite: std::sync::atomic::AtomicBool,
+    /// The linear calls made since [`FaultInjectingDevice::record_linears`], while on.
+    linears: Mutex<Option<Vec<crate::LinearCall>>>,
 }
 
 impl fmt::Debug for FaultInjectingDevice {
@@ -188,7 +190,33 @@ impl FaultInjectingDevice {
             fired: AtomicU64::new(0),
             op_times: Mutex::new(None),
             pass_fp8_non_finite: std::sync::atomic::AtomicBool::new(false),
+            linears: Mutex::new(None),
         })
+    }
+
+    /// Starts noting each 16-bit or f32 linear call ([`Ops::linear`],
+    /// [`Ops::linear_gelu_tanh`], [`Ops::linear_concat`]) as a [`crate::LinearCall`];
+    /// [`FaultInjectingDevice::recorded_linears`] takes what was noted.
+    pub fn record_linears(&self) {
+        *self.linears.lock() = Some(Vec::new());
+    }
+
+    /// The linear calls noted since [`FaultInjectingDevice::record_linears`], in order; the
+    /// noting stops.
+    pub fn recorded_linears(&self) -> Vec<crate::LinearCall> {
+        self.linears.lock().take().unwrap_or_default()
+    }
+
+    fn note_linear(
+        &self,
+        kind: crate::LinearKind,
+        xs: &[&Tensor],
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) {
+        if let Some(calls) = self.linears.lock().as_mut() {
+            calls.push(crate::LinearCall::of(kind, xs, w, bias));
+        }
     }
 
     /// Makes [`Ops::linear_fp8`] and [`Ops::linear_fp8_gelu_tanh`] behave as a device's fp8
@@ -420,6 +448,10 @@ impl Device for FaultInjectingDevice {
         self.inner.host_waits_since(since)
     }
 
+    fn prepare_linears(&self, calls: &[crate::LinearCall], max_bytes: u64) -> Result<usize> {
+        self.inner.prepare_linears(calls, max_bytes)
+    }
+
     fn compute_stream(&self) -> Stream {
         self.inner.compute_stream()
     }
@@ -541,6 +573,7 @@ impl Ops for FaultInjectingDevice {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.note_linear(crate::LinearKind::Plain, &[x], w, bias);
         self.op("linear", |o| o.linear(x, w, bias))
     }
 
@@ -605,6 +638,7 @@ impl Ops for FaultInjectingDevice {
     }
 
     fn linear_concat(&self, xs: &[&Tensor], w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.note_linear(crate::LinearKind::Concat(Vec::new()), xs, w, bias);
         self.op("linear_concat", |o| o.linear_concat(xs, w, bias))
     }
 
@@ -681,6 +715,7 @@ impl Ops for FaultInjectingDevice {
     }
 
     fn linear_gelu_tanh(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.note_linear(crate::LinearKind::GeluTanh, &[x], w, bias);
         self.op("linear_gelu_tanh", |o| o.linear_gelu_tanh(x, w, bias))
     }
 

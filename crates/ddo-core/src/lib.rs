@@ -57,6 +57,7 @@ pub mod fp8_compute;
 pub mod gguf;
 pub mod host_budget;
 pub mod host_memory;
+pub mod linear_calls;
 pub mod ops;
 pub mod param;
 pub mod profile;
@@ -89,6 +90,7 @@ pub use fault::{FaultAction, FaultCounts, FaultInjectingDevice, FaultKind};
 pub use footprint::{Footprint, FootprintContext};
 pub use host_budget::{HostBudget, HostBudgetSource};
 pub use host_memory::{CheckpointMap, HostBuffer, HostMemoryKind, HostSlice};
+pub use linear_calls::{LinearCall, LinearKind};
 pub use ops::{AttentionInput, BinaryOp, Conv2dParams, Ops, ReduceOp, UnaryOp, check_finite};
 pub use param::{Param, ParamId, ParamKind, SourceDescriptor};
 pub use profile::{

@@ -240,6 +240,28 @@ impl FluxPipeline {
         device.prepare_attention(&q, &q, &q, None, dtype);
         Ok(())
     }
+
+    /// Runs the transformer's linears for a run of `images` images at `height × width` once
+    /// on `device` before the first phase ([`Device::prepare_linears`], each call's operands
+    /// and product within `max_bytes`): a backend that loads a GEMM kernel at its first call
+    /// (cuBLASLt) does it here, not inside the denoise phase's first forward. Returns how many
+    /// calls ran. Results do not depend on it.
+    pub fn prepare_linears(
+        &self,
+        device: &dyn Device,
+        height: usize,
+        width: usize,
+        images: usize,
+        max_bytes: u64,
+    ) -> Result<usize> {
+        let (h, w) = self.latent_grid(height, width)?;
+        let calls = self.transformer.linear_calls(
+            images.max(1),
+            (h / 2) * (w / 2),
+            self.max_sequence_length,
+        );
+        device.prepare_linears(&calls, max_bytes)
+    }
 }
 
 #[cfg(test)]

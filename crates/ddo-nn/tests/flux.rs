@@ -966,3 +966,39 @@ fn fp8_outside_linear_layers_is_refused_at_load() {
     );
     assert!(err.to_string().contains("--dtype bf16"), "{err}");
 }
+
+/// The linear calls the transformer names for a run's sizes (issue 35: the CUDA backend
+/// loads their kernels before the phase) are exactly those a forward makes, each shape,
+/// bias and epilogue.
+#[test]
+fn the_named_linear_calls_are_those_a_forward_makes() {
+    let model = load();
+    let d = device();
+    let f = ddo_core::FaultInjectingDevice::new(d.clone());
+    model
+        .component()
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    let input = inputs();
+    let (b, li) = (
+        input.hidden_states.shape()[0],
+        input.hidden_states.shape()[1],
+    );
+    let lt = input.encoder_hidden_states.shape()[1];
+    f.record_linears();
+    model.forward(&*f, &input).expect("forward");
+    let made = ddo_core::linear_calls::distinct(&f.recorded_linears());
+    let named = model.linear_calls(b, li, lt);
+    assert!(!named.is_empty());
+    let set =
+        |v: &[ddo_core::LinearCall]| v.iter().cloned().collect::<std::collections::HashSet<_>>();
+    assert_eq!(set(&named), set(&made), "named {named:#?}\nmade {made:#?}");
+    assert_eq!(named.len(), made.len());
+    // Twice the images: every row count but the weights' follows the batch.
+    let two = model.linear_calls(2 * b, li, lt);
+    assert!(two.iter().all(|c| c.rows % 2 == 0), "{two:?}");
+    // `--compute fp8` runs other kernels: nothing is named.
+    model.component().set_fp8_compute(true);
+    assert!(model.linear_calls(b, li, lt).is_empty());
+    model.component().set_fp8_compute(false);
+}

@@ -41,6 +41,10 @@ use crate::setup::{
 };
 use crate::tokenize::PipelineTokenizers;
 
+/// The share of the device budget one warm-up linear may take (operands and product:
+/// [`ddo_core::Device::prepare_linears`]); FLUX.1-dev's largest at 1024x1024 takes 169 MiB.
+const WARM_UP_BUDGET_SHARE: u64 = 16;
+
 /// What a [`Session`] loads: the model, its routes, the device, the budgets and the LoRAs
 /// (`ddo run`'s and `ddo serve`'s loading options).
 #[derive(Debug, Clone)]
@@ -417,6 +421,14 @@ impl Session {
             self.pipe
                 .prepare_attention(&*self.device, checked.height, checked.width, images)?;
             let (plan_budget, budget_source) = plan_budget(&*self.device, self.vram_budget);
+            // The transformer's GEMM kernels load now, while nothing is queued, not inside
+            // the denoise phase's first forward (each call within a sixteenth of the budget).
+            self.pipe.prepare_linears(
+                &*self.device,
+                (checked.height, checked.width, images),
+                plan_budget / WARM_UP_BUDGET_SHARE,
+            )?;
+            laps.lap("warm_up");
             let (plan_budget, budget_source) =
                 crate::lora::budget_less_loras(plan_budget, budget_source, self.loras.1);
             let plan = plan_memory(

@@ -592,6 +592,16 @@ impl Device for CudaDevice {
         crate::host_waits::since(since)
     }
 
+    /// Each call once on zeros ([`crate::ops`]' `warm_up.rs`): cuBLASLt loads its kernels
+    /// and the plans are built while nothing is queued.
+    fn prepare_linears(
+        &self,
+        calls: &[ddo_core::LinearCall],
+        max_bytes: u64,
+    ) -> ddo_core::Result<usize> {
+        crate::ops::warm_up::prepare_linears(self, calls, max_bytes)
+    }
+
     fn host_registrations(&self) -> u64 {
         self.host_registrations.load(Ordering::Relaxed)
     }

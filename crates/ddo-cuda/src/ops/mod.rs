@@ -44,6 +44,7 @@ pub(crate) mod kernels;
 pub(crate) mod layout;
 pub(crate) mod norm;
 pub(crate) mod nvrtc;
+pub(crate) mod warm_up;
 
 /// A shape error of `op`.
 pub(crate) fn shape_err(op: &str, message: impl Into<String>) -> CoreError {

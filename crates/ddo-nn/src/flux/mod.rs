@@ -393,6 +393,32 @@ impl FluxTransformer {
         &self.program.config
     }
 
+    /// The linear calls one forward makes for `batch` images of `img_tokens` latent tokens
+    /// and `txt_tokens` text tokens, in the activations' dtype ([`ddo_core::linear_calls`]:
+    /// a backend loads their kernels before the phase). None under `--compute fp8`, whose
+    /// linears run other kernels.
+    pub fn linear_calls(
+        &self,
+        batch: usize,
+        img_tokens: usize,
+        txt_tokens: usize,
+    ) -> Vec<ddo_core::LinearCall> {
+        if self.component.fp8_compute() {
+            return Vec::new();
+        }
+        let dtype = if crate::weights::holds_quantized(&self.component) {
+            DType::BF16
+        } else {
+            self.component
+                .leaves()
+                .first()
+                .and_then(|l| l.params().first().map(|(_, p)| p.dtype().compute()))
+                .unwrap_or(DType::F32)
+        };
+        self.program
+            .linear_calls(batch, img_tokens, txt_tokens, dtype)
+    }
+
     /// Runs the transformer on `device` through the attached route (if any): Diffusers'
     /// `forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids,
     /// txt_ids, guidance, return_dict=False)[0]`. Returns `[batch, img_tokens, out_channels]`

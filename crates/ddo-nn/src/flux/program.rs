@@ -132,6 +132,64 @@ impl FluxProgram {
         &self.config
     }
 
+    /// The linear calls [`FluxProgram::run`] makes for `batch` images of `li` latent and
+    /// `lt` text tokens in `dtype` (each shape once; `tests/flux.rs` holds it to the calls a
+    /// forward makes).
+    pub(super) fn linear_calls(
+        &self,
+        batch: usize,
+        li: usize,
+        lt: usize,
+        dtype: DType,
+    ) -> Vec<ddo_core::LinearCall> {
+        use ddo_core::{LinearCall, LinearKind};
+        let c = &self.config;
+        let d = c.inner_dim();
+        let (img, txt, joint) = (batch * li, batch * lt, batch * (li + lt));
+        let plain = |rows, k, n| LinearCall::new(LinearKind::Plain, rows, k, n, true, dtype);
+        let gelu = |rows, k, n| LinearCall::new(LinearKind::GeluTanh, rows, k, n, true, dtype);
+        let mut calls = vec![
+            plain(img, c.in_channels, d),
+            plain(batch, TIMESTEP_CHANNELS, d),
+            plain(batch, d, d),
+            plain(batch, c.pooled_projection_dim, d),
+            plain(txt, c.joint_attention_dim, d),
+        ];
+        if !self.double_blocks.is_empty() {
+            calls.extend([
+                plain(batch, d, 6 * d),
+                plain(img, d, d),
+                plain(txt, d, d),
+                gelu(img, d, 4 * d),
+                plain(img, 4 * d, d),
+                gelu(txt, d, 4 * d),
+                plain(txt, 4 * d, d),
+            ]);
+        }
+        if !self.single_blocks.is_empty() {
+            calls.extend([
+                plain(batch, d, 3 * d),
+                plain(joint, d, d),
+                gelu(joint, d, 4 * d),
+                LinearCall::new(
+                    LinearKind::Concat(vec![d, 4 * d]),
+                    joint,
+                    5 * d,
+                    d,
+                    true,
+                    dtype,
+                ),
+            ]);
+        }
+        calls.push(plain(batch, d, 2 * d));
+        calls.push(plain(
+            img,
+            d,
+            c.patch_size * c.patch_size * c.out_channels(),
+        ));
+        ddo_core::linear_calls::distinct(&calls)
+    }
+
     /// Checks `inputs` against the config; returns `(batch, img_tokens, txt_tokens)`.
     fn check_inputs(&self, inputs: &FluxInputs) -> Result<(usize, usize, usize)> {
         let c = &self.config;
