@@ -177,16 +177,17 @@ impl AnyPipeline {
         }
     }
 
-    /// Runs the run's transformer linears once on the device before the first phase (Flux;
-    /// Qwen-Image names none yet); how many ran.
-    pub fn prepare_linears(
+    /// Prepares the denoise phase's first forward before the first phase: the transformer's
+    /// linears run once on the device and its rotary tables are made (Flux; Qwen-Image
+    /// prepares nothing yet); how many linear calls ran.
+    pub fn prepare_first_forward(
         &self,
         device: &dyn Device,
         (height, width, images): (usize, usize, usize),
         max_bytes: u64,
     ) -> ddo_core::Result<usize> {
         match self {
-            Self::Flux(p) => p.prepare_linears(device, height, width, images, max_bytes),
+            Self::Flux(p) => p.prepare_first_forward(device, height, width, images, max_bytes),
             Self::QwenImage(_) => Ok(0),
         }
     }

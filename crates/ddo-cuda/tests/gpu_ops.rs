@@ -1955,3 +1955,27 @@ fn an_aligned_contiguous_narrow_is_a_view_and_is_never_written_in_place() {
     drop((y, keep, inner, inner2));
     p.assert_clean();
 }
+
+/// `Device::prepare_linears` (issue 35: cuBLASLt's kernels load before the phases): each
+/// distinct call within the limit runs once, a call past it is left out, and an empty list
+/// runs nothing.
+#[test]
+fn prepare_linears_runs_each_distinct_call_within_the_limit() {
+    use ddo_core::{LinearCall, LinearKind};
+    let Some(g) = gpu() else {
+        return;
+    };
+    let bf16 = DType::BF16;
+    let small = LinearCall::new(LinearKind::Plain, 64, 128, 256, true, bf16);
+    let calls = [
+        small.clone(),
+        small,
+        LinearCall::new(LinearKind::GeluTanh, 64, 128, 512, true, bf16),
+        LinearCall::new(LinearKind::Concat(vec![128, 64]), 64, 192, 128, false, bf16),
+        // 100 MB of operands and product: past the 8 MiB limit.
+        LinearCall::new(LinearKind::Plain, 4096, 4096, 4096, false, bf16),
+    ];
+    assert_eq!(g.prepare_linears(&calls, 8 << 20).unwrap(), 3);
+    assert_eq!(g.prepare_linears(&[], 1 << 30).unwrap(), 0);
+    g.synchronize().unwrap();
+}

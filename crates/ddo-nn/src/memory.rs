@@ -241,12 +241,14 @@ impl FluxPipeline {
         Ok(())
     }
 
-    /// Runs the transformer's linears for a run of `images` images at `height × width` once
-    /// on `device` before the first phase ([`Device::prepare_linears`], each call's operands
-    /// and product within `max_bytes`): a backend that loads a GEMM kernel at its first call
-    /// (cuBLASLt) does it here, not inside the denoise phase's first forward. Returns how many
-    /// calls ran. Results do not depend on it.
-    pub fn prepare_linears(
+    /// Prepares the denoise phase's first forward for a run of `images` images at
+    /// `height × width`, before the first phase: runs the transformer's linears once on
+    /// `device` ([`Device::prepare_linears`], each call's operands and product within
+    /// `max_bytes`: a backend that loads a GEMM kernel at its first call, cuBLASLt, does it
+    /// here, not inside that forward) and makes its rotary tables
+    /// ([`FluxTransformer::prepare_rope`]). Returns how many linear calls ran. Results do
+    /// not depend on it.
+    pub fn prepare_first_forward(
         &self,
         device: &dyn Device,
         height: usize,
@@ -259,6 +261,10 @@ impl FluxPipeline {
             images.max(1),
             (h / 2) * (w / 2),
             self.max_sequence_length,
+        );
+        self.transformer.prepare_rope(
+            self.max_sequence_length,
+            &crate::flux::latent_image_ids(h / 2, w / 2),
         );
         device.prepare_linears(&calls, max_bytes)
     }

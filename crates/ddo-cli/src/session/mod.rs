@@ -423,7 +423,7 @@ impl Session {
             let (plan_budget, budget_source) = plan_budget(&*self.device, self.vram_budget);
             // The transformer's GEMM kernels load now, while nothing is queued, not inside
             // the denoise phase's first forward (each call within a sixteenth of the budget).
-            self.pipe.prepare_linears(
+            self.pipe.prepare_first_forward(
                 &*self.device,
                 (checked.height, checked.width, images),
                 plan_budget / WARM_UP_BUDGET_SHARE,

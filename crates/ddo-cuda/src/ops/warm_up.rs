@@ -7,7 +7,9 @@
 //! which the allocator's 256-byte blocks give both here and in the forward).
 
 use ddo_core::linear_calls::distinct;
-use ddo_core::{DType, Device, LinearCall, LinearKind, Ops, Result, Tensor, TensorStorage};
+use ddo_core::{
+    CoreError, DType, Device, LinearCall, LinearKind, Ops, Result, Tensor, TensorStorage,
+};
 
 use crate::device::CudaDevice;
 
@@ -23,6 +25,7 @@ fn operand_bytes(call: &LinearCall) -> usize {
 
 /// Runs each distinct call of `calls` (16-bit or f32, operands and product within
 /// `max_bytes`) once, then waits for the device and gives the memory back; how many ran.
+/// A call the device has no room for is skipped (its kernel then loads in the forward).
 pub(crate) fn prepare_linears(
     dev: &CudaDevice,
     calls: &[LinearCall],
@@ -39,8 +42,14 @@ pub(crate) fn prepare_linears(
     let Some(largest) = calls.iter().map(operand_bytes).max() else {
         return Ok(0);
     };
-    let (zeros, ptr) = super::scratch(dev, largest)?;
+    // A warm-up is an optimisation: where the device has no room for it, nothing runs.
+    let (zeros, ptr) = match super::scratch(dev, largest) {
+        Ok(s) => s,
+        Err(CoreError::OutOfMemory { .. }) => return Ok(0),
+        Err(e) => return Err(e),
+    };
     super::gemm::zero(dev, ptr, largest)?;
+    let mut ran = 0;
     for call in &calls {
         let view = |shape: Vec<usize>| -> Result<Tensor> {
             let len = shape.iter().product::<usize>() * call.dtype.size_in_bytes();
@@ -58,10 +67,10 @@ pub(crate) fn prepare_linears(
         };
         let out = match &call.kind {
             LinearKind::Plain => {
-                Ops::linear(dev, &view(vec![call.rows, call.k])?, &w, bias.as_ref())?
+                Ops::linear(dev, &view(vec![call.rows, call.k])?, &w, bias.as_ref())
             }
             LinearKind::GeluTanh => {
-                Ops::linear_gelu_tanh(dev, &view(vec![call.rows, call.k])?, &w, bias.as_ref())?
+                Ops::linear_gelu_tanh(dev, &view(vec![call.rows, call.k])?, &w, bias.as_ref())
             }
             LinearKind::Concat(widths) => {
                 let xs = widths
@@ -69,12 +78,18 @@ pub(crate) fn prepare_linears(
                     .map(|&width| view(vec![call.rows, width]))
                     .collect::<Result<Vec<_>>>()?;
                 let refs: Vec<&Tensor> = xs.iter().collect();
-                Ops::linear_concat(dev, &refs, &w, bias.as_ref())?
+                Ops::linear_concat(dev, &refs, &w, bias.as_ref())
             }
         };
-        drop(out);
+        match out {
+            Ok(out) => drop(out),
+            // No room for this call's product: the larger calls are left to the forward.
+            Err(CoreError::OutOfMemory { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+        ran += 1;
     }
     drop(zeros);
     Device::empty_cache(dev)?;
-    Ok(calls.len())
+    Ok(ran)
 }

@@ -54,7 +54,7 @@ struct RopeCache {
 
 impl FluxProgram {
     /// The rotary tables of `ids` (cached for the last ids).
-    fn rope_tables_cached(&self, ids: &[[f32; 3]]) -> (Arc<Vec<f32>>, Arc<Vec<f32>>) {
+    pub(super) fn rope_tables_cached(&self, ids: &[[f32; 3]]) -> (Arc<Vec<f32>>, Arc<Vec<f32>>) {
         // A poisoned lock only means another forward panicked mid-update: recompute.
         let mut cache = self
             .rope_cache
