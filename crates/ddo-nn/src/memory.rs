@@ -257,11 +257,13 @@ impl FluxPipeline {
         max_bytes: u64,
     ) -> Result<usize> {
         let (h, w) = self.latent_grid(height, width)?;
-        let calls = self.transformer.linear_calls(
-            images.max(1),
-            (h / 2) * (w / 2),
-            self.max_sequence_length,
-        );
+        // A size no device holds is refused by the memory plan, not here: nothing for it.
+        let Some(tokens) = (h / 2).checked_mul(w / 2) else {
+            return Ok(0);
+        };
+        let calls = self
+            .transformer
+            .linear_calls(images.max(1), tokens, self.max_sequence_length);
         self.transformer.prepare_rope(
             self.max_sequence_length,
             &crate::flux::latent_image_ids(h / 2, w / 2),

@@ -421,14 +421,6 @@ impl Session {
             self.pipe
                 .prepare_attention(&*self.device, checked.height, checked.width, images)?;
             let (plan_budget, budget_source) = plan_budget(&*self.device, self.vram_budget);
-            // The transformer's GEMM kernels load now, while nothing is queued, not inside
-            // the denoise phase's first forward (each call within a sixteenth of the budget).
-            self.pipe.prepare_first_forward(
-                &*self.device,
-                (checked.height, checked.width, images),
-                plan_budget / WARM_UP_BUDGET_SHARE,
-            )?;
-            laps.lap("warm_up");
             let (plan_budget, budget_source) =
                 crate::lora::budget_less_loras(plan_budget, budget_source, self.loras.1);
             let plan = plan_memory(
@@ -440,6 +432,16 @@ impl Session {
                 (height, width, images),
                 checked.tiled_decode,
             )?;
+            // A size the plan takes: the transformer's GEMM kernels load now, while nothing
+            // is queued, not inside the denoise phase's first forward (each call within a
+            // sixteenth of the budget).
+            laps.lap("memory_plan");
+            self.pipe.prepare_first_forward(
+                &*self.device,
+                (checked.height, checked.width, images),
+                plan_budget / WARM_UP_BUDGET_SHARE,
+            )?;
+            laps.lap("warm_up");
             let plan = if checked.timeline {
                 plan.with_timelines()
                     .map_err(|e| CliError::from(e).context("--timeline"))?

@@ -145,7 +145,11 @@ impl FluxProgram {
         use ddo_core::{LinearCall, LinearKind};
         let c = &self.config;
         let d = c.inner_dim();
-        let (img, txt, joint) = (batch * li, batch * lt, batch * (li + lt));
+        let (img, txt, joint) = (
+            batch.saturating_mul(li),
+            batch.saturating_mul(lt),
+            batch.saturating_mul(li.saturating_add(lt)),
+        );
         let plain = |rows, k, n| LinearCall::new(LinearKind::Plain, rows, k, n, true, dtype);
         let gelu = |rows, k, n| LinearCall::new(LinearKind::GeluTanh, rows, k, n, true, dtype);
         let mut calls = vec![
