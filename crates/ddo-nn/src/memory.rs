@@ -221,11 +221,9 @@ impl FluxPipeline {
             let mask = [1, c.num_heads, len, len];
             device.prepare_attention(&q, &q, &q, Some((&mask, dtype)), dtype);
         }
-        let (h, w) = self.latent_grid(height, width)?;
         let c = self.transformer.config();
-        // A size no device holds is refused by the memory plan, not here: no hint for it.
-        let Some(tokens) = (h / 2)
-            .checked_mul(w / 2)
+        let Some(tokens) = self
+            .image_tokens(height, width)?
             .and_then(|t| t.checked_add(self.max_sequence_length))
         else {
             return Ok(());
@@ -239,6 +237,14 @@ impl FluxPipeline {
         let dtype = self.transformer_dtype();
         device.prepare_attention(&q, &q, &q, None, dtype);
         Ok(())
+    }
+
+    /// The transformer's image tokens at `height × width` (2x2 patches of the latent grid);
+    /// `None` for a size no device holds, which the memory plan refuses (nothing is
+    /// prepared for it).
+    fn image_tokens(&self, height: usize, width: usize) -> Result<Option<usize>> {
+        let (h, w) = self.latent_grid(height, width)?;
+        Ok((h / 2).checked_mul(w / 2))
     }
 
     /// Prepares the denoise phase's first forward for a run of `images` images at
@@ -256,11 +262,10 @@ impl FluxPipeline {
         images: usize,
         max_bytes: u64,
     ) -> Result<usize> {
-        let (h, w) = self.latent_grid(height, width)?;
-        // A size no device holds is refused by the memory plan, not here: nothing for it.
-        let Some(tokens) = (h / 2).checked_mul(w / 2) else {
+        let Some(tokens) = self.image_tokens(height, width)? else {
             return Ok(0);
         };
+        let (h, w) = self.latent_grid(height, width)?;
         let calls = self
             .transformer
             .linear_calls(images.max(1), tokens, self.max_sequence_length);

@@ -396,7 +396,7 @@ impl FluxTransformer {
     /// The linear calls one forward makes for `batch` images of `img_tokens` latent tokens
     /// and `txt_tokens` text tokens, in the activations' dtype ([`ddo_core::linear_calls`]:
     /// a backend loads their kernels before the phase). None under `--compute fp8`, whose
-    /// linears run other kernels.
+    /// linears run other kernels, and none for a component its forward would refuse.
     pub fn linear_calls(
         &self,
         batch: usize,
@@ -406,14 +406,9 @@ impl FluxTransformer {
         if self.component.fp8_compute() {
             return Vec::new();
         }
-        let dtype = if crate::weights::holds_quantized(&self.component) {
-            DType::BF16
-        } else {
-            self.component
-                .leaves()
-                .first()
-                .and_then(|l| l.params().first().map(|(_, p)| p.dtype().compute()))
-                .unwrap_or(DType::F32)
+        // A component with no x_embedder weight runs no forward: nothing to name.
+        let Ok(dtype) = self.program.compute_dtype(&self.component) else {
+            return Vec::new();
         };
         self.program
             .linear_calls(batch, img_tokens, txt_tokens, dtype)

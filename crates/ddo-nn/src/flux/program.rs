@@ -279,10 +279,15 @@ impl FluxProgram {
     /// quantized weights, whatever its small tensors are stored as (Diffusers' GGUF
     /// `compute_dtype`; city96's files keep `img_in` in F32 or F16 beside K-quants).
     fn dtype(&self, ctx: &ForwardContext<'_>) -> Result<DType> {
-        if crate::weights::holds_quantized(ctx.component()) {
+        self.compute_dtype(ctx.component())
+    }
+
+    /// [`FluxProgram::dtype`] of the program's `component`.
+    pub(super) fn compute_dtype(&self, component: &ddo_core::Component) -> Result<DType> {
+        if crate::weights::holds_quantized(component) {
             return Ok(DType::BF16);
         }
-        let leaf = ctx.component().leaf(self.x_embedder.leaf())?;
+        let leaf = component.leaf(self.x_embedder.leaf())?;
         leaf.params()
             .first()
             .map(|(_, p)| p.dtype().compute())
