@@ -1002,3 +1002,55 @@ fn the_named_linear_calls_are_those_a_forward_makes() {
     assert!(model.linear_calls(b, li, lt).is_empty());
     model.component().set_fp8_compute(false);
 }
+
+/// The rotary tables made once on the device (`make_rope`, as the denoising loop makes
+/// them) give each forward over those ids the bytes its own tables give, and the forward
+/// makes none (two uploads fewer); made for other ids they are not used, and the forward
+/// makes its own.
+#[test]
+fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
+    let model = load();
+    let d = device();
+    let f = ddo_core::FaultInjectingDevice::new(d.clone());
+    model
+        .component()
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    let input = inputs();
+    let bytes = |t: Tensor| t.to_host_bytes(&*f, &f.compute_stream()).expect("to host");
+    // Host tensors made by an op during a forward (the rotary tables are two of them).
+    let made = |run: &dyn Fn() -> Tensor| {
+        f.time_ops(true);
+        let out = bytes(run());
+        let n = f
+            .op_times()
+            .iter()
+            .find(|(op, _, _)| op == "tensor_from_f32")
+            .map_or(0, |&(_, n, _)| n);
+        f.time_ops(false);
+        (out, n)
+    };
+    let (own, own_made) = made(&|| model.forward(&*f, &input).expect("forward"));
+    assert!(own_made >= 2, "{own_made}");
+    let rope = model.make_rope(&*f, &input).expect("make_rope");
+    for _ in 0..2 {
+        let (with, n) = made(&|| {
+            model
+                .forward_with_rope(&*f, &input, &rope)
+                .expect("forward")
+        });
+        assert_eq!(with, own);
+        assert_eq!(n, own_made - 2);
+    }
+    // Tables of other ids (the image one row shorter) are not the inputs': not used.
+    let mut other = inputs();
+    other.img_ids.pop();
+    let shorter = model.make_rope(&*f, &other).expect("make_rope");
+    let (with, n) = made(&|| {
+        model
+            .forward_with_rope(&*f, &input, &shorter)
+            .expect("forward")
+    });
+    assert_eq!(with, own);
+    assert_eq!(n, own_made);
+}

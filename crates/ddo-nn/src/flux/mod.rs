@@ -35,7 +35,7 @@ use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSour
 pub use embeddings::{rope_tables, timestep_embedding};
 pub use latents::{latent_image_ids, latent_size, pack_latents, unpack_latents};
 pub use original::{config_from_original, original_prefix, original_views};
-pub use program::FluxProgram;
+pub use program::{FluxProgram, FluxRope};
 
 /// RoPE base of every Flux model (`FluxPosEmbed(theta=10000)`).
 pub const ROPE_THETA: f64 = 10000.0;
@@ -432,5 +432,25 @@ impl FluxTransformer {
     pub fn forward(&self, device: &dyn Device, inputs: &FluxInputs) -> Result<Tensor> {
         self.component
             .run(device, |ctx| self.program.run(ctx, inputs))
+    }
+
+    /// The rotary tables of forwards over `inputs`' position ids, made on `device` once
+    /// ([`FluxRope`]); give them to [`FluxTransformer::forward_with_rope`].
+    pub fn make_rope(&self, device: &dyn Device, inputs: &FluxInputs) -> Result<FluxRope> {
+        self.program.make_rope(device, inputs)
+    }
+
+    /// [`FluxTransformer::forward`] with the rotary tables `rope` (used when they were made
+    /// for `inputs`' ids, else the forward makes its own): the same result, without the
+    /// tables' upload.
+    pub fn forward_with_rope(
+        &self,
+        device: &dyn Device,
+        inputs: &FluxInputs,
+        rope: &FluxRope,
+    ) -> Result<Tensor> {
+        self.component.run(device, |ctx| {
+            self.program.run_with_rope(ctx, inputs, Some(rope))
+        })
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ddo_core::{
-    BinaryOp, ComponentProgram, DType, ForwardContext, Ops, Result, Tensor, UnaryOp, ops_of,
+    BinaryOp, ComponentProgram, DType, Device, ForwardContext, Ops, Result, Tensor, UnaryOp, ops_of,
 };
 use half::{bf16, f16};
 
@@ -52,6 +52,28 @@ struct RopeCache {
     sin: Arc<Vec<f32>>,
 }
 
+/// The rotary tables of one set of position ids on a device, made once
+/// ([`FluxProgram::make_rope`], [`super::FluxTransformer::make_rope`]) and given to each
+/// forward over those ids ([`super::FluxTransformer::forward_with_rope`]): a denoising loop
+/// uploads them once (2 x 2.4 MB at 1024x1024) instead of every step, while the step's
+/// first weight copies run. Dropping it frees them.
+#[derive(Debug, Clone)]
+pub struct FluxRope {
+    ids: Vec<[f32; 3]>,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A forward's position ids: the text's, then the image's (the joined sequence's order).
+fn joined_ids(inputs: &FluxInputs) -> Vec<[f32; 3]> {
+    inputs
+        .txt_ids
+        .iter()
+        .chain(inputs.img_ids.iter())
+        .copied()
+        .collect()
+}
+
 impl FluxProgram {
     /// The rotary tables of `ids` (cached for the last ids).
     pub(super) fn rope_tables_cached(&self, ids: &[[f32; 3]]) -> (Arc<Vec<f32>>, Arc<Vec<f32>>) {
@@ -73,6 +95,24 @@ impl FluxProgram {
             sin: Arc::clone(&sin),
         });
         (cos, sin)
+    }
+
+    /// The rotary tables of `ids` on the device (`[ids, head_dim]` f32 each).
+    fn upload_rope(&self, ops: &dyn Ops, ids: &[[f32; 3]]) -> Result<Rope> {
+        let (cos, sin) = self.rope_tables_cached(ids);
+        let width = self.config.attention_head_dim;
+        Ok(Rope {
+            cos: ops.tensor_from_f32(&[ids.len(), width], DType::F32, &cos)?,
+            sin: ops.tensor_from_f32(&[ids.len(), width], DType::F32, &sin)?,
+        })
+    }
+
+    /// The rotary tables of the forwards over `inputs`' ids, made on `device` once
+    /// ([`FluxRope`]).
+    pub fn make_rope(&self, device: &dyn Device, inputs: &FluxInputs) -> Result<FluxRope> {
+        let ids = joined_ids(inputs);
+        let Rope { cos, sin } = self.upload_rope(ops_of(device)?, &ids)?;
+        Ok(FluxRope { ids, cos, sin })
     }
 
     pub(super) fn build(b: &mut ModelBuilder<'_>, c: &FluxTransformerConfig) -> LoadResult<Self> {
@@ -316,6 +356,17 @@ impl FluxProgram {
 
     /// Diffusers' `FluxTransformer2DModel.forward` on `inputs`.
     pub fn run(&self, ctx: &mut ForwardContext<'_>, inputs: &FluxInputs) -> Result<Tensor> {
+        self.run_with_rope(ctx, inputs, None)
+    }
+
+    /// [`FluxProgram::run`] with rotary tables already on the device (`made`, used where
+    /// they were made for the inputs' ids; the forward makes its own otherwise).
+    pub fn run_with_rope(
+        &self,
+        ctx: &mut ForwardContext<'_>,
+        inputs: &FluxInputs,
+        made: Option<&FluxRope>,
+    ) -> Result<Tensor> {
         let (batch, _li, _lt) = self.check_inputs(inputs)?;
         let device = ctx.device();
         let ops = ops_of(device)?;
@@ -341,17 +392,13 @@ impl FluxProgram {
         let hidden_states = prepare(&inputs.hidden_states)?;
         let encoder_hidden_states = prepare(&inputs.encoder_hidden_states)?;
         let pooled = prepare(&inputs.pooled_projections)?;
-        let ids: Vec<[f32; 3]> = inputs
-            .txt_ids
-            .iter()
-            .chain(inputs.img_ids.iter())
-            .copied()
-            .collect();
-        let (cos, sin) = self.rope_tables_cached(&ids);
-        let width = self.config.attention_head_dim;
-        let rope = Rope {
-            cos: ops.tensor_from_f32(&[ids.len(), width], DType::F32, &cos)?,
-            sin: ops.tensor_from_f32(&[ids.len(), width], DType::F32, &sin)?,
+        let ids = joined_ids(inputs);
+        let rope = match made.filter(|r| r.ids == ids) {
+            Some(r) => Rope {
+                cos: r.cos.clone(),
+                sin: r.sin.clone(),
+            },
+            None => self.upload_rope(ops, &ids)?,
         };
 
         let mut img = self.x_embedder.forward(ctx, &hidden_states)?;

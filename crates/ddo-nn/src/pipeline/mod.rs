@@ -859,16 +859,21 @@ impl FluxPipeline {
         // step it names runs again from its input to name the layer (`fp8_blame`).
         let mut checks = DeferredFiniteChecks::new(device);
         let mut kept = StepInputs::new(self.transformer.component());
+        // Every step's forward has the same position ids: their rotary tables go to the
+        // device once, and are freed with the loop.
+        let rope = self.transformer.make_rope(device, &inputs(&latents, 0))?;
         let blame = |kept: &StepInputs<'_>, e: CoreError| {
             kept.name(e, |latents, i| {
                 self.transformer
-                    .forward(device, &inputs(latents, i))
+                    .forward_with_rope(device, &inputs(latents, i), &rope)
                     .map(drop)
             })
         };
         for i in 0..timesteps.len() {
             kept.keep(i, &latents);
-            let noise_pred = self.transformer.forward(device, &inputs(&latents, i))?;
+            let noise_pred =
+                self.transformer
+                    .forward_with_rope(device, &inputs(&latents, i), &rope)?;
             latents = scheduler.step(ops, &noise_pred, &latents, i)?;
             checks
                 .queue(&latents, PHASES[1], Some((i + 1, steps)), "the latents")
