@@ -628,3 +628,69 @@ fn random_bf16_model_runs_close_to_f32() {
     assert!(err < 0.05, "bf16 vs f32 relative L2 {err}");
     assert_eq!(run(DType::F32), f32_out, "seeded");
 }
+
+/// The rotary tables made once on the device (`make_rope`, as the denoising loop makes
+/// them for each prompt) give each forward over those positions the bytes its own tables
+/// give, and the forward makes none (two uploads fewer); made for another text length they
+/// are not used, and the forward makes its own.
+#[test]
+fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
+    let model = load();
+    let d = device();
+    let f = ddo_core::FaultInjectingDevice::new(d.clone());
+    model
+        .component()
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    let input = inputs();
+    // Host tensors made by an op during a forward (the rotary tables are two of them).
+    let made = |run: &dyn Fn() -> Tensor| {
+        f.time_ops(true);
+        let out = run()
+            .to_host_bytes(&*f, &f.compute_stream())
+            .expect("to host");
+        let n = f
+            .op_times()
+            .iter()
+            .find(|(op, _, _)| op == "tensor_from_f32")
+            .map_or(0, |&(_, n, _)| n);
+        f.time_ops(false);
+        (out, n)
+    };
+    let (own, own_made) = made(&|| model.forward(&*f, &input).expect("forward"));
+    assert!(own_made >= 2, "{own_made}");
+    let rope = model.make_rope(&*f, &input).expect("make_rope");
+    for _ in 0..2 {
+        let (with, n) = made(&|| {
+            model
+                .forward_with_rope(&*f, &input, &rope)
+                .expect("forward")
+        });
+        assert_eq!(with, own);
+        assert_eq!(n, own_made - 2);
+    }
+    // Tables for one text token fewer are not the inputs': not used.
+    let mut other = inputs();
+    let s = other.encoder_hidden_states.shape().to_vec();
+    let values = other.encoder_hidden_states.host_f32().expect("values");
+    let (rows, dim) = (s[1], s[2]);
+    let shorter: Vec<f32> = values
+        .chunks(rows * dim)
+        .flat_map(|b| b[..(rows - 1) * dim].to_vec())
+        .collect();
+    other.encoder_hidden_states =
+        Tensor::from_f32(vec![s[0], rows - 1, dim], DType::F32, &shorter).expect("tensor");
+    other.encoder_hidden_states_mask = other.encoder_hidden_states_mask.map(|m| {
+        m.chunks(rows)
+            .flat_map(|b| b[..rows - 1].to_vec())
+            .collect()
+    });
+    let fewer = model.make_rope(&*f, &other).expect("make_rope");
+    let (with, n) = made(&|| {
+        model
+            .forward_with_rope(&*f, &input, &fewer)
+            .expect("forward")
+    });
+    assert_eq!(with, own);
+    assert_eq!(n, own_made);
+}

@@ -32,6 +32,7 @@ use crate::error::{LoadError, LoadResult};
 use crate::fp8::{FLUX_SKIP_PATTERNS, source_target, stored_as};
 use crate::weights::{CheckpointWeights, RandomWeights, UnusedWeights, WeightSource};
 
+pub use blocks::DeviceRope;
 pub use embeddings::{rope_tables, timestep_embedding};
 pub use latents::{latent_image_ids, latent_size, pack_latents, unpack_latents};
 pub use original::{config_from_original, original_prefix, original_views};

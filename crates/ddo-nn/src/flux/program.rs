@@ -8,7 +8,7 @@ use ddo_core::{
 };
 use half::{bf16, f16};
 
-use super::blocks::{DoubleBlock, Rope, SiluMlp, SingleBlock, chunks, modulate};
+use super::blocks::{DeviceRope, DoubleBlock, Rope, SiluMlp, SingleBlock, chunks, modulate};
 use super::{
     FluxInputs, FluxTransformerConfig, ROPE_THETA, TIMESTEP_CHANNELS, rope_tables, shape_err,
     timestep_embedding,
@@ -52,17 +52,9 @@ struct RopeCache {
     sin: Arc<Vec<f32>>,
 }
 
-/// The rotary tables of one set of position ids on a device, made once
-/// ([`FluxProgram::make_rope`], [`super::FluxTransformer::make_rope`]) and given to each
-/// forward over those ids ([`super::FluxTransformer::forward_with_rope`]): a denoising loop
-/// uploads them once (2 x 2.4 MB at 1024x1024) instead of every step, while the step's
-/// first weight copies run. Dropping it frees them.
-#[derive(Debug, Clone)]
-pub struct FluxRope {
-    ids: Vec<[f32; 3]>,
-    cos: Tensor,
-    sin: Tensor,
-}
+/// Flux's rotary tables on a device, for one forward's joined position ids
+/// ([`FluxProgram::make_rope`], [`super::FluxTransformer::forward_with_rope`]).
+pub type FluxRope = DeviceRope<Vec<[f32; 3]>>;
 
 /// A forward's position ids: the text's, then the image's (the joined sequence's order).
 fn joined_ids(inputs: &FluxInputs) -> Vec<[f32; 3]> {
@@ -111,8 +103,8 @@ impl FluxProgram {
     /// ([`FluxRope`]).
     pub fn make_rope(&self, device: &dyn Device, inputs: &FluxInputs) -> Result<FluxRope> {
         let ids = joined_ids(inputs);
-        let Rope { cos, sin } = self.upload_rope(ops_of(device)?, &ids)?;
-        Ok(FluxRope { ids, cos, sin })
+        let tables = self.upload_rope(ops_of(device)?, &ids)?;
+        Ok(DeviceRope::new(ids, tables))
     }
 
     pub(super) fn build(b: &mut ModelBuilder<'_>, c: &FluxTransformerConfig) -> LoadResult<Self> {
@@ -393,11 +385,8 @@ impl FluxProgram {
         let encoder_hidden_states = prepare(&inputs.encoder_hidden_states)?;
         let pooled = prepare(&inputs.pooled_projections)?;
         let ids = joined_ids(inputs);
-        let rope = match made.filter(|r| r.ids == ids) {
-            Some(r) => Rope {
-                cos: r.cos.clone(),
-                sin: r.sin.clone(),
-            },
+        let rope = match DeviceRope::tables_for(made, &ids) {
+            Some(r) => r,
             None => self.upload_rope(ops, &ids)?,
         };
 

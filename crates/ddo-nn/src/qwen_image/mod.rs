@@ -34,7 +34,7 @@ pub use embeddings::{
     ROPE_TABLE_POSITIONS, attention_mask, image_positions, rope_tables, text_positions,
     timestep_embedding,
 };
-pub use program::QwenImageProgram;
+pub use program::{QwenImageProgram, QwenRope};
 
 /// RoPE base of Qwen-Image (`QwenEmbedRope(theta=10000)`).
 pub const ROPE_THETA: f32 = 10000.0;
@@ -559,6 +559,27 @@ impl QwenImageTransformer {
     pub fn forward(&self, device: &dyn Device, inputs: &QwenImageInputs) -> Result<Tensor> {
         self.component.run(device, |ctx| {
             self.program.run(ctx, inputs, &mut |_, _| Ok(()))
+        })
+    }
+
+    /// The rotary tables of forwards over `inputs`' image shapes and text length, made on
+    /// `device` once ([`QwenRope`]); give them to [`QwenImageTransformer::forward_with_rope`].
+    pub fn make_rope(&self, device: &dyn Device, inputs: &QwenImageInputs) -> Result<QwenRope> {
+        self.program.make_rope(device, inputs)
+    }
+
+    /// [`QwenImageTransformer::forward`] with the rotary tables `rope` (used when they were
+    /// made for `inputs`' image shapes and text length, else the forward makes its own): the
+    /// same result, without the tables' upload.
+    pub fn forward_with_rope(
+        &self,
+        device: &dyn Device,
+        inputs: &QwenImageInputs,
+        rope: &QwenRope,
+    ) -> Result<Tensor> {
+        self.component.run(device, |ctx| {
+            self.program
+                .run_with_rope(ctx, inputs, Some(rope), &mut |_, _| Ok(()))
         })
     }
 

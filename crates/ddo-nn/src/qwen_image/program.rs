@@ -3,7 +3,9 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use ddo_core::{ComponentProgram, DType, ForwardContext, Result, Tensor, UnaryOp, ops_of};
+use ddo_core::{
+    ComponentProgram, DType, Device, ForwardContext, Ops, Result, Tensor, UnaryOp, ops_of,
+};
 use half::{bf16, f16};
 
 use super::blocks::DualStreamBlock;
@@ -14,7 +16,12 @@ use super::{
 };
 use crate::builder::ModelBuilder;
 use crate::error::LoadResult;
-use crate::flux::blocks::{NORM_EPS, Rope, SiluMlp, chunks, modulate};
+use crate::flux::blocks::{DeviceRope, NORM_EPS, Rope, SiluMlp, chunks, modulate};
+
+/// Qwen-Image's rotary tables on a device, for one forward's image shapes and text length
+/// ([`QwenImageProgram::make_rope`], [`super::QwenImageTransformer::forward_with_rope`]; true
+/// CFG's two prompts make one each).
+pub type QwenRope = DeviceRope<(Vec<[usize; 3]>, usize)>;
 use crate::layers::{Linear, RmsNorm};
 
 /// Rounds `v` to `dtype` and back (what a PyTorch tensor of that dtype stores).
@@ -186,6 +193,31 @@ impl QwenImageProgram {
         Ok((b, li, lt))
     }
 
+    /// The rotary tables of `lt` text and `li` image tokens over `img_shapes`, on the
+    /// device (`[lt + li, head_dim]` f32 each).
+    fn upload_rope(
+        &self,
+        ops: &dyn Ops,
+        img_shapes: &[[usize; 3]],
+        lt: usize,
+        li: usize,
+    ) -> Result<Rope> {
+        let (cos, sin) = self.rope_tables_cached(img_shapes, lt);
+        let width = self.config.attention_head_dim;
+        Ok(Rope {
+            cos: ops.tensor_from_f32(&[lt + li, width], DType::F32, &cos)?,
+            sin: ops.tensor_from_f32(&[lt + li, width], DType::F32, &sin)?,
+        })
+    }
+
+    /// The rotary tables of the forwards over `inputs`' image shapes and text length, made
+    /// on `device` once ([`QwenRope`]).
+    pub fn make_rope(&self, device: &dyn Device, inputs: &QwenImageInputs) -> Result<QwenRope> {
+        let (_, li, lt) = self.check_inputs(inputs)?;
+        let tables = self.upload_rope(ops_of(device)?, &inputs.img_shapes, lt, li)?;
+        Ok(DeviceRope::new((inputs.img_shapes.clone(), lt), tables))
+    }
+
     /// The rotary tables over `[text, image]` (cached for the last shapes).
     fn rope_tables_cached(
         &self,
@@ -240,6 +272,19 @@ impl QwenImageProgram {
         inputs: &QwenImageInputs,
         tap: &mut dyn FnMut(&str, &Tensor) -> Result<()>,
     ) -> Result<Tensor> {
+        self.run_with_rope(ctx, inputs, None, tap)
+    }
+
+    /// [`QwenImageProgram::run`] with rotary tables already on the device (`made`, used
+    /// where they were made for the inputs' image shapes and text length; the forward makes
+    /// its own otherwise).
+    pub fn run_with_rope(
+        &self,
+        ctx: &mut ForwardContext<'_>,
+        inputs: &QwenImageInputs,
+        made: Option<&QwenRope>,
+        tap: &mut dyn FnMut(&str, &Tensor) -> Result<()>,
+    ) -> Result<Tensor> {
         let (batch, li, lt) = self.check_inputs(inputs)?;
         let device = ctx.device();
         let ops = ops_of(device)?;
@@ -263,11 +308,10 @@ impl QwenImageProgram {
         };
         let hidden_states = prepare(&inputs.hidden_states)?;
         let encoder_hidden_states = prepare(&inputs.encoder_hidden_states)?;
-        let (cos, sin) = self.rope_tables_cached(&inputs.img_shapes, lt);
-        let width = self.config.attention_head_dim;
-        let rope = Rope {
-            cos: ops.tensor_from_f32(&[lt + li, width], DType::F32, &cos)?,
-            sin: ops.tensor_from_f32(&[lt + li, width], DType::F32, &sin)?,
+        let key = (inputs.img_shapes.clone(), lt);
+        let rope = match DeviceRope::tables_for(made, &key) {
+            Some(r) => r,
+            None => self.upload_rope(ops, &inputs.img_shapes, lt, li)?,
         };
         // Only a mask that hides some key changes the attention: an all-true mask is the
         // unmasked attention, and takes its path.

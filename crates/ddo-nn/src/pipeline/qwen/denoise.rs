@@ -12,7 +12,7 @@ use super::{QwenImagePipeline, core_error};
 use crate::pipeline::fp8_blame::{StepInputs, name_fp8_layer};
 use crate::pipeline::request::repeat_rows;
 use crate::pipeline::{InitLatents, Progress, invalid, packed_initial_latents, round_to, to_host};
-use crate::qwen_image::QwenImageInputs;
+use crate::qwen_image::{QwenImageInputs, QwenRope};
 use crate::qwen_text::{
     PROMPT_TEMPLATE_START_IDX, QwenPromptEmbeds, QwenTextEncoderConfig, QwenTextInputs,
     TOKENIZER_MAX_LENGTH, split_prompt_states, templated,
@@ -302,24 +302,41 @@ impl QwenImagePipeline {
         let timesteps = scheduler.timesteps().to_vec();
         // One step's transformer passes from `latents`: the prompt's, then the negative
         // prompt's under true CFG, combined.
-        let passes_of = |latents: &Tensor, i: usize, passes: &mut usize| -> Result<Tensor> {
+        let inputs_of = |latents: &Tensor, embeds: &Tensor, mask: &Option<Vec<bool>>, i: usize| {
             let ld = latents.dtype();
             // `t.expand(b).to(latents.dtype)`, then `/ 1000` in that dtype.
             let timestep = round_to(ld, round_to(ld, timesteps[i]) / 1000.0);
-            let call = |embeds: &Tensor, mask: &Option<Vec<bool>>| {
-                let inputs = QwenImageInputs {
-                    hidden_states: latents.clone(),
-                    encoder_hidden_states: embeds.clone(),
-                    encoder_hidden_states_mask: mask.clone(),
-                    timestep: vec![timestep],
-                    img_shapes: img_shapes.clone(),
-                };
-                self.transformer.forward(device, &inputs)
+            QwenImageInputs {
+                hidden_states: latents.clone(),
+                encoder_hidden_states: embeds.clone(),
+                encoder_hidden_states_mask: mask.clone(),
+                timestep: vec![timestep],
+                img_shapes: img_shapes.clone(),
+            }
+        };
+        // Every step's passes have the same positions (one text length a prompt): their
+        // rotary tables go to the device once, and are freed with the loop.
+        let pos_rope = self
+            .transformer
+            .make_rope(device, &inputs_of(&latents, &pos_embeds, &positive.mask, 0))?;
+        let neg_rope = match (negative, &neg_embeds) {
+            (Some((neg, _)), Some(neg_embeds)) => Some(
+                self.transformer
+                    .make_rope(device, &inputs_of(&latents, neg_embeds, &neg.mask, 0))?,
+            ),
+            _ => None,
+        };
+        let passes_of = |latents: &Tensor, i: usize, passes: &mut usize| -> Result<Tensor> {
+            let call = |embeds: &Tensor, mask: &Option<Vec<bool>>, rope: &QwenRope| {
+                let inputs = inputs_of(latents, embeds, mask, i);
+                self.transformer.forward_with_rope(device, &inputs, rope)
             };
-            let mut noise_pred = call(&pos_embeds, &positive.mask)?;
+            let mut noise_pred = call(&pos_embeds, &positive.mask, &pos_rope)?;
             *passes += 1;
-            if let (Some((neg, scale)), Some(neg_embeds)) = (negative, &neg_embeds) {
-                let neg_pred = call(neg_embeds, &neg.mask)?;
+            if let (Some((neg, scale)), Some(neg_embeds), Some(neg_rope)) =
+                (negative, &neg_embeds, &neg_rope)
+            {
+                let neg_pred = call(neg_embeds, &neg.mask, neg_rope)?;
                 *passes += 1;
                 noise_pred = true_cfg_combine(ops, &noise_pred, &neg_pred, scale)?;
             }
