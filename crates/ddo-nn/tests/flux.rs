@@ -21,6 +21,8 @@ use ddo_nn::flux::{
 use ddo_nn::{CheckpointWeights, LoadError, LoadResult, WeightSource, read_f32_tensor};
 use ddo_routes::enable_dynamic_offload;
 
+mod common;
+
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/flux_transformer")
 }
@@ -1017,24 +1019,12 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
         .to_device(&*f, &f.compute_stream())
         .expect("to_device");
     let input = inputs();
-    let bytes = |t: Tensor| t.to_host_bytes(&*f, &f.compute_stream()).expect("to host");
-    // Host tensors made by an op during a forward (the rotary tables are two of them).
-    let made = |run: &dyn Fn() -> Tensor| {
-        f.time_ops(true);
-        let out = bytes(run());
-        let n = f
-            .op_times()
-            .iter()
-            .find(|(op, _, _)| op == "tensor_from_f32")
-            .map_or(0, |&(_, n, _)| n);
-        f.time_ops(false);
-        (out, n)
-    };
-    let (own, own_made) = made(&|| model.forward(&*f, &input).expect("forward"));
+    let (own, own_made) =
+        common::bytes_and_uploads(&f, &|| model.forward(&*f, &input).expect("forward"));
     assert!(own_made >= 2, "{own_made}");
     let rope = model.make_rope(&*f, &input).expect("make_rope");
     for _ in 0..2 {
-        let (with, n) = made(&|| {
+        let (with, n) = common::bytes_and_uploads(&f, &|| {
             model
                 .forward_with_rope(&*f, &input, &rope)
                 .expect("forward")
@@ -1046,7 +1036,7 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
     let mut other = inputs();
     other.img_ids.pop();
     let shorter = model.make_rope(&*f, &other).expect("make_rope");
-    let (with, n) = made(&|| {
+    let (with, n) = common::bytes_and_uploads(&f, &|| {
         model
             .forward_with_rope(&*f, &input, &shorter)
             .expect("forward")

@@ -23,6 +23,8 @@ use ddo_nn::qwen_image::{
 use ddo_nn::{CheckpointWeights, LoadError, LoadResult, WeightSource, read_f32_tensor};
 use ddo_routes::enable_dynamic_offload;
 
+mod common;
+
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen_image_transformer")
 }
@@ -643,25 +645,12 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
         .to_device(&*f, &f.compute_stream())
         .expect("to_device");
     let input = inputs();
-    // Host tensors made by an op during a forward (the rotary tables are two of them).
-    let made = |run: &dyn Fn() -> Tensor| {
-        f.time_ops(true);
-        let out = run()
-            .to_host_bytes(&*f, &f.compute_stream())
-            .expect("to host");
-        let n = f
-            .op_times()
-            .iter()
-            .find(|(op, _, _)| op == "tensor_from_f32")
-            .map_or(0, |&(_, n, _)| n);
-        f.time_ops(false);
-        (out, n)
-    };
-    let (own, own_made) = made(&|| model.forward(&*f, &input).expect("forward"));
+    let (own, own_made) =
+        common::bytes_and_uploads(&f, &|| model.forward(&*f, &input).expect("forward"));
     assert!(own_made >= 2, "{own_made}");
     let rope = model.make_rope(&*f, &input).expect("make_rope");
     for _ in 0..2 {
-        let (with, n) = made(&|| {
+        let (with, n) = common::bytes_and_uploads(&f, &|| {
             model
                 .forward_with_rope(&*f, &input, &rope)
                 .expect("forward")
@@ -686,7 +675,7 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
             .collect()
     });
     let fewer = model.make_rope(&*f, &other).expect("make_rope");
-    let (with, n) = made(&|| {
+    let (with, n) = common::bytes_and_uploads(&f, &|| {
         model
             .forward_with_rope(&*f, &input, &fewer)
             .expect("forward")

@@ -1,4 +1,4 @@
-//! Helpers the LoRA tests share.
+//! Helpers the tests share (LoRA files; a forward's output bytes and uploads).
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -42,4 +42,25 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
         .sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den).sqrt()
+}
+
+/// Runs `run` (a forward on `f`) with `f`'s op table on; returns the output's bytes and how
+/// many host tensors ops made meanwhile (`tensor_from_f32` calls: a forward's rotary tables
+/// are two of them).
+pub fn bytes_and_uploads(
+    f: &ddo_core::FaultInjectingDevice,
+    run: &dyn Fn() -> ddo_core::Tensor,
+) -> (Vec<u8>, u64) {
+    use ddo_core::Device;
+    f.time_ops(true);
+    let out = run()
+        .to_host_bytes(f, &f.compute_stream())
+        .expect("to host");
+    let n = f
+        .op_times()
+        .iter()
+        .find(|(op, _, _)| op == "tensor_from_f32")
+        .map_or(0, |&(_, n, _)| n);
+    f.time_ops(false);
+    (out, n)
 }
