@@ -57,13 +57,8 @@ struct RopeCache {
 pub type FluxRope = DeviceRope<Vec<[f32; 3]>>;
 
 /// A forward's position ids: the text's, then the image's (the joined sequence's order).
-fn joined_ids(inputs: &FluxInputs) -> Vec<[f32; 3]> {
-    inputs
-        .txt_ids
-        .iter()
-        .chain(inputs.img_ids.iter())
-        .copied()
-        .collect()
+pub(super) fn joined_ids(txt_ids: &[[f32; 3]], img_ids: &[[f32; 3]]) -> Vec<[f32; 3]> {
+    txt_ids.iter().chain(img_ids).copied().collect()
 }
 
 impl FluxProgram {
@@ -102,7 +97,7 @@ impl FluxProgram {
     /// The rotary tables of the forwards over `inputs`' ids, made on `device` once
     /// ([`FluxRope`]).
     pub fn make_rope(&self, device: &dyn Device, inputs: &FluxInputs) -> Result<FluxRope> {
-        let ids = joined_ids(inputs);
+        let ids = joined_ids(&inputs.txt_ids, &inputs.img_ids);
         let tables = self.upload_rope(ops_of(device)?, &ids)?;
         Ok(DeviceRope::new(ids, tables))
     }
@@ -384,7 +379,7 @@ impl FluxProgram {
         let hidden_states = prepare(&inputs.hidden_states)?;
         let encoder_hidden_states = prepare(&inputs.encoder_hidden_states)?;
         let pooled = prepare(&inputs.pooled_projections)?;
-        let ids = joined_ids(inputs);
+        let ids = joined_ids(&inputs.txt_ids, &inputs.img_ids);
         let rope = match DeviceRope::tables_for(made, &ids) {
             Some(r) => r,
             None => self.upload_rope(ops, &ids)?,
