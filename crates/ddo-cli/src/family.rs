@@ -178,8 +178,8 @@ impl AnyPipeline {
     }
 
     /// Prepares the denoise phase's first forward before the first phase: the transformer's
-    /// linears run once on the device and its rotary tables are made (Flux; Qwen-Image
-    /// prepares nothing yet); how many linear calls ran.
+    /// linears run once on the device (both families) and its rotary tables are made
+    /// (Flux); how many linear calls ran.
     pub fn prepare_first_forward(
         &self,
         device: &dyn Device,
@@ -188,7 +188,7 @@ impl AnyPipeline {
     ) -> ddo_core::Result<usize> {
         match self {
             Self::Flux(p) => p.prepare_first_forward(device, height, width, images, max_bytes),
-            Self::QwenImage(_) => Ok(0),
+            Self::QwenImage(p) => p.prepare_first_forward(device, height, width, images, max_bytes),
         }
     }
 

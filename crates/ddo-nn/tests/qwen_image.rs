@@ -683,3 +683,46 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
     assert_eq!(with, own);
     assert_eq!(n, own_made);
 }
+
+/// The linear calls the transformer names for a run's sizes (the CUDA backend loads their
+/// kernels before the phase, as for Flux) are exactly those a forward makes, each shape,
+/// bias and epilogue.
+#[test]
+fn the_named_linear_calls_are_those_a_forward_makes() {
+    let model = load();
+    let d = device();
+    let f = ddo_core::FaultInjectingDevice::new(d.clone());
+    model
+        .component()
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    let input = inputs();
+    let (b, li) = (
+        input.hidden_states.shape()[0],
+        input.hidden_states.shape()[1],
+    );
+    let lt = input.encoder_hidden_states.shape()[1];
+    f.record_linears();
+    model.forward(&*f, &input).expect("forward");
+    let made = ddo_core::linear_calls::distinct(&f.recorded_linears());
+    let named = model.linear_calls(b, li, lt);
+    assert!(!named.is_empty());
+    let set =
+        |v: &[ddo_core::LinearCall]| v.iter().cloned().collect::<std::collections::HashSet<_>>();
+    assert_eq!(set(&named), set(&made), "named {named:#?}\nmade {made:#?}");
+    assert_eq!(named.len(), made.len());
+    // Twice the samples: every row count follows the batch.
+    let two = model.linear_calls(2 * b, li, lt);
+    assert!(two.iter().all(|c| c.rows % 2 == 0), "{two:?}");
+    // Another text length changes only the text stream's calls.
+    let longer = model.linear_calls(b, li, lt + 1);
+    assert!(longer.iter().any(|c| c.rows == b * (lt + 1)), "{longer:?}");
+    assert_eq!(
+        longer.iter().filter(|c| c.rows == b * li).count(),
+        named.iter().filter(|c| c.rows == b * li).count()
+    );
+    // `--compute fp8` runs other kernels: nothing is named.
+    model.component().set_fp8_compute(true);
+    assert!(model.linear_calls(b, li, lt).is_empty());
+    model.component().set_fp8_compute(false);
+}

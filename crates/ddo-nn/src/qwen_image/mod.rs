@@ -552,6 +552,27 @@ impl QwenImageTransformer {
         self.program.config()
     }
 
+    /// The linear calls one forward makes for `batch` samples of `img_tokens` image tokens
+    /// and `txt_tokens` text tokens, in the activations' dtype ([`ddo_core::linear_calls`]:
+    /// a backend loads their kernels before the phase). None under `--compute fp8`, whose
+    /// linears run other kernels, and none for a component its forward would refuse.
+    pub fn linear_calls(
+        &self,
+        batch: usize,
+        img_tokens: usize,
+        txt_tokens: usize,
+    ) -> Vec<ddo_core::LinearCall> {
+        if self.component.fp8_compute() {
+            return Vec::new();
+        }
+        // A component with no img_in weight runs no forward: nothing to name.
+        let Ok(dtype) = self.program.compute_dtype(&self.component) else {
+            return Vec::new();
+        };
+        self.program
+            .linear_calls(batch, img_tokens, txt_tokens, dtype)
+    }
+
     /// Runs the transformer on `device` through the attached route (if any): Diffusers'
     /// `forward(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
     /// img_shapes, return_dict=False)[0]`. Returns `[batch, img_tokens,

@@ -254,14 +254,58 @@ impl QwenImageProgram {
     /// when it is stored as fp8 ([`DType::compute`]); bf16 for a GGUF transformer with
     /// quantized weights ([`crate::weights::holds_quantized`]).
     fn dtype(&self, ctx: &ForwardContext<'_>) -> Result<DType> {
-        if crate::weights::holds_quantized(ctx.component()) {
+        self.compute_dtype(ctx.component())
+    }
+
+    /// [`QwenImageProgram::dtype`] of the program's `component`.
+    pub(super) fn compute_dtype(&self, component: &ddo_core::Component) -> Result<DType> {
+        if crate::weights::holds_quantized(component) {
             return Ok(DType::BF16);
         }
-        let leaf = ctx.component().leaf(self.img_in.leaf())?;
+        let leaf = component.leaf(self.img_in.leaf())?;
         leaf.params()
             .first()
             .map(|(_, p)| p.dtype().compute())
             .ok_or_else(|| shape_err("img_in", "has no weight"))
+    }
+
+    /// The linear calls [`QwenImageProgram::run`] makes for `batch` samples of `li` image
+    /// and `lt` text tokens in `dtype` (each shape once; `tests/qwen_image.rs` holds it to
+    /// the calls a forward makes).
+    pub(super) fn linear_calls(
+        &self,
+        batch: usize,
+        li: usize,
+        lt: usize,
+        dtype: DType,
+    ) -> Vec<ddo_core::LinearCall> {
+        use ddo_core::{LinearCall, LinearKind};
+        let c = &self.config;
+        let d = c.inner_dim();
+        let (img, txt) = (batch.saturating_mul(li), batch.saturating_mul(lt));
+        let plain = |rows, k, n| LinearCall::new(LinearKind::Plain, rows, k, n, true, dtype);
+        let gelu = |rows, k, n| LinearCall::new(LinearKind::GeluTanh, rows, k, n, true, dtype);
+        let mut calls = vec![
+            plain(img, c.in_channels, d),
+            plain(txt, c.joint_attention_dim, d),
+            plain(batch, TIMESTEP_CHANNELS, d),
+            plain(batch, d, d),
+        ];
+        if !self.blocks.is_empty() {
+            // Per block: img_mod and txt_mod, the six projections and two outputs of the
+            // joint attention, then each stream's feed-forward.
+            for rows in [img, txt] {
+                calls.extend([
+                    plain(rows, d, d),
+                    gelu(rows, d, 4 * d),
+                    plain(rows, 4 * d, d),
+                ]);
+            }
+            calls.push(plain(batch, d, 6 * d));
+        }
+        calls.push(plain(batch, d, 2 * d));
+        calls.push(plain(img, d, c.proj_out_channels()));
+        ddo_core::linear_calls::distinct(&calls)
     }
 
     /// Diffusers' `QwenImageTransformer2DModel.forward` on `inputs`, handing `tap` the

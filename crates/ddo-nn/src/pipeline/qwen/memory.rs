@@ -191,6 +191,36 @@ impl QwenImagePipeline {
     }
 }
 
+impl QwenImagePipeline {
+    /// Prepares the denoise phase's first forward for a run of `images` images at
+    /// `height × width`, before the first phase, as Flux's pipeline does
+    /// ([`FluxPipeline::prepare_first_forward`](crate::pipeline::FluxPipeline::prepare_first_forward)):
+    /// runs the transformer's linears once on `device` ([`Device::prepare_linears`], each
+    /// call's operands and product within `max_bytes`). The text stream's calls are named at
+    /// `max_sequence_length` tokens: a prompt's own length is known only once it is encoded,
+    /// so its text-row calls may still load a kernel in the first forward; the image-row and
+    /// modulation calls are the forward's own. Returns how many linear calls ran. Results do
+    /// not depend on it.
+    pub fn prepare_first_forward(
+        &self,
+        device: &dyn Device,
+        height: usize,
+        width: usize,
+        images: usize,
+        max_bytes: u64,
+    ) -> Result<usize> {
+        let (h, w) = self.latent_grid(height, width)?;
+        // A size no device holds is refused by the memory plan: nothing is prepared for it.
+        let Some(tokens) = (h / 2).checked_mul(w / 2) else {
+            return Ok(0);
+        };
+        let calls = self
+            .transformer
+            .linear_calls(images.max(1), tokens, self.max_sequence_length);
+        device.prepare_linears(&calls, max_bytes)
+    }
+}
+
 /// The dtype of the first weight of `component` (the models' activations take it).
 fn weights_dtype(component: &ddo_core::Component) -> DType {
     component
