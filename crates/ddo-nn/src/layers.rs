@@ -440,3 +440,17 @@ impl Embedding {
 pub fn act(ctx: &ForwardContext<'_>, x: &Tensor, op: UnaryOp) -> Result<Tensor> {
     ops(ctx)?.unary(x, op)
 }
+
+/// A transformer's named linear calls ([`ddo_core::linear_calls`]) for `component`, whose
+/// forward computes in `dtype`: `calls(dtype)`, or none under `--compute fp8` (those linears
+/// run other kernels) or where the forward would refuse (`dtype` an error).
+pub(crate) fn named_linear_calls(
+    component: &ddo_core::Component,
+    dtype: Result<ddo_core::DType>,
+    calls: impl FnOnce(ddo_core::DType) -> Vec<ddo_core::LinearCall>,
+) -> Vec<ddo_core::LinearCall> {
+    match dtype {
+        Ok(dtype) if !component.fp8_compute() => calls(dtype),
+        _ => Vec::new(),
+    }
+}

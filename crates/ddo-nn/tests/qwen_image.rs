@@ -702,15 +702,12 @@ fn the_named_linear_calls_are_those_a_forward_makes() {
         input.hidden_states.shape()[1],
     );
     let lt = input.encoder_hidden_states.shape()[1];
-    f.record_linears();
-    model.forward(&*f, &input).expect("forward");
-    let made = ddo_core::linear_calls::distinct(&f.recorded_linears());
     let named = model.linear_calls(b, li, lt);
-    assert!(!named.is_empty());
-    let set =
-        |v: &[ddo_core::LinearCall]| v.iter().cloned().collect::<std::collections::HashSet<_>>();
-    assert_eq!(set(&named), set(&made), "named {named:#?}\nmade {made:#?}");
-    assert_eq!(named.len(), made.len());
+    common::assert_named_linears_are_made(
+        &f,
+        &|| drop(model.forward(&*f, &input).expect("forward")),
+        &named,
+    );
     // Twice the samples: every row count follows the batch.
     let two = model.linear_calls(2 * b, li, lt);
     assert!(two.iter().all(|c| c.rows % 2 == 0), "{two:?}");

@@ -404,15 +404,14 @@ impl FluxTransformer {
         img_tokens: usize,
         txt_tokens: usize,
     ) -> Vec<ddo_core::LinearCall> {
-        if self.component.fp8_compute() {
-            return Vec::new();
-        }
-        // A component with no x_embedder weight runs no forward: nothing to name.
-        let Ok(dtype) = self.program.compute_dtype(&self.component) else {
-            return Vec::new();
-        };
-        self.program
-            .linear_calls(batch, img_tokens, txt_tokens, dtype)
+        crate::layers::named_linear_calls(
+            &self.component,
+            self.program.compute_dtype(&self.component),
+            |dtype| {
+                self.program
+                    .linear_calls(batch, img_tokens, txt_tokens, dtype)
+            },
+        )
     }
 
     /// Computes and keeps the rotary tables of a forward over `txt_tokens` text tokens (ids

@@ -562,15 +562,14 @@ impl QwenImageTransformer {
         img_tokens: usize,
         txt_tokens: usize,
     ) -> Vec<ddo_core::LinearCall> {
-        if self.component.fp8_compute() {
-            return Vec::new();
-        }
-        // A component with no img_in weight runs no forward: nothing to name.
-        let Ok(dtype) = self.program.compute_dtype(&self.component) else {
-            return Vec::new();
-        };
-        self.program
-            .linear_calls(batch, img_tokens, txt_tokens, dtype)
+        crate::layers::named_linear_calls(
+            &self.component,
+            self.program.compute_dtype(&self.component),
+            |dtype| {
+                self.program
+                    .linear_calls(batch, img_tokens, txt_tokens, dtype)
+            },
+        )
     }
 
     /// Runs the transformer on `device` through the attached route (if any): Diffusers'

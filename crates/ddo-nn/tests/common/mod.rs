@@ -64,3 +64,20 @@ pub fn bytes_and_uploads(
     f.time_ops(false);
     (out, n)
 }
+
+/// Checks that `named` (a model's `linear_calls` for a forward's sizes) holds exactly the
+/// distinct linear calls `run` (that forward on `f`) makes, each shape, bias and epilogue.
+pub fn assert_named_linears_are_made(
+    f: &ddo_core::FaultInjectingDevice,
+    run: &dyn Fn(),
+    named: &[ddo_core::LinearCall],
+) {
+    f.record_linears();
+    run();
+    let made = ddo_core::linear_calls::distinct(&f.recorded_linears());
+    assert!(!named.is_empty());
+    let set =
+        |v: &[ddo_core::LinearCall]| v.iter().cloned().collect::<std::collections::HashSet<_>>();
+    assert_eq!(set(named), set(&made), "named {named:#?}\nmade {made:#?}");
+    assert_eq!(named.len(), made.len());
+}
