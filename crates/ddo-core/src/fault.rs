@@ -360,7 +360,11 @@ impl FaultInjectingDevice {
 
     /// Passes an op point, runs an op that allocates one output, then passes its
     /// allocation point.
-    fn op(&self, name: &str, f: impl FnOnce(&dyn Ops) -> Result<Tensor>) -> Result<Tensor> {
+    fn op<T: crate::profile::OpOutput>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&dyn Ops) -> Result<T>,
+    ) -> Result<T> {
         self.point(FaultKind::Op, || name.to_string())?;
         let timing = self.op_times.lock().is_some();
         let started = if timing {
@@ -379,7 +383,7 @@ impl FaultInjectingDevice {
                 e.1 += ns;
             }
         }
-        self.alloc_point(out.nbytes() as u64, name)?;
+        self.alloc_point(out.written_bytes(), name)?;
         Ok(out)
     }
 }
@@ -733,6 +737,20 @@ impl Ops for FaultInjectingDevice {
 
     fn gated_add(&self, x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
         self.op("gated_add", |o| o.gated_add(x, gate, y))
+    }
+
+    fn gated_add_layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        y: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.op("gated_add_layer_norm_modulate", |o| {
+            o.gated_add_layer_norm_modulate(x, gate, y, eps, scale, shift)
+        })
     }
 
     fn attention_input(

@@ -404,6 +404,27 @@ pub trait Ops: Send + Sync {
         gated_add_composed(self, x, gate, y)
     }
 
+    /// A DiT block's gated residual and the AdaLN-modulated layer norm that reads it, in
+    /// one op: `r = x + gate * y` ([`Ops::gated_add`]) and
+    /// `layer_norm_modulate(r, eps, scale, shift)` ([`Ops::layer_norm_modulate`]), returned
+    /// as `(r, normed)`. The default is exactly those two ops, so their bytes; a fused
+    /// backend (CUDA) writes both in one pass over the rows, computing each as its own op
+    /// does (the norm reads `r` as stored, rounded into its dtype), and saves reading `r`
+    /// back.
+    fn gated_add_layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        y: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let r = self.gated_add(x, gate, y)?;
+        let normed = self.layer_norm_modulate(&r, eps, scale, shift)?;
+        Ok((r, normed))
+    }
+
     /// One part of attention's input in one pass: `part.x [b, l, heads·d]` (a projection's
     /// output) viewed as heads, RMS-normed per head where `part.norm` is given, moved to
     /// `[b, heads, ·, d]` at rows `part.start..part.start + l` of `dst` (`[b, heads, total,

@@ -294,7 +294,7 @@ impl OpProfiler {
     /// `flops(output)` are recorded, and a linear's `shape` (timed by shape too). With no
     /// profile active neither count is computed.
     #[allow(clippy::too_many_arguments)]
-    pub fn run(
+    pub fn run<T: OpOutput>(
         &self,
         device: &dyn Device,
         op: &str,
@@ -302,8 +302,8 @@ impl OpProfiler {
         shape: Option<GemmShape>,
         in_bytes: impl FnOnce() -> u64,
         flops: FlopCount<'_>,
-        f: impl FnOnce() -> Result<Tensor>,
-    ) -> Result<Tensor> {
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         if !self.is_active() {
             return f();
         }
@@ -312,7 +312,7 @@ impl OpProfiler {
         let start = device.record_timed_event(&stream)?;
         let out = f()?;
         let end = device.record_timed_event(&stream)?;
-        let bytes = in_bytes.saturating_add(out.nbytes() as u64);
+        let bytes = in_bytes.saturating_add(out.written_bytes());
         let op = match variant {
             Some(v) => format!("{op}.{v:?}"),
             None => op.to_string(),
@@ -320,7 +320,7 @@ impl OpProfiler {
         self.pending.lock().push(Pending {
             op,
             shape,
-            flops: flops(&out),
+            flops: flops(out.first()),
             bytes,
             start,
             end,
@@ -398,6 +398,32 @@ impl OpProfiler {
 /// Bytes of `tensors` (an op's inputs, for [`OpProfiler::run`]).
 pub fn tensor_bytes(tensors: &[&Tensor]) -> u64 {
     tensors.iter().map(|t| t.nbytes() as u64).sum()
+}
+
+/// What a profiled op returns: one tensor, or a fused op's two.
+pub trait OpOutput {
+    /// Bytes the op wrote.
+    fn written_bytes(&self) -> u64;
+    /// The output its flops are counted from.
+    fn first(&self) -> &Tensor;
+}
+
+impl OpOutput for Tensor {
+    fn written_bytes(&self) -> u64 {
+        self.nbytes() as u64
+    }
+    fn first(&self) -> &Tensor {
+        self
+    }
+}
+
+impl OpOutput for (Tensor, Tensor) {
+    fn written_bytes(&self) -> u64 {
+        (self.0.nbytes() + self.1.nbytes()) as u64
+    }
+    fn first(&self) -> &Tensor {
+        &self.0
+    }
 }
 
 /// No flops: the op is not GEMM-like.
@@ -490,14 +516,14 @@ impl ProfiledOps {
         })
     }
 
-    fn op(
+    fn op<T: OpOutput>(
         &self,
         op: &str,
         variant: Option<&dyn Debug>,
         in_bytes: impl FnOnce() -> u64,
         flops: FlopCount<'_>,
-        f: impl FnOnce(&dyn ComputeDevice) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+        f: impl FnOnce(&dyn ComputeDevice) -> Result<T>,
+    ) -> Result<T> {
         let dev = self.device()?;
         let d: &dyn ComputeDevice = &*dev;
         self.profiler
@@ -912,6 +938,25 @@ impl Ops for ProfiledOps {
             || tensor_bytes(&[x, gate, y]),
             &no_flops,
             |d| d.gated_add(x, gate, y),
+        )
+    }
+
+    /// One class, its bytes counting both outputs.
+    fn gated_add_layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        y: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.op(
+            "gated_add_layer_norm_modulate",
+            None,
+            || tensor_bytes(&[x, gate, y, scale, shift]),
+            &no_flops,
+            |d| d.gated_add_layer_norm_modulate(x, gate, y, eps, scale, shift),
         )
     }
 

@@ -1040,3 +1040,32 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
     assert_eq!(with, own);
     assert_eq!(n, own_made);
 }
+
+/// Each gated residual but the last of a run of blocks is applied by the norm that reads it,
+/// in one op (`gated_add_layer_norm_modulate`): within a double block, and from one block to
+/// the next; the streams are resolved by a plain gated add only where the double blocks hand
+/// over to the single ones and after the last single block.
+#[test]
+fn gated_residuals_are_applied_by_the_next_norm() {
+    // The fixture's widths, with blocks enough to hand a residual from block to block.
+    let mut config = load().config().clone();
+    (config.num_layers, config.num_single_layers) = (2, 3);
+    let (dbl, single) = (config.num_layers, config.num_single_layers);
+    let model = FluxTransformer::random(config, 7, DType::F32).expect("random model");
+    let d = device();
+    let f = ddo_core::FaultInjectingDevice::new(d.clone());
+    model
+        .component()
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    let input = inputs();
+    let calls = common::op_calls(&f, &|| drop(model.forward(&*f, &input).expect("forward")));
+    let n = |op: &str| calls.get(op).copied().unwrap_or(0) as usize;
+    assert_eq!(
+        n("gated_add_layer_norm_modulate"),
+        2 * dbl + 2 * (dbl - 1) + (single - 1),
+        "{calls:?}"
+    );
+    assert_eq!(n("gated_add"), 3, "{calls:?}");
+    assert_eq!(n("layer_norm_modulate"), 2 + 1 + 1, "{calls:?}");
+}

@@ -723,3 +723,24 @@ fn the_named_linear_calls_are_those_a_forward_makes() {
     assert!(model.linear_calls(b, li, lt).is_empty());
     model.component().set_fp8_compute(false);
 }
+
+/// Within each block, each stream's gated attention residual and the norm before its
+/// feed-forward are one op (`gated_add_layer_norm_modulate`).
+#[test]
+fn each_blocks_attention_residual_is_applied_by_its_mlp_norm() {
+    let model = load();
+    let layers = model.config().num_layers;
+    assert!(layers >= 1);
+    let d = device();
+    let f = ddo_core::FaultInjectingDevice::new(d.clone());
+    model
+        .component()
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    let input = inputs();
+    let calls = common::op_calls(&f, &|| drop(model.forward(&*f, &input).expect("forward")));
+    let n = |op: &str| calls.get(op).copied().unwrap_or(0) as usize;
+    assert_eq!(n("gated_add_layer_norm_modulate"), 2 * layers, "{calls:?}");
+    assert_eq!(n("gated_add"), 2 * layers, "{calls:?}");
+    assert_eq!(n("layer_norm_modulate"), 2 * layers + 1, "{calls:?}");
+}

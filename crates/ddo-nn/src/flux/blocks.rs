@@ -337,6 +337,72 @@ pub(crate) fn gated_add(ops: &dyn Ops, x: &Tensor, gate: &Tensor, y: &Tensor) ->
     ops.gated_add(x, gate, y)
 }
 
+/// A residual stream between blocks: its tensor, or its tensor with the block's last gated
+/// add `x + gate * y` still to apply, which the next block's first modulated layer norm
+/// applies in the same pass ([`Ops::gated_add_layer_norm_modulate`]: no pass reading the
+/// sum back). Either gives the same values as applying the add at once.
+#[derive(Debug)]
+pub(crate) enum Stream {
+    /// The stream's tensor.
+    Ready(Tensor),
+    /// `x + gate * y`, not yet applied.
+    Gated {
+        /// The residual.
+        x: Tensor,
+        /// The gate, one row per group of rows.
+        gate: Tensor,
+        /// The branch's output.
+        y: Tensor,
+    },
+}
+
+impl Stream {
+    /// `x + gate * y`, left to the next norm; applied now (and clipped) where `clip` and
+    /// the activations are f16, as the blocks clip their f16 outputs.
+    pub(crate) fn gated(
+        ops: &dyn Ops,
+        x: Tensor,
+        gate: &Tensor,
+        y: Tensor,
+        clip: bool,
+    ) -> Result<Self> {
+        if clip && x.dtype() == DType::F16 {
+            return Ok(Self::Ready(clip_f16(ops, gated_add(ops, &x, gate, &y)?)?));
+        }
+        Ok(Self::Gated {
+            x,
+            gate: gate.clone(),
+            y,
+        })
+    }
+
+    /// The stream's tensor, the pending add applied.
+    pub(crate) fn resolve(self, ops: &dyn Ops) -> Result<Tensor> {
+        match self {
+            Self::Ready(t) => Ok(t),
+            Self::Gated { x, gate, y } => gated_add(ops, &x, &gate, &y),
+        }
+    }
+
+    /// The stream's tensor and [`modulate`] of it, the pending add applied in the same op.
+    pub(crate) fn modulate(
+        self,
+        ops: &dyn Ops,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        match self {
+            Self::Ready(t) => {
+                let n = modulate(ops, &t, scale, shift)?;
+                Ok((t, n))
+            }
+            Self::Gated { x, gate, y } => {
+                ops.gated_add_layer_norm_modulate(&x, &gate, &y, NORM_EPS, scale, shift)
+            }
+        }
+    }
+}
+
 /// `x.clip(-65504, 65504)`, as the blocks do for f16 activations.
 pub(crate) fn clip_f16(ops: &dyn Ops, x: Tensor) -> Result<Tensor> {
     if x.dtype() != DType::F16 {
@@ -377,24 +443,25 @@ impl DoubleBlock {
         })
     }
 
-    /// Returns `(encoder_hidden_states, hidden_states)`, text first, as Diffusers does.
+    /// Returns `(encoder_hidden_states, hidden_states)`, text first, as Diffusers does; each
+    /// stream's last gated add is left to the next norm ([`Stream`]).
     pub(super) fn forward(
         &self,
         ctx: &mut ForwardContext<'_>,
         ops: &dyn Ops,
-        img: &Tensor,
-        txt: &Tensor,
+        img: Stream,
+        txt: Stream,
         temb_act: &Tensor,
         rope: &Rope,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Stream, Stream)> {
         let m = chunks(ops, &self.norm1.forward(ctx, temb_act)?, 6)?;
         let (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) =
             (&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]);
-        let norm_img = modulate(ops, img, scale_msa, shift_msa)?;
+        let (img, norm_img) = img.modulate(ops, scale_msa, shift_msa)?;
         let c = chunks(ops, &self.norm1_context.forward(ctx, temb_act)?, 6)?;
         let (c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) =
             (&c[0], &c[1], &c[2], &c[3], &c[4], &c[5]);
-        let norm_txt = modulate(ops, txt, c_scale_msa, c_shift_msa)?;
+        let (txt, norm_txt) = txt.modulate(ops, c_scale_msa, c_shift_msa)?;
 
         let (attn_img, attn_txt) = self
             .attn
@@ -404,24 +471,31 @@ impl DoubleBlock {
             attn_txt.ok_or_else(|| shape_err("flux double block", "no context output"))?;
 
         // Each intermediate is dropped as soon as it is used: the block's activation peak is
-        // what a streamed transformer adds to its ring.
+        // what a streamed transformer adds to its ring. Each stream's last gated add is left
+        // to the next block's first norm (the text's clipped first where it is f16).
         let img = {
-            let img = gated_add(ops, img, gate_msa, &attn_img)?;
+            let (img, norm) = ops.gated_add_layer_norm_modulate(
+                &img, gate_msa, &attn_img, NORM_EPS, scale_mlp, shift_mlp,
+            )?;
             drop(attn_img);
-            let norm = modulate(ops, &img, scale_mlp, shift_mlp)?;
             let ff = self.ff.forward(ctx, &norm)?;
             drop(norm);
-            gated_add(ops, &img, gate_mlp, &ff)?
+            Stream::gated(ops, img, gate_mlp, ff, false)?
         };
         let txt = {
-            let txt = gated_add(ops, txt, c_gate_msa, &attn_txt)?;
+            let (txt, norm) = ops.gated_add_layer_norm_modulate(
+                &txt,
+                c_gate_msa,
+                &attn_txt,
+                NORM_EPS,
+                c_scale_mlp,
+                c_shift_mlp,
+            )?;
             drop(attn_txt);
-            let norm = modulate(ops, &txt, c_scale_mlp, c_shift_mlp)?;
             let ff = self.ff_context.forward(ctx, &norm)?;
             drop(norm);
-            gated_add(ops, &txt, c_gate_mlp, &ff)?
+            Stream::gated(ops, txt, c_gate_mlp, ff, true)?
         };
-        let txt = clip_f16(ops, txt)?;
         Ok((txt, img))
     }
 }
@@ -464,19 +538,19 @@ impl SingleBlock {
         &self,
         ctx: &mut ForwardContext<'_>,
         ops: &dyn Ops,
-        x: &Tensor,
+        x: Stream,
         temb_act: &Tensor,
         rope: &Rope,
-    ) -> Result<Tensor> {
+    ) -> Result<Stream> {
         let m = chunks(ops, &self.norm.forward(ctx, temb_act)?, 3)?;
         let (shift, scale, gate) = (&m[0], &m[1], &m[2]);
-        let norm_x = modulate(ops, x, scale, shift)?;
+        let (x, norm_x) = x.modulate(ops, scale, shift)?;
         let (attn, _) = self.attn.forward(ctx, ops, &norm_x, None, rope)?;
         let mlp = self.proj_mlp.forward_gelu_tanh(ctx, &norm_x)?;
         drop(norm_x);
         let h = self.proj_out.forward_concat(ctx, &[&attn, &mlp])?;
         drop((attn, mlp));
-        let x = gated_add(ops, x, gate, &h)?;
-        clip_f16(ops, x)
+        // The gated add is left to the next norm (applied and clipped now where f16).
+        Stream::gated(ops, x, gate, h, true)
     }
 }

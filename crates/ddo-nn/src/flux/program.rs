@@ -8,7 +8,9 @@ use ddo_core::{
 };
 use half::{bf16, f16};
 
-use super::blocks::{DeviceRope, DoubleBlock, Rope, SiluMlp, SingleBlock, chunks, modulate};
+use super::blocks::{
+    DeviceRope, DoubleBlock, Rope, SiluMlp, SingleBlock, Stream, chunks, modulate,
+};
 use super::{
     FluxInputs, FluxTransformerConfig, ROPE_THETA, TIMESTEP_CHANNELS, rope_tables, shape_err,
     timestep_embedding,
@@ -385,7 +387,7 @@ impl FluxProgram {
             None => self.upload_rope(ops, &ids)?,
         };
 
-        let mut img = self.x_embedder.forward(ctx, &hidden_states)?;
+        let img = self.x_embedder.forward(ctx, &hidden_states)?;
         drop(hidden_states);
 
         // `timestep.to(dtype) * 1000` (and the same for guidance), rounded as the dtype does.
@@ -410,21 +412,26 @@ impl FluxProgram {
         let temb = ops.binary(&temb, &pooled, BinaryOp::Add)?;
         drop(pooled);
 
-        let mut txt = self.context_embedder.forward(ctx, &encoder_hidden_states)?;
+        let txt = self.context_embedder.forward(ctx, &encoder_hidden_states)?;
         drop(encoder_hidden_states);
 
         // Every adaLN modulation starts from silu(temb); computed once.
         let temb_act = ops.unary(&temb, UnaryOp::Silu)?;
+        // Between blocks a stream's last gated add waits for the next block's first norm,
+        // which applies it in the same pass (`Stream`).
+        let (mut txt, mut img) = (Stream::Ready(txt), Stream::Ready(img));
         for block in &self.double_blocks {
-            (txt, img) = block.forward(ctx, ops, &img, &txt, &temb_act, &rope)?;
+            (txt, img) = block.forward(ctx, ops, img, txt, &temb_act, &rope)?;
         }
+        let (txt, img) = (txt.resolve(ops)?, img.resolve(ops)?);
         // The single blocks run on the joined stream [text, image].
         let lt = txt.shape()[1];
-        let mut x = ops.concat(&[&txt, &img], 1)?;
+        let mut x = Stream::Ready(ops.concat(&[&txt, &img], 1)?);
         drop((txt, img));
         for block in &self.single_blocks {
-            x = block.forward(ctx, ops, &x, &temb_act, &rope)?;
+            x = block.forward(ctx, ops, x, &temb_act, &rope)?;
         }
+        let x = x.resolve(ops)?;
         let img = ops.narrow(&x, 1, lt, x.shape()[1] - lt)?;
         drop(x);
 

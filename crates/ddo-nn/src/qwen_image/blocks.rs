@@ -188,18 +188,20 @@ impl DualStreamBlock {
 
         // Each intermediate is dropped as soon as it is used: the block's activation peak is
         // what a streamed transformer adds to its ring.
-        let img = gated_add(ops, img, &m[2], &attn_img)?;
-        drop(attn_img);
-        let txt = gated_add(ops, txt, &c[2], &attn_txt)?;
-        drop(attn_txt);
+        // Each stream's gated add and the norm that reads it are one op
+        // (`gated_add_layer_norm_modulate`).
         let img = {
-            let norm = modulate(ops, &img, &m[4], &m[3])?;
+            let (img, norm) =
+                ops.gated_add_layer_norm_modulate(img, &m[2], &attn_img, NORM_EPS, &m[4], &m[3])?;
+            drop(attn_img);
             let ff = self.img_mlp.forward(ctx, &norm)?;
             drop(norm);
             gated_add(ops, &img, &m[5], &ff)?
         };
         let txt = {
-            let norm = modulate(ops, &txt, &c[4], &c[3])?;
+            let (txt, norm) =
+                ops.gated_add_layer_norm_modulate(txt, &c[2], &attn_txt, NORM_EPS, &c[4], &c[3])?;
+            drop(attn_txt);
             let ff = self.txt_mlp.forward(ctx, &norm)?;
             drop(norm);
             gated_add(ops, &txt, &c[5], &ff)?

@@ -81,3 +81,15 @@ pub fn assert_named_linears_are_made(
     assert_eq!(set(named), set(&made), "named {named:#?}\nmade {made:#?}");
     assert_eq!(named.len(), made.len());
 }
+
+/// How many times `run` (a forward on `f`) called each op, by name.
+pub fn op_calls(
+    f: &ddo_core::FaultInjectingDevice,
+    run: &dyn Fn(),
+) -> std::collections::BTreeMap<String, u64> {
+    f.time_ops(true);
+    run();
+    let calls = f.op_times().into_iter().map(|(op, n, _)| (op, n)).collect();
+    f.time_ops(false);
+    calls
+}
