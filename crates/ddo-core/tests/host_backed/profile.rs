@@ -208,3 +208,33 @@ fn fused_ops_are_forwarded_as_classes_of_their_own() {
     assert_eq!(v(&fused_mod), v(&modulated));
     assert_eq!(v(&fused_gate), v(&gated));
 }
+
+/// The fused gated residual and norm is one class: one call, its bytes the five operands
+/// read and both outputs written; the two ops it stands for are not counted apart.
+#[test]
+fn a_fused_op_with_two_outputs_is_one_class() {
+    use ddo_core::device::ops_of;
+    use ddo_host::{HostDevice, HostDeviceConfig};
+    let dev = HostDevice::new(HostDeviceConfig::default()).unwrap();
+    let ops = ops_of(&*dev).unwrap();
+    let x = ops
+        .tensor_from_f32(&[2, 3, 8], DType::F32, &[0.5; 48])
+        .unwrap();
+    let y = ops
+        .tensor_from_f32(&[2, 3, 8], DType::F32, &[0.25; 48])
+        .unwrap();
+    let row = ops
+        .tensor_from_f32(&[2, 1, 8], DType::F32, &[0.1; 16])
+        .unwrap();
+    assert!(dev.begin_op_profile());
+    let (r, n) = ops
+        .gated_add_layer_norm_modulate(&x, &row, &y, 1e-6, &row, &row)
+        .unwrap();
+    let p = dev.end_op_profile().unwrap().expect("timestamps");
+    assert_eq!((r.shape(), n.shape()), (&[2, 3, 8][..], &[2, 3, 8][..]));
+    assert_eq!(p.classes.len(), 1, "{:?}", p.classes);
+    let c = &p.classes[0];
+    assert_eq!(c.op, "gated_add_layer_norm_modulate");
+    assert_eq!((c.calls, c.flops), (1, 0));
+    assert_eq!(c.bytes, (48 * 2 + 16 * 3 + 48 * 2) * 4);
+}
