@@ -724,13 +724,18 @@ fn the_named_linear_calls_are_those_a_forward_makes() {
     model.component().set_fp8_compute(false);
 }
 
-/// Within each block, each stream's gated attention residual and the norm before its
-/// feed-forward are one op (`gated_add_layer_norm_modulate`).
+/// Each gated residual is applied by the norm that reads it, in one op
+/// (`gated_add_layer_norm_modulate`): within a block, and from one block to the next; the
+/// image stream is resolved by a plain gated add after the last block (the text's last is
+/// not needed). A forward handing its blocks' outputs to a tap applies them at once, with
+/// the same output bytes.
 #[test]
-fn each_blocks_attention_residual_is_applied_by_its_mlp_norm() {
-    let model = load();
-    let layers = model.config().num_layers;
-    assert!(layers >= 1);
+fn gated_residuals_are_applied_by_the_next_norm() {
+    // The fixture's widths, with blocks enough to hand a residual from block to block.
+    let mut config = load().config().clone();
+    config.num_layers = 3;
+    let layers = config.num_layers;
+    let model = QwenImageTransformer::random(config, 7, DType::F32).expect("random model");
     let d = device();
     let f = ddo_core::FaultInjectingDevice::new(d.clone());
     model
@@ -740,7 +745,22 @@ fn each_blocks_attention_residual_is_applied_by_its_mlp_norm() {
     let input = inputs();
     let calls = common::op_calls(&f, &|| drop(model.forward(&*f, &input).expect("forward")));
     let n = |op: &str| calls.get(op).copied().unwrap_or(0) as usize;
-    assert_eq!(n("gated_add_layer_norm_modulate"), 2 * layers, "{calls:?}");
-    assert_eq!(n("gated_add"), 2 * layers, "{calls:?}");
-    assert_eq!(n("layer_norm_modulate"), 2 * layers + 1, "{calls:?}");
+    assert_eq!(
+        n("gated_add_layer_norm_modulate"),
+        2 * layers + 2 * (layers - 1),
+        "{calls:?}"
+    );
+    assert_eq!(n("gated_add"), 1, "{calls:?}");
+    assert_eq!(n("layer_norm_modulate"), 2 + 1, "{calls:?}");
+    // With a tap: every block's streams resolved, the same output.
+    let plain = bytes(&*f, &model.forward(&*f, &input).expect("forward"));
+    let mut seen = 0;
+    let tapped = model
+        .forward_with_taps(&*f, &input, &mut |_, _| {
+            seen += 1;
+            Ok(())
+        })
+        .expect("forward");
+    assert_eq!(bytes(&*f, &tapped), plain);
+    assert!(seen >= 2 * layers, "{seen}");
 }

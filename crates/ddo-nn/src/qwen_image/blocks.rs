@@ -8,9 +8,7 @@ use ddo_core::{ForwardContext, Ops, Result, Tensor};
 use super::QwenImageTransformerConfig;
 use crate::builder::ModelBuilder;
 use crate::error::LoadResult;
-use crate::flux::blocks::{
-    FeedForward, NORM_EPS, Rope, attention_part, chunks, clip_f16, gated_add, modulate,
-};
+use crate::flux::blocks::{FeedForward, NORM_EPS, Rope, Stream, attention_part, chunks};
 use crate::layers::{Linear, RmsNorm};
 
 /// `Attention(added_kv_proj_dim=dim, qk_norm="rms_norm", context_pre_only=False, bias=True)`
@@ -164,23 +162,25 @@ impl DualStreamBlock {
 
     /// The block on `img [b, li, D]` and `txt [b, lt, D]` with `temb_act = silu(temb)`
     /// (each modulation's `SiLU`, computed once for all blocks). Returns
-    /// `(encoder_hidden_states, hidden_states)`, text first, as Diffusers does.
+    /// `(encoder_hidden_states, hidden_states)`, text first, as Diffusers does; each
+    /// stream's last gated add is left to the next block's first norm ([`Stream`]; applied
+    /// and clipped at once where f16).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn forward(
         &self,
         ctx: &mut ForwardContext<'_>,
         ops: &dyn Ops,
-        img: &Tensor,
-        txt: &Tensor,
+        img: Stream,
+        txt: Stream,
         temb_act: &Tensor,
         rope: &Rope,
         mask: Option<&Tensor>,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Stream, Stream)> {
         // Chunks (shift, scale, gate) for the attention, then for the MLP.
         let m = chunks(ops, &self.img_mod.forward(ctx, temb_act)?, 6)?;
         let c = chunks(ops, &self.txt_mod.forward(ctx, temb_act)?, 6)?;
-        let norm_img = modulate(ops, img, &m[1], &m[0])?;
-        let norm_txt = modulate(ops, txt, &c[1], &c[0])?;
+        let (img, norm_img) = img.modulate(ops, &m[1], &m[0])?;
+        let (txt, norm_txt) = txt.modulate(ops, &c[1], &c[0])?;
         let (attn_img, attn_txt) = self
             .attn
             .forward(ctx, ops, &norm_img, &norm_txt, rope, mask)?;
@@ -192,20 +192,20 @@ impl DualStreamBlock {
         // (`gated_add_layer_norm_modulate`).
         let img = {
             let (img, norm) =
-                ops.gated_add_layer_norm_modulate(img, &m[2], &attn_img, NORM_EPS, &m[4], &m[3])?;
+                ops.gated_add_layer_norm_modulate(&img, &m[2], &attn_img, NORM_EPS, &m[4], &m[3])?;
             drop(attn_img);
             let ff = self.img_mlp.forward(ctx, &norm)?;
             drop(norm);
-            gated_add(ops, &img, &m[5], &ff)?
+            Stream::gated(ops, img, &m[5], ff, true)?
         };
         let txt = {
             let (txt, norm) =
-                ops.gated_add_layer_norm_modulate(txt, &c[2], &attn_txt, NORM_EPS, &c[4], &c[3])?;
+                ops.gated_add_layer_norm_modulate(&txt, &c[2], &attn_txt, NORM_EPS, &c[4], &c[3])?;
             drop(attn_txt);
             let ff = self.txt_mlp.forward(ctx, &norm)?;
             drop(norm);
-            gated_add(ops, &txt, &c[5], &ff)?
+            Stream::gated(ops, txt, &c[5], ff, true)?
         };
-        Ok((clip_f16(ops, txt)?, clip_f16(ops, img)?))
+        Ok((txt, img))
     }
 }

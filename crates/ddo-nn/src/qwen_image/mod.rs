@@ -578,7 +578,7 @@ impl QwenImageTransformer {
     /// patch_size² · out_channels]` on `device`, in the model's dtype.
     pub fn forward(&self, device: &dyn Device, inputs: &QwenImageInputs) -> Result<Tensor> {
         self.component.run(device, |ctx| {
-            self.program.run(ctx, inputs, &mut |_, _| Ok(()))
+            self.program.run_with_rope(ctx, inputs, None, None)
         })
     }
 
@@ -598,8 +598,7 @@ impl QwenImageTransformer {
         rope: &QwenRope,
     ) -> Result<Tensor> {
         self.component.run(device, |ctx| {
-            self.program
-                .run_with_rope(ctx, inputs, Some(rope), &mut |_, _| Ok(()))
+            self.program.run_with_rope(ctx, inputs, Some(rope), None)
         })
     }
 

@@ -16,7 +16,7 @@ use super::{
 };
 use crate::builder::ModelBuilder;
 use crate::error::LoadResult;
-use crate::flux::blocks::{DeviceRope, NORM_EPS, Rope, SiluMlp, chunks, modulate};
+use crate::flux::blocks::{DeviceRope, NORM_EPS, Rope, SiluMlp, Stream, chunks, modulate};
 
 /// Qwen-Image's rotary tables on a device, for one forward's image shapes and text length
 /// ([`QwenImageProgram::make_rope`], [`super::QwenImageTransformer::forward_with_rope`]; true
@@ -32,6 +32,10 @@ fn round_to(dtype: DType, v: f32) -> f32 {
         _ => v,
     }
 }
+
+/// What a forward hands its named intermediates to
+/// ([`super::QwenImageTransformer::forward_with_taps`]).
+pub type Tap<'a> = &'a mut dyn FnMut(&str, &Tensor) -> Result<()>;
 
 /// The transformer's layers and forward: the component's program.
 #[derive(Debug, Clone)]
@@ -314,21 +318,31 @@ impl QwenImageProgram {
         &self,
         ctx: &mut ForwardContext<'_>,
         inputs: &QwenImageInputs,
-        tap: &mut dyn FnMut(&str, &Tensor) -> Result<()>,
+        tap: Tap<'_>,
     ) -> Result<Tensor> {
-        self.run_with_rope(ctx, inputs, None, tap)
+        self.run_with_rope(ctx, inputs, None, Some(tap))
     }
 
     /// [`QwenImageProgram::run`] with rotary tables already on the device (`made`, used
     /// where they were made for the inputs' image shapes and text length; the forward makes
-    /// its own otherwise).
+    /// its own otherwise), and the intermediates handed to `tap` where one is given. Without
+    /// one, each block's last gated adds are left to the next block's first norms (one op
+    /// each: [`Stream`]); a tap sees every block's outputs, so they are applied at once.
+    /// Both give the same bytes.
     pub fn run_with_rope(
         &self,
         ctx: &mut ForwardContext<'_>,
         inputs: &QwenImageInputs,
         made: Option<&QwenRope>,
-        tap: &mut dyn FnMut(&str, &Tensor) -> Result<()>,
+        mut tap: Option<Tap<'_>>,
     ) -> Result<Tensor> {
+        let tapping = tap.is_some();
+        let mut tap = |name: &str, t: &Tensor| -> Result<()> {
+            match tap.as_mut() {
+                Some(f) => f(name, t),
+                None => Ok(()),
+            }
+        };
         let (batch, li, lt) = self.check_inputs(inputs)?;
         let device = ctx.device();
         let ops = ops_of(device)?;
@@ -393,12 +407,17 @@ impl QwenImageProgram {
         // `norm_out`'s): computed once.
         let temb_act = ops.unary(&temb, UnaryOp::Silu)?;
         drop(temb);
-        let (mut txt, mut img) = (txt, img);
+        let (mut txt, mut img) = (Stream::Ready(txt), Stream::Ready(img));
         for (i, block) in self.blocks.iter().enumerate() {
-            (txt, img) = block.forward(ctx, ops, &img, &txt, &temb_act, &rope, mask.as_ref())?;
-            tap(&format!("transformer_blocks.{i}.0"), &txt)?;
-            tap(&format!("transformer_blocks.{i}.1"), &img)?;
+            (txt, img) = block.forward(ctx, ops, img, txt, &temb_act, &rope, mask.as_ref())?;
+            if tapping {
+                let (t, m) = (txt.resolve(ops)?, img.resolve(ops)?);
+                tap(&format!("transformer_blocks.{i}.0"), &t)?;
+                tap(&format!("transformer_blocks.{i}.1"), &m)?;
+                (txt, img) = (Stream::Ready(t), Stream::Ready(m));
+            }
         }
+        let img = img.resolve(ops)?;
         drop((txt, rope, mask));
 
         // AdaLayerNormContinuous: chunk order is (scale, shift).
