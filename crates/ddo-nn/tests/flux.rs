@@ -975,12 +975,7 @@ fn fp8_outside_linear_layers_is_refused_at_load() {
 #[test]
 fn the_named_linear_calls_are_those_a_forward_makes() {
     let model = load();
-    let d = device();
-    let f = ddo_core::FaultInjectingDevice::new(d.clone());
-    model
-        .component()
-        .to_device(&*f, &f.compute_stream())
-        .expect("to_device");
+    let f = common::fault_device_holding(model.component());
     let input = inputs();
     let (b, li) = (
         input.hidden_states.shape()[0],
@@ -1008,12 +1003,7 @@ fn the_named_linear_calls_are_those_a_forward_makes() {
 #[test]
 fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
     let model = load();
-    let d = device();
-    let f = ddo_core::FaultInjectingDevice::new(d.clone());
-    model
-        .component()
-        .to_device(&*f, &f.compute_stream())
-        .expect("to_device");
+    let f = common::fault_device_holding(model.component());
     let input = inputs();
     let (own, own_made) =
         common::bytes_and_uploads(&f, &|| model.forward(&*f, &input).expect("forward"));
@@ -1052,12 +1042,7 @@ fn gated_residuals_are_applied_by_the_next_norm() {
     (config.num_layers, config.num_single_layers) = (2, 3);
     let (dbl, single) = (config.num_layers, config.num_single_layers);
     let model = FluxTransformer::random(config, 7, DType::F32).expect("random model");
-    let d = device();
-    let f = ddo_core::FaultInjectingDevice::new(d.clone());
-    model
-        .component()
-        .to_device(&*f, &f.compute_stream())
-        .expect("to_device");
+    let f = common::fault_device_holding(model.component());
     let input = inputs();
     let calls = common::op_calls(&f, &|| drop(model.forward(&*f, &input).expect("forward")));
     let n = |op: &str| calls.get(op).copied().unwrap_or(0) as usize;

@@ -638,12 +638,7 @@ fn random_bf16_model_runs_close_to_f32() {
 #[test]
 fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
     let model = load();
-    let d = device();
-    let f = ddo_core::FaultInjectingDevice::new(d.clone());
-    model
-        .component()
-        .to_device(&*f, &f.compute_stream())
-        .expect("to_device");
+    let f = common::fault_device_holding(model.component());
     let input = inputs();
     let (own, own_made) =
         common::bytes_and_uploads(&f, &|| model.forward(&*f, &input).expect("forward"));
@@ -690,12 +685,7 @@ fn a_forward_with_tables_made_once_equals_one_that_makes_them() {
 #[test]
 fn the_named_linear_calls_are_those_a_forward_makes() {
     let model = load();
-    let d = device();
-    let f = ddo_core::FaultInjectingDevice::new(d.clone());
-    model
-        .component()
-        .to_device(&*f, &f.compute_stream())
-        .expect("to_device");
+    let f = common::fault_device_holding(model.component());
     let input = inputs();
     let (b, li) = (
         input.hidden_states.shape()[0],
@@ -736,12 +726,7 @@ fn gated_residuals_are_applied_by_the_next_norm() {
     config.num_layers = 3;
     let layers = config.num_layers;
     let model = QwenImageTransformer::random(config, 7, DType::F32).expect("random model");
-    let d = device();
-    let f = ddo_core::FaultInjectingDevice::new(d.clone());
-    model
-        .component()
-        .to_device(&*f, &f.compute_stream())
-        .expect("to_device");
+    let f = common::fault_device_holding(model.component());
     let input = inputs();
     let calls = common::op_calls(&f, &|| drop(model.forward(&*f, &input).expect("forward")));
     let n = |op: &str| calls.get(op).copied().unwrap_or(0) as usize;

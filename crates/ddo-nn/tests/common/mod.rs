@@ -93,3 +93,17 @@ pub fn op_calls(
     f.time_ops(false);
     calls
 }
+
+/// A fault-injecting wrapper of a 1 GiB host device, with `component`'s weights moved onto
+/// it (the tests that count a forward's ops, linears and uploads).
+pub fn fault_device_holding(
+    component: &ddo_core::Component,
+) -> std::sync::Arc<ddo_core::FaultInjectingDevice> {
+    use ddo_core::Device;
+    let host = ddo_host::HostDevice::with_capacity(1 << 30).expect("host device");
+    let f = ddo_core::FaultInjectingDevice::new(host);
+    component
+        .to_device(&*f, &f.compute_stream())
+        .expect("to_device");
+    f
+}

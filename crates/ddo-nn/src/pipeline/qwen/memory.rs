@@ -173,11 +173,10 @@ impl QwenImagePipeline {
             let dtype = weights_dtype(t.component());
             device.prepare_attention(&q, &q, &q, Some((&[1, 1, len, len], dtype)), dtype);
         }
-        let (h, w) = self.latent_grid(height, width)?;
         let c = self.transformer.config();
         // A size no device holds is refused by the memory plan, not here: no hint for it.
-        let Some(tokens) = (h / 2)
-            .checked_mul(w / 2)
+        let Some(tokens) = self
+            .image_tokens(height, width)?
             .and_then(|t| t.checked_add(self.max_sequence_length))
         else {
             return Ok(());
@@ -189,9 +188,15 @@ impl QwenImagePipeline {
         device.prepare_attention(&q, &q, &q, Some((&[b, 1, 1, tokens], dtype)), dtype);
         Ok(())
     }
-}
 
-impl QwenImagePipeline {
+    /// The transformer's image tokens at `height × width` (2x2 patches of the latent grid);
+    /// `None` for a size no device holds, which the memory plan refuses (nothing is
+    /// prepared for it).
+    fn image_tokens(&self, height: usize, width: usize) -> Result<Option<usize>> {
+        let (h, w) = self.latent_grid(height, width)?;
+        Ok((h / 2).checked_mul(w / 2))
+    }
+
     /// Prepares the denoise phase's first forward for a run of `images` images at
     /// `height × width`, before the first phase, as Flux's pipeline does
     /// ([`FluxPipeline::prepare_first_forward`](crate::pipeline::FluxPipeline::prepare_first_forward)):
@@ -209,9 +214,7 @@ impl QwenImagePipeline {
         images: usize,
         max_bytes: u64,
     ) -> Result<usize> {
-        let (h, w) = self.latent_grid(height, width)?;
-        // A size no device holds is refused by the memory plan: nothing is prepared for it.
-        let Some(tokens) = (h / 2).checked_mul(w / 2) else {
+        let Some(tokens) = self.image_tokens(height, width)? else {
             return Ok(0);
         };
         let calls = self
