@@ -93,6 +93,9 @@ impl Browser {
                 "about:blank",
             ])
             .arg(format!("--user-data-dir={}", profile.path().display()))
+            // Its singleton socket folder goes under the profile too, removed with it: a
+            // killed browser leaves `org.chromium.Chromium.*` behind in the temp folder.
+            .env("TMPDIR", profile.path())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
