@@ -387,7 +387,7 @@ fn may_hold_unsafe(path: &Path) -> bool {
     let p = path.to_string_lossy();
     p.contains("crates/ddo-cuda/")
         || p.contains("crates/ddo-vmm/")
-        || p.ends_with("ddo-core/src/host_memory.rs")
+        || p.contains("ddo-core/src/host_memory/")
         || p.ends_with("ddo-core/src/file_guard.rs")
         || p.ends_with("ddo-host/src/ops/gemm.rs")
         || p.ends_with("ddo-core/tests/safetensors.rs")

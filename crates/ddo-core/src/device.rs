@@ -389,7 +389,7 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Which allocator serves allocations.
     fn allocator(&self) -> AllocatorKind;
 
-    /// Device bytes one [`Ops::conv2d`](crate::Ops::conv2d) of an input of `elems`
+    /// Device bytes one [`Ops::conv2d`] of an input of `elems`
     /// elements per channel (batch × height × width) with `channels` input channels,
     /// `filters` output channels and a `kernel × kernel` window allocates besides its output
     /// while it runs (a layout copy of its input, repacked weights, im2col chunks), for

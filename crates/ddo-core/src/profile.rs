@@ -1,4 +1,4 @@
-//! Per-op profiles: the device time of every [`Ops`](crate::Ops) call a backend runs
+//! Per-op profiles: the device time of every [`Ops`] call a backend runs
 //! between [`Device::begin_op_profile`] and [`Device::end_op_profile`], summed by op class
 //! (`linear`, `attention`, `binary.Mul`, ...), with the floating-point work of the GEMM-like
 //! ops and the bytes every op reads and writes, so the next compute gap is visible without
@@ -28,7 +28,7 @@ use crate::{CoreError, DType, Result, Tensor};
 /// One op class of a [`OpProfile`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OpClassTime {
-    /// The class: the [`Ops`](crate::Ops) method, with the variant for `unary`, `binary`
+    /// The class: the [`Ops`] method, with the variant for `unary`, `binary`
     /// and `reduce` (`binary.Mul`).
     pub op: String,
     /// Calls.

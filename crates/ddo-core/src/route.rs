@@ -350,7 +350,7 @@ pub fn describe_budget(b: crate::config::Budget) -> String {
 }
 
 /// What a route would hold of a component known only by its checkpoint headers (`ddo
-/// inspect`): an estimate, not a [`Footprint`](crate::Footprint) (no component is built).
+/// inspect`): an estimate, not a [`Footprint`] (no component is built).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeaderEstimate {
     /// Weight bytes kept on the device.

@@ -6,7 +6,7 @@
 //! as a circular byte buffer: units are placed one after another in schedule order and
 //! wrap to the start when the next one does not fit before the end. A forward's placement
 //! is known before it starts (from the ring's start in a new ring; rolled on from the last
-//! forward's end in a kept one, [`Placement::next`]), so each unit knows the last earlier
+//! forward's end in a kept one, `Placement::next`), so each unit knows the last earlier
 //! unit whose bytes it overwrites (its *blocker*): its copy waits for that unit's use event only
 //! (use events are recorded in order on the compute stream, so every earlier user of those
 //! bytes is done too). The copy stream thus runs as many bytes ahead as the ring holds —
@@ -33,7 +33,7 @@
 //!
 //! Lossless-coded units (`compress=lossless`, [`StagingKind::Coded`]): at build the units
 //! are coded into one pinned home, or read into it from the cache beside the checkpoint
-//! ([`coded`](super::coded)). Per unit the copy stream copies the coded bytes into one of
+//! ([`coded`]). Per unit the copy stream copies the coded bytes into one of
 //! [`CODED_SLOTS`] coded slots (after the decode that last read that slot), and a decode
 //! stream of its own waits for the copy and for the unit's blocker, decodes into the unit's
 //! place in the ring and records the event compute waits for: the link runs ahead through

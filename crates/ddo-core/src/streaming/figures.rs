@@ -18,7 +18,7 @@ pub enum StagingKind {
         /// Bytes of each.
         buffer_bytes: u64,
     },
-    /// [`PinnedSource::Register`]: the checkpoint mappings the streamed params point into,
+    /// [`PinnedSource::Register`](crate::config::PinnedSource::Register): the checkpoint mappings the streamed params point into,
     /// page-locked in place in `registrations` ranges of `registered_bytes` in all (no
     /// copy of them), plus a pinned home of `home_bytes` for the streamed params whose
     /// bytes are not mapped. Copies run straight from both, one per run of params.
@@ -151,7 +151,7 @@ pub struct StreamingFigures {
     /// `pinned_bytes`.
     #[serde(default)]
     pub resident_registered_bytes: u64,
-    /// Why [`PinnedSource::Register`] was asked for but the engine staged otherwise (the
+    /// Why [`PinnedSource::Register`](crate::config::PinnedSource::Register) was asked for but the engine staged otherwise (the
     /// device cannot register the memory, or it does not fit under the pinned limit).
     #[serde(default)]
     pub register_fallback: Option<String>,

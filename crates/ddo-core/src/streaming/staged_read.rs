@@ -4,7 +4,7 @@
 //!
 //! Those bytes are a checkpoint mapping's pages: in the page cache while the machine has
 //! room for them (the *page cache tier*), else read from the disk again for every forward
-//! (the *disk tier*). [`StagedReader`] makes either run near its rate:
+//! (the *disk tier*). `StagedReader` makes either run near its rate:
 //!
 //! - **Read ahead.** When a staged unit is copied, the mapped ranges of the staged units
 //!   after it, up to [`READ_AHEAD_BYTES`], are handed to a reader thread, so the disk works
