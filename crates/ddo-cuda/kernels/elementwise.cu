@@ -162,15 +162,26 @@ __device__ __forceinline__ void lane_set(uint4& v, int k, int dt, float f) {
 }
 
 // y[i] = f(x[i]) over nvec whole vectors; x == y is allowed (in place).
-extern "C" __global__ void ddo_unary_vec(const uint4* x, uint4* y, int dt, i64 nvec, int op,
-                                         float mul, float add) {
-    const int lanes = dt == DTYPE_F32 ? 4 : 8;
+// The vector kernels' bodies take their lane count as a template parameter (LANES = 4 for
+// f32, 8 for the 16-bit dtypes, picked once per launch), so every lane loop
+// unrolls with constant indices and a vector stays in registers: indexed at run time, it was
+// kept in local memory (the PTX's ld.local/st.local on every lane).
+template <int LANES>
+__device__ __forceinline__ void unary_vec_body(const uint4* x, uint4* y, int dt, i64 nvec,
+                                               int op, float mul, float add) {
     i64 stride = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
         uint4 v = x[i];
-        for (int k = 0; k < lanes; ++k) lane_set(v, k, dt, unary_(op, lane_get(v, k, dt), mul, add));
+#pragma unroll
+        for (int k = 0; k < LANES; ++k) lane_set(v, k, dt, unary_(op, lane_get(v, k, dt), mul, add));
         y[i] = v;
     }
+}
+
+extern "C" __global__ void ddo_unary_vec(const uint4* x, uint4* y, int dt, i64 nvec, int op,
+                                         float mul, float add) {
+    if (dt == DTYPE_F32) unary_vec_body<4>(x, y, dt, nvec, op, mul, add);
+    else unary_vec_body<8>(x, y, dt, nvec, op, mul, add);
 }
 
 // y = a op b with broadcasting, a vector of W output elements per thread. `shape` is the
@@ -178,10 +189,12 @@ extern "C" __global__ void ddo_unary_vec(const uint4* x, uint4* y, int dt, i64 n
 // strides (the innermost ones unused); a_vec / b_vec say whether that operand moves along
 // the innermost dim (1: a whole vector is loaded) or is broadcast along it (0: one element
 // is loaded and repeated). Offsets are 32-bit (the caller checks they fit).
-extern "C" __global__ void ddo_binary_vec(const void* a, const void* b, uint4* y, int dt,
-                                          u32 nvec, int rank, Dims6 shape, Dims6 sa,
-                                          Dims6 sb, int a_vec, int b_vec, int op) {
-    const int lanes = dt == DTYPE_F32 ? 4 : 8;
+template <int LANES>
+__device__ __forceinline__ void binary_vec_body(const void* a, const void* b, uint4* y, int dt,
+                                                u32 nvec, int rank, const Dims6& shape,
+                                                const Dims6& sa, const Dims6& sb, int a_vec,
+                                                int b_vec, int op) {
+    const int lanes = LANES;
     u32 stride = gridDim.x * blockDim.x;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
         u32 rest = i, oa = 0, ob = 0;
@@ -202,13 +215,21 @@ extern "C" __global__ void ddo_binary_vec(const void* a, const void* b, uint4* y
         else fa = load_as_float(a, (i64)oa, dt);
         if (b_vec) vb = *(const uint4*)((const char*)b + (u64)ob * (16 / lanes));
         else fb = load_as_float(b, (i64)ob, dt);
-        for (int k = 0; k < lanes; ++k) {
+#pragma unroll
+        for (int k = 0; k < LANES; ++k) {
             float x = a_vec ? lane_get(va, k, dt) : fa;
             float z = b_vec ? lane_get(vb, k, dt) : fb;
             lane_set(r, k, dt, binary_(op, x, z));
         }
         y[i] = r;
     }
+}
+
+extern "C" __global__ void ddo_binary_vec(const void* a, const void* b, uint4* y, int dt,
+                                          u32 nvec, int rank, Dims6 shape, Dims6 sa,
+                                          Dims6 sb, int a_vec, int b_vec, int op) {
+    if (dt == DTYPE_F32) binary_vec_body<4>(a, b, y, dt, nvec, rank, shape, sa, sb, a_vec, b_vec, op);
+    else binary_vec_body<8>(a, b, y, dt, nvec, rank, shape, sa, sb, a_vec, b_vec, op);
 }
 
 // Rotary embedding, four pairs (8 elements of a 16-bit dtype) per thread, for x of dtype dt
@@ -251,25 +272,43 @@ extern "C" __global__ void ddo_gated_add(const void* x, int xdt, const void* g, 
 }
 
 // The same with x, y and o of one dtype dt, 16-byte aligned, d a multiple of the vector's
-// lanes (dvec = d / lanes vectors a row): 16-byte loads and stores; g (any dtype) is read
-// element by element (one row serves many rows of x: it stays in cache).
-extern "C" __global__ void ddo_gated_add_vec(const uint4* x, const void* g, int gdt,
-                                             const uint4* y, uint4* o, int dt, i64 rows,
-                                             i64 dvec, i64 gg) {
-    const int lanes = dt == DTYPE_F32 ? 4 : 8;
-    const i64 d = dvec * lanes;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        i64 base = r * dvec, gb = (r / gg) * d;
-        for (i64 c = threadIdx.x; c < dvec; c += blockDim.x) {
-            uint4 vx = x[base + c], vy = y[base + c], vo;
-            i64 gc = gb + c * lanes;
-            for (int k = 0; k < lanes; ++k) {
-                float v = lane_get(vx, k, dt) + load_as_float(g, gc + k, gdt) * lane_get(vy, k, dt);
-                lane_set(vo, k, dt, v);
+// lanes (dvec = d / lanes vectors a row): 16-byte loads and stores. g is read a vector at a
+// time where it has dt and is 16-byte aligned, else element by element (one row serves
+// many rows of x: it stays in cache). Rows are counted in 32 bits where they fit (the
+// caller says so with `small`): a 64-bit division is emulated in software.
+template <int LANES, typename I>
+__device__ __forceinline__ void gated_add_vec_body(const uint4* x, const void* g, int gdt,
+                                                   const uint4* y, uint4* o, int dt, I rows,
+                                                   I dvec, I gg) {
+    const I d = dvec * LANES;
+    const bool gvec = gdt == dt && ((unsigned long long)g & 15ull) == 0;
+    for (I r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 base = (i64)r * dvec, gb = (i64)(r / gg) * d;
+        for (I c = threadIdx.x; c < dvec; c += blockDim.x) {
+            uint4 vx = x[base + c], vy = y[base + c], vg, vo;
+            i64 gc = gb + (i64)c * LANES;
+            if (gvec) vg = *(const uint4*)((const char*)g + gc * (16 / LANES));
+#pragma unroll
+            for (int k = 0; k < LANES; ++k) {
+                float gk = gvec ? lane_get(vg, k, dt) : load_as_float(g, gc + k, gdt);
+                lane_set(vo, k, dt, lane_get(vx, k, dt) + gk * lane_get(vy, k, dt));
             }
             o[base + c] = vo;
         }
     }
+}
+
+extern "C" __global__ void ddo_gated_add_vec(const uint4* x, const void* g, int gdt,
+                                             const uint4* y, uint4* o, int dt, i64 rows,
+                                             i64 dvec, i64 gg, int small) {
+    if (small && dt == DTYPE_F32)
+        gated_add_vec_body<4, u32>(x, g, gdt, y, o, dt, (u32)rows, (u32)dvec, (u32)gg);
+    else if (small)
+        gated_add_vec_body<8, u32>(x, g, gdt, y, o, dt, (u32)rows, (u32)dvec, (u32)gg);
+    else if (dt == DTYPE_F32)
+        gated_add_vec_body<4, i64>(x, g, gdt, y, o, dt, rows, dvec, gg);
+    else
+        gated_add_vec_body<8, i64>(x, g, gdt, y, o, dt, rows, dvec, gg);
 }
 
 // float8_e4m3fn -> float, exactly: 4 exponent bits (bias 7), 3 mantissa bits, no

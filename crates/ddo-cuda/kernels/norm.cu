@@ -93,13 +93,42 @@ __device__ __forceinline__ void store8(void* y, i64 i, int dt, const float* v) {
     for (int k = 0; k < 8; ++k) h[k] = dt == DTYPE_F16 ? float_to_f16(v[k]) : float_to_bf16(v[k]);
     *(uint4*)((u16*)y + i) = raw;
 }
+// Eight elements of a row vector (a norm's weight, a modulation's scale or shift) from
+// element i, as f32: 16-byte loads where the vector sits on a 16-byte boundary there, else
+// element by element (the values are the same).
+__device__ __forceinline__ void load8_row(const void* p, i64 i, int dt, float* v) {
+    const u64 at = (u64)p + (u64)i * (dt == DTYPE_F32 ? 4ull : 2ull);
+    if ((at & 15ull) == 0) {
+        if (dt != DTYPE_F32) {
+            load8(p, i, dt, v);
+            return;
+        }
+        const float4 a = *(const float4*)at, b = *((const float4*)at + 1);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+        v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = load_as_float(p, i + k, dt);
+}
+
+// n / m for n >= 0, m > 0, in 32 bits where both fit: a 64-bit division is emulated in
+// software, dozens of instructions for each 8 elements a thread moves.
+__device__ __forceinline__ i64 div_idx(i64 n, i64 m) {
+    if (((n | m) >> 32) == 0) return (i64)((u32)n / (u32)m);
+    return n / m;
+}
+
 __device__ __forceinline__ void norm8(float* v, float mean, float inv, const void* w, int wdt,
                                       const void* b, int bdt, i64 col) {
+    float wv[8], bv[8];
+    if (w) load8_row(w, col, wdt, wv);
+    if (b) load8_row(b, col, bdt, bv);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         float o = (v[k] - mean) * inv;
-        if (w) o *= load_as_float(w, col + k, wdt);
-        if (b) o += load_as_float(b, col + k, bdt);
+        if (w) o *= wv[k];
+        if (b) o += bv[k];
         v[k] = o;
     }
 }
@@ -192,12 +221,13 @@ extern "C" __global__ void ddo_attention_input_vec(const void* x, const void* w,
             for (int k = 0; k < 8; ++k) v[k] = round16(dt, v[k]);
         }
         if (!live) continue;
-        i64 hi = r % h, bt = r / h;
-        i64 t = bt % l, bi = bt / l;
+        i64 bt = div_idx(r, h), hi = r - bt * h;
+        i64 bi = div_idx(bt, l), t = bt - bi * l;
         i64 pos = start + t;
         if (c) {
-            const float* cr = c + pos * d + col;
-            const float* sr = s + pos * d + col;
+            float cr[8], sr[8];
+            load8_row(c, pos * d + col, DTYPE_F32, cr);
+            load8_row(s, pos * d + col, DTYPE_F32, sr);
 #pragma unroll
             for (int k = 0; k < 8; k += 2) {
                 float x0 = v[k], x1 = v[k + 1];
@@ -634,6 +664,16 @@ __device__ __forceinline__ float modulate_(float n, const void* s, int sdt, i64 
     return n * (1.0f + load_as_float(s, so, sdt)) + load_as_float(h, ho, hdt);
 }
 
+// modulate_ on 8 normalised elements (v - mean) * inv, scale and shift read from sb and hb.
+__device__ __forceinline__ void modulate8(float* v, float mean, float inv, const void* s,
+                                          int sdt, i64 sb, const void* h, int hdt, i64 hb) {
+    float sv[8], hv[8];
+    load8_row(s, sb, sdt, sv);
+    load8_row(h, hb, hdt, hv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = (v[k] - mean) * inv * (1.0f + sv[k]) + hv[k];
+}
+
 // Any dtypes, any d: one block per row (grid-stride over rows), x read from memory per pass.
 extern "C" __global__ void ddo_ln_modulate(const void* x, int xdt, const void* s, int sdt,
                                            const void* h, int hdt, void* y, int ydt, i64 rows,
@@ -695,11 +735,8 @@ extern "C" __global__ void ddo_ln_modulate_vec_warp(const void* x, int xdt, cons
         for (int o = g / 2; o > 0; o >>= 1) s2 += __shfl_xor_sync(0xffffffffu, s2, o);
         float inv = rsqrtf(s2 / (float)d + eps);
         if (live) {
-            i64 sb = (r / gs) * d + col, hb = (r / gh) * d + col;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                v[k] = modulate_((v[k] - mean) * inv, s, sdt, sb + k, h, hdt, hb + k);
-            }
+            modulate8(v, mean, inv, s, sdt, div_idx(r, gs) * d + col, h, hdt,
+                      div_idx(r, gh) * d + col);
             store8(y, r * d + col, ydt, v);
         }
     }
@@ -726,11 +763,8 @@ extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, con
             s2 += c * c;
         }
         float inv = rsqrtf(block_sum(s2, scratch) / (float)d + eps);
-        i64 sb = (r / gs) * d + col, hb = (r / gh) * d + col;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            v[k] = modulate_((v[k] - mean) * inv, s, sdt, sb + k, h, hdt, hb + k);
-        }
+        modulate8(v, mean, inv, s, sdt, div_idx(r, gs) * d + col, h, hdt,
+                  div_idx(r, gh) * d + col);
         store8(y, r * d + col, ydt, v);
     }
 }

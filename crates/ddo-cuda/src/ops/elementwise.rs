@@ -481,6 +481,8 @@ pub(crate) fn gated_add(dev: &CudaDevice, x: &Tensor, gate: &Tensor, y: &Tensor)
                     Arg::I64(rows as i64),
                     Arg::I64(width as i64),
                     Arg::I64(gg.max(1) as i64),
+                    // Row and vector counts in 32 bits where every index fits.
+                    Arg::I32(i32::from(out.numel <= u32::MAX as usize)),
                 ],
             )?;
         } else {
