@@ -769,6 +769,96 @@ extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, con
     }
 }
 
+// ---- Gated residual + modulated layer norm (Ops::gated_add_layer_norm_modulate) ----------
+// r = x + g * y (as ddo_gated_add_vec: f32 math, one rounding into dt), stored, then the
+// layer norm and modulation of r as stored (as ddo_ln_modulate_vec_*: the same sums in the
+// same order), so both outputs have the bytes of the two ops; r is not read back. x, y, r and
+// o of one 16-bit dtype dt, 16-byte aligned, d % 8 == 0; g, s and h one row per gg, gs, gh
+// rows, of any dtype.
+
+// The 8 elements of row r from col: x + g * y rounded into dt, stored into rr; returned as f32.
+__device__ __forceinline__ void gated8(const void* x, const void* g, int gdt, const void* y,
+                                       void* rr, int dt, i64 r, i64 d, i64 col, i64 gg,
+                                       float* v) {
+    float xv[8], yv[8], gv[8];
+    load8(x, r * d + col, dt, xv);
+    load8(y, r * d + col, dt, yv);
+    load8_row(g, div_idx(r, gg) * d + col, gdt, gv);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = round16(dt, xv[k] + gv[k] * yv[k]);
+    store8(rr, r * d + col, dt, v);
+}
+
+// Short rows, as ddo_ln_modulate_vec_warp.
+extern "C" __global__ void ddo_gated_ln_modulate_vec_warp(
+    const void* x, const void* g, int gdt, const void* y, void* rr, const void* s, int sdt,
+    const void* h, int hdt, void* o, int dt, i64 rows, i64 d, float eps, i64 gg, i64 gs,
+    i64 gh) {
+    const int gw = (int)(d / 8);
+    const int lane = threadIdx.x & 31;
+    const int sub = lane % gw;
+    const i64 per_warp = 32 / gw;
+    i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 r0 = warp * per_warp; r0 < rows; r0 += warps * per_warp) {
+        i64 r = r0 + lane / gw;
+        bool live = r < rows;
+        i64 col = (i64)sub * 8;
+        float v[8];
+        if (live) {
+            gated8(x, g, gdt, y, rr, dt, r, d, col, gg, v);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum += v[k];
+        for (int o2 = gw / 2; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+        float mean = sum / (float)d;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float c = v[k] - mean;
+            s2 += c * c;
+        }
+        for (int o2 = gw / 2; o2 > 0; o2 >>= 1) s2 += __shfl_xor_sync(0xffffffffu, s2, o2);
+        float inv = rsqrtf(s2 / (float)d + eps);
+        if (live) {
+            modulate8(v, mean, inv, s, sdt, div_idx(r, gs) * d + col, h, hdt,
+                      div_idx(r, gh) * d + col);
+            store8(o, r * d + col, dt, v);
+        }
+    }
+}
+
+// Long rows, as ddo_ln_modulate_vec_block: one block of d / 8 threads per row.
+extern "C" __global__ void ddo_gated_ln_modulate_vec_block(
+    const void* x, const void* g, int gdt, const void* y, void* rr, const void* s, int sdt,
+    const void* h, int hdt, void* o, int dt, i64 rows, i64 d, float eps, i64 gg, i64 gs,
+    i64 gh) {
+    __shared__ float scratch[32];
+    const i64 col = (i64)threadIdx.x * 8;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        float v[8];
+        gated8(x, g, gdt, y, rr, dt, r, d, col, gg, v);
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum += v[k];
+        float mean = block_sum(sum, scratch) / (float)d;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float c = v[k] - mean;
+            s2 += c * c;
+        }
+        float inv = rsqrtf(block_sum(s2, scratch) / (float)d + eps);
+        modulate8(v, mean, inv, s, sdt, div_idx(r, gs) * d + col, h, hdt,
+                  div_idx(r, gh) * d + col);
+        store8(o, r * d + col, dt, v);
+    }
+}
+
 // Sum of a u64 over the block (every thread calls it; `scratch` is __shared__ u64[32]);
 // thread 0 gets the result.
 __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* scratch) {

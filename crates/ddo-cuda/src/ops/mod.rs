@@ -520,6 +520,18 @@ impl Ops for CudaDevice {
         elementwise::gated_add(self, x, gate, y)
     }
 
+    fn gated_add_layer_norm_modulate(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        y: &Tensor,
+        eps: f32,
+        scale: &Tensor,
+        shift: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        norm::gated_add_layer_norm_modulate(self, x, gate, y, eps, scale, shift)
+    }
+
     fn attention_input(
         &self,
         part: &ddo_core::AttentionInput<'_>,

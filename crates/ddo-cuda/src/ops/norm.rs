@@ -741,6 +741,109 @@ pub(crate) fn layer_norm_modulate(
     out.finish(dev, &[&xi, &si, &hi])
 }
 
+/// [`ddo_core::Ops::gated_add_layer_norm_modulate`]: `r = x + gate * y` and
+/// `layer_norm_modulate(r)` in one kernel (`ddo_gated_ln_modulate_vec_*`: each as its own
+/// kernel computes it, the norm on `r` as stored, so the same bytes; `r` is not read back)
+/// when `x`, `y` and the outputs are of one 16-bit dtype, whole aligned vectors of 8, `gate`,
+/// `scale` and `shift` each one row per group of rows, and the row takes a vector norm
+/// kernel; anything else is the two ops.
+pub(crate) fn gated_add_layer_norm_modulate(
+    dev: &CudaDevice,
+    x: &Tensor,
+    gate: &Tensor,
+    y: &Tensor,
+    eps: f32,
+    scale: &Tensor,
+    shift: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "gated_add_layer_norm_modulate";
+    let two_ops = || -> Result<(Tensor, Tensor)> {
+        let r = super::elementwise::gated_add(dev, x, gate, y)?;
+        let n = layer_norm_modulate(dev, &r, eps, scale, shift)?;
+        Ok((r, n))
+    };
+    let group = |v: &Tensor| ddo_core::shape::row_broadcast_group(x.shape(), v.shape());
+    let (Some(gg), Some(gs), Some(gh)) = (group(gate), group(scale), group(shift)) else {
+        return two_ops();
+    };
+    let d = x.shape().last().copied().unwrap_or(0);
+    let lanes = d / 8;
+    let numel = x.numel();
+    let half = matches!(x.dtype(), DType::F16 | DType::BF16);
+    // The kernels read the row operands as f32 or 16-bit floats.
+    let rowwise = [gate, scale, shift]
+        .iter()
+        .all(|t| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16));
+    let kernel = if lanes == 0 || numel == 0 || !d.is_multiple_of(8) {
+        None
+    } else if lanes <= 32 && 32 % lanes == 0 {
+        Some("ddo_gated_ln_modulate_vec_warp")
+    } else if lanes % 32 == 0 && lanes <= 1024 {
+        Some("ddo_gated_ln_modulate_vec_block")
+    } else {
+        None
+    };
+    let Some(name) =
+        kernel.filter(|_| half && rowwise && y.shape() == x.shape() && y.dtype() == x.dtype())
+    else {
+        return two_ops();
+    };
+    let xi = input(dev, OP, x)?;
+    let yi = input(dev, OP, y)?;
+    if !(xi.ptr.is_multiple_of(16) && yi.ptr.is_multiple_of(16)) {
+        return two_ops();
+    }
+    let gi = input(dev, OP, gate)?;
+    let si = input(dev, OP, scale)?;
+    let hi = input(dev, OP, shift)?;
+    let r = Out::new(dev, OP, x.shape().to_vec(), x.dtype())?;
+    let o = Out::new(dev, OP, x.shape().to_vec(), x.dtype())?;
+    // Fresh allocations start on the allocator's 256-byte blocks.
+    if !(r.ptr.is_multiple_of(16) && o.ptr.is_multiple_of(16)) {
+        drop((r, o));
+        return two_ops();
+    }
+    let rows = numel / d;
+    let cfg = if name.ends_with("warp") {
+        grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256)
+    } else {
+        LaunchConfig {
+            grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+            block_dim: (lanes as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    };
+    let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
+    launch(
+        dev,
+        &f,
+        cfg,
+        &[
+            Arg::Ptr(xi.ptr),
+            Arg::Ptr(gi.ptr),
+            Arg::I32(gi.code),
+            Arg::Ptr(yi.ptr),
+            Arg::Ptr(r.ptr),
+            Arg::Ptr(si.ptr),
+            Arg::I32(si.code),
+            Arg::Ptr(hi.ptr),
+            Arg::I32(hi.code),
+            Arg::Ptr(o.ptr),
+            Arg::I32(o.code),
+            Arg::I64(rows as i64),
+            Arg::I64(d as i64),
+            Arg::F32(eps),
+            Arg::I64(gg.max(1) as i64),
+            Arg::I64(gs.max(1) as i64),
+            Arg::I64(gh.max(1) as i64),
+        ],
+    )?;
+    let inputs = [&xi, &gi, &yi, &si, &hi];
+    let r = r.finish(dev, &inputs)?;
+    let o = o.finish(dev, &inputs)?;
+    Ok((r, o))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
