@@ -697,13 +697,15 @@ extern "C" __global__ void ddo_ln_modulate(const void* x, int xdt, const void* s
     }
 }
 
-// 16-bit x and y, d % 8 == 0, x and y 16-byte aligned: the row in registers, 8 elements a
-// thread (as ddo_row_norm_vec_*). Short rows: g = d / 8 lanes per row (a power of two up
-// to 32), 32 / g rows per warp.
-extern "C" __global__ void ddo_ln_modulate_vec_warp(const void* x, int xdt, const void* s,
-                                                    int sdt, const void* h, int hdt, void* y,
-                                                    int ydt, i64 rows, i64 d, float eps,
-                                                    i64 gs, i64 gh) {
+// The modulated layer norm of 16-bit rows, the row in registers, 8 elements a thread (as
+// ddo_row_norm_vec_*): `row8(r, col, v)` gives a thread its 8 elements of row r from col (a
+// load, or the gated residual's), d % 8 == 0, y 16-byte aligned. Short rows: g = d / 8 lanes
+// per row (a power of two up to 32), 32 / g rows per warp.
+template <typename Row8>
+__device__ __forceinline__ void ln_modulate_warp_rows(Row8 row8, const void* s, int sdt,
+                                                      const void* h, int hdt, void* y, int ydt,
+                                                      i64 rows, i64 d, float eps, i64 gs,
+                                                      i64 gh) {
     const int g = (int)(d / 8);
     const int lane = threadIdx.x & 31;
     const int sub = lane % g;
@@ -716,7 +718,7 @@ extern "C" __global__ void ddo_ln_modulate_vec_warp(const void* x, int xdt, cons
         i64 col = (i64)sub * 8;
         float v[8];
         if (live) {
-            load8(x, r * d + col, xdt, v);
+            row8(r, col, v);
         } else {
 #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = 0.0f;
@@ -743,15 +745,16 @@ extern "C" __global__ void ddo_ln_modulate_vec_warp(const void* x, int xdt, cons
 }
 
 // Long rows: one block of d / 8 threads (a multiple of 32, at most 1024) per row.
-extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, const void* s,
-                                                     int sdt, const void* h, int hdt, void* y,
-                                                     int ydt, i64 rows, i64 d, float eps,
-                                                     i64 gs, i64 gh) {
+template <typename Row8>
+__device__ __forceinline__ void ln_modulate_block_rows(Row8 row8, const void* s, int sdt,
+                                                       const void* h, int hdt, void* y, int ydt,
+                                                       i64 rows, i64 d, float eps, i64 gs,
+                                                       i64 gh) {
     __shared__ float scratch[32];
     const i64 col = (i64)threadIdx.x * 8;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         float v[8];
-        load8(x, r * d + col, xdt, v);
+        row8(r, col, v);
         float sum = 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) sum += v[k];
@@ -767,6 +770,24 @@ extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, con
                   div_idx(r, gh) * d + col);
         store8(y, r * d + col, ydt, v);
     }
+}
+
+// 16-bit x and y, x 16-byte aligned too: short rows.
+extern "C" __global__ void ddo_ln_modulate_vec_warp(const void* x, int xdt, const void* s,
+                                                    int sdt, const void* h, int hdt, void* y,
+                                                    int ydt, i64 rows, i64 d, float eps,
+                                                    i64 gs, i64 gh) {
+    ln_modulate_warp_rows([&](i64 r, i64 col, float* v) { load8(x, r * d + col, xdt, v); }, s,
+                          sdt, h, hdt, y, ydt, rows, d, eps, gs, gh);
+}
+
+// Long rows.
+extern "C" __global__ void ddo_ln_modulate_vec_block(const void* x, int xdt, const void* s,
+                                                     int sdt, const void* h, int hdt, void* y,
+                                                     int ydt, i64 rows, i64 d, float eps,
+                                                     i64 gs, i64 gh) {
+    ln_modulate_block_rows([&](i64 r, i64 col, float* v) { load8(x, r * d + col, xdt, v); }, s,
+                           sdt, h, hdt, y, ydt, rows, d, eps, gs, gh);
 }
 
 // ---- Gated residual + modulated layer norm (Ops::gated_add_layer_norm_modulate) ----------
@@ -794,42 +815,9 @@ extern "C" __global__ void ddo_gated_ln_modulate_vec_warp(
     const void* x, const void* g, int gdt, const void* y, void* rr, const void* s, int sdt,
     const void* h, int hdt, void* o, int dt, i64 rows, i64 d, float eps, i64 gg, i64 gs,
     i64 gh) {
-    const int gw = (int)(d / 8);
-    const int lane = threadIdx.x & 31;
-    const int sub = lane % gw;
-    const i64 per_warp = 32 / gw;
-    i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 r0 = warp * per_warp; r0 < rows; r0 += warps * per_warp) {
-        i64 r = r0 + lane / gw;
-        bool live = r < rows;
-        i64 col = (i64)sub * 8;
-        float v[8];
-        if (live) {
-            gated8(x, g, gdt, y, rr, dt, r, d, col, gg, v);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) sum += v[k];
-        for (int o2 = gw / 2; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
-        float mean = sum / (float)d;
-        float s2 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            float c = v[k] - mean;
-            s2 += c * c;
-        }
-        for (int o2 = gw / 2; o2 > 0; o2 >>= 1) s2 += __shfl_xor_sync(0xffffffffu, s2, o2);
-        float inv = rsqrtf(s2 / (float)d + eps);
-        if (live) {
-            modulate8(v, mean, inv, s, sdt, div_idx(r, gs) * d + col, h, hdt,
-                      div_idx(r, gh) * d + col);
-            store8(o, r * d + col, dt, v);
-        }
-    }
+    ln_modulate_warp_rows(
+        [&](i64 r, i64 col, float* v) { gated8(x, g, gdt, y, rr, dt, r, d, col, gg, v); }, s,
+        sdt, h, hdt, o, dt, rows, d, eps, gs, gh);
 }
 
 // Long rows, as ddo_ln_modulate_vec_block: one block of d / 8 threads per row.
@@ -837,26 +825,9 @@ extern "C" __global__ void ddo_gated_ln_modulate_vec_block(
     const void* x, const void* g, int gdt, const void* y, void* rr, const void* s, int sdt,
     const void* h, int hdt, void* o, int dt, i64 rows, i64 d, float eps, i64 gg, i64 gs,
     i64 gh) {
-    __shared__ float scratch[32];
-    const i64 col = (i64)threadIdx.x * 8;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        float v[8];
-        gated8(x, g, gdt, y, rr, dt, r, d, col, gg, v);
-        float sum = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) sum += v[k];
-        float mean = block_sum(sum, scratch) / (float)d;
-        float s2 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            float c = v[k] - mean;
-            s2 += c * c;
-        }
-        float inv = rsqrtf(block_sum(s2, scratch) / (float)d + eps);
-        modulate8(v, mean, inv, s, sdt, div_idx(r, gs) * d + col, h, hdt,
-                  div_idx(r, gh) * d + col);
-        store8(o, r * d + col, dt, v);
-    }
+    ln_modulate_block_rows(
+        [&](i64 r, i64 col, float* v) { gated8(x, g, gdt, y, rr, dt, r, d, col, gg, v); }, s,
+        sdt, h, hdt, o, dt, rows, d, eps, gs, gh);
 }
 
 // Sum of a u64 over the block (every thread calls it; `scratch` is __shared__ u64[32]);
