@@ -28,6 +28,49 @@ fn product(dims: &[usize]) -> usize {
 /// Longest row the warp-per-row norm kernel takes (`32 * NORM_WARP_MAX` in the source).
 const WARP_ROW_MAX: usize = 512;
 
+/// How a vector norm kernel (`*_vec_warp` / `*_vec_block`: 16-bit rows in registers, 8
+/// elements a thread) lays out rows of `lanes` 8-element vectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum VecRows {
+    /// `lanes` threads a row, `32 / lanes` rows a warp (`lanes` divides 32).
+    Warp,
+    /// One block of `lanes` threads a row (`lanes` a multiple of 32, at most 1024).
+    Block,
+}
+
+impl VecRows {
+    /// The layout for rows of `lanes` vectors, `None` where neither takes them.
+    fn for_lanes(lanes: usize) -> Option<Self> {
+        if lanes > 0 && lanes <= 32 && 32 % lanes == 0 {
+            Some(Self::Warp)
+        } else if lanes > 0 && lanes.is_multiple_of(32) && lanes <= 1024 {
+            Some(Self::Block)
+        } else {
+            None
+        }
+    }
+
+    /// `warp` or `block`, the kernel of this layout.
+    fn pick(self, warp: &'static str, block: &'static str) -> &'static str {
+        match self {
+            Self::Warp => warp,
+            Self::Block => block,
+        }
+    }
+
+    /// The launch of `rows` rows of `lanes` vectors.
+    fn config(self, rows: usize, lanes: usize) -> LaunchConfig {
+        match self {
+            Self::Warp => grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256),
+            Self::Block => LaunchConfig {
+                grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+                block_dim: (lanes as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        }
+    }
+}
+
 /// One block per row of `d` elements (threads: a power of two from 32 to 1024, about four
 /// elements each).
 fn rows_config(rows: usize, d: usize) -> LaunchConfig {
@@ -73,19 +116,10 @@ fn row_norm(
         let vec =
             half(xi.code) && half(out.code) && d % 8 == 0 && xi.ptr % 16 == 0 && out.ptr % 16 == 0;
         let lanes = d / 8;
-        let (name, cfg) = if vec && lanes <= 32 && 32 % lanes.max(1) == 0 {
+        let (name, cfg) = if let Some(v) = VecRows::for_lanes(lanes).filter(|_| vec) {
             (
-                "ddo_row_norm_vec_warp",
-                grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256),
-            )
-        } else if vec && lanes % 32 == 0 && lanes <= 1024 {
-            (
-                "ddo_row_norm_vec_block",
-                LaunchConfig {
-                    grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
-                    block_dim: (lanes as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                },
+                v.pick("ddo_row_norm_vec_warp", "ddo_row_norm_vec_block"),
+                v.config(rows, lanes),
             )
         } else if d <= WARP_ROW_MAX {
             ("ddo_row_norm_warp", grid_1d(rows as u64 * 32, 256))
@@ -699,19 +733,10 @@ pub(crate) fn layer_norm_modulate(
         let vec =
             half(xi.code) && half(out.code) && d % 8 == 0 && xi.ptr % 16 == 0 && out.ptr % 16 == 0;
         let lanes = d / 8;
-        let (name, cfg) = if vec && lanes <= 32 && 32 % lanes.max(1) == 0 {
+        let (name, cfg) = if let Some(v) = VecRows::for_lanes(lanes).filter(|_| vec) {
             (
-                "ddo_ln_modulate_vec_warp",
-                grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256),
-            )
-        } else if vec && lanes % 32 == 0 && lanes <= 1024 {
-            (
-                "ddo_ln_modulate_vec_block",
-                LaunchConfig {
-                    grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
-                    block_dim: (lanes as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                },
+                v.pick("ddo_ln_modulate_vec_warp", "ddo_ln_modulate_vec_block"),
+                v.config(rows, lanes),
             )
         } else {
             ("ddo_ln_modulate", rows_config(rows, d))
@@ -774,17 +799,9 @@ pub(crate) fn gated_add_layer_norm_modulate(
     let rowwise = [gate, scale, shift]
         .iter()
         .all(|t| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16));
-    let kernel = if lanes == 0 || numel == 0 || !d.is_multiple_of(8) {
-        None
-    } else if lanes <= 32 && 32 % lanes == 0 {
-        Some("ddo_gated_ln_modulate_vec_warp")
-    } else if lanes % 32 == 0 && lanes <= 1024 {
-        Some("ddo_gated_ln_modulate_vec_block")
-    } else {
-        None
-    };
-    let Some(name) =
-        kernel.filter(|_| half && rowwise && y.shape() == x.shape() && y.dtype() == x.dtype())
+    let layout = VecRows::for_lanes(lanes).filter(|_| numel > 0 && d.is_multiple_of(8));
+    let Some(layout) =
+        layout.filter(|_| half && rowwise && y.shape() == x.shape() && y.dtype() == x.dtype())
     else {
         return two_ops();
     };
@@ -804,15 +821,11 @@ pub(crate) fn gated_add_layer_norm_modulate(
         return two_ops();
     }
     let rows = numel / d;
-    let cfg = if name.ends_with("warp") {
-        grid_1d((rows.div_ceil(32 / lanes) * 32) as u64, 256)
-    } else {
-        LaunchConfig {
-            grid_dim: (rows.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
-            block_dim: (lanes as u32, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    };
+    let name = layout.pick(
+        "ddo_gated_ln_modulate_vec_warp",
+        "ddo_gated_ln_modulate_vec_block",
+    );
+    let cfg = layout.config(rows, lanes);
     let f = dev.kernel(SOURCE_NAME, SOURCE, name)?;
     launch(
         dev,
@@ -847,6 +860,31 @@ pub(crate) fn gated_add_layer_norm_modulate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rows of 1 to 32 vectors that divide a warp share one; multiples of 32 up to 1024 take
+    /// a block each; nothing else takes a vector kernel. The launches cover every row.
+    #[test]
+    fn vector_rows_take_a_warp_or_a_block() {
+        for lanes in [1, 2, 4, 8, 16, 32] {
+            assert_eq!(VecRows::for_lanes(lanes), Some(VecRows::Warp), "{lanes}");
+            let cfg = VecRows::Warp.config(1000, lanes);
+            let threads = u64::from(cfg.grid_dim.0) * u64::from(cfg.block_dim.0);
+            assert!(
+                threads * 32 / 32 >= 1000 * lanes as u64,
+                "{lanes}: {threads} threads"
+            );
+        }
+        for lanes in [64, 96, 384, 1024] {
+            assert_eq!(VecRows::for_lanes(lanes), Some(VecRows::Block), "{lanes}");
+            let cfg = VecRows::Block.config(5000, lanes);
+            assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (5000, lanes as u32));
+        }
+        for lanes in [0, 3, 24, 48, 1056] {
+            assert_eq!(VecRows::for_lanes(lanes), None, "{lanes}");
+        }
+        assert_eq!(VecRows::Block.pick("w", "b"), "b");
+        assert_eq!(VecRows::Warp.pick("w", "b"), "w");
+    }
 
     /// The group-norm launches of the Flux VAE decoder (batch 1, 32 groups, bf16) fill an
     /// H200 (132 SMs) on both passes; short groups and tiny or countless planes stay inside
