@@ -15,6 +15,12 @@ use crate::error::{CliError, CliResult};
 const CALLS: usize = 10;
 const ROUNDS: usize = 3;
 
+/// Seconds of back-to-back calls for the sustained rate, taken over the window's second
+/// half. A forward runs its GEMMs back to back too: on a power-limited GPU the clock falls
+/// within such a window (one H100 at 700 W: 739 TFLOP/s in the first burst, 574-707 later at
+/// 1245 MHz), so the burst rate that sets the floor is out of a forward's reach.
+const SUSTAIN_SECONDS: f64 = 1.0;
+
 /// The compute floor of one bench.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ComputeFloor {
@@ -30,6 +36,11 @@ pub struct ComputeFloor {
     pub gemm_source: &'static str,
     /// `flops_per_forward / flops_per_sec`.
     pub seconds: f64,
+    /// The rate of the device's own `linear` at `gemm` run back to back for about
+    /// [`SUSTAIN_SECONDS`], over that window's second half, flop/s.
+    pub sustained_flops_per_sec: f64,
+    /// `flops_per_forward / sustained_flops_per_sec`: the floor at the sustained rate.
+    pub sustained_seconds: f64,
     /// The rate of the device's own `linear` at `gemm` (the algorithm a forward's linears
     /// get), flop/s: below `flops_per_sec` where the library's search found a faster one.
     pub linear_flops_per_sec: f64,
@@ -60,7 +71,7 @@ fn activation(ops: &dyn ddo_core::Ops, gemm: GemmShape) -> CliResult<Tensor> {
 /// rounds of [`CALLS`] calls, each round timed from a synchronized device to a synchronized
 /// device; or the backend's search of its GEMM library's algorithms, where it has one and
 /// it is faster.
-pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'static str, f64)> {
+pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<GemmRates> {
     let ops = ops_of(device)?;
     let x = activation(ops, gemm)?;
     let w = ops.tensor_from_f32(
@@ -69,6 +80,7 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'stat
         &signed_values(2, gemm.n * gemm.k),
     )?;
     let linear = best_seconds_per_call(device, || ops.linear(&x, &w, None))?;
+    let sustained = sustained_seconds_per_call(device, || ops.linear(&x, &w, None))?;
     let mut per_call = (linear, "linear");
     drop((x, w));
     if let Some(s) = ops.best_gemm_seconds(&gemm, CALLS)?
@@ -78,7 +90,58 @@ pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<(f64, &'stat
         per_call = (s, "the GEMM library's fastest algorithm");
     }
     let flops = gemm.flops() as f64;
-    Ok((flops / per_call.0, per_call.1, flops / linear))
+    Ok(GemmRates {
+        best: flops / per_call.0,
+        source: per_call.1,
+        linear: flops / linear,
+        sustained: flops / sustained,
+    })
+}
+
+/// What [`gemm_rate`] measures, flop/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemmRates {
+    /// The best burst rate: the device's own `linear`, or its GEMM library's fastest
+    /// algorithm where that is faster.
+    pub best: f64,
+    /// What ran at `best`.
+    pub source: &'static str,
+    /// The device's own `linear`, best burst.
+    pub linear: f64,
+    /// The device's own `linear` sustained ([`SUSTAIN_SECONDS`] back to back).
+    pub sustained: f64,
+}
+
+/// Seconds per call of `call` on `device` run back to back for about [`SUSTAIN_SECONDS`]
+/// (at least two rounds of [`CALLS`]): the mean over the later half of the rounds, each
+/// timed from a synchronized device to a synchronized device.
+fn sustained_seconds_per_call(
+    device: &dyn Device,
+    call: impl Fn() -> ddo_core::Result<Tensor>,
+) -> CliResult<f64> {
+    let start = Instant::now();
+    let mut rounds = Vec::new();
+    while rounds.len() < 2
+        || (start.elapsed().as_secs_f64() < SUSTAIN_SECONDS && rounds.len() < 100_000)
+    {
+        device.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..CALLS {
+            drop(call()?);
+        }
+        device.synchronize()?;
+        rounds.push(t0.elapsed().as_secs_f64());
+    }
+    let later = &rounds[rounds.len() / 2..];
+    let seconds = later.iter().sum::<f64>() / (later.len() * CALLS) as f64;
+    if seconds > 0.0 {
+        Ok(seconds)
+    } else {
+        Err(CliError::runtime(
+            "the sustained GEMM rate could not be timed (no time passed)",
+            "run ddo bench with a larger --height/--width",
+        ))
+    }
 }
 
 /// Seconds per call of `call` on `device`: a few calls to warm up, then the best of
@@ -151,7 +214,7 @@ pub fn measure(
     gemm: GemmShape,
     fp8: bool,
 ) -> CliResult<ComputeFloor> {
-    let (flops_per_sec, gemm_source, linear_flops_per_sec) = gemm_rate(device, gemm)?;
+    let rates = gemm_rate(device, gemm)?;
     let (fp8_rates, fp8_linear_error) = match fp8.then(|| fp8_linear_rate(device, gemm)) {
         Some(Ok(r)) => (Some(r), None),
         Some(Err(e)) => (None, Some(e.message)),
@@ -160,10 +223,12 @@ pub fn measure(
     Ok(ComputeFloor {
         flops_per_forward,
         gemm,
-        flops_per_sec,
-        gemm_source,
-        seconds: flops_per_forward as f64 / flops_per_sec,
-        linear_flops_per_sec,
+        flops_per_sec: rates.best,
+        gemm_source: rates.source,
+        seconds: flops_per_forward as f64 / rates.best,
+        sustained_flops_per_sec: rates.sustained,
+        sustained_seconds: flops_per_forward as f64 / rates.sustained,
+        linear_flops_per_sec: rates.linear,
         fp8_linear_flops_per_sec: fp8_rates.map(|r| r.0),
         fp8_gemm_flops_per_sec: fp8_rates.map(|r| r.1),
         fp8_linear_error,
@@ -207,7 +272,8 @@ impl ComputeFloor {
         };
         format!(
             "compute floor: {:.3} {unit}FLOP per forward at {:.1} {unit}FLOP/s ({}, {}x{}x{} {}, \
-             best of {ROUNDS} x {CALLS} calls in this process{own}{fp8}) = {:.2} ms",
+             best of {ROUNDS} x {CALLS} calls in this process{own}{fp8}) = {:.2} ms; sustained \
+             ({SUSTAIN_SECONDS} s of linear calls back to back) {:.1} {unit}FLOP/s = {:.2} ms",
             self.flops_per_forward as f64 / div,
             self.flops_per_sec / div,
             self.gemm_source,
@@ -215,7 +281,9 @@ impl ComputeFloor {
             g.k,
             g.n,
             g.dtype,
-            self.seconds * 1e3
+            self.seconds * 1e3,
+            self.sustained_flops_per_sec / div,
+            self.sustained_seconds * 1e3
         )
     }
 }
@@ -237,6 +305,20 @@ mod tests {
         assert!(floor.flops_per_sec > 0.0 && floor.flops_per_sec.is_finite());
         let want = 10.0 * gemm.flops() as f64 / floor.flops_per_sec;
         assert!((floor.seconds - want).abs() <= want * 1e-12);
+        // The sustained rate: positive, its floor flops over it, both in the line.
+        let r = floor.sustained_flops_per_sec;
+        assert!(r > 0.0 && r.is_finite(), "{r}");
+        let want = 10.0 * gemm.flops() as f64 / r;
+        assert!((floor.sustained_seconds - want).abs() <= want * 1e-12);
+        assert!(
+            floor.format_line().contains(&format!(
+                "sustained (1 s of linear calls back to back) {:.1} GFLOP/s = {:.2} ms",
+                r / 1e9,
+                want * 1e3
+            )),
+            "{}",
+            floor.format_line()
+        );
         assert!(
             floor.format_line().contains("64x96x80 f32"),
             "{}",
