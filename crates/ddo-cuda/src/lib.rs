@@ -24,7 +24,7 @@
 //! call, answering [`CudaError::NoLibrary`] or [`CudaError::NoDevice`] otherwise.
 //! `unsafe` lives in the lowest modules: `driver` (one thin checked function per driver
 //! call), the NVRTC calls in `ops/nvrtc.rs`, the kernel launch in `ops/kernels.rs`, and the
-//! cuBLAS calls in `ops/gemm.rs`, the cuBLASLt calls in `ops/cublaslt.rs` and the cuDNN
+//! cuBLAS calls in `ops/gemm/`, the cuBLASLt calls in `ops/cublaslt.rs` and the cuDNN
 //! calls in `ops/cudnn_attention.rs`; each block carries a `// SAFETY:` comment.
 //!
 //! Compute: `ops()` gives the GPU [`Ops`](ddo_core::Ops) — NVRTC-compiled kernels for the

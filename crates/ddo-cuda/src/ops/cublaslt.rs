@@ -20,7 +20,7 @@
 //!
 //! # State
 //!
-//! One cuBLASLt handle per device, kept beside the device's cuBLAS handle in `gemm.rs`'s
+//! One cuBLASLt handle per device, kept beside the device's cuBLAS handle in `gemm/state.rs`'s
 //! table (same lock, same 32 MiB workspace: both run on the compute stream, so their uses
 //! of it are ordered). Each shape — `(m, n, k, dtype, epilogue)`, the operands' alignments
 //! and the workspace size — gets its plan once: the matmul descriptor, the three matrix
@@ -29,7 +29,7 @@
 //!
 //! # Layouts
 //!
-//! Row-major operands are read as column-major transposes, as in `gemm.rs`:
+//! Row-major operands are read as column-major transposes, as in `gemm/`:
 //! `out [rows, out] = x [rows, in] · wᵀ` is `D [out, rows] = Aᵀ · B` with `A = w` stored
 //! `in × out` (leading dimension `in`, `TRANSA = T`), `B = x` stored `in × rows` (leading
 //! dimension `in`, `TRANSB = N`) and `D` `out × rows` (leading dimension `out`). The bias
@@ -239,7 +239,7 @@ struct Plan {
 }
 
 // SAFETY: the descriptors are host-side cuBLASLt objects owned by this plan alone; they are
-// used only under the `gemm.rs` table's lock, never from two threads at once.
+// used only under the `gemm/state.rs` table's lock, never from two threads at once.
 unsafe impl Send for Plan {}
 
 impl Drop for Plan {
@@ -328,7 +328,7 @@ pub(crate) struct LtState {
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread as long as calls on it do not run
-// concurrently; the state is only used under the `gemm.rs` table's lock.
+// concurrently; the state is only used under the `gemm/state.rs` table's lock.
 unsafe impl Send for LtState {}
 
 impl LtState {
@@ -372,7 +372,7 @@ impl LtState {
     /// Queues `g` on `stream` with `workspace_bytes` of workspace at `workspace` (0 bytes:
     /// none). `Err` (nothing queued) when cuBLASLt does not take it.
     ///
-    /// Contract (kept by the callers, `gemm.rs` and `fp8.rs`): every address of `g` (the fp8
+    /// Contract (kept by the callers, `gemm/` and `fp8.rs`): every address of `g` (the fp8
     /// B scale's and an fp8 C apart too) is a live allocation of
     /// the stream's context holding the elements the dimensions describe, marked used on the
     /// stream before it can be freed; the workspace stays allocated until the work queued on

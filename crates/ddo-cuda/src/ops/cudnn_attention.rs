@@ -18,7 +18,7 @@
 //! # State
 //!
 //! Plans are kept per device (a process-wide table keyed weakly by the device's compute
-//! stream, as cuBLAS's handles are in `gemm.rs`) and per shape (b, h, lq, lk, d, dtype, mask
+//! stream, as cuBLAS's handles are in `gemm/state.rs`) and per shape (b, h, lq, lk, d, dtype, mask
 //! layout). Building one takes up to seconds (cuDNN compiles its fused kernel at runtime;
 //! about 2 s for FLUX.1-dev's shape on an H200), on a thread of its own and a handle of its
 //! own bound to the compute stream: [`prepare`] starts it early (the pipeline names its
