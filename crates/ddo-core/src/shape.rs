@@ -183,6 +183,52 @@ pub fn linear_geometry(op: &str, parts: &[&[usize]], w: &[usize]) -> Result<Line
     })
 }
 
+/// The sizes of a batched matrix product `a [..., m, k] · b [..., k, n]`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatmulGeometry {
+    /// `a`'s batch dims.
+    pub a_batch: Vec<usize>,
+    /// `b`'s batch dims.
+    pub b_batch: Vec<usize>,
+    /// The output's batch dims: `a_batch` and `b_batch` broadcast.
+    pub batch: Vec<usize>,
+    /// Rows of each product.
+    pub m: usize,
+    /// The inner dim.
+    pub k: usize,
+    /// Columns of each product.
+    pub n: usize,
+}
+
+impl MatmulGeometry {
+    /// The output shape: `batch`, then `[m, n]`.
+    pub fn out_shape(&self) -> Vec<usize> {
+        let mut shape = self.batch.clone();
+        shape.extend([self.m, self.n]);
+        shape
+    }
+}
+
+/// Checks `a [..., m, k]` against `b [..., k, n]` (batch dims broadcasting), or a typed error
+/// naming `op`.
+pub fn matmul_geometry(op: &str, a: &[usize], b: &[usize]) -> Result<MatmulGeometry> {
+    if a.len() < 2 || b.len() < 2 || a[a.len() - 1] != b[b.len() - 2] {
+        return Err(shape_err(
+            op,
+            format!("a {a:?} and b {b:?}: expected a [..., m, k] and b [..., k, n]"),
+        ));
+    }
+    let (a_batch, b_batch) = (&a[..a.len() - 2], &b[..b.len() - 2]);
+    Ok(MatmulGeometry {
+        batch: broadcast_shape(op, a_batch, b_batch)?,
+        a_batch: a_batch.to_vec(),
+        b_batch: b_batch.to_vec(),
+        m: a[a.len() - 2],
+        k: a[a.len() - 1],
+        n: b[b.len() - 1],
+    })
+}
+
 /// The sizes of a 2-D convolution (groups = 1), checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Conv2dGeometry {
@@ -447,6 +493,33 @@ pub fn row_broadcast_group(x: &[usize], v: &[usize]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Batch dims broadcast, the output shape is the batch then `[m, n]`, and operands that
+    /// do not chain or broadcast are a shape error naming the op.
+    #[test]
+    fn matmul_geometry_broadcasts_batches_and_refuses_mismatches() {
+        let g = matmul_geometry("matmul", &[2, 1, 3, 4], &[5, 4, 6]).unwrap();
+        assert_eq!((g.m, g.k, g.n), (3, 4, 6));
+        assert_eq!(
+            (g.a_batch.clone(), g.b_batch.clone()),
+            (vec![2, 1], vec![5])
+        );
+        assert_eq!(g.batch, vec![2, 5]);
+        assert_eq!(g.out_shape(), vec![2, 5, 3, 6]);
+        let plain = matmul_geometry("matmul", &[3, 4], &[4, 6]).unwrap();
+        assert_eq!(plain.out_shape(), vec![3, 6]);
+        for (a, b) in [
+            (&[3, 4][..], &[5, 6][..]),
+            (&[4][..], &[4, 6][..]),
+            (&[2, 3, 4], &[3, 4, 6]),
+        ] {
+            let e = matmul_geometry("matmul", a, b).unwrap_err();
+            assert!(
+                matches!(&e, CoreError::Shape { what, .. } if what == "matmul"),
+                "{a:?} {b:?}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn row_broadcasts_name_the_rows_each_row_of_v_serves() {

@@ -3,11 +3,11 @@
 //! it: `linear`, `linear_concat` (the parts joined in host scratch, never in device
 //! memory) and `matmul` with broadcast batch dims.
 
-use super::{product, shape_err, walk};
+use super::{product, walk};
 use crate::device::HostDevice;
 use ddo_core::error::Result;
 use ddo_core::host_memory::try_vec;
-use ddo_core::shape::{broadcast_shape, broadcast_strides};
+use ddo_core::shape::broadcast_strides;
 use ddo_core::tensor::Tensor;
 
 /// A strided read-only matrix view.
@@ -184,25 +184,17 @@ pub(super) fn linear_concat(
 
 pub(super) fn matmul(dev: &HostDevice, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
-    let (as_, bs) = (a.shape(), b.shape());
-    if as_.len() < 2 || bs.len() < 2 || as_[as_.len() - 1] != bs[bs.len() - 2] {
-        return Err(shape_err(
-            OP,
-            format!("a {as_:?} and b {bs:?}: expected a [..., m, k] and b [..., k, n]"),
-        ));
-    }
-    let (ab, bb) = (&as_[..as_.len() - 2], &bs[..bs.len() - 2]);
-    let batch = broadcast_shape(OP, ab, bb)?;
-    let (m, k, n) = (as_[as_.len() - 2], as_[as_.len() - 1], bs[bs.len() - 1]);
+    let g = ddo_core::shape::matmul_geometry(OP, a.shape(), b.shape())?;
+    let (ab, bb, batch) = (&g.a_batch[..], &g.b_batch[..], &g.batch[..]);
+    let (m, k, n) = (g.m, g.k, g.n);
     let ai = dev.input(OP, a)?;
     let bi = dev.input(OP, b)?;
-    let mut shape = batch.clone();
-    shape.extend([m, n]);
+    let shape = g.out_shape();
     let output = dev.new_output(OP, shape, a.dtype())?;
     dev.fence()?;
     let av = ai.f32()?;
     let bv = bi.f32()?;
-    let nb = product(&batch);
+    let nb = product(batch);
     let mut out = try_vec(nb * m * n, 0.0f32, "a matmul's output")?;
     if product(bb) == 1 {
         // One shared right-hand matrix: fold a's batch into its rows.
@@ -218,16 +210,16 @@ pub(super) fn matmul(dev: &HostDevice, a: &Tensor, b: &Tensor) -> Result<Tensor>
             n,
         );
     } else {
-        let sa: Vec<usize> = broadcast_strides(ab, &batch)
+        let sa: Vec<usize> = broadcast_strides(ab, batch)
             .iter()
             .map(|s| s * m * k)
             .collect();
-        let sb: Vec<usize> = broadcast_strides(bb, &batch)
+        let sb: Vec<usize> = broadcast_strides(bb, batch)
             .iter()
             .map(|s| s * k * n)
             .collect();
         let mut chunks = out.chunks_mut((m * n).max(1));
-        walk(&batch, [&sa, &sb], |[oa, ob]| {
+        walk(batch, [&sa, &sb], |[oa, ob]| {
             if let Some(c) = chunks.next() {
                 gemm(
                     m,

@@ -30,7 +30,7 @@ use ddo_core::{DType, Device, Ops, Result, Tensor};
 
 use super::cublaslt::{self, Epilogue, LtLinear, LtState};
 use super::kernels::{self, Arg};
-use super::{Out, broadcast_shape, broadcast_strides, coalesce, input, optional_vector, shape_err};
+use super::{Out, broadcast_strides, coalesce, input, optional_vector, shape_err};
 use crate::device::CudaDevice;
 
 mod state;
@@ -765,16 +765,9 @@ pub(crate) fn linear_concat(
 /// `Ops::matmul` on `dev`: `a [..., m, k] · b [..., k, n]`, batch dims broadcasting.
 pub(crate) fn matmul(dev: &CudaDevice, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "matmul";
-    let (as_, bs) = (a.shape(), b.shape());
-    if as_.len() < 2 || bs.len() < 2 || as_[as_.len() - 1] != bs[bs.len() - 2] {
-        return Err(shape_err(
-            OP,
-            format!("a {as_:?} and b {bs:?}: expected a [..., m, k] and b [..., k, n]"),
-        ));
-    }
-    let (ab, bb) = (&as_[..as_.len() - 2], &bs[..bs.len() - 2]);
-    let batch = broadcast_shape(OP, ab, bb)?;
-    let (m, k, n) = (as_[as_.len() - 2], as_[as_.len() - 1], bs[bs.len() - 1]);
+    let g = ddo_core::shape::matmul_geometry(OP, a.shape(), b.shape())?;
+    let (ab, bb, batch) = (&g.a_batch[..], &g.b_batch[..], &g.batch[..]);
+    let (m, k, n) = (g.m, g.k, g.n);
     let ai = input(dev, OP, a)?;
     let bi = input(dev, OP, b)?;
     if ai.dtype != bi.dtype {
@@ -785,10 +778,9 @@ pub(crate) fn matmul(dev: &CudaDevice, a: &Tensor, b: &Tensor) -> Result<Tensor>
             Ops::cast(dev, &y, a.dtype())
         };
     }
-    let mut shape = batch.clone();
-    shape.extend([m, n]);
+    let shape = g.out_shape();
     let out = Out::new(dev, OP, shape, a.dtype())?;
-    let nb = product(&batch);
+    let nb = product(batch);
     let esize = a.dtype().size_in_bytes() as u64;
     if nb * m * n == 0 {
         return out.finish(dev, &[&ai, &bi]);
@@ -840,19 +832,19 @@ pub(crate) fn matmul(dev: &CudaDevice, a: &Tensor, b: &Tensor) -> Result<Tensor>
         }
         return out.finish(dev, &[&ai, &bi]);
     }
-    let sa: Vec<usize> = broadcast_strides(ab, &batch)
+    let sa: Vec<usize> = broadcast_strides(ab, batch)
         .iter()
         .map(|s| s * m * k)
         .collect();
-    let sb: Vec<usize> = broadcast_strides(bb, &batch)
+    let sb: Vec<usize> = broadcast_strides(bb, batch)
         .iter()
         .map(|s| s * k * n)
         .collect();
-    let sc: Vec<usize> = broadcast_strides(&batch, &batch)
+    let sc: Vec<usize> = broadcast_strides(batch, batch)
         .iter()
         .map(|s| s * m * n)
         .collect();
-    let (sizes, [sa, sb, sc]) = coalesce(&batch, [&sa, &sb, &sc]);
+    let (sizes, [sa, sb, sc]) = coalesce(batch, [&sa, &sb, &sc]);
     let r = sizes.len();
     let inner = sizes[r - 1];
     let outer: usize = product(&sizes[..r - 1]);
