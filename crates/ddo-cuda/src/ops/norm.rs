@@ -799,10 +799,13 @@ pub(crate) fn gated_add_layer_norm_modulate(
     let rowwise = [gate, scale, shift]
         .iter()
         .all(|t| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16));
-    let layout = VecRows::for_lanes(lanes).filter(|_| numel > 0 && d.is_multiple_of(8));
-    let Some(layout) =
-        layout.filter(|_| half && rowwise && y.shape() == x.shape() && y.dtype() == x.dtype())
-    else {
+    let takes = numel > 0
+        && d.is_multiple_of(8)
+        && half
+        && rowwise
+        && y.shape() == x.shape()
+        && y.dtype() == x.dtype();
+    let Some(layout) = VecRows::for_lanes(lanes).filter(|_| takes) else {
         return two_ops();
     };
     let xi = input(dev, OP, x)?;
