@@ -20,7 +20,7 @@
 //!   ([`CudaDevice::alloc_on`]) and to anyone else ([`Device::alloc`]) once the events
 //!   have completed. A buffer dropped with no such events is idle at once.
 //!
-//! This module is safe code: every driver call goes through [`crate::driver`] or cudarc's
+//! This module is safe code: every driver call goes through `crate::driver` or cudarc's
 //! safe API.
 //!
 //! The module is split by purpose: `config.rs` (settings, defaults, the driver probes),
@@ -592,7 +592,7 @@ impl Device for CudaDevice {
         crate::host_waits::since(since)
     }
 
-    /// Each call once on zeros ([`crate::ops`]' `warm_up.rs`): cuBLASLt loads its kernels
+    /// Each call once on zeros (`ops/warm_up.rs`): cuBLASLt loads its kernels
     /// and the plans are built while nothing is queued.
     fn prepare_linears(
         &self,
