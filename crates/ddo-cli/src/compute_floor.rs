@@ -37,7 +37,7 @@ pub struct ComputeFloor {
     /// `flops_per_forward / flops_per_sec`.
     pub seconds: f64,
     /// The rate of the device's own `linear` at `gemm` run back to back for about
-    /// [`SUSTAIN_SECONDS`], over that window's second half, flop/s.
+    /// `SUSTAIN_SECONDS`, over that window's second half, flop/s.
     pub sustained_flops_per_sec: f64,
     /// `flops_per_forward / sustained_flops_per_sec`: the floor at the sustained rate.
     pub sustained_seconds: f64,
@@ -67,8 +67,8 @@ fn activation(ops: &dyn ddo_core::Ops, gemm: GemmShape) -> CliResult<Tensor> {
 }
 
 /// The device's rate (flop/s) for `linear` at `gemm`, and what ran at it: `x [rows, k]` and
-/// `w [n, k]` in the GEMM's dtype, a few calls to warm up, then the best of [`ROUNDS`]
-/// rounds of [`CALLS`] calls, each round timed from a synchronized device to a synchronized
+/// `w [n, k]` in the GEMM's dtype, a few calls to warm up, then the best of `ROUNDS`
+/// rounds of `CALLS` calls, each round timed from a synchronized device to a synchronized
 /// device; or the backend's search of its GEMM library's algorithms, where it has one and
 /// it is faster.
 pub fn gemm_rate(device: &dyn Device, gemm: GemmShape) -> CliResult<GemmRates> {
@@ -108,7 +108,7 @@ pub struct GemmRates {
     pub source: &'static str,
     /// The device's own `linear`, best burst.
     pub linear: f64,
-    /// The device's own `linear` sustained ([`SUSTAIN_SECONDS`] back to back).
+    /// The device's own `linear` sustained (`SUSTAIN_SECONDS` back to back).
     pub sustained: f64,
 }
 

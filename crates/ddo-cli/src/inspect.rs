@@ -671,7 +671,7 @@ fn refusal(spec: &ddo_core::RouteSpec, c: &ComponentSummary) -> Option<String> {
 
 /// What the route of `spec` does with `c` under `budget`, as the route estimates it from
 /// the headers ([`ddo_routes::estimate`]; a `budget` option of the spec is the route's to
-/// honour), or that it refuses the weights' dtype ([`refusal`]).
+/// honour), or that it refuses the weights' dtype (`refusal`).
 pub fn route_plan(spec: &ddo_core::RouteSpec, c: &ComponentSummary, budget: u64) -> PresetPlan {
     let leaf = c.largest_leaf.as_ref().map_or(0, |(_, b)| *b);
     let e = ddo_routes::estimate(spec, c.bytes, leaf, budget).unwrap_or(HeaderEstimate {

@@ -13,7 +13,7 @@
 //! across lanes collide with probability about 2^-64. The sum makes the lanes' order
 //! irrelevant, so warps can add their parts atomically in any order.
 //!
-//! **Metadata hash** ([`meta_hash`]): the same round chained over the bytes of the header
+//! **Metadata hash** (`meta_hash`): the same round chained over the bytes of the header
 //! (its hash field zeroed), the code table, the decode table and the chunk offsets, which
 //! lets [`crate::UnitHeader::parse`] reject corrupt metadata before anything is decoded.
 //!

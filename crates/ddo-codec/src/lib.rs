@@ -15,7 +15,7 @@
 //! raw byte, and entropy-codes the exponents with a per-unit Huffman code; units stay
 //! independently decodable. Units whose words do not compress (random bits) are stored
 //! raw, so no unit grows by more than its 96-byte header ([`max_encoded_len`]). The byte
-//! format is documented in [`format`]; units carry a 64-bit checksum of their decoded
+//! format is documented in [`format`](mod@format); units carry a 64-bit checksum of their decoded
 //! words ([`checksum`]), so a corrupt unit is a typed error ([`CodecError`]), never wrong
 //! weights.
 //!

@@ -7,8 +7,8 @@
 //! sequences, counting every intermediate as f32 (the widest the ops produce) and the
 //! widest point of a block with its inputs still live; `tests` check them against the
 //! exact peak of a run on the host backend. The decode uses the VAE's dry-run estimates
-//! ([`estimate_decode_peak_bytes`]). Each phase adds the device's scratch
-//! ([`Device::scratch_bytes`](ddo_core::Device::scratch_bytes): cuBLAS and attention
+//! ([`crate::vae::estimate_decode_peak_bytes`]). Each phase adds the device's scratch
+//! ([`Device::scratch_bytes`]: cuBLAS and attention
 //! workspaces on CUDA, nothing on the host backend).
 
 use ddo_core::{DType, Device, Result};
@@ -252,7 +252,7 @@ impl FluxPipeline {
     /// `device` ([`Device::prepare_linears`], each call's operands and product within
     /// `max_bytes`: a backend that loads a GEMM kernel at its first call, cuBLASLt, does it
     /// here, not inside that forward) and makes its rotary tables
-    /// ([`FluxTransformer::prepare_rope`]). Returns how many linear calls ran. Results do
+    /// ([`crate::flux::FluxTransformer::prepare_rope`]). Returns how many linear calls ran. Results do
     /// not depend on it.
     pub fn prepare_first_forward(
         &self,

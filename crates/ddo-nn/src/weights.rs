@@ -428,7 +428,7 @@ fn open_gguf(path: &Path, dequantize_into: Option<DType>) -> LoadResult<Checkpoi
 }
 
 /// The `general.architecture` of the GGUF file `path` (`None` where it has none), its errors
-/// as [`open_gguf`]'s.
+/// as `open_gguf`'s.
 pub fn gguf_architecture(path: &Path) -> LoadResult<Option<String>> {
     ddo_core::gguf::GgufFile::open(path)
         .map(|f| f.architecture().map(str::to_string))

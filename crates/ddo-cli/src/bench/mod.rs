@@ -448,8 +448,8 @@ fn no_text_encoder() -> ddo_core::CoreError {
 }
 
 /// Host→device bandwidth of `device`, bytes per second, as a streamed forward sees it: the
-/// best of [`LINK_TRIALS`] trials, each [`LINK_PASSES`] back-to-back passes over a pinned
-/// buffer of `bytes`, copied in [`LINK_CHUNK`] pieces and synchronised once. One copy of a
+/// best of `LINK_TRIALS` trials, each `LINK_PASSES` back-to-back passes over a pinned
+/// buffer of `bytes`, copied in `LINK_CHUNK` pieces and synchronised once. One copy of a
 /// few hundred MiB timed with its own synchronisation read 2-3% under what the streamed
 /// route then sustained on the same machine (an H200 host: 53.7 GB/s against 54.8), which
 /// made every floor ratio look better than it was.

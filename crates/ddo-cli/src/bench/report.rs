@@ -51,7 +51,7 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
-    /// [`outputs_line`] of the candidates.
+    /// `outputs_line` of the candidates.
     pub fn outputs_line(&self) -> String {
         outputs_line(
             self.candidates

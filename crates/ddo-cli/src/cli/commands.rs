@@ -154,7 +154,7 @@ pub struct RunArgs {
     /// layout), its scale times STRENGTH (default 1); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
-    /// `--lora-allow-unmatched` ([`LORA_ALLOW_UNMATCHED`])
+    /// `--lora-allow-unmatched` (`LORA_ALLOW_UNMATCHED`)
     #[arg(long, help = LORA_ALLOW_UNMATCHED)]
     pub lora_allow_unmatched: bool,
     /// fold the LoRAs into the weights of components that run resident (route `none`), at
@@ -330,7 +330,7 @@ pub struct ResolveArgs {
     /// checks it); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
-    /// `--lora-allow-unmatched` ([`LORA_ALLOW_UNMATCHED`])
+    /// `--lora-allow-unmatched` (`LORA_ALLOW_UNMATCHED`)
     #[arg(long, help = LORA_ALLOW_UNMATCHED)]
     pub lora_allow_unmatched: bool,
     /// the budget to plan for (with --config/--weights; default: what the device gives)
@@ -437,7 +437,7 @@ pub struct BenchArgs {
     /// a LoRA applied to the benched component in every candidate (as for run); repeatable
     #[arg(long, value_name = "FILE[:STRENGTH]", value_parser = Checked(values::lora))]
     pub lora: Vec<values::LoraArg>,
-    /// `--lora-allow-unmatched` ([`LORA_ALLOW_UNMATCHED`])
+    /// `--lora-allow-unmatched` (`LORA_ALLOW_UNMATCHED`)
     #[arg(long, help = LORA_ALLOW_UNMATCHED)]
     pub lora_allow_unmatched: bool,
     /// fold the LoRAs into the weights of components that run resident (route `none`), at

@@ -5,7 +5,7 @@
 //! [`parse`] is the only way in: it runs clap on [`command`] (the derived command with the
 //! settings every option shares) and turns each clap error into a one-line [`CliError`] of
 //! kind usage (exit status 2) that names the option and what would be valid
-//! ([`errors`](mod@errors)); `--help`, `-h`, `help [COMMAND]`, `--version` and `version`
+//! (`errors`); `--help`, `-h`, `help [COMMAND]`, `--version` and `version`
 //! come back as text to print. [`options`] lists each subcommand's options from the same
 //! declarations: the hint test (`tests/hints.rs`) and the argument fuzzer
 //! ([`crate::fuzz_argv`]) read it, so there is one source of truth for the vocabulary.
@@ -114,7 +114,7 @@ pub fn command() -> clap::Command {
 }
 
 /// Parses `argv` (without the program name): the subcommand to run, or the text to print;
-/// every mistake is a one-line usage error ([`errors`](mod@errors)).
+/// every mistake is a one-line usage error (`errors`).
 pub fn parse(argv: &[String]) -> CliResult<Invocation> {
     if argv.is_empty() {
         return Err(CliError::usage(

@@ -84,12 +84,12 @@ const LONG_TEXT_COMPONENTS: [&str; 2] = ["transformer", "text_encoder_2"];
 
 /// Keeps an argv cheap and off the GPU (see the module documentation):
 /// - every value or `--x=value` naming a CUDA device becomes `cpu`;
-/// - for `run` and `bench`: a count of work ([`WORK_COUNTS`]) above its small limit and below
+/// - for `run` and `bench`: a count of work (`WORK_COUNTS`) above its small limit and below
 ///   the values the command refuses is lowered to the limit; `--height`/`--width` above [`SMALL_SIDE`] are
 ///   lowered to it unless the image reaches [`HUGE_AREA`] pixels, and then every
 ///   `--vram-budget` above [`LARGE_SIZE_BUDGET`] is lowered to it; the sizes and counts the
 ///   argv does not give are added small;
-/// - `bench --weights` times the VAE or CLIP ([`LONG_TEXT_COMPONENTS`] become `vae`).
+/// - `bench --weights` times the VAE or CLIP (`LONG_TEXT_COMPONENTS` become `vae`).
 pub fn bounded(mut argv: Vec<String>) -> Vec<String> {
     for a in argv.iter_mut() {
         rewrite(a, |v| {

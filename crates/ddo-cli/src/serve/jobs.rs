@@ -232,7 +232,7 @@ impl Shared {
 
     /// Forgets job `id` (its answer was delivered to the client that waited for it), so it
     /// takes none of the [`KEPT_JOBS`] places of jobs queued with `POST /v1/jobs`. The
-    /// locks are taken in [`Shared::retire`]'s order.
+    /// locks are taken in `Shared::retire`'s order.
     pub fn forget(&self, id: u64) {
         let mut finished = lock(&self.finished);
         finished.retain(|&f| f != id);

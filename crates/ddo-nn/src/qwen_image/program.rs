@@ -327,7 +327,7 @@ impl QwenImageProgram {
     /// where they were made for the inputs' image shapes and text length; the forward makes
     /// its own otherwise), and the intermediates handed to `tap` where one is given. Without
     /// one, each block's last gated adds are left to the next block's first norms (one op
-    /// each: [`Stream`]); a tap sees every block's outputs, so they are applied at once.
+    /// each: `Stream`); a tap sees every block's outputs, so they are applied at once.
     /// Both give the same bytes.
     pub fn run_with_rope(
         &self,

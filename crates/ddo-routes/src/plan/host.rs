@@ -12,7 +12,7 @@
 //!
 //! where a streamed route's pinned bytes are its registered ranges or pinned home (with the
 //! resident part's ranges, registered for their one upload, when they fit beside it) or its
-//! two staging buffers ([`Footprint::pinned_host_bytes`]). When a phase's host bytes pass
+//! two staging buffers ([`ddo_core::Footprint::pinned_host_bytes`]). When a phase's host bytes pass
 //! the budget the planner gives memory back in the order that costs least time:
 //!
 //! 1. the next phase's background attach (and with it the early upload of its resident

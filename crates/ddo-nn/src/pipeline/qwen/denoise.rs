@@ -30,7 +30,7 @@ pub const STAND_IN_SUFFIX_TOKENS: usize = 5;
 /// named config, or a folder without `tokenizer/` whose prompts come as text anyway): a
 /// documented, deterministic stand-in, not Qwen's ids, with the template's token count.
 ///
-/// The rule: [`STAND_IN_PREFIX_TOKENS`] template ids `0, 1, ..., 36`, then one id per piece of
+/// The rule: `STAND_IN_PREFIX_TOKENS` template ids `0, 1, ..., 36`, then one id per piece of
 /// the prompt (pieces as [`crate::tokenizer::pieces`] splits them: lower-cased letter/digit
 /// runs and single other characters), `FNV-1a-64(piece) mod vocab_size`, then
 /// [`STAND_IN_SUFFIX_TOKENS`] template ids `37, ..., 41` (every id taken `mod vocab_size`).
