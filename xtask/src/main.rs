@@ -12,7 +12,7 @@
 //!   GPU machine without a toolchain (see [`gpu`]).
 //! - `bench --peer diffusers [--full]`: the streaming benchmark against Diffusers on the
 //!   same weights, built into `gpu-bundle/bench/` with `run-bench.sh`; `--full`: the
-//!   FLUX.1-dev transformer and whole pipeline, into `gpu-bundle/bench-full/` (see [`bench`]).
+//!   FLUX.1-dev transformer and whole pipeline, into `gpu-bundle/bench-full/` (see [`mod@bench`]).
 
 mod bench;
 mod fuzz;

@@ -4,6 +4,10 @@
 //! repeated flag harmless and lets every value start with `-`). Values that parse into DDO
 //! types go through [`Checked`] and DDO's own parsers, so their errors keep DDO's messages.
 
+// The doc comments below are the options' --help text, printed as written: shapes such as
+// `[N,C,h,w]` and names such as `DDO_<COMPONENT>_ROUTE` are not rustdoc links or HTML.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+
 use std::path::{Path, PathBuf};
 
 use clap::Args;

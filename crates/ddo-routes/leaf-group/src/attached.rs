@@ -44,7 +44,7 @@ fn budget_as_given(e: CoreError, given: Option<Budget>, free: u64) -> CoreError 
 }
 
 impl GroupOffloadRoute {
-    /// [`Route::attach`], returning the concrete hooks (for callers that want to inspect
+    /// [`Route::attach`](ddo_core::Route::attach), returning the concrete hooks (for callers that want to inspect
     /// the group plan or the learned schedule). Does not install them in the component.
     pub fn attach_group_offload(
         &self,
